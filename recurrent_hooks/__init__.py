@@ -1,0 +1,41 @@
+"""recurrent_hooks: read and write the per-token state of recurrent mixers in transformers models.
+
+    import recurrent_hooks as rh
+    with rh.watch(model, keep=("states",)) as w:
+        model(input_ids)
+    w.mixers[0].states        # the state after every token: [batch, seq, heads, key_dim, value_dim]
+
+The public names are listed in `__all__`; everything else lives in private modules.
+"""
+
+from ._errors import InvalidValue as InvalidValue
+from ._errors import RecurrentHooksError as RecurrentHooksError
+from ._errors import Unavailable as Unavailable
+from ._linear_attention import LinearAttention as LinearAttention
+from ._mixer import Call as Call
+from ._mixer import Kernel as Kernel
+from ._mixer import RecurrentMixer as RecurrentMixer
+from ._registry import FAMILIES as FAMILIES
+from ._watch import MixerSupport as MixerSupport
+from ._watch import Watch as Watch
+from ._watch import register_state_hook as register_state_hook
+from ._watch import route_kernels as route_kernels
+from ._watch import support as support
+from ._watch import watch as watch
+
+__all__ = [
+    "watch",
+    "Watch",
+    "register_state_hook",
+    "route_kernels",
+    "support",
+    "MixerSupport",
+    "RecurrentMixer",
+    "LinearAttention",
+    "Call",
+    "Kernel",
+    "FAMILIES",
+    "RecurrentHooksError",
+    "Unavailable",
+    "InvalidValue",
+]

@@ -1,0 +1,26 @@
+"""The library's exceptions.
+
+Module contents:
+- `RecurrentHooksError`: every error the library raises on purpose derives from it.
+- `Unavailable`: a value cannot be had (not kept, unsupported family, position outside the call).
+- `InvalidValue`: a value handed to the library (a written state, a hook's return) has the wrong
+  shape, dtype or device, or an argument is out of its range.
+"""
+
+
+class RecurrentHooksError(Exception):
+    """Base class of every error raised on purpose by recurrent_hooks."""
+
+
+class Unavailable(RecurrentHooksError, LookupError):
+    """A value cannot be had; the message says why and, where there is one, what to do instead.
+
+        try:
+            mix.states
+        except recurrent_hooks.Unavailable as e:
+            print(e)   # "states of LinearAttention(qwen3_5, layer 0) were not kept: pass keep=('states',) ..."
+    """
+
+
+class InvalidValue(RecurrentHooksError, ValueError):
+    """A value given to the library does not fit: the message names what was expected, what arrived and where."""

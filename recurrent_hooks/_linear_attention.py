@@ -1,0 +1,161 @@
+"""Gated DeltaNet (the gated delta rule): the `LinearAttention` mixer kind and its token loop.
+
+Glossary (code name, symbol in Yang, Kautz & Hatamizadeh, "Gated Delta Networks", 2024, shape):
+    batch      b                                       batch size
+    seq        t (a position), T (the length)          tokens of one kernel call
+    key_heads  -                                       query/key heads (heads % key_heads == 0)
+    heads      -                                       value heads; value head j reads key head j // (heads // key_heads)
+    key_dim    d_k                                     query/key head size
+    value_dim  d_v                                     value head size
+    query      q_t     [batch, seq, key_heads, key_dim]    L2-normalised in the kernel, scaled by d_k ** -0.5
+    key        k_t     [batch, seq, key_heads, key_dim]    L2-normalised in the kernel
+    value      v_t     [batch, seq, heads, value_dim]
+    g          log a_t [batch, seq, heads]                 log of the decay a_t = exp(g_t) in (0, 1]
+    beta       b_t     [batch, seq, heads]                 write strength (olmo_hybrid: in [0, 2])
+    state      S_t     [batch, heads, key_dim, value_dim]  key-major, float32, the layout of transformers' cache
+
+Recurrence, per value head (S_t^T k reads the value the state stores under key k):
+    S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T
+    o_t = S_t^T q_t
+computed as transformers and flash-linear-attention do: decay, read `kv_mem`, write the correction.
+
+Module contents:
+- `chunk_gated_delta_rule`, `recurrent_gated_delta_rule`: token loops with the signatures of transformers'
+  `torch_chunk_gated_delta_rule` and `torch_recurrent_gated_delta_rule`, plus a keyword-only `on_token`.
+- `LinearAttention`: the mixer kind, its kernels and values declared as class constants.
+"""
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+from einops import repeat
+from jaxtyping import Float
+from torch import Tensor
+
+from ._errors import RecurrentHooksError
+from ._mixer import Kernel, RecurrentMixer
+
+OnToken = Callable[[int, Tensor], Tensor]
+
+
+def _gated_delta_rule(
+    query: Float[Tensor, "batch seq key_heads key_dim"],
+    key: Float[Tensor, "batch seq key_heads key_dim"],
+    value: Float[Tensor, "batch seq heads value_dim"],
+    g: Float[Tensor, "batch seq heads"],
+    beta: Float[Tensor, "batch seq heads"],
+    initial_state: Float[Tensor, "batch heads key_dim value_dim"] | None,
+    output_final_state: bool,
+    use_qk_l2norm_in_kernel: bool,
+    on_token: OnToken | None,
+    kwargs: dict[str, Any],
+) -> tuple[Float[Tensor, "batch seq heads value_dim"], Float[Tensor, "batch heads key_dim value_dim"] | None]:
+    if kwargs.get("cu_seqlens") is not None:
+        raise RecurrentHooksError("packed sequences (cu_seqlens) need flash-linear-attention; the token loop runs one sequence per batch row")
+    batch, seq, key_heads, key_dim = key.shape
+    heads, value_dim = value.shape[-2:]
+    # grouped value heads: value head j reads key head j // (heads // key_heads)
+    query, key = (repeat(x, "b t kh d -> b t (kh g) d", g=heads // key_heads) for x in (query, key))
+    q, k, v, b, log_a = (x.to(torch.float32) for x in (query, key, value, beta, g))
+    a = log_a.exp()
+    if use_qk_l2norm_in_kernel:
+        q = q * torch.rsqrt(q.square().sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt(k.square().sum(-1, keepdim=True) + 1e-6)
+    q = q * key_dim**-0.5
+    if initial_state is None:
+        state = q.new_zeros(batch, heads, key_dim, value_dim)
+    else:  # a copy: the cache writes into its tensor in place at the next step
+        state = initial_state.to(torch.float32, copy=True)
+    outputs = []
+    for t in range(seq):
+        state = state * a[:, t, :, None, None]  # b h k v   decay: a_t S_{t-1}
+        kv_mem = (k[:, t, :, None, :] @ state).squeeze(-2)  # b h v   what S stores under k_t
+        delta = (v[:, t] - kv_mem) * b[:, t, :, None]  # b h v   b_t (v_t - S^T k_t)
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]  # b h k v   S + k_t delta^T
+        outputs.append((q[:, t, :, None, :] @ state).squeeze(-2))  # b h v   o_t = S_t^T q_t
+        if on_token is not None:
+            state = on_token(t, state)  # b h k v   what token t+1 continues from
+    out = torch.stack(outputs, dim=1).to(query.dtype) if outputs else v.new_zeros(batch, 0, heads, value_dim)
+    return out, (state if output_final_state else None)
+
+
+def chunk_gated_delta_rule(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    chunk_size: int = 64,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    *,
+    on_token: OnToken | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor | None]:
+    """The prompt kernel, token by token: same arguments and results as `torch_chunk_gated_delta_rule`.
+
+    `chunk_size` is accepted and ignored; `on_token(t, state)` is called after each token's state update
+    and returns the state token t+1 continues from. Other unknown keyword arguments are ignored.
+    """
+    return _gated_delta_rule(query, key, value, g, beta, initial_state, output_final_state,
+                             use_qk_l2norm_in_kernel, on_token, kwargs)
+
+
+def recurrent_gated_delta_rule(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    *,
+    on_token: OnToken | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor | None]:
+    """The decode kernel: same arguments and results as `torch_recurrent_gated_delta_rule`, plus `on_token`."""
+    return _gated_delta_rule(query, key, value, g, beta, initial_state, output_final_state,
+                             use_qk_l2norm_in_kernel, on_token, kwargs)
+
+
+class LinearAttention(RecurrentMixer):
+    """A gated DeltaNet mixer (qwen3_next, qwen3_5, qwen3_5_moe, olmo_hybrid, qwen4_exp, lara_mini).
+
+        with recurrent_hooks.watch(model, keep=("states",)) as w:
+            model(input_ids)
+        w.mixers[0].states   # Float[Tensor, "batch seq heads key_dim value_dim"]
+
+    The state S_t is `[batch, heads, key_dim, value_dim]`, float32, key-major (o_t = S_t^T q_t), the
+    layout of transformers' cache. Both kernels return the new state and the mixer copies it into the
+    cache, so a write at the last token of a call reaches the cache.
+    """
+
+    CHUNK_KERNEL: ClassVar[str] = "torch_chunk_gated_delta_rule"
+    RECURRENT_KERNEL: ClassVar[str] = "torch_recurrent_gated_delta_rule"
+    STATE_IN: ClassVar[str] = "initial_state"  # where both kernels take the state; they return the new one
+    KERNELS = (
+        Kernel(CHUNK_KERNEL, chunk_gated_delta_rule, STATE_IN, ("output", "final_state"), "prompt"),
+        Kernel(RECURRENT_KERNEL, recurrent_gated_delta_rule, STATE_IN, ("output", "final_state"), "decode"),
+    )
+    STATE = "batch heads key_dim value_dim"
+    INPUTS = {
+        "query": "batch seq key_heads key_dim",
+        "key": "batch seq key_heads key_dim",
+        "value": "batch seq heads value_dim",
+        "g": "batch seq heads",
+        "beta": "batch seq heads",
+        "initial_state": "batch heads key_dim value_dim",
+    }
+    OUTPUTS = {"output": "batch seq heads value_dim", "final_state": "batch heads key_dim value_dim"}
+    LIMITS = {
+        "conv_state": "the causal-convolution window is not exposed yet: a state write leaves the last"
+        " few tokens' inputs in the conv window",
+        "packed sequences": "cu_seqlens (packed batches) need flash-linear-attention; the token loop refuses them",
+    }
+
+    @classmethod
+    def tokens_of(cls, kernel: Kernel, arguments: dict[str, Any]) -> int:
+        return arguments["value"].shape[1]

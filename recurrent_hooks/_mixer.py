@@ -1,0 +1,509 @@
+"""The shared mechanism of every recurrent mixer: calls, the call counter, hooks, writes and kept values.
+
+Vocabulary (docs/concepts.md has the long form):
+- mixer: one recurrent sequence-mixing module of a model (e.g. `Qwen3_5GatedDeltaNet` at layer 0).
+  `RecurrentMixer` is the library's handle on it, one per mixer and watch.
+- call: one forward of the mixer module. Inside a `watch`, call 0 is the first forward of that
+  mixer in the block (the prompt); in `generate`, decode step k is call k.
+- token: a position inside a call, counted from the call's own first token.
+- kernel: the module-global function the mixer's forward calls for its recurrence; the library
+  rebinds it (see `_patching`) to a dispatcher that knows which mixer is running.
+
+Module contents:
+- `Kernel`: the declaration of one kernel of a mixer kind (name, the library's token loop, where the
+  state goes in, what the results are called).
+- `Call`: what a call left behind: kernel, named inputs and outputs, per-token states if kept.
+- `RecurrentMixer`: the base class; subclasses declare their kernels and values as class constants.
+- `running_tap()`: the tap of the mixer module whose forward is running (used by the dispatchers).
+
+How a kernel call is handled: a forward pre-hook on the mixer module pushes its tap on a stack and
+starts a call on every attached `RecurrentMixer`; the dispatcher bound in place of the kernel finds
+that tap; each attached mixer says what it wants of this call (a `_Plan`); when nothing is wanted
+beyond inputs and outputs, the kernel bound before the watch runs unchanged, otherwise the library's
+token loop runs and calls `_Plan.on_token` after each token's state update.
+"""
+
+import dataclasses
+import functools
+from collections import OrderedDict
+import inspect
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, ClassVar
+
+import torch
+from jaxtyping import Float
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from ._errors import InvalidValue, RecurrentHooksError, Unavailable
+
+# A state hook: fn(mixer, call, token, state) -> None (keep the state) or a replacement tensor.
+StateHook = Callable[["RecurrentMixer", int, int, Tensor], Tensor | None]
+
+KEEPABLE = ("inputs", "outputs", "states")
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One kernel of a mixer kind, as data.
+
+    `name` is the module global the mixer's forward calls; `loop` is the library's pure-torch token
+    loop with the same signature and return value (plus a keyword-only `on_token`); `state_in` is the
+    argument that carries the state into the kernel (None when the kernel starts from zeros);
+    `results` names the elements of the returned value; `role` is "prompt" or "decode".
+    """
+
+    name: str
+    loop: Callable[..., Any]
+    state_in: str | None
+    results: tuple[str, ...]
+    role: str
+
+    @property
+    def signature(self) -> inspect.Signature:
+        return _signature(self.loop)
+
+    def bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """The call's arguments by name (extra keyword arguments the kernel ignores are left out)."""
+        bound = self.signature.bind(*args, **kwargs)
+        return {k: v for k, v in bound.arguments.items() if k not in ("kwargs", "on_token")}
+
+    def name_results(self, result: Any) -> dict[str, Any]:
+        values = result if isinstance(result, tuple) else (result,)
+        return dict(zip(self.results, values))
+
+
+_SIGNATURES: dict[Callable, inspect.Signature] = {}
+
+
+def _signature(fn: Callable) -> inspect.Signature:
+    if fn not in _SIGNATURES:
+        _SIGNATURES[fn] = inspect.signature(fn)
+    return _SIGNATURES[fn]
+
+
+@dataclasses.dataclass(eq=False)
+class Call:
+    """What one call of a mixer left behind.
+
+        mix.calls[0].kernel            # "torch_chunk_gated_delta_rule": which kernel fired
+        mix.calls[0].inputs["value"]   # the kernel's arguments by name
+        mix.calls[0].output["output"]  # the kernel's results by name
+        mix.calls[0].states            # per-token states, if kept
+
+    Inputs and outputs are the tensors the kernel saw (not copies), except the state argument, which is
+    cloned because the cache updates it in place at the next step.
+    """
+
+    index: int
+    where: str = ""
+    kernel: str | None = None
+    tokens: int | None = None
+    inputs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    output: dict[str, Any] = dataclasses.field(default_factory=dict)
+    _states: list[Tensor] | None = dataclasses.field(default=None, repr=False)
+    _stacked: Tensor | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def states(self) -> Tensor:
+        """The state after every token of this call, stacked on a `seq` axis after `batch`."""
+        if self._states is None:
+            raise Unavailable(f"{self.where}: call {self.index} kept no states; pass keep=('states',) to watch")
+        if self._stacked is None or self._stacked.shape[1] != len(self._states):
+            self._stacked = torch.stack(self._states, dim=1)
+        return self._stacked
+
+
+class _Hook:
+    """A registered state hook or write, with the calls and tokens it targets."""
+
+    def __init__(self, fn: StateHook, calls: frozenset[int] | None, tokens: tuple[int, ...] | None, origin: str):
+        self.fn, self.calls, self.tokens, self.origin = fn, calls, tokens, origin
+
+    def targets(self, call: int) -> bool:
+        return self.calls is None or call in self.calls
+
+
+class _Handle(RemovableHandle):
+    """A torch `RemovableHandle` that also tells its mixer, so that the last removal can release kernels."""
+
+    def __init__(self, hooks: dict, mixer: "RecurrentMixer") -> None:
+        super().__init__(hooks)
+        self._mixer_ref = weakref.ref(mixer)
+
+    def remove(self) -> None:
+        super().remove()
+        mixer = self._mixer_ref()
+        if mixer is not None:
+            mixer._hook_removed()
+
+
+def _as_targets(value: int | Iterable[int] | None, what: str, where: str) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    items = (value,) if isinstance(value, int) else tuple(value)
+    if not items or not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
+        raise InvalidValue(f"{where}: {what} must be an int, a non-empty iterable of ints or None, got {value!r}")
+    return items
+
+
+class RecurrentMixer:
+    """The library's handle on one recurrent mixer module; subclasses declare kernels and values.
+
+        with recurrent_hooks.watch(model, keep=("states",)) as w:
+            model(input_ids)
+        mix = w.mixers[0]
+        mix.states           # the state after every token of the last call
+        mix.state_after(4)   # the state after token 4
+
+    Class constants a subclass declares:
+    - `KERNELS`: the `Kernel`s its modeling modules call (prompt and decode);
+    - `STATE`: the axes of the state, as a jaxtyping shape string (e.g. "batch heads key_dim value_dim");
+    - `INPUTS`, `OUTPUTS`: the named kernel values with their axes, for the docs and `support`;
+    - `LIMITS`: what cannot be had from this kind, and why (reported by `support`).
+    """
+
+    KERNELS: ClassVar[tuple[Kernel, ...]] = ()
+    STATE: ClassVar[str] = ""
+    INPUTS: ClassVar[dict[str, str]] = {}
+    OUTPUTS: ClassVar[dict[str, str]] = {}
+    LIMITS: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, module: nn.Module, family: str, *, keep: Sequence[str] = (), record: bool = True,
+                 restart_on_prompt: bool = False) -> None:
+        self.module = module
+        self.family = family
+        self.layer: int | None = getattr(module, "layer_idx", None)
+        self.keep = frozenset(keep)
+        self.calls: list[Call] = []
+        self._record = record
+        self._restart_on_prompt = restart_on_prompt
+        self._hooks: OrderedDict[int, _Hook] = OrderedDict()  # weakly referenced by the handles
+        self._begun = 0  # forwards begun since the mixer was attached
+        self._offset = 0  # begun count at the last prompt (hooks registered outside a watch count from it)
+        self._current: Call | None = None
+        self._fired = False  # whether the current forward called a kernel
+        self._on_empty: Callable[[], None] | None = None
+        self._live = False  # attached to its module's tap
+
+    @classmethod
+    def kernel(cls, name: str) -> Kernel:
+        """The declared kernel called `name`."""
+        for kernel in cls.KERNELS:
+            if kernel.name == name:
+                return kernel
+        raise KeyError(f"{cls.__name__} declares no kernel {name!r}; it has {[k.name for k in cls.KERNELS]}")
+
+    @classmethod
+    def tokens_of(cls, kernel: Kernel, arguments: dict[str, Any]) -> int:
+        """How many tokens a kernel call covers, from its named arguments."""
+        raise NotImplementedError
+
+    # -- reading -----------------------------------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.family}, layer {self.layer})"
+
+    @property
+    def states(self) -> Float[Tensor, "batch seq *state"]:
+        """The state after every token of the last call (the call's own token count on `seq`).
+
+        The layout after `batch seq` is the kind's `STATE`; gated DeltaNet:
+        `Float[Tensor, "batch seq heads key_dim value_dim"]`.
+        """
+        return self._call(None).states
+
+    def state_after(self, token: int, call: int | None = None) -> Float[Tensor, "batch *state"]:
+        """The state after `token` (negative counts from the end) of call `call` (default: the last call).
+
+        It is the state token+1 continues from: a write or hook at `token` is included. The tensor is
+        the one the recurrence used, so `torch.autograd.grad(metric, mix.state_after(t))` works.
+        """
+        record = self._call(call)
+        record.states  # raises Unavailable if the states were not kept
+        if not -record.tokens <= token < record.tokens:
+            raise Unavailable(
+                f"{self}: token {token} is outside call {record.index}, which has {record.tokens} tokens"
+                f" (valid: 0..{record.tokens - 1} or -{record.tokens}..-1)"
+            )
+        return record._states[token]
+
+    def _call(self, call: int | None) -> Call:
+        if not self._record:
+            raise Unavailable(f"{self} records nothing: hooks registered outside a watch keep no values; use watch()")
+        if not self.calls:
+            raise Unavailable(f"{self} has not been called inside this watch yet")
+        if call is None:
+            return self.calls[-1]
+        if not -len(self.calls) <= call < len(self.calls):
+            raise Unavailable(f"{self}: no call {call}; this watch saw {len(self.calls)} calls (0..{len(self.calls) - 1})")
+        return self.calls[call]
+
+    # -- hooks and writes --------------------------------------------------------------------------------
+
+    def register_state_hook(self, fn: StateHook, *, call: int | Iterable[int] | None = None,
+                            token: int | Iterable[int] | None = None) -> RemovableHandle:
+        """Call `fn(mixer, call, token, state)` after the state update of each targeted token.
+
+            h = mix.register_state_hook(lambda m, c, t, s: s * 0.5, call=0, token=[3, 4])
+            model(ids)
+            h.remove()
+
+        `call` and `token` take an int, several, or None for all (tokens may be negative: -1 is the
+        last token of each call). `state` is the state token `token` produced; its output is already
+        computed from it. Return None to keep it, or a tensor of the same shape, dtype and device to
+        replace it: token+1 continues from the replacement, and so does the cache after the last token.
+        The state handed to `fn` is not copied: clone it to keep it. A hook with an explicit `call`
+        whose tokens lie outside that call raises; with `call=None`, calls without the token are skipped.
+        """
+        where = f"{self}.register_state_hook"
+        if not callable(fn):
+            raise InvalidValue(f"{where}: expected a callable fn(mixer, call, token, state), got {fn!r}")
+        calls = _as_targets(call, "call", where)
+        if calls is not None and any(c < 0 for c in calls):
+            raise InvalidValue(f"{where}: calls count from 0, got call={call!r}")
+        name = getattr(fn, "__qualname__", repr(fn))
+        return self._add_hook(_Hook(fn, None if calls is None else frozenset(calls), _as_targets(token, "token", where),
+                                    f"state hook {name}"))
+
+    def set_state_after(self, token: int, value: Tensor, call: int = 0) -> RemovableHandle:
+        """Replace the state after `token` of call `call` (default 0, the prompt) by `value`.
+
+            mix.set_state_after(4, patched_state)        # tokens 5.. of the prompt continue from it
+            mix.set_state_after(0, patched_state, call=3)   # decode step 3
+
+        Token `token`'s own output is unchanged; later tokens, and the cache, continue from `value`.
+        `value` must have the state's shape, dtype and device (checked when the call runs).
+        """
+        where = f"{self}.set_state_after({token}, call={call})"
+        if not isinstance(value, Tensor):
+            raise InvalidValue(f"{where}: expected a Tensor with axes ({self.STATE}), got {type(value).__name__}")
+        if not isinstance(call, int) or call < 0:
+            raise InvalidValue(f"{where}: expected a call index >= 0, got call={call!r}")
+        if not isinstance(token, int):
+            raise InvalidValue(f"{where}: expected an int token, got {token!r}")
+
+        def write(mixer: RecurrentMixer, call: int, token: int, state: Tensor) -> Tensor:
+            return value
+
+        return self._add_hook(_Hook(write, frozenset((call,)), (token,), f"set_state_after({token}, call={call})"))
+
+    def _add_hook(self, hook: _Hook) -> RemovableHandle:
+        if not self._live:
+            raise RecurrentHooksError(f"{self} is detached (its watch has ended): register hooks inside the with block")
+        handle = _Handle(self._hooks, self)
+        self._hooks[handle.id] = hook
+        return handle
+
+    def _detached(self) -> None:
+        self._live = False
+
+    def _hook_removed(self) -> None:
+        if not self._hooks and self._on_empty is not None:
+            self._on_empty()
+
+    def unapplied(self) -> list[str]:
+        """Hooks and writes with an explicit call that this mixer never reached (checked when a watch ends)."""
+        seen = self._begun - self._offset
+        return [
+            f"{hook.origin} targets call {c}, but {self} saw {seen} call{'s' if seen != 1 else ''}"
+            for hook in self._hooks.values() if hook.calls is not None for c in sorted(hook.calls) if c >= seen
+        ]
+
+    # -- the call counter (driven by the tap's module hooks) -----------------------------------------------
+
+    def _begin_call(self) -> None:
+        self._begun += 1
+        self._fired = False
+        self._current = None
+        if self._record:
+            self._current = Call(index=len(self.calls), where=repr(self))
+            self.calls.append(self._current)
+
+    def _end_call(self) -> None:
+        if self._fired:
+            return
+        index = self._begun - 1 - self._offset
+        if any(hook.targets(index) for hook in self._hooks.values()) or "states" in self.keep:
+            raise RecurrentHooksError(
+                f"{self}: call {index} finished without calling a watched kernel ({', '.join(k.name for k in self.KERNELS)})"
+                " although hooks or kept states target it; the mixer took a path the library cannot see"
+                " (a fused kernel, or a forward this transformers version changed)"
+            )
+
+    def _call_index(self, fresh: bool) -> int:
+        """The index of the running call, fixed at its first kernel (prompt = starts from no state)."""
+        if not self._fired:
+            self._fired = True
+            if self._restart_on_prompt and fresh:
+                self._offset = self._begun - 1
+        return self._begun - 1 - self._offset
+
+    def _plan(self, kernel: Kernel, arguments: dict[str, Any], tokens: int) -> "_Plan":
+        fresh = kernel.state_in is None or arguments.get(kernel.state_in) is None
+        index = self._call_index(fresh)
+        at: dict[int, list[_Hook]] = {}
+        every: list[_Hook] = []
+        for hook in self._hooks.values():
+            if not hook.targets(index):
+                continue
+            if hook.tokens is None:
+                every.append(hook)
+                continue
+            for t in hook.tokens:
+                position = t + tokens if t < 0 else t
+                if 0 <= position < tokens:
+                    at.setdefault(position, []).append(hook)
+                elif hook.calls is not None:
+                    raise InvalidValue(
+                        f"{self}: {hook.origin} targets token {t}, but call {index} ({kernel.name}) has {tokens}"
+                        f" token{'s' if tokens != 1 else ''} (valid: 0..{tokens - 1} or -{tokens}..-1)"
+                    )
+        return _Plan(self, index, at, every, "states" in self.keep and self._record)
+
+    def _store(self, plan: "_Plan", kernel: Kernel, arguments: dict[str, Any], result: Any, tokens: int) -> None:
+        record = self._current
+        if record is None:
+            return
+        record.kernel, record.tokens = kernel.name, tokens
+        record.inputs, record.output = arguments, kernel.name_results(result)
+        if plan.states is not None:
+            record._states = plan.states
+
+
+class _Plan:
+    """What one attached mixer wants of one kernel call: hooks by token, and whether to keep states."""
+
+    __slots__ = ("mixer", "call", "at", "every", "states")
+
+    def __init__(self, mixer: RecurrentMixer, call: int, at: dict[int, list[_Hook]], every: list[_Hook], keep: bool):
+        self.mixer, self.call, self.at, self.every = mixer, call, at, every
+        self.states: list[Tensor] | None = [] if keep else None
+
+    @property
+    def idle(self) -> bool:
+        return not self.at and not self.every and self.states is None
+
+    def apply(self, token: int, state: Tensor) -> Tensor:
+        for hook in (*self.every, *self.at.get(token, ())):
+            replacement = hook.fn(self.mixer, self.call, token, state)
+            if replacement is not None:
+                state = _checked(replacement, state, self.mixer, hook, self.call, token)
+        return state
+
+
+def _checked(replacement: Any, state: Tensor, mixer: RecurrentMixer, hook: _Hook, call: int, token: int) -> Tensor:
+    where = f"{mixer}, call {call}, token {token}: {hook.origin}"
+    if not isinstance(replacement, Tensor):
+        raise InvalidValue(f"{where} returned {type(replacement).__name__}; expected None or a Tensor")
+    for what, want, got in (("shape", tuple(state.shape), tuple(replacement.shape)),
+                            ("dtype", state.dtype, replacement.dtype), ("device", state.device, replacement.device)):
+        if want != got:
+            raise InvalidValue(
+                f"{where} gave a state with {what} {got}, expected {want} (axes: {mixer.STATE})"
+            )
+    return replacement
+
+
+class _Tap:
+    """The per-module side of the mechanism: module hooks, and the mixers attached to the module.
+
+    One tap per mixer module, shared by every watch and standalone hook on it; it exists while at least
+    one `RecurrentMixer` is attached.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.mixers: list[RecurrentMixer] = []
+        self._handles = (
+            module.register_forward_pre_hook(self._pre),
+            module.register_forward_hook(self._post, always_call=True),
+        )
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        for mixer in self.mixers:
+            mixer._begin_call()
+        _RUNNING.append(self)
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if _RUNNING and _RUNNING[-1] is self:
+            _RUNNING.pop()
+        for mixer in self.mixers:
+            mixer._end_call()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def run_kernel(self, kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Run one kernel call for the attached mixers: unchanged when idle, else through the token loop."""
+        mixer_kind = type(self.mixers[0])
+        arguments = kernel.bind(args, kwargs)
+        tokens = mixer_kind.tokens_of(kernel, arguments)
+        plans = [mixer._plan(kernel, arguments, tokens) for mixer in self.mixers]
+        if kernel.state_in is not None and isinstance(arguments.get(kernel.state_in), Tensor):
+            # The cache updates this tensor in place at the next step: keep the value this call saw.
+            arguments[kernel.state_in] = arguments[kernel.state_in].clone()
+        busy = [plan for plan in plans if not plan.idle]
+        if not busy:
+            result = original(*args, **kwargs)
+        else:
+            def on_token(token: int, state: Tensor) -> Tensor:
+                for plan in busy:
+                    state = plan.apply(token, state)
+                for plan in busy:
+                    if plan.states is not None:
+                        plan.states.append(state)
+                return state
+
+            result = kernel.loop(*args, on_token=on_token, **kwargs)
+        for mixer, plan in zip(self.mixers, plans):
+            mixer._store(plan, kernel, arguments, result, tokens)
+        return result
+
+
+_TAPS: "weakref.WeakKeyDictionary[nn.Module, _Tap]" = weakref.WeakKeyDictionary()
+_RUNNING: list[_Tap] = []
+
+
+def running_tap() -> _Tap | None:
+    """The tap of the innermost mixer module whose forward is running, if it is attached."""
+    return _RUNNING[-1] if _RUNNING else None
+
+
+def attach(mixer: RecurrentMixer) -> Callable[[], None]:
+    """Attach `mixer` to its module's tap (created on first use); return the detach function."""
+    tap = _TAPS.get(mixer.module)
+    if tap is None:
+        tap = _TAPS[mixer.module] = _Tap(mixer.module)
+    tap.mixers.append(mixer)
+    mixer._live = True
+
+    def detach() -> None:
+        if mixer in tap.mixers:
+            tap.mixers.remove(mixer)
+            if not tap.mixers:
+                tap.remove()
+                if _TAPS.get(mixer.module) is tap:
+                    del _TAPS[mixer.module]
+
+    return detach
+
+
+def make_dispatcher(kind: type[RecurrentMixer]) -> Callable[[str, Any], Callable[..., Any]]:
+    """For `acquire_kernels`: the function bound in place of kernel `name` of a module of mixer kind `kind`."""
+
+    def make(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        kernel = kind.kernel(name)
+
+        @functools.wraps(original)
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            tap = running_tap()
+            if tap is None:  # a call from outside an attached mixer's forward
+                return original(*args, **kwargs)
+            return tap.run_kernel(kernel, original, args, kwargs)
+
+        watched.__recurrent_hooks__ = True
+        return watched
+
+    return make

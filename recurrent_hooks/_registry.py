@@ -1,0 +1,101 @@
+"""The family registry: which transformers modeling modules and mixer classes the library supports, as data.
+
+A family is one transformers model type (its modeling module has its own copy of every kernel). A
+new family is one row here and one test parametrization; nothing else in the library names a family.
+
+Module contents:
+- `Family`: one row (name, modeling module, mixer class name, mixer kind).
+- `FAMILIES`: the supported families, by name.
+- `KNOWN_UNSUPPORTED`: recurrent mixer classes of transformers that the library does not handle yet, with the reason.
+- `family_of(module)`, `resolve_family(family)`: lookups.
+"""
+
+import dataclasses
+import importlib
+from types import ModuleType
+
+from torch import nn
+
+from ._errors import Unavailable
+from ._linear_attention import LinearAttention
+from ._mixer import RecurrentMixer
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One supported transformers family: where its mixer lives and which mixer kind describes it."""
+
+    name: str  # the transformers model type, e.g. "qwen3_5"
+    mixer_class: str  # the class name of its recurrent mixer module
+    kind: type[RecurrentMixer]
+
+    @property
+    def module_name(self) -> str:
+        return f"transformers.models.{self.name}.modeling_{self.name}"
+
+    def module(self) -> ModuleType:
+        return importlib.import_module(self.module_name)
+
+
+FAMILIES: dict[str, Family] = {
+    row.name: row
+    for row in (
+        Family("qwen3_next", "Qwen3NextGatedDeltaNet", LinearAttention),
+        Family("qwen3_5", "Qwen3_5GatedDeltaNet", LinearAttention),
+        Family("qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet", LinearAttention),
+        Family("olmo_hybrid", "OlmoHybridGatedDeltaNet", LinearAttention),
+        Family("qwen4_exp", "Qwen4ExpTextGatedDeltaNet", LinearAttention),
+        Family("lara_mini", "LaraMiniGatedDeltaNet", LinearAttention),
+    )
+}
+
+_BY_CLASS: dict[tuple[str, str], Family] = {(f.module_name, f.mixer_class): f for f in FAMILIES.values()}
+
+_PLANNED = "not supported yet (planned)"
+KNOWN_UNSUPPORTED: dict[str, str] = {
+    "MambaMixer": f"Mamba-1 selective scan: {_PLANNED}",
+    "FalconMambaMixer": f"Mamba-1 selective scan: {_PLANNED}",
+    "JambaMambaMixer": f"Mamba-1 selective scan: {_PLANNED}",
+    "ZambaMambaMixer": f"Mamba-1 selective scan: {_PLANNED}",
+    "Mamba2Mixer": f"Mamba-2 state space: {_PLANNED}",
+    "BambaMixer": f"Mamba-2 state space: {_PLANNED}",
+    "FalconH1Mixer": f"Mamba-2 state space: {_PLANNED}",
+    "GraniteMoeHybridMambaLayer": f"Mamba-2 state space: {_PLANNED}",
+    "NemotronHMamba2Mixer": f"Mamba-2 state space: {_PLANNED}",
+    "Zamba2MambaMixer": f"Mamba-2 state space: {_PLANNED}",
+    "KimiLinearDeltaAttention": f"Kimi delta attention: {_PLANNED}",
+    "BailingHybridDeltaAttention": f"Kimi delta attention: {_PLANNED}",
+    "Glm5NextTextLinearAttention": f"Kimi delta attention: {_PLANNED}",
+    "RecurrentGemmaRecurrentBlock": "RG-LRU: no module-level kernel to rebind (an inline token loop)",
+    "RwkvSelfAttention": "RWKV-4: not supported",
+    "xLSTMLayer": "mLSTM: kernels are captured in functools.partial when the model is built; cannot be rebound",
+    "MiniMaxLightningAttention": "lightning attention: no kernel function (inline loops)",
+}
+
+
+def family_of(module: nn.Module) -> Family | None:
+    """The supported family whose mixer class `module` is an instance of, or None."""
+    cls = type(module)
+    return _BY_CLASS.get((cls.__module__, cls.__name__))
+
+
+def resolve_family(family: "str | ModuleType | nn.Module") -> Family:
+    """A family from its name (`"qwen3_5"`), its modeling module, or a model containing its mixers."""
+    if isinstance(family, str):
+        if family in FAMILIES:
+            return FAMILIES[family]
+        raise Unavailable(f"unknown or unsupported family {family!r}; supported: {', '.join(FAMILIES)}")
+    if isinstance(family, ModuleType):
+        for row in FAMILIES.values():
+            if row.module_name == family.__name__:
+                return row
+        raise Unavailable(
+            f"{family.__name__} is not the modeling module of a supported family; supported: {', '.join(FAMILIES)}"
+        )
+    if isinstance(family, nn.Module):
+        found = {row.name: row for m in family.modules() if (row := family_of(m)) is not None}
+        if len(found) == 1:
+            return next(iter(found.values()))
+        what = "no supported recurrent mixer" if not found else f"mixers of several families ({', '.join(found)})"
+        raise Unavailable(f"{type(family).__name__} has {what}; name the family instead")
+    raise Unavailable(f"expected a family name, a modeling module or a model, got {type(family).__name__}")

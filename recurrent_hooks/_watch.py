@@ -1,0 +1,247 @@
+"""The public entry points: `watch`, `register_state_hook`, `route_kernels` and `support`.
+
+Module contents:
+- `Watch` / `watch(model, keep=...)`: a context manager that attaches a `RecurrentMixer` to every
+  supported mixer of a model and rebinds its family's kernels for the duration of the block.
+- `register_state_hook(mixer_module, fn)`: a state hook without a `with` block, live until its handle
+  is removed (the forward-hook workflow).
+- `route_kernels(family, "torch" | "default")`: process-wide rebinding of a family's kernels to the
+  library's token loops, or back to what transformers bound at import.
+- `support(model)`: per mixer, what the library can give and why not.
+"""
+
+import contextlib
+import dataclasses
+import weakref
+from collections.abc import Iterable, Sequence
+from types import ModuleType
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ._errors import InvalidValue, RecurrentHooksError, Unavailable
+from ._mixer import KEEPABLE, RecurrentMixer, StateHook, attach, make_dispatcher
+from ._patching import acquire_kernels, bound_original, import_default, rebind_process_wide
+from ._registry import FAMILIES, KNOWN_UNSUPPORTED, Family, family_of, resolve_family
+
+
+def _mixer_modules(model: nn.Module) -> list[tuple[str, nn.Module, Family]]:
+    return [(path, m, row) for path, m in model.named_modules() if (row := family_of(m)) is not None]
+
+
+def _attach_with_kernels(mixer: RecurrentMixer, family: Family, stack: contextlib.ExitStack) -> None:
+    """Attach `mixer` and acquire its family's kernels, registering both releases on `stack`."""
+    stack.callback(attach(mixer))
+    names = tuple(kernel.name for kernel in family.kind.KERNELS)
+    stack.callback(acquire_kernels(family.module(), make_dispatcher(family.kind), names))
+
+
+def _no_mixer_message(model: nn.Module) -> str:
+    unsupported = sorted({f"{type(m).__name__} ({KNOWN_UNSUPPORTED[type(m).__name__]})"
+                          for m in model.modules() if type(m).__name__ in KNOWN_UNSUPPORTED})
+    message = (f"{type(model).__name__} contains no recurrent mixer of a supported family"
+               f" (supported: {', '.join(FAMILIES)})")
+    if unsupported:
+        message += f"; it has {', '.join(unsupported)}"
+    return message
+
+
+class Watch:
+    """A `with` block in which every supported recurrent mixer of `model` can be read and written per token.
+
+        with recurrent_hooks.watch(model, keep=("states",)) as w:
+            model(input_ids)
+        w.mixers[0].states          # [batch, seq, heads, key_dim, value_dim]: the state after every token
+        w.mixer(2).calls[0].inputs  # the mixer of decoder layer 2: its first call's kernel arguments
+
+    On entry the family's kernel names are rebound (module globals of its transformers modeling module)
+    and each mixer module gets a pre- and post-forward hook; on exit, also on an exception and when
+    nested, exactly the previous objects are bound again and the module hooks are removed. Hooks and
+    writes registered on `w.mixers[i]` live until the block ends; what the mixers kept stays readable.
+    Like every PyTorch hook, the block's effects are global: the model is changed for anyone who calls
+    it inside the block.
+
+    `keep` names what to keep of every call beyond the kernel's inputs and outputs, which are always
+    kept: `("states",)` keeps the state after every token.
+    """
+
+    def __init__(self, model: nn.Module, keep: Sequence[str] = ()) -> None:
+        if not isinstance(model, nn.Module):
+            raise InvalidValue(f"watch: expected a torch.nn.Module (a transformers model), got {type(model).__name__}")
+        keep = (keep,) if isinstance(keep, str) else tuple(keep)
+        unknown = [k for k in keep if k not in KEEPABLE]
+        if unknown:
+            raise InvalidValue(f"watch: cannot keep {unknown}; keep takes names from {KEEPABLE}")
+        self.model = model
+        self.keep = keep
+        self.mixers: list[RecurrentMixer] = []
+        self._stack: contextlib.ExitStack | None = None
+
+    def __repr__(self) -> str:
+        state = "active" if self._stack is not None else "inactive"
+        mixers = ", ".join(f"layer {m.layer}: {len(m.calls)} calls" for m in self.mixers)
+        return f"Watch({type(self.model).__name__}, {state}, keep={self.keep}, mixers=[{mixers}])"
+
+    def mixer(self, layer: int) -> RecurrentMixer:
+        """The mixer of decoder layer `layer` (the transformers `layer_idx`)."""
+        for mixer in self.mixers:
+            if mixer.layer == layer:
+                return mixer
+        raise Unavailable(f"no recurrent mixer at layer {layer}; recurrent layers: {[m.layer for m in self.mixers]}")
+
+    def __enter__(self) -> "Watch":
+        if self._stack is not None:
+            raise RecurrentHooksError("this watch is active already: enter a new watch(model) instead")
+        found = _mixer_modules(self.model)
+        if not found:
+            raise Unavailable(_no_mixer_message(self.model))
+        mixers = sorted((row.kind(m, row.name, keep=self.keep) for _, m, row in found),
+                        key=lambda mixer: (mixer.layer is None, mixer.layer or 0))
+        stack = contextlib.ExitStack()
+        try:  # all or nothing: a failure releases what was acquired so far
+            for mixer in mixers:
+                _attach_with_kernels(mixer, FAMILIES[mixer.family], stack)
+                stack.callback(mixer._detached)
+        except BaseException:
+            stack.close()
+            raise
+        self.mixers, self._stack = mixers, stack
+        return self
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+        if exc_type is None:
+            problems = [p for mixer in self.mixers for p in mixer.unapplied()]
+            if problems:
+                raise Unavailable("hooks or writes were never applied: " + "; ".join(problems))
+
+
+def watch(model: nn.Module, keep: Sequence[str] = ()) -> Watch:
+    """Watch every supported recurrent mixer of `model` for the duration of a `with` block.
+
+        with recurrent_hooks.watch(model, keep=("states",)) as w:
+            w.mixers[1].set_state_after(4, value)          # call 0 (the prompt): tokens 5.. continue from value
+            h = w.mixers[1].register_state_hook(fn)        # fn(mixer, call, token, state) at every token
+            out = model.generate(ids, max_new_tokens=8)    # call 0 is the prompt, call k decode step k
+        w.mixers[0].states                                  # the state after every token of the last call
+
+    See `Watch` for what happens on entry and exit, and docs/concepts.md for calls, tokens and writes.
+    """
+    return Watch(model, keep)
+
+
+_STANDALONE: "weakref.WeakKeyDictionary[nn.Module, RecurrentMixer]" = weakref.WeakKeyDictionary()
+
+
+def register_state_hook(module: nn.Module, fn: StateHook, *, call: int | Iterable[int] | None = None,
+                        token: int | Iterable[int] | None = None) -> RemovableHandle:
+    """Register `fn(mixer, call, token, state)` on a mixer module, without a `with` block.
+
+        h = recurrent_hooks.register_state_hook(model.model.layers[0].linear_attn, fn)
+        model(ids); model.generate(ids, max_new_tokens=4)   # fn runs at every token until removed
+        h.remove()                                          # the last handle removed restores the kernels
+
+    Calls are counted from each prompt: a call that starts from no cached state is call 0 again, so in
+    every `generate` the prompt is call 0 and decode step k is call k, as inside a fresh `watch`. The
+    hook contract (return None or a replacement state) is that of `RecurrentMixer.register_state_hook`.
+    """
+    row = family_of(module)
+    if row is None:
+        raise InvalidValue(
+            f"register_state_hook: expected a recurrent mixer module (one of"
+            f" {', '.join(f.mixer_class for f in FAMILIES.values())}), got {type(module).__name__}"
+        )
+    mixer = _STANDALONE.get(module)
+    if mixer is None:
+        mixer = row.kind(module, row.name, record=False, restart_on_prompt=True)
+        stack = contextlib.ExitStack()
+        with stack:  # released again if attaching fails
+            _attach_with_kernels(mixer, row, stack)
+            stack.callback(mixer._detached)
+            releases = stack.pop_all()
+
+        def release() -> None:
+            if _STANDALONE.get(module) is mixer:
+                del _STANDALONE[module]
+            releases.close()
+
+        mixer._on_empty = release
+        _STANDALONE[module] = mixer
+    try:
+        return mixer.register_state_hook(fn, call=call, token=token)
+    except BaseException:
+        mixer._hook_removed()  # releases the kernels if this was to be the first hook
+        raise
+
+
+def route_kernels(family: "str | ModuleType | nn.Module", to: str) -> None:
+    """Bind a family's kernels process-wide: `"torch"` to the library's token loops, `"default"` back.
+
+        recurrent_hooks.route_kernels("qwen3_5", "torch")    # every prompt now runs token by token
+        recurrent_hooks.route_kernels(model, "default")      # what transformers bound at import
+
+    `family` is a family name, its transformers modeling module, or a model with mixers of one family.
+    Unlike `watch`, nothing is undone automatically; refused while a watch or hook is active on the family.
+    """
+    row = resolve_family(family)
+    module = row.module()
+    if to == "torch":
+        replacements = {kernel.name: kernel.loop for kernel in row.kind.KERNELS}
+    elif to == "default":
+        replacements = {kernel.name: import_default(module, kernel.name) for kernel in row.kind.KERNELS}
+    else:
+        raise InvalidValue(f"route_kernels: expected to='torch' or to='default', got {to!r}")
+    rebind_process_wide(module, replacements)
+
+
+@dataclasses.dataclass(frozen=True)
+class MixerSupport:
+    """What the library can give for one mixer of a model, and why not where it cannot."""
+
+    path: str  # the module's name in the model, e.g. "model.layers.0.linear_attn"
+    layer: int | None
+    mixer_class: str
+    family: str | None  # None: not a supported family
+    kind: str | None  # the RecurrentMixer subclass
+    available: tuple[str, ...]
+    unavailable: dict[str, str]  # what cannot be had -> why
+    notes: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def __str__(self) -> str:
+        head = f"{self.path} ({self.mixer_class}, layer {self.layer}"
+        head += f", {self.family} -> {self.kind})" if self.family else ")"
+        lines = [head]
+        if self.available:
+            lines.append(f"  available: {', '.join(self.available)}")
+        lines += [f"  unavailable: {what}: {why}" for what, why in self.unavailable.items()]
+        lines += [f"  {what}: {note}" for what, note in self.notes.items()]
+        return "\n".join(lines)
+
+
+def support(model: nn.Module) -> list[MixerSupport]:
+    """Per recurrent mixer of `model`: what can be read and written, and why not where it cannot.
+
+        for row in recurrent_hooks.support(model):
+            print(row)
+
+    Mixers of recurrent families the library does not handle are listed too, with the reason.
+    """
+    rows = []
+    for path, module in model.named_modules():
+        name = type(module).__name__
+        layer = getattr(module, "layer_idx", None)
+        family = family_of(module)
+        if family is None:
+            if name in KNOWN_UNSUPPORTED:
+                rows.append(MixerSupport(path, layer, name, None, None, (), {"everything": KNOWN_UNSUPPORTED[name]}))
+            continue
+        kind = family.kind
+        bound = {k.name: bound_original(family.module(), k.name) for k in kind.KERNELS}
+        available = ("inputs", "outputs", "states", "state writes", "state hooks")
+        notes = {"idle calls run": ", ".join(
+            f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}" for fn in bound.values()
+        )}
+        rows.append(MixerSupport(path, layer, name, family.name, kind.__name__, available, dict(kind.LIMITS), notes))
+    return rows
