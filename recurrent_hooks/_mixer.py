@@ -448,12 +448,17 @@ class _Tap:
         if not busy:
             result = original(*args, **kwargs)
         else:
+            keeping = [plan.states for plan in busy if plan.states is not None]
+
             def on_token(token: int, state: Tensor) -> Tensor:
                 for plan in busy:
                     state = plan.apply(token, state)
-                for plan in busy:
-                    if plan.states is not None:
-                        plan.states.append(state)
+                if keeping:
+                    # A view that only the later tokens read: the gradient with respect to a kept state is
+                    # the effect of changing it there (what a write does), not through token `token`'s output.
+                    state = state.view_as(state)
+                    for states in keeping:
+                        states.append(state)
                 return state
 
             result = kernel.loop(*args, on_token=on_token, **kwargs)

@@ -1,0 +1,25 @@
+"""Shared fixtures: every test must leave no kernel rebound, no module hook and no standalone hook behind."""
+
+import pytest
+
+import recurrent_hooks._mixer as mixer_impl
+import recurrent_hooks._patching as patching
+import recurrent_hooks._watch as watch_impl
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_patched():
+    """Fail the test if it leaves bindings, taps or running mixers behind (and clean up for the next test)."""
+    yield
+    leaks = {
+        "bindings": sorted(patching._BINDINGS),
+        "taps": len(mixer_impl._TAPS),
+        "running": len(mixer_impl._RUNNING),
+        "standalone hooks": len(watch_impl._STANDALONE),
+    }
+    for mixer in list(watch_impl._STANDALONE.values()):
+        for key in list(mixer._hooks):
+            del mixer._hooks[key]
+        mixer._hook_removed()
+    mixer_impl._RUNNING.clear()
+    assert not any(leaks.values()), f"the test left state behind: {leaks}"

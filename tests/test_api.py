@@ -1,0 +1,340 @@
+"""The public API on one family (qwen3_5): errors, hook targeting, handles, standalone hooks, routing, support."""
+
+import importlib
+
+import pytest
+import torch
+import transformers
+
+import recurrent_hooks as rh
+import recurrent_hooks._patching as rh_patching
+import recurrent_hooks._watch as watch_impl
+from _compare import assert_close
+from _models import PAD, build, random_ids
+
+T = 13
+MODULE = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
+KERNELS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+
+
+@pytest.fixture
+def model():
+    return build("qwen3_5")
+
+
+def bindings():
+    return {name: getattr(MODULE, name) for name in KERNELS}
+
+
+def run(model, ids=None, **kwargs):
+    with torch.no_grad():
+        return model(random_ids(2, T) if ids is None else ids, **kwargs).logits
+
+
+def generate(model, n=4):
+    with torch.no_grad():
+        return model.generate(random_ids(2, T), max_new_tokens=n, do_sample=False, pad_token_id=PAD)
+
+
+def rwkv_model():
+    config = transformers.RwkvConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, context_length=64)
+    return transformers.RwkvForCausalLM(config).eval()
+
+
+def test_public_names_are_importable():
+    for name in rh.__all__:
+        assert getattr(rh, name) is not None, name
+
+
+# -- errors --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (lambda s: torch.zeros(2, 4, 8), r"shape \(2, 4, 8\), expected \(2, 4, 8, 8\)"),
+        (lambda s: torch.zeros_like(s, dtype=torch.float64), r"dtype torch.float64, expected torch.float32"),
+        (lambda s: torch.zeros_like(s, device="meta"), r"device meta, expected cpu"),
+    ],
+    ids=["shape", "dtype", "device"],
+)
+def test_a_written_state_that_does_not_fit_is_refused(model, value, message):
+    with rh.watch(model, keep=("states",)) as w:
+        run(model)
+        state = w.mixers[0].state_after(3)
+    before = bindings()
+    with pytest.raises(rh.InvalidValue, match=r"LinearAttention\(qwen3_5, layer 0\), call 0, token 3: "
+                       r"set_state_after\(3, call=0\) gave a state with " + message):
+        with rh.watch(model) as w:
+            w.mixers[0].set_state_after(3, value(state))
+            run(model)
+    assert bindings() == before
+
+
+def test_a_hook_returning_something_else_is_refused(model):
+    with pytest.raises(rh.InvalidValue, match=r"layer 2\), call 0, token 4: state hook .* returned str"):
+        with rh.watch(model) as w:
+            w.mixers[1].register_state_hook(lambda m, c, t, s: "no", token=4)
+            run(model)
+
+
+def test_set_state_after_refuses_non_tensors_and_bad_calls(model):
+    with rh.watch(model) as w:
+        with pytest.raises(rh.InvalidValue, match="expected a Tensor with axes"):
+            w.mixers[0].set_state_after(3, [[0.0]])
+        with pytest.raises(rh.InvalidValue, match="expected a call index >= 0, got call=-1"):
+            w.mixers[0].set_state_after(3, torch.zeros(1), call=-1)
+        with pytest.raises(rh.InvalidValue, match="expected a callable"):
+            w.mixers[0].register_state_hook(None)
+        with pytest.raises(rh.InvalidValue, match="token must be an int"):
+            w.mixers[0].register_state_hook(lambda *a: None, token="last")
+
+
+def test_a_token_outside_the_call_is_refused(model):
+    with pytest.raises(rh.InvalidValue, match=r"layer 0\): set_state_after\(13, call=0\) targets token 13, but call 0 "
+                       r"\(torch_chunk_gated_delta_rule\) has 13 tokens \(valid: 0..12 or -13..-1\)"):
+        with rh.watch(model) as w:
+            w.mixers[0].set_state_after(T, torch.zeros(2, 4, 8, 8))
+            run(model)
+
+
+def test_a_call_that_never_happens_is_reported_when_the_watch_ends(model):
+    with pytest.raises(rh.Unavailable, match=r"set_state_after\(0, call=5\) targets call 5, but "
+                       r"LinearAttention\(qwen3_5, layer 0\) saw 4 calls"):
+        with rh.watch(model) as w:
+            w.mixers[0].set_state_after(0, torch.zeros(2, 4, 8, 8), call=5)
+            generate(model, 4)
+    assert bindings()[KERNELS[0]] is rh_patching.import_default(MODULE, KERNELS[0])
+
+
+def test_reading_what_was_not_kept_or_does_not_exist(model):
+    with rh.watch(model) as w:
+        run(model)
+    mixer = w.mixers[0]
+    with pytest.raises(rh.Unavailable, match=r"LinearAttention\(qwen3_5, layer 0\): call 0 kept no states; "
+                       r"pass keep=\('states',\) to watch"):
+        mixer.states
+    with rh.watch(model, keep=("states",)) as w:
+        run(model)
+    with pytest.raises(rh.Unavailable, match=r"token 13 is outside call 0, which has 13 tokens"):
+        w.mixers[0].state_after(T)
+    with pytest.raises(rh.Unavailable, match=r"no call 1; this watch saw 1 calls"):
+        w.mixers[0].state_after(0, call=1)
+    assert_close("negative token", w.mixers[0].state_after(T - 1), w.mixers[0].state_after(-1), rtol=0, atol=0)
+    with rh.watch(model) as w:
+        with pytest.raises(rh.Unavailable, match="has not been called inside this watch yet"):
+            w.mixers[0].states
+        with pytest.raises(rh.Unavailable, match=r"no recurrent mixer at layer 1; recurrent layers: \[0, 2\]"):
+            w.mixer(1)
+    assert w.mixer(2) is w.mixers[1]
+
+
+def test_an_unsupported_model_is_refused_with_the_reason():
+    with pytest.raises(rh.Unavailable, match=r"RwkvForCausalLM contains no recurrent mixer of a supported family "
+                       r"\(supported: qwen3_next, .*\); it has RwkvSelfAttention \(RWKV-4: not supported\)"):
+        with rh.watch(rwkv_model()):
+            pass
+    rows = rh.support(rwkv_model())
+    assert [row.mixer_class for row in rows] == ["RwkvSelfAttention"] * 2
+    assert rows[0].family is None and rows[0].unavailable == {"everything": "RWKV-4: not supported"}
+    with pytest.raises(rh.InvalidValue, match="expected a torch.nn.Module"):
+        rh.watch("qwen3_5")
+    with pytest.raises(rh.InvalidValue, match=r"cannot keep \['state'\]; keep takes names from"):
+        rh.watch(build("qwen3_5"), keep=("state",))
+
+
+def test_hooks_after_the_watch_and_a_second_entry_are_refused(model):
+    watcher = rh.watch(model)
+    with watcher as w:
+        with pytest.raises(rh.RecurrentHooksError, match="this watch is active already"):
+            watcher.__enter__()
+    with pytest.raises(rh.RecurrentHooksError, match="is detached .*register hooks inside the with block"):
+        w.mixers[0].register_state_hook(lambda *a: None)
+
+
+def test_entry_is_all_or_nothing(model, monkeypatch):
+    real = watch_impl.acquire_kernels
+    calls = []
+
+    def failing(*args):
+        calls.append(args)
+        if len(calls) == 2:
+            raise RuntimeError("second acquisition fails")
+        return real(*args)
+
+    monkeypatch.setattr(watch_impl, "acquire_kernels", failing)
+    before = bindings()
+    with pytest.raises(RuntimeError, match="second acquisition fails"):
+        rh.watch(model).__enter__()
+    assert bindings() == before
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+
+
+# -- hook targeting and the state handed to hooks ------------------------------------------------------------
+
+
+def test_hooks_target_calls_and_tokens(model):
+    seen = {"all": [], "calls 0 and 2": [], "last token": [], "token 5 of every call": []}
+    with rh.watch(model) as w:
+        mixer = w.mixers[0]
+        mixer.register_state_hook(lambda m, c, t, s: seen["all"].append((c, t)))
+        mixer.register_state_hook(lambda m, c, t, s: seen["calls 0 and 2"].append((c, t)), call=[0, 2], token=[0, -1])
+        mixer.register_state_hook(lambda m, c, t, s: seen["last token"].append((c, t)), token=-1)
+        mixer.register_state_hook(lambda m, c, t, s: seen["token 5 of every call"].append((c, t)), token=5)
+        generate(model, 4)
+    assert seen["all"] == [(0, t) for t in range(T)] + [(1, 0), (2, 0), (3, 0)]
+    assert seen["calls 0 and 2"] == [(0, 0), (0, T - 1), (2, 0), (2, 0)]
+    assert seen["last token"] == [(0, T - 1), (1, 0), (2, 0), (3, 0)]
+    assert seen["token 5 of every call"] == [(0, 5)]
+
+
+def test_hooks_receive_the_mixer_and_live_states_to_clone(model):
+    """The state is handed over without a copy: a hook that keeps it clones it, and decode steps differ."""
+    kept = []
+
+    def keep(mixer, call, token, state):
+        assert isinstance(mixer, rh.LinearAttention) and mixer.layer == 0
+        kept.append(state.clone())
+
+    with rh.watch(model) as w:
+        w.mixers[0].register_state_hook(keep, token=-1)
+        generate(model, 4)
+    assert len(kept) == 4
+    assert all((a - b).abs().max() > 0 for a, b in zip(kept, kept[1:]))
+
+
+def test_handles_are_removable_handles_idempotent_and_context_managers(model):
+    hits = []
+    with rh.watch(model) as w:
+        handle = w.mixers[0].register_state_hook(lambda m, c, t, s: hits.append(t))
+        assert isinstance(handle, torch.utils.hooks.RemovableHandle)
+        run(model)
+        handle.remove()
+        handle.remove()
+        run(model)
+        with w.mixers[0].register_state_hook(lambda m, c, t, s: hits.append(-t)):
+            run(model)
+        run(model)
+    assert hits == list(range(T)) + [-t for t in range(T)]
+
+
+def test_a_hook_replacement_is_what_the_next_token_continues_from(model):
+    """A hook returning a state at t acts exactly like set_state_after(t, that state)."""
+    ids = random_ids(2, T)
+    with rh.watch(model, keep=("states",)) as w:
+        run(model, ids)
+        value = w.mixers[1].state_after(6) * 3 + 0.01
+    with rh.watch(model) as w:
+        w.mixers[1].register_state_hook(lambda m, c, t, s: value, token=6)
+        by_hook = run(model, ids)
+    with rh.watch(model) as w:
+        w.mixers[1].set_state_after(6, value)
+        by_write = run(model, ids)
+    assert_close("hook vs write", by_write, by_hook, rtol=0, atol=0)
+
+
+def test_nested_watches_both_see_the_calls(model):
+    ids = random_ids(2, T)
+    with rh.watch(model, keep=("states",)) as outer:
+        with rh.watch(model, keep=("states",)) as inner:
+            inner.mixers[0].set_state_after(2, torch.zeros(2, 4, 8, 8))
+            run(model, ids)
+        run(model, ids)
+    assert len(outer.mixers[0].calls) == 2 and len(inner.mixers[0].calls) == 1
+    assert_close("outer saw the inner write", inner.mixers[0].calls[0].states, outer.mixers[0].calls[0].states,
+                 rtol=0, atol=0)
+    assert outer.mixers[0].calls[1].states[:, 2].abs().max() > 0
+
+
+# -- hooks without a with block -------------------------------------------------------------------------------
+
+
+def test_register_state_hook_without_a_watch_counts_from_each_prompt(model):
+    seen = []
+    before = bindings()
+    handle = rh.register_state_hook(model.model.layers[0].linear_attn, lambda m, c, t, s: seen.append((c, t)), token=-1)
+    assert isinstance(handle, torch.utils.hooks.RemovableHandle)
+    assert all(getattr(f, "__recurrent_hooks__", False) for f in bindings().values())
+    run(model)
+    generate(model, 3)
+    generate(model, 2)
+    handle.remove()
+    assert seen == [(0, T - 1), (0, T - 1), (1, 0), (2, 0), (0, T - 1), (1, 0)]
+    assert bindings() == before
+    run(model)
+    assert len(seen) == 6
+
+
+def test_standalone_hooks_share_the_binding_until_the_last_handle(model):
+    before = bindings()
+    mixer_module = model.model.layers[2].linear_attn
+    first = rh.register_state_hook(mixer_module, lambda *a: None)
+    second = rh.register_state_hook(mixer_module, lambda *a: None)
+    first.remove()
+    assert bindings() != before
+    with rh.watch(model) as w:  # a watch beside a standalone hook
+        run(model)
+    second.remove()
+    assert bindings() == before and len(w.mixers[1].calls) == 1
+    with pytest.raises(rh.InvalidValue, match="expected a recurrent mixer module .* got Qwen3_5DecoderLayer"):
+        rh.register_state_hook(model.model.layers[0], lambda *a: None)
+
+
+def test_a_standalone_write_steers_generation(model):
+    """The forward-hook workflow: a hook that returns a state steers every prompt it sees."""
+    ids = random_ids(2, T)
+    with torch.no_grad():
+        plain = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    handle = rh.register_state_hook(model.model.layers[0].linear_attn, lambda m, c, t, s: s * 10, call=0, token=-1)
+    with torch.no_grad():
+        steered = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    handle.remove()
+    assert_close("prompt logits unchanged", plain.logits[0], steered.logits[0], rtol=1e-5, atol=1e-5)
+    assert (plain.logits[1] - steered.logits[1]).abs().max() > 1e-6
+
+
+# -- routing and support ------------------------------------------------------------------------------------
+
+
+def test_route_kernels_rebinds_process_wide_and_back(model):
+    ids = random_ids(2, T)
+    plain = run(model, ids)
+    default = bindings()
+    rh.route_kernels("qwen3_5", "torch")
+    try:
+        assert bindings()[KERNELS[0]] is rh.LinearAttention.kernel(KERNELS[0]).loop
+        assert_close("token-loop prompts", plain, run(model, ids), rtol=1e-5, atol=1e-5)
+        with rh.watch(model, keep=("states",)) as w:
+            with pytest.raises(rh.RecurrentHooksError, match="while a watch or a state hook is active"):
+                rh.route_kernels(model, "default")
+            run(model, ids)
+        assert bindings()[KERNELS[0]] is rh.LinearAttention.kernel(KERNELS[0]).loop
+        assert w.mixers[0].states.shape == (2, T, 4, 8, 8)
+    finally:
+        rh.route_kernels(MODULE, "default")
+    assert bindings() == default
+    with pytest.raises(rh.InvalidValue, match="expected to='torch' or to='default', got 'fla'"):
+        rh.route_kernels("qwen3_5", "fla")
+    with pytest.raises(rh.Unavailable, match="unknown or unsupported family 'llama'"):
+        rh.route_kernels("llama", "torch")
+
+
+def test_support_reports_each_mixer(model):
+    rows = rh.support(model)
+    assert [(r.path, r.layer, r.family, r.kind) for r in rows] == [
+        ("model.layers.0.linear_attn", 0, "qwen3_5", "LinearAttention"),
+        ("model.layers.2.linear_attn", 2, "qwen3_5", "LinearAttention"),
+    ]
+    assert "states" in rows[0].available and "conv_state" in rows[0].unavailable
+    assert "qwen3_5 -> LinearAttention" in str(rows[0])
+
+
+def test_reprs_say_what_is_watched(model):
+    with rh.watch(model, keep=("states",)) as w:
+        run(model)
+        assert repr(w) == ("Watch(Qwen3_5ForCausalLM, active, keep=('states',), "
+                           "mixers=[layer 0: 1 calls, layer 2: 1 calls])")
+    assert repr(w.mixers[0]) == "LinearAttention(qwen3_5, layer 0)"
+    assert w.mixers[0].calls[0].kernel == "torch_chunk_gated_delta_rule"
+    assert set(w.mixers[0].calls[0].output) == {"output", "final_state"}
+    assert w.mixers[0].calls[0].inputs["value"].shape == (2, T, 4, 8)

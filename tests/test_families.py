@@ -1,0 +1,270 @@
+"""Model-level behaviour of every supported family: one parametrized matrix, tiny random-weight models.
+
+Each test builds its family's tiny model (tests/_models.py) and checks one promise of the library:
+parity with the unwatched model, states equal to the float64 reference, write semantics, the call
+counter in `generate`, left padding, gradients, and bindings restored.
+"""
+
+import pytest
+import torch
+
+import recurrent_hooks as rh
+from _compare import assert_close, assert_equal
+from _models import FAMILIES as BUILDERS
+from _models import PAD, build, random_ids
+from _reference import gated_delta_rule_reference
+
+FAMILIES = [name for name in rh.FAMILIES if name in BUILDERS]
+T = 13  # not a multiple of anything
+
+
+def test_every_supported_family_has_a_tiny_model():
+    assert sorted(FAMILIES) == sorted(rh.FAMILIES), "a supported family has no builder in tests/_models.py"
+
+
+def reference_states(mixer: rh.RecurrentMixer, call: int) -> torch.Tensor:
+    """Per-token states of `call`, recomputed in float64 from the call's recorded kernel inputs."""
+    x = mixer.calls[call].inputs
+    references = {
+        rh.LinearAttention: lambda: gated_delta_rule_reference(
+            x["query"], x["key"], x["value"], x["g"], x["beta"], initial_state=x["initial_state"],
+            normalize_qk=x["use_qk_l2norm_in_kernel"])[1],
+    }
+    return references[type(mixer)]()
+
+
+def perturbation(state: torch.Tensor, seed: int = 1) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return state + torch.randn(state.shape, generator=gen) * (state.abs().max() + 1)
+
+
+def logits_of(model, ids, **kwargs):
+    with torch.no_grad():
+        return model(ids, **kwargs).logits
+
+
+def greedy(model, ids, n, **kwargs):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=PAD, **kwargs)
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture
+def model(family):
+    return build(family)
+
+
+@pytest.mark.parametrize("seq", [1, T, 70], ids=lambda s: f"T{s}")
+def test_watched_logits_equal_unwatched(model, seq):
+    """Idle, keeping states (the token loop) and with a no-op hook: logits within 1e-5 of the plain model."""
+    ids = random_ids(2, seq)
+    plain = logits_of(model, ids)
+    with rh.watch(model):
+        assert_close("idle watch", plain, logits_of(model, ids), rtol=0, atol=0)
+    with rh.watch(model, keep=("states",)) as w:
+        assert_close("keep states", plain, logits_of(model, ids), rtol=1e-5, atol=1e-5)
+    assert w.mixers[0].states.shape[:2] == (2, seq)
+    with rh.watch(model) as w:
+        for mixer in w.mixers:
+            mixer.register_state_hook(lambda m, c, t, s: None)
+        assert_close("no-op hook", plain, logits_of(model, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_generate_is_identical(model):
+    ids = random_ids(2, T)
+    plain = greedy(model, ids, 6)
+    with rh.watch(model, keep=("states",)):
+        assert_equal("tokens, keep states", plain, greedy(model, ids, 6))
+    with rh.watch(model) as w:
+        for mixer in w.mixers:
+            mixer.register_state_hook(lambda m, c, t, s: None)
+        assert_equal("tokens, hook on every token", plain, greedy(model, ids, 6))
+
+
+def test_states_equal_float64_reference_at_prompt_and_decode_steps(model):
+    """The kept state after every token equals the float64 recurrence over the call's own kernel inputs."""
+    with rh.watch(model, keep=("states",)) as w:
+        greedy(model, random_ids(2, T), 4)
+    for mixer in w.mixers:
+        assert [c.tokens for c in mixer.calls] == [T, 1, 1, 1]
+        for call in range(4):
+            assert_close(f"{mixer} call {call}", reference_states(mixer, call), mixer.calls[call].states,
+                         rtol=1e-4, atol=1e-6)
+
+
+def test_decode_states_continue_the_prompt_states(model):
+    """Split invariance: the state at decode step k is the state after token T+k-1 of one long prompt."""
+    ids = random_ids(2, T)
+    with rh.watch(model, keep=("states",)) as w:
+        sequence = greedy(model, ids, 5)
+    with rh.watch(model, keep=("states",)) as whole:
+        logits_of(model, sequence[:, :-1], use_cache=False)
+    for mixer, long in zip(w.mixers, whole.mixers):
+        decoded = torch.cat([c.states for c in mixer.calls], dim=1)
+        assert_close(f"{mixer} prompt + decode vs one prompt", long.states, decoded, rtol=1e-4, atol=1e-6)
+
+
+def test_call_counter_in_generate(model):
+    """Prompt = call 0 through the chunk kernel, N-1 decode calls through the recurrent kernel."""
+    n = 5
+    seen = []
+    with rh.watch(model) as w:
+        w.mixers[-1].register_state_hook(lambda m, c, t, s: seen.append((c, t)))
+        greedy(model, random_ids(2, T), n)
+    for mixer in w.mixers:
+        kernels = [c.kernel for c in mixer.calls]
+        assert kernels == [type(mixer).KERNELS[0].name] + [type(mixer).KERNELS[1].name] * (n - 1)
+        assert [c.index for c in mixer.calls] == list(range(n))
+    assert seen == [(0, t) for t in range(T)] + [(k, 0) for k in range(1, n)]
+
+
+@pytest.mark.parametrize("token", [0, 4, T - 1])
+def test_write_changes_only_later_tokens_and_the_cache(model, token):
+    ids = random_ids(2, T)
+    plain = logits_of(model, ids)
+    with rh.watch(model, keep=("states",)) as w:
+        mixer = w.mixers[0]
+        logits_of(model, ids)
+        value = perturbation(mixer.state_after(token))
+    with rh.watch(model, keep=("states",)) as w:
+        mixer = w.mixers[0]
+        mixer.set_state_after(token, value)
+        with torch.no_grad():
+            out = model(ids, use_cache=True)
+    assert_close("logits at tokens <= t", plain[:, : token + 1], out.logits[:, : token + 1], rtol=1e-5, atol=1e-5)
+    if token < T - 1:
+        change = (out.logits[:, token + 1:] - plain[:, token + 1:]).abs().amax(dim=(0, 2))
+        assert change.min() > 1e-6, f"a write at token {token} left later logits unchanged: {change}"
+    assert_close("state after the write", value, mixer.state_after(token), rtol=0, atol=0)
+    cache_state = out.past_key_values.get_recurrent_state(mixer.layer)
+    assert_close("cache holds the continued state", mixer.states[:, -1], cache_state, rtol=0, atol=0)
+
+
+def test_write_at_the_last_prompt_token_steers_generation(model):
+    """A write after the last prompt token is what the first decode step continues from."""
+    ids = random_ids(2, T)
+    with rh.watch(model, keep=("states",)) as w:
+        logits_of(model, ids)
+        value = perturbation(w.mixers[0].state_after(-1))
+    with rh.watch(model, keep=("states",)) as w:
+        w.mixers[0].set_state_after(T - 1, value)
+        greedy(model, ids, 3)
+    assert_close("decode step 1 started from the write", value, w.mixers[0].calls[1].inputs["initial_state"],
+                 rtol=0, atol=0)
+
+
+def test_write_at_a_decode_step(model):
+    """A write at call k leaves the logits of calls <= k unchanged and changes the later ones."""
+    ids = random_ids(2, T)
+    kwargs = dict(output_logits=True, return_dict_in_generate=True)
+    plain = greedy(model, ids, 5, **kwargs)
+    with rh.watch(model, keep=("states",)) as w:
+        greedy(model, ids, 5, **kwargs)
+        value = perturbation(w.mixers[0].state_after(0, call=2))
+    with rh.watch(model, keep=("states",)) as w:
+        w.mixers[0].set_state_after(0, value, call=2)
+        steered = greedy(model, ids, 5, **kwargs)
+    for step in range(3):
+        assert_close(f"logits of call {step}", plain.logits[step], steered.logits[step], rtol=1e-5, atol=1e-5)
+    assert (plain.logits[3] - steered.logits[3]).abs().max() > 1e-6
+    assert_close("call 3 continued from the write", value, w.mixers[0].calls[3].inputs["initial_state"],
+                 rtol=0, atol=0)
+
+
+def test_left_padded_batch(model):
+    """A left-padded row computes the same states and logits as the same tokens alone."""
+    pads = 4
+    short = random_ids(1, T - pads, seed=3)
+    full = random_ids(1, T, seed=4)
+    ids = torch.cat([torch.cat([torch.full((1, pads), PAD), short], dim=1), full])
+    mask = (ids != PAD).long()
+    mask[1] = 1
+    with rh.watch(model, keep=("states",)) as w:
+        padded = logits_of(model, ids, attention_mask=mask)
+    with rh.watch(model, keep=("states",)) as alone:
+        single = logits_of(model, short)
+    for mixer, ref in zip(w.mixers, alone.mixers):
+        assert_close(f"{mixer} padded row states", ref.states[0], mixer.states[0, pads:], rtol=1e-4, atol=1e-6)
+    assert_close("padded row logits", single[0], padded[0, pads:], rtol=1e-4, atol=1e-5)
+    with rh.watch(model, keep=("states",)):
+        assert_equal("padded greedy generate", greedy(model, ids, 4, attention_mask=mask), greedy(model, ids, 4, attention_mask=mask))
+    assert_equal("generate under a watch", greedy(model, ids, 4, attention_mask=mask),
+                 _watched_greedy(model, ids, 4, attention_mask=mask))
+
+
+def _watched_greedy(model, ids, n, **kwargs):
+    with rh.watch(model) as w:
+        for mixer in w.mixers:
+            mixer.register_state_hook(lambda m, c, t, s: None)
+        return greedy(model, ids, n, **kwargs)
+
+
+def test_gradient_with_respect_to_a_state(model):
+    """d metric / d state after token t: the kept state is the tensor the recurrence used."""
+    ids = random_ids(1, T)
+    token = 5
+    with rh.watch(model, keep=("states",)) as w:
+        metric = model(ids).logits[0, -1].logsumexp(-1)
+    state = w.mixers[0].state_after(token)
+    (grad,) = torch.autograd.grad(metric, state)
+    assert grad.abs().max() > 0
+    # the same gradient through a leaf written at the same token
+    leaf = state.detach().clone().requires_grad_()
+    with rh.watch(model) as w:
+        w.mixers[0].set_state_after(token, leaf)
+        model(ids).logits[0, -1].logsumexp(-1).backward()
+    assert_close("grad through a written leaf", grad, leaf.grad, rtol=1e-4, atol=1e-7)
+    # and the gradient predicts a small change of the state (finite difference along the gradient)
+    eps = 1e-2 * state.norm() / grad.norm()  # a step of 1% of the state: small, yet well above float32 noise
+    values = []
+    for sign in (1, -1):
+        with rh.watch(model) as w, torch.no_grad():
+            w.mixers[0].set_state_after(token, state.detach() + sign * eps * grad)
+            values.append(model(ids).logits[0, -1].logsumexp(-1))
+    slope = (values[0] - values[1]) / (2 * eps)
+    assert_close("directional derivative", (grad * grad).sum(), slope, rtol=2e-2, atol=1e-6)
+
+
+def test_gradient_flows_to_inputs_through_the_token_loop(model):
+    ids = random_ids(1, T)
+    embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
+    model(inputs_embeds=embeds).logits[0, -1].logsumexp(-1).backward()
+    plain = embeds.grad.clone()
+    embeds.grad = None
+    with rh.watch(model, keep=("states",)):
+        model(inputs_embeds=embeds).logits[0, -1].logsumexp(-1).backward()
+    assert_close("input gradient through the token loop", plain, embeds.grad, rtol=1e-3, atol=1e-6)
+
+
+def kernel_bindings(family):
+    row = rh.FAMILIES[family]
+    module = row.module()
+    return {kernel.name: getattr(module, kernel.name) for kernel in row.kind.KERNELS}
+
+
+def test_bindings_restored_after_exit_after_a_raising_hook_and_when_nested(model, family):
+    before = kernel_bindings(family)
+    ids = random_ids(1, 5)
+    with rh.watch(model):
+        assert all(getattr(f, "__recurrent_hooks__", False) for f in kernel_bindings(family).values())
+        with rh.watch(model) as inner:
+            inner.mixers[0].register_state_hook(lambda m, c, t, s: None)
+            logits_of(model, ids)
+        assert all(getattr(f, "__recurrent_hooks__", False) for f in kernel_bindings(family).values())
+    assert all(kernel_bindings(family)[name] is fn for name, fn in before.items())
+
+    def boom(mixer, call, token, state):
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        with rh.watch(model) as w:
+            w.mixers[0].register_state_hook(boom, token=3)
+            logits_of(model, ids)
+    assert all(kernel_bindings(family)[name] is fn for name, fn in before.items())
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    assert_close("model unchanged after the watches", logits_of(model, ids), logits_of(build(family), ids),
+                 rtol=0, atol=0)
