@@ -343,24 +343,23 @@ class RecurrentMixer:
     def _plan(self, kernel: Kernel, arguments: dict[str, Any], tokens: int) -> "_Plan":
         fresh = kernel.state_in is None or arguments.get(kernel.state_in) is None
         index = self._call_index(fresh)
-        at: dict[int, list[_Hook]] = {}
-        every: list[_Hook] = []
+        hooks: list[tuple[_Hook, frozenset[int] | None]] = []  # registration order, with absolute positions
         for hook in self._hooks.values():
             if not hook.targets(index):
                 continue
             if hook.tokens is None:
-                every.append(hook)
+                hooks.append((hook, None))
                 continue
-            for t in hook.tokens:
-                position = t + tokens if t < 0 else t
-                if 0 <= position < tokens:
-                    at.setdefault(position, []).append(hook)
-                elif hook.calls is not None:
-                    raise InvalidValue(
-                        f"{self}: {hook.origin} targets token {t}, but call {index} ({kernel.name}) has {tokens}"
-                        f" token{'s' if tokens != 1 else ''} (valid: 0..{tokens - 1} or -{tokens}..-1)"
-                    )
-        return _Plan(self, index, at, every, "states" in self.keep and self._record)
+            outside = [t for t in hook.tokens if not -tokens <= t < tokens]
+            if outside and hook.calls is not None:
+                raise InvalidValue(
+                    f"{self}: {hook.origin} targets token {outside[0]}, but call {index} ({kernel.name}) has {tokens}"
+                    f" token{'s' if tokens != 1 else ''} (valid: 0..{tokens - 1} or -{tokens}..-1)"
+                )
+            positions = frozenset(t % tokens for t in hook.tokens if -tokens <= t < tokens)
+            if positions:
+                hooks.append((hook, positions))
+        return _Plan(self, index, hooks, "states" in self.keep and self._record)
 
     def _store(self, plan: "_Plan", kernel: Kernel, arguments: dict[str, Any], result: Any, tokens: int) -> None:
         record = self._current
@@ -373,23 +372,25 @@ class RecurrentMixer:
 
 
 class _Plan:
-    """What one attached mixer wants of one kernel call: hooks by token, and whether to keep states."""
+    """What one attached mixer wants of one kernel call: its hooks (in registration order) and kept states."""
 
-    __slots__ = ("mixer", "call", "at", "every", "states")
+    __slots__ = ("mixer", "call", "hooks", "states")
 
-    def __init__(self, mixer: RecurrentMixer, call: int, at: dict[int, list[_Hook]], every: list[_Hook], keep: bool):
-        self.mixer, self.call, self.at, self.every = mixer, call, at, every
+    def __init__(self, mixer: RecurrentMixer, call: int, hooks: list[tuple[_Hook, frozenset[int] | None]],
+                 keep: bool):
+        self.mixer, self.call, self.hooks = mixer, call, hooks
         self.states: list[Tensor] | None = [] if keep else None
 
     @property
     def idle(self) -> bool:
-        return not self.at and not self.every and self.states is None
+        return not self.hooks and self.states is None
 
     def apply(self, token: int, state: Tensor) -> Tensor:
-        for hook in (*self.every, *self.at.get(token, ())):
-            replacement = hook.fn(self.mixer, self.call, token, state)
-            if replacement is not None:
-                state = _checked(replacement, state, self.mixer, hook, self.call, token)
+        for hook, positions in self.hooks:
+            if positions is None or token in positions:
+                replacement = hook.fn(self.mixer, self.call, token, state)
+                if replacement is not None:
+                    state = _checked(replacement, state, self.mixer, hook, self.call, token)
         return state
 
 

@@ -1,10 +1,15 @@
 """Shared fixtures: every test must leave no kernel rebound, no module hook and no standalone hook behind."""
 
 import pytest
+import torch
 
 import recurrent_hooks._mixer as mixer_impl
 import recurrent_hooks._patching as patching
 import recurrent_hooks._watch as watch_impl
+
+
+# The test models are tiny: one thread is several times faster than two threads contending for two cores.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

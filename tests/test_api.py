@@ -183,9 +183,25 @@ def test_hooks_target_calls_and_tokens(model):
         mixer.register_state_hook(lambda m, c, t, s: seen["token 5 of every call"].append((c, t)), token=5)
         generate(model, 4)
     assert seen["all"] == [(0, t) for t in range(T)] + [(1, 0), (2, 0), (3, 0)]
-    assert seen["calls 0 and 2"] == [(0, 0), (0, T - 1), (2, 0), (2, 0)]
+    assert seen["calls 0 and 2"] == [(0, 0), (0, T - 1), (2, 0)]  # in a 1-token call, 0 and -1 are one token
     assert seen["last token"] == [(0, T - 1), (1, 0), (2, 0), (3, 0)]
     assert seen["token 5 of every call"] == [(0, 5)]
+
+
+def test_hooks_run_in_registration_order(model):
+    order = []
+    with rh.watch(model) as w:
+        w.mixers[0].register_state_hook(lambda m, c, t, s: order.append("last token") or s * 2, token=-1)
+        w.mixers[0].register_state_hook(lambda m, c, t, s: order.append(("every token", float(s.norm())))
+                                        if t == T - 1 else None)
+        run(model)
+    assert order[0] == "last token" and order[1][0] == "every token"
+    with rh.watch(model) as w:
+        w.mixers[0].register_state_hook(lambda m, c, t, s: order.append(("before", float(s.norm()))) if t == T - 1
+                                        else None)
+        run(model)
+    assert_close("the second hook saw the first one's replacement", torch.tensor(order[2][1]),
+                 torch.tensor(order[1][1] * 0.5), rtol=1e-5, atol=0)
 
 
 def test_hooks_receive_the_mixer_and_live_states_to_clone(model):
