@@ -11,6 +11,7 @@ The public names are listed in `__all__`; everything else lives in private modul
 from ._errors import InvalidValue as InvalidValue
 from ._errors import RecurrentHooksError as RecurrentHooksError
 from ._errors import Unavailable as Unavailable
+from ._kimi_delta import KimiDeltaAttention as KimiDeltaAttention
 from ._linear_attention import LinearAttention as LinearAttention
 from ._mixer import Call as Call
 from ._mixer import Kernel as Kernel
@@ -32,6 +33,7 @@ __all__ = [
     "MixerSupport",
     "RecurrentMixer",
     "LinearAttention",
+    "KimiDeltaAttention",
     "Call",
     "Kernel",
     "FAMILIES",

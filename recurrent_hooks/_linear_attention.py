@@ -43,7 +43,7 @@ def _gated_delta_rule(
     query: Float[Tensor, "batch seq key_heads key_dim"],
     key: Float[Tensor, "batch seq key_heads key_dim"],
     value: Float[Tensor, "batch seq heads value_dim"],
-    g: Float[Tensor, "batch seq heads"],
+    g: Float[Tensor, "batch seq heads decay_dim"],
     beta: Float[Tensor, "batch seq heads"],
     initial_state: Float[Tensor, "batch heads key_dim value_dim"] | None,
     output_final_state: bool,
@@ -51,6 +51,8 @@ def _gated_delta_rule(
     on_token: OnToken | None,
     kwargs: dict[str, Any],
 ) -> tuple[Float[Tensor, "batch seq heads value_dim"], Float[Tensor, "batch heads key_dim value_dim"] | None]:
+    # g: the log decay per head (decay_dim 1: gated DeltaNet, whose wrappers add the axis) or per key channel
+    # (decay_dim key_dim: Kimi delta attention); exp(g) scales the rows of the key-major state.
     if kwargs.get("cu_seqlens") is not None:
         raise RecurrentHooksError("packed sequences (cu_seqlens) need flash-linear-attention; the token loop runs one sequence per batch row")
     batch, seq, key_heads, key_dim = key.shape
@@ -69,7 +71,7 @@ def _gated_delta_rule(
         state = initial_state.to(torch.float32, copy=True)
     outputs = []
     for t in range(seq):
-        state = state * a[:, t, :, None, None]  # b h k v   decay: a_t S_{t-1}
+        state = state * a[:, t, :, :, None]  # b h k v   decay: diag(a_t) S_{t-1}, a_t [b h (1|k)]
         kv_mem = (k[:, t, :, None, :] @ state).squeeze(-2)  # b h v   what S stores under k_t
         delta = (v[:, t] - kv_mem) * b[:, t, :, None]  # b h v   b_t (v_t - S^T k_t)
         state = state + k[:, t, :, :, None] * delta[:, :, None, :]  # b h k v   S + k_t delta^T
@@ -99,7 +101,7 @@ def chunk_gated_delta_rule(
     `chunk_size` is accepted and ignored; `on_token(t, state)` is called after each token's state update
     and returns the state token t+1 continues from. Other unknown keyword arguments are ignored.
     """
-    return _gated_delta_rule(query, key, value, g, beta, initial_state, output_final_state,
+    return _gated_delta_rule(query, key, value, g[..., None], beta, initial_state, output_final_state,
                              use_qk_l2norm_in_kernel, on_token, kwargs)
 
 
@@ -117,7 +119,7 @@ def recurrent_gated_delta_rule(
     **kwargs: Any,
 ) -> tuple[Tensor, Tensor | None]:
     """The decode kernel: same arguments and results as `torch_recurrent_gated_delta_rule`, plus `on_token`."""
-    return _gated_delta_rule(query, key, value, g, beta, initial_state, output_final_state,
+    return _gated_delta_rule(query, key, value, g[..., None], beta, initial_state, output_final_state,
                              use_qk_l2norm_in_kernel, on_token, kwargs)
 
 

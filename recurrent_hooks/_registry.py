@@ -17,6 +17,7 @@ from types import ModuleType
 from torch import nn
 
 from ._errors import Unavailable
+from ._kimi_delta import KimiDeltaAttention
 from ._linear_attention import LinearAttention
 from ._mixer import RecurrentMixer
 
@@ -46,6 +47,9 @@ FAMILIES: dict[str, Family] = {
         Family("olmo_hybrid", "OlmoHybridGatedDeltaNet", LinearAttention),
         Family("qwen4_exp", "Qwen4ExpTextGatedDeltaNet", LinearAttention),
         Family("lara_mini", "LaraMiniGatedDeltaNet", LinearAttention),
+        Family("kimi_linear", "KimiLinearDeltaAttention", KimiDeltaAttention),
+        Family("bailing_hybrid", "BailingHybridDeltaAttention", KimiDeltaAttention),
+        Family("glm5_next", "Glm5NextTextLinearAttention", KimiDeltaAttention),
     )
 }
 
@@ -63,9 +67,6 @@ KNOWN_UNSUPPORTED: dict[str, str] = {
     "GraniteMoeHybridMambaLayer": f"Mamba-2 state space: {_PLANNED}",
     "NemotronHMamba2Mixer": f"Mamba-2 state space: {_PLANNED}",
     "Zamba2MambaMixer": f"Mamba-2 state space: {_PLANNED}",
-    "KimiLinearDeltaAttention": f"Kimi delta attention: {_PLANNED}",
-    "BailingHybridDeltaAttention": f"Kimi delta attention: {_PLANNED}",
-    "Glm5NextTextLinearAttention": f"Kimi delta attention: {_PLANNED}",
     "RecurrentGemmaRecurrentBlock": "RG-LRU: no module-level kernel to rebind (an inline token loop)",
     "RwkvSelfAttention": "RWKV-4: not supported",
     "xLSTMLayer": "mLSTM: kernels are captured in functools.partial when the model is built; cannot be rebound",

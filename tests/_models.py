@@ -1,4 +1,4 @@
-"""Tiny random-weight hybrid (gated DeltaNet + attention) causal LMs for tests.
+"""Tiny random-weight hybrid (gated DeltaNet or Kimi delta attention + attention) causal LMs for tests.
 
 Every model is built from a config (nothing is downloaded): float32, eval mode,
 vocab 128 (pad 0 / bos 1 / eos 2), hidden 32, 4 decoder layers.
@@ -22,6 +22,22 @@ recurrent state after token 4 is zeroed via the cache, worst layer and seed):
 * Final recurrent-state norms after 12 tokens are O(1e-2) per layer (clearly
   non-zero; values are small because of the 0.02-std init, and the gated RMSNorm
   on the layer output removes that scale).
+
+Kimi delta attention families (same check, state zeroed with
+``recurrent_hooks``' ``set_state_after(4, zeros)``; alpha = exp(g) is the
+per-key-channel decay at init, over channels and tokens):
+
+* kimi_linear (g = -exp(A_log) softplus(f + dt_bias), A ~ U(1, 16)): alpha
+  min 0.33, median 0.84 .. 0.97; effect >= 1.6e-2. Left as it is.
+* glm5_next (safe gate g = -5 sigmoid(exp(A_log) (f + dt_bias)), A_log = 0):
+  alpha min 0.62, median 0.89 .. 0.96; effect >= 1.5e-2. Left as it is. Built
+  as ``Glm5NextForConditionalGeneration`` with a 1-block vision tower (the
+  default one has 460 M parameters).
+* bailing_hybrid has the same safe gate but initialises A ~ U(1, 16), so
+  exp(A_log) (f + dt_bias) ~ -40 and alpha rounds to 1.0 in most channels
+  (median >= 0.996): not memoryless (effect >= 5e-2), but the decay, the part KDA adds to the delta
+  rule, would barely be exercised. ``_bailing_hybrid`` zeroes A_log as
+  glm5_next's init does: alpha min 0.58, median 0.92 .. 0.97; effect >= 2.5e-2.
 """
 
 from __future__ import annotations
@@ -64,8 +80,8 @@ _MOE = dict(
 _MEMORY_FACTOR = 64.0
 
 
-def _make(config_cls, model_cls, **kwargs) -> transformers.PreTrainedModel:
-    """Build ``model_cls(config_cls(**kwargs))``, refusing kwargs the config does not declare.
+def _config(config_cls, **kwargs) -> transformers.PretrainedConfig:
+    """``config_cls(**kwargs)``, refusing kwargs the config does not declare.
 
     transformers configs silently store unknown kwargs as attributes, so a typo
     (or a field another family has) would otherwise be ignored without notice.
@@ -74,7 +90,12 @@ def _make(config_cls, model_cls, **kwargs) -> transformers.PreTrainedModel:
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise TypeError(f"{config_cls.__name__} has no field(s) {unknown}")
-    return model_cls(config_cls(**kwargs))
+    return config_cls(**kwargs)
+
+
+def _make(config_cls, model_cls, **kwargs) -> transformers.PreTrainedModel:
+    """Build ``model_cls(config_cls(**kwargs))``, refusing kwargs the config does not declare."""
+    return model_cls(_config(config_cls, **kwargs))
 
 
 def _lengthen_memory(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
@@ -149,6 +170,80 @@ def _lara_mini():
     ))
 
 
+# Kimi delta attention families: MLA attention layers, DeepSeek-style MoE, KDA with 4 heads of 8
+# (bailing_hybrid derives its KDA heads from the attention fields: 2 heads of 16).
+_MLA = dict(num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, v_head_dim=16, qk_nope_head_dim=16)
+_KDA_MOE = dict(num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32)
+_KDA = dict(linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4)
+
+
+def _kimi_linear():
+    return _make(
+        transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM,
+        **_COMMON, **_MLA, **_KDA_MOE, **_KDA,
+        intermediate_size=64,
+        layer_types=list(_HYBRID_LAYERS),
+        mlp_layer_types=["dense", "sparse"] * 2,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        num_local_experts=4,
+    )
+
+
+def _bailing_hybrid():
+    model = _make(
+        transformers.BailingHybridConfig, transformers.BailingHybridForCausalLM,
+        **_COMMON, **_MLA, **_KDA_MOE,
+        intermediate_size=64,
+        layer_types=list(_HYBRID_LAYERS),
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        num_local_experts=4,
+        head_dim=16,
+        first_k_dense_replace=1,
+        short_conv_kernel_size=4,
+        num_mtp_layers=0,
+    )
+    from transformers.models.bailing_hybrid.modeling_bailing_hybrid import BailingHybridForgetGate
+
+    # A_log = 0, as glm5_next initialises the same safe gate: otherwise alpha ~ 1 (see module docstring).
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, BailingHybridForgetGate):
+                module.A_log.zero_()
+    return model
+
+
+def _glm5_next():
+    text = _config(
+        transformers.Glm5NextTextConfig,
+        **_COMMON, **_MLA, **_KDA_MOE, **_KDA,
+        intermediate_size=64,
+        layer_types=["linear_attention", "indexed_attention"] * 2,
+        mlp_layer_types=["dense", "sparse"] * 2,
+        n_routed_experts=4,
+        q_lora_rank=16,
+        qk_rope_head_dim=0,
+        index_topk=16,
+        index_head_dim=16,
+        index_n_heads=2,
+        index_kpool=4,
+        hc_mult=2,
+    )
+    vision = _config(
+        transformers.Glm5NextVisionConfig,
+        depth=1,
+        hidden_size=32,
+        num_heads=2,
+        intermediate_size=64,
+        out_hidden_size=32,
+        projection_intermediate_size=64,
+    )
+    return transformers.Glm5NextForConditionalGeneration(
+        _config(transformers.Glm5NextConfig, text_config=text, vision_config=vision)
+    )
+
+
 FAMILIES: dict[str, Callable[[], transformers.PreTrainedModel]] = {
     "qwen3_next": _qwen3_next,
     "qwen3_5": _qwen3_5,
@@ -156,6 +251,9 @@ FAMILIES: dict[str, Callable[[], transformers.PreTrainedModel]] = {
     "olmo_hybrid": _olmo_hybrid,
     "qwen4_exp": _qwen4_exp,
     "lara_mini": _lara_mini,
+    "kimi_linear": _kimi_linear,
+    "bailing_hybrid": _bailing_hybrid,
+    "glm5_next": _glm5_next,
 }
 
 

@@ -35,6 +35,18 @@ Glossary (code name <-> paper symbol <-> shape):
 
 Grouped value heads: value head j reads query/key head j // (value_heads //
 key_heads), i.e. each query/key head serves a block of consecutive value heads.
+
+Kimi delta attention (Kimi Team 2025, "Kimi Linear: An Expressive, Efficient
+Attention Architecture", arXiv:2510.26692)
+---------------------------------------------------------------------------
+The gated delta rule with one decay per key channel (alpha_t a d_k-vector) and
+one query/key head per value head; q_t, k_t normalised and scaled as above:
+
+    S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1} + beta_t k_t v_t^T
+    o_t = S_t^T q_t
+
+Diag(alpha_t) S scales row i of S (what key channel i holds) by alpha_t[i].
+Here g is [batch, seq, heads, key_dim] and alpha_t = exp(g_t).
 """
 
 from __future__ import annotations
@@ -42,7 +54,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["gated_delta_rule_reference"]
+__all__ = ["gated_delta_rule_reference", "kimi_delta_rule_reference"]
 
 _L2_EPS = 1e-6
 
@@ -124,6 +136,78 @@ def gated_delta_rule_reference(
     if seq == 0:
         return (
             torch.zeros(batch, 0, value_heads, value_dim, dtype=f64, device=value.device),
+            torch.zeros(batch, 0, *state_shape[1:], dtype=f64, device=value.device),
+        )
+    return torch.stack(outputs, dim=1), torch.stack(states, dim=1)
+
+
+def kimi_delta_rule_reference(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    initial_state: Tensor | None = None,
+    normalize_qk: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """Run Kimi delta attention token by token in float64.
+
+    query, key ``[batch, seq, heads, key_dim]``; value ``[batch, seq, heads,
+    value_dim]``; g ``[batch, seq, heads, key_dim]`` (log of the per-channel
+    decay); beta ``[batch, seq, heads]``. Returns ``(outputs, states)``: outputs
+    ``[batch, seq, heads, value_dim]``, states ``[batch, seq, heads, key_dim,
+    value_dim]`` with states[:, t] = S_t. Both float64. See the module docstring.
+    """
+    batch, seq, heads, key_dim = key.shape
+    value_dim = value.shape[-1]
+    if query.shape != key.shape:
+        raise ValueError(f"query {tuple(query.shape)} and key {tuple(key.shape)} must have the same shape")
+    if value.shape[:3] != (batch, seq, heads):
+        raise ValueError(f"value {tuple(value.shape)} must start with (batch, seq, heads) = {(batch, seq, heads)}")
+    if g.shape != key.shape:
+        raise ValueError(f"g {tuple(g.shape)} must be {tuple(key.shape)} (one decay per key channel)")
+    if beta.shape != (batch, seq, heads):
+        raise ValueError(f"beta {tuple(beta.shape)} must be {(batch, seq, heads)}")
+    state_shape = (batch, heads, key_dim, value_dim)
+    if initial_state is not None and initial_state.shape != state_shape:
+        raise ValueError(f"initial_state {tuple(initial_state.shape)} must be {state_shape}")
+
+    f64 = torch.float64
+    q, k, v = query.to(f64), key.to(f64), value.to(f64)
+    alpha = torch.exp(g.to(f64))  # [B, T, H, dk]
+    beta = beta.to(f64)  # [B, T, H]
+
+    if normalize_qk:
+        q = _l2_normalize(q)
+        k = _l2_normalize(k)
+    q = q * key_dim**-0.5
+
+    if initial_state is None:
+        S = torch.zeros(state_shape, dtype=f64, device=value.device)
+    else:
+        S = initial_state.to(f64)
+    eye = torch.eye(key_dim, dtype=f64, device=value.device)  # I, [dk, dk]
+
+    outputs = []
+    states = []
+    for t in range(seq):
+        q_t, k_t, v_t = q[:, t], k[:, t], v[:, t]  # [B, H, dk], [B, H, dk], [B, H, dv]
+        diag_alpha = torch.diag_embed(alpha[:, t])  # Diag(alpha_t), [B, H, dk, dk]
+        beta_t = beta[:, t, :, None, None]  # [B, H, 1, 1]
+
+        k_kT = k_t[..., :, None] * k_t[..., None, :]  # k_t k_t^T, [B, H, dk, dk]
+        k_vT = k_t[..., :, None] * v_t[..., None, :]  # k_t v_t^T, [B, H, dk, dv]
+        transition = (eye - beta_t * k_kT) @ diag_alpha  # (I - beta_t k_t k_t^T) Diag(alpha_t)
+        S = transition @ S + beta_t * k_vT  # S_t, [B, H, dk, dv]
+        o_t = (S.transpose(-1, -2) @ q_t[..., None])[..., 0]  # S_t^T q_t, [B, H, dv]
+
+        outputs.append(o_t)
+        states.append(S)
+
+    if seq == 0:
+        return (
+            torch.zeros(batch, 0, heads, value_dim, dtype=f64, device=value.device),
             torch.zeros(batch, 0, *state_shape[1:], dtype=f64, device=value.device),
         )
     return torch.stack(outputs, dim=1), torch.stack(states, dim=1)

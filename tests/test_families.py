@@ -12,7 +12,7 @@ import recurrent_hooks as rh
 from _compare import assert_close, assert_equal
 from _models import FAMILIES as BUILDERS
 from _models import PAD, build, random_ids
-from _reference import gated_delta_rule_reference
+from _reference import gated_delta_rule_reference, kimi_delta_rule_reference
 
 FAMILIES = [name for name in rh.FAMILIES if name in BUILDERS]
 T = 13  # not a multiple of anything
@@ -27,6 +27,9 @@ def reference_states(mixer: rh.RecurrentMixer, call: int) -> torch.Tensor:
     x = mixer.calls[call].inputs
     references = {
         rh.LinearAttention: lambda: gated_delta_rule_reference(
+            x["query"], x["key"], x["value"], x["g"], x["beta"], initial_state=x["initial_state"],
+            normalize_qk=x["use_qk_l2norm_in_kernel"])[1],
+        rh.KimiDeltaAttention: lambda: kimi_delta_rule_reference(
             x["query"], x["key"], x["value"], x["g"], x["beta"], initial_state=x["initial_state"],
             normalize_qk=x["use_qk_l2norm_in_kernel"])[1],
     }

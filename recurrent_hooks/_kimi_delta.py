@@ -1,0 +1,115 @@
+"""Kimi delta attention (KDA): the `KimiDeltaAttention` mixer kind and its token loops.
+
+KDA is the gated delta rule of `_linear_attention` with a decay per key channel instead of per head,
+and without grouped value heads. The token loop is the gated DeltaNet one (`_gated_delta_rule`), fed
+the per-channel decay.
+
+Glossary (code name, symbol in Kimi Team, "Kimi Linear: An Expressive, Efficient Attention
+Architecture", 2025, shape):
+    batch      b                                       batch size
+    seq        t (a position), T (the length)          tokens of one kernel call
+    heads      h                                       query/key/value heads (one key head per value head)
+    key_dim    d_k                                     query/key head size
+    value_dim  d_v                                     value head size
+    query      q_t          [batch, seq, heads, key_dim]    L2-normalised in the kernel, scaled by d_k ** -0.5
+    key        k_t          [batch, seq, heads, key_dim]    L2-normalised in the kernel
+    value      v_t          [batch, seq, heads, value_dim]
+    g          log alpha_t  [batch, seq, heads, key_dim]    log of the per-channel decay alpha_t = exp(g_t) in (0, 1]
+    beta       beta_t       [batch, seq, heads]             write strength
+    state      S_t          [batch, heads, key_dim, value_dim]  key-major, float32, the layout of transformers' cache
+
+Recurrence, per head (Diag(alpha_t) scales row i of S, the memory of key channel i, by alpha_t[i]):
+    S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1} + beta_t k_t v_t^T
+    o_t = S_t^T q_t
+computed as transformers and flash-linear-attention do: decay, read `kv_mem`, write the correction.
+transformers' KDA kernels normalise with x / sqrt(|x|^2 + 1e-6), the gated DeltaNet loop with
+x * rsqrt(|x|^2 + 1e-6): the same value up to rounding.
+
+Module contents:
+- `chunk_kimi_delta_attention`, `recurrent_kimi_delta_attention`: token loops with the signatures of
+  transformers' kernels of the same names, plus a keyword-only `on_token`.
+- `KimiDeltaAttention`: the mixer kind, its kernels and values declared as class constants.
+"""
+
+from typing import Any
+
+from torch import Tensor
+
+from ._linear_attention import LinearAttention, OnToken, _gated_delta_rule
+from ._mixer import Kernel
+
+
+def chunk_kimi_delta_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    chunk_size: int = 64,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    *,
+    on_token: OnToken | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor | None]:
+    """The prompt kernel, token by token: same arguments and results as transformers' `chunk_kimi_delta_attention`.
+
+    `chunk_size` is accepted and ignored; `on_token(t, state)` is called after each token's state update
+    and returns the state token t+1 continues from. Other unknown keyword arguments are ignored.
+    """
+    return _gated_delta_rule(query, key, value, g, beta, initial_state, output_final_state,
+                             use_qk_l2norm_in_kernel, on_token, kwargs)
+
+
+def recurrent_kimi_delta_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None,
+    output_final_state: bool,
+    use_qk_l2norm_in_kernel: bool = False,
+    *,
+    on_token: OnToken | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor | None]:
+    """The decode kernel: same arguments and results as transformers' `recurrent_kimi_delta_attention`, plus `on_token`."""
+    return _gated_delta_rule(query, key, value, g, beta, initial_state, output_final_state,
+                             use_qk_l2norm_in_kernel, on_token, kwargs)
+
+
+class KimiDeltaAttention(LinearAttention):
+    """A Kimi delta attention mixer (kimi_linear, bailing_hybrid, glm5_next).
+
+        with recurrent_hooks.watch(model, keep=("states",)) as w:
+            model(input_ids)
+        w.mixers[0].states   # Float[Tensor, "batch seq heads key_dim value_dim"]
+
+    As `LinearAttention` (state `[batch, heads, key_dim, value_dim]`, float32, key-major; both kernels
+    return the new state and the mixer copies it into the cache), except that the decay `g` has one value
+    per key channel, `[batch, seq, heads, key_dim]`, and query, key and value have the same heads.
+    bailing_hybrid hands `g` over in the model dtype (bf16 in a bf16 model); the token loop runs in float32.
+    """
+
+    CHUNK_KERNEL = "chunk_kimi_delta_attention"
+    RECURRENT_KERNEL = "recurrent_kimi_delta_attention"
+    KERNELS = (
+        Kernel(CHUNK_KERNEL, chunk_kimi_delta_attention, LinearAttention.STATE_IN, ("output", "final_state"), "prompt"),
+        Kernel(RECURRENT_KERNEL, recurrent_kimi_delta_attention, LinearAttention.STATE_IN, ("output", "final_state"),
+               "decode"),
+    )
+    INPUTS = {
+        "query": "batch seq heads key_dim",
+        "key": "batch seq heads key_dim",
+        "value": "batch seq heads value_dim",
+        "g": "batch seq heads key_dim",
+        "beta": "batch seq heads",
+        "initial_state": "batch heads key_dim value_dim",
+    }
+    LIMITS = {
+        "conv_state": LinearAttention.LIMITS["conv_state"],
+        "packed sequences": "transformers' KDA mixers pass no cu_seqlens to their kernels, so a packed row is"
+        " run as one sequence; the token loop runs one sequence per batch row and refuses cu_seqlens",
+    }
