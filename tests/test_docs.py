@@ -1,0 +1,62 @@
+"""The README, the docs, the examples and the demo run as written, and name every supported family."""
+
+import pathlib
+import re
+import runpy
+import subprocess
+import sys
+
+import pytest
+
+import recurrent_hooks as rh
+import recurrent_hooks._patching as patching
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+
+
+def python_blocks(path: pathlib.Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_code_blocks_run(path):
+    """A page's python blocks run in order, in one namespace, as a reader would paste them."""
+    blocks = python_blocks(path)
+    assert blocks or path.name != "README.md", "the README has no example"
+    namespace: dict = {"__name__": f"docs.{path.stem}"}
+    for number, block in enumerate(blocks):
+        try:
+            exec(compile(block, f"{path.name}, python block {number + 1}", "exec"), namespace)
+        finally:
+            for name in ("w", "h"):  # a failing block must not leave a watch or hook active
+                if hasattr(namespace.get(name), "remove"):
+                    namespace[name].remove()
+    # nothing stays rebound: not by a watch or hook, not by a route_kernels("...", "torch") left in place
+    for family in rh.FAMILIES.values():
+        module = family.module()
+        for kernel in family.kind.KERNELS:
+            bound = getattr(module, kernel.name)
+            assert bound is patching.import_default(module, kernel.name), f"{path.name} left {kernel.name} rebound"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_run(path, capsys):
+    runpy.run_path(str(path), run_name="__main__")
+    assert capsys.readouterr().out.strip(), f"{path.name} printed nothing"
+
+
+def test_the_demo_runs():
+    result = subprocess.run([sys.executable, "-m", "recurrent_hooks", "demo"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    for step in ("1. ", "2. patch", "3. generate", "4. "):
+        assert step in result.stdout, f"the demo's step {step!r} is missing:\n{result.stdout}"
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/api.md", "docs/concepts.md"])
+def test_pages_name_every_supported_family(page):
+    text = (ROOT / page).read_text()
+    missing = [name for name in rh.FAMILIES if name not in text]
+    assert not missing, f"{page} does not mention {missing}"
