@@ -31,6 +31,7 @@ Module contents:
 - `KimiDeltaAttention`: the mixer kind, its kernels and values declared as class constants.
 """
 
+import dataclasses
 from typing import Any
 
 from torch import Tensor
@@ -95,10 +96,10 @@ class KimiDeltaAttention(LinearAttention):
 
     CHUNK_KERNEL = "chunk_kimi_delta_attention"
     RECURRENT_KERNEL = "recurrent_kimi_delta_attention"
-    KERNELS = (
-        Kernel(CHUNK_KERNEL, chunk_kimi_delta_attention, LinearAttention.STATE_IN, ("output", "final_state"), "prompt"),
-        Kernel(RECURRENT_KERNEL, recurrent_kimi_delta_attention, LinearAttention.STATE_IN, ("output", "final_state"),
-               "decode"),
+    KERNELS = tuple(
+        dataclasses.replace(kernel, name=name, loop=loop)
+        for kernel, name, loop in zip(LinearAttention.KERNELS, (CHUNK_KERNEL, RECURRENT_KERNEL),
+                                      (chunk_kimi_delta_attention, recurrent_kimi_delta_attention))
     )
     INPUTS = {
         "query": "batch seq heads key_dim",

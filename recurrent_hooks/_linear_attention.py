@@ -139,8 +139,9 @@ class LinearAttention(RecurrentMixer):
     RECURRENT_KERNEL: ClassVar[str] = "torch_recurrent_gated_delta_rule"
     STATE_IN: ClassVar[str] = "initial_state"  # where both kernels take the state; they return the new one
     KERNELS = (
-        Kernel(CHUNK_KERNEL, chunk_gated_delta_rule, STATE_IN, ("output", "final_state"), "prompt"),
-        Kernel(RECURRENT_KERNEL, recurrent_gated_delta_rule, STATE_IN, ("output", "final_state"), "decode"),
+        Kernel(CHUNK_KERNEL, chunk_gated_delta_rule, STATE_IN, ("output", "final_state"), "prompt", seq=("value", 1)),
+        Kernel(RECURRENT_KERNEL, recurrent_gated_delta_rule, STATE_IN, ("output", "final_state"), "decode",
+               seq=("value", 1)),
     )
     STATE = "batch heads key_dim value_dim"
     INPUTS = {
@@ -157,7 +158,3 @@ class LinearAttention(RecurrentMixer):
         " few tokens' inputs in the conv window",
         "packed sequences": "cu_seqlens (packed batches) need flash-linear-attention; the token loop refuses them",
     }
-
-    @classmethod
-    def tokens_of(cls, kernel: Kernel, arguments: dict[str, Any]) -> int:
-        return arguments["value"].shape[1]

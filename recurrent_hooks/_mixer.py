@@ -48,10 +48,14 @@ KEEPABLE = ("inputs", "outputs", "states")
 class Kernel:
     """One kernel of a mixer kind, as data.
 
-    `name` is the module global the mixer's forward calls; `loop` is the library's pure-torch token
-    loop with the same signature and return value (plus a keyword-only `on_token`); `state_in` is the
-    argument that carries the state into the kernel (None when the kernel starts from zeros);
-    `results` names the elements of the returned value; `role` is "prompt" or "decode".
+    - `name`: the module global the mixer's forward calls;
+    - `loop`: the library's pure-torch token loop with the same signature and return value, plus a
+      keyword-only `on_token(t, state) -> state`;
+    - `state_in`: the argument that carries the state in (None: the kernel always starts from zeros);
+    - `results`: names of the elements of the returned value (a single tensor is the first name);
+    - `role`: "prompt" or "decode";
+    - `seq`: `(argument, axis)` where the tokens of the call are counted (None: one token);
+    - `in_place`: the kernel writes the new state into its `state_in` tensor instead of returning it.
     """
 
     name: str
@@ -59,6 +63,8 @@ class Kernel:
     state_in: str | None
     results: tuple[str, ...]
     role: str
+    seq: tuple[str, int] | None = None
+    in_place: bool = False
 
     @property
     def signature(self) -> inspect.Signature:
@@ -68,6 +74,10 @@ class Kernel:
         """The call's arguments by name (extra keyword arguments the kernel ignores are left out)."""
         bound = self.signature.bind(*args, **kwargs)
         return {k: v for k, v in bound.arguments.items() if k not in ("kwargs", "on_token")}
+
+    def tokens(self, arguments: dict[str, Any]) -> int:
+        """How many tokens the call covers."""
+        return 1 if self.seq is None else arguments[self.seq[0]].shape[self.seq[1]]
 
     def name_results(self, result: Any) -> dict[str, Any]:
         values = result if isinstance(result, tuple) else (result,)
@@ -84,35 +94,70 @@ def _signature(fn: Callable) -> inspect.Signature:
 
 
 @dataclasses.dataclass(eq=False)
+class KernelCall:
+    """One kernel call: its name, its arguments and its results by name."""
+
+    kernel: str
+    inputs: dict[str, Any]
+    output: dict[str, Any]
+
+
+@dataclasses.dataclass(eq=False)
 class Call:
-    """What one call of a mixer left behind.
+    """What one call (one forward) of a mixer left behind.
 
         mix.calls[0].kernel            # "torch_chunk_gated_delta_rule": which kernel fired
         mix.calls[0].inputs["value"]   # the kernel's arguments by name
         mix.calls[0].output["output"]  # the kernel's results by name
         mix.calls[0].states            # per-token states, if kept
 
-    Inputs and outputs are the tensors the kernel saw (not copies), except the state argument, which is
-    cloned because the cache updates it in place at the next step.
+    Inputs and outputs are the tensors the kernel saw (not copies), except the state: the state
+    argument is cloned before the call and, for kernels that update it in place, its new value is
+    cloned after the call into `output["final_state"]`.
+
+    A mixer that runs its kernel once per head (zamba) makes several kernel calls in one call:
+    `parts[h]` is head h's `KernelCall`, and `states` stacks the heads on the axis after `seq`.
     """
 
     index: int
     where: str = ""
-    kernel: str | None = None
     tokens: int | None = None
-    inputs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    output: dict[str, Any] = dataclasses.field(default_factory=dict)
-    _states: list[Tensor] | None = dataclasses.field(default=None, repr=False)
+    parts: list[KernelCall] = dataclasses.field(default_factory=list)
+    _states: list[list[Tensor]] | None = dataclasses.field(default=None, repr=False)  # per part, per token
     _stacked: Tensor | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def kernel(self) -> str | None:
+        return self.parts[0].kernel if self.parts else None
+
+    def _single(self) -> KernelCall:
+        if len(self.parts) != 1:
+            raise Unavailable(f"{self.where}: call {self.index} made {len(self.parts)} kernel calls"
+                              " (one per head): read call.parts[head].inputs / .output")
+        return self.parts[0]
+
+    @property
+    def inputs(self) -> dict[str, Any]:
+        return self._single().inputs
+
+    @property
+    def output(self) -> dict[str, Any]:
+        return self._single().output
 
     @property
     def states(self) -> Tensor:
         """The state after every token of this call, stacked on a `seq` axis after `batch`."""
         if self._states is None:
             raise Unavailable(f"{self.where}: call {self.index} kept no states; pass keep=('states',) to watch")
-        if self._stacked is None or self._stacked.shape[1] != len(self._states):
-            self._stacked = torch.stack(self._states, dim=1)
+        if self._stacked is None:
+            per_part = [torch.stack(states, dim=1) for states in self._states]
+            self._stacked = per_part[0] if len(per_part) == 1 else torch.stack(per_part, dim=2)
         return self._stacked
+
+    def _state_after(self, token: int) -> Tensor:
+        if len(self._states) == 1:
+            return self._states[0][token]
+        return torch.stack([states[token] for states in self._states], dim=1)
 
 
 class _Hook:
@@ -161,7 +206,12 @@ class RecurrentMixer:
     - `KERNELS`: the `Kernel`s its modeling modules call (prompt and decode);
     - `STATE`: the axes of the state, as a jaxtyping shape string (e.g. "batch heads key_dim value_dim");
     - `INPUTS`, `OUTPUTS`: the named kernel values with their axes, for the docs and `support`;
-    - `LIMITS`: what cannot be had from this kind, and why (reported by `support`).
+    - `LIMITS`: what cannot be had from this kind, and why (reported by `support`);
+    - `FUSED`: names of fused whole-forward kernels (if its module has them) that return the mixer's
+      output and skip the kernels above; inside a watch they return None, as their pure-torch
+      versions do, for a call that has hooks or kept states, so that the forward goes on;
+    - `KERNEL_PER_HEAD`: the forward calls its kernels once per head (axis 1 of the state): hooks run
+      once per head with that head's state, and `mixer.head` says which head is running.
     """
 
     KERNELS: ClassVar[tuple[Kernel, ...]] = ()
@@ -169,6 +219,8 @@ class RecurrentMixer:
     INPUTS: ClassVar[dict[str, str]] = {}
     OUTPUTS: ClassVar[dict[str, str]] = {}
     LIMITS: ClassVar[dict[str, str]] = {}
+    FUSED: ClassVar[tuple[str, ...]] = ()
+    KERNEL_PER_HEAD: ClassVar[bool] = False
 
     def __init__(self, module: nn.Module, family: str, *, keep: Sequence[str] = (), record: bool = True,
                  restart_on_prompt: bool = False) -> None:
@@ -184,6 +236,7 @@ class RecurrentMixer:
         self._offset = 0  # begun count at the last prompt (hooks registered outside a watch count from it)
         self._current: Call | None = None
         self._fired = False  # whether the current forward called a kernel
+        self.head: int | None = None  # the head of the running kernel call (KERNEL_PER_HEAD kinds)
         self._on_empty: Callable[[], None] | None = None
         self._live = False  # attached to its module's tap
 
@@ -194,11 +247,6 @@ class RecurrentMixer:
             if kernel.name == name:
                 return kernel
         raise KeyError(f"{cls.__name__} declares no kernel {name!r}; it has {[k.name for k in cls.KERNELS]}")
-
-    @classmethod
-    def tokens_of(cls, kernel: Kernel, arguments: dict[str, Any]) -> int:
-        """How many tokens a kernel call covers, from its named arguments."""
-        raise NotImplementedError
 
     # -- reading -----------------------------------------------------------------------------------------
 
@@ -218,7 +266,8 @@ class RecurrentMixer:
         """The state after `token` (negative counts from the end) of call `call` (default: the last call).
 
         It is the state token+1 continues from: a write or hook at `token` is included. The tensor is
-        the one the recurrence used, so `torch.autograd.grad(metric, mix.state_after(t))` works.
+        the one the recurrence used, so `torch.autograd.grad(metric, mix.state_after(t))` works (for
+        KERNEL_PER_HEAD kinds it is a stack of the heads' states; take gradients through a written leaf).
         """
         record = self._call(call)
         record.states  # raises Unavailable if the states were not kept
@@ -227,7 +276,7 @@ class RecurrentMixer:
                 f"{self}: token {token} is outside call {record.index}, which has {record.tokens} tokens"
                 f" (valid: 0..{record.tokens - 1} or -{record.tokens}..-1)"
             )
-        return record._states[token]
+        return record._state_after(token)
 
     def _call(self, call: int | None) -> Call:
         if not self._record:
@@ -285,7 +334,7 @@ class RecurrentMixer:
             raise InvalidValue(f"{where}: expected an int token, got {token!r}")
 
         def write(mixer: RecurrentMixer, call: int, token: int, state: Tensor) -> Tensor:
-            return value
+            return value if mixer.head is None else value[:, mixer.head]
 
         return self._add_hook(_Hook(write, frozenset((call,)), (token,), f"set_state_after({token}, call={call})"))
 
@@ -313,9 +362,26 @@ class RecurrentMixer:
 
     # -- the call counter (driven by the tap's module hooks) -----------------------------------------------
 
-    def _begin_call(self) -> None:
+    def _forward_started(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Called with the mixer forward's arguments before it runs; kinds that must look at them override it."""
+
+    def _refusal(self, kernel: Kernel) -> str | None:
+        """Why this kernel call cannot serve hooks or kept states (None: it can); kinds override it."""
+        return None
+
+    def _wants(self, index: int) -> bool:
+        """Whether call `index` has hooks, writes or kept states."""
+        return (self._record and "states" in self.keep) or any(hook.targets(index) for hook in self._hooks.values())
+
+    def _peek_index(self, fresh: bool) -> int:
+        """The running call's index, without fixing it (see `_call_index`)."""
+        return 0 if self._restart_on_prompt and fresh else self._begun - 1 - self._offset
+
+    def _begin_call(self, args: tuple, kwargs: dict[str, Any]) -> None:
         self._begun += 1
         self._fired = False
+        self.head = None
+        self._forward_started(args, kwargs)
         self._current = None
         if self._record:
             self._current = Call(index=len(self.calls), where=repr(self))
@@ -325,7 +391,7 @@ class RecurrentMixer:
         if self._fired:
             return
         index = self._begun - 1 - self._offset
-        if any(hook.targets(index) for hook in self._hooks.values()) or "states" in self.keep:
+        if self._wants(index):
             raise RecurrentHooksError(
                 f"{self}: call {index} finished without calling a watched kernel ({', '.join(k.name for k in self.KERNELS)})"
                 " although hooks or kept states target it; the mixer took a path the library cannot see"
@@ -333,9 +399,15 @@ class RecurrentMixer:
             )
 
     def _call_index(self, fresh: bool) -> int:
-        """The index of the running call, fixed at its first kernel (prompt = starts from no state)."""
-        if not self._fired:
+        """The index of the running call, fixed at its first kernel (prompt = starts from no state).
+
+        Later kernel calls of the same forward (KERNEL_PER_HEAD kinds) are the next heads.
+        """
+        if self._fired:
+            self.head = None if self.head is None else self.head + 1
+        else:
             self._fired = True
+            self.head = 0 if self.KERNEL_PER_HEAD else None
             if self._restart_on_prompt and fresh:
                 self._offset = self._begun - 1
         return self._begun - 1 - self._offset
@@ -343,6 +415,8 @@ class RecurrentMixer:
     def _plan(self, kernel: Kernel, arguments: dict[str, Any], tokens: int) -> "_Plan":
         fresh = kernel.state_in is None or arguments.get(kernel.state_in) is None
         index = self._call_index(fresh)
+        if self._wants(index) and (reason := self._refusal(kernel)) is not None:
+            raise Unavailable(f"{self}, call {index} ({kernel.name}): {reason}")
         hooks: list[tuple[_Hook, frozenset[int] | None]] = []  # registration order, with absolute positions
         for hook in self._hooks.values():
             if not hook.targets(index):
@@ -361,14 +435,15 @@ class RecurrentMixer:
                 hooks.append((hook, positions))
         return _Plan(self, index, hooks, "states" in self.keep and self._record)
 
-    def _store(self, plan: "_Plan", kernel: Kernel, arguments: dict[str, Any], result: Any, tokens: int) -> None:
+    def _store(self, plan: "_Plan", part: KernelCall, tokens: int) -> None:
         record = self._current
         if record is None:
             return
-        record.kernel, record.tokens = kernel.name, tokens
-        record.inputs, record.output = arguments, kernel.name_results(result)
+        record.tokens = tokens
+        record.parts.append(part)
         if plan.states is not None:
-            record._states = plan.states
+            record._states = (record._states or []) + [plan.states]
+            record._stacked = None
 
 
 class _Plan:
@@ -417,13 +492,13 @@ class _Tap:
     def __init__(self, module: nn.Module) -> None:
         self.mixers: list[RecurrentMixer] = []
         self._handles = (
-            module.register_forward_pre_hook(self._pre),
+            module.register_forward_pre_hook(self._pre, with_kwargs=True),
             module.register_forward_hook(self._post, always_call=True),
         )
 
-    def _pre(self, module: nn.Module, args: Any) -> None:
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         for mixer in self.mixers:
-            mixer._begin_call()
+            mixer._begin_call(args, kwargs)
         _RUNNING.append(self)
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -438,13 +513,13 @@ class _Tap:
 
     def run_kernel(self, kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Run one kernel call for the attached mixers: unchanged when idle, else through the token loop."""
-        mixer_kind = type(self.mixers[0])
         arguments = kernel.bind(args, kwargs)
-        tokens = mixer_kind.tokens_of(kernel, arguments)
+        tokens = kernel.tokens(arguments)
         plans = [mixer._plan(kernel, arguments, tokens) for mixer in self.mixers]
-        if kernel.state_in is not None and isinstance(arguments.get(kernel.state_in), Tensor):
-            # The cache updates this tensor in place at the next step: keep the value this call saw.
-            arguments[kernel.state_in] = arguments[kernel.state_in].clone()
+        live_state = arguments.get(kernel.state_in) if kernel.state_in is not None else None
+        if isinstance(live_state, Tensor):
+            # The cache updates this tensor in place (at the next step, or in this very call): keep its value.
+            arguments[kernel.state_in] = live_state.clone()
         busy = [plan for plan in plans if not plan.idle]
         if not busy:
             result = original(*args, **kwargs)
@@ -463,9 +538,19 @@ class _Tap:
                 return state
 
             result = kernel.loop(*args, on_token=on_token, **kwargs)
+        output = kernel.name_results(result)
+        if kernel.in_place and isinstance(live_state, Tensor):
+            output["final_state"] = live_state.clone()
+        part = KernelCall(kernel.name, arguments, output)
         for mixer, plan in zip(self.mixers, plans):
-            mixer._store(plan, kernel, arguments, result, tokens)
+            mixer._store(plan, part, tokens)
         return result
+
+    def run_fused(self, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """A fused whole-forward kernel: skipped (None, as without mamba_ssm) when a mixer wants this call."""
+        if any(mixer._wants(mixer._peek_index(fresh=True)) for mixer in self.mixers):
+            return None
+        return original(*args, **kwargs)
 
 
 _TAPS: "weakref.WeakKeyDictionary[nn.Module, _Tap]" = weakref.WeakKeyDictionary()
@@ -500,14 +585,22 @@ def make_dispatcher(kind: type[RecurrentMixer]) -> Callable[[str, Any], Callable
     """For `acquire_kernels`: the function bound in place of kernel `name` of a module of mixer kind `kind`."""
 
     def make(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        kernel = kind.kernel(name)
+        if name in kind.FUSED:
 
-        @functools.wraps(original)
-        def watched(*args: Any, **kwargs: Any) -> Any:
-            tap = running_tap()
-            if tap is None:  # a call from outside an attached mixer's forward
-                return original(*args, **kwargs)
-            return tap.run_kernel(kernel, original, args, kwargs)
+            @functools.wraps(original)
+            def watched(*args: Any, **kwargs: Any) -> Any:
+                tap = running_tap()
+                return original(*args, **kwargs) if tap is None else tap.run_fused(original, args, kwargs)
+
+        else:
+            kernel = kind.kernel(name)
+
+            @functools.wraps(original)
+            def watched(*args: Any, **kwargs: Any) -> Any:
+                tap = running_tap()
+                if tap is None:  # a call from outside an attached mixer's forward
+                    return original(*args, **kwargs)
+                return tap.run_kernel(kernel, original, args, kwargs)
 
         watched.__recurrent_hooks__ = True
         return watched

@@ -32,8 +32,9 @@ def _mixer_modules(model: nn.Module) -> list[tuple[str, nn.Module, Family]]:
 def _attach_with_kernels(mixer: RecurrentMixer, family: Family, stack: contextlib.ExitStack) -> None:
     """Attach `mixer` and acquire its family's kernels, registering both releases on `stack`."""
     stack.callback(attach(mixer))
-    names = tuple(kernel.name for kernel in family.kind.KERNELS)
-    stack.callback(acquire_kernels(family.module(), make_dispatcher(family.kind), names))
+    module = family.module()
+    names = (*(kernel.name for kernel in family.kind.KERNELS), *(n for n in family.kind.FUSED if hasattr(module, n)))
+    stack.callback(acquire_kernels(module, make_dispatcher(family.kind), names))
 
 
 def _no_mixer_message(model: nn.Module) -> str:
