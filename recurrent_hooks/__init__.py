@@ -16,7 +16,11 @@ from ._linear_attention import LinearAttention as LinearAttention
 from ._mixer import Call as Call
 from ._mixer import Kernel as Kernel
 from ._mixer import RecurrentMixer as RecurrentMixer
+from ._mixer import KernelCall as KernelCall
 from ._registry import FAMILIES as FAMILIES
+from ._selective_scan import PerHeadSelectiveScan as PerHeadSelectiveScan
+from ._selective_scan import SelectiveScan as SelectiveScan
+from ._state_space import StateSpace as StateSpace
 from ._watch import MixerSupport as MixerSupport
 from ._watch import Watch as Watch
 from ._watch import register_state_hook as register_state_hook
@@ -34,7 +38,11 @@ __all__ = [
     "RecurrentMixer",
     "LinearAttention",
     "KimiDeltaAttention",
+    "SelectiveScan",
+    "PerHeadSelectiveScan",
+    "StateSpace",
     "Call",
+    "KernelCall",
     "Kernel",
     "FAMILIES",
     "RecurrentHooksError",

@@ -109,6 +109,8 @@ class KimiDeltaAttention(LinearAttention):
         "beta": "batch seq heads",
         "initial_state": "batch heads key_dim value_dim",
     }
+    VALUES = {**LinearAttention.VALUES, "query": "batch seq heads key_dim", "key": "batch seq heads key_dim",
+              "g": "batch seq heads key_dim"}
     LIMITS = {
         "conv_state": LinearAttention.LIMITS["conv_state"],
         "packed sequences": "transformers' KDA mixers pass no cu_seqlens to their kernels, so a packed row is"

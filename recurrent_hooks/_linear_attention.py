@@ -34,7 +34,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ._errors import RecurrentHooksError
-from ._mixer import Kernel, RecurrentMixer
+from ._mixer import Kernel, KernelCall, RecurrentMixer
 
 OnToken = Callable[[int, Tensor], Tensor]
 
@@ -153,8 +153,22 @@ class LinearAttention(RecurrentMixer):
         "initial_state": "batch heads key_dim value_dim",
     }
     OUTPUTS = {"output": "batch seq heads value_dim", "final_state": "batch heads key_dim value_dim"}
+    VALUES = {
+        "query": "batch seq key_heads key_dim",
+        "key": "batch seq key_heads key_dim",
+        "value": "batch seq heads value_dim",
+        "g": "batch seq heads",
+        "beta": "batch seq heads",
+        "output": "batch seq heads value_dim",
+    }
     LIMITS = {
         "conv_state": "the causal-convolution window is not exposed yet: a state write leaves the last"
         " few tokens' inputs in the conv window",
         "packed sequences": "cu_seqlens (packed batches) need flash-linear-attention; the token loop refuses them",
     }
+
+    @classmethod
+    def _token_values(cls, part: KernelCall) -> dict[str, Tensor]:
+        # the kernel's own arguments are token-major already (before the kernel's l2norm and scaling)
+        return {**{name: part.inputs[name] for name in ("query", "key", "value", "g", "beta")},
+                "output": part.output["output"]}

@@ -207,6 +207,7 @@ class RecurrentMixer:
     - `STATE`: the axes of the state, as a jaxtyping shape string (e.g. "batch heads key_dim value_dim");
     - `INPUTS`, `OUTPUTS`: the named kernel values with their axes, for the docs and `support`;
     - `LIMITS`: what cannot be had from this kind, and why (reported by `support`);
+    - `VALUES`: the per-token values `values()` returns, with their axes;
     - `FUSED`: names of fused whole-forward kernels (if its module has them) that return the mixer's
       output and skip the kernels above; inside a watch they return None, as their pure-torch
       versions do, for a call that has hooks or kept states, so that the forward goes on;
@@ -221,6 +222,7 @@ class RecurrentMixer:
     LIMITS: ClassVar[dict[str, str]] = {}
     FUSED: ClassVar[tuple[str, ...]] = ()
     KERNEL_PER_HEAD: ClassVar[bool] = False
+    VALUES: ClassVar[dict[str, str]] = {}  # what `values()` returns: name -> axes
 
     def __init__(self, module: nn.Module, family: str, *, keep: Sequence[str] = (), record: bool = True,
                  restart_on_prompt: bool = False) -> None:
@@ -277,6 +279,27 @@ class RecurrentMixer:
                 f" (valid: 0..{record.tokens - 1} or -{record.tokens}..-1)"
             )
         return record._state_after(token)
+
+    def values(self, call: int | None = None) -> dict[str, Tensor]:
+        """The per-token values of call `call` (default: the last), token-major, named as in `VALUES`.
+
+            mix.values()["dt"]     # Mamba: the step after bias and softplus, [batch, seq, d_inner]
+
+        Computed from the kernel's recorded inputs and outputs (no states needed). Mixers that run
+        their kernel once per head stack the heads on the axis after `seq`.
+        """
+        parts = self._call(call).parts
+        if not parts:
+            raise Unavailable(f"{self}: call {self._call(call).index} made no kernel call")
+        per_part = [self._token_values(part) for part in parts]
+        if len(per_part) == 1:
+            return per_part[0]
+        return {name: torch.stack([values[name] for values in per_part], dim=2) for name in per_part[0]}
+
+    @classmethod
+    def _token_values(cls, part: KernelCall) -> dict[str, Tensor]:
+        """`values()` of one kernel call; each kind derives them from its kernel's arguments."""
+        raise NotImplementedError
 
     def _call(self, call: int | None) -> Call:
         if not self._record:

@@ -20,6 +20,8 @@ from ._errors import Unavailable
 from ._kimi_delta import KimiDeltaAttention
 from ._linear_attention import LinearAttention
 from ._mixer import RecurrentMixer
+from ._selective_scan import PerHeadSelectiveScan, SelectiveScan
+from ._state_space import StateSpace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,23 +52,22 @@ FAMILIES: dict[str, Family] = {
         Family("kimi_linear", "KimiLinearDeltaAttention", KimiDeltaAttention),
         Family("bailing_hybrid", "BailingHybridDeltaAttention", KimiDeltaAttention),
         Family("glm5_next", "Glm5NextTextLinearAttention", KimiDeltaAttention),
+        Family("mamba", "MambaMixer", SelectiveScan),
+        Family("falcon_mamba", "FalconMambaMixer", SelectiveScan),
+        Family("jamba", "JambaMambaMixer", SelectiveScan),
+        Family("zamba", "ZambaMambaMixer", PerHeadSelectiveScan),
+        Family("mamba2", "Mamba2Mixer", StateSpace),
+        Family("bamba", "BambaMixer", StateSpace),
+        Family("falcon_h1", "FalconH1Mixer", StateSpace),
+        Family("granitemoehybrid", "GraniteMoeHybridMambaLayer", StateSpace),
+        Family("nemotron_h", "NemotronHMamba2Mixer", StateSpace),
+        Family("zamba2", "Zamba2MambaMixer", StateSpace),
     )
 }
 
 _BY_CLASS: dict[tuple[str, str], Family] = {(f.module_name, f.mixer_class): f for f in FAMILIES.values()}
 
-_PLANNED = "not supported yet (planned)"
 KNOWN_UNSUPPORTED: dict[str, str] = {
-    "MambaMixer": f"Mamba-1 selective scan: {_PLANNED}",
-    "FalconMambaMixer": f"Mamba-1 selective scan: {_PLANNED}",
-    "JambaMambaMixer": f"Mamba-1 selective scan: {_PLANNED}",
-    "ZambaMambaMixer": f"Mamba-1 selective scan: {_PLANNED}",
-    "Mamba2Mixer": f"Mamba-2 state space: {_PLANNED}",
-    "BambaMixer": f"Mamba-2 state space: {_PLANNED}",
-    "FalconH1Mixer": f"Mamba-2 state space: {_PLANNED}",
-    "GraniteMoeHybridMambaLayer": f"Mamba-2 state space: {_PLANNED}",
-    "NemotronHMamba2Mixer": f"Mamba-2 state space: {_PLANNED}",
-    "Zamba2MambaMixer": f"Mamba-2 state space: {_PLANNED}",
     "RecurrentGemmaRecurrentBlock": "RG-LRU: no module-level kernel to rebind (an inline token loop)",
     "RwkvSelfAttention": "RWKV-4: not supported",
     "xLSTMLayer": "mLSTM: kernels are captured in functools.partial when the model is built; cannot be rebound",

@@ -1,7 +1,9 @@
-"""Tiny random-weight hybrid (gated DeltaNet or Kimi delta attention + attention) causal LMs for tests.
+"""Tiny random-weight recurrent causal LMs for tests: gated DeltaNet, Kimi delta attention and Mamba
+(Mamba-1 / Mamba-2) mixers, mostly in hybrids with attention.
 
 Every model is built from a config (nothing is downloaded): float32, eval mode,
-vocab 128 (pad 0 / bos 1 / eos 2), hidden 32, 4 decoder layers.
+vocab 128 (pad 0 / bos 1 / eos 2), hidden 32, 4 decoder layers (2 for mamba,
+falcon_mamba, mamba2 and falcon_h1).
 ``build(family, seed)`` seeds torch and builds; ``FAMILIES`` maps a family name
 to its zero-argument builder (unseeded: prefer ``build``).
 
@@ -38,6 +40,35 @@ per-key-channel decay at init, over channels and tokens):
   (median >= 0.996): not memoryless (effect >= 5e-2), but the decay, the part KDA adds to the delta
   rule, would barely be exercised. ``_bailing_hybrid`` zeroes A_log as
   glm5_next's init does: alpha min 0.58, median 0.92 .. 0.97; effect >= 2.5e-2.
+
+Mamba families (same check, seeds 0-3, every Mamba layer; the cache's
+``layers[i].recurrent_states[0]`` zeroed after token 4, then tokens 5..11 fed one at a
+time with explicit ``position_ids`` (bamba's forward otherwise restarts positions at 0);
+pure Mamba models take the cache as ``cache=``: their forward silently ignores ``past_key_values=``).
+Effect at default init -> as built, with per-token decay exp(dt A) and rms |B|, |C| as built:
+
+* mamba 1.2e-4 -> 2.1e-3: ``x_proj`` B/C rows x4 (|B|, |C| 0.12 -> 0.5).
+* falcon_mamba 1.2e-2, mamba2 6.8e-4: left as they are (dt in [1e-3, 0.1], B and C
+  RMS-normed in falcon_mamba, |B|, |C| ~ 0.15 in mamba2).
+* jamba 6.9e-7 -> 1.3e-3: dt_proj.bias is zero-initialised, so dt = 0.69 and the decay
+  is 0.05 per token (median). dt -> [0.01, 0.1] (decay median 0.89), conv1d x16, out_proj x4.
+* zamba < 1e-8 (below float32 resolution of the logits) -> 2.3e-3: dt is fine (1e-3 .. 0.1), but
+  ``x_proj_weight`` and conv1d ~ N(0, 0.02) give |B|, |C| ~ 2e-4. conv1d x16, ``x_proj_weight``
+  B/C rows x512 (|B|, |C| ~ 2), out_proj x4.
+* bamba, falcon_h1, granitemoehybrid, nemotron_h, zamba2 (Mamba-2 hybrids) <= 1.7e-7 ->
+  2.2e-3, 5.5e-3, 2.7e-3, 2.8e-3, 3.7e-3: in_proj and conv1d ~ N(0, 0.02) give |B|, |C| ~ 2e-3;
+  bamba, falcon_h1 and granitemoehybrid also set dt_bias = 1 (dt 1.3, decay median 0.04).
+  dt_bias -> softplus^-1 of [0.01 .. 0.1] over the 4 heads (decay 0.6 .. 0.99), conv1d x16,
+  in_proj B/C rows x16 (|B|, |C| ~ 0.6; x64 for falcon_h1, whose mixer output y * silu(gate) is
+  not normalised when mamba_rms_norm=False), out_proj x4. For nemotron_h and zamba2 the dt
+  change also keeps dt away from their dt floor (time_step_min = 1e-3): the prompt kernel clamps
+  dt there but the one-token decode kernel does not, so larger B/C with dt < 1e-3 made cached
+  decoding differ from a full forward by up to 1e-4.
+
+conv1d x16 and out_proj x4 bring those N(0, 0.02) weights to about PyTorch's default (kaiming)
+scale, which MambaMixer and Mamba2Mixer keep. Cached one-token decoding matches the full forward
+within 1e-6 in every family. Build 13-18 ms, 2x12 forward 3-8 ms, 4-token generate 8-19 ms
+(after the first model of the process, which pays ~2 s of imports).
 """
 
 from __future__ import annotations
@@ -244,6 +275,192 @@ def _glm5_next():
     )
 
 
+# Mamba (selective SSM) families. MambaConfig-style configs take no attention fields; of the hybrids'
+# configs only NemotronH has a head_dim field (elsewhere head_dim = hidden_size // num_attention_heads
+# = 16 for heads 2/1; zamba and zamba2 use heads 2/2 as in the reference configs).
+_TWO_LAYERS = {**_COMMON, "num_hidden_layers": 2}
+_HEADS = dict(num_attention_heads=2, num_key_value_heads=1)
+_MAMBA = dict(state_size=8, expand=2, conv_kernel=4)
+_HYBRID_MAMBA = dict(mamba_d_state=8, mamba_d_conv=4, mamba_expand=2)
+_HYBRID_MAMBA2 = dict(**_HYBRID_MAMBA, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_chunk_size=8)
+# Time steps of the Mamba-2 hybrids (and jamba) after ``_strengthen_ssm`` (see module docstring).
+_DT_RANGE = (0.01, 0.1)
+
+
+def _strengthen_ssm(
+    model: transformers.PreTrainedModel,
+    *,
+    dt: tuple[float, float] | None = None,
+    bc: float = 1.0,
+    conv: float = 1.0,
+    out: float = 1.0,
+) -> transformers.PreTrainedModel:
+    """Rescale every Mamba / Mamba-2 mixer so that its state shows in the logits at init (no RNG).
+
+    ``dt=(lo, hi)`` sets the time-step bias (``dt_bias``, or ``dt_proj.bias`` for jamba) to
+    softplus^-1 of a log-spaced grid from lo to hi over heads (channels); ``bc`` multiplies the
+    projection rows that produce B and C (``x_proj`` for Mamba-1, the B/C rows of ``in_proj`` for
+    Mamba-2); ``conv`` multiplies ``conv1d.weight``; ``out`` multiplies ``out_proj.weight``.
+    """
+    with torch.no_grad():
+        for module in model.modules():
+            if not (isinstance(getattr(module, "A_log", None), torch.nn.Parameter) and hasattr(module, "conv1d")):
+                continue
+            rank = getattr(module, "time_step_rank", None)
+            if isinstance(getattr(module, "dt_bias", None), torch.nn.Parameter):  # Mamba-2
+                dt_bias = module.dt_bias
+                inner, bc_size = module.intermediate_size, module.n_groups * module.ssm_state_size
+                # in_proj rows: [gate, x, B, C, dt], B and C each n_groups * ssm_state_size wide.
+                module.in_proj.weight[2 * inner : 2 * inner + 2 * bc_size] *= bc
+            elif hasattr(module, "x_proj"):  # Mamba-1: x_proj rows [dt, B, C]
+                dt_bias = module.dt_proj.bias
+                module.x_proj.weight[rank:] *= bc
+            else:  # zamba: one x_proj per head, [heads, dt + B + C, head_dim]
+                dt_bias = module.dt_proj_bias
+                module.x_proj_weight[:, rank:] *= bc
+            if dt is not None:
+                steps = torch.logspace(math.log10(dt[0]), math.log10(dt[1]), dt_bias.shape[-1], dtype=torch.float64)
+                dt_bias.copy_((steps + torch.log(-torch.expm1(-steps))).expand_as(dt_bias))
+            module.conv1d.weight *= conv
+            module.out_proj.weight *= out
+    return model
+
+
+def _mamba():
+    # x_proj B/C rows x4: with the default init the state's effect on the logits is only ~1e-4.
+    return _strengthen_ssm(_make(
+        transformers.MambaConfig, transformers.MambaForCausalLM,
+        **_TWO_LAYERS, **_MAMBA,
+    ), bc=4.0)
+
+
+def _falcon_mamba():
+    return _make(
+        transformers.FalconMambaConfig, transformers.FalconMambaForCausalLM,
+        **_TWO_LAYERS, **_MAMBA,
+    )
+
+
+def _jamba():
+    # Default dt = softplus(0) = 0.69 (dt_proj.bias is zero-initialised): decay ~0.05 per token,
+    # memoryless. dt -> [0.01, 0.1]; conv1d x16 and out_proj x4 bring the N(0, 0.02) init of
+    # these weights to PyTorch's default (kaiming) scale. B and C are RMS-normed: bc has no effect.
+    return _strengthen_ssm(_make(
+        transformers.JambaConfig, transformers.JambaForCausalLM,
+        **_COMMON, **_HEADS, **_HYBRID_MAMBA,
+        intermediate_size=64,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+    ), dt=_DT_RANGE, conv=16.0, out=4.0)
+
+
+def _zamba():
+    # dt is already in [1e-3, 0.1], but B, C = x_proj(x) ~ 2e-4 (x_proj and conv1d ~ N(0, 0.02)):
+    # state effect < 1e-7. conv1d x16 and out_proj x4 (kaiming scale), x_proj B/C rows x512 (|B|, |C| ~ 2).
+    return _strengthen_ssm(_make(
+        transformers.ZambaConfig, transformers.ZambaForCausalLM,
+        **_COMMON, **_HYBRID_MAMBA,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        layers_block_type=["mamba", "hybrid"] * 2,
+        n_mamba_heads=2,
+    ), bc=512.0, conv=16.0, out=4.0)
+
+
+def _mamba2():
+    return _make(
+        transformers.Mamba2Config, transformers.Mamba2ForCausalLM,
+        **_TWO_LAYERS,
+        num_heads=4,
+        head_dim=16,
+        expand=2,
+        state_size=8,
+        n_groups=2,
+        conv_kernel=4,
+        chunk_size=8,
+    )
+
+
+# The Mamba-2 hybrids initialise in_proj and conv1d with N(0, 0.02), so B, C ~ 2e-3 and the state is
+# invisible (effect < 2e-7); bamba, falcon_h1 and granitemoehybrid also start at dt_bias = 1
+# (dt ~ 1.3, decay <= 0.3 per token). Same fix for all five (see module docstring).
+_MAMBA2_HYBRID_FIX = dict(dt=_DT_RANGE, bc=16.0, conv=16.0, out=4.0)
+
+
+def _bamba():
+    return _strengthen_ssm(_make(
+        transformers.BambaConfig, transformers.BambaForCausalLM,
+        **_COMMON, **_HEADS, **_HYBRID_MAMBA2,
+        intermediate_size=64,
+        attn_layer_indices=[1, 3],
+    ), **_MAMBA2_HYBRID_FIX)
+
+
+def _falcon_h1():
+    # mamba_rms_norm=False (the default): the mixer output y * silu(gate) is not normalised and stays
+    # small, so B/C rows x64 instead of x16.
+    return _strengthen_ssm(_make(
+        transformers.FalconH1Config, transformers.FalconH1ForCausalLM,
+        **_TWO_LAYERS, **_HEADS, **_HYBRID_MAMBA2,
+        intermediate_size=64,
+        mamba_d_ssm=64,
+        mamba_rms_norm=False,
+    ), **{**_MAMBA2_HYBRID_FIX, "bc": 64.0})
+
+
+def _granitemoehybrid():
+    return _strengthen_ssm(_make(
+        transformers.GraniteMoeHybridConfig, transformers.GraniteMoeHybridForCausalLM,
+        **_COMMON, **_HEADS, **_HYBRID_MAMBA2,
+        intermediate_size=64,
+        layer_types=["mamba", "attention"] * 2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=32,
+    ), **_MAMBA2_HYBRID_FIX)
+
+
+def _nemotron_h():
+    # NemotronHConfig derives num_hidden_layers from layers_block_type (not a field).
+    common = {k: v for k, v in _COMMON.items() if k != "num_hidden_layers"}
+    return _strengthen_ssm(_make(
+        transformers.NemotronHConfig, transformers.NemotronHForCausalLM,
+        **common, **_HEADS,
+        head_dim=16,
+        intermediate_size=64,
+        layers_block_type=["mamba", "attention", "mamba", "mlp"],
+        ssm_state_size=8,
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        n_groups=2,
+        conv_kernel=4,
+        expand=2,
+        chunk_size=8,
+        n_routed_experts=4,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32,
+    ), **_MAMBA2_HYBRID_FIX)
+
+
+def _zamba2():
+    return _strengthen_ssm(_make(
+        transformers.Zamba2Config, transformers.Zamba2ForCausalLM,
+        **_COMMON, **_HYBRID_MAMBA,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        layers_block_type=["mamba", "hybrid"] * 2,
+        mamba_ngroups=2,
+        n_mamba_heads=4,
+        chunk_size=8,
+        adapter_rank=8,
+    ), **_MAMBA2_HYBRID_FIX)
+
 FAMILIES: dict[str, Callable[[], transformers.PreTrainedModel]] = {
     "qwen3_next": _qwen3_next,
     "qwen3_5": _qwen3_5,
@@ -254,6 +471,16 @@ FAMILIES: dict[str, Callable[[], transformers.PreTrainedModel]] = {
     "kimi_linear": _kimi_linear,
     "bailing_hybrid": _bailing_hybrid,
     "glm5_next": _glm5_next,
+    "mamba": _mamba,
+    "falcon_mamba": _falcon_mamba,
+    "jamba": _jamba,
+    "zamba": _zamba,
+    "mamba2": _mamba2,
+    "bamba": _bamba,
+    "falcon_h1": _falcon_h1,
+    "granitemoehybrid": _granitemoehybrid,
+    "nemotron_h": _nemotron_h,
+    "zamba2": _zamba2,
 }
 
 

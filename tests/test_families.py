@@ -5,6 +5,8 @@ parity with the unwatched model, states equal to the float64 reference, write se
 counter in `generate`, left padding, gradients, and bindings restored.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from _compare import assert_close, assert_equal
 from _models import FAMILIES as BUILDERS
 from _models import PAD, build, random_ids
 from _reference import gated_delta_rule_reference, kimi_delta_rule_reference
+from _reference_ssm import selective_scan_reference, ssd_reference
 
 FAMILIES = [name for name in rh.FAMILIES if name in BUILDERS]
 T = 13  # not a multiple of anything
@@ -22,18 +25,52 @@ def test_every_supported_family_has_a_tiny_model():
     assert sorted(FAMILIES) == sorted(rh.FAMILIES), "a supported family has no builder in tests/_models.py"
 
 
+def _gated_delta_part(part):
+    x = part.inputs
+    reference = gated_delta_rule_reference if x["g"].dim() == 3 else kimi_delta_rule_reference
+    return reference(x["query"], x["key"], x["value"], x["g"], x["beta"], initial_state=x["initial_state"],
+                     normalize_qk=x["use_qk_l2norm_in_kernel"])[1]
+
+
+def _selective_scan_part(part):
+    x = part.inputs
+    if part.kernel == rh.SelectiveScan.CHUNK_KERNEL:
+        t = lambda v: v.transpose(1, 2)  # noqa: E731  channel-major -> token-major
+        return selective_scan_reference(t(x["hidden_states"]), t(x["dt"]), x["A"], t(x["B"]), t(x["C"]),
+                                        dt_bias=x["delta_bias"], softplus=x["delta_softplus"])[1]
+    return selective_scan_reference(x["hidden_states"][:, None], x["dt"][:, None], x["A"], x["B"][:, None],
+                                    x["C"][:, None], dt_bias=x["dt_bias"], softplus=x["dt_softplus"],
+                                    initial_state=x["state"])[1]
+
+
+def _state_space_part(part):
+    x = part.inputs
+    if part.kernel == rh.StateSpace.CHUNK_KERNEL:
+        return ssd_reference(x["hidden_states"], x["dt"], x["A"], x["B"], x["C"], dt_bias=x["dt_bias"],
+                             softplus=x["dt_softplus"], dt_limit=x["dt_limit"], initial_state=x["initial_states"])[1]
+    # the decode kernel gets the per-head parameters expanded over head_dim: channel 0 is the head's
+    return ssd_reference(x["hidden_states"][:, None], x["dt"][:, None, :, 0], x["A"][:, 0, 0], x["B"][:, None],
+                         x["C"][:, None], dt_bias=None if x["dt_bias"] is None else x["dt_bias"][:, 0],
+                         softplus=x["dt_softplus"], dt_limit=(-math.inf, math.inf), initial_state=x["state"])[1]
+
+
+REFERENCES = {rh.LinearAttention: _gated_delta_part, rh.KimiDeltaAttention: _gated_delta_part,
+              rh.SelectiveScan: _selective_scan_part, rh.PerHeadSelectiveScan: _selective_scan_part,
+              rh.StateSpace: _state_space_part}
+
+
 def reference_states(mixer: rh.RecurrentMixer, call: int) -> torch.Tensor:
     """Per-token states of `call`, recomputed in float64 from the call's recorded kernel inputs."""
-    x = mixer.calls[call].inputs
-    references = {
-        rh.LinearAttention: lambda: gated_delta_rule_reference(
-            x["query"], x["key"], x["value"], x["g"], x["beta"], initial_state=x["initial_state"],
-            normalize_qk=x["use_qk_l2norm_in_kernel"])[1],
-        rh.KimiDeltaAttention: lambda: kimi_delta_rule_reference(
-            x["query"], x["key"], x["value"], x["g"], x["beta"], initial_state=x["initial_state"],
-            normalize_qk=x["use_qk_l2norm_in_kernel"])[1],
-    }
-    return references[type(mixer)]()
+    parts = [REFERENCES[type(mixer)](part) for part in mixer.calls[call].parts]
+    return parts[0] if len(parts) == 1 else torch.stack(parts, dim=2)
+
+
+def state_in(mixer: rh.RecurrentMixer, call: int) -> torch.Tensor:
+    """The state call `call` started from, as its kernel received it (heads stacked for per-head mixers)."""
+    record = mixer.calls[call]
+    name = type(mixer).kernel(record.kernel).state_in
+    states = [part.inputs[name] for part in record.parts]
+    return states[0] if len(states) == 1 else torch.stack(states, dim=1)
 
 
 def perturbation(state: torch.Tensor, seed: int = 1) -> torch.Tensor:
@@ -116,7 +153,7 @@ def test_call_counter_in_generate(model):
     n = 5
     seen = []
     with rh.watch(model) as w:
-        w.mixers[-1].register_state_hook(lambda m, c, t, s: seen.append((c, t)))
+        w.mixers[-1].register_state_hook(lambda m, c, t, s: seen.append((c, t)) if m.head in (None, 0) else None)
         greedy(model, random_ids(2, T), n)
     for mixer in w.mixers:
         kernels = [c.kernel for c in mixer.calls]
@@ -156,7 +193,7 @@ def test_write_at_the_last_prompt_token_steers_generation(model):
     with rh.watch(model, keep=("states",)) as w:
         w.mixers[0].set_state_after(T - 1, value)
         greedy(model, ids, 3)
-    assert_close("decode step 1 started from the write", value, w.mixers[0].calls[1].inputs["initial_state"],
+    assert_close("decode step 1 started from the write", value, state_in(w.mixers[0], 1),
                  rtol=0, atol=0)
 
 
@@ -173,8 +210,9 @@ def test_write_at_a_decode_step(model):
         steered = greedy(model, ids, 5, **kwargs)
     for step in range(3):
         assert_close(f"logits of call {step}", plain.logits[step], steered.logits[step], rtol=1e-5, atol=1e-5)
-    assert (plain.logits[3] - steered.logits[3]).abs().max() > 1e-6
-    assert_close("call 3 continued from the write", value, w.mixers[0].calls[3].inputs["initial_state"],
+    change = max((plain.logits[step] - steered.logits[step]).abs().max() for step in range(3, 5))
+    assert change > 1e-6, f"a write at decode call 2 changed no later logits ({change})"
+    assert_close("call 3 continued from the write", value, state_in(w.mixers[0], 3),
                  rtol=0, atol=0)
 
 
@@ -213,14 +251,18 @@ def test_gradient_with_respect_to_a_state(model):
     with rh.watch(model, keep=("states",)) as w:
         metric = model(ids).logits[0, -1].logsumexp(-1)
     state = w.mixers[0].state_after(token)
-    (grad,) = torch.autograd.grad(metric, state)
-    assert grad.abs().max() > 0
-    # the same gradient through a leaf written at the same token
+    # the gradient through a leaf written at the same token
     leaf = state.detach().clone().requires_grad_()
     with rh.watch(model) as w:
         w.mixers[0].set_state_after(token, leaf)
         model(ids).logits[0, -1].logsumexp(-1).backward()
-    assert_close("grad through a written leaf", grad, leaf.grad, rtol=1e-4, atol=1e-7)
+    grad = leaf.grad
+    assert grad.abs().max() > 0
+    if type(w.mixers[0]).KERNEL_PER_HEAD:  # documented: state_after stacks the heads' states, a new tensor
+        with pytest.raises(RuntimeError, match="not have been used in the graph"):
+            torch.autograd.grad(metric, state)
+    else:  # the kept state is the tensor the recurrence used
+        assert_close("grad of the kept state", grad, torch.autograd.grad(metric, state)[0], rtol=1e-4, atol=1e-7)
     # and the gradient predicts a small change of the state (finite difference along the gradient)
     eps = 1e-2 * state.norm() / grad.norm()  # a step of 1% of the state: small, yet well above float32 noise
     values = []

@@ -1,0 +1,306 @@
+"""Mamba-1 (the selective scan, S6): token loops for its two kernels, and its discretization.
+
+Glossary (code name, symbol in Gu & Dao, "Mamba: Linear-Time Sequence Modeling with Selective State
+Spaces", 2023, Algorithm 2, shape as the prompt kernel takes it; the decode kernel drops `seq`):
+    batch          b (`B` in Algorithm 2)  batch size
+    seq            t (a position), L       tokens of one kernel call
+    d_inner        D                       channels (`intermediate_size`); each has its own d_state-vector state
+    d_state        N                       state size per channel
+    hidden_states  x_t      [batch, d_inner, seq]      channel-major, the kernels' layout
+    dt             -        [batch, d_inner, seq]      the step before bias and softplus
+    delta_bias     -        [d_inner]                  `dt_bias` in the decode kernel
+    (step)         Δ_t      [batch, seq, d_inner]      softplus(dt + delta_bias) (τ_Δ = softplus), float32
+    A              A        [d_inner, d_state]         -exp(A_log), float32, negative
+    B              B_t      [batch, d_state, seq]      input projection of token t
+    C              C_t      [batch, d_state, seq]      output projection of token t
+    D              D        [d_inner]                  skip connection (the Mamba block's, not Algorithm 2's)
+    z              z_t      [batch, d_inner, seq]      gate of the Mamba block: y_t * silu(z_t)
+    state          h_t      [batch, d_inner, d_state]  float32, the layout of transformers' cache
+    (decay)        Ā_t = exp(Δ_t A)      [batch, seq, d_inner, d_state]  zero-order hold
+    (drive)        B̄_t x_t = Δ_t B_t x_t  [batch, seq, d_inner, d_state]  the Euler step every implementation uses
+
+Recurrence, per channel d (h_t[d] is a d_state-vector, A[d] its decay rates):
+    h_t = exp(Δ_t A) h_{t-1} + Δ_t B_t x_t
+    y_t = C_t . h_t + D x_t,   times silu(z_t) when z is given
+
+Like transformers, the step is formed in dt's dtype (bias cast to it, softplus taken in it) and then
+used in float32; the recurrence runs in float32 and the output gets the dtype transformers' kernel gives
+it (prompt: the promotion of x, C, D and z; decode: x's dtype).
+
+Module contents:
+- `mamba_selective_scan`, `mamba_selective_state_update`: token loops with the signatures and results of
+  transformers' kernels of the same names, plus a keyword-only `on_token` (and `initial_state` for the scan).
+- `discretize`: Δ_t, exp(Δ_t A) and Δ_t B_t x_t of every token, from the prompt kernel's arguments.
+- `step_size`, `refuse_packed`: shared with the Mamba-2 loops in `_state_space`.
+- `SelectiveScan`, `PerHeadSelectiveScan`: the mixer kinds (zamba runs its kernels once per head).
+"""
+
+import functools
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from einops import einsum, rearrange
+from jaxtyping import Float
+from torch import Tensor
+
+from ._errors import RecurrentHooksError
+from ._mixer import Kernel, KernelCall, RecurrentMixer
+
+OnToken = Callable[[int, Tensor], Tensor]
+
+
+def step_size(dt: Tensor, bias: Tensor | None, softplus: bool, limit: tuple[float, float] | None = None) -> Tensor:
+    """Δ from a kernel's `dt`, in float32: bias added and softplus taken in dt's dtype, as transformers does.
+
+    `limit` clamps Δ after the softplus; only Mamba-2's prompt kernel has one (its decode kernel does not).
+    """
+    if bias is not None:
+        dt = dt + bias.to(dt.dtype)
+    if softplus:
+        dt = F.softplus(dt)
+    if limit is not None:
+        dt = dt.clamp(limit[0], limit[1])
+    return dt.float()
+
+
+def refuse_packed(kwargs: dict[str, Any]) -> None:
+    """Raise for packed sequences: transformers' own pure-torch kernels refuse them too."""
+    for name in ("cu_seqlens", "seq_idx"):
+        if kwargs.get(name) is not None:
+            raise RecurrentHooksError(
+                f"packed sequences ({name}) need mamba_ssm; the token loop runs one sequence per batch row"
+            )
+
+
+def _discrete(
+    dt: Float[Tensor, "*lead d_inner"],
+    A: Float[Tensor, "d_inner d_state"],
+    B: Float[Tensor, "*lead d_state"],
+    x: Float[Tensor, "*lead d_inner"],
+) -> tuple[Float[Tensor, "*lead d_inner d_state"], Float[Tensor, "*lead d_inner d_state"]]:
+    """exp(Δ A) and Δ B x (any leading axes)."""
+    return torch.exp(dt[..., None] * A), (dt * x)[..., None] * B[..., None, :]
+
+
+def discretize(
+    hidden_states: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    delta_bias: Tensor | None = None,
+    delta_softplus: bool = False,
+) -> tuple[Float[Tensor, "batch seq d_inner"], Float[Tensor, "batch seq d_inner d_state"],
+           Float[Tensor, "batch seq d_inner d_state"]]:
+    """Δ_t, exp(Δ_t A) and Δ_t B_t x_t of every token, float32, token-major, from `mamba_selective_scan`'s arguments.
+
+        names = ("hidden_states", "dt", "A", "B", "delta_bias", "delta_softplus")
+        dt, decay, drive = discretize(**{k: v for k, v in call.inputs.items() if k in names})
+        # states[:, t] == decay[:, t] * states[:, t - 1] + drive[:, t]   (before any state write)
+
+    For the decode kernel's arguments add the seq axis: `discretize(x[..., None], dt[..., None], A,
+    B[..., None], dt_bias, dt_softplus)`.
+    """
+    x, dt, B = (rearrange(v, "b c t -> b t c") for v in (hidden_states, dt, B))
+    dt = step_size(dt, delta_bias, delta_softplus)
+    return (dt, *_discrete(dt, A.float(), B.float(), x.float()))
+
+
+def _selective_scan(
+    x: Float[Tensor, "batch seq d_inner"],
+    dt: Float[Tensor, "batch seq d_inner"],
+    A: Float[Tensor, "d_inner d_state"],
+    B: Float[Tensor, "batch seq d_state"],
+    C: Float[Tensor, "batch seq d_state"],
+    initial_state: Float[Tensor, "batch d_inner d_state"] | None,
+    on_token: OnToken | None,
+) -> tuple[Float[Tensor, "batch seq d_inner"], Float[Tensor, "batch d_inner d_state"]]:
+    """C_t h_t of every token and the last state; float32 token-major in and out (no D, no gate)."""
+    batch, seq, d_inner = x.shape
+    if initial_state is None:
+        state = x.new_zeros(batch, d_inner, A.shape[-1])
+    else:  # a copy: the decode kernel's state is the cache tensor, written only at the end
+        state = initial_state.to(torch.float32, copy=True)
+    outputs = []
+    for t in range(seq):
+        decay, drive = _discrete(dt[:, t], A, B[:, t], x[:, t])  # b d n   exp(Δ_t A), Δ_t B_t x_t
+        state = decay * state + drive  # b d n   h_t
+        outputs.append(einsum(state, C[:, t], "b d n, b n -> b d"))  # b d   C_t . h_t
+        if on_token is not None:
+            state = on_token(t, state)  # b d n   what token t+1 continues from
+    y = torch.stack(outputs, dim=1) if outputs else x.new_zeros(batch, 0, d_inner)
+    return y, state
+
+
+def _skip_and_gate(y: Tensor, x: Tensor, D: Tensor | None, z: Tensor | None) -> Tensor:
+    """y + D x, times silu(z): y, x, z in one layout, D broadcast over it (float32)."""
+    if D is not None:
+        y = y + x * D.float()
+    if z is not None:
+        y = y * F.silu(z.float())
+    return y
+
+
+def mamba_selective_scan(
+    hidden_states: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    delta_bias: Tensor | None = None,
+    delta_softplus: bool = False,
+    return_last_state: bool = False,
+    use_mambapy: bool = False,
+    use_associative_scan: bool = False,
+    *,
+    initial_state: Tensor | None = None,
+    on_token: OnToken | None = None,
+    **kwargs: Any,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The prompt kernel, token by token: same arguments and results as transformers' `mamba_selective_scan`.
+
+    Returns y `[batch, d_inner, seq]` (D skip and silu(z) gate applied), and the last state
+    `[batch, d_inner, d_state]` float32 when `return_last_state`. `use_mambapy` and
+    `use_associative_scan` are accepted and ignored; so are unknown keyword arguments.
+    `on_token(t, state)` is called after token t's state update and output; token t+1 continues from the
+    state it returns, and the last one returned is the last state.
+    `initial_state` is the library's own: transformers' kernel always starts from zeros, which is why a
+    multi-token forward of a Mamba-1 model with a cache drops the cached state.
+    """
+    refuse_packed(kwargs)
+    x = rearrange(hidden_states, "b d t -> b t d").float()
+    delta = step_size(rearrange(dt, "b d t -> b t d"), delta_bias, delta_softplus)
+    B_t, C_t = (rearrange(v, "b n t -> b t n").float() for v in (B, C))
+    y, state = _selective_scan(x, delta, A.float(), B_t, C_t, initial_state, on_token)
+    y = _skip_and_gate(rearrange(y, "b t d -> b d t"), hidden_states.float(),
+                       None if D is None else D[:, None], z)
+    dtype = functools.reduce(torch.promote_types, [v.dtype for v in (hidden_states, C, D, z) if v is not None])
+    y = y.to(dtype)
+    return (y, state) if return_last_state else y
+
+
+def mamba_selective_state_update(
+    state: Tensor,
+    hidden_states: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    dt_softplus: bool = False,
+    z: Tensor | None = None,
+    *,
+    on_token: OnToken | None = None,
+    **kwargs: Any,
+) -> Tensor:
+    """The decode kernel (one token): same arguments and result as transformers' `mamba_selective_state_update`.
+
+    Returns y `[batch, d_inner]` in hidden_states' dtype and, like transformers, writes the new state
+    into `state` in place (`copy_`): the mixer never writes it back to the cache. With `on_token` (called
+    once, t=0) the state written is the one it returns. Unknown keyword arguments are ignored.
+    """
+    refuse_packed(kwargs)
+    x = hidden_states.float()[:, None]  # b 1 d
+    delta = step_size(dt, dt_bias, dt_softplus)[:, None]  # b 1 d
+    y, new_state = _selective_scan(x, delta, A.float(), B.float()[:, None], C.float()[:, None], state, on_token)
+    state.copy_(new_state)
+    return _skip_and_gate(y[:, 0], x[:, 0], D, z).to(hidden_states.dtype)
+
+
+_CONV_LIMIT = ("the causal-convolution window is not exposed yet: a state write leaves the last few tokens'"
+               " inputs in the conv window")
+_CONTINUATION = ("transformers' mamba_selective_scan takes no initial state, so a forward of several tokens over"
+                 " a cached state restarts the SSM state from zero (the model's own behaviour, watched or not);"
+                 " hooks and kept states are refused for such a call: continue one token at a time")
+
+
+class SelectiveScan(RecurrentMixer):
+    """A Mamba-1 mixer (mamba, falcon_mamba, jamba).
+
+        with recurrent_hooks.watch(model, keep=("states",)) as w:
+            model(input_ids)
+        w.mixers[0].states     # Float[Tensor, "batch seq d_inner d_state"]
+        w.mixers[0].values()   # x, dt, B, C, y of every token
+
+    The state h_t is `[batch, d_inner, d_state]`, float32, the layout of transformers' cache. The prompt
+    kernel returns the last state (the mixer copies it into the cache); the decode kernel writes the new
+    state into the cache tensor in place, and so does the library's loop, after any hook or write.
+    """
+
+    CHUNK_KERNEL: ClassVar[str] = "mamba_selective_scan"  # several tokens (a prompt): a scan from zeros
+    RECURRENT_KERNEL: ClassVar[str] = "mamba_selective_state_update"  # one token over the cached state
+    STATE_IN: ClassVar[str] = "state"  # the decode kernel's state argument, updated in place
+    KERNELS = (
+        Kernel(CHUNK_KERNEL, mamba_selective_scan, None, ("output", "final_state"), "prompt", seq=("hidden_states", 2)),
+        Kernel(RECURRENT_KERNEL, mamba_selective_state_update, STATE_IN, ("output",), "decode", in_place=True),
+    )
+    FUSED = ("mamba_inner_fn",)
+    STATE = "batch d_inner d_state"
+    INPUTS = {
+        "hidden_states": "batch d_inner seq",
+        "dt": "batch d_inner seq",
+        "A": "d_inner d_state",
+        "B": "batch d_state seq",
+        "C": "batch d_state seq",
+        "D": "d_inner",
+        "z": "batch d_inner seq",
+        "state": "batch d_inner d_state",
+    }
+    OUTPUTS = {"output": "batch d_inner seq", "final_state": "batch d_inner d_state"}
+    VALUES = {
+        "x": "batch seq d_inner",
+        "dt": "batch seq d_inner",
+        "B": "batch seq d_state",
+        "C": "batch seq d_state",
+        "y": "batch seq d_inner",
+    }
+    LIMITS = {"conv_state": _CONV_LIMIT, "multi-token continuation": _CONTINUATION}
+
+    def _forward_started(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        hidden_states = args[0] if args else kwargs["hidden_states"]
+        cache = kwargs.get("cache", kwargs.get("cache_params", args[1] if len(args) > 1 else None))
+        self._continuing = (hidden_states.shape[1] > 1 and cache is not None
+                            and cache.get_recurrent_state(self.layer) is not None)
+
+    def _refusal(self, kernel: Kernel) -> str | None:
+        return _CONTINUATION if kernel.role == "prompt" and self._continuing else None
+
+    @classmethod
+    def _token_values(cls, part: KernelCall) -> dict[str, Tensor]:
+        x = part.inputs
+        if part.kernel == cls.CHUNK_KERNEL:
+            token_major = lambda v: rearrange(v, "b c t -> b t c")  # noqa: E731
+            dt = step_size(token_major(x["dt"]), x["delta_bias"], x["delta_softplus"])
+            return {"x": token_major(x["hidden_states"]), "dt": dt, "B": token_major(x["B"]),
+                    "C": token_major(x["C"]), "y": token_major(part.output["output"])}
+        dt = step_size(x["dt"], x["dt_bias"], x["dt_softplus"])
+        return {"x": x["hidden_states"][:, None], "dt": dt[:, None], "B": x["B"][:, None], "C": x["C"][:, None],
+                "y": part.output["output"][:, None]}
+
+
+class PerHeadSelectiveScan(SelectiveScan):
+    """A Mamba-1 mixer that runs its kernels once per mamba head inside one forward (zamba).
+
+        with recurrent_hooks.watch(model, keep=("states",)) as w:
+            model(input_ids)
+        w.mixers[0].states     # Float[Tensor, "batch seq heads head_dim d_state"]
+
+    One call of the mixer makes one kernel call per head (`call.parts[h]`). The state is the cache's
+    `[batch, heads, head_dim, d_state]`; kept states and `values()` stack the heads after `seq`. Hooks run
+    once per head and token with that head's `[batch, head_dim, d_state]` state, `mixer.head` telling
+    which; `set_state_after` takes the whole state and writes each head's slice.
+    """
+
+    KERNEL_PER_HEAD = True
+    STATE = "batch heads head_dim d_state"
+    VALUES = {
+        "x": "batch seq heads head_dim",
+        "dt": "batch seq heads head_dim",
+        "B": "batch seq heads d_state",
+        "C": "batch seq heads d_state",
+        "y": "batch seq heads head_dim",
+    }

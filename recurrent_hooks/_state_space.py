@@ -1,0 +1,264 @@
+"""Mamba-2 (state space duality, SSD): token loops for its two kernels, and its discretization.
+
+Glossary (code name, symbol in Dao & Gu, "Transformers are SSMs: Generalized Models and Efficient
+Algorithms Through Structured State Space Duality", 2024, shape as the prompt kernel takes it):
+    batch           b                   batch size
+    seq             t (a position), T   tokens of one kernel call
+    heads           H                   heads; each has its own scalar decay rate
+    head_dim        P                   channels per head (`intermediate_size = heads * head_dim`)
+    groups          G                   B/C groups (`n_groups`); head h reads group h // (heads // groups)
+    d_state         N                   state size
+    hidden_states   x_t      [batch, seq, heads, head_dim]
+    dt              -        [batch, seq, heads]                   the step before bias, softplus and clamp
+    dt_bias         -        [heads]
+    dt_limit        -        (low, high)                           clamp of Δ_t (prompt kernel only)
+    (step)          Δ_t      [batch, seq, heads]                   clamp(softplus(dt + dt_bias), dt_limit), float32
+    A               a_h      [heads]                               -exp(A_log), float32, negative: a scalar per head
+    B               B_t      [batch, seq, groups, d_state]
+    C               C_t      [batch, seq, groups, d_state]
+    D               D_h      [heads]                               skip connection
+    z               z_t      decode only: [batch, heads, head_dim]  gate y_t * silu(z_t) (falcon_h1)
+    initial_states  h_0      [batch, heads, head_dim, d_state]
+    state           h_t      [batch, heads, head_dim, d_state]     float32, the layout of transformers' cache
+    (decay)         exp(Δ_t a_h)   [batch, seq, heads]
+    (drive)         Δ_t x_t B_t^T  [batch, seq, heads, head_dim, d_state]
+
+Recurrence, per head (h_t is a head_dim x d_state matrix):
+    h_t = exp(Δ_t a_h) h_{t-1} + Δ_t x_t B_t^T
+    y_t = h_t C_t + D_h x_t
+
+The decode kernel takes the per-head parameters expanded over head_dim, as the mixers pass them:
+dt `[batch, heads, head_dim]`, A `[heads, head_dim, d_state]`, D and dt_bias `[heads, head_dim]`,
+B/C `[batch, groups, d_state]`; the loop uses them as given (per channel), so nothing assumes they
+are constant over head_dim.
+
+As in transformers: the step is formed in dt's dtype (bias cast to it, softplus and clamp taken in it);
+the prompt kernel clamps Δ to `dt_limit` even without softplus (the default (0, inf) sets negative steps
+to 0), the decode kernel never clamps; the prompt kernel ignores `z` (it arrives in `**kwargs`) and
+returns float32 whatever the input dtype; the decode kernel applies `z` and returns hidden_states' dtype.
+The recurrence runs in float32 here (transformers' decode kernel forms Δ B x in the input dtype).
+
+Module contents:
+- `mamba2_chunk_scan`, `mamba2_selective_state_update`: token loops with the signatures and results of
+  transformers' kernels of the same names, plus a keyword-only `on_token`.
+- `discretize`: Δ_t, exp(Δ_t a_h) and Δ_t x_t B_t^T of every token, from the prompt kernel's arguments.
+- `StateSpace`: the mixer kind.
+"""
+
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from einops import einsum, repeat
+from jaxtyping import Float
+from torch import Tensor
+
+from ._mixer import Kernel, KernelCall, RecurrentMixer
+from ._selective_scan import OnToken, refuse_packed, step_size
+
+
+def _per_head(v: Float[Tensor, "*lead groups d_state"], heads: int) -> Float[Tensor, "*lead heads d_state"]:
+    """B or C for every head, float32: head h reads group h // (heads // groups)."""
+    return repeat(v.float(), "... g n -> ... (g r) n", r=heads // v.shape[-2])
+
+
+def _discrete(
+    dt: Float[Tensor, "*lead heads q"],
+    A: Float[Tensor, "heads q m"],
+    B: Float[Tensor, "*lead heads d_state"],
+    x: Float[Tensor, "*lead heads head_dim"],
+) -> tuple[Float[Tensor, "*lead heads q m"], Float[Tensor, "*lead heads head_dim d_state"]]:
+    """exp(Δ a) and Δ x B^T; q is 1 (a step per head) or head_dim, m is 1 (a scalar per head) or d_state."""
+    return torch.exp(dt[..., None] * A), (dt * x)[..., None] * B[..., None, :]
+
+
+def discretize(
+    hidden_states: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    dt_bias: Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+) -> tuple[Float[Tensor, "batch seq heads"], Float[Tensor, "batch seq heads"],
+           Float[Tensor, "batch seq heads head_dim d_state"]]:
+    """Δ_t, exp(Δ_t a_h) and Δ_t x_t B_t^T of every token, float32, from `mamba2_chunk_scan`'s arguments.
+
+        names = ("hidden_states", "dt", "A", "B", "dt_bias", "dt_softplus", "dt_limit")
+        dt, decay, drive = discretize(**{k: v for k, v in call.inputs.items() if k in names})
+        # states[:, t] == decay[:, t, :, None, None] * states[:, t - 1] + drive[:, t]   (before any state write)
+
+    For the decode kernel's arguments take channel 0 of the expanded parameters, add the seq axis and
+    do not clamp: `discretize(x[:, None], dt[:, None, :, 0], A[:, 0, 0], B[:, None], dt_bias[:, 0],
+    dt_softplus, (-inf, inf))`.
+    """
+    dt = step_size(dt, dt_bias, dt_softplus, dt_limit)
+    decay, drive = _discrete(dt[..., None], A.float()[:, None, None], _per_head(B, hidden_states.shape[-2]),
+                             hidden_states.float())
+    return dt, decay[..., 0, 0], drive
+
+
+def _ssd(
+    x: Float[Tensor, "batch seq heads head_dim"],
+    dt: Float[Tensor, "batch seq heads q"],
+    A: Float[Tensor, "heads q m"],
+    B: Float[Tensor, "batch seq heads d_state"],
+    C: Float[Tensor, "batch seq heads d_state"],
+    initial_state: Float[Tensor, "batch heads head_dim d_state"] | None,
+    on_token: OnToken | None,
+) -> tuple[Float[Tensor, "batch seq heads head_dim"], Float[Tensor, "batch heads head_dim d_state"]]:
+    """h_t C_t of every token and the last state; float32 in and out (no D, no gate).
+
+    q is 1 (prompt: a step per head) or head_dim (decode: expanded), m is 1 or d_state, as in `_discrete`.
+    """
+    batch, seq, heads, head_dim = x.shape
+    if initial_state is None:
+        state = x.new_zeros(batch, heads, head_dim, B.shape[-1])
+    else:  # a copy: the decode kernel's state is the cache tensor, written only at the end
+        state = initial_state.to(torch.float32, copy=True)
+    outputs = []
+    for t in range(seq):
+        decay, drive = _discrete(dt[:, t], A, B[:, t], x[:, t])  # b h q m, b h p n   exp(Δ_t a_h), Δ_t x_t B_t^T
+        state = decay * state + drive  # b h p n   h_t
+        outputs.append(einsum(state, C[:, t], "b h p n, b h n -> b h p"))  # b h p   h_t C_t
+        if on_token is not None:
+            state = on_token(t, state)  # b h p n   what token t+1 continues from
+    y = torch.stack(outputs, dim=1) if outputs else x.new_zeros(batch, 0, heads, head_dim)
+    return y, state
+
+
+def mamba2_chunk_scan(
+    hidden_states: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    chunk_size: int,
+    D: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    initial_states: Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    return_final_states: bool = False,
+    *,
+    on_token: OnToken | None = None,
+    **kwargs: Any,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The prompt kernel, token by token: same arguments and results as transformers' `mamba2_chunk_scan`.
+
+    Returns y `[batch, seq, heads, head_dim]` float32 (D skip applied, no gate), and the last state
+    `[batch, heads, head_dim, d_state]` float32 when `return_final_states`. `chunk_size` is accepted and
+    ignored; so are `z` and other unknown keyword arguments (transformers' kernel ignores `z` too: the
+    mixer gates afterwards). `on_token(t, state)` is called after token t's state update and output;
+    token t+1 continues from the state it returns, and the last one returned is the final state.
+    """
+    refuse_packed(kwargs)
+    heads = hidden_states.shape[2]
+    x = hidden_states.float()
+    delta = step_size(dt, dt_bias, dt_softplus, dt_limit)  # b t h
+    y, state = _ssd(x, delta[..., None], A.float()[:, None, None], _per_head(B, heads), _per_head(C, heads),
+                    initial_states, on_token)
+    if D is not None:
+        y = y + D[:, None] * x  # float32 (or D's dtype if wider), as transformers
+    return (y, state) if return_final_states else y
+
+
+def mamba2_selective_state_update(
+    state: Tensor,
+    hidden_states: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    dt_softplus: bool = False,
+    z: Tensor | None = None,
+    *,
+    on_token: OnToken | None = None,
+    **kwargs: Any,
+) -> Tensor:
+    """The decode kernel (one token): same arguments and result as transformers' `mamba2_selective_state_update`.
+
+    Returns y `[batch, heads, head_dim]` in hidden_states' dtype (D skip and silu(z) gate applied) and,
+    like transformers, writes the new state into `state` in place (`copy_`): the mixer never writes it
+    back to the cache. With `on_token` (called once, t=0) the state written is the one it returns.
+    No `dt_limit` clamp, as in transformers. Unknown keyword arguments are ignored.
+    """
+    refuse_packed(kwargs)
+    heads = hidden_states.shape[1]
+    x = hidden_states.float()[:, None]  # b 1 h p
+    delta = step_size(dt, dt_bias, dt_softplus)[:, None]  # b 1 h p
+    B_h, C_h = (_per_head(v, heads)[:, None] for v in (B, C))  # b 1 h n
+    y, new_state = _ssd(x, delta, A.float(), B_h, C_h, state, on_token)
+    state.copy_(new_state)
+    y = y[:, 0]
+    if D is not None:
+        y = y + x[:, 0] * D.float()
+    if z is not None:
+        y = y * F.silu(z.float())
+    return y.to(hidden_states.dtype)
+
+
+class StateSpace(RecurrentMixer):
+    """A Mamba-2 mixer (mamba2, bamba, falcon_h1, granitemoehybrid, nemotron_h, zamba2).
+
+        with recurrent_hooks.watch(model, keep=("states",)) as w:
+            model(input_ids)
+        w.mixers[0].states     # Float[Tensor, "batch seq heads head_dim d_state"]
+        w.mixers[0].values()   # x, dt, decay, B, C, y of every token
+
+    The state h_t is `[batch, heads, head_dim, d_state]`, float32, the layout of transformers' cache.
+    Inside a watch the prompt runs token by token whenever something is asked of it, so every token's
+    state is a real state, not a chunk boundary. The prompt kernel takes the cached state
+    (`initial_states`) and returns the last one; the decode kernel writes the new state into the cache
+    tensor in place, and so does the library's loop, after any hook or write.
+    """
+
+    CHUNK_KERNEL: ClassVar[str] = "mamba2_chunk_scan"
+    RECURRENT_KERNEL: ClassVar[str] = "mamba2_selective_state_update"
+    STATE_IN: ClassVar[str] = "state"  # the decode kernel's state argument, updated in place
+    KERNELS = (
+        Kernel(CHUNK_KERNEL, mamba2_chunk_scan, "initial_states", ("output", "final_state"), "prompt",
+               seq=("hidden_states", 1)),
+        Kernel(RECURRENT_KERNEL, mamba2_selective_state_update, STATE_IN, ("output",), "decode", in_place=True),
+    )
+    FUSED = ("mamba2_split_conv1d_scan_combined",)
+    STATE = "batch heads head_dim d_state"
+    INPUTS = {
+        "hidden_states": "batch seq heads head_dim",
+        "dt": "batch seq heads",
+        "A": "heads",
+        "B": "batch seq groups d_state",
+        "C": "batch seq groups d_state",
+        "D": "heads",
+        "initial_states": "batch heads head_dim d_state",
+        "state": "batch heads head_dim d_state",
+    }
+    OUTPUTS = {"output": "batch seq heads head_dim", "final_state": "batch heads head_dim d_state"}
+    VALUES = {
+        "x": "batch seq heads head_dim",
+        "dt": "batch seq heads",
+        "decay": "batch seq heads",
+        "B": "batch seq groups d_state",
+        "C": "batch seq groups d_state",
+        "y": "batch seq heads head_dim",
+    }
+    LIMITS = {
+        "conv_state": "the causal-convolution window is not exposed yet: a state write leaves the last few"
+        " tokens' inputs in the conv window",
+        "dt_limit at decode steps": "transformers' decode kernel does not clamp dt to time_step_limit (its prompt"
+        " kernel does); the library's loops do the same, so a non-default limit makes them disagree",
+    }
+
+    @classmethod
+    def _token_values(cls, part: KernelCall) -> dict[str, Tensor]:
+        x = part.inputs
+        if part.kernel == cls.CHUNK_KERNEL:
+            dt = step_size(x["dt"], x["dt_bias"], x["dt_softplus"], x["dt_limit"])
+            return {"x": x["hidden_states"], "dt": dt, "decay": torch.exp(dt * x["A"].float()), "B": x["B"],
+                    "C": x["C"], "y": part.output["output"]}
+        # the decode kernel gets the per-head parameters expanded over head_dim: channel 0 is the head's
+        dt = step_size(x["dt"][..., 0], None if x["dt_bias"] is None else x["dt_bias"][..., 0], x["dt_softplus"])
+        return {"x": x["hidden_states"][:, None], "dt": dt[:, None], "decay": torch.exp(dt * x["A"][:, 0, 0].float())[:, None],
+                "B": x["B"][:, None], "C": x["C"][:, None], "y": part.output["output"][:, None]}
