@@ -1,10 +1,11 @@
-"""Activation patching on recurrent layers: copy the state after token t from run A into run B.
+"""Activation patching on recurrent layers: copy the memory after token t from run A into run B.
 
     python examples/patch_state.py
 
-Run A and run B share their tokens after t. The recurrent state after t is the part of the layer's
-memory carried by the recurrence. Writing A's state into B moves B's later outputs towards A's.
-The causal-convolution window still holds B's last inputs (docs/concepts.md, known limits).
+Run A and run B share their tokens after t. A recurrent layer's memory after t is its state and the
+window of its causal convolution. Writing A's memory into B, in every recurrent layer, makes the
+recurrent layers continue as in A; what still differs comes from the attention layers, which see
+B's tokens <= t through their keys and values.
 """
 
 import torch
@@ -19,15 +20,14 @@ run_b = run_a.clone()
 run_b[0, :8] = torch.randint(3, 128, (8,), generator=gen)
 t = 7
 
-# 1. Record A: the state after token t of every recurrent layer, and A's logits.
-with rh.watch(model, keep=("states",)) as w, torch.no_grad():
+# 1. Record A: the memory after token t of every recurrent layer, and A's logits.
+with rh.watch(model, keep=("states", "conv_states")) as a, torch.no_grad():
     logits_a = model(run_a).logits
-memory = {mixer.layer: mixer.state_after(t).clone() for mixer in w.mixers}
+memory = a.memory_after(t)  # {layer: Memory(state, conv_state)}
 
-# 2. Run B with A's states written after token t.
-with rh.watch(model) as w, torch.no_grad():
-    for mixer in w.mixers:
-        mixer.set_state_after(t, memory[mixer.layer])
+# 2. Run B with A's memory written after token t.
+with rh.watch(model) as b, torch.no_grad():
+    b.set_memory_after(t, memory)
     patched = model(run_b).logits
 with torch.no_grad():
     logits_b = model(run_b).logits

@@ -17,6 +17,7 @@ from ._mixer import Call as Call
 from ._mixer import Kernel as Kernel
 from ._mixer import RecurrentMixer as RecurrentMixer
 from ._mixer import KernelCall as KernelCall
+from ._mixer import Memory as Memory
 from ._registry import FAMILIES as FAMILIES
 from ._selective_scan import PerHeadSelectiveScan as PerHeadSelectiveScan
 from ._selective_scan import SelectiveScan as SelectiveScan
@@ -43,6 +44,7 @@ __all__ = [
     "StateSpace",
     "Call",
     "KernelCall",
+    "Memory",
     "Kernel",
     "FAMILIES",
     "RecurrentHooksError",

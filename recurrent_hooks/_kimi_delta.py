@@ -36,6 +36,7 @@ from typing import Any
 
 from torch import Tensor
 
+from ._conv import CONV_KERNELS
 from ._linear_attention import LinearAttention, OnToken, _gated_delta_rule
 from ._mixer import Kernel
 
@@ -96,10 +97,11 @@ class KimiDeltaAttention(LinearAttention):
 
     CHUNK_KERNEL = "chunk_kimi_delta_attention"
     RECURRENT_KERNEL = "recurrent_kimi_delta_attention"
-    KERNELS = tuple(
-        dataclasses.replace(kernel, name=name, loop=loop)
-        for kernel, name, loop in zip(LinearAttention.KERNELS, (CHUNK_KERNEL, RECURRENT_KERNEL),
-                                      (chunk_kimi_delta_attention, recurrent_kimi_delta_attention))
+    KERNELS = (
+        *(dataclasses.replace(kernel, name=name, loop=loop)
+          for kernel, name, loop in zip(LinearAttention.KERNELS, (CHUNK_KERNEL, RECURRENT_KERNEL),
+                                        (chunk_kimi_delta_attention, recurrent_kimi_delta_attention))),
+        *CONV_KERNELS,
     )
     INPUTS = {
         "query": "batch seq heads key_dim",
@@ -112,7 +114,6 @@ class KimiDeltaAttention(LinearAttention):
     VALUES = {**LinearAttention.VALUES, "query": "batch seq heads key_dim", "key": "batch seq heads key_dim",
               "g": "batch seq heads key_dim"}
     LIMITS = {
-        "conv_state": LinearAttention.LIMITS["conv_state"],
         "packed sequences": "transformers' KDA mixers pass no cu_seqlens to their kernels, so a packed row is"
         " run as one sequence; the token loop runs one sequence per batch row and refuses cu_seqlens",
     }

@@ -34,6 +34,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ._errors import RecurrentHooksError
+from ._conv import CONV_KERNELS
 from ._mixer import Kernel, KernelCall, RecurrentMixer
 
 OnToken = Callable[[int, Tensor], Tensor]
@@ -142,6 +143,7 @@ class LinearAttention(RecurrentMixer):
         Kernel(CHUNK_KERNEL, chunk_gated_delta_rule, STATE_IN, ("output", "final_state"), "prompt", seq=("value", 1)),
         Kernel(RECURRENT_KERNEL, recurrent_gated_delta_rule, STATE_IN, ("output", "final_state"), "decode",
                seq=("value", 1)),
+        *CONV_KERNELS,
     )
     STATE = "batch heads key_dim value_dim"
     INPUTS = {
@@ -162,8 +164,6 @@ class LinearAttention(RecurrentMixer):
         "output": "batch seq heads value_dim",
     }
     LIMITS = {
-        "conv_state": "the causal-convolution window is not exposed yet: a state write leaves the last"
-        " few tokens' inputs in the conv window",
         "packed sequences": "cu_seqlens (packed batches) need flash-linear-attention; the token loop refuses them",
     }
 

@@ -6,30 +6,32 @@ Vocabulary (docs/concepts.md has the long form):
 - call: one forward of the mixer module. Inside a `watch`, call 0 is the first forward of that
   mixer in the block (the prompt); in `generate`, decode step k is call k.
 - token: a position inside a call, counted from the call's own first token.
-- kernel: the module-global function the mixer's forward calls for its recurrence; the library
-  rebinds it (see `_patching`) to a dispatcher that knows which mixer is running.
+- kernel: a module-global function the mixer's forward calls; the library rebinds it (see
+  `_patching`) to a dispatcher that knows which mixer is running.
+- memory: what a mixer carries from token to token: its recurrent `state` and the window of its
+  causal convolution, `conv_state`. Each kernel updates one of them (`Kernel.memory`).
 
 Module contents:
 - `Kernel`: the declaration of one kernel of a mixer kind (name, the library's token loop, where the
-  state goes in, what the results are called).
-- `Call`: what a call left behind: kernel, named inputs and outputs, per-token states if kept.
+  memory goes in, what the results are called, where its tokens are counted).
+- `Call`, `KernelCall`, `Memory`: what a call left behind.
 - `RecurrentMixer`: the base class; subclasses declare their kernels and values as class constants.
-- `running_tap()`: the tap of the mixer module whose forward is running (used by the dispatchers).
+- `attach`, `make_dispatcher`: how mixers meet their modules and kernels (used by `_watch`).
 
 How a kernel call is handled: a forward pre-hook on the mixer module pushes its tap on a stack and
 starts a call on every attached `RecurrentMixer`; the dispatcher bound in place of the kernel finds
-that tap; each attached mixer says what it wants of this call (a `_Plan`); when nothing is wanted
-beyond inputs and outputs, the kernel bound before the watch runs unchanged, otherwise the library's
-token loop runs and calls `_Plan.on_token` after each token's state update.
+that tap; each attached mixer says what it wants of this kernel call (a `_Plan`); when nothing is
+wanted beyond inputs and outputs, the kernel bound before the watch runs unchanged, otherwise the
+library's token loop runs and calls `_Plan.apply` after each token's update.
 """
 
 import dataclasses
 import functools
-from collections import OrderedDict
 import inspect
 import weakref
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, ClassVar
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from jaxtyping import Float
@@ -41,7 +43,16 @@ from ._errors import InvalidValue, RecurrentHooksError, Unavailable
 # A state hook: fn(mixer, call, token, state) -> None (keep the state) or a replacement tensor.
 StateHook = Callable[["RecurrentMixer", int, int, Tensor], Tensor | None]
 
-KEEPABLE = ("inputs", "outputs", "states")
+STATE_MEMORY, CONV_MEMORY = "state", "conv_state"  # the two memories of a mixer
+KEEPABLE = {"inputs": None, "outputs": None, "states": STATE_MEMORY, "conv_states": CONV_MEMORY}  # keep name -> memory
+FORWARD = "forward"  # Kernel.seq: the kernel covers the forward's tokens (and maybe a cached prefix before them)
+
+
+class Memory(NamedTuple):
+    """The whole memory of a mixer after a token: what the next token continues from."""
+
+    state: Tensor
+    conv_state: Tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,12 +61,14 @@ class Kernel:
 
     - `name`: the module global the mixer's forward calls;
     - `loop`: the library's pure-torch token loop with the same signature and return value, plus a
-      keyword-only `on_token(t, state) -> state`;
-    - `state_in`: the argument that carries the state in (None: the kernel always starts from zeros);
+      keyword-only `on_token(t, memory) -> memory` (and `tokens=` when `seq` is FORWARD);
+    - `state_in`: the argument that carries the memory in (None: the kernel always starts from zeros);
     - `results`: names of the elements of the returned value (a single tensor is the first name);
     - `role`: "prompt" or "decode";
-    - `seq`: `(argument, axis)` where the tokens of the call are counted (None: one token);
-    - `in_place`: the kernel writes the new state into its `state_in` tensor instead of returning it.
+    - `seq`: `(argument, axis)` where the tokens of the call are counted, None for one token, or
+      FORWARD: the forward's tokens, the last positions of the kernel's input;
+    - `in_place`: the kernel writes the new memory into its `state_in` tensor instead of returning it;
+    - `memory`: which memory the kernel updates, STATE_MEMORY or CONV_MEMORY.
     """
 
     name: str
@@ -63,8 +76,9 @@ class Kernel:
     state_in: str | None
     results: tuple[str, ...]
     role: str
-    seq: tuple[str, int] | None = None
+    seq: tuple[str, int] | str | None = None
     in_place: bool = False
+    memory: str = STATE_MEMORY
 
     @property
     def signature(self) -> inspect.Signature:
@@ -73,11 +87,16 @@ class Kernel:
     def bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         """The call's arguments by name (extra keyword arguments the kernel ignores are left out)."""
         bound = self.signature.bind(*args, **kwargs)
-        return {k: v for k, v in bound.arguments.items() if k not in ("kwargs", "on_token")}
+        return {k: v for k, v in bound.arguments.items() if k not in ("kwargs", "on_token", "tokens")}
 
-    def tokens(self, arguments: dict[str, Any]) -> int:
+    def tokens(self, arguments: dict[str, Any], forward_tokens: int) -> int:
         """How many tokens the call covers."""
-        return 1 if self.seq is None else arguments[self.seq[0]].shape[self.seq[1]]
+        if self.seq is None:
+            return 1
+        if self.seq == FORWARD:
+            return forward_tokens
+        name, axis = self.seq
+        return arguments[name].shape[axis]
 
     def name_results(self, result: Any) -> dict[str, Any]:
         values = result if isinstance(result, tuple) else (result,)
@@ -102,29 +121,37 @@ class KernelCall:
     output: dict[str, Any]
 
 
+def _position(token: int, tokens: int) -> int | None:
+    return token % tokens if -tokens <= token < tokens else None
+
+
 @dataclasses.dataclass(eq=False)
 class Call:
     """What one call (one forward) of a mixer left behind.
 
-        mix.calls[0].kernel            # "torch_chunk_gated_delta_rule": which kernel fired
-        mix.calls[0].inputs["value"]   # the kernel's arguments by name
-        mix.calls[0].output["output"]  # the kernel's results by name
+        mix.calls[0].kernel            # "torch_chunk_gated_delta_rule": which recurrence kernel fired
+        mix.calls[0].inputs["value"]   # its arguments by name
+        mix.calls[0].output["output"]  # its results by name
         mix.calls[0].states            # per-token states, if kept
+        mix.calls[0].conv              # the convolution kernel's KernelCall
 
-    Inputs and outputs are the tensors the kernel saw (not copies), except the state: the state
+    Inputs and outputs are the tensors the kernel saw (not copies), except the memory: the memory
     argument is cloned before the call and, for kernels that update it in place, its new value is
     cloned after the call into `output["final_state"]`.
 
-    A mixer that runs its kernel once per head (zamba) makes several kernel calls in one call:
-    `parts[h]` is head h's `KernelCall`, and `states` stacks the heads on the axis after `seq`.
+    A mixer that runs its recurrence kernel once per head (zamba) makes several kernel calls in one
+    call: `parts[h]` is head h's `KernelCall`, and `states` stacks the heads on the axis after `seq`.
     """
 
     index: int
     where: str = ""
     tokens: int | None = None
     parts: list[KernelCall] = dataclasses.field(default_factory=list)
-    _states: list[list[Tensor]] | None = dataclasses.field(default=None, repr=False)  # per part, per token
-    _stacked: Tensor | None = dataclasses.field(default=None, repr=False)
+    conv: KernelCall | None = None
+    # memory -> one {token: tensor} per kernel call (per head), and the positions kept (None: every token)
+    _kept: dict[str, list[dict[int, Tensor]]] = dataclasses.field(default_factory=dict, repr=False)
+    _positions: dict[str, tuple[int, ...] | None] = dataclasses.field(default_factory=dict, repr=False)
+    _stacked: dict[str, Tensor] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def kernel(self) -> str | None:
@@ -132,7 +159,7 @@ class Call:
 
     def _single(self) -> KernelCall:
         if len(self.parts) != 1:
-            raise Unavailable(f"{self.where}: call {self.index} made {len(self.parts)} kernel calls"
+            raise Unavailable(f"{self.where}: call {self.index} made {len(self.parts)} recurrence kernel calls"
                               " (one per head): read call.parts[head].inputs / .output")
         return self.parts[0]
 
@@ -147,24 +174,49 @@ class Call:
     @property
     def states(self) -> Tensor:
         """The state after every token of this call, stacked on a `seq` axis after `batch`."""
-        if self._states is None:
-            raise Unavailable(f"{self.where}: call {self.index} kept no states; pass keep=('states',) to watch")
-        if self._stacked is None:
-            per_part = [torch.stack(states, dim=1) for states in self._states]
-            self._stacked = per_part[0] if len(per_part) == 1 else torch.stack(per_part, dim=2)
-        return self._stacked
+        return self._all(STATE_MEMORY)
 
-    def _state_after(self, token: int) -> Tensor:
-        if len(self._states) == 1:
-            return self._states[0][token]
-        return torch.stack([states[token] for states in self._states], dim=1)
+    @property
+    def conv_states(self) -> Tensor:
+        """The convolution window after every token of this call, `[batch, seq, channels, kernel_size]`."""
+        return self._all(CONV_MEMORY)
+
+    def _kept_parts(self, memory: str) -> list[dict[int, Tensor]]:
+        if memory not in self._kept:
+            name = "states" if memory == STATE_MEMORY else "conv_states"
+            raise Unavailable(f"{self.where}: call {self.index} kept no {name}; pass keep=({name!r},) to watch")
+        return self._kept[memory]
+
+    def _all(self, memory: str) -> Tensor:
+        parts = self._kept_parts(memory)
+        if self._positions[memory] is not None:
+            raise Unavailable(f"{self.where}: call {self.index} kept its {memory} at tokens"
+                              f" {sorted(parts[0])} only; read them with {memory}_after(token)")
+        if memory not in self._stacked:
+            per_part = [torch.stack([kept[t] for t in sorted(kept)], dim=1) for kept in parts]
+            self._stacked[memory] = per_part[0] if len(per_part) == 1 else torch.stack(per_part, dim=2)
+        return self._stacked[memory]
+
+    def _after(self, memory: str, token: int) -> Tensor:
+        parts = self._kept_parts(memory)
+        position = _position(token, self.tokens)
+        if position is None:
+            raise Unavailable(f"{self.where}: token {token} is outside call {self.index}, which has {self.tokens}"
+                              f" tokens (valid: 0..{self.tokens - 1} or -{self.tokens}..-1)")
+        if position not in parts[0]:
+            raise Unavailable(f"{self.where}: the {memory} after token {token} of call {self.index} was not kept"
+                              f" (kept: tokens {sorted(parts[0])})")
+        if len(parts) == 1:
+            return parts[0][position]
+        return torch.stack([kept[position] for kept in parts], dim=1)
 
 
 class _Hook:
-    """A registered state hook or write, with the calls and tokens it targets."""
+    """A registered state hook or write: the memory, calls and tokens it targets."""
 
-    def __init__(self, fn: StateHook, calls: frozenset[int] | None, tokens: tuple[int, ...] | None, origin: str):
-        self.fn, self.calls, self.tokens, self.origin = fn, calls, tokens, origin
+    def __init__(self, fn: StateHook, memory: str, calls: frozenset[int] | None, tokens: tuple[int, ...] | None,
+                 origin: str):
+        self.fn, self.memory, self.calls, self.tokens, self.origin = fn, memory, calls, tokens, origin
 
     def targets(self, call: int) -> bool:
         return self.calls is None or call in self.calls
@@ -193,6 +245,29 @@ def _as_targets(value: int | Iterable[int] | None, what: str, where: str) -> tup
     return items
 
 
+def normalize_keep(keep: Sequence[str] | Mapping[str, Iterable[int] | None]) -> dict[str, tuple[int, ...] | None]:
+    """`keep` as memory -> kept token positions (None: every token); names checked against KEEPABLE."""
+    if isinstance(keep, str):
+        keep = (keep,)
+    items = keep.items() if isinstance(keep, Mapping) else ((name, None) for name in keep)
+    normalized: dict[str, tuple[int, ...] | None] = {}
+    for name, positions in items:
+        if name not in KEEPABLE:
+            raise InvalidValue(f"watch: cannot keep {[name]}; keep takes names from {tuple(KEEPABLE)}")
+        if KEEPABLE[name] is not None:
+            normalized[KEEPABLE[name]] = _as_targets(positions, f"keep[{name!r}]", "watch")
+    return normalized
+
+
+@dataclasses.dataclass
+class _Forward:
+    """What the library needs to know of one forward of a mixer module."""
+
+    tokens: int  # hidden_states.shape[1]
+    cache: Any  # the transformers Cache, or None
+    fresh: bool  # no cached state for this layer: the call starts from zeros (a prompt)
+
+
 class RecurrentMixer:
     """The library's handle on one recurrent mixer module; subclasses declare kernels and values.
 
@@ -203,42 +278,46 @@ class RecurrentMixer:
         mix.state_after(4)   # the state after token 4
 
     Class constants a subclass declares:
-    - `KERNELS`: the `Kernel`s its modeling modules call (prompt and decode);
-    - `STATE`: the axes of the state, as a jaxtyping shape string (e.g. "batch heads key_dim value_dim");
-    - `INPUTS`, `OUTPUTS`: the named kernel values with their axes, for the docs and `support`;
-    - `LIMITS`: what cannot be had from this kind, and why (reported by `support`);
+    - `KERNELS`: the `Kernel`s its modeling modules call (recurrence and convolution, prompt and decode);
+    - `STATE_MEMORY`: the axes of the state, as a jaxtyping shape string (e.g. "batch heads key_dim value_dim");
+    - `INPUTS`, `OUTPUTS`: the recurrence kernels' named values with their axes, for the docs;
     - `VALUES`: the per-token values `values()` returns, with their axes;
+    - `LIMITS`: what cannot be had from this kind, and why (reported by `support`);
     - `FUSED`: names of fused whole-forward kernels (if its module has them) that return the mixer's
       output and skip the kernels above; inside a watch they return None, as their pure-torch
       versions do, for a call that has hooks or kept states, so that the forward goes on;
-    - `KERNEL_PER_HEAD`: the forward calls its kernels once per head (axis 1 of the state): hooks run
-      once per head with that head's state, and `mixer.head` says which head is running.
+    - `KERNEL_PER_HEAD`: the forward calls its recurrence kernel once per head (axis 1 of the state):
+      hooks run once per head with that head's state, and `mixer.head` says which head is running.
     """
 
     KERNELS: ClassVar[tuple[Kernel, ...]] = ()
     STATE: ClassVar[str] = ""
+    CONV_STATE: ClassVar[str] = "batch channels kernel_size"
     INPUTS: ClassVar[dict[str, str]] = {}
     OUTPUTS: ClassVar[dict[str, str]] = {}
+    VALUES: ClassVar[dict[str, str]] = {}
     LIMITS: ClassVar[dict[str, str]] = {}
     FUSED: ClassVar[tuple[str, ...]] = ()
     KERNEL_PER_HEAD: ClassVar[bool] = False
-    VALUES: ClassVar[dict[str, str]] = {}  # what `values()` returns: name -> axes
 
-    def __init__(self, module: nn.Module, family: str, *, keep: Sequence[str] = (), record: bool = True,
+    def __init__(self, module: nn.Module, family: str, *,
+                 keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (), record: bool = True,
                  restart_on_prompt: bool = False) -> None:
         self.module = module
         self.family = family
         self.layer: int | None = getattr(module, "layer_idx", None)
-        self.keep = frozenset(keep)
+        self.keep = normalize_keep(keep) if record else {}
         self.calls: list[Call] = []
+        self.head: int | None = None  # the head of the running recurrence kernel call (KERNEL_PER_HEAD kinds)
         self._record = record
         self._restart_on_prompt = restart_on_prompt
-        self._hooks: OrderedDict[int, _Hook] = OrderedDict()  # weakly referenced by the handles
+        self._hooks: OrderedDict[int, tuple[_Hook, ...]] = OrderedDict()  # weakly referenced by the handles
         self._begun = 0  # forwards begun since the mixer was attached
         self._offset = 0  # begun count at the last prompt (hooks registered outside a watch count from it)
+        self._index = 0  # the running call's index
+        self._forward: _Forward | None = None
         self._current: Call | None = None
-        self._fired = False  # whether the current forward called a kernel
-        self.head: int | None = None  # the head of the running kernel call (KERNEL_PER_HEAD kinds)
+        self._recurrence_calls = 0  # recurrence kernel calls in the running forward
         self._on_empty: Callable[[], None] | None = None
         self._live = False  # attached to its module's tap
 
@@ -259,10 +338,15 @@ class RecurrentMixer:
     def states(self) -> Float[Tensor, "batch seq *state"]:
         """The state after every token of the last call (the call's own token count on `seq`).
 
-        The layout after `batch seq` is the kind's `STATE`; gated DeltaNet:
+        The layout after `batch seq` is the kind's `STATE_MEMORY`; gated DeltaNet:
         `Float[Tensor, "batch seq heads key_dim value_dim"]`.
         """
         return self._call(None).states
+
+    @property
+    def conv_states(self) -> Float[Tensor, "batch seq channels kernel_size"]:
+        """The convolution window after every token of the last call (needs keep=("conv_states",))."""
+        return self._call(None).conv_states
 
     def state_after(self, token: int, call: int | None = None) -> Float[Tensor, "batch *state"]:
         """The state after `token` (negative counts from the end) of call `call` (default: the last call).
@@ -271,14 +355,16 @@ class RecurrentMixer:
         the one the recurrence used, so `torch.autograd.grad(metric, mix.state_after(t))` works (for
         KERNEL_PER_HEAD kinds it is a stack of the heads' states; take gradients through a written leaf).
         """
-        record = self._call(call)
-        record.states  # raises Unavailable if the states were not kept
-        if not -record.tokens <= token < record.tokens:
-            raise Unavailable(
-                f"{self}: token {token} is outside call {record.index}, which has {record.tokens} tokens"
-                f" (valid: 0..{record.tokens - 1} or -{record.tokens}..-1)"
-            )
-        return record._state_after(token)
+        return self._call(call)._after(STATE_MEMORY, token)
+
+    def conv_state_after(self, token: int, call: int | None = None) -> Float[Tensor, "batch channels kernel_size"]:
+        """The convolution window after `token` of call `call`: the last kernel_size conv inputs, oldest
+        first, in the layout of transformers' cache; token+1 reads its last kernel_size-1 columns."""
+        return self._call(call)._after(CONV_MEMORY, token)
+
+    def memory_after(self, token: int, call: int | None = None) -> Memory:
+        """The whole memory after `token`: `Memory(state, conv_state)` (needs both kept)."""
+        return Memory(self.state_after(token, call), self.conv_state_after(token, call))
 
     def values(self, call: int | None = None) -> dict[str, Tensor]:
         """The per-token values of call `call` (default: the last), token-major, named as in `VALUES`.
@@ -288,10 +374,10 @@ class RecurrentMixer:
         Computed from the kernel's recorded inputs and outputs (no states needed). Mixers that run
         their kernel once per head stack the heads on the axis after `seq`.
         """
-        parts = self._call(call).parts
-        if not parts:
-            raise Unavailable(f"{self}: call {self._call(call).index} made no kernel call")
-        per_part = [self._token_values(part) for part in parts]
+        record = self._call(call)
+        if not record.parts:
+            raise Unavailable(f"{self}: call {record.index} made no recurrence kernel call")
+        per_part = [self._token_values(part) for part in record.parts]
         if len(per_part) == 1:
             return per_part[0]
         return {name: torch.stack([values[name] for values in per_part], dim=2) for name in per_part[0]}
@@ -315,7 +401,7 @@ class RecurrentMixer:
     # -- hooks and writes --------------------------------------------------------------------------------
 
     def register_state_hook(self, fn: StateHook, *, call: int | Iterable[int] | None = None,
-                            token: int | Iterable[int] | None = None) -> RemovableHandle:
+                            token: int | Iterable[int] | None = None, which: str = STATE_MEMORY) -> RemovableHandle:
         """Call `fn(mixer, call, token, state)` after the state update of each targeted token.
 
             h = mix.register_state_hook(lambda m, c, t, s: s * 0.5, call=0, token=[3, 4])
@@ -328,16 +414,19 @@ class RecurrentMixer:
         replace it: token+1 continues from the replacement, and so does the cache after the last token.
         The state handed to `fn` is not copied: clone it to keep it. A hook with an explicit `call`
         whose tokens lie outside that call raises; with `call=None`, calls without the token are skipped.
+        `which="conv_state"` hooks the convolution window instead (`[batch, channels, kernel_size]`).
         """
         where = f"{self}.register_state_hook"
         if not callable(fn):
             raise InvalidValue(f"{where}: expected a callable fn(mixer, call, token, state), got {fn!r}")
+        if which not in (STATE_MEMORY, CONV_MEMORY):
+            raise InvalidValue(f"{where}: expected which='state' or which='conv_state', got {which!r}")
         calls = _as_targets(call, "call", where)
         if calls is not None and any(c < 0 for c in calls):
             raise InvalidValue(f"{where}: calls count from 0, got call={call!r}")
         name = getattr(fn, "__qualname__", repr(fn))
-        return self._add_hook(_Hook(fn, None if calls is None else frozenset(calls), _as_targets(token, "token", where),
-                                    f"state hook {name}"))
+        return self._add_hooks(_Hook(fn, which, None if calls is None else frozenset(calls),
+                                     _as_targets(token, "token", where), f"{which} hook {name}"))
 
     def set_state_after(self, token: int, value: Tensor, call: int = 0) -> RemovableHandle:
         """Replace the state after `token` of call `call` (default 0, the prompt) by `value`.
@@ -348,9 +437,34 @@ class RecurrentMixer:
         Token `token`'s own output is unchanged; later tokens, and the cache, continue from `value`.
         `value` must have the state's shape, dtype and device (checked when the call runs).
         """
-        where = f"{self}.set_state_after({token}, call={call})"
+        return self._add_hooks(self._write(STATE_MEMORY, token, value, call, "set_state_after"))
+
+    def set_conv_state_after(self, token: int, value: Tensor, call: int = 0) -> RemovableHandle:
+        """Replace the convolution window after `token` of call `call` by `value` (`[batch, channels,
+        kernel_size]`, the cache's layout and dtype): tokens token+1.. read it, and so does the cache."""
+        return self._add_hooks(self._write(CONV_MEMORY, token, value, call, "set_conv_state_after"))
+
+    def set_memory_after(self, token: int, memory: Memory, call: int = 0) -> RemovableHandle:
+        """Write the whole memory after `token` (state and conv window), e.g. recorded in another run.
+
+            with rh.watch(model, keep=("states", "conv_states")) as a:
+                model(ids_a)
+            with rh.watch(model) as b:
+                b.mixers[0].set_memory_after(7, a.mixers[0].memory_after(7))
+                model(ids_b)   # from token 8 on, layer 0 continues exactly as in run A
+        """
+        if not isinstance(memory, tuple) or len(memory) != 2:
+            raise InvalidValue(f"{self}.set_memory_after({token}, call={call}): expected a Memory(state, conv_state),"
+                               f" got {type(memory).__name__}")
+        state, conv_state = memory
+        return self._add_hooks(self._write(STATE_MEMORY, token, state, call, "set_memory_after"),
+                               self._write(CONV_MEMORY, token, conv_state, call, "set_memory_after"))
+
+    def _write(self, memory: str, token: int, value: Tensor, call: int, method: str) -> _Hook:
+        where = f"{self}.{method}({token}, call={call})"
+        axes = self.STATE if memory == STATE_MEMORY else self.CONV_STATE
         if not isinstance(value, Tensor):
-            raise InvalidValue(f"{where}: expected a Tensor with axes ({self.STATE}), got {type(value).__name__}")
+            raise InvalidValue(f"{where}: expected a Tensor with axes ({axes}), got {type(value).__name__}")
         if not isinstance(call, int) or call < 0:
             raise InvalidValue(f"{where}: expected a call index >= 0, got call={call!r}")
         if not isinstance(token, int):
@@ -359,14 +473,17 @@ class RecurrentMixer:
         def write(mixer: RecurrentMixer, call: int, token: int, state: Tensor) -> Tensor:
             return value if mixer.head is None else value[:, mixer.head]
 
-        return self._add_hook(_Hook(write, frozenset((call,)), (token,), f"set_state_after({token}, call={call})"))
+        return _Hook(write, memory, frozenset((call,)), (token,), f"{method}({token}, call={call})")
 
-    def _add_hook(self, hook: _Hook) -> RemovableHandle:
+    def _add_hooks(self, *hooks: _Hook) -> RemovableHandle:
         if not self._live:
             raise RecurrentHooksError(f"{self} is detached (its watch has ended): register hooks inside the with block")
         handle = _Handle(self._hooks, self)
-        self._hooks[handle.id] = hook
+        self._hooks[handle.id] = hooks
         return handle
+
+    def _all_hooks(self) -> Iterable[_Hook]:
+        return (hook for hooks in self._hooks.values() for hook in hooks)
 
     def _detached(self) -> None:
         self._live = False
@@ -380,108 +497,101 @@ class RecurrentMixer:
         seen = self._begun - self._offset
         return [
             f"{hook.origin} targets call {c}, but {self} saw {seen} call{'s' if seen != 1 else ''}"
-            for hook in self._hooks.values() if hook.calls is not None for c in sorted(hook.calls) if c >= seen
+            for hook in self._all_hooks() if hook.calls is not None for c in sorted(hook.calls) if c >= seen
         ]
 
     # -- the call counter (driven by the tap's module hooks) -----------------------------------------------
-
-    def _forward_started(self, args: tuple, kwargs: dict[str, Any]) -> None:
-        """Called with the mixer forward's arguments before it runs; kinds that must look at them override it."""
 
     def _refusal(self, kernel: Kernel) -> str | None:
         """Why this kernel call cannot serve hooks or kept states (None: it can); kinds override it."""
         return None
 
     def _wants(self, index: int) -> bool:
-        """Whether call `index` has hooks, writes or kept states."""
-        return (self._record and "states" in self.keep) or any(hook.targets(index) for hook in self._hooks.values())
+        """Whether call `index` has hooks, writes or kept values."""
+        return bool(self.keep) or any(hook.targets(index) for hook in self._all_hooks())
 
-    def _peek_index(self, fresh: bool) -> int:
-        """The running call's index, without fixing it (see `_call_index`)."""
-        return 0 if self._restart_on_prompt and fresh else self._begun - 1 - self._offset
-
-    def _begin_call(self, args: tuple, kwargs: dict[str, Any]) -> None:
+    def _begin_call(self, forward: _Forward) -> None:
         self._begun += 1
-        self._fired = False
+        if self._restart_on_prompt and forward.fresh:
+            self._offset = self._begun - 1
+        self._index = self._begun - 1 - self._offset
+        self._forward = forward
+        self._recurrence_calls = 0
         self.head = None
-        self._forward_started(args, kwargs)
         self._current = None
         if self._record:
-            self._current = Call(index=len(self.calls), where=repr(self))
+            self._current = Call(index=len(self.calls), where=repr(self), tokens=forward.tokens)
             self.calls.append(self._current)
 
-    def _end_call(self) -> None:
-        if self._fired:
-            return
-        index = self._begun - 1 - self._offset
-        if self._wants(index):
+    def _end_call(self, checked: bool = True) -> None:
+        self.head = None
+        if checked and self._recurrence_calls == 0 and self._wants(self._index):
             raise RecurrentHooksError(
-                f"{self}: call {index} finished without calling a watched kernel ({', '.join(k.name for k in self.KERNELS)})"
-                " although hooks or kept states target it; the mixer took a path the library cannot see"
-                " (a fused kernel, or a forward this transformers version changed)"
+                f"{self}: call {self._index} finished without calling a watched kernel"
+                f" ({', '.join(k.name for k in self.KERNELS if k.memory == STATE_MEMORY)}) although hooks or kept states"
+                " target it; the mixer took a path the library cannot see (a fused kernel, or a forward this"
+                " transformers version changed)"
             )
 
-    def _call_index(self, fresh: bool) -> int:
-        """The index of the running call, fixed at its first kernel (prompt = starts from no state).
-
-        Later kernel calls of the same forward (KERNEL_PER_HEAD kinds) are the next heads.
-        """
-        if self._fired:
-            self.head = None if self.head is None else self.head + 1
+    def _plan(self, kernel: Kernel, tokens: int) -> "_Plan":
+        if kernel.memory == STATE_MEMORY:
+            self.head = self._recurrence_calls if self.KERNEL_PER_HEAD else None
+            self._recurrence_calls += 1
         else:
-            self._fired = True
-            self.head = 0 if self.KERNEL_PER_HEAD else None
-            if self._restart_on_prompt and fresh:
-                self._offset = self._begun - 1
-        return self._begun - 1 - self._offset
-
-    def _plan(self, kernel: Kernel, arguments: dict[str, Any], tokens: int) -> "_Plan":
-        fresh = kernel.state_in is None or arguments.get(kernel.state_in) is None
-        index = self._call_index(fresh)
+            self.head = None
+        index = self._index
         if self._wants(index) and (reason := self._refusal(kernel)) is not None:
             raise Unavailable(f"{self}, call {index} ({kernel.name}): {reason}")
         hooks: list[tuple[_Hook, frozenset[int] | None]] = []  # registration order, with absolute positions
-        for hook in self._hooks.values():
-            if not hook.targets(index):
+        for hook in self._all_hooks():
+            if hook.memory != kernel.memory or not hook.targets(index):
                 continue
             if hook.tokens is None:
                 hooks.append((hook, None))
                 continue
-            outside = [t for t in hook.tokens if not -tokens <= t < tokens]
+            outside = [t for t in hook.tokens if _position(t, tokens) is None]
             if outside and hook.calls is not None:
                 raise InvalidValue(
                     f"{self}: {hook.origin} targets token {outside[0]}, but call {index} ({kernel.name}) has {tokens}"
                     f" token{'s' if tokens != 1 else ''} (valid: 0..{tokens - 1} or -{tokens}..-1)"
                 )
-            positions = frozenset(t % tokens for t in hook.tokens if -tokens <= t < tokens)
+            positions = frozenset(p for t in hook.tokens if (p := _position(t, tokens)) is not None)
             if positions:
                 hooks.append((hook, positions))
-        return _Plan(self, index, hooks, "states" in self.keep and self._record)
+        keep = None
+        if kernel.memory in self.keep:
+            wanted = self.keep[kernel.memory]
+            keep = frozenset(range(tokens)) if wanted is None else frozenset(
+                p for t in wanted if (p := _position(t, tokens)) is not None)
+        return _Plan(self, index, hooks, keep)
 
-    def _store(self, plan: "_Plan", part: KernelCall, tokens: int) -> None:
+    def _store(self, plan: "_Plan", kernel: Kernel, part: KernelCall, tokens: int) -> None:
         record = self._current
         if record is None:
             return
-        record.tokens = tokens
-        record.parts.append(part)
-        if plan.states is not None:
-            record._states = (record._states or []) + [plan.states]
-            record._stacked = None
+        if kernel.memory == CONV_MEMORY:
+            record.conv = part
+        else:
+            record.parts.append(part)
+        if plan.kept is not None:
+            record._kept.setdefault(kernel.memory, []).append(plan.kept)
+            record._positions[kernel.memory] = self.keep[kernel.memory]
+            record._stacked.pop(kernel.memory, None)
 
 
 class _Plan:
-    """What one attached mixer wants of one kernel call: its hooks (in registration order) and kept states."""
+    """What one attached mixer wants of one kernel call: its hooks (in registration order) and kept tokens."""
 
-    __slots__ = ("mixer", "call", "hooks", "states")
+    __slots__ = ("mixer", "call", "hooks", "keep", "kept")
 
     def __init__(self, mixer: RecurrentMixer, call: int, hooks: list[tuple[_Hook, frozenset[int] | None]],
-                 keep: bool):
-        self.mixer, self.call, self.hooks = mixer, call, hooks
-        self.states: list[Tensor] | None = [] if keep else None
+                 keep: frozenset[int] | None):
+        self.mixer, self.call, self.hooks, self.keep = mixer, call, hooks, keep
+        self.kept: dict[int, Tensor] | None = None if keep is None else {}
 
     @property
     def idle(self) -> bool:
-        return not self.hooks and self.states is None
+        return not self.hooks and not self.keep
 
     def apply(self, token: int, state: Tensor) -> Tensor:
         for hook, positions in self.hooks:
@@ -494,15 +604,32 @@ class _Plan:
 
 def _checked(replacement: Any, state: Tensor, mixer: RecurrentMixer, hook: _Hook, call: int, token: int) -> Tensor:
     where = f"{mixer}, call {call}, token {token}: {hook.origin}"
+    if mixer.head is not None:
+        where += f" (head {mixer.head} of a kernel run once per head)"
     if not isinstance(replacement, Tensor):
         raise InvalidValue(f"{where} returned {type(replacement).__name__}; expected None or a Tensor")
+    axes = mixer.STATE if hook.memory == STATE_MEMORY else mixer.CONV_STATE
     for what, want, got in (("shape", tuple(state.shape), tuple(replacement.shape)),
                             ("dtype", state.dtype, replacement.dtype), ("device", state.device, replacement.device)):
         if want != got:
-            raise InvalidValue(
-                f"{where} gave a state with {what} {got}, expected {want} (axes: {mixer.STATE})"
-            )
+            raise InvalidValue(f"{where} gave a {hook.memory} with {what} {got}, expected {want} (axes: {axes})")
     return replacement
+
+
+_FORWARD_SIGNATURES: dict[type, inspect.Signature] = {}
+
+
+def _forward_of(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> _Forward:
+    """Tokens, cache and freshness of a mixer forward, from its arguments."""
+    cls = type(module)
+    if cls not in _FORWARD_SIGNATURES:
+        _FORWARD_SIGNATURES[cls] = inspect.signature(module.forward)
+    arguments = _FORWARD_SIGNATURES[cls].bind_partial(*args, **kwargs).arguments
+    extra = arguments.get("kwargs", {})
+    cache = arguments.get("cache", extra.get("cache_params"))
+    layer = getattr(module, "layer_idx", None)
+    fresh = cache is None or layer is None or cache.get_recurrent_state(layer) is None
+    return _Forward(tokens=arguments["hidden_states"].shape[1], cache=cache, fresh=fresh)
 
 
 class _Tap:
@@ -514,21 +641,27 @@ class _Tap:
 
     def __init__(self, module: nn.Module) -> None:
         self.mixers: list[RecurrentMixer] = []
+        self.forward: _Forward | None = None
+        self.failed = False  # a kernel call of the running forward raised
+        self.layer = getattr(module, "layer_idx", None)
         self._handles = (
             module.register_forward_pre_hook(self._pre, with_kwargs=True),
             module.register_forward_hook(self._post, always_call=True),
         )
 
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        self.forward = _forward_of(module, args, kwargs)
+        self.failed = False
         for mixer in self.mixers:
-            mixer._begin_call(args, kwargs)
+            mixer._begin_call(self.forward)
         _RUNNING.append(self)
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         if _RUNNING and _RUNNING[-1] is self:
             _RUNNING.pop()
+        self.forward = None
         for mixer in self.mixers:
-            mixer._end_call()
+            mixer._end_call(checked=not self.failed)
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -536,9 +669,16 @@ class _Tap:
 
     def run_kernel(self, kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Run one kernel call for the attached mixers: unchanged when idle, else through the token loop."""
+        try:
+            return self._run_kernel(kernel, original, args, kwargs)
+        except BaseException:
+            self.failed = True  # the forward stops here: its end is not checked
+            raise
+
+    def _run_kernel(self, kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         arguments = kernel.bind(args, kwargs)
-        tokens = kernel.tokens(arguments)
-        plans = [mixer._plan(kernel, arguments, tokens) for mixer in self.mixers]
+        tokens = kernel.tokens(arguments, self.forward.tokens)
+        plans = [mixer._plan(kernel, tokens) for mixer in self.mixers]
         live_state = arguments.get(kernel.state_in) if kernel.state_in is not None else None
         if isinstance(live_state, Tensor):
             # The cache updates this tensor in place (at the next step, or in this very call): keep its value.
@@ -547,31 +687,47 @@ class _Tap:
         if not busy:
             result = original(*args, **kwargs)
         else:
-            keeping = [plan.states for plan in busy if plan.states is not None]
+            keeping = [plan for plan in busy if plan.keep]
+            last: list[Tensor] = []
 
             def on_token(token: int, state: Tensor) -> Tensor:
                 for plan in busy:
                     state = plan.apply(token, state)
-                if keeping:
+                if any(token in plan.keep for plan in keeping):
                     # A view that only the later tokens read: the gradient with respect to a kept state is
                     # the effect of changing it there (what a write does), not through token `token`'s output.
                     state = state.view_as(state)
-                    for states in keeping:
-                        states.append(state)
+                    for plan in keeping:
+                        if token in plan.keep:
+                            plan.kept[token] = state
+                if token == tokens - 1:
+                    last.append(state)
                 return state
 
-            result = kernel.loop(*args, on_token=on_token, **kwargs)
+            extra = {"tokens": tokens} if kernel.seq == FORWARD else {}
+            result = kernel.loop(*args, on_token=on_token, **extra, **kwargs)
+            if kernel.memory == CONV_MEMORY and kernel.role == "prompt" and last:
+                self._sync_conv_cache(last[0])
         output = kernel.name_results(result)
         if kernel.in_place and isinstance(live_state, Tensor):
             output["final_state"] = live_state.clone()
         part = KernelCall(kernel.name, arguments, output)
         for mixer, plan in zip(self.mixers, plans):
-            mixer._store(plan, part, tokens)
+            mixer._store(plan, kernel, part, tokens)
         return result
+
+    def _sync_conv_cache(self, window: Tensor) -> None:
+        """The prompt path caches the raw last inputs before its conv kernel runs: cache the window as continued."""
+        cache = self.forward.cache
+        if cache is None or self.layer is None:
+            return
+        cached = cache.get_conv_state(self.layer)
+        if cached is not None and cached.shape == window.shape:
+            cached.copy_(window)
 
     def run_fused(self, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """A fused whole-forward kernel: skipped (None, as without mamba_ssm) when a mixer wants this call."""
-        if any(mixer._wants(mixer._peek_index(fresh=True)) for mixer in self.mixers):
+        if any(mixer._wants(mixer._index) for mixer in self.mixers):
             return None
         return original(*args, **kwargs)
 

@@ -46,7 +46,8 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ._errors import RecurrentHooksError
-from ._mixer import Kernel, KernelCall, RecurrentMixer
+from ._conv import CONV_KERNELS
+from ._mixer import STATE_MEMORY, Kernel, KernelCall, RecurrentMixer
 
 OnToken = Callable[[int, Tensor], Tensor]
 
@@ -211,8 +212,6 @@ def mamba_selective_state_update(
     return _skip_and_gate(y[:, 0], x[:, 0], D, z).to(hidden_states.dtype)
 
 
-_CONV_LIMIT = ("the causal-convolution window is not exposed yet: a state write leaves the last few tokens'"
-               " inputs in the conv window")
 _CONTINUATION = ("transformers' mamba_selective_scan takes no initial state, so a forward of several tokens over"
                  " a cached state restarts the SSM state from zero (the model's own behaviour, watched or not);"
                  " hooks and kept states are refused for such a call: continue one token at a time")
@@ -237,6 +236,7 @@ class SelectiveScan(RecurrentMixer):
     KERNELS = (
         Kernel(CHUNK_KERNEL, mamba_selective_scan, None, ("output", "final_state"), "prompt", seq=("hidden_states", 2)),
         Kernel(RECURRENT_KERNEL, mamba_selective_state_update, STATE_IN, ("output",), "decode", in_place=True),
+        *CONV_KERNELS,
     )
     FUSED = ("mamba_inner_fn",)
     STATE = "batch d_inner d_state"
@@ -258,16 +258,11 @@ class SelectiveScan(RecurrentMixer):
         "C": "batch seq d_state",
         "y": "batch seq d_inner",
     }
-    LIMITS = {"conv_state": _CONV_LIMIT, "multi-token continuation": _CONTINUATION}
-
-    def _forward_started(self, args: tuple, kwargs: dict[str, Any]) -> None:
-        hidden_states = args[0] if args else kwargs["hidden_states"]
-        cache = kwargs.get("cache", kwargs.get("cache_params", args[1] if len(args) > 1 else None))
-        self._continuing = (hidden_states.shape[1] > 1 and cache is not None
-                            and cache.get_recurrent_state(self.layer) is not None)
+    LIMITS = {"multi-token continuation": _CONTINUATION}
 
     def _refusal(self, kernel: Kernel) -> str | None:
-        return _CONTINUATION if kernel.role == "prompt" and self._continuing else None
+        continuing = not self._forward.fresh and self._forward.tokens > 1
+        return _CONTINUATION if continuing and kernel.memory == STATE_MEMORY and kernel.role == "prompt" else None
 
     @classmethod
     def _token_values(cls, part: KernelCall) -> dict[str, Tensor]:

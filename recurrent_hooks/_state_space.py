@@ -53,6 +53,7 @@ from einops import einsum, repeat
 from jaxtyping import Float
 from torch import Tensor
 
+from ._conv import CONV_KERNELS
 from ._mixer import Kernel, KernelCall, RecurrentMixer
 from ._selective_scan import OnToken, refuse_packed, step_size
 
@@ -222,6 +223,7 @@ class StateSpace(RecurrentMixer):
         Kernel(CHUNK_KERNEL, mamba2_chunk_scan, "initial_states", ("output", "final_state"), "prompt",
                seq=("hidden_states", 1)),
         Kernel(RECURRENT_KERNEL, mamba2_selective_state_update, STATE_IN, ("output",), "decode", in_place=True),
+        *CONV_KERNELS,
     )
     FUSED = ("mamba2_split_conv1d_scan_combined",)
     STATE = "batch heads head_dim d_state"
@@ -245,8 +247,6 @@ class StateSpace(RecurrentMixer):
         "y": "batch seq heads head_dim",
     }
     LIMITS = {
-        "conv_state": "the causal-convolution window is not exposed yet: a state write leaves the last few"
-        " tokens' inputs in the conv window",
         "dt_limit at decode steps": "transformers' decode kernel does not clamp dt to time_step_limit (its prompt"
         " kernel does); the library's loops do the same, so a non-default limit makes them disagree",
     }

@@ -13,14 +13,14 @@ Module contents:
 import contextlib
 import dataclasses
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import ModuleType
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ._errors import InvalidValue, RecurrentHooksError, Unavailable
-from ._mixer import KEEPABLE, RecurrentMixer, StateHook, attach, make_dispatcher
+from ._mixer import Memory, RecurrentMixer, StateHook, attach, make_dispatcher, normalize_keep
 from ._patching import acquire_kernels, bound_original, import_default, rebind_process_wide
 from ._registry import FAMILIES, KNOWN_UNSUPPORTED, Family, family_of, resolve_family
 
@@ -66,13 +66,11 @@ class Watch:
     kept: `("states",)` keeps the state after every token.
     """
 
-    def __init__(self, model: nn.Module, keep: Sequence[str] = ()) -> None:
+    def __init__(self, model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | None] = ()) -> None:
         if not isinstance(model, nn.Module):
             raise InvalidValue(f"watch: expected a torch.nn.Module (a transformers model), got {type(model).__name__}")
-        keep = (keep,) if isinstance(keep, str) else tuple(keep)
-        unknown = [k for k in keep if k not in KEEPABLE]
-        if unknown:
-            raise InvalidValue(f"watch: cannot keep {unknown}; keep takes names from {KEEPABLE}")
+        normalize_keep(keep)  # checked here, before anything is acquired
+        keep = (keep,) if isinstance(keep, str) else keep if isinstance(keep, Mapping) else tuple(keep)
         self.model = model
         self.keep = keep
         self.mixers: list[RecurrentMixer] = []
@@ -89,6 +87,28 @@ class Watch:
             if mixer.layer == layer:
                 return mixer
         raise Unavailable(f"no recurrent mixer at layer {layer}; recurrent layers: {[m.layer for m in self.mixers]}")
+
+    def memory_after(self, token: int, call: int | None = None) -> dict[int, Memory]:
+        """The whole memory (state and conv window) after `token` of every mixer, by layer.
+
+        Needs `keep=("states", "conv_states")`; pass the result to another watch's `set_memory_after`.
+        """
+        return {mixer.layer: mixer.memory_after(token, call) for mixer in self.mixers}
+
+    def set_memory_after(self, token: int, memories: Mapping[int, Memory], call: int = 0) -> list[RemovableHandle]:
+        """Write each layer's whole memory after `token` of call `call` (the activation-patching move).
+
+            with rh.watch(model, keep=("states", "conv_states")) as a:
+                model(run_a)
+            with rh.watch(model) as b:
+                b.set_memory_after(7, a.memory_after(7))   # every recurrent layer continues as in run A
+                model(run_b)
+        """
+        unknown = sorted(set(memories) - {mixer.layer for mixer in self.mixers})
+        if unknown:
+            raise Unavailable(f"set_memory_after: no recurrent mixer at layers {unknown};"
+                              f" recurrent layers: {[m.layer for m in self.mixers]}")
+        return [self.mixer(layer).set_memory_after(token, memory, call) for layer, memory in memories.items()]
 
     def __enter__(self) -> "Watch":
         if self._stack is not None:
@@ -119,7 +139,7 @@ class Watch:
                 raise Unavailable("hooks or writes were never applied: " + "; ".join(problems))
 
 
-def watch(model: nn.Module, keep: Sequence[str] = ()) -> Watch:
+def watch(model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | None] = ()) -> Watch:
     """Watch every supported recurrent mixer of `model` for the duration of a `with` block.
 
         with recurrent_hooks.watch(model, keep=("states",)) as w:
@@ -240,7 +260,7 @@ def support(model: nn.Module) -> list[MixerSupport]:
             continue
         kind = family.kind
         bound = {k.name: bound_original(family.module(), k.name) for k in kind.KERNELS}
-        available = ("inputs", "outputs", "states", "state writes", "state hooks")
+        available = ("inputs", "outputs", "values", "states", "conv_states", "writes", "hooks")
         notes = {"idle calls run": ", ".join(
             f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}" for fn in bound.values()
         )}

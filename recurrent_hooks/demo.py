@@ -57,33 +57,36 @@ def main() -> None:
     prompt_b[0, :8] = torch.randint(3, 128, (8,), generator=gen)  # B differs from A in its first 8 tokens
     print(f"tiny {type(model).__name__}: {sum(p.numel() for p in model.parameters()):,} parameters, random weights")
 
-    # 1. Read: the state after every token of a prompt.
-    with watch(model, keep=("states",)) as w, torch.no_grad():
+    # 1. Read: the state after every token of a prompt, and the convolution window.
+    with watch(model, keep=("states", "conv_states")) as run_a, torch.no_grad():
         model(prompt_a)
-    mixer = w.mixers[0]
-    print(f"\n1. {mixer}: states {tuple(mixer.states.shape)} (batch, seq, heads, key_dim, value_dim)")
+    mixer = run_a.mixers[0]
+    print(f"\n1. {mixer}: states {tuple(mixer.states.shape)} (batch, seq, heads, key_dim, value_dim),"
+          f" conv windows {tuple(mixer.conv_states.shape)}")
     norms = mixer.states.flatten(2).norm(dim=-1)[0]
     print("   state norm per token:", " ".join(f"{n:.3f}" for n in norms.tolist()))
-    memory = {m.layer: m.state_after(7) for m in w.mixers}
 
-    # 2. Patch: write prompt A's state after token 7 into the run on prompt B, in every recurrent layer.
-    with watch(model) as w, torch.no_grad():
-        model(prompt_b)
-    unpatched = w.mixers[0].calls[0].output["output"]
-    with watch(model) as w, torch.no_grad():
-        for m in w.mixers:
-            m.set_state_after(7, memory[m.layer])
-        model(prompt_b)
-    patched = w.mixers[0].calls[0].output["output"]
-    with watch(model) as w, torch.no_grad():
-        model(prompt_a)
-    target = w.mixers[0].calls[0].output["output"]
-    print("\n2. patch A's recurrent states after token 7 into the run on B (tokens 8.. are shared);")
-    print(f"   distance of {w.mixers[0]}'s kernel output to A's, tokens 8..15:")
-    for name, out in (("unpatched", unpatched), ("patched", patched)):
-        print(f"   {name:>9}:", " ".join(f"{d:.1e}" for d in (out - target)[0, 8:].flatten(1).norm(dim=-1).tolist()))
-    print("   still apart: tokens 8-10 read B's inputs through the causal-convolution window, and what they"
-          "\n   write stays in the state (docs/concepts.md, known limits: the conv window is not patched)")
+    # 2. Patch: prompt B shares A's tokens after token 7. Write A's memory after token 7 into the run on
+    # B, in every recurrent layer: the state alone, then the whole memory (state and conv window).
+    def layer0_output(write=None):
+        with watch(model) as w, torch.no_grad():
+            if write is not None:
+                write(w)
+            model(prompt_b)
+        return w.mixers[0].calls[0].output["output"]
+
+    memory = run_a.memory_after(7)
+    target = mixer.calls[0].output["output"]
+    rows = {
+        "unpatched": layer0_output(),
+        "state only": layer0_output(lambda w: [m.set_state_after(7, memory[m.layer].state) for m in w.mixers]),
+        "whole memory": layer0_output(lambda w: w.set_memory_after(7, memory)),
+    }
+    print(f"\n2. patch A's memory after token 7 into the run on B (tokens 8.. are shared);")
+    print(f"   distance of {mixer}'s kernel output to A's, tokens 8..15:")
+    for name, out in rows.items():
+        print(f"   {name:>12}:", " ".join(f"{d:.1e}" for d in (out - target)[0, 8:].flatten(1).norm(dim=-1).tolist()))
+    print("   the state alone leaves B's last inputs in the convolution window; the whole memory carries A over")
 
     # 3. Steer and watch a generation: scale the state at decode step 2, record every step's norm.
     trace = []

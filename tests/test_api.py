@@ -341,7 +341,8 @@ def test_support_reports_each_mixer(model):
         ("model.layers.0.linear_attn", 0, "qwen3_5", "LinearAttention"),
         ("model.layers.2.linear_attn", 2, "qwen3_5", "LinearAttention"),
     ]
-    assert "states" in rows[0].available and "conv_state" in rows[0].unavailable
+    assert "states" in rows[0].available and "conv_states" in rows[0].available
+    assert "packed sequences" in rows[0].unavailable
     assert "qwen3_5 -> LinearAttention" in str(rows[0])
 
 

@@ -313,3 +313,104 @@ def test_bindings_restored_after_exit_after_a_raising_hook_and_when_nested(model
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
     assert_close("model unchanged after the watches", logits_of(model, ids), logits_of(build(family), ids),
                  rtol=0, atol=0)
+
+
+# -- the convolution window and the whole memory ---------------------------------------------------------------
+
+
+def conv_window_reference(mixer: rh.RecurrentMixer, call: int) -> torch.Tensor:
+    """The window after every token, rebuilt from the conv kernel's recorded inputs: the last K inputs."""
+    record = mixer.calls[call]
+    x = record.conv.inputs["hidden_states"]
+    if "conv_state" in record.conv.inputs:  # decode: the cached window, then the new input
+        x = torch.cat([record.conv.inputs["conv_state"], x], dim=-1)
+    size = record.conv.inputs["weight"].shape[-1]
+    padded = torch.nn.functional.pad(x, (size, 0))
+    length = x.shape[-1]
+    windows = [padded[..., size + p + 1 - size: size + p + 1] for p in range(length - record.tokens, length)]
+    return torch.stack(windows, dim=1)
+
+
+def test_conv_windows_are_the_last_inputs_at_prompt_and_decode_steps(model):
+    with rh.watch(model, keep=("conv_states",)) as w:
+        greedy(model, random_ids(2, T), 3)
+    for mixer in w.mixers:
+        for call in range(3):
+            assert_close(f"{mixer} call {call} conv windows", conv_window_reference(mixer, call),
+                         mixer.calls[call].conv_states, rtol=0, atol=0)
+
+
+def test_conv_write_changes_only_later_tokens_and_the_cache(model):
+    ids, token = random_ids(2, T), 5
+    plain = logits_of(model, ids)
+    with rh.watch(model, keep=("conv_states",)) as w:
+        logits_of(model, ids)
+        value = perturbation(w.mixers[0].conv_state_after(token))
+    with rh.watch(model, keep=("conv_states",)) as w:
+        w.mixers[0].set_conv_state_after(token, value)
+        with torch.no_grad():
+            out = model(ids, use_cache=True)
+    assert_close("logits at tokens <= t", plain[:, : token + 1], out.logits[:, : token + 1], rtol=1e-5, atol=1e-5)
+    change = (out.logits[:, token + 1:] - plain[:, token + 1:]).abs().amax(dim=(0, 2))
+    assert change.max() > 1e-6, f"a conv write at token {token} left later logits unchanged: {change}"
+    mixer = w.mixers[0]
+    assert_close("conv window after the write", value, mixer.conv_state_after(token), rtol=0, atol=0)
+    cached = out.past_key_values.get_conv_state(mixer.layer)
+    assert_close("cache holds the continued window", mixer.conv_states[:, -1].to(cached.dtype), cached, rtol=0, atol=0)
+
+
+def test_conv_write_at_a_decode_step(model):
+    ids = random_ids(2, T)
+    with rh.watch(model, keep=("conv_states",)) as w:
+        greedy(model, ids, 4)
+        value = perturbation(w.mixers[0].conv_state_after(0, call=1))
+    with rh.watch(model, keep=("conv_states",)) as w:
+        w.mixers[0].set_conv_state_after(0, value, call=1)
+        greedy(model, ids, 4)
+    assert_close("call 2 read the written window", value, w.mixers[0].calls[2].conv.inputs["conv_state"],
+                 rtol=0, atol=0)
+
+
+def first_mixer_outputs(model, ids, mixer_module, memory=None, token=None):
+    """The first recurrent layer's module output, optionally with its whole memory written after `token`."""
+    outputs = []
+    handle = mixer_module.register_forward_hook(lambda m, a, out: outputs.append(out[0] if isinstance(out, tuple)
+                                                                                else out))
+    try:
+        with rh.watch(model, keep=("states", "conv_states")) as w, torch.no_grad():
+            if memory is not None:
+                w.mixers[0].set_memory_after(token, memory)
+            model(ids, use_cache=False)
+    finally:
+        handle.remove()
+    return outputs[0], w.mixers[0]
+
+
+def test_writing_the_whole_memory_makes_a_layer_continue_as_in_the_other_run(model):
+    """Record run A's memory (state and conv window) after token t of the first recurrent layer, write it
+    into run B, which shares A's tokens after t: the layer's outputs after t equal A's. The identity shows
+    that the memory is complete: nothing else carries over from tokens <= t."""
+    token = 6
+    run_a = random_ids(2, T, seed=5)
+    run_b = run_a.clone()
+    run_b[:, : token + 1] = random_ids(2, token + 1, seed=6)
+    with rh.watch(model) as w:
+        first = w.mixers[0]
+    assert first.layer == 0, f"the first recurrent mixer is at layer {first.layer}: its inputs are not only tokens"
+    out_a, mixer_a = first_mixer_outputs(model, run_a, first.module)
+    out_b, _ = first_mixer_outputs(model, run_b, first.module)
+    patched, _ = first_mixer_outputs(model, run_b, first.module, mixer_a.memory_after(token), token)
+    assert (out_b[:, token + 1:] - out_a[:, token + 1:]).abs().max() > 1e-6, "the two runs did not differ"
+    assert_close("layer output after t, memory written", out_a[:, token + 1:], patched[:, token + 1:],
+                 rtol=1e-4, atol=1e-6)
+    # the recurrent state alone is not the whole memory: the conv window still holds B's last inputs
+    own_window = _conv_window_of(model, run_b, token)
+    state_only, _ = first_mixer_outputs(model, run_b, first.module,
+                                        rh.Memory(mixer_a.state_after(token), own_window), token)
+    assert (state_only[:, token + 1:] - out_a[:, token + 1:]).abs().max() > 1e-6
+
+
+def _conv_window_of(model, ids, token):
+    with rh.watch(model, keep=("conv_states",)) as w, torch.no_grad():
+        model(ids, use_cache=False)
+    return w.mixers[0].conv_state_after(token)

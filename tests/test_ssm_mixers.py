@@ -81,7 +81,7 @@ def test_zamba_runs_one_kernel_call_per_head():
     assert seen[:2 * heads] == [(0, t, h, (2, head_dim, d_state)) for h in range(heads) for t in (0, T - 1)]
     assert [len(c.parts) for c in mixer.calls] == [heads] * 3
     assert mixer.calls[0].states.shape == (2, T, heads, head_dim, d_state)
-    with pytest.raises(rh.Unavailable, match="made 2 kernel calls .* read call.parts"):
+    with pytest.raises(rh.Unavailable, match="made 2 recurrence kernel calls .* read call.parts"):
         mixer.calls[0].inputs
     values = mixer.values(0)
     assert values["x"].shape == (2, T, heads, head_dim) and values["B"].shape == (2, T, heads, d_state)

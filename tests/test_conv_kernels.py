@@ -1,0 +1,64 @@
+"""The convolution token loops against transformers' own pure-torch kernels, and windows against their definition."""
+
+import importlib
+
+import pytest
+import torch
+
+from _compare import assert_close
+from recurrent_hooks._conv import causal_conv1d_fn, causal_conv1d_update
+
+MODULES = ["qwen3_5", "kimi_linear", "mamba", "mamba2", "zamba"]
+
+
+def hf(family, name):
+    return getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), name).__wrapped__
+
+
+def inputs(batch=2, channels=6, length=9, size=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, channels, length, generator=gen), torch.randn(channels, size, generator=gen),
+            torch.randn(channels, generator=gen))
+
+
+@pytest.mark.parametrize("family", MODULES)
+@pytest.mark.parametrize("activation", [None, "silu"])
+@pytest.mark.parametrize("length", [1, 3, 9], ids=lambda n: f"L{n}")
+def test_loops_equal_transformers_kernels(family, activation, length):
+    x, weight, bias = inputs(length=length)
+    assert_close("prompt output", hf(family, "causal_conv1d_fn")(x, weight, bias, activation),
+                 causal_conv1d_fn(x, weight, bias, activation), rtol=1e-6, atol=1e-6)
+    state = torch.randn(2, 6, 4)
+    theirs, ours = state.clone(), state.clone()
+    step = x[..., :1]
+    assert_close("decode output", hf(family, "causal_conv1d_update")(step, theirs, weight, bias, activation),
+                 causal_conv1d_update(step, ours, weight, bias, activation), rtol=1e-6, atol=1e-6)
+    assert_close("decode window, written in place", theirs, ours, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("prefix", [0, 4], ids=["fresh", "cached-window"])
+def test_windows_are_the_last_inputs_and_a_replacement_feeds_only_later_tokens(prefix):
+    x, weight, bias = inputs(length=prefix + 7)
+    seen = []
+    out = causal_conv1d_fn(x, weight, bias, tokens=7, on_token=lambda t, w: seen.append(w) or w)
+    padded = torch.nn.functional.pad(x, (4, 0))
+    for t, window in enumerate(seen):
+        p = prefix + t
+        assert_close(f"window after token {t}", padded[..., p + 1: p + 5], window, rtol=0, atol=0)
+    replacement = torch.randn(2, 6, 4)
+    patched = causal_conv1d_fn(x, weight, bias, tokens=7, on_token=lambda t, w: replacement if t == 2 else w)
+    assert_close("outputs up to the write", out[..., : prefix + 3], patched[..., : prefix + 3], rtol=0, atol=0)
+    # token 3 reads the written window's last 3 columns and its own input
+    window = torch.cat([replacement[..., 1:], x[..., prefix + 3, None]], dim=-1)
+    assert_close("token 3 after the write", (window * weight).sum(-1) + bias, patched[..., prefix + 3],
+                 rtol=1e-6, atol=1e-6)
+    assert_close("token 6 is back to its own inputs", out[..., prefix + 6], patched[..., prefix + 6], rtol=0, atol=0)
+
+
+def test_decode_replacement_is_written_into_the_cache_tensor():
+    x, weight, bias = inputs(length=1)
+    state = torch.randn(2, 6, 4)
+    replacement = torch.randn(2, 6, 4)
+    out = causal_conv1d_update(x, state, weight, bias, on_token=lambda t, w: replacement)
+    assert_close("cache window", replacement, state, rtol=0, atol=0)
+    assert out.shape == (2, 6, 1)
