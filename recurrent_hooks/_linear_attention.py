@@ -35,7 +35,7 @@ from torch import Tensor
 
 from ._errors import RecurrentHooksError
 from ._conv import CONV_KERNELS
-from ._mixer import Kernel, KernelCall, RecurrentMixer
+from ._mixer import Kernel, KernelCall, RecurrentMixer, Segments
 
 OnToken = Callable[[int, Tensor], Tensor]
 
@@ -140,7 +140,9 @@ class LinearAttention(RecurrentMixer):
     RECURRENT_KERNEL: ClassVar[str] = "torch_recurrent_gated_delta_rule"
     STATE_IN: ClassVar[str] = "initial_state"  # where both kernels take the state; they return the new one
     KERNELS = (
-        Kernel(CHUNK_KERNEL, chunk_gated_delta_rule, STATE_IN, ("output", "final_state"), "prompt", seq=("value", 1)),
+        Kernel(CHUNK_KERNEL, chunk_gated_delta_rule, STATE_IN, ("output", "final_state"), "prompt", seq=("value", 1),
+               segments=Segments({name: 1 for name in ("query", "key", "value", "g", "beta")}, STATE_IN,
+                                 "output_final_state", out_axis=1, tuple_without_final=True)),
         Kernel(RECURRENT_KERNEL, recurrent_gated_delta_rule, STATE_IN, ("output", "final_state"), "decode",
                seq=("value", 1)),
         *CONV_KERNELS,

@@ -56,6 +56,24 @@ class Memory(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
+class Segments:
+    """How a prompt kernel can be run on consecutive pieces of its tokens, chaining the state.
+
+    - `per_token`: the arguments that have a token axis, and which axis;
+    - `state_in`: the argument that takes the state a piece starts from;
+    - `final_flag`: the argument that asks the kernel to return its last state;
+    - `out_axis`: the token axis of the output;
+    - `tuple_without_final`: the kernel returns `(out, None)`, not `out`, when the last state is not asked for.
+    """
+
+    per_token: dict[str, int]
+    state_in: str
+    final_flag: str
+    out_axis: int
+    tuple_without_final: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class Kernel:
     """One kernel of a mixer kind, as data.
 
@@ -68,7 +86,10 @@ class Kernel:
     - `seq`: `(argument, axis)` where the tokens of the call are counted, None for one token, or
       FORWARD: the forward's tokens, the last positions of the kernel's input;
     - `in_place`: the kernel writes the new memory into its `state_in` tensor instead of returning it;
-    - `memory`: which memory the kernel updates, STATE_MEMORY or CONV_MEMORY.
+    - `memory`: which memory the kernel updates, STATE_MEMORY or CONV_MEMORY;
+    - `segments`: how the kernel bound before the watch can run piece by piece, chaining the state (None:
+      it cannot). Then a call with hooks and kept states at a few tokens only runs that kernel on the
+      pieces between them, instead of the token loop.
     """
 
     name: str
@@ -79,6 +100,7 @@ class Kernel:
     seq: tuple[str, int] | str | None = None
     in_place: bool = False
     memory: str = STATE_MEMORY
+    segments: Segments | None = None
 
     @property
     def signature(self) -> inspect.Signature:
@@ -593,6 +615,13 @@ class _Plan:
     def idle(self) -> bool:
         return not self.hooks and not self.keep
 
+    def stops(self, tokens: int) -> frozenset[int] | None:
+        """The tokens this plan acts at, or None when it acts at every token (a hook with no token)."""
+        if any(positions is None for _, positions in self.hooks):
+            return None
+        stops = frozenset(p for _, positions in self.hooks for p in positions)
+        return stops | self.keep if self.keep else stops
+
     def apply(self, token: int, state: Tensor) -> Tensor:
         for hook, positions in self.hooks:
             if positions is None or token in positions:
@@ -704,8 +733,12 @@ class _Tap:
                     last.append(state)
                 return state
 
-            extra = {"tokens": tokens} if kernel.seq == FORWARD else {}
-            result = kernel.loop(*args, on_token=on_token, **extra, **kwargs)
+            stops = _sparse_stops(kernel, busy, tokens)
+            if stops is not None:
+                result = _run_in_segments(kernel, original, args, kwargs, stops, on_token)
+            else:
+                extra = {"tokens": tokens} if kernel.seq == FORWARD else {}
+                result = kernel.loop(*args, on_token=on_token, **extra, **kwargs)
             if kernel.memory == CONV_MEMORY and kernel.role == "prompt" and last:
                 self._sync_conv_cache(last[0])
         output = kernel.name_results(result)
@@ -730,6 +763,53 @@ class _Tap:
         if any(mixer._wants(mixer._index) for mixer in self.mixers):
             return None
         return original(*args, **kwargs)
+
+
+FAST_PATHS = True  # False: every call that is not idle runs the token loop (the tests compare both)
+
+
+def _sparse_stops(kernel: Kernel, busy: list[_Plan], tokens: int) -> list[int] | None:
+    """The tokens to stop at, when the call can run in segments: a few stops, none of them 'every token'."""
+    if not FAST_PATHS or kernel.segments is None:
+        return None
+    stops: set[int] = set()
+    for plan in busy:
+        plan_stops = plan.stops(tokens)
+        if plan_stops is None:
+            return None
+        stops |= plan_stops
+    # each segment costs a kernel call; beyond about one stop per 32 tokens, the token loop is cheaper
+    return sorted(stops) if len(stops) <= max(8, tokens // 32) else None
+
+
+def _run_in_segments(kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict, stops: list[int],
+                     on_token: Callable[[int, Tensor], Tensor]) -> Any:
+    """Run `original` on the tokens between the stops, chaining the state through `on_token` at each stop."""
+    segments = kernel.segments
+    bound = dict(kernel.signature.bind(*args, **kwargs).arguments)
+    extra = bound.pop("kwargs", {})
+    positional = list(bound)[: len(args)]  # call each piece the way the mixer called the kernel
+    wants_final = bool(bound.get(segments.final_flag, False))
+    tokens = kernel.tokens(bound, 0)
+    state = bound.get(segments.state_in)
+    outputs = []
+    start = 0
+    for end in [*(stop + 1 for stop in stops), tokens]:
+        if end <= start:
+            continue
+        piece = {name: (value.narrow(segments.per_token[name], start, end - start)
+                        if name in segments.per_token else value) for name, value in bound.items()}
+        piece[segments.state_in], piece[segments.final_flag] = state, True
+        leading = [piece.pop(name) for name in positional]
+        out, state = original(*leading, **piece, **extra)
+        outputs.append(out)
+        if end - 1 in stops:
+            state = on_token(end - 1, state)  # the state after the stop, as the token loop would hand it over
+        start = end
+    out = torch.cat(outputs, dim=segments.out_axis)
+    if wants_final:
+        return out, state
+    return (out, None) if segments.tuple_without_final else out
 
 
 _TAPS: "weakref.WeakKeyDictionary[nn.Module, _Tap]" = weakref.WeakKeyDictionary()

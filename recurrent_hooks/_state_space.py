@@ -54,7 +54,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ._conv import CONV_KERNELS
-from ._mixer import Kernel, KernelCall, RecurrentMixer
+from ._mixer import Kernel, KernelCall, RecurrentMixer, Segments
 from ._selective_scan import OnToken, refuse_packed, step_size
 
 
@@ -221,7 +221,9 @@ class StateSpace(RecurrentMixer):
     STATE_IN: ClassVar[str] = "state"  # the decode kernel's state argument, updated in place
     KERNELS = (
         Kernel(CHUNK_KERNEL, mamba2_chunk_scan, "initial_states", ("output", "final_state"), "prompt",
-               seq=("hidden_states", 1)),
+               seq=("hidden_states", 1),
+               segments=Segments({name: 1 for name in ("hidden_states", "dt", "B", "C")}, "initial_states",
+                                 "return_final_states", out_axis=1, tuple_without_final=False)),
         Kernel(RECURRENT_KERNEL, mamba2_selective_state_update, STATE_IN, ("output",), "decode", in_place=True),
         *CONV_KERNELS,
     )

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import recurrent_hooks as rh
+import recurrent_hooks._mixer as rh_mixer
 from _compare import assert_close, assert_equal
 from _models import FAMILIES as BUILDERS
 from _models import PAD, build, random_ids
@@ -414,3 +415,50 @@ def _conv_window_of(model, ids, token):
     with rh.watch(model, keep=("conv_states",)) as w, torch.no_grad():
         model(ids, use_cache=False)
     return w.mixers[0].conv_state_after(token)
+
+
+# -- fast paths against the token loop ---------------------------------------------------------------------------
+
+
+def _sparse_run(model, ids, fast, monkeypatch):
+    """Writes, hooks and kept states at a few tokens of the prompt and at a decode step, through one path."""
+    monkeypatch.setattr(rh_mixer, "FAST_PATHS", fast)
+    segmented = []
+    real = rh_mixer._run_in_segments
+    monkeypatch.setattr(rh_mixer, "_run_in_segments", lambda *a: segmented.append(1) or real(*a))
+    seen = []
+    with rh.watch(model, keep={"states": [2, 7, -1], "conv_states": [7]}) as w, torch.no_grad():
+        mixer = w.mixers[0]
+        model(ids)
+        value = mixer.state_after(7) * 0.5
+        window = mixer.conv_state_after(7) * 2
+    with rh.watch(model, keep={"states": [2, 7, -1], "conv_states": [7]}) as w, torch.no_grad():
+        w.mixers[0].set_state_after(7, value)
+        w.mixers[0].set_conv_state_after(7, window)
+        w.mixers[-1].register_state_hook(lambda m, c, t, s: seen.append(float(s.norm())) or s * 0.9, token=[3, -2])
+        w.mixers[0].set_state_after(0, value, call=2)
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=PAD, output_logits=True,
+                             return_dict_in_generate=True)
+    return w, out, seen, segmented
+
+
+def test_sparse_fast_path_equals_the_token_loop(model, monkeypatch):
+    """Same outputs, kept states, hook inputs and cache contents whether sparse calls run in segments or not."""
+    ids = random_ids(2, T)
+    fast, fast_out, fast_seen, segmented = _sparse_run(model, ids, True, monkeypatch)
+    slow, slow_out, slow_seen, unsegmented = _sparse_run(model, ids, False, monkeypatch)
+    assert not unsegmented
+    if type(fast.mixers[0]).KERNELS[0].segments is not None:
+        assert segmented, "the sparse call did not take the fast path"
+    for step, (a, b) in enumerate(zip(slow_out.logits, fast_out.logits)):
+        assert_close(f"logits of call {step}", a, b, rtol=1e-4, atol=1e-5)
+    assert_close("hook inputs", torch.tensor(slow_seen), torch.tensor(fast_seen), rtol=1e-4, atol=1e-7)
+    for a, b in zip(slow.mixers, fast.mixers):
+        for call in range(4):
+            for token in (2, 7, -1) if call == 0 else (0,):
+                assert_close(f"{a} call {call} state after {token}", a.state_after(token, call),
+                             b.state_after(token, call), rtol=1e-4, atol=1e-6)
+            if call:  # what the cache handed to the decode step
+                assert_close(f"{a} call {call} state in", state_in(a, call), state_in(b, call), rtol=1e-4, atol=1e-6)
+                assert_close(f"{a} call {call} window in", a.calls[call].conv.inputs["conv_state"],
+                             b.calls[call].conv.inputs["conv_state"], rtol=1e-4, atol=1e-6)
