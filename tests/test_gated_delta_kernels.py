@@ -4,6 +4,8 @@ import importlib
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from _compare import assert_close
 from _reference import gated_delta_rule_reference
@@ -99,3 +101,18 @@ def test_packed_sequences_are_refused():
 
     with pytest.raises(rh.RecurrentHooksError, match="cu_seqlens"):
         chunk_gated_delta_rule(**inputs(1, 4, 1, 1, 8, 8, False), cu_seqlens=torch.tensor([0, 2, 4]))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    batch=st.integers(1, 3), seq=st.integers(1, 40), key_heads=st.integers(1, 3), group=st.integers(1, 3),
+    key_dim=st.integers(1, 9), value_dim=st.integers(1, 9), with_state=st.booleans(), seed=st.integers(0, 2**16),
+)
+def test_any_shape_matches_the_float64_reference(batch, seq, key_heads, group, key_dim, value_dim, with_state, seed):
+    """Property: for any shape (grouped value heads included), the loop's states are the reference's."""
+    x = inputs(batch, seq, key_heads, key_heads * group, key_dim, value_dim, with_state, seed=seed)
+    seen = []
+    out, _ = recurrent_gated_delta_rule(**x, use_qk_l2norm_in_kernel=True, on_token=lambda t, s: seen.append(s) or s)
+    ref_out, ref_states = gated_delta_rule_reference(**x, normalize_qk=True)
+    assert_close("outputs", ref_out, out, rtol=1e-5, atol=1e-6)
+    assert_close("states", ref_states, torch.stack(seen, dim=1), rtol=1e-5, atol=1e-6)
