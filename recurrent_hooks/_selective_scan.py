@@ -31,7 +31,7 @@ Module contents:
 - `mamba_selective_scan`, `mamba_selective_state_update`: token loops with the signatures and results of
   transformers' kernels of the same names, plus a keyword-only `on_token` (and `initial_state` for the scan).
 - `discretize`: Δ_t, exp(Δ_t A) and Δ_t B_t x_t of every token, from the prompt kernel's arguments.
-- `step_size`, `refuse_packed`: shared with the Mamba-2 loops in `_state_space`.
+- `step_size`, `discrete_step`, `refuse_packed`: shared with the Mamba-2 loops in `_state_space`.
 - `SelectiveScan`, `PerHeadSelectiveScan`: the mixer kinds (zamba runs its kernels once per head).
 """
 
@@ -75,13 +75,17 @@ def refuse_packed(kwargs: dict[str, Any]) -> None:
             )
 
 
-def _discrete(
-    dt: Float[Tensor, "*lead d_inner"],
-    A: Float[Tensor, "d_inner d_state"],
+def discrete_step(
+    dt: Float[Tensor, "*lead channels"],
+    A: Float[Tensor, "channels d_state"],
     B: Float[Tensor, "*lead d_state"],
-    x: Float[Tensor, "*lead d_inner"],
-) -> tuple[Float[Tensor, "*lead d_inner d_state"], Float[Tensor, "*lead d_inner d_state"]]:
-    """exp(Δ A) and Δ B x (any leading axes)."""
+    x: Float[Tensor, "*lead channels"],
+) -> tuple[Float[Tensor, "*lead channels d_state"], Float[Tensor, "*lead channels d_state"]]:
+    """exp(Δ A) (zero-order hold) and Δ x B (Euler), any leading axes; shared by Mamba-1 and Mamba-2.
+
+    Mamba-1: channels is d_inner and A is `[d_inner, d_state]`. Mamba-2 calls it with a trailing head_dim
+    axis (dt `[..., heads, 1 | head_dim]`, A `[heads, 1 | head_dim, 1 | d_state]`, B `[..., heads, d_state]`).
+    """
     return torch.exp(dt[..., None] * A), (dt * x)[..., None] * B[..., None, :]
 
 
@@ -105,7 +109,7 @@ def discretize(
     """
     x, dt, B = (rearrange(v, "b c t -> b t c") for v in (hidden_states, dt, B))
     dt = step_size(dt, delta_bias, delta_softplus)
-    return (dt, *_discrete(dt, A.float(), B.float(), x.float()))
+    return (dt, *discrete_step(dt, A.float(), B.float(), x.float()))
 
 
 def _selective_scan(
@@ -125,7 +129,7 @@ def _selective_scan(
         state = initial_state.to(torch.float32, copy=True)
     outputs = []
     for t in range(seq):
-        decay, drive = _discrete(dt[:, t], A, B[:, t], x[:, t])  # b d n   exp(Δ_t A), Δ_t B_t x_t
+        decay, drive = discrete_step(dt[:, t], A, B[:, t], x[:, t])  # b d n   exp(Δ_t A), Δ_t B_t x_t
         state = decay * state + drive  # b d n   h_t
         outputs.append(einsum(state, C[:, t], "b d n, b n -> b d"))  # b d   C_t . h_t
         if on_token is not None:

@@ -55,22 +55,12 @@ from torch import Tensor
 
 from ._conv import CONV_KERNELS
 from ._mixer import Kernel, KernelCall, RecurrentMixer, Segments
-from ._selective_scan import OnToken, refuse_packed, step_size
+from ._selective_scan import OnToken, discrete_step, refuse_packed, step_size
 
 
 def _per_head(v: Float[Tensor, "*lead groups d_state"], heads: int) -> Float[Tensor, "*lead heads d_state"]:
     """B or C for every head, float32: head h reads group h // (heads // groups)."""
     return repeat(v.float(), "... g n -> ... (g r) n", r=heads // v.shape[-2])
-
-
-def _discrete(
-    dt: Float[Tensor, "*lead heads q"],
-    A: Float[Tensor, "heads q m"],
-    B: Float[Tensor, "*lead heads d_state"],
-    x: Float[Tensor, "*lead heads head_dim"],
-) -> tuple[Float[Tensor, "*lead heads q m"], Float[Tensor, "*lead heads head_dim d_state"]]:
-    """exp(Δ a) and Δ x B^T; q is 1 (a step per head) or head_dim, m is 1 (a scalar per head) or d_state."""
-    return torch.exp(dt[..., None] * A), (dt * x)[..., None] * B[..., None, :]
 
 
 def discretize(
@@ -94,7 +84,7 @@ def discretize(
     dt_softplus, (-inf, inf))`.
     """
     dt = step_size(dt, dt_bias, dt_softplus, dt_limit)
-    decay, drive = _discrete(dt[..., None], A.float()[:, None, None], _per_head(B, hidden_states.shape[-2]),
+    decay, drive = discrete_step(dt[..., None], A.float()[:, None, None], _per_head(B, hidden_states.shape[-2]),
                              hidden_states.float())
     return dt, decay[..., 0, 0], drive
 
@@ -110,7 +100,7 @@ def _ssd(
 ) -> tuple[Float[Tensor, "batch seq heads head_dim"], Float[Tensor, "batch heads head_dim d_state"]]:
     """h_t C_t of every token and the last state; float32 in and out (no D, no gate).
 
-    q is 1 (prompt: a step per head) or head_dim (decode: expanded), m is 1 or d_state, as in `_discrete`.
+    q is 1 (prompt: a step per head) or head_dim (decode: expanded), m is 1 or d_state, as in `discrete_step`.
     """
     batch, seq, heads, head_dim = x.shape
     if initial_state is None:
@@ -119,7 +109,7 @@ def _ssd(
         state = initial_state.to(torch.float32, copy=True)
     outputs = []
     for t in range(seq):
-        decay, drive = _discrete(dt[:, t], A, B[:, t], x[:, t])  # b h q m, b h p n   exp(Δ_t a_h), Δ_t x_t B_t^T
+        decay, drive = discrete_step(dt[:, t], A, B[:, t], x[:, t])  # b h q m, b h p n   exp(Δ_t a_h), Δ_t x_t B_t^T
         state = decay * state + drive  # b h p n   h_t
         outputs.append(einsum(state, C[:, t], "b h p n, b h n -> b h p"))  # b h p   h_t C_t
         if on_token is not None:
