@@ -37,7 +37,7 @@ from typing import Any
 from torch import Tensor
 
 from ._conv import CONV_KERNELS
-from ._linear_attention import LinearAttention, OnToken, _gated_delta_rule
+from ._linear_attention import LinearAttention, OnToken, _gated_delta_rule, _gated_delta_rule_states
 from ._mixer import Kernel
 
 
@@ -62,6 +62,23 @@ def chunk_kimi_delta_attention(
     """
     return _gated_delta_rule(query, key, value, g, beta, initial_state, output_final_state,
                              use_qk_l2norm_in_kernel, on_token, kwargs)
+
+
+def chunk_kimi_delta_attention_states(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    chunk_size: int = 64,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    **kwargs: Any,
+) -> tuple[tuple[Tensor, Tensor | None], Tensor]:
+    """`chunk_kimi_delta_attention`'s results and every token's state, computed chunk-wise."""
+    return _gated_delta_rule_states(query, key, value, g, beta, initial_state, output_final_state,
+                                    use_qk_l2norm_in_kernel, kwargs)
 
 
 def recurrent_kimi_delta_attention(
@@ -98,9 +115,10 @@ class KimiDeltaAttention(LinearAttention):
     CHUNK_KERNEL = "chunk_kimi_delta_attention"
     RECURRENT_KERNEL = "recurrent_kimi_delta_attention"
     KERNELS = (
-        *(dataclasses.replace(kernel, name=name, loop=loop)
-          for kernel, name, loop in zip(LinearAttention.KERNELS, (CHUNK_KERNEL, RECURRENT_KERNEL),
-                                        (chunk_kimi_delta_attention, recurrent_kimi_delta_attention))),
+        dataclasses.replace(LinearAttention.KERNELS[0], name=CHUNK_KERNEL, loop=chunk_kimi_delta_attention,
+                            segments=dataclasses.replace(LinearAttention.KERNELS[0].segments,
+                                                         all_states=chunk_kimi_delta_attention_states)),
+        dataclasses.replace(LinearAttention.KERNELS[1], name=RECURRENT_KERNEL, loop=recurrent_kimi_delta_attention),
         *CONV_KERNELS,
     )
     INPUTS = {

@@ -40,6 +40,33 @@ from ._mixer import Kernel, KernelCall, RecurrentMixer, Segments
 OnToken = Callable[[int, Tensor], Tensor]
 
 
+def _prepare(
+    query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
+    use_qk_l2norm_in_kernel: bool, kwargs: dict[str, Any],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """q, k, v, beta, log-decay (float32, token-major, one key head per value head) and the starting state.
+
+    g is the log decay per head (`[.., heads, 1]`: gated DeltaNet, whose wrappers add the axis) or per key
+    channel (`[.., heads, key_dim]`: Kimi delta attention); exp(g) scales the rows of the key-major state.
+    """
+    if kwargs.get("cu_seqlens") is not None:
+        raise RecurrentHooksError("packed sequences (cu_seqlens) need flash-linear-attention; the token loop runs one sequence per batch row")
+    batch, _, key_heads, key_dim = key.shape
+    heads, value_dim = value.shape[-2:]
+    # grouped value heads: value head j reads key head j // (heads // key_heads)
+    query, key = (repeat(x, "b t kh d -> b t (kh g) d", g=heads // key_heads) for x in (query, key))
+    q, k, v, b, log_a = (x.to(torch.float32) for x in (query, key, value, beta, g))
+    if use_qk_l2norm_in_kernel:
+        q = q * torch.rsqrt(q.square().sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt(k.square().sum(-1, keepdim=True) + 1e-6)
+    q = q * key_dim**-0.5
+    if initial_state is None:
+        state = q.new_zeros(batch, heads, key_dim, value_dim)
+    else:  # a copy: the cache writes into its tensor in place at the next step
+        state = initial_state.to(torch.float32, copy=True)
+    return q, k, v, b, log_a, state
+
+
 def _gated_delta_rule(
     query: Float[Tensor, "batch seq key_heads key_dim"],
     key: Float[Tensor, "batch seq key_heads key_dim"],
@@ -52,26 +79,10 @@ def _gated_delta_rule(
     on_token: OnToken | None,
     kwargs: dict[str, Any],
 ) -> tuple[Float[Tensor, "batch seq heads value_dim"], Float[Tensor, "batch heads key_dim value_dim"] | None]:
-    # g: the log decay per head (decay_dim 1: gated DeltaNet, whose wrappers add the axis) or per key channel
-    # (decay_dim key_dim: Kimi delta attention); exp(g) scales the rows of the key-major state.
-    if kwargs.get("cu_seqlens") is not None:
-        raise RecurrentHooksError("packed sequences (cu_seqlens) need flash-linear-attention; the token loop runs one sequence per batch row")
-    batch, seq, key_heads, key_dim = key.shape
-    heads, value_dim = value.shape[-2:]
-    # grouped value heads: value head j reads key head j // (heads // key_heads)
-    query, key = (repeat(x, "b t kh d -> b t (kh g) d", g=heads // key_heads) for x in (query, key))
-    q, k, v, b, log_a = (x.to(torch.float32) for x in (query, key, value, beta, g))
+    q, k, v, b, log_a, state = _prepare(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel, kwargs)
     a = log_a.exp()
-    if use_qk_l2norm_in_kernel:
-        q = q * torch.rsqrt(q.square().sum(-1, keepdim=True) + 1e-6)
-        k = k * torch.rsqrt(k.square().sum(-1, keepdim=True) + 1e-6)
-    q = q * key_dim**-0.5
-    if initial_state is None:
-        state = q.new_zeros(batch, heads, key_dim, value_dim)
-    else:  # a copy: the cache writes into its tensor in place at the next step
-        state = initial_state.to(torch.float32, copy=True)
     outputs = []
-    for t in range(seq):
+    for t in range(q.shape[1]):
         state = state * a[:, t, :, :, None]  # b h k v   decay: diag(a_t) S_{t-1}, a_t [b h (1|k)]
         kv_mem = (k[:, t, :, None, :] @ state).squeeze(-2)  # b h v   what S stores under k_t
         delta = (v[:, t] - kv_mem) * b[:, t, :, None]  # b h v   b_t (v_t - S^T k_t)
@@ -79,8 +90,45 @@ def _gated_delta_rule(
         outputs.append((q[:, t, :, None, :] @ state).squeeze(-2))  # b h v   o_t = S_t^T q_t
         if on_token is not None:
             state = on_token(t, state)  # b h k v   what token t+1 continues from
-    out = torch.stack(outputs, dim=1).to(query.dtype) if outputs else v.new_zeros(batch, 0, heads, value_dim)
-    return out, (state if output_final_state else None)
+    out = torch.stack(outputs, dim=1) if outputs else v.new_zeros(*v.shape)
+    return out.to(query.dtype), (state if output_final_state else None)
+
+
+def _gated_delta_rule_states(
+    query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
+    output_final_state: bool, use_qk_l2norm_in_kernel: bool, kwargs: dict[str, Any], chunk: int = 16,
+) -> tuple[tuple[Tensor, Tensor | None], Float[Tensor, "batch seq heads key_dim value_dim"]]:
+    """The same recurrence, chunk by chunk, vectorized inside each chunk, returning every token's state too.
+
+    Inside a chunk starting from S_0, with c_i the cumulative log decay from the chunk start to token i
+    and D_ij = diag(exp(c_i - c_j)) for j <= i (the decay from token j to token i, at most 1):
+        u_i + b_i sum_{j<i} (k_i^T D_ij k_j) u_j = b_i (v_i - S_0^T diag(exp(c_i)) k_i)   (solved for U)
+        S_i = diag(exp(c_i)) S_0 + sum_{j<=i} D_ij k_j u_j^T
+        o_i = S_i^T q_i
+    u_i is the correction token i writes (b_i (v_i - what the decayed state stores under k_i)), as in the
+    token loop. Costs chunk^2 * key_dim * value_dim per chunk and head: for when every state is kept.
+    """
+    q, k, v, b, log_a, state = _prepare(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel, kwargs)
+    outputs, states = [], []
+    for start in range(0, q.shape[1], chunk):
+        qc, kc, vc, bc, gc = (x[:, start:start + chunk].transpose(1, 2) for x in (q, k, v, b, log_a))  # b h c ..
+        size = qc.shape[2]
+        cum = gc.cumsum(2)  # b h c d   c_i, d = 1 or key_dim
+        causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
+        decay = (cum[:, :, :, None] - cum[:, :, None, :]).masked_fill(~causal[..., None], -torch.inf).exp()  # b h i j d
+        decayed_keys = decay * kc[:, :, None, :, :]  # b h i j k   D_ij k_j
+        interaction = (kc[:, :, :, None, :] * decayed_keys).sum(-1) * bc[..., None]  # b h i j   b_i k_i^T D_ij k_j
+        system = torch.eye(size, device=q.device) + interaction.tril(-1)  # b h i j   I + strictly lower
+        reads = (kc * cum.exp()).unsqueeze(-2) @ state[:, :, None]  # b h i 1 v   S_0^T diag(exp(c_i)) k_i
+        rhs = bc[..., None] * (vc - reads.squeeze(-2))  # b h i v
+        u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # b h i v
+        chunk_states = cum.exp()[..., None] * state[:, :, None] + torch.einsum("bhijk,bhjv->bhikv", decayed_keys, u)
+        outputs.append((qc.unsqueeze(-2) @ chunk_states).squeeze(-2))  # b h i v   o_i = S_i^T q_i
+        states.append(chunk_states)  # b h i k v
+        state = chunk_states[:, :, -1]
+    out = torch.cat(outputs, dim=2).transpose(1, 2).to(query.dtype)
+    every = torch.cat(states, dim=2).transpose(1, 2)  # b t h k v
+    return (out, state if output_final_state else None), every
 
 
 def chunk_gated_delta_rule(
@@ -104,6 +152,24 @@ def chunk_gated_delta_rule(
     """
     return _gated_delta_rule(query, key, value, g[..., None], beta, initial_state, output_final_state,
                              use_qk_l2norm_in_kernel, on_token, kwargs)
+
+
+def chunk_gated_delta_rule_states(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    chunk_size: int = 64,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    **kwargs: Any,
+) -> tuple[tuple[Tensor, Tensor | None], Tensor]:
+    """`chunk_gated_delta_rule`'s results and every token's state `[batch, seq, heads, key_dim, value_dim]`,
+    computed chunk-wise (no per-token Python loop); `chunk_size` is accepted and ignored."""
+    return _gated_delta_rule_states(query, key, value, g[..., None], beta, initial_state, output_final_state,
+                                    use_qk_l2norm_in_kernel, kwargs)
 
 
 def recurrent_gated_delta_rule(
@@ -142,7 +208,8 @@ class LinearAttention(RecurrentMixer):
     KERNELS = (
         Kernel(CHUNK_KERNEL, chunk_gated_delta_rule, STATE_IN, ("output", "final_state"), "prompt", seq=("value", 1),
                segments=Segments({name: 1 for name in ("query", "key", "value", "g", "beta")}, STATE_IN,
-                                 "output_final_state", out_axis=1, tuple_without_final=True)),
+                                 "output_final_state", out_axis=1, tuple_without_final=True,
+                                 all_states=chunk_gated_delta_rule_states)),
         Kernel(RECURRENT_KERNEL, recurrent_gated_delta_rule, STATE_IN, ("output", "final_state"), "decode",
                seq=("value", 1)),
         *CONV_KERNELS,

@@ -63,7 +63,10 @@ class Segments:
     - `state_in`: the argument that takes the state a piece starts from;
     - `final_flag`: the argument that asks the kernel to return its last state;
     - `out_axis`: the token axis of the output;
-    - `tuple_without_final`: the kernel returns `(out, None)`, not `out`, when the last state is not asked for.
+    - `tuple_without_final`: the kernel returns `(out, None)`, not `out`, when the last state is not asked for;
+    - `all_states`: the library's chunk-wise version of the kernel (same signature) that returns
+      `(result, states)`, every token's state too, or None. Used when every state is kept and
+      gradients are off (with gradients on, the token loop keeps the states the recurrence used).
     """
 
     per_token: dict[str, int]
@@ -71,6 +74,7 @@ class Segments:
     final_flag: str
     out_axis: int
     tuple_without_final: bool
+    all_states: Callable[..., Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -733,9 +737,11 @@ class _Tap:
                     last.append(state)
                 return state
 
-            stops = _sparse_stops(kernel, busy, tokens)
-            if stops is not None:
-                result = _run_in_segments(kernel, original, args, kwargs, stops, on_token)
+            fast = _fast_path(kernel, busy, tokens)
+            if fast is not None:
+                stops, every_state = fast
+                result = _run_in_segments(kernel, original, args, kwargs, stops, on_token,
+                                          [plan for plan in keeping if every_state])
             else:
                 extra = {"tokens": tokens} if kernel.seq == FORWARD else {}
                 result = kernel.loop(*args, on_token=on_token, **extra, **kwargs)
@@ -768,24 +774,35 @@ class _Tap:
 FAST_PATHS = True  # False: every call that is not idle runs the token loop (the tests compare both)
 
 
-def _sparse_stops(kernel: Kernel, busy: list[_Plan], tokens: int) -> list[int] | None:
-    """The tokens to stop at, when the call can run in segments: a few stops, none of them 'every token'."""
+def _fast_path(kernel: Kernel, busy: list[_Plan], tokens: int) -> tuple[list[int], bool] | None:
+    """How a busy call can skip the token loop: the tokens to stop at, and whether every state is kept
+    chunk-wise in between; None when it cannot (a hook at every token, too many stops, no segments)."""
     if not FAST_PATHS or kernel.segments is None:
         return None
     stops: set[int] = set()
+    every_state = False
     for plan in busy:
-        plan_stops = plan.stops(tokens)
-        if plan_stops is None:
+        if any(positions is None for _, positions in plan.hooks):
             return None
-        stops |= plan_stops
+        stops.update(p for _, positions in plan.hooks for p in positions)
+        if plan.keep and len(plan.keep) == tokens and kernel.segments.all_states is not None \
+                and not torch.is_grad_enabled():
+            every_state = True
+        elif plan.keep:
+            stops.update(plan.keep)
     # each segment costs a kernel call; beyond about one stop per 32 tokens, the token loop is cheaper
-    return sorted(stops) if len(stops) <= max(8, tokens // 32) else None
+    return (sorted(stops), every_state) if len(stops) <= max(8, tokens // 32) else None
 
 
 def _run_in_segments(kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict, stops: list[int],
-                     on_token: Callable[[int, Tensor], Tensor]) -> Any:
-    """Run `original` on the tokens between the stops, chaining the state through `on_token` at each stop."""
+                     on_token: Callable[[int, Tensor], Tensor], keeping_all: list[_Plan]) -> Any:
+    """Run `original` on the tokens between the stops, chaining the state through `on_token` at each stop.
+
+    With `keeping_all`, the pieces run through the kernel's chunk-wise `all_states` version instead, and
+    the states of the tokens between the stops go to those plans.
+    """
     segments = kernel.segments
+    run = segments.all_states if keeping_all else original
     bound = dict(kernel.signature.bind(*args, **kwargs).arguments)
     extra = bound.pop("kwargs", {})
     positional = list(bound)[: len(args)]  # call each piece the way the mixer called the kernel
@@ -801,7 +818,12 @@ def _run_in_segments(kernel: Kernel, original: Callable[..., Any], args: tuple, 
                         if name in segments.per_token else value) for name, value in bound.items()}
         piece[segments.state_in], piece[segments.final_flag] = state, True
         leading = [piece.pop(name) for name in positional]
-        out, state = original(*leading, **piece, **extra)
+        if keeping_all:
+            (out, state), states = run(*leading, **piece, **extra)
+            for plan in keeping_all:
+                plan.kept.update((start + i, states[:, i]) for i in range(end - start))
+        else:
+            out, state = run(*leading, **piece, **extra)
         outputs.append(out)
         if end - 1 in stops:
             state = on_token(end - 1, state)  # the state after the stop, as the token loop would hand it over

@@ -462,3 +462,29 @@ def test_sparse_fast_path_equals_the_token_loop(model, monkeypatch):
                 assert_close(f"{a} call {call} state in", state_in(a, call), state_in(b, call), rtol=1e-4, atol=1e-6)
                 assert_close(f"{a} call {call} window in", a.calls[call].conv.inputs["conv_state"],
                              b.calls[call].conv.inputs["conv_state"], rtol=1e-4, atol=1e-6)
+
+
+def test_every_state_kept_chunkwise_equals_the_token_loop(model, monkeypatch):
+    """keep=("states",) without gradients takes the chunk-wise path where a kind has one (with a hook at one
+    token, in segments around it): same outputs, states, hook inputs and cache as the token loop."""
+    ids = random_ids(2, 70)
+    chunkwise = []
+    real = rh_mixer._run_in_segments
+    monkeypatch.setattr(rh_mixer, "_run_in_segments", lambda *a: chunkwise.append(bool(a[-1])) or real(*a))
+    runs = {}
+    for fast in (True, False):
+        monkeypatch.setattr(rh_mixer, "FAST_PATHS", fast)
+        seen = []
+        with rh.watch(model, keep=("states",)) as w, torch.no_grad():
+            w.mixers[0].register_state_hook(lambda m, c, t, s: seen.append(s.clone()) or s * 0.5, token=40)
+            out = model(ids, use_cache=True)
+        runs[fast] = (w, out, seen)
+    (fast, fast_out, fast_seen), (slow, slow_out, slow_seen) = runs[True], runs[False]
+    segments = type(fast.mixers[0]).KERNELS[0].segments
+    assert any(chunkwise) == (segments is not None and segments.all_states is not None)
+    assert_close("logits", slow_out.logits, fast_out.logits, rtol=1e-4, atol=1e-5)
+    assert_close("hook input", torch.stack(slow_seen), torch.stack(fast_seen), rtol=1e-4, atol=1e-6)
+    for a, b in zip(slow.mixers, fast.mixers):
+        assert_close(f"{a} every state", a.states, b.states, rtol=1e-4, atol=1e-6)
+        assert_close(f"{a} cached state", slow_out.past_key_values.get_recurrent_state(a.layer),
+                     fast_out.past_key_values.get_recurrent_state(b.layer), rtol=1e-4, atol=1e-6)

@@ -9,7 +9,11 @@ from hypothesis import strategies as st
 
 from _compare import assert_close
 from _reference import gated_delta_rule_reference
-from recurrent_hooks._linear_attention import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from recurrent_hooks._linear_attention import (
+    chunk_gated_delta_rule,
+    chunk_gated_delta_rule_states,
+    recurrent_gated_delta_rule,
+)
 
 FAMILY_MODULES = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "qwen4_exp", "lara_mini"]
 
@@ -116,3 +120,17 @@ def test_any_shape_matches_the_float64_reference(batch, seq, key_heads, group, k
     ref_out, ref_states = gated_delta_rule_reference(**x, normalize_qk=True)
     assert_close("outputs", ref_out, out, rtol=1e-5, atol=1e-6)
     assert_close("states", ref_states, torch.stack(seen, dim=1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("strong_decay", [False, True], ids=["decay", "strong-decay"])
+def test_chunkwise_states_equal_float64_reference(case, strong_decay):
+    """The chunk-wise all-states path (used when every state is kept) against the float64 recurrence."""
+    x = inputs(*case)
+    if strong_decay:
+        x["g"] = x["g"] * 8
+    (out, final), states = chunk_gated_delta_rule_states(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ref_out, ref_states = gated_delta_rule_reference(**x, normalize_qk=True)
+    assert_close("outputs", ref_out, out, rtol=1e-5, atol=1e-6)
+    assert_close("every state", ref_states, states, rtol=1e-5, atol=1e-6)
+    assert_close("final state", ref_states[:, -1], final, rtol=1e-5, atol=1e-6)

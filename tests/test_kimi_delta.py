@@ -19,7 +19,11 @@ import torch.nn.functional as F
 from _compare import assert_close
 from _reference import kimi_delta_rule_reference
 from recurrent_hooks import FAMILIES, KimiDeltaAttention
-from recurrent_hooks._kimi_delta import chunk_kimi_delta_attention, recurrent_kimi_delta_attention
+from recurrent_hooks._kimi_delta import (
+    chunk_kimi_delta_attention,
+    chunk_kimi_delta_attention_states,
+    recurrent_kimi_delta_attention,
+)
 
 KDA_FAMILIES = [name for name, row in FAMILIES.items() if row.kind is KimiDeltaAttention]
 LOOPS = {"chunk": chunk_kimi_delta_attention, "recurrent": recurrent_kimi_delta_attention}
@@ -161,3 +165,17 @@ def test_recurrent_single_token_replacement_is_the_final_state():
     out, final = _call(recurrent_kimi_delta_attention, "recurrent", x, on_token=lambda t, s: replacement)
     assert_close("decode output (computed before the replacement)", plain_out, out, rtol=0, atol=0)
     assert_close("decode final state", replacement, final, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("gate", ["softplus", "safe"])
+@pytest.mark.parametrize("seq", LENGTHS, ids=lambda T: f"T{T}")
+def test_chunkwise_states_match_reference(seq, gate):
+    """The chunk-wise all-states path (every state kept, per-channel decay) against the float64 recurrence."""
+    x = _inputs(seq, gate, seed=2)
+    want_out, want_states = kimi_delta_rule_reference(
+        x["query"], x["key"], x["value"], x["g"], x["beta"], initial_state=x["initial_state"], normalize_qk=True
+    )
+    (out, final), states = _call(chunk_kimi_delta_attention_states, "chunk", x)
+    assert_close("outputs vs reference", want_out, out, **FP32)
+    assert_close("every state vs reference", want_states, states, **FP32)
+    assert_close("final state", want_states[:, -1], final, **FP32)
