@@ -97,7 +97,7 @@ def _gated_delta_rule(
 def _gated_delta_rule_states(
     query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
     output_final_state: bool, use_qk_l2norm_in_kernel: bool, kwargs: dict[str, Any], chunk: int = 16,
-) -> tuple[tuple[Tensor, Tensor | None], Float[Tensor, "batch seq heads key_dim value_dim"]]:
+) -> tuple[tuple[Tensor, Tensor | None], Float[Tensor, "seq batch heads key_dim value_dim"]]:
     """The same recurrence, chunk by chunk, vectorized inside each chunk, returning every token's state too.
 
     Inside a chunk starting from S_0, with c_i the cumulative log decay from the chunk start to token i
@@ -106,29 +106,32 @@ def _gated_delta_rule_states(
         S_i = diag(exp(c_i)) S_0 + sum_{j<=i} D_ij k_j u_j^T
         o_i = S_i^T q_i
     u_i is the correction token i writes (b_i (v_i - what the decayed state stores under k_i)), as in the
-    token loop. Costs chunk^2 * key_dim * value_dim per chunk and head: for when every state is kept.
+    token loop. The states are written once, into one token-first buffer; costs chunk^2 * key_dim *
+    value_dim per chunk and head: for when every state is kept.
     """
     q, k, v, b, log_a, state = _prepare(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel, kwargs)
-    outputs, states = [], []
-    for start in range(0, q.shape[1], chunk):
-        qc, kc, vc, bc, gc = (x[:, start:start + chunk].transpose(1, 2) for x in (q, k, v, b, log_a))  # b h c ..
-        size = qc.shape[2]
-        cum = gc.cumsum(2)  # b h c d   c_i, d = 1 or key_dim
-        causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
-        decay = (cum[:, :, :, None] - cum[:, :, None, :]).masked_fill(~causal[..., None], -torch.inf).exp()  # b h i j d
-        decayed_keys = decay * kc[:, :, None, :, :]  # b h i j k   D_ij k_j
-        interaction = (kc[:, :, :, None, :] * decayed_keys).sum(-1) * bc[..., None]  # b h i j   b_i k_i^T D_ij k_j
-        system = torch.eye(size, device=q.device) + interaction.tril(-1)  # b h i j   I + strictly lower
-        reads = (kc * cum.exp()).unsqueeze(-2) @ state[:, :, None]  # b h i 1 v   S_0^T diag(exp(c_i)) k_i
-        rhs = bc[..., None] * (vc - reads.squeeze(-2))  # b h i v
-        u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # b h i v
-        chunk_states = cum.exp()[..., None] * state[:, :, None] + torch.einsum("bhijk,bhjv->bhikv", decayed_keys, u)
-        outputs.append((qc.unsqueeze(-2) @ chunk_states).squeeze(-2))  # b h i v   o_i = S_i^T q_i
-        states.append(chunk_states)  # b h i k v
-        state = chunk_states[:, :, -1]
-    out = torch.cat(outputs, dim=2).transpose(1, 2).to(query.dtype)
-    every = torch.cat(states, dim=2).transpose(1, 2)  # b t h k v
-    return (out, state if output_final_state else None), every
+    q, k, v, b, log_a = (x.movedim(1, 0) for x in (q, k, v, b, log_a))  # token first: t b h ..
+    every = q.new_empty(*q.shape[:3], q.shape[-1], v.shape[-1])  # t b h k v
+    out = v.new_empty(v.shape)  # t b h v
+    for start in range(0, q.shape[0], chunk):
+        qc, kc, vc, bc, gc = (x[start:start + chunk] for x in (q, k, v, b, log_a))  # i b h ..
+        size = qc.shape[0]
+        cum = gc.cumsum(0)  # i b h d   c_i, d = 1 or key_dim
+        causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()[:, :, None, None, None]
+        decay = (cum[:, None] - cum[None, :]).masked_fill(~causal, -torch.inf).exp()  # i j b h d   D_ij
+        decayed_keys = decay * kc[None]  # i j b h k   D_ij k_j
+        interaction = (kc[:, None] * decayed_keys).sum(-1) * bc[:, None]  # i j b h   b_i k_i^T D_ij k_j
+        system = torch.eye(size, device=q.device) + interaction.permute(2, 3, 0, 1).tril(-1)  # b h i j
+        reads = ((kc * cum.exp())[..., None, :] @ state).squeeze(-2)  # i b h v   S_0^T diag(exp(c_i)) k_i
+        rhs = (bc[..., None] * (vc - reads)).permute(1, 2, 0, 3)  # b h i v
+        u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # b h j v
+        states = every[start:start + size]  # i b h k v
+        torch.matmul(decayed_keys.permute(0, 2, 3, 4, 1), u, out=states)  # sum_j D_ij k_j u_j^T
+        states += cum.exp()[..., None] * state  # + diag(exp(c_i)) S_0
+        out[start:start + size] = (qc[..., None, :] @ states).squeeze(-2)  # i b h v   o_i = S_i^T q_i
+        state = states[-1]
+    result = (out.movedim(0, 1).to(query.dtype), state if output_final_state else None)
+    return result, every
 
 
 def chunk_gated_delta_rule(
@@ -166,8 +169,8 @@ def chunk_gated_delta_rule_states(
     use_qk_l2norm_in_kernel: bool = False,
     **kwargs: Any,
 ) -> tuple[tuple[Tensor, Tensor | None], Tensor]:
-    """`chunk_gated_delta_rule`'s results and every token's state `[batch, seq, heads, key_dim, value_dim]`,
-    computed chunk-wise (no per-token Python loop); `chunk_size` is accepted and ignored."""
+    """`chunk_gated_delta_rule`'s results and every token's state, token first: `[seq, batch, heads, key_dim,
+    value_dim]`, computed chunk-wise (no per-token Python loop); `chunk_size` is accepted and ignored."""
     return _gated_delta_rule_states(query, key, value, g[..., None], beta, initial_state, output_final_state,
                                     use_qk_l2norm_in_kernel, kwargs)
 

@@ -65,7 +65,7 @@ class Segments:
     - `out_axis`: the token axis of the output;
     - `tuple_without_final`: the kernel returns `(out, None)`, not `out`, when the last state is not asked for;
     - `all_states`: the library's chunk-wise version of the kernel (same signature) that returns
-      `(result, states)`, every token's state too, or None. Used when every state is kept and
+      `(result, states)`, every token's state too (token first: `states[t]`), or None. Used when every state is kept and
       gradients are off (with gradients on, the token loop keeps the states the recurrence used).
     """
 
@@ -821,7 +821,7 @@ def _run_in_segments(kernel: Kernel, original: Callable[..., Any], args: tuple, 
         if keeping_all:
             (out, state), states = run(*leading, **piece, **extra)
             for plan in keeping_all:
-                plan.kept.update((start + i, states[:, i]) for i in range(end - start))
+                plan.kept.update((start + i, states[i]) for i in range(end - start))
         else:
             out, state = run(*leading, **piece, **extra)
         outputs.append(out)

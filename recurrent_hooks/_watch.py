@@ -63,7 +63,13 @@ class Watch:
     it inside the block.
 
     `keep` names what to keep of every call beyond the kernel's inputs and outputs, which are always
-    kept: `("states",)` keeps the state after every token.
+    kept: `("states",)` keeps the state after every token, `("conv_states",)` the convolution window,
+    and a mapping keeps some tokens only (`{"states": [4, -1]}`), which is cheaper.
+
+    What it costs: a call nothing is asked of runs the kernel bound before the watch. A call with hooks,
+    writes or kept values at a few tokens runs that kernel in segments between them; every state kept
+    without gradients is computed chunk-wise; a hook on every token, or states kept with gradients on,
+    runs the token loop (docs/performance.md).
     """
 
     def __init__(self, model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | None] = ()) -> None:

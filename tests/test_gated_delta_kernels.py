@@ -132,5 +132,5 @@ def test_chunkwise_states_equal_float64_reference(case, strong_decay):
     (out, final), states = chunk_gated_delta_rule_states(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
     ref_out, ref_states = gated_delta_rule_reference(**x, normalize_qk=True)
     assert_close("outputs", ref_out, out, rtol=1e-5, atol=1e-6)
-    assert_close("every state", ref_states, states, rtol=1e-5, atol=1e-6)
+    assert_close("every state", ref_states, states.movedim(0, 1), rtol=1e-5, atol=1e-6)
     assert_close("final state", ref_states[:, -1], final, rtol=1e-5, atol=1e-6)
