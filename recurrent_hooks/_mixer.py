@@ -45,6 +45,7 @@ StateHook = Callable[["RecurrentMixer", int, int, Tensor], Tensor | None]
 
 STATE_MEMORY, CONV_MEMORY = "state", "conv_state"  # the two memories of a mixer
 KEEPABLE = {"inputs": None, "outputs": None, "states": STATE_MEMORY, "conv_states": CONV_MEMORY}  # keep name -> memory
+DEFAULT_KEEP = ("inputs", "outputs")
 FORWARD = "forward"  # Kernel.seq: the kernel covers the forward's tokens (and maybe a cached prefix before them)
 
 
@@ -140,11 +141,11 @@ def _signature(fn: Callable) -> inspect.Signature:
 
 @dataclasses.dataclass(eq=False)
 class KernelCall:
-    """One kernel call: its name, its arguments and its results by name."""
+    """One kernel call: its name, its arguments and its results by name (None: not kept)."""
 
     kernel: str
-    inputs: dict[str, Any]
-    output: dict[str, Any]
+    inputs: dict[str, Any] | None
+    output: dict[str, Any] | None
 
 
 def _position(token: int, tokens: int) -> int | None:
@@ -191,11 +192,17 @@ class Call:
 
     @property
     def inputs(self) -> dict[str, Any]:
-        return self._single().inputs
+        return self._recorded(self._single().inputs, "inputs")
 
     @property
     def output(self) -> dict[str, Any]:
-        return self._single().output
+        return self._recorded(self._single().output, "outputs")
+
+    def _recorded(self, values: dict[str, Any] | None, name: str) -> dict[str, Any]:
+        if values is None:
+            raise Unavailable(f"{self.where}: the kernel {name} of call {self.index} were not kept: add {name!r} to"
+                              " keep (watch keeps inputs and outputs only when keep is not given)")
+        return values
 
     @property
     def states(self) -> Tensor:
@@ -271,18 +278,24 @@ def _as_targets(value: int | Iterable[int] | None, what: str, where: str) -> tup
     return items
 
 
-def normalize_keep(keep: Sequence[str] | Mapping[str, Iterable[int] | None]) -> dict[str, tuple[int, ...] | None]:
-    """`keep` as memory -> kept token positions (None: every token); names checked against KEEPABLE."""
+def normalize_keep(
+    keep: Sequence[str] | Mapping[str, Iterable[int] | None],
+) -> tuple[dict[str, tuple[int, ...] | None], frozenset[str]]:
+    """`keep` as (memory -> kept token positions, None for every token; the kernel records kept: "inputs",
+    "outputs"). Names are checked against KEEPABLE."""
     if isinstance(keep, str):
         keep = (keep,)
     items = keep.items() if isinstance(keep, Mapping) else ((name, None) for name in keep)
-    normalized: dict[str, tuple[int, ...] | None] = {}
+    memories: dict[str, tuple[int, ...] | None] = {}
+    records: set[str] = set()
     for name, positions in items:
         if name not in KEEPABLE:
             raise InvalidValue(f"watch: cannot keep {[name]}; keep takes names from {tuple(KEEPABLE)}")
-        if KEEPABLE[name] is not None:
-            normalized[KEEPABLE[name]] = _as_targets(positions, f"keep[{name!r}]", "watch")
-    return normalized
+        if KEEPABLE[name] is None:
+            records.add(name)
+        else:
+            memories[KEEPABLE[name]] = _as_targets(positions, f"keep[{name!r}]", "watch")
+    return memories, frozenset(records)
 
 
 @dataclasses.dataclass
@@ -327,12 +340,12 @@ class RecurrentMixer:
     KERNEL_PER_HEAD: ClassVar[bool] = False
 
     def __init__(self, module: nn.Module, family: str, *,
-                 keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (), record: bool = True,
+                 keep: Sequence[str] | Mapping[str, Iterable[int] | None] = DEFAULT_KEEP, record: bool = True,
                  restart_on_prompt: bool = False) -> None:
         self.module = module
         self.family = family
         self.layer: int | None = getattr(module, "layer_idx", None)
-        self.keep = normalize_keep(keep) if record else {}
+        self.keep, self.records = normalize_keep(keep) if record else ({}, frozenset())
         self.calls: list[Call] = []
         self.head: int | None = None  # the head of the running recurrence kernel call (KERNEL_PER_HEAD kinds)
         self._record = record
@@ -403,6 +416,8 @@ class RecurrentMixer:
         record = self._call(call)
         if not record.parts:
             raise Unavailable(f"{self}: call {record.index} made no recurrence kernel call")
+        for part in record.parts:
+            record._recorded(part.inputs, "inputs"), record._recorded(part.output, "outputs")
         per_part = [self._token_values(part) for part in record.parts]
         if len(per_part) == 1:
             return per_part[0]
@@ -595,6 +610,8 @@ class RecurrentMixer:
         record = self._current
         if record is None:
             return
+        part = KernelCall(part.kernel, part.inputs if "inputs" in self.records else None,
+                          part.output if "outputs" in self.records else None)
         if kernel.memory == CONV_MEMORY:
             record.conv = part
         else:
@@ -712,8 +729,9 @@ class _Tap:
         arguments = kernel.bind(args, kwargs)
         tokens = kernel.tokens(arguments, self.forward.tokens)
         plans = [mixer._plan(kernel, tokens) for mixer in self.mixers]
+        records = {name for mixer in self.mixers for name in mixer.records}
         live_state = arguments.get(kernel.state_in) if kernel.state_in is not None else None
-        if isinstance(live_state, Tensor):
+        if isinstance(live_state, Tensor) and "inputs" in records:
             # The cache updates this tensor in place (at the next step, or in this very call): keep its value.
             arguments[kernel.state_in] = live_state.clone()
         busy = [plan for plan in plans if not plan.idle]
@@ -748,7 +766,7 @@ class _Tap:
             if kernel.memory == CONV_MEMORY and kernel.role == "prompt" and last:
                 self._sync_conv_cache(last[0])
         output = kernel.name_results(result)
-        if kernel.in_place and isinstance(live_state, Tensor):
+        if kernel.in_place and isinstance(live_state, Tensor) and "outputs" in records:
             output["final_state"] = live_state.clone()
         part = KernelCall(kernel.name, arguments, output)
         for mixer, plan in zip(self.mixers, plans):

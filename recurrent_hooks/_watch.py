@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ._errors import InvalidValue, RecurrentHooksError, Unavailable
-from ._mixer import Memory, RecurrentMixer, StateHook, attach, make_dispatcher, normalize_keep
+from ._mixer import DEFAULT_KEEP, Memory, RecurrentMixer, StateHook, attach, make_dispatcher, normalize_keep
 from ._patching import acquire_kernels, bound_original, import_default, rebind_process_wide
 from ._registry import FAMILIES, KNOWN_UNSUPPORTED, Family, family_of, resolve_family
 
@@ -62,9 +62,12 @@ class Watch:
     Like every PyTorch hook, the block's effects are global: the model is changed for anyone who calls
     it inside the block.
 
-    `keep` names what to keep of every call beyond the kernel's inputs and outputs, which are always
-    kept: `("states",)` keeps the state after every token, `("conv_states",)` the convolution window,
-    and a mapping keeps some tokens only (`{"states": [4, -1]}`), which is cheaper.
+    `keep` names what to keep of every call, from "inputs" and "outputs" (the kernels' arguments and
+    results, by reference), "states" (the state after every token) and "conv_states" (the convolution
+    window after every token); a mapping keeps some tokens only (`{"states": [4, -1]}`). The default
+    keeps the inputs and outputs; an explicit `keep` keeps exactly what it names, so
+    `keep=("states",)` holds no kernel inputs, and `keep=()` nothing at all (for hooks over a long
+    generation, where the records of every call would add up).
 
     What it costs: a call nothing is asked of runs the kernel bound before the watch. A call with hooks,
     writes or kept values at a few tokens runs that kernel in segments between them; every state kept
@@ -72,7 +75,8 @@ class Watch:
     runs the token loop (docs/performance.md).
     """
 
-    def __init__(self, model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | None] = ()) -> None:
+    def __init__(self, model: nn.Module,
+                 keep: Sequence[str] | Mapping[str, Iterable[int] | None] = DEFAULT_KEEP) -> None:
         if not isinstance(model, nn.Module):
             raise InvalidValue(f"watch: expected a torch.nn.Module (a transformers model), got {type(model).__name__}")
         normalize_keep(keep)  # checked here, before anything is acquired
@@ -145,7 +149,7 @@ class Watch:
                 raise Unavailable("hooks or writes were never applied: " + "; ".join(problems))
 
 
-def watch(model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | None] = ()) -> Watch:
+def watch(model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | None] = DEFAULT_KEEP) -> Watch:
     """Watch every supported recurrent mixer of `model` for the duration of a `with` block.
 
         with recurrent_hooks.watch(model, keep=("states",)) as w:

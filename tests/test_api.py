@@ -353,5 +353,22 @@ def test_reprs_say_what_is_watched(model):
                            "mixers=[layer 0: 1 calls, layer 2: 1 calls])")
     assert repr(w.mixers[0]) == "LinearAttention(qwen3_5, layer 0)"
     assert w.mixers[0].calls[0].kernel == "torch_chunk_gated_delta_rule"
-    assert set(w.mixers[0].calls[0].output) == {"output", "final_state"}
-    assert w.mixers[0].calls[0].inputs["value"].shape == (2, T, 4, 8)
+
+
+def test_keep_defaults_to_inputs_and_outputs_and_an_explicit_keep_keeps_what_it_names(model):
+    with rh.watch(model) as w:
+        run(model)
+    call = w.mixers[0].calls[0]
+    assert set(call.output) == {"output", "final_state"} and call.inputs["value"].shape == (2, T, 4, 8)
+    assert call.conv.inputs["hidden_states"].shape[1] == 64
+    with rh.watch(model, keep=("states",)) as w:
+        run(model)
+    with pytest.raises(rh.Unavailable, match=r"the kernel inputs of call 0 were not kept: add 'inputs' to keep"):
+        w.mixers[0].calls[0].inputs
+    with pytest.raises(rh.Unavailable, match=r"the kernel inputs of call 0 were not kept"):
+        w.mixers[0].values()
+    assert w.mixers[0].calls[0].parts[0].inputs is None and w.mixers[0].states.shape[1] == T
+    with rh.watch(model, keep=()) as w:
+        w.mixers[0].register_state_hook(lambda m, c, t, s: None)
+        run(model)
+    assert w.mixers[0].calls[0].parts[0].inputs is None and w.mixers[0].calls[0].tokens == T

@@ -19,6 +19,7 @@ from _reference import gated_delta_rule_reference, kimi_delta_rule_reference
 from _reference_ssm import selective_scan_reference, ssd_reference
 
 FAMILIES = [name for name in rh.FAMILIES if name in BUILDERS]
+ALL = ("inputs", "outputs", "states", "conv_states")  # keep everything: the tests read kernel inputs too
 T = 13  # not a multiple of anything
 
 
@@ -106,7 +107,7 @@ def test_watched_logits_equal_unwatched(model, seq):
     plain = logits_of(model, ids)
     with rh.watch(model):
         assert_close("idle watch", plain, logits_of(model, ids), rtol=0, atol=0)
-    with rh.watch(model, keep=("states",)) as w:
+    with rh.watch(model, keep=ALL) as w:
         assert_close("keep states", plain, logits_of(model, ids), rtol=1e-5, atol=1e-5)
     assert w.mixers[0].states.shape[:2] == (2, seq)
     with rh.watch(model) as w:
@@ -118,7 +119,7 @@ def test_watched_logits_equal_unwatched(model, seq):
 def test_greedy_generate_is_identical(model):
     ids = random_ids(2, T)
     plain = greedy(model, ids, 6)
-    with rh.watch(model, keep=("states",)):
+    with rh.watch(model, keep=ALL):
         assert_equal("tokens, keep states", plain, greedy(model, ids, 6))
     with rh.watch(model) as w:
         for mixer in w.mixers:
@@ -128,7 +129,7 @@ def test_greedy_generate_is_identical(model):
 
 def test_states_equal_float64_reference_at_prompt_and_decode_steps(model):
     """The kept state after every token equals the float64 recurrence over the call's own kernel inputs."""
-    with rh.watch(model, keep=("states",)) as w:
+    with rh.watch(model, keep=ALL) as w:
         greedy(model, random_ids(2, T), 4)
     for mixer in w.mixers:
         assert [c.tokens for c in mixer.calls] == [T, 1, 1, 1]
@@ -140,9 +141,9 @@ def test_states_equal_float64_reference_at_prompt_and_decode_steps(model):
 def test_decode_states_continue_the_prompt_states(model):
     """Split invariance: the state at decode step k is the state after token T+k-1 of one long prompt."""
     ids = random_ids(2, T)
-    with rh.watch(model, keep=("states",)) as w:
+    with rh.watch(model, keep=ALL) as w:
         sequence = greedy(model, ids, 5)
-    with rh.watch(model, keep=("states",)) as whole:
+    with rh.watch(model, keep=ALL) as whole:
         logits_of(model, sequence[:, :-1], use_cache=False)
     for mixer, long in zip(w.mixers, whole.mixers):
         decoded = torch.cat([c.states for c in mixer.calls], dim=1)
@@ -167,11 +168,11 @@ def test_call_counter_in_generate(model):
 def test_write_changes_only_later_tokens_and_the_cache(model, token):
     ids = random_ids(2, T)
     plain = logits_of(model, ids)
-    with rh.watch(model, keep=("states",)) as w:
+    with rh.watch(model, keep=ALL) as w:
         mixer = w.mixers[0]
         logits_of(model, ids)
         value = perturbation(mixer.state_after(token))
-    with rh.watch(model, keep=("states",)) as w:
+    with rh.watch(model, keep=ALL) as w:
         mixer = w.mixers[0]
         mixer.set_state_after(token, value)
         with torch.no_grad():
@@ -188,10 +189,10 @@ def test_write_changes_only_later_tokens_and_the_cache(model, token):
 def test_write_at_the_last_prompt_token_steers_generation(model):
     """A write after the last prompt token is what the first decode step continues from."""
     ids = random_ids(2, T)
-    with rh.watch(model, keep=("states",)) as w:
+    with rh.watch(model, keep=ALL) as w:
         logits_of(model, ids)
         value = perturbation(w.mixers[0].state_after(-1))
-    with rh.watch(model, keep=("states",)) as w:
+    with rh.watch(model, keep=ALL) as w:
         w.mixers[0].set_state_after(T - 1, value)
         greedy(model, ids, 3)
     assert_close("decode step 1 started from the write", value, state_in(w.mixers[0], 1),
@@ -203,10 +204,10 @@ def test_write_at_a_decode_step(model):
     ids = random_ids(2, T)
     kwargs = dict(output_logits=True, return_dict_in_generate=True)
     plain = greedy(model, ids, 5, **kwargs)
-    with rh.watch(model, keep=("states",)) as w:
+    with rh.watch(model, keep=ALL) as w:
         greedy(model, ids, 5, **kwargs)
         value = perturbation(w.mixers[0].state_after(0, call=2))
-    with rh.watch(model, keep=("states",)) as w:
+    with rh.watch(model, keep=ALL) as w:
         w.mixers[0].set_state_after(0, value, call=2)
         steered = greedy(model, ids, 5, **kwargs)
     for step in range(3):
@@ -225,14 +226,14 @@ def test_left_padded_batch(model):
     ids = torch.cat([torch.cat([torch.full((1, pads), PAD), short], dim=1), full])
     mask = (ids != PAD).long()
     mask[1] = 1
-    with rh.watch(model, keep=("states",)) as w:
+    with rh.watch(model, keep=ALL) as w:
         padded = logits_of(model, ids, attention_mask=mask)
-    with rh.watch(model, keep=("states",)) as alone:
+    with rh.watch(model, keep=ALL) as alone:
         single = logits_of(model, short)
     for mixer, ref in zip(w.mixers, alone.mixers):
         assert_close(f"{mixer} padded row states", ref.states[0], mixer.states[0, pads:], rtol=1e-4, atol=1e-6)
     assert_close("padded row logits", single[0], padded[0, pads:], rtol=1e-4, atol=1e-5)
-    with rh.watch(model, keep=("states",)):
+    with rh.watch(model, keep=ALL):
         assert_equal("padded greedy generate", greedy(model, ids, 4, attention_mask=mask), greedy(model, ids, 4, attention_mask=mask))
     assert_equal("generate under a watch", greedy(model, ids, 4, attention_mask=mask),
                  _watched_greedy(model, ids, 4, attention_mask=mask))
@@ -249,7 +250,7 @@ def test_gradient_with_respect_to_a_state(model):
     """d metric / d state after token t: the kept state is the tensor the recurrence used."""
     ids = random_ids(1, T)
     token = 5
-    with rh.watch(model, keep=("states",)) as w:
+    with rh.watch(model, keep=ALL) as w:
         metric = model(ids).logits[0, -1].logsumexp(-1)
     state = w.mixers[0].state_after(token)
     # the gradient through a leaf written at the same token
@@ -281,7 +282,7 @@ def test_gradient_flows_to_inputs_through_the_token_loop(model):
     model(inputs_embeds=embeds).logits[0, -1].logsumexp(-1).backward()
     plain = embeds.grad.clone()
     embeds.grad = None
-    with rh.watch(model, keep=("states",)):
+    with rh.watch(model, keep=ALL):
         model(inputs_embeds=embeds).logits[0, -1].logsumexp(-1).backward()
     assert_close("input gradient through the token loop", plain, embeds.grad, rtol=1e-3, atol=1e-6)
 
@@ -333,7 +334,7 @@ def conv_window_reference(mixer: rh.RecurrentMixer, call: int) -> torch.Tensor:
 
 
 def test_conv_windows_are_the_last_inputs_at_prompt_and_decode_steps(model):
-    with rh.watch(model, keep=("conv_states",)) as w:
+    with rh.watch(model, keep=ALL) as w:
         greedy(model, random_ids(2, T), 3)
     for mixer in w.mixers:
         for call in range(3):
@@ -344,10 +345,10 @@ def test_conv_windows_are_the_last_inputs_at_prompt_and_decode_steps(model):
 def test_conv_write_changes_only_later_tokens_and_the_cache(model):
     ids, token = random_ids(2, T), 5
     plain = logits_of(model, ids)
-    with rh.watch(model, keep=("conv_states",)) as w:
+    with rh.watch(model, keep=ALL) as w:
         logits_of(model, ids)
         value = perturbation(w.mixers[0].conv_state_after(token))
-    with rh.watch(model, keep=("conv_states",)) as w:
+    with rh.watch(model, keep=ALL) as w:
         w.mixers[0].set_conv_state_after(token, value)
         with torch.no_grad():
             out = model(ids, use_cache=True)
@@ -362,10 +363,10 @@ def test_conv_write_changes_only_later_tokens_and_the_cache(model):
 
 def test_conv_write_at_a_decode_step(model):
     ids = random_ids(2, T)
-    with rh.watch(model, keep=("conv_states",)) as w:
+    with rh.watch(model, keep=ALL) as w:
         greedy(model, ids, 4)
         value = perturbation(w.mixers[0].conv_state_after(0, call=1))
-    with rh.watch(model, keep=("conv_states",)) as w:
+    with rh.watch(model, keep=ALL) as w:
         w.mixers[0].set_conv_state_after(0, value, call=1)
         greedy(model, ids, 4)
     assert_close("call 2 read the written window", value, w.mixers[0].calls[2].conv.inputs["conv_state"],
@@ -378,7 +379,7 @@ def first_mixer_outputs(model, ids, mixer_module, memory=None, token=None):
     handle = mixer_module.register_forward_hook(lambda m, a, out: outputs.append(out[0] if isinstance(out, tuple)
                                                                                 else out))
     try:
-        with rh.watch(model, keep=("states", "conv_states")) as w, torch.no_grad():
+        with rh.watch(model, keep=ALL) as w, torch.no_grad():
             if memory is not None:
                 w.mixers[0].set_memory_after(token, memory)
             model(ids, use_cache=False)
@@ -412,7 +413,7 @@ def test_writing_the_whole_memory_makes_a_layer_continue_as_in_the_other_run(mod
 
 
 def _conv_window_of(model, ids, token):
-    with rh.watch(model, keep=("conv_states",)) as w, torch.no_grad():
+    with rh.watch(model, keep=ALL) as w, torch.no_grad():
         model(ids, use_cache=False)
     return w.mixers[0].conv_state_after(token)
 
@@ -427,12 +428,12 @@ def _sparse_run(model, ids, fast, monkeypatch):
     real = rh_mixer._run_in_segments
     monkeypatch.setattr(rh_mixer, "_run_in_segments", lambda *a: segmented.append(1) or real(*a))
     seen = []
-    with rh.watch(model, keep={"states": [2, 7, -1], "conv_states": [7]}) as w, torch.no_grad():
+    with rh.watch(model, keep={"states": [2, 7, -1], "conv_states": [7], "inputs": None, "outputs": None}) as w, torch.no_grad():
         mixer = w.mixers[0]
         model(ids)
         value = mixer.state_after(7) * 0.5
         window = mixer.conv_state_after(7) * 2
-    with rh.watch(model, keep={"states": [2, 7, -1], "conv_states": [7]}) as w, torch.no_grad():
+    with rh.watch(model, keep={"states": [2, 7, -1], "conv_states": [7], "inputs": None, "outputs": None}) as w, torch.no_grad():
         w.mixers[0].set_state_after(7, value)
         w.mixers[0].set_conv_state_after(7, window)
         w.mixers[-1].register_state_hook(lambda m, c, t, s: seen.append(float(s.norm())) or s * 0.9, token=[3, -2])
@@ -465,7 +466,7 @@ def test_sparse_fast_path_equals_the_token_loop(model, monkeypatch):
 
 
 def test_every_state_kept_chunkwise_equals_the_token_loop(model, monkeypatch):
-    """keep=("states",) without gradients takes the chunk-wise path where a kind has one (with a hook at one
+    """keep=ALL without gradients takes the chunk-wise path where a kind has one (with a hook at one
     token, in segments around it): same outputs, states, hook inputs and cache as the token loop."""
     ids = random_ids(2, 70)
     chunkwise = []
@@ -475,7 +476,7 @@ def test_every_state_kept_chunkwise_equals_the_token_loop(model, monkeypatch):
     for fast in (True, False):
         monkeypatch.setattr(rh_mixer, "FAST_PATHS", fast)
         seen = []
-        with rh.watch(model, keep=("states",)) as w, torch.no_grad():
+        with rh.watch(model, keep=ALL) as w, torch.no_grad():
             w.mixers[0].register_state_hook(lambda m, c, t, s: seen.append(s.clone()) or s * 0.5, token=40)
             out = model(ids, use_cache=True)
         runs[fast] = (w, out, seen)
