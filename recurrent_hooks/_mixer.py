@@ -745,6 +745,8 @@ class _Tap:
                 for plan in busy:
                     state = plan.apply(token, state)
                 if any(token in plan.keep for plan in keeping):
+                    if state.untyped_storage().nbytes() > state.nbytes:
+                        state = state.clone()  # a slice of a kernel's larger tensor: keep only the state itself
                     # A view that only the later tokens read: the gradient with respect to a kept state is
                     # the effect of changing it there (what a write does), not through token `token`'s output.
                     state = state.view_as(state)
