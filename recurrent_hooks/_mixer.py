@@ -12,17 +12,21 @@ Vocabulary (docs/concepts.md has the long form):
   causal convolution, `conv_state`. Each kernel updates one of them (`Kernel.memory`).
 
 Module contents:
-- `Kernel`: the declaration of one kernel of a mixer kind (name, the library's token loop, where the
-  memory goes in, what the results are called, where its tokens are counted).
+- `Kernel`, `Segments`: the declaration of one kernel of a mixer kind (name, the library's token loop,
+  where the memory goes in, what the results are called, where its tokens are counted, how it can
+  run in segments).
 - `Call`, `KernelCall`, `Memory`: what a call left behind.
 - `RecurrentMixer`: the base class; subclasses declare their kernels and values as class constants.
-- `attach`, `make_dispatcher`: how mixers meet their modules and kernels (used by `_watch`).
+- `attach`, `make_dispatcher`, `normalize_keep`: how mixers meet their modules and kernels (used by `_watch`).
 
 How a kernel call is handled: a forward pre-hook on the mixer module pushes its tap on a stack and
 starts a call on every attached `RecurrentMixer`; the dispatcher bound in place of the kernel finds
-that tap; each attached mixer says what it wants of this kernel call (a `_Plan`); when nothing is
-wanted beyond inputs and outputs, the kernel bound before the watch runs unchanged, otherwise the
-library's token loop runs and calls `_Plan.apply` after each token's update.
+that tap; each attached mixer says what it wants of this kernel call (a `_Plan`). Then:
+- nothing is wanted: the kernel bound before the watch runs unchanged;
+- only a few tokens are wanted: that kernel runs in segments between them (`_run_in_segments`),
+  chaining the state, and `_Plan.apply` runs at each stop;
+- every state is kept, without gradients: the kind's chunk-wise `Segments.all_states` kernel runs;
+- otherwise the library's token loop runs and calls `_Plan.apply` after each token's update.
 """
 
 import dataclasses

@@ -41,6 +41,7 @@ The recurrence runs in float32 here (transformers' decode kernel forms Δ B x in
 Module contents:
 - `mamba2_chunk_scan`, `mamba2_selective_state_update`: token loops with the signatures and results of
   transformers' kernels of the same names, plus a keyword-only `on_token`.
+- `mamba2_chunk_scan_states`: the prompt kernel chunk-wise, with every token's state (when all are kept).
 - `discretize`: Δ_t, exp(Δ_t a_h) and Δ_t x_t B_t^T of every token, from the prompt kernel's arguments.
 - `StateSpace`: the mixer kind.
 """
@@ -154,6 +155,58 @@ def mamba2_chunk_scan(
     return (y, state) if return_final_states else y
 
 
+def mamba2_chunk_scan_states(
+    hidden_states: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    chunk_size: int,
+    D: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    initial_states: Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    return_final_states: bool = False,
+    *,
+    chunk: int = 16,
+    **kwargs: Any,
+) -> tuple[Tensor | tuple[Tensor, Tensor], Float[Tensor, "seq batch heads head_dim d_state"]]:
+    """`mamba2_chunk_scan`'s results and every token's state, token first, chunk by chunk (no per-token loop).
+
+    Inside a chunk starting from h_0, with c_i the cumulative log decay (sum of Δ a_h) from the chunk
+    start to token i, and w_ij = exp(c_i - c_j) for j <= i (the decay from token j to i, at most 1):
+        h_i = exp(c_i) h_0 + sum_{j<=i} w_ij Δ_j x_j B_j^T,    y_i = h_i C_i + D_h x_i
+    one (i x j) @ (j x head_dim*d_state) product per head and chunk. `chunk_size` is accepted and ignored.
+    """
+    refuse_packed(kwargs)
+    batch, seq, heads, head_dim = hidden_states.shape
+    x = hidden_states.float().movedim(1, 0)  # t b h p
+    delta = step_size(dt, dt_bias, dt_softplus, dt_limit).movedim(1, 0)  # t b h
+    B_h, C_h = (_per_head(v, heads).movedim(1, 0) for v in (B, C))  # t b h n
+    log_decay = delta * A.float()  # t b h   Δ_t a_h
+    d_state = B_h.shape[-1]
+    state = x.new_zeros(batch, heads, head_dim, d_state) if initial_states is None else initial_states.float()
+    every = x.new_empty(seq, batch, heads, head_dim, d_state)  # t b h p n
+    for start in range(0, seq, chunk):
+        xc, dc, Bc, lc = (v[start:start + chunk] for v in (x, delta, B_h, log_decay))  # i b h ..
+        size = xc.shape[0]
+        cum = lc.cumsum(0)  # i b h   c_i
+        causal = torch.ones(size, size, dtype=torch.bool, device=x.device).tril()[:, :, None, None]
+        weights = (cum[:, None] - cum[None, :]).masked_fill(~causal, -torch.inf).exp()  # i j b h   w_ij
+        drive = (dc[..., None] * xc)[..., None] * Bc[..., None, :]  # j b h p n   Δ_j x_j B_j^T
+        mixed = weights.permute(2, 3, 0, 1) @ drive.permute(1, 2, 0, 3, 4).flatten(3)  # b h i (p n)
+        states = every[start:start + size]  # i b h p n
+        states.copy_(mixed.unflatten(-1, (head_dim, d_state)).permute(2, 0, 1, 3, 4))
+        states += cum.exp()[..., None, None] * state  # + exp(c_i) h_0
+        state = states[-1]
+    y = (every @ C_h[..., None]).squeeze(-1)  # t b h p   h_t C_t
+    if D is not None:
+        y = y + D[:, None] * x
+    y = y.movedim(0, 1)
+    return ((y, state) if return_final_states else y), every
+
+
 def mamba2_selective_state_update(
     state: Tensor,
     hidden_states: Tensor,
@@ -213,7 +266,8 @@ class StateSpace(RecurrentMixer):
         Kernel(CHUNK_KERNEL, mamba2_chunk_scan, "initial_states", ("output", "final_state"), "prompt",
                seq=("hidden_states", 1),
                segments=Segments({name: 1 for name in ("hidden_states", "dt", "B", "C")}, "initial_states",
-                                 "return_final_states", out_axis=1, tuple_without_final=False)),
+                                 "return_final_states", out_axis=1, tuple_without_final=False,
+                                 all_states=mamba2_chunk_scan_states)),
         Kernel(RECURRENT_KERNEL, mamba2_selective_state_update, STATE_IN, ("output",), "decode", in_place=True),
         *CONV_KERNELS,
     )

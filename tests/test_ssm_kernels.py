@@ -504,3 +504,26 @@ def test_packed_sequences_are_refused(packed):
         s6.mamba_selective_scan(**s6_inputs(S6Case(4)), **flag)
     with pytest.raises(RecurrentHooksError, match=packed):
         ssd.mamba2_chunk_scan(**ssd_inputs(SSDCase(4)), **flag)
+
+
+@pytest.mark.parametrize("seq", [1, 13, 37], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("with_state", [False, True], ids=["fresh", "from-state"])
+def test_mamba2_chunkwise_states_equal_float64_reference(seq, with_state):
+    """The chunk-wise all-states path of the Mamba-2 prompt kernel (used when every state is kept)."""
+    from recurrent_hooks._state_space import mamba2_chunk_scan_states
+
+    gen = torch.Generator().manual_seed(seq)
+    batch, heads, head_dim, groups, d_state = 2, 4, 8, 2, 6
+    x = torch.randn(batch, seq, heads, head_dim, generator=gen)
+    dt = torch.randn(batch, seq, heads, generator=gen)
+    A = -torch.rand(heads, generator=gen) * 2
+    B, C = (torch.randn(batch, seq, groups, d_state, generator=gen) for _ in range(2))
+    D, dt_bias = torch.randn(heads, generator=gen), torch.randn(heads, generator=gen)
+    h0 = torch.randn(batch, heads, head_dim, d_state, generator=gen) if with_state else None
+    (y, final), states = mamba2_chunk_scan_states(x, dt, A, B, C, 8, D=D, dt_bias=dt_bias, initial_states=h0,
+                                                 dt_softplus=True, return_final_states=True)
+    ref_y, ref_states = ssd_reference(x, dt, A, B, C, D, dt_bias=dt_bias, softplus=True, initial_state=h0)
+    assert_close("outputs", ref_y, y, rtol=1e-5, atol=1e-5)
+    # states are O(10) here: absolute float32 rounding of a few 1e-6
+    assert_close("every state", ref_states, states.movedim(0, 1), rtol=1e-5, atol=1e-5)
+    assert_close("final state", ref_states[:, -1], final, rtol=1e-5, atol=1e-5)
