@@ -271,8 +271,15 @@ def support(model: nn.Module) -> list[MixerSupport]:
         kind = family.kind
         bound = {k.name: bound_original(family.module(), k.name) for k in kind.KERNELS}
         available = ("inputs", "outputs", "values", "states", "conv_states", "writes", "hooks")
-        notes = {"idle calls run": ", ".join(
-            f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}" for fn in bound.values()
-        )}
+        prompt = kind.KERNELS[0]
+        segments = prompt.segments
+        notes = {
+            "idle calls run": ", ".join(
+                f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}" for fn in bound.values()),
+            "a few tokens of a prompt": f"{prompt.name} in segments between them" if segments is not None
+            else "the token loop (the prompt kernel takes no initial state, so it cannot run in segments)",
+            "every state of a prompt": "chunk-wise without gradients, the token loop with them"
+            if segments is not None and segments.all_states is not None else "the token loop",
+        }
         rows.append(MixerSupport(path, layer, name, family.name, kind.__name__, available, dict(kind.LIMITS), notes))
     return rows

@@ -344,6 +344,8 @@ def test_support_reports_each_mixer(model):
     assert "states" in rows[0].available and "conv_states" in rows[0].available
     assert "packed sequences" in rows[0].unavailable
     assert "qwen3_5 -> LinearAttention" in str(rows[0])
+    assert rows[0].notes["a few tokens of a prompt"] == "torch_chunk_gated_delta_rule in segments between them"
+    assert rh.support(build("mamba"))[0].notes["a few tokens of a prompt"].startswith("the token loop")
 
 
 def test_reprs_say_what_is_watched(model):
