@@ -25,7 +25,8 @@ def halve(mixer, call, token, state):
     return state * 0.5
 
 
-with rh.watch(model) as w, torch.no_grad():
+# keep=(): hooks only, nothing recorded per call (over a long generation, kernel inputs would add up)
+with rh.watch(model, keep=()) as w, torch.no_grad():
     w.mixers[0].register_state_hook(record, token=-1)
     w.mixers[0].register_state_hook(halve, call=3)
     out = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
