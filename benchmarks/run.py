@@ -211,7 +211,7 @@ def make_rows(spec: Spec, model: Any, gen_model: Any, keep_mode: str, all_states
     read_note = ""
     if keep_mode == "sparse":
         def read8(ids):
-            with rh.watch(model, keep={"states": pos}) as w:
+            with rh.watch(model, keep={"states": pos}, record=False) as w:
                 out = model(ids, **fwd).logits
             return {"out": out, "watch": w, "states": [m.state_after(p) for m in w.mixers for p in pos]}
     elif per_token * spec.tokens <= all_states_budget:
@@ -271,7 +271,7 @@ def make_rows(spec: Spec, model: Any, gen_model: Any, keep_mode: str, all_states
     rows = [
         Row("unhooked", "unhooked forward", unhooked, "unhooked"),
         Row("idle", "idle watch: with rh.watch(model): model(ids)", idle, "unhooked", 1.03),
-        Row("read8", "8 positions read: keep={'states': 8 positions}", read8, "unhooked", 1.2, read_note),
+        Row("read8", "8 positions read: keep={'states': 8 positions}, record=False", read8, "unhooked", 1.2, read_note),
         Row("write8", "8 positions written: set_state_after(t, zeros), 8 t, every mixer", write8, "unhooked", 1.2),
         Row("stream", "per-token hook: rh.register_state_hook(norms.append(s.norm()))", stream, "unhooked"),
     ]
@@ -442,8 +442,8 @@ def report(results: list[tuple[Spec, list[Row]]], memory: dict | None, header: l
             if "error" in m:
                 lines.append(f"    memory ERROR: {m['error']}")
         read = mem.get("read8", {})
-        for ref, what in (("unhooked", "the unhooked forward (keep={'states': positions} keeps nothing else)"),
-                          ("idle", "the idle watch (which keeps the kernels' inputs and outputs by default)")):
+        for ref, what in (("unhooked", "the unhooked forward (record=False: the read keeps nothing else)"),
+                          ("idle", "the idle watch (which records the kernels' inputs and outputs)")):
             base = mem.get(ref, {})
             if "peak" in read and "peak" in base:
                 added = max(read["peak"] - base["peak"], read["kept"] - base["kept"])

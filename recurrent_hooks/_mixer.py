@@ -49,7 +49,7 @@ StateHook = Callable[["RecurrentMixer", int, int, Tensor], Tensor | None]
 
 STATE_MEMORY, CONV_MEMORY = "state", "conv_state"  # the two memories of a mixer
 KEEPABLE = {"inputs": None, "outputs": None, "states": STATE_MEMORY, "conv_states": CONV_MEMORY}  # keep name -> memory
-DEFAULT_KEEP = ("inputs", "outputs")
+KERNEL_RECORDS = ("inputs", "outputs")  # what `watch(record=True)` keeps besides `keep`
 FORWARD = "forward"  # Kernel.seq: the kernel covers the forward's tokens (and maybe a cached prefix before them)
 
 
@@ -204,8 +204,8 @@ class Call:
 
     def _recorded(self, values: dict[str, Any] | None, name: str) -> dict[str, Any]:
         if values is None:
-            raise Unavailable(f"{self.where}: the kernel {name} of call {self.index} were not kept: add {name!r} to"
-                              " keep (watch keeps inputs and outputs only when keep is not given)")
+            raise Unavailable(f"{self.where}: the kernel {name} of call {self.index} were not kept: this watch was"
+                              f" entered with record=False (and without {name!r} in keep)")
         return values
 
     @property
@@ -344,7 +344,7 @@ class RecurrentMixer:
     KERNEL_PER_HEAD: ClassVar[bool] = False
 
     def __init__(self, module: nn.Module, family: str, *,
-                 keep: Sequence[str] | Mapping[str, Iterable[int] | None] = DEFAULT_KEEP, record: bool = True,
+                 keep: Sequence[str] | Mapping[str, Iterable[int] | None] = KERNEL_RECORDS, record: bool = True,
                  restart_on_prompt: bool = False) -> None:
         self.module = module
         self.family = family

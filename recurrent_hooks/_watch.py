@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ._errors import InvalidValue, RecurrentHooksError, Unavailable
-from ._mixer import DEFAULT_KEEP, Memory, RecurrentMixer, StateHook, attach, make_dispatcher, normalize_keep
+from ._mixer import KERNEL_RECORDS, Memory, RecurrentMixer, StateHook, attach, make_dispatcher, normalize_keep
 from ._patching import acquire_kernels, bound_original, import_default, rebind_process_wide
 from ._registry import FAMILIES, KNOWN_UNSUPPORTED, Family, family_of, resolve_family
 
@@ -62,12 +62,11 @@ class Watch:
     Like every PyTorch hook, the block's effects are global: the model is changed for anyone who calls
     it inside the block.
 
-    `keep` names what to keep of every call, from "inputs" and "outputs" (the kernels' arguments and
-    results, by reference), "states" (the state after every token) and "conv_states" (the convolution
-    window after every token); a mapping keeps some tokens only (`{"states": [4, -1]}`). The default
-    keeps the inputs and outputs; an explicit `keep` keeps exactly what it names, so
-    `keep=("states",)` holds no kernel inputs, and `keep=()` nothing at all (for hooks over a long
-    generation, where the records of every call would add up).
+    `keep` names what to keep of every call: "states" (the state after every token), "conv_states"
+    (the convolution window after every token); a mapping keeps some tokens only (`{"states": [4, -1]}`).
+    `record=True` (the default) also keeps every call's kernel inputs and outputs, by reference;
+    `record=False` keeps only what `keep` names (for hooks over a long generation, or lean sparse reads,
+    where the records of every call would add up; "inputs" and "outputs" can then be named in `keep`).
 
     What it costs: a call nothing is asked of runs the kernel bound before the watch. A call with hooks,
     writes or kept values at a few tokens runs that kernel in segments between them; every state kept
@@ -75,21 +74,26 @@ class Watch:
     runs the token loop (docs/performance.md).
     """
 
-    def __init__(self, model: nn.Module,
-                 keep: Sequence[str] | Mapping[str, Iterable[int] | None] = DEFAULT_KEEP) -> None:
+    def __init__(self, model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (),
+                 record: bool = True) -> None:
         if not isinstance(model, nn.Module):
             raise InvalidValue(f"watch: expected a torch.nn.Module (a transformers model), got {type(model).__name__}")
         normalize_keep(keep)  # checked here, before anything is acquired
-        keep = (keep,) if isinstance(keep, str) else keep if isinstance(keep, Mapping) else tuple(keep)
+        keep = (keep,) if isinstance(keep, str) else dict(keep) if isinstance(keep, Mapping) else tuple(keep)
         self.model = model
         self.keep = keep
+        self.record = record
+        # what each mixer keeps: `keep`, plus the kernels' inputs and outputs when recording
+        self._kept = ({**dict.fromkeys(KERNEL_RECORDS), **keep} if isinstance(keep, dict)
+                      else (*KERNEL_RECORDS, *keep)) if record else keep
         self.mixers: list[RecurrentMixer] = []
         self._stack: contextlib.ExitStack | None = None
 
     def __repr__(self) -> str:
         state = "active" if self._stack is not None else "inactive"
         mixers = ", ".join(f"layer {m.layer}: {len(m.calls)} calls" for m in self.mixers)
-        return f"Watch({type(self.model).__name__}, {state}, keep={self.keep}, mixers=[{mixers}])"
+        return (f"Watch({type(self.model).__name__}, {state}, keep={self.keep}, record={self.record},"
+                f" mixers=[{mixers}])")
 
     def mixer(self, layer: int) -> RecurrentMixer:
         """The mixer of decoder layer `layer` (the transformers `layer_idx`)."""
@@ -126,7 +130,7 @@ class Watch:
         found = _mixer_modules(self.model)
         if not found:
             raise Unavailable(_no_mixer_message(self.model))
-        mixers = sorted((row.kind(m, row.name, keep=self.keep) for _, m, row in found),
+        mixers = sorted((row.kind(m, row.name, keep=self._kept) for _, m, row in found),
                         key=lambda mixer: (mixer.layer is None, mixer.layer or 0))
         stack = contextlib.ExitStack()
         try:  # all or nothing: a failure releases what was acquired so far
@@ -149,7 +153,8 @@ class Watch:
                 raise Unavailable("hooks or writes were never applied: " + "; ".join(problems))
 
 
-def watch(model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | None] = DEFAULT_KEEP) -> Watch:
+def watch(model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (),
+          record: bool = True) -> Watch:
     """Watch every supported recurrent mixer of `model` for the duration of a `with` block.
 
         with recurrent_hooks.watch(model, keep=("states",)) as w:
@@ -160,7 +165,7 @@ def watch(model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | N
 
     See `Watch` for what happens on entry and exit, and docs/concepts.md for calls, tokens and writes.
     """
-    return Watch(model, keep)
+    return Watch(model, keep, record)
 
 
 _STANDALONE: "weakref.WeakKeyDictionary[nn.Module, RecurrentMixer]" = weakref.WeakKeyDictionary()

@@ -351,26 +351,28 @@ def test_support_reports_each_mixer(model):
 def test_reprs_say_what_is_watched(model):
     with rh.watch(model, keep=("states",)) as w:
         run(model)
-        assert repr(w) == ("Watch(Qwen3_5ForCausalLM, active, keep=('states',), "
+        assert repr(w) == ("Watch(Qwen3_5ForCausalLM, active, keep=('states',), record=True, "
                            "mixers=[layer 0: 1 calls, layer 2: 1 calls])")
     assert repr(w.mixers[0]) == "LinearAttention(qwen3_5, layer 0)"
     assert w.mixers[0].calls[0].kernel == "torch_chunk_gated_delta_rule"
 
 
-def test_keep_defaults_to_inputs_and_outputs_and_an_explicit_keep_keeps_what_it_names(model):
-    with rh.watch(model) as w:
+def test_a_watch_records_kernel_inputs_and_outputs_unless_record_is_false(model):
+    with rh.watch(model, keep=("states",)) as w:
         run(model)
     call = w.mixers[0].calls[0]
     assert set(call.output) == {"output", "final_state"} and call.inputs["value"].shape == (2, T, 4, 8)
-    assert call.conv.inputs["hidden_states"].shape[1] == 64
-    with rh.watch(model, keep=("states",)) as w:
+    assert call.conv.inputs["hidden_states"].shape[1] == 64 and w.mixers[0].states.shape[1] == T
+    with rh.watch(model, keep=("states",), record=False) as w:
         run(model)
-    with pytest.raises(rh.Unavailable, match=r"the kernel inputs of call 0 were not kept: add 'inputs' to keep"):
+    with pytest.raises(rh.Unavailable, match=r"the kernel inputs of call 0 were not kept: this watch was entered "
+                       r"with record=False \(and without 'inputs' in keep\)"):
         w.mixers[0].calls[0].inputs
     with pytest.raises(rh.Unavailable, match=r"the kernel inputs of call 0 were not kept"):
         w.mixers[0].values()
     assert w.mixers[0].calls[0].parts[0].inputs is None and w.mixers[0].states.shape[1] == T
-    with rh.watch(model, keep=()) as w:
+    with rh.watch(model, keep=("outputs",), record=False) as w:
         w.mixers[0].register_state_hook(lambda m, c, t, s: None)
         run(model)
-    assert w.mixers[0].calls[0].parts[0].inputs is None and w.mixers[0].calls[0].tokens == T
+    call = w.mixers[0].calls[0]
+    assert call.parts[0].inputs is None and call.output["output"].shape == (2, T, 4, 8) and call.tokens == T
