@@ -18,7 +18,7 @@ class Unavailable(RecurrentHooksError, LookupError):
         try:
             mix.states
         except recurrent_hooks.Unavailable as e:
-            print(e)   # "states of LinearAttention(qwen3_5, layer 0) were not kept: pass keep=('states',) ..."
+            print(e)   # "LinearAttention(qwen3_5, layer 0): call 0 kept no states; pass keep=('states',) to watch"
     """
 
 

@@ -13,9 +13,8 @@ Module contents:
 - `import_default(module, name)`: the object a module bound to `name` before the library touched it.
 """
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -134,17 +133,6 @@ def acquire_kernels(
             binding.undo.undo()
 
     return release
-
-
-@contextlib.contextmanager
-def kernels_acquired(
-    module: ModuleType, make_dispatcher: Callable[[str, Any], Callable[..., Any]], names: tuple[str, ...]
-) -> Iterator[None]:
-    release = acquire_kernels(module, make_dispatcher, names)
-    try:
-        yield
-    finally:
-        release()
 
 
 def rebind_process_wide(module: ModuleType, replacements: Mapping[str, Any]) -> None:
