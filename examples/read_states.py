@@ -13,7 +13,7 @@ from recurrent_hooks.demo import tiny_model
 model = tiny_model()
 ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
 
-with rh.watch(model, keep=("states",)) as w, torch.no_grad():
+with rh.watch(model, keep=("states", "inputs")) as w, torch.no_grad():
     model(ids)
 
 for mixer in w.mixers:

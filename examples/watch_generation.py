@@ -25,8 +25,8 @@ def halve(mixer, call, token, state):
     return state * 0.5
 
 
-# record=False: hooks only, no kernel inputs kept per call (over a long generation, they would add up)
-with rh.watch(model, record=False) as w, torch.no_grad():
+# a watch keeps nothing it is not asked for: hooks only, nothing adds up over a long generation
+with rh.watch(model) as w, torch.no_grad():
     w.mixers[0].register_state_hook(record, token=-1)
     w.mixers[0].register_state_hook(halve, call=3)
     out = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)

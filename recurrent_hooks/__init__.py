@@ -10,6 +10,7 @@ The public names are listed in `__all__`; everything else lives in private modul
 
 from ._errors import InvalidValue as InvalidValue
 from ._errors import RecurrentHooksError as RecurrentHooksError
+from ._errors import RecurrentHooksWarning as RecurrentHooksWarning
 from ._errors import Unavailable as Unavailable
 from ._kimi_delta import KimiDeltaAttention as KimiDeltaAttention
 from ._linear_attention import LinearAttention as LinearAttention
@@ -48,6 +49,7 @@ __all__ = [
     "Kernel",
     "FAMILIES",
     "RecurrentHooksError",
+    "RecurrentHooksWarning",
     "Unavailable",
     "InvalidValue",
 ]

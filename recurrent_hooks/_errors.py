@@ -5,6 +5,8 @@ Module contents:
 - `Unavailable`: a value cannot be had (not kept, unsupported family, position outside the call).
 - `InvalidValue`: a value handed to the library (a written state, a hook's return) has the wrong
   shape, dtype or device, or an argument is out of its range.
+- `RecurrentHooksWarning`: something the block asked for did not happen, but nothing went wrong
+  (a write aimed at a decode step that a generation stopped before).
 """
 
 
@@ -24,3 +26,7 @@ class Unavailable(RecurrentHooksError, LookupError):
 
 class InvalidValue(RecurrentHooksError, ValueError):
     """A value given to the library does not fit: the message names what was expected, what arrived and where."""
+
+
+class RecurrentHooksWarning(UserWarning):
+    """Something a watch was asked for did not happen, though nothing went wrong (e.g. a write whose call never ran)."""

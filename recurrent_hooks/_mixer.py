@@ -29,12 +29,19 @@ that tap; each attached mixer says what it wants of this kernel call (a `_Plan`)
 - otherwise the library's token loop runs and calls `_Plan.apply` after each token's update.
 """
 
+import collections
+import contextlib
 import dataclasses
 import functools
+import math
 import inspect
+import operator
+import sys
+import threading
+import types
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -49,7 +56,7 @@ StateHook = Callable[["RecurrentMixer", int, int, Tensor], Tensor | None]
 
 STATE_MEMORY, CONV_MEMORY = "state", "conv_state"  # the two memories of a mixer
 KEEPABLE = {"inputs": None, "outputs": None, "states": STATE_MEMORY, "conv_states": CONV_MEMORY}  # keep name -> memory
-KERNEL_RECORDS = ("inputs", "outputs")  # what `watch(record=True)` keeps besides `keep`
+KERNEL_RECORDS = ("inputs", "outputs")  # the keep names of the kernel's arguments and results
 FORWARD = "forward"  # Kernel.seq: the kernel covers the forward's tokens (and maybe a cached prefix before them)
 
 
@@ -204,8 +211,8 @@ class Call:
 
     def _recorded(self, values: dict[str, Any] | None, name: str) -> dict[str, Any]:
         if values is None:
-            raise Unavailable(f"{self.where}: the kernel {name} of call {self.index} were not kept: this watch was"
-                              f" entered with record=False (and without {name!r} in keep)")
+            raise Unavailable(f"{self.where}: the kernel {name} of call {self.index} were not kept:"
+                              " pass keep=('inputs', 'outputs') to watch")
         return values
 
     @property
@@ -249,14 +256,37 @@ class Call:
 
 
 class _Hook:
-    """A registered state hook or write: the memory, calls and tokens it targets."""
+    """A registered state hook or write: the memory, calls and tokens it targets.
 
-    def __init__(self, fn: StateHook, memory: str, calls: frozenset[int] | None, tokens: tuple[int, ...] | None,
-                 origin: str):
+    `calls` is None (every call), a frozenset, or a `range` (a slice of calls, open-ended up to
+    `sys.maxsize`); `tokens` is None (every token) or a tuple of positions. `write` tells a write
+    (`set_state_after`, ...) from a user's hook: a write whose call never ran is reported on exit.
+    """
+
+    def __init__(self, fn: StateHook, memory: str, calls: "frozenset[int] | range | None",
+                 tokens: tuple[int, ...] | None, origin: str, *, write: bool = False):
         self.fn, self.memory, self.calls, self.tokens, self.origin = fn, memory, calls, tokens, origin
+        self.write = write
 
-    def targets(self, call: int) -> bool:
-        return self.calls is None or call in self.calls
+    def targets(self, call: int | None) -> bool:
+        return call is not None and (self.calls is None or call in self.calls)
+
+    @property
+    def explicit(self) -> bool:
+        """It names finitely many calls: a token outside such a call is an error, not a skip."""
+        return isinstance(self.calls, frozenset) or (isinstance(self.calls, range) and self.calls.stop < sys.maxsize)
+
+    def missed(self, seen: int) -> list[int]:
+        """The calls it targets that a mixer which saw `seen` calls never reached (open ranges: none)."""
+        if not self.explicit:
+            return []
+        if isinstance(self.calls, range):
+            start = self.calls.start + max(0, -(-(seen - self.calls.start) // self.calls.step)) * self.calls.step
+            return list(range(start, self.calls.stop, self.calls.step)[:_SHOWN + 1])
+        return sorted(c for c in self.calls if c >= seen)[:_SHOWN + 1]
+
+
+_SHOWN = 3  # calls named in a message about calls that never ran; the rest are counted
 
 
 class _Handle(RemovableHandle):
@@ -273,13 +303,61 @@ class _Handle(RemovableHandle):
             mixer._hook_removed()
 
 
-def _as_targets(value: int | Iterable[int] | None, what: str, where: str) -> tuple[int, ...] | None:
+def as_index(value: Any, what: str, where: str) -> int:
+    """`value` as a Python int: an int or an integer 0-d tensor; bools, floats and the rest raise InvalidValue."""
+    if isinstance(value, bool) or (isinstance(value, Tensor) and value.dtype == torch.bool):
+        raise InvalidValue(f"{where}: {what} must be an int, got the bool {value!r}")
+    if isinstance(value, Tensor) and (value.dim() != 0 or value.is_floating_point() or value.is_complex()):
+        raise InvalidValue(f"{where}: {what} must be an int or an integer 0-d tensor,"
+                           f" got a {value.dtype} tensor of shape {tuple(value.shape)}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise InvalidValue(f"{where}: {what} must be an int, got {type(value).__name__} {value!r}") from None
+
+
+def _as_targets(value: Any, what: str, where: str) -> tuple[int, ...] | None:
+    """Token positions: None (every token), an int, or a non-empty iterable of ints (negative: from the end)."""
     if value is None:
         return None
-    items = (value,) if isinstance(value, int) else tuple(value)
-    if not items or not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
+    if isinstance(value, (str, bytes, float)) or not isinstance(value, Iterable) or isinstance(value, Tensor) \
+            and value.dim() == 0:
+        return (as_index(value, what, where),)
+    items = tuple(as_index(item, what, where) for item in value)
+    if not items:
         raise InvalidValue(f"{where}: {what} must be an int, a non-empty iterable of ints or None, got {value!r}")
     return items
+
+
+def as_calls(value: Any, where: str) -> "frozenset[int] | range | None":
+    """Call targets: None (every call), an int, a non-empty iterable of ints, a `range` or a `slice` of
+    calls (`slice(1, None)`: every decode step). Calls count from 0; negative calls are refused."""
+    if value is None:
+        return None
+    if isinstance(value, (slice, range)):
+        start, stop, step = value.start, value.stop, value.step
+        start, step = (0 if start is None else start), (1 if step is None else step)
+        stop = sys.maxsize if stop is None else stop
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, stop, step)) \
+                or start < 0 or stop < 0 or step < 1:
+            raise InvalidValue(f"{where}: a slice of calls needs start >= 0, stop >= 0 or None and step >= 1,"
+                               f" got call={value!r}")
+        if stop <= start:
+            raise InvalidValue(f"{where}: call={value!r} targets no call")
+        return range(start, stop, step)
+    calls = _as_targets(value, "call", where)
+    if any(c < 0 for c in calls):
+        raise InvalidValue(f"{where}: calls count from 0, got call={value!r}")
+    return frozenset(calls)
+
+
+def _describe_calls(calls: "frozenset[int] | range | None") -> str:
+    if calls is None:
+        return "None"
+    if isinstance(calls, range):
+        stop = "None" if calls.stop == sys.maxsize else calls.stop
+        return f"slice({calls.start}, {stop}, {calls.step})" if calls.step != 1 else f"slice({calls.start}, {stop})"
+    return str(next(iter(calls))) if len(calls) == 1 else str(sorted(calls))
 
 
 def normalize_keep(
@@ -309,6 +387,64 @@ class _Forward:
     tokens: int  # hidden_states.shape[1]
     cache: Any  # the transformers Cache, or None
     fresh: bool  # no cached state for this layer: the call starts from zeros (a prompt)
+    hidden: Tensor | None = None  # the forward's input, read only to match a recompute to its call
+    recompute: bool = False  # autograd is recomputing a checkpointed forward (this is not a new call)
+
+
+def in_backward() -> bool:
+    """Whether this thread runs inside an autograd backward pass (where checkpointing recomputes forwards)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _ThreadState(threading.local):
+    """What the library tracks per thread: the mixer forwards running in it, and whether user hook code runs."""
+
+    def __init__(self) -> None:
+        self.running: list[_Running] = []  # innermost last
+        self.in_hook = 0  # depth of user hook calls: forwards and kernels they run are not watched
+
+
+THREAD = _ThreadState()
+
+
+@contextlib.contextmanager
+def _user_code() -> Iterator[None]:
+    """Run a user's hook: a model it runs (this one or another) is not watched, and its kernels run untouched."""
+    THREAD.in_hook += 1
+    try:
+        yield
+    finally:
+        THREAD.in_hook -= 1
+
+
+def _fingerprint(hidden: Tensor) -> Tensor:
+    """Two numbers that tell a forward's input from another one's: its sum and its sum of squares (float64)."""
+    with torch.no_grad():
+        h = hidden.detach().to(torch.float64)
+        return torch.stack([h.sum(), h.square().sum()])
+
+
+@dataclasses.dataclass(eq=False)
+class _Replay:
+    """A call that a checkpointed backward may recompute: its index, its record and what its input looked like."""
+
+    index: int
+    record: "Call | None"
+    shape: tuple[int, ...]
+    fingerprint: Tensor
+
+    def distance(self, shape: tuple[int, ...], fingerprint: Tensor) -> float:
+        if shape != self.shape:
+            return math.inf
+        n = math.prod(shape)
+        total, squares = self.fingerprint.tolist()
+        other_total, other_squares = fingerprint.tolist()
+        scale = max(squares, 1e-30)
+        return abs(total - other_total) / math.sqrt(n * scale) + abs(squares - other_squares) / scale
+
+
+_REPLAY_MATCH = 1e-5  # relative fingerprint distance under which a recompute is the same forward
+_REPLAYS_KEPT = 256  # recomputable calls remembered per mixer
 
 
 class RecurrentMixer:
@@ -322,7 +458,7 @@ class RecurrentMixer:
 
     Class constants a subclass declares:
     - `KERNELS`: the `Kernel`s its modeling modules call (recurrence and convolution, prompt and decode);
-    - `STATE_MEMORY`: the axes of the state, as a jaxtyping shape string (e.g. "batch heads key_dim value_dim");
+    - `STATE`: the axes of the state, as a jaxtyping shape string (e.g. "batch heads key_dim value_dim");
     - `INPUTS`, `OUTPUTS`: the recurrence kernels' named values with their axes, for the docs;
     - `VALUES`: the per-token values `values()` returns, with their axes;
     - `LIMITS`: what cannot be had from this kind, and why (reported by `support`);
@@ -331,6 +467,9 @@ class RecurrentMixer:
       versions do, for a call that has hooks or kept states, so that the forward goes on;
     - `KERNEL_PER_HEAD`: the forward calls its recurrence kernel once per head (axis 1 of the state):
       hooks run once per head with that head's state, and `mixer.head` says which head is running.
+
+    `recomputing` is True while autograd recomputes a checkpointed forward of this mixer (gradient
+    checkpointing): hooks run again then, with the call index of the forward being recomputed.
     """
 
     KERNELS: ClassVar[tuple[Kernel, ...]] = ()
@@ -344,25 +483,36 @@ class RecurrentMixer:
     KERNEL_PER_HEAD: ClassVar[bool] = False
 
     def __init__(self, module: nn.Module, family: str, *,
-                 keep: Sequence[str] | Mapping[str, Iterable[int] | None] = KERNEL_RECORDS, record: bool = True,
-                 restart_on_prompt: bool = False) -> None:
-        self.module = module
+                 keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (), history: bool = True,
+                 restart_on_prompt: bool = False, thread: int | None = None) -> None:
+        self._module = weakref.ref(module)  # a standalone hook must not keep its module alive
         self.family = family
         self.layer: int | None = getattr(module, "layer_idx", None)
-        self.keep, self.records = normalize_keep(keep) if record else ({}, frozenset())
+        self.keep, self.records = normalize_keep(keep)
         self.calls: list[Call] = []
         self.head: int | None = None  # the head of the running recurrence kernel call (KERNEL_PER_HEAD kinds)
-        self._record = record
+        self.recomputing = False  # the running forward is a checkpointed forward being recomputed
+        self._history = history  # False: a standalone hook's handle, which records no calls
+        self._thread = thread  # the thread whose forwards this handle sees (None: every thread)
         self._restart_on_prompt = restart_on_prompt
         self._hooks: OrderedDict[int, tuple[_Hook, ...]] = OrderedDict()  # weakly referenced by the handles
         self._begun = 0  # forwards begun since the mixer was attached
         self._offset = 0  # begun count at the last prompt (hooks registered outside a watch count from it)
-        self._index = 0  # the running call's index
+        self._index: int | None = 0  # the running call's index (None: a recompute of a call that wanted nothing)
         self._forward: _Forward | None = None
         self._current: Call | None = None
-        self._recurrence_calls = 0  # recurrence kernel calls in the running forward
+        self._kernel_calls: dict[str, int] = {}  # memory -> kernel calls in the running forward
+        self._replays: collections.deque[_Replay] = collections.deque(maxlen=_REPLAYS_KEPT)
         self._on_empty: Callable[[], None] | None = None
         self._live = False  # attached to its module's tap
+
+    @property
+    def module(self) -> nn.Module:
+        """The transformers mixer module this handle watches."""
+        module = self._module()
+        if module is None:
+            raise RecurrentHooksError(f"{self}: its module has been garbage-collected")
+        return module
 
     @classmethod
     def kernel(cls, name: str) -> Kernel:
@@ -381,15 +531,15 @@ class RecurrentMixer:
     def states(self) -> Float[Tensor, "batch seq *state"]:
         """The state after every token of the last call (the call's own token count on `seq`).
 
-        The layout after `batch seq` is the kind's `STATE_MEMORY`; gated DeltaNet:
+        The layout after `batch seq` is the kind's `STATE`; gated DeltaNet:
         `Float[Tensor, "batch seq heads key_dim value_dim"]`.
         """
-        return self._call(None).states
+        return self._call(None, "states").states
 
     @property
     def conv_states(self) -> Float[Tensor, "batch seq channels kernel_size"]:
         """The convolution window after every token of the last call (needs keep=("conv_states",))."""
-        return self._call(None).conv_states
+        return self._call(None, "conv_states").conv_states
 
     def state_after(self, token: int, call: int | None = None) -> Float[Tensor, "batch *state"]:
         """The state after `token` (negative counts from the end) of call `call` (default: the last call).
@@ -398,12 +548,14 @@ class RecurrentMixer:
         the one the recurrence used, so `torch.autograd.grad(metric, mix.state_after(t))` works (for
         KERNEL_PER_HEAD kinds it is a stack of the heads' states; take gradients through a written leaf).
         """
-        return self._call(call)._after(STATE_MEMORY, token)
+        where = f"{self}.state_after"
+        return self._call(call, "state_after")._after(STATE_MEMORY, as_index(token, "token", where))
 
     def conv_state_after(self, token: int, call: int | None = None) -> Float[Tensor, "batch channels kernel_size"]:
         """The convolution window after `token` of call `call`: the last kernel_size conv inputs, oldest
         first, in the layout of transformers' cache; token+1 reads its last kernel_size-1 columns."""
-        return self._call(call)._after(CONV_MEMORY, token)
+        where = f"{self}.conv_state_after"
+        return self._call(call, "conv_state_after")._after(CONV_MEMORY, as_index(token, "token", where))
 
     def memory_after(self, token: int, call: int | None = None) -> Memory:
         """The whole memory after `token`: `Memory(state, conv_state)` (needs both kept)."""
@@ -414,10 +566,10 @@ class RecurrentMixer:
 
             mix.values()["dt"]     # Mamba: the step after bias and softplus, [batch, seq, d_inner]
 
-        Computed from the kernel's recorded inputs and outputs (no states needed). Mixers that run
-        their kernel once per head stack the heads on the axis after `seq`.
+        Computed from the kernel's kept inputs and outputs (`keep=("inputs", "outputs")`; no states
+        needed). Mixers that run their kernel once per head stack the heads on the axis after `seq`.
         """
-        record = self._call(call)
+        record = self._call(call, "values")
         if not record.parts:
             raise Unavailable(f"{self}: call {record.index} made no recurrence kernel call")
         for part in record.parts:
@@ -432,8 +584,10 @@ class RecurrentMixer:
         """`values()` of one kernel call; each kind derives them from its kernel's arguments."""
         raise NotImplementedError
 
-    def _call(self, call: int | None) -> Call:
-        if not self._record:
+    def _call(self, call: Any, method: str) -> Call:
+        if call is not None:
+            call = as_index(call, "call", f"{self}.{method}")
+        if not self._history:
             raise Unavailable(f"{self} records nothing: hooks registered outside a watch keep no values; use watch()")
         if not self.calls:
             raise Unavailable(f"{self} has not been called inside this watch yet")
@@ -445,7 +599,7 @@ class RecurrentMixer:
 
     # -- hooks and writes --------------------------------------------------------------------------------
 
-    def register_state_hook(self, fn: StateHook, *, call: int | Iterable[int] | None = None,
+    def register_state_hook(self, fn: StateHook, *, call: "int | Iterable[int] | slice | None" = None,
                             token: int | Iterable[int] | None = None, which: str = STATE_MEMORY) -> RemovableHandle:
         """Call `fn(mixer, call, token, state)` after the state update of each targeted token.
 
@@ -453,12 +607,15 @@ class RecurrentMixer:
             model(ids)
             h.remove()
 
-        `call` and `token` take an int, several, or None for all (tokens may be negative: -1 is the
-        last token of each call). `state` is the state token `token` produced; its output is already
-        computed from it. Return None to keep it, or a tensor of the same shape, dtype and device to
-        replace it: token+1 continues from the replacement, and so does the cache after the last token.
-        The state handed to `fn` is not copied: clone it to keep it. A hook with an explicit `call`
-        whose tokens lie outside that call raises; with `call=None`, calls without the token are skipped.
+        `call` takes an int, several (a list, a `range`), a `slice` (`slice(1, None)`: every decode step)
+        or None for all; `token` an int, several, or None for all (negative: -1 is the last token of each
+        call). `state` is the state token `token` produced; its output is already computed from it.
+        Return None to keep it, or a tensor of the same shape, dtype and device to replace it: token+1
+        continues from the replacement, and so does the cache after the last token. The state handed to
+        `fn` is not copied: clone it to keep it. A hook that names finitely many calls whose tokens lie
+        outside one of them raises; with `call=None` or an open slice, calls without the token are
+        skipped. Calls that never run (a generation that stopped early) are not an error for hooks.
+        A model that `fn` runs is not watched: its kernels run untouched.
         `which="conv_state"` hooks the convolution window instead (`[batch, channels, kernel_size]`).
         """
         where = f"{self}.register_state_hook"
@@ -466,31 +623,32 @@ class RecurrentMixer:
             raise InvalidValue(f"{where}: expected a callable fn(mixer, call, token, state), got {fn!r}")
         if which not in (STATE_MEMORY, CONV_MEMORY):
             raise InvalidValue(f"{where}: expected which='state' or which='conv_state', got {which!r}")
-        calls = _as_targets(call, "call", where)
-        if calls is not None and any(c < 0 for c in calls):
-            raise InvalidValue(f"{where}: calls count from 0, got call={call!r}")
+        calls = as_calls(call, where)
         name = getattr(fn, "__qualname__", repr(fn))
-        return self._add_hooks(_Hook(fn, which, None if calls is None else frozenset(calls),
-                                     _as_targets(token, "token", where), f"{which} hook {name}"))
+        return self._add_hooks(_Hook(fn, which, calls, _as_targets(token, "token", where), f"{which} hook {name}"))
 
-    def set_state_after(self, token: int, value: Tensor, call: int = 0) -> RemovableHandle:
+    def set_state_after(self, token: int, value: Tensor, call: "int | Iterable[int] | slice | None" = 0
+                        ) -> RemovableHandle:
         """Replace the state after `token` of call `call` (default 0, the prompt) by `value`.
 
             mix.set_state_after(4, patched_state)        # tokens 5.. of the prompt continue from it
             mix.set_state_after(0, patched_state, call=3)   # decode step 3
 
         Token `token`'s own output is unchanged; later tokens, and the cache, continue from `value`.
-        `value` must have the state's shape, dtype and device (checked when the call runs).
+        `value` must have the state's shape, dtype and device (checked when the call runs). `call`
+        takes what hooks take (several calls, a slice, None for every call).
         """
         return self._add_hooks(self._write(STATE_MEMORY, token, value, call, "set_state_after"))
 
-    def set_conv_state_after(self, token: int, value: Tensor, call: int = 0) -> RemovableHandle:
+    def set_conv_state_after(self, token: int, value: Tensor, call: "int | Iterable[int] | slice | None" = 0
+                             ) -> RemovableHandle:
         """Replace the convolution window after `token` of call `call` by `value` (`[batch, channels,
         kernel_size]`, the cache's layout and dtype): tokens token+1.. read it, and so does the cache."""
         return self._add_hooks(self._write(CONV_MEMORY, token, value, call, "set_conv_state_after"))
 
-    def set_memory_after(self, token: int, memory: Memory, call: int = 0) -> RemovableHandle:
-        """Write the whole memory after `token` (state and conv window), e.g. recorded in another run.
+    def set_memory_after(self, token: int, memory: Memory, call: "int | Iterable[int] | slice | None" = 0
+                         ) -> RemovableHandle:
+        """Write the whole memory after `token` (state and conv window), e.g. kept in another run.
 
             with rh.watch(model, keep=("states", "conv_states")) as a:
                 model(ids_a)
@@ -499,26 +657,24 @@ class RecurrentMixer:
                 model(ids_b)   # from token 8 on, layer 0 continues exactly as in run A
         """
         if not isinstance(memory, tuple) or len(memory) != 2:
-            raise InvalidValue(f"{self}.set_memory_after({token}, call={call}): expected a Memory(state, conv_state),"
-                               f" got {type(memory).__name__}")
+            raise InvalidValue(f"{self}.set_memory_after({token!r}, call={call!r}): expected a Memory(state,"
+                               f" conv_state), got {type(memory).__name__}")
         state, conv_state = memory
         return self._add_hooks(self._write(STATE_MEMORY, token, state, call, "set_memory_after"),
                                self._write(CONV_MEMORY, token, conv_state, call, "set_memory_after"))
 
-    def _write(self, memory: str, token: int, value: Tensor, call: int, method: str) -> _Hook:
-        where = f"{self}.{method}({token}, call={call})"
+    def _write(self, memory: str, token: Any, value: Tensor, call: Any, method: str) -> _Hook:
+        where = f"{self}.{method}({token!r}, call={call!r})"
         axes = self.STATE if memory == STATE_MEMORY else self.CONV_STATE
+        token = as_index(token, "token", where)
+        calls = as_calls(call, where)
         if not isinstance(value, Tensor):
             raise InvalidValue(f"{where}: expected a Tensor with axes ({axes}), got {type(value).__name__}")
-        if not isinstance(call, int) or call < 0:
-            raise InvalidValue(f"{where}: expected a call index >= 0, got call={call!r}")
-        if not isinstance(token, int):
-            raise InvalidValue(f"{where}: expected an int token, got {token!r}")
 
         def write(mixer: RecurrentMixer, call: int, token: int, state: Tensor) -> Tensor:
             return value if mixer.head is None else value[:, mixer.head]
 
-        return _Hook(write, memory, frozenset((call,)), (token,), f"{method}({token}, call={call})")
+        return _Hook(write, memory, calls, (token,), f"{method}({token}, call={_describe_calls(calls)})", write=True)
 
     def _add_hooks(self, *hooks: _Hook) -> RemovableHandle:
         if not self._live:
@@ -538,12 +694,15 @@ class RecurrentMixer:
             self._on_empty()
 
     def unapplied(self) -> list[str]:
-        """Hooks and writes with an explicit call that this mixer never reached (checked when a watch ends)."""
+        """Writes aimed at calls this mixer never reached (reported when a watch ends; hooks are not)."""
         seen = self._begun - self._offset
-        return [
-            f"{hook.origin} targets call {c}, but {self} saw {seen} call{'s' if seen != 1 else ''}"
-            for hook in self._all_hooks() if hook.calls is not None for c in sorted(hook.calls) if c >= seen
-        ]
+        problems = []
+        for hook in self._all_hooks():
+            missed = hook.missed(seen) if hook.write else []
+            if missed:
+                shown = ", ".join(map(str, missed[:_SHOWN])) + (", ..." if len(missed) > _SHOWN else "")
+                problems.append(f"{hook.origin} on {self} (call {shown}; it saw {seen} call{'s' if seen != 1 else ''})")
+        return problems
 
     # -- the call counter (driven by the tap's module hooks) -----------------------------------------------
 
@@ -551,40 +710,70 @@ class RecurrentMixer:
         """Why this kernel call cannot serve hooks or kept states (None: it can); kinds override it."""
         return None
 
-    def _wants(self, index: int) -> bool:
-        """Whether call `index` has hooks, writes or kept values."""
-        return bool(self.keep) or any(hook.targets(index) for hook in self._all_hooks())
+    def _wants(self, index: int | None) -> bool:
+        """Whether call `index` has hooks, writes or kept values (None: a recompute of an idle call)."""
+        return index is not None and (bool(self.keep) or bool(self.records)
+                                      or any(hook.targets(index) for hook in self._all_hooks()))
+
+    def _sees(self, thread: int, recompute: bool) -> bool:
+        """Whether this handle takes part in a forward running in `thread` (a recompute runs where autograd runs it)."""
+        return recompute or self._thread is None or self._thread == thread
 
     def _begin_call(self, forward: _Forward) -> None:
+        self._forward = forward
+        self._kernel_calls = {}
+        self.head = None
+        self.recomputing = forward.recompute
+        if forward.recompute:
+            self._index, self._current = self._replayed(forward)
+            return
         self._begun += 1
         if self._restart_on_prompt and forward.fresh:
             self._offset = self._begun - 1
         self._index = self._begun - 1 - self._offset
-        self._forward = forward
-        self._recurrence_calls = 0
-        self.head = None
         self._current = None
-        if self._record:
+        if self._history:
             self._current = Call(index=len(self.calls), where=repr(self), tokens=forward.tokens)
             self.calls.append(self._current)
+        if forward.hidden is not None and (torch.is_grad_enabled() or self.module.training) \
+                and self._wants(self._index):
+            # Autograd may recompute this forward (gradient checkpointing): remember how to recognize it.
+            self._replays.append(_Replay(self._index, self._current, tuple(forward.hidden.shape),
+                                         _fingerprint(forward.hidden)))
+
+    def _replayed(self, forward: _Forward) -> tuple[int | None, "Call | None"]:
+        """The call that a recomputed forward repeats: the remembered call whose input it matches."""
+        if forward.hidden is None or not self._replays:
+            return None, None
+        shape, fingerprint = tuple(forward.hidden.shape), _fingerprint(forward.hidden)
+        distances = [replay.distance(shape, fingerprint) for replay in self._replays]
+        best = min(range(len(distances)), key=lambda i: (distances[i], -i))  # the latest of equals
+        if distances[best] > _REPLAY_MATCH:
+            return None, None  # no call with hooks, writes or kept values had this input: it wanted nothing
+        replay = self._replays[best]
+        return replay.index, replay.record
 
     def _end_call(self, checked: bool = True) -> None:
         self.head = None
-        if checked and self._recurrence_calls == 0 and self._wants(self._index):
+        recompute, self.recomputing = self.recomputing, False
+        forward, self._forward = self._forward, None
+        if forward is None or recompute:
+            return
+        if checked and self._kernel_calls.get(STATE_MEMORY, 0) == 0 and self._wants(self._index):
             raise RecurrentHooksError(
                 f"{self}: call {self._index} finished without calling a watched kernel"
-                f" ({', '.join(k.name for k in self.KERNELS if k.memory == STATE_MEMORY)}) although hooks or kept states"
-                " target it; the mixer took a path the library cannot see (a fused kernel, or a forward this"
-                " transformers version changed)"
+                f" ({', '.join(k.name for k in self.KERNELS if k.memory == STATE_MEMORY)}) although hooks or kept"
+                " values target it; the mixer took a path the library cannot see (a fused kernel, or a forward"
+                " this transformers version changed)"
             )
 
     def _plan(self, kernel: Kernel, tokens: int) -> "_Plan":
-        if kernel.memory == STATE_MEMORY:
-            self.head = self._recurrence_calls if self.KERNEL_PER_HEAD else None
-            self._recurrence_calls += 1
-        else:
-            self.head = None
+        part = self._kernel_calls.get(kernel.memory, 0)
+        self._kernel_calls[kernel.memory] = part + 1
+        self.head = part if self.KERNEL_PER_HEAD and kernel.memory == STATE_MEMORY else None
         index = self._index
+        if index is None:
+            return _Plan(self, index, [], None)
         if self._wants(index) and (reason := self._refusal(kernel)) is not None:
             raise Unavailable(f"{self}, call {index} ({kernel.name}): {reason}")
         hooks: list[tuple[_Hook, frozenset[int] | None]] = []  # registration order, with absolute positions
@@ -595,7 +784,7 @@ class RecurrentMixer:
                 hooks.append((hook, None))
                 continue
             outside = [t for t in hook.tokens if _position(t, tokens) is None]
-            if outside and hook.calls is not None:
+            if outside and hook.explicit:
                 raise InvalidValue(
                     f"{self}: {hook.origin} targets token {outside[0]}, but call {index} ({kernel.name}) has {tokens}"
                     f" token{'s' if tokens != 1 else ''} (valid: 0..{tokens - 1} or -{tokens}..-1)"
@@ -614,6 +803,9 @@ class RecurrentMixer:
         record = self._current
         if record is None:
             return
+        if self.recomputing:
+            self._store_recomputed(plan, kernel, record)
+            return
         part = KernelCall(part.kernel, part.inputs if "inputs" in self.records else None,
                           part.output if "outputs" in self.records else None)
         if kernel.memory == CONV_MEMORY:
@@ -625,13 +817,27 @@ class RecurrentMixer:
             record._positions[kernel.memory] = self.keep[kernel.memory]
             record._stacked.pop(kernel.memory, None)
 
+    def _store_recomputed(self, plan: "_Plan", kernel: Kernel, record: Call) -> None:
+        """A recompute keeps nothing new, except where the call's own forward ran without gradients
+        (reentrant checkpointing): its kept states are then replaced by the recomputed, differentiable
+        ones, whose `.grad` is retained for `loss.backward()`."""
+        kept = record._kept.get(kernel.memory)
+        part = self._kernel_calls[kernel.memory] - 1
+        if plan.kept is None or kept is None or part >= len(kept):
+            return
+        for token, state in plan.kept.items():
+            if state.requires_grad and token in kept[part] and not kept[part][token].requires_grad:
+                state.retain_grad()
+                kept[part][token] = state
+        record._stacked.pop(kernel.memory, None)
+
 
 class _Plan:
     """What one attached mixer wants of one kernel call: its hooks (in registration order) and kept tokens."""
 
     __slots__ = ("mixer", "call", "hooks", "keep", "kept")
 
-    def __init__(self, mixer: RecurrentMixer, call: int, hooks: list[tuple[_Hook, frozenset[int] | None]],
+    def __init__(self, mixer: RecurrentMixer, call: int | None, hooks: list[tuple[_Hook, frozenset[int] | None]],
                  keep: frozenset[int] | None):
         self.mixer, self.call, self.hooks, self.keep = mixer, call, hooks, keep
         self.kept: dict[int, Tensor] | None = None if keep is None else {}
@@ -650,7 +856,11 @@ class _Plan:
     def apply(self, token: int, state: Tensor) -> Tensor:
         for hook, positions in self.hooks:
             if positions is None or token in positions:
-                replacement = hook.fn(self.mixer, self.call, token, state)
+                if hook.write:
+                    replacement = hook.fn(self.mixer, self.call, token, state)
+                else:
+                    with _user_code():
+                        replacement = hook.fn(self.mixer, self.call, token, state)
                 if replacement is not None:
                     state = _checked(replacement, state, self.mixer, hook, self.call, token)
         return state
@@ -673,7 +883,7 @@ def _checked(replacement: Any, state: Tensor, mixer: RecurrentMixer, hook: _Hook
 _FORWARD_SIGNATURES: dict[type, inspect.Signature] = {}
 
 
-def _forward_of(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> _Forward:
+def _forward_of(module: nn.Module, args: tuple, kwargs: dict[str, Any], recompute: bool) -> _Forward:
     """Tokens, cache and freshness of a mixer forward, from its arguments."""
     cls = type(module)
     if cls not in _FORWARD_SIGNATURES:
@@ -683,20 +893,75 @@ def _forward_of(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> _Forw
     cache = arguments.get("cache", extra.get("cache_params"))
     layer = getattr(module, "layer_idx", None)
     fresh = cache is None or layer is None or cache.get_recurrent_state(layer) is None
-    return _Forward(tokens=arguments["hidden_states"].shape[1], cache=cache, fresh=fresh)
+    hidden = arguments["hidden_states"]
+    return _Forward(tokens=hidden.shape[1], cache=cache, fresh=fresh, hidden=hidden, recompute=recompute)
+
+
+@dataclasses.dataclass(eq=False)
+class _Running:
+    """One forward of an attached mixer module running in this thread: what its kernel calls belong to."""
+
+    tap: "_Tap"
+    module: nn.Module
+    forward: _Forward | None  # None: a forward the library does not watch (re-entered, or no handle sees it)
+    mixers: list[RecurrentMixer]
+    failed: bool = False  # a kernel call of this forward raised: its end is not checked
+
+
+def _calling_module(frame: types.FrameType | None) -> nn.Module | None:
+    """The module whose method called a kernel: the nearest frame up the stack with an `nn.Module` self."""
+    for _ in range(_FRAMES_LOOKED_AT):
+        if frame is None:
+            return None
+        code = frame.f_code
+        if code.co_argcount and code.co_varnames[0] == "self":
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, nn.Module):
+                return owner
+        frame = frame.f_back
+    return None
+
+
+_FRAMES_LOOKED_AT = 4  # kernels are called from the mixer's forward or a helper method of it
+
+
+def _is_running(module: nn.Module) -> bool:
+    """Whether a method of `module` is on this thread's Python stack (a forward that is really running)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_argcount and code.co_varnames[0] == "self" and frame.f_locals.get("self") is module:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _drop_stale(running: list[_Running]) -> None:
+    """Drop entries of forwards that ended without their post-forward hook (an interrupt skips it)."""
+    live = [entry for entry in running if _is_running(entry.module)]
+    if len(live) != len(running):
+        for entry in running:
+            if entry not in live:
+                _end(entry, checked=False)
+        running[:] = live
+
+
+def _end(entry: _Running, checked: bool) -> None:
+    for mixer in entry.mixers:
+        mixer._end_call(checked=checked)
 
 
 class _Tap:
     """The per-module side of the mechanism: module hooks, and the mixers attached to the module.
 
     One tap per mixer module, shared by every watch and standalone hook on it; it exists while at least
-    one `RecurrentMixer` is attached.
+    one `RecurrentMixer` is attached. Its pre-forward hook pushes a `_Running` entry on the running
+    thread's stack, its post-forward hook pops it; a kernel call is handled by the innermost entry of its
+    thread, and only when the module that calls the kernel is that entry's module.
     """
 
     def __init__(self, module: nn.Module) -> None:
         self.mixers: list[RecurrentMixer] = []
-        self.forward: _Forward | None = None
-        self.failed = False  # a kernel call of the running forward raised
         self.layer = getattr(module, "layer_idx", None)
         self._handles = (
             module.register_forward_pre_hook(self._pre, with_kwargs=True),
@@ -704,36 +969,69 @@ class _Tap:
         )
 
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        self.forward = _forward_of(module, args, kwargs)
-        self.failed = False
-        for mixer in self.mixers:
-            mixer._begin_call(self.forward)
-        _RUNNING.append(self)
+        thread = THREAD
+        if thread.in_hook:
+            return  # a forward run by a user's hook: not watched, not counted (its post hook skips it too)
+        if thread.running:
+            _drop_stale(thread.running)
+        recompute = in_backward()
+        ident = threading.get_ident()
+        mixers = [mixer for mixer in self.mixers if mixer._sees(ident, recompute)]
+        if not mixers or any(entry.module is module for entry in thread.running):
+            thread.running.append(_Running(self, module, None, []))  # unwatched here, or re-entered
+            return
+        forward = _forward_of(module, args, kwargs, recompute)
+        entry = _Running(self, module, forward, mixers)
+        for mixer in mixers:
+            mixer._begin_call(forward)
+        forward.hidden = None  # read by _begin_call; a forward's record must not hold its input
+        thread.running.append(entry)
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if _RUNNING and _RUNNING[-1] is self:
-            _RUNNING.pop()
-        self.forward = None
-        for mixer in self.mixers:
-            mixer._end_call(checked=not self.failed)
+        thread = THREAD
+        if thread.in_hook:
+            return
+        running = thread.running
+        for i in range(len(running) - 1, -1, -1):
+            if running[i].module is module:
+                entry = running[i]
+                for stale in running[i + 1:]:
+                    _end(stale, checked=False)
+                del running[i:]
+                _end(entry, checked=not entry.failed)
+                return
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+        running = THREAD.running  # this thread's entries of this tap (other threads drop theirs when stale)
+        running[:] = [entry for entry in running if entry.tap is not self]
 
-    def run_kernel(self, kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def run_kernel(self, entry: _Running, kernel: Kernel, original: Callable[..., Any], args: tuple,
+                   kwargs: dict) -> Any:
         """Run one kernel call for the attached mixers: unchanged when idle, else through the token loop."""
         try:
-            return self._run_kernel(kernel, original, args, kwargs)
+            return self._run_kernel(entry, kernel, original, args, kwargs)
+        except Exception:
+            entry.failed = True  # the forward stops here: its end is not checked
+            raise
         except BaseException:
-            self.failed = True  # the forward stops here: its end is not checked
+            # KeyboardInterrupt and the like skip the post-forward hook: end the forward here.
+            entry.failed = True
+            running = THREAD.running
+            if entry in running:
+                for stale in running[running.index(entry):]:
+                    _end(stale, checked=False)
+                del running[running.index(entry):]
             raise
 
-    def _run_kernel(self, kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def _run_kernel(self, entry: _Running, kernel: Kernel, original: Callable[..., Any], args: tuple,
+                    kwargs: dict) -> Any:
         arguments = kernel.bind(args, kwargs)
-        tokens = kernel.tokens(arguments, self.forward.tokens)
-        plans = [mixer._plan(kernel, tokens) for mixer in self.mixers]
-        records = {name for mixer in self.mixers for name in mixer.records}
+        tokens = kernel.tokens(arguments, entry.forward.tokens)
+        plans = [mixer._plan(kernel, tokens) for mixer in entry.mixers]
+        recompute = entry.forward.recompute
+        records = set() if recompute else {name for mixer in entry.mixers for name in mixer.records}
         live_state = arguments.get(kernel.state_in) if kernel.state_in is not None else None
         if isinstance(live_state, Tensor) and "inputs" in records:
             # The cache updates this tensor in place (at the next step, or in this very call): keep its value.
@@ -770,27 +1068,28 @@ class _Tap:
                 extra = {"tokens": tokens} if kernel.seq == FORWARD else {}
                 result = kernel.loop(*args, on_token=on_token, **extra, **kwargs)
             if kernel.memory == CONV_MEMORY and kernel.role == "prompt" and last:
-                self._sync_conv_cache(last[0])
-        output = kernel.name_results(result)
+                self._sync_conv_cache(entry.forward, last[0])
+        output = kernel.name_results(result) if "outputs" in records else {}
         if kernel.in_place and isinstance(live_state, Tensor) and "outputs" in records:
             output["final_state"] = live_state.clone()
-        part = KernelCall(kernel.name, arguments, output)
-        for mixer, plan in zip(self.mixers, plans):
+        part = KernelCall(kernel.name, arguments if "inputs" in records else None, output)
+        for mixer, plan in zip(entry.mixers, plans):
             mixer._store(plan, kernel, part, tokens)
         return result
 
-    def _sync_conv_cache(self, window: Tensor) -> None:
+    def _sync_conv_cache(self, forward: _Forward, window: Tensor) -> None:
         """The prompt path caches the raw last inputs before its conv kernel runs: cache the window as continued."""
-        cache = self.forward.cache
+        cache = forward.cache
         if cache is None or self.layer is None:
             return
         cached = cache.get_conv_state(self.layer)
         if cached is not None and cached.shape == window.shape:
             cached.copy_(window)
 
-    def run_fused(self, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    @staticmethod
+    def run_fused(entry: _Running, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """A fused whole-forward kernel: skipped (None, as without mamba_ssm) when a mixer wants this call."""
-        if any(mixer._wants(mixer._index) for mixer in self.mixers):
+        if any(mixer._wants(mixer._index) for mixer in entry.mixers):
             return None
         return original(*args, **kwargs)
 
@@ -859,31 +1158,50 @@ def _run_in_segments(kernel: Kernel, original: Callable[..., Any], args: tuple, 
 
 
 _TAPS: "weakref.WeakKeyDictionary[nn.Module, _Tap]" = weakref.WeakKeyDictionary()
-_RUNNING: list[_Tap] = []
-
-
-def running_tap() -> _Tap | None:
-    """The tap of the innermost mixer module whose forward is running, if it is attached."""
-    return _RUNNING[-1] if _RUNNING else None
+_LOCK = threading.RLock()  # attaching and detaching handles, from any thread
 
 
 def attach(mixer: RecurrentMixer) -> Callable[[], None]:
     """Attach `mixer` to its module's tap (created on first use); return the detach function."""
-    tap = _TAPS.get(mixer.module)
-    if tap is None:
-        tap = _TAPS[mixer.module] = _Tap(mixer.module)
-    tap.mixers.append(mixer)
-    mixer._live = True
+    module = mixer.module
+    with _LOCK:
+        tap = _TAPS.get(module)
+        if tap is None:
+            tap = _TAPS[module] = _Tap(module)
+        tap.mixers = [*tap.mixers, mixer]  # a new list: a forward in another thread may be reading the old one
+        mixer._live = True
 
     def detach() -> None:
-        if mixer in tap.mixers:
-            tap.mixers.remove(mixer)
-            if not tap.mixers:
-                tap.remove()
-                if _TAPS.get(mixer.module) is tap:
-                    del _TAPS[mixer.module]
+        with _LOCK:
+            if mixer in tap.mixers:
+                tap.mixers = [m for m in tap.mixers if m is not mixer]
+                if not tap.mixers:
+                    tap.remove()
+                    owner = mixer._module()
+                    if owner is not None and _TAPS.get(owner) is tap:
+                        del _TAPS[owner]
 
     return detach
+
+
+def running_entry() -> _Running | None:
+    """The innermost watched forward of this thread, if a kernel called now belongs to it."""
+    thread = THREAD
+    if thread.in_hook or not thread.running:
+        return None
+    entry = thread.running[-1]
+    if entry.forward is None:
+        return None
+    caller = _calling_module(sys._getframe(2))
+    if caller is not None and caller is not entry.module and _is_mixer(caller):
+        return None  # another mixer's forward (an unwatched model run inside this one): not ours
+    return entry
+
+
+def _is_mixer(module: nn.Module) -> bool:
+    from ._registry import family_of  # the registry imports the kinds, which import this module
+
+    return family_of(module) is not None
 
 
 def make_dispatcher(kind: type[RecurrentMixer]) -> Callable[[str, Any], Callable[..., Any]]:
@@ -894,18 +1212,18 @@ def make_dispatcher(kind: type[RecurrentMixer]) -> Callable[[str, Any], Callable
 
             @functools.wraps(original)
             def watched(*args: Any, **kwargs: Any) -> Any:
-                tap = running_tap()
-                return original(*args, **kwargs) if tap is None else tap.run_fused(original, args, kwargs)
+                entry = running_entry()
+                return original(*args, **kwargs) if entry is None else _Tap.run_fused(entry, original, args, kwargs)
 
         else:
             kernel = kind.kernel(name)
 
             @functools.wraps(original)
             def watched(*args: Any, **kwargs: Any) -> Any:
-                tap = running_tap()
-                if tap is None:  # a call from outside an attached mixer's forward
+                entry = running_entry()
+                if entry is None:  # a call from outside a watched forward of this thread
                     return original(*args, **kwargs)
-                return tap.run_kernel(kernel, original, args, kwargs)
+                return entry.tap.run_kernel(entry, kernel, original, args, kwargs)
 
         watched.__recurrent_hooks__ = True
         return watched

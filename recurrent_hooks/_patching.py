@@ -14,6 +14,7 @@ Module contents:
 """
 
 import dataclasses
+import threading
 from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
@@ -84,6 +85,7 @@ class _Binding:
 
 
 _BINDINGS: dict[str, _Binding] = {}
+_LOCK = threading.RLock()  # watches may be entered and left in several threads at once
 
 
 def bound_original(module: ModuleType, name: str) -> Any:
@@ -101,6 +103,13 @@ def acquire_kernels(
     restores exactly the objects that were bound before the first acquisition. All or nothing: if a
     name is missing, nothing stays rebound.
     """
+    with _LOCK:
+        return _acquire(module, make_dispatcher, names)
+
+
+def _acquire(
+    module: ModuleType, make_dispatcher: Callable[[str, Any], Callable[..., Any]], names: tuple[str, ...]
+) -> Callable[[], None]:
     binding = _BINDINGS.get(module.__name__)
     if binding is None:
         undo = UndoStack()
@@ -124,19 +133,25 @@ def acquire_kernels(
 
     def release() -> None:
         nonlocal released
-        if released:
-            return
-        released = True
-        binding.count -= 1
-        if binding.count == 0:
-            del _BINDINGS[module.__name__]
-            binding.undo.undo()
+        with _LOCK:
+            if released:
+                return
+            released = True
+            binding.count -= 1
+            if binding.count == 0:
+                del _BINDINGS[module.__name__]
+                binding.undo.undo()
 
     return release
 
 
 def rebind_process_wide(module: ModuleType, replacements: Mapping[str, Any]) -> None:
     """Set module attributes for good (route_kernels); refused while a watch or hook holds the module."""
+    with _LOCK:
+        _rebind(module, replacements)
+
+
+def _rebind(module: ModuleType, replacements: Mapping[str, Any]) -> None:
     if module.__name__ in _BINDINGS:
         raise RecurrentHooksError(
             f"cannot reroute the kernels of {module.__name__} while a watch or a state hook is active on its"

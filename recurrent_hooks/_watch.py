@@ -12,6 +12,8 @@ Module contents:
 
 import contextlib
 import dataclasses
+import threading
+import warnings
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from types import ModuleType
@@ -19,8 +21,9 @@ from types import ModuleType
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ._errors import InvalidValue, RecurrentHooksError, Unavailable
-from ._mixer import KERNEL_RECORDS, Memory, RecurrentMixer, StateHook, attach, make_dispatcher, normalize_keep
+from ._errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable
+from ._mixer import (KERNEL_RECORDS, Memory, RecurrentMixer, StateHook, as_index, attach, make_dispatcher,
+                     normalize_keep)
 from ._patching import acquire_kernels, bound_original, import_default, rebind_process_wide
 from ._registry import FAMILIES, KNOWN_UNSUPPORTED, Family, family_of, resolve_family
 
@@ -62,11 +65,15 @@ class Watch:
     Like every PyTorch hook, the block's effects are global: the model is changed for anyone who calls
     it inside the block.
 
-    `keep` names what to keep of every call: "states" (the state after every token), "conv_states"
-    (the convolution window after every token); a mapping keeps some tokens only (`{"states": [4, -1]}`).
-    `record=True` (the default) also keeps every call's kernel inputs and outputs, by reference;
-    `record=False` keeps only what `keep` names (for hooks over a long generation, or lean sparse reads,
-    where the records of every call would add up; "inputs" and "outputs" can then be named in `keep`).
+    `keep` names what to keep of every call, and a watch keeps nothing else: "states" (the state after
+    every token), "conv_states" (the convolution window after every token), "inputs" and "outputs" (the
+    kernel's arguments and results, by reference; `values()` needs both). A mapping keeps some tokens
+    only (`{"states": [4, -1]}`). Each call's metadata (`call.kernel`, `call.tokens`, `call.index`) is
+    always there. `record=True` is the older spelling of keeping "inputs" and "outputs".
+
+    The block sees the forwards of the thread that entered it; a model run inside a hook, or a model
+    that is not watched, runs its kernels untouched. Writes aimed at calls that never ran (a generation
+    that stopped early) give one `RecurrentHooksWarning` on exit; hooks aimed at them are not an error.
 
     What it costs: a call nothing is asked of runs the kernel bound before the watch. A call with hooks,
     writes or kept values at a few tokens runs that kernel in segments between them; every state kept
@@ -75,15 +82,20 @@ class Watch:
     """
 
     def __init__(self, model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (),
-                 record: bool = True) -> None:
+                 record: bool = False) -> None:
         if not isinstance(model, nn.Module):
             raise InvalidValue(f"watch: expected a torch.nn.Module (a transformers model), got {type(model).__name__}")
+        if not isinstance(record, bool):
+            raise InvalidValue(f"watch: expected record=True or record=False, got record={record!r}")
+        if not isinstance(keep, (str, Sequence, Mapping)):
+            raise InvalidValue(f"watch: expected keep as a tuple of names or a mapping of names to tokens,"
+                               f" got {type(keep).__name__}")
         normalize_keep(keep)  # checked here, before anything is acquired
         keep = (keep,) if isinstance(keep, str) else dict(keep) if isinstance(keep, Mapping) else tuple(keep)
         self.model = model
         self.keep = keep
         self.record = record
-        # what each mixer keeps: `keep`, plus the kernels' inputs and outputs when recording
+        # what each mixer keeps: `keep`, plus the kernels' inputs and outputs for record=True
         self._kept = ({**dict.fromkeys(KERNEL_RECORDS), **keep} if isinstance(keep, dict)
                       else (*KERNEL_RECORDS, *keep)) if record else keep
         self.mixers: list[RecurrentMixer] = []
@@ -92,11 +104,11 @@ class Watch:
     def __repr__(self) -> str:
         state = "active" if self._stack is not None else "inactive"
         mixers = ", ".join(f"layer {m.layer}: {len(m.calls)} calls" for m in self.mixers)
-        return (f"Watch({type(self.model).__name__}, {state}, keep={self.keep}, record={self.record},"
-                f" mixers=[{mixers}])")
+        return f"Watch({type(self.model).__name__}, {state}, keep={self.keep}, mixers=[{mixers}])"
 
     def mixer(self, layer: int) -> RecurrentMixer:
         """The mixer of decoder layer `layer` (the transformers `layer_idx`)."""
+        layer = as_index(layer, "layer", "Watch.mixer")
         for mixer in self.mixers:
             if mixer.layer == layer:
                 return mixer
@@ -109,7 +121,8 @@ class Watch:
         """
         return {mixer.layer: mixer.memory_after(token, call) for mixer in self.mixers}
 
-    def set_memory_after(self, token: int, memories: Mapping[int, Memory], call: int = 0) -> list[RemovableHandle]:
+    def set_memory_after(self, token: int, memories: Mapping[int, Memory], call: int = 0
+                         ) -> list[RemovableHandle]:
         """Write each layer's whole memory after `token` of call `call` (the activation-patching move).
 
             with rh.watch(model, keep=("states", "conv_states")) as a:
@@ -118,6 +131,9 @@ class Watch:
                 b.set_memory_after(7, a.memory_after(7))   # every recurrent layer continues as in run A
                 model(run_b)
         """
+        if not isinstance(memories, Mapping):
+            raise InvalidValue(f"Watch.set_memory_after: expected a mapping of layer -> Memory (as memory_after"
+                               f" returns), got {type(memories).__name__}")
         unknown = sorted(set(memories) - {mixer.layer for mixer in self.mixers})
         if unknown:
             raise Unavailable(f"set_memory_after: no recurrent mixer at layers {unknown};"
@@ -130,7 +146,8 @@ class Watch:
         found = _mixer_modules(self.model)
         if not found:
             raise Unavailable(_no_mixer_message(self.model))
-        mixers = sorted((row.kind(m, row.name, keep=self._kept) for _, m, row in found),
+        thread = threading.get_ident()
+        mixers = sorted((row.kind(m, row.name, keep=self._kept, thread=thread) for _, m, row in found),
                         key=lambda mixer: (mixer.layer is None, mixer.layer or 0))
         stack = contextlib.ExitStack()
         try:  # all or nothing: a failure releases what was acquired so far
@@ -150,11 +167,18 @@ class Watch:
         if exc_type is None:
             problems = [p for mixer in self.mixers for p in mixer.unapplied()]
             if problems:
-                raise Unavailable("hooks or writes were never applied: " + "; ".join(problems))
+                shown = "; ".join(problems[:_WRITES_SHOWN])
+                more = f"; and {len(problems) - _WRITES_SHOWN} more" if len(problems) > _WRITES_SHOWN else ""
+                warnings.warn(f"{len(problems)} write{'s' if len(problems) != 1 else ''} never ran: {shown}{more}."
+                              " The calls they target did not happen: generation may have stopped early (EOS or"
+                              " max_new_tokens)", RecurrentHooksWarning, stacklevel=2)
+
+
+_WRITES_SHOWN = 2  # writes named in the warning about writes that never ran
 
 
 def watch(model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (),
-          record: bool = True) -> Watch:
+          record: bool = False) -> Watch:
     """Watch every supported recurrent mixer of `model` for the duration of a `with` block.
 
         with recurrent_hooks.watch(model, keep=("states",)) as w:
@@ -182,6 +206,9 @@ def register_state_hook(module: nn.Module, fn: StateHook, *, call: int | Iterabl
     Calls are counted from each prompt: a call that starts from no cached state is call 0 again, so in
     every `generate` the prompt is call 0 and decode step k is call k, as inside a fresh `watch`. The
     hook contract (return None or a replacement state) is that of `RecurrentMixer.register_state_hook`.
+    Like a torch module hook, it fires in every thread that runs the module, and a handle dropped without
+    `remove()` leaves the hook in place; the kernels are released when the last hook is removed or when
+    the module is garbage-collected.
     """
     row = family_of(module)
     if row is None:
@@ -191,16 +218,20 @@ def register_state_hook(module: nn.Module, fn: StateHook, *, call: int | Iterabl
         )
     mixer = _STANDALONE.get(module)
     if mixer is None:
-        mixer = row.kind(module, row.name, record=False, restart_on_prompt=True)
+        mixer = row.kind(module, row.name, history=False, restart_on_prompt=True)
         stack = contextlib.ExitStack()
         with stack:  # released again if attaching fails
             _attach_with_kernels(mixer, row, stack)
             stack.callback(mixer._detached)
             releases = stack.pop_all()
+        owner = weakref.ref(module)
+        finalizer = weakref.finalize(module, releases.close)  # the module died with hooks on it
 
         def release() -> None:
-            if _STANDALONE.get(module) is mixer:
-                del _STANDALONE[module]
+            live = owner()
+            if live is not None and _STANDALONE.get(live) is mixer:
+                del _STANDALONE[live]
+            finalizer.detach()
             releases.close()
 
         mixer._on_empty = release
@@ -221,6 +252,8 @@ def route_kernels(family: "str | ModuleType | nn.Module", to: str) -> None:
     `family` is a family name, its transformers modeling module, or a model with mixers of one family.
     Unlike `watch`, nothing is undone automatically; refused while a watch or hook is active on the family.
     """
+    if to not in ("torch", "default"):
+        raise InvalidValue(f"route_kernels: expected to='torch' or to='default', got {to!r}")
     row = resolve_family(family)
     module = row.module()
     if to == "torch":
@@ -264,6 +297,8 @@ def support(model: nn.Module) -> list[MixerSupport]:
 
     Mixers of recurrent families the library does not handle are listed too, with the reason.
     """
+    if not isinstance(model, nn.Module):
+        raise InvalidValue(f"support: expected a torch.nn.Module (a transformers model), got {type(model).__name__}")
     rows = []
     for path, module in model.named_modules():
         name = type(module).__name__
@@ -275,7 +310,7 @@ def support(model: nn.Module) -> list[MixerSupport]:
             continue
         kind = family.kind
         bound = {k.name: bound_original(family.module(), k.name) for k in kind.KERNELS}
-        available = ("inputs", "outputs", "values", "states", "conv_states", "writes", "hooks")
+        available = ("states", "conv_states", "inputs", "outputs", "values", "writes", "hooks")
         prompt = kind.KERNELS[0]
         segments = prompt.segments
         notes = {

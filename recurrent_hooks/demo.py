@@ -58,7 +58,7 @@ def main() -> None:
     print(f"tiny {type(model).__name__}: {sum(p.numel() for p in model.parameters()):,} parameters, random weights")
 
     # 1. Read: the state after every token of a prompt, and the convolution window.
-    with watch(model, keep=("states", "conv_states")) as run_a, torch.no_grad():
+    with watch(model, keep=("states", "conv_states", "outputs")) as run_a, torch.no_grad():
         model(prompt_a)
     mixer = run_a.mixers[0]
     print(f"\n1. {mixer}: states {tuple(mixer.states.shape)} (batch, seq, heads, key_dim, value_dim),"
@@ -69,7 +69,7 @@ def main() -> None:
     # 2. Patch: prompt B shares A's tokens after token 7. Write A's memory after token 7 into the run on
     # B, in every recurrent layer: the state alone, then the whole memory (state and conv window).
     def layer0_output(write=None):
-        with watch(model) as w, torch.no_grad():
+        with watch(model, keep=("outputs",)) as w, torch.no_grad():
             if write is not None:
                 write(w)
             model(prompt_b)

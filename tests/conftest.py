@@ -19,12 +19,14 @@ def nothing_left_patched():
     leaks = {
         "bindings": sorted(patching._BINDINGS),
         "taps": len(mixer_impl._TAPS),
-        "running": len(mixer_impl._RUNNING),
+        "running": len(mixer_impl.THREAD.running),
+        "inside a hook": mixer_impl.THREAD.in_hook,
         "standalone hooks": len(watch_impl._STANDALONE),
     }
     for mixer in list(watch_impl._STANDALONE.values()):
         for key in list(mixer._hooks):
             del mixer._hooks[key]
         mixer._hook_removed()
-    mixer_impl._RUNNING.clear()
+    mixer_impl.THREAD.running.clear()
+    mixer_impl.THREAD.in_hook = 0
     assert not any(leaks.values()), f"the test left state behind: {leaks}"

@@ -19,7 +19,7 @@ from _reference import gated_delta_rule_reference, kimi_delta_rule_reference
 from _reference_ssm import selective_scan_reference, ssd_reference
 
 FAMILIES = [name for name in rh.FAMILIES if name in BUILDERS]
-ALL = ("states", "conv_states")  # every state and window (a watch records kernel inputs and outputs too)
+ALL = ("states", "conv_states", "inputs", "outputs")  # every state and window, and the kernels' arguments and results
 T = 13  # not a multiple of anything
 
 
@@ -428,12 +428,12 @@ def _sparse_run(model, ids, fast, monkeypatch):
     real = rh_mixer._run_in_segments
     monkeypatch.setattr(rh_mixer, "_run_in_segments", lambda *a: segmented.append(1) or real(*a))
     seen = []
-    with rh.watch(model, keep={"states": [2, 7, -1], "conv_states": [7]}) as w, torch.no_grad():
+    with rh.watch(model, keep={"states": [2, 7, -1], "conv_states": [7], "inputs": None}) as w, torch.no_grad():
         mixer = w.mixers[0]
         model(ids)
         value = mixer.state_after(7) * 0.5
         window = mixer.conv_state_after(7) * 2
-    with rh.watch(model, keep={"states": [2, 7, -1], "conv_states": [7]}) as w, torch.no_grad():
+    with rh.watch(model, keep={"states": [2, 7, -1], "conv_states": [7], "inputs": None}) as w, torch.no_grad():
         w.mixers[0].set_state_after(7, value)
         w.mixers[0].set_conv_state_after(7, window)
         w.mixers[-1].register_state_hook(lambda m, c, t, s: seen.append(float(s.norm())) or s * 0.9, token=[3, -2])

@@ -26,7 +26,7 @@ def test_mamba1_multi_token_continuation_is_refused_for_hooks_but_runs_idle(fami
         cache = model(ids[:, :6], use_cache=True).cache
         with pytest.raises(rh.Unavailable, match=r"call 0 \(mamba_selective_scan\): transformers' mamba_selective_scan"
                            r" takes no initial state"):
-            with rh.watch(model, keep=("states",)):
+            with rh.watch(model, keep=("states", "inputs", "outputs")):
                 model(ids[:, 6:], cache=cache)
     assert "multi-token continuation" in rh.support(model)[0].unavailable
 
@@ -49,7 +49,7 @@ def test_fused_training_kernels_are_skipped_only_when_a_call_is_watched(family, 
     with rh.watch(model) as w:
         model(ids, use_cache=False)
     assert len(sentinel) == len(w.mixers) and all(c.kernel is None for m in w.mixers for c in m.calls)
-    with rh.watch(model, keep=("states",)) as w:
+    with rh.watch(model, keep=("states", "inputs", "outputs")) as w:
         model(ids, use_cache=False)
     assert len(sentinel) == len(w.mixers), "the fused kernel ran although states were kept"
     assert w.mixers[0].states.shape[:2] == (2, T)
@@ -60,7 +60,7 @@ def test_training_mode_keeps_hooks_and_gradients(family):
     model, ids = build(family), random_ids(1, T)
     model.train()
     hits = []
-    with rh.watch(model, keep=("states",)) as w:
+    with rh.watch(model, keep=("states", "inputs", "outputs")) as w:
         w.mixers[0].register_state_hook(lambda m, c, t, s: hits.append(t) if m.head in (None, 0) else None)
         loss = model(ids, use_cache=False).logits[0, -1].logsumexp(-1)
     loss.backward()
@@ -72,7 +72,7 @@ def test_zamba_runs_one_kernel_call_per_head():
     model, ids = build("zamba"), random_ids(2, T)
     heads = model.config.n_mamba_heads
     seen = []
-    with rh.watch(model, keep=("states",)) as w:
+    with rh.watch(model, keep=("states", "inputs", "outputs")) as w:
         mixer = w.mixers[0]
         mixer.register_state_hook(lambda m, c, t, s: seen.append((c, t, m.head, tuple(s.shape))), token=[0, -1])
         with torch.no_grad():
@@ -91,7 +91,7 @@ def test_zamba_runs_one_kernel_call_per_head():
 def test_values_rebuild_the_states(family):
     """values() are the per-token discretized quantities: the recurrence rebuilt from them gives the states."""
     model, ids = build(family), random_ids(2, T)
-    with rh.watch(model, keep=("states",)) as w, torch.no_grad():
+    with rh.watch(model, keep=("states", "inputs", "outputs")) as w, torch.no_grad():
         model(ids)
     mixer = w.mixers[0]
     values, states = mixer.values(), mixer.states
