@@ -22,8 +22,8 @@ Recurrence, per head (Diag(alpha_t) scales row i of S, the memory of key channel
     S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1} + beta_t k_t v_t^T
     o_t = S_t^T q_t
 computed as transformers and flash-linear-attention do: decay, read `kv_mem`, write the correction.
-transformers' KDA kernels normalise with x / sqrt(|x|^2 + 1e-6), the gated DeltaNet loop with
-x * rsqrt(|x|^2 + 1e-6): the same value up to rounding.
+transformers' KDA kernels normalise with x / sqrt(|x|^2 + 1e-6) and scale q by 1 / sqrt(d_k), the
+gated DeltaNet ones with x * rsqrt(|x|^2 + 1e-6); the loop (`kimi=True`) rounds as the KDA kernels do.
 
 Module contents:
 - `chunk_kimi_delta_attention`, `recurrent_kimi_delta_attention`: token loops with the signatures of
@@ -61,7 +61,7 @@ def chunk_kimi_delta_attention(
     and returns the state token t+1 continues from. Other unknown keyword arguments are ignored.
     """
     return _gated_delta_rule(query, key, value, g, beta, initial_state, output_final_state,
-                             use_qk_l2norm_in_kernel, on_token, kwargs)
+                             use_qk_l2norm_in_kernel, on_token, kwargs, kimi=True)
 
 
 def chunk_kimi_delta_attention_states(
@@ -78,7 +78,7 @@ def chunk_kimi_delta_attention_states(
 ) -> tuple[tuple[Tensor, Tensor | None], Tensor]:
     """`chunk_kimi_delta_attention`'s results and every token's state, computed chunk-wise."""
     return _gated_delta_rule_states(query, key, value, g, beta, initial_state, output_final_state,
-                                    use_qk_l2norm_in_kernel, kwargs)
+                                    use_qk_l2norm_in_kernel, kwargs, kimi=True)
 
 
 def recurrent_kimi_delta_attention(
@@ -96,7 +96,7 @@ def recurrent_kimi_delta_attention(
 ) -> tuple[Tensor, Tensor | None]:
     """The decode kernel: same arguments and results as transformers' `recurrent_kimi_delta_attention`, plus `on_token`."""
     return _gated_delta_rule(query, key, value, g, beta, initial_state, output_final_state,
-                             use_qk_l2norm_in_kernel, on_token, kwargs)
+                             use_qk_l2norm_in_kernel, on_token, kwargs, kimi=True)
 
 
 class KimiDeltaAttention(LinearAttention):

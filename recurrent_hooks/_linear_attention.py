@@ -42,12 +42,16 @@ OnToken = Callable[[int, Tensor], Tensor]
 
 def _prepare(
     query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
-    use_qk_l2norm_in_kernel: bool, kwargs: dict[str, Any],
+    use_qk_l2norm_in_kernel: bool, kwargs: dict[str, Any], kimi: bool = False, recurrent: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """q, k, v, beta, log-decay (float32, token-major, one key head per value head) and the starting state.
 
     g is the log decay per head (`[.., heads, 1]`: gated DeltaNet, whose wrappers add the axis) or per key
     channel (`[.., heads, key_dim]`: Kimi delta attention); exp(g) scales the rows of the key-major state.
+    The normalisation and the 1/sqrt(d_k) scaling are written as transformers writes them, so that the
+    roundings are the same: gated DeltaNet multiplies by rsqrt(|x|^2 + eps) and its decode kernel
+    divides by sqrt(d_k) (its prompt kernel, `recurrent=False`, multiplies by d_k ** -0.5); Kimi delta
+    attention (`kimi`) divides by sqrt(|x|^2 + eps) and multiplies by 1 / sqrt(d_k).
     """
     if kwargs.get("cu_seqlens") is not None:
         raise RecurrentHooksError("packed sequences (cu_seqlens) need flash-linear-attention; the token loop runs one sequence per batch row")
@@ -57,9 +61,16 @@ def _prepare(
     query, key = (repeat(x, "b t kh d -> b t (kh g) d", g=heads // key_heads) for x in (query, key))
     q, k, v, b, log_a = (x.to(torch.float32) for x in (query, key, value, beta, g))
     if use_qk_l2norm_in_kernel:
-        q = q * torch.rsqrt(q.square().sum(-1, keepdim=True) + 1e-6)
-        k = k * torch.rsqrt(k.square().sum(-1, keepdim=True) + 1e-6)
-    q = q * key_dim**-0.5
+        if kimi:
+            q, k = (x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+        else:
+            q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    if kimi:
+        q = q * (1 / key_dim**0.5)
+    elif recurrent:
+        q = q / key_dim**0.5
+    else:
+        q = q * key_dim**-0.5
     if initial_state is None:
         state = q.new_zeros(batch, heads, key_dim, value_dim)
     else:  # a copy: the cache writes into its tensor in place at the next step
@@ -78,16 +89,20 @@ def _gated_delta_rule(
     use_qk_l2norm_in_kernel: bool,
     on_token: OnToken | None,
     kwargs: dict[str, Any],
+    kimi: bool = False,
 ) -> tuple[Float[Tensor, "batch seq heads value_dim"], Float[Tensor, "batch heads key_dim value_dim"] | None]:
-    q, k, v, b, log_a, state = _prepare(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel, kwargs)
+    """The token loop, in float32 and with the ops of transformers' decode kernels (products summed over
+    key_dim, not matmuls), so that a half-precision model rounds its output as transformers does."""
+    q, k, v, b, log_a, state = _prepare(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel, kwargs,
+                                        kimi=kimi)
     a = log_a.exp()
     outputs = []
     for t in range(q.shape[1]):
         state = state * a[:, t, :, :, None]  # b h k v   decay: diag(a_t) S_{t-1}, a_t [b h (1|k)]
-        kv_mem = (k[:, t, :, None, :] @ state).squeeze(-2)  # b h v   what S stores under k_t
+        kv_mem = (state * k[:, t, :, :, None]).sum(-2)  # b h v   what S stores under k_t
         delta = (v[:, t] - kv_mem) * b[:, t, :, None]  # b h v   b_t (v_t - S^T k_t)
         state = state + k[:, t, :, :, None] * delta[:, :, None, :]  # b h k v   S + k_t delta^T
-        outputs.append((q[:, t, :, None, :] @ state).squeeze(-2))  # b h v   o_t = S_t^T q_t
+        outputs.append((state * q[:, t, :, :, None]).sum(-2))  # b h v   o_t = S_t^T q_t
         if on_token is not None:
             state = on_token(t, state)  # b h k v   what token t+1 continues from
     out = torch.stack(outputs, dim=1) if outputs else v.new_zeros(*v.shape)
@@ -97,6 +112,7 @@ def _gated_delta_rule(
 def _gated_delta_rule_states(
     query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
     output_final_state: bool, use_qk_l2norm_in_kernel: bool, kwargs: dict[str, Any], chunk: int = 16,
+    kimi: bool = False,
 ) -> tuple[tuple[Tensor, Tensor | None], Float[Tensor, "seq batch heads key_dim value_dim"]]:
     """The same recurrence, chunk by chunk, vectorized inside each chunk, returning every token's state too.
 
@@ -109,7 +125,8 @@ def _gated_delta_rule_states(
     token loop. The states are written once, into one token-first buffer; costs chunk^2 * key_dim *
     value_dim per chunk and head: for when every state is kept.
     """
-    q, k, v, b, log_a, state = _prepare(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel, kwargs)
+    q, k, v, b, log_a, state = _prepare(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel, kwargs,
+                                        kimi=kimi, recurrent=False)
     q, k, v, b, log_a = (x.movedim(1, 0) for x in (q, k, v, b, log_a))  # token first: t b h ..
     every = q.new_empty(*q.shape[:3], q.shape[-1], v.shape[-1])  # t b h k v
     out = v.new_empty(v.shape)  # t b h v

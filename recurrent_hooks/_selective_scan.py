@@ -23,9 +23,12 @@ Recurrence, per channel d (h_t[d] is a d_state-vector, A[d] its decay rates):
     h_t = exp(Δ_t A) h_{t-1} + Δ_t B_t x_t
     y_t = C_t . h_t + D x_t,   times silu(z_t) when z is given
 
-Like transformers, the step is formed in dt's dtype (bias cast to it, softplus taken in it) and then
-used in float32; the recurrence runs in float32 and the output gets the dtype transformers' kernel gives
-it (prompt: the promotion of x, C, D and z; decode: x's dtype).
+Dtypes, as in transformers' kernels (so that a bf16 or fp16 model rounds as it does unwatched): the step
+is formed in dt's dtype (bias cast to it, softplus taken in it) and then used in float32; the state and
+the recurrence are float32; C_t . h_t is read in C's dtype (the state cast to it, as transformers'
+`ssm_state.to(C.dtype) @ C`), and the skip and gate are taken in the dtypes the kernel gets (prompt: x and
+z in the model dtype with D as float32, so the result is float32; decode: D in the model dtype too, and
+the result is cast to x's dtype). In float32 all of these are float32.
 
 Module contents:
 - `mamba_selective_scan`, `mamba_selective_state_update`: token loops with the signatures and results of
@@ -41,7 +44,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
-from einops import einsum, rearrange
+from einops import rearrange
 from jaxtyping import Float
 from torch import Tensor
 
@@ -121,7 +124,11 @@ def _selective_scan(
     initial_state: Float[Tensor, "batch d_inner d_state"] | None,
     on_token: OnToken | None,
 ) -> tuple[Float[Tensor, "batch seq d_inner"], Float[Tensor, "batch d_inner d_state"]]:
-    """C_t h_t of every token and the last state; float32 token-major in and out (no D, no gate)."""
+    """C_t h_t of every token (in C's dtype) and the last state (float32); token-major (no D, no gate).
+
+    x, dt, A and B are float32; C is in the dtype transformers reads the output in (the model dtype), and
+    each token's state is cast to it for the product, as transformers' kernels do.
+    """
     batch, seq, d_inner = x.shape
     if initial_state is None:
         state = x.new_zeros(batch, d_inner, A.shape[-1])
@@ -131,19 +138,20 @@ def _selective_scan(
     for t in range(seq):
         decay, drive = discrete_step(dt[:, t], A, B[:, t], x[:, t])  # b d n   exp(Δ_t A), Δ_t B_t x_t
         state = decay * state + drive  # b d n   h_t
-        outputs.append(einsum(state, C[:, t], "b d n, b n -> b d"))  # b d   C_t . h_t
+        outputs.append(torch.matmul(state.to(C.dtype), C[:, t, :, None])[..., 0])  # b d   C_t . h_t
         if on_token is not None:
             state = on_token(t, state)  # b d n   what token t+1 continues from
-    y = torch.stack(outputs, dim=1) if outputs else x.new_zeros(batch, 0, d_inner)
+    y = torch.stack(outputs, dim=1) if outputs else C.new_zeros(batch, 0, d_inner)
     return y, state
 
 
 def _skip_and_gate(y: Tensor, x: Tensor, D: Tensor | None, z: Tensor | None) -> Tensor:
-    """y + D x, times silu(z): y, x, z in one layout, D broadcast over it (float32)."""
+    """y + x D, times silu(z): y, x, z in one layout, D broadcast over it, each in the dtype it comes in
+    (torch's promotion decides the result's, as in transformers' kernels)."""
     if D is not None:
-        y = y + x * D.float()
+        y = y + x * D
     if z is not None:
-        y = y * F.silu(z.float())
+        y = y * F.silu(z)
     return y
 
 
@@ -178,10 +186,10 @@ def mamba_selective_scan(
     refuse_packed(kwargs)
     x = rearrange(hidden_states, "b d t -> b t d").float()
     delta = step_size(rearrange(dt, "b d t -> b t d"), delta_bias, delta_softplus)
-    B_t, C_t = (rearrange(v, "b n t -> b t n").float() for v in (B, C))
+    B_t = rearrange(B, "b n t -> b t n").float()
+    C_t = rearrange(C, "b n t -> b t n").to(hidden_states.dtype)  # transformers reads C.h in x's dtype
     y, state = _selective_scan(x, delta, A.float(), B_t, C_t, initial_state, on_token)
-    y = _skip_and_gate(rearrange(y, "b t d -> b d t"), hidden_states.float(),
-                       None if D is None else D[:, None], z)
+    y = _skip_and_gate(rearrange(y, "b t d -> b d t"), hidden_states, None if D is None else D[:, None], z)
     dtype = functools.reduce(torch.promote_types, [v.dtype for v in (hidden_states, C, D, z) if v is not None])
     y = y.to(dtype)
     return (y, state) if return_last_state else y
@@ -211,9 +219,9 @@ def mamba_selective_state_update(
     refuse_packed(kwargs)
     x = hidden_states.float()[:, None]  # b 1 d
     delta = step_size(dt, dt_bias, dt_softplus)[:, None]  # b 1 d
-    y, new_state = _selective_scan(x, delta, A.float(), B.float()[:, None], C.float()[:, None], state, on_token)
+    y, new_state = _selective_scan(x, delta, A.float(), B.float()[:, None], C[:, None], state, on_token)
     state.copy_(new_state)
-    return _skip_and_gate(y[:, 0], x[:, 0], D, z).to(hidden_states.dtype)
+    return _skip_and_gate(y[:, 0], hidden_states, D, z).to(hidden_states.dtype)
 
 
 _CONTINUATION = ("transformers' mamba_selective_scan takes no initial state, so a forward of several tokens over"

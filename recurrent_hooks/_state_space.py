@@ -36,7 +36,9 @@ As in transformers: the step is formed in dt's dtype (bias cast to it, softplus 
 the prompt kernel clamps Δ to `dt_limit` even without softplus (the default (0, inf) sets negative steps
 to 0), the decode kernel never clamps; the prompt kernel ignores `z` (it arrives in `**kwargs`) and
 returns float32 whatever the input dtype; the decode kernel applies `z` and returns hidden_states' dtype.
-The recurrence runs in float32 here (transformers' decode kernel forms Δ B x in the input dtype).
+The prompt loop runs in float32, as transformers' prompt kernel does. The decode loop computes in the
+dtypes and order of transformers' decode kernel: Δ B x in the model dtype (then added to the float32
+state), h C and the skip in the model dtype; so in a bf16 model its output rounds as transformers' does.
 
 Module contents:
 - `mamba2_chunk_scan`, `mamba2_selective_state_update`: token loops with the signatures and results of
@@ -231,16 +233,25 @@ def mamba2_selective_state_update(
     """
     refuse_packed(kwargs)
     heads = hidden_states.shape[1]
-    x = hidden_states.float()[:, None]  # b 1 h p
-    delta = step_size(dt, dt_bias, dt_softplus)[:, None]  # b 1 h p
-    B_h, C_h = (_per_head(v, heads)[:, None] for v in (B, C))  # b 1 h n
-    y, new_state = _ssd(x, delta, A.float(), B_h, C_h, state, on_token)
+    # in the dtypes and order of transformers' kernel: Δ in dt's dtype, exp(Δ A) in float32, Δ B x in the
+    # promotion of dt, B and x (the model dtype), the state float32, h C and the skip in C's and x's dtypes
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    dt = dt[..., None]  # b h p 1
+    decay = torch.exp(dt.float() * A.float())  # b h p n   exp(Δ a_h)
+    B_h, C_h = (repeat(v, "b g n -> b (g r) n", r=heads // v.shape[-2]) for v in (B, C))  # b h n
+    drive = (dt * B_h[:, :, None, :]) * hidden_states[..., None]  # b h p n   Δ B x
+    new_state = state.to(torch.float32) * decay + drive  # b h p n   h_t (a new tensor: the cache is written last)
+    y = torch.matmul(new_state.to(C_h.dtype), C_h[..., None])[..., 0]  # b h p   h_t C_t
+    if on_token is not None:
+        new_state = on_token(0, new_state)  # what the next step continues from
     state.copy_(new_state)
-    y = y[:, 0]
     if D is not None:
-        y = y + x[:, 0] * D.float()
+        y = (y + hidden_states * D).to(y.dtype)
     if z is not None:
-        y = y * F.silu(z.float())
+        y = y * F.silu(z)
     return y.to(hidden_states.dtype)
 
 
