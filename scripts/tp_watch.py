@@ -132,6 +132,7 @@ def main() -> None:
 
     close("logits, states kept", expected["logits"], got["logits"])
     for a, b in zip(expected["read"].mixers, got["read"].mixers, strict=True):
+        assert type(b.states) is torch.Tensor, f"rank {rank}: {b} kept a {type(b.states).__name__}"  # not a DTensor
         close(f"{b} states", a.states, b.states)
         close(f"{b} conv windows", a.conv_states, b.conv_states)
     close("logits after a write", expected["written_logits"], got["written_logits"])
