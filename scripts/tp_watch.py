@@ -19,6 +19,7 @@ import argparse
 import math
 import os
 import pathlib
+import shutil
 import sys
 import tempfile
 import warnings
@@ -147,6 +148,8 @@ def main() -> None:
             close(f"{b} call {call} states", a.calls[call].states, b.calls[call].states)
 
     dist.barrier()
+    if rank == 0 and args.dir is None:
+        shutil.rmtree(path.parent)  # the temporary directory save_model made
     print(f"rank {rank}/{world} ({device}, {dist.get_backend()}): {len(sharded)} sharded parameters;"
           f" states, windows, a write, a hook and greedy generate equal the single-process run")
     dist.destroy_process_group()
