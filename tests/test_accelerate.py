@@ -25,7 +25,7 @@ from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
 
 T = 13
-ALL = ("states", "conv_states")
+ALL = ("states", "conv_states", "inputs", "outputs")
 # A CPU budget per family for device_map="auto" that leaves some of the decoder layers in memory and
 # offloads the rest to disk (accelerate 1.15; the test below checks what the map really is).
 CPU_BUDGET = {"qwen3_5": "150KB", "mamba2": "80KB", "mamba": "60KB"}
