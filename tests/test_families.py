@@ -287,6 +287,68 @@ def test_gradient_flows_to_inputs_through_the_token_loop(model):
     assert_close("input gradient through the token loop", plain, embeds.grad, rtol=1e-3, atol=1e-6)
 
 
+CHECKPOINTING = {"off": None, "reentrant": True, "non-reentrant": False}
+
+
+@pytest.mark.parametrize("checkpointing", CHECKPOINTING)
+def test_gradient_checkpointing_gives_the_gradients_of_the_plain_backward(model, checkpointing):
+    """A recompute repeats its call: a write at call 0, a replacing hook and kept states give the same loss,
+    parameter gradients and state gradients with checkpointing (reentrant or not) as without."""
+    ids = random_ids(2, T)
+    state = _kept_state(model, ids, token=3)
+    write = perturbation(state, seed=2).detach()
+
+    def backward(mode):
+        model.train()
+        model.zero_grad(set_to_none=True)
+        if mode is None:
+            model.activation_checkpointing_disable()
+        else:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": mode})
+        seen = []
+        try:
+            with rh.watch(model, keep={"states": [5, -1]}) as w:
+                first, last = w.mixers[0], w.mixers[-1]
+                first.set_state_after(3, write)
+                last.register_state_hook(lambda m, c, t, s: s * 0.5, token=4)
+                last.register_state_hook(lambda m, c, t, s: seen.append((c, t, m.recomputing)), token=6)
+                loss = model(ids, use_cache=False).logits.square().mean()
+                kept = first.state_after(5)
+                if kept.requires_grad:
+                    kept.retain_grad()  # reentrant: the forward ran without grad; its recompute retains it
+                loss.backward()
+            state_grad = None if type(first).KERNEL_PER_HEAD else first.state_after(5).grad
+            assert [c.index for c in first.calls] == [0], "a recompute counted as a new call"
+        finally:
+            model.activation_checkpointing_disable()
+            model.eval()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        return loss.detach(), grads, state_grad, seen
+
+    loss, grads, state_grad, seen = backward(None)
+    got_loss, got_grads, got_state_grad, got_seen = backward(CHECKPOINTING[checkpointing])
+    assert_close("loss", loss, got_loss, rtol=1e-6, atol=0)
+    assert sorted(got_grads) == sorted(grads)
+    scale = max(g.abs().max() for g in grads.values())
+    for name, grad in grads.items():
+        assert_close(f"grad of {name}", grad, got_grads[name], rtol=1e-4, atol=1e-5 * scale)
+    if state_grad is not None:
+        assert state_grad.abs().max() > 0
+        assert_close("grad of the kept state", state_grad, got_state_grad, rtol=1e-4, atol=1e-5 * state_grad.abs().max())
+    # a read-only hook runs again in the recompute, with the same call and `recomputing` set
+    assert seen and all(hook == (0, 6, False) for hook in seen)  # once per head for per-head kinds
+    assert got_seen[:len(seen)] == seen
+    recomputed = got_seen[len(seen):]  # zamba and zamba2 nest checkpointed layers: reentrant recomputes twice
+    assert all(hook == (0, 6, True) for hook in recomputed)
+    assert (len(recomputed) == 0) == (checkpointing == "off") and len(recomputed) % len(seen) == 0
+
+
+def _kept_state(model, ids, token):
+    with rh.watch(model, keep={"states": [token]}) as w, torch.no_grad():
+        model(ids, use_cache=False)
+    return w.mixers[0].state_after(token)
+
+
 def kernel_bindings(family):
     row = rh.FAMILIES[family]
     module = row.module()
