@@ -172,6 +172,7 @@ class Call:
         mix.calls[0].output["output"]  # its results by name
         mix.calls[0].states            # per-token states, if kept
         mix.calls[0].conv              # the convolution kernel's KernelCall
+        mix.calls[3].reorder           # beam search: the cache rows this decode step continues, or None
 
     Inputs and outputs are the tensors the kernel saw (not copies), except the memory: the memory
     argument is cloned before the call and, for kernels that update it in place, its new value is
@@ -184,6 +185,7 @@ class Call:
     index: int
     where: str = ""
     tokens: int | None = None
+    reorder: Tensor | None = None  # beam search: row b of this call continues row reorder[b] of the previous call
     parts: list[KernelCall] = dataclasses.field(default_factory=list)
     conv: KernelCall | None = None
     # memory -> one {token: tensor} per kernel call (per head), and the positions kept (None: every token)
@@ -503,6 +505,8 @@ class RecurrentMixer:
         self._current: Call | None = None
         self._kernel_calls: dict[str, int] = {}  # memory -> kernel calls in the running forward
         self._replays: collections.deque[_Replay] = collections.deque(maxlen=_REPLAYS_KEPT)
+        self._saw_cache: Callable[[Any], None] | None = None  # the watch's: record how the cache gets reordered
+        self._reorder: Tensor | None = None  # cache rows reordered since the last call (beam search)
         self._on_empty: Callable[[], None] | None = None
         self._live = False  # attached to its module's tap
 
@@ -733,13 +737,21 @@ class RecurrentMixer:
         self._index = self._begun - 1 - self._offset
         self._current = None
         if self._history:
-            self._current = Call(index=len(self.calls), where=repr(self), tokens=forward.tokens)
+            reorder, self._reorder = (self._reorder, None) if not forward.fresh else (None, None)
+            self._current = Call(index=len(self.calls), where=repr(self), tokens=forward.tokens, reorder=reorder)
             self.calls.append(self._current)
+            if forward.cache is not None and self._saw_cache is not None:
+                self._saw_cache(forward.cache)
         if forward.hidden is not None and (torch.is_grad_enabled() or self.module.training) \
                 and self._wants(self._index):
             # Autograd may recompute this forward (gradient checkpointing): remember how to recognize it.
             self._replays.append(_Replay(self._index, self._current, tuple(forward.hidden.shape),
                                          _fingerprint(forward.hidden)))
+
+    def _reordered(self, beam_idx: Tensor) -> None:
+        """The cache's rows were reordered (beam search): the next call's row b continues row beam_idx[b]."""
+        beam_idx = beam_idx.detach().clone()
+        self._reorder = beam_idx if self._reorder is None else self._reorder[beam_idx]
 
     def _replayed(self, forward: _Forward) -> tuple[int | None, "Call | None"]:
         """The call that a recomputed forward repeats: the remembered call whose input it matches."""
@@ -908,16 +920,20 @@ class _Running:
     failed: bool = False  # a kernel call of this forward raised: its end is not checked
 
 
+def _self_of(frame: types.FrameType) -> Any:
+    """The `self` of a method's frame (None for other frames)."""
+    code = frame.f_code
+    return frame.f_locals.get("self") if code.co_argcount and code.co_varnames[0] == "self" else None
+
+
 def _calling_module(frame: types.FrameType | None) -> nn.Module | None:
     """The module whose method called a kernel: the nearest frame up the stack with an `nn.Module` self."""
     for _ in range(_FRAMES_LOOKED_AT):
         if frame is None:
             return None
-        code = frame.f_code
-        if code.co_argcount and code.co_varnames[0] == "self":
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, nn.Module):
-                return owner
+        owner = _self_of(frame)
+        if isinstance(owner, nn.Module):
+            return owner
         frame = frame.f_back
     return None
 
@@ -925,25 +941,25 @@ def _calling_module(frame: types.FrameType | None) -> nn.Module | None:
 _FRAMES_LOOKED_AT = 4  # kernels are called from the mixer's forward or a helper method of it
 
 
-def _is_running(module: nn.Module) -> bool:
-    """Whether a method of `module` is on this thread's Python stack (a forward that is really running)."""
+def _drop_stale(running: list[_Running], starting: nn.Module) -> None:
+    """Drop the entries of forwards that ended without their post-forward hook (a KeyboardInterrupt skips
+    it): those whose module has no method on this thread's stack above the call of `starting` that is
+    beginning. Only runs when a forward begins while entries are left, which is rare."""
     frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_argcount and code.co_varnames[0] == "self" and frame.f_locals.get("self") is module:
-            return True
+    while frame is not None and _self_of(frame) is not starting:  # down to the starting module's own call ...
         frame = frame.f_back
-    return False
-
-
-def _drop_stale(running: list[_Running]) -> None:
-    """Drop entries of forwards that ended without their post-forward hook (an interrupt skips it)."""
-    live = [entry for entry in running if _is_running(entry.module)]
-    if len(live) != len(running):
-        for entry in running:
-            if entry not in live:
-                _end(entry, checked=False)
-        running[:] = live
+    while frame is not None and _self_of(frame) is starting:  # ... and past it
+        frame = frame.f_back
+    live = set()
+    while frame is not None:
+        owner = _self_of(frame)
+        if isinstance(owner, nn.Module):
+            live.add(id(owner))
+        frame = frame.f_back
+    stale = [entry for entry in running if id(entry.module) not in live]
+    for entry in stale:
+        _end(entry, checked=False)
+    running[:] = [entry for entry in running if id(entry.module) in live]
 
 
 def _end(entry: _Running, checked: bool) -> None:
@@ -973,7 +989,7 @@ class _Tap:
         if thread.in_hook:
             return  # a forward run by a user's hook: not watched, not counted (its post hook skips it too)
         if thread.running:
-            _drop_stale(thread.running)
+            _drop_stale(thread.running, module)
         recompute = in_backward()
         ident = threading.get_ident()
         mixers = [mixer for mixer in self.mixers if mixer._sees(ident, recompute)]

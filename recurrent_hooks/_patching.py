@@ -46,11 +46,20 @@ class UndoStack:
         setattr(owner, name, value)
         self._records.append((owner, name, old))
 
+    def set_instance_attribute(self, owner: Any, name: str, value: Any) -> None:
+        """Shadow an attribute of an object (a method its class defines) by one of the instance; undo deletes it."""
+        old = owner.__dict__.get(name, _MISSING)
+        setattr(owner, name, value)
+        self._records.append((owner, name, old))
+
     def undo(self) -> None:
         """Restore every recorded attribute, last first. A second call does nothing."""
         while self._records:
             owner, name, old = self._records.pop()
-            setattr(owner, name, old)
+            if old is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, old)
 
     def __len__(self) -> int:
         return len(self._records)

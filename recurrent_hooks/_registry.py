@@ -6,7 +6,8 @@ new family is one row here and one test parametrization; nothing else in the lib
 Module contents:
 - `Family`: one row (name, modeling module, mixer class name, mixer kind).
 - `FAMILIES`: the supported families, by name.
-- `KNOWN_UNSUPPORTED`: recurrent mixer classes of transformers that the library does not handle yet, with the reason.
+- `UNSUPPORTED`, `KNOWN_UNSUPPORTED`: recurrent and short-convolution mixer classes of transformers that the library
+  does not handle yet, with the reason (rows, and by class name).
 - `family_of(module)`, `resolve_family(family)`: lookups.
 """
 
@@ -67,12 +68,49 @@ FAMILIES: dict[str, Family] = {
 
 _BY_CLASS: dict[tuple[str, str], Family] = {(f.module_name, f.mixer_class): f for f in FAMILIES.values()}
 
-KNOWN_UNSUPPORTED: dict[str, str] = {
-    "RecurrentGemmaRecurrentBlock": "RG-LRU: no module-level kernel to rebind (an inline token loop)",
-    "RwkvSelfAttention": "RWKV-4: not supported",
-    "xLSTMLayer": "mLSTM: kernels are captured in functools.partial when the model is built; cannot be rebound",
-    "MiniMaxLightningAttention": "lightning attention: no kernel function (inline loops)",
+@dataclasses.dataclass(frozen=True)
+class Unsupported:
+    """A recurrent or short-convolution mixer class of transformers that the library does not handle, and why."""
+
+    family: str  # the transformers model type whose modeling module defines it
+    mixer_class: str
+    reason: str
+
+
+_SHORT_CONV = "a short-convolution mixer (its memory is only the convolution window): no mixer kind for it yet"
+_INLINE_CONV = "an inline convolution (unfold in forward), no kernel to rebind; no mixer kind for it yet"
+
+UNSUPPORTED: tuple[Unsupported, ...] = (
+    Unsupported("recurrent_gemma", "RecurrentGemmaRecurrentBlock",
+                "RG-LRU: the recurrence is the method _rnn_scan, not a module global; no mixer kind for it yet"),
+    Unsupported("rwkv", "RwkvSelfAttention", "RWKV-4 WKV: its memory is several tensors; no mixer kind for it yet"),
+    Unsupported("xlstm", "xLSTMLayer", "mLSTM: kernels are captured in functools.partial when the model is built;"
+                " cannot be rebound"),
+    Unsupported("minimax", "MiniMaxLightningAttention", "lightning attention: no kernel function (inline loops)"),
+    Unsupported("lfm2", "Lfm2ShortConv", _SHORT_CONV),
+    Unsupported("lfm2_moe", "Lfm2MoeShortConv", _SHORT_CONV),
+    Unsupported("lfm3", "Lfm3ShortConv", _SHORT_CONV),
+    Unsupported("inkling", "InklingShortConvolution", _SHORT_CONV),
+    Unsupported("inkling2", "Inkling2ShortConvolution", _SHORT_CONV),
+    Unsupported("inkling2", "Inkling2DynamicShortConvolution", _INLINE_CONV),
+    Unsupported("inkling2_loop", "Inkling2LoopShortConvolution", _SHORT_CONV),
+    Unsupported("inkling2_loop", "Inkling2LoopDynamicShortConvolution", _INLINE_CONV),
+    Unsupported("zaya", "ZayaCCAProjection", "CCA: an inline convolution window and a one-token value delay;"
+                " no kernel to rebind"),
+)
+
+KNOWN_UNSUPPORTED: dict[str, str] = {row.mixer_class: row.reason for row in UNSUPPORTED}  # class name -> why
+
+
+_UNSUPPORTED_BY_CLASS: dict[tuple[str, str], Unsupported] = {
+    (f"transformers.models.{row.family}.modeling_{row.family}", row.mixer_class): row for row in UNSUPPORTED
 }
+
+
+def unsupported_of(module: nn.Module) -> Unsupported | None:
+    """The row of `UNSUPPORTED` that `module` is an instance of, or None."""
+    cls = type(module)
+    return _UNSUPPORTED_BY_CLASS.get((cls.__module__, cls.__name__))
 
 
 def family_of(module: nn.Module) -> Family | None:

@@ -12,20 +12,21 @@ Module contents:
 
 import contextlib
 import dataclasses
+import functools
 import threading
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from types import ModuleType
 
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from ._errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable
 from ._mixer import (KERNEL_RECORDS, Memory, RecurrentMixer, StateHook, as_index, attach, make_dispatcher,
                      normalize_keep)
-from ._patching import acquire_kernels, bound_original, import_default, rebind_process_wide
-from ._registry import FAMILIES, KNOWN_UNSUPPORTED, Family, family_of, resolve_family
+from ._patching import UndoStack, acquire_kernels, bound_original, import_default, rebind_process_wide
+from ._registry import FAMILIES, Family, family_of, resolve_family, unsupported_of
 
 
 def _mixer_modules(model: nn.Module) -> list[tuple[str, nn.Module, Family]]:
@@ -41,8 +42,8 @@ def _attach_with_kernels(mixer: RecurrentMixer, family: Family, stack: contextli
 
 
 def _no_mixer_message(model: nn.Module) -> str:
-    unsupported = sorted({f"{type(m).__name__} ({KNOWN_UNSUPPORTED[type(m).__name__]})"
-                          for m in model.modules() if type(m).__name__ in KNOWN_UNSUPPORTED})
+    unsupported = sorted({f"{row.mixer_class} ({row.reason})" for m in model.modules()
+                          if (row := unsupported_of(m)) is not None})
     message = (f"{type(model).__name__} contains no recurrent mixer of a supported family"
                f" (supported: {', '.join(FAMILIES)})")
     if unsupported:
@@ -157,6 +158,27 @@ class Watch:
         except BaseException:
             stack.close()
             raise
+        instance_patches = UndoStack()
+        stack.callback(instance_patches.undo)
+        caches: weakref.WeakSet = weakref.WeakSet()
+
+        def saw_cache(cache: object) -> None:
+            """Record each beam reordering of a cache the mixers run with (undone when the block ends)."""
+            if cache in caches or not callable(getattr(cache, "reorder_cache", None)):
+                return
+            caches.add(cache)
+            reorder = cache.reorder_cache
+
+            @functools.wraps(reorder)
+            def reorder_cache(beam_idx: Tensor, *args: object, **kwargs: object) -> object:
+                for mixer in mixers:
+                    mixer._reordered(beam_idx)
+                return reorder(beam_idx, *args, **kwargs)
+
+            instance_patches.set_instance_attribute(cache, "reorder_cache", reorder_cache)
+
+        for mixer in mixers:
+            mixer._saw_cache = saw_cache
         self.mixers, self._stack = mixers, stack
         return self
 
@@ -305,8 +327,8 @@ def support(model: nn.Module) -> list[MixerSupport]:
         layer = getattr(module, "layer_idx", None)
         family = family_of(module)
         if family is None:
-            if name in KNOWN_UNSUPPORTED:
-                rows.append(MixerSupport(path, layer, name, None, None, (), {"everything": KNOWN_UNSUPPORTED[name]}))
+            if (unsupported := unsupported_of(module)) is not None:
+                rows.append(MixerSupport(path, layer, name, None, None, (), {"everything": unsupported.reason}))
             continue
         kind = family.kind
         bound = {k.name: bound_original(family.module(), k.name) for k in kind.KERNELS}
