@@ -35,10 +35,10 @@ memory: measured once per row in a child process started with MALLOC_MMAP_THRESH
   glibc hands every tensor over 64 KiB straight back to the OS when it is freed and RSS follows the
   live tensors. Before each row: gc, read VmRSS, reset the kernel's peak (echo 5 > /proc/self/clear_refs).
   peak+ = VmHWM during the row - VmRSS before it (transient activations included);
-  kept+ = VmRSS right after the row, with its results still referenced (the watch, its records, the
+  kept+ = VmRSS right after the row, with its results still referenced (the watch, what it kept, the
   returned states) - VmRSS before it; states = bytes of the states the row returns (exact).
   Sparse-read memory target: max(peak+, kept+) of the 8-position read row minus that of the idle-watch
-  row (what the reads add), and minus that of the unhooked row (the watch's records included),
+  row (what the reads add), and minus that of the unhooked row (the watch's own bookkeeping included),
   each <= 1.1 x states. A small warm-up (16 tokens) of every row runs before the measurements."""
 
 
@@ -211,7 +211,7 @@ def make_rows(spec: Spec, model: Any, gen_model: Any, keep_mode: str, all_states
     read_note = ""
     if keep_mode == "sparse":
         def read8(ids):
-            with rh.watch(model, keep={"states": pos}, record=False) as w:
+            with rh.watch(model, keep={"states": pos}) as w:
                 out = model(ids, **fwd).logits
             return {"out": out, "watch": w, "states": [m.state_after(p) for m in w.mixers for p in pos]}
     elif per_token * spec.tokens <= all_states_budget:
@@ -271,7 +271,7 @@ def make_rows(spec: Spec, model: Any, gen_model: Any, keep_mode: str, all_states
     rows = [
         Row("unhooked", "unhooked forward", unhooked, "unhooked"),
         Row("idle", "idle watch: with rh.watch(model): model(ids)", idle, "unhooked", 1.03),
-        Row("read8", "8 positions read: keep={'states': 8 positions}, record=False", read8, "unhooked", 1.2, read_note),
+        Row("read8", "8 positions read: keep={'states': 8 positions}", read8, "unhooked", 1.2, read_note),
         Row("write8", "8 positions written: set_state_after(t, zeros), 8 t, every mixer", write8, "unhooked", 1.2),
         Row("stream", "per-token hook: rh.register_state_hook(norms.append(s.norm()))", stream, "unhooked"),
     ]
@@ -442,8 +442,8 @@ def report(results: list[tuple[Spec, list[Row]]], memory: dict | None, header: l
             if "error" in m:
                 lines.append(f"    memory ERROR: {m['error']}")
         read = mem.get("read8", {})
-        for ref, what in (("unhooked", "the unhooked forward (record=False: the read keeps nothing else)"),
-                          ("idle", "the idle watch (which records the kernels' inputs and outputs)")):
+        for ref, what in (("unhooked", "the unhooked forward (the read keeps nothing else)"),
+                          ("idle", "the idle watch (which keeps nothing)")):
             base = mem.get(ref, {})
             if "peak" in read and "peak" in base:
                 added = max(read["peak"] - base["peak"], read["kept"] - base["kept"])
