@@ -14,6 +14,13 @@ Per position p: window_p = (x_{p-K+1}, ..., x_p) and out_p = act(sum_k w[:, k] w
 The window after token t is what token t+1 shifts its own input into; writing it changes the inputs
 tokens t+1..t+K-1 read, never token t's own output.
 
+Rounding: the kernels make transformers' own `F.conv1d` call (weight dtype, bias inside) and end as
+it does (activation on the same slice of the same result, then the input's dtype), so they equal
+transformers' kernels bit for bit in float32, bf16 and fp16 (tests/test_dtypes.py). A position whose
+window was written is recomputed as one `F.conv1d` over that window: PyTorch's convolution gives a
+position the same bits whatever the length around it, where a product-and-sum in the model dtype,
+or even in float32, rounds differently (and the activation rounds by the strides it runs over).
+
 Module contents:
 - `causal_conv1d_fn`, `causal_conv1d_update`: token loops with the signatures and results of
   transformers' kernels of the same names, plus a keyword-only `on_token(t, window) -> window`.
@@ -24,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 from transformers.activations import ACT2FN
@@ -38,18 +46,49 @@ def _conv_loop(
     window: Float[Tensor, "batch channels kernel_size"],
     weight: Float[Tensor, "channels kernel_size"],
     bias: Float[Tensor, " channels"] | None,
+    out: Float[Tensor, "batch channels _"],
+    offset: int,
     first_token: int,
-    on_token: OnToken | None,
-) -> tuple[Float[Tensor, "batch channels length"], Float[Tensor, "batch channels kernel_size"]]:
-    """Slide the window over x; positions from `first_token` on are tokens and call `on_token`."""
-    outputs = []
-    for p in range(x.shape[-1]):
+    on_token: OnToken,
+) -> Float[Tensor, "batch channels kernel_size"]:
+    """Slide the window over x, handing `on_token` the window after each token (positions from
+    `first_token` on), and return the last window.
+
+    `out` holds the convolution over the inputs' own windows (position p in column p + offset), computed
+    in one call as transformers does. A window `on_token` replaces or changes in place feeds the next
+    K - 1 positions: their columns are recomputed, one `F.conv1d` each, and written into `out` (the same
+    bits per position as in the one call). With autograd recording through the inputs, every position
+    is recomputed from its window, so that a kept window is the tensor the later tokens read.
+    """
+    channels, size = x.shape[1], weight.shape[-1]
+    kernel = weight.unsqueeze(1)  # c 1 K   F.conv1d's depthwise layout, as transformers passes it
+    every = torch.is_grad_enabled() and (x.requires_grad or window.requires_grad)
+    if first_token:  # the positions before the call's tokens: no window to hand over
+        window = torch.cat([window, x[..., :first_token]], dim=-1)[..., -size:]
+    dirty = 0  # how many more positions read a written window
+    for p in range(first_token, x.shape[-1]):
         window = torch.cat([window[..., 1:], x[..., p, None]], dim=-1)  # b c K   shift in x_p
-        out = (window * weight).sum(-1)  # b c   sum_k w_k x_{p-K+1+k}
-        outputs.append(out if bias is None else out + bias)  # b c
-        if on_token is not None and p >= first_token:
-            window = on_token(p - first_token, window)  # b c K   what token t+1 shifts into
-    return torch.stack(outputs, dim=-1), window
+        if dirty or every:
+            out[..., p + offset, None] = F.conv1d(window, kernel, bias, groups=channels)  # b c 1
+            dirty -= dirty > 0
+        version = window._version
+        written = on_token(p - first_token, window)  # b c K   what token t+1 shifts into
+        if window._version != version or not (written is window or (
+                written.data_ptr() == window.data_ptr() and written.stride() == window.stride())):
+            dirty = size - 1
+        window = written
+    return window
+
+
+def _finish(out: Tensor, activation: str | None, dtype: torch.dtype) -> Tensor:
+    """Activation, then the input's dtype, as transformers' kernels end.
+
+    `out` is laid out as transformers' (the same slice of the same F.conv1d result): an elementwise op
+    takes its vectorised or its scalar path by the tensor's strides, and the two can round differently.
+    """
+    if activation is not None:
+        out = ACT2FN[activation](out)
+    return out.to(dtype)
 
 
 def causal_conv1d_fn(
@@ -62,19 +101,19 @@ def causal_conv1d_fn(
     tokens: int | None = None,
     **kwargs: Any,
 ) -> Tensor:
-    """The prompt kernel, position by position: same arguments and result as transformers' `causal_conv1d_fn`.
+    """The prompt kernel: same arguments and result as transformers' `causal_conv1d_fn`, bit for bit.
 
     `tokens` (the library's own) says how many of the last positions are the call's tokens (the ones
     before are a cached window the mixer prepended); `on_token(t, window)` is called after each token.
     """
     x = hidden_states.to(weight.dtype)
     batch, channels, length = x.shape
-    window = x.new_zeros(batch, channels, weight.shape[-1])
-    first_token = length - (length if tokens is None else tokens)
-    out, _ = _conv_loop(x, window, weight, bias, first_token, on_token)
-    if activation is not None:
-        out = ACT2FN[activation](out)
-    return out.to(hidden_states.dtype)
+    size = weight.shape[-1]
+    out = F.conv1d(x, weight.unsqueeze(1), bias, padding=size - 1, groups=channels)  # b c L+K-1   transformers' call
+    if on_token is not None:
+        first_token = length - (length if tokens is None else tokens)
+        _conv_loop(x, x.new_zeros(batch, channels, size), weight, bias, out, 0, first_token, on_token)
+    return _finish(out[..., :length], activation, hidden_states.dtype)
 
 
 def causal_conv1d_update(
@@ -87,17 +126,22 @@ def causal_conv1d_update(
     on_token: OnToken | None = None,
     **kwargs: Any,
 ) -> Tensor:
-    """The decode kernel: same arguments and result as transformers' `causal_conv1d_update`.
+    """The decode kernel: same arguments and result as transformers' `causal_conv1d_update`, bit for bit.
 
     Like transformers, it writes the new window into `conv_state` in place (`copy_`): the mixer never
     writes it back. With `on_token` (called for each token) the window written is the one it returns.
     """
     x = hidden_states.to(weight.dtype)
-    out, window = _conv_loop(x, conv_state.to(weight.dtype), weight, bias, 0, on_token)
+    channels, length = x.shape[1:]
+    size = conv_state.shape[-1]
+    run = torch.cat([conv_state, hidden_states], dim=-1).to(weight.dtype)  # b c K+L   transformers' input
+    out = F.conv1d(run, weight.unsqueeze(1), bias, groups=channels)  # b c L+1   position p in column p + 1
+    if on_token is None:
+        window = run[..., -size:]
+    else:
+        window = _conv_loop(x, run[..., :size], weight, bias, out, 1, 0, on_token)
     conv_state.copy_(window)
-    if activation is not None:
-        out = ACT2FN[activation](out)
-    return out.to(hidden_states.dtype)
+    return _finish(out[..., -length:], activation, hidden_states.dtype)
 
 
 CONV_KERNELS = (

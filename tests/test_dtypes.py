@@ -9,16 +9,24 @@ adapters below, built from the module's own decode kernel, nothing of the librar
 token loops must stay within a small multiple of it, with a hook at every token (the token loop) and
 with the fast paths (every state kept chunk-wise, or a few stops in segments), in the prompt and at
 decode steps; and the states they hand over stay float32, as in transformers' cache.
+
+The convolution has the same yardstick (the prompt conv kernel replaced by the decode conv kernel run
+token by token), and transformers' two conv paths agree bit for bit: with conv windows kept, hooked
+or written back, the logits, and the windows kept and cached, are the unwatched model's, bit for bit,
+in bf16, fp16 and float32; and the conv loops equal transformers' conv kernels bit for bit, also
+when a window is replaced.
 """
 
 import contextlib
+import importlib
 
 import pytest
 import torch
 import transformers
 
 import recurrent_hooks as rh
-from recurrent_hooks._registry import family_of
+from recurrent_hooks._conv import causal_conv1d_fn, causal_conv1d_update
+from recurrent_hooks._registry import FAMILIES as REGISTERED, family_of
 from recurrent_hooks.demo import tiny_model
 from _compare import assert_close
 from _models import PAD, build, random_ids
@@ -220,3 +228,196 @@ def test_loops_round_as_transformers_kernels(case, dtype):
                                      got[name], **tolerance)
                         checked += 1
     assert checked, f"{case}: no kernel call was checked"
+
+
+# -- the convolution --------------------------------------------------------------------------------------
+
+
+def _conv_by_decode(module):
+    """transformers' prompt conv kernel replaced by its own decode conv kernel, run token by token."""
+    decode = module.causal_conv1d_update
+
+    def prompt(hidden_states, weight, bias=None, activation=None, **kwargs):
+        window = hidden_states.new_zeros(*hidden_states.shape[:2], weight.shape[-1])
+        return torch.cat([decode(hidden_states[..., p, None], window, weight, bias, activation)
+                          for p in range(hidden_states.shape[-1])], dim=-1)
+    return prompt
+
+
+def _after_prompt(model, prompt):
+    """The cache after the prompt's forward (a generate of one token: no decode step)."""
+    return model.generate(prompt, max_new_tokens=1, do_sample=False, pad_token_id=PAD,
+                          return_dict_in_generate=True).past_key_values
+
+
+def _conv_windows(model, cache):
+    """The conv windows the cache holds, per recurrent mixer."""
+    return [cache.get_conv_state(m.layer_idx) for m in model.modules() if family_of(m) is not None]
+
+
+def _write_back(kept):
+    """Write, after a few prompt tokens, the windows a kept run had there (new tensors, the same values)."""
+    def arm(w):
+        for mixer, windows in zip(w.mixers, kept):
+            for token, window in windows.items():
+                mixer.set_conv_state_after(token, window.clone())
+    return arm
+
+
+WRITTEN = [0, 3, 4, T - 2, T - 1]  # next to each other too: a written window feeds the next K - 1 tokens
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float32], ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_conv_windows_kept_hooked_or_written_leave_the_model_bit_identical(case, dtype):
+    """Only the convolution watched: its loop makes transformers' own conv calls, so the logits stay
+    within K times transformers' own conv prompt-vs-decode difference, which is 0 (bit-identical)."""
+    model = CASES[case]().to(dtype)
+    module, _ = _kernel_module(model)
+    ids = random_ids(BATCH, T + NEW)
+    prompt = ids[:, :T]
+    logits = {}
+    with torch.no_grad():
+        logits["prompt"] = _prompt(model, prompt)
+        logits["generate"], cache = _generate(model, ids)
+        cached = _conv_windows(model, cache)
+        cached_after_prompt = _conv_windows(model, _after_prompt(model, prompt))
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(module, "causal_conv1d_fn", _conv_by_decode(module))
+            logits["prompt by decode"] = _prompt(model, prompt)
+            logits["generate by decode"], _ = _generate(model, ids)
+        with rh.watch(model, keep=("conv_states",)) as w:
+            logits["prompt, windows kept"] = _prompt(model, prompt)
+            prompt_windows = [m.conv_states for m in w.mixers]  # [batch, T, channels, kernel_size]
+            logits["generate, windows kept"], kept_cache = _generate(model, ids)
+            last_windows = [m.conv_states[:, -1] for m in w.mixers]  # the last decode step's
+            _after_prompt(model, prompt)
+            kept_after_prompt = [m.conv_state_after(T - 1) for m in w.mixers]
+        with rh.watch(model, keep=()) as w:
+            for mixer in w.mixers:
+                mixer.register_state_hook(lambda m, c, t, s: None, which="conv_state")
+            logits["prompt, windows hooked"] = _prompt(model, prompt)
+            logits["generate, windows hooked"], _ = _generate(model, ids)
+        kept = [{t: windows[:, t] for t in WRITTEN} for windows in prompt_windows]
+        with rh.watch(model, keep=()) as w:
+            _write_back(kept)(w)
+            logits["prompt, windows written back"] = _prompt(model, prompt)
+            logits["generate, windows written back"], written_cache = _generate(model, ids)
+    for run in ("prompt", "generate"):
+        yardstick = (logits[f"{run} by decode"] - logits[run]).abs().max().item()
+        for name in logits:
+            if name.startswith(f"{run}, "):
+                assert_close(f"{case} {dtype} {name} (conv yardstick {yardstick:.3g})", logits[run], logits[name],
+                             rtol=0, atol=K * yardstick)
+    # the windows handed over are the ones transformers caches, in its dtype
+    for what, theirs, ours in [("after the prompt", cached_after_prompt, kept_after_prompt),
+                               ("after the last step", cached, last_windows),
+                               ("cached by the watched generate", cached, _conv_windows(model, kept_cache)),
+                               ("cached after writing back", cached, _conv_windows(model, written_cache))]:
+        for layer, (a, b) in enumerate(zip(theirs, ours)):
+            assert b.dtype == a.dtype, f"{case} {dtype} window {what} in {b.dtype}, cached in {a.dtype}"
+            assert_close(f"{case} {dtype} mixer {layer} window {what}", a, b, rtol=0, atol=0)
+
+
+def _hf(family, name):
+    return getattr(importlib.import_module(REGISTERED[family].module_name), name).__wrapped__
+
+
+def _conv_inputs(dtype, length, layout, seed=0, batch=2, channels=40, size=4):
+    gen = torch.Generator().manual_seed(seed)
+    randn = lambda *shape: torch.randn(*shape, generator=gen).to(dtype)  # noqa: E731
+    if layout == "transposed":  # as the mixers hand it over: a channel slice of a [b, L, 2c] projection, transposed
+        x = randn(batch, length, 2 * channels).transpose(1, 2)[:, :channels]
+    else:
+        x = randn(batch, channels, length)
+    return x, randn(channels, size), randn(channels)
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float32], ids=str)
+@pytest.mark.parametrize("family", list(REGISTERED))
+def test_conv_loops_equal_transformers_conv_kernels_bit_for_bit(family, dtype):
+    """Every registered module's own conv kernels, with the windows handed to a hook (the token loop),
+    over a cached prefix, each layout the mixers pass, with and without bias and activation."""
+    fn, update = _hf(family, "causal_conv1d_fn"), _hf(family, "causal_conv1d_update")
+    same = lambda t, w: w  # noqa: E731
+    for layout in ("contiguous", "transposed"):
+        for length in (1, 5, 19):
+            x, weight, bias = _conv_inputs(dtype, length, layout, seed=length)
+            for b in (bias, None):
+                for activation in (None, "silu"):
+                    what = f"{family} {dtype} {layout} L{length} bias={b is not None} {activation}"
+                    theirs = fn(x, weight, b, activation)
+                    for tokens in {length, max(1, length - 3)}:
+                        ours = causal_conv1d_fn(x, weight, b, activation, on_token=same, tokens=tokens)
+                        assert ours.stride() == theirs.stride(), what
+                        assert_close(f"{what} prompt, {tokens} tokens", theirs, ours, rtol=0, atol=0)
+                    state = _conv_inputs(dtype, 4, "contiguous", seed=99)[0]
+                    theirs_state, ours_state = state.clone(), state.clone()
+                    theirs = update(x, theirs_state, weight, b, activation)
+                    ours = causal_conv1d_update(x, ours_state, weight, b, activation, on_token=same)
+                    assert_close(f"{what} decode", theirs, ours, rtol=0, atol=0)
+                    assert_close(f"{what} decode window", theirs_state, ours_state, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float32], ids=str)
+@pytest.mark.parametrize("family", ["qwen3_5", "mamba", "mamba2"])
+def test_a_written_window_gives_transformers_continuation_bit_for_bit(family, dtype):
+    """A window written after token t (replaced, or changed in place) is what transformers' prompt kernel
+    continues from over a cache: tokens t+1.. give its outputs bit for bit, tokens up to t their own."""
+    fn, update = _hf(family, "causal_conv1d_fn"), _hf(family, "causal_conv1d_update")
+    x, weight, bias = _conv_inputs(dtype, 12, "transposed")
+    written = _conv_inputs(dtype, 4, "contiguous", seed=7)[0]
+    plain = fn(x, weight, bias)
+    for t in (0, 4, 10):
+        def replace(token, window):
+            return written if token == t else window
+
+        def in_place(token, window):
+            return window.copy_(written) if token == t else window
+
+        for how, hook in (("replaced", replace), ("changed in place", in_place)):
+            ours = causal_conv1d_fn(x, weight, bias, on_token=hook)
+            # transformers over a cache: the cached window prepended, its outputs the last ones
+            continued = fn(torch.cat([written, x[..., t + 1:]], dim=-1), weight, bias)[..., 4:]
+            assert_close(f"{family} {dtype} write after {t} ({how}): before", plain[..., :t + 1], ours[..., :t + 1],
+                         rtol=0, atol=0)
+            assert_close(f"{family} {dtype} write after {t} ({how}): after", continued, ours[..., t + 1:],
+                         rtol=0, atol=0)
+    # decode: the written window is what the cache keeps and the next step reads
+    state = written.clone()
+    ours_state = torch.zeros_like(state)
+    causal_conv1d_update(x[..., :1], ours_state, weight, bias, "silu", on_token=lambda t, w: written)
+    assert_close(f"{family} {dtype} decode write", written, ours_state, rtol=0, atol=0)
+    assert_close(f"{family} {dtype} decode after a write", update(x[..., 1:2], state, weight, bias, "silu"),
+                 causal_conv1d_update(x[..., 1:2], ours_state, weight, bias, "silu", on_token=lambda t, w: w),
+                 rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float32], ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_conv_loops_round_as_transformers_conv_kernels_on_a_generate(case, dtype):
+    """Fed the conv arguments transformers' kernels got in a generate, the loops give their outputs and
+    windows bit for bit, handing the windows over unchanged or as new tensors at every token (which
+    recomputes every position from its window)."""
+    model = CASES[case]().to(dtype)
+    _, kind = _kernel_module(model)
+    with torch.no_grad(), rh.watch(model, keep=("inputs", "outputs")) as w:
+        _generate(model, random_ids(BATCH, T + NEW))
+    checked = 0
+    for mixer in w.mixers:
+        for call in mixer.calls:
+            part = call.conv
+            kernel = kind.kernel(part.kernel)
+            for how, hook in (("unchanged", lambda t, s: s), ("as new tensors", lambda t, s: s.clone())):
+                inputs = {name: value.clone() if name == kernel.state_in else value
+                          for name, value in part.inputs.items()}
+                with torch.no_grad():
+                    got = kernel.name_results(kernel.loop(**inputs, on_token=hook))
+                if kernel.in_place:
+                    got["final_state"] = inputs[kernel.state_in]
+                for name, value in part.output.items():
+                    if value is not None:
+                        assert_close(f"{case} {dtype} {mixer} call {call.index} {part.kernel} {name} ({how})", value,
+                                     got[name], rtol=0, atol=0)
+                        checked += 1
+    assert checked, f"{case}: no conv kernel call was checked"
