@@ -8,6 +8,8 @@
 The public names are listed in `__all__`; everything else lives in private modules.
 """
 
+from ._attribution import Attribution as Attribution
+from ._attribution import attribute as attribute
 from ._errors import InvalidValue as InvalidValue
 from ._errors import RecurrentHooksError as RecurrentHooksError
 from ._errors import RecurrentHooksWarning as RecurrentHooksWarning
@@ -37,6 +39,8 @@ __all__ = [
     "route_kernels",
     "support",
     "MixerSupport",
+    "attribute",
+    "Attribution",
     "RecurrentMixer",
     "LinearAttention",
     "KimiDeltaAttention",

@@ -192,6 +192,8 @@ class Call:
     _kept: dict[str, list[dict[int, Tensor]]] = dataclasses.field(default_factory=dict, repr=False)
     _positions: dict[str, tuple[int, ...] | None] = dataclasses.field(default_factory=dict, repr=False)
     _stacked: dict[str, Tensor] = dataclasses.field(default_factory=dict, repr=False)
+    # memory -> per kernel call, the leaf every kept state of the call was read through (grad mode), or None
+    _buffers: dict[str, list[Tensor | None]] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def kernel(self) -> str | None:
@@ -219,7 +221,11 @@ class Call:
 
     @property
     def states(self) -> Tensor:
-        """The state after every token of this call, stacked on a `seq` axis after `batch`."""
+        """The state after every token of this call, stacked on a `seq` axis after `batch`.
+
+        Kept in grad mode, it is the tensor the forward read every state through:
+        `torch.autograd.grad(metric, call.states)` gives the effect of a write at each token, also when
+        the weights are frozen (for a kernel run once per head, see `differentiable`)."""
         return self._all(STATE_MEMORY)
 
     @property
@@ -239,9 +245,21 @@ class Call:
             raise Unavailable(f"{self.where}: call {self.index} kept its {memory} at tokens"
                               f" {sorted(parts[0])} only; read them with {memory}_after(token)")
         if memory not in self._stacked:
-            per_part = [torch.stack([kept[t] for t in sorted(kept)], dim=1) for kept in parts]
+            buffers = self._buffers.get(memory) or [None] * len(parts)
+            per_part = [buffer if buffer is not None else torch.stack([kept[t] for t in sorted(kept)], dim=1)
+                        for kept, buffer in zip(parts, buffers)]
             self._stacked[memory] = per_part[0] if len(per_part) == 1 else torch.stack(per_part, dim=2)
         return self._stacked[memory]
+
+    def differentiable(self, memory: str) -> list[Tensor]:
+        """Per kernel call (one, or one per head), the kept states of every token as one tensor that the
+        forward read them through: `torch.autograd.grad(metric, ...)` works on each (grad mode, every token)."""
+        parts = self._kept_parts(memory)
+        buffers = self._buffers.get(memory) or [None] * len(parts)
+        if any(buffer is None for buffer in buffers):
+            raise Unavailable(f"{self.where}: call {self.index} kept no differentiable {memory}s: keep every token"
+                              " (keep=('states',) or 'conv_states') and run the forward with gradients enabled")
+        return list(buffers)
 
     def _after(self, memory: str, token: int) -> Tensor:
         parts = self._kept_parts(memory)
@@ -360,6 +378,49 @@ def _describe_calls(calls: "frozenset[int] | range | None") -> str:
         stop = "None" if calls.stop == sys.maxsize else calls.stop
         return f"slice({calls.start}, {stop}, {calls.step})" if calls.step != 1 else f"slice({calls.start}, {stop})"
     return str(next(iter(calls))) if len(calls) == 1 else str(sorted(calls))
+
+
+def _describe_token(token: Any) -> str:
+    if isinstance(token, Tensor) and token.dim() > 0:
+        return f"<{'mask' if token.dtype == torch.bool else 'tokens'} {tuple(token.shape)}>"
+    return repr(token)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RowTokens:
+    """A write at a different token in each batch row: one token per row (negative: from the end), or a
+    `[batch, seq]` mask of the tokens written in each row."""
+
+    per_row: Tensor | None  # [batch] integer tokens
+    mask: Tensor | None  # [batch, seq] bool
+    tokens: tuple[int, ...]  # the tokens at which some row is written (what the write's hook targets)
+
+    @classmethod
+    def of(cls, token: Tensor, where: str) -> "_RowTokens":
+        if token.dtype == torch.bool:
+            if token.dim() != 2:
+                raise InvalidValue(f"{where}: a mask of tokens must be [batch, seq], got shape {tuple(token.shape)}")
+            columns = token.any(0).nonzero().flatten().tolist()
+            if not columns:
+                raise InvalidValue(f"{where}: the mask of tokens selects no token")
+            return cls(None, token.detach().cpu(), tuple(columns))
+        if token.dim() != 1 or token.is_floating_point() or token.is_complex():
+            raise InvalidValue(f"{where}: per-row tokens must be a 1-d integer tensor (one token per batch row)"
+                               f" or a [batch, seq] bool mask, got a {token.dtype} tensor of shape {tuple(token.shape)}")
+        per_row = token.detach().cpu().long()
+        return cls(per_row, None, tuple(sorted(set(per_row.tolist()))))
+
+    def at(self, token: int, tokens: int, batch: int, where: str) -> Tensor:
+        """The rows written at `token` of a call of `tokens` tokens: `[batch]` bool."""
+        given = (self.per_row if self.per_row is not None else self.mask).shape[0]
+        if given != batch:
+            raise InvalidValue(f"{where}: per-row tokens for {given} rows, but the call has batch {batch}")
+        if self.mask is not None:
+            if self.mask.shape[1] != tokens:
+                raise InvalidValue(f"{where}: a mask of {self.mask.shape[1]} tokens, but the call has {tokens}")
+            return self.mask[:, token]
+        valid = (self.per_row >= -tokens) & (self.per_row < tokens)
+        return valid & (self.per_row % tokens == token)
 
 
 def normalize_keep(
@@ -504,6 +565,7 @@ class RecurrentMixer:
         self._forward: _Forward | None = None
         self._current: Call | None = None
         self._kernel_calls: dict[str, int] = {}  # memory -> kernel calls in the running forward
+        self._tokens = 0  # tokens of the running kernel call
         self._replays: collections.deque[_Replay] = collections.deque(maxlen=_REPLAYS_KEPT)
         self._saw_cache: Callable[[Any], None] | None = None  # the watch's: record how the cache gets reordered
         self._reorder: Tensor | None = None  # cache rows reordered since the last call (beam search)
@@ -668,17 +730,24 @@ class RecurrentMixer:
                                self._write(CONV_MEMORY, token, conv_state, call, "set_memory_after"))
 
     def _write(self, memory: str, token: Any, value: Tensor, call: Any, method: str) -> _Hook:
-        where = f"{self}.{method}({token!r}, call={call!r})"
+        where = f"{self}.{method}({_describe_token(token)}, call={call!r})"
         axes = self.STATE if memory == STATE_MEMORY else self.CONV_STATE
-        token = as_index(token, "token", where)
         calls = as_calls(call, where)
         if not isinstance(value, Tensor):
             raise InvalidValue(f"{where}: expected a Tensor with axes ({axes}), got {type(value).__name__}")
+        rows = _RowTokens.of(token, where) if isinstance(token, Tensor) and token.dim() > 0 else None
+        tokens = rows.tokens if rows is not None else (as_index(token, "token", where),)
 
         def write(mixer: RecurrentMixer, call: int, token: int, state: Tensor) -> Tensor:
-            return value if mixer.head is None else value[:, mixer.head]
+            written = value if mixer.head is None else value[:, mixer.head]
+            if rows is None or written.shape != state.shape or written.dtype != state.dtype \
+                    or written.device != state.device:
+                return written  # a write of the whole batch, or a value the check will refuse with its message
+            at = rows.at(token, mixer._tokens, state.shape[0], f"{mixer}, call {call}, token {token}: {method}")
+            return torch.where(at.to(state.device).view(-1, *(1,) * (state.dim() - 1)), written, state)
 
-        return _Hook(write, memory, calls, (token,), f"{method}({token}, call={_describe_calls(calls)})", write=True)
+        origin = f"{method}({_describe_token(token)}, call={_describe_calls(calls)})"
+        return _Hook(write, memory, calls, tokens, origin, write=True)
 
     def _add_hooks(self, *hooks: _Hook) -> RemovableHandle:
         if not self._live:
@@ -780,6 +849,7 @@ class RecurrentMixer:
             )
 
     def _plan(self, kernel: Kernel, tokens: int) -> "_Plan":
+        self._tokens = tokens
         part = self._kernel_calls.get(kernel.memory, 0)
         self._kernel_calls[kernel.memory] = part + 1
         self.head = part if self.KERNEL_PER_HEAD and kernel.memory == STATE_MEMORY else None
@@ -826,6 +896,7 @@ class RecurrentMixer:
             record.parts.append(part)
         if plan.kept is not None:
             record._kept.setdefault(kernel.memory, []).append(plan.kept)
+            record._buffers.setdefault(kernel.memory, []).append(plan.stacked)
             record._positions[kernel.memory] = self.keep[kernel.memory]
             record._stacked.pop(kernel.memory, None)
 
@@ -841,18 +912,20 @@ class RecurrentMixer:
             if state.requires_grad and token in kept[part] and not kept[part][token].requires_grad:
                 state.retain_grad()
                 kept[part][token] = state
+                record._buffers[kernel.memory][part] = None  # the recomputed states are read one by one
         record._stacked.pop(kernel.memory, None)
 
 
 class _Plan:
     """What one attached mixer wants of one kernel call: its hooks (in registration order) and kept tokens."""
 
-    __slots__ = ("mixer", "call", "hooks", "keep", "kept")
+    __slots__ = ("mixer", "call", "hooks", "keep", "kept", "stacked")
 
     def __init__(self, mixer: RecurrentMixer, call: int | None, hooks: list[tuple[_Hook, frozenset[int] | None]],
                  keep: frozenset[int] | None):
         self.mixer, self.call, self.hooks, self.keep = mixer, call, hooks, keep
         self.kept: dict[int, Tensor] | None = None if keep is None else {}
+        self.stacked: Tensor | None = None  # every token kept in grad mode: the leaf the forward read them through
 
     @property
     def idle(self) -> bool:
@@ -1057,17 +1130,31 @@ class _Tap:
             result = original(*args, **kwargs)
         else:
             keeping = [plan for plan in busy if plan.keep]
+            kept_at = sorted(frozenset().union(*(plan.keep for plan in keeping)))
+            slot = {token: i for i, token in enumerate(kept_at)}
+            differentiable = torch.is_grad_enabled()
+            buffer: list[Tensor] = []  # grad mode: one leaf for every kept state of the call, zeros when read
             last: list[Tensor] = []
 
             def on_token(token: int, state: Tensor) -> Tensor:
                 for plan in busy:
                     state = plan.apply(token, state)
-                if any(token in plan.keep for plan in keeping):
+                if token in slot:
                     if state.untyped_storage().nbytes() > state.nbytes:
                         state = state.clone()  # a slice of a kernel's larger tensor: keep only the state itself
-                    # A view that only the later tokens read: the gradient with respect to a kept state is
-                    # the effect of changing it there (what a write does), not through token `token`'s output.
-                    state = state.view_as(state)
+                    # A tensor that only the later tokens read: the gradient with respect to a kept state is the
+                    # effect of changing it there (what a write does), not through token `token`'s own output.
+                    if differentiable:
+                        # ... read through a slot of one zero leaf, so that the stack of every kept state is a
+                        # tensor the forward used (autograd.grad(metric, mix.states)), with frozen weights too.
+                        if not buffer:
+                            buffer.append(state.new_zeros((state.shape[0], len(kept_at), *state.shape[1:]),
+                                                          requires_grad=True))
+                        state = state + buffer[0].narrow(1, slot[token], 1).squeeze(1)
+                        with torch.no_grad():
+                            buffer[0][:, slot[token]].copy_(state)  # the slot holds the state from now on
+                    else:
+                        state = state.view_as(state)
                     for plan in keeping:
                         if token in plan.keep:
                             plan.kept[token] = state
@@ -1085,6 +1172,9 @@ class _Tap:
                 result = kernel.loop(*args, on_token=on_token, **extra, **kwargs)
             if kernel.memory == CONV_MEMORY and kernel.role == "prompt" and last:
                 self._sync_conv_cache(entry.forward, last[0])
+            for plan in keeping:
+                if buffer and len(plan.keep) == len(kept_at) == tokens:
+                    plan.stacked = buffer[0]
         output = kernel.name_results(result) if "outputs" in records else {}
         if kernel.in_place and isinstance(live_state, Tensor) and "outputs" in records:
             output["final_state"] = live_state.clone()
