@@ -8,6 +8,8 @@
 The public names are listed in `__all__`; everything else lives in private modules.
 """
 
+from ._effective_attention import EffectiveAttention as EffectiveAttention
+from ._effective_attention import effective_attention as effective_attention
 from ._errors import InvalidValue as InvalidValue
 from ._errors import RecurrentHooksError as RecurrentHooksError
 from ._errors import RecurrentHooksWarning as RecurrentHooksWarning
@@ -46,6 +48,8 @@ __all__ = [
     "Call",
     "KernelCall",
     "Memory",
+    "effective_attention",
+    "EffectiveAttention",
     "Kernel",
     "FAMILIES",
     "RecurrentHooksError",
