@@ -44,15 +44,15 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange, repeat
+from einops import repeat
 from jaxtyping import Float
 from torch import Tensor
 
-from ._errors import Unavailable
+from ._errors import InvalidValue, Unavailable
 from ._kimi_delta import KimiDeltaAttention
 from ._linear_attention import LinearAttention, _prepare
-from ._mixer import STATE_MEMORY, Call, KernelCall, RecurrentMixer, as_index
-from ._selective_scan import SelectiveScan, step_size
+from ._mixer import STATE_MEMORY, Call, RecurrentMixer, as_index
+from ._selective_scan import SelectiveScan
 from ._state_space import StateSpace
 
 _BLOCK = 32  # query rows per block of the per-channel decayed products
@@ -174,7 +174,8 @@ def _delta_rule(mixer: RecurrentMixer, calls: range, dtype: torch.dtype) -> Effe
         part = mixer.calls[index].parts[0]
         x = part.inputs
         if x.get("cu_seqlens") is not None:
-            raise Unavailable(f"{mixer}, call {index}: packed sequences (cu_seqlens) have no per-row effective attention")
+            raise Unavailable(f"{mixer}, call {index}: packed sequences (cu_seqlens) have no per-row"
+                              " effective attention")
         g = x["g"] if kimi else x["g"][..., None]
         prepared = _prepare(x["query"], x["key"], x["value"], g, x["beta"], x["initial_state"],
                             x["use_qk_l2norm_in_kernel"], {}, kimi=kimi, recurrent=part.kernel == kind.RECURRENT_KERNEL)
@@ -286,7 +287,7 @@ def effective_attention(mixer: RecurrentMixer, call: int | None = None, *,
     Computed in `dtype` (float32, as the kernels; float64 for a reference).
     """
     if not isinstance(mixer, RecurrentMixer):
-        raise Unavailable(f"effective_attention takes a watched mixer (watch.mixers[i]), got {type(mixer).__name__}")
+        raise InvalidValue(f"effective_attention takes a watched mixer (watch.mixers[i]), got {type(mixer).__name__}")
     if call is not None:
         call = as_index(call, "call", f"{mixer}.effective_attention")
     calls = _history(mixer, call)

@@ -168,7 +168,8 @@ def reference_map(mixer, calls, initial_state):
     heads = []
     for head in range(len(mixer.calls[calls[-1]].parts)):
         parts = [mixer.calls[c].parts[head] for c in calls]
-        start = initial_state if initial_state is None or len(mixer.calls[calls[-1]].parts) == 1 else initial_state[:, head]
+        per_head = initial_state is not None and len(mixer.calls[calls[-1]].parts) > 1
+        start = initial_state[:, head] if per_head else initial_state
         if isinstance(mixer, rh.LinearAttention):
             heads.append(delta_rule_map(parts, start, kimi=isinstance(mixer, rh.KimiDeltaAttention)))
         elif isinstance(mixer, rh.SelectiveScan):
@@ -244,6 +245,15 @@ def test_prompt_and_decode_rows_are_exact(generated):
     check_call(mixer, -2, range(0, 2), None)
 
 
+@pytest.mark.parametrize("family", ["kimi_linear", "mamba"])
+def test_a_prompt_longer_than_a_block_of_per_channel_decays(family):
+    """Per-channel decays (KDA, Mamba-1) are measured in blocks of rows: a 70-token prompt spans three."""
+    model = build(family)
+    with rh.watch(model, keep=KEEP) as w, torch.no_grad():
+        model(random_ids(1, 70), use_cache=False)
+    check_call(w.mixers[0], 0, range(0, 1), None)
+
+
 def test_a_write_is_refused_and_the_next_call_starts_the_history(generated):
     """A call whose state a write replaced has no linear map; the history of the later calls starts after it,
     with the written state's contribution in from_state."""
@@ -288,5 +298,5 @@ def test_refusals(generated):
         model(random_ids(1, 4), use_cache=False)
     with pytest.raises(rh.Unavailable, match="inputs"):
         rh.effective_attention(w.mixers[0])
-    with pytest.raises(rh.Unavailable, match="watched mixer"):
+    with pytest.raises(rh.InvalidValue, match="watched mixer"):
         rh.effective_attention(model)
