@@ -10,6 +10,8 @@ The public names are listed in `__all__`; everything else lives in private modul
 
 from ._attribution import Attribution as Attribution
 from ._attribution import attribute as attribute
+from ._effective_attention import EffectiveAttention as EffectiveAttention
+from ._effective_attention import effective_attention as effective_attention
 from ._errors import InvalidValue as InvalidValue
 from ._errors import RecurrentHooksError as RecurrentHooksError
 from ._errors import RecurrentHooksWarning as RecurrentHooksWarning
@@ -50,6 +52,8 @@ __all__ = [
     "Call",
     "KernelCall",
     "Memory",
+    "effective_attention",
+    "EffectiveAttention",
     "Kernel",
     "FAMILIES",
     "RecurrentHooksError",

@@ -194,6 +194,9 @@ class Call:
     _stacked: dict[str, Tensor] = dataclasses.field(default_factory=dict, repr=False)
     # memory -> per kernel call, the leaf every kept state of the call was read through (grad mode), or None
     _buffers: dict[str, list[Tensor | None]] = dataclasses.field(default_factory=dict, repr=False)
+    # memory -> the tokens at which a hook or write replaced it (a hook returning a tensor): such a call's
+    # outputs are no longer a function of its inputs and starting memory alone (effective attention refuses it)
+    _replaced: dict[str, set[int]] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def kernel(self) -> str | None:
@@ -946,8 +949,11 @@ class _Plan:
                 else:
                     with _user_code():
                         replacement = hook.fn(self.mixer, self.call, token, state)
-                if replacement is not None:
+                if replacement is not None and replacement is not state:
                     state = _checked(replacement, state, self.mixer, hook, self.call, token)
+                    record = self.mixer._current
+                    if record is not None and not self.mixer.recomputing:
+                        record._replaced.setdefault(hook.memory, set()).add(token)
         return state
 
 
