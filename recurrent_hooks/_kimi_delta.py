@@ -38,7 +38,6 @@ from torch import Tensor
 
 from ._conv import CONV_KERNELS
 from ._linear_attention import LinearAttention, OnToken, _gated_delta_rule, _gated_delta_rule_states
-from ._mixer import Kernel
 
 
 def chunk_kimi_delta_attention(

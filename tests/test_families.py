@@ -15,6 +15,7 @@ import recurrent_hooks._mixer as rh_mixer
 from _compare import assert_close, assert_equal
 from _models import FAMILIES as BUILDERS
 from _models import PAD, build, random_ids
+from _reachable import tensor_bytes_reachable
 from _reference import gated_delta_rule_reference, kimi_delta_rule_reference
 from _reference_ssm import selective_scan_reference, ssd_reference
 
@@ -125,6 +126,16 @@ def test_greedy_generate_is_identical(model):
         for mixer in w.mixers:
             mixer.register_state_hook(lambda m, c, t, s: None)
         assert_equal("tokens, hook on every token", plain, greedy(model, ids, 6))
+
+
+def test_a_hook_only_watch_keeps_no_tensor(model):
+    """A watch keeps only what keep names: hooks over a generation leave no tensor in the watch."""
+    norms = []
+    with rh.watch(model) as w:
+        w.mixers[0].register_state_hook(lambda m, c, t, s: norms.append(float(s.norm())), token=-1)
+        greedy(model, random_ids(2, T), 12)
+    assert len(w.mixers[0].calls) == 12 and norms
+    assert tensor_bytes_reachable(w) == 0
 
 
 def test_states_equal_float64_reference_at_prompt_and_decode_steps(model):

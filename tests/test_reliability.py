@@ -4,9 +4,7 @@ and standalone hooks whose handles are dropped. (Gradient checkpointing is in th
 
 import gc
 import importlib
-import sys
 import threading
-import types
 import warnings
 
 import pytest
@@ -21,8 +19,7 @@ import recurrent_hooks._registry as rh_registry
 import recurrent_hooks._watch as watch_impl
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
-from _reference import gated_delta_rule_reference
-from _reference_ssm import selective_scan_reference
+from _reachable import tensor_bytes_reachable
 
 T = 13
 ONE_PER_KIND = ["qwen3_5", "kimi_linear", "mamba", "zamba", "mamba2"]
@@ -41,26 +38,6 @@ def states_of(model, ids, **kwargs):
 
 
 # -- 1. a default watch keeps nothing it was not asked for -------------------------------------------------------
-
-
-def tensor_bytes_reachable(root: object) -> int:
-    """Bytes of the tensor storages reachable from `root`, not counting what modules (the model) and the globals
-    of functions (a hook's module) hold."""
-    seen, storages, todo = set(), {}, [root]
-    while todo:
-        obj = todo.pop()
-        if id(obj) in seen or isinstance(obj, (nn.Module, type, type(sys))):
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            storage = obj.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-        elif isinstance(obj, types.FunctionType):
-            todo.extend(cell.cell_contents for cell in obj.__closure__ or ())
-            todo.extend((obj.__defaults__ or ()) + tuple((obj.__kwdefaults__ or {}).values()))
-        else:
-            todo.extend(gc.get_referents(obj))
-    return sum(storages.values())
 
 
 def test_a_hook_only_watch_over_a_long_generation_keeps_no_tensor():
@@ -265,7 +242,7 @@ def test_hooks_on_calls_that_never_run_are_not_an_error():
 def test_every_decode_step_is_slice_1_none():
     model = build("qwen3_5")
     ids = random_ids(2, T)
-    seen, written = [], []
+    seen = []
     value = torch.zeros(2, 4, 8, 8)
     with rh.watch(model, keep={"states": [-1]}) as w:
         w.mixers[0].register_state_hook(lambda m, c, t, s: seen.append((c, t)), call=slice(1, None))
