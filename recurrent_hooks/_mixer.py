@@ -19,22 +19,28 @@ Module contents:
 - `RecurrentMixer`: the base class; subclasses declare their kernels and values as class constants.
 - `attach`, `make_dispatcher`, `normalize_keep`: how mixers meet their modules and kernels (used by `_watch`).
 
-How a kernel call is handled: a forward pre-hook on the mixer module pushes its tap on a stack and
-starts a call on every attached `RecurrentMixer`; the dispatcher bound in place of the kernel finds
-that tap; each attached mixer says what it wants of this kernel call (a `_Plan`). Then:
+How a kernel call is handled: a forward pre-hook on the mixer module pushes a `_Running` entry on the
+running thread's stack (`THREAD.running`) and starts a call on every attached `RecurrentMixer` that sees
+that thread; the dispatcher bound in place of the kernel takes the innermost entry, and only if the
+module whose method calls the kernel is that entry's module (an unwatched model run inside a watched
+forward calls its own kernels untouched, and so does code inside a user's hook, `THREAD.in_hook`). Each
+attached mixer says what it wants of this kernel call (a `_Plan`). Then:
 - nothing is wanted: the kernel bound before the watch runs unchanged;
 - only a few tokens are wanted: that kernel runs in segments between them (`_run_in_segments`),
   chaining the state, and `_Plan.apply` runs at each stop;
 - every state is kept, without gradients: the kind's chunk-wise `Segments.all_states` kernel runs;
 - otherwise the library's token loop runs and calls `_Plan.apply` after each token's update.
+In grad mode, kept states are read through one zero leaf per kernel call (`Call.differentiable`).
+A forward that autograd recomputes (gradient checkpointing) is matched to the call it repeats by the
+fingerprint of its input (`_Replay`) and runs that call's plan again, keeping nothing new.
 """
 
 import collections
 import contextlib
 import dataclasses
 import functools
-import math
 import inspect
+import math
 import operator
 import sys
 import threading
