@@ -1,6 +1,7 @@
 """The public API on one family (qwen3_5): errors, hook targeting, handles, standalone hooks, routing, support."""
 
 import importlib
+import json
 
 import pytest
 import torch
@@ -381,3 +382,21 @@ def test_a_watch_keeps_kernel_inputs_and_outputs_only_when_asked(model):
         run(model)
     call = w.mixers[0].calls[0]
     assert call.parts[0].inputs is None and call.output["output"].shape == (2, T, 4, 8) and call.tokens == T
+
+
+def test_the_support_command_reads_families_and_saved_configs(tmp_path, capsys):
+    from recurrent_hooks.__main__ import main
+
+    assert main(["support", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {row["family"] for row in rows if row["kind"]} == set(rh.FAMILIES)
+    assert any(row["mixer_class"] == "Lfm2ShortConv" and row["kind"] is None for row in rows)
+    assert main(["support", "mamba2"]) == 0
+    assert capsys.readouterr().out.startswith("mamba2: Mamba2Mixer -> StateSpace")
+    build("jamba").save_pretrained(tmp_path)
+    assert main(["support", str(tmp_path / "config.json"), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(row["path"], row["kind"]) for row in rows] == [("model.layers.0.mamba", "SelectiveScan"),
+                                                             ("model.layers.2.mamba", "SelectiveScan")]
+    assert main(["support", "no_such_family"]) == 2
+    assert "is neither a family" in capsys.readouterr().err
