@@ -225,6 +225,8 @@ class LinearAttention(RecurrentMixer):
     CHUNK_KERNEL: ClassVar[str] = "torch_chunk_gated_delta_rule"
     RECURRENT_KERNEL: ClassVar[str] = "torch_recurrent_gated_delta_rule"
     STATE_IN: ClassVar[str] = "initial_state"  # where both kernels take the state; they return the new one
+    # the words of this kind's documentation: prompts token by token ("recurrent") or chunk-wise ("chunked")
+    ROUTES = {**RecurrentMixer.ROUTES, "recurrent": "torch", "chunked": "default"}
     KERNELS = (
         Kernel(CHUNK_KERNEL, chunk_gated_delta_rule, STATE_IN, ("output", "final_state"), "prompt", seq=("value", 1),
                segments=Segments({name: 1 for name in ("query", "key", "value", "g", "beta")}, STATE_IN,

@@ -538,7 +538,8 @@ class RecurrentMixer:
       output and skip the kernels above; inside a watch they return None, as their pure-torch
       versions do, for a call that has hooks or kept states, so that the forward goes on;
     - `KERNEL_PER_HEAD`: the forward calls its recurrence kernel once per head (axis 1 of the state):
-      hooks run once per head with that head's state, and `mixer.head` says which head is running.
+      hooks run once per head with that head's state, and `mixer.head` says which head is running;
+    - `ROUTES`: the words `route_kernels` accepts for this kind, each meaning "torch" or "default".
 
     `recomputing` is True while autograd recomputes a checkpointed forward of this mixer (gradient
     checkpointing): hooks run again then, with the call index of the forward being recomputed.
@@ -553,6 +554,8 @@ class RecurrentMixer:
     LIMITS: ClassVar[dict[str, str]] = {}
     FUSED: ClassVar[tuple[str, ...]] = ()
     KERNEL_PER_HEAD: ClassVar[bool] = False
+    # route_kernels' words for this kind: word -> "torch" (the library's token loops) or "default" (transformers')
+    ROUTES: ClassVar[dict[str, str]] = {"torch": "torch", "default": "default"}
 
     def __init__(self, module: nn.Module, family: str, *,
                  keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (), history: bool = True,

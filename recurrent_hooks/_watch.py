@@ -271,19 +271,24 @@ def route_kernels(family: "str | ModuleType | nn.Module", to: str) -> None:
         recurrent_hooks.route_kernels("qwen3_5", "torch")    # every prompt now runs token by token
         recurrent_hooks.route_kernels(model, "default")      # what transformers bound at import
 
+    Each kind may accept its own words too (`RecurrentMixer.ROUTES`): for gated DeltaNet and Kimi delta
+    attention, "recurrent" means "torch" and "chunked" means "default".
+
     `family` is a family name, its transformers modeling module, or a model with mixers of one family.
     Unlike `watch`, nothing is undone automatically; refused while a watch or hook is active on the family.
     """
-    if to not in ("torch", "default"):
+    if not isinstance(to, str):
         raise InvalidValue(f"route_kernels: expected to='torch' or to='default', got {to!r}")
     row = resolve_family(family)
+    words = row.kind.ROUTES
+    if to not in words:
+        raise InvalidValue(f"route_kernels: expected to= one of {', '.join(map(repr, words))} for {row.name}"
+                           f" ({row.kind.__name__}), got {to!r}")
     module = row.module()
-    if to == "torch":
+    if words[to] == "torch":
         replacements = {kernel.name: kernel.loop for kernel in row.kind.KERNELS}
-    elif to == "default":
-        replacements = {kernel.name: import_default(module, kernel.name) for kernel in row.kind.KERNELS}
     else:
-        raise InvalidValue(f"route_kernels: expected to='torch' or to='default', got {to!r}")
+        replacements = {kernel.name: import_default(module, kernel.name) for kernel in row.kind.KERNELS}
     rebind_process_wide(module, replacements)
 
 

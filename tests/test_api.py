@@ -331,7 +331,8 @@ def test_route_kernels_rebinds_process_wide_and_back(model):
     finally:
         rh.route_kernels(MODULE, "default")
     assert bindings() == default
-    with pytest.raises(rh.InvalidValue, match="expected to='torch' or to='default', got 'fla'"):
+    with pytest.raises(rh.InvalidValue, match=r"expected to= one of 'torch', 'default', 'recurrent', 'chunked' for qwen3_5"
+                                              r" \(LinearAttention\), got 'fla'"):
         rh.route_kernels("qwen3_5", "fla")
     with pytest.raises(rh.Unavailable, match="unknown or unsupported family 'llama'"):
         rh.route_kernels("llama", "torch")
@@ -400,3 +401,14 @@ def test_the_support_command_reads_families_and_saved_configs(tmp_path, capsys):
                                                              ("model.layers.2.mamba", "SelectiveScan")]
     assert main(["support", "no_such_family"]) == 2
     assert "is neither a family" in capsys.readouterr().err
+
+
+def test_route_kernels_speaks_each_kinds_words():
+    rh.route_kernels("qwen3_5", "recurrent")
+    try:
+        assert bindings()[KERNELS[0]] is rh.LinearAttention.kernel(KERNELS[0]).loop
+    finally:
+        rh.route_kernels("qwen3_5", "chunked")
+    assert bindings()[KERNELS[0]] is rh_patching.import_default(MODULE, KERNELS[0])
+    with pytest.raises(rh.InvalidValue, match=r"expected to= one of 'torch', 'default' for mamba \(SelectiveScan\)"):
+        rh.route_kernels("mamba", "recurrent")

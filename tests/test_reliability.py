@@ -364,7 +364,8 @@ def test_entry_points_refuse_bad_arguments():
         rh.watch(model, keep={"states": [1.5]})
     with pytest.raises(rh.InvalidValue, match=r"support: expected a torch.nn.Module \(a transformers model\), got str"):
         rh.support("hello")
-    with pytest.raises(rh.InvalidValue, match=r"route_kernels: expected to='torch' or to='default', got 'fast'"):
+    with pytest.raises(rh.InvalidValue, match=r"route_kernels: expected to= one of 'torch', 'default', 'recurrent',"
+                                              r" 'chunked' for qwen3_5 \(LinearAttention\), got 'fast'"):
         rh.route_kernels("qwen3_5", "fast")
     with rh.watch(model) as w:
         with pytest.raises(rh.InvalidValue, match=r"Watch.mixer: layer must be an int, got the bool True"):
