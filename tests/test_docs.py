@@ -60,3 +60,32 @@ def test_pages_name_every_supported_family(page):
     text = (ROOT / page).read_text()
     missing = [name for name in rh.FAMILIES if name not in text]
     assert not missing, f"{page} does not mention {missing}"
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    return [[cell.strip() for cell in line.strip().strip("|").split("|")]
+            for line in text.splitlines() if line.startswith("|") and not line.startswith("| ---")]
+
+
+def test_the_family_tables_are_the_registry():
+    """api.md's family table is the registry row for row; in the kind tables of README and concepts.md,
+    each kind (the first name in backticks of a row, with a sibling it covers) lists exactly its families."""
+    rows = {row[0].strip("`"): (row[1].strip("`"), row[2].strip("`"))
+            for row in _table_rows((ROOT / "docs/api.md").read_text()) if row and row[0].strip("`") in rh.FAMILIES}
+    assert rows == {name: (f.mixer_class, f.kind.__name__) for name, f in rh.FAMILIES.items()}
+    by_kind: dict[str, set[str]] = {}
+    for name, family in rh.FAMILIES.items():
+        by_kind.setdefault(family.kind.__name__, set()).add(name)
+    checked = 0
+    for page in ("README.md", "docs/concepts.md"):
+        for row in _table_rows((ROOT / page).read_text()):
+            first = re.findall(r"`(\w+)`", row[0])
+            kinds = [name for name in first[:2] if name in by_kind]  # "Mamba-1 (`SelectiveScan`, `PerHead...`)"
+            if not kinds or len(row) < 2:
+                continue
+            named = {name for name in re.split(r"[,\s]+", row[1]) if name in rh.FAMILIES}
+            # a row names its kind first; it may name a sibling it covers too, or the parent it extends
+            wants = [by_kind[kinds[0]], set().union(*(by_kind[kind] for kind in kinds))]
+            assert named in wants, f"{page}: the row {row[0]!r} lists {sorted(named)}, the registry {sorted(wants[0])}"
+            checked += 1
+    assert checked >= len(by_kind), "the kind tables were not found"
