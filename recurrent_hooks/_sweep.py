@@ -122,7 +122,7 @@ def _measure(metric: Callable[[Tensor], Tensor], logits: Tensor, rows: int) -> T
 
 def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: Callable[[Tensor], Tensor], *,
                    layers: int | Iterable[int] | None = None, positions: int | Iterable[int] | None = None,
-                   what: str = "memory", batch_size: int = 64, progress: bool = True,
+                   what: str = "memory", batch_size: int = 32, progress: bool = True,
                    forward_kwargs: Mapping[str, Any] | None = None) -> Sweep:
     """Patch the clean run into the corrupt run at every (layer, position); return `metric` per cell.
 
