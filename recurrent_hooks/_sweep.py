@@ -48,7 +48,8 @@ class Sweep:
     what: str
 
     def normalized(self) -> Tensor:
-        """`(values - corrupt) / (clean - corrupt)`: 0 where patching changes nothing, 1 where it restores the clean metric."""
+        """`(values - corrupt) / (clean - corrupt)`: 0 where patching changes nothing, 1 where it restores the
+        clean metric (inf or nan where the two baselines are equal)."""
         return (self.values - self.corrupt) / (self.clean - self.corrupt)
 
 
@@ -144,10 +145,11 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
       `use_cache=False`.
 
     Cell (L, p) equals one forward of the corrupt prompt with the clean `what` of layer L written after
-    token p by the public writes. It is bit-identical to that loop where both runs compute with the same
-    kernels (`route_kernels(model, "torch")`); with the default kernels, the patched layer of a batch of
-    many positions runs the token loop, within float32 rounding of the kernel the single write runs
-    (docs/sweep.md). Runs under `torch.no_grad()`.
+    token p by the public writes: bit for bit where both take the same kernel path at the same batch
+    shape, else within float32 rounding (a single write runs the chunked kernel in two segments, hooks at
+    many positions the token loop; CPU matrix products round by batch size; docs/sweep.md). Runs under
+    `torch.no_grad()`. `forward_kwargs` go to batch-1 and batch-`batch_size` forwards alike, so they must
+    not hold per-row tensors (one prompt has no padding: no attention mask is needed).
     """
     if not isinstance(model, nn.Module):
         raise InvalidValue(f"{_WHERE}: expected a torch.nn.Module (a transformers model), got {type(model).__name__}")
