@@ -13,7 +13,8 @@ include their clean run:
   forwards of B rows.
 
 Time is the median over `--repeats` rounds, each round running both once (naive first), after one
-untimed warm-up round. The two results must agree within float32 rounding (rtol 1e-5, atol 1e-6:
+untimed warm-up round. A third timing, the floor, runs the same batched forwards unwatched and
+unpatched: what batching alone buys on this model, which bounds the ratio from below. The two results must agree within float32 rounding (rtol 1e-5, atol 1e-6:
 they take different kernel paths; tests/test_sweep.py checks bit equality where the paths are the
 same); the script exits non-zero when they do not, or when the ratio misses the 0.2 target.
 `main(argv)` runs everything; importing this module does no work.
@@ -68,16 +69,28 @@ def main(argv: list[str] | None = None) -> int:
         def batched() -> torch.Tensor:
             return rh.patching_sweep(model, clean, corrupt, metric, batch_size=args.batch_size, progress=False).values
 
-        naive_times, batched_times = [], []
+        def floor() -> None:
+            """The same forwards without watch or patches: what batching alone gives on this model."""
+            cells = 2 * args.tokens  # the demo model has 2 recurrent layers
+            with torch.no_grad():
+                model(clean, use_cache=False), model(corrupt, use_cache=False)
+                for start in range(0, cells, args.batch_size):
+                    rows = min(args.batch_size, cells - start)
+                    metric(model(corrupt.expand(rows, args.tokens), use_cache=False).logits)
+
+        naive_times, batched_times, floor_times = [], [], []
         for round_ in range(args.repeats + 1):
             start = time.perf_counter()
             expected = naive()
             middle = time.perf_counter()
             got = batched()
             end = time.perf_counter()
+            floor()
+            last = time.perf_counter()
             if round_:  # round 0 warms up
                 naive_times.append(middle - start)
                 batched_times.append(end - middle)
+                floor_times.append(last - end)
         naive_s, batched_s = statistics.median(naive_times), statistics.median(batched_times)
         ratio = statistics.median(b / n for b, n in zip(batched_times, naive_times))
         cells = expected.numel()
@@ -90,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  batched patching_sweep:       {batched_s:.3f} s ({batched_s / cells * 1e3:.2f} ms/cell)")
         print(f"  ratio batched / naive:        {ratio:.3f} (target <= {TARGET}; per round:"
               f" {', '.join(f'{b / n:.3f}' for b, n in zip(batched_times, naive_times))})")
+        print(f"  floor: the same batched forwards, unwatched and unpatched: {statistics.median(floor_times):.3f} s,"
+              f" ratio to naive {statistics.median(f / n for f, n in zip(floor_times, naive_times)):.3f}")
         print(f"  results agree: {close} (max |diff| {diff.max().item():.3g};"
               f" metric spread over cells {(expected.max() - expected.min()).item():.3g})")
         if not close:
