@@ -27,6 +27,8 @@ from ._registry import FAMILIES as FAMILIES
 from ._selective_scan import PerHeadSelectiveScan as PerHeadSelectiveScan
 from ._selective_scan import SelectiveScan as SelectiveScan
 from ._state_space import StateSpace as StateSpace
+from ._sweep import Sweep as Sweep
+from ._sweep import patching_sweep as patching_sweep
 from ._watch import MixerSupport as MixerSupport
 from ._watch import Watch as Watch
 from ._watch import register_state_hook as register_state_hook
@@ -40,6 +42,8 @@ __all__ = [
     "register_state_hook",
     "route_kernels",
     "support",
+    "patching_sweep",
+    "Sweep",
     "MixerSupport",
     "attribute",
     "Attribution",

@@ -1,0 +1,163 @@
+"""`patching_sweep`: many (layer, position) cells per forward equal one forward per cell through the public writes.
+
+Two references, both a loop of one forward per cell that writes the clean memory with `set_memory_after`
+(or `set_state_after`, `set_conv_state_after`):
+
+- bit for bit: with every kernel call on the library's token loop (`route_kernels(model, "torch")` for idle
+  calls, `FAST_PATHS = False` for the others), and with each cell's forward at the batch shape the sweep
+  gave it, reading the cell's row. Otherwise the two differ by the path each call takes, not by what
+  they compute: one write at one token runs transformers' chunked kernel in two segments, hooks at many
+  tokens run the token loop or more segments, and a layer that patches only some rows of a batch runs its
+  token loop for the other rows too, where one forward per cell leaves that layer idle. The shape matters because CPU matrix products round by batch size: the
+  unwatched tiny qwen3_5 gives other bits at batch 1 than at batch 2. Mixture-of-experts layers group
+  tokens by expert across rows, so a row's bits also depend on the other rows: the kimi_linear model of
+  this check has dense MLPs.
+- within float32 rounding: the default kernels, one prompt (batch 1) per forward, as a user would write it.
+"""
+
+import pytest
+import torch
+import transformers
+
+import recurrent_hooks as rh
+import recurrent_hooks._mixer as rh_mixer
+from _compare import assert_close, assert_equal
+from _models import _COMMON, _KDA, _MLA, _HYBRID_LAYERS, _make, build, random_ids
+
+T, BATCH = 10, 7  # 7 cells per forward: batches mix two layers and the last one is short
+WHAT = ("memory", "state", "window")
+
+
+def kimi_linear_dense():
+    """tests/_models.py's kimi_linear, with dense MLPs in every layer (no rows coupled by expert routing)."""
+    torch.manual_seed(0)
+    return _make(transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM, **_COMMON, **_MLA, **_KDA,
+                 intermediate_size=64, layer_types=list(_HYBRID_LAYERS), mlp_layer_types=["dense"] * 4,
+                 q_lora_rank=None, qk_rope_head_dim=8).eval()
+
+
+FAMILIES = {"qwen3_5": lambda: build("qwen3_5"), "kimi_linear": kimi_linear_dense, "mamba": lambda: build("mamba"),
+            "zamba": lambda: build("zamba"), "mamba2": lambda: build("mamba2")}
+
+
+def metric(logits):
+    """log p(token 5) at the last position, per row."""
+    return logits[:, -1].log_softmax(-1)[:, 5]
+
+
+def prompts():
+    return random_ids(1, T, seed=1), random_ids(1, T, seed=2)
+
+
+def loop_reference(model, clean, corrupt, what, batch_size=None):
+    """One forward per (layer, position), through the public writes; `batch_size`: run each cell at the
+    batch shape `patching_sweep(batch_size=...)` gives it and read its row (None: one prompt per forward)."""
+    with rh.watch(model, keep=("states", "conv_states")) as a, torch.no_grad():
+        model(clean, use_cache=False)
+    mixers = a.mixers
+    cells = [(i, p) for i in range(len(mixers)) for p in range(T)]
+    out = torch.empty(len(mixers), T)
+    for c, (i, p) in enumerate(cells):
+        rows, row = (1, 0) if batch_size is None else (min(batch_size, len(cells) - c // batch_size * batch_size),
+                                                       c % batch_size)
+        state, window = (x.expand(rows, *x.shape[1:]).contiguous() for x in mixers[i].memory_after(p))
+        with rh.watch(model) as w, torch.no_grad():
+            mixer = w.mixer(mixers[i].layer)
+            if what == "memory":
+                mixer.set_memory_after(p, rh.Memory(state, window))
+            elif what == "state":
+                mixer.set_state_after(p, state)
+            else:
+                mixer.set_conv_state_after(p, window)
+            out[i, p] = metric(model(corrupt.expand(rows, T), use_cache=False).logits)[row]
+    return out, [m.layer for m in mixers]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_batched_sweep_equals_the_loop_of_public_writes_bit_for_bit(family, monkeypatch):
+    monkeypatch.setattr(rh_mixer, "FAST_PATHS", False)
+    model = FAMILIES[family]()
+    clean, corrupt = prompts()
+    rh.route_kernels(model, "torch")
+    try:
+        for what in WHAT:
+            expected, layers = loop_reference(model, clean, corrupt, what, batch_size=BATCH)
+            sweep = rh.patching_sweep(model, clean, corrupt, metric, what=what, batch_size=BATCH, progress=False)
+            assert sweep.layers == tuple(layers) and sweep.positions == tuple(range(T)) and sweep.what == what
+            assert_equal(f"{family}, what={what}: batched sweep vs one forward per cell", expected, sweep.values)
+            assert (sweep.values - sweep.corrupt).abs().max() > 1e-4, f"{family}, what={what}: patching changed nothing"
+    finally:
+        rh.route_kernels(model, "default")
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "kimi_linear (moe)"])
+def test_the_batched_sweep_matches_one_prompt_per_forward_with_the_default_kernels(family):
+    model = build("kimi_linear") if family == "kimi_linear (moe)" else FAMILIES[family]()
+    clean, corrupt = prompts()
+    for what in WHAT:
+        expected, _ = loop_reference(model, clean, corrupt, what)
+        sweep = rh.patching_sweep(model, clean, corrupt, metric, what=what, batch_size=BATCH, progress=False)
+        assert_close(f"{family}, what={what}: batched sweep vs one prompt per forward", expected, sweep.values,
+                     rtol=1e-5, atol=1e-6)
+        with torch.no_grad():
+            assert_equal("the corrupt baseline", metric(model(corrupt, use_cache=False).logits)[0], sweep.corrupt)
+        # the last position: nothing comes after it, so the patched runs are the corrupt run
+        assert_close("a patch after the last token", sweep.corrupt.expand(len(sweep.layers)), sweep.values[:, -1],
+                     rtol=1e-6, atol=1e-6)
+
+
+def test_a_hybrid_sweeps_its_recurrent_layers_only_and_subsets_keep_their_order():
+    model = build("qwen3_5")  # layers [linear, full, linear, full]
+    clean, corrupt = prompts()
+    full = rh.patching_sweep(model, clean, corrupt, metric, batch_size=BATCH, progress=False)
+    assert full.layers == (0, 2) and full.values.shape == (2, T)
+    with torch.no_grad():
+        assert_equal("the clean baseline", metric(model(clean, use_cache=False).logits)[0], full.clean)
+    part = rh.patching_sweep(model, clean, corrupt, metric, layers=[2], positions=[6, -1, 3], batch_size=2,
+                             progress=False)
+    assert part.layers == (2,) and part.positions == (6, T - 1, 3)
+    assert_close("a subset of cells", full.values[1:, [6, T - 1, 3]], part.values, rtol=1e-5, atol=1e-6)
+    assert_close("normalized", (part.values - part.corrupt) / (part.clean - part.corrupt), part.normalized())
+
+
+def test_the_progress_bar_can_be_shown(capsys):
+    model = build("mamba")
+    clean, corrupt = prompts()
+    rh.patching_sweep(model, clean, corrupt, metric, positions=[1, 2], batch_size=2, progress=True)
+    assert "patching_sweep" in capsys.readouterr().err
+
+
+def test_bad_arguments_raise_invalid_value_naming_what_was_expected_and_what_came():
+    model = build("qwen3_5")
+    clean, corrupt = prompts()
+    sweep = lambda **kw: rh.patching_sweep(model, kw.pop("clean", clean), kw.pop("corrupt", corrupt),
+                                           kw.pop("metric", metric), progress=False, **kw)
+    cases = [
+        (dict(layers=[1]), r"patching_sweep: expected layers among the recurrent layers \[0, 2\] \(attention layers"
+                           r" cannot be patched\), got layer 1"),
+        (dict(layers=[0, 0]), r"expected each layer once, got layer 0 twice"),
+        (dict(layers=1.0), r"expected layer as an int, got float 1.0"),
+        (dict(positions=[T]), rf"expected positions in 0..{T - 1} \(or -{T}..-1\) of the {T}-token prompt, got position {T}"),
+        (dict(positions=[3, -7]), r"expected each position once, got position 3 twice"),
+        (dict(positions=[]), r"expected positions as an int or a non-empty list of ints, got \[\]"),
+        (dict(what="states"), r"expected what in \('memory', 'state', 'window'\), got what='states'"),
+        (dict(batch_size=0), r"expected batch_size >= 1, got batch_size=0"),
+        (dict(metric=lambda logits: logits[:, -1, 5].sum()), r"expected metric\(logits\) to return one value per row,"
+                                                               r" a tensor of shape \(1,\) for logits of shape"
+                                                               r" \(1, 10, 128\), got shape \(\)"),
+        (dict(metric="logit"), r"expected metric as a callable"),
+        (dict(corrupt=corrupt[:, :-1]), r"expected clean_ids and corrupt_ids of the same length \(positions are"
+                                        r" shared\), got shapes \(1, 10\) and \(1, 9\)"),
+        (dict(clean=clean.float()), r"expected clean_ids as an integer tensor of token ids, \[seq\] or \[1, seq\],"
+                                    r" got a torch.float32 tensor"),
+        (dict(clean=clean.expand(2, T)), r"expected clean_ids of shape \[seq\] or \[1, seq\] \(one prompt; the sweep"
+                                         r" makes the batch\), got shape \(2, 10\)"),
+        (dict(forward_kwargs=[("use_cache", False)]), r"expected forward_kwargs as a mapping"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(rh.InvalidValue, match=message):
+            sweep(**kwargs)
+    with pytest.raises(rh.InvalidValue, match=r"expected progress=True or progress=False, got progress='yes'"):
+        rh.patching_sweep(model, clean, corrupt, metric, progress="yes")
+    with pytest.raises(rh.InvalidValue, match=r"expected a torch.nn.Module \(a transformers model\), got str"):
+        rh.patching_sweep("model", clean, corrupt, metric)
