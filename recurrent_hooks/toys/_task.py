@@ -1,8 +1,8 @@
 """Multi-query associative recall (MQAR): key-value pairs, then queries of keys; answer each key's value.
 
     from recurrent_hooks.toys import MQAR
-    task = MQAR()                                   # 8 pairs, 8 queries, 16 keys, 16 values, vocab 36
-    batch = task.sample(64, seed=0)                 # batch.ids: [64, 33] token ids, deterministic in seed
+    task = MQAR()                                   # 8 pairs, 4 queries, 16 keys, 16 values, vocab 36
+    batch = task.sample(64, seed=0)                 # batch.ids: [64, 25] token ids, deterministic in seed
     logits = model(batch.ids).logits
     task.accuracy(logits, batch)                    # fraction of queries answered right (argmax)
     clean, corrupt = task.contrast(16, seed=1)      # corrupt: one pair's value changed, one answer changes
@@ -20,6 +20,10 @@ A prompt is laid out as (positions are the same in every row)::
   logits at q_j's position (`task.answer_positions[j]`) must put their maximum on a_j.
 - `task.key_positions[i]`, `task.value_positions[i]`: where pair i sits; `task.query_positions[j]`
   (= `answer_positions[j]`) and `task.answer_token_positions[j]` (= that + 1): query j and its answer.
+
+Fewer queries than pairs by default: when every pair is queried, the last query can be answered by
+elimination (the one value not yet answered), and a tiny model learns that shortcut instead of
+recall (measured: last query 100%, first query 26%).
 
 `contrast` makes clean/corrupt pairs: the corrupt row changes the value of one queried pair (the
 pair asked by query `query`, default the last one) to a different value token, and the answer
@@ -79,7 +83,7 @@ class MQAR:
     that are queried).
     """
 
-    def __init__(self, num_pairs: int = 8, num_queries: int = 8, num_keys: int = 16, num_values: int = 16):
+    def __init__(self, num_pairs: int = 8, num_queries: int = 4, num_keys: int = 16, num_values: int = 16):
         if not 1 <= num_queries <= num_pairs <= num_keys:
             raise ValueError(f"need 1 <= num_queries ({num_queries}) <= num_pairs ({num_pairs}) <= num_keys ({num_keys})")
         if num_values < 2:
@@ -129,6 +133,8 @@ class MQAR:
         ``answer_token_positions[query]`` only; ``corrupt.answers`` differs from ``clean.answers`` in
         column `query` only. The changed pair of row b is ``clean.query_pairs[b, query]``.
         """
+        if not -self.num_queries <= query < self.num_queries:
+            raise IndexError(f"query {query} out of range for {self.num_queries} queries")
         gen = _generator(generator if generator is not None else seed)
         clean = self.sample(batch_size, generator=gen)
         pair = clean.query_pairs[:, query]
