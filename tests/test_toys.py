@@ -18,6 +18,10 @@ STATE_SHAPES = {  # per recurrent layer, after [batch, seq]
     "gdn": (4, 16, 16),  # heads key_dim value_dim
     "mamba2": (8, 16, 16),  # heads head_dim d_state
 }
+KERNELS = {  # (prompt kernel, decode kernel) of the first recurrent layer
+    "gdn": ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"),
+    "mamba2": ("mamba2_chunk_scan", "mamba2_selective_state_update"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -144,17 +148,18 @@ def test_toy_inside_watch_keeps_states(name, models):
                      mixer.state_after(-1))
 
 
-@pytest.mark.skipif("gdn" not in TOYS, reason="the gdn toy does not ship")
-def test_gdn_generates_answers_over_the_cache(models):
-    model, task = _toy(models, "gdn"), toys.toy_task("gdn")
+@pytest.mark.parametrize("name", TOYS)
+def test_toy_generates_answers_over_the_cache(name, models):
+    """Greedy generate: answer 0 from the prompt, answers 1.. from one-token decode steps over the cache."""
+    model, task = _toy(models, name), toys.toy_task(name)
     batch = task.sample(32, seed=FRESH + 2)
     with torch.no_grad():
         forced = task.answer_logits(model(batch.ids).logits).argmax(-1)
         with rh.watch(model) as w:
             generated = generate_answers(model, task, batch)
-    kernels = [call.kernel for call in w.mixer(0).calls]
-    assert kernels[0] == "torch_chunk_gated_delta_rule"
-    assert kernels[1:] == ["torch_recurrent_gated_delta_rule"] * (2 * task.num_queries - 2)  # decode steps
+    prompt_kernel, decode_kernel = KERNELS[name]
+    kernels = [call.kernel for call in w.mixers[0].calls]
+    assert kernels == [prompt_kernel] + [decode_kernel] * (2 * task.num_queries - 2)
     assert_equal("generated = teacher-forced argmax", forced, generated)
     accuracy = (generated == batch.answers).float().mean().item()
     assert accuracy >= 0.95, f"generated answers right: {accuracy:.4f}"
@@ -176,3 +181,20 @@ def test_gdn_binding_is_done_by_attention_not_the_state(models):
     flipped = (patched == corrupt.answers[:, -1]).float().mean().item()
     kept = (patched == clean.answers[:, -1]).float().mean().item()
     assert flipped <= 0.1 and kept >= 0.8, f"flipped to corrupt {flipped:.3f}, still clean {kept:.3f}"
+
+
+@pytest.mark.skipif("mamba2" not in TOYS, reason="the mamba2 toy does not ship")
+def test_mamba2_binding_lives_in_the_state(models):
+    """Writing the corrupt run's Mamba-2 states just before the last query flips the clean run's answer."""
+    model, task = _toy(models, "mamba2"), toys.toy_task("mamba2")
+    clean, corrupt = task.contrast(256, seed=7)
+    before = int(task.query_positions[-1]) - 1
+    with torch.no_grad(), rh.watch(model, keep=("states",)) as w:
+        model(corrupt.ids[:, :-1])
+        states = [mixer.state_after(before) for mixer in w.mixers]
+    with torch.no_grad(), rh.watch(model) as w:
+        for mixer, state in zip(w.mixers, states):
+            mixer.set_state_after(before, state)
+        patched = model(clean.ids[:, :-1]).logits[:, -1].argmax(-1)
+    flipped = (patched == corrupt.answers[:, -1]).float().mean().item()
+    assert flipped >= 0.95, f"patched answers that became the corrupt value: {flipped:.3f}"

@@ -30,8 +30,11 @@ Layouts:
   does not carry the binding in this toy. Use it to study reading, writing and generation through a
   trained gated DeltaNet, not as a model whose recall lives in its state.
 - ``"mamba2"``: `Mamba2ForCausalLM`, 2 Mamba-2 layers, hidden 64, 8 heads x 16, d_state 16, one group
-  (state [8, 16, 16]); no attention, so the recall is done by the state space layers.
-  transformers' own init (`init_for_recall` leaves Mamba-2 alone).
+  (state [8, 16, 16]); transformers' own init (`init_for_recall` leaves Mamba-2 alone). No attention,
+  so the recall is done by the state space layers, and patching shows where: writing the corrupt
+  run's memory just before the last query into the clean run (256 `contrast` pairs) turns 100% of
+  the answers into the corrupt value when both layers are written, 85% for layer 0 alone, 11% for
+  layer 1 alone (the state alone, without the conv window, gives the same numbers).
 
 Not shipped: Mamba-1 (`MambaForCausalLM`: a training step of the same size took 1.2 s here against
 0.12-0.25 s for the others, so a run would not fit the budget) and Kimi delta attention.
@@ -110,9 +113,9 @@ def _mamba_config() -> transformers.PretrainedConfig:
 
 _CONFIGS: dict[str, tuple[Callable[[], transformers.PretrainedConfig], type]] = {
     "gdn": (_gdn_config, transformers.Qwen3_5ForCausalLM),
+    "mamba2": (_mamba2_config, transformers.Mamba2ForCausalLM),
 }
 _UNSHIPPED = {  # configs kept for scripts/train_toys.py
-    "mamba2": (_mamba2_config, transformers.Mamba2ForCausalLM),
     "mamba": (_mamba_config, transformers.MambaForCausalLM),
 }
 TOYS: tuple[str, ...] = tuple(_CONFIGS)
