@@ -1,0 +1,30 @@
+"""Toy models that ship: an MQAR task, the init that makes tiny recurrent models learn it, and trained
+transformers models of each recurrent kind whose weights are in the package (no download).
+
+    from recurrent_hooks.toys import MQAR, load_toy
+    task, model = MQAR(), load_toy("gdn")          # Qwen3_5ForCausalLM [linear_attention, full_attention]
+    clean, corrupt = task.contrast(16, seed=0)     # one pair's value differs; one answer changes
+    logits = model(clean.ids).logits[:, task.answer_positions]
+
+See `MQAR` (the task), `init_for_recall` (the init) and `load_toy` / `TOYS` (the models).
+"""
+
+from ._generate import ForceQueries, generate_answers
+from ._init import CONV_FACTOR, SLOW_DECAY_FACTOR, init_for_recall
+from ._models import TOYS, build_toy, load_toy, toy_config, toy_task
+from ._task import MQAR, MQARBatch
+
+__all__ = [
+    "MQAR",
+    "MQARBatch",
+    "init_for_recall",
+    "SLOW_DECAY_FACTOR",
+    "CONV_FACTOR",
+    "TOYS",
+    "load_toy",
+    "build_toy",
+    "toy_config",
+    "toy_task",
+    "generate_answers",
+    "ForceQueries",
+]

@@ -1,0 +1,173 @@
+"""Trained MQAR toys of real transformers classes, with their weights in the package (no download).
+
+    from recurrent_hooks.toys import MQAR, load_toy
+    model = load_toy("gdn")                  # Qwen3_5ForCausalLM, trained on MQAR(), eval mode, float32
+    batch = MQAR().sample(256, seed=123)
+    MQAR().accuracy(model(batch.ids).logits, batch)
+
+`TOYS` lists the names; `toy_config(name)` builds a config, `build_toy(name, seed)` a freshly
+initialised (untrained, `init_for_recall`) model, which is what `scripts/train_toys.py` trains.
+The weights are stored as float32 safetensors files in ``recurrent_hooks/toys/weights/`` and read
+with importlib.resources, so they ship in the wheel.
+
+Layouts:
+
+- ``"gdn"``: `Qwen3_5ForCausalLM`, 2 layers ``[linear_attention, full_attention]``, hidden 64, gated
+  DeltaNet with 2 key heads x 16 and 4 value heads x 16 (state [4, 16, 16]), attention 2 heads x 32.
+  Why an attention layer at all: transformers 5.24 cannot `generate` with a cache when every qwen3_5
+  layer is linear attention (the cache's ``get_seq_length`` raises "can only be called on Attention
+  layers"), and the toy must generate. Why this order: with the attention layer FIRST
+  (``[full_attention, linear_attention]``, where attention cannot do the lookup and the gated DeltaNet
+  would have to carry the binding) the model did not learn in the budget. Tries, all with
+  `init_for_recall`'s slow decay or slower, answer accuracy on held-out prompts when stopped
+  (18% is what the last pair alone gives): lr 1e-2, 900 steps, 18%; A / 1024, 1,200 steps, 22%;
+  key_dim 32, 1,950 steps, 26%; conv x 16, 1,600 steps, 22%; two gated DeltaNet layers after the
+  attention, 800 steps, 20%. With the gated DeltaNet first it reached 95% at step 600 and 100% at 3,000.
+  What each layer does in the shipped weights: the **attention layer does the lookup**.
+  The only other route from a value to its query is the gated DeltaNet's state, and writing the corrupt run's layer-0 memory (state
+  and conv window, `set_memory_after`) just before the last query into the clean run turns 4.3% of
+  the answers into the corrupt value and leaves 86% clean (256 `contrast` pairs): the recurrent state
+  does not carry the binding in this toy. Use it to study reading, writing and generation through a
+  trained gated DeltaNet, not as a model whose recall lives in its state.
+- ``"mamba2"``: `Mamba2ForCausalLM`, 2 Mamba-2 layers, hidden 64, 8 heads x 16, d_state 16, one group
+  (state [8, 16, 16]); transformers' own init (`init_for_recall` leaves Mamba-2 alone). No attention,
+  so the recall is done by the state space layers, and patching shows where: writing the corrupt
+  run's memory just before the last query into the clean run (256 `contrast` pairs) turns 100% of
+  the answers into the corrupt value when both layers are written, 85% for layer 0 alone, 11% for
+  layer 1 alone (the state alone, without the conv window, gives the same numbers).
+
+Not shipped: Mamba-1 (`MambaForCausalLM`: a training step of the same size took 1.2 s here against
+0.12-0.25 s for the others, so a run would not fit the budget) and Kimi delta attention.
+
+Weights: float32 safetensors, the tied ``lm_head.weight`` stored once (as the input embedding).
+See `scripts/train_toys.py` for the runs that produced them (seed, steps, time, accuracy).
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from typing import Callable
+
+import torch
+import transformers
+
+from ._init import SLOW_DECAY_FACTOR, init_for_recall
+from ._task import BOS, EOS, PAD, MQAR
+
+__all__ = ["TOYS", "toy_config", "build_toy", "load_toy", "toy_task"]
+
+_TASK = MQAR()  # every toy is trained on the default task
+_VOCAB = _TASK.vocab_size
+_IDS = dict(pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
+
+
+def _gdn_config() -> transformers.PretrainedConfig:
+    return transformers.Qwen3_5TextConfig(
+        vocab_size=_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        tie_word_embeddings=True,
+        **_IDS,
+    )
+
+
+def _mamba2_config() -> transformers.PretrainedConfig:
+    return transformers.Mamba2Config(
+        vocab_size=_VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        expand=2,
+        num_heads=8,
+        head_dim=16,
+        state_size=16,
+        n_groups=1,
+        conv_kernel=4,
+        chunk_size=16,
+        tie_word_embeddings=True,
+        **_IDS,
+    )
+
+
+def _mamba_config() -> transformers.PretrainedConfig:
+    return transformers.MambaConfig(
+        vocab_size=_VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        expand=2,
+        state_size=16,
+        conv_kernel=4,
+        tie_word_embeddings=True,
+        **_IDS,
+    )
+
+
+_CONFIGS: dict[str, tuple[Callable[[], transformers.PretrainedConfig], type]] = {
+    "gdn": (_gdn_config, transformers.Qwen3_5ForCausalLM),
+    "mamba2": (_mamba2_config, transformers.Mamba2ForCausalLM),
+}
+_UNSHIPPED = {  # configs kept for scripts/train_toys.py
+    "mamba": (_mamba_config, transformers.MambaForCausalLM),
+}
+TOYS: tuple[str, ...] = tuple(_CONFIGS)
+
+
+def _check(name: str, shipped: bool = True) -> None:
+    if name not in _CONFIGS and (shipped or name not in _UNSHIPPED):
+        raise KeyError(f"unknown toy {name!r}; known: {list(TOYS)}")
+
+
+def toy_task(name: str) -> MQAR:
+    """The task toy `name` was trained on (`MQAR()` for every toy)."""
+    _check(name)
+    return _TASK
+
+
+def toy_config(name: str) -> transformers.PretrainedConfig:
+    """The config of toy `name` (a fresh object each call; also for the configs that do not ship)."""
+    _check(name, shipped=False)
+    return {**_CONFIGS, **_UNSHIPPED}[name][0]()
+
+
+def build_toy(name: str, seed: int = 0, *, decay_factor: float = SLOW_DECAY_FACTOR) -> transformers.PreTrainedModel:
+    """Toy `name` untrained: seeded transformers init, then `init_for_recall(model, decay_factor)`;
+    float32, train mode. Also builds the configs that do not ship (``"mamba"``)."""
+    _check(name, shipped=False)
+    config_fn, model_cls = {**_CONFIGS, **_UNSHIPPED}[name]
+    torch.manual_seed(seed)
+    return init_for_recall(model_cls(config_fn()), decay_factor).float().train()
+
+
+def weights_file(name: str):
+    """The packaged safetensors file of toy `name` (an importlib.resources Traversable)."""
+    _check(name)
+    return importlib.resources.files(__package__).joinpath("weights", f"{name}.safetensors")
+
+
+def load_toy(name: str) -> transformers.PreTrainedModel:
+    """Toy `name`, trained on `MQAR()`, loaded from the package: float32, eval mode, no network.
+
+    Builds the model from `toy_config(name)` and loads the packaged weights; the only key the file
+    lacks is the tied ``lm_head.weight``, which `tie_weights` fills in.
+    """
+    from safetensors.torch import load as load_bytes
+
+    _check(name)
+    config_fn, model_cls = _CONFIGS[name]
+    state = load_bytes(weights_file(name).read_bytes())
+    model = model_cls(config_fn())
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"}
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"toy {name!r}: weights do not fit the config: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    return model.float().eval()

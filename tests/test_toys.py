@@ -1,0 +1,200 @@
+"""recurrent_hooks.toys: the MQAR task, init_for_recall, and the shipped trained toys (loaded from the
+package, no network): accuracy on fresh prompts, greedy generate over the cache, watching, patching."""
+
+import math
+import socket
+
+import pytest
+import torch
+
+import recurrent_hooks as rh
+from recurrent_hooks import toys
+from recurrent_hooks.toys import MQAR, TOYS, generate_answers, load_toy
+
+from _compare import assert_close, assert_equal
+
+FRESH = 20240611  # a seed no training run or docstring uses
+STATE_SHAPES = {  # per recurrent layer, after [batch, seq]
+    "gdn": (4, 16, 16),  # heads key_dim value_dim
+    "mamba2": (8, 16, 16),  # heads head_dim d_state
+}
+KERNELS = {  # (prompt kernel, decode kernel) of the first recurrent layer
+    "gdn": ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"),
+    "mamba2": ("mamba2_chunk_scan", "mamba2_selective_state_update"),
+}
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {}
+
+
+def _toy(models, name):
+    if name not in models:
+        models[name] = load_toy(name)
+    return models[name]
+
+
+# --- the task -------------------------------------------------------------------------------------
+
+
+def test_task_is_deterministic_in_its_seed():
+    task = MQAR()
+    a, b, c = task.sample(32, seed=3), task.sample(32, seed=3), task.sample(32, seed=4)
+    assert_equal("same seed", a.ids, b.ids)
+    assert not torch.equal(a.ids, c.ids)
+    gen_a, gen_b = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    assert_equal("same generator", task.sample(8, generator=gen_a).ids, task.sample(8, generator=gen_b).ids)
+    with pytest.raises(TypeError, match="seed"):
+        task.sample(4)
+
+
+def test_task_layout():
+    task = MQAR(num_pairs=6, num_queries=4, num_keys=10, num_values=7)
+    batch = task.sample(64, seed=0)
+    assert batch.ids.shape == (64, task.seq_len) == (64, 1 + 12 + 8)
+    assert set(task.key_tokens).isdisjoint(task.value_tokens) and task.vocab_size == task.value_tokens.stop
+    assert_equal("bos", torch.ones(64, dtype=torch.long), batch.ids[:, 0])
+    assert_equal("keys", batch.pair_keys, batch.ids[:, task.key_positions])
+    assert_equal("values", batch.pair_values, batch.ids[:, task.value_positions])
+    assert ((batch.pair_keys >= task.key_tokens.start) & (batch.pair_keys < task.key_tokens.stop)).all()
+    assert ((batch.pair_values >= task.value_tokens.start) & (batch.pair_values < task.value_tokens.stop)).all()
+    assert all(len(set(row.tolist())) == task.num_pairs for row in batch.pair_keys)  # distinct keys
+    assert all(len(set(row.tolist())) == task.num_queries for row in batch.query_pairs)  # distinct queries
+    assert_equal("queries", batch.pair_keys.gather(1, batch.query_pairs), batch.ids[:, task.query_positions])
+    assert_equal("answers", batch.pair_values.gather(1, batch.query_pairs), batch.answers)
+    assert_equal("answer tokens", batch.answers, batch.ids[:, task.answer_token_positions])
+    assert_equal("answer positions", task.query_positions, task.answer_positions)
+
+
+@pytest.mark.parametrize("query", [-1, 0, 2])
+def test_contrast_changes_one_value_and_one_answer(query):
+    task = MQAR()
+    clean, corrupt = task.contrast(128, seed=1, query=query)
+    q = query % task.num_queries
+    pair = clean.query_pairs[:, q]
+    expected = torch.zeros_like(clean.ids, dtype=torch.bool)
+    rows = torch.arange(128)
+    expected[rows, task.value_positions[pair]] = True
+    expected[:, task.answer_token_positions[q]] = True
+    assert_equal("positions that differ", expected, clean.ids != corrupt.ids)
+    assert_equal("same keys and queries", clean.query_pairs, corrupt.query_pairs)
+    changed = torch.zeros_like(clean.answers, dtype=torch.bool)
+    changed[:, q] = True
+    assert_equal("answers that differ", changed, clean.answers != corrupt.answers)
+    assert_equal("the corrupt answer is the new value", corrupt.pair_values[rows, pair], corrupt.answers[:, q])
+    if query == -1:  # without the final answer token the prompts differ in exactly one token
+        assert_equal("one token", torch.ones(128, dtype=torch.long), (clean.ids[:, :-1] != corrupt.ids[:, :-1]).sum(1))
+
+
+# --- the init -------------------------------------------------------------------------------------
+
+
+def test_init_for_recall_changes_gated_deltanet_decay_and_conv_only():
+    built = toys.build_toy("gdn", seed=0)
+    torch.manual_seed(0)
+    plain = type(built)(toys.toy_config("gdn"))
+    before = {k: v.clone() for k, v in plain.state_dict().items()}
+    toys.init_for_recall(plain)
+    after = plain.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    (a_log,) = [k for k in before if k.endswith("linear_attn.A_log")]
+    (conv,) = [k for k in before if k.endswith("linear_attn.conv1d.weight")]
+    assert changed == {a_log, conv}
+    assert_close("A / 64", before[a_log] - math.log(64), after[a_log])
+    assert_close("conv x 16", before[conv] * 16, after[conv])
+    assert_equal("build_toy applies it", after[a_log], built.state_dict()[a_log])
+    mamba2 = toys.build_toy("mamba2", seed=0)
+    torch.manual_seed(0)
+    plain2 = type(mamba2)(toys.toy_config("mamba2"))
+    for key, value in plain2.state_dict().items():
+        assert_equal(key, value, mamba2.state_dict()[key])
+
+
+# --- the shipped models ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", TOYS)
+def test_toy_loads_offline_and_recalls(name, models, monkeypatch):
+    def no_network(*args, **kwargs):
+        raise AssertionError("load_toy touched the network")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    assert toys._models.weights_file(name).is_file()
+    assert len(toys._models.weights_file(name).read_bytes()) < 1_000_000
+    model = _toy(models, name)
+    assert not model.training
+    task = toys.toy_task(name)
+    batch = task.sample(256, seed=FRESH)
+    with torch.no_grad():
+        accuracy = task.accuracy(model(batch.ids).logits, batch)
+    assert accuracy >= 0.95, f"{name}: {accuracy:.4f} of fresh queries answered"
+
+
+@pytest.mark.parametrize("name", TOYS)
+def test_toy_inside_watch_keeps_states(name, models):
+    model = _toy(models, name)
+    task = toys.toy_task(name)
+    batch = task.sample(4, seed=FRESH + 1)
+    with torch.no_grad():
+        expected = model(batch.ids).logits
+        with rh.watch(model, keep=("states",)) as w:
+            got = model(batch.ids).logits
+    assert_close("logits inside the watch", expected, got, rtol=1e-4, atol=1e-5)
+    assert len(w.mixers) >= 1
+    for mixer in w.mixers:
+        assert mixer.states.shape == (4, task.seq_len, *STATE_SHAPES[name])
+        assert_close(f"{mixer} state after the last token = the kept last state", mixer.states[:, -1],
+                     mixer.state_after(-1))
+
+
+@pytest.mark.parametrize("name", TOYS)
+def test_toy_generates_answers_over_the_cache(name, models):
+    """Greedy generate: answer 0 from the prompt, answers 1.. from one-token decode steps over the cache."""
+    model, task = _toy(models, name), toys.toy_task(name)
+    batch = task.sample(32, seed=FRESH + 2)
+    with torch.no_grad():
+        forced = task.answer_logits(model(batch.ids).logits).argmax(-1)
+        with rh.watch(model) as w:
+            generated = generate_answers(model, task, batch)
+    prompt_kernel, decode_kernel = KERNELS[name]
+    kernels = [call.kernel for call in w.mixers[0].calls]
+    assert kernels == [prompt_kernel] + [decode_kernel] * (2 * task.num_queries - 2)
+    assert_equal("generated = teacher-forced argmax", forced, generated)
+    accuracy = (generated == batch.answers).float().mean().item()
+    assert accuracy >= 0.95, f"generated answers right: {accuracy:.4f}"
+
+
+@pytest.mark.skipif("gdn" not in TOYS, reason="the gdn toy does not ship")
+def test_gdn_binding_is_done_by_attention_not_the_state(models):
+    """As `load_toy`'s docstring says: writing the corrupt run's gated DeltaNet memory just before the
+    last query into the clean run leaves most answers clean and flips few to the corrupt value."""
+    model, task = _toy(models, "gdn"), toys.toy_task("gdn")
+    clean, corrupt = task.contrast(256, seed=7)
+    before = int(task.query_positions[-1]) - 1  # the last token before the last query
+    with torch.no_grad(), rh.watch(model, keep=("states", "conv_states")) as w:
+        model(corrupt.ids[:, :-1])
+        memory = w.mixer(0).memory_after(before)
+    with torch.no_grad(), rh.watch(model) as w:
+        w.mixer(0).set_memory_after(before, memory)
+        patched = model(clean.ids[:, :-1]).logits[:, -1].argmax(-1)
+    flipped = (patched == corrupt.answers[:, -1]).float().mean().item()
+    kept = (patched == clean.answers[:, -1]).float().mean().item()
+    assert flipped <= 0.1 and kept >= 0.8, f"flipped to corrupt {flipped:.3f}, still clean {kept:.3f}"
+
+
+@pytest.mark.skipif("mamba2" not in TOYS, reason="the mamba2 toy does not ship")
+def test_mamba2_binding_lives_in_the_state(models):
+    """Writing the corrupt run's Mamba-2 states just before the last query flips the clean run's answer."""
+    model, task = _toy(models, "mamba2"), toys.toy_task("mamba2")
+    clean, corrupt = task.contrast(256, seed=7)
+    before = int(task.query_positions[-1]) - 1
+    with torch.no_grad(), rh.watch(model, keep=("states",)) as w:
+        model(corrupt.ids[:, :-1])
+        states = [mixer.state_after(before) for mixer in w.mixers]
+    with torch.no_grad(), rh.watch(model) as w:
+        for mixer, state in zip(w.mixers, states):
+            mixer.set_state_after(before, state)
+        patched = model(clean.ids[:, :-1]).logits[:, -1].argmax(-1)
+    flipped = (patched == corrupt.answers[:, -1]).float().mean().item()
+    assert flipped >= 0.95, f"patched answers that became the corrupt value: {flipped:.3f}"
