@@ -3,9 +3,10 @@
     from recurrent_hooks.demo import tiny_model
     model = tiny_model()          # Qwen3_5ForCausalLM, 4 layers [linear, full, linear, full], random weights
 
-    python -m recurrent_hooks demo    # reads states, patches a state across prompts, steers a generation
+    python -m recurrent_hooks demo    # on the trained Mamba-2 toy: read, patch, steer, attribute
 
-The weights are random, so the demo shows mechanics and measurable effects, not meaning. The decay
+`tiny_model`'s weights are random, so it shows mechanics and measurable effects, not meaning (the demo
+itself runs on a trained toy of `recurrent_hooks.toys`). The decay
 rates are slowed down (A / 64) so that the random model keeps its state over tens of tokens, as a
 trained model does: with transformers' default initialisation most heads forget within a token.
 """
@@ -49,61 +50,68 @@ def tiny_model(seed: int = 0) -> transformers.Qwen3_5ForCausalLM:
 
 
 def main() -> None:
-    """Read, patch and steer the state of the tiny model; print what each step measured."""
-    model = tiny_model()
-    gen = torch.Generator().manual_seed(0)
-    prompt_a = torch.randint(3, 128, (1, 16), generator=gen)
-    prompt_b = prompt_a.clone()
-    prompt_b[0, :8] = torch.randint(3, 128, (8,), generator=gen)  # B differs from A in its first 8 tokens
-    print(f"tiny {type(model).__name__}: {sum(p.numel() for p in model.parameters()):,} parameters, random weights")
+    """Read, patch, steer and attribute the memory of the shipped Mamba-2 MQAR toy; print what each step measured."""
+    from ._attribution import attribute
+    from .toys import MQAR, generate_answers, load_toy
 
-    # 1. Read: the state after every token of a prompt, and the convolution window.
-    with watch(model, keep=("states", "conv_states", "outputs")) as run_a, torch.no_grad():
-        model(prompt_a)
-    mixer = run_a.mixers[0]
-    print(f"\n1. {mixer}: states {tuple(mixer.states.shape)} (batch, seq, heads, key_dim, value_dim),"
-          f" conv windows {tuple(mixer.conv_states.shape)}")
-    norms = mixer.states.flatten(2).norm(dim=-1)[0]
-    print("   state norm per token:", " ".join(f"{n:.3f}" for n in norms.tolist()))
+    task, model = MQAR(), load_toy("mamba2")
+    names = {t: f"k{t - task.key_tokens.start}" for t in task.key_tokens}
+    names |= {t: f"v{t - task.value_tokens.start}" for t in task.value_tokens}
+    print(f"{type(model).__name__} trained on multi-query associative recall (recurrent_hooks.toys, no download):"
+          f" {sum(p.numel() for p in model.parameters()):,} parameters, {task.num_pairs} key-value pairs, then"
+          f" {task.num_queries} queries")
 
-    # 2. Patch: prompt B shares A's tokens after token 7. Write A's memory after token 7 into the run on
-    # B, in every recurrent layer: the state alone, then the whole memory (state and conv window).
-    def layer0_output(write=None):
-        with watch(model, keep=("outputs",)) as w, torch.no_grad():
+    # 1. Read: the state after every token of a prompt.
+    clean, corrupt = task.contrast(1, seed=7)
+    query = int(task.answer_positions[-1])
+    pair = int(clean.query_pairs[0, -1])
+    value = int(task.value_positions[pair])
+    right, wrong = int(clean.answers[0, -1]), int(corrupt.answers[0, -1])
+    clean_ids, corrupt_ids = clean.ids[:, :query + 1], corrupt.ids[:, :query + 1]
+    with watch(model, keep=("states", "conv_states")) as run, torch.no_grad():
+        logits = model(clean_ids).logits
+    mixer = run.mixers[0]
+    print(f"\n1. prompt: {' '.join(names.get(int(t), 'bos') for t in clean_ids[0])}")
+    print(f"   {mixer}: states {tuple(mixer.states.shape)} (batch, seq, heads, head_dim, d_state)")
+    print("   state norm per token:", " ".join(f"{n:.1f}" for n in mixer.states.flatten(2).norm(dim=-1)[0].tolist()))
+    print(f"   the last query asks for k{int(clean.pair_keys[0, pair]) - task.key_tokens.start}: answer"
+          f" {names[int(logits[0, query].argmax())]} (right: {names[right]})")
+
+    # 2. Patch: the corrupt prompt changes that pair's value; write the clean memory after the value token.
+    def answer(write=None):
+        with watch(model) as w, torch.no_grad():
             if write is not None:
                 write(w)
-            model(prompt_b)
-        return w.mixers[0].calls[0].output["output"]
+            logits = model(corrupt_ids).logits[0, query]
+        return names[int(logits.argmax())], float(logits[right] - logits[wrong])
 
-    memory = run_a.memory_after(7)
-    target = mixer.calls[0].output["output"]
+    memory = run.memory_after(value)
     rows = {
-        "unpatched": layer0_output(),
-        "state only": layer0_output(lambda w: [m.set_state_after(7, memory[m.layer].state) for m in w.mixers]),
-        "whole memory": layer0_output(lambda w: w.set_memory_after(7, memory)),
+        "unpatched": answer(),
+        "state only": answer(lambda w: [m.set_state_after(value, memory[m.layer].state) for m in w.mixers]),
+        "whole memory": answer(lambda w: w.set_memory_after(value, memory)),
     }
-    print(f"\n2. patch A's memory after token 7 into the run on B (tokens 8.. are shared);")
-    print(f"   distance of {mixer}'s kernel output to A's, tokens 8..15:")
-    for name, out in rows.items():
-        print(f"   {name:>12}:", " ".join(f"{d:.1e}" for d in (out - target)[0, 8:].flatten(1).norm(dim=-1).tolist()))
-    print("   the state alone leaves B's last inputs in the convolution window; the whole memory carries A over")
+    print(f"\n2. patch: the corrupt prompt gives pair {pair} the value {names[wrong]}; write the clean run's memory after"
+          f" token {value} (the value) into it, in every layer:")
+    for name, (token, margin) in rows.items():
+        print(f"   {name:>12}: answer {token}, logit({names[right]}) - logit({names[wrong]}) = {margin:+.2f}")
+    print("   right after the value token, only the convolution window holds it: the state alone does nothing")
 
-    # 3. Steer and watch a generation: scale the state at decode step 2, record every step's norm.
-    trace = []
-    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    # 3. Steer a generation: the same write, in the prompt of a generate over the cache.
     with watch(model) as w, torch.no_grad():
-        w.mixers[0].register_state_hook(lambda m, call, token, s: trace.append((call, s.norm().item())), token=-1)
-        w.mixers[0].register_state_hook(lambda m, call, token, s: s * 4.0, call=2)
-        steered = model.generate(prompt_a, **kwargs)
-    with torch.no_grad():
-        plain = model.generate(prompt_a, **kwargs)
-    print("\n3. generate 6 tokens; layer 0's state scaled by 4 after decode step 2:")
-    print("   last-token state norm seen by the first hook:", ", ".join(f"call {c}: {n:.3f}" for c, n in trace))
-    change = [(a - b).abs().max().item() for a, b in zip(plain.logits, steered.logits)]
-    print("   max |logit change| per call:", ", ".join(f"{c:.1e}" for c in change))
+        w.set_memory_after(value, memory)
+        steered = generate_answers(model, task, corrupt)
+    plain = generate_answers(model, task, corrupt)
+    print("\n3. generate the four answers of the corrupt prompt (one decode step each):")
+    print("   plain:  ", " ".join(names[int(t)] for t in plain[0]))
+    print("   written:", " ".join(names[int(t)] for t in steered[0]), "(the last answer follows the written memory)")
 
-    # 4. Gradient of the last token's log-partition with respect to a state.
-    with watch(model, keep=("states",)) as w:
-        metric = model(prompt_a).logits[0, -1].logsumexp(-1)
-    (grad,) = torch.autograd.grad(metric, w.mixers[1].state_after(7))
-    print(f"\n4. |d logsumexp(logits[-1]) / d state after token 7| in {w.mixers[1]}: {grad.norm():.4e}")
+    # 4. Attribution: the effect of patching every layer x token, from one backward.
+    def metric(logits: torch.Tensor) -> torch.Tensor:
+        return logits[:, query, right] - logits[:, query, wrong]
+
+    result = attribute(model, clean_ids, corrupt_ids, metric)
+    layer, token = divmod(int(result.memory.argmax()), result.memory.shape[1])
+    print(f"\n4. attribution from one backward: the largest estimated effect is layer {result.layers[layer]},"
+          f" after token {token}; no token before the value ({value}) matters:"
+          f" max |estimate| there {result.memory[:, :value].abs().max():.1e}")
