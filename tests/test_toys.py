@@ -16,10 +16,12 @@ from _compare import assert_close, assert_equal
 FRESH = 20240611  # a seed no training run or docstring uses
 STATE_SHAPES = {  # per recurrent layer, after [batch, seq]
     "gdn": (4, 16, 16),  # heads key_dim value_dim
+    "gdn_recall": (4, 16, 16),
     "mamba2": (8, 16, 16),  # heads head_dim d_state
 }
 KERNELS = {  # (prompt kernel, decode kernel) of the first recurrent layer
     "gdn": ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"),
+    "gdn_recall": ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"),
     "mamba2": ("mamba2_chunk_scan", "mamba2_selective_state_update"),
 }
 
@@ -198,3 +200,94 @@ def test_mamba2_binding_lives_in_the_state(models):
         patched = model(clean.ids[:, :-1]).logits[:, -1].argmax(-1)
     flipped = (patched == corrupt.answers[:, -1]).float().mean().item()
     assert flipped >= 0.95, f"patched answers that became the corrupt value: {flipped:.3f}"
+# --- gdn_recall: the attention layer is a no-op, the recall is in the gated DeltaNet memory --------
+
+
+def _o_projs(model):
+    return [layer.self_attn.o_proj for layer in model.model.layers if hasattr(layer, "self_attn")]
+
+
+def test_gdn_recall_attention_is_a_frozen_zero(models, monkeypatch):
+    built = toys.build_toy("gdn_recall", seed=0)
+    layers = [layer.block_type for layer in built.model.layers]
+    assert layers == ["linear_attention", "linear_attention", "full_attention"]
+    for model in (built, _toy(models, "gdn_recall")):
+        (o_proj,) = _o_projs(model)
+        assert o_proj.bias is None and not o_proj.weight.requires_grad
+        assert_equal("o_proj", torch.zeros_like(o_proj.weight), o_proj.weight)
+    trained = {n for n, p in built.named_parameters() if p.requires_grad}
+    assert trained == {n for n, _ in built.named_parameters()} - {"model.layers.2.self_attn.o_proj.weight"}
+
+    # the attention adds nothing to the residual stream of the shipped model
+    model, task = _toy(models, "gdn_recall"), toys.toy_task("gdn_recall")
+    outputs = []
+    handle = _o_projs(model)[0].register_forward_hook(lambda module, args, out: outputs.append(out))
+    try:
+        with torch.no_grad():
+            model(task.sample(4, seed=FRESH + 3).ids)
+    finally:
+        handle.remove()
+    assert_equal("attention output", torch.zeros_like(outputs[0]), outputs[0])
+
+    # the loader refuses weights whose o_proj is not zero
+    from safetensors.torch import load as load_bytes, save
+
+    state = load_bytes(toys._models.weights_file("gdn_recall").read_bytes())
+    key = "model.layers.2.self_attn.o_proj.weight"
+    state[key] = torch.full_like(state[key], 1e-3)
+
+    class Tampered:
+        def read_bytes(self):
+            return save(state)
+
+    monkeypatch.setattr(toys._models, "weights_file", lambda name: Tampered())
+    with pytest.raises(RuntimeError, match="o_proj must be all zeros"):
+        load_toy("gdn_recall")
+
+
+def _patched_logits(model, clean, corrupt, token_of_row, layers=None):
+    """The corrupt run's logits at its last position (the last query; the prompts end before its answer)
+    when the CLEAN run's whole memory (state and conv window) of each gated DeltaNet layer in `layers`
+    (default: all) is written after token ``token_of_row[b]``. Rows are grouped by token, since
+    `set_memory_after` takes one token."""
+    ids_clean, ids_corrupt = clean.ids[:, :-1], corrupt.ids[:, :-1]  # they differ in the changed value only
+    with torch.no_grad(), rh.watch(model, keep=("states", "conv_states")) as clean_watch:
+        model(ids_clean, use_cache=False)
+    logits = torch.empty(len(clean), model.config.vocab_size)
+    for token in token_of_row.unique().tolist():
+        rows = (token_of_row == token).nonzero().flatten()
+        memory = {layer: type(m)(*(x[rows] for x in m)) for layer, m in clean_watch.memory_after(token).items()
+                  if layers is None or layer in layers}
+        with torch.no_grad(), rh.watch(model) as w:
+            w.set_memory_after(token, memory)
+            logits[rows] = model(ids_corrupt[rows], use_cache=False).logits[:, -1]
+    return logits
+
+
+def test_gdn_recall_binding_is_in_the_recurrent_memory(models):
+    """The recall of `gdn_recall` goes through the gated DeltaNet memory (256 `contrast` pairs, seed 7;
+    the last query's pair has a different value in the corrupt run). Writing the clean run's memory
+    into the corrupt run after the token just before the last query restores the clean answer
+    (measured 98.8% = the clean run's own accuracy on that query: with the attention a no-op, the last
+    position is a function of its token and the memory, so the patched logits ARE the clean ones);
+    writing it after the changed pair's key (before the changed value) restores none (measured 0.0%).
+    Layer 0's memory alone restores 98.8%, layer 1's alone 0.0%: layer 0 holds the binding."""
+    model, task = _toy(models, "gdn_recall"), toys.toy_task("gdn_recall")
+    clean, corrupt = task.contrast(256, seed=7)
+    with torch.no_grad():
+        unpatched = model(corrupt.ids[:, :-1], use_cache=False).logits[:, -1]
+        clean_logits = model(clean.ids[:, :-1], use_cache=False).logits[:, -1]
+    assert (unpatched.argmax(-1) == corrupt.answers[:, -1]).float().mean().item() >= 0.9  # the corruption works
+
+    def restored(logits):
+        return (logits.argmax(-1) == clean.answers[:, -1]).float().mean().item()
+
+    before_query = torch.full((256,), int(task.query_positions[-1]) - 1)
+    late = _patched_logits(model, clean, corrupt, before_query)
+    assert restored(late) >= 0.9, f"restored by the memory before the query: {restored(late):.3f}"
+    assert_close("patched corrupt run = clean run at the last query", clean_logits, late, rtol=1e-4, atol=1e-4)
+    key_of_changed_pair = task.key_positions[clean.query_pairs[:, -1]]
+    early = _patched_logits(model, clean, corrupt, key_of_changed_pair)
+    assert restored(early) <= 0.05, f"restored by the memory after the changed pair's key: {restored(early):.3f}"
+    assert restored(_patched_logits(model, clean, corrupt, before_query, layers={0})) >= 0.9
+    assert restored(_patched_logits(model, clean, corrupt, before_query, layers={1})) <= 0.1

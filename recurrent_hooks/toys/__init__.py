@@ -3,6 +3,7 @@ transformers models of each recurrent kind whose weights are in the package (no 
 
     from recurrent_hooks.toys import MQAR, load_toy
     task, model = MQAR(), load_toy("gdn")          # Qwen3_5ForCausalLM [linear_attention, full_attention]
+    model = load_toy("gdn_recall")                 # [linear, linear, full (no-op)]: recall in the state
     clean, corrupt = task.contrast(16, seed=0)     # one pair's value differs; one answer changes
     logits = model(clean.ids).logits[:, task.answer_positions]
 

@@ -2,11 +2,13 @@
 
     from recurrent_hooks.toys import MQAR, load_toy
     model = load_toy("gdn")                  # Qwen3_5ForCausalLM, trained on MQAR(), eval mode, float32
+    model = load_toy("gdn_recall")           # the same kind, but its recall is in the recurrent state
     batch = MQAR().sample(256, seed=123)
     MQAR().accuracy(model(batch.ids).logits, batch)
 
 `TOYS` lists the names; `toy_config(name)` builds a config, `build_toy(name, seed)` a freshly
-initialised (untrained, `init_for_recall`) model, which is what `scripts/train_toys.py` trains.
+initialised (untrained, `init_for_recall`; for ``"gdn_recall"`` with the attention's o_proj zero
+and frozen) model, which is what `scripts/train_toys.py` trains.
 The weights are stored as float32 safetensors files in ``recurrent_hooks/toys/weights/`` and read
 with importlib.resources, so they ship in the wheel.
 
@@ -28,7 +30,32 @@ Layouts:
   and conv window, `set_memory_after`) just before the last query into the clean run turns 4.3% of
   the answers into the corrupt value and leaves 86% clean (256 `contrast` pairs): the recurrent state
   does not carry the binding in this toy. Use it to study reading, writing and generation through a
-  trained gated DeltaNet, not as a model whose recall lives in its state.
+  trained gated DeltaNet, not as a model whose recall lives in its state (that is ``"gdn_recall"``).
+- ``"gdn_recall"``: `Qwen3_5ForCausalLM`, 3 layers ``[linear_attention, linear_attention,
+  full_attention]``, hidden 64, both gated DeltaNets as in ``"gdn"`` (state [4, 16, 16] each),
+  attention 1 head x 16 whose **output projection is zero**: the toy whose recall is in the
+  recurrent state, for patching sweeps of the gated DeltaNet memory.
+  Why the attention layer exists at all: only so that transformers can `generate` with a cache
+  (5.24 builds the causal mask with ``cache.get_seq_length``, which raises "can only be called on
+  Attention layers" when every qwen3_5 layer is linear attention). Why it is a no-op:
+  ``self_attn.o_proj.weight`` is all zeros (no bias), so the attention block adds exactly 0 to the
+  residual stream: the layer is the identity there followed by its MLP, which stays and is trained.
+  `build_toy` zeroes o_proj and freezes it (``requires_grad=False``; AdamW never sees it, so weight
+  decay cannot move it either), `scripts/train_toys.py` checks it is still zero after training, and
+  `load_toy` refuses weights whose o_proj is not all zeros. With the attention out of the picture,
+  the only route from a pair's value to the query that asks for it is the gated DeltaNets' memory
+  (state and conv window): every later position sees earlier tokens through it alone, so the key-value
+  binding must be in the recurrent state. (The layers whose q/k/v projections feed the zero o_proj
+  get no gradient and stay at their init; they cost a few thousand parameters.)
+  What the memory does in the shipped weights (256 `contrast` pairs, the last query's value
+  changed): writing the clean run's whole gated DeltaNet memory (both layers, state and conv window,
+  `Watch.set_memory_after`) after the token just before the last query into the corrupt run turns
+  98.8% of the corrupt answers back into the clean answer (the clean run's own accuracy on that
+  query: the patched logits are the clean ones, since that position sees the past only through the
+  memory); written after the changed pair's key, before its value, it restores 0.0%. Layer 0's
+  memory alone restores 98.8% (its state alone too), layer 1's alone 0.0%: layer 0's state holds the
+  binding (its short conv puts the key next to the value, so one delta-rule layer can store the pair).
+  It reached 95% of held-out queries at step ~400 and 99.3% at 1,000 (`scripts/train_toys.py`).
 - ``"mamba2"``: `Mamba2ForCausalLM`, 2 Mamba-2 layers, hidden 64, 8 heads x 16, d_state 16, one group
   (state [8, 16, 16]); transformers' own init (`init_for_recall` leaves Mamba-2 alone). No attention,
   so the recall is done by the state space layers, and patching shows where: writing the corrupt
@@ -81,6 +108,26 @@ def _gdn_config() -> transformers.PretrainedConfig:
     )
 
 
+def _gdn_recall_config() -> transformers.PretrainedConfig:
+    return transformers.Qwen3_5TextConfig(
+        vocab_size=_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "linear_attention", "full_attention"],
+        num_attention_heads=1,  # the attention is a no-op (o_proj = 0): as small as it can be
+        num_key_value_heads=1,
+        head_dim=16,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        tie_word_embeddings=True,
+        **_IDS,
+    )
+
+
 def _mamba2_config() -> transformers.PretrainedConfig:
     return transformers.Mamba2Config(
         vocab_size=_VOCAB,
@@ -114,7 +161,11 @@ def _mamba_config() -> transformers.PretrainedConfig:
 _CONFIGS: dict[str, tuple[Callable[[], transformers.PretrainedConfig], type]] = {
     "gdn": (_gdn_config, transformers.Qwen3_5ForCausalLM),
     "mamba2": (_mamba2_config, transformers.Mamba2ForCausalLM),
+    "gdn_recall": (_gdn_recall_config, transformers.Qwen3_5ForCausalLM),
 }
+# Toys whose attention layers are the identity on the residual stream: o_proj is zero, frozen in
+# training (requires_grad False) and checked on load (see the module docstring, "gdn_recall").
+NOOP_ATTENTION: frozenset[str] = frozenset({"gdn_recall"})
 _UNSHIPPED = {  # configs kept for scripts/train_toys.py
     "mamba": (_mamba_config, transformers.MambaForCausalLM),
 }
@@ -144,7 +195,24 @@ def build_toy(name: str, seed: int = 0, *, decay_factor: float = SLOW_DECAY_FACT
     _check(name, shipped=False)
     config_fn, model_cls = {**_CONFIGS, **_UNSHIPPED}[name]
     torch.manual_seed(seed)
-    return init_for_recall(model_cls(config_fn()), decay_factor).float().train()
+    model = init_for_recall(model_cls(config_fn()), decay_factor).float().train()
+    if name in NOOP_ATTENTION:
+        for o_proj in _attention_outputs(model):
+            with torch.no_grad():
+                o_proj.weight.zero_()
+            o_proj.weight.requires_grad_(False)
+    return model
+
+
+def _attention_outputs(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The output projections (``self_attn.o_proj``) of the model's softmax attention layers."""
+    found = [layer.self_attn.o_proj for layer in model.model.layers if hasattr(layer, "self_attn")]
+    if not found:
+        raise RuntimeError("no attention layer found")
+    for o_proj in found:
+        if o_proj.bias is not None:
+            raise RuntimeError("a no-op attention needs o_proj without bias")
+    return found
 
 
 def weights_file(name: str):
@@ -157,7 +225,9 @@ def load_toy(name: str) -> transformers.PreTrainedModel:
     """Toy `name`, trained on `MQAR()`, loaded from the package: float32, eval mode, no network.
 
     Builds the model from `toy_config(name)` and loads the packaged weights; the only key the file
-    lacks is the tied ``lm_head.weight``, which `tie_weights` fills in.
+    lacks is the tied ``lm_head.weight``, which `tie_weights` fills in. For a toy with a no-op
+    attention (``"gdn_recall"``) it checks that every ``self_attn.o_proj.weight`` is all zeros (raises
+    RuntimeError otherwise) and leaves it frozen (``requires_grad=False``).
     """
     from safetensors.torch import load as load_bytes
 
@@ -170,4 +240,9 @@ def load_toy(name: str) -> transformers.PreTrainedModel:
     if unexpected or set(missing) - tied:
         raise RuntimeError(f"toy {name!r}: weights do not fit the config: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
+    if name in NOOP_ATTENTION:
+        for o_proj in _attention_outputs(model):
+            if torch.count_nonzero(o_proj.weight):
+                raise RuntimeError(f"toy {name!r}: the attention's o_proj must be all zeros (a no-op attention)")
+            o_proj.weight.requires_grad_(False)
     return model.float().eval()
