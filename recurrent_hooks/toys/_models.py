@@ -88,43 +88,40 @@ _VOCAB = _TASK.vocab_size
 _IDS = dict(pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
 
 
+# what the two gated DeltaNet toys share: the layer sizes (state [4, 16, 16]) and the tied embeddings
+_GDN = dict(
+    vocab_size=_VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    tie_word_embeddings=True,
+    **_IDS,
+)
+
+
 def _gdn_config() -> transformers.PretrainedConfig:
     return transformers.Qwen3_5TextConfig(
-        vocab_size=_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
+        **_GDN,
         num_hidden_layers=2,
         layer_types=["linear_attention", "full_attention"],
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=32,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        tie_word_embeddings=True,
-        **_IDS,
     )
 
 
 def _gdn_recall_config() -> transformers.PretrainedConfig:
     return transformers.Qwen3_5TextConfig(
-        vocab_size=_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
+        **_GDN,
         num_hidden_layers=3,
         layer_types=["linear_attention", "linear_attention", "full_attention"],
         num_attention_heads=1,  # the attention is a no-op (o_proj = 0): as small as it can be
         num_key_value_heads=1,
         head_dim=16,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        tie_word_embeddings=True,
-        **_IDS,
     )
 
 
