@@ -1149,6 +1149,8 @@ class _Tap:
             slot = {token: i for i, token in enumerate(kept_at)}
             differentiable = torch.is_grad_enabled()
             buffer: list[Tensor] = []  # grad mode: one leaf for every kept state of the call, zeros when read
+            slots: list[Tensor] = []  # its per-token views
+            filled: dict[int, Tensor] = {}  # slot -> the state it holds
             last: list[Tensor] = []
 
             def on_token(token: int, state: Tensor) -> Tensor:
@@ -1162,12 +1164,14 @@ class _Tap:
                     if differentiable:
                         # ... read through a slot of one zero leaf, so that the stack of every kept state is a
                         # tensor the forward used (autograd.grad(metric, mix.states)), with frozen weights too.
+                        # The slots come from one unbind: its backward stacks their gradients once (a slice
+                        # per token would add a whole-buffer gradient per token, quadratic in the tokens).
                         if not buffer:
                             buffer.append(state.new_zeros((state.shape[0], len(kept_at), *state.shape[1:]),
                                                           requires_grad=True))
-                        state = state + buffer[0].narrow(1, slot[token], 1).squeeze(1)
-                        with torch.no_grad():
-                            buffer[0][:, slot[token]].copy_(state)  # the slot holds the state from now on
+                            slots.extend(buffer[0].unbind(1))
+                        state = state + slots[slot[token]]
+                        filled[slot[token]] = state  # copied into the leaf once the kernel call is over
                     else:
                         state = state.view_as(state)
                     for plan in keeping:
@@ -1187,6 +1191,10 @@ class _Tap:
                 result = kernel.loop(*args, on_token=on_token, **extra, **kwargs)
             if kernel.memory == CONV_MEMORY and kernel.role == "prompt" and last:
                 self._sync_conv_cache(entry.forward, last[0])
+            if buffer:
+                with torch.no_grad():  # the leaf holds the states from now on (the forward read it as zeros)
+                    for i, state in filled.items():
+                        buffer[0][:, i].copy_(state)
             for plan in keeping:
                 if buffer and len(plan.keep) == len(kept_at) == tokens:
                     plan.stacked = buffer[0]
