@@ -18,11 +18,11 @@ from ._errors import RecurrentHooksWarning as RecurrentHooksWarning
 from ._errors import Unavailable as Unavailable
 from ._kimi_delta import KimiDeltaAttention as KimiDeltaAttention
 from ._linear_attention import LinearAttention as LinearAttention
-from ._mixer import Call as Call
-from ._mixer import Kernel as Kernel
+from ._calls import Call as Call
+from ._calls import KernelCall as KernelCall
+from ._calls import Memory as Memory
+from ._kernels import Kernel as Kernel
 from ._mixer import RecurrentMixer as RecurrentMixer
-from ._mixer import KernelCall as KernelCall
-from ._mixer import Memory as Memory
 from ._registry import FAMILIES as FAMILIES
 from ._selective_scan import PerHeadSelectiveScan as PerHeadSelectiveScan
 from ._selective_scan import SelectiveScan as SelectiveScan

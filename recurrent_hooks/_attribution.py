@@ -29,7 +29,9 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from ._errors import InvalidValue
-from ._mixer import CONV_MEMORY, STATE_MEMORY, RecurrentMixer, as_index
+from ._arguments import as_index
+from ._kernels import CONV_MEMORY, STATE_MEMORY
+from ._mixer import RecurrentMixer
 from ._watch import watch
 
 Metric = Callable[[Tensor], Tensor]  # logits [batch, seq, vocab] -> [batch] or a scalar

@@ -36,7 +36,7 @@ from jaxtyping import Float
 from torch import Tensor
 from transformers.activations import ACT2FN
 
-from ._mixer import CONV_MEMORY, FORWARD, Kernel
+from ._kernels import CONV_MEMORY, FORWARD, Kernel
 
 OnToken = Callable[[int, Tensor], Tensor]
 

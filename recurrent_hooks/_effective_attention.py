@@ -51,7 +51,10 @@ from torch import Tensor
 from ._errors import InvalidValue, Unavailable
 from ._kimi_delta import KimiDeltaAttention
 from ._linear_attention import LinearAttention, _prepare
-from ._mixer import STATE_MEMORY, Call, RecurrentMixer, as_index
+from ._arguments import as_index
+from ._calls import Call
+from ._kernels import STATE_MEMORY
+from ._mixer import RecurrentMixer
 from ._selective_scan import SelectiveScan
 from ._state_space import StateSpace
 

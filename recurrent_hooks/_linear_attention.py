@@ -35,7 +35,9 @@ from torch import Tensor
 
 from ._errors import RecurrentHooksError
 from ._conv import CONV_KERNELS
-from ._mixer import Kernel, KernelCall, RecurrentMixer, Segments
+from ._calls import KernelCall
+from ._kernels import Kernel, Segments
+from ._mixer import RecurrentMixer
 
 OnToken = Callable[[int, Tensor], Tensor]
 

@@ -50,7 +50,9 @@ from torch import Tensor
 
 from ._errors import RecurrentHooksError
 from ._conv import CONV_KERNELS
-from ._mixer import STATE_MEMORY, Kernel, KernelCall, RecurrentMixer
+from ._calls import KernelCall
+from ._kernels import STATE_MEMORY, Kernel
+from ._mixer import RecurrentMixer
 
 OnToken = Callable[[int, Tensor], Tensor]
 

@@ -57,7 +57,9 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ._conv import CONV_KERNELS
-from ._mixer import Kernel, KernelCall, RecurrentMixer, Segments
+from ._calls import KernelCall
+from ._kernels import Kernel, Segments
+from ._mixer import RecurrentMixer
 from ._selective_scan import OnToken, discrete_step, refuse_packed, step_size
 
 

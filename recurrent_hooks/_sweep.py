@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from ._errors import InvalidValue
-from ._mixer import CONV_MEMORY, STATE_MEMORY
+from ._kernels import CONV_MEMORY, STATE_MEMORY
 from ._watch import watch
 
 WHAT = {"memory": (STATE_MEMORY, CONV_MEMORY), "state": (STATE_MEMORY,), "window": (CONV_MEMORY,)}

@@ -23,8 +23,11 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from ._errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable
-from ._mixer import (KERNEL_RECORDS, Memory, RecurrentMixer, StateHook, as_index, attach, make_dispatcher,
-                     normalize_keep)
+from ._arguments import as_index, normalize_keep
+from ._calls import Memory
+from ._dispatch import attach, make_dispatcher
+from ._kernels import KERNEL_RECORDS
+from ._mixer import RecurrentMixer, StateHook
 from ._patching import UndoStack, acquire_kernels, bound_original, import_default, rebind_process_wide
 from ._registry import FAMILIES, Family, family_of, resolve_family, unsupported_of
 

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-import recurrent_hooks._mixer as mixer_impl
+import recurrent_hooks._dispatch as dispatch_impl
 import recurrent_hooks._patching as patching
+import recurrent_hooks._threads as threads_impl
 import recurrent_hooks._watch as watch_impl
 
 
@@ -18,15 +19,15 @@ def nothing_left_patched():
     yield
     leaks = {
         "bindings": sorted(patching._BINDINGS),
-        "taps": len(mixer_impl._TAPS),
-        "running": len(mixer_impl.THREAD.running),
-        "inside a hook": mixer_impl.THREAD.in_hook,
+        "taps": len(dispatch_impl._TAPS),
+        "running": len(threads_impl.THREAD.running),
+        "inside a hook": threads_impl.THREAD.in_hook,
         "standalone hooks": len(watch_impl._STANDALONE),
     }
     for mixer in list(watch_impl._STANDALONE.values()):
         for key in list(mixer._hooks):
             del mixer._hooks[key]
         mixer._hook_removed()
-    mixer_impl.THREAD.running.clear()
-    mixer_impl.THREAD.in_hook = 0
+    threads_impl.THREAD.running.clear()
+    threads_impl.THREAD.in_hook = 0
     assert not any(leaks.values()), f"the test left state behind: {leaks}"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import recurrent_hooks as rh
-import recurrent_hooks._mixer as rh_mixer
+import recurrent_hooks._dispatch as rh_dispatch
 from _compare import assert_close, assert_equal
 from _models import FAMILIES as BUILDERS
 from _models import PAD, build, random_ids
@@ -496,10 +496,10 @@ def _conv_window_of(model, ids, token):
 
 def _sparse_run(model, ids, fast, monkeypatch):
     """Writes, hooks and kept states at a few tokens of the prompt and at a decode step, through one path."""
-    monkeypatch.setattr(rh_mixer, "FAST_PATHS", fast)
+    monkeypatch.setattr(rh_dispatch, "FAST_PATHS", fast)
     segmented = []
-    real = rh_mixer._run_in_segments
-    monkeypatch.setattr(rh_mixer, "_run_in_segments", lambda *a: segmented.append(1) or real(*a))
+    real = rh_dispatch._run_in_segments
+    monkeypatch.setattr(rh_dispatch, "_run_in_segments", lambda *a: segmented.append(1) or real(*a))
     seen = []
     with rh.watch(model, keep={"states": [2, 7, -1], "conv_states": [7], "inputs": None}) as w, torch.no_grad():
         mixer = w.mixers[0]
@@ -543,11 +543,11 @@ def test_every_state_kept_chunkwise_equals_the_token_loop(model, monkeypatch):
     token, in segments around it): same outputs, states, hook inputs and cache as the token loop."""
     ids = random_ids(2, 70)
     chunkwise = []
-    real = rh_mixer._run_in_segments
-    monkeypatch.setattr(rh_mixer, "_run_in_segments", lambda *a: chunkwise.append(bool(a[-1])) or real(*a))
+    real = rh_dispatch._run_in_segments
+    monkeypatch.setattr(rh_dispatch, "_run_in_segments", lambda *a: chunkwise.append(bool(a[-1])) or real(*a))
     runs = {}
     for fast in (True, False):
-        monkeypatch.setattr(rh_mixer, "FAST_PATHS", fast)
+        monkeypatch.setattr(rh_dispatch, "FAST_PATHS", fast)
         seen = []
         with rh.watch(model, keep=ALL) as w, torch.no_grad():
             w.mixers[0].register_state_hook(lambda m, c, t, s: seen.append(s.clone()) or s * 0.5, token=40)

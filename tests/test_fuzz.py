@@ -39,7 +39,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 import recurrent_hooks as rh
-import recurrent_hooks._mixer as rh_mixer
+import recurrent_hooks._dispatch as rh_dispatch
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
 from _reference import gated_delta_rule_reference, kimi_delta_rule_reference
@@ -200,10 +200,10 @@ class Run:
 def run(case: Case, kind: Kind, values: list[rh.Memory], fast: bool) -> Run:
     model, _, _ = model_of(kind.family)
     seen, segmented = {}, []
-    real = rh_mixer._run_in_segments
+    real = rh_dispatch._run_in_segments
 
     def spy(*args):
-        segmented.append((rh_mixer.THREAD.running[-1].tap.layer, bool(args[-1])))
+        segmented.append((rh_dispatch.THREAD.running[-1].tap.layer, bool(args[-1])))
         return real(*args)
 
     def hook_of(index: int, edit: Edit):
@@ -217,7 +217,7 @@ def run(case: Case, kind: Kind, values: list[rh.Memory], fast: bool) -> Run:
     else:
         keep = EVERYTHING
     n = case.decode + 1
-    with patched(rh_mixer, FAST_PATHS=fast, _run_in_segments=spy), rh.watch(model, keep=keep) as w:
+    with patched(rh_dispatch, FAST_PATHS=fast, _run_in_segments=spy), rh.watch(model, keep=keep) as w:
         assert len(w.mixers) == kind.mixers
         for i, (edit, value) in enumerate(zip(case.edits, values)):
             mixer = w.mixers[edit.mixer]

@@ -13,7 +13,7 @@ import transformers
 from torch import nn
 
 import recurrent_hooks as rh
-import recurrent_hooks._mixer as rh_mixer
+import recurrent_hooks._threads as rh_threads
 import recurrent_hooks._patching as rh_patching
 import recurrent_hooks._registry as rh_registry
 import recurrent_hooks._watch as watch_impl
@@ -191,12 +191,12 @@ def test_an_interrupt_from_a_hook_leaves_nothing_behind():
         with rh.watch(model) as w:
             w.mixers[0].register_state_hook(interrupt, call=2)
             greedy(model, ids, 4)
-    assert rh_mixer.THREAD.running == [] and rh_mixer.THREAD.in_hook == 0
+    assert rh_threads.THREAD.running == [] and rh_threads.THREAD.in_hook == 0
     handle = rh.register_state_hook(model.model.layers[0].linear_attn, interrupt, call=1)
     with pytest.raises(KeyboardInterrupt):
         greedy(model, ids, 4)
     handle.remove()
-    assert rh_mixer.THREAD.running == []
+    assert rh_threads.THREAD.running == []
     logits, states = states_of(model, ids)  # and later watches work
     assert states[0].shape[1] == T
 
@@ -217,11 +217,11 @@ def test_an_interrupt_outside_a_kernel_is_dropped_by_the_next_forward():
     with pytest.raises(KeyboardInterrupt), torch.no_grad():
         model(ids)
     projection.remove()
-    assert len(rh_mixer.THREAD.running) == 1  # stale until the next forward in this thread
+    assert len(rh_threads.THREAD.running) == 1  # stale until the next forward in this thread
     with torch.no_grad():
         model(ids)
     handle.remove()
-    assert rh_mixer.THREAD.running == [] and seen == [0, 0]
+    assert rh_threads.THREAD.running == [] and seen == [0, 0]
 
 
 # -- 4. generation that stops early is not an error ----------------------------------------------------------------
@@ -308,7 +308,7 @@ def _reference_step(mixer, k, start):
         x[name] = start if len(mixer.calls[k].parts) == 1 else start[:, h]
         for kind, reference in test_families.REFERENCES.items():
             if type(mixer) is kind:
-                parts.append(reference(rh_mixer.KernelCall(part.kernel, x, None))[:, 0])
+                parts.append(reference(rh.KernelCall(part.kernel, x, None))[:, 0])
     return parts[0] if len(parts) == 1 else torch.stack(parts, dim=1)
 
 

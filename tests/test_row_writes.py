@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import recurrent_hooks as rh
-import recurrent_hooks._mixer as rh_mixer
+import recurrent_hooks._dispatch as rh_dispatch
 from _compare import assert_close
 from _models import PAD, build, random_ids
 
@@ -26,7 +26,7 @@ def zero_memory(model, ids, token=0):
 
 @pytest.mark.parametrize("fast", [False, True], ids=["token loop", "fast paths"])
 def test_a_write_per_row_equals_each_row_written_alone(model, fast, monkeypatch):
-    monkeypatch.setattr(rh_mixer, "FAST_PATHS", fast)
+    monkeypatch.setattr(rh_dispatch, "FAST_PATHS", fast)
     ids = random_ids(3, T)
     value = zero_memory(model, ids)
     per_row = [2, 5, T - 1]

@@ -20,7 +20,7 @@ import torch
 import transformers
 
 import recurrent_hooks as rh
-import recurrent_hooks._mixer as rh_mixer
+import recurrent_hooks._dispatch as rh_dispatch
 from _compare import assert_close, assert_equal
 from _models import _COMMON, _KDA, _MLA, _HYBRID_LAYERS, _make, build, random_ids
 
@@ -75,7 +75,7 @@ def loop_reference(model, clean, corrupt, what, batch_size=None):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_batched_sweep_equals_the_loop_of_public_writes_bit_for_bit(family, monkeypatch):
-    monkeypatch.setattr(rh_mixer, "FAST_PATHS", False)
+    monkeypatch.setattr(rh_dispatch, "FAST_PATHS", False)
     model = FAMILIES[family]()
     clean, corrupt = prompts()
     rh.route_kernels(model, "torch")

@@ -1,0 +1,409 @@
+"""Dispatch: which mixer a kernel call belongs to, and how it runs (the bound kernel, segments, the loop).
+
+Module contents:
+- `attach(mixer)`: attach a `RecurrentMixer` to its module's `_Tap` (module pre/post-forward hooks).
+- `make_dispatcher(kind)`: for `_patching.acquire_kernels`, the function bound in place of each kernel.
+- `_Tap.run_kernel`: the plans of the attached mixers decide: nothing wanted runs the bound kernel; a
+  few tokens run it in segments between them (`_run_in_segments`); every state kept without gradients
+  runs the chunk-wise kernel; otherwise the token loop runs, calling the plans after each token.
+- `FAST_PATHS`: False makes every busy call run the token loop (the tests compare both).
+"""
+
+import dataclasses
+import functools
+import inspect
+import sys
+import threading
+import types
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ._calls import KernelCall
+from ._kernels import CONV_MEMORY, FORWARD, Kernel
+from ._mixer import RecurrentMixer, _Forward, _Plan
+from ._threads import THREAD, in_backward
+
+
+_FORWARD_SIGNATURES: dict[type, inspect.Signature] = {}
+
+
+def _forward_of(module: nn.Module, args: tuple, kwargs: dict[str, Any], recompute: bool) -> _Forward:
+    """Tokens, cache and freshness of a mixer forward, from its arguments."""
+    cls = type(module)
+    if cls not in _FORWARD_SIGNATURES:
+        _FORWARD_SIGNATURES[cls] = inspect.signature(module.forward)
+    arguments = _FORWARD_SIGNATURES[cls].bind_partial(*args, **kwargs).arguments
+    extra = arguments.get("kwargs", {})
+    cache = arguments.get("cache", extra.get("cache_params"))
+    layer = getattr(module, "layer_idx", None)
+    fresh = cache is None or layer is None or cache.get_recurrent_state(layer) is None
+    hidden = arguments["hidden_states"]
+    return _Forward(tokens=hidden.shape[1], cache=cache, fresh=fresh, hidden=hidden, recompute=recompute)
+
+
+@dataclasses.dataclass(eq=False)
+class _Running:
+    """One forward of an attached mixer module running in this thread: what its kernel calls belong to."""
+
+    tap: "_Tap"
+    module: nn.Module
+    forward: _Forward | None  # None: a forward the library does not watch (re-entered, or no handle sees it)
+    mixers: list[RecurrentMixer]
+    failed: bool = False  # a kernel call of this forward raised: its end is not checked
+
+
+def _self_of(frame: types.FrameType) -> Any:
+    """The `self` of a method's frame (None for other frames)."""
+    code = frame.f_code
+    return frame.f_locals.get("self") if code.co_argcount and code.co_varnames[0] == "self" else None
+
+
+def _calling_module(frame: types.FrameType | None) -> nn.Module | None:
+    """The module whose method called a kernel: the nearest frame up the stack with an `nn.Module` self."""
+    for _ in range(_FRAMES_LOOKED_AT):
+        if frame is None:
+            return None
+        owner = _self_of(frame)
+        if isinstance(owner, nn.Module):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+_FRAMES_LOOKED_AT = 4  # kernels are called from the mixer's forward or a helper method of it
+
+
+def _drop_stale(running: list[_Running], starting: nn.Module) -> None:
+    """Drop the entries of forwards that ended without their post-forward hook (a KeyboardInterrupt skips
+    it): those whose module has no method on this thread's stack above the call of `starting` that is
+    beginning. Only runs when a forward begins while entries are left, which is rare."""
+    frame = sys._getframe(1)
+    while frame is not None and _self_of(frame) is not starting:  # down to the starting module's own call ...
+        frame = frame.f_back
+    while frame is not None and _self_of(frame) is starting:  # ... and past it
+        frame = frame.f_back
+    live = set()
+    while frame is not None:
+        owner = _self_of(frame)
+        if isinstance(owner, nn.Module):
+            live.add(id(owner))
+        frame = frame.f_back
+    stale = [entry for entry in running if id(entry.module) not in live]
+    for entry in stale:
+        _end(entry, checked=False)
+    running[:] = [entry for entry in running if id(entry.module) in live]
+
+
+def _end(entry: _Running, checked: bool) -> None:
+    for mixer in entry.mixers:
+        mixer._end_call(checked=checked)
+
+
+class _Tap:
+    """The per-module side of the mechanism: module hooks, and the mixers attached to the module.
+
+    One tap per mixer module, shared by every watch and standalone hook on it; it exists while at least
+    one `RecurrentMixer` is attached. Its pre-forward hook pushes a `_Running` entry on the running
+    thread's stack, its post-forward hook pops it; a kernel call is handled by the innermost entry of its
+    thread, and only when the module that calls the kernel is that entry's module.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.mixers: list[RecurrentMixer] = []
+        self.layer = getattr(module, "layer_idx", None)
+        self._handles = (
+            module.register_forward_pre_hook(self._pre, with_kwargs=True),
+            module.register_forward_hook(self._post, always_call=True),
+        )
+
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        thread = THREAD
+        if thread.in_hook:
+            return  # a forward run by a user's hook: not watched, not counted (its post hook skips it too)
+        if thread.running:
+            _drop_stale(thread.running, module)
+        recompute = in_backward()
+        ident = threading.get_ident()
+        mixers = [mixer for mixer in self.mixers if mixer._sees(ident, recompute)]
+        if not mixers or any(entry.module is module for entry in thread.running):
+            thread.running.append(_Running(self, module, None, []))  # unwatched here, or re-entered
+            return
+        forward = _forward_of(module, args, kwargs, recompute)
+        entry = _Running(self, module, forward, mixers)
+        for mixer in mixers:
+            mixer._begin_call(forward)
+        forward.hidden = None  # read by _begin_call; a forward's record must not hold its input
+        thread.running.append(entry)
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        thread = THREAD
+        if thread.in_hook:
+            return
+        running = thread.running
+        for i in range(len(running) - 1, -1, -1):
+            if running[i].module is module:
+                entry = running[i]
+                for stale in running[i + 1:]:
+                    _end(stale, checked=False)
+                del running[i:]
+                _end(entry, checked=not entry.failed)
+                return
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        running = THREAD.running  # this thread's entries of this tap (other threads drop theirs when stale)
+        running[:] = [entry for entry in running if entry.tap is not self]
+
+    def run_kernel(self, entry: _Running, kernel: Kernel, original: Callable[..., Any], args: tuple,
+                   kwargs: dict) -> Any:
+        """Run one kernel call for the attached mixers: unchanged when idle, else through the token loop."""
+        try:
+            return self._run_kernel(entry, kernel, original, args, kwargs)
+        except Exception:
+            entry.failed = True  # the forward stops here: its end is not checked
+            raise
+        except BaseException:
+            # KeyboardInterrupt and the like skip the post-forward hook: end the forward here.
+            entry.failed = True
+            running = THREAD.running
+            if entry in running:
+                for stale in running[running.index(entry):]:
+                    _end(stale, checked=False)
+                del running[running.index(entry):]
+            raise
+
+    def _run_kernel(self, entry: _Running, kernel: Kernel, original: Callable[..., Any], args: tuple,
+                    kwargs: dict) -> Any:
+        arguments = kernel.bind(args, kwargs)
+        tokens = kernel.tokens(arguments, entry.forward.tokens)
+        plans = [mixer._plan(kernel, tokens) for mixer in entry.mixers]
+        recompute = entry.forward.recompute
+        records = set() if recompute else {name for mixer in entry.mixers for name in mixer.records}
+        live_state = arguments.get(kernel.state_in) if kernel.state_in is not None else None
+        if isinstance(live_state, Tensor) and "inputs" in records:
+            # The cache updates this tensor in place (at the next step, or in this very call): keep its value.
+            arguments[kernel.state_in] = live_state.clone()
+        busy = [plan for plan in plans if not plan.idle]
+        if not busy:
+            result = original(*args, **kwargs)
+        else:
+            keeping = [plan for plan in busy if plan.keep]
+            kept_at = sorted(frozenset().union(*(plan.keep for plan in keeping)))
+            slot = {token: i for i, token in enumerate(kept_at)}
+            differentiable = torch.is_grad_enabled()
+            buffer: list[Tensor] = []  # grad mode: one leaf for every kept state of the call, zeros when read
+            slots: list[Tensor] = []  # its per-token views
+            filled: dict[int, Tensor] = {}  # slot -> the state it holds
+            last: list[Tensor] = []
+
+            def on_token(token: int, state: Tensor) -> Tensor:
+                for plan in busy:
+                    state = plan.apply(token, state)
+                if token in slot:
+                    if state.untyped_storage().nbytes() > state.nbytes:
+                        state = state.clone()  # a slice of a kernel's larger tensor: keep only the state itself
+                    # A tensor that only the later tokens read: the gradient with respect to a kept state is the
+                    # effect of changing it there (what a write does), not through token `token`'s own output.
+                    if differentiable:
+                        # ... read through a slot of one zero leaf, so that the stack of every kept state is a
+                        # tensor the forward used (autograd.grad(metric, mix.states)), with frozen weights too.
+                        # The slots come from one unbind: its backward stacks their gradients once (a slice
+                        # per token would add a whole-buffer gradient per token, quadratic in the tokens).
+                        if not buffer:
+                            buffer.append(state.new_zeros((state.shape[0], len(kept_at), *state.shape[1:]),
+                                                          requires_grad=True))
+                            slots.extend(buffer[0].unbind(1))
+                        state = state + slots[slot[token]]
+                        filled[slot[token]] = state  # copied into the leaf once the kernel call is over
+                    else:
+                        state = state.view_as(state)
+                    for plan in keeping:
+                        if token in plan.keep:
+                            plan.kept[token] = state
+                if token == tokens - 1:
+                    last.append(state)
+                return state
+
+            fast = _fast_path(kernel, busy, tokens)
+            if fast is not None:
+                stops, every_state = fast
+                result = _run_in_segments(kernel, original, args, kwargs, stops, on_token,
+                                          [plan for plan in keeping if every_state])
+            else:
+                extra = {"tokens": tokens} if kernel.seq == FORWARD else {}
+                result = kernel.loop(*args, on_token=on_token, **extra, **kwargs)
+            if kernel.memory == CONV_MEMORY and kernel.role == "prompt" and last:
+                self._sync_conv_cache(entry.forward, last[0])
+            if buffer:
+                with torch.no_grad():  # the leaf holds the states from now on (the forward read it as zeros)
+                    for i, state in filled.items():
+                        buffer[0][:, i].copy_(state)
+            for plan in keeping:
+                if buffer and len(plan.keep) == len(kept_at) == tokens:
+                    plan.stacked = buffer[0]
+        output = kernel.name_results(result) if "outputs" in records else {}
+        if kernel.in_place and isinstance(live_state, Tensor) and "outputs" in records:
+            output["final_state"] = live_state.clone()
+        part = KernelCall(kernel.name, arguments if "inputs" in records else None, output)
+        for mixer, plan in zip(entry.mixers, plans):
+            mixer._store(plan, kernel, part, tokens)
+        return result
+
+    def _sync_conv_cache(self, forward: _Forward, window: Tensor) -> None:
+        """The prompt path caches the raw last inputs before its conv kernel runs: cache the window as continued."""
+        cache = forward.cache
+        if cache is None or self.layer is None:
+            return
+        cached = cache.get_conv_state(self.layer)
+        if cached is not None and cached.shape == window.shape:
+            cached.copy_(window)
+
+    @staticmethod
+    def run_fused(entry: _Running, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """A fused whole-forward kernel: skipped (None, as without mamba_ssm) when a mixer wants this call."""
+        if any(mixer._wants(mixer._index) for mixer in entry.mixers):
+            return None
+        return original(*args, **kwargs)
+
+
+FAST_PATHS = True  # False: every call that is not idle runs the token loop (the tests compare both)
+
+
+def _fast_path(kernel: Kernel, busy: list[_Plan], tokens: int) -> tuple[list[int], bool] | None:
+    """How a busy call can skip the token loop: the tokens to stop at, and whether every state is kept
+    chunk-wise in between; None when it cannot (a hook at every token, too many stops, no segments)."""
+    if not FAST_PATHS or kernel.segments is None:
+        return None
+    stops: set[int] = set()
+    every_state = False
+    for plan in busy:
+        if any(positions is None for _, positions in plan.hooks):
+            return None
+        stops.update(p for _, positions in plan.hooks for p in positions)
+        if plan.keep and len(plan.keep) == tokens and kernel.segments.all_states is not None \
+                and not torch.is_grad_enabled():
+            every_state = True
+        elif plan.keep:
+            stops.update(plan.keep)
+    # each segment costs a kernel call; beyond about one stop per 32 tokens, the token loop is cheaper
+    return (sorted(stops), every_state) if len(stops) <= max(8, tokens // 32) else None
+
+
+def _run_in_segments(kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict, stops: list[int],
+                     on_token: Callable[[int, Tensor], Tensor], keeping_all: list[_Plan]) -> Any:
+    """Run `original` on the tokens between the stops, chaining the state through `on_token` at each stop.
+
+    With `keeping_all`, the pieces run through the kernel's chunk-wise `all_states` version instead, and
+    the states of the tokens between the stops go to those plans.
+    """
+    segments = kernel.segments
+    run = segments.all_states if keeping_all else original
+    bound = dict(kernel.signature.bind(*args, **kwargs).arguments)
+    extra = bound.pop("kwargs", {})
+    positional = list(bound)[: len(args)]  # call each piece the way the mixer called the kernel
+    wants_final = bool(bound.get(segments.final_flag, False))
+    tokens = kernel.tokens(bound, 0)
+    state = bound.get(segments.state_in)
+    outputs = []
+    start = 0
+    for end in [*(stop + 1 for stop in stops), tokens]:
+        if end <= start:
+            continue
+        piece = {name: (value.narrow(segments.per_token[name], start, end - start)
+                        if name in segments.per_token else value) for name, value in bound.items()}
+        piece[segments.state_in], piece[segments.final_flag] = state, True
+        leading = [piece.pop(name) for name in positional]
+        if keeping_all:
+            (out, state), states = run(*leading, **piece, **extra)
+            for plan in keeping_all:
+                plan.kept.update((start + i, states[i]) for i in range(end - start))
+        else:
+            out, state = run(*leading, **piece, **extra)
+        outputs.append(out)
+        if end - 1 in stops:
+            state = on_token(end - 1, state)  # the state after the stop, as the token loop would hand it over
+        start = end
+    out = torch.cat(outputs, dim=segments.out_axis)
+    if wants_final:
+        return out, state
+    return (out, None) if segments.tuple_without_final else out
+
+
+_TAPS: "weakref.WeakKeyDictionary[nn.Module, _Tap]" = weakref.WeakKeyDictionary()
+_LOCK = threading.RLock()  # attaching and detaching handles, from any thread
+
+
+def attach(mixer: RecurrentMixer) -> Callable[[], None]:
+    """Attach `mixer` to its module's tap (created on first use); return the detach function."""
+    module = mixer.module
+    with _LOCK:
+        tap = _TAPS.get(module)
+        if tap is None:
+            tap = _TAPS[module] = _Tap(module)
+        tap.mixers = [*tap.mixers, mixer]  # a new list: a forward in another thread may be reading the old one
+        mixer._live = True
+
+    def detach() -> None:
+        with _LOCK:
+            if mixer in tap.mixers:
+                tap.mixers = [m for m in tap.mixers if m is not mixer]
+                if not tap.mixers:
+                    tap.remove()
+                    owner = mixer._module()
+                    if owner is not None and _TAPS.get(owner) is tap:
+                        del _TAPS[owner]
+
+    return detach
+
+
+def running_entry() -> _Running | None:
+    """The innermost watched forward of this thread, if a kernel called now belongs to it."""
+    thread = THREAD
+    if thread.in_hook or not thread.running:
+        return None
+    entry = thread.running[-1]
+    if entry.forward is None:
+        return None
+    caller = _calling_module(sys._getframe(2))
+    if caller is not None and caller is not entry.module and _is_mixer(caller):
+        return None  # another mixer's forward (an unwatched model run inside this one): not ours
+    return entry
+
+
+def _is_mixer(module: nn.Module) -> bool:
+    from ._registry import family_of  # the registry imports the kinds, which import this module
+
+    return family_of(module) is not None
+
+
+def make_dispatcher(kind: type[RecurrentMixer]) -> Callable[[str, Any], Callable[..., Any]]:
+    """For `acquire_kernels`: the function bound in place of kernel `name` of a module of mixer kind `kind`."""
+
+    def make(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        if name in kind.FUSED:
+
+            @functools.wraps(original)
+            def watched(*args: Any, **kwargs: Any) -> Any:
+                entry = running_entry()
+                return original(*args, **kwargs) if entry is None else _Tap.run_fused(entry, original, args, kwargs)
+
+        else:
+            kernel = kind.kernel(name)
+
+            @functools.wraps(original)
+            def watched(*args: Any, **kwargs: Any) -> Any:
+                entry = running_entry()
+                if entry is None:  # a call from outside a watched forward of this thread
+                    return original(*args, **kwargs)
+                return entry.tap.run_kernel(entry, kernel, original, args, kwargs)
+
+        watched.__recurrent_hooks__ = True
+        return watched
+
+    return make
+
