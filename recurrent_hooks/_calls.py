@@ -17,7 +17,6 @@ class Memory(NamedTuple):
     conv_state: Tensor
 
 
-
 @dataclasses.dataclass(eq=False)
 class KernelCall:
     """One kernel call: its name, its arguments and its results by name (None: not kept)."""

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from ._calls import KernelCall
 from ._kernels import CONV_MEMORY, FORWARD, Kernel
 from ._mixer import RecurrentMixer, _Forward, _Plan
+from ._registry import family_of
 from ._threads import THREAD, in_backward
 
 
@@ -93,14 +94,24 @@ def _drop_stale(running: list[_Running], starting: nn.Module) -> None:
             live.add(id(owner))
         frame = frame.f_back
     stale = [entry for entry in running if id(entry.module) not in live]
+    running[:] = [entry for entry in running if id(entry.module) in live]
     for entry in stale:
         _end(entry, checked=False)
-    running[:] = [entry for entry in running if id(entry.module) in live]
 
 
 def _end(entry: _Running, checked: bool) -> None:
     for mixer in entry.mixers:
         mixer._end_call(checked=checked)
+
+
+def _pop(running: list[_Running], i: int) -> None:
+    """End and remove entry `i` of a thread's stack, and the stale entries above it (forwards an interrupt
+    ended without their post-forward hook)."""
+    entry, stale = running[i], running[i + 1:]
+    del running[i:]
+    for other in stale:
+        _end(other, checked=False)
+    _end(entry, checked=not entry.failed)
 
 
 class _Tap:
@@ -146,11 +157,7 @@ class _Tap:
         running = thread.running
         for i in range(len(running) - 1, -1, -1):
             if running[i].module is module:
-                entry = running[i]
-                for stale in running[i + 1:]:
-                    _end(stale, checked=False)
-                del running[i:]
-                _end(entry, checked=not entry.failed)
+                _pop(running, i)
                 return
 
     def remove(self) -> None:
@@ -172,9 +179,7 @@ class _Tap:
             entry.failed = True
             running = THREAD.running
             if entry in running:
-                for stale in running[running.index(entry):]:
-                    _end(stale, checked=False)
-                del running[running.index(entry):]
+                _pop(running, running.index(entry))
             raise
 
     def _run_kernel(self, entry: _Running, kernel: Kernel, original: Callable[..., Any], args: tuple,
@@ -370,15 +375,9 @@ def running_entry() -> _Running | None:
     if entry.forward is None:
         return None
     caller = _calling_module(sys._getframe(2))
-    if caller is not None and caller is not entry.module and _is_mixer(caller):
+    if caller is not None and caller is not entry.module and family_of(caller) is not None:
         return None  # another mixer's forward (an unwatched model run inside this one): not ours
     return entry
-
-
-def _is_mixer(module: nn.Module) -> bool:
-    from ._registry import family_of  # the registry imports the kinds, which import this module
-
-    return family_of(module) is not None
 
 
 def make_dispatcher(kind: type[RecurrentMixer]) -> Callable[[str, Any], Callable[..., Any]]:

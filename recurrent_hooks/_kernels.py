@@ -14,8 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 
-
-
 STATE_MEMORY, CONV_MEMORY = "state", "conv_state"  # the two memories of a mixer
 KEEPABLE = {"inputs": None, "outputs": None, "states": STATE_MEMORY, "conv_states": CONV_MEMORY}  # keep name -> memory
 KERNEL_RECORDS = ("inputs", "outputs")  # the keep names of the kernel's arguments and results

@@ -40,6 +40,7 @@ fingerprint of its input (`_Replay`) and runs that call's plan again, keeping no
 
 import collections
 import dataclasses
+import itertools
 import math
 import sys
 import weakref
@@ -85,13 +86,12 @@ class _Hook:
         return isinstance(self.calls, frozenset) or (isinstance(self.calls, range) and self.calls.stop < sys.maxsize)
 
     def missed(self, seen: int) -> list[int]:
-        """The calls it targets that a mixer which saw `seen` calls never reached (open ranges: none)."""
+        """The first few calls it targets that a mixer which saw `seen` calls never reached (open ranges:
+        none): at most `_SHOWN + 1`, so that a message can say there are more."""
         if not self.explicit:
             return []
-        if isinstance(self.calls, range):
-            start = self.calls.start + max(0, -(-(seen - self.calls.start) // self.calls.step)) * self.calls.step
-            return list(range(start, self.calls.stop, self.calls.step)[:_SHOWN + 1])
-        return sorted(c for c in self.calls if c >= seen)[:_SHOWN + 1]
+        targeted = self.calls if isinstance(self.calls, range) else sorted(self.calls)
+        return list(itertools.islice((c for c in targeted if c >= seen), _SHOWN + 1))
 
 
 _SHOWN = 3  # calls named in a message about calls that never ran; the rest are counted
@@ -111,7 +111,6 @@ class _Handle(RemovableHandle):
             mixer._hook_removed()
 
 
-
 @dataclasses.dataclass
 class _Forward:
     """What the library needs to know of one forward of a mixer module."""
@@ -121,8 +120,6 @@ class _Forward:
     fresh: bool  # no cached state for this layer: the call starts from zeros (a prompt)
     hidden: Tensor | None = None  # the forward's input, read only to match a recompute to its call
     recompute: bool = False  # autograd is recomputing a checkpointed forward (this is not a new call)
-
-
 
 
 def _fingerprint(hidden: Tensor) -> Tensor:
@@ -578,13 +575,6 @@ class _Plan:
     @property
     def idle(self) -> bool:
         return not self.hooks and not self.keep
-
-    def stops(self, tokens: int) -> frozenset[int] | None:
-        """The tokens this plan acts at, or None when it acts at every token (a hook with no token)."""
-        if any(positions is None for _, positions in self.hooks):
-            return None
-        stops = frozenset(p for _, positions in self.hooks for p in positions)
-        return stops | self.keep if self.keep else stops
 
     def apply(self, token: int, state: Tensor) -> Tensor:
         for hook, positions in self.hooks:

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 
-
 def in_backward() -> bool:
     """Whether this thread runs inside an autograd backward pass (where checkpointing recomputes forwards)."""
     return torch._C._current_graph_task_id() != -1
