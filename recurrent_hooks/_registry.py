@@ -6,8 +6,8 @@ new family is one row here and one test parametrization; nothing else in the lib
 Module contents:
 - `Family`: one row (name, modeling module, mixer class name, mixer kind).
 - `FAMILIES`: the supported families, by name.
-- `UNSUPPORTED`, `KNOWN_UNSUPPORTED`: recurrent and short-convolution mixer classes of transformers that the library
-  does not handle yet, with the reason (rows, and by class name).
+- `UNSUPPORTED`: recurrent and short-convolution mixer classes of transformers that the library does not
+  handle yet, with the reason; `unsupported_of(module)` finds a module's row.
 - `family_of(module)`, `resolve_family(family)`: lookups.
 """
 
@@ -98,8 +98,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("zaya", "ZayaCCAProjection", "CCA: an inline convolution window and a one-token value delay;"
                 " no kernel to rebind"),
 )
-
-KNOWN_UNSUPPORTED: dict[str, str] = {row.mixer_class: row.reason for row in UNSUPPORTED}  # class name -> why
 
 
 _UNSUPPORTED_BY_CLASS: dict[tuple[str, str], Unsupported] = {
