@@ -16,7 +16,7 @@ import functools
 import threading
 import warnings
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import ModuleType
 
 from torch import Tensor, nn
@@ -52,6 +52,28 @@ def _no_mixer_message(model: nn.Module) -> str:
     if unsupported:
         message += f"; it has {', '.join(unsupported)}"
     return message
+
+
+def _reorder_recorder(mixers: list[RecurrentMixer], patches: UndoStack) -> Callable[[object], None]:
+    """For the mixers of one watch: a function that, the first time a cache is seen, wraps its
+    `reorder_cache` (beam search) to tell the mixers how its rows moved; `patches` undoes the wrapping."""
+    caches: weakref.WeakSet = weakref.WeakSet()
+
+    def saw_cache(cache: object) -> None:
+        if cache in caches or not callable(getattr(cache, "reorder_cache", None)):
+            return
+        caches.add(cache)
+        reorder = cache.reorder_cache
+
+        @functools.wraps(reorder)
+        def reorder_cache(beam_idx: Tensor, *args: object, **kwargs: object) -> object:
+            for mixer in mixers:
+                mixer._reordered(beam_idx)
+            return reorder(beam_idx, *args, **kwargs)
+
+        patches.set_instance_attribute(cache, "reorder_cache", reorder_cache)
+
+    return saw_cache
 
 
 class Watch:
@@ -163,23 +185,7 @@ class Watch:
             raise
         instance_patches = UndoStack()
         stack.callback(instance_patches.undo)
-        caches: weakref.WeakSet = weakref.WeakSet()
-
-        def saw_cache(cache: object) -> None:
-            """Record each beam reordering of a cache the mixers run with (undone when the block ends)."""
-            if cache in caches or not callable(getattr(cache, "reorder_cache", None)):
-                return
-            caches.add(cache)
-            reorder = cache.reorder_cache
-
-            @functools.wraps(reorder)
-            def reorder_cache(beam_idx: Tensor, *args: object, **kwargs: object) -> object:
-                for mixer in mixers:
-                    mixer._reordered(beam_idx)
-                return reorder(beam_idx, *args, **kwargs)
-
-            instance_patches.set_instance_attribute(cache, "reorder_cache", reorder_cache)
-
+        saw_cache = _reorder_recorder(mixers, instance_patches)
         for mixer in mixers:
             mixer._saw_cache = saw_cache
         self.mixers, self._stack = mixers, stack
