@@ -11,10 +11,11 @@ from ._kernels import CONV_MEMORY, STATE_MEMORY
 
 
 class Memory(NamedTuple):
-    """The whole memory of a mixer after a token: what the next token continues from."""
+    """The whole memory of a mixer after a token: what the next token continues from (None: a memory
+    the mixer's kind does not carry, e.g. the state of a short convolution)."""
 
-    state: Tensor
-    conv_state: Tensor
+    state: Tensor | None
+    conv_state: Tensor | None
 
 
 @dataclasses.dataclass(eq=False)

@@ -32,18 +32,15 @@ from ._threads import THREAD, in_backward
 _FORWARD_SIGNATURES: dict[type, inspect.Signature] = {}
 
 
-def _forward_of(module: nn.Module, args: tuple, kwargs: dict[str, Any], recompute: bool) -> _Forward:
+def _forward_of(kind: type[RecurrentMixer], module: nn.Module, args: tuple, kwargs: dict[str, Any],
+                recompute: bool) -> _Forward:
     """Tokens, cache and freshness of a mixer forward, from its arguments."""
     cls = type(module)
     if cls not in _FORWARD_SIGNATURES:
         _FORWARD_SIGNATURES[cls] = inspect.signature(module.forward)
     arguments = _FORWARD_SIGNATURES[cls].bind_partial(*args, **kwargs).arguments
-    extra = arguments.get("kwargs", {})
-    cache = arguments.get("cache", extra.get("cache_params"))
-    layer = getattr(module, "layer_idx", None)
-    fresh = cache is None or layer is None or cache.get_recurrent_state(layer) is None
-    hidden = arguments["hidden_states"]
-    return _Forward(tokens=hidden.shape[1], cache=cache, fresh=fresh, hidden=hidden, recompute=recompute)
+    tokens, cache, fresh, hidden = kind._parse_forward(module, arguments)
+    return _Forward(tokens=tokens, cache=cache, fresh=fresh, hidden=hidden, recompute=recompute)
 
 
 @dataclasses.dataclass(eq=False)
@@ -143,7 +140,7 @@ class _Tap:
         if not mixers or any(entry.module is module for entry in thread.running):
             thread.running.append(_Running(self, module, None, []))  # unwatched here, or re-entered
             return
-        forward = _forward_of(module, args, kwargs, recompute)
+        forward = _forward_of(type(mixers[0]), module, args, kwargs, recompute)
         entry = _Running(self, module, forward, mixers)
         for mixer in mixers:
             mixer._begin_call(forward)

@@ -3,14 +3,19 @@
 Module contents:
 - `STATE_MEMORY`, `CONV_MEMORY`: the two memories of a mixer (its recurrent state, its conv window);
   `KEEPABLE`: what `watch(keep=...)` takes, and which memory each name keeps; `KERNEL_RECORDS`.
-- `Kernel`: one kernel of a kind (name, the library's token loop, where the memory goes in, what the
+- `Site`: where a kernel is bound, so that the library can rebind it: a global of the modeling module, an
+  attribute of one of its classes (a method), or an attribute of an object inside each mixer module.
+- `Role`: which calls a kernel serves: prompts, one-token decode steps, or both.
+- `Kernel`: one kernel of a kind (name, site, the library's token loop, where the memory goes in, what the
   results are called, where its tokens are counted, how it can run in segments).
 - `Segments`: how a prompt kernel can run on consecutive pieces of its tokens, chaining the state.
 """
 
 import dataclasses
+import enum
 import inspect
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 
@@ -18,6 +23,31 @@ STATE_MEMORY, CONV_MEMORY = "state", "conv_state"  # the two memories of a mixer
 KEEPABLE = {"inputs": None, "outputs": None, "states": STATE_MEMORY, "conv_states": CONV_MEMORY}  # keep name -> memory
 KERNEL_RECORDS = ("inputs", "outputs")  # the keep names of the kernel's arguments and results
 FORWARD = "forward"  # Kernel.seq: the kernel covers the forward's tokens (and maybe a cached prefix before them)
+
+
+class Site(enum.Enum):
+    """Where a kernel is bound: what the library rebinds for the duration of a watch.
+
+    - MODULE: a global of the family's modeling module, looked up by the mixer's forward at call time
+      (`torch_chunk_gated_delta_rule`); `Kernel.owner` is None.
+    - CLASS: an attribute of a class of the modeling module, `Kernel.owner` (a method such as
+      `RecurrentGemmaRglru._rnn_scan`, or a whole `forward`); the library's loop takes `self` first.
+    - INSTANCE: an attribute of an object inside each mixer module, `Kernel.owner` its dotted path from
+      the mixer module ("" for the mixer itself): a kernel captured when the model was built (a
+      `functools.partial` in an attribute). Rebound per module, for the mixers a watch attaches.
+    """
+
+    MODULE = "module global"
+    CLASS = "class attribute"
+    INSTANCE = "instance attribute"
+
+
+class Role(str, enum.Enum):
+    """Which calls a kernel serves (a str, so `kernel.role == "prompt"` reads as it says)."""
+
+    PROMPT = "prompt"  # a call over the prompt's tokens (or a chunk of them)
+    DECODE = "decode"  # a one-token step over a cached memory
+    BOTH = "both"  # one kernel for both (RWKV)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,19 +76,20 @@ class Segments:
 class Kernel:
     """One kernel of a mixer kind, as data.
 
-    - `name`: the module global the mixer's forward calls;
+    - `name`: the name the mixer's forward calls (a module global, or an attribute of `owner`: see `site`);
     - `loop`: the library's pure-torch token loop with the same signature and return value, plus a
       keyword-only `on_token(t, memory) -> memory` (and `tokens=` when `seq` is FORWARD);
     - `state_in`: the argument that carries the memory in (None: the kernel always starts from zeros);
     - `results`: names of the elements of the returned value (a single tensor is the first name);
-    - `role`: "prompt" or "decode";
+    - `role`: a `Role` (or its string): prompt, decode, or both;
     - `seq`: `(argument, axis)` where the tokens of the call are counted, None for one token, or
       FORWARD: the forward's tokens, the last positions of the kernel's input;
     - `in_place`: the kernel writes the new memory into its `state_in` tensor instead of returning it;
     - `memory`: which memory the kernel updates, STATE_MEMORY or CONV_MEMORY;
     - `segments`: how the kernel bound before the watch can run piece by piece, chaining the state (None:
       it cannot). Then a call with hooks and kept states at a few tokens only runs that kernel on the
-      pieces between them, instead of the token loop.
+      pieces between them, instead of the token loop;
+    - `site`, `owner`: where the name is bound (`Site`): a module global by default.
     """
 
     name: str
@@ -70,6 +101,27 @@ class Kernel:
     in_place: bool = False
     memory: str = STATE_MEMORY
     segments: Segments | None = None
+    site: Site = Site.MODULE
+    owner: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role(self.role))
+        if (self.owner is None) != (self.site is Site.MODULE):
+            raise TypeError(f"Kernel {self.name!r}: a {self.site.value} needs an owner, a module global none"
+                            f" (got owner={self.owner!r})")
+
+    def target(self, modeling_module: ModuleType, mixer_module: Any = None) -> tuple[Any, str]:
+        """The object and attribute name this kernel is bound to (for INSTANCE, inside `mixer_module`)."""
+        if self.site is Site.MODULE:
+            return modeling_module, self.name
+        if self.site is Site.CLASS:
+            return getattr(modeling_module, self.owner), self.name
+        if mixer_module is None:
+            raise TypeError(f"Kernel {self.name!r} is bound per mixer module ({self.owner!r}): give the module")
+        owner = mixer_module
+        for part in filter(None, self.owner.split(".")):
+            owner = getattr(owner, part)
+        return owner, self.name
 
     @property
     def signature(self) -> inspect.Signature:
@@ -78,7 +130,7 @@ class Kernel:
     def bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         """The call's arguments by name (extra keyword arguments the kernel ignores are left out)."""
         bound = self.signature.bind(*args, **kwargs)
-        return {k: v for k, v in bound.arguments.items() if k not in ("kwargs", "on_token", "tokens")}
+        return {k: v for k, v in bound.arguments.items() if k not in ("self", "kwargs", "on_token", "tokens")}
 
     def tokens(self, arguments: dict[str, Any], forward_tokens: int) -> int:
         """How many tokens the call covers."""

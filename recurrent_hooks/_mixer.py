@@ -172,7 +172,12 @@ class RecurrentMixer:
       versions do, for a call that has hooks or kept states, so that the forward goes on;
     - `KERNEL_PER_HEAD`: the forward calls its recurrence kernel once per head (axis 1 of the state):
       hooks run once per head with that head's state, and `mixer.head` says which head is running;
-    - `ROUTES`: the words `route_kernels` accepts for this kind, each meaning "torch" or "default".
+    - `ROUTES`: the words `route_kernels` accepts for this kind, each meaning "torch" or "default";
+    - `MEMORIES`: the memories the kind's mixers carry, the one every watched call updates first
+      (`state`, `conv_state`; a short convolution has only `conv_state`);
+    - `FORWARD_INPUT`, `FORWARD_CACHE`: the mixer forward's argument whose axis 1 counts the call's
+      tokens, and the names its cache may come under (`_parse_forward` reads them; a kind whose
+      forward differs overrides it).
 
     `recomputing` is True while autograd recomputes a checkpointed forward of this mixer (gradient
     checkpointing): hooks run again then, with the call index of the forward being recomputed.
@@ -189,6 +194,9 @@ class RecurrentMixer:
     KERNEL_PER_HEAD: ClassVar[bool] = False
     # route_kernels' words for this kind: word -> "torch" (the library's token loops) or "default" (transformers')
     ROUTES: ClassVar[dict[str, str]] = {"torch": "torch", "default": "default"}
+    MEMORIES: ClassVar[tuple[str, ...]] = (STATE_MEMORY, CONV_MEMORY)
+    FORWARD_INPUT: ClassVar[str] = "hidden_states"
+    FORWARD_CACHE: ClassVar[tuple[str, ...]] = ("cache", "cache_params")
 
     def __init__(self, module: nn.Module, family: str, *,
                  keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (), history: bool = True,
@@ -233,6 +241,30 @@ class RecurrentMixer:
                 return kernel
         raise KeyError(f"{cls.__name__} declares no kernel {name!r}; it has {[k.name for k in cls.KERNELS]}")
 
+    @classmethod
+    def _parse_forward(cls, module: nn.Module, arguments: dict[str, Any]) -> tuple[int, Any, bool, Tensor]:
+        """From a mixer forward's arguments by name: its token count, its cache (or None), whether it starts
+        from no cached memory (a prompt), and the input a checkpointed recompute is matched by."""
+        extra = arguments.get("kwargs", {})
+        cache = next((found for name in cls.FORWARD_CACHE
+                      if (found := arguments.get(name, extra.get(name))) is not None), None)
+        hidden = arguments[cls.FORWARD_INPUT]
+        layer = getattr(module, "layer_idx", None)
+        fresh = cache is None or layer is None or cls._cached(cache, layer) is None
+        return hidden.shape[1], cache, fresh, hidden
+
+    @classmethod
+    def _cached(cls, cache: Any, layer: int) -> Tensor | None:
+        """The cache's memory of `layer` (None: nothing cached yet)."""
+        if cls.MEMORIES[0] == CONV_MEMORY:
+            return cache.get_conv_state(layer)
+        return cache.get_recurrent_state(layer)
+
+    def _has(self, memory: str, method: str) -> None:
+        if memory not in self.MEMORIES:
+            carried = " and ".join(self.MEMORIES)
+            raise Unavailable(f"{self}.{method}: a {type(self).__name__} mixer has no {memory}; it carries {carried}")
+
     # -- reading -----------------------------------------------------------------------------------------
 
     def __repr__(self) -> str:
@@ -260,17 +292,21 @@ class RecurrentMixer:
         KERNEL_PER_HEAD kinds it is a stack of the heads' states; take gradients through a written leaf).
         """
         where = f"{self}.state_after"
+        self._has(STATE_MEMORY, "state_after")
         return self._call(call, "state_after")._after(STATE_MEMORY, as_index(token, "token", where))
 
     def conv_state_after(self, token: int, call: int | None = None) -> Float[Tensor, "batch channels kernel_size"]:
         """The convolution window after `token` of call `call`: the last kernel_size conv inputs, oldest
         first, in the layout of transformers' cache; token+1 reads its last kernel_size-1 columns."""
         where = f"{self}.conv_state_after"
+        self._has(CONV_MEMORY, "conv_state_after")
         return self._call(call, "conv_state_after")._after(CONV_MEMORY, as_index(token, "token", where))
 
     def memory_after(self, token: int, call: int | None = None) -> Memory:
-        """The whole memory after `token`: `Memory(state, conv_state)` (needs both kept)."""
-        return Memory(self.state_after(token, call), self.conv_state_after(token, call))
+        """The whole memory after `token`: `Memory(state, conv_state)` (needs both kept; a memory the kind
+        does not carry is None)."""
+        return Memory(*(getter(token, call) if memory in self.MEMORIES else None for memory, getter in
+                        ((STATE_MEMORY, self.state_after), (CONV_MEMORY, self.conv_state_after))))
 
     def values(self, call: int | None = None) -> dict[str, Tensor]:
         """The per-token values of call `call` (default: the last), token-major, named as in `VALUES`.
@@ -334,6 +370,7 @@ class RecurrentMixer:
             raise InvalidValue(f"{where}: expected a callable fn(mixer, call, token, state), got {fn!r}")
         if which not in (STATE_MEMORY, CONV_MEMORY):
             raise InvalidValue(f"{where}: expected which='state' or which='conv_state', got {which!r}")
+        self._has(which, "register_state_hook")
         calls = as_calls(call, where)
         name = getattr(fn, "__qualname__", repr(fn))
         return self._add_hooks(_Hook(fn, which, calls, _as_targets(token, "token", where), f"{which} hook {name}"))
@@ -370,12 +407,12 @@ class RecurrentMixer:
         if not isinstance(memory, tuple) or len(memory) != 2:
             raise InvalidValue(f"{self}.set_memory_after({token!r}, call={call!r}): expected a Memory(state,"
                                f" conv_state), got {type(memory).__name__}")
-        state, conv_state = memory
-        return self._add_hooks(self._write(STATE_MEMORY, token, state, call, "set_memory_after"),
-                               self._write(CONV_MEMORY, token, conv_state, call, "set_memory_after"))
+        parts = [(name, value) for name, value in zip((STATE_MEMORY, CONV_MEMORY), memory) if name in self.MEMORIES]
+        return self._add_hooks(*(self._write(name, token, value, call, "set_memory_after") for name, value in parts))
 
     def _write(self, memory: str, token: Any, value: Tensor, call: Any, method: str) -> _Hook:
         where = f"{self}.{method}({_describe_token(token)}, call={call!r})"
+        self._has(memory, method)
         axes = self.STATE if memory == STATE_MEMORY else self.CONV_STATE
         calls = as_calls(call, where)
         if not isinstance(value, Tensor):
@@ -485,10 +522,11 @@ class RecurrentMixer:
         forward, self._forward = self._forward, None
         if forward is None or recompute:
             return
-        if checked and self._kernel_calls.get(STATE_MEMORY, 0) == 0 and self._wants(self._index):
+        primary = self.MEMORIES[0]
+        if checked and self._kernel_calls.get(primary, 0) == 0 and self._wants(self._index):
             raise RecurrentHooksError(
                 f"{self}: call {self._index} finished without calling a watched kernel"
-                f" ({', '.join(k.name for k in self.KERNELS if k.memory == STATE_MEMORY)}) although hooks or kept"
+                f" ({', '.join(k.name for k in self.KERNELS if k.memory == primary)}) although hooks or kept"
                 " values target it; the mixer took a path the library cannot see (a fused kernel, or a forward"
                 " this transformers version changed)"
             )

@@ -1,21 +1,25 @@
 """Rebinding kernel names of transformers modeling modules, with an undo stack.
 
-A mixer's `forward` looks its kernels up as module globals at call time (`LOAD_GLOBAL` of, e.g.,
-`torch_chunk_gated_delta_rule` in `modeling_qwen3_5`), so rebinding the module attribute reaches
-models that are already built. This module owns every such rebinding the library makes.
+A mixer's `forward` looks its kernels up at call time: as module globals (`LOAD_GLOBAL` of, e.g.,
+`torch_chunk_gated_delta_rule` in `modeling_qwen3_5`), as methods of a class (`self._rnn_scan`), or as
+attributes of an object built with the model (a `functools.partial` stored on a submodule). Rebinding
+the attribute where it is looked up reaches models that are already built. This module owns every such
+rebinding the library makes.
 
 Module contents:
 - `UndoStack`: records `(owner, name, old)` for each `setattr` and restores in reverse; the
   mechanism of pytest's MonkeyPatch, written for our one use.
-- `acquire_kernels(module, dispatchers)`: binds names of `module` to dispatchers, reference counted per
-  module: the first acquisition saves what was bound, the last release restores exactly those objects.
-- `route_kernels(family, "torch" | "default")`: the same rebinding, process-wide and unscoped.
-- `import_default(module, name)`: the object a module bound to `name` before the library touched it.
+- `acquire_kernels(targets, dispatchers)`: binds `owner.name` for each target (a module global, a class
+  attribute, an attribute of an object) to a dispatcher, reference counted per name: the first
+  acquisition saves what was bound, the last release restores exactly that object.
+- `rebind_process_wide(...)`: the same rebinding, for good (`route_kernels`).
+- `import_default(owner, name)`: what a module or class bound to `name` before the library touched it.
 """
 
 import dataclasses
+import inspect
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -47,7 +51,8 @@ class UndoStack:
         self._records.append((owner, name, old))
 
     def set_instance_attribute(self, owner: Any, name: str, value: Any) -> None:
-        """Shadow an attribute of an object (a method its class defines) by one of the instance; undo deletes it."""
+        """Set `owner.name` in the owner's own `__dict__` (shadowing what a class or base class defines);
+        undo restores the entry that was there, or deletes it."""
         old = owner.__dict__.get(name, _MISSING)
         setattr(owner, name, value)
         self._records.append((owner, name, old))
@@ -65,7 +70,24 @@ class UndoStack:
         return len(self._records)
 
 
-# What each module bound before the library first touched it: route_kernels(..., "default") restores these.
+def _owner_key(owner: Any) -> str:
+    """A name for the owner of a binding: a module's or a class's dotted name; an object's id."""
+    if isinstance(owner, ModuleType):
+        return owner.__name__
+    if isinstance(owner, type):
+        return f"{owner.__module__}.{owner.__qualname__}"
+    return f"{type(owner).__qualname__} at {id(owner):#x}"
+
+
+def _current(owner: Any, name: str) -> Any:
+    """What `owner.name` is bound to, as `UndoStack.setattr` will restore it (a class's own `__dict__` entry)."""
+    if isinstance(owner, type):  # as the class holds it (or a base class): descriptors unbound
+        return inspect.getattr_static(owner, name, _MISSING)
+    return getattr(owner, name, _MISSING)
+
+
+# What each module or class bound before the library first touched it: route_kernels(..., "default")
+# restores these. (Objects' attributes are not recorded: they are rebound per watch, never process-wide.)
 _IMPORT_DEFAULTS: dict[tuple[str, str], Any] = {}
 
 
@@ -73,70 +95,82 @@ def _is_ours(obj: Any) -> bool:
     return getattr(obj, "__recurrent_hooks__", False)
 
 
-def import_default(module: ModuleType, name: str) -> Any:
-    """The object `module.name` held before recurrent_hooks rebound it (recorded at first sight)."""
-    key = (module.__name__, name)
+def import_default(owner: Any, name: str) -> Any:
+    """The object `owner.name` (a module global or a class attribute) held before recurrent_hooks rebound it
+    (recorded at first sight)."""
+    key = (_owner_key(owner), name)
     if key not in _IMPORT_DEFAULTS:
-        current = getattr(module, name)
+        current = _current(owner, name)
         if _is_ours(current):  # only possible if the record was lost; never guess
-            raise RecurrentHooksError(f"{module.__name__}.{name} is bound to a recurrent_hooks function already")
+            raise RecurrentHooksError(f"{key[0]}.{name} is bound to a recurrent_hooks function already")
         _IMPORT_DEFAULTS[key] = current
     return _IMPORT_DEFAULTS[key]
 
 
 @dataclasses.dataclass
 class _Binding:
-    """The library's rebinding of one modeling module, shared by every watch and hook on its mixers."""
+    """The library's rebinding of one kernel name, shared by every watch and hook on mixers that call it."""
 
     undo: UndoStack
-    originals: dict[str, Any]  # name -> the object bound before the first acquisition
+    original: Any  # the object bound before the first acquisition
     count: int = 0
 
 
-_BINDINGS: dict[str, _Binding] = {}
+_BINDINGS: dict[tuple[str, str], _Binding] = {}  # (owner, name) -> its binding
 _LOCK = threading.RLock()  # watches may be entered and left in several threads at once
 
 
-def bound_original(module: ModuleType, name: str) -> Any:
-    """The object `module.name` holds when the library's binding is released (what idle calls run)."""
-    binding = _BINDINGS.get(module.__name__)
-    return binding.originals[name] if binding is not None else getattr(module, name)
+def bound_original(owner: Any, name: str) -> Any:
+    """The object `owner.name` holds when the library's binding is released (what idle calls run)."""
+    binding = _BINDINGS.get((_owner_key(owner), name))
+    return binding.original if binding is not None else _current(owner, name)
+
+
+Target = tuple[Any, str]  # (owner, name): a modeling module and a global, a class and an attribute, an object
 
 
 def acquire_kernels(
-    module: ModuleType, make_dispatcher: Callable[[str, Any], Callable[..., Any]], names: tuple[str, ...]
+    targets: Sequence[Target], make_dispatcher: Callable[[str, Any], Callable[..., Any]]
 ) -> Callable[[], None]:
-    """Bind `names` of `module` to `make_dispatcher(name, original)`; return the release function.
+    """Bind each `owner.name` of `targets` to `make_dispatcher(name, original)`; return the release function.
 
-    Reference counted per module: nested watches and hooks share one binding; the last release
-    restores exactly the objects that were bound before the first acquisition. All or nothing: if a
-    name is missing, nothing stays rebound.
+    Reference counted per name: nested watches and hooks share one binding; the last release restores
+    exactly the object that was bound before the first acquisition. All or nothing: if a name is
+    missing, nothing stays rebound.
     """
     with _LOCK:
-        return _acquire(module, make_dispatcher, names)
-
-
-def _acquire(
-    module: ModuleType, make_dispatcher: Callable[[str, Any], Callable[..., Any]], names: tuple[str, ...]
-) -> Callable[[], None]:
-    binding = _BINDINGS.get(module.__name__)
-    if binding is None:
-        undo = UndoStack()
-        originals = {}
+        releases: list[Callable[[], None]] = []
         try:
-            for name in names:
-                import_default(module, name)
-                originals[name] = getattr(module, name, _MISSING)
-                if originals[name] is _MISSING:
-                    raise RecurrentHooksError(
-                        f"{module.__name__} has no kernel named {name!r}: expected the transformers version this"
-                        f" library supports (5.24); its mixer would never call a rebound kernel"
-                    )
-                undo.setattr(module, name, make_dispatcher(name, originals[name]))
+            for owner, name in targets:
+                releases.append(_acquire(owner, name, make_dispatcher))
         except BaseException:
-            undo.undo()
+            for release in reversed(releases):
+                release()
             raise
-        binding = _BINDINGS[module.__name__] = _Binding(undo=undo, originals=originals)
+
+    def release_all() -> None:
+        for release in reversed(releases):
+            release()
+
+    return release_all
+
+
+def _acquire(owner: Any, name: str, make_dispatcher: Callable[[str, Any], Callable[..., Any]]) -> Callable[[], None]:
+    key = (_owner_key(owner), name)
+    binding = _BINDINGS.get(key)
+    if binding is None:
+        original = _current(owner, name)
+        if original is _MISSING:
+            raise RecurrentHooksError(
+                f"{key[0]} has no kernel named {name!r}: expected the transformers version this library supports"
+                " (5.24); its mixer would never call a rebound kernel"
+            )
+        if isinstance(owner, (ModuleType, type)):
+            import_default(owner, name)
+        undo = UndoStack()
+        # in the owner's own __dict__ (a method a base class defines is shadowed there; undo deletes it)
+        undo.set_instance_attribute(owner, name, make_dispatcher(name, original))
+        binding = _BINDINGS[key] = _Binding(undo=undo, original=original)
     binding.count += 1
     released = False
 
@@ -148,25 +182,27 @@ def _acquire(
             released = True
             binding.count -= 1
             if binding.count == 0:
-                del _BINDINGS[module.__name__]
+                del _BINDINGS[key]
                 binding.undo.undo()
 
     return release
 
 
-def rebind_process_wide(module: ModuleType, replacements: Mapping[str, Any]) -> None:
-    """Set module attributes for good (route_kernels); refused while a watch or hook holds the module."""
+def rebind_process_wide(replacements: Mapping[Target, Any]) -> None:
+    """Set module globals and class attributes for good (route_kernels); refused while a watch or hook holds
+    one of them."""
     with _LOCK:
-        _rebind(module, replacements)
+        _rebind(replacements)
 
 
-def _rebind(module: ModuleType, replacements: Mapping[str, Any]) -> None:
-    if module.__name__ in _BINDINGS:
-        raise RecurrentHooksError(
-            f"cannot reroute the kernels of {module.__name__} while a watch or a state hook is active on its"
-            " mixers: leave the watch (or remove the hooks) first"
-        )
-    for name in replacements:
-        import_default(module, name)
-    for name, value in replacements.items():
-        setattr(module, name, value)
+def _rebind(replacements: Mapping[Target, Any]) -> None:
+    for owner, name in replacements:
+        if (_owner_key(owner), name) in _BINDINGS:
+            raise RecurrentHooksError(
+                f"cannot reroute {_owner_key(owner)}.{name} while a watch or a state hook is active on its"
+                " mixers: leave the watch (or remove the hooks) first"
+            )
+    for owner, name in replacements:
+        import_default(owner, name)
+    for (owner, name), value in replacements.items():
+        setattr(owner, name, value)

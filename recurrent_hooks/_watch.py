@@ -26,7 +26,7 @@ from ._errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, U
 from ._arguments import as_index, normalize_keep
 from ._calls import Memory
 from ._dispatch import attach, make_dispatcher
-from ._kernels import KERNEL_RECORDS
+from ._kernels import KERNEL_RECORDS, Site
 from ._mixer import RecurrentMixer, StateHook
 from ._patching import UndoStack, acquire_kernels, bound_original, import_default, rebind_process_wide
 from ._registry import FAMILIES, Family, family_of, resolve_family, unsupported_of
@@ -40,8 +40,9 @@ def _attach_with_kernels(mixer: RecurrentMixer, family: Family, stack: contextli
     """Attach `mixer` and acquire its family's kernels, registering both releases on `stack`."""
     stack.callback(attach(mixer))
     module = family.module()
-    names = (*(kernel.name for kernel in family.kind.KERNELS), *(n for n in family.kind.FUSED if hasattr(module, n)))
-    stack.callback(acquire_kernels(module, make_dispatcher(family.kind), names))
+    targets = [kernel.target(module, mixer.module) for kernel in family.kind.KERNELS]
+    targets += [(module, name) for name in family.kind.FUSED if hasattr(module, name)]
+    stack.callback(acquire_kernels(targets, make_dispatcher(family.kind)))
 
 
 def _no_mixer_message(model: nn.Module) -> str:
@@ -294,11 +295,16 @@ def route_kernels(family: "str | ModuleType | nn.Module", to: str) -> None:
         raise InvalidValue(f"route_kernels: expected to= one of {', '.join(map(repr, words))} for {row.name}"
                            f" ({row.kind.__name__}), got {to!r}")
     module = row.module()
+    per_instance = [kernel.name for kernel in row.kind.KERNELS if kernel.site is Site.INSTANCE]
+    if per_instance:
+        raise Unavailable(f"route_kernels: {row.name}'s kernels ({', '.join(per_instance)}) are captured by each"
+                          " module when the model is built, so there is nothing process-wide to reroute; use watch")
+    targets = {kernel.target(module): kernel for kernel in row.kind.KERNELS}
     if words[to] == "torch":
-        replacements = {kernel.name: kernel.loop for kernel in row.kind.KERNELS}
+        replacements = {target: kernel.loop for target, kernel in targets.items()}
     else:
-        replacements = {kernel.name: import_default(module, kernel.name) for kernel in row.kind.KERNELS}
-    rebind_process_wide(module, replacements)
+        replacements = {target: import_default(*target) for target in targets}
+    rebind_process_wide(replacements)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,7 +351,7 @@ def support(model: nn.Module) -> list[MixerSupport]:
                 rows.append(MixerSupport(path, layer, name, None, None, (), {"everything": unsupported.reason}))
             continue
         kind = family.kind
-        bound = {k.name: bound_original(family.module(), k.name) for k in kind.KERNELS}
+        bound = {k.name: bound_original(*k.target(family.module(), module)) for k in kind.KERNELS}
         available = ("states", "conv_states", "inputs", "outputs", "values", "writes", "hooks")
         prompt = kind.KERNELS[0]
         segments = prompt.segments

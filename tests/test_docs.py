@@ -10,6 +10,7 @@ import pytest
 
 import recurrent_hooks as rh
 import recurrent_hooks._patching as patching
+from recurrent_hooks._kernels import Site
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -37,8 +38,12 @@ def test_code_blocks_run(path):
     for family in rh.FAMILIES.values():
         module = family.module()
         for kernel in family.kind.KERNELS:
-            bound = getattr(module, kernel.name)
-            assert bound is patching.import_default(module, kernel.name), f"{path.name} left {kernel.name} rebound"
+            if kernel.site is Site.INSTANCE:
+                continue  # bound per module of a model, released with its watch (tests/test_api.py)
+            target = kernel.target(module)
+            assert patching.bound_original(*target) is patching.import_default(*target), \
+                f"{path.name} left {kernel.name} rebound"
+            assert not patching._BINDINGS, f"{path.name} left a binding: {sorted(patching._BINDINGS)}"
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)

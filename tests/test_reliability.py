@@ -401,7 +401,7 @@ def test_a_dropped_standalone_handle_keeps_its_hook_until_the_module_dies():
     gc.collect()
     with torch.no_grad():
         model(random_ids(1, 5))
-    assert seen == [0] and "transformers.models.qwen3_5.modeling_qwen3_5" in rh_patching._BINDINGS
+    assert seen == [0] and ("transformers.models.qwen3_5.modeling_qwen3_5", "torch_chunk_gated_delta_rule") in rh_patching._BINDINGS
     del model
     gc.collect()
     assert not rh_patching._BINDINGS and not watch_impl._STANDALONE
