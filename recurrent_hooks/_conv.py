@@ -36,7 +36,7 @@ from jaxtyping import Float
 from torch import Tensor
 from transformers.activations import ACT2FN
 
-from ._kernels import CONV_MEMORY, FORWARD, Kernel
+from ._kernels import CONV_MEMORY, FORWARD, Kernel, Role
 
 OnToken = Callable[[int, Tensor], Tensor]
 
@@ -145,7 +145,8 @@ def causal_conv1d_update(
 
 
 CONV_KERNELS = (
-    Kernel("causal_conv1d_fn", causal_conv1d_fn, None, ("output",), "prompt", seq=FORWARD, memory=CONV_MEMORY),
-    Kernel("causal_conv1d_update", causal_conv1d_update, "conv_state", ("output",), "decode",
-           seq=("hidden_states", 2), in_place=True, memory=CONV_MEMORY),
+    Kernel(name="causal_conv1d_fn", role=Role.PROMPT, loop=causal_conv1d_fn, memory=CONV_MEMORY, state_in=None,
+           results=("output",), seq=FORWARD),
+    Kernel(name="causal_conv1d_update", role=Role.DECODE, loop=causal_conv1d_update, memory=CONV_MEMORY,
+           state_in="conv_state", results=("output",), seq=("hidden_states", 2), in_place=True),
 )

@@ -53,7 +53,7 @@ from ._kimi_delta import KimiDeltaAttention
 from ._linear_attention import LinearAttention, _prepare
 from ._arguments import as_index
 from ._calls import Call
-from ._kernels import STATE_MEMORY
+from ._kernels import STATE_MEMORY, Role
 from ._mixer import RecurrentMixer
 from ._selective_scan import SelectiveScan
 from ._state_space import StateSpace
@@ -181,7 +181,7 @@ def _delta_rule(mixer: RecurrentMixer, calls: range, dtype: torch.dtype) -> Effe
                               " effective attention")
         g = x["g"] if kimi else x["g"][..., None]
         prepared = _prepare(x["query"], x["key"], x["value"], g, x["beta"], x["initial_state"],
-                            x["use_qk_l2norm_in_kernel"], {}, kimi=kimi, recurrent=part.kernel == kind.RECURRENT_KERNEL)
+                            x["use_qk_l2norm_in_kernel"], {}, kimi=kimi, recurrent=kind.kernel(part.kernel).role is Role.DECODE)
         per_call.append([v.transpose(1, 2) for v in prepared[:5]] + [prepared[5]])  # b h t ..
     q, k, v, b, log_a = (_cat([c[i] for c in per_call], dtype) for i in range(5))
     state = per_call[0][5].to(dtype)  # b h k v   S_0 of the history
@@ -212,7 +212,7 @@ def _mamba1_part(mixer: RecurrentMixer, calls: range, head: int, dtype: torch.dt
     cum = (delta[..., None] * A).cumsum(1).transpose(1, 2)  # b d s n   c_s per channel and state entry
     B, C = B[:, None], C[:, None, start:]  # b 1 s n, b 1 t n
     weights = _decayed(C, B, cum[:, :, start:], cum, start, strict=False) * delta.transpose(1, 2)[:, :, None]
-    state = first.inputs.get(kind.STATE_IN) if first.kernel == kind.RECURRENT_KERNEL else None  # the scan starts from 0
+    state = first.inputs.get(kind.kernel(first.kernel).state_in) if kind.kernel(first.kernel).role is Role.DECODE else None  # the scan starts from 0
     x_rows = x[:, start:].transpose(1, 2)[..., None]  # b d t 1
     if state is None:
         from_state = torch.zeros_like(x_rows)
@@ -222,7 +222,7 @@ def _mamba1_part(mixer: RecurrentMixer, calls: range, head: int, dtype: torch.dt
     D, z = inputs.get("D"), inputs.get("z")
     skip = None if D is None else D.to(dtype)[:, None, None] * x_rows
     if z is not None:
-        z = (z if last.kernel == kind.CHUNK_KERNEL else z[..., None]).to(dtype)  # b d t
+        z = (z if kind.kernel(last.kernel).role is Role.PROMPT else z[..., None]).to(dtype)  # b d t
         z = F.silu(z)[..., None]
     return EffectiveAttention(weights, x.transpose(1, 2)[..., None], from_state, skip, z, calls)
 
@@ -246,7 +246,7 @@ def _mamba2(mixer: RecurrentMixer, calls: range, dtype: torch.dtype) -> Effectiv
     x, delta, B, C = (torch.cat([p.to(dtype) for p in pieces], dim=1) for pieces in (xs, steps, Bs, Cs))
     heads = x.shape[2]
     B, C = (repeat(v, "b s g n -> b (g r) s n", r=heads // v.shape[2]) for v in (B, C))  # head h reads group h // r
-    decode = last.kernel == kind.RECURRENT_KERNEL
+    decode = kind.kernel(last.kernel).role is Role.DECODE
     A = last.inputs["A"]
     A = (A[:, 0, 0] if decode else A).to(dtype)  # h   (the decode kernel gets it expanded over head_dim, d_state)
     rows = xs[-1].shape[1]
@@ -255,7 +255,7 @@ def _mamba2(mixer: RecurrentMixer, calls: range, dtype: torch.dtype) -> Effectiv
     cum = (delta * A[:, None]).cumsum(2)[..., None]  # b h s 1
     weights = _decayed(C[:, :, start:], B, cum[:, :, start:], cum, start, strict=False) * delta[:, :, None]
     values = x.transpose(1, 2)  # b h s p
-    state = first.inputs["state" if first.kernel == kind.RECURRENT_KERNEL else "initial_states"]
+    state = first.inputs["state" if kind.kernel(first.kernel).role is Role.DECODE else "initial_states"]
     if state is None:
         from_state = torch.zeros_like(values[:, :, start:])
     else:

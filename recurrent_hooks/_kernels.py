@@ -50,7 +50,7 @@ class Role(str, enum.Enum):
     BOTH = "both"  # one kernel for both (RWKV)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Segments:
     """How a prompt kernel can be run on consecutive pieces of its tokens, chaining the state.
 
@@ -72,9 +72,9 @@ class Segments:
     all_states: Callable[..., Any] | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Kernel:
-    """One kernel of a mixer kind, as data.
+    """One kernel of a mixer kind, as data (keyword-only fields).
 
     - `name`: the name the mixer's forward calls (a module global, or an attribute of `owner`: see `site`);
     - `loop`: the library's pure-torch token loop with the same signature and return value, plus a
@@ -93,10 +93,10 @@ class Kernel:
     """
 
     name: str
+    role: Role
     loop: Callable[..., Any]
     state_in: str | None
     results: tuple[str, ...]
-    role: str
     seq: tuple[str, int] | str | None = None
     in_place: bool = False
     memory: str = STATE_MEMORY

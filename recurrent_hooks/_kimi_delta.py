@@ -37,6 +37,7 @@ from typing import Any
 from torch import Tensor
 
 from ._conv import CONV_KERNELS
+from ._kernels import Role
 from ._linear_attention import LinearAttention, OnToken, _gated_delta_rule, _gated_delta_rule_states
 
 
@@ -111,13 +112,13 @@ class KimiDeltaAttention(LinearAttention):
     bailing_hybrid hands `g` over in the model dtype (bf16 in a bf16 model); the token loop runs in float32.
     """
 
-    CHUNK_KERNEL = "chunk_kimi_delta_attention"
-    RECURRENT_KERNEL = "recurrent_kimi_delta_attention"
-    KERNELS = (
-        dataclasses.replace(LinearAttention.KERNELS[0], name=CHUNK_KERNEL, loop=chunk_kimi_delta_attention,
-                            segments=dataclasses.replace(LinearAttention.KERNELS[0].segments,
+    KERNELS = (  # gated DeltaNet's declarations, with their own names and loops
+        dataclasses.replace(LinearAttention.kernel_for(Role.PROMPT), name="chunk_kimi_delta_attention",
+                            loop=chunk_kimi_delta_attention,
+                            segments=dataclasses.replace(LinearAttention.kernel_for(Role.PROMPT).segments,
                                                          all_states=chunk_kimi_delta_attention_states)),
-        dataclasses.replace(LinearAttention.KERNELS[1], name=RECURRENT_KERNEL, loop=recurrent_kimi_delta_attention),
+        dataclasses.replace(LinearAttention.kernel_for(Role.DECODE), name="recurrent_kimi_delta_attention",
+                            loop=recurrent_kimi_delta_attention),
         *CONV_KERNELS,
     )
     INPUTS = {

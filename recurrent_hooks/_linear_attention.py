@@ -36,7 +36,7 @@ from torch import Tensor
 from ._errors import RecurrentHooksError
 from ._conv import CONV_KERNELS
 from ._calls import KernelCall
-from ._kernels import Kernel, Segments
+from ._kernels import Kernel, Role, Segments
 from ._mixer import RecurrentMixer
 
 OnToken = Callable[[int, Tensor], Tensor]
@@ -224,18 +224,17 @@ class LinearAttention(RecurrentMixer):
     cache, so a write at the last token of a call reaches the cache.
     """
 
-    CHUNK_KERNEL: ClassVar[str] = "torch_chunk_gated_delta_rule"
-    RECURRENT_KERNEL: ClassVar[str] = "torch_recurrent_gated_delta_rule"
-    STATE_IN: ClassVar[str] = "initial_state"  # where both kernels take the state; they return the new one
     # the words of this kind's documentation: prompts token by token ("recurrent") or chunk-wise ("chunked")
     ROUTES = {**RecurrentMixer.ROUTES, "recurrent": "torch", "chunked": "default"}
     KERNELS = (
-        Kernel(CHUNK_KERNEL, chunk_gated_delta_rule, STATE_IN, ("output", "final_state"), "prompt", seq=("value", 1),
-               segments=Segments({name: 1 for name in ("query", "key", "value", "g", "beta")}, STATE_IN,
-                                 "output_final_state", out_axis=1, tuple_without_final=True,
-                                 all_states=chunk_gated_delta_rule_states)),
-        Kernel(RECURRENT_KERNEL, recurrent_gated_delta_rule, STATE_IN, ("output", "final_state"), "decode",
-               seq=("value", 1)),
+        # both kernels take the state in `initial_state` and return the new one
+        Kernel(name="torch_chunk_gated_delta_rule", role=Role.PROMPT, loop=chunk_gated_delta_rule,
+               state_in="initial_state", results=("output", "final_state"), seq=("value", 1),
+               segments=Segments(per_token={name: 1 for name in ("query", "key", "value", "g", "beta")},
+                                 state_in="initial_state", final_flag="output_final_state", out_axis=1,
+                                 tuple_without_final=True, all_states=chunk_gated_delta_rule_states)),
+        Kernel(name="torch_recurrent_gated_delta_rule", role=Role.DECODE, loop=recurrent_gated_delta_rule,
+               state_in="initial_state", results=("output", "final_state"), seq=("value", 1)),
         *CONV_KERNELS,
     )
     STATE = "batch heads key_dim value_dim"

@@ -56,7 +56,7 @@ from torch.utils.hooks import RemovableHandle
 from ._errors import InvalidValue, RecurrentHooksError, Unavailable
 from ._arguments import _as_targets, _describe_calls, _describe_token, _RowTokens, as_calls, as_index, normalize_keep
 from ._calls import Call, KernelCall, Memory, _position
-from ._kernels import CONV_MEMORY, STATE_MEMORY, Kernel
+from ._kernels import CONV_MEMORY, STATE_MEMORY, Kernel, Role
 from ._threads import user_code
 
 
@@ -232,6 +232,19 @@ class RecurrentMixer:
         if module is None:
             raise RecurrentHooksError(f"{self}: its module has been garbage-collected")
         return module
+
+    @classmethod
+    def kernel_for(cls, role: "Role | str", memory: str | None = None) -> Kernel:
+        """The declared kernel that serves `role` ("prompt" or "decode") for `memory` (default: the kind's
+        first memory); a kernel declared for both roles serves either.
+
+            rh.StateSpace.kernel_for("prompt").name   # "mamba2_chunk_scan"
+        """
+        role, memory = Role(role), memory or cls.MEMORIES[0]
+        for kernel in cls.KERNELS:
+            if kernel.memory == memory and kernel.role in (role, Role.BOTH):
+                return kernel
+        raise KeyError(f"{cls.__name__} declares no {role.value} kernel for its {memory}")
 
     @classmethod
     def kernel(cls, name: str) -> Kernel:

@@ -51,7 +51,7 @@ from torch import Tensor
 from ._errors import RecurrentHooksError
 from ._conv import CONV_KERNELS
 from ._calls import KernelCall
-from ._kernels import STATE_MEMORY, Kernel
+from ._kernels import STATE_MEMORY, Kernel, Role
 from ._mixer import RecurrentMixer
 
 OnToken = Callable[[int, Tensor], Tensor]
@@ -244,12 +244,13 @@ class SelectiveScan(RecurrentMixer):
     state into the cache tensor in place, and so does the library's loop, after any hook or write.
     """
 
-    CHUNK_KERNEL: ClassVar[str] = "mamba_selective_scan"  # several tokens (a prompt): a scan from zeros
-    RECURRENT_KERNEL: ClassVar[str] = "mamba_selective_state_update"  # one token over the cached state
-    STATE_IN: ClassVar[str] = "state"  # the decode kernel's state argument, updated in place
     KERNELS = (
-        Kernel(CHUNK_KERNEL, mamba_selective_scan, None, ("output", "final_state"), "prompt", seq=("hidden_states", 2)),
-        Kernel(RECURRENT_KERNEL, mamba_selective_state_update, STATE_IN, ("output",), "decode", in_place=True),
+        # several tokens (a prompt): a scan from zeros, which takes no state
+        Kernel(name="mamba_selective_scan", role=Role.PROMPT, loop=mamba_selective_scan, state_in=None,
+               results=("output", "final_state"), seq=("hidden_states", 2)),
+        # one token over the cached state, which it updates in place
+        Kernel(name="mamba_selective_state_update", role=Role.DECODE, loop=mamba_selective_state_update,
+               state_in="state", results=("output",), in_place=True),
         *CONV_KERNELS,
     )
     FUSED = ("mamba_inner_fn",)
@@ -281,7 +282,7 @@ class SelectiveScan(RecurrentMixer):
     @classmethod
     def _token_values(cls, part: KernelCall) -> dict[str, Tensor]:
         x = part.inputs
-        if part.kernel == cls.CHUNK_KERNEL:
+        if part.kernel == cls.kernel_for(Role.PROMPT).name:
             token_major = lambda v: rearrange(v, "b c t -> b t c")  # noqa: E731
             dt = step_size(token_major(x["dt"]), x["delta_bias"], x["delta_softplus"])
             return {"x": token_major(x["hidden_states"]), "dt": dt, "B": token_major(x["B"]),

@@ -58,7 +58,7 @@ from torch import Tensor
 
 from ._conv import CONV_KERNELS
 from ._calls import KernelCall
-from ._kernels import Kernel, Segments
+from ._kernels import Kernel, Role, Segments
 from ._mixer import RecurrentMixer
 from ._selective_scan import OnToken, discrete_step, refuse_packed, step_size
 
@@ -273,16 +273,15 @@ class StateSpace(RecurrentMixer):
     tensor in place, and so does the library's loop, after any hook or write.
     """
 
-    CHUNK_KERNEL: ClassVar[str] = "mamba2_chunk_scan"
-    RECURRENT_KERNEL: ClassVar[str] = "mamba2_selective_state_update"
-    STATE_IN: ClassVar[str] = "state"  # the decode kernel's state argument, updated in place
     KERNELS = (
-        Kernel(CHUNK_KERNEL, mamba2_chunk_scan, "initial_states", ("output", "final_state"), "prompt",
-               seq=("hidden_states", 1),
-               segments=Segments({name: 1 for name in ("hidden_states", "dt", "B", "C")}, "initial_states",
-                                 "return_final_states", out_axis=1, tuple_without_final=False,
-                                 all_states=mamba2_chunk_scan_states)),
-        Kernel(RECURRENT_KERNEL, mamba2_selective_state_update, STATE_IN, ("output",), "decode", in_place=True),
+        Kernel(name="mamba2_chunk_scan", role=Role.PROMPT, loop=mamba2_chunk_scan, state_in="initial_states",
+               results=("output", "final_state"), seq=("hidden_states", 1),
+               segments=Segments(per_token={name: 1 for name in ("hidden_states", "dt", "B", "C")},
+                                 state_in="initial_states", final_flag="return_final_states", out_axis=1,
+                                 tuple_without_final=False, all_states=mamba2_chunk_scan_states)),
+        # one token over the cached state, which it updates in place
+        Kernel(name="mamba2_selective_state_update", role=Role.DECODE, loop=mamba2_selective_state_update,
+               state_in="state", results=("output",), in_place=True),
         *CONV_KERNELS,
     )
     FUSED = ("mamba2_split_conv1d_scan_combined",)
@@ -314,7 +313,7 @@ class StateSpace(RecurrentMixer):
     @classmethod
     def _token_values(cls, part: KernelCall) -> dict[str, Tensor]:
         x = part.inputs
-        if part.kernel == cls.CHUNK_KERNEL:
+        if part.kernel == cls.kernel_for(Role.PROMPT).name:
             dt = step_size(x["dt"], x["dt_bias"], x["dt_softplus"], x["dt_limit"])
             return {"x": x["hidden_states"], "dt": dt, "decay": torch.exp(dt * x["A"].float()), "B": x["B"],
                     "C": x["C"], "y": part.output["output"]}

@@ -26,7 +26,7 @@ from ._errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, U
 from ._arguments import as_index, normalize_keep
 from ._calls import Memory
 from ._dispatch import attach, make_dispatcher
-from ._kernels import KERNEL_RECORDS, Site
+from ._kernels import KERNEL_RECORDS, Role, Site
 from ._mixer import RecurrentMixer, StateHook
 from ._patching import UndoStack, acquire_kernels, bound_original, import_default, rebind_process_wide
 from ._registry import FAMILIES, Family, family_of, resolve_family, unsupported_of
@@ -353,7 +353,7 @@ def support(model: nn.Module) -> list[MixerSupport]:
         kind = family.kind
         bound = {k.name: bound_original(*k.target(family.module(), module)) for k in kind.KERNELS}
         available = ("states", "conv_states", "inputs", "outputs", "values", "writes", "hooks")
-        prompt = kind.KERNELS[0]
+        prompt = kind.kernel_for(Role.PROMPT)
         segments = prompt.segments
         notes = {
             "idle calls run": ", ".join(

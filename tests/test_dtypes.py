@@ -135,7 +135,7 @@ def _by_decode(model):
     """The model's prompt kernel replaced by its own decode kernel run token by token."""
     module, kind = _kernel_module(model)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(module, kind.CHUNK_KERNEL, _DECODE_LOOPS[kind](getattr(module, kind.RECURRENT_KERNEL)))
+        patch.setattr(module, kind.kernel_for("prompt").name, _DECODE_LOOPS[kind](getattr(module, kind.kernel_for("decode").name)))
         yield
 
 
@@ -191,9 +191,9 @@ def _exact_kernels(kind):
     """The kernels whose library loop runs transformers' own ops in its own order: decode kernels, and
     Mamba-1's prompt kernel (transformers' is a token loop too). The other prompt kernels are chunk-wise
     and are checked through the logits above."""
-    exact = {kind.RECURRENT_KERNEL}
+    exact = {kind.kernel_for("decode").name}
     if issubclass(kind, rh.SelectiveScan):
-        exact.add(kind.CHUNK_KERNEL)
+        exact.add(kind.kernel_for("prompt").name)
     return exact
 
 

@@ -55,7 +55,7 @@ def _delta_rule_tokens(part):
 def _mamba1_tokens(part):
     """x, Δ, A, B, C, D, z of one Mamba-1 kernel call, token-major: heads are the channels."""
     x = part.inputs
-    prompt = part.kernel == rh.SelectiveScan.CHUNK_KERNEL
+    prompt = part.kernel == rh.SelectiveScan.kernel_for("prompt").name
     t = (lambda v: v.to(F64).transpose(1, 2)) if prompt else (lambda v: v.to(F64)[:, None])  # noqa: E731
     delta = t(x["dt"]) + x["delta_bias" if prompt else "dt_bias"].to(F64)
     if x["delta_softplus" if prompt else "dt_softplus"]:
@@ -66,7 +66,7 @@ def _mamba1_tokens(part):
 
 def _mamba2_tokens(part):
     x = part.inputs
-    if part.kernel == rh.StateSpace.CHUNK_KERNEL:
+    if part.kernel == rh.StateSpace.kernel_for("prompt").name:
         hidden, dt, A, B, C, D = x["hidden_states"], x["dt"], x["A"], x["B"], x["C"], x["D"]
         bias, limit, z = x["dt_bias"], x["dt_limit"], None
     else:  # the decode kernel gets the per-head parameters expanded over head_dim: channel 0 is the head's

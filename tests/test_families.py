@@ -37,7 +37,7 @@ def _gated_delta_part(part):
 
 def _selective_scan_part(part):
     x = part.inputs
-    if part.kernel == rh.SelectiveScan.CHUNK_KERNEL:
+    if part.kernel == rh.SelectiveScan.kernel_for("prompt").name:
         t = lambda v: v.transpose(1, 2)  # noqa: E731  channel-major -> token-major
         return selective_scan_reference(t(x["hidden_states"]), t(x["dt"]), x["A"], t(x["B"]), t(x["C"]),
                                         dt_bias=x["delta_bias"], softplus=x["delta_softplus"])[1]
@@ -48,7 +48,7 @@ def _selective_scan_part(part):
 
 def _state_space_part(part):
     x = part.inputs
-    if part.kernel == rh.StateSpace.CHUNK_KERNEL:
+    if part.kernel == rh.StateSpace.kernel_for("prompt").name:
         return ssd_reference(x["hidden_states"], x["dt"], x["A"], x["B"], x["C"], dt_bias=x["dt_bias"],
                              softplus=x["dt_softplus"], dt_limit=x["dt_limit"], initial_state=x["initial_states"])[1]
     # the decode kernel gets the per-head parameters expanded over head_dim: channel 0 is the head's
@@ -173,7 +173,7 @@ def test_call_counter_in_generate(model):
         greedy(model, random_ids(2, T), n)
     for mixer in w.mixers:
         kernels = [c.kernel for c in mixer.calls]
-        assert kernels == [type(mixer).KERNELS[0].name] + [type(mixer).KERNELS[1].name] * (n - 1)
+        assert kernels == [type(mixer).kernel_for("prompt").name] + [type(mixer).kernel_for("decode").name] * (n - 1)
         assert [c.index for c in mixer.calls] == list(range(n))
     assert seen == [(0, t) for t in range(T)] + [(k, 0) for k in range(1, n)]
 
@@ -525,7 +525,7 @@ def test_sparse_fast_path_equals_the_token_loop(model, monkeypatch):
     fast, fast_out, fast_seen, segmented = _sparse_run(model, ids, True, monkeypatch)
     slow, slow_out, slow_seen, unsegmented = _sparse_run(model, ids, False, monkeypatch)
     assert not unsegmented
-    if type(fast.mixers[0]).KERNELS[0].segments is not None:
+    if type(fast.mixers[0]).kernel_for("prompt").segments is not None:
         assert segmented, "the sparse call did not take the fast path"
     for step, (a, b) in enumerate(zip(slow_out.logits, fast_out.logits)):
         assert_close(f"logits of call {step}", a, b, rtol=1e-4, atol=1e-5)
@@ -557,7 +557,7 @@ def test_every_state_kept_chunkwise_equals_the_token_loop(model, monkeypatch):
             out = model(ids, use_cache=True)
         runs[fast] = (w, out, seen)
     (fast, fast_out, fast_seen), (slow, slow_out, slow_seen) = runs[True], runs[False]
-    segments = type(fast.mixers[0]).KERNELS[0].segments
+    segments = type(fast.mixers[0]).kernel_for("prompt").segments
     assert any(chunkwise) == (segments is not None and segments.all_states is not None)
     assert_close("logits", slow_out.logits, fast_out.logits, rtol=1e-4, atol=1e-5)
     assert_close("hook input", torch.stack(slow_seen), torch.stack(fast_seen), rtol=1e-4, atol=1e-6)

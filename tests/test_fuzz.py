@@ -254,7 +254,7 @@ def _gated_delta(part):
 
 def _selective_scan(part):
     x = part.inputs
-    if part.kernel == rh.SelectiveScan.CHUNK_KERNEL:  # channel-major, from zeros
+    if part.kernel == rh.SelectiveScan.kernel_for("prompt").name:  # channel-major, from zeros
         per_token = {name: x[name].transpose(1, 2) for name in ("hidden_states", "dt", "B", "C")}
         bias, softplus, start = x["delta_bias"], x["delta_softplus"], None
     else:
@@ -270,7 +270,7 @@ def _selective_scan(part):
 
 def _state_space(part):
     x = part.inputs
-    if part.kernel == rh.StateSpace.CHUNK_KERNEL:
+    if part.kernel == rh.StateSpace.kernel_for("prompt").name:
         per_token = {name: x[name] for name in ("hidden_states", "dt", "B", "C")}
         A, bias, limit, start = x["A"], x["dt_bias"], x["dt_limit"], x["initial_states"]
     else:  # the decode kernel gets the per-head parameters expanded over head_dim: channel 0 is the head's
@@ -431,7 +431,7 @@ def check_fast_paths_against_token_loop(case: Case, slow: Run, fast: Run) -> Non
             assert_close(f"{a}: cache {what}", getattr(slow.out.past_key_values, what)(a.layer),
                          getattr(fast.out.past_key_values, what)(b.layer), **STATES)
         # which path the prompt took: segments, unless a state hook on this mixer asks for every token
-        segments = type(b).KERNELS[0].segments
+        segments = type(b).kernel_for("prompt").segments
         every_token = any(edit.mixer == index and edit.method == "state_hook" and edit.token is None
                           and edit.targets(0) for edit in case.edits)
         chunkwise = segments is not None and segments.all_states is not None and (

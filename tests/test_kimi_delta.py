@@ -27,7 +27,7 @@ from recurrent_hooks._kimi_delta import (
 
 KDA_FAMILIES = [name for name, row in FAMILIES.items() if row.kind is KimiDeltaAttention]
 LOOPS = {"chunk": chunk_kimi_delta_attention, "recurrent": recurrent_kimi_delta_attention}
-KERNEL_NAMES = {"chunk": KimiDeltaAttention.CHUNK_KERNEL, "recurrent": KimiDeltaAttention.RECURRENT_KERNEL}
+KERNEL_NAMES = {"chunk": KimiDeltaAttention.kernel_for("prompt").name, "recurrent": KimiDeltaAttention.kernel_for("decode").name}
 LENGTHS = [1, 37, 70]
 BATCH, HEADS, KEY_DIM, VALUE_DIM = 2, 4, 8, 16
 

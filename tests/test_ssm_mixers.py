@@ -22,7 +22,7 @@ def test_mamba1_multi_token_continuation_is_refused_for_hooks_but_runs_idle(fami
         with rh.watch(model) as w:  # idle: the model's own behaviour
             watched = model(ids[:, 6:], cache=model(ids[:, :6], use_cache=True).cache).logits
         assert_close("idle continuation", plain, watched, rtol=0, atol=0)
-        assert w.mixers[0].calls[1].kernel == rh.SelectiveScan.CHUNK_KERNEL and w.mixers[0].calls[1].tokens == T - 6
+        assert w.mixers[0].calls[1].kernel == rh.SelectiveScan.kernel_for("prompt").name and w.mixers[0].calls[1].tokens == T - 6
         cache = model(ids[:, :6], use_cache=True).cache
         with pytest.raises(rh.Unavailable, match=r"call 0 \(mamba_selective_scan\): transformers' mamba_selective_scan"
                            r" takes no initial state"):
