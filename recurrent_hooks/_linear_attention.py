@@ -26,7 +26,7 @@ Module contents:
 """
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from einops import repeat

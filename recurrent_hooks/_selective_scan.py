@@ -40,7 +40,7 @@ Module contents:
 
 import functools
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F

@@ -48,7 +48,7 @@ Module contents:
 - `StateSpace`: the mixer kind.
 """
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
