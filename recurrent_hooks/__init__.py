@@ -5,7 +5,10 @@
         model(input_ids)
     w.mixers[0].states        # the state after every token: [batch, seq, heads, key_dim, value_dim]
 
-The public names are listed in `__all__`; everything else lives in private modules.
+The public names are listed in `__all__`; everything else lives in private modules. The names for adding a
+mixer kind or a family (`Kernel`, `Role`, `Site`, `Segments`, `RecurrentMixer`, the kind classes, `Family`)
+are in `recurrent_hooks.extend`; the kinds, `Kernel` and `FAMILIES` stay importable from here too, and
+`LinearAttention` is the gated DeltaNet kind's former name.
 """
 
 from ._attribution import Attribution as Attribution
@@ -17,7 +20,8 @@ from ._errors import RecurrentHooksError as RecurrentHooksError
 from ._errors import RecurrentHooksWarning as RecurrentHooksWarning
 from ._errors import Unavailable as Unavailable
 from ._kimi_delta import KimiDeltaAttention as KimiDeltaAttention
-from ._linear_attention import LinearAttention as LinearAttention
+from ._gated_delta_net import GatedDeltaNet as GatedDeltaNet
+from ._gated_delta_net import GatedDeltaNet as LinearAttention  # its former name, kept for code that uses it
 from ._calls import Call as Call
 from ._calls import KernelCall as KernelCall
 from ._calls import Memory as Memory
@@ -47,18 +51,11 @@ __all__ = [
     "MixerSupport",
     "attribute",
     "Attribution",
-    "RecurrentMixer",
-    "LinearAttention",
-    "KimiDeltaAttention",
-    "SelectiveScan",
-    "PerHeadSelectiveScan",
-    "StateSpace",
     "Call",
     "KernelCall",
     "Memory",
     "effective_attention",
     "EffectiveAttention",
-    "Kernel",
     "FAMILIES",
     "RecurrentHooksError",
     "RecurrentHooksWarning",

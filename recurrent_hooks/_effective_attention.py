@@ -16,7 +16,7 @@ Glossary (code name, paper symbol, shape; `query` = the call's tokens, `source` 
     (cum)       c_t       sum_{r<=t} log a_r over the history (per key channel for KDA, per state channel for Mamba-1)
 
 Per kind (heads axis, value v_s):
-    gated DeltaNet (LinearAttention), value heads, v_s = `value`; q, k l2-normalised and q scaled as the
+    gated DeltaNet (GatedDeltaNet), value heads, v_s = `value`; q, k l2-normalised and q scaled as the
         kernels do (`_prepare`), key head j // (heads // key_heads) for value head j:
             S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T,   o_t = S_t^T q_t
             A[t, s] = b_s q_t^T (prod_{r=s+1..t} a_r (I - b_r k_r k_r^T)) k_s
@@ -50,7 +50,7 @@ from torch import Tensor
 
 from ._errors import InvalidValue, Unavailable
 from ._kimi_delta import KimiDeltaAttention
-from ._linear_attention import LinearAttention, _prepare
+from ._gated_delta_net import GatedDeltaNet, _prepare
 from ._arguments import as_index
 from ._calls import Call
 from ._kernels import STATE_MEMORY, Role
@@ -295,7 +295,7 @@ def effective_attention(mixer: RecurrentMixer, call: int | None = None, *,
         call = as_index(call, "call", f"{mixer}.effective_attention")
     calls = _history(mixer, call)
     with torch.no_grad():
-        if isinstance(mixer, LinearAttention):
+        if isinstance(mixer, GatedDeltaNet):
             return _delta_rule(mixer, calls, dtype)
         if isinstance(mixer, SelectiveScan):
             return _mamba1(mixer, calls, dtype)

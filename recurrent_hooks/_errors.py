@@ -20,7 +20,7 @@ class Unavailable(RecurrentHooksError, LookupError):
         try:
             mix.states
         except recurrent_hooks.Unavailable as e:
-            print(e)   # "LinearAttention(qwen3_5, layer 0): call 0 kept no states; pass keep=('states',) to watch"
+            print(e)   # "GatedDeltaNet(qwen3_5, layer 0): call 0 kept no states; pass keep=('states',) to watch"
     """
 
 

@@ -1,6 +1,6 @@
 """Kimi delta attention (KDA): the `KimiDeltaAttention` mixer kind and its token loops.
 
-KDA is the gated delta rule of `_linear_attention` with a decay per key channel instead of per head,
+KDA is the gated delta rule of `_gated_delta_net` with a decay per key channel instead of per head,
 and without grouped value heads. The token loop is the gated DeltaNet one (`_gated_delta_rule`), fed
 the per-channel decay.
 
@@ -38,7 +38,7 @@ from torch import Tensor
 
 from ._conv import CONV_KERNELS
 from ._kernels import Role
-from ._linear_attention import LinearAttention, OnToken, _gated_delta_rule, _gated_delta_rule_states
+from ._gated_delta_net import GatedDeltaNet, OnToken, _gated_delta_rule, _gated_delta_rule_states
 
 
 def chunk_kimi_delta_attention(
@@ -99,25 +99,25 @@ def recurrent_kimi_delta_attention(
                              use_qk_l2norm_in_kernel, on_token, kwargs, kimi=True)
 
 
-class KimiDeltaAttention(LinearAttention):
+class KimiDeltaAttention(GatedDeltaNet):
     """A Kimi delta attention mixer (kimi_linear, bailing_hybrid, glm5_next).
 
         with recurrent_hooks.watch(model, keep=("states",)) as w:
             model(input_ids)
         w.mixers[0].states   # Float[Tensor, "batch seq heads key_dim value_dim"]
 
-    As `LinearAttention` (state `[batch, heads, key_dim, value_dim]`, float32, key-major; both kernels
+    As `GatedDeltaNet` (state `[batch, heads, key_dim, value_dim]`, float32, key-major; both kernels
     return the new state and the mixer copies it into the cache), except that the decay `g` has one value
     per key channel, `[batch, seq, heads, key_dim]`, and query, key and value have the same heads.
     bailing_hybrid hands `g` over in the model dtype (bf16 in a bf16 model); the token loop runs in float32.
     """
 
     KERNELS = (  # gated DeltaNet's declarations, with their own names and loops
-        dataclasses.replace(LinearAttention.kernel_for(Role.PROMPT), name="chunk_kimi_delta_attention",
+        dataclasses.replace(GatedDeltaNet.kernel_for(Role.PROMPT), name="chunk_kimi_delta_attention",
                             loop=chunk_kimi_delta_attention,
-                            segments=dataclasses.replace(LinearAttention.kernel_for(Role.PROMPT).segments,
+                            segments=dataclasses.replace(GatedDeltaNet.kernel_for(Role.PROMPT).segments,
                                                          all_states=chunk_kimi_delta_attention_states)),
-        dataclasses.replace(LinearAttention.kernel_for(Role.DECODE), name="recurrent_kimi_delta_attention",
+        dataclasses.replace(GatedDeltaNet.kernel_for(Role.DECODE), name="recurrent_kimi_delta_attention",
                             loop=recurrent_kimi_delta_attention),
         *CONV_KERNELS,
     )
@@ -129,7 +129,7 @@ class KimiDeltaAttention(LinearAttention):
         "beta": "batch seq heads",
         "initial_state": "batch heads key_dim value_dim",
     }
-    VALUES = {**LinearAttention.VALUES, "query": "batch seq heads key_dim", "key": "batch seq heads key_dim",
+    VALUES = {**GatedDeltaNet.VALUES, "query": "batch seq heads key_dim", "key": "batch seq heads key_dim",
               "g": "batch seq heads key_dim"}
     LIMITS = {
         "packed sequences": "transformers' KDA mixers pass no cu_seqlens to their kernels, so a packed row is"

@@ -18,7 +18,7 @@ The package's parts, by file:
 - `_threads`: per-thread bookkeeping (running forwards, user hook code, autograd's backward);
 - `_dispatch`: taps on mixer modules, the dispatchers bound in place of kernels, segments and fast paths;
 - this module: `RecurrentMixer`, the user's handle on a mixer and the base class of the kinds (one
-  module per kind: `_linear_attention`, `_kimi_delta`, `_selective_scan`, `_state_space`, with `_conv`
+  module per kind: `_gated_delta_net`, `_kimi_delta`, `_selective_scan`, `_state_space`, with `_conv`
   for the convolution window), with its hooks, writes and call counter, and `_Plan`, what one handle
   wants of one kernel call.
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from ._errors import Unavailable
 from ._kimi_delta import KimiDeltaAttention
-from ._linear_attention import LinearAttention
+from ._gated_delta_net import GatedDeltaNet
 from ._mixer import RecurrentMixer
 from ._selective_scan import PerHeadSelectiveScan, SelectiveScan
 from ._state_space import StateSpace
@@ -44,12 +44,12 @@ class Family:
 FAMILIES: dict[str, Family] = {
     row.name: row
     for row in (
-        Family("qwen3_next", "Qwen3NextGatedDeltaNet", LinearAttention),
-        Family("qwen3_5", "Qwen3_5GatedDeltaNet", LinearAttention),
-        Family("qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet", LinearAttention),
-        Family("olmo_hybrid", "OlmoHybridGatedDeltaNet", LinearAttention),
-        Family("qwen4_exp", "Qwen4ExpTextGatedDeltaNet", LinearAttention),
-        Family("lara_mini", "LaraMiniGatedDeltaNet", LinearAttention),
+        Family("qwen3_next", "Qwen3NextGatedDeltaNet", GatedDeltaNet),
+        Family("qwen3_5", "Qwen3_5GatedDeltaNet", GatedDeltaNet),
+        Family("qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet", GatedDeltaNet),
+        Family("olmo_hybrid", "OlmoHybridGatedDeltaNet", GatedDeltaNet),
+        Family("qwen4_exp", "Qwen4ExpTextGatedDeltaNet", GatedDeltaNet),
+        Family("lara_mini", "LaraMiniGatedDeltaNet", GatedDeltaNet),
         Family("kimi_linear", "KimiLinearDeltaAttention", KimiDeltaAttention),
         Family("bailing_hybrid", "BailingHybridDeltaAttention", KimiDeltaAttention),
         Family("glm5_next", "Glm5NextTextLinearAttention", KimiDeltaAttention),

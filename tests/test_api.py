@@ -47,6 +47,18 @@ def test_public_names_are_importable():
         assert getattr(rh, name) is not None, name
 
 
+def test_the_extension_namespace_has_the_declarations_and_the_old_names_still_work():
+    import recurrent_hooks.extend as extend
+
+    for name in extend.__all__:
+        assert getattr(extend, name) is not None, name
+    assert not set(extend.__all__) & set(rh.__all__) - {"FAMILIES"}, "a name is public twice"
+    for name in ("GatedDeltaNet", "KimiDeltaAttention", "SelectiveScan", "PerHeadSelectiveScan", "StateSpace",
+                 "RecurrentMixer", "Kernel"):
+        assert getattr(rh, name) is getattr(extend, name), name
+    assert rh.LinearAttention is extend.GatedDeltaNet  # the kind's former name
+
+
 # -- errors --------------------------------------------------------------------------------------------------
 
 
@@ -64,7 +76,7 @@ def test_a_written_state_that_does_not_fit_is_refused(model, value, message):
         run(model)
         state = w.mixers[0].state_after(3)
     before = bindings()
-    with pytest.raises(rh.InvalidValue, match=r"LinearAttention\(qwen3_5, layer 0\), call 0, token 3: "
+    with pytest.raises(rh.InvalidValue, match=r"GatedDeltaNet\(qwen3_5, layer 0\), call 0, token 3: "
                        r"set_state_after\(3, call=0\) gave a state with " + message):
         with rh.watch(model) as w:
             w.mixers[0].set_state_after(3, value(state))
@@ -101,7 +113,7 @@ def test_a_token_outside_the_call_is_refused(model):
 
 def test_a_write_whose_call_never_happens_is_one_warning_when_the_watch_ends(model):
     with pytest.warns(rh.RecurrentHooksWarning, match=r"^1 write never ran: set_state_after\(0, call=5\) on "
-                      r"LinearAttention\(qwen3_5, layer 0\) \(call 5; it saw 4 calls\)\. The calls they target did"
+                      r"GatedDeltaNet\(qwen3_5, layer 0\) \(call 5; it saw 4 calls\)\. The calls they target did"
                       r" not happen: generation may have stopped early"):
         with rh.watch(model) as w:
             w.mixers[0].set_state_after(0, torch.zeros(2, 4, 8, 8), call=5)
@@ -113,7 +125,7 @@ def test_reading_what_was_not_kept_or_does_not_exist(model):
     with rh.watch(model) as w:
         run(model)
     mixer = w.mixers[0]
-    with pytest.raises(rh.Unavailable, match=r"LinearAttention\(qwen3_5, layer 0\): call 0 kept no states; "
+    with pytest.raises(rh.Unavailable, match=r"GatedDeltaNet\(qwen3_5, layer 0\): call 0 kept no states; "
                        r"pass keep=\('states',\) to watch"):
         mixer.states
     with rh.watch(model, keep=("states",)) as w:
@@ -211,7 +223,7 @@ def test_hooks_receive_the_mixer_and_live_states_to_clone(model):
     kept = []
 
     def keep(mixer, call, token, state):
-        assert isinstance(mixer, rh.LinearAttention) and mixer.layer == 0
+        assert isinstance(mixer, rh.GatedDeltaNet) and mixer.layer == 0
         kept.append(state.clone())
 
     with rh.watch(model) as w:
@@ -320,19 +332,19 @@ def test_route_kernels_rebinds_process_wide_and_back(model):
     default = bindings()
     rh.route_kernels("qwen3_5", "torch")
     try:
-        assert bindings()[KERNELS[0]] is rh.LinearAttention.kernel(KERNELS[0]).loop
+        assert bindings()[KERNELS[0]] is rh.GatedDeltaNet.kernel(KERNELS[0]).loop
         assert_close("token-loop prompts", plain, run(model, ids), rtol=1e-5, atol=1e-5)
         with rh.watch(model, keep=("states",)) as w:
             with pytest.raises(rh.RecurrentHooksError, match="while a watch or a state hook is active"):
                 rh.route_kernels(model, "default")
             run(model, ids)
-        assert bindings()[KERNELS[0]] is rh.LinearAttention.kernel(KERNELS[0]).loop
+        assert bindings()[KERNELS[0]] is rh.GatedDeltaNet.kernel(KERNELS[0]).loop
         assert w.mixers[0].states.shape == (2, T, 4, 8, 8)
     finally:
         rh.route_kernels(MODULE, "default")
     assert bindings() == default
     with pytest.raises(rh.InvalidValue, match=r"expected to= one of 'torch', 'default', 'recurrent', 'chunked' for qwen3_5"
-                                              r" \(LinearAttention\), got 'fla'"):
+                                              r" \(GatedDeltaNet\), got 'fla'"):
         rh.route_kernels("qwen3_5", "fla")
     with pytest.raises(rh.Unavailable, match="unknown or unsupported family 'llama'"):
         rh.route_kernels("llama", "torch")
@@ -341,12 +353,12 @@ def test_route_kernels_rebinds_process_wide_and_back(model):
 def test_support_reports_each_mixer(model):
     rows = rh.support(model)
     assert [(r.path, r.layer, r.family, r.kind) for r in rows] == [
-        ("model.layers.0.linear_attn", 0, "qwen3_5", "LinearAttention"),
-        ("model.layers.2.linear_attn", 2, "qwen3_5", "LinearAttention"),
+        ("model.layers.0.linear_attn", 0, "qwen3_5", "GatedDeltaNet"),
+        ("model.layers.2.linear_attn", 2, "qwen3_5", "GatedDeltaNet"),
     ]
     assert "states" in rows[0].available and "conv_states" in rows[0].available
     assert "packed sequences" in rows[0].unavailable
-    assert "qwen3_5 -> LinearAttention" in str(rows[0])
+    assert "qwen3_5 -> GatedDeltaNet" in str(rows[0])
     assert rows[0].notes["a few tokens of a prompt"] == "torch_chunk_gated_delta_rule in segments between them"
     assert rh.support(build("mamba"))[0].notes["a few tokens of a prompt"].startswith("the token loop")
 
@@ -355,7 +367,7 @@ def test_reprs_say_what_is_watched(model):
     with rh.watch(model, keep=("states",)) as w:
         run(model)
         assert repr(w) == "Watch(Qwen3_5ForCausalLM, active, keep=('states',), mixers=[layer 0: 1 calls, layer 2: 1 calls])"
-    assert repr(w.mixers[0]) == "LinearAttention(qwen3_5, layer 0)"
+    assert repr(w.mixers[0]) == "GatedDeltaNet(qwen3_5, layer 0)"
     assert w.mixers[0].calls[0].kernel == "torch_chunk_gated_delta_rule"
 
 
@@ -406,7 +418,7 @@ def test_the_support_command_reads_families_and_saved_configs(tmp_path, capsys):
 def test_route_kernels_speaks_each_kinds_words():
     rh.route_kernels("qwen3_5", "recurrent")
     try:
-        assert bindings()[KERNELS[0]] is rh.LinearAttention.kernel(KERNELS[0]).loop
+        assert bindings()[KERNELS[0]] is rh.GatedDeltaNet.kernel(KERNELS[0]).loop
     finally:
         rh.route_kernels("qwen3_5", "chunked")
     assert bindings()[KERNELS[0]] is rh_patching.import_default(MODULE, KERNELS[0])

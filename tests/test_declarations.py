@@ -115,4 +115,4 @@ def test_a_kernel_row_is_checked_when_declared():
     with pytest.raises(ValueError, match="'sideways' is not a valid Role"):
         rh.Kernel(name="k", role="sideways", loop=lambda: None, state_in=None, results=())
     with pytest.raises(KeyError, match="declares no decode kernel for its nothing"):
-        rh.LinearAttention.kernel_for("decode", "nothing")
+        rh.GatedDeltaNet.kernel_for("decode", "nothing")

@@ -99,7 +99,7 @@ def _ssd_by_decode(decode):
     return prompt
 
 
-_DECODE_LOOPS = {rh.LinearAttention: _gated_delta_by_decode, rh.KimiDeltaAttention: _gated_delta_by_decode,
+_DECODE_LOOPS = {rh.GatedDeltaNet: _gated_delta_by_decode, rh.KimiDeltaAttention: _gated_delta_by_decode,
                  rh.SelectiveScan: _selective_scan_by_decode, rh.PerHeadSelectiveScan: _selective_scan_by_decode,
                  rh.StateSpace: _ssd_by_decode}
 

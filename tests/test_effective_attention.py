@@ -170,7 +170,7 @@ def reference_map(mixer, calls, initial_state):
         parts = [mixer.calls[c].parts[head] for c in calls]
         per_head = initial_state is not None and len(mixer.calls[calls[-1]].parts) > 1
         start = initial_state[:, head] if per_head else initial_state
-        if isinstance(mixer, rh.LinearAttention):
+        if isinstance(mixer, rh.GatedDeltaNet):
             heads.append(delta_rule_map(parts, start, kimi=isinstance(mixer, rh.KimiDeltaAttention)))
         elif isinstance(mixer, rh.SelectiveScan):
             heads.append(selective_scan_map(parts, start))
@@ -188,7 +188,7 @@ def kernel_output(mixer, call):
     outs = []
     for part in mixer.calls[call].parts:
         y = part.output["output"]
-        if isinstance(mixer, rh.LinearAttention):  # b t h v
+        if isinstance(mixer, rh.GatedDeltaNet):  # b t h v
             y = y.transpose(1, 2)
         elif isinstance(mixer, rh.SelectiveScan):  # prompt b d t, decode b d
             y = (y if y.dim() == 3 else y[..., None])[..., None]

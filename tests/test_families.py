@@ -57,7 +57,7 @@ def _state_space_part(part):
                          softplus=x["dt_softplus"], dt_limit=(-math.inf, math.inf), initial_state=x["state"])[1]
 
 
-REFERENCES = {rh.LinearAttention: _gated_delta_part, rh.KimiDeltaAttention: _gated_delta_part,
+REFERENCES = {rh.GatedDeltaNet: _gated_delta_part, rh.KimiDeltaAttention: _gated_delta_part,
               rh.SelectiveScan: _selective_scan_part, rh.PerHeadSelectiveScan: _selective_scan_part,
               rh.StateSpace: _state_space_part}
 # The matrix covers the kinds whose mixers carry a state and a convolution window through module-global

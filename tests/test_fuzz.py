@@ -286,7 +286,7 @@ def _state_space(part):
     return per_token, start, states
 
 
-RECURRENCES = {rh.LinearAttention: _gated_delta, rh.KimiDeltaAttention: _gated_delta,
+RECURRENCES = {rh.GatedDeltaNet: _gated_delta, rh.KimiDeltaAttention: _gated_delta,
                rh.SelectiveScan: _selective_scan, rh.PerHeadSelectiveScan: _selective_scan,
                rh.StateSpace: _state_space}
 

@@ -264,7 +264,7 @@ def test_writes_on_calls_that_never_run_give_one_short_warning():
     (warning,) = record
     message = str(warning.message)
     assert len(message) < 500, message
-    assert message.startswith("2 writes never ran: set_state_after(0, call=slice(1, 1000)) on LinearAttention"
+    assert message.startswith("2 writes never ran: set_state_after(0, call=slice(1, 1000)) on GatedDeltaNet"
                               "(qwen3_5, layer 0) (call 4, 5, 6, ...; it saw 4 calls)")
     assert "generation may have stopped early" in message
 
@@ -322,7 +322,7 @@ def watched():
 
 @pytest.mark.parametrize("token", [True, 4.0, "4", torch.tensor([4]), torch.tensor(4.0), None], ids=repr)
 def test_reads_refuse_tokens_that_are_not_ints(watched, token):
-    with pytest.raises(rh.InvalidValue, match=r"LinearAttention\(qwen3_5, layer 0\)\.state_after: token must be an int"):
+    with pytest.raises(rh.InvalidValue, match=r"GatedDeltaNet\(qwen3_5, layer 0\)\.state_after: token must be an int"):
         watched.mixers[0].state_after(token)
 
 
@@ -365,7 +365,7 @@ def test_entry_points_refuse_bad_arguments():
     with pytest.raises(rh.InvalidValue, match=r"support: expected a torch.nn.Module \(a transformers model\), got str"):
         rh.support("hello")
     with pytest.raises(rh.InvalidValue, match=r"route_kernels: expected to= one of 'torch', 'default', 'recurrent',"
-                                              r" 'chunked' for qwen3_5 \(LinearAttention\), got 'fast'"):
+                                              r" 'chunked' for qwen3_5 \(GatedDeltaNet\), got 'fast'"):
         rh.route_kernels("qwen3_5", "fast")
     with rh.watch(model) as w:
         with pytest.raises(rh.InvalidValue, match=r"Watch.mixer: layer must be an int, got the bool True"):

@@ -1,4 +1,4 @@
-"""Gated DeltaNet (the gated delta rule): the `LinearAttention` mixer kind and its token loop.
+"""Gated DeltaNet (the gated delta rule): the `GatedDeltaNet` mixer kind and its token loop.
 
 Glossary (code name, symbol in Yang, Kautz & Hatamizadeh, "Gated Delta Networks", 2024, shape):
     batch      b                                       batch size
@@ -22,7 +22,7 @@ computed as transformers and flash-linear-attention do: decay, read `kv_mem`, wr
 Module contents:
 - `chunk_gated_delta_rule`, `recurrent_gated_delta_rule`: token loops with the signatures of transformers'
   `torch_chunk_gated_delta_rule` and `torch_recurrent_gated_delta_rule`, plus a keyword-only `on_token`.
-- `LinearAttention`: the mixer kind, its kernels and values declared as class constants.
+- `GatedDeltaNet`: the mixer kind, its kernels and values declared as class constants.
 """
 
 from collections.abc import Callable
@@ -212,7 +212,7 @@ def recurrent_gated_delta_rule(
                              use_qk_l2norm_in_kernel, on_token, kwargs)
 
 
-class LinearAttention(RecurrentMixer):
+class GatedDeltaNet(RecurrentMixer):
     """A gated DeltaNet mixer (qwen3_next, qwen3_5, qwen3_5_moe, olmo_hybrid, qwen4_exp, lara_mini).
 
         with recurrent_hooks.watch(model, keep=("states",)) as w:
