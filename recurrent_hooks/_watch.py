@@ -174,12 +174,13 @@ class Watch:
         if not found:
             raise Unavailable(_no_mixer_message(self.model))
         thread = threading.get_ident()
-        mixers = sorted((row.kind(m, row.name, keep=self._kept, thread=thread) for _, m, row in found),
-                        key=lambda mixer: (mixer.layer is None, mixer.layer or 0))
+        rows = sorted(((row.kind(m, row.name, keep=self._kept, thread=thread), row) for _, m, row in found),
+                      key=lambda pair: (pair[0].layer is None, pair[0].layer or 0))
+        mixers = [mixer for mixer, _ in rows]
         stack = contextlib.ExitStack()
         try:  # all or nothing: a failure releases what was acquired so far
-            for mixer in mixers:
-                _attach_with_kernels(mixer, FAMILIES[mixer.family], stack)
+            for mixer, row in rows:
+                _attach_with_kernels(mixer, row, stack)
                 stack.callback(mixer._detached)
         except BaseException:
             stack.close()
