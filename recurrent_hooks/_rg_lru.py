@@ -35,8 +35,8 @@ transformers' forward, operation for operation, with the window handed to `on_to
 Rounding: both loops make transformers' own operations in its order and dtypes, so without writes they
 equal transformers bit for bit (tests/test_rg_lru.py): the scan multiplies and adds in `acc_dtype` and
 casts each output to the input's dtype; the conv of a prompt is transformers' one `conv_1d` call, and a
-position whose window was written (or, with autograd recording, every position) is recomputed as one
-`F.conv1d` over its window, the decode step's product-and-sum is transformers'.
+position whose window was written (or kept in grad mode) is recomputed as one `F.conv1d` over its window
+(the same values to float32 precision); the decode step's product-and-sum is transformers'.
 
 Module contents:
 - `rnn_scan`: the loop of `RecurrentGemmaRglru._rnn_scan` (same signature and results, plus `on_token`);
@@ -102,16 +102,20 @@ def _conv_prompt(
 ) -> tuple[Float[Tensor, "batch lru_width seq"], Float[Tensor, "batch lru_width window"]]:
     """The prompt's convolution from a zero window (as transformers' prefill), handing `on_token` the window
     after each token; returns the conv output (transformers' own `conv_1d` call, with the positions that read
-    a written window recomputed) and the last window."""
+    a written window recomputed) and the last window.
+
+    A window `on_token` hands back as another tensor (a write, a replacing hook, or a kept window in grad
+    mode, which the library reads through a leaf) feeds the next K-1 positions: each is recomputed as one
+    `F.conv1d` over its window, so that the gradient with respect to a kept window is the effect of
+    changing it there."""
     conv = block.conv_1d
     channels, length = x.shape[1], x.shape[2]
     out = conv(x)[..., :length]  # b D T   transformers' call: padding K-1, the first T positions
     window = x.new_zeros(x.shape[0], channels, block.conv1d_width - 1)  # b D K-1   zeros: a prefill starts empty
-    every = torch.is_grad_enabled() and x.requires_grad  # recording: every position reads its window tensor
     dirty = 0  # how many more positions read a written window
     for t in range(length):
         full = torch.cat([window, x[..., t, None]], dim=-1)  # b D K   the inputs position t reads
-        if dirty or every:
+        if dirty:
             out[..., t, None] = F.conv1d(full, conv.weight, conv.bias, groups=channels)  # b D 1
             dirty -= dirty > 0
         window = full[..., 1:]  # b D K-1   the window after token t
@@ -200,6 +204,10 @@ _WINDOW_CHANNELS = (
 _NO_SEGMENTS = (
     "_rnn_scan has no flag for its last state, so it does not run in segments: every call with hooks, writes"
     " or kept states runs the token loop (one cheap diagonal step per token)")
+_PADDING = (
+    "the block does not mask its conv input: in a left-padded batch the pads' W_x u enter the windows of a row's"
+    " first K-1 real tokens (transformers' behaviour). h_t resets at position 0, which generate puts at the"
+    " first real token (position_ids from the mask); a forward without position_ids counts from the first column")
 _NOT_IN_CACHE = (
     "the memory is not in the transformers Cache (it holds the attention layers): after a call, read it from"
     " block.rg_lru.recurrent_states and block.conv1d_state, which the library's loops update as transformers"
@@ -253,6 +261,7 @@ class RealGatedLinearRecurrence(RecurrentMixer):
         "one-token prompt": _ONE_TOKEN_PROMPT,
         "conv window channels": _WINDOW_CHANNELS,
         "segments and chunk-wise states": _NO_SEGMENTS,
+        "left padding": _PADDING,
         "cache": _NOT_IN_CACHE,
         "effective attention": "not implemented for this kind (rh.effective_attention raises Unavailable)",
     }
