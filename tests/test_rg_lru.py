@@ -793,3 +793,16 @@ def test_route_kernels_binds_the_loops_and_back(model, family):
     finally:
         rh.route_kernels(family, "default")
     assert all(bindings(family)[name] is fn for name, fn in before.items())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_precision_keeps_the_logits_bit_identical(family, dtype):
+    """Both loops make transformers' operations in its dtypes: keeping every state and window of a bf16 or fp16
+    model changes no logit and no generated token."""
+    model = build(family).to(dtype)
+    ids = random_ids(2, T)
+    plain, tokens = logits_of(model, ids), greedy(model, ids, 5)
+    with rh.watch(model, keep=ALL) as w:
+        assert_equal("logits, every state kept", plain, logits_of(model, ids))
+        assert_equal("generate, every state kept", tokens, greedy(model, ids, 5))
+    assert w.mixers[0].states.dtype == torch.float32 and w.mixers[0].conv_states.dtype == dtype
