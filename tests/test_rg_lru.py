@@ -15,13 +15,13 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from _compare import assert_close, assert_equal
+from _models import PAD, build, random_ids
+from _reachable import tensor_bytes_reachable
 
 import recurrent_hooks as rh
 from recurrent_hooks._patching import import_default
 from recurrent_hooks._rg_lru import recurrent_block_forward, rnn_scan
-from _compare import assert_close, assert_equal
-from _models import PAD, build, random_ids
-from _reachable import tensor_bytes_reachable
 
 RG_LRU_FAMILIES = [name for name, row in rh.FAMILIES.items() if row.kind is rh.RealGatedLinearRecurrence]
 ALL = ("states", "conv_states", "inputs", "outputs")
@@ -199,8 +199,8 @@ def _run_block(forward, block, steps, on_token=None):
 
 def _block_steps(seed=0):
     gen = torch.Generator().manual_seed(seed)
-    u = lambda n: torch.randn(2, n, 32, generator=gen)  # noqa: E731
-    pos = lambda a, b: torch.arange(a, b)[None]  # noqa: E731
+    u = lambda n: torch.randn(2, n, 32, generator=gen)
+    pos = lambda a, b: torch.arange(a, b)[None]
     return [
         (u(9), pos(0, 9), True),  # a prompt
         (u(1), pos(9, 10), True), (u(1), pos(10, 11), True),  # decode steps
@@ -591,10 +591,9 @@ def test_bindings_restored_after_exit_after_a_raising_hook_and_when_nested(model
         raise KeyError("boom")
 
     for which in ("state", "conv_state"):
-        with pytest.raises(KeyError, match="boom"):
-            with rh.watch(model) as w:
-                w.mixers[0].register_state_hook(boom, token=3, which=which)
-                logits_of(model, ids)
+        with pytest.raises(KeyError, match="boom"), rh.watch(model) as w:
+            w.mixers[0].register_state_hook(boom, token=3, which=which)
+            logits_of(model, ids)
         assert all(bindings(family)[name] is fn for name, fn in before.items())
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
     assert_close("model unchanged after the watches", logits_of(model, ids), logits_of(build(family), ids), **EXACT)
