@@ -204,10 +204,12 @@ class RecurrentMixer:
 
     def __init__(self, module: nn.Module, family: str, *,
                  keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (), history: bool = True,
-                 restart_on_prompt: bool = False, thread: int | None = None) -> None:
+                 restart_on_prompt: bool = False, thread: int | None = None, layer: int | None = None) -> None:
         self._module = weakref.ref(module)  # a standalone hook must not keep its module alive
         self.family = family
-        self.layer: int | None = getattr(module, "layer_idx", None)
+        # the module's own layer_idx; else `layer`, the watch's reading of the module's path (a mixer module
+        # that does not store its index, e.g. "model.layers.3.temporal_block")
+        self.layer: int | None = getattr(module, "layer_idx", layer)
         self.keep, self.records = normalize_keep(keep)
         self.calls: list[Call] = []
         self.head: int | None = None  # the head of the running recurrence kernel call (KERNEL_PER_HEAD kinds)

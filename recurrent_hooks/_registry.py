@@ -21,6 +21,7 @@ from ._errors import Unavailable
 from ._kimi_delta import KimiDeltaAttention
 from ._gated_delta_net import GatedDeltaNet
 from ._mixer import RecurrentMixer
+from ._rg_lru import RealGatedLinearRecurrence
 from ._selective_scan import PerHeadSelectiveScan, SelectiveScan
 from ._state_space import StateSpace
 
@@ -63,6 +64,7 @@ FAMILIES: dict[str, Family] = {
         Family("granitemoehybrid", "GraniteMoeHybridMambaLayer", StateSpace),
         Family("nemotron_h", "NemotronHMamba2Mixer", StateSpace),
         Family("zamba2", "Zamba2MambaMixer", StateSpace),
+        Family("recurrent_gemma", "RecurrentGemmaRecurrentBlock", RealGatedLinearRecurrence),
     )
 }
 
@@ -81,8 +83,6 @@ _SHORT_CONV = "a short-convolution mixer (its memory is only the convolution win
 _INLINE_CONV = "an inline convolution (unfold in forward), no kernel to rebind; no mixer kind for it yet"
 
 UNSUPPORTED: tuple[Unsupported, ...] = (
-    Unsupported("recurrent_gemma", "RecurrentGemmaRecurrentBlock",
-                "RG-LRU: the recurrence is the method _rnn_scan, not a module global; no mixer kind for it yet"),
     Unsupported("rwkv", "RwkvSelfAttention", "RWKV-4 WKV: its memory is several tensors; no mixer kind for it yet"),
     Unsupported("xlstm", "xLSTMLayer", "mLSTM: kernels are captured in functools.partial when the model is built;"
                 " cannot be rebound"),

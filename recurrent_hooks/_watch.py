@@ -36,6 +36,12 @@ def _mixer_modules(model: nn.Module) -> list[tuple[str, nn.Module, Family]]:
     return [(path, m, row) for path, m in model.named_modules() if (row := family_of(m)) is not None]
 
 
+def _layer_in_path(path: str) -> int | None:
+    """The decoder layer a module's path names: its last integer part ("model.layers.3.temporal_block" -> 3)."""
+    numbers = [int(part) for part in path.split(".") if part.isdigit()]
+    return numbers[-1] if numbers else None
+
+
 def _attach_with_kernels(mixer: RecurrentMixer, family: Family, stack: contextlib.ExitStack) -> None:
     """Attach `mixer` and acquire its family's kernels, registering both releases on `stack`."""
     stack.callback(attach(mixer))
@@ -174,8 +180,8 @@ class Watch:
         if not found:
             raise Unavailable(_no_mixer_message(self.model))
         thread = threading.get_ident()
-        rows = sorted(((row.kind(m, row.name, keep=self._kept, thread=thread), row) for _, m, row in found),
-                      key=lambda pair: (pair[0].layer is None, pair[0].layer or 0))
+        rows = sorted(((row.kind(m, row.name, keep=self._kept, thread=thread, layer=_layer_in_path(path)), row)
+                       for path, m, row in found), key=lambda pair: (pair[0].layer is None, pair[0].layer or 0))
         mixers = [mixer for mixer, _ in rows]
         stack = contextlib.ExitStack()
         try:  # all or nothing: a failure releases what was acquired so far
@@ -345,7 +351,7 @@ def support(model: nn.Module) -> list[MixerSupport]:
     rows = []
     for path, module in model.named_modules():
         name = type(module).__name__
-        layer = getattr(module, "layer_idx", None)
+        layer = getattr(module, "layer_idx", _layer_in_path(path))
         family = family_of(module)
         if family is None:
             if (unsupported := unsupported_of(module)) is not None:
@@ -360,7 +366,7 @@ def support(model: nn.Module) -> list[MixerSupport]:
             "idle calls run": ", ".join(
                 f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}" for fn in bound.values()),
             "a few tokens of a prompt": f"{prompt.name} in segments between them" if segments is not None
-            else "the token loop (the prompt kernel takes no initial state, so it cannot run in segments)",
+            else "the token loop (the prompt kernel does not run in segments: see the limits)",
             "every state of a prompt": "chunk-wise without gradients, the token loop with them"
             if segments is not None and segments.all_states is not None else "the token loop",
         }

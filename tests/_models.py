@@ -461,6 +461,24 @@ def _zamba2():
         adapter_rank=8,
     ), **_MAMBA2_HYBRID_FIX)
 
+def _recurrent_gemma():
+    # Griffin: two recurrent blocks (RG-LRU) and a local-attention block. lru_width = hidden_size, as
+    # transformers sizes a fresh conv window with hidden_size (more-families.md, bug 3).
+    common = {k: v for k, v in _COMMON.items() if k != "num_hidden_layers"}
+    return _make(
+        transformers.RecurrentGemmaConfig, transformers.RecurrentGemmaForCausalLM,
+        **common,
+        num_hidden_layers=3,
+        block_types=["recurrent", "recurrent", "attention"],
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        lru_width=32,
+        attention_window_size=16,
+        conv1d_width=4,
+    )
+
+
 FAMILIES: dict[str, Callable[[], transformers.PreTrainedModel]] = {
     "qwen3_next": _qwen3_next,
     "qwen3_5": _qwen3_5,
@@ -481,6 +499,7 @@ FAMILIES: dict[str, Callable[[], transformers.PreTrainedModel]] = {
     "granitemoehybrid": _granitemoehybrid,
     "nemotron_h": _nemotron_h,
     "zamba2": _zamba2,
+    "recurrent_gemma": _recurrent_gemma,
 }
 
 
