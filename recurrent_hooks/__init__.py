@@ -35,6 +35,7 @@ from ._watch import register_state_hook as register_state_hook
 from ._watch import route_kernels as route_kernels
 from ._watch import support as support
 from ._watch import watch as watch
+from ._wkv import WeightedKeyValue as WeightedKeyValue
 
 __all__ = [
     "watch",
@@ -53,6 +54,7 @@ __all__ = [
     "SelectiveScan",
     "PerHeadSelectiveScan",
     "StateSpace",
+    "WeightedKeyValue",
     "Call",
     "KernelCall",
     "Memory",

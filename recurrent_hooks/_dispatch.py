@@ -120,9 +120,9 @@ class _Tap:
     thread, and only when the module that calls the kernel is that entry's module.
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, layer: int | None) -> None:
         self.mixers: list[RecurrentMixer] = []
-        self.layer = getattr(module, "layer_idx", None)
+        self.layer = layer
         self._handles = (
             module.register_forward_pre_hook(self._pre, with_kwargs=True),
             module.register_forward_hook(self._post, always_call=True),
@@ -190,6 +190,11 @@ class _Tap:
         if isinstance(live_state, Tensor) and "inputs" in records:
             # The cache updates this tensor in place (at the next step, or in this very call): keep its value.
             arguments[kernel.state_in] = live_state.clone()
+        elif isinstance(live_state, (tuple, list)) and "inputs" in records:
+            # A memory given as several tensors (RWKV: views of the model's state list, which the forward
+            # overwrites after the kernel call): keep each one's value.
+            arguments[kernel.state_in] = type(live_state)(
+                part.clone() if isinstance(part, Tensor) else part for part in live_state)
         busy = [plan for plan in plans if not plan.idle]
         if not busy:
             result = original(*args, **kwargs)
@@ -346,7 +351,7 @@ def attach(mixer: RecurrentMixer) -> Callable[[], None]:
     with _LOCK:
         tap = _TAPS.get(module)
         if tap is None:
-            tap = _TAPS[module] = _Tap(module)
+            tap = _TAPS[module] = _Tap(module, mixer.layer)
         tap.mixers = [*tap.mixers, mixer]  # a new list: a forward in another thread may be reading the old one
         mixer._live = True
 

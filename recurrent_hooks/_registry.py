@@ -23,6 +23,7 @@ from ._linear_attention import LinearAttention
 from ._mixer import RecurrentMixer
 from ._selective_scan import PerHeadSelectiveScan, SelectiveScan
 from ._state_space import StateSpace
+from ._wkv import WeightedKeyValue
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +64,7 @@ FAMILIES: dict[str, Family] = {
         Family("granitemoehybrid", "GraniteMoeHybridMambaLayer", StateSpace),
         Family("nemotron_h", "NemotronHMamba2Mixer", StateSpace),
         Family("zamba2", "Zamba2MambaMixer", StateSpace),
+        Family("rwkv", "RwkvSelfAttention", WeightedKeyValue),
     )
 }
 
@@ -83,7 +85,6 @@ _INLINE_CONV = "an inline convolution (unfold in forward), no kernel to rebind; 
 UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("recurrent_gemma", "RecurrentGemmaRecurrentBlock",
                 "RG-LRU: the recurrence is the method _rnn_scan, not a module global; no mixer kind for it yet"),
-    Unsupported("rwkv", "RwkvSelfAttention", "RWKV-4 WKV: its memory is several tensors; no mixer kind for it yet"),
     Unsupported("xlstm", "xLSTMLayer", "mLSTM: kernels are captured in functools.partial when the model is built;"
                 " cannot be rebound"),
     Unsupported("minimax", "MiniMaxLightningAttention", "lightning attention: no kernel function (inline loops)"),

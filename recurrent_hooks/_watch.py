@@ -344,8 +344,8 @@ def support(model: nn.Module) -> list[MixerSupport]:
     rows = []
     for path, module in model.named_modules():
         name = type(module).__name__
-        layer = getattr(module, "layer_idx", None)
         family = family_of(module)
+        layer = getattr(module, "layer_idx" if family is None else family.kind.LAYER_ATTRIBUTE, None)
         if family is None:
             if (unsupported := unsupported_of(module)) is not None:
                 rows.append(MixerSupport(path, layer, name, None, None, (), {"everything": unsupported.reason}))
@@ -359,7 +359,7 @@ def support(model: nn.Module) -> list[MixerSupport]:
             "idle calls run": ", ".join(
                 f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}" for fn in bound.values()),
             "a few tokens of a prompt": f"{prompt.name} in segments between them" if segments is not None
-            else "the token loop (the prompt kernel takes no initial state, so it cannot run in segments)",
+            else "the token loop (the prompt kernel cannot run in segments)",
             "every state of a prompt": "chunk-wise without gradients, the token loop with them"
             if segments is not None and segments.all_states is not None else "the token loop",
         }

@@ -461,6 +461,16 @@ def _zamba2():
         adapter_rank=8,
     ), **_MAMBA2_HYBRID_FIX)
 
+def _rwkv():
+    # RWKV-4, no attention layers, no Cache (the state is a list threaded through `state=`). With 2 layers and
+    # rescale_every = 6, eval mode's in-place rescaling divides by 2^0: the weights are left as they are.
+    return _make(
+        transformers.RwkvConfig, transformers.RwkvForCausalLM,
+        vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS,  # RwkvConfig has no pad_token_id
+        hidden_size=32, num_hidden_layers=2, context_length=64,
+    )
+
+
 FAMILIES: dict[str, Callable[[], transformers.PreTrainedModel]] = {
     "qwen3_next": _qwen3_next,
     "qwen3_5": _qwen3_5,
@@ -481,6 +491,7 @@ FAMILIES: dict[str, Callable[[], transformers.PreTrainedModel]] = {
     "granitemoehybrid": _granitemoehybrid,
     "nemotron_h": _nemotron_h,
     "zamba2": _zamba2,
+    "rwkv": _rwkv,
 }
 
 
