@@ -192,6 +192,9 @@ class WeightedKeyValue(RecurrentMixer):
         "attention_mask": "RwkvModel ignores attention_mask: left padding enters the state (the model's behaviour)",
         "eval rescaling": "in eval mode RwkvModel divides attention.output and feed_forward.value weights in place by"
         " 2^(layer // rescale_every) (and back in train mode): compare runs in the same mode",
+        "gradients with a state": "with use_cache=True transformers' forward overwrites its state list in place after"
+        " its kernels saved views of it for backward, so backward raises (modified by an inplace operation), watched"
+        " or not: take gradients with use_cache=False (the kept states are then differentiable as usual)",
         "feed-forward shift": "the channel mix (RwkvFeedForward) has its own token shift, state[0]: not part of this"
         " mixer's memory, not read or written",
     }

@@ -675,7 +675,7 @@ def test_support_lists_the_kinds_values_and_limits(model, family):
     rows = rh.support(model)
     assert [(r.layer, r.family, r.kind) for r in rows] == [(0, family, "WeightedKeyValue"),
                                                           (1, family, "WeightedKeyValue")]
-    for limit in ("batched decode", "attention_mask", "eval rescaling", "feed-forward shift"):
+    for limit in ("batched decode", "attention_mask", "eval rescaling", "gradients with a state", "feed-forward shift"):
         assert limit in rows[0].unavailable
     assert "states" in rows[0].available and "conv_states" in rows[0].available
     with rh.watch(model) as w:
