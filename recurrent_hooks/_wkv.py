@@ -23,7 +23,8 @@ Recurrence, per channel (a_t, b_t in the paper's form; transformers keeps them s
     b_t = e^{-w} b_{t-1} + e^{k_t}
     a_t = num_t e^{p_t},  b_t = den_t e^{p_t}
 with, for stability, each step taking the larger exponent as its scale (`rwkv_linear_attention_cpu`):
-    q = max(p_{t-1}, u + k_t):     wkv_t = (e^{p_{t-1}-q} num_{t-1} + e^{u+k_t-q} v_t) / (e^{p_{t-1}-q} den_{t-1} + e^{u+k_t-q})
+    q = max(p_{t-1}, u + k_t):     wkv_t = (e^{p_{t-1}-q} num_{t-1} + e^{u+k_t-q} v_t)
+                                           / (e^{p_{t-1}-q} den_{t-1} + e^{u+k_t-q})
     p_t = max(p_{t-1} - w, k_t):   num_t = e^{p_{t-1}-w-p_t} num_{t-1} + e^{k_t-p_t} v_t (den_t alike, with 1 for v_t)
 The empty state is num = den = 0 with p = -1e30 (`RwkvModel` with `use_cache`) or -1e38 (the kernel
 given no state): e^{p} = 0, so a = b = 0 either way.

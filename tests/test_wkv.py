@@ -438,7 +438,8 @@ def test_shifts_are_the_ln1_outputs_at_prompt_and_decode_steps(model):
         greedy(model, random_ids(1, T), 3)
     for mixer in w.mixers:
         for call, record in enumerate(mixer.calls):
-            assert_close(f"{mixer} call {call} shifts", record.conv.inputs["hidden"], record.conv_states, rtol=0, atol=0)
+            assert_close(f"{mixer} call {call} shifts", record.conv.inputs["hidden"], record.conv_states,
+                         rtol=0, atol=0)
             if call:  # what the model's state carried into the step: the previous call's last shift
                 carried = record.conv.inputs["state"][1][:, :, mixer.layer]
                 assert_close(f"{mixer} call {call} shift in", mixer.calls[call - 1].conv_states[:, -1], carried,
@@ -675,7 +676,8 @@ def test_support_lists_the_kinds_values_and_limits(model, family):
     rows = rh.support(model)
     assert [(r.layer, r.family, r.kind) for r in rows] == [(0, family, "WeightedKeyValue"),
                                                           (1, family, "WeightedKeyValue")]
-    for limit in ("batched decode", "attention_mask", "eval rescaling", "gradients with a state", "feed-forward shift"):
+    for limit in ("batched decode", "attention_mask", "eval rescaling", "gradients with a state",
+                  "feed-forward shift"):
         assert limit in rows[0].unavailable
     assert "states" in rows[0].available and "conv_states" in rows[0].available
     with rh.watch(model) as w:
