@@ -693,3 +693,37 @@ def test_a_write_of_the_wrong_shape_names_the_parts(model):
         w.mixers[0].set_conv_state_after(2, torch.zeros(2, 3, model.config.hidden_size))
         with pytest.raises(rh.InvalidValue, match=r"expected \(2, 32\) \(axes: batch hidden\)"):
             logits_of(model, random_ids(2, T))
+
+
+# -- the research tools -------------------------------------------------------------------------------------------
+
+
+def test_a_patching_sweep_cell_is_one_write(model):
+    clean, corrupt = random_ids(1, 10, seed=1), random_ids(1, 10, seed=2)
+
+    def metric(logits):
+        return logits[:, -1, 5] - logits[:, -1, 7]
+
+    sweep = rh.patching_sweep(model, clean, corrupt, metric, batch_size=4)
+    with rh.watch(model, keep=("states", "conv_states")) as a, torch.no_grad():
+        model(clean, use_cache=False)
+    for layer, token in ((0, 3), (1, 8)):
+        with rh.watch(model) as b, torch.no_grad():
+            b.mixers[layer].set_memory_after(token, a.mixers[layer].memory_after(token))
+            expected = metric(model(corrupt, use_cache=False).logits)[0]
+        assert_close(f"cell ({layer}, {token})", expected, sweep.values[layer, token], rtol=1e-5, atol=1e-6)
+
+
+def test_attribution_runs_without_a_state(model):
+    """rh.attribute differentiates the corrupt run: with use_cache=False (transformers' backward fails with a
+    state, see LIMITS), every layer x token gets an attribution."""
+    clean, corrupt = random_ids(1, 10, seed=1), random_ids(1, 10, seed=2)
+
+    def metric(logits):
+        return logits[:, -1, 5] - logits[:, -1, 7]
+
+    result = rh.attribute(model, clean, corrupt, metric, forward_kwargs={"use_cache": False})
+    assert result.memory.shape == (2, 10) and bool(torch.isfinite(result.memory).all())
+    assert result.memory[:, :-1].abs().min() > 0
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        rh.attribute(model, clean, corrupt, metric)
