@@ -4,7 +4,7 @@ Glossary (code name, symbol in Peng et al., "RWKV: Reinventing RNNs for the Tran
 section 3, shape as the kernels take it; the recurrence runs per channel, independently):
     batch        b                  batch size
     seq          t (a position), T  tokens of one call
-    channels     c                  `attention_hidden_size` (= `hidden_size`: transformers' cache needs it, bug 2)
+    channels     c                  `attention_hidden_size` (= `hidden_size` wherever use_cache is used: see LIMITS)
     hidden       x'_t  [batch, seq, hidden]      the mixer's input, `ln1(x)` (model dtype)
     (shift)      x'_{t-1}  [batch, hidden]       the previous token's input, which token t mixes with
     time_decay   log w  [channels]               w = exp(time_decay) > 0: the decay per token is e^{-w}
@@ -196,6 +196,9 @@ class WeightedKeyValue(RecurrentMixer):
         "gradients with a state": "with use_cache=True transformers' forward overwrites its state list in place after"
         " its kernels saved views of it for backward, so backward raises (modified by an inplace operation), watched"
         " or not: take gradients with use_cache=False (the kept states are then differentiable as usual)",
+        "attention_hidden_size": "RwkvModel sizes its state with hidden_size, so attention_hidden_size != hidden_size"
+        " raises a size mismatch with use_cache=True (transformers' bug); such models run with use_cache=False only",
+        "effective attention": "rh.effective_attention is not derived for this kind yet (it raises Unavailable)",
         "feed-forward shift": "the channel mix (RwkvFeedForward) has its own token shift, state[0]: not part of this"
         " mixer's memory, not read or written",
     }
