@@ -203,7 +203,6 @@ class WeightedKeyValue(RecurrentMixer):
         " mixer's memory, not read or written",
     }
     FORWARD_INPUT = "hidden"
-    FORWARD_CACHE = ()
     LAYER_ATTRIBUTE = "layer_id"
 
     @classmethod
@@ -223,4 +222,4 @@ class WeightedKeyValue(RecurrentMixer):
 def _empty(state: list[Tensor], layer: int) -> bool:
     """Whether `layer`'s WKV state in the model's state list is the empty one RwkvModel starts from."""
     num, den, p = (s[:, :, layer] for s in state[2:5])
-    return bool((num == 0).all() and (den == 0).all() and (p == torch.tensor(_EMPTY_MAX, dtype=p.dtype)).all())
+    return bool(((num == 0) & (den == 0) & (p == torch.tensor(_EMPTY_MAX, dtype=p.dtype))).all())  # one sync
