@@ -1,7 +1,7 @@
 """RWKV-4 time mixing (the WKV recurrence and the token shift): the `WeightedKeyValue` mixer kind and its loops.
 
-Glossary (code name, symbol in Peng et al., "RWKV: Reinventing RNNs for the Transformer Era", 2023,
-section 3, shape as the kernels take it; the recurrence runs per channel, independently):
+Glossary (code name, symbol in Peng et al., "RWKV: Reinventing RNNs for the Transformer Era", 2023 (time
+mixing, the WKV operator and its recurrent form), shape as the kernels take it; every channel runs alone):
     batch        b                  batch size
     seq          t (a position), T  tokens of one call
     channels     c                  `attention_hidden_size` (= `hidden_size` wherever use_cache is used: see LIMITS)

@@ -43,7 +43,7 @@ def test_every_family_of_the_kind_has_a_tiny_model():
 
 
 def wkv_reference(time_decay, time_first, key, value, state=None):
-    """wkv_t, a_t and b_t of every token in float64, from the paper's equations (Peng et al. 2023, eq. 14-16):
+    """wkv_t, a_t and b_t of every token in float64, from the paper's recurrent form of WKV (Peng et al. 2023):
         wkv_t = (a_{t-1} + e^{u+k_t} v_t) / (b_{t-1} + e^{u+k_t}),  a_t = e^{-w} a_{t-1} + e^{k_t} v_t,
         b_t = e^{-w} b_{t-1} + e^{k_t},  w = exp(time_decay), u = time_first;
     a_{-1} = num e^max, b_{-1} = den e^max from transformers' scaled state (zero without one)."""
@@ -424,6 +424,51 @@ def test_write_at_a_decode_step(model):
     change = max((plain.logits[step] - steered.logits[step]).abs().max() for step in range(3, 5))
     assert change > 1e-6, f"a write at decode call 2 changed no later logits ({change})"
     assert_close("call 3 continued from the write", value, state_in(w.mixers[0], 3), rtol=0, atol=0)
+
+
+def test_a_memory_write_per_row_equals_each_row_written_alone(model):
+    ids = random_ids(3, T)
+    with rh.watch(model, keep=("states", "conv_states")) as w, torch.no_grad():
+        model(random_ids(3, T, seed=9))
+    value = w.mixers[0].memory_after(3)
+    per_row = [2, 5, T - 1]
+    with rh.watch(model, keep=("states", "conv_states")) as w, torch.no_grad():
+        w.mixers[0].set_memory_after(torch.tensor([2, 5, -1]), value)
+        logits = model(ids).logits
+    for row, token in enumerate(per_row):
+        with rh.watch(model, keep=("states", "conv_states")) as alone, torch.no_grad():
+            alone.mixers[0].set_memory_after(token, value)
+            expected = model(ids).logits
+        assert_close(f"row {row} logits", expected[row], logits[row], rtol=0, atol=0)
+        assert_close(f"row {row} states", alone.mixers[0].states[row], w.mixers[0].states[row], rtol=0, atol=0)
+        assert_close(f"row {row} shifts", alone.mixers[0].conv_states[row], w.mixers[0].conv_states[row],
+                     rtol=0, atol=0)
+
+
+def test_a_multi_token_continuation_continues_the_state(model):
+    """Several tokens over a carried state (transformers' kernel takes the state for any length): one call
+    that is not a prompt, whose states and shifts continue the prompt's as in one long prompt."""
+    ids = random_ids(2, T)
+    with rh.watch(model, keep=ALL) as w, torch.no_grad():
+        out = model(ids[:, :8], use_cache=True)
+        model(ids[:, 8:], state=out.state, use_cache=True)
+    with rh.watch(model, keep=ALL) as whole, torch.no_grad():
+        model(ids)
+    for mixer, long in zip(w.mixers, whole.mixers):
+        assert [c.tokens for c in mixer.calls] == [8, T - 8]
+        assert_close(f"{mixer} states", long.states, torch.cat([c.states for c in mixer.calls], 1),
+                     rtol=1e-6, atol=1e-7)
+        assert_close(f"{mixer} shifts", long.conv_states, torch.cat([c.conv_states for c in mixer.calls], 1),
+                     rtol=0, atol=0)
+    seen = []
+    handle = rh.register_state_hook(model.rwkv.blocks[0].attention, lambda m, c, t, s: seen.append((c, t)), token=0)
+    try:
+        with torch.no_grad():
+            out = model(ids[:, :8], use_cache=True)
+            model(ids[:, 8:], state=out.state, use_cache=True)
+    finally:
+        handle.remove()
+    assert seen == [(0, 0), (1, 0)], "the continuation counted as a prompt"
 
 
 def test_replacing_hooks_scale_the_paper_state(model):
