@@ -730,10 +730,9 @@ def test_bindings_restored_after_exit_after_a_raising_hook_and_when_nested(model
         raise KeyError("boom")
 
     for which in ("state", "conv_state"):
-        with pytest.raises(KeyError, match="boom"):
-            with rh.watch(model) as w:
-                w.mixers[0].register_state_hook(boom, token=3, which=which)
-                logits_of(model, ids)
+        with pytest.raises(KeyError, match="boom"), rh.watch(model) as w:
+            w.mixers[0].register_state_hook(boom, token=3, which=which)
+            logits_of(model, ids)
         assert all(kernel_bindings(family)[name] is fn for name, fn in before.items())
     assert "extract_key_value" in vars(type(model.rwkv.blocks[0].attention))
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
