@@ -15,7 +15,8 @@ mixing, the WKV operator and its recurrent form), shape as the kernels take it; 
     output       wkv_t [batch, seq, channels]    the kernel's result; the mixer returns W_o (r_t * wkv_t)
     state        (num, den, p) stacked  [batch, part, channels], float32, part = `STATE_PARTS`:
                    0 "num": a_t e^{-p_t}, 1 "den": b_t e^{-p_t}, 2 "max": p_t, the running max exponent
-    conv_state   x'_t  [batch, hidden]           the token shift: after token t, the input token t+1 mixes with
+    conv_state   x'_t  [batch, hidden]           the token shift, a window of one input: `conv_state_after(t)`
+                                                 is x'_t, the input token t+1 mixes with (model dtype)
 
 Recurrence, per channel (a_t, b_t in the paper's form; transformers keeps them scaled by e^{-p_t}):
     wkv_t = (a_{t-1} + e^{u + k_t} v_t) / (b_{t-1} + e^{u + k_t})
