@@ -40,6 +40,7 @@ from ._watch import register_state_hook as register_state_hook
 from ._watch import route_kernels as route_kernels
 from ._watch import support as support
 from ._watch import watch as watch
+from ._wkv import WeightedKeyValue as WeightedKeyValue
 
 __all__ = [
     "watch",

@@ -24,6 +24,7 @@ from ._mixer import RecurrentMixer
 from ._rg_lru import RealGatedLinearRecurrence
 from ._selective_scan import PerHeadSelectiveScan, SelectiveScan
 from ._state_space import StateSpace
+from ._wkv import WeightedKeyValue
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +66,7 @@ FAMILIES: dict[str, Family] = {
         Family("nemotron_h", "NemotronHMamba2Mixer", StateSpace),
         Family("zamba2", "Zamba2MambaMixer", StateSpace),
         Family("recurrent_gemma", "RecurrentGemmaRecurrentBlock", RealGatedLinearRecurrence),
+        Family("rwkv", "RwkvSelfAttention", WeightedKeyValue),
     )
 }
 
@@ -83,7 +85,6 @@ _SHORT_CONV = "a short-convolution mixer (its memory is only the convolution win
 _INLINE_CONV = "an inline convolution (unfold in forward), no kernel to rebind; no mixer kind for it yet"
 
 UNSUPPORTED: tuple[Unsupported, ...] = (
-    Unsupported("rwkv", "RwkvSelfAttention", "RWKV-4 WKV: its memory is several tensors; no mixer kind for it yet"),
     Unsupported("xlstm", "xLSTMLayer", "mLSTM: kernels are captured in functools.partial when the model is built;"
                 " cannot be rebound"),
     Unsupported("minimax", "MiniMaxLightningAttention", "lightning attention: no kernel function (inline loops)"),

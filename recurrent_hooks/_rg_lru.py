@@ -44,8 +44,7 @@ Module contents:
 - `RealGatedLinearRecurrence`: the mixer kind.
 """
 
-from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F

@@ -351,8 +351,8 @@ def support(model: nn.Module) -> list[MixerSupport]:
     rows = []
     for path, module in model.named_modules():
         name = type(module).__name__
-        layer = getattr(module, "layer_idx", _layer_in_path(path))
         family = family_of(module)
+        layer = getattr(module, "layer_idx" if family is None else family.kind.LAYER_ATTRIBUTE, _layer_in_path(path))
         if family is None:
             if (unsupported := unsupported_of(module)) is not None:
                 rows.append(MixerSupport(path, layer, name, None, None, (), {"everything": unsupported.reason}))

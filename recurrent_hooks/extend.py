@@ -27,6 +27,7 @@ from ._registry import Unsupported as Unsupported
 from ._selective_scan import PerHeadSelectiveScan as PerHeadSelectiveScan
 from ._selective_scan import SelectiveScan as SelectiveScan
 from ._state_space import StateSpace as StateSpace
+from ._wkv import WeightedKeyValue as WeightedKeyValue
 
 __all__ = [
     "RecurrentMixer",
@@ -48,4 +49,5 @@ __all__ = [
     "PerHeadSelectiveScan",
     "StateSpace",
     "RealGatedLinearRecurrence",
+    "WeightedKeyValue",
 ]

@@ -37,9 +37,10 @@ def generate(model, n=4):
         return model.generate(random_ids(2, T), max_new_tokens=n, do_sample=False, pad_token_id=PAD)
 
 
-def rwkv_model():
-    config = transformers.RwkvConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, context_length=64)
-    return transformers.RwkvForCausalLM(config).eval()
+def xlstm_model():
+    config = transformers.xLSTMConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_heads=2,
+                                      qk_dim_factor=1.0, v_dim_factor=1.0, chunk_size=8)
+    return transformers.xLSTMForCausalLM(config).eval()
 
 
 def test_public_names_are_importable():
@@ -144,13 +145,13 @@ def test_reading_what_was_not_kept_or_does_not_exist(model):
 
 
 def test_an_unsupported_model_is_refused_with_the_reason():
-    with pytest.raises(rh.Unavailable, match=r"RwkvForCausalLM contains no recurrent mixer of a supported family "
-                       r"\(supported: qwen3_next, .*\); it has RwkvSelfAttention \(RWKV-4 WKV: its memory is several tensors"):
-        with rh.watch(rwkv_model()):
+    with pytest.raises(rh.Unavailable, match=r"xLSTMForCausalLM contains no recurrent mixer of a supported family "
+                       r"\(supported: qwen3_next, .*\); it has xLSTMLayer \(mLSTM: kernels are captured"):
+        with rh.watch(xlstm_model()):
             pass
-    rows = rh.support(rwkv_model())
-    assert [row.mixer_class for row in rows] == ["RwkvSelfAttention"] * 2
-    assert rows[0].family is None and rows[0].unavailable["everything"].startswith("RWKV-4 WKV")
+    rows = rh.support(xlstm_model())
+    assert [row.mixer_class for row in rows] == ["xLSTMLayer"] * 2
+    assert rows[0].family is None and rows[0].unavailable["everything"].startswith("mLSTM")
     with pytest.raises(rh.InvalidValue, match="expected a torch.nn.Module"):
         rh.watch("qwen3_5")
     with pytest.raises(rh.InvalidValue, match=r"cannot keep \['state'\]; keep takes names from"):
