@@ -17,6 +17,7 @@ from ._errors import RecurrentHooksError as RecurrentHooksError
 from ._errors import RecurrentHooksWarning as RecurrentHooksWarning
 from ._errors import Unavailable as Unavailable
 from ._kimi_delta import KimiDeltaAttention as KimiDeltaAttention
+from ._lightning import LightningAttention as LightningAttention
 from ._linear_attention import LinearAttention as LinearAttention
 from ._calls import Call as Call
 from ._calls import KernelCall as KernelCall
@@ -53,6 +54,7 @@ __all__ = [
     "SelectiveScan",
     "PerHeadSelectiveScan",
     "StateSpace",
+    "LightningAttention",
     "Call",
     "KernelCall",
     "Memory",

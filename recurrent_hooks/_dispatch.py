@@ -181,7 +181,7 @@ class _Tap:
 
     def _run_kernel(self, entry: _Running, kernel: Kernel, original: Callable[..., Any], args: tuple,
                     kwargs: dict) -> Any:
-        arguments = kernel.bind(args, kwargs)
+        arguments = type(entry.mixers[0])._kernel_arguments(entry.module, kernel, kernel.bind(args, kwargs))
         tokens = kernel.tokens(arguments, entry.forward.tokens)
         plans = [mixer._plan(kernel, tokens) for mixer in entry.mixers]
         recompute = entry.forward.recompute

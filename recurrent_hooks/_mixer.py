@@ -260,6 +260,13 @@ class RecurrentMixer:
             return cache.get_conv_state(layer)
         return cache.get_recurrent_state(layer)
 
+    @classmethod
+    def _kernel_arguments(cls, module: nn.Module, kernel: Kernel, arguments: dict[str, Any]) -> dict[str, Any]:
+        """A kernel call's arguments by name, as `inputs` records them and `Kernel.state_in` names them: the
+        kernel's own, by default. A kind whose kernel reads its memory from elsewhere (a whole forward that
+        reads the cache) overrides it to name that memory, and may leave out what should not be kept."""
+        return arguments
+
     def _has(self, memory: str, method: str) -> None:
         if memory not in self.MEMORIES:
             carried = " and ".join(self.MEMORIES)

@@ -19,6 +19,7 @@ from torch import nn
 
 from ._errors import Unavailable
 from ._kimi_delta import KimiDeltaAttention
+from ._lightning import LightningAttention
 from ._linear_attention import LinearAttention
 from ._mixer import RecurrentMixer
 from ._selective_scan import PerHeadSelectiveScan, SelectiveScan
@@ -63,6 +64,7 @@ FAMILIES: dict[str, Family] = {
         Family("granitemoehybrid", "GraniteMoeHybridMambaLayer", StateSpace),
         Family("nemotron_h", "NemotronHMamba2Mixer", StateSpace),
         Family("zamba2", "Zamba2MambaMixer", StateSpace),
+        Family("minimax", "MiniMaxLightningAttention", LightningAttention),
     )
 }
 
@@ -86,7 +88,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("rwkv", "RwkvSelfAttention", "RWKV-4 WKV: its memory is several tensors; no mixer kind for it yet"),
     Unsupported("xlstm", "xLSTMLayer", "mLSTM: kernels are captured in functools.partial when the model is built;"
                 " cannot be rebound"),
-    Unsupported("minimax", "MiniMaxLightningAttention", "lightning attention: no kernel function (inline loops)"),
     Unsupported("lfm2", "Lfm2ShortConv", _SHORT_CONV),
     Unsupported("lfm2_moe", "Lfm2MoeShortConv", _SHORT_CONV),
     Unsupported("lfm3", "Lfm3ShortConv", _SHORT_CONV),

@@ -26,7 +26,7 @@ from ._errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, U
 from ._arguments import as_index, normalize_keep
 from ._calls import Memory
 from ._dispatch import attach, make_dispatcher
-from ._kernels import KERNEL_RECORDS, Site
+from ._kernels import KEEPABLE, KERNEL_RECORDS, Site
 from ._mixer import RecurrentMixer, StateHook
 from ._patching import UndoStack, acquire_kernels, bound_original, import_default, rebind_process_wide
 from ._registry import FAMILIES, Family, family_of, resolve_family, unsupported_of
@@ -331,6 +331,15 @@ class MixerSupport:
         return "\n".join(lines)
 
 
+_AVAILABLE = ("states", "conv_states", "inputs", "outputs", "values", "writes", "hooks")
+
+
+def available_of(kind: type[RecurrentMixer]) -> tuple[str, ...]:
+    """What `support` lists as available for a mixer kind: all of `_AVAILABLE` but the keep names of the
+    memories the kind does not carry (`RecurrentMixer.MEMORIES`)."""
+    return tuple(name for name in _AVAILABLE if KEEPABLE.get(name) is None or KEEPABLE[name] in kind.MEMORIES)
+
+
 def support(model: nn.Module) -> list[MixerSupport]:
     """Per recurrent mixer of `model`: what can be read and written, and why not where it cannot.
 
@@ -352,14 +361,15 @@ def support(model: nn.Module) -> list[MixerSupport]:
             continue
         kind = family.kind
         bound = {k.name: bound_original(*k.target(family.module(), module)) for k in kind.KERNELS}
-        available = ("states", "conv_states", "inputs", "outputs", "values", "writes", "hooks")
+        available = available_of(kind)
         prompt = kind.KERNELS[0]
         segments = prompt.segments
         notes = {
             "idle calls run": ", ".join(
                 f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}" for fn in bound.values()),
             "a few tokens of a prompt": f"{prompt.name} in segments between them" if segments is not None
-            else "the token loop (the prompt kernel takes no initial state, so it cannot run in segments)",
+            else "the token loop" + (" (the prompt kernel takes no initial state, so it cannot run in segments)"
+                                     if prompt.state_in is None else ""),
             "every state of a prompt": "chunk-wise without gradients, the token loop with them"
             if segments is not None and segments.all_states is not None else "the token loop",
         }

@@ -1,0 +1,193 @@
+"""MiniMax lightning attention: the `LightningAttention` mixer kind, whose kernel is the mixer's whole forward.
+
+transformers' `MiniMaxLightningAttention.forward` computes its recurrence inline (a block loop for a prompt,
+a per-token loop over a cached state), so there is no kernel function to rebind. The library binds a
+dispatcher in place of the class's `forward` (a `Site.CLASS` kernel): an idle call runs transformers' own
+forward, unchanged; a call with hooks, writes or kept states runs `lightning_attention_forward` below, the
+same forward with a per-token loop that calls `on_token(t, state)` after every token's update.
+
+Glossary (code name, symbol in MiniMax, "MiniMax-01: Scaling Foundation Models with Lightning Attention",
+2025, shape; row vectors, as the paper and transformers write them):
+    batch        b                                  batch size
+    seq          t (a position), T (the length)     tokens of one forward
+    heads        h, H                               heads (`num_attention_heads`)
+    head_dim     d                                  query/key/value head size (one size for all three)
+    layer        l, L                               the mixer's decoder layer (`layer_idx`), `num_hidden_layers`
+    hidden_states  x_t   [batch, seq, hidden]       the mixer's input
+    query, key, value  q_t, k_t, v_t  [batch, heads, seq, head_dim]
+                        [q; k; v] = SiLU(W_qkv x_t) (`qkv_proj`, `act_fn`; no q/k norm), zeroed at padding
+    slope_rate   s_h  [heads, 1, 1]                 s_h = 2^(-8 (h+1) / H) (1 - l / (L - 1 + 1e-5) + 1e-5)
+    (decay)      λ_h = exp(-s_h)                    per head; about 1 in the last layer (l = L - 1)
+    state        S_t  [batch, heads, head_dim, head_dim]  key-major (o_t = q_t S_t), the model dtype, the
+                        layout of `MiniMaxCache.linear_cache[l]`
+    gate         σ(W_g x_t)  [batch, seq, heads * head_dim]   `output_gate`, after the norm
+    output       W_o(σ(W_g x_t) ⊙ RMSNorm(o_t))  [batch, seq, hidden]   `norm`, `out_proj`
+
+Recurrence, per head (S_{-1} is the cached state, zeros for a prompt):
+    S_t = λ_h S_{t-1} + k_t^T v_t
+    o_t = q_t S_t
+transformers computes a prompt block by block (block_size tokens at once: the intra-block products decayed
+by λ^(i-j), plus the decayed state of the previous blocks); the token loop runs the recurrence as written,
+with the operations of transformers' own per-token branch, so a decode step is bit for bit transformers'
+and a prompt equals its block loop to float32 rounding.
+
+The state is assigned to the cache (`MiniMaxCache.set_linear_cache`, a new tensor every forward), never
+updated in place, and the forward returns it as its second result: the state after the last token, written
+or hooked, is what the cache gets and what the next call starts from.
+
+Module contents:
+- `lightning_attention_forward`: the library's forward, `MiniMaxLightningAttention.forward`'s signature and
+  results plus a keyword-only `on_token` (and `tokens`, which it ignores).
+- `LightningAttention`: the mixer kind.
+"""
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float
+from torch import Tensor, nn
+
+from ._calls import KernelCall
+from ._kernels import FORWARD, STATE_MEMORY, Kernel, Role, Site
+from ._mixer import RecurrentMixer
+
+OnToken = Callable[[int, Tensor], Tensor]
+
+
+def _cached_state(cache: Any, layer: int) -> Tensor | None:
+    """The state `cache` holds for `layer` (None: nothing cached, the forward starts from zeros)."""
+    get = getattr(cache, "get_linear_cache", None)
+    state = get(layer) if get is not None else None
+    return state if isinstance(state, Tensor) else None
+
+
+def _qkv(module: nn.Module, hidden_states: Tensor, attention_mask: Tensor | None
+         ) -> tuple[Float[Tensor, "batch heads seq head_dim"], ...]:
+    """q, k, v as transformers' forward forms them: SiLU(W_qkv x), zeroed at padding, split per head."""
+    batch, seq, _ = hidden_states.shape
+    qkv = module.act_fn(module.qkv_proj(hidden_states))  # b t (h 3d)
+    if attention_mask is not None:  # transformers' apply_mask_to_padding_states (a 2D mask, 1 = a real token)
+        qkv = (qkv * attention_mask[:, :, None]).to(qkv.dtype)
+    qkv = qkv.reshape(batch, seq, module.num_attention_heads, 3 * module.head_dim)  # b t h 3d
+    return tuple(x.transpose(1, 2) for x in torch.split(qkv, module.head_dim, dim=3))  # b h t d each
+
+
+def lightning_attention_forward(
+    self: nn.Module,
+    hidden_states: Float[Tensor, "batch seq hidden"],
+    position_embeddings: tuple[Tensor, Tensor] | None,
+    attention_mask: Tensor | None,
+    cache: Any = None,
+    *,
+    past_key_values: Any = None,
+    on_token: OnToken | None = None,
+    tokens: int | None = None,
+    **kwargs: Any,
+) -> tuple[Float[Tensor, "batch seq hidden"], Float[Tensor, "batch heads head_dim head_dim"]]:
+    """`MiniMaxLightningAttention.forward`, token by token: same arguments, results and cache update.
+
+    `on_token(t, state)` is called after token t's update (its output is computed already) and returns
+    the state token t+1 continues from; the state after the last token is returned and cached.
+    `past_key_values` is the deprecated name of `cache` (transformers' forward accepts both);
+    `position_embeddings` and other keyword arguments are ignored, as transformers' forward ignores them.
+    """
+    cache = past_key_values if cache is None else cache
+    batch, seq, _ = hidden_states.shape
+    query, key, value = _qkv(self, hidden_states, attention_mask)  # b h t d each
+    state = _cached_state(cache, self.layer_idx) if cache is not None else None
+    if state is None:
+        state = value.new_zeros(batch, self.num_attention_heads, self.head_dim, self.head_dim)  # b h d d   S_{-1} = 0
+    ratio = torch.exp(-self.slope_rate)  # h 1 1   λ_h = exp(-s_h)
+    outputs = []
+    for t in range(seq):
+        written = torch.matmul(key[:, :, t:t + 1].transpose(-1, -2), value[:, :, t:t + 1])  # b h d d   k_t^T v_t
+        state = ratio * state + written  # b h d d   S_t = λ S_{t-1} + k_t^T v_t
+        outputs.append(torch.matmul(query[:, :, t:t + 1], state))  # b h 1 d   o_t = q_t S_t
+        if on_token is not None:
+            state = on_token(t, state)  # b h d d   what token t+1 continues from
+    out = torch.cat(outputs, dim=-2) if outputs else value.new_zeros(value.shape)  # b h t d
+    out = out.transpose(1, 2).reshape(batch, seq, self.num_attention_heads * self.head_dim)  # b t (h d)
+    out = self.norm(out)  # b t (h d)   RMSNorm(o)
+    out = F.sigmoid(self.output_gate(hidden_states)) * out  # b t (h d)   σ(W_g x) ⊙ RMSNorm(o)
+    out = self.out_proj(out)  # b t hidden
+    if cache is not None:
+        cache.set_linear_cache(self.layer_idx, state)
+    return out, state
+
+
+_BUG_8 = ("transformers 5.24: with linear attention at layer 0, MiniMaxCache.get_seq_length() is 0 after a"
+          " prefill (cache layer 0 is an empty attention layer), so a multi-token continuation over the cache and"
+          " left-padded batched generate get wrong masks and positions, watched or not; full attention at"
+          " layer 0 (`layer_types` [full_attention, linear_attention, ...]) is exact")
+
+
+class LightningAttention(RecurrentMixer):
+    """A MiniMax lightning attention mixer (minimax).
+
+        with recurrent_hooks.watch(model, keep=("states",)) as w:
+            model(input_ids)
+        w.mixers[0].states   # Float[Tensor, "batch seq heads head_dim head_dim"]
+
+    The state S_t is `[batch, heads, head_dim, head_dim]`, key-major (o_t = q_t S_t), in the model dtype,
+    the layout of `MiniMaxCache.linear_cache`. The kernel is the mixer's whole forward (a class attribute,
+    `Site.CLASS`): idle calls run transformers' forward, busy ones the library's, which calls the hooks
+    after every token and caches the state after the last one. The memory is the state alone (no short
+    convolution). `inputs` are the forward's arguments, with the cache replaced by the state it held for
+    the layer (`initial_state`, None for a prompt); `outputs` are its results, `output` and `final_state`.
+    """
+
+    FORWARD_KERNEL: ClassVar[str] = "forward"
+    MIXER_CLASS: ClassVar[str] = "MiniMaxLightningAttention"
+    STATE_IN: ClassVar[str] = "initial_state"  # in the recorded inputs: the cached state the forward started from
+    KERNELS = (
+        Kernel(FORWARD_KERNEL, lightning_attention_forward, STATE_IN, ("output", "final_state"), Role.BOTH,
+               seq=FORWARD, site=Site.CLASS, owner=MIXER_CLASS),
+    )
+    MEMORIES = (STATE_MEMORY,)
+    FORWARD_CACHE = ("cache", "past_key_values")
+    STATE = "batch heads head_dim head_dim"
+    INPUTS = {
+        "hidden_states": "batch seq hidden",
+        "attention_mask": "batch seq",
+        "initial_state": "batch heads head_dim head_dim",
+    }
+    OUTPUTS = {"output": "batch seq hidden", "final_state": "batch heads head_dim head_dim"}
+    VALUES = {
+        "query": "batch seq heads head_dim",
+        "key": "batch seq heads head_dim",
+        "value": "batch seq heads head_dim",
+        "gate": "batch seq heads head_dim",
+        "output": "batch seq hidden",
+    }
+    LIMITS = {
+        "conv_states": "lightning attention has no short convolution: its memory is the state alone",
+        "segments": "the kernel is the whole forward: a call with hooks, writes or kept states at a few tokens"
+        " runs the token loop over all of its tokens, not transformers' block loop between them",
+        "linear attention at layer 0": _BUG_8,
+    }
+
+    @classmethod
+    def _cached(cls, cache: Any, layer: int) -> Tensor | None:
+        return _cached_state(cache, layer)
+
+    @classmethod
+    def _kernel_arguments(cls, module: nn.Module, kernel: Kernel, arguments: dict[str, Any]) -> dict[str, Any]:
+        arguments = dict(arguments)
+        cache = arguments.pop("cache", None)
+        deprecated = arguments.pop("past_key_values", None)
+        cache = deprecated if cache is None else cache
+        arguments[cls.STATE_IN] = None if cache is None else _cached_state(cache, module.layer_idx)
+        return arguments
+
+    def _token_values(self, part: KernelCall) -> dict[str, Tensor]:
+        """q, k, v and the gate, recomputed from the recorded input with the module's projections (the
+        weights as they are now), and the forward's output."""
+        x = part.inputs
+        module = self.module
+        with torch.no_grad():
+            query, key, value = (v.transpose(1, 2) for v in _qkv(module, x["hidden_states"], x["attention_mask"]))
+            gate = F.sigmoid(module.output_gate(x["hidden_states"]))  # b t (h d)
+        gate = gate.unflatten(-1, (module.num_attention_heads, module.head_dim))  # b t h d
+        return {"query": query, "key": key, "value": value, "gate": gate, "output": part.output["output"]}
