@@ -284,11 +284,13 @@ class RecurrentMixer:
         The layout after `batch seq` is the kind's `STATE`; gated DeltaNet:
         `Float[Tensor, "batch seq heads key_dim value_dim"]`.
         """
+        self._has(STATE_MEMORY, "states")
         return self._call(None, "states").states
 
     @property
     def conv_states(self) -> Float[Tensor, "batch seq channels kernel_size"]:
         """The convolution window after every token of the last call (needs keep=("conv_states",))."""
+        self._has(CONV_MEMORY, "conv_states")
         return self._call(None, "conv_states").conv_states
 
     def state_after(self, token: int, call: int | None = None) -> Float[Tensor, "batch *state"]:
