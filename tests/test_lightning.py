@@ -159,6 +159,40 @@ def test_forward_without_a_cache_and_with_padding(family):
     assert_close("padded state", want_state, state, **FP32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_a_prompt_is_transformers_per_token_branch_from_a_zero_state(family, dtype):
+    """The token loop over a prompt is the branch transformers runs over a cached state, started from zeros:
+    bit for bit, in half precision too (the state stays in the model dtype, as transformers caches it)."""
+    model = build(family).to(dtype)
+    original = import_default(mixer_class(family), "forward")
+    for module in mixers_of(model):
+        x = _hidden(T, seed=8).to(dtype)
+        zero = torch.zeros(2, module.num_attention_heads, module.head_dim, module.head_dim, dtype=dtype)
+        with torch.no_grad():
+            want_out, want_state = original(module, x, None, None, cache=_cache_with(module.layer_idx, zero))
+            out, state = lightning_attention_forward(module, x, None, None)
+        assert state.dtype == dtype
+        assert_equal(f"layer {module.layer_idx} output", want_out, out)
+        assert_equal(f"layer {module.layer_idx} state", want_state, state)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_precision_logits_stay_within_transformers_own_prompt_versus_decode_difference(family, dtype):
+    """In half precision the block loop and the per-token loop round differently: a watched prompt is
+    within transformers' own difference between its prompt path and its per-token path (the yardstick)."""
+    model = build(family).to(dtype)
+    ids = random_ids(2, 70)
+    with torch.no_grad():
+        plain = model(ids).logits.float()
+        with rh.watch(model, keep=ALL):
+            watched = model(ids).logits.float()
+        first = model(ids[:, :1], use_cache=True)
+        stepwise = torch.cat([first.logits, model(ids[:, 1:], cache=first.cache).logits], dim=1).float()
+    yardstick = (stepwise - plain).abs().max()
+    assert yardstick > 0
+    assert (watched - plain).abs().max() <= 2 * yardstick, (float((watched - plain).abs().max()), float(yardstick))
+
+
 @pytest.mark.parametrize("cached", [False, True], ids=["prompt", "cached"])
 def test_per_token_states_match_the_float64_reference(family, cached):
     model = build(family)
