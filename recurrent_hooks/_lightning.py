@@ -4,7 +4,9 @@ transformers' `MiniMaxLightningAttention.forward` computes its recurrence inline
 a per-token loop over a cached state), so there is no kernel function to rebind. The library binds a
 dispatcher in place of the class's `forward` (a `Site.CLASS` kernel): an idle call runs transformers' own
 forward, unchanged; a call with hooks, writes or kept states runs `lightning_attention_forward` below, the
-same forward with a per-token loop that calls `on_token(t, state)` after every token's update.
+same forward with a per-token loop that calls `on_token(t, state)` after every token's update. When only a
+few tokens of a prompt are asked for (`Kernel.stops`), it runs transformers' block computation between them
+instead, from the state at each stop.
 
 Glossary (code name, symbol in MiniMax, "MiniMax-01: Scaling Foundation Models with Lightning Attention",
 2025, shape; row vectors, as the paper and transformers write them):
@@ -37,11 +39,12 @@ or hooked, is what the cache gets and what the next call starts from.
 
 Module contents:
 - `lightning_attention_forward`: the library's forward, `MiniMaxLightningAttention.forward`'s signature and
-  results plus a keyword-only `on_token` (and `tokens`, which it ignores).
+  results plus keyword-only `on_token` and `stops` (and `tokens`, which it ignores).
+- `_per_token`, `_blocks`: its two loops, transformers' per-token branch and its block loop from a state.
 - `LightningAttention`: the mixer kind.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -74,6 +77,39 @@ def _qkv(module: nn.Module, hidden_states: Tensor, attention_mask: Tensor | None
     return tuple(x.transpose(1, 2) for x in torch.split(qkv, module.head_dim, dim=3))  # b h t d each
 
 
+def _per_token(self: nn.Module, query: Tensor, key: Tensor, value: Tensor, state: Tensor, start: int, end: int,
+               on_token: OnToken | None) -> tuple[list[Tensor], Tensor]:
+    """Tokens start..end-1 one at a time, with the operations of transformers' per-token branch."""
+    ratio = torch.exp(-self.slope_rate)  # h 1 1   λ_h = exp(-s_h)
+    outputs = []
+    for t in range(start, end):
+        written = torch.matmul(key[:, :, t:t + 1].transpose(-1, -2), value[:, :, t:t + 1])  # b h d d   k_t^T v_t
+        state = ratio * state + written  # b h d d   S_t = λ S_{t-1} + k_t^T v_t
+        outputs.append(torch.matmul(query[:, :, t:t + 1], state))  # b h 1 d   o_t = q_t S_t
+        if on_token is not None:
+            state = on_token(t, state)  # b h d d   what token t+1 continues from
+    return outputs, state
+
+
+def _blocks(self: nn.Module, query: Tensor, key: Tensor, value: Tensor, state: Tensor, start: int, end: int
+            ) -> tuple[list[Tensor], Tensor]:
+    """Tokens start..end-1 block by block from `state`, with the operations of transformers' block loop
+    (blocks of `block_size` counted from `start`; from start = 0 and a zero state, bit for bit its loop).
+    Within a block of n tokens i, j = 1..n: o_i = λ^i q_i S + sum_{j<=i} λ^(i-j) (q_i . k_j) v_j and
+    S <- λ^n S + sum_j λ^(n-j) k_j^T v_j."""
+    outputs = []
+    for first in range(start, end, self.block_size):
+        last = min(first + self.block_size, end)
+        n = last - first
+        q, k, v = (x[:, :, first:last] for x in (query, key, value))  # b h n d each
+        intra = torch.matmul(torch.matmul(q, k.transpose(-1, -2)) * self.diagonal_decay[:, :, :n, :n], v)  # b h n d
+        inter = torch.matmul(q * self.query_decay[:, :n], state)  # b h n d   λ^i q_i S
+        outputs.append(inter + intra)  # b h n d
+        written = torch.matmul((k * self.key_decay[:, -n:]).transpose(-1, -2), v)  # b h d d   sum_j λ^(n-j) k_j^T v_j
+        state = state * torch.exp(-self.slope_rate * n) + written  # b h d d   λ^n S + ...
+    return outputs, state
+
+
 def lightning_attention_forward(
     self: nn.Module,
     hidden_states: Float[Tensor, "batch seq hidden"],
@@ -83,13 +119,16 @@ def lightning_attention_forward(
     *,
     past_key_values: Any = None,
     on_token: OnToken | None = None,
+    stops: Sequence[int] | None = None,
     tokens: int | None = None,
     **kwargs: Any,
 ) -> tuple[Float[Tensor, "batch seq hidden"], Float[Tensor, "batch heads head_dim head_dim"]]:
     """`MiniMaxLightningAttention.forward`, token by token: same arguments, results and cache update.
 
     `on_token(t, state)` is called after token t's update (its output is computed already) and returns
-    the state token t+1 continues from; the state after the last token is returned and cached.
+    the state token t+1 continues from; the state after the last token is returned and cached. With
+    `stops` (sorted tokens), a prompt calls `on_token` at those tokens only and runs transformers' block
+    computation between them; a call over a cached state runs token by token, as transformers does.
     `past_key_values` is the deprecated name of `cache` (transformers' forward accepts both);
     `position_embeddings` and other keyword arguments are ignored, as transformers' forward ignores them.
     """
@@ -97,16 +136,21 @@ def lightning_attention_forward(
     batch, seq, _ = hidden_states.shape
     query, key, value = _qkv(self, hidden_states, attention_mask)  # b h t d each
     state = _cached_state(cache, self.layer_idx) if cache is not None else None
-    if state is None:
+    if state is not None or stops is None:
+        if state is None:
+            state = value.new_zeros(batch, self.num_attention_heads, self.head_dim, self.head_dim)  # b h d d   S_{-1}
+        outputs, state = _per_token(self, query, key, value, state, 0, seq, on_token)
+    else:  # a prompt, with stops: blocks between them
         state = value.new_zeros(batch, self.num_attention_heads, self.head_dim, self.head_dim)  # b h d d   S_{-1} = 0
-    ratio = torch.exp(-self.slope_rate)  # h 1 1   λ_h = exp(-s_h)
-    outputs = []
-    for t in range(seq):
-        written = torch.matmul(key[:, :, t:t + 1].transpose(-1, -2), value[:, :, t:t + 1])  # b h d d   k_t^T v_t
-        state = ratio * state + written  # b h d d   S_t = λ S_{t-1} + k_t^T v_t
-        outputs.append(torch.matmul(query[:, :, t:t + 1], state))  # b h 1 d   o_t = q_t S_t
-        if on_token is not None:
-            state = on_token(t, state)  # b h d d   what token t+1 continues from
+        outputs, start = [], 0
+        for end in [*(stop + 1 for stop in stops), seq]:
+            if end <= start:
+                continue
+            span, state = _blocks(self, query, key, value, state, start, end)
+            outputs += span
+            if on_token is not None and end - 1 in stops:
+                state = on_token(end - 1, state)  # b h d d   what token end continues from
+            start = end
     out = torch.cat(outputs, dim=-2) if outputs else value.new_zeros(value.shape)  # b h t d
     out = out.transpose(1, 2).reshape(batch, seq, self.num_attention_heads * self.head_dim)  # b t (h d)
     out = self.norm(out)  # b t (h d)   RMSNorm(o)
@@ -133,7 +177,8 @@ class LightningAttention(RecurrentMixer):
     The state S_t is `[batch, heads, head_dim, head_dim]`, key-major (o_t = q_t S_t), in the model dtype,
     the layout of `MiniMaxCache.linear_cache`. The kernel is the mixer's whole forward (a class attribute,
     `Site.CLASS`): idle calls run transformers' forward, busy ones the library's, which calls the hooks
-    after every token and caches the state after the last one. The memory is the state alone (no short
+    after every token (or, for a few tokens of a prompt, runs the block loop between them) and caches the
+    state after the last one. The memory is the state alone (no short
     convolution). `inputs` are the forward's arguments, with the cache replaced by the state it held for
     the layer (`initial_state`, None for a prompt); `outputs` are its results, `output` and `final_state`.
     """
@@ -143,7 +188,7 @@ class LightningAttention(RecurrentMixer):
     STATE_IN: ClassVar[str] = "initial_state"  # in the recorded inputs: the cached state the forward started from
     KERNELS = (
         Kernel(FORWARD_KERNEL, lightning_attention_forward, STATE_IN, ("output", "final_state"), Role.BOTH,
-               seq=FORWARD, site=Site.CLASS, owner=MIXER_CLASS),
+               seq=FORWARD, site=Site.CLASS, owner=MIXER_CLASS, stops=True),
     )
     MEMORIES = (STATE_MEMORY,)
     FORWARD_CACHE = ("cache", "past_key_values")
@@ -163,8 +208,6 @@ class LightningAttention(RecurrentMixer):
     }
     LIMITS = {
         "conv_states": "lightning attention has no short convolution: its memory is the state alone",
-        "segments": "the kernel is the whole forward: a call with hooks, writes or kept states at a few tokens"
-        " runs the token loop over all of its tokens, not transformers' block loop between them",
         "linear attention at layer 0": _BUG_8,
     }
 

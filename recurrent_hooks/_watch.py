@@ -368,8 +368,8 @@ def support(model: nn.Module) -> list[MixerSupport]:
             "idle calls run": ", ".join(
                 f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}" for fn in bound.values()),
             "a few tokens of a prompt": f"{prompt.name} in segments between them" if segments is not None
-            else "the token loop" + (" (the prompt kernel takes no initial state, so it cannot run in segments)"
-                                     if prompt.state_in is None else ""),
+            else f"the library's {prompt.name}, with its fast computation between them" if prompt.stops
+            else "the token loop (the prompt kernel takes no initial state, so it cannot run in segments)",
             "every state of a prompt": "chunk-wise without gradients, the token loop with them"
             if segments is not None and segments.all_states is not None else "the token loop",
         }

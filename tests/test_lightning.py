@@ -12,9 +12,11 @@ import torch
 import torch.nn.functional as F
 
 import recurrent_hooks as rh
+import recurrent_hooks._dispatch as rh_dispatch
 from _compare import assert_close, assert_equal
 from _models import PAD, _minimax, build, random_ids
 from _reachable import tensor_bytes_reachable
+import recurrent_hooks._lightning as rh_lightning
 from recurrent_hooks._lightning import lightning_attention_forward
 from recurrent_hooks._patching import import_default
 
@@ -236,6 +238,60 @@ def test_on_token_replacement_changes_only_later_tokens_and_the_cache(family, to
     assert cache.get_linear_cache(module.layer_idx) is final
 
 
+@pytest.mark.parametrize("stops", [[36], [3, 20], [0, 7, 8, 35]], ids=lambda s: "-".join(map(str, s)))
+def test_stops_run_blocks_between_them(family, stops):
+    """With `stops`, a prompt calls on_token only there and runs the block computation in between: outputs
+    and states equal the float64 reference, a replacement at a stop changes only later tokens, and with the
+    last token as the only stop the prompt is transformers' block loop bit for bit."""
+    model = build(family)
+    original = import_default(mixer_class(family), "forward")
+    for module in mixers_of(model):
+        x = _hidden(37, seed=10)
+        seen = {}
+
+        def record(t, state):
+            seen[t] = state.clone()
+            return state
+
+        with torch.no_grad():
+            out, final = lightning_attention_forward(module, x, None, None, on_token=record, stops=stops)
+        want_out, want_states = lightning_reference(module, x)
+        assert sorted(seen) == stops
+        for t in stops:
+            assert_close(f"layer {module.layer_idx} state at stop {t}", want_states[:, t], seen[t], **F64)
+        assert_close(f"layer {module.layer_idx} output", want_out, out, **F64)
+        assert_close("final state", want_states[:, -1], final, **F64)
+        if stops == [36]:
+            with torch.no_grad():
+                want_out, want_state = original(module, x, None, None)
+            assert_equal("one stop at the end: transformers' block loop", want_out, out)
+            assert_equal("one stop at the end: its state", want_state, final)
+        replacement = torch.randn(final.shape, generator=torch.Generator().manual_seed(11))
+        at = stops[0]
+        with torch.no_grad():
+            replaced, _ = lightning_attention_forward(module, x, None, None, stops=stops,
+                                                      on_token=lambda t, s: replacement if t == at else s)
+        assert_close("outputs up to the stop", out[:, : at + 1], replaced[:, : at + 1], rtol=0, atol=0)
+        if at < 36:
+            want_out, _ = lightning_reference(module, x[:, at + 1:], initial_state=replacement)
+            assert_close("outputs after the replaced stop", want_out, replaced[:, at + 1:], **F64)
+
+
+def test_stops_over_a_cached_state_run_token_by_token(family):
+    """Over a cached state transformers runs its per-token branch; so does the library's forward, stops or not."""
+    model = build(family)
+    original = import_default(mixer_class(family), "forward")
+    module = mixers_of(model)[0]
+    start = torch.randn(2, 2, 16, 16, generator=torch.Generator().manual_seed(12)) * 0.3
+    x = _hidden(9, seed=13)
+    with torch.no_grad():
+        want_out, want_state = original(module, x, None, None, cache=_cache_with(module.layer_idx, start))
+        out, state = lightning_attention_forward(module, x, None, None, cache=_cache_with(module.layer_idx, start),
+                                                 on_token=lambda t, s: s, stops=[4])
+    assert_equal("output", want_out, out)
+    assert_equal("state", want_state, state)
+
+
 # -- the bar: parity, states, writes, generate, calls ---------------------------------------------------------
 
 
@@ -431,6 +487,65 @@ def test_left_padded_batch(model):
         for mixer in w.mixers:
             mixer.register_state_hook(lambda m, c, t, s: None)
         assert_equal("padded greedy generate, hooks", plain, greedy(model, ids, 4, attention_mask=mask))
+
+
+def _sparse_run(model, ids, fast, monkeypatch):
+    """Writes, hooks and kept states at a few tokens of the prompt and at a decode step, through one path."""
+    monkeypatch.setattr(rh_dispatch, "FAST_PATHS", fast)
+    blocks = []
+    real = rh_lightning._blocks
+    monkeypatch.setattr(rh_lightning, "_blocks", lambda *a: blocks.append(a[-2:]) or real(*a))
+    seen = []
+    keep = {"states": [2, 7, -1], "inputs": None}
+    with rh.watch(model, keep=keep) as w, torch.no_grad():
+        model(ids)
+        value = w.mixers[0].state_after(7) * 0.5
+    blocks.clear()
+    with rh.watch(model, keep=keep) as w, torch.no_grad():
+        w.mixers[0].set_state_after(7, value)
+        w.mixers[-1].register_state_hook(lambda m, c, t, s: seen.append(float(s.norm())) or s * 0.9, token=[3, -2])
+        w.mixers[0].set_state_after(0, value, call=2)
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=PAD, output_logits=True,
+                             return_dict_in_generate=True)
+    return w, out, seen, blocks
+
+
+def test_sparse_fast_path_equals_the_token_loop(model, monkeypatch):
+    """Same outputs, kept states, hook inputs and cached states whether a prompt's few stops run the block
+    computation between them or the token loop."""
+    ids = random_ids(2, T)
+    fast, fast_out, fast_seen, blocks = _sparse_run(model, ids, True, monkeypatch)
+    slow, slow_out, slow_seen, no_blocks = _sparse_run(model, ids, False, monkeypatch)
+    assert not no_blocks
+    # prompt spans: the first mixer stops at 2, 7, 12; the last at 2, 3, 7, 11, 12 (kept states and its hook)
+    assert blocks[:3] == [(0, 3), (3, 8), (8, 13)] and blocks[3:] == [(0, 3), (3, 4), (4, 8), (8, 12), (12, 13)]
+    for step, (a, b) in enumerate(zip(slow_out.logits, fast_out.logits)):
+        assert_close(f"logits of call {step}", a, b, rtol=1e-5, atol=1e-5)
+    assert_close("hook inputs", torch.tensor(slow_seen), torch.tensor(fast_seen), rtol=1e-5, atol=1e-7)
+    for a, b in zip(slow.mixers, fast.mixers):
+        for call in range(4):
+            for token in (2, 7, -1) if call == 0 else (0,):
+                assert_close(f"{a} call {call} state after {token}", a.state_after(token, call),
+                             b.state_after(token, call), **F64)
+            if call:
+                assert_close(f"{a} call {call} state in", a.calls[call].inputs["initial_state"],
+                             b.calls[call].inputs["initial_state"], **F64)
+
+
+def test_a_state_kept_at_the_last_token_leaves_the_prompt_bit_identical(model):
+    """One stop at the end: the prompt runs transformers' own block computation, so the logits are the
+    unwatched model's bit for bit, and the kept state is what transformers cached."""
+    ids = random_ids(2, 70)
+    with torch.no_grad():
+        plain = model(ids, use_cache=True)
+        with rh.watch(model, keep={"states": [-1]}) as w:
+            watched = model(ids, use_cache=True)
+    assert_close("logits", plain.logits, watched.logits, rtol=0, atol=0)
+    for mixer in w.mixers:
+        assert_close(f"{mixer} last state", plain.cache.get_linear_cache(mixer.layer), mixer.state_after(-1),
+                     rtol=0, atol=0)
+    row = rh.support(model)[0]
+    assert "forward" in row.notes["a few tokens of a prompt"]
 
 
 # -- gradients -----------------------------------------------------------------------------------------------------
