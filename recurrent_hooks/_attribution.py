@@ -82,12 +82,15 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
         corrupt_value = _mean(metric(model(corrupt_ids, **kwargs).logits), where)
     chosen = _chosen(corrupt_watch.mixers, layers, where)
     pairs = [(clean_watch.mixer(m.layer), m) for m in chosen]
-    inputs = [tensor for _, m in pairs for memory in (STATE_MEMORY, CONV_MEMORY)
+    inputs = [tensor for _, m in pairs for memory in (STATE_MEMORY, CONV_MEMORY) if memory in m.MEMORIES
               for tensor in m.calls[0].differentiable(memory)]
     grads = iter(torch.autograd.grad(corrupt_value, inputs, allow_unused=True))
     state_rows, window_rows = [], []
     for clean, corrupt in pairs:
         for memory, rows in ((STATE_MEMORY, state_rows), (CONV_MEMORY, window_rows)):
+            if memory not in corrupt.MEMORIES:  # a memory the kind does not carry: nothing to patch there
+                rows.append(torch.zeros(clean_ids.shape[1], dtype=torch.float32, device=clean_ids.device))
+                continue
             parts = corrupt.calls[0].differentiable(memory)
             reference = clean.calls[0].states if memory == STATE_MEMORY else clean.calls[0].conv_states
             total = torch.zeros(clean_ids.shape[1], dtype=torch.float32, device=reference.device)

@@ -209,6 +209,8 @@ class LightningAttention(RecurrentMixer):
     LIMITS = {
         "conv_states": "lightning attention has no short convolution: its memory is the state alone",
         "linear attention at layer 0": _BUG_8,
+        "effective attention": "not provided: o_t = sum_s λ_h^(t-s) (q_t . k_s) v_s is linear in the values, but"
+        " the forward's output is after an RMSNorm over the heads, which is not",
     }
 
     @classmethod

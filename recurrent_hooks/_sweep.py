@@ -121,6 +121,12 @@ def _measure(metric: Callable[[Tensor], Tensor], logits: Tensor, rows: int) -> T
     return value.detach()
 
 
+def _carried(memories: tuple[str, ...], mixer: Any, what: str) -> tuple[str, ...]:
+    """The memories a cell writes: for "memory", those the mixer's kind carries (a lightning attention
+    mixer has no conv window); "state" and "window" ask for one, which a mixer without it refuses."""
+    return tuple(m for m in memories if m in mixer.MEMORIES) if what == "memory" else memories
+
+
 def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: Callable[[Tensor], Tensor], *,
                    layers: int | Iterable[int] | None = None, positions: int | Iterable[int] | None = None,
                    what: str = "memory", batch_size: int = 32, progress: bool = True,
@@ -179,7 +185,7 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
     with watch(model) as w, torch.no_grad():
         layers = _layers(layers, [mixer.layer for mixer in w.mixers])
         for layer in layers:
-            for memory in memories:
+            for memory in _carried(memories, w.mixer(layer), what):
                 def keep(mixer: Any, call: int, token: int, state: Tensor, layer: int = layer,
                          memory: str = memory) -> None:
                     clean[memory, layer, token, mixer.head] = state.clone()
@@ -204,7 +210,7 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
                         if li == i:
                             rows.setdefault(positions[j], []).append(row)
                     at = {token: torch.tensor(r, device=corrupt_ids.device) for token, r in rows.items()}
-                    for memory in memories:
+                    for memory in _carried(memories, w.mixer(layer), what):
                         def patch(mixer: Any, call: int, token: int, state: Tensor, layer: int = layer,
                                   memory: str = memory, at: dict[int, Tensor] = at) -> Tensor:
                             value = clean[memory, layer, token, mixer.head]

@@ -722,6 +722,51 @@ def test_values(model):
         assert values["gate"].shape == (2, mixer.calls[call].tokens, 2, 16)
 
 
+def test_a_sweep_of_the_whole_memory_is_a_sweep_of_the_state(model):
+    """The memory is the state alone: what="memory" patches the state, equal to one forward per cell."""
+    clean, corrupt = random_ids(1, 9, seed=1), random_ids(1, 9, seed=2)
+    metric = lambda logits: logits[:, -1, 5] - logits[:, -1, 6]  # noqa: E731
+    memory = rh.patching_sweep(model, clean, corrupt, metric, progress=False)
+    state = rh.patching_sweep(model, clean, corrupt, metric, what="state", progress=False)
+    assert_close("what=memory vs what=state", state.values, memory.values, rtol=0, atol=0)
+    with pytest.raises(rh.Unavailable, match="no conv_state"):
+        rh.patching_sweep(model, clean, corrupt, metric, what="window", progress=False)
+    with rh.watch(model, keep={"states": [4]}) as w, torch.no_grad():
+        model(clean, use_cache=False)
+    with rh.watch(model) as v, torch.no_grad():
+        v.mixer(w.mixers[0].layer).set_state_after(4, w.mixers[0].state_after(4))
+        one = metric(model(corrupt, use_cache=False).logits)[0]
+    assert_close("the cell (first layer, token 4) against its own forward", one, memory.values[0, 4],
+                 rtol=1e-5, atol=1e-6)
+
+
+def test_attribution_is_the_first_order_effect_of_patching_the_state(model):
+    clean, corrupt = random_ids(1, 9, seed=1), random_ids(1, 9, seed=2)
+    metric = lambda logits: logits[:, -1, 5] - logits[:, -1, 6]  # noqa: E731
+    result = rh.attribute(model, clean, corrupt, metric)
+    assert_close("no window", torch.zeros_like(result.window), result.window, rtol=0, atol=0)
+    assert_close("the memory is the state", result.state, result.memory, rtol=0, atol=0)
+    token, eps = 4, 1e-3
+    states = {}
+    for name, ids in (("clean", clean), ("corrupt", corrupt)):
+        with rh.watch(model, keep={"states": [token]}) as w, torch.no_grad():
+            model(ids)
+        states[name] = w.mixers[0].state_after(token)
+    with rh.watch(model) as w, torch.no_grad():
+        w.mixers[0].set_state_after(token, states["corrupt"] + eps * (states["clean"] - states["corrupt"]))
+        nudged = metric(model(corrupt).logits)[0]
+    assert_close("attribution vs the finite difference", (nudged - result.corrupt) / eps, result.state[0, token],
+                 rtol=2e-2, atol=1e-4)
+
+
+def test_effective_attention_is_refused_with_the_reason(model):
+    with rh.watch(model, keep=("inputs", "outputs")) as w:
+        logits_of(model, random_ids(1, 5))
+    with pytest.raises(rh.Unavailable, match="no effective attention for the kind LightningAttention"):
+        rh.effective_attention(w.mixers[0])
+    assert "effective attention" in rh.support(model)[0].unavailable
+
+
 # -- bindings and the frame check ------------------------------------------------------------------------------
 
 
