@@ -22,7 +22,8 @@ Glossary (code name, symbol in MiniMax, "MiniMax-01: Scaling Foundation Models w
     (decay)      λ_h = exp(-s_h)                    per head; about 1 in the last layer (l = L - 1)
     state        S_t  [batch, heads, head_dim, head_dim]  key-major (o_t = q_t S_t), the model dtype, the
                         layout of `MiniMaxCache.linear_cache[l]`
-    gate         σ(W_g x_t)  [batch, seq, heads * head_dim]   `output_gate`, after the norm
+    gate         σ(W_g x_t)  [batch, seq, heads * head_dim]   `output_gate`, applied after the norm
+                        (`values()` gives it per head, [batch, seq, heads, head_dim])
     output       W_o(σ(W_g x_t) ⊙ RMSNorm(o_t))  [batch, seq, hidden]   `norm`, `out_proj`
 
 Recurrence, per head (S_{-1} is the cached state, zeros for a prompt):

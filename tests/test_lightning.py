@@ -800,6 +800,17 @@ def test_bindings_restored_after_exit_after_a_raising_hook_and_when_nested(model
                  rtol=0, atol=0)
 
 
+def test_a_standalone_hook_counts_calls_from_each_prompt(model):
+    seen = []
+    handle = rh.register_state_hook(mixers_of(model)[0], lambda m, c, t, s: seen.append((c, t)), token=-1)
+    try:
+        for _ in range(2):
+            greedy(model, random_ids(1, T), 3)
+    finally:
+        handle.remove()
+    assert seen == [(0, T - 1), (1, 0), (2, 0)] * 2
+
+
 def test_route_kernels_binds_the_library_forward_process_wide(model, family):
     cls = mixer_class(family)
     ids = random_ids(2, T)
