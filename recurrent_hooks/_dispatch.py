@@ -233,15 +233,14 @@ class _Tap:
                 return state
 
             fast = _fast_path(kernel, busy, tokens)
-            if fast is not None and kernel.segments is None:  # the loop runs its own fast path between the stops
-                extra = {"tokens": tokens} if kernel.seq == FORWARD else {}
+            extra = {"tokens": tokens} if kernel.seq == FORWARD else {}
+            if fast is not None and kernel.segments is None:  # the loop computes fast between the stops itself
                 result = kernel.loop(*args, on_token=on_token, stops=fast[0], **extra, **kwargs)
             elif fast is not None:
                 stops, every_state = fast
                 result = _run_in_segments(kernel, original, args, kwargs, stops, on_token,
                                           [plan for plan in keeping if every_state])
             else:
-                extra = {"tokens": tokens} if kernel.seq == FORWARD else {}
                 result = kernel.loop(*args, on_token=on_token, **extra, **kwargs)
             if kernel.memory == CONV_MEMORY and kernel.role == "prompt" and last:
                 self._sync_conv_cache(entry.forward, last[0])

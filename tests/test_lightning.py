@@ -19,6 +19,7 @@ from _reachable import tensor_bytes_reachable
 import recurrent_hooks._lightning as rh_lightning
 from recurrent_hooks._lightning import lightning_attention_forward
 from recurrent_hooks._patching import import_default
+from recurrent_hooks._registry import family_of
 
 LIGHTNING = [name for name, row in rh.FAMILIES.items() if row.kind is rh.LightningAttention]
 ALL = ("states", "inputs", "outputs")  # the kind has no conv window to keep
@@ -42,7 +43,7 @@ def mixer_class(family):
 
 
 def mixers_of(model):
-    return [m for m in model.modules() if rh._registry.family_of(m) is not None]
+    return [m for m in model.modules() if family_of(m) is not None]
 
 
 def logits_of(model, ids, **kwargs):
@@ -551,11 +552,13 @@ def test_a_state_kept_at_the_last_token_leaves_the_prompt_bit_identical(model):
 # -- gradients -----------------------------------------------------------------------------------------------------
 
 
-def test_gradient_with_respect_to_a_state(model):
-    """d metric / d state after token t: the kept state is the tensor the recurrence used."""
+@pytest.mark.parametrize("kept", ["every token", "one token"])
+def test_gradient_with_respect_to_a_state(model, kept):
+    """d metric / d state after token t: the kept state is the tensor the recurrence used (the token loop
+    when every state is kept; the block computation between stops when one is)."""
     ids = random_ids(1, T)
     token = 5
-    with rh.watch(model, keep=ALL) as w:
+    with rh.watch(model, keep=ALL if kept == "every token" else {"states": [token]}) as w:
         metric = model(ids).logits[0, -1].logsumexp(-1)
     state = w.mixers[0].state_after(token)
     leaf = state.detach().clone().requires_grad_()
@@ -809,6 +812,40 @@ def test_a_standalone_hook_counts_calls_from_each_prompt(model):
     finally:
         handle.remove()
     assert seen == [(0, T - 1), (1, 0), (2, 0)] * 2
+
+
+def test_two_threads_watch_their_own_models(family):
+    """The class attribute is shared; each thread's watch sees its own model's forwards only."""
+    import threading
+
+    models = [build(family, seed=s) for s in (0, 1)]
+    ids = [random_ids(2, T, seed=s) for s in (0, 1)]
+
+    def states_of(model, x):
+        with rh.watch(model, keep=ALL) as w, torch.no_grad():
+            for _ in range(3):
+                model(x)
+        return [torch.stack([c.states for c in m.calls]) for m in w.mixers]
+
+    expected = [states_of(m, x) for m, x in zip(models, ids)]
+    results, errors = [None, None], []
+
+    def work(i):
+        try:
+            results[i] = states_of(models[i], ids[i])
+        except Exception as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for i in (0, 1):
+        for want, got in zip(expected[i], results[i]):
+            assert_close(f"model {i} states", want, got, rtol=0, atol=0)
+    assert mixer_class(family).__dict__["forward"] is import_default(mixer_class(family), "forward")
 
 
 def test_route_kernels_binds_the_library_forward_process_wide(model, family):
