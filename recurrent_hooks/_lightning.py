@@ -192,6 +192,7 @@ class LightningAttention(RecurrentMixer):
                seq=FORWARD, site=Site.CLASS, owner=MIXER_CLASS, stops=True),
     )
     MEMORIES = (STATE_MEMORY,)
+    REORDERED_BY_CACHE = False  # MiniMaxCache.reorder_cache reorders its attention layers only (see LIMITS)
     FORWARD_CACHE = ("cache", "past_key_values")
     STATE = "batch heads head_dim head_dim"
     INPUTS = {
@@ -210,6 +211,9 @@ class LightningAttention(RecurrentMixer):
     LIMITS = {
         "conv_states": "lightning attention has no short convolution: its memory is the state alone",
         "linear attention at layer 0": _BUG_8,
+        "beam search": "transformers 5.24's MiniMaxCache does not reorder its linear states when beam search"
+        " reorders the cache (Cache.reorder_cache moves only the attention layers), so each row's state continues"
+        " the same row, not its parent beam's, watched or not; call.reorder stays None for this reason",
         "effective attention": "not provided: o_t = sum_s λ_h^(t-s) (q_t . k_s) v_s is linear in the values, but"
         " the forward's output is after an RMSNorm over the heads, which is not",
     }

@@ -170,6 +170,9 @@ class RecurrentMixer:
     - `FUSED`: names of fused whole-forward kernels (if its module has them) that return the mixer's
       output and skip the kernels above; inside a watch they return None, as their pure-torch
       versions do, for a call that has hooks or kept states, so that the forward goes on;
+    - `REORDERED_BY_CACHE`: beam search's `cache.reorder_cache` moves this kind's memory rows (True for
+      the kinds whose memory is in the cache's layers); False: it leaves them in place, so `call.reorder`
+      stays None (each row continues its own row);
     - `KERNEL_PER_HEAD`: the forward calls its recurrence kernel once per head (axis 1 of the state):
       hooks run once per head with that head's state, and `mixer.head` says which head is running;
     - `ROUTES`: the words `route_kernels` accepts for this kind, each meaning "torch" or "default";
@@ -192,6 +195,7 @@ class RecurrentMixer:
     LIMITS: ClassVar[dict[str, str]] = {}
     FUSED: ClassVar[tuple[str, ...]] = ()
     KERNEL_PER_HEAD: ClassVar[bool] = False
+    REORDERED_BY_CACHE: ClassVar[bool] = True
     # route_kernels' words for this kind: word -> "torch" (the library's token loops) or "default" (transformers')
     ROUTES: ClassVar[dict[str, str]] = {"torch": "torch", "default": "default"}
     MEMORIES: ClassVar[tuple[str, ...]] = (STATE_MEMORY, CONV_MEMORY)
@@ -510,6 +514,8 @@ class RecurrentMixer:
 
     def _reordered(self, beam_idx: Tensor) -> None:
         """The cache's rows were reordered (beam search): the next call's row b continues row beam_idx[b]."""
+        if not self.REORDERED_BY_CACHE:
+            return  # the cache's reordering leaves this kind's memory where it is
         beam_idx = beam_idx.detach().clone()
         self._reorder = beam_idx if self._reorder is None else self._reorder[beam_idx]
 

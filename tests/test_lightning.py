@@ -549,6 +549,29 @@ def test_a_state_kept_at_the_last_token_leaves_the_prompt_bit_identical(model):
     assert "forward" in row.notes["a few tokens of a prompt"]
 
 
+def test_beam_search_runs_as_unwatched_and_the_state_rows_stay_in_place(model):
+    """transformers' MiniMaxCache leaves its linear states in place when beam search reorders the cache (a
+    transformers bug, in LIMITS): the watch reproduces it, and call.reorder says the rows did not move."""
+    ids = random_ids(1, 9)
+    kwargs = dict(max_new_tokens=5, num_beams=3, do_sample=False, pad_token_id=PAD)
+    with torch.no_grad():
+        plain = model.generate(ids, **kwargs)
+        with rh.watch(model, keep=ALL) as w:
+            watched = model.generate(ids, **kwargs)
+        with rh.watch(model) as v:
+            for mixer in v.mixers:
+                mixer.register_state_hook(lambda m, c, t, s: None)
+            hooked = model.generate(ids, **kwargs)
+    assert_equal("beams, keep states", plain, watched)
+    assert_equal("beams, hooks", plain, hooked)
+    for mixer in w.mixers:
+        for k in range(1, 5):
+            assert mixer.calls[k].reorder is None
+            assert_close(f"{mixer} call {k} starts from the same rows", mixer.calls[k - 1].output["final_state"],
+                         mixer.calls[k].inputs["initial_state"], rtol=0, atol=0)
+    assert "beam search" in rh.support(model)[0].unavailable
+
+
 # -- gradients -----------------------------------------------------------------------------------------------------
 
 
