@@ -278,6 +278,48 @@ def test_stops_run_blocks_between_them(family, stops):
             assert_close("outputs after the replaced stop", want_out, replaced[:, at + 1:], **F64)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_fuzz_stops_against_the_token_loop_and_the_reference(family, seed):
+    """Random lengths, left padding, stops and replacements: the block computation between stops, the token
+    loop and the float64 reference agree on outputs, the states at the stops and the final state."""
+    gen = torch.Generator().manual_seed(seed)
+    model = build(family)
+    module = mixers_of(model)[seed % len(mixers_of(model))]
+    seq = int(torch.randint(1, 45, (), generator=gen))
+    x = torch.randn(2, seq, 32, generator=gen)
+    mask = torch.ones(2, seq, dtype=torch.long)
+    mask[1, : int(torch.randint(0, seq, (), generator=gen))] = 0
+    stops = sorted({int(t) for t in torch.randint(0, seq, (int(torch.randint(1, 5, (), generator=gen)),), generator=gen)})
+    replaced = {t: torch.randn(2, 2, 16, 16, generator=gen) * 0.3 for t in stops if torch.rand((), generator=gen) < 0.5}
+    runs = {}
+    for name, arguments in (("blocks", dict(stops=stops)), ("token loop", {})):
+        seen = {}
+
+        def hook(t, state):
+            if t in stops:
+                seen[t] = state.clone()
+            return replaced.get(t, state)
+
+        with torch.no_grad():
+            runs[name] = (*lightning_attention_forward(module, x, None, mask, on_token=hook, **arguments), seen)
+    # the reference, piece by piece: from each replacement on, the float64 recurrence starts again
+    pieces, start, state = [], 0, None
+    for end in [*(t + 1 for t in sorted(replaced)), seq]:
+        if end > start:
+            out, states = lightning_reference(module, x[:, start:end], mask[:, start:end], initial_state=state)
+            pieces.append((start, out, states))
+            state = replaced.get(end - 1, states[:, -1])
+            start = end
+    want_out = torch.cat([out for _, out, _ in pieces], dim=1)
+    want_at = {s + i: states[:, i] for s, _, states in pieces for i in range(states.shape[1])}
+    for name, (out, final, seen) in runs.items():
+        assert sorted(seen) == stops
+        assert_close(f"seed {seed} {name} output (T={seq}, stops {stops})", want_out, out, **F64)
+        for t in stops:
+            assert_close(f"seed {seed} {name} state at {t}", want_at[t], seen[t], **F64)
+        assert_close(f"seed {seed} {name} final state", replaced.get(seq - 1, want_at[seq - 1]), final, **F64)
+
+
 def test_stops_over_a_cached_state_run_token_by_token(family):
     """Over a cached state transformers runs its per-token branch; so does the library's forward, stops or not."""
     model = build(family)
