@@ -14,10 +14,12 @@ import contextlib
 import dataclasses
 import functools
 import threading
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import ModuleType
+from typing import Any
 
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
@@ -26,7 +28,7 @@ from ._errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, U
 from ._arguments import as_index, normalize_keep
 from ._calls import Memory
 from ._dispatch import attach, make_dispatcher
-from ._kernels import KEEPABLE, KERNEL_RECORDS, Site
+from ._kernels import KEEPABLE, KERNEL_RECORDS, Kernel, Site
 from ._mixer import RecurrentMixer, StateHook
 from ._patching import UndoStack, acquire_kernels, bound_original, import_default, rebind_process_wide
 from ._registry import FAMILIES, Family, family_of, resolve_family, unsupported_of
@@ -43,6 +45,37 @@ def _attach_with_kernels(mixer: RecurrentMixer, family: Family, stack: contextli
     targets = [kernel.target(module, mixer.module) for kernel in family.kind.KERNELS]
     targets += [(module, name) for name in family.kind.FUSED if hasattr(module, name)]
     stack.callback(acquire_kernels(targets, make_dispatcher(family.kind)))
+    for kernel in family.kind.KERNELS:
+        if kernel.site is Site.CLASS:
+            _acquire_bound_copies(mixer.module, kernel, kernel.target(module)[0], family.kind, stack)
+
+
+def _acquire_bound_copies(mixer_module: nn.Module, kernel: Kernel, owner: type, kind: type[RecurrentMixer],
+                          stack: contextlib.ExitStack) -> None:
+    """Rebind, for the watch, the attributes of the mixer module that hold a class-attribute kernel already
+    bound to it: a wrapper that replaced the module's `forward` keeps the original bound method on the
+    instance (accelerate's offloading hooks store it as `_old_forward`) and calls it, so rebinding the class
+    attribute alone would not reach its calls. Each becomes the kernel's dispatcher, bound to the module."""
+    original = import_default(owner, kernel.name)
+
+    def holds_kernel(value: Any) -> bool:  # the original bound to the module, or a watch's dispatcher for it
+        func = getattr(value, "__func__", None)
+        return getattr(value, "__self__", None) is mixer_module and func is not None and (
+            func is original or getattr(func, "__wrapped__", None) is original and _is_dispatcher(func))
+
+    names = [name for name, value in vars(mixer_module).items() if holds_kernel(value)]
+    if not names:
+        return
+    dispatcher = make_dispatcher(kind)
+
+    def bound(name: str, value: Any) -> Any:
+        return types.MethodType(dispatcher(kernel.name, value.__func__), value.__self__)
+
+    stack.callback(acquire_kernels([(mixer_module, name) for name in names], bound))
+
+
+def _is_dispatcher(fn: Any) -> bool:
+    return getattr(fn, "__recurrent_hooks__", False)
 
 
 def _no_mixer_message(model: nn.Module) -> str:

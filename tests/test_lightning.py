@@ -943,3 +943,63 @@ def test_an_unwatched_model_run_inside_a_watched_forward_is_untouched(model, fam
     assert_close("the other model's logits", alone, inner[0], rtol=0, atol=0)
     assert [c.tokens for c in w.mixers[0].calls] == [7]
     assert_close("the watched mixer's states", reference_states(w.mixers[0], 0), w.mixers[0].states, **F64)
+
+
+# -- accelerate's offloading hooks keep the original forward on the instance -----------------------------------
+
+
+@pytest.fixture(params=["cpu_offload", "disk"])
+def offloaded(request, family, tmp_path):
+    """(plain, offloaded): the same weights, the second run by accelerate with its weights off the CPU."""
+    import accelerate
+
+    plain = build(family)
+    plain.save_pretrained(tmp_path / "saved")
+    cls = type(plain)
+    if request.param == "disk":
+        model = cls.from_pretrained(tmp_path / "saved", device_map="auto", offload_folder=tmp_path / "offload",
+                                    max_memory={"cpu": "150KB", "disk": "1GB"})
+    else:
+        model = accelerate.cpu_offload(cls.from_pretrained(tmp_path / "saved"), execution_device="cpu")
+    model.eval()
+    for module in mixers_of(model):
+        assert "forward" in vars(module) and "_old_forward" in vars(module)  # accelerate's wrapper
+        assert all(p.device.type == "meta" for p in module.parameters())
+    return plain, model
+
+
+def test_offloaded_models_are_watched_through_the_bound_forward_accelerate_keeps(offloaded):
+    """accelerate replaces each offloaded module's `forward` by a wrapper that calls the original method it
+    stored on the instance (`_old_forward`): the watch rebinds that too, and only for the block."""
+    plain, model = offloaded
+    kept = {id(m): vars(m)["_old_forward"] for m in mixers_of(model)}
+    ids = random_ids(2, T)
+    runs = []
+    for m in (plain, model):
+        with rh.watch(m, keep=ALL) as w, torch.no_grad():
+            w.mixers[0].set_state_after(4, w.mixers[0].module.slope_rate.new_ones(2, 2, 16, 16) * 0.1)
+            w.mixers[-1].register_state_hook(lambda m, c, t, s: s * 0.8)
+            out = m.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=PAD, output_logits=True,
+                             return_dict_in_generate=True)
+        runs.append((w, out))
+    (w0, out0), (w1, out1) = runs
+    assert_equal("greedy generate", out0.sequences, out1.sequences)
+    for step, (a, b) in enumerate(zip(out0.logits, out1.logits)):
+        assert_close(f"logits of call {step}", a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(w0.mixers, w1.mixers):
+        assert len(b.calls) == 4
+        for call in range(4):
+            assert_close(f"{b} call {call} states", a.calls[call].states, b.calls[call].states, rtol=1e-5, atol=1e-6)
+    assert all(vars(m)["_old_forward"] is kept[id(m)] for m in mixers_of(model)), "_old_forward was not restored"
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    # a standalone hook that outlives the watch it was registered in keeps the binding alive
+    seen = []
+    with rh.watch(model):
+        handle = rh.register_state_hook(mixers_of(model)[0], lambda m, c, t, s: seen.append(t), token=-1)
+    with torch.no_grad():
+        model(ids)
+    handle.remove()
+    assert seen == [T - 1]
+    assert all(vars(m)["_old_forward"] is kept[id(m)] for m in mixers_of(model))
+    with torch.no_grad():
+        assert_close("logits after the watches", plain(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-6)
