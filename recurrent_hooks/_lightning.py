@@ -54,6 +54,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from ._calls import KernelCall
+from ._errors import Unavailable
 from ._kernels import FORWARD, STATE_MEMORY, Kernel, Role, Site
 from ._mixer import RecurrentMixer
 
@@ -214,6 +215,8 @@ class LightningAttention(RecurrentMixer):
         "beam search": "transformers 5.24's MiniMaxCache does not reorder its linear states when beam search"
         " reorders the cache (Cache.reorder_cache moves only the attention layers), so each row's state continues"
         " the same row, not its parent beam's, watched or not; call.reorder stays None for this reason",
+        "values of an offloaded mixer": "values() recomputes q, k, v and the gate with the module's projections,"
+        " which accelerate's offloading leaves on the meta device between forwards",
         "effective attention": "not provided: o_t = sum_s λ_h^(t-s) (q_t . k_s) v_s is linear in the values, but"
         " the forward's output is after an RMSNorm over the heads, which is not",
     }
@@ -236,6 +239,10 @@ class LightningAttention(RecurrentMixer):
         weights as they are now), and the forward's output."""
         x = part.inputs
         module = self.module
+        if module.qkv_proj.weight.device.type == "meta":
+            raise Unavailable(f"{self}.values(): q, k, v and the gate are recomputed with the module's projections,"
+                              " whose weights are offloaded (on the meta device) between forwards; read"
+                              " call.inputs, or keep states, instead")
         with torch.no_grad():
             query, key, value = (v.transpose(1, 2) for v in _qkv(module, x["hidden_states"], x["attention_mask"]))
             gate = F.sigmoid(module.output_gate(x["hidden_states"]))  # b t (h d)

@@ -30,7 +30,8 @@ forward calls its own kernels untouched, and so does code inside a user's hook, 
 attached mixer says what it wants of this kernel call (a `_Plan`). Then:
 - nothing is wanted: the kernel bound before the watch runs unchanged;
 - only a few tokens are wanted: that kernel runs in segments between them (`_run_in_segments`),
-  chaining the state, and `_Plan.apply` runs at each stop;
+  chaining the state, and `_Plan.apply` runs at each stop (a kernel declared with `Kernel.stops` gets
+  the stops and computes between them itself);
 - every state is kept, without gradients: the kind's chunk-wise `Segments.all_states` kernel runs;
 - otherwise the library's token loop runs and calls `_Plan.apply` after each token's update.
 In grad mode, kept states are read through one zero leaf per kernel call (`Call.differentiable`).

@@ -991,6 +991,8 @@ def test_offloaded_models_are_watched_through_the_bound_forward_accelerate_keeps
         for call in range(4):
             assert_close(f"{b} call {call} states", a.calls[call].states, b.calls[call].states, rtol=1e-5, atol=1e-6)
     assert all(vars(m)["_old_forward"] is kept[id(m)] for m in mixers_of(model)), "_old_forward was not restored"
+    with pytest.raises(rh.Unavailable, match="offloaded"):
+        w1.mixers[0].values()
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
     # a standalone hook that outlives the watch it was registered in keeps the binding alive
     seen = []
