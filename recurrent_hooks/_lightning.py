@@ -125,7 +125,7 @@ def lightning_attention_forward(
     tokens: int | None = None,
     **kwargs: Any,
 ) -> tuple[Float[Tensor, "batch seq hidden"], Float[Tensor, "batch heads head_dim head_dim"]]:
-    """`MiniMaxLightningAttention.forward`, token by token: same arguments, results and cache update.
+    """`MiniMaxLightningAttention.forward` with hooks: same arguments, results and cache update.
 
     `on_token(t, state)` is called after token t's update (its output is computed already) and returns
     the state token t+1 continues from; the state after the last token is returned and cached. With
@@ -180,9 +180,9 @@ class LightningAttention(RecurrentMixer):
     the layout of `MiniMaxCache.linear_cache`. The kernel is the mixer's whole forward (a class attribute,
     `Site.CLASS`): idle calls run transformers' forward, busy ones the library's, which calls the hooks
     after every token (or, for a few tokens of a prompt, runs the block loop between them) and caches the
-    state after the last one. The memory is the state alone (no short
-    convolution). `inputs` are the forward's arguments, with the cache replaced by the state it held for
-    the layer (`initial_state`, None for a prompt); `outputs` are its results, `output` and `final_state`.
+    state after the last one. The memory is the state alone (no short convolution). `inputs` are the
+    forward's arguments, with the cache replaced by the state it held for the layer (`initial_state`, None
+    for a prompt); `outputs` are its results, `output` and `final_state`.
     """
 
     FORWARD_KERNEL: ClassVar[str] = "forward"
