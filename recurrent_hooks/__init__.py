@@ -20,6 +20,7 @@ from ._errors import RecurrentHooksError as RecurrentHooksError
 from ._errors import RecurrentHooksWarning as RecurrentHooksWarning
 from ._errors import Unavailable as Unavailable
 from ._kimi_delta import KimiDeltaAttention as KimiDeltaAttention
+from ._lightning import LightningAttention as LightningAttention
 from ._gated_delta_net import GatedDeltaNet as GatedDeltaNet
 from ._gated_delta_net import GatedDeltaNet as LinearAttention  # noqa: F401  (its former name, for code that uses it)
 from ._calls import Call as Call

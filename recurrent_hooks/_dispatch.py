@@ -4,7 +4,8 @@ Module contents:
 - `attach(mixer)`: attach a `RecurrentMixer` to its module's `_Tap` (module pre/post-forward hooks).
 - `make_dispatcher(kind)`: for `_patching.acquire_kernels`, the function bound in place of each kernel.
 - `_Tap.run_kernel`: the plans of the attached mixers decide: nothing wanted runs the bound kernel; a
-  few tokens run it in segments between them (`_run_in_segments`); every state kept without gradients
+  few tokens run it in segments between them (`_run_in_segments`), or the library's loop with `stops` for
+  a kernel that computes fast between stops itself (`Kernel.stops`); every state kept without gradients
   runs the chunk-wise kernel; otherwise the token loop runs, calling the plans after each token.
 - `FAST_PATHS`: False makes every busy call run the token loop (the tests compare both).
 """
@@ -182,7 +183,7 @@ class _Tap:
 
     def _run_kernel(self, entry: _Running, kernel: Kernel, original: Callable[..., Any], args: tuple,
                     kwargs: dict) -> Any:
-        arguments = kernel.bind(args, kwargs)
+        arguments = type(entry.mixers[0])._kernel_arguments(entry.module, kernel, kernel.bind(args, kwargs))
         tokens = kernel.tokens(arguments, entry.forward.tokens)
         plans = [mixer._plan(kernel, tokens) for mixer in entry.mixers]
         recompute = entry.forward.recompute
@@ -241,12 +242,14 @@ class _Tap:
                 return state
 
             fast = _fast_path(kernel, busy, tokens)
-            if fast is not None:
+            extra = {"tokens": tokens} if kernel.seq == FORWARD else {}
+            if fast is not None and kernel.segments is None:  # the loop computes fast between the stops itself
+                result = kernel.loop(*args, on_token=on_token, stops=fast[0], **extra, **kwargs)
+            elif fast is not None:
                 stops, every_state = fast
                 result = _run_in_segments(kernel, original, args, kwargs, stops, on_token,
                                           [plan for plan in keeping if every_state])
             else:
-                extra = {"tokens": tokens} if kernel.seq == FORWARD else {}
                 result = kernel.loop(*args, on_token=on_token, **extra, **kwargs)
             if kernel.memory == CONV_MEMORY and kernel.role == "prompt" and last:
                 self._sync_conv_cache(entry.forward, last[0])
@@ -288,15 +291,16 @@ FAST_PATHS = True  # False: every call that is not idle runs the token loop (the
 def _fast_path(kernel: Kernel, busy: list[_Plan], tokens: int) -> tuple[list[int], bool] | None:
     """How a busy call can skip the token loop: the tokens to stop at, and whether every state is kept
     chunk-wise in between; None when it cannot (a hook at every token, too many stops, no segments)."""
-    if not FAST_PATHS or kernel.segments is None:
+    if not FAST_PATHS or (kernel.segments is None and not kernel.stops):
         return None
+    all_states = kernel.segments is not None and kernel.segments.all_states is not None
     stops: set[int] = set()
     every_state = False
     for plan in busy:
         if any(positions is None for _, positions in plan.hooks):
             return None
         stops.update(p for _, positions in plan.hooks for p in positions)
-        if plan.keep and len(plan.keep) == tokens and kernel.segments.all_states is not None \
+        if plan.keep and len(plan.keep) == tokens and all_states \
                 and not torch.is_grad_enabled():
             every_state = True
         elif plan.keep:

@@ -90,7 +90,10 @@ class Kernel:
     - `segments`: how the kernel bound before the watch can run piece by piece, chaining the state (None:
       it cannot). Then a call with hooks and kept states at a few tokens only runs that kernel on the
       pieces between them, instead of the token loop;
-    - `site`, `owner`: where the name is bound (`Site`): a module global by default.
+    - `site`, `owner`: where the name is bound (`Site`): a module global by default;
+    - `stops`: the loop also takes a keyword-only `stops`, the sorted tokens at which it must call `on_token`
+      (None: every token), and runs a faster computation between them (a whole forward whose own block
+      loop can start from a state: lightning attention). Used like `segments`, for kernels without them.
     """
 
     name: str
@@ -104,6 +107,7 @@ class Kernel:
     segments: Segments | None = None
     site: Site = Site.MODULE
     owner: str | None = None
+    stops: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))

@@ -30,7 +30,8 @@ forward calls its own kernels untouched, and so does code inside a user's hook, 
 attached mixer says what it wants of this kernel call (a `_Plan`). Then:
 - nothing is wanted: the kernel bound before the watch runs unchanged;
 - only a few tokens are wanted: that kernel runs in segments between them (`_run_in_segments`),
-  chaining the state, and `_Plan.apply` runs at each stop;
+  chaining the state, and `_Plan.apply` runs at each stop (a kernel declared with `Kernel.stops` gets
+  the stops and computes between them itself);
 - every state is kept, without gradients: the kind's chunk-wise `Segments.all_states` kernel runs;
 - otherwise the library's token loop runs and calls `_Plan.apply` after each token's update.
 In grad mode, kept states are read through one zero leaf per kernel call (`Call.differentiable`).
@@ -173,6 +174,9 @@ class RecurrentMixer:
     - `FUSED`: names of fused whole-forward kernels (if its module has them) that return the mixer's
       output and skip the kernels above; inside a watch they return None, as their pure-torch
       versions do, for a call that has hooks or kept states, so that the forward goes on;
+    - `REORDERED_BY_CACHE`: beam search's `cache.reorder_cache` moves this kind's memory rows (True for
+      the kinds whose memory is in the cache's layers); False: it leaves them in place, so `call.reorder`
+      stays None (each row continues its own row);
     - `KERNEL_PER_HEAD`: the forward calls its recurrence kernel once per head (axis 1 of the state):
       hooks run once per head with that head's state, and `mixer.head` says which head is running;
     - `ROUTES`: the words `route_kernels` accepts for this kind, each meaning "torch" or "default";
@@ -197,6 +201,7 @@ class RecurrentMixer:
     LIMITS: ClassVar[dict[str, str]] = {}
     FUSED: ClassVar[tuple[str, ...]] = ()
     KERNEL_PER_HEAD: ClassVar[bool] = False
+    REORDERED_BY_CACHE: ClassVar[bool] = True
     # route_kernels' words for this kind: word -> "torch" (the library's token loops) or "default" (transformers')
     ROUTES: ClassVar[dict[str, str]] = {"torch": "torch", "default": "default"}
     MEMORIES: ClassVar[tuple[str, ...]] = (STATE_MEMORY, CONV_MEMORY)
@@ -281,6 +286,13 @@ class RecurrentMixer:
             return cache.get_conv_state(layer)
         return cache.get_recurrent_state(layer)
 
+    @classmethod
+    def _kernel_arguments(cls, module: nn.Module, kernel: Kernel, arguments: dict[str, Any]) -> dict[str, Any]:
+        """A kernel call's arguments by name, as `inputs` records them and `Kernel.state_in` names them: the
+        kernel's own, by default. A kind whose kernel reads its memory from elsewhere (a whole forward that
+        reads the cache) overrides it to name that memory, and may leave out what should not be kept."""
+        return arguments
+
     def _has(self, memory: str, method: str) -> None:
         if memory not in self.MEMORIES:
             carried = " and ".join(self.MEMORIES)
@@ -298,11 +310,13 @@ class RecurrentMixer:
         The layout after `batch seq` is the kind's `STATE`; gated DeltaNet:
         `Float[Tensor, "batch seq heads key_dim value_dim"]`.
         """
+        self._has(STATE_MEMORY, "states")
         return self._call(None, "states").states
 
     @property
     def conv_states(self) -> Float[Tensor, "batch seq channels kernel_size"]:
         """The convolution window after every token of the last call (needs keep=("conv_states",))."""
+        self._has(CONV_MEMORY, "conv_states")
         return self._call(None, "conv_states").conv_states
 
     def state_after(self, token: int, call: int | None = None) -> Float[Tensor, "batch *state"]:
@@ -525,6 +539,8 @@ class RecurrentMixer:
 
     def _reordered(self, beam_idx: Tensor) -> None:
         """The cache's rows were reordered (beam search): the next call's row b continues row beam_idx[b]."""
+        if not self.REORDERED_BY_CACHE:
+            return  # the cache's reordering leaves this kind's memory where it is
         beam_idx = beam_idx.detach().clone()
         self._reorder = beam_idx if self._reorder is None else self._reorder[beam_idx]
 

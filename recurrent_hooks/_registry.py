@@ -20,6 +20,7 @@ from torch import nn
 from ._errors import Unavailable
 from ._kimi_delta import KimiDeltaAttention
 from ._gated_delta_net import GatedDeltaNet
+from ._lightning import LightningAttention
 from ._mixer import RecurrentMixer
 from ._rg_lru import RealGatedLinearRecurrence
 from ._selective_scan import PerHeadSelectiveScan, SelectiveScan
@@ -67,6 +68,7 @@ FAMILIES: dict[str, Family] = {
         Family("zamba2", "Zamba2MambaMixer", StateSpace),
         Family("recurrent_gemma", "RecurrentGemmaRecurrentBlock", RealGatedLinearRecurrence),
         Family("rwkv", "RwkvSelfAttention", WeightedKeyValue),
+        Family("minimax", "MiniMaxLightningAttention", LightningAttention),
     )
 }
 
@@ -87,7 +89,6 @@ _INLINE_CONV = "an inline convolution (unfold in forward), no kernel to rebind; 
 UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("xlstm", "xLSTMLayer", "mLSTM: kernels are captured in functools.partial when the model is built;"
                 " cannot be rebound"),
-    Unsupported("minimax", "MiniMaxLightningAttention", "lightning attention: no kernel function (inline loops)"),
     Unsupported("lfm2", "Lfm2ShortConv", _SHORT_CONV),
     Unsupported("lfm2_moe", "Lfm2MoeShortConv", _SHORT_CONV),
     Unsupported("lfm3", "Lfm3ShortConv", _SHORT_CONV),

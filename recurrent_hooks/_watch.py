@@ -14,10 +14,12 @@ import contextlib
 import dataclasses
 import functools
 import threading
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import ModuleType
+from typing import Any
 
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
@@ -26,7 +28,7 @@ from ._errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, U
 from ._arguments import as_index, normalize_keep
 from ._calls import Memory
 from ._dispatch import attach, make_dispatcher
-from ._kernels import KERNEL_RECORDS, Role, Site
+from ._kernels import KEEPABLE, KERNEL_RECORDS, Kernel, Role, Site
 from ._mixer import RecurrentMixer, StateHook
 from ._patching import UndoStack, acquire_kernels, bound_original, import_default, rebind_process_wide
 from ._registry import FAMILIES, Family, family_of, resolve_family, unsupported_of
@@ -49,6 +51,37 @@ def _attach_with_kernels(mixer: RecurrentMixer, family: Family, stack: contextli
     targets = [kernel.target(module, mixer.module) for kernel in family.kind.KERNELS]
     targets += [(module, name) for name in family.kind.FUSED if hasattr(module, name)]
     stack.callback(acquire_kernels(targets, make_dispatcher(family.kind)))
+    for kernel in family.kind.KERNELS:
+        if kernel.site is Site.CLASS:
+            _acquire_bound_copies(mixer.module, kernel, kernel.target(module)[0], family.kind, stack)
+
+
+def _acquire_bound_copies(mixer_module: nn.Module, kernel: Kernel, owner: type, kind: type[RecurrentMixer],
+                          stack: contextlib.ExitStack) -> None:
+    """Rebind, for the watch, the attributes of the mixer module that hold a class-attribute kernel already
+    bound to it: a wrapper that replaced the module's `forward` keeps the original bound method on the
+    instance (accelerate's offloading hooks store it as `_old_forward`) and calls it, so rebinding the class
+    attribute alone would not reach its calls. Each becomes the kernel's dispatcher, bound to the module."""
+    original = import_default(owner, kernel.name)
+
+    def holds_kernel(value: Any) -> bool:  # the original bound to the module, or a watch's dispatcher for it
+        func = getattr(value, "__func__", None)
+        return getattr(value, "__self__", None) is mixer_module and func is not None and (
+            func is original or getattr(func, "__wrapped__", None) is original and _is_dispatcher(func))
+
+    names = [name for name, value in vars(mixer_module).items() if holds_kernel(value)]
+    if not names:
+        return
+    dispatcher = make_dispatcher(kind)
+
+    def bound(name: str, value: Any) -> Any:
+        return types.MethodType(dispatcher(kernel.name, value.__func__), value.__self__)
+
+    stack.callback(acquire_kernels([(mixer_module, name) for name in names], bound))
+
+
+def _is_dispatcher(fn: Any) -> bool:
+    return getattr(fn, "__recurrent_hooks__", False)
 
 
 def _no_mixer_message(model: nn.Module) -> str:
@@ -338,6 +371,15 @@ class MixerSupport:
         return "\n".join(lines)
 
 
+_AVAILABLE = ("states", "conv_states", "inputs", "outputs", "values", "writes", "hooks")
+
+
+def available_of(kind: type[RecurrentMixer]) -> tuple[str, ...]:
+    """What `support` lists as available for a mixer kind: all of `_AVAILABLE` but the keep names of the
+    memories the kind does not carry (`RecurrentMixer.MEMORIES`)."""
+    return tuple(name for name in _AVAILABLE if KEEPABLE.get(name) is None or KEEPABLE[name] in kind.MEMORIES)
+
+
 def support(model: nn.Module) -> list[MixerSupport]:
     """Per recurrent mixer of `model`: what can be read and written, and why not where it cannot.
 
@@ -359,13 +401,14 @@ def support(model: nn.Module) -> list[MixerSupport]:
             continue
         kind = family.kind
         bound = {k.name: bound_original(*k.target(family.module(), module)) for k in kind.KERNELS}
-        available = ("states", "conv_states", "inputs", "outputs", "values", "writes", "hooks")
+        available = available_of(kind)
         prompt = kind.kernel_for(Role.PROMPT)
         segments = prompt.segments
         notes = {
             "idle calls run": ", ".join(
                 f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}" for fn in bound.values()),
             "a few tokens of a prompt": f"{prompt.name} in segments between them" if segments is not None
+            else f"the library's {prompt.name}, with its fast computation between them" if prompt.stops
             else "the token loop (the prompt kernel does not run in segments: see the limits)",
             "every state of a prompt": "chunk-wise without gradients, the token loop with them"
             if segments is not None and segments.all_states is not None else "the token loop",

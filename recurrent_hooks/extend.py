@@ -18,6 +18,7 @@ from ._kernels import Role as Role
 from ._kernels import Segments as Segments
 from ._kernels import Site as Site
 from ._kimi_delta import KimiDeltaAttention as KimiDeltaAttention
+from ._lightning import LightningAttention as LightningAttention
 from ._mixer import RecurrentMixer as RecurrentMixer
 from ._rg_lru import RealGatedLinearRecurrence as RealGatedLinearRecurrence
 from ._registry import FAMILIES as FAMILIES
@@ -50,4 +51,5 @@ __all__ = [
     "StateSpace",
     "RealGatedLinearRecurrence",
     "WeightedKeyValue",
+    "LightningAttention",
 ]

@@ -493,6 +493,26 @@ def _rwkv():
     )
 
 
+# MiniMax (lightning attention): full attention at even layers, so that layer 0 is an attention layer. With
+# linear attention at layer 0, transformers 5.24's MiniMaxCache reports 0 cached tokens after a prefill
+# (its layer 0 is an empty attention layer) and a cached multi-token continuation is 3.7e-3 off in the
+# logits (6e-8 with full attention first); `minimax(linear_first=True)` builds that pattern for the tests
+# that run without a cache. Four layers, because the decay of the last layer is about 1 (the slope
+# s_h = 2^(-8(h+1)/H) (1 - l/(L-1)) vanishes at l = L-1): lambda = 0.959, 0.997 at layer 1, ~1 at layer 3.
+# The default init leaves the state visible: zeroing it after token 4 changes the last logits by 2e-2.
+def _minimax(linear_first: bool = False):
+    pattern = ["linear_attention", "full_attention"] if linear_first else ["full_attention", "linear_attention"]
+    return _make(
+        transformers.MiniMaxConfig, transformers.MiniMaxForCausalLM,
+        **_COMMON, **_ATTENTION,
+        intermediate_size=64,
+        layer_types=pattern * 2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        block_size=8,
+    )
+
+
 FAMILIES: dict[str, Callable[[], transformers.PreTrainedModel]] = {
     "qwen3_next": _qwen3_next,
     "qwen3_5": _qwen3_5,
@@ -515,6 +535,7 @@ FAMILIES: dict[str, Callable[[], transformers.PreTrainedModel]] = {
     "zamba2": _zamba2,
     "recurrent_gemma": _recurrent_gemma,
     "rwkv": _rwkv,
+    "minimax": _minimax,
 }
 
 
