@@ -40,7 +40,8 @@ def _forward_of(kind: type[RecurrentMixer], module: nn.Module, args: tuple, kwar
         _FORWARD_SIGNATURES[cls] = inspect.signature(module.forward)
     arguments = _FORWARD_SIGNATURES[cls].bind_partial(*args, **kwargs).arguments
     tokens, cache, fresh, hidden = kind._parse_forward(module, arguments)
-    return _Forward(tokens=tokens, cache=cache, fresh=fresh, hidden=hidden, recompute=recompute)
+    return _Forward(tokens=tokens, cache=cache, fresh=fresh, hidden=hidden, recompute=recompute,
+                    where=kind._cache_index(module, arguments))
 
 
 @dataclasses.dataclass(eq=False)
@@ -122,7 +123,6 @@ class _Tap:
 
     def __init__(self, module: nn.Module) -> None:
         self.mixers: list[RecurrentMixer] = []
-        self.layer = getattr(module, "layer_idx", None)
         self._handles = (
             module.register_forward_pre_hook(self._pre, with_kwargs=True),
             module.register_forward_hook(self._post, always_call=True),
@@ -240,7 +240,7 @@ class _Tap:
                 extra = {"tokens": tokens} if kernel.seq == FORWARD else {}
                 result = kernel.loop(*args, on_token=on_token, **extra, **kwargs)
             if kernel.memory == CONV_MEMORY and kernel.role == "prompt" and last:
-                self._sync_conv_cache(entry.forward, last[0])
+                self._sync_conv_cache(type(entry.mixers[0]), entry.forward, last[0])
             if buffer:
                 with torch.no_grad():  # the leaf holds the states from now on (the forward read it as zeros)
                     for i, state in filled.items():
@@ -256,12 +256,13 @@ class _Tap:
             mixer._store(plan, kernel, part, tokens)
         return result
 
-    def _sync_conv_cache(self, forward: _Forward, window: Tensor) -> None:
+    @staticmethod
+    def _sync_conv_cache(kind: type[RecurrentMixer], forward: _Forward, window: Tensor) -> None:
         """The prompt path caches the raw last inputs before its conv kernel runs: cache the window as continued."""
         cache = forward.cache
-        if cache is None or self.layer is None:
+        if cache is None or forward.where is None:
             return
-        cached = cache.get_conv_state(self.layer)
+        cached = kind._cached_window(cache, forward.where)
         if cached is not None and cached.shape == window.shape:
             cached.copy_(window)
 

@@ -94,6 +94,8 @@ class _Hook:
         return list(itertools.islice((c for c in targeted if c >= seen), _SHOWN + 1))
 
 
+# how a memory is read and written, for messages
+_ACCESSORS = {STATE_MEMORY: "state_after, set_state_after", CONV_MEMORY: "conv_state_after, set_conv_state_after"}
 _SHOWN = 3  # calls named in a message about calls that never ran; the rest are counted
 
 
@@ -119,6 +121,7 @@ class _Forward:
     cache: Any  # the transformers Cache, or None
     fresh: bool  # no cached state for this layer: the call starts from zeros (a prompt)
     hidden: Tensor | None = None  # the forward's input, read only to match a recompute to its call
+    where: Any = None  # where its memory is in the cache (the kind's `_cache_index`: by default the layer)
     recompute: bool = False  # autograd is recomputing a checkpointed forward (this is not a new call)
 
 
@@ -249,21 +252,34 @@ class RecurrentMixer:
         cache = next((found for name in cls.FORWARD_CACHE
                       if (found := arguments.get(name, extra.get(name))) is not None), None)
         hidden = arguments[cls.FORWARD_INPUT]
-        layer = getattr(module, "layer_idx", None)
-        fresh = cache is None or layer is None or cls._cached(cache, layer) is None
+        where = cls._cache_index(module, arguments)
+        fresh = cache is None or where is None or cls._cached(cache, where) is None
         return hidden.shape[1], cache, fresh, hidden
 
     @classmethod
-    def _cached(cls, cache: Any, layer: int) -> Tensor | None:
-        """The cache's memory of `layer` (None: nothing cached yet)."""
+    def _cache_index(cls, module: nn.Module, arguments: dict[str, Any]) -> Any:
+        """Where a forward's memory is in the cache, as `_cached` takes it (None: nowhere): by default
+        the module's `layer_idx`. A kind whose mixers share a cache layer (several windows per layer)
+        or whose forward picks its cache layer returns more, e.g. `(cache_layer, state_index)`."""
+        return getattr(module, "layer_idx", None)
+
+    @classmethod
+    def _cached(cls, cache: Any, where: Any) -> Tensor | None:
+        """The cache's memory at `where` (`_cache_index`; None: nothing cached yet)."""
         if cls.MEMORIES[0] == CONV_MEMORY:
-            return cache.get_conv_state(layer)
-        return cache.get_recurrent_state(layer)
+            return cls._cached_window(cache, where)
+        return cache.get_recurrent_state(where)
+
+    @classmethod
+    def _cached_window(cls, cache: Any, where: Any) -> Tensor | None:
+        """The cache's convolution window at `where` (`_cache_index`; None: nothing cached yet)."""
+        return cache.get_conv_state(where)
 
     def _has(self, memory: str, method: str) -> None:
         if memory not in self.MEMORIES:
             carried = " and ".join(self.MEMORIES)
-            raise Unavailable(f"{self}.{method}: a {type(self).__name__} mixer has no {memory}; it carries {carried}")
+            raise Unavailable(f"{self}.{method}: a {type(self).__name__} mixer has no {memory}; it carries only"
+                              f" {carried} ({', '.join(_ACCESSORS[m] for m in self.MEMORIES)})")
 
     # -- reading -----------------------------------------------------------------------------------------
 
@@ -277,11 +293,13 @@ class RecurrentMixer:
         The layout after `batch seq` is the kind's `STATE`; gated DeltaNet:
         `Float[Tensor, "batch seq heads key_dim value_dim"]`.
         """
+        self._has(STATE_MEMORY, "states")
         return self._call(None, "states").states
 
     @property
     def conv_states(self) -> Float[Tensor, "batch seq channels kernel_size"]:
         """The convolution window after every token of the last call (needs keep=("conv_states",))."""
+        self._has(CONV_MEMORY, "conv_states")
         return self._call(None, "conv_states").conv_states
 
     def state_after(self, token: int, call: int | None = None) -> Float[Tensor, "batch *state"]:
@@ -347,7 +365,7 @@ class RecurrentMixer:
     # -- hooks and writes --------------------------------------------------------------------------------
 
     def register_state_hook(self, fn: StateHook, *, call: "int | Iterable[int] | slice | None" = None,
-                            token: int | Iterable[int] | None = None, which: str = STATE_MEMORY) -> RemovableHandle:
+                            token: int | Iterable[int] | None = None, which: str | None = None) -> RemovableHandle:
         """Call `fn(mixer, call, token, state)` after the state update of each targeted token.
 
             h = mix.register_state_hook(lambda m, c, t, s: s * 0.5, call=0, token=[3, 4])
@@ -364,8 +382,11 @@ class RecurrentMixer:
         skipped. Calls that never run (a generation that stopped early) are not an error for hooks.
         A model that `fn` runs is not watched: its kernels run untouched.
         `which="conv_state"` hooks the convolution window instead (`[batch, channels, kernel_size]`).
+        The default is the kind's first memory (`MEMORIES[0]`): the state, or the window of a kind that
+        carries only a window (a short convolution).
         """
         where = f"{self}.register_state_hook"
+        which = self.MEMORIES[0] if which is None else which
         if not callable(fn):
             raise InvalidValue(f"{where}: expected a callable fn(mixer, call, token, state), got {fn!r}")
         if which not in (STATE_MEMORY, CONV_MEMORY):

@@ -22,6 +22,7 @@ from ._kimi_delta import KimiDeltaAttention
 from ._linear_attention import LinearAttention
 from ._mixer import RecurrentMixer
 from ._selective_scan import PerHeadSelectiveScan, SelectiveScan
+from ._short_conv import ShortConvolution
 from ._state_space import StateSpace
 
 
@@ -63,6 +64,11 @@ FAMILIES: dict[str, Family] = {
         Family("granitemoehybrid", "GraniteMoeHybridMambaLayer", StateSpace),
         Family("nemotron_h", "NemotronHMamba2Mixer", StateSpace),
         Family("zamba2", "Zamba2MambaMixer", StateSpace),
+        Family("lfm2", "Lfm2ShortConv", ShortConvolution),
+        Family("lfm2_moe", "Lfm2MoeShortConv", ShortConvolution),
+        Family("lfm3", "Lfm3ShortConv", ShortConvolution),
+        Family("inkling", "InklingShortConvolution", ShortConvolution),
+        Family("inkling2", "Inkling2ShortConvolution", ShortConvolution),
     )
 }
 
@@ -77,7 +83,10 @@ class Unsupported:
     reason: str
 
 
-_SHORT_CONV = "a short-convolution mixer (its memory is only the convolution window): no mixer kind for it yet"
+_LOOPED_CONV = ("a short convolution run loop_num_passes times per forward by the same module, each pass on its"
+                " own cache layer (layer_idx + cache_offset): the library counts calls per module, so a prompt"
+                " would be calls 0..passes-1 and decode step k calls k*passes..; one handle per pass is not"
+                " implemented")
 _INLINE_CONV = "an inline convolution (unfold in forward), no kernel to rebind; no mixer kind for it yet"
 
 UNSUPPORTED: tuple[Unsupported, ...] = (
@@ -87,13 +96,8 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("xlstm", "xLSTMLayer", "mLSTM: kernels are captured in functools.partial when the model is built;"
                 " cannot be rebound"),
     Unsupported("minimax", "MiniMaxLightningAttention", "lightning attention: no kernel function (inline loops)"),
-    Unsupported("lfm2", "Lfm2ShortConv", _SHORT_CONV),
-    Unsupported("lfm2_moe", "Lfm2MoeShortConv", _SHORT_CONV),
-    Unsupported("lfm3", "Lfm3ShortConv", _SHORT_CONV),
-    Unsupported("inkling", "InklingShortConvolution", _SHORT_CONV),
-    Unsupported("inkling2", "Inkling2ShortConvolution", _SHORT_CONV),
     Unsupported("inkling2", "Inkling2DynamicShortConvolution", _INLINE_CONV),
-    Unsupported("inkling2_loop", "Inkling2LoopShortConvolution", _SHORT_CONV),
+    Unsupported("inkling2_loop", "Inkling2LoopShortConvolution", _LOOPED_CONV),
     Unsupported("inkling2_loop", "Inkling2LoopDynamicShortConvolution", _INLINE_CONV),
     Unsupported("zaya", "ZayaCCAProjection", "CCA: an inline convolution window and a one-token value delay;"
                 " no kernel to rebind"),

@@ -26,7 +26,7 @@ from ._errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, U
 from ._arguments import as_index, normalize_keep
 from ._calls import Memory
 from ._dispatch import attach, make_dispatcher
-from ._kernels import KERNEL_RECORDS, Site
+from ._kernels import KEEPABLE, KERNEL_RECORDS, Site
 from ._mixer import RecurrentMixer, StateHook
 from ._patching import UndoStack, acquire_kernels, bound_original, import_default, rebind_process_wide
 from ._registry import FAMILIES, Family, family_of, resolve_family, unsupported_of
@@ -134,7 +134,8 @@ class Watch:
         return f"Watch({type(self.model).__name__}, {state}, keep={self.keep}, mixers=[{mixers}])"
 
     def mixer(self, layer: int) -> RecurrentMixer:
-        """The mixer of decoder layer `layer` (the transformers `layer_idx`)."""
+        """The mixer of decoder layer `layer` (the transformers `layer_idx`; the first one, in module order,
+        where a layer has several, as inkling's four convolution windows)."""
         layer = as_index(layer, "layer", "Watch.mixer")
         for mixer in self.mixers:
             if mixer.layer == layer:
@@ -145,8 +146,20 @@ class Watch:
         """The whole memory (state and conv window) after `token` of every mixer, by layer.
 
         Needs `keep=("states", "conv_states")`; pass the result to another watch's `set_memory_after`.
+        A model with several mixers per layer (inkling's four windows) has no memory per layer: use
+        `w.mixers[i].memory_after` there.
         """
+        self._one_mixer_per_layer("memory_after")
         return {mixer.layer: mixer.memory_after(token, call) for mixer in self.mixers}
+
+    def _one_mixer_per_layer(self, method: str) -> None:
+        layers = [mixer.layer for mixer in self.mixers]
+        shared = sorted({layer for layer in layers if layers.count(layer) > 1})
+        if shared:
+            raise Unavailable(f"Watch.{method}: layers {shared} have several mixers each"
+                              f" ({', '.join(str(m) for m in self.mixers if m.layer == shared[0])}), so a memory per"
+                              " layer would be ambiguous; read and write each mixer's own (w.mixers[i].memory_after,"
+                              " w.mixers[i].set_memory_after)")
 
     def set_memory_after(self, token: int, memories: Mapping[int, Memory], call: int = 0
                          ) -> list[RemovableHandle]:
@@ -161,6 +174,7 @@ class Watch:
         if not isinstance(memories, Mapping):
             raise InvalidValue(f"Watch.set_memory_after: expected a mapping of layer -> Memory (as memory_after"
                                f" returns), got {type(memories).__name__}")
+        self._one_mixer_per_layer("set_memory_after")
         unknown = sorted(set(memories) - {mixer.layer for mixer in self.mixers})
         if unknown:
             raise Unavailable(f"set_memory_after: no recurrent mixer at layers {unknown};"
@@ -352,7 +366,8 @@ def support(model: nn.Module) -> list[MixerSupport]:
             continue
         kind = family.kind
         bound = {k.name: bound_original(*k.target(family.module(), module)) for k in kind.KERNELS}
-        available = ("states", "conv_states", "inputs", "outputs", "values", "writes", "hooks")
+        available = (*(name for name, memory in KEEPABLE.items() if memory in kind.MEMORIES), *KERNEL_RECORDS,
+                     *(("values",) if kind.VALUES else ()), "writes", "hooks")
         prompt = kind.KERNELS[0]
         segments = prompt.segments
         notes = {

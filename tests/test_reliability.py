@@ -376,14 +376,24 @@ def test_entry_points_refuse_bad_arguments():
 
 
 def test_support_lists_short_convolution_mixers_it_does_not_handle():
-    config = transformers.Lfm2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                     layer_types=["conv", "full_attention"], num_attention_heads=2,
-                                     num_key_value_heads=1)
-    rows = rh.support(transformers.Lfm2ForCausalLM(config))
-    assert [(r.mixer_class, r.family, list(r.unavailable)) for r in rows] == [("Lfm2ShortConv", None, ["everything"])]
-    assert "short-convolution" in rows[0].unavailable["everything"]
-    with pytest.raises(rh.Unavailable, match=r"Lfm2ShortConv \(a short-convolution mixer"):
-        rh.watch(transformers.Lfm2ForCausalLM(config)).__enter__()
+    """inkling2_loop's looped short convolutions (one module, several passes per forward) and its dynamic ones."""
+    from transformers.models.inkling2_loop.configuration_inkling2_loop import Inkling2LoopTextConfig
+
+    config = Inkling2LoopTextConfig(
+        vocab_size=128, unpadded_vocab_size=128, hidden_size=32, num_hidden_layers=3,
+        layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"], num_attention_heads=2, num_key_value_heads=1,
+        swa_num_attention_heads=2, swa_num_key_value_heads=1, head_dim=16, swa_head_dim=16, sliding_window_size=8,
+        d_rel=4, rel_extent=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+        n_layers_per_attn_res_block=1, loop_layer_index_start=1, loop_layer_index_end=2, loop_num_passes=2,
+        loop_gate_rank=8)
+    model = transformers.Inkling2LoopForCausalLM(config)
+    rows = rh.support(model)
+    assert rows and all(r.family is None and list(r.unavailable) == ["everything"] for r in rows)
+    assert {r.mixer_class for r in rows} == {"Inkling2LoopShortConvolution", "Inkling2LoopDynamicShortConvolution"}
+    looped = next(r for r in rows if r.mixer_class == "Inkling2LoopShortConvolution")
+    assert "loop_num_passes times per forward" in looped.unavailable["everything"]
+    with pytest.raises(rh.Unavailable, match=r"Inkling2LoopShortConvolution \(a short convolution run loop_num_passes"):
+        rh.watch(model).__enter__()
 
 
 @pytest.mark.parametrize("row", rh_registry.UNSUPPORTED, ids=lambda row: row.mixer_class)

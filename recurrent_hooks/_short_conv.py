@@ -1,0 +1,127 @@
+"""Short convolutions: mixers whose only memory is the window of a short causal convolution.
+
+Glossary (code name, symbol, shape as the kernels take it; `_conv` has the window's mechanics):
+    batch          b                                  batch size
+    seq            t (a position)                     tokens of one call
+    channels       c                                  the convolution's channels (one depthwise filter each)
+    kernel_size    K                                  taps (`conv_L_cache` in lfm2/lfm3: 3, 7 at their defaults;
+                                                      `conv_kernel_size` / `sconv_kernel_size` in inkling: 4)
+    x              x_t       [batch, channels, seq]   the convolution's input, the `hidden_states` of
+                                                      `causal_conv1d_fn` / `causal_conv1d_update`
+    weight         w         [channels, kernel_size]  w[:, K - 1] multiplies the newest input
+    window         -         [batch, channels, K]     `conv_state`: the last K inputs, oldest first, the layout
+                                                      and dtype of transformers' cache; the whole memory
+    output         -         [batch, channels, seq]   DWConv_K(x)_t = sum_k w[:, k] window_t[:, k] (+ bias)
+
+What the window holds, per family (the Equations of docs/concepts.md's "Short convolution"):
+    lfm2, lfm2_moe, lfm3   [B; C; x~] = W_in h;  y = W_out(C ⊙ DWConv_K(B ⊙ x~))    the window holds B ⊙ x~
+                           (channels = hidden_size), in the model dtype
+    inkling                y = x + DWConv_K(x)                                        the window holds x, fp32
+    inkling2 (static)      y = (x + DWConv_K(x)) / sqrt(K + 1)                        the window holds x, fp32
+
+Inkling runs four such convolutions in every decoder layer, each a mixer of its own, in module order:
+`self_attn.k_sconv` (cache state 0, over the keys, `[batch, kv_heads * head_dim, K]`), `self_attn.v_sconv`
+(state 1, the values), `attn_sconv` (state 2, after attention, `[batch, hidden, K]`) and `mlp_sconv`
+(state 3, after the MLP). They share the cache layer `layer_idx` and are told apart by the module's
+`conv_idx`, the cache's `state_idx`. inkling2 names them `self_attn.{k,v}_proj.sconv`,
+`post_attention_convolution` and `post_mlp_convolution`; in its full-attention layers the k and v
+convolutions are dynamic (`Inkling2DynamicShortConvolution`, an inline unfold: not watched).
+
+Module contents:
+- `ShortConvolution`: the mixer kind (its kernels are `_conv.CONV_KERNELS`, shared with every kind).
+"""
+
+from typing import Any, ClassVar
+
+from einops import rearrange
+from torch import Tensor, nn
+
+from ._calls import KernelCall
+from ._conv import CONV_KERNELS
+from ._errors import Unavailable
+from ._kernels import CONV_MEMORY
+from ._mixer import RecurrentMixer
+
+
+class ShortConvolution(RecurrentMixer):
+    """A short causal convolution whose window is the mixer's whole memory (lfm2, lfm2_moe, lfm3, inkling, inkling2).
+
+        with recurrent_hooks.watch(model, keep=("conv_states",)) as w:
+            model(input_ids)
+        mix = w.mixers[0]
+        mix.conv_states                          # Float[Tensor, "batch seq channels kernel_size"]
+        mix.set_conv_state_after(4, window)      # (in a new watch) tokens 5.. and the cache read `window`
+
+    There is no recurrent state: `state_after`, `states` and `set_state_after` raise `Unavailable`, and
+    `register_state_hook` hooks the window (`which="conv_state"`, the default for this kind). The window
+    after token t is what tokens t+1..t+K-1 read, so writing it after t makes the convolution's outputs
+    after t those of the run it came from: for a short convolution the window is the whole memory.
+
+    Where a module's window lives in the cache: layer `layer_idx + cache_offset` (the forward's
+    `CACHE_OFFSET` argument, 0 when absent), state `STATE_INDEX` (the module's attribute, 0 when absent).
+    """
+
+    KERNELS = CONV_KERNELS
+    MEMORIES = (CONV_MEMORY,)
+    STATE = ""  # no recurrent state
+    CONV_STATE = "batch channels kernel_size"
+    INPUTS = {
+        "hidden_states": "batch channels seq  (the convolution's input x; lfm: B ⊙ x~, inkling: x)",
+        "conv_state": "batch channels kernel_size  (decode: the cached window, updated in place)",
+        "weight": "channels kernel_size",
+        "bias": "channels  (or None)",
+    }
+    OUTPUTS = {"output": "batch channels seq  (DWConv_K(x), before the family's gate or residual)"}
+    VALUES = {
+        "x": "batch seq channels  (the convolution's input at each token: the window's newest column)",
+        "output": "batch seq channels  (DWConv_K(x) at each token, before the family's gate or residual)",
+    }
+    LIMITS = {
+        "state": "a short convolution carries no recurrent state: its whole memory is the window (conv_states)",
+        "effective attention, patching_sweep and attribute": "they read and write the recurrent state; here"
+        " write windows with set_conv_state_after or set_memory_after",
+        "a memory per layer (inkling)": "inkling and inkling2 run four convolutions per decoder layer, each its"
+        " own mixer sharing `layer_idx`: Watch.memory_after / set_memory_after refuse such a model; use each"
+        " mixer's own, and w.mixer(layer) is the first of the layer's four (module order)",
+        "packed sequences": "seq_idx is passed to the prompt kernel and ignored, as transformers' pure-torch"
+        " kernel ignores it",
+    }
+    FORWARD_CACHE = ("cache", "past_key_values")
+    STATE_INDEX: ClassVar[str] = "conv_idx"  # the module attribute naming its window among the cache layer's
+    CACHE_OFFSET: ClassVar[str] = "cache_offset"  # the forward argument added to layer_idx (inkling2's loop)
+
+    @classmethod
+    def _cache_index(cls, module: nn.Module, arguments: dict[str, Any]) -> tuple[int, int] | None:
+        """`(cache layer, state index)` of this forward's window."""
+        layer = getattr(module, "layer_idx", None)
+        if layer is None:
+            return None
+        offset = arguments.get(cls.CACHE_OFFSET, arguments.get("kwargs", {}).get(cls.CACHE_OFFSET, 0))
+        return layer + offset, getattr(module, cls.STATE_INDEX, 0)
+
+    @classmethod
+    def _cached_window(cls, cache: Any, where: tuple[int, int]) -> Tensor | None:
+        layer, state = where
+        return cache.get_conv_state(layer, state_idx=state)
+
+    def values(self, call: int | None = None) -> dict[str, Tensor]:
+        """The convolution's input and output at every token of call `call` (default: the last), token-major.
+
+            with rh.watch(model, keep=("inputs", "outputs")) as w:
+                model(ids)
+            w.mixers[0].values()["x"]      # [batch, seq, channels]: what each token shifts into the window
+        """
+        record = self._call(call, "values")
+        if record.conv is None:
+            raise Unavailable(f"{self}: call {record.index} made no convolution kernel call")
+        return self._token_values(record.conv, record.tokens)
+
+    @classmethod
+    def _token_values(cls, part: KernelCall, tokens: int | None = None) -> dict[str, Tensor]:
+        inputs, output = part.inputs, part.output
+        if inputs is None or output is None:
+            raise Unavailable(f"{cls.__name__}.values: the kernel {'inputs' if inputs is None else 'outputs'}"
+                              " were not kept: pass keep=('inputs', 'outputs') to watch")
+        x, out = inputs["hidden_states"], output["output"]
+        seq = x.shape[-1] if tokens is None else tokens  # a prompt over a cache: the cached window comes first
+        return {"x": rearrange(x[..., -seq:], "b c t -> b t c"), "output": rearrange(out[..., -seq:], "b c t -> b t c")}
