@@ -78,8 +78,9 @@ class ShortConvolution(RecurrentMixer):
     }
     LIMITS = {
         "state": "a short convolution carries no recurrent state: its whole memory is the window (conv_states)",
-        "effective attention, patching_sweep and attribute": "they read and write the recurrent state; here"
-        " write windows with set_conv_state_after or set_memory_after",
+        "attribute, effective_attention, patching_sweep(what='memory' | 'state')": "they read or write the"
+        " recurrent state and raise Unavailable; patching_sweep(what='window') patches the windows (the whole"
+        " memory here), and set_conv_state_after / set_memory_after write them",
         "a memory per layer (inkling)": "inkling and inkling2 run four convolutions per decoder layer, each its"
         " own mixer sharing `layer_idx`: Watch.memory_after / set_memory_after refuse such a model; use each"
         " mixer's own, and w.mixer(layer) is the first of the layer's four (module order)",

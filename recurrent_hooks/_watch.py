@@ -149,14 +149,14 @@ class Watch:
         A model with several mixers per layer (inkling's four windows) has no memory per layer: use
         `w.mixers[i].memory_after` there.
         """
-        self._one_mixer_per_layer("memory_after")
+        self._one_mixer_per_layer("Watch.memory_after")
         return {mixer.layer: mixer.memory_after(token, call) for mixer in self.mixers}
 
     def _one_mixer_per_layer(self, method: str) -> None:
         layers = [mixer.layer for mixer in self.mixers]
         shared = sorted({layer for layer in layers if layers.count(layer) > 1})
         if shared:
-            raise Unavailable(f"Watch.{method}: layers {shared} have several mixers each"
+            raise Unavailable(f"{method}: layers {shared} have several mixers each"
                               f" ({', '.join(str(m) for m in self.mixers if m.layer == shared[0])}), so a memory per"
                               " layer would be ambiguous; read and write each mixer's own (w.mixers[i].memory_after,"
                               " w.mixers[i].set_memory_after)")
@@ -174,7 +174,7 @@ class Watch:
         if not isinstance(memories, Mapping):
             raise InvalidValue(f"Watch.set_memory_after: expected a mapping of layer -> Memory (as memory_after"
                                f" returns), got {type(memories).__name__}")
-        self._one_mixer_per_layer("set_memory_after")
+        self._one_mixer_per_layer("Watch.set_memory_after")
         unknown = sorted(set(memories) - {mixer.layer for mixer in self.mixers})
         if unknown:
             raise Unavailable(f"set_memory_after: no recurrent mixer at layers {unknown};"

@@ -433,7 +433,7 @@ def test_support_rows(model, family):
     for row in rows:
         assert (row.family, row.kind) == (family, "ShortConvolution")
         assert row.available == ("conv_states", "inputs", "outputs", "values", "writes", "hooks")
-        assert "state" in row.unavailable and "patching_sweep" in " ".join(row.unavailable)
+        assert "state" in row.unavailable and "patching_sweep(what='window')" in " ".join(row.unavailable.values())
 
 
 def test_a_memory_per_layer_is_refused_where_a_layer_has_several_mixers(model):
@@ -471,3 +471,32 @@ def test_inkling_windows_stay_float32_in_a_bfloat16_model():
     assert_equal("bf16 greedy, a replacing hook on every token", out.sequences, again.sequences)
     for step, (a, b) in enumerate(zip(out.logits, again.logits)):
         assert_close(f"bf16 logits of call {step}", a, b, rtol=0, atol=0)
+
+
+def test_a_window_sweep_equals_one_forward_per_cell(model):
+    """patching_sweep(what="window") patches the clean window (here the whole memory) into the corrupt run, one
+    cell per layer x position, equal to a forward with set_conv_state_after; "memory" and "state" ask for a
+    recurrent state and raise. Where a layer has several mixers (inkling), a cell per layer is refused."""
+    clean = random_ids(1, 8, seed=1)
+    corrupt = clean.clone()
+    corrupt[:, 2] = (clean[:, 2] + 1) % 125 + 3
+    metric = lambda logits: logits[:, -1].logsumexp(-1)  # noqa: E731
+    with rh.watch(model) as w:
+        layers = [mixer.layer for mixer in w.mixers]
+    if len(set(layers)) < len(layers):
+        with pytest.raises(rh.Unavailable, match=r"patching_sweep: layers \[0, 1\] have several mixers each"):
+            rh.patching_sweep(model, clean, corrupt, metric, what="window", progress=False)
+        return
+    sweep = rh.patching_sweep(model, clean, corrupt, metric, what="window", progress=False)
+    with rh.watch(model, keep=("conv_states",)) as w, torch.no_grad():
+        model(clean, use_cache=False)
+    first = w.mixers[0]
+    for position in (2, 3):
+        with rh.watch(model) as patched, torch.no_grad():
+            patched.mixer(first.layer).set_conv_state_after(position, first.conv_state_after(position))
+            value = metric(model(corrupt, use_cache=False).logits)
+        assert_close(f"cell (layer {first.layer}, position {position})", value[0],
+                     sweep.values[sweep.layers.index(first.layer), position], rtol=1e-5, atol=1e-6)
+    for what in ("memory", "state"):
+        with pytest.raises(rh.Unavailable, match="has no state; it carries only conv_state"):
+            rh.patching_sweep(model, clean, corrupt, metric, what=what, progress=False)
