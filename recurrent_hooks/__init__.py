@@ -26,6 +26,7 @@ from ._mixer import RecurrentMixer as RecurrentMixer
 from ._registry import FAMILIES as FAMILIES
 from ._selective_scan import PerHeadSelectiveScan as PerHeadSelectiveScan
 from ._selective_scan import SelectiveScan as SelectiveScan
+from ._short_conv import LoopedShortConvolution as LoopedShortConvolution
 from ._short_conv import ShortConvolution as ShortConvolution
 from ._state_space import StateSpace as StateSpace
 from ._sweep import Sweep as Sweep
@@ -55,6 +56,7 @@ __all__ = [
     "PerHeadSelectiveScan",
     "StateSpace",
     "ShortConvolution",
+    "LoopedShortConvolution",
     "Call",
     "KernelCall",
     "Memory",

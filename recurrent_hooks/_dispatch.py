@@ -141,6 +141,10 @@ class _Tap:
             thread.running.append(_Running(self, module, None, []))  # unwatched here, or re-entered
             return
         forward = _forward_of(type(mixers[0]), module, args, kwargs, recompute)
+        mixers = [mixer for mixer in mixers if mixer._serves(forward)]  # a handle per pass: only its own
+        if not mixers:
+            thread.running.append(_Running(self, module, None, []))
+            return
         entry = _Running(self, module, forward, mixers)
         for mixer in mixers:
             mixer._begin_call(forward)

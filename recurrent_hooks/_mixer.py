@@ -203,7 +203,7 @@ class RecurrentMixer:
 
     def __init__(self, module: nn.Module, family: str, *,
                  keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (), history: bool = True,
-                 restart_on_prompt: bool = False, thread: int | None = None) -> None:
+                 restart_on_prompt: bool = False, thread: int | None = None, where: Any = None) -> None:
         self._module = weakref.ref(module)  # a standalone hook must not keep its module alive
         self.family = family
         self.layer: int | None = getattr(module, "layer_idx", None)
@@ -213,6 +213,10 @@ class RecurrentMixer:
         self.recomputing = False  # the running forward is a checkpointed forward being recomputed
         self._history = history  # False: a standalone hook's handle, which records no calls
         self._thread = thread  # the thread whose forwards this handle sees (None: every thread)
+        # the forwards this handle takes part in: those whose memory is at this cache index (`_cache_index`;
+        # None: every forward of the module). A module run several times per model forward, each time on its
+        # own cache layer, has one handle per run (`_instances`)
+        self.where = where
         self._restart_on_prompt = restart_on_prompt
         self._hooks: OrderedDict[int, tuple[_Hook, ...]] = OrderedDict()  # weakly referenced by the handles
         self._begun = 0  # forwards begun since the mixer was attached
@@ -490,6 +494,16 @@ class RecurrentMixer:
         """Whether call `index` has hooks, writes or kept values (None: a recompute of an idle call)."""
         return index is not None and (bool(self.keep) or bool(self.records)
                                       or any(hook.targets(index) for hook in self._all_hooks()))
+
+    @classmethod
+    def _instances(cls, module: nn.Module, model: nn.Module) -> tuple[Any, ...]:
+        """The handles a watch of `model` makes for `module`, as their `where` (`_cache_index` values): one,
+        None (every forward), unless the module runs several times per model forward on distinct caches."""
+        return (None,)
+
+    def _serves(self, forward: "_Forward") -> bool:
+        """Whether this handle takes part in `forward` (its memory is at this handle's cache index)."""
+        return self.where is None or forward.where == self.where
 
     def _sees(self, thread: int, recompute: bool) -> bool:
         """Whether this handle takes part in a forward running in `thread` (a recompute runs where autograd runs it)."""

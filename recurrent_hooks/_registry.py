@@ -22,7 +22,7 @@ from ._kimi_delta import KimiDeltaAttention
 from ._linear_attention import LinearAttention
 from ._mixer import RecurrentMixer
 from ._selective_scan import PerHeadSelectiveScan, SelectiveScan
-from ._short_conv import ShortConvolution
+from ._short_conv import LoopedShortConvolution, ShortConvolution
 from ._state_space import StateSpace
 
 
@@ -69,6 +69,7 @@ FAMILIES: dict[str, Family] = {
         Family("lfm3", "Lfm3ShortConv", ShortConvolution),
         Family("inkling", "InklingShortConvolution", ShortConvolution),
         Family("inkling2", "Inkling2ShortConvolution", ShortConvolution),
+        Family("inkling2_loop", "Inkling2LoopShortConvolution", LoopedShortConvolution),
     )
 }
 
@@ -83,10 +84,6 @@ class Unsupported:
     reason: str
 
 
-_LOOPED_CONV = ("a short convolution run loop_num_passes times per forward by the same module, each pass on its"
-                " own cache layer (layer_idx + cache_offset): the library counts calls per module, so a prompt"
-                " would be calls 0..passes-1 and decode step k calls k*passes..; one handle per pass is not"
-                " implemented")
 _INLINE_CONV = "an inline convolution (unfold in forward), no kernel to rebind; no mixer kind for it yet"
 
 UNSUPPORTED: tuple[Unsupported, ...] = (
@@ -97,7 +94,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
                 " cannot be rebound"),
     Unsupported("minimax", "MiniMaxLightningAttention", "lightning attention: no kernel function (inline loops)"),
     Unsupported("inkling2", "Inkling2DynamicShortConvolution", _INLINE_CONV),
-    Unsupported("inkling2_loop", "Inkling2LoopShortConvolution", _LOOPED_CONV),
     Unsupported("inkling2_loop", "Inkling2LoopDynamicShortConvolution", _INLINE_CONV),
     Unsupported("zaya", "ZayaCCAProjection", "CCA: an inline convolution window and a one-token value delay;"
                 " no kernel to rebind"),

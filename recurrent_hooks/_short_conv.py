@@ -27,8 +27,16 @@ Inkling runs four such convolutions in every decoder layer, each a mixer of its 
 `post_attention_convolution` and `post_mlp_convolution`; in its full-attention layers the k and v
 convolutions are dynamic (`Inkling2DynamicShortConvolution`, an inline unfold: not watched).
 
+inkling2_loop runs its loop layers (`loop_layer_index_start` .. `loop_layer_index_end - 1`) `loop_num_passes`
+times per forward, the same module each time, each pass on its own cache layer: pass 0 on `layer_idx`, pass
+p > 0 on `layer_idx + cache_offset_p`, cache_offset_p = num_hidden_layers + (p - 1) * n_loop - loop_start
+(the forward's `cache_offset` argument). A watch makes one mixer per pass of such a module
+(`LoopedShortConvolution`), each counting its own pass's forwards: its prompt is call 0 and decode step k
+is call k, as for every mixer. `mix.where` = (cache layer, state index) says which pass it is.
+
 Module contents:
 - `ShortConvolution`: the mixer kind (its kernels are `_conv.CONV_KERNELS`, shared with every kind).
+- `LoopedShortConvolution`: inkling2_loop's, with a mixer per pass of a looped module.
 """
 
 from typing import Any, ClassVar
@@ -126,3 +134,49 @@ class ShortConvolution(RecurrentMixer):
         x, out = inputs["hidden_states"], output["output"]
         seq = x.shape[-1] if tokens is None else tokens  # a prompt over a cache: the cached window comes first
         return {"x": rearrange(x[..., -seq:], "b c t -> b t c"), "output": rearrange(out[..., -seq:], "b c t -> b t c")}
+
+
+class LoopedShortConvolution(ShortConvolution):
+    """inkling2_loop's short convolutions: a looped layer's module runs once per pass, and has a mixer per pass.
+
+        with recurrent_hooks.watch(model, keep=("conv_states",)) as w:
+            model.generate(input_ids, max_new_tokens=4)
+        [(m.layer, m.where) for m in w.mixers]   # a looped layer's modules twice: (layer, i) and (cache layer, i)
+        w.mixers[5].calls[1]                     # decode step 1 of that mixer's own pass
+
+    The passes of a module are told apart by the cache layer the forward uses (`layer_idx + cache_offset`):
+    a mixer takes part in its own pass's forwards only. The passes come from the model's config (the
+    `LOOP_CONFIG` fields), so only a watch knows them: a hook registered on a looped module without a watch
+    (`rh.register_state_hook`) sees every pass and refuses the passes after the first.
+    """
+
+    LOOP_CONFIG: ClassVar[tuple[str, str, str]] = ("loop_layer_index_start", "loop_layer_index_end", "loop_num_passes")
+    LIMITS = {
+        **ShortConvolution.LIMITS,
+        "hooks without a watch on a looped module": "rh.register_state_hook cannot tell the passes apart (they"
+        " come from the model's config): its calls after the first pass raise; watch the model instead",
+    }
+
+    @classmethod
+    def _instances(cls, module: nn.Module, model: nn.Module) -> tuple[Any, ...]:
+        config = getattr(model, "config", None)
+        config = config.get_text_config() if config is not None else None
+        start, end, passes = (getattr(config, name, None) for name in cls.LOOP_CONFIG)
+        layer = getattr(module, "layer_idx", None)
+        if None in (start, end, passes, layer) or not start <= layer < end:
+            return (None,)  # not looped: one mixer, every forward
+        state = getattr(module, cls.STATE_INDEX, 0)
+        offsets = [0] + [config.num_hidden_layers + (p - 1) * (end - start) - start for p in range(1, passes)]
+        return tuple((layer + offset, state) for offset in offsets)
+
+    def _refusal(self, kernel: Any) -> str | None:
+        forward = self._forward
+        if self.where is None and forward is not None and forward.where is not None and forward.where[0] != self.layer:
+            return (f"this forward is a later pass of a looped layer (cache layer {forward.where[0]}); a hook"
+                    " registered without a watch cannot tell passes apart: watch the model for a mixer per pass")
+        return None
+
+    def __repr__(self) -> str:
+        if self.where is None or self.where[0] == self.layer:
+            return super().__repr__()
+        return f"{type(self).__name__}({self.family}, layer {self.layer}, cache layer {self.where[0]})"

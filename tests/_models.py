@@ -504,6 +504,16 @@ def _inkling2():
                  n_layers_per_attn_res_block=1)
 
 
+def _inkling2_loop():
+    from transformers.models.inkling2_loop.configuration_inkling2_loop import Inkling2LoopTextConfig
+
+    # layer 1 is looped: it runs twice per forward, on cache layers 1 and 3
+    return _make(Inkling2LoopTextConfig, transformers.Inkling2LoopForCausalLM, **_SHORT_CONV_COMMON,
+                 **_INKLING_ATTENTION, num_hidden_layers=3, unpadded_vocab_size=VOCAB,
+                 layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"], n_layers_per_attn_res_block=1,
+                 loop_layer_index_start=1, loop_layer_index_end=2, loop_num_passes=2, loop_gate_rank=8)
+
+
 FAMILIES: dict[str, Callable[[], transformers.PreTrainedModel]] = {
     "qwen3_next": _qwen3_next,
     "qwen3_5": _qwen3_5,
@@ -529,6 +539,7 @@ FAMILIES: dict[str, Callable[[], transformers.PreTrainedModel]] = {
     "lfm3": _lfm3,
     "inkling": _inkling,
     "inkling2": _inkling2,
+    "inkling2_loop": _inkling2_loop,
 }
 
 

@@ -36,9 +36,16 @@ def perturbation(window, seed=1):
         window.abs().max() + 1)
 
 
+def cache_index(mixer):
+    """(cache layer, state index) of a mixer's window: its layer (inkling2_loop: its pass's cache layer), and its
+    state index where a layer has several windows (inkling)."""
+    return mixer.where or (mixer.layer, getattr(mixer.module, "conv_idx", 0))
+
+
 def cached_window(cache, mixer):
-    """The window the cache holds for this mixer (its layer, and its state index where a layer has several)."""
-    return cache.get_conv_state(mixer.layer, state_idx=getattr(mixer.module, "conv_idx", 0))
+    """The window the cache holds for this mixer."""
+    layer, state = cache_index(mixer)
+    return cache.get_conv_state(layer, state_idx=state)
 
 
 @pytest.fixture(params=FAMILIES)
@@ -83,25 +90,27 @@ EQUATIONS = {
     "lfm2": _lfm, "lfm2_moe": _lfm, "lfm3": _lfm, "inkling": _inkling,
     "inkling2": lambda module, x: _inkling(module, x, 1 / math.sqrt(module.conv_kernel_size + 1)),
 }
+EQUATIONS["inkling2_loop"] = EQUATIONS["inkling2"]
 
 
-def _record_module(module):
-    """Record every forward of `module`: its input (float64) and output."""
+def _record_module(mixer):
+    """Record the forwards of a mixer's module that are the mixer's (inkling2_loop: its pass's, by cache layer):
+    their input (float64) and output."""
     seen = []
 
     def hook(m, args, kwargs, out):
         hidden = kwargs.get("hidden_states", args[0] if args else None)
-        seen.append((hidden.double(), out))
+        if m.layer_idx + kwargs.get("cache_offset", 0) == cache_index(mixer)[0]:
+            seen.append((hidden.double(), out))
 
-    return seen, module.register_forward_hook(hook, with_kwargs=True)
+    return seen, mixer.module.register_forward_hook(hook, with_kwargs=True)
 
 
 def test_windows_and_outputs_equal_the_float64_equation_at_prompt_and_decode_steps(model, family):
     """Over a prompt and 3 decode steps: every kept window is the last K conv inputs of the family's equation
     (B ⊙ x~ for lfm, x for inkling), and every output is the equation's, from the module's own inputs."""
     with rh.watch(model) as w:
-        modules = [mixer.module for mixer in w.mixers]
-    records = [_record_module(module) for module in modules]
+        records = [_record_module(mixer) for mixer in w.mixers]
     try:
         with rh.watch(model, keep=KEEP) as w:
             greedy(model, random_ids(2, T), 4)
@@ -417,8 +426,9 @@ def test_the_state_is_unavailable_with_a_clear_message(model):
         for read in (lambda: mixer.state_after(0), lambda: mixer.states,
                      lambda: mixer.set_state_after(0, torch.zeros(1)),
                      lambda: mixer.register_state_hook(lambda m, c, t, s: None, which="state")):
-            with pytest.raises(rh.Unavailable, match=rf"ShortConvolution\({mixer.family}, layer 0\)\.\w+: a"
-                                                      rf" ShortConvolution mixer {carries}"):
+            kind = type(mixer).__name__
+            with pytest.raises(rh.Unavailable, match=rf"{kind}\({mixer.family}, layer 0\)\.\w+: a {kind} mixer"
+                                                      rf" {carries}"):
                 read()
         values = mixer.values()
         assert values["x"].shape == values["output"].shape == (1, 5, mixer.conv_states.shape[2])
@@ -429,9 +439,9 @@ def test_the_state_is_unavailable_with_a_clear_message(model):
 def test_support_rows(model, family):
     rows = [row for row in rh.support(model) if row.family is not None]
     with rh.watch(model) as w:
-        assert len(rows) == len(w.mixers)
+        assert len(rows) == len({id(mixer.module) for mixer in w.mixers})  # a row per module (not per pass)
     for row in rows:
-        assert (row.family, row.kind) == (family, "ShortConvolution")
+        assert (row.family, row.kind) == (family, rh.FAMILIES[family].kind.__name__)
         assert row.available == ("conv_states", "inputs", "outputs", "values", "writes", "hooks")
         assert "state" in row.unavailable and "patching_sweep(what='window')" in " ".join(row.unavailable.values())
 
@@ -444,10 +454,10 @@ def test_a_memory_per_layer_is_refused_where_a_layer_has_several_mixers(model):
         assert set(w.memory_after(2)) == set(layers)
         return
     assert [mixer.module.conv_idx for mixer in w.mixers if mixer.layer == 0] == [0, 1, 2, 3]
-    with pytest.raises(rh.Unavailable, match=r"Watch.memory_after: layers \[0, 1\] have several mixers each"):
+    with pytest.raises(rh.Unavailable, match=r"Watch.memory_after: layers \[0, 1(, 2)?\] have several mixers each"):
         w.memory_after(2)
     with rh.watch(model) as other:
-        with pytest.raises(rh.Unavailable, match=r"Watch.set_memory_after: layers \[0, 1\] have several mixers"):
+        with pytest.raises(rh.Unavailable, match=r"Watch.set_memory_after: layers \[0, 1(, 2)?\] have several"):
             other.set_memory_after(2, {})
 
 
@@ -484,7 +494,7 @@ def test_a_window_sweep_equals_one_forward_per_cell(model):
     with rh.watch(model) as w:
         layers = [mixer.layer for mixer in w.mixers]
     if len(set(layers)) < len(layers):
-        with pytest.raises(rh.Unavailable, match=r"patching_sweep: layers \[0, 1\] have several mixers each"):
+        with pytest.raises(rh.Unavailable, match=r"patching_sweep: layers \[0, 1(, 2)?\] have several mixers each"):
             rh.patching_sweep(model, clean, corrupt, metric, what="window", progress=False)
         return
     sweep = rh.patching_sweep(model, clean, corrupt, metric, what="window", progress=False)
@@ -500,3 +510,56 @@ def test_a_window_sweep_equals_one_forward_per_cell(model):
     for what in ("memory", "state"):
         with pytest.raises(rh.Unavailable, match="has no state; it carries only conv_state"):
             rh.patching_sweep(model, clean, corrupt, metric, what=what, progress=False)
+
+
+def _passes(w):
+    """inkling2_loop's looped mixers: (pass 0, pass 1) of the first looped module, by cache layer."""
+    looped = [mixer for mixer in w.mixers if mixer.where is not None]
+    first = [mixer for mixer in looped if mixer.module is looped[0].module]
+    return sorted(first, key=lambda mixer: mixer.where[0])
+
+
+def test_a_looped_module_has_a_mixer_per_pass_each_with_its_own_calls_and_cache_layer():
+    """inkling2_loop's layer 1 runs twice per forward: a mixer per pass. A write in pass 1 changes only later
+    tokens and pass 1's cache layer; pass 0, which runs before it in every forward, keeps every window."""
+    model = build("inkling2_loop")
+    ids = random_ids(2, T)
+    with rh.watch(model, keep=KEEP) as w:
+        plain = greedy(model, ids, 4, output_logits=True, return_dict_in_generate=True)
+    first, second = _passes(w)
+    assert (first.layer, first.where, second.layer, second.where) == (1, (1, 2), 1, (3, 2))
+    assert repr(second) == "LoopedShortConvolution(inkling2_loop, layer 1, cache layer 3)"
+    assert [len(m.calls) for m in (first, second)] == [4, 4] and second.calls[0].tokens == T
+    value = perturbation(second.conv_state_after(5, call=0))
+    with rh.watch(model, keep=KEEP) as w:
+        _passes(w)[1].set_conv_state_after(5, value, call=[0, 1])  # the forward, then generate's prompt
+        with torch.no_grad():
+            out = model(ids, use_cache=True)
+        steered = greedy(model, ids, 4, output_logits=True, return_dict_in_generate=True)
+    first_w, second_w = _passes(w)
+    reference = logits_of(model, ids)
+    # not bit for bit: the MoE groups tokens by expert (see the prompt-write test above)
+    assert_close("logits at tokens <= 5", reference[:, :6], out.logits[:, :6], rtol=1e-6, atol=1e-7)
+    assert (reference[:, 6:] - out.logits[:, 6:]).abs().max() > 1e-6, "a write in pass 1 changed no later logits"
+    assert_close("the written window", value, second_w.conv_state_after(5, call=0), rtol=0, atol=0)
+    assert_close("pass 1's cache layer holds its continued window", second_w.calls[0].conv_states[:, -1],
+                 cached_window(out.past_key_values, second_w), rtol=0, atol=0)
+    for call in range(4):  # calls 0-3 of the generate, after the plain forward (call 0 of this watch)
+        assert_close(f"pass 0 unchanged, call {call}", first.calls[call].conv_states,
+                     first_w.calls[call + 1].conv_states, rtol=0, atol=0)
+    change = max((a - b).abs().max() for a, b in zip(plain.logits, steered.logits))
+    assert change > 1e-6, "a write in pass 1 changed nothing"
+
+
+def test_a_hook_without_a_watch_refuses_the_later_passes_of_a_looped_module():
+    model = build("inkling2_loop")
+    with rh.watch(model) as w:
+        module = _passes(w)[0].module
+    seen = []
+    handle = rh.register_state_hook(module, lambda m, c, t, s: seen.append((c, t)), token=-1)
+    try:
+        with pytest.raises(rh.Unavailable, match=r"later pass of a looped layer \(cache layer 3\)"):
+            logits_of(model, random_ids(1, 5))
+    finally:
+        handle.remove()
+    assert seen == [(0, 4)]  # pass 0 ran its hook
