@@ -563,3 +563,54 @@ def test_a_hook_without_a_watch_refuses_the_later_passes_of_a_looped_module():
     finally:
         handle.remove()
     assert seen == [(0, 4)]  # pass 0 ran its hook
+
+
+CHECKPOINTING = {"off": None, "reentrant": True, "non-reentrant": False}
+
+
+@pytest.mark.parametrize("checkpointing", ["reentrant", "non-reentrant"])
+def test_gradient_checkpointing_gives_the_gradients_of_the_plain_backward(model, checkpointing):
+    """A recompute repeats its call: a window write, a replacing hook and kept windows give the same loss and
+    gradients with checkpointing as without, and a read-only hook sees `recomputing` in the recompute."""
+    ids = random_ids(2, T)
+    with rh.watch(model, keep={"conv_states": [3]}) as w, torch.no_grad():
+        model(ids, use_cache=False)
+    write = perturbation(w.mixers[0].conv_state_after(3), seed=2).detach()
+
+    def backward(mode):
+        model.train()
+        model.zero_grad(set_to_none=True)
+        if mode is not None:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": mode})
+        seen = []
+        try:
+            with rh.watch(model, keep={"conv_states": [5, -1]}) as w:
+                first, last = w.mixers[0], w.mixers[-1]
+                first.set_conv_state_after(3, write)
+                last.register_state_hook(lambda m, c, t, s: s * 0.5, token=4)
+                last.register_state_hook(lambda m, c, t, s: seen.append((c, t, m.recomputing)), token=6)
+                loss = model(ids, use_cache=False).logits.square().mean()
+                kept = first.conv_state_after(5)
+                if kept.requires_grad:
+                    kept.retain_grad()
+                loss.backward()
+            window_grad = first.conv_state_after(5).grad
+            assert [c.index for c in first.calls] == [0], "a recompute counted as a new call"
+        finally:
+            model.activation_checkpointing_disable()
+            model.eval()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        return loss.detach(), grads, window_grad, seen
+
+    loss, grads, window_grad, seen = backward(None)
+    got_loss, got_grads, got_window_grad, got_seen = backward(CHECKPOINTING[checkpointing])
+    assert_close("loss", loss, got_loss, rtol=1e-6, atol=0)
+    assert sorted(got_grads) == sorted(grads)
+    scale = max(g.abs().max() for g in grads.values())
+    for name, grad in grads.items():
+        assert_close(f"grad of {name}", grad, got_grads[name], rtol=1e-4, atol=1e-5 * scale)
+    assert window_grad is not None and window_grad.abs().max() > 0
+    assert_close("grad of the kept window", window_grad, got_window_grad, rtol=1e-4,
+                 atol=1e-5 * window_grad.abs().max())
+    assert seen == [(0, 6, False)] and got_seen[:1] == seen
+    assert got_seen[1:] and all(hook == (0, 6, True) for hook in got_seen[1:])
