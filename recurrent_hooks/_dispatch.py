@@ -41,7 +41,7 @@ def _forward_of(kind: type[RecurrentMixer], module: nn.Module, args: tuple, kwar
     arguments = _FORWARD_SIGNATURES[cls].bind_partial(*args, **kwargs).arguments
     tokens, cache, fresh, hidden = kind._parse_forward(module, arguments)
     return _Forward(tokens=tokens, cache=cache, fresh=fresh, hidden=hidden, recompute=recompute,
-                    where=kind._cache_index(module, arguments))
+                    cache_index=kind._cache_index(module, arguments))
 
 
 @dataclasses.dataclass(eq=False)
@@ -264,9 +264,9 @@ class _Tap:
     def _sync_conv_cache(kind: type[RecurrentMixer], forward: _Forward, window: Tensor) -> None:
         """The prompt path caches the raw last inputs before its conv kernel runs: cache the window as continued."""
         cache = forward.cache
-        if cache is None or forward.where is None:
+        if cache is None or forward.cache_index is None:
             return
-        cached = kind._cached_window(cache, forward.where)
+        cached = kind._cached_window(cache, forward.cache_index)
         if cached is not None and cached.shape == window.shape:
             cached.copy_(window)
 

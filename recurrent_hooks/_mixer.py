@@ -121,7 +121,7 @@ class _Forward:
     cache: Any  # the transformers Cache, or None
     fresh: bool  # no cached state for this layer: the call starts from zeros (a prompt)
     hidden: Tensor | None = None  # the forward's input, read only to match a recompute to its call
-    where: Any = None  # where its memory is in the cache (the kind's `_cache_index`: by default the layer)
+    cache_index: Any = None  # where its memory is in the cache (the kind's `_cache_index`: by default the layer)
     recompute: bool = False  # autograd is recomputing a checkpointed forward (this is not a new call)
 
 
@@ -203,7 +203,7 @@ class RecurrentMixer:
 
     def __init__(self, module: nn.Module, family: str, *,
                  keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (), history: bool = True,
-                 restart_on_prompt: bool = False, thread: int | None = None, where: Any = None) -> None:
+                 restart_on_prompt: bool = False, thread: int | None = None, cache_index: Any = None) -> None:
         self._module = weakref.ref(module)  # a standalone hook must not keep its module alive
         self.family = family
         self.layer: int | None = getattr(module, "layer_idx", None)
@@ -216,7 +216,7 @@ class RecurrentMixer:
         # the forwards this handle takes part in: those whose memory is at this cache index (`_cache_index`;
         # None: every forward of the module). A module run several times per model forward, each time on its
         # own cache layer, has one handle per run (`_instances`)
-        self.where = where
+        self.cache_index = cache_index
         self._restart_on_prompt = restart_on_prompt
         self._hooks: OrderedDict[int, tuple[_Hook, ...]] = OrderedDict()  # weakly referenced by the handles
         self._begun = 0  # forwards begun since the mixer was attached
@@ -497,13 +497,13 @@ class RecurrentMixer:
 
     @classmethod
     def _instances(cls, module: nn.Module, model: nn.Module) -> tuple[Any, ...]:
-        """The handles a watch of `model` makes for `module`, as their `where` (`_cache_index` values): one,
+        """The handles a watch of `model` makes for `module`, as their `cache_index` (`_cache_index` values): one,
         None (every forward), unless the module runs several times per model forward on distinct caches."""
         return (None,)
 
     def _serves(self, forward: "_Forward") -> bool:
         """Whether this handle takes part in `forward` (its memory is at this handle's cache index)."""
-        return self.where is None or forward.where == self.where
+        return self.cache_index is None or forward.cache_index == self.cache_index
 
     def _sees(self, thread: int, recompute: bool) -> bool:
         """Whether this handle takes part in a forward running in `thread` (a recompute runs where autograd runs it)."""

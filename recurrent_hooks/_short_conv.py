@@ -32,7 +32,7 @@ times per forward, the same module each time, each pass on its own cache layer: 
 p > 0 on `layer_idx + cache_offset_p`, cache_offset_p = num_hidden_layers + (p - 1) * n_loop - loop_start
 (the forward's `cache_offset` argument). A watch makes one mixer per pass of such a module
 (`LoopedShortConvolution`), each counting its own pass's forwards: its prompt is call 0 and decode step k
-is call k, as for every mixer. `mix.where` = (cache layer, state index) says which pass it is.
+is call k, as for every mixer. `mix.cache_index` = (cache layer, state index) says which pass it is.
 
 Module contents:
 - `ShortConvolution`: the mixer kind (its kernels are `_conv.CONV_KERNELS`, shared with every kind).
@@ -141,7 +141,7 @@ class LoopedShortConvolution(ShortConvolution):
 
         with recurrent_hooks.watch(model, keep=("conv_states",)) as w:
             model.generate(input_ids, max_new_tokens=4)
-        [(m.layer, m.where) for m in w.mixers]   # a looped layer's modules twice: (layer, i) and (cache layer, i)
+        [(m.layer, m.cache_index) for m in w.mixers]   # a looped layer's modules twice: (layer, i) and (cache layer, i)
         w.mixers[5].calls[1]                     # decode step 1 of that mixer's own pass
 
     The passes of a module are told apart by the cache layer the forward uses (`layer_idx + cache_offset`):
@@ -171,12 +171,13 @@ class LoopedShortConvolution(ShortConvolution):
 
     def _refusal(self, kernel: Any) -> str | None:
         forward = self._forward
-        if self.where is None and forward is not None and forward.where is not None and forward.where[0] != self.layer:
-            return (f"this forward is a later pass of a looped layer (cache layer {forward.where[0]}); a hook"
+        index = None if forward is None else forward.cache_index
+        if self.cache_index is None and index is not None and index[0] != self.layer:
+            return (f"this forward is a later pass of a looped layer (cache layer {index[0]}); a hook"
                     " registered without a watch cannot tell passes apart: watch the model for a mixer per pass")
         return None
 
     def __repr__(self) -> str:
-        if self.where is None or self.where[0] == self.layer:
+        if self.cache_index is None or self.cache_index[0] == self.layer:
             return super().__repr__()
-        return f"{type(self).__name__}({self.family}, layer {self.layer}, cache layer {self.where[0]})"
+        return f"{type(self).__name__}({self.family}, layer {self.layer}, cache layer {self.cache_index[0]})"

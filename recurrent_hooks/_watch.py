@@ -188,8 +188,8 @@ class Watch:
         if not found:
             raise Unavailable(_no_mixer_message(self.model))
         thread = threading.get_ident()
-        mixers = sorted((row.kind(m, row.name, keep=self._kept, thread=thread, where=where)
-                         for _, m, row in found for where in row.kind._instances(m, self.model)),
+        mixers = sorted((row.kind(m, row.name, keep=self._kept, thread=thread, cache_index=index)
+                         for _, m, row in found for index in row.kind._instances(m, self.model)),
                         key=lambda mixer: (mixer.layer is None, mixer.layer or 0))
         stack = contextlib.ExitStack()
         try:  # all or nothing: a failure releases what was acquired so far

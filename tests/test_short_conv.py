@@ -39,7 +39,7 @@ def perturbation(window, seed=1):
 def cache_index(mixer):
     """(cache layer, state index) of a mixer's window: its layer (inkling2_loop: its pass's cache layer), and its
     state index where a layer has several windows (inkling)."""
-    return mixer.where or (mixer.layer, getattr(mixer.module, "conv_idx", 0))
+    return mixer.cache_index or (mixer.layer, getattr(mixer.module, "conv_idx", 0))
 
 
 def cached_window(cache, mixer):
@@ -514,9 +514,9 @@ def test_a_window_sweep_equals_one_forward_per_cell(model):
 
 def _passes(w):
     """inkling2_loop's looped mixers: (pass 0, pass 1) of the first looped module, by cache layer."""
-    looped = [mixer for mixer in w.mixers if mixer.where is not None]
+    looped = [mixer for mixer in w.mixers if mixer.cache_index is not None]
     first = [mixer for mixer in looped if mixer.module is looped[0].module]
-    return sorted(first, key=lambda mixer: mixer.where[0])
+    return sorted(first, key=lambda mixer: mixer.cache_index[0])
 
 
 def test_a_looped_module_has_a_mixer_per_pass_each_with_its_own_calls_and_cache_layer():
@@ -527,7 +527,7 @@ def test_a_looped_module_has_a_mixer_per_pass_each_with_its_own_calls_and_cache_
     with rh.watch(model, keep=KEEP) as w:
         plain = greedy(model, ids, 4, output_logits=True, return_dict_in_generate=True)
     first, second = _passes(w)
-    assert (first.layer, first.where, second.layer, second.where) == (1, (1, 2), 1, (3, 2))
+    assert (first.layer, first.cache_index, second.layer, second.cache_index) == (1, (1, 2), 1, (3, 2))
     assert repr(second) == "LoopedShortConvolution(inkling2_loop, layer 1, cache layer 3)"
     assert [len(m.calls) for m in (first, second)] == [4, 4] and second.calls[0].tokens == T
     value = perturbation(second.conv_state_after(5, call=0))
