@@ -13,11 +13,12 @@ Glossary (code name, symbol, shape as the kernels take it; `_conv` has the windo
                                                       and dtype of transformers' cache; the whole memory
     output         -         [batch, channels, seq]   DWConv_K(x)_t = sum_k w[:, k] window_t[:, k] (+ bias)
 
-What the window holds, per family (the Equations of docs/concepts.md's "Short convolution"):
+What the window holds, per family (docs/concepts.md, "Short convolutions"; tests/test_short_conv.py checks
+each equation in float64):
     lfm2, lfm2_moe, lfm3   [B; C; x~] = W_in h;  y = W_out(C ⊙ DWConv_K(B ⊙ x~))    the window holds B ⊙ x~
                            (channels = hidden_size), in the model dtype
     inkling                y = x + DWConv_K(x)                                        the window holds x, fp32
-    inkling2 (static)      y = (x + DWConv_K(x)) / sqrt(K + 1)                        the window holds x, fp32
+    inkling2, inkling2_loop (static)  y = (x + DWConv_K(x)) / sqrt(K + 1)             the window holds x, fp32
 
 Inkling runs four such convolutions in every decoder layer, each a mixer of its own, in module order:
 `self_attn.k_sconv` (cache state 0, over the keys, `[batch, kv_heads * head_dim, K]`), `self_attn.v_sconv`
@@ -53,6 +54,8 @@ from ._mixer import RecurrentMixer
 
 class ShortConvolution(RecurrentMixer):
     """A short causal convolution whose window is the mixer's whole memory (lfm2, lfm2_moe, lfm3, inkling, inkling2).
+
+    (inkling2_loop's is `LoopedShortConvolution`, which adds a mixer per pass of a looped layer.)
 
         with recurrent_hooks.watch(model, keep=("conv_states",)) as w:
             model(input_ids)
