@@ -461,28 +461,6 @@ def test_a_memory_per_layer_is_refused_where_a_layer_has_several_mixers(model):
             other.set_memory_after(2, {})
 
 
-def test_inkling_windows_stay_float32_in_a_bfloat16_model():
-    """inkling runs its convolutions in float32 (fp32 modules, `.float()` input): the windows and the cache are
-    float32 in a bf16 model, and keeping or writing them back leaves the logits bit-identical."""
-    model = build("inkling").to(torch.bfloat16)
-    for module in model.modules():
-        if type(module).__name__ == "InklingShortConvolution":
-            module.float()
-    ids = random_ids(2, T)
-    plain = logits_of(model, ids)
-    with rh.watch(model, keep=KEEP) as w:
-        assert_close("keep conv_states, bf16", plain, logits_of(model, ids), rtol=0, atol=0)
-        out = greedy(model, ids, 3, output_logits=True, return_dict_in_generate=True)
-    assert all(mixer.conv_states.dtype == torch.float32 for mixer in w.mixers)
-    with rh.watch(model) as w:
-        for mixer in w.mixers:
-            mixer.register_state_hook(lambda m, c, t, s: s.clone())
-        again = greedy(model, ids, 3, output_logits=True, return_dict_in_generate=True)
-    assert_equal("bf16 greedy, a replacing hook on every token", out.sequences, again.sequences)
-    for step, (a, b) in enumerate(zip(out.logits, again.logits)):
-        assert_close(f"bf16 logits of call {step}", a, b, rtol=0, atol=0)
-
-
 def test_a_window_sweep_equals_one_forward_per_cell(model):
     """patching_sweep(what="window") patches the clean window (here the whole memory) into the corrupt run, one
     cell per layer x position, equal to a forward with set_conv_state_after; "memory" and "state" ask for a
@@ -614,3 +592,57 @@ def test_gradient_checkpointing_gives_the_gradients_of_the_plain_backward(model,
                  atol=1e-5 * window_grad.abs().max())
     assert seen == [(0, 6, False)] and got_seen[:1] == seen
     assert got_seen[1:] and all(hook == (0, 6, True) for hook in got_seen[1:])
+
+
+def test_a_multi_token_continuation_over_the_cache(model):
+    """8 prompt tokens, then 4 in one cached forward (the prompt kernel over the cached window): watched, the
+    logits are the unwatched ones, the continuation's windows are those of one 12-token call, and a write at
+    its token 1 changes only its later tokens."""
+    ids = random_ids(2, 12)
+
+    def run(watch_keep=None, write=None):
+        with rh.watch(model, keep=watch_keep or ()) as w, torch.no_grad():
+            if write is not None:
+                w.mixers[0].set_conv_state_after(1, write, call=1)
+            first = model(ids[:, :8], use_cache=True)
+            second = model(ids[:, 8:], cache=first.past_key_values, use_cache=True)
+        return second.logits, w
+
+    plain, _ = run()
+    watched, w = run(KEEP)
+    assert_close("continuation logits, watched", plain, watched, rtol=0, atol=0)
+    with rh.watch(model, keep=KEEP) as whole, torch.no_grad():
+        model(ids, use_cache=False)
+    for mixer, one in zip(w.mixers, whole.mixers):
+        assert [c.kernel for c in mixer.calls] == ["causal_conv1d_fn"] * 2 and mixer.calls[1].tokens == 4
+        assert_close(f"{mixer} continuation windows", one.conv_states[:, 8:], mixer.calls[1].conv_states,
+                     rtol=1e-6, atol=1e-7)
+    value = perturbation(w.mixers[0].conv_state_after(1, call=1))
+    steered, _ = run(write=value)
+    assert_close("continuation tokens <= 1", plain[:, :2], steered[:, :2], rtol=1e-6, atol=1e-7)
+    assert (plain[:, 2:] - steered[:, 2:]).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("name", ["lfm2", "inkling"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_windows_leave_the_logits_bit_identical(name, dtype):
+    """The conv loops round as transformers' kernels do: keeping or hooking every window leaves the logits of a
+    half-precision model bit-identical. lfm2's windows are in the model dtype; inkling's stay float32."""
+    model = build(name).to(dtype)
+    for module in model.modules():
+        if type(module).__name__ == "InklingShortConvolution":
+            module.float()  # transformers builds these in float32 (`.to(dtype=torch.float32)`); .to(dtype) undid it
+    ids = random_ids(2, T)
+    kwargs = dict(output_logits=True, return_dict_in_generate=True)
+    plain, plain_gen = logits_of(model, ids), greedy(model, ids, 3, **kwargs)
+    with rh.watch(model, keep=KEEP) as w:
+        assert_close("keep conv_states", plain, logits_of(model, ids), rtol=0, atol=0)
+    expected = torch.float32 if name == "inkling" else dtype
+    assert all(mixer.conv_states.dtype == expected for mixer in w.mixers)
+    with rh.watch(model) as w:
+        for mixer in w.mixers:
+            mixer.register_state_hook(lambda m, c, t, s: s.clone())
+        again = greedy(model, ids, 3, **kwargs)
+    assert_equal("greedy, a replacing hook on every token", plain_gen.sequences, again.sequences)
+    for step, (a, b) in enumerate(zip(plain_gen.logits, again.logits)):
+        assert_close(f"logits of call {step}", a, b, rtol=0, atol=0)
