@@ -92,9 +92,10 @@ class ShortConvolution(RecurrentMixer):
         "attribute, effective_attention, patching_sweep(what='memory' | 'state')": "they read or write the"
         " recurrent state and raise Unavailable; patching_sweep(what='window') patches the windows (the whole"
         " memory here), and set_conv_state_after / set_memory_after write them",
-        "a memory per layer (inkling)": "inkling and inkling2 run four convolutions per decoder layer, each its"
-        " own mixer sharing `layer_idx`: Watch.memory_after / set_memory_after refuse such a model; use each"
-        " mixer's own, and w.mixer(layer) is the first of the layer's four (module order)",
+        "a memory per layer (inkling, inkling2, inkling2_loop)": "these run four convolutions per decoder layer"
+        " (and inkling2_loop a mixer per pass of a looped layer), each its own mixer sharing `layer_idx`:"
+        " Watch.memory_after / set_memory_after and patching_sweep refuse such a model; use each mixer's own,"
+        " and w.mixer(layer) is the first of the layer's mixers (module order)",
         "packed sequences": "seq_idx is passed to the prompt kernel and ignored, as transformers' pure-torch"
         " kernel ignores it",
     }

@@ -346,6 +346,13 @@ class MixerSupport:
         return "\n".join(lines)
 
 
+def available_of(kind: type[RecurrentMixer]) -> tuple[str, ...]:
+    """What a kind's mixers offer: the keep names of its memories and of the kernel records, then values
+    (if it declares any), writes and hooks."""
+    return (*(name for name, memory in KEEPABLE.items() if memory in kind.MEMORIES), *KERNEL_RECORDS,
+            *(("values",) if kind.VALUES else ()), "writes", "hooks")
+
+
 def support(model: nn.Module) -> list[MixerSupport]:
     """Per recurrent mixer of `model`: what can be read and written, and why not where it cannot.
 
@@ -367,8 +374,7 @@ def support(model: nn.Module) -> list[MixerSupport]:
             continue
         kind = family.kind
         bound = {k.name: bound_original(*k.target(family.module(), module)) for k in kind.KERNELS}
-        available = (*(name for name, memory in KEEPABLE.items() if memory in kind.MEMORIES), *KERNEL_RECORDS,
-                     *(("values",) if kind.VALUES else ()), "writes", "hooks")
+        available = available_of(kind)
         prompt = kind.KERNELS[0]
         segments = prompt.segments
         notes = {

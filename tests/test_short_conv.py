@@ -646,3 +646,12 @@ def test_half_precision_windows_leave_the_logits_bit_identical(name, dtype):
     assert_equal("greedy, a replacing hook on every token", plain_gen.sequences, again.sequences)
     for step, (a, b) in enumerate(zip(plain_gen.logits, again.logits)):
         assert_close(f"logits of call {step}", a, b, rtol=0, atol=0)
+
+
+def test_the_support_command_lists_what_the_kind_offers(capsys, family):
+    from recurrent_hooks.__main__ import main
+
+    assert main(["support", family]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{family}: {rh.FAMILIES[family].mixer_class} -> {rh.FAMILIES[family].kind.__name__}")
+    assert "  available: conv_states, inputs, outputs, values, writes, hooks\n" in out
