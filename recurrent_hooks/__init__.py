@@ -32,6 +32,8 @@ from ._registry import FAMILIES as FAMILIES
 from ._rg_lru import RealGatedLinearRecurrence as RealGatedLinearRecurrence
 from ._selective_scan import PerHeadSelectiveScan as PerHeadSelectiveScan
 from ._selective_scan import SelectiveScan as SelectiveScan
+from ._short_conv import LoopedShortConvolution as LoopedShortConvolution
+from ._short_conv import ShortConvolution as ShortConvolution
 from ._state_space import StateSpace as StateSpace
 from ._sweep import Sweep as Sweep
 from ._sweep import patching_sweep as patching_sweep

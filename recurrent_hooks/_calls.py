@@ -68,7 +68,10 @@ class Call:
 
     @property
     def kernel(self) -> str | None:
-        return self.parts[0].kernel if self.parts else None
+        """The recurrence kernel that fired (a kind with only a convolution window: its conv kernel)."""
+        if self.parts:
+            return self.parts[0].kernel
+        return self.conv.kernel if self.conv is not None else None
 
     def _single(self) -> KernelCall:
         if len(self.parts) != 1:

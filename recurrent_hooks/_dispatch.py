@@ -42,7 +42,8 @@ def _forward_of(kind: type[RecurrentMixer], module: nn.Module, args: tuple, kwar
         _FORWARD_SIGNATURES[cls] = inspect.signature(module.forward)
     arguments = _FORWARD_SIGNATURES[cls].bind_partial(*args, **kwargs).arguments
     tokens, cache, fresh, hidden = kind._parse_forward(module, arguments)
-    return _Forward(tokens=tokens, cache=cache, fresh=fresh, hidden=hidden, recompute=recompute)
+    return _Forward(tokens=tokens, cache=cache, fresh=fresh, hidden=hidden, recompute=recompute,
+                    cache_index=kind._cache_index(module, arguments))
 
 
 @dataclasses.dataclass(eq=False)
@@ -122,9 +123,8 @@ class _Tap:
     thread, and only when the module that calls the kernel is that entry's module.
     """
 
-    def __init__(self, module: nn.Module, layer: int | None) -> None:
+    def __init__(self, module: nn.Module) -> None:
         self.mixers: list[RecurrentMixer] = []
-        self.layer = layer
         self._handles = (
             module.register_forward_pre_hook(self._pre, with_kwargs=True),
             module.register_forward_hook(self._post, always_call=True),
@@ -143,6 +143,10 @@ class _Tap:
             thread.running.append(_Running(self, module, None, []))  # unwatched here, or re-entered
             return
         forward = _forward_of(type(mixers[0]), module, args, kwargs, recompute)
+        mixers = [mixer for mixer in mixers if mixer._serves(forward)]  # a handle per pass: only its own
+        if not mixers:
+            thread.running.append(_Running(self, module, None, []))
+            return
         entry = _Running(self, module, forward, mixers)
         for mixer in mixers:
             mixer._begin_call(forward)
@@ -252,7 +256,7 @@ class _Tap:
             else:
                 result = kernel.loop(*args, on_token=on_token, **extra, **kwargs)
             if kernel.memory == CONV_MEMORY and kernel.role == "prompt" and last:
-                self._sync_conv_cache(entry.forward, last[0])
+                self._sync_conv_cache(type(entry.mixers[0]), entry.forward, last[0])
             if buffer:
                 with torch.no_grad():  # the leaf holds the states from now on (the forward read it as zeros)
                     for i, state in filled.items():
@@ -268,12 +272,13 @@ class _Tap:
             mixer._store(plan, kernel, part, tokens)
         return result
 
-    def _sync_conv_cache(self, forward: _Forward, window: Tensor) -> None:
+    @staticmethod
+    def _sync_conv_cache(kind: type[RecurrentMixer], forward: _Forward, window: Tensor) -> None:
         """The prompt path caches the raw last inputs before its conv kernel runs: cache the window as continued."""
         cache = forward.cache
-        if cache is None or self.layer is None:
+        if cache is None or forward.cache_index is None:
             return
-        cached = cache.get_conv_state(self.layer)
+        cached = kind._cached_window(cache, forward.cache_index)
         if cached is not None and cached.shape == window.shape:
             cached.copy_(window)
 
@@ -359,7 +364,7 @@ def attach(mixer: RecurrentMixer) -> Callable[[], None]:
     with _LOCK:
         tap = _TAPS.get(module)
         if tap is None:
-            tap = _TAPS[module] = _Tap(module, mixer.layer)
+            tap = _TAPS[module] = _Tap(module)
         tap.mixers = [*tap.mixers, mixer]  # a new list: a forward in another thread may be reading the old one
         mixer._live = True
 

@@ -96,6 +96,8 @@ class _Hook:
         return list(itertools.islice((c for c in targeted if c >= seen), _SHOWN + 1))
 
 
+# how a memory is read and written, for messages
+_ACCESSORS = {STATE_MEMORY: "state_after, set_state_after", CONV_MEMORY: "conv_state_after, set_conv_state_after"}
 _SHOWN = 3  # calls named in a message about calls that never ran; the rest are counted
 
 
@@ -121,6 +123,7 @@ class _Forward:
     cache: Any  # the transformers Cache, or None
     fresh: bool  # no cached state for this layer: the call starts from zeros (a prompt)
     hidden: Tensor | None = None  # the forward's input, read only to match a recompute to its call
+    cache_index: Any = None  # where its memory is in the cache (the kind's `_cache_index`: by default the layer)
     recompute: bool = False  # autograd is recomputing a checkpointed forward (this is not a new call)
 
 
@@ -211,7 +214,8 @@ class RecurrentMixer:
 
     def __init__(self, module: nn.Module, family: str, *,
                  keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (), history: bool = True,
-                 restart_on_prompt: bool = False, thread: int | None = None, layer: int | None = None) -> None:
+                 restart_on_prompt: bool = False, thread: int | None = None, layer: int | None = None,
+                 cache_index: Any = None) -> None:
         self._module = weakref.ref(module)  # a standalone hook must not keep its module alive
         self.family = family
         # the module's own layer_idx; else `layer`, the watch's reading of the module's path (a mixer module
@@ -223,6 +227,10 @@ class RecurrentMixer:
         self.recomputing = False  # the running forward is a checkpointed forward being recomputed
         self._history = history  # False: a standalone hook's handle, which records no calls
         self._thread = thread  # the thread whose forwards this handle sees (None: every thread)
+        # the forwards this handle takes part in: those whose memory is at this cache index (`_cache_index`;
+        # None: every forward of the module). A module run several times per model forward, each time on its
+        # own cache layer, has one handle per run (`_instances`)
+        self.cache_index = cache_index
         self._restart_on_prompt = restart_on_prompt
         self._hooks: OrderedDict[int, tuple[_Hook, ...]] = OrderedDict()  # weakly referenced by the handles
         self._begun = 0  # forwards begun since the mixer was attached
@@ -275,16 +283,28 @@ class RecurrentMixer:
         cache = next((found for name in cls.FORWARD_CACHE
                       if (found := arguments.get(name, extra.get(name))) is not None), None)
         hidden = arguments[cls.FORWARD_INPUT]
-        layer = getattr(module, cls.LAYER_ATTRIBUTE, None)
-        fresh = cache is None or layer is None or cls._cached(cache, layer) is None
+        where = cls._cache_index(module, arguments)
+        fresh = cache is None or where is None or cls._cached(cache, where) is None
         return hidden.shape[1], cache, fresh, hidden
 
     @classmethod
-    def _cached(cls, cache: Any, layer: int) -> Tensor | None:
-        """The cache's memory of `layer` (None: nothing cached yet)."""
+    def _cache_index(cls, module: nn.Module, arguments: dict[str, Any]) -> Any:
+        """Where a forward's memory is in the cache, as `_cached` takes it (None: nowhere): by default
+        the module's layer (`LAYER_ATTRIBUTE`). A kind whose mixers share a cache layer (several windows per layer)
+        or whose forward picks its cache layer returns more, e.g. `(cache_layer, state_index)`."""
+        return getattr(module, cls.LAYER_ATTRIBUTE, None)
+
+    @classmethod
+    def _cached(cls, cache: Any, where: Any) -> Tensor | None:
+        """The cache's memory at `where` (`_cache_index`; None: nothing cached yet)."""
         if cls.MEMORIES[0] == CONV_MEMORY:
-            return cache.get_conv_state(layer)
-        return cache.get_recurrent_state(layer)
+            return cls._cached_window(cache, where)
+        return cache.get_recurrent_state(where)
+
+    @classmethod
+    def _cached_window(cls, cache: Any, where: Any) -> Tensor | None:
+        """The cache's convolution window at `where` (`_cache_index`; None: nothing cached yet)."""
+        return cache.get_conv_state(where)
 
     @classmethod
     def _kernel_arguments(cls, module: nn.Module, kernel: Kernel, arguments: dict[str, Any]) -> dict[str, Any]:
@@ -296,7 +316,8 @@ class RecurrentMixer:
     def _has(self, memory: str, method: str) -> None:
         if memory not in self.MEMORIES:
             carried = " and ".join(self.MEMORIES)
-            raise Unavailable(f"{self}.{method}: a {type(self).__name__} mixer has no {memory}; it carries {carried}")
+            raise Unavailable(f"{self}.{method}: a {type(self).__name__} mixer has no {memory}; it carries only"
+                              f" {carried} ({', '.join(_ACCESSORS[m] for m in self.MEMORIES)})")
 
     # -- reading -----------------------------------------------------------------------------------------
 
@@ -382,7 +403,7 @@ class RecurrentMixer:
     # -- hooks and writes --------------------------------------------------------------------------------
 
     def register_state_hook(self, fn: StateHook, *, call: "int | Iterable[int] | slice | None" = None,
-                            token: int | Iterable[int] | None = None, which: str = STATE_MEMORY) -> RemovableHandle:
+                            token: int | Iterable[int] | None = None, which: str | None = None) -> RemovableHandle:
         """Call `fn(mixer, call, token, state)` after the state update of each targeted token.
 
             h = mix.register_state_hook(lambda m, c, t, s: s * 0.5, call=0, token=[3, 4])
@@ -399,8 +420,11 @@ class RecurrentMixer:
         skipped. Calls that never run (a generation that stopped early) are not an error for hooks.
         A model that `fn` runs is not watched: its kernels run untouched.
         `which="conv_state"` hooks the convolution window instead (`[batch, channels, kernel_size]`).
+        The default is the kind's first memory (`MEMORIES[0]`): the state, or the window of a kind that
+        carries only a window (a short convolution).
         """
         where = f"{self}.register_state_hook"
+        which = self.MEMORIES[0] if which is None else which
         if not callable(fn):
             raise InvalidValue(f"{where}: expected a callable fn(mixer, call, token, state), got {fn!r}")
         if which not in (STATE_MEMORY, CONV_MEMORY):
@@ -507,6 +531,16 @@ class RecurrentMixer:
         """Whether call `index` has hooks, writes or kept values (None: a recompute of an idle call)."""
         return index is not None and (bool(self.keep) or bool(self.records)
                                       or any(hook.targets(index) for hook in self._all_hooks()))
+
+    @classmethod
+    def _instances(cls, module: nn.Module, model: nn.Module) -> tuple[Any, ...]:
+        """The handles a watch of `model` makes for `module`, as their `cache_index` (`_cache_index` values): one,
+        None (every forward), unless the module runs several times per model forward on distinct caches."""
+        return (None,)
+
+    def _serves(self, forward: "_Forward") -> bool:
+        """Whether this handle takes part in `forward` (its memory is at this handle's cache index)."""
+        return self.cache_index is None or forward.cache_index == self.cache_index
 
     def _sees(self, thread: int, recompute: bool) -> bool:
         """Whether this handle takes part in a forward running in `thread` (a recompute runs where autograd runs it)."""

@@ -24,6 +24,7 @@ from ._lightning import LightningAttention
 from ._mixer import RecurrentMixer
 from ._rg_lru import RealGatedLinearRecurrence
 from ._selective_scan import PerHeadSelectiveScan, SelectiveScan
+from ._short_conv import LoopedShortConvolution, ShortConvolution
 from ._state_space import StateSpace
 from ._wkv import WeightedKeyValue
 
@@ -69,6 +70,12 @@ FAMILIES: dict[str, Family] = {
         Family("recurrent_gemma", "RecurrentGemmaRecurrentBlock", RealGatedLinearRecurrence),
         Family("rwkv", "RwkvSelfAttention", WeightedKeyValue),
         Family("minimax", "MiniMaxLightningAttention", LightningAttention),
+        Family("lfm2", "Lfm2ShortConv", ShortConvolution),
+        Family("lfm2_moe", "Lfm2MoeShortConv", ShortConvolution),
+        Family("lfm3", "Lfm3ShortConv", ShortConvolution),
+        Family("inkling", "InklingShortConvolution", ShortConvolution),
+        Family("inkling2", "Inkling2ShortConvolution", ShortConvolution),
+        Family("inkling2_loop", "Inkling2LoopShortConvolution", LoopedShortConvolution),
     )
 }
 
@@ -83,19 +90,12 @@ class Unsupported:
     reason: str
 
 
-_SHORT_CONV = "a short-convolution mixer (its memory is only the convolution window): no mixer kind for it yet"
 _INLINE_CONV = "an inline convolution (unfold in forward), no kernel to rebind; no mixer kind for it yet"
 
 UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("xlstm", "xLSTMLayer", "mLSTM: kernels are captured in functools.partial when the model is built;"
                 " cannot be rebound"),
-    Unsupported("lfm2", "Lfm2ShortConv", _SHORT_CONV),
-    Unsupported("lfm2_moe", "Lfm2MoeShortConv", _SHORT_CONV),
-    Unsupported("lfm3", "Lfm3ShortConv", _SHORT_CONV),
-    Unsupported("inkling", "InklingShortConvolution", _SHORT_CONV),
-    Unsupported("inkling2", "Inkling2ShortConvolution", _SHORT_CONV),
     Unsupported("inkling2", "Inkling2DynamicShortConvolution", _INLINE_CONV),
-    Unsupported("inkling2_loop", "Inkling2LoopShortConvolution", _SHORT_CONV),
     Unsupported("inkling2_loop", "Inkling2LoopDynamicShortConvolution", _INLINE_CONV),
     Unsupported("zaya", "ZayaCCAProjection", "CCA: an inline convolution window and a one-token value delay;"
                 " no kernel to rebind"),

@@ -184,6 +184,7 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
     # The clean run, once: read hooks keep the memory after each chosen position (per head for zamba).
     clean: dict[tuple[str, int, int, int | None], Tensor] = {}
     with watch(model) as w, torch.no_grad():
+        w._one_mixer_per_layer("patching_sweep")  # cells are (layer, position): a layer must be one mixer
         layers = _layers(layers, [mixer.layer for mixer in w.mixers])
         for layer in layers:
             for memory in _carried(w.mixer(layer), memories, what):

@@ -173,7 +173,8 @@ class Watch:
         return f"Watch({type(self.model).__name__}, {state}, keep={self.keep}, mixers=[{mixers}])"
 
     def mixer(self, layer: int) -> RecurrentMixer:
-        """The mixer of decoder layer `layer` (the transformers `layer_idx`)."""
+        """The mixer of decoder layer `layer` (the transformers `layer_idx`; the first one, in module order,
+        where a layer has several, as inkling's four convolution windows)."""
         layer = as_index(layer, "layer", "Watch.mixer")
         for mixer in self.mixers:
             if mixer.layer == layer:
@@ -184,8 +185,20 @@ class Watch:
         """The whole memory (state and conv window) after `token` of every mixer, by layer.
 
         Needs `keep=("states", "conv_states")`; pass the result to another watch's `set_memory_after`.
+        A model with several mixers per layer (inkling's four windows) has no memory per layer: use
+        `w.mixers[i].memory_after` there.
         """
+        self._one_mixer_per_layer("Watch.memory_after")
         return {mixer.layer: mixer.memory_after(token, call) for mixer in self.mixers}
+
+    def _one_mixer_per_layer(self, method: str) -> None:
+        layers = [mixer.layer for mixer in self.mixers]
+        shared = sorted({layer for layer in layers if layers.count(layer) > 1})
+        if shared:
+            raise Unavailable(f"{method}: layers {shared} have several mixers each"
+                              f" ({', '.join(str(m) for m in self.mixers if m.layer == shared[0])}), so a memory per"
+                              " layer would be ambiguous; read and write each mixer's own (w.mixers[i].memory_after,"
+                              " w.mixers[i].set_memory_after)")
 
     def set_memory_after(self, token: int, memories: Mapping[int, Memory], call: int = 0
                          ) -> list[RemovableHandle]:
@@ -200,6 +213,7 @@ class Watch:
         if not isinstance(memories, Mapping):
             raise InvalidValue(f"Watch.set_memory_after: expected a mapping of layer -> Memory (as memory_after"
                                f" returns), got {type(memories).__name__}")
+        self._one_mixer_per_layer("Watch.set_memory_after")
         unknown = sorted(set(memories) - {mixer.layer for mixer in self.mixers})
         if unknown:
             raise Unavailable(f"set_memory_after: no recurrent mixer at layers {unknown};"
@@ -213,8 +227,10 @@ class Watch:
         if not found:
             raise Unavailable(_no_mixer_message(self.model))
         thread = threading.get_ident()
-        rows = sorted(((row.kind(m, row.name, keep=self._kept, thread=thread, layer=_layer_in_path(path)), row)
-                       for path, m, row in found), key=lambda pair: (pair[0].layer is None, pair[0].layer or 0))
+        rows = sorted(((row.kind(m, row.name, keep=self._kept, thread=thread, layer=_layer_in_path(path),
+                                 cache_index=index), row)
+                       for path, m, row in found for index in row.kind._instances(m, self.model)),
+                      key=lambda pair: (pair[0].layer is None, pair[0].layer or 0))
         mixers = [mixer for mixer, _ in rows]
         stack = contextlib.ExitStack()
         try:  # all or nothing: a failure releases what was acquired so far
@@ -371,13 +387,11 @@ class MixerSupport:
         return "\n".join(lines)
 
 
-_AVAILABLE = ("states", "conv_states", "inputs", "outputs", "values", "writes", "hooks")
-
-
 def available_of(kind: type[RecurrentMixer]) -> tuple[str, ...]:
-    """What `support` lists as available for a mixer kind: all of `_AVAILABLE` but the keep names of the
-    memories the kind does not carry (`RecurrentMixer.MEMORIES`)."""
-    return tuple(name for name in _AVAILABLE if KEEPABLE.get(name) is None or KEEPABLE[name] in kind.MEMORIES)
+    """What a kind's mixers offer: the keep names of its memories and of the kernel records, then values
+    (if it declares any), writes and hooks."""
+    return (*(name for name, memory in KEEPABLE.items() if memory in kind.MEMORIES), *KERNEL_RECORDS,
+            *(("values",) if kind.VALUES else ()), "writes", "hooks")
 
 
 def support(model: nn.Module) -> list[MixerSupport]:

@@ -27,6 +27,8 @@ from ._registry import Family as Family
 from ._registry import Unsupported as Unsupported
 from ._selective_scan import PerHeadSelectiveScan as PerHeadSelectiveScan
 from ._selective_scan import SelectiveScan as SelectiveScan
+from ._short_conv import LoopedShortConvolution as LoopedShortConvolution
+from ._short_conv import ShortConvolution as ShortConvolution
 from ._state_space import StateSpace as StateSpace
 from ._wkv import WeightedKeyValue as WeightedKeyValue
 
@@ -52,4 +54,6 @@ __all__ = [
     "RealGatedLinearRecurrence",
     "WeightedKeyValue",
     "LightningAttention",
+    "ShortConvolution",
+    "LoopedShortConvolution",
 ]

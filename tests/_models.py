@@ -513,6 +513,59 @@ def _minimax(linear_first: bool = False):
     )
 
 
+# Short-convolution families (Table 3 of the reference; the memory is only the conv window). Each keeps one
+# attention layer: an all-conv model fails in Cache.get_seq_length under a cache (transformers 5.24).
+_SHORT_CONV_COMMON = dict(vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, hidden_size=32,
+                          num_attention_heads=2, num_key_value_heads=1)
+_INKLING_ATTENTION = dict(swa_num_attention_heads=2, swa_num_key_value_heads=1, head_dim=16, swa_head_dim=16,
+                          sliding_window_size=8, d_rel=4, rel_extent=16, moe_intermediate_size=32,
+                          n_routed_experts=4, num_experts_per_tok=2)
+
+
+def _lfm2():
+    return _make(transformers.Lfm2Config, transformers.Lfm2ForCausalLM, **_SHORT_CONV_COMMON,
+                 intermediate_size=64, num_hidden_layers=2, layer_types=["conv", "full_attention"])
+
+
+def _lfm2_moe():
+    return _make(transformers.Lfm2MoeConfig, transformers.Lfm2MoeForCausalLM, **_SHORT_CONV_COMMON,
+                 intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=3,
+                 layer_types=["conv", "full_attention", "conv"], num_dense_layers=1, num_experts=4,
+                 num_experts_per_tok=2)
+
+
+def _lfm3():
+    return _make(transformers.Lfm3Config, transformers.Lfm3ForCausalLM, **_SHORT_CONV_COMMON,
+                 intermediate_size=64, num_hidden_layers=3, head_dim=16, sliding_window=8,
+                 layer_types=["conv", "sliding_attention", "full_attention"])
+
+
+def _inkling():
+    from transformers.models.inkling.configuration_inkling import InklingTextConfig
+
+    return _make(InklingTextConfig, transformers.InklingForCausalLM, **_SHORT_CONV_COMMON, **_INKLING_ATTENTION,
+                 intermediate_size=64, num_hidden_layers=2, layer_types=["hybrid_sliding", "hybrid"], mlp_layer_types=["dense", "sparse"],
+                 n_shared_experts=1)
+
+
+def _inkling2():
+    from transformers.models.inkling2.configuration_inkling2 import Inkling2TextConfig
+
+    return _make(Inkling2TextConfig, transformers.Inkling2ForCausalLM, **_SHORT_CONV_COMMON, **_INKLING_ATTENTION,
+                 num_hidden_layers=2, unpadded_vocab_size=VOCAB, layer_types=["hybrid_sliding", "hybrid"],
+                 n_layers_per_attn_res_block=1)
+
+
+def _inkling2_loop():
+    from transformers.models.inkling2_loop.configuration_inkling2_loop import Inkling2LoopTextConfig
+
+    # layer 1 is looped: it runs twice per forward, on cache layers 1 and 3
+    return _make(Inkling2LoopTextConfig, transformers.Inkling2LoopForCausalLM, **_SHORT_CONV_COMMON,
+                 **_INKLING_ATTENTION, num_hidden_layers=3, unpadded_vocab_size=VOCAB,
+                 layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"], n_layers_per_attn_res_block=1,
+                 loop_layer_index_start=1, loop_layer_index_end=2, loop_num_passes=2, loop_gate_rank=8)
+
+
 FAMILIES: dict[str, Callable[[], transformers.PreTrainedModel]] = {
     "qwen3_next": _qwen3_next,
     "qwen3_5": _qwen3_5,
@@ -536,6 +589,12 @@ FAMILIES: dict[str, Callable[[], transformers.PreTrainedModel]] = {
     "recurrent_gemma": _recurrent_gemma,
     "rwkv": _rwkv,
     "minimax": _minimax,
+    "lfm2": _lfm2,
+    "lfm2_moe": _lfm2_moe,
+    "lfm3": _lfm3,
+    "inkling": _inkling,
+    "inkling2": _inkling2,
+    "inkling2_loop": _inkling2_loop,
 }
 
 

@@ -767,7 +767,7 @@ def test_the_memory_is_the_state_alone(model):
         for attempt in (lambda: mixer.conv_state_after(0), lambda: mixer.conv_states,
                         lambda: mixer.set_conv_state_after(0, torch.zeros(1)),
                         lambda: mixer.register_state_hook(lambda *a: None, which="conv_state")):
-            with pytest.raises(rh.Unavailable, match="LightningAttention mixer has no conv_state; it carries state"):
+            with pytest.raises(rh.Unavailable, match=r"LightningAttention mixer has no conv_state; it carries only state \(state_after, set_state_after\)"):
                 attempt()
     row = rh.support(model)[0]
     assert row.kind == "LightningAttention" and "conv_states" not in row.available and "states" in row.available

@@ -376,14 +376,20 @@ def test_entry_points_refuse_bad_arguments():
 
 
 def test_support_lists_short_convolution_mixers_it_does_not_handle():
-    config = transformers.Lfm2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                     layer_types=["conv", "full_attention"], num_attention_heads=2,
-                                     num_key_value_heads=1)
-    rows = rh.support(transformers.Lfm2ForCausalLM(config))
-    assert [(r.mixer_class, r.family, list(r.unavailable)) for r in rows] == [("Lfm2ShortConv", None, ["everything"])]
-    assert "short-convolution" in rows[0].unavailable["everything"]
-    with pytest.raises(rh.Unavailable, match=r"Lfm2ShortConv \(a short-convolution mixer"):
-        rh.watch(transformers.Lfm2ForCausalLM(config)).__enter__()
+    """inkling2's dynamic short convolutions (an inline unfold) are listed with the reason, next to its watched ones."""
+    from transformers.models.inkling2.configuration_inkling2 import Inkling2TextConfig
+
+    config = Inkling2TextConfig(
+        vocab_size=128, unpadded_vocab_size=128, hidden_size=32, num_hidden_layers=2,
+        layer_types=["hybrid_sliding", "hybrid"], num_attention_heads=2, num_key_value_heads=1,
+        swa_num_attention_heads=2, swa_num_key_value_heads=1, head_dim=16, swa_head_dim=16, sliding_window_size=8,
+        d_rel=4, rel_extent=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+        n_layers_per_attn_res_block=1)
+    rows = rh.support(transformers.Inkling2ForCausalLM(config))
+    dynamic = [r for r in rows if r.mixer_class == "Inkling2DynamicShortConvolution"]
+    assert [r.path for r in dynamic] == ["model.layers.1.self_attn.k_proj.sconv", "model.layers.1.self_attn.v_proj.sconv"]
+    assert all(r.family is None and "unfold" in r.unavailable["everything"] for r in dynamic)
+    assert {r.family for r in rows if r not in dynamic} == {"inkling2"}
 
 
 @pytest.mark.parametrize("row", rh_registry.UNSUPPORTED, ids=lambda row: row.mixer_class)

@@ -1,0 +1,663 @@
+"""The short-convolution kind (`ShortConvolution`): the bar of tests/test_families.py for mixers whose only memory
+is the conv window (lfm2, lfm2_moe, lfm3, inkling, inkling2), on tiny random-weight models.
+
+Each family's float64 reference is its mixer's equation (more-families.md, "Equations"), from the mixer module's
+own input: LFM2 y = W_out(C ⊙ DWConv_K(B ⊙ x̃)) with [B; C; x̃] = W_in h; inkling y = x + DWConv_K(x); inkling2
+(static) y = (x + DWConv_K(x)) / sqrt(K + 1). The window after token t is the last K convolution inputs.
+"""
+
+import math
+
+import pytest
+import torch
+
+import recurrent_hooks as rh
+from _compare import assert_close, assert_equal
+from _models import PAD, build, random_ids
+
+FAMILIES = [name for name, row in rh.FAMILIES.items() if issubclass(row.kind, rh.ShortConvolution)]
+KEEP = ("conv_states", "inputs", "outputs")
+T = 13  # not a multiple of anything
+
+
+def logits_of(model, ids, **kwargs):
+    with torch.no_grad():
+        return model(ids, **kwargs).logits
+
+
+def greedy(model, ids, n, **kwargs):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=PAD, **kwargs)
+
+
+def perturbation(window, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return window + torch.randn(window.shape, generator=gen, dtype=torch.float32).to(window.dtype) * (
+        window.abs().max() + 1)
+
+
+def cache_index(mixer):
+    """(cache layer, state index) of a mixer's window: its layer (inkling2_loop: its pass's cache layer), and its
+    state index where a layer has several windows (inkling)."""
+    return mixer.cache_index or (mixer.layer, getattr(mixer.module, "conv_idx", 0))
+
+
+def cached_window(cache, mixer):
+    """The window the cache holds for this mixer."""
+    layer, state = cache_index(mixer)
+    return cache.get_conv_state(layer, state_idx=state)
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture
+def model(family):
+    return build(family)
+
+
+# -- the float64 reference: each family's mixer equation -----------------------------------------------------------
+
+
+def _windows(x, size):
+    """[batch, seq, channels, K]: the last K of x [batch, channels, seq] before each position (zeros before 0)."""
+    padded = torch.nn.functional.pad(x, (size - 1, 0))
+    return padded.unfold(-1, size, 1).transpose(1, 2)
+
+
+def _dwconv(windows, conv):
+    out = (windows * conv.weight.double()[:, 0]).sum(-1)  # b t c
+    return out if conv.bias is None else out + conv.bias.double()
+
+
+def _lfm(module, h):
+    """LFM2: [B; C; x~] = W_in h; the window holds B ⊙ x~; y = W_out(C ⊙ DWConv_K(B ⊙ x~))."""
+    linear = lambda layer, v: v @ layer.weight.double().T + (0 if layer.bias is None else layer.bias.double())  # noqa: E731
+    B, C, x = linear(module.in_proj, h).chunk(3, dim=-1)  # b t c each
+    windows = _windows((B * x).transpose(1, 2), module.conv_kernel_size)
+    return windows, linear(module.out_proj, C * _dwconv(windows, module.conv))
+
+
+def _inkling(module, x, scale=1.0):
+    """inkling: the window holds x; y = (x + DWConv_K(x)) * scale (inkling2: scale 1/sqrt(K + 1))."""
+    windows = _windows(x.transpose(1, 2), module.conv_kernel_size)
+    return windows, (x + _dwconv(windows, module.conv1d)) * scale
+
+
+EQUATIONS = {
+    "lfm2": _lfm, "lfm2_moe": _lfm, "lfm3": _lfm, "inkling": _inkling,
+    "inkling2": lambda module, x: _inkling(module, x, 1 / math.sqrt(module.conv_kernel_size + 1)),
+}
+EQUATIONS["inkling2_loop"] = EQUATIONS["inkling2"]
+
+
+def _record_module(mixer):
+    """Record the forwards of a mixer's module that are the mixer's (inkling2_loop: its pass's, by cache layer):
+    their input (float64) and output."""
+    seen = []
+
+    def hook(m, args, kwargs, out):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        if m.layer_idx + kwargs.get("cache_offset", 0) == cache_index(mixer)[0]:
+            seen.append((hidden.double(), out))
+
+    return seen, mixer.module.register_forward_hook(hook, with_kwargs=True)
+
+
+def test_windows_and_outputs_equal_the_float64_equation_at_prompt_and_decode_steps(model, family):
+    """Over a prompt and 3 decode steps: every kept window is the last K conv inputs of the family's equation
+    (B ⊙ x~ for lfm, x for inkling), and every output is the equation's, from the module's own inputs."""
+    with rh.watch(model) as w:
+        records = [_record_module(mixer) for mixer in w.mixers]
+    try:
+        with rh.watch(model, keep=KEEP) as w:
+            greedy(model, random_ids(2, T), 4)
+    finally:
+        for _, handle in records:
+            handle.remove()
+    for mixer, (seen, _) in zip(w.mixers, records):
+        assert [c.tokens for c in mixer.calls] == [T, 1, 1, 1]
+        assert [c.kernel for c in mixer.calls] == ["causal_conv1d_fn"] + ["causal_conv1d_update"] * 3
+        inputs = torch.cat([hidden for hidden, _ in seen], dim=1)  # the whole sequence, prompt and decode steps
+        windows, outputs = EQUATIONS[family](mixer.module, inputs)
+        kept = torch.cat([call.conv_states for call in mixer.calls], dim=1)
+        assert_close(f"{mixer} windows", windows, kept, rtol=1e-5, atol=1e-6)
+        assert_close(f"{mixer} outputs", outputs, torch.cat([out for _, out in seen], dim=1), rtol=1e-4, atol=1e-5)
+
+
+def test_windows_are_the_last_inputs_of_each_kernel_call(model):
+    """The window after every token is the last K inputs the kernel received (decode: after the cached window)."""
+    with rh.watch(model, keep=KEEP) as w:
+        greedy(model, random_ids(2, T), 3)
+    for mixer in w.mixers:
+        for record in mixer.calls:
+            x = record.conv.inputs["hidden_states"]
+            if "conv_state" in record.conv.inputs:
+                x = torch.cat([record.conv.inputs["conv_state"], x], dim=-1)
+            size = record.conv.inputs["weight"].shape[-1]
+            expected = _windows(x, size)[:, -record.tokens:]
+            assert_close(f"{mixer} call {record.index}", expected, record.conv_states, rtol=0, atol=0)
+
+
+def test_the_loops_equal_transformers_kernels_on_the_recorded_calls(model, family):
+    """transformers' own kernels (`__wrapped__` of the module globals), on each call's recorded inputs, give the
+    outputs the library's loops gave, and the decode kernel writes the window the library kept."""
+    module = rh.FAMILIES[family].module()
+    prompt, decode = module.causal_conv1d_fn.__wrapped__, module.causal_conv1d_update.__wrapped__
+    with rh.watch(model, keep=KEEP) as w:
+        greedy(model, random_ids(2, T), 3)
+    for mixer in w.mixers:
+        for record in mixer.calls:
+            x = dict(record.conv.inputs)
+            if "conv_state" in x:
+                window = x["conv_state"].clone()
+                theirs = decode(x["hidden_states"], window, x["weight"], x["bias"])
+                assert_close(f"{mixer} call {record.index} window", record.conv_states[:, -1], window, rtol=0, atol=0)
+            else:
+                theirs = prompt(x["hidden_states"], x["weight"], x["bias"])
+            assert_close(f"{mixer} call {record.index} output", theirs, record.conv.output["output"], rtol=0, atol=0)
+
+
+# -- parity ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seq", [1, T, 70], ids=lambda s: f"T{s}")
+def test_watched_logits_equal_unwatched(model, seq):
+    """Idle, keeping windows (the token loop) and with a no-op hook: the logits of the plain model, bit for bit."""
+    ids = random_ids(2, seq)
+    plain = logits_of(model, ids)
+    with rh.watch(model):
+        assert_close("idle watch", plain, logits_of(model, ids), rtol=0, atol=0)
+    with rh.watch(model, keep=KEEP) as w:
+        assert_close("keep conv_states", plain, logits_of(model, ids), rtol=0, atol=0)
+    assert w.mixers[0].conv_states.shape[:2] == (2, seq)
+    with rh.watch(model) as w:
+        for mixer in w.mixers:
+            mixer.register_state_hook(lambda m, c, t, s: None)  # the window: this kind's only memory
+        assert_close("no-op hook", plain, logits_of(model, ids), rtol=0, atol=0)
+    with rh.watch(model, keep=KEEP):  # grad mode: every position recomputed from its kept window
+        assert_close("keep conv_states with gradients", plain, model(ids).logits, rtol=1e-6, atol=1e-6)
+
+
+def test_greedy_generate_is_identical(model):
+    ids = random_ids(2, T)
+    plain = greedy(model, ids, 6)
+    with rh.watch(model, keep=KEEP):
+        assert_equal("tokens, keep conv_states", plain, greedy(model, ids, 6))
+    with rh.watch(model) as w:
+        for mixer in w.mixers:
+            mixer.register_state_hook(lambda m, c, t, s: None)
+        assert_equal("tokens, hook on every token", plain, greedy(model, ids, 6))
+
+
+def test_call_counter_in_generate(model):
+    """Prompt = call 0 through causal_conv1d_fn, decode step k = call k through causal_conv1d_update."""
+    n = 5
+    seen = []
+    with rh.watch(model) as w:
+        w.mixers[-1].register_state_hook(lambda m, c, t, s: seen.append((c, t)))
+        greedy(model, random_ids(2, T), n)
+    for mixer in w.mixers:
+        assert [c.kernel for c in mixer.calls] == ["causal_conv1d_fn"] + ["causal_conv1d_update"] * (n - 1)
+        assert [c.index for c in mixer.calls] == list(range(n))
+    assert seen == [(0, t) for t in range(T)] + [(k, 0) for k in range(1, n)]
+
+
+def test_standalone_hooks_count_from_each_prompt(model):
+    seen = []
+    with rh.watch(model) as w:
+        module = w.mixers[0].module
+    handle = rh.register_state_hook(module, lambda m, c, t, s: seen.append((c, t)), token=-1)
+    try:
+        greedy(model, random_ids(1, 5), 3)
+        greedy(model, random_ids(1, 4), 2)
+    finally:
+        handle.remove()
+    assert seen == [(0, 4), (1, 0), (2, 0), (0, 3), (1, 0)]
+
+
+# -- writes ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("token", [0, 5, T - 1])
+def test_a_window_write_at_a_prompt_token_changes_only_later_tokens_and_the_cache(model, token):
+    ids = random_ids(2, T)
+    plain = logits_of(model, ids)
+    with rh.watch(model, keep=KEEP) as w:
+        logits_of(model, ids)
+        value = perturbation(w.mixers[0].conv_state_after(token))
+    with rh.watch(model, keep=KEEP) as w:
+        mixer = w.mixers[0]
+        mixer.set_conv_state_after(token, value)
+        with torch.no_grad():
+            out = model(ids, use_cache=True)
+    # not bit for bit: a MoE layer (inkling's) groups the tokens by expert, so a later token routed elsewhere
+    # changes the shapes, and the rounding, of the earlier tokens' expert matmuls
+    assert_close("logits at tokens <= t", plain[:, : token + 1], out.logits[:, : token + 1], rtol=1e-6, atol=1e-7)
+    if token < T - 1:
+        change = (out.logits[:, token + 1:] - plain[:, token + 1:]).abs().amax(dim=(0, 2))
+        assert change.max() > 1e-6, f"a window write at token {token} left later logits unchanged: {change}"
+    assert_close("window after the write", value, mixer.conv_state_after(token), rtol=0, atol=0)
+    assert_close("the cache holds the continued window", mixer.conv_states[:, -1],
+                 cached_window(out.past_key_values, mixer), rtol=0, atol=0)
+    for other in w.mixers[1:]:  # the other windows of the model (inkling: of the same cache layer) are its own
+        assert_close(f"{other}'s cached window", other.conv_states[:, -1], cached_window(out.past_key_values, other),
+                     rtol=0, atol=0)
+
+
+def test_a_write_after_the_last_prompt_token_is_what_generation_continues_from(model):
+    ids = random_ids(2, T)
+    with rh.watch(model, keep=KEEP) as w:
+        logits_of(model, ids)
+        value = perturbation(w.mixers[0].conv_state_after(-1))
+    with rh.watch(model, keep=KEEP) as w:
+        w.mixers[0].set_conv_state_after(T - 1, value)
+        greedy(model, ids, 3)
+    assert_close("decode step 1 read the written window", value, w.mixers[0].calls[1].conv.inputs["conv_state"],
+                 rtol=0, atol=0)
+
+
+def test_a_window_write_at_a_decode_step(model):
+    """A write at call 2 leaves the logits of calls <= 2 as they were and changes later ones."""
+    ids = random_ids(2, T)
+    kwargs = dict(output_logits=True, return_dict_in_generate=True)
+    plain = greedy(model, ids, 5, **kwargs)
+    with rh.watch(model, keep=KEEP) as w:
+        greedy(model, ids, 5, **kwargs)
+        value = perturbation(w.mixers[0].conv_state_after(0, call=2))
+    with rh.watch(model, keep=KEEP) as w:
+        w.mixers[0].set_conv_state_after(0, value, call=2)
+        steered = greedy(model, ids, 5, **kwargs)
+    for step in range(3):
+        assert_close(f"logits of call {step}", plain.logits[step], steered.logits[step], rtol=0, atol=0)
+    change = max((plain.logits[step] - steered.logits[step]).abs().max() for step in range(3, 5))
+    assert change > 1e-6, f"a write at decode call 2 changed no later logits ({change})"
+    assert_close("call 3 read the written window", value, w.mixers[0].calls[3].conv.inputs["conv_state"],
+                 rtol=0, atol=0)
+
+
+def test_a_replacing_hook_is_a_write(model):
+    """A hook that returns a window is the same as writing it; the next hook sees the replacement."""
+    ids = random_ids(2, T)
+    with rh.watch(model, keep=KEEP) as w:
+        logits_of(model, ids)
+        value = perturbation(w.mixers[0].conv_state_after(4))
+    with rh.watch(model) as w:
+        w.mixers[0].set_conv_state_after(4, value)
+        written = logits_of(model, ids)
+    seen = []
+    with rh.watch(model) as w:
+        w.mixers[0].register_state_hook(lambda m, c, t, s: value, call=0, token=4)
+        w.mixers[0].register_state_hook(lambda m, c, t, s: seen.append(s.clone()), call=0, token=4,
+                                        which="conv_state")
+        hooked = logits_of(model, ids)
+    assert_close("hook vs write", written, hooked, rtol=0, atol=0)
+    assert_close("the second hook saw the replacement", value, seen[0], rtol=0, atol=0)
+
+
+# -- the whole memory ----------------------------------------------------------------------------------------------------
+
+
+def _first_mixer_run(model, ids, window=None, token=None):
+    with rh.watch(model, keep=KEEP) as w:
+        first = w.mixers[0]
+        outputs = []
+        handle = first.module.register_forward_hook(lambda m, a, out: outputs.append(out))
+        try:
+            if window is not None:
+                first.set_memory_after(token, rh.Memory(None, window))
+            with torch.no_grad():
+                model(ids, use_cache=False)
+        finally:
+            handle.remove()
+    return outputs[0], first
+
+
+def test_writing_the_window_makes_the_layer_continue_as_in_the_other_run(model):
+    """For a short convolution the window is the whole memory: run A's window after t, written into run B
+    (which shares A's tokens after t), makes the first conv mixer's outputs after t equal A's. Unwritten, B's
+    outputs differ from A's at tokens t+1..t+K-1 only: at t+K, the window has forgotten what came before."""
+    token = 6
+    run_a = random_ids(2, T, seed=5)
+    run_b = run_a.clone()
+    run_b[:, : token + 1] = random_ids(2, token + 1, seed=6)
+    out_a, mixer_a = _first_mixer_run(model, run_a)
+    assert mixer_a.layer == 0, f"the first conv mixer is at layer {mixer_a.layer}: its inputs are not only tokens"
+    size = mixer_a.conv_states.shape[-1]
+    out_b, _ = _first_mixer_run(model, run_b)
+    assert (out_b[:, token + 1: token + size] - out_a[:, token + 1: token + size]).abs().max() > 1e-6
+    assert_close("B after t+K-1, unwritten", out_a[:, token + size:], out_b[:, token + size:], rtol=0, atol=0)
+    memory = mixer_a.memory_after(token)
+    assert memory.state is None
+    patched, _ = _first_mixer_run(model, run_b, memory.conv_state, token)
+    assert_close("layer output after t, window written", out_a[:, token + 1:], patched[:, token + 1:], rtol=0, atol=0)
+
+
+def test_gradient_with_respect_to_a_kept_window(model):
+    """d metric / d window after token t: the kept window is the tensor later tokens read; it equals the
+    gradient through a leaf written at t, and `conv_states` is differentiable as one tensor with frozen weights."""
+    ids = random_ids(1, T)
+    token = 5
+    with rh.watch(model, keep=KEEP) as w:
+        metric = model(ids).logits[0, -1].logsumexp(-1)
+    (grad,) = torch.autograd.grad(metric, w.mixers[0].conv_state_after(token))
+    leaf = w.mixers[0].conv_state_after(token).detach().clone().requires_grad_()
+    with rh.watch(model) as w:
+        w.mixers[0].set_conv_state_after(token, leaf)
+        model(ids).logits[0, -1].logsumexp(-1).backward()
+    assert leaf.grad.abs().max() > 0
+    assert_close("grad through the kept window vs a written leaf", leaf.grad, grad, rtol=1e-5, atol=1e-8)
+    model.requires_grad_(False)
+    try:
+        with rh.watch(model, keep=("conv_states",)) as w:
+            metric = model(ids).logits[0, -1].logsumexp(-1)
+        (every,) = torch.autograd.grad(metric, w.mixers[0].conv_states)
+    finally:
+        model.requires_grad_(True)
+    assert_close("grad of conv_states at t", grad, every[:, token], rtol=1e-5, atol=1e-8)
+    assert every[:, -1].abs().max() == 0, "the last window is read by no later token of the call"
+
+
+# -- padding, bindings, errors and support -------------------------------------------------------------------------------
+
+
+def test_left_padded_batch(model):
+    """The mixers zero their inputs at padded positions (the recurrent attention mask): a left-padded row's
+    windows after pads + t are the row's own windows after t, and so are its logits and greedy tokens."""
+    pads = 4
+    short = random_ids(1, T - pads, seed=3)
+    full = random_ids(1, T, seed=4)
+    ids = torch.cat([torch.cat([torch.full((1, pads), PAD), short], dim=1), full])
+    mask = (ids != PAD).long()
+    mask[1] = 1
+    with rh.watch(model, keep=KEEP) as w:
+        padded = logits_of(model, ids, attention_mask=mask)
+    with rh.watch(model, keep=KEEP) as alone:
+        single = logits_of(model, short)
+    for mixer, ref in zip(w.mixers, alone.mixers):
+        assert_close(f"{mixer} padded row windows", ref.conv_states[0], mixer.conv_states[0, pads:],
+                     rtol=1e-4, atol=1e-6)
+        assert mixer.conv_states[0, :pads].abs().max() == 0, "padding entered the window"
+    assert_close("padded row logits", single[0], padded[0, pads:], rtol=1e-4, atol=1e-5)
+    plain = greedy(model, ids, 4, attention_mask=mask)
+    with rh.watch(model, keep=KEEP) as w:
+        for mixer in w.mixers:
+            mixer.register_state_hook(lambda m, c, t, s: None)
+        assert_equal("padded greedy generate under a watch", plain, greedy(model, ids, 4, attention_mask=mask))
+
+
+def kernel_bindings(family):
+    row = rh.FAMILIES[family]
+    module = row.module()
+    return {kernel.name: getattr(module, kernel.name) for kernel in row.kind.KERNELS}
+
+
+def test_bindings_restored_after_exit_after_a_raising_hook_and_when_nested(model, family):
+    before = kernel_bindings(family)
+    ids = random_ids(1, 5)
+    with rh.watch(model):
+        assert all(getattr(f, "__recurrent_hooks__", False) for f in kernel_bindings(family).values())
+        with rh.watch(model) as inner:
+            inner.mixers[0].register_state_hook(lambda m, c, t, s: None)
+            logits_of(model, ids)
+        assert all(getattr(f, "__recurrent_hooks__", False) for f in kernel_bindings(family).values())
+    assert all(kernel_bindings(family)[name] is fn for name, fn in before.items())
+
+    def boom(mixer, call, token, state):
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        with rh.watch(model) as w:
+            w.mixers[0].register_state_hook(boom, token=3)
+            logits_of(model, ids)
+    assert all(kernel_bindings(family)[name] is fn for name, fn in before.items())
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    assert_close("model unchanged after the watches", logits_of(model, ids), logits_of(build(family), ids),
+                 rtol=0, atol=0)
+
+
+def test_the_state_is_unavailable_with_a_clear_message(model):
+    with rh.watch(model, keep=KEEP) as w:
+        logits_of(model, random_ids(1, 5))
+        mixer = w.mixers[0]
+        carries = r"has no state; it carries only conv_state \(conv_state_after, set_conv_state_after\)"
+        for read in (lambda: mixer.state_after(0), lambda: mixer.states,
+                     lambda: mixer.set_state_after(0, torch.zeros(1)),
+                     lambda: mixer.register_state_hook(lambda m, c, t, s: None, which="state")):
+            kind = type(mixer).__name__
+            with pytest.raises(rh.Unavailable, match=rf"{kind}\({mixer.family}, layer 0\)\.\w+: a {kind} mixer"
+                                                      rf" {carries}"):
+                read()
+        values = mixer.values()
+        assert values["x"].shape == values["output"].shape == (1, 5, mixer.conv_states.shape[2])
+        assert_close("values: x is the window's newest column", mixer.conv_states[..., -1], values["x"],
+                     rtol=0, atol=0)
+
+
+def test_support_rows(model, family):
+    rows = [row for row in rh.support(model) if row.family is not None]
+    with rh.watch(model) as w:
+        assert len(rows) == len({id(mixer.module) for mixer in w.mixers})  # a row per module (not per pass)
+    for row in rows:
+        assert (row.family, row.kind) == (family, rh.FAMILIES[family].kind.__name__)
+        assert row.available == ("conv_states", "inputs", "outputs", "values", "writes", "hooks")
+        assert "state" in row.unavailable and "patching_sweep(what='memory' | 'window')" in " ".join(row.unavailable.values())
+
+
+def test_a_memory_per_layer_is_refused_where_a_layer_has_several_mixers(model):
+    with rh.watch(model, keep=KEEP) as w:
+        logits_of(model, random_ids(1, 5))
+    layers = [mixer.layer for mixer in w.mixers]
+    if len(set(layers)) == len(layers):
+        assert set(w.memory_after(2)) == set(layers)
+        return
+    assert [mixer.module.conv_idx for mixer in w.mixers if mixer.layer == 0] == [0, 1, 2, 3]
+    with pytest.raises(rh.Unavailable, match=r"Watch.memory_after: layers \[0, 1(, 2)?\] have several mixers each"):
+        w.memory_after(2)
+    with rh.watch(model) as other:
+        with pytest.raises(rh.Unavailable, match=r"Watch.set_memory_after: layers \[0, 1(, 2)?\] have several"):
+            other.set_memory_after(2, {})
+
+
+def test_a_window_sweep_equals_one_forward_per_cell(model):
+    """patching_sweep(what="window") patches the clean window (here the whole memory) into the corrupt run, one
+    cell per layer x position, equal to a forward with set_conv_state_after; "memory" and "state" ask for a
+    recurrent state and raise. Where a layer has several mixers (inkling), a cell per layer is refused."""
+    clean = random_ids(1, 8, seed=1)
+    corrupt = clean.clone()
+    corrupt[:, 2] = (clean[:, 2] + 1) % 125 + 3
+    metric = lambda logits: logits[:, -1].logsumexp(-1)  # noqa: E731
+    with rh.watch(model) as w:
+        layers = [mixer.layer for mixer in w.mixers]
+    if len(set(layers)) < len(layers):
+        with pytest.raises(rh.Unavailable, match=r"patching_sweep: layers \[0, 1(, 2)?\] have several mixers each"):
+            rh.patching_sweep(model, clean, corrupt, metric, what="window", progress=False)
+        return
+    sweep = rh.patching_sweep(model, clean, corrupt, metric, what="window", progress=False)
+    with rh.watch(model, keep=("conv_states",)) as w, torch.no_grad():
+        model(clean, use_cache=False)
+    first = w.mixers[0]
+    for position in (2, 3):
+        with rh.watch(model) as patched, torch.no_grad():
+            patched.mixer(first.layer).set_conv_state_after(position, first.conv_state_after(position))
+            value = metric(model(corrupt, use_cache=False).logits)
+        assert_close(f"cell (layer {first.layer}, position {position})", value[0],
+                     sweep.values[sweep.layers.index(first.layer), position], rtol=1e-5, atol=1e-6)
+    # "memory" patches every memory the kind carries: here the window alone
+    whole = rh.patching_sweep(model, clean, corrupt, metric, what="memory", progress=False)
+    assert_close("the memory sweep is the window sweep", sweep.values, whole.values, rtol=0, atol=0)
+    with pytest.raises(rh.Unavailable, match="has no state; it carries only conv_state"):
+        rh.patching_sweep(model, clean, corrupt, metric, what="state", progress=False)
+    # attribution patching estimates the same cells: no state rows, window rows that vary with the position
+    estimate = rh.attribute(model, clean[:1], corrupt[:1], metric, forward_kwargs={"use_cache": False})
+    assert_equal("no state to attribute", torch.zeros_like(estimate.state), estimate.state)
+    assert estimate.window.abs().max() > 0 and estimate.window.isfinite().all()
+
+
+def _passes(w):
+    """inkling2_loop's looped mixers: (pass 0, pass 1) of the first looped module, by cache layer."""
+    looped = [mixer for mixer in w.mixers if mixer.cache_index is not None]
+    first = [mixer for mixer in looped if mixer.module is looped[0].module]
+    return sorted(first, key=lambda mixer: mixer.cache_index[0])
+
+
+def test_a_looped_module_has_a_mixer_per_pass_each_with_its_own_calls_and_cache_layer():
+    """inkling2_loop's layer 1 runs twice per forward: a mixer per pass. A write in pass 1 changes only later
+    tokens and pass 1's cache layer; pass 0, which runs before it in every forward, keeps every window."""
+    model = build("inkling2_loop")
+    ids = random_ids(2, T)
+    with rh.watch(model, keep=KEEP) as w:
+        plain = greedy(model, ids, 4, output_logits=True, return_dict_in_generate=True)
+    first, second = _passes(w)
+    assert (first.layer, first.cache_index, second.layer, second.cache_index) == (1, (1, 2), 1, (3, 2))
+    assert repr(second) == "LoopedShortConvolution(inkling2_loop, layer 1, cache layer 3)"
+    assert [len(m.calls) for m in (first, second)] == [4, 4] and second.calls[0].tokens == T
+    value = perturbation(second.conv_state_after(5, call=0))
+    with rh.watch(model, keep=KEEP) as w:
+        _passes(w)[1].set_conv_state_after(5, value, call=[0, 1])  # the forward, then generate's prompt
+        with torch.no_grad():
+            out = model(ids, use_cache=True)
+        steered = greedy(model, ids, 4, output_logits=True, return_dict_in_generate=True)
+    first_w, second_w = _passes(w)
+    reference = logits_of(model, ids)
+    # not bit for bit: the MoE groups tokens by expert (see the prompt-write test above)
+    assert_close("logits at tokens <= 5", reference[:, :6], out.logits[:, :6], rtol=1e-6, atol=1e-7)
+    assert (reference[:, 6:] - out.logits[:, 6:]).abs().max() > 1e-6, "a write in pass 1 changed no later logits"
+    assert_close("the written window", value, second_w.conv_state_after(5, call=0), rtol=0, atol=0)
+    assert_close("pass 1's cache layer holds its continued window", second_w.calls[0].conv_states[:, -1],
+                 cached_window(out.past_key_values, second_w), rtol=0, atol=0)
+    for call in range(4):  # calls 0-3 of the generate, after the plain forward (call 0 of this watch)
+        assert_close(f"pass 0 unchanged, call {call}", first.calls[call].conv_states,
+                     first_w.calls[call + 1].conv_states, rtol=0, atol=0)
+    change = max((a - b).abs().max() for a, b in zip(plain.logits, steered.logits))
+    assert change > 1e-6, "a write in pass 1 changed nothing"
+
+
+def test_a_hook_without_a_watch_refuses_the_later_passes_of_a_looped_module():
+    model = build("inkling2_loop")
+    with rh.watch(model) as w:
+        module = _passes(w)[0].module
+    seen = []
+    handle = rh.register_state_hook(module, lambda m, c, t, s: seen.append((c, t)), token=-1)
+    try:
+        with pytest.raises(rh.Unavailable, match=r"later pass of a looped layer \(cache layer 3\)"):
+            logits_of(model, random_ids(1, 5))
+    finally:
+        handle.remove()
+    assert seen == [(0, 4)]  # pass 0 ran its hook
+
+
+CHECKPOINTING = {"off": None, "reentrant": True, "non-reentrant": False}
+
+
+@pytest.mark.parametrize("checkpointing", ["reentrant", "non-reentrant"])
+def test_gradient_checkpointing_gives_the_gradients_of_the_plain_backward(model, checkpointing):
+    """A recompute repeats its call: a window write, a replacing hook and kept windows give the same loss and
+    gradients with checkpointing as without, and a read-only hook sees `recomputing` in the recompute."""
+    ids = random_ids(2, T)
+    with rh.watch(model, keep={"conv_states": [3]}) as w, torch.no_grad():
+        model(ids, use_cache=False)
+    write = perturbation(w.mixers[0].conv_state_after(3), seed=2).detach()
+
+    def backward(mode):
+        model.train()
+        model.zero_grad(set_to_none=True)
+        if mode is not None:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": mode})
+        seen = []
+        try:
+            with rh.watch(model, keep={"conv_states": [5, -1]}) as w:
+                first, last = w.mixers[0], w.mixers[-1]
+                first.set_conv_state_after(3, write)
+                last.register_state_hook(lambda m, c, t, s: s * 0.5, token=4)
+                last.register_state_hook(lambda m, c, t, s: seen.append((c, t, m.recomputing)), token=6)
+                loss = model(ids, use_cache=False).logits.square().mean()
+                kept = first.conv_state_after(5)
+                if kept.requires_grad:
+                    kept.retain_grad()
+                loss.backward()
+            window_grad = first.conv_state_after(5).grad
+            assert [c.index for c in first.calls] == [0], "a recompute counted as a new call"
+        finally:
+            model.activation_checkpointing_disable()
+            model.eval()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        return loss.detach(), grads, window_grad, seen
+
+    loss, grads, window_grad, seen = backward(None)
+    got_loss, got_grads, got_window_grad, got_seen = backward(CHECKPOINTING[checkpointing])
+    assert_close("loss", loss, got_loss, rtol=1e-6, atol=0)
+    assert sorted(got_grads) == sorted(grads)
+    scale = max(g.abs().max() for g in grads.values())
+    for name, grad in grads.items():
+        assert_close(f"grad of {name}", grad, got_grads[name], rtol=1e-4, atol=1e-5 * scale)
+    assert window_grad is not None and window_grad.abs().max() > 0
+    assert_close("grad of the kept window", window_grad, got_window_grad, rtol=1e-4,
+                 atol=1e-5 * window_grad.abs().max())
+    assert seen == [(0, 6, False)] and got_seen[:1] == seen
+    assert got_seen[1:] and all(hook == (0, 6, True) for hook in got_seen[1:])
+
+
+def test_a_multi_token_continuation_over_the_cache(model):
+    """8 prompt tokens, then 4 in one cached forward (the prompt kernel over the cached window): watched, the
+    logits are the unwatched ones, the continuation's windows are those of one 12-token call, and a write at
+    its token 1 changes only its later tokens."""
+    ids = random_ids(2, 12)
+
+    def run(watch_keep=None, write=None):
+        with rh.watch(model, keep=watch_keep or ()) as w, torch.no_grad():
+            if write is not None:
+                w.mixers[0].set_conv_state_after(1, write, call=1)
+            first = model(ids[:, :8], use_cache=True)
+            second = model(ids[:, 8:], cache=first.past_key_values, use_cache=True)
+        return second.logits, w
+
+    plain, _ = run()
+    watched, w = run(KEEP)
+    assert_close("continuation logits, watched", plain, watched, rtol=0, atol=0)
+    with rh.watch(model, keep=KEEP) as whole, torch.no_grad():
+        model(ids, use_cache=False)
+    for mixer, one in zip(w.mixers, whole.mixers):
+        assert [c.kernel for c in mixer.calls] == ["causal_conv1d_fn"] * 2 and mixer.calls[1].tokens == 4
+        assert_close(f"{mixer} continuation windows", one.conv_states[:, 8:], mixer.calls[1].conv_states,
+                     rtol=1e-6, atol=1e-7)
+    value = perturbation(w.mixers[0].conv_state_after(1, call=1))
+    steered, _ = run(write=value)
+    assert_close("continuation tokens <= 1", plain[:, :2], steered[:, :2], rtol=1e-6, atol=1e-7)
+    assert (plain[:, 2:] - steered[:, 2:]).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("name", ["lfm2", "inkling"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_windows_leave_the_logits_bit_identical(name, dtype):
+    """The conv loops round as transformers' kernels do: keeping or hooking every window leaves the logits of a
+    half-precision model bit-identical. lfm2's windows are in the model dtype; inkling's stay float32."""
+    model = build(name).to(dtype)
+    for module in model.modules():
+        if type(module).__name__ == "InklingShortConvolution":
+            module.float()  # transformers builds these in float32 (`.to(dtype=torch.float32)`); .to(dtype) undid it
+    ids = random_ids(2, T)
+    kwargs = dict(output_logits=True, return_dict_in_generate=True)
+    plain, plain_gen = logits_of(model, ids), greedy(model, ids, 3, **kwargs)
+    with rh.watch(model, keep=KEEP) as w:
+        assert_close("keep conv_states", plain, logits_of(model, ids), rtol=0, atol=0)
+    expected = torch.float32 if name == "inkling" else dtype
+    assert all(mixer.conv_states.dtype == expected for mixer in w.mixers)
+    with rh.watch(model) as w:
+        for mixer in w.mixers:
+            mixer.register_state_hook(lambda m, c, t, s: s.clone())
+        again = greedy(model, ids, 3, **kwargs)
+    assert_equal("greedy, a replacing hook on every token", plain_gen.sequences, again.sequences)
+    for step, (a, b) in enumerate(zip(plain_gen.logits, again.logits)):
+        assert_close(f"logits of call {step}", a, b, rtol=0, atol=0)
+
+
+def test_the_support_command_lists_what_the_kind_offers(capsys, family):
+    from recurrent_hooks.__main__ import main
+
+    assert main(["support", family]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{family}: {rh.FAMILIES[family].mixer_class} -> {rh.FAMILIES[family].kind.__name__}")
+    assert "  available: conv_states, inputs, outputs, values, writes, hooks\n" in out
