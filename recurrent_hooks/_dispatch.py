@@ -238,6 +238,8 @@ class _Tap:
                                           [plan for plan in keeping if every_state])
             else:
                 extra = {"tokens": tokens} if kernel.seq == FORWARD else {}
+                if "original" in kernel.signature.parameters:  # a loop that reads settings the kernel captured
+                    extra["original"] = original
                 result = kernel.loop(*args, on_token=on_token, **extra, **kwargs)
             if kernel.memory == CONV_MEMORY and kernel.role == "prompt" and last:
                 self._sync_conv_cache(entry.forward, last[0])

@@ -21,6 +21,7 @@ from ._errors import Unavailable
 from ._kimi_delta import KimiDeltaAttention
 from ._gated_delta_net import GatedDeltaNet
 from ._mixer import RecurrentMixer
+from ._mlstm import MatrixLSTM
 from ._selective_scan import PerHeadSelectiveScan, SelectiveScan
 from ._state_space import StateSpace
 
@@ -63,6 +64,7 @@ FAMILIES: dict[str, Family] = {
         Family("granitemoehybrid", "GraniteMoeHybridMambaLayer", StateSpace),
         Family("nemotron_h", "NemotronHMamba2Mixer", StateSpace),
         Family("zamba2", "Zamba2MambaMixer", StateSpace),
+        Family("xlstm", "xLSTMLayer", MatrixLSTM),
     )
 }
 
@@ -77,6 +79,13 @@ class Unsupported:
     reason: str
 
 
+def _external_xlstm() -> bool:
+    """transformers builds xLSTM from the xlstm package when it is importable (modeling_xlstm.external_xlstm)."""
+    from transformers.utils import is_xlstm_available
+
+    return bool(is_xlstm_available())
+
+
 _SHORT_CONV = "a short-convolution mixer (its memory is only the convolution window): no mixer kind for it yet"
 _INLINE_CONV = "an inline convolution (unfold in forward), no kernel to rebind; no mixer kind for it yet"
 
@@ -84,8 +93,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("recurrent_gemma", "RecurrentGemmaRecurrentBlock",
                 "RG-LRU: the recurrence is the method _rnn_scan, not a module global; no mixer kind for it yet"),
     Unsupported("rwkv", "RwkvSelfAttention", "RWKV-4 WKV: its memory is several tensors; no mixer kind for it yet"),
-    Unsupported("xlstm", "xLSTMLayer", "mLSTM: kernels are captured in functools.partial when the model is built;"
-                " cannot be rebound"),
     Unsupported("minimax", "MiniMaxLightningAttention", "lightning attention: no kernel function (inline loops)"),
     Unsupported("lfm2", "Lfm2ShortConv", _SHORT_CONV),
     Unsupported("lfm2_moe", "Lfm2MoeShortConv", _SHORT_CONV),
@@ -95,6 +102,9 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("inkling2", "Inkling2DynamicShortConvolution", _INLINE_CONV),
     Unsupported("inkling2_loop", "Inkling2LoopShortConvolution", _SHORT_CONV),
     Unsupported("inkling2_loop", "Inkling2LoopDynamicShortConvolution", _INLINE_CONV),
+    *((Unsupported("xlstm", "xLSTMBlock", "the xlstm package is installed, so transformers builds xlstm's own"
+                   " mLSTMBlock (modeling_xlstm.external_xlstm is True), which calls none of the kernels the"
+                   " MatrixLSTM kind rebinds; uninstall xlstm to watch xLSTM models"),) if _external_xlstm() else ()),
     Unsupported("zaya", "ZayaCCAProjection", "CCA: an inline convolution window and a one-token value delay;"
                 " no kernel to rebind"),
 )

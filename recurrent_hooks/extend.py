@@ -19,6 +19,8 @@ from ._kernels import Segments as Segments
 from ._kernels import Site as Site
 from ._kimi_delta import KimiDeltaAttention as KimiDeltaAttention
 from ._mixer import RecurrentMixer as RecurrentMixer
+from ._mlstm import MatrixLSTM as MatrixLSTM
+from ._mlstm import MLSTMState as MLSTMState
 from ._registry import FAMILIES as FAMILIES
 from ._registry import UNSUPPORTED as UNSUPPORTED
 from ._registry import Family as Family
@@ -46,4 +48,6 @@ __all__ = [
     "SelectiveScan",
     "PerHeadSelectiveScan",
     "StateSpace",
+    "MatrixLSTM",
+    "MLSTMState",
 ]

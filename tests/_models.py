@@ -461,6 +461,18 @@ def _zamba2():
         adapter_rank=8,
     ), **_MAMBA2_HYBRID_FIX)
 
+def _xlstm():
+    # Table 3 of more-families.md: hidden 64, since the cache rounds head dims up to multiples of 64 and
+    # xLSTMLayer does not (hidden * factor must be a multiple of 64, transformers bug 6); chunk_size 8 so
+    # that a 13-token prompt runs the chunk-wise kernel on 8 tokens and the sequence kernel on 5.
+    return _make(
+        transformers.xLSTMConfig, transformers.xLSTMForCausalLM,
+        vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS,
+        hidden_size=64, embedding_dim=64, num_hidden_layers=2, num_blocks=2,
+        num_heads=2, qk_dim_factor=1.0, v_dim_factor=1.0, chunk_size=8,
+    )
+
+
 FAMILIES: dict[str, Callable[[], transformers.PreTrainedModel]] = {
     "qwen3_next": _qwen3_next,
     "qwen3_5": _qwen3_5,
@@ -481,6 +493,7 @@ FAMILIES: dict[str, Callable[[], transformers.PreTrainedModel]] = {
     "granitemoehybrid": _granitemoehybrid,
     "nemotron_h": _nemotron_h,
     "zamba2": _zamba2,
+    "xlstm": _xlstm,
 }
 
 
