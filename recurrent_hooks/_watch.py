@@ -36,6 +36,15 @@ def _mixer_modules(model: nn.Module) -> list[tuple[str, nn.Module, Family]]:
     return [(path, m, row) for path, m in model.named_modules() if (row := family_of(m)) is not None]
 
 
+def _layer_of(path: str, module: nn.Module) -> int | None:
+    """A mixer's decoder layer: its `layer_idx`, else the last index in its path in the model (a mixer class
+    that keeps no index, e.g. `backbone.blocks.1.mlstm_layer` -> 1); None when neither says."""
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        layer = next((int(part) for part in reversed(path.split(".")) if part.isdigit()), None)
+    return layer
+
+
 def _attach_with_kernels(mixer: RecurrentMixer, family: Family, stack: contextlib.ExitStack) -> None:
     """Attach `mixer` and acquire its family's kernels, registering both releases on `stack`."""
     stack.callback(attach(mixer))
@@ -174,8 +183,11 @@ class Watch:
         if not found:
             raise Unavailable(_no_mixer_message(self.model))
         thread = threading.get_ident()
-        mixers = sorted((row.kind(m, row.name, keep=self._kept, thread=thread) for _, m, row in found),
-                        key=lambda mixer: (mixer.layer is None, mixer.layer or 0))
+        mixers = []
+        for path, m, row in found:
+            mixers.append(row.kind(m, row.name, keep=self._kept, thread=thread))
+            mixers[-1].layer = _layer_of(path, m)
+        mixers.sort(key=lambda mixer: (mixer.layer is None, mixer.layer or 0))
         stack = contextlib.ExitStack()
         try:  # all or nothing: a failure releases what was acquired so far
             for mixer in mixers:
@@ -344,7 +356,7 @@ def support(model: nn.Module) -> list[MixerSupport]:
     rows = []
     for path, module in model.named_modules():
         name = type(module).__name__
-        layer = getattr(module, "layer_idx", None)
+        layer = _layer_of(path, module)
         family = family_of(module)
         if family is None:
             if (unsupported := unsupported_of(module)) is not None:
