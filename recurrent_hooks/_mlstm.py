@@ -259,6 +259,8 @@ class MatrixLSTM(RecurrentMixer):
         "train modes": "config.mode 'train' runs _train_fn, transformers' chunk-wise kernel alone: it needs"
         " seq % chunk_size == 0, so decode steps fail there, watched or not; 'train_with_padding' returns no"
         " state, so nothing reaches the cache",
+        "attention_mask": "xLSTM's forward takes no attention mask: pad tokens of a left-padded batch enter"
+        " the state, watched or not (a padded row's states differ from the row alone)",
         "xlstm package": "with the xlstm package installed, transformers builds xlstm's own mLSTMBlock"
         " (modeling_xlstm.external_xlstm) and none of these kernels exist: watch refuses the model",
     }
