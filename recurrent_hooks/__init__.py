@@ -21,7 +21,7 @@ from ._errors import RecurrentHooksWarning as RecurrentHooksWarning
 from ._errors import Unavailable as Unavailable
 from ._kimi_delta import KimiDeltaAttention as KimiDeltaAttention
 from ._gated_delta_net import GatedDeltaNet as GatedDeltaNet
-from ._gated_delta_net import GatedDeltaNet as LinearAttention  # its former name, kept for code that uses it
+from ._gated_delta_net import GatedDeltaNet as LinearAttention  # noqa: F401  (its former name, for code that uses it)
 from ._calls import Call as Call
 from ._calls import KernelCall as KernelCall
 from ._calls import Memory as Memory

@@ -32,8 +32,10 @@ from ._errors import InvalidValue
 from ._arguments import as_index
 from ._kernels import CONV_MEMORY, STATE_MEMORY
 from ._mixer import RecurrentMixer
+from ._parts import map_parts, parts_of
 from ._watch import watch
 
+_MEMORIES = (STATE_MEMORY, CONV_MEMORY)  # the rows `state` and `window`
 Metric = Callable[[Tensor], Tensor]  # logits [batch, seq, vocab] -> [batch] or a scalar
 
 
@@ -75,29 +77,32 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
     if not callable(metric):
         raise InvalidValue(f"{where}: expected a callable metric(logits) -> [batch] or a scalar, got {metric!r}")
     kwargs = dict(forward_kwargs or {})
-    keep = ("states", "conv_states")
+    keep = ("states", "conv_states")  # a memory a mixer's kind does not carry is not kept (normalize_keep)
     with torch.no_grad(), watch(model, keep=keep) as clean_watch:
         clean_value = _mean(metric(model(clean_ids, **kwargs).logits), where)
     with torch.enable_grad(), watch(model, keep=keep) as corrupt_watch:
         corrupt_value = _mean(metric(model(corrupt_ids, **kwargs).logits), where)
     chosen = _chosen(corrupt_watch.mixers, layers, where)
     pairs = [(clean_watch.mixer(m.layer), m) for m in chosen]
-    inputs = [tensor for _, m in pairs for memory in (STATE_MEMORY, CONV_MEMORY)
-              for tensor in m.calls[0].differentiable(memory)]
+    # every part of every memory the kinds carry (a memory a kind lacks contributes zeros; see _parts)
+    inputs = [leaf for _, m in pairs for memory in _MEMORIES if memory in m.MEMORIES
+              for buffer in m.calls[0].differentiable(memory) for _, leaf in parts_of(buffer)]
     grads = iter(torch.autograd.grad(corrupt_value, inputs, allow_unused=True))
     state_rows, window_rows = [], []
     for clean, corrupt in pairs:
-        for memory, rows in ((STATE_MEMORY, state_rows), (CONV_MEMORY, window_rows)):
-            parts = corrupt.calls[0].differentiable(memory)
-            reference = clean.calls[0].states if memory == STATE_MEMORY else clean.calls[0].conv_states
-            total = torch.zeros(clean_ids.shape[1], dtype=torch.float32, device=reference.device)
-            for head, part in enumerate(parts):
-                grad = next(grads)
-                if grad is None:  # the metric does not depend on this memory
-                    continue
-                clean_part = reference if len(parts) == 1 else reference[:, :, head]
-                delta = clean_part.to(torch.float32) - part.detach().to(torch.float32)  # b t *memory
-                total = total + (delta * grad.to(torch.float32)).flatten(2).sum(-1).sum(0)  # t
+        for memory, rows in zip(_MEMORIES, (state_rows, window_rows)):
+            total = torch.zeros(clean_ids.shape[1], dtype=torch.float32, device=clean_ids.device)
+            if memory in corrupt.MEMORIES:
+                buffers = corrupt.calls[0].differentiable(memory)
+                reference = clean.calls[0]._all(memory)
+                for head, buffer in enumerate(buffers):
+                    clean_part = reference if len(buffers) == 1 else map_parts(lambda r: r[:, :, head], reference)
+                    for (_, leaf), (_, clean_leaf) in zip(parts_of(buffer), parts_of(clean_part)):
+                        grad = next(grads)
+                        if grad is None:  # the metric does not depend on this memory
+                            continue
+                        delta = clean_leaf.to(torch.float32) - leaf.detach().to(torch.float32)  # b t *memory
+                        total = total + (delta * grad.to(torch.float32)).flatten(2).sum(-1).sum(0).to(total.device)  # t
             rows.append(total)
     return Attribution(tuple(m.layer for m in chosen), torch.stack(state_rows), torch.stack(window_rows),
                        float(clean_value), float(corrupt_value.detach()))

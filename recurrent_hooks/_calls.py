@@ -3,11 +3,11 @@
 import dataclasses
 from typing import Any, NamedTuple
 
-import torch
 from torch import Tensor
 
 from ._errors import Unavailable
 from ._kernels import CONV_MEMORY, STATE_MEMORY
+from ._parts import stack_parts
 
 
 class Memory(NamedTuple):
@@ -117,9 +117,9 @@ class Call:
                               f" {sorted(parts[0])} only; read them with {memory}_after(token)")
         if memory not in self._stacked:
             buffers = self._buffers.get(memory) or [None] * len(parts)
-            per_part = [buffer if buffer is not None else torch.stack([kept[t] for t in sorted(kept)], dim=1)
+            per_part = [buffer if buffer is not None else stack_parts([kept[t] for t in sorted(kept)], dim=1)
                         for kept, buffer in zip(parts, buffers)]
-            self._stacked[memory] = per_part[0] if len(per_part) == 1 else torch.stack(per_part, dim=2)
+            self._stacked[memory] = per_part[0] if len(per_part) == 1 else stack_parts(per_part, dim=2)
         return self._stacked[memory]
 
     def differentiable(self, memory: str) -> list[Tensor]:
@@ -143,6 +143,6 @@ class Call:
                               f" (kept: tokens {sorted(parts[0])})")
         if len(parts) == 1:
             return parts[0][position]
-        return torch.stack([kept[position] for kept in parts], dim=1)
+        return stack_parts([kept[position] for kept in parts], dim=1)
 
 

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from ._calls import KernelCall
 from ._kernels import CONV_MEMORY, FORWARD, Kernel
 from ._mixer import RecurrentMixer, _Forward, _Plan
+from ._parts import State, map_parts, parts_of, rebuild
 from ._registry import family_of
 from ._threads import THREAD, in_backward
 
@@ -186,10 +187,12 @@ class _Tap:
         plans = [mixer._plan(kernel, tokens) for mixer in entry.mixers]
         recompute = entry.forward.recompute
         records = set() if recompute else {name for mixer in entry.mixers for name in mixer.records}
-        live_state = arguments.get(kernel.state_in) if kernel.state_in is not None else None
-        if isinstance(live_state, Tensor) and "inputs" in records:
-            # The cache updates this tensor in place (at the next step, or in this very call): keep its value.
-            arguments[kernel.state_in] = live_state.clone()
+        live_state = arguments.get(kernel.state_in) if isinstance(kernel.state_in, str) else None
+        if "inputs" in records:
+            for name in kernel.state_arguments:
+                if isinstance(arguments.get(name), Tensor):
+                    # The cache updates this tensor in place (at the next step, or in this very call): keep its value.
+                    arguments[name] = arguments[name].clone()
         busy = [plan for plan in plans if not plan.idle]
         if not busy:
             result = original(*args, **kwargs)
@@ -198,17 +201,18 @@ class _Tap:
             kept_at = sorted(frozenset().union(*(plan.keep for plan in keeping)))
             slot = {token: i for i, token in enumerate(kept_at)}
             differentiable = torch.is_grad_enabled()
-            buffer: list[Tensor] = []  # grad mode: one leaf for every kept state of the call, zeros when read
-            slots: list[Tensor] = []  # its per-token views
-            filled: dict[int, Tensor] = {}  # slot -> the state it holds
-            last: list[Tensor] = []
+            # A state is one tensor or a NamedTuple of parts (`_parts`): each step below is done part by part.
+            buffer: list[State] = []  # grad mode: one leaf for every kept state of the call, zeros when read
+            slots: list[State] = []  # its per-token views
+            filled: dict[int, State] = {}  # slot -> the state it holds
+            last: list[State] = []
 
-            def on_token(token: int, state: Tensor) -> Tensor:
+            def on_token(token: int, state: State) -> State:
                 for plan in busy:
                     state = plan.apply(token, state)
                 if token in slot:
-                    if state.untyped_storage().nbytes() > state.nbytes:
-                        state = state.clone()  # a slice of a kernel's larger tensor: keep only the state itself
+                    # a slice of a kernel's larger tensor: keep only the state itself
+                    state = map_parts(lambda s: s.clone() if s.untyped_storage().nbytes() > s.nbytes else s, state)
                     # A tensor that only the later tokens read: the gradient with respect to a kept state is the
                     # effect of changing it there (what a write does), not through token `token`'s own output.
                     if differentiable:
@@ -217,13 +221,14 @@ class _Tap:
                         # The slots come from one unbind: its backward stacks their gradients once (a slice
                         # per token would add a whole-buffer gradient per token, quadratic in the tokens).
                         if not buffer:
-                            buffer.append(state.new_zeros((state.shape[0], len(kept_at), *state.shape[1:]),
-                                                          requires_grad=True))
-                            slots.extend(buffer[0].unbind(1))
-                        state = state + slots[slot[token]]
+                            buffer.append(map_parts(lambda s: s.new_zeros((s.shape[0], len(kept_at), *s.shape[1:]),
+                                                                          requires_grad=True), state))
+                            views = [part.unbind(1) for _, part in parts_of(buffer[0])]
+                            slots.extend(rebuild(state, per_token) for per_token in zip(*views))
+                        state = map_parts(torch.add, state, slots[slot[token]])
                         filled[slot[token]] = state  # copied into the leaf once the kernel call is over
                     else:
-                        state = state.view_as(state)
+                        state = map_parts(lambda s: s.view_as(s), state)
                     for plan in keeping:
                         if token in plan.keep:
                             plan.kept[token] = state
@@ -246,7 +251,7 @@ class _Tap:
             if buffer:
                 with torch.no_grad():  # the leaf holds the states from now on (the forward read it as zeros)
                     for i, state in filled.items():
-                        buffer[0][:, i].copy_(state)
+                        map_parts(lambda leaf, s: leaf[:, i].copy_(s), buffer[0], state)
             for plan in keeping:
                 if buffer and len(plan.keep) == len(kept_at) == tokens:
                     plan.stacked = buffer[0]

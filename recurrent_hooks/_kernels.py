@@ -80,7 +80,8 @@ class Kernel:
     - `loop`: the library's pure-torch token loop with the same signature and return value, plus a
       keyword-only `on_token(t, memory) -> memory` (and `tokens=` when `seq` is FORWARD; a loop that takes
       a keyword `original` gets the kernel bound before the watch, e.g. a partial whose settings it reads);
-    - `state_in`: the argument that carries the memory in (None: the kernel always starts from zeros);
+    - `state_in`: the argument that carries the memory in (None: the kernel always starts from zeros), or
+      a tuple of them for a memory of several parts (`STATE_TYPE`), in the order of its parts;
     - `results`: names of the elements of the returned value (a single tensor is the first name);
     - `role`: a `Role` (or its string): prompt, decode, or both;
     - `seq`: `(argument, axis)` where the tokens of the call are counted, None for one token, or
@@ -96,7 +97,7 @@ class Kernel:
     name: str
     role: Role
     loop: Callable[..., Any]
-    state_in: str | None
+    state_in: str | tuple[str, ...] | None
     results: tuple[str, ...]
     seq: tuple[str, int] | str | None = None
     in_place: bool = False
@@ -123,6 +124,13 @@ class Kernel:
         for part in filter(None, self.owner.split(".")):
             owner = getattr(owner, part)
         return owner, self.name
+
+    @property
+    def state_arguments(self) -> tuple[str, ...]:
+        """The arguments that carry the memory in (none, one, or one per part)."""
+        if self.state_in is None:
+            return ()
+        return (self.state_in,) if isinstance(self.state_in, str) else self.state_in
 
     @property
     def signature(self) -> inspect.Signature:

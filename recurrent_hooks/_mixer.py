@@ -57,6 +57,7 @@ from ._errors import InvalidValue, RecurrentHooksError, Unavailable
 from ._arguments import _as_targets, _describe_calls, _describe_token, _RowTokens, as_calls, as_index, normalize_keep
 from ._calls import Call, KernelCall, Memory, _position
 from ._kernels import CONV_MEMORY, STATE_MEMORY, Kernel, Role
+from ._parts import State, axes_of, describe, is_parts, map_parts, parts_of
 from ._threads import user_code
 
 
@@ -163,7 +164,9 @@ class RecurrentMixer:
 
     Class constants a subclass declares:
     - `KERNELS`: the `Kernel`s its modeling modules call (recurrence and convolution, prompt and decode);
-    - `STATE`: the axes of the state, as a jaxtyping shape string (e.g. "batch heads key_dim value_dim");
+    - `STATE`: the axes of the state, as a jaxtyping shape string (e.g. "batch heads key_dim value_dim"),
+      or, for a state of several parts, a mapping part name -> axes, with `STATE_TYPE` the `NamedTuple`
+      of tensors that hooks receive and writes take (see `_parts`);
     - `INPUTS`, `OUTPUTS`: the recurrence kernels' named values with their axes, for the docs;
     - `VALUES`: the per-token values `values()` returns, with their axes;
     - `LIMITS`: what cannot be had from this kind, and why (reported by `support`);
@@ -184,7 +187,8 @@ class RecurrentMixer:
     """
 
     KERNELS: ClassVar[tuple[Kernel, ...]] = ()
-    STATE: ClassVar[str] = ""
+    STATE: ClassVar[str | dict[str, str]] = ""
+    STATE_TYPE: ClassVar[type | None] = None  # a NamedTuple of tensors, for a state of several parts
     CONV_STATE: ClassVar[str] = "batch channels kernel_size"
     INPUTS: ClassVar[dict[str, str]] = {}
     OUTPUTS: ClassVar[dict[str, str]] = {}
@@ -426,20 +430,23 @@ class RecurrentMixer:
     def _write(self, memory: str, token: Any, value: Tensor, call: Any, method: str) -> _Hook:
         where = f"{self}.{method}({_describe_token(token)}, call={call!r})"
         self._has(memory, method)
-        axes = self.STATE if memory == STATE_MEMORY else self.CONV_STATE
+        axes = describe(self.STATE if memory == STATE_MEMORY else self.CONV_STATE)
         calls = as_calls(call, where)
-        if not isinstance(value, Tensor):
-            raise InvalidValue(f"{where}: expected a Tensor with axes ({axes}), got {type(value).__name__}")
+        wanted = self.STATE_TYPE if memory == STATE_MEMORY and self.STATE_TYPE is not None else Tensor
+        if not isinstance(value, wanted) or (wanted is not Tensor and not all(isinstance(p, Tensor) for p in value)):
+            raise InvalidValue(f"{where}: expected a {wanted.__name__} with axes ({axes}), got {type(value).__name__}")
         rows = _RowTokens.of(token, where) if isinstance(token, Tensor) and token.dim() > 0 else None
         tokens = rows.tokens if rows is not None else (as_index(token, "token", where),)
 
-        def write(mixer: RecurrentMixer, call: int, token: int, state: Tensor) -> Tensor:
-            written = value if mixer.head is None else value[:, mixer.head]
-            if rows is None or written.shape != state.shape or written.dtype != state.dtype \
-                    or written.device != state.device:
+        def write(mixer: RecurrentMixer, call: int, token: int, state: State) -> State:
+            written = value if mixer.head is None else map_parts(lambda v: v[:, mixer.head], value)
+            if rows is None or any(w.shape != s.shape or w.dtype != s.dtype or w.device != s.device
+                                   for (_, w), (_, s) in zip(parts_of(written), parts_of(state))):
                 return written  # a write of the whole batch, or a value the check will refuse with its message
-            at = rows.at(token, mixer._tokens, state.shape[0], f"{mixer}, call {call}, token {token}: {method}")
-            return torch.where(at.to(state.device).view(-1, *(1,) * (state.dim() - 1)), written, state)
+            batch = parts_of(state)[0][1].shape[0]
+            at = rows.at(token, mixer._tokens, batch, f"{mixer}, call {call}, token {token}: {method}")
+            return map_parts(lambda w, s: torch.where(at.to(s.device).view(-1, *(1,) * (s.dim() - 1)), w, s),
+                             written, state)
 
         origin = f"{method}({_describe_token(token)}, call={_describe_calls(calls)})"
         return _Hook(write, memory, calls, tokens, origin, write=True)
@@ -605,8 +612,8 @@ class RecurrentMixer:
         if plan.kept is None or kept is None or part >= len(kept):
             return
         for token, state in plan.kept.items():
-            if state.requires_grad and token in kept[part] and not kept[part][token].requires_grad:
-                state.retain_grad()
+            if _requires_grad(state) and token in kept[part] and not _requires_grad(kept[part][token]):
+                map_parts(lambda s: s.retain_grad(), state)
                 kept[part][token] = state
                 record._buffers[kernel.memory][part] = None  # the recomputed states are read one by one
         record._stacked.pop(kernel.memory, None)
@@ -643,17 +650,25 @@ class _Plan:
         return state
 
 
-def _checked(replacement: Any, state: Tensor, mixer: RecurrentMixer, hook: _Hook, call: int, token: int) -> Tensor:
+def _requires_grad(state: State) -> bool:
+    return any(part.requires_grad for _, part in parts_of(state))
+
+
+def _checked(replacement: Any, state: State, mixer: RecurrentMixer, hook: _Hook, call: int, token: int) -> State:
     where = f"{mixer}, call {call}, token {token}: {hook.origin}"
     if mixer.head is not None:
         where += f" (head {mixer.head} of a kernel run once per head)"
-    if not isinstance(replacement, Tensor):
-        raise InvalidValue(f"{where} returned {type(replacement).__name__}; expected None or a Tensor")
-    axes = mixer.STATE if hook.memory == STATE_MEMORY else mixer.CONV_STATE
-    for what, want, got in (("shape", tuple(state.shape), tuple(replacement.shape)),
-                            ("dtype", state.dtype, replacement.dtype), ("device", state.device, replacement.device)):
-        if want != got:
-            raise InvalidValue(f"{where} gave a {hook.memory} with {what} {got}, expected {want} (axes: {axes})")
+    wanted = type(state) if is_parts(state) else Tensor
+    if not isinstance(replacement, wanted) or not all(isinstance(part, Tensor) for _, part in parts_of(replacement)):
+        raise InvalidValue(f"{where} returned {type(replacement).__name__}; expected None or a {wanted.__name__}")
+    declared = mixer.STATE if hook.memory == STATE_MEMORY else mixer.CONV_STATE
+    for (name, want), (_, got) in zip(parts_of(state), parts_of(replacement)):
+        axes = axes_of(declared, name)
+        what_part = f"{hook.memory} part {name!r}" if name else hook.memory
+        for what, expected, given in (("shape", tuple(want.shape), tuple(got.shape)), ("dtype", want.dtype, got.dtype),
+                                      ("device", want.device, got.device)):
+            if expected != given:
+                raise InvalidValue(f"{where} gave a {what_part} with {what} {given}, expected {expected} (axes: {axes})")
     return replacement
 
 

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from ._errors import InvalidValue
 from ._kernels import CONV_MEMORY, STATE_MEMORY
+from ._parts import map_parts
 from ._watch import watch
 
 WHAT = {"memory": (STATE_MEMORY, CONV_MEMORY), "state": (STATE_MEMORY,), "window": (CONV_MEMORY,)}
@@ -121,6 +122,12 @@ def _measure(metric: Callable[[Tensor], Tensor], logits: Tensor, rows: int) -> T
     return value.detach()
 
 
+def _carried(mixer: Any, memories: tuple[str, ...], what: str) -> tuple[str, ...]:
+    """The memories of `what` that the mixer's kind carries ("memory": all of them; "state" or "window" on a
+    kind without it: the hook's registration says so)."""
+    return tuple(m for m in memories if m in mixer.MEMORIES) if what == "memory" else memories
+
+
 def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: Callable[[Tensor], Tensor], *,
                    layers: int | Iterable[int] | None = None, positions: int | Iterable[int] | None = None,
                    what: str = "memory", batch_size: int = 32, progress: bool = True,
@@ -179,10 +186,10 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
     with watch(model) as w, torch.no_grad():
         layers = _layers(layers, [mixer.layer for mixer in w.mixers])
         for layer in layers:
-            for memory in memories:
+            for memory in _carried(w.mixer(layer), memories, what):
                 def keep(mixer: Any, call: int, token: int, state: Tensor, layer: int = layer,
                          memory: str = memory) -> None:
-                    clean[memory, layer, token, mixer.head] = state.clone()
+                    clean[memory, layer, token, mixer.head] = map_parts(torch.clone, state)
 
                 w.mixer(layer).register_state_hook(keep, call=0, token=positions, which=memory)
         clean_metric = _measure(metric, model(clean_ids, **kwargs).logits, 1)[0]
@@ -204,12 +211,13 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
                         if li == i:
                             rows.setdefault(positions[j], []).append(row)
                     at = {token: torch.tensor(r, device=corrupt_ids.device) for token, r in rows.items()}
-                    for memory in memories:
+                    for memory in _carried(w.mixer(layer), memories, what):
                         def patch(mixer: Any, call: int, token: int, state: Tensor, layer: int = layer,
                                   memory: str = memory, at: dict[int, Tensor] = at) -> Tensor:
                             value = clean[memory, layer, token, mixer.head]
                             index = at[token]
-                            return state.index_copy(0, index, value.expand(len(index), *value.shape[1:]))
+                            return map_parts(lambda s, v: s.index_copy(0, index, v.expand(len(index), *v.shape[1:])),
+                                             state, value)
 
                         w.mixer(layer).register_state_hook(patch, call=0, token=sorted(rows), which=memory)
                 ids = corrupt_ids.expand(len(batch), tokens)

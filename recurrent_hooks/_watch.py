@@ -183,15 +183,17 @@ class Watch:
         if not found:
             raise Unavailable(_no_mixer_message(self.model))
         thread = threading.get_ident()
-        mixers = []
+        rows = []
         for path, m, row in found:
-            mixers.append(row.kind(m, row.name, keep=self._kept, thread=thread))
-            mixers[-1].layer = _layer_of(path, m)
-        mixers.sort(key=lambda mixer: (mixer.layer is None, mixer.layer or 0))
+            mixer = row.kind(m, row.name, keep=self._kept, thread=thread)
+            mixer.layer = _layer_of(path, m)
+            rows.append((mixer, row))
+        rows.sort(key=lambda pair: (pair[0].layer is None, pair[0].layer or 0))
+        mixers = [mixer for mixer, _ in rows]
         stack = contextlib.ExitStack()
         try:  # all or nothing: a failure releases what was acquired so far
-            for mixer in mixers:
-                _attach_with_kernels(mixer, FAMILIES[mixer.family], stack)
+            for mixer, row in rows:
+                _attach_with_kernels(mixer, row, stack)
                 stack.callback(mixer._detached)
         except BaseException:
             stack.close()
