@@ -55,10 +55,11 @@ def _support_rows(target: str | None) -> list[dict[str, Any]]:
 
 
 def _family_row(family: Any) -> dict[str, Any]:
+    from ._watch import _available
+
     kind = family.kind
     return {"family": family.name, "mixer_class": family.mixer_class, "kind": kind.__name__,
-            "state": kind.STATE, "available": ["states", "conv_states", "inputs", "outputs", "values", "writes",
-                                               "hooks"],
+            "state": kind.STATE, "available": list(_available(kind)),
             "unavailable": dict(kind.LIMITS)}
 
 

@@ -26,7 +26,7 @@ from ._errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, U
 from ._arguments import as_index, normalize_keep
 from ._calls import Memory
 from ._dispatch import attach, make_dispatcher
-from ._kernels import KERNEL_RECORDS, Role, Site
+from ._kernels import CONV_MEMORY, KERNEL_RECORDS, STATE_MEMORY, Role, Site
 from ._mixer import RecurrentMixer, StateHook
 from ._patching import UndoStack, acquire_kernels, bound_original, import_default, rebind_process_wide
 from ._registry import FAMILIES, Family, family_of, resolve_family, unsupported_of
@@ -345,6 +345,13 @@ class MixerSupport:
         return "\n".join(lines)
 
 
+def _available(kind: type[RecurrentMixer]) -> tuple[str, ...]:
+    """What a kind's mixers offer: the keep names of the memories it carries, and the rest."""
+    kept = tuple(name for name, memory in (("states", STATE_MEMORY), ("conv_states", CONV_MEMORY))
+                 if memory in kind.MEMORIES)
+    return (*kept, "inputs", "outputs", "values", "writes", "hooks")
+
+
 def support(model: nn.Module) -> list[MixerSupport]:
     """Per recurrent mixer of `model`: what can be read and written, and why not where it cannot.
 
@@ -366,14 +373,15 @@ def support(model: nn.Module) -> list[MixerSupport]:
             continue
         kind = family.kind
         bound = {k.name: bound_original(*k.target(family.module(), module)) for k in kind.KERNELS}
-        available = ("states", "conv_states", "inputs", "outputs", "values", "writes", "hooks")
+        available = _available(kind)
         prompt = kind.kernel_for(Role.PROMPT)
         segments = prompt.segments
         notes = {
             "idle calls run": ", ".join(
                 f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}" for fn in bound.values()),
             "a few tokens of a prompt": f"{prompt.name} in segments between them" if segments is not None
-            else "the token loop (the prompt kernel takes no initial state, so it cannot run in segments)",
+            else "the token loop (the prompt kernel takes no initial state, so it cannot run in segments)"
+            if prompt.state_in is None else "the token loop (the prompt kernel declares no segments)",
             "every state of a prompt": "chunk-wise without gradients, the token loop with them"
             if segments is not None and segments.all_states is not None else "the token loop",
         }
