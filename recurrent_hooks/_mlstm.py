@@ -100,8 +100,10 @@ def _mlstm(
         f_act = torch.exp(f_log + m - m_new)  # b h 1   f'_t
         i_act = torch.exp(i_pre - m_new)  # b h 1   i'_t
         q_scaled = q * (dhqk ** (-0.5))  # b h k   q̂_t = q_t / √d_qk
-        C = f_act[:, :, :, None] * C + i_act[:, :, :, None] * (k[:, :, :, None] @ v[:, :, None, :])  # b h k v
-        n = f_act * n + i_act * k  # b h k   n_t = f'_t n_{t-1} + i'_t k_t
+        # (the clones are the step kernel's: the product must not save the cache's tensor, which the model
+        # copies the new state into, for the backward)
+        C = f_act[:, :, :, None] * C.clone() + i_act[:, :, :, None] * (k[:, :, :, None] @ v[:, :, None, :])  # b h k v
+        n = f_act * n.clone() + i_act * k  # b h k   n_t = f'_t n_{t-1} + i'_t k_t
         m = m_new  # b h 1
         h_num = (q_scaled[:, :, None, :] @ C.to(dtype=dtype_qkv)).squeeze(2).to(dtype=dtype_state)  # b h v  C_tᵀq̂
         qn = (q_scaled[:, :, None, :] @ n[:, :, :, None].to(dtype=dtype_qkv)).squeeze(2)  # b h 1   n_tᵀ q̂_t
@@ -259,6 +261,9 @@ class MatrixLSTM(RecurrentMixer):
         "train modes": "config.mode 'train' runs _train_fn, transformers' chunk-wise kernel alone: it needs"
         " seq % chunk_size == 0, so decode steps fail there, watched or not; 'train_with_padding' returns no"
         " state, so nothing reaches the cache",
+        "backward with a cache": "transformers 5.24 raises in a backward through a prompt of >= chunk_size"
+        " tokens run with use_cache=True (its chunk-wise kernel saves the cache's state tensor, which the model"
+        " then copy_s into); an idle watched call runs that kernel too: train with use_cache=False",
         "attention_mask": "xLSTM's forward takes no attention mask: pad tokens of a left-padded batch enter"
         " the state, watched or not (a padded row's states differ from the row alone)",
         "xlstm package": "with the xlstm package installed, transformers builds xlstm's own mLSTMBlock"

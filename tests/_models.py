@@ -461,16 +461,30 @@ def _zamba2():
         adapter_rank=8,
     ), **_MAMBA2_HYBRID_FIX)
 
+def _gate_the_mlstm(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """Make the mLSTM gates depend on the input (xLSTM's init gives them zero weights and an input gate bias
+    of -10: constant gates, i' ~ 5e-5, so C and n stay ~1e-3 and e^(-m) dominates the denominator). Gate
+    weights ~ N(0, 0.25^2) from a private generator, so preactivations have std ~2; input gate bias 0."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__ == "xLSTMLayer":
+                for gate in (module.igate_preact, module.fgate_preact):
+                    gate.weight.copy_(torch.randn(gate.weight.shape, generator=gen) * 0.25)
+                module.igate_preact.bias.zero_()
+    return model
+
+
 def _xlstm():
     # Table 3 of more-families.md: hidden 64, since the cache rounds head dims up to multiples of 64 and
     # xLSTMLayer does not (hidden * factor must be a multiple of 64, transformers bug 6); chunk_size 8 so
     # that a 13-token prompt runs the chunk-wise kernel on 8 tokens and the sequence kernel on 5.
-    return _make(
+    return _gate_the_mlstm(_make(
         transformers.xLSTMConfig, transformers.xLSTMForCausalLM,
         vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS,
         hidden_size=64, embedding_dim=64, num_hidden_layers=2, num_blocks=2,
         num_heads=2, qk_dim_factor=1.0, v_dim_factor=1.0, chunk_size=8,
-    )
+    ))
 
 
 FAMILIES: dict[str, Callable[[], transformers.PreTrainedModel]] = {
