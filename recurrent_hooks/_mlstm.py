@@ -255,9 +255,10 @@ class MatrixLSTM(RecurrentMixer):
         "bf16 / fp16": "transformers' chunk-wise kernel computes prompts in the model dtype, the token loop in"
         " float32 (as its step and sequence kernels do): a half-precision prompt's states differ by the model"
         " dtype's rounding",
-        "max_inference_chunksize": "in eval, a prompt longer than config.max_inference_chunksize without a"
-        " cache runs chunk by chunk over an xLSTMCache that transformers creates in bf16, so its states are"
-        " rounded to bf16 between chunks, watched or not (pass a float32 xLSTMCache); each chunk is a call",
+        "max_inference_chunksize": "in eval, a prompt longer than config.max_inference_chunksize runs chunk by"
+        " chunk, each chunk a call; with use_cache=False transformers makes the cache the chunks share in bf16,"
+        " so states are rounded to bf16 between chunks, watched or not (use the cache, or pass a float32"
+        " xLSTMCache)",
         "train modes": "config.mode 'train' runs _train_fn, transformers' chunk-wise kernel alone: it needs"
         " seq % chunk_size == 0, so decode steps fail there, watched or not; 'train_with_padding' returns no"
         " state, so nothing reaches the cache",

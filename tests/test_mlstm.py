@@ -349,7 +349,7 @@ def test_write_changes_only_later_tokens_and_the_cache(model, token):
     assert_close("logits at tokens <= t", plain[:, : token + 1], out.logits[:, : token + 1], rtol=1e-5, atol=1e-5)
     if token < T - 1:
         change = (out.logits[:, token + 1:] - plain[:, token + 1:]).abs().amax(dim=(0, 2))
-        assert change.min() > 1e-6, f"a write at token {token} left later logits unchanged: {change}"
+        assert change.min() > 1e-3, f"a write at token {token} left later logits unchanged: {change}"
     assert_state_equal("state after the write", value, mixer.state_after(token))
     assert_state_equal("the cache holds the continued state", mixer.state_after(-1), cached(out, mixer.layer))
 
@@ -378,7 +378,7 @@ def test_write_at_a_decode_step(model):
     for step in range(3):
         assert_close(f"logits of call {step}", plain.logits[step], steered.logits[step], rtol=1e-5, atol=1e-5)
     change = max((plain.logits[step] - steered.logits[step]).abs().max() for step in range(3, 5))
-    assert change > 1e-6, f"a write at decode call 2 changed no later logits ({change})"
+    assert change > 1e-3, f"a write at decode call 2 changed no later logits ({change})"
     assert_state_equal("call 3 continued from the write", value, state_in(w.mixers[0], 3))
 
 
@@ -494,9 +494,9 @@ def test_gradient_checkpointing_gives_the_gradients_of_the_plain_backward(model,
         model.train()
         model.zero_grad(set_to_none=True)
         if mode is None:
-            model.gradient_checkpointing_disable()
+            model.activation_checkpointing_disable()
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": mode})
         seen = []
         try:
             with rh.watch(model, keep={"states": [5, -1]}) as w:
@@ -513,7 +513,7 @@ def test_gradient_checkpointing_gives_the_gradients_of_the_plain_backward(model,
             state_grad = first.state_after(5).C.grad
             assert [c.index for c in first.calls] == [0], "a recompute counted as a new call"
         finally:
-            model.gradient_checkpointing_disable()
+            model.activation_checkpointing_disable()
             model.eval()
         grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
         return loss.detach(), grads, state_grad, seen
@@ -591,12 +591,12 @@ def test_writing_the_whole_memory_makes_a_layer_continue_as_in_the_other_run(mod
     memory = mixer_a.memory_after(token)
     assert memory.conv_state is None and isinstance(memory.state, MLSTMState)
     patched, _ = first_mixer_outputs(model, run_b, memory, token)
-    assert (out_b[:, token + 1:] - out_a[:, token + 1:]).abs().max() > 1e-6, "the two runs did not differ"
+    assert (out_b[:, token + 1:] - out_a[:, token + 1:]).abs().max() > 1e-3, "the two runs did not differ"
     assert_close("layer output after t, memory written", out_a[:, token + 1:], patched[:, token + 1:],
                  rtol=1e-5, atol=1e-6)
     own = mixer_b.state_after(token)
     c_only, _ = first_mixer_outputs(model, run_b, rh.Memory(MLSTMState(memory.state.C, own.n, own.m), None), token)
-    assert (c_only[:, token + 1:] - out_a[:, token + 1:]).abs().max() > 1e-6
+    assert (c_only[:, token + 1:] - out_a[:, token + 1:]).abs().max() > 1e-3
 
 
 def test_support_lists_the_values_and_the_limits(model):
@@ -646,3 +646,33 @@ def test_transformers_backward_through_a_cached_prompt_fails_and_the_token_loop_
     for name, grad in plain.items():
         assert_close(f"grad of {name}", grad, dict(model.named_parameters())[name].grad, rtol=1e-4,
                      atol=1e-5 * float(grad.abs().max()))
+
+
+def test_a_prompt_longer_than_max_inference_chunksize_is_one_call_per_chunk(family):
+    """An eval prompt longer than config.max_inference_chunksize runs chunk by chunk: each chunk is a call.
+    With use_cache=False, transformers makes the cache the chunks share in bf16 (transformers bug 7): the
+    chunks after the first continue from the bf16-rounded state, and the watch changes nothing of that."""
+    model = build(family)
+    whole = logits_of(model, random_ids(2, T), use_cache=False)
+    model.config.max_inference_chunksize = 5
+    ids = random_ids(2, T)
+    with rh.watch(model, keep=ALL) as w:  # use_cache=True: a float32 cache, no rounding
+        close("chunks over a float32 cache vs one forward", whole, logits_of(model, ids))
+    assert [c.tokens for c in w.mixers[0].calls] == [5, 5, 3] and state_in(w.mixers[0], 1).C.dtype == torch.float32
+    plain = logits_of(model, ids, use_cache=False)
+    assert (plain - whole).abs().max() > 1e-4, "bug 7 is gone: drop the max_inference_chunksize limit"
+    with rh.watch(model, keep=ALL) as w:
+        close("keep states", plain, logits_of(model, ids, use_cache=False))
+    mixer = w.mixers[0]
+    assert [c.tokens for c in mixer.calls] == [5, 5, 3] and [c.index for c in mixer.calls] == [0, 1, 2]
+    assert state_in(mixer, 1).C.dtype == torch.bfloat16
+    assert_state_equal("chunk 2 continued from the last state of chunk 1, rounded to bf16",
+                       MLSTMState(*(p.to(torch.bfloat16) for p in mixer.state_after(-1, call=0))), state_in(mixer, 1))
+    seen = []
+    module = mixer.module
+    handle = rh.register_state_hook(module, lambda m, c, t, s: seen.append(c), token=-1)
+    try:
+        logits_of(model, ids, use_cache=False)
+    finally:
+        handle.remove()
+    assert seen == [0, 1, 2], "a chunk over a cached state was taken for a prompt"
