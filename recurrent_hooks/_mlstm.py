@@ -252,9 +252,12 @@ class MatrixLSTM(RecurrentMixer):
     LIMITS = {
         "segments": "the kernel takes its state as three arguments: a few kept tokens run the token loop,"
         " not transformers' kernel in segments",
-        "bf16 / fp16": "transformers' chunk-wise kernel computes prompts in the model dtype, the token loop in"
-        " float32 (as its step and sequence kernels do): a half-precision prompt's states differ by the model"
-        " dtype's rounding",
+        "bf16 / fp16": "transformers' chunk-wise kernel computes a prompt's first chunk_size-multiple tokens in"
+        " the model dtype, the token loop in float32 (as its step and sequence kernels do): a watched"
+        " half-precision prompt's logits move by up to transformers' own prompt-versus-token-by-token difference"
+        " (tested within twice it); decode steps and prompts shorter than chunk_size are bit-identical. Without a"
+        " cache, transformers' kernel fails on a half-precision prompt of >= chunk_size tokens (float32 zero"
+        " state against model-dtype inputs); a call through the token loop does not",
         "max_inference_chunksize": "in eval, a prompt longer than config.max_inference_chunksize runs chunk by"
         " chunk, each chunk a call; with use_cache=False transformers makes the cache the chunks share in bf16,"
         " so states are rounded to bf16 between chunks, watched or not (use the cache, or pass a float32"

@@ -97,7 +97,7 @@ def test_kernel_rows_are_consistent(kind):
         parameters = inspect.signature(kernel.loop).parameters
         assert "on_token" in parameters and parameters["on_token"].kind is inspect.Parameter.KEYWORD_ONLY, \
             f"{kind.__name__}.{kernel.name}: its loop takes no keyword-only on_token"
-        named = [kernel.state_in] if kernel.state_in else []
+        named = list(kernel.state_arguments)  # one argument, or one per part of the state
         if isinstance(kernel.seq, tuple):
             named.append(kernel.seq[0])
         if kernel.seq == FORWARD:
