@@ -350,14 +350,7 @@ def _falcon_mamba():
 
 def _jamba():
     # Default dt = softplus(0) = 0.69 (dt_proj.bias is zero-initialised): decay ~0.05 per token,
-    # memoryless. dt -> [0.01, 0.1]; xlstm (Table 3 of more-families.md, hidden 64): xLSTM's init gives the mLSTM gates zero weights and
-an input gate bias of -10, so the gates are constant per head and the memory is tiny (C, n ~ 1e-3, the
-denominator e^(-m) wins). ``_gate_the_mlstm`` draws gate weights ~ N(0, 0.25^2) and zeroes the input
-gate bias: gates depend on the input (preactivations std ~2), C and n are O(1), and zeroing the state
-after token 4 moves the last logits by ~1. Cached decoding matches the full forward within 8e-6
-(the chunk-wise prompt kernel against the step kernel).
-
-conv1d x16 and out_proj x4 bring the N(0, 0.02) init of
+    # memoryless. dt -> [0.01, 0.1]; conv1d x16 and out_proj x4 bring the N(0, 0.02) init of
     # these weights to PyTorch's default (kaiming) scale. B and C are RMS-normed: bc has no effect.
     return _strengthen_ssm(_make(
         transformers.JambaConfig, transformers.JambaForCausalLM,
