@@ -718,3 +718,22 @@ def test_half_precision_decode_hooks_leave_generate_unchanged(family, dtype):
     with rh.watch(model, keep=("states",)):
         watched = logits_of(model, ids)
     assert (watched.float() - prompt.float()).abs().max() <= 2 * yardstick  # measured: 0.76 (bf16), 1.07 (fp16)
+
+
+def test_a_patching_sweep_cell_is_the_memory_write_it_stands_for(model):
+    """rh.patching_sweep over the three-part memory: a cell equals one forward with that write."""
+    clean = random_ids(1, 10, seed=1)
+    corrupt = clean.clone()
+    corrupt[0, 3] = (clean[0, 3] + 5) % 128
+    metric = lambda logits: logits[:, -1, 7]  # noqa: E731
+    sweep = rh.patching_sweep(model, clean, corrupt, metric, progress=False, forward_kwargs={"use_cache": False})
+    assert sweep.values.shape == (2, 10)
+    with rh.watch(model, keep=("states",)) as a, torch.no_grad():
+        model(clean, use_cache=False)
+    for layer, position in ((0, 5), (1, 3), (1, 8)):
+        with rh.watch(model) as b, torch.no_grad():
+            b.mixer(layer).set_memory_after(position, a.mixer(layer).memory_after(position))
+            expected = metric(model(corrupt, use_cache=False).logits)[0]
+        assert_close(f"cell ({layer}, {position})", expected, sweep.values[layer, position], rtol=1e-5, atol=1e-6)
+    # from the changed token on, up to the last but one (a write after the last token reaches no logit)
+    assert (sweep.values[0, 3:-1] - sweep.values[0, 0]).abs().min() > 1e-3, "patching after the change did nothing"
