@@ -217,7 +217,6 @@ class MatrixLSTM(RecurrentMixer):
     decode steps alike. The mixer has no convolution window.
     """
 
-    ROUTES = {**RecurrentMixer.ROUTES, "recurrent": "torch", "chunked": "default"}
     STATE_TYPE = MLSTMState
     KERNELS = (
         Kernel(name="_inference_fn", role=Role.BOTH, loop=mlstm_inference, site=Site.INSTANCE,
@@ -270,6 +269,8 @@ class MatrixLSTM(RecurrentMixer):
         " then copy_s into); an idle watched call runs that kernel too: train with use_cache=False",
         "attention_mask": "xLSTM's forward takes no attention mask: pad tokens of a left-padded batch enter"
         " the state, watched or not (a padded row's states differ from the row alone)",
+        "route_kernels": "the kernels are captured by each module when the model is built: there is nothing"
+        " process-wide to reroute (route_kernels refuses); a watch rebinds them per module",
         "xlstm package": "with the xlstm package installed, transformers builds xlstm's own mLSTMBlock"
         " (modeling_xlstm.external_xlstm) and none of these kernels exist: watch refuses the model",
     }

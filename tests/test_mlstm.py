@@ -626,6 +626,8 @@ def test_support_lists_the_values_and_the_limits(model):
     assert values["query"].shape == (2, T, 2, 32) and values["igate"].shape == (2, T, 2)
     with pytest.raises(rh.Unavailable, match="has no conv_state"):
         w.mixers[0].conv_state_after(0)
+    with pytest.raises(rh.Unavailable, match="captured by each module when the model is built"):
+        rh.route_kernels(model, "torch")
 
 
 def test_train_mode_runs_the_train_kernel_through_the_loop(family):
