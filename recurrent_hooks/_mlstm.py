@@ -269,6 +269,7 @@ class MatrixLSTM(RecurrentMixer):
         " then copy_s into); an idle watched call runs that kernel too: train with use_cache=False",
         "attention_mask": "xLSTM's forward takes no attention mask: pad tokens of a left-padded batch enter"
         " the state, watched or not (a padded row's states differ from the row alone)",
+        "beam search": "transformers refuses it for xLSTM (the xLSTMCache cannot be reordered)",
         "route_kernels": "the kernels are captured by each module when the model is built: there is nothing"
         " process-wide to reroute (route_kernels refuses); a watch rebinds them per module",
         "xlstm package": "with the xlstm package installed, transformers builds xlstm's own mLSTMBlock"
