@@ -28,6 +28,7 @@ from ._calls import Memory as Memory
 from ._kernels import Kernel as Kernel
 from ._mixer import RecurrentMixer as RecurrentMixer
 from ._registry import FAMILIES as FAMILIES
+from ._rg_lru import RealGatedLinearRecurrence as RealGatedLinearRecurrence
 from ._selective_scan import PerHeadSelectiveScan as PerHeadSelectiveScan
 from ._selective_scan import SelectiveScan as SelectiveScan
 from ._state_space import StateSpace as StateSpace
@@ -39,6 +40,7 @@ from ._watch import register_state_hook as register_state_hook
 from ._watch import route_kernels as route_kernels
 from ._watch import support as support
 from ._watch import watch as watch
+from ._wkv import WeightedKeyValue as WeightedKeyValue
 
 __all__ = [
     "watch",

@@ -27,7 +27,6 @@ Module contents:
 - `CONV_KERNELS`: their `Kernel` declarations, shared by every mixer kind.
 """
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,8 +36,8 @@ from torch import Tensor
 from transformers.activations import ACT2FN
 
 from ._kernels import CONV_MEMORY, FORWARD, Kernel, Role
+from ._loops import OnToken
 
-OnToken = Callable[[int, Tensor], Tensor]
 
 
 def _conv_loop(

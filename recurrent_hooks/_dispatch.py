@@ -121,9 +121,9 @@ class _Tap:
     thread, and only when the module that calls the kernel is that entry's module.
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, layer: int | None) -> None:
         self.mixers: list[RecurrentMixer] = []
-        self.layer = getattr(module, "layer_idx", None)
+        self.layer = layer
         self._handles = (
             module.register_forward_pre_hook(self._pre, with_kwargs=True),
             module.register_forward_hook(self._post, always_call=True),
@@ -190,9 +190,13 @@ class _Tap:
         live_state = arguments.get(kernel.state_in) if isinstance(kernel.state_in, str) else None
         if "inputs" in records:
             for name in kernel.state_arguments:
-                if isinstance(arguments.get(name), Tensor):
-                    # The cache updates this tensor in place (at the next step, or in this very call): keep its value.
-                    arguments[name] = arguments[name].clone()
+                value = arguments.get(name)
+                # The cache (or the model's state list) updates these tensors in place, at the next step or in
+                # this very call: keep their values. A memory may come as a tuple or list of tensors (RWKV).
+                if isinstance(value, Tensor):
+                    arguments[name] = value.clone()
+                elif isinstance(value, (tuple, list)):
+                    arguments[name] = type(value)(part.clone() if isinstance(part, Tensor) else part for part in value)
         busy = [plan for plan in plans if not plan.idle]
         if not busy:
             result = original(*args, **kwargs)
@@ -353,7 +357,7 @@ def attach(mixer: RecurrentMixer) -> Callable[[], None]:
     with _LOCK:
         tap = _TAPS.get(module)
         if tap is None:
-            tap = _TAPS[module] = _Tap(module)
+            tap = _TAPS[module] = _Tap(module, mixer.layer)
         tap.mixers = [*tap.mixers, mixer]  # a new list: a forward in another thread may be reading the old one
         mixer._live = True
 

@@ -25,7 +25,6 @@ Module contents:
 - `GatedDeltaNet`: the mixer kind, its kernels and values declared as class constants.
 """
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,13 +32,12 @@ from einops import repeat
 from jaxtyping import Float
 from torch import Tensor
 
-from ._errors import RecurrentHooksError
 from ._conv import CONV_KERNELS
 from ._calls import KernelCall
 from ._kernels import Kernel, Role, Segments
+from ._loops import OnToken, causal_decay, refuse_packed, starting_state
 from ._mixer import RecurrentMixer
 
-OnToken = Callable[[int, Tensor], Tensor]
 
 
 def _prepare(
@@ -55,8 +53,7 @@ def _prepare(
     divides by sqrt(d_k) (its prompt kernel, `recurrent=False`, multiplies by d_k ** -0.5); Kimi delta
     attention (`kimi`) divides by sqrt(|x|^2 + eps) and multiplies by 1 / sqrt(d_k).
     """
-    if kwargs.get("cu_seqlens") is not None:
-        raise RecurrentHooksError("packed sequences (cu_seqlens) need flash-linear-attention; the token loop runs one sequence per batch row")
+    refuse_packed(kwargs, ("cu_seqlens",), "flash-linear-attention")
     batch, _, key_heads, key_dim = key.shape
     heads, value_dim = value.shape[-2:]
     # grouped value heads: value head j reads key head j // (heads // key_heads)
@@ -73,10 +70,7 @@ def _prepare(
         q = q / key_dim**0.5
     else:
         q = q * key_dim**-0.5
-    if initial_state is None:
-        state = q.new_zeros(batch, heads, key_dim, value_dim)
-    else:  # a copy: the cache writes into its tensor in place at the next step
-        state = initial_state.to(torch.float32, copy=True)
+    state = starting_state(initial_state, lambda: q.new_zeros(batch, heads, key_dim, value_dim))
     return q, k, v, b, log_a, state
 
 
@@ -136,8 +130,7 @@ def _gated_delta_rule_states(
         qc, kc, vc, bc, gc = (x[start:start + chunk] for x in (q, k, v, b, log_a))  # i b h ..
         size = qc.shape[0]
         cum = gc.cumsum(0)  # i b h d   c_i, d = 1 or key_dim
-        causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()[:, :, None, None, None]
-        decay = (cum[:, None] - cum[None, :]).masked_fill(~causal, -torch.inf).exp()  # i j b h d   D_ij
+        decay = causal_decay(cum)  # i j b h d   D_ij
         decayed_keys = decay * kc[None]  # i j b h k   D_ij k_j
         interaction = (kc[:, None] * decayed_keys).sum(-1) * bc[:, None]  # i j b h   b_i k_i^T D_ij k_j
         system = torch.eye(size, device=q.device) + interaction.permute(2, 3, 0, 1).tril(-1)  # b h i j

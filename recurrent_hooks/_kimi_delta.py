@@ -38,7 +38,8 @@ from torch import Tensor
 
 from ._conv import CONV_KERNELS
 from ._kernels import Role
-from ._gated_delta_net import GatedDeltaNet, OnToken, _gated_delta_rule, _gated_delta_rule_states
+from ._gated_delta_net import GatedDeltaNet, _gated_delta_rule, _gated_delta_rule_states
+from ._loops import OnToken
 
 
 def chunk_kimi_delta_attention(

@@ -180,7 +180,8 @@ class RecurrentMixer:
       (`state`, `conv_state`; a short convolution has only `conv_state`);
     - `FORWARD_INPUT`, `FORWARD_CACHE`: the mixer forward's argument whose axis 1 counts the call's
       tokens, and the names its cache may come under (`_parse_forward` reads them; a kind whose
-      forward differs overrides it).
+      forward differs overrides it);
+    - `LAYER_ATTRIBUTE`: the mixer module's attribute that holds its decoder layer index (`mixer.layer`).
 
     `recomputing` is True while autograd recomputes a checkpointed forward of this mixer (gradient
     checkpointing): hooks run again then, with the call index of the forward being recomputed.
@@ -201,13 +202,16 @@ class RecurrentMixer:
     MEMORIES: ClassVar[tuple[str, ...]] = (STATE_MEMORY, CONV_MEMORY)
     FORWARD_INPUT: ClassVar[str] = "hidden_states"
     FORWARD_CACHE: ClassVar[tuple[str, ...]] = ("cache", "cache_params")
+    LAYER_ATTRIBUTE: ClassVar[str] = "layer_idx"
 
     def __init__(self, module: nn.Module, family: str, *,
                  keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (), history: bool = True,
-                 restart_on_prompt: bool = False, thread: int | None = None) -> None:
+                 restart_on_prompt: bool = False, thread: int | None = None, layer: int | None = None) -> None:
         self._module = weakref.ref(module)  # a standalone hook must not keep its module alive
         self.family = family
-        self.layer: int | None = getattr(module, "layer_idx", None)
+        # the module's own layer_idx; else `layer`, the watch's reading of the module's path (a mixer module
+        # that does not store its index, e.g. "model.layers.3.temporal_block")
+        self.layer: int | None = getattr(module, self.LAYER_ATTRIBUTE, layer)
         self.keep, self.records = normalize_keep(keep)
         self.calls: list[Call] = []
         self.head: int | None = None  # the head of the running recurrence kernel call (KERNEL_PER_HEAD kinds)
@@ -266,7 +270,7 @@ class RecurrentMixer:
         cache = next((found for name in cls.FORWARD_CACHE
                       if (found := arguments.get(name, extra.get(name))) is not None), None)
         hidden = arguments[cls.FORWARD_INPUT]
-        layer = getattr(module, "layer_idx", None)
+        layer = getattr(module, cls.LAYER_ATTRIBUTE, None)
         fresh = cache is None or layer is None or cls._cached(cache, layer) is None
         return hidden.shape[1], cache, fresh, hidden
 

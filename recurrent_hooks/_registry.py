@@ -21,9 +21,11 @@ from ._errors import Unavailable
 from ._kimi_delta import KimiDeltaAttention
 from ._gated_delta_net import GatedDeltaNet
 from ._mixer import RecurrentMixer
+from ._rg_lru import RealGatedLinearRecurrence
 from ._mlstm import MatrixLSTM
 from ._selective_scan import PerHeadSelectiveScan, SelectiveScan
 from ._state_space import StateSpace
+from ._wkv import WeightedKeyValue
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +66,8 @@ FAMILIES: dict[str, Family] = {
         Family("granitemoehybrid", "GraniteMoeHybridMambaLayer", StateSpace),
         Family("nemotron_h", "NemotronHMamba2Mixer", StateSpace),
         Family("zamba2", "Zamba2MambaMixer", StateSpace),
+        Family("recurrent_gemma", "RecurrentGemmaRecurrentBlock", RealGatedLinearRecurrence),
+        Family("rwkv", "RwkvSelfAttention", WeightedKeyValue),
         Family("xlstm", "xLSTMLayer", MatrixLSTM),
     )
 }
@@ -90,9 +94,6 @@ _SHORT_CONV = "a short-convolution mixer (its memory is only the convolution win
 _INLINE_CONV = "an inline convolution (unfold in forward), no kernel to rebind; no mixer kind for it yet"
 
 UNSUPPORTED: tuple[Unsupported, ...] = (
-    Unsupported("recurrent_gemma", "RecurrentGemmaRecurrentBlock",
-                "RG-LRU: the recurrence is the method _rnn_scan, not a module global; no mixer kind for it yet"),
-    Unsupported("rwkv", "RwkvSelfAttention", "RWKV-4 WKV: its memory is several tensors; no mixer kind for it yet"),
     Unsupported("minimax", "MiniMaxLightningAttention", "lightning attention: no kernel function (inline loops)"),
     Unsupported("lfm2", "Lfm2ShortConv", _SHORT_CONV),
     Unsupported("lfm2_moe", "Lfm2MoeShortConv", _SHORT_CONV),

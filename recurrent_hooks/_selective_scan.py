@@ -34,12 +34,11 @@ Module contents:
 - `mamba_selective_scan`, `mamba_selective_state_update`: token loops with the signatures and results of
   transformers' kernels of the same names, plus a keyword-only `on_token` (and `initial_state` for the scan).
 - `discretize`: Δ_t, exp(Δ_t A) and Δ_t B_t x_t of every token, from the prompt kernel's arguments.
-- `step_size`, `discrete_step`, `refuse_packed`: shared with the Mamba-2 loops in `_state_space`.
+- `step_size`, `discrete_step`, `refuse_mamba_packed`: shared with the Mamba-2 loops in `_state_space`.
 - `SelectiveScan`, `PerHeadSelectiveScan`: the mixer kinds (zamba runs its kernels once per head).
 """
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,13 +47,12 @@ from einops import rearrange
 from jaxtyping import Float
 from torch import Tensor
 
-from ._errors import RecurrentHooksError
 from ._conv import CONV_KERNELS
 from ._calls import KernelCall
 from ._kernels import STATE_MEMORY, Kernel, Role
+from ._loops import OnToken, refuse_packed, starting_state
 from ._mixer import RecurrentMixer
 
-OnToken = Callable[[int, Tensor], Tensor]
 
 
 def step_size(dt: Tensor, bias: Tensor | None, softplus: bool, limit: tuple[float, float] | None = None) -> Tensor:
@@ -71,13 +69,9 @@ def step_size(dt: Tensor, bias: Tensor | None, softplus: bool, limit: tuple[floa
     return dt.float()
 
 
-def refuse_packed(kwargs: dict[str, Any]) -> None:
+def refuse_mamba_packed(kwargs: dict[str, Any]) -> None:
     """Raise for packed sequences: transformers' own pure-torch kernels refuse them too."""
-    for name in ("cu_seqlens", "seq_idx"):
-        if kwargs.get(name) is not None:
-            raise RecurrentHooksError(
-                f"packed sequences ({name}) need mamba_ssm; the token loop runs one sequence per batch row"
-            )
+    refuse_packed(kwargs, ("cu_seqlens", "seq_idx"), "mamba_ssm")
 
 
 def discrete_step(
@@ -132,10 +126,8 @@ def _selective_scan(
     each token's state is cast to it for the product, as transformers' kernels do.
     """
     batch, seq, d_inner = x.shape
-    if initial_state is None:
-        state = x.new_zeros(batch, d_inner, A.shape[-1])
-    else:  # a copy: the decode kernel's state is the cache tensor, written only at the end
-        state = initial_state.to(torch.float32, copy=True)
+    # a copy: the decode kernel's state is the cache tensor, written only at the end
+    state = starting_state(initial_state, lambda: x.new_zeros(batch, d_inner, A.shape[-1]))
     outputs = []
     for t in range(seq):
         decay, drive = discrete_step(dt[:, t], A, B[:, t], x[:, t])  # b d n   exp(Δ_t A), Δ_t B_t x_t
@@ -185,7 +177,7 @@ def mamba_selective_scan(
     `initial_state` is the library's own: transformers' kernel always starts from zeros, which is why a
     multi-token forward of a Mamba-1 model with a cache drops the cached state.
     """
-    refuse_packed(kwargs)
+    refuse_mamba_packed(kwargs)
     x = rearrange(hidden_states, "b d t -> b t d").float()
     delta = step_size(rearrange(dt, "b d t -> b t d"), delta_bias, delta_softplus)
     B_t = rearrange(B, "b n t -> b t n").float()
@@ -218,7 +210,7 @@ def mamba_selective_state_update(
     into `state` in place (`copy_`): the mixer never writes it back to the cache. With `on_token` (called
     once, t=0) the state written is the one it returns. Unknown keyword arguments are ignored.
     """
-    refuse_packed(kwargs)
+    refuse_mamba_packed(kwargs)
     x = hidden_states.float()[:, None]  # b 1 d
     delta = step_size(dt, dt_bias, dt_softplus)[:, None]  # b 1 d
     y, new_state = _selective_scan(x, delta, A.float(), B.float()[:, None], C[:, None], state, on_token)

@@ -60,7 +60,8 @@ from ._conv import CONV_KERNELS
 from ._calls import KernelCall
 from ._kernels import Kernel, Role, Segments
 from ._mixer import RecurrentMixer
-from ._selective_scan import OnToken, discrete_step, refuse_packed, step_size
+from ._loops import OnToken, causal_decay, starting_state
+from ._selective_scan import discrete_step, refuse_mamba_packed, step_size
 
 
 def _per_head(v: Float[Tensor, "*lead groups d_state"], heads: int) -> Float[Tensor, "*lead heads d_state"]:
@@ -108,10 +109,8 @@ def _ssd(
     q is 1 (prompt: a step per head) or head_dim (decode: expanded), m is 1 or d_state, as in `discrete_step`.
     """
     batch, seq, heads, head_dim = x.shape
-    if initial_state is None:
-        state = x.new_zeros(batch, heads, head_dim, B.shape[-1])
-    else:  # a copy: the decode kernel's state is the cache tensor, written only at the end
-        state = initial_state.to(torch.float32, copy=True)
+    # a copy: the decode kernel's state is the cache tensor, written only at the end
+    state = starting_state(initial_state, lambda: x.new_zeros(batch, heads, head_dim, B.shape[-1]))
     outputs = []
     for t in range(seq):
         decay, drive = discrete_step(dt[:, t], A, B[:, t], x[:, t])  # b h q m, b h p n   exp(Δ_t a_h), Δ_t x_t B_t^T
@@ -148,7 +147,7 @@ def mamba2_chunk_scan(
     mixer gates afterwards). `on_token(t, state)` is called after token t's state update and output;
     token t+1 continues from the state it returns, and the last one returned is the final state.
     """
-    refuse_packed(kwargs)
+    refuse_mamba_packed(kwargs)
     heads = hidden_states.shape[2]
     x = hidden_states.float()
     delta = step_size(dt, dt_bias, dt_softplus, dt_limit)  # b t h
@@ -183,7 +182,7 @@ def mamba2_chunk_scan_states(
         h_i = exp(c_i) h_0 + sum_{j<=i} w_ij Δ_j x_j B_j^T,    y_i = h_i C_i + D_h x_i
     one (i x j) @ (j x head_dim*d_state) product per head and chunk. `chunk_size` is accepted and ignored.
     """
-    refuse_packed(kwargs)
+    refuse_mamba_packed(kwargs)
     batch, seq, heads, head_dim = hidden_states.shape
     x = hidden_states.float().movedim(1, 0)  # t b h p
     delta = step_size(dt, dt_bias, dt_softplus, dt_limit).movedim(1, 0)  # t b h
@@ -196,8 +195,7 @@ def mamba2_chunk_scan_states(
         xc, dc, Bc, lc = (v[start:start + chunk] for v in (x, delta, B_h, log_decay))  # i b h ..
         size = xc.shape[0]
         cum = lc.cumsum(0)  # i b h   c_i
-        causal = torch.ones(size, size, dtype=torch.bool, device=x.device).tril()[:, :, None, None]
-        weights = (cum[:, None] - cum[None, :]).masked_fill(~causal, -torch.inf).exp()  # i j b h   w_ij
+        weights = causal_decay(cum)  # i j b h   w_ij
         drive = (dc[..., None] * xc)[..., None] * Bc[..., None, :]  # j b h p n   Δ_j x_j B_j^T
         mixed = weights.permute(2, 3, 0, 1) @ drive.permute(1, 2, 0, 3, 4).flatten(3)  # b h i (p n)
         states = every[start:start + size]  # i b h p n
@@ -233,7 +231,7 @@ def mamba2_selective_state_update(
     back to the cache. With `on_token` (called once, t=0) the state written is the one it returns.
     No `dt_limit` clamp, as in transformers. Unknown keyword arguments are ignored.
     """
-    refuse_packed(kwargs)
+    refuse_mamba_packed(kwargs)
     heads = hidden_states.shape[1]
     # in the dtypes and order of transformers' kernel: Δ in dt's dtype, exp(Δ A) in float32, Δ B x in the
     # promotion of dt, B and x (the model dtype), the state float32, h C and the skip in C's and x's dtypes

@@ -36,13 +36,10 @@ def _mixer_modules(model: nn.Module) -> list[tuple[str, nn.Module, Family]]:
     return [(path, m, row) for path, m in model.named_modules() if (row := family_of(m)) is not None]
 
 
-def _layer_of(path: str, module: nn.Module) -> int | None:
-    """A mixer's decoder layer: its `layer_idx`, else the last index in its path in the model (a mixer class
-    that keeps no index, e.g. `backbone.blocks.1.mlstm_layer` -> 1); None when neither says."""
-    layer = getattr(module, "layer_idx", None)
-    if layer is None:
-        layer = next((int(part) for part in reversed(path.split(".")) if part.isdigit()), None)
-    return layer
+def _layer_in_path(path: str) -> int | None:
+    """The decoder layer a module's path names: its last integer part ("model.layers.3.temporal_block" -> 3)."""
+    numbers = [int(part) for part in path.split(".") if part.isdigit()]
+    return numbers[-1] if numbers else None
 
 
 def _attach_with_kernels(mixer: RecurrentMixer, family: Family, stack: contextlib.ExitStack) -> None:
@@ -183,12 +180,8 @@ class Watch:
         if not found:
             raise Unavailable(_no_mixer_message(self.model))
         thread = threading.get_ident()
-        rows = []
-        for path, m, row in found:
-            mixer = row.kind(m, row.name, keep=self._kept, thread=thread)
-            mixer.layer = _layer_of(path, m)
-            rows.append((mixer, row))
-        rows.sort(key=lambda pair: (pair[0].layer is None, pair[0].layer or 0))
+        rows = sorted(((row.kind(m, row.name, keep=self._kept, thread=thread, layer=_layer_in_path(path)), row)
+                       for path, m, row in found), key=lambda pair: (pair[0].layer is None, pair[0].layer or 0))
         mixers = [mixer for mixer, _ in rows]
         stack = contextlib.ExitStack()
         try:  # all or nothing: a failure releases what was acquired so far
@@ -365,8 +358,8 @@ def support(model: nn.Module) -> list[MixerSupport]:
     rows = []
     for path, module in model.named_modules():
         name = type(module).__name__
-        layer = _layer_of(path, module)
         family = family_of(module)
+        layer = getattr(module, "layer_idx" if family is None else family.kind.LAYER_ATTRIBUTE, _layer_in_path(path))
         if family is None:
             if (unsupported := unsupported_of(module)) is not None:
                 rows.append(MixerSupport(path, layer, name, None, None, (), {"everything": unsupported.reason}))
@@ -380,8 +373,7 @@ def support(model: nn.Module) -> list[MixerSupport]:
             "idle calls run": ", ".join(
                 f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}" for fn in bound.values()),
             "a few tokens of a prompt": f"{prompt.name} in segments between them" if segments is not None
-            else "the token loop (the prompt kernel takes no initial state, so it cannot run in segments)"
-            if prompt.state_in is None else "the token loop (the prompt kernel declares no segments)",
+            else "the token loop (the prompt kernel does not run in segments: see the limits)",
             "every state of a prompt": "chunk-wise without gradients, the token loop with them"
             if segments is not None and segments.all_states is not None else "the token loop",
         }

@@ -19,6 +19,7 @@ from ._kernels import Segments as Segments
 from ._kernels import Site as Site
 from ._kimi_delta import KimiDeltaAttention as KimiDeltaAttention
 from ._mixer import RecurrentMixer as RecurrentMixer
+from ._rg_lru import RealGatedLinearRecurrence as RealGatedLinearRecurrence
 from ._mlstm import MatrixLSTM as MatrixLSTM
 from ._mlstm import MLSTMState as MLSTMState
 from ._registry import FAMILIES as FAMILIES
@@ -28,6 +29,7 @@ from ._registry import Unsupported as Unsupported
 from ._selective_scan import PerHeadSelectiveScan as PerHeadSelectiveScan
 from ._selective_scan import SelectiveScan as SelectiveScan
 from ._state_space import StateSpace as StateSpace
+from ._wkv import WeightedKeyValue as WeightedKeyValue
 
 __all__ = [
     "RecurrentMixer",
@@ -48,6 +50,8 @@ __all__ = [
     "SelectiveScan",
     "PerHeadSelectiveScan",
     "StateSpace",
+    "RealGatedLinearRecurrence",
+    "WeightedKeyValue",
     "MatrixLSTM",
     "MLSTMState",
 ]

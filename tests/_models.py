@@ -65,6 +65,9 @@ Effect at default init -> as built, with per-token decay exp(dt A) and rms |B|, 
   dt there but the one-token decode kernel does not, so larger B/C with dt < 1e-3 made cached
   decoding differ from a full forward by up to 1e-4.
 
+RWKV-4 (rwkv: 2 layers, all time mixing, no attention, no Cache; same check, the WKV state of one
+layer after token 4 replaced by the empty one): effect 0.35 .. 0.71 at default init (time_decay spans
+[-5, 3], so per-token decays e^{-w} from 0.99 to 2e-9 over the channels); left as it is.
 xlstm (Table 3 of more-families.md, hidden 64): xLSTM's init gives the mLSTM gates zero weights and
 an input gate bias of -10, so the gates are constant per head and the memory is tiny (C, n ~ 1e-3, the
 denominator e^(-m) wins). ``_gate_the_mlstm`` draws gate weights ~ N(0, 0.25^2) and zeroes the input
@@ -468,6 +471,32 @@ def _zamba2():
         adapter_rank=8,
     ), **_MAMBA2_HYBRID_FIX)
 
+def _recurrent_gemma():
+    # Griffin: two recurrent blocks (RG-LRU) and a local-attention block. lru_width = hidden_size, as
+    # transformers sizes a fresh conv window with hidden_size (more-families.md, bug 3).
+    common = {k: v for k, v in _COMMON.items() if k != "num_hidden_layers"}
+    return _make(
+        transformers.RecurrentGemmaConfig, transformers.RecurrentGemmaForCausalLM,
+        **common,
+        num_hidden_layers=3,
+        block_types=["recurrent", "recurrent", "attention"],
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        lru_width=32,
+        attention_window_size=16,
+        conv1d_width=4,
+    )
+
+
+def _rwkv():
+    # RWKV-4, no attention layers, no Cache (the state is a list threaded through `state=`). With 2 layers and
+    # rescale_every = 6, eval mode's in-place rescaling divides by 2^0: the weights are left as they are.
+    return _make(
+        transformers.RwkvConfig, transformers.RwkvForCausalLM,
+        vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS,  # RwkvConfig has no pad_token_id
+        hidden_size=32, num_hidden_layers=2, context_length=64,
+    )
 def _gate_the_mlstm(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
     """Make the mLSTM gates depend on the input (xLSTM's init gives them zero weights and an input gate bias
     of -10: constant gates, i' ~ 5e-5, so C and n stay ~1e-3 and e^(-m) dominates the denominator). Gate
@@ -514,6 +543,8 @@ FAMILIES: dict[str, Callable[[], transformers.PreTrainedModel]] = {
     "granitemoehybrid": _granitemoehybrid,
     "nemotron_h": _nemotron_h,
     "zamba2": _zamba2,
+    "recurrent_gemma": _recurrent_gemma,
+    "rwkv": _rwkv,
     "xlstm": _xlstm,
 }
 

@@ -37,9 +37,13 @@ def generate(model, n=4):
         return model.generate(random_ids(2, T), max_new_tokens=n, do_sample=False, pad_token_id=PAD)
 
 
-def rwkv_model():
-    config = transformers.RwkvConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, context_length=64)
-    return transformers.RwkvForCausalLM(config).eval()
+def zaya_model():
+    """zaya: attention layers whose projections run an inline convolution (CCA), which the library refuses."""
+    config = transformers.ZayaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2,
+                                     layer_types=["hybrid", "hybrid_sliding"], sliding_window=8, num_attention_heads=2,
+                                     num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=1,
+                                     moe_intermediate_size=32, router_hidden_size=16, cca_time0=2, cca_time1=2)
+    return transformers.ZayaForCausalLM(config).eval()
 
 
 def test_public_names_are_importable():
@@ -144,13 +148,13 @@ def test_reading_what_was_not_kept_or_does_not_exist(model):
 
 
 def test_an_unsupported_model_is_refused_with_the_reason():
-    with pytest.raises(rh.Unavailable, match=r"RwkvForCausalLM contains no recurrent mixer of a supported family "
-                       r"\(supported: qwen3_next, .*\); it has RwkvSelfAttention \(RWKV-4 WKV: its memory is several tensors"):
-        with rh.watch(rwkv_model()):
+    with pytest.raises(rh.Unavailable, match=r"ZayaForCausalLM contains no recurrent mixer of a supported family "
+                       r"\(supported: qwen3_next, .*\); it has ZayaCCAProjection \(CCA: an inline convolution"):
+        with rh.watch(zaya_model()):
             pass
-    rows = rh.support(rwkv_model())
-    assert [row.mixer_class for row in rows] == ["RwkvSelfAttention"] * 2
-    assert rows[0].family is None and rows[0].unavailable["everything"].startswith("RWKV-4 WKV")
+    rows = rh.support(zaya_model())
+    assert [row.mixer_class for row in rows] == ["ZayaCCAProjection"] * 2
+    assert rows[0].family is None and rows[0].unavailable["everything"].startswith("CCA")
     with pytest.raises(rh.InvalidValue, match="expected a torch.nn.Module"):
         rh.watch("qwen3_5")
     with pytest.raises(rh.InvalidValue, match=r"cannot keep \['state'\]; keep takes names from"):

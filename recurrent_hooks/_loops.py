@@ -1,0 +1,46 @@
+"""What the token loops of every kind share: the `on_token` contract, the starting state, refusals, the
+chunk-wise decay mask.
+
+Module contents:
+- `OnToken`: `on_token(t, state) -> state`, the library's keyword-only argument of every token loop:
+  called after token t's update with the state token t+1 would continue from; it returns the state
+  token t+1 continues from (the same one, or a hook's or write's replacement).
+- `starting_state(initial, zeros)`: a float32 copy of the state a call starts from (the cache writes
+  into its tensor in place later), or `zeros()` when the call starts from nothing.
+- `refuse_packed(kwargs, names, needs)`: packed sequences are refused, naming the package that runs them.
+- `causal_decay(cum)`: within a chunk, exp(c_i - c_j) for j <= i and 0 above the diagonal.
+"""
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._errors import RecurrentHooksError
+from ._parts import State
+
+OnToken = Callable[[int, State], State]
+
+
+def starting_state(initial: Tensor | None, zeros: Callable[[], Tensor]) -> Tensor:
+    """The state a call starts from, float32 and a copy of the cache's tensor (which is written in place later)."""
+    return zeros() if initial is None else initial.to(torch.float32, copy=True)
+
+
+def refuse_packed(kwargs: dict[str, Any], names: Iterable[str], needs: str) -> None:
+    """Raise for packed sequences, which the token loops (one sequence per batch row) cannot run."""
+    for name in names:
+        if kwargs.get(name) is not None:
+            raise RecurrentHooksError(
+                f"packed sequences ({name}) need {needs}; the token loop runs one sequence per batch row")
+
+
+def causal_decay(cum: Tensor) -> Tensor:
+    """`[i, j, ...]`: exp(cum_i - cum_j) where j <= i (the decay from token j to token i), 0 above the diagonal.
+
+    `cum` is `[i, ...]`, the cumulative log decay from the chunk's start to each token."""
+    size = cum.shape[0]
+    causal = torch.ones(size, size, dtype=torch.bool, device=cum.device).tril()
+    causal = causal.view(size, size, *(1,) * (cum.dim() - 1))
+    return (cum[:, None] - cum[None, :]).masked_fill(~causal, -torch.inf).exp()

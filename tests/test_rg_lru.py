@@ -1,0 +1,807 @@
+"""RecurrentGemma's RG-LRU (`RealGatedLinearRecurrence`): kernels, references and the family bar.
+
+The kind's memory lives on module attributes (`block.rg_lru.recurrent_states`, `block.conv1d_state`), not in
+the Cache, and its two kernels are class attributes (`RecurrentGemmaRglru._rnn_scan`, the block's `forward`),
+so it has its own test file with the checks of tests/test_families.py, parametrized by family:
+- the two loops against transformers' own methods, bit for bit, and the states and windows against float64
+  references written from Griffin's equations (h_t = a_t h_{t-1} + sqrt(1 - a_t^2)(i_t * x_t));
+- parity, generate, the call counter, writes (prompt, decode, conv window), the whole-memory identity,
+  gradients, bindings, support;
+- transformers' own quirks (more-families.md, bugs 3-5), reproduced watched and unwatched.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _compare import assert_close, assert_equal
+from _models import PAD, build, random_ids
+from _reachable import tensor_bytes_reachable
+
+import recurrent_hooks as rh
+from recurrent_hooks._patching import import_default
+from recurrent_hooks._rg_lru import recurrent_block_forward, rnn_scan
+
+RG_LRU_FAMILIES = [name for name, row in rh.FAMILIES.items() if row.kind is rh.RealGatedLinearRecurrence]
+ALL = ("states", "conv_states", "inputs", "outputs")
+T = 13
+EXACT = dict(rtol=0, atol=0)
+
+
+def classes(family):
+    module = rh.FAMILIES[family].module()
+    return module.RecurrentGemmaRglru, module.RecurrentGemmaRecurrentBlock
+
+
+def bindings(family):
+    """What the kind's two class attributes hold now, read from the classes' own `__dict__`."""
+    return {kernel.name: vars(kernel.target(rh.FAMILIES[family].module())[0])[kernel.name]
+            for kernel in rh.FAMILIES[family].kind.KERNELS}
+
+
+def logits_of(model, ids, **kwargs):
+    with torch.no_grad():
+        return model(ids, **kwargs).logits
+
+
+def greedy(model, ids, n, **kwargs):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=PAD, **kwargs)
+
+
+def perturbation(state, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return state + torch.randn(state.shape, generator=gen).to(state.dtype) * (state.abs().max() + 1)
+
+
+@pytest.fixture(params=RG_LRU_FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture
+def model(family):
+    return build(family)
+
+
+# -- float64 references from the paper's equations ---------------------------------------------------------------
+
+
+def rg_lru_reference(rg_lru, x, position_ids, initial_state=None):
+    """Every h_t of one call in float64, from the RG-LRU's input x_t (the conv output) and the module's weights:
+    r_t = sigma(W_a x_t + b_a), i_t = sigma(W_x x_t + b_x) per head block; log a_t = -8 r_t softplus(param);
+    h_t = a_t h_{t-1} + sqrt(1 - a_t^2)(i_t * x_t), with a_t = 0 and the factor 1 at position 0."""
+    x = x.double()
+    batch, seq, width = x.shape
+    heads = rg_lru.num_attention_heads
+    blocks = x.reshape(batch, seq, heads, width // heads)
+
+    def gate(weight, bias):
+        pre = torch.einsum("bthi,hij->bthj", blocks, weight.double()) + bias.double()
+        return torch.sigmoid(pre).reshape(batch, seq, width)
+
+    r = gate(rg_lru.recurrent_gate_weight, rg_lru.recurrent_gate_bias)
+    i = gate(rg_lru.input_gate_weight, rg_lru.input_gate_bias)
+    a = torch.exp(-8.0 * r * F.softplus(rg_lru.recurrent_param.double()))
+    reset = (position_ids == 0)[:, :, None].expand(batch, seq, width)
+    a = torch.where(reset, torch.zeros_like(a), a)
+    norm = torch.where(reset, torch.ones_like(a), torch.sqrt(1 - a * a))
+    h = x.new_zeros(batch, width) if initial_state is None else initial_state.double()
+    states = []
+    for t in range(seq):
+        h = a[:, t] * h + norm[:, t] * (i[:, t] * x[:, t])
+        states.append(h)
+    return torch.stack(states, dim=1)
+
+
+class Captured:
+    """The blocks' inputs and their RG-LRUs' inputs (the conv outputs) of every forward, by module hooks."""
+
+    def __init__(self, model):
+        self.blocks, self.lrus, self.handles = {}, {}, []
+        for path, module in model.named_modules():
+            if type(module).__name__ == "RecurrentGemmaRecurrentBlock":
+                self.handles.append(module.register_forward_pre_hook(self._block(module), with_kwargs=True))
+                self.handles.append(module.rg_lru.register_forward_pre_hook(self._lru(module)))
+
+    def _block(self, module):
+        def hook(m, args, kwargs):
+            self.blocks.setdefault(module, []).append((args[0].detach(), kwargs["position_ids"]))
+        return hook
+
+    def _lru(self, module):
+        def hook(m, args):
+            self.lrus.setdefault(module, []).append((args[0].detach(), args[1]))
+        return hook
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+def window_reference(block, u, previous=None):
+    """The window after every token in float64: the last K-1 inputs W_x u, oldest first (a prompt from zeros;
+    a decode step shifts its input into the previous window)."""
+    x = block.linear_x(u).double().transpose(1, 2)  # b D T
+    size = block.conv1d_width - 1
+    start = x.new_zeros(x.shape[0], x.shape[1], size) if previous is None else previous.double()
+    run = torch.cat([start, x], dim=-1)
+    return torch.stack([run[..., t + 1: t + 1 + size] for t in range(x.shape[-1])], dim=1)
+
+
+def conv_reference(block, windows_before, x):
+    """The conv output of each position in float64: sum_k w_k (window, x_t)_k + b."""
+    weight, bias = block.conv_1d.weight[:, 0].double(), block.conv_1d.bias.double()
+    full = torch.cat([windows_before.double(), x.double()[..., None]], dim=-1)  # b t D K
+    return (full * weight).sum(-1) + bias
+
+
+# -- the kernels against transformers' own methods ---------------------------------------------------------------
+
+
+def _scan_inputs(seq, dtype, state, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, seq, 16, generator=gen).to(dtype)
+    a = torch.rand(2, seq, 16, generator=gen).to(dtype)
+    position_ids = torch.arange(seq)[None].repeat(2, 1) + (0 if state is None else 5)
+    if seq > 3:
+        position_ids[1] -= 3  # row 1 starts a new sequence at token 3
+    reset = (position_ids == 0)[:, :, None]
+    h0 = None if state is None else torch.randn(2, 16, generator=gen)
+    return x, a, reset, h0
+
+
+@pytest.mark.parametrize("family_", RG_LRU_FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("seq", [1, 9])
+@pytest.mark.parametrize("start", ["zeros", "state"])
+def test_scan_loop_equals_transformers_bit_for_bit(family_, dtype, seq, start):
+    rglru_cls, _ = classes(family_)
+    original = import_default(rglru_cls, "_rnn_scan")
+    module = build(family_).model.layers[0].temporal_block.rg_lru
+    x, a, reset, h0 = _scan_inputs(seq, dtype, None if start == "zeros" else True)
+    expected = original(module, x, a, reset, h0)
+    seen = []
+    for got in (rnn_scan(module, x, a, reset, h0),
+                rnn_scan(module, x, a, reset, h0, on_token=lambda t, s: seen.append(t) or s)):
+        assert_equal("output", expected[0], got[0])
+        assert_equal("last state", expected[1], got[1])
+        assert got[0].dtype == expected[0].dtype and got[1].dtype == torch.float32
+    assert seen == list(range(seq))
+
+
+def test_scan_loop_continues_from_what_on_token_returns(family):
+    rglru_cls, _ = classes(family)
+    original = import_default(rglru_cls, "_rnn_scan")
+    module = build(family).model.layers[0].temporal_block.rg_lru
+    x, a, reset, h0 = _scan_inputs(9, torch.float32, True)
+    value = torch.randn(2, 16)
+    out, last = rnn_scan(module, x, a, reset, h0, on_token=lambda t, s: value if t == 4 else s)
+    head, _ = original(module, x[:, :5], a[:, :5], reset[:, :5], h0)
+    tail, tail_last = original(module, x[:, 5:], a[:, 5:], reset[:, 5:], value)
+    assert_equal("tokens <= 4", head, out[:, :5])
+    assert_equal("tokens > 4 continue from the write", tail, out[:, 5:])
+    assert_equal("last state", tail_last, last)
+
+
+def _run_block(forward, block, steps, on_token=None):
+    """Run `forward` over (input, position_ids, use_cache) steps on `block`; outputs and the module's memory."""
+    results = []
+    for u, position_ids, use_cache in steps:
+        extra = {} if on_token is None else {"on_token": on_token}
+        out, none = forward(block, u, position_ids, None, use_cache, **extra)
+        assert none is None
+        state, window = block.rg_lru.recurrent_states, block.conv1d_state
+        results.append((out, None if state is None else state.clone(), None if window is None else window.clone()))
+    return results
+
+
+def _block_steps(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    u = lambda n: torch.randn(2, n, 32, generator=gen)
+    pos = lambda a, b: torch.arange(a, b)[None]
+    return [
+        (u(9), pos(0, 9), True),  # a prompt
+        (u(1), pos(9, 10), True), (u(1), pos(10, 11), True),  # decode steps
+        (u(4), pos(11, 15), True),  # a multi-token continuation (the conv restarts from zeros: bug 5)
+        (u(1), pos(15, 16), True),
+        (u(2), pos(0, 2), True),  # a prompt shorter than the window
+        (u(1), pos(2, 3), True),
+        (u(6), pos(0, 6), False),  # no cache: both memories dropped
+    ]
+
+
+@pytest.mark.parametrize("on_token", ["none", "identity", "view"])
+def test_block_forward_loop_equals_transformers_bit_for_bit(family, on_token):
+    """The library's block forward: same outputs and module memory as transformers' forward, at every step."""
+    _, block_cls = classes(family)
+    original = import_default(block_cls, "forward")
+    block = build(family).model.layers[0].temporal_block
+    hooks = {"none": None, "identity": lambda t, w: w, "view": lambda t, w: w.view_as(w)}
+    expected = _run_block(original, copy.deepcopy(block), _block_steps())
+    got = _run_block(recurrent_block_forward, copy.deepcopy(block), _block_steps(), hooks[on_token])
+    for step, (e, g) in enumerate(zip(expected, got)):
+        for what, a, b in zip(("output", "state", "window"), e, g):
+            if a is None:
+                assert b is None, f"step {step}: transformers dropped the {what}, the loop kept it"
+            else:
+                assert_equal(f"step {step} {what}", a, b)
+
+
+def test_block_forward_recomputes_written_positions_as_transformers_computes_them(family):
+    """A window handed back as a new tensor (a write of the same values) recomputes the positions that read
+    it, one F.conv1d each: the same values as transformers' one conv call, to float32 precision."""
+    _, block_cls = classes(family)
+    original = import_default(block_cls, "forward")
+    block = build(family).model.layers[0].temporal_block
+    expected = _run_block(original, copy.deepcopy(block), _block_steps())
+    got = _run_block(recurrent_block_forward, copy.deepcopy(block), _block_steps(), lambda t, w: w.clone())
+    for step, (e, g) in enumerate(zip(expected, got)):
+        for what, a, b in zip(("output", "state", "window"), e, g):
+            if a is not None:
+                assert_close(f"step {step} {what}", a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_block_forward_window_write_feeds_the_next_positions(family):
+    """A window written after token t is what positions t+1..t+K-1 convolve over, and the next call too."""
+    block = build(family).model.layers[0].temporal_block
+    size = block.conv1d_width - 1
+    u = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(9)[None]
+    written = torch.randn(2, 32, size, generator=torch.Generator().manual_seed(4))
+    seen = []
+    with torch.no_grad():
+        capture = Captured(torch.nn.ModuleDict({"b": block}))
+        recurrent_block_forward(block, u, pos, None, True,
+                                on_token=lambda t, w: (seen.append(w.clone()), written if t == 3 else w)[1])
+        capture.remove()
+    x = block.linear_x(u).transpose(1, 2)
+    before = [torch.zeros(2, 32, size), *seen[:-1]]  # the window each position reads, before its own input
+    before[4] = written
+    for t in range(5, 9):
+        before[t] = torch.cat([before[t - 1][..., 1:], x[..., t - 1, None]], dim=-1)
+    reference = conv_reference(block, torch.stack(before, dim=1), x.transpose(1, 2))
+    conv_out = capture.lrus[block][0][0]
+    assert_close("conv outputs with the written window", reference, conv_out, rtol=1e-5, atol=1e-6)
+    for t in range(5, 9):
+        assert_close(f"window after {t}", torch.cat([before[t][..., 1:], x[..., t, None]], dim=-1), seen[t],
+                     rtol=0, atol=0)
+    assert_close("the module keeps the last window", seen[-1], block.conv1d_state, **EXACT)
+
+
+# -- the model against the unwatched model -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seq", [1, T, 70], ids=lambda s: f"T{s}")
+def test_watched_logits_equal_unwatched(model, seq):
+    ids = random_ids(2, seq)
+    plain = logits_of(model, ids)
+    with rh.watch(model):
+        assert_close("idle watch", plain, logits_of(model, ids), **EXACT)
+    with rh.watch(model, keep=ALL) as w:
+        assert_close("keep states", plain, logits_of(model, ids), rtol=1e-5, atol=1e-5)
+    assert w.mixers[0].states.shape == (2, seq, 32) and w.mixers[0].conv_states.shape == (2, seq, 32, 3)
+    with rh.watch(model) as w:
+        for mixer in w.mixers:
+            mixer.register_state_hook(lambda m, c, t, s: None)
+            mixer.register_state_hook(lambda m, c, t, s: None, which="conv_state")
+        assert_close("no-op hooks", plain, logits_of(model, ids), rtol=1e-5, atol=1e-5)
+    assert [m.layer for m in w.mixers] == [0, 1]
+
+
+def test_greedy_generate_is_identical(model):
+    ids = random_ids(2, T)
+    plain = greedy(model, ids, 6)
+    with rh.watch(model, keep=ALL):
+        assert_equal("tokens, keep states", plain, greedy(model, ids, 6))
+    with rh.watch(model) as w:
+        for mixer in w.mixers:
+            mixer.register_state_hook(lambda m, c, t, s: None)
+            mixer.register_state_hook(lambda m, c, t, s: None, which="conv_state")
+        assert_equal("tokens, hooks on every token", plain, greedy(model, ids, 6))
+
+
+def test_a_hook_only_watch_keeps_no_tensor(model):
+    norms = []
+    with rh.watch(model) as w:
+        w.mixers[0].register_state_hook(lambda m, c, t, s: norms.append(float(s.norm())), token=-1)
+        greedy(model, random_ids(2, T), 12)
+    assert len(w.mixers[0].calls) == 12 and len(norms) == 12
+    assert tensor_bytes_reachable(w) == 0
+
+
+def test_states_and_windows_equal_float64_references_at_prompt_and_decode_steps(model):
+    """h_t from the paper's equations over the RG-LRU's own inputs; windows and conv outputs from the block's
+    inputs; at the prompt and at every decode step."""
+    capture = Captured(model)
+    try:
+        with rh.watch(model, keep=ALL) as w:
+            greedy(model, random_ids(2, T), 4)
+    finally:
+        capture.remove()
+    for mixer in w.mixers:
+        block = mixer.module
+        assert [c.tokens for c in mixer.calls] == [T, 1, 1, 1]
+        for call in range(4):
+            x, position_ids = capture.lrus[block][call]
+            h0 = None if call == 0 else mixer.state_after(-1, call=call - 1)
+            assert_close(f"{mixer} call {call} states", rg_lru_reference(block.rg_lru, x, position_ids, h0),
+                         mixer.calls[call].states, rtol=1e-4, atol=1e-6)
+            assert_close(f"{mixer} call {call} state in", h0 if h0 is not None else torch.zeros(2, 32),
+                         mixer.calls[call].inputs["recurrent_states"], **EXACT)
+            u, _ = capture.blocks[block][call]
+            previous = None if call == 0 else mixer.conv_state_after(-1, call=call - 1)
+            with torch.no_grad():
+                windows = window_reference(block, u, previous)
+                before = torch.cat([windows.new_zeros(2, 1, 32, 3) if previous is None else previous.double()[:, None],
+                                    windows[:, :-1]], dim=1)
+                x_in = block.linear_x(u).double()
+                conv = conv_reference(block, before, x_in)
+            assert_close(f"{mixer} call {call} windows", windows, mixer.calls[call].conv_states, rtol=1e-6, atol=1e-7)
+            assert_close(f"{mixer} call {call} conv outputs", conv, x, rtol=1e-5, atol=1e-6)
+
+
+def test_decode_states_continue_the_prompt_states(model):
+    ids = random_ids(2, T)
+    with rh.watch(model, keep=ALL) as w:
+        sequence = greedy(model, ids, 5)
+    with rh.watch(model, keep=ALL) as whole:
+        logits_of(model, sequence[:, :-1], use_cache=False)
+    for mixer, long in zip(w.mixers, whole.mixers):
+        for what in ("states", "conv_states"):
+            decoded = torch.cat([getattr(c, what) for c in mixer.calls], dim=1)
+            assert_close(f"{mixer} {what}: prompt + decode vs one prompt", getattr(long, what), decoded,
+                         rtol=1e-4, atol=1e-6)
+
+
+def test_call_counter_in_generate(model):
+    n = 5
+    seen, windows = [], []
+    with rh.watch(model) as w:
+        w.mixers[-1].register_state_hook(lambda m, c, t, s: seen.append((c, t)))
+        w.mixers[-1].register_state_hook(lambda m, c, t, s: windows.append((c, t)), which="conv_state")
+        greedy(model, random_ids(2, T), n)
+    for mixer in w.mixers:
+        assert [(c.index, c.kernel, c.tokens) for c in mixer.calls] == \
+            [(0, "_rnn_scan", T)] + [(k, "_rnn_scan", 1) for k in range(1, n)]
+    assert seen == windows == [(0, t) for t in range(T)] + [(k, 0) for k in range(1, n)]
+
+
+def test_standalone_hooks_count_from_each_prompt(model):
+    block = model.model.layers[0].temporal_block
+    seen = []
+    handle = rh.register_state_hook(block, lambda m, c, t, s: seen.append(c), token=-1)
+    try:
+        greedy(model, random_ids(1, 5), 3)
+        greedy(model, random_ids(1, 6), 2)
+    finally:
+        handle.remove()
+    assert seen == [0, 1, 2, 0, 1]
+
+
+# -- writes ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("token", [0, 4, T - 1])
+def test_write_changes_only_later_tokens_and_the_module_state(model, token):
+    ids = random_ids(2, T)
+    plain = logits_of(model, ids)
+    with rh.watch(model, keep=ALL) as w:
+        logits_of(model, ids)
+        value = perturbation(w.mixers[0].state_after(token))
+    with rh.watch(model, keep=ALL) as w:
+        mixer = w.mixers[0]
+        mixer.set_state_after(token, value)
+        out = logits_of(model, ids)
+    assert_close("logits at tokens <= t", plain[:, : token + 1], out[:, : token + 1], rtol=1e-5, atol=1e-5)
+    if token < T - 1:
+        change = (out[:, token + 1:] - plain[:, token + 1:]).abs().amax(dim=(0, 2))
+        assert change.min() > 1e-6, f"a write at token {token} left later logits unchanged: {change}"
+    assert_close("state after the write", value, mixer.state_after(token), **EXACT)
+    assert_close("the module holds the continued state", mixer.states[:, -1],
+                 mixer.module.rg_lru.recurrent_states, **EXACT)
+
+
+def test_write_at_the_last_prompt_token_steers_generation(model):
+    ids = random_ids(2, T)
+    with rh.watch(model, keep=ALL) as w:
+        logits_of(model, ids)
+        value = perturbation(w.mixers[0].state_after(-1))
+    with rh.watch(model, keep=ALL) as w:
+        w.mixers[0].set_state_after(T - 1, value)
+        greedy(model, ids, 3)
+    assert_close("decode step 1 started from the write", value, w.mixers[0].calls[1].inputs["recurrent_states"],
+                 **EXACT)
+
+
+def test_write_at_a_decode_step(model):
+    ids = random_ids(2, T)
+    kwargs = dict(output_logits=True, return_dict_in_generate=True)
+    plain = greedy(model, ids, 5, **kwargs)
+    with rh.watch(model, keep=ALL) as w:
+        greedy(model, ids, 5, **kwargs)
+        value = perturbation(w.mixers[0].state_after(0, call=2))
+    with rh.watch(model, keep=ALL) as w:
+        w.mixers[0].set_state_after(0, value, call=2)
+        steered = greedy(model, ids, 5, **kwargs)
+    for step in range(3):
+        assert_close(f"logits of call {step}", plain.logits[step], steered.logits[step], rtol=1e-5, atol=1e-5)
+    change = max((plain.logits[step] - steered.logits[step]).abs().max() for step in range(3, 5))
+    assert change > 1e-6, f"a write at decode call 2 changed no later logits ({change})"
+    assert_close("call 3 continued from the write", value, w.mixers[0].calls[3].inputs["recurrent_states"], **EXACT)
+
+
+def test_conv_write_changes_only_later_tokens_and_the_module_window(model):
+    ids, token = random_ids(2, T), 5
+    plain = logits_of(model, ids)
+    with rh.watch(model, keep=ALL) as w:
+        logits_of(model, ids)
+        value = perturbation(w.mixers[0].conv_state_after(token))
+    with rh.watch(model, keep=ALL) as w:
+        w.mixers[0].set_conv_state_after(token, value)
+        out = logits_of(model, ids)
+    assert_close("logits at tokens <= t", plain[:, : token + 1], out[:, : token + 1], rtol=1e-5, atol=1e-5)
+    change = (out[:, token + 1:] - plain[:, token + 1:]).abs().amax(dim=(0, 2))
+    assert change.min() > 1e-6, f"a conv write at token {token} left later logits unchanged: {change}"
+    mixer = w.mixers[0]
+    assert_close("window after the write", value, mixer.conv_state_after(token), **EXACT)
+    assert_close("next window shifts the written one", value[..., 1:], mixer.conv_state_after(token + 1)[..., :-1],
+                 **EXACT)
+    assert_close("the module holds the continued window", mixer.conv_states[:, -1], mixer.module.conv1d_state,
+                 **EXACT)
+
+
+def test_conv_write_at_a_decode_step(model):
+    ids = random_ids(2, T)
+    kwargs = dict(output_logits=True, return_dict_in_generate=True)
+    plain = greedy(model, ids, 4, **kwargs)
+    with rh.watch(model, keep=ALL) as w:
+        greedy(model, ids, 4)
+        value = perturbation(w.mixers[0].conv_state_after(0, call=1))
+    with rh.watch(model, keep=ALL) as w:
+        w.mixers[0].set_conv_state_after(0, value, call=1)
+        steered = greedy(model, ids, 4, **kwargs)
+    assert_close("call 2 shifted its input into the written window", value[..., 1:],
+                 w.mixers[0].conv_state_after(0, call=2)[..., :-1], **EXACT)
+    for step in range(2):
+        assert_close(f"logits of call {step}", plain.logits[step], steered.logits[step], rtol=1e-5, atol=1e-5)
+    assert (plain.logits[2] - steered.logits[2]).abs().max() > 1e-6
+
+
+# -- the whole memory --------------------------------------------------------------------------------------------
+
+
+def first_mixer_outputs(model, ids, memory=None, token=None, state_only=False):
+    """The first recurrent block's output, optionally with a memory written after `token`."""
+    outputs = []
+    block = model.model.layers[0].temporal_block
+    handle = block.register_forward_hook(lambda m, a, out: outputs.append(out[0]))
+    try:
+        with rh.watch(model, keep=ALL) as w, torch.no_grad():
+            if state_only:
+                w.mixers[0].set_state_after(token, memory.state)
+            elif memory is not None:
+                w.mixers[0].set_memory_after(token, memory)
+            model(ids, use_cache=False)
+    finally:
+        handle.remove()
+    assert w.mixers[0].layer == 0
+    return outputs[0], w.mixers[0]
+
+
+def test_writing_the_whole_memory_makes_a_layer_continue_as_in_the_other_run(model):
+    """Run A's memory (h_t and the conv window) after token t, written into run B, which shares A's tokens
+    after t: the first recurrent block's outputs after t equal A's. The state alone is not enough, unless B
+    also shares the K-1 tokens the window holds."""
+    token = 6
+    run_a = random_ids(2, T, seed=5)
+    run_b = run_a.clone()
+    run_b[:, : token + 1] = random_ids(2, token + 1, seed=6)
+    out_a, mixer_a = first_mixer_outputs(model, run_a)
+    out_b, _ = first_mixer_outputs(model, run_b)
+    memory = mixer_a.memory_after(token)
+    assert memory.state.shape == (2, 32) and memory.conv_state.shape == (2, 32, 3)
+    patched, _ = first_mixer_outputs(model, run_b, memory, token)
+    assert (out_b[:, token + 1:] - out_a[:, token + 1:]).abs().max() > 1e-6, "the two runs did not differ"
+    assert_close("block output after t, memory written", out_a[:, token + 1:], patched[:, token + 1:],
+                 rtol=1e-5, atol=1e-6)
+    state_only, _ = first_mixer_outputs(model, run_b, memory, token, state_only=True)
+    assert (state_only[:, token + 1:] - out_a[:, token + 1:]).abs().max() > 1e-6, \
+        "the state alone made B continue as A: the window carried nothing"
+    # B' shares A's tokens from t-K+2 on (the window's tokens): the state alone is the whole difference
+    run_c = run_a.clone()
+    run_c[:, : token - 2] = random_ids(2, token - 2, seed=7)
+    state_only, _ = first_mixer_outputs(model, run_c, memory, token, state_only=True)
+    assert_close("block output after t, state written, window tokens shared", out_a[:, token + 1:],
+                 state_only[:, token + 1:], rtol=1e-5, atol=1e-6)
+
+
+# -- gradients ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("memory", ["state", "conv_state"])
+def test_gradient_with_respect_to_a_kept_memory(model, memory):
+    """d metric / d (state or window after token t): the kept tensor is the one the later tokens read, equal to
+    the gradient through a leaf written at t, and it predicts a small change (finite difference)."""
+    ids = random_ids(1, T)
+    token = 5
+    read = "state_after" if memory == "state" else "conv_state_after"
+    write = "set_state_after" if memory == "state" else "set_conv_state_after"
+    with rh.watch(model, keep=ALL) as w:
+        metric = model(ids).logits[0, -1].logsumexp(-1)
+    kept = getattr(w.mixers[0], read)(token)
+    leaf = kept.detach().clone().requires_grad_()
+    with rh.watch(model) as w:
+        getattr(w.mixers[0], write)(token, leaf)
+        model(ids).logits[0, -1].logsumexp(-1).backward()
+    grad = leaf.grad
+    assert grad.abs().max() > 0
+    assert_close("grad of the kept memory", grad, torch.autograd.grad(metric, kept)[0], rtol=1e-4, atol=1e-7)
+    eps = 1e-2 * kept.norm() / grad.norm()
+    values = []
+    for sign in (1, -1):
+        with rh.watch(model) as w, torch.no_grad():
+            getattr(w.mixers[0], write)(token, kept.detach() + sign * eps * grad)
+            values.append(model(ids).logits[0, -1].logsumexp(-1))
+    slope = (values[0] - values[1]) / (2 * eps)
+    assert_close("directional derivative", (grad * grad).sum(), slope, rtol=2e-2, atol=1e-6)
+
+
+def test_every_kept_state_is_differentiable_with_frozen_weights(model):
+    ids = random_ids(1, T)
+    model.requires_grad_(False)
+    with rh.watch(model, keep=ALL) as w:
+        metric = model(ids).logits[0, -1].logsumexp(-1)
+    states, windows = torch.autograd.grad(metric, [w.mixers[0].states, w.mixers[0].conv_states])
+    assert states.shape == (1, T, 32) and windows.shape == (1, T, 32, 3)
+    assert states[:, :-1].abs().amax(-1).min() > 0 and windows[:, :-1].abs().amax((-2, -1)).min() > 0
+    model.requires_grad_(True)
+
+
+def test_gradient_flows_to_inputs_through_the_token_loops(model):
+    ids = random_ids(1, T)
+    embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
+    model(inputs_embeds=embeds).logits[0, -1].logsumexp(-1).backward()
+    plain = embeds.grad.clone()
+    embeds.grad = None
+    with rh.watch(model, keep=ALL):
+        model(inputs_embeds=embeds).logits[0, -1].logsumexp(-1).backward()
+    assert_close("input gradient through the token loops", plain, embeds.grad, rtol=1e-4, atol=1e-7)
+
+
+# -- bindings, support, values -----------------------------------------------------------------------------------
+
+
+def test_bindings_restored_after_exit_after_a_raising_hook_and_when_nested(model, family):
+    before = bindings(family)
+    rglru_cls, block_cls = classes(family)
+    assert before == {"_rnn_scan": import_default(rglru_cls, "_rnn_scan"),
+                      "forward": import_default(block_cls, "forward")}
+    ids = random_ids(1, 5)
+    with rh.watch(model):
+        assert all(getattr(f, "__recurrent_hooks__", False) for f in bindings(family).values())
+        with rh.watch(model) as inner:
+            inner.mixers[0].register_state_hook(lambda m, c, t, s: None)
+            logits_of(model, ids)
+        assert all(getattr(f, "__recurrent_hooks__", False) for f in bindings(family).values())
+    assert all(bindings(family)[name] is fn for name, fn in before.items())
+
+    def boom(mixer, call, token, state):
+        raise KeyError("boom")
+
+    for which in ("state", "conv_state"):
+        with pytest.raises(KeyError, match="boom"), rh.watch(model) as w:
+            w.mixers[0].register_state_hook(boom, token=3, which=which)
+            logits_of(model, ids)
+        assert all(bindings(family)[name] is fn for name, fn in before.items())
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    assert_close("model unchanged after the watches", logits_of(model, ids), logits_of(build(family), ids), **EXACT)
+
+
+def test_support_lists_the_values_and_limits(model):
+    rows = rh.support(model)
+    assert [(row.path, row.layer, row.kind) for row in rows] == [
+        ("model.layers.0.temporal_block", 0, "RealGatedLinearRecurrence"),
+        ("model.layers.1.temporal_block", 1, "RealGatedLinearRecurrence")]
+    row = rows[0]
+    assert {"states", "conv_states", "values", "writes", "hooks"} <= set(row.available)
+    assert set(row.unavailable) == set(rh.RealGatedLinearRecurrence.LIMITS)
+    assert "multi-token continuation" in row.unavailable and "_rnn_scan" in row.notes["idle calls run"]
+
+
+def test_values_are_the_recurrence_inputs(model):
+    with rh.watch(model, keep=ALL) as w:
+        greedy(model, random_ids(2, T), 2)
+    mixer = w.mixers[0]
+    for call in range(2):
+        values = mixer.values(call=call)
+        assert set(values) == set(rh.RealGatedLinearRecurrence.VALUES)
+        assert values["reset"].shape == (2, T if call == 0 else 1)
+        assert bool(values["reset"][:, 0].all()) == (call == 0)
+        h = mixer.calls[call].inputs["recurrent_states"]
+        for t in range(values["a"].shape[1]):  # h_t = a_t h_{t-1} + x_t, the kernel's own terms
+            h = values["a"][:, t] * h + values["x"][:, t]
+            assert_close(f"call {call} state after {t}", mixer.calls[call].states[:, t], h, **EXACT)
+        assert_close("output", mixer.calls[call].states, values["output"], **EXACT)
+
+
+# -- transformers' own quirks (more-families.md, bugs 3-5) -------------------------------------------------------
+
+
+def test_multi_token_continuation_restarts_the_window_and_continues_the_state(model):
+    """Bug 5: a forward of several tokens over the module's memory convolves from a zero window, while h_t
+    continues. Watched with hooks, the logits are the unwatched model's, the call starts from the module's
+    state, and its first window holds only its own first input."""
+    from transformers import DynamicCache
+
+    ids = random_ids(2, 12)
+    position_ids = torch.arange(8, 12)[None]
+
+    def run(watched):
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(ids[:, :8], cache=cache)
+            if watched is None:
+                return model(ids[:, 8:], cache=cache, position_ids=position_ids).logits
+            watched.mixers[0].register_state_hook(lambda m, c, t, s: None)
+            return model(ids[:, 8:], cache=cache, position_ids=position_ids).logits
+
+    plain = run(None)
+    with rh.watch(model, keep=ALL) as w:
+        watched = run(w)
+    assert_close("continuation logits", plain, watched, rtol=1e-5, atol=1e-5)
+    mixer = w.mixers[0]
+    assert [c.tokens for c in mixer.calls] == [8, 4]
+    assert_close("the state continues", mixer.state_after(-1, call=0), mixer.calls[1].inputs["recurrent_states"],
+                 **EXACT)
+    first_window = mixer.conv_state_after(0, call=1)
+    assert first_window[..., :-1].abs().max() == 0, "the window did not restart from zeros (bug 5 fixed?)"
+    assert (logits_of(model, ids, use_cache=False)[:, 8:] - plain).abs().max() > 1e-3, \
+        "the continuation equals one forward: transformers' bug 5 is gone, update the docs"
+
+
+def test_a_one_token_prompt_reads_the_previous_window(model, family):
+    """Bug 4: the memory survives on the modules. A one-token prompt in a new generate convolves over the
+    previous generate's window; watched, it does the same and is call 0."""
+    first, single = random_ids(2, T), random_ids(2, 1, seed=9)
+    fresh = build(family)
+    kwargs = dict(output_logits=True, return_dict_in_generate=True)
+    greedy(model, first, 3)
+    plain = greedy(model, single, 2, **kwargs).logits[0]
+    clean = greedy(fresh, single, 2, **kwargs).logits[0]
+    assert (plain - clean).abs().max() > 1e-4, "a one-token prompt no longer reads the previous window (bug 4 fixed?)"
+    greedy(model, first, 3)
+    with rh.watch(model, keep=ALL) as w:
+        watched = greedy(model, single, 2, **kwargs).logits[0]
+    assert_close("one-token prompt, watched", plain, watched, rtol=1e-5, atol=1e-5)
+    assert [c.index for c in w.mixers[0].calls] == [0, 1]
+    assert w.mixers[0].calls[0].inputs["reset"].all()
+
+
+def test_a_window_sized_with_hidden_size_fails_in_both(family):
+    """Bug 3: a fresh window has hidden_size channels. With lru_width != hidden_size, a first cached forward of
+    one token fails in transformers; the library's loop fails the same way, watched or routed."""
+    import transformers
+
+    config = build(family).config
+    config.lru_width = 48
+    torch.manual_seed(0)
+    model = transformers.RecurrentGemmaForCausalLM(config).eval()
+    ids = random_ids(1, 1)
+    with pytest.raises(RuntimeError, match="Sizes of tensors must match") as plain:
+        logits_of(model, ids)
+    with rh.watch(model, keep=ALL), pytest.raises(RuntimeError, match="Sizes of tensors must match") as watched:
+        logits_of(model, ids)
+    assert str(plain.value) == str(watched.value)
+    assert logits_of(model, random_ids(1, 5)).shape == (1, 5, 128)  # a longer prompt replaces the window
+
+
+# -- padding, checkpointing, routing -----------------------------------------------------------------------------
+
+
+def test_left_padded_generate(model):
+    """In generate, position_ids come from the attention mask: the first real token of a left-padded row is
+    position 0, where the RG-LRU resets. Row b's states after pads_b + t then equal the row's alone. (The block
+    does not mask its conv input: the pads' W_x u enter the first windows; they are zero here because this
+    init's pad embedding and biases are zero. A plain forward without position_ids counts from the first
+    column, so it does not reset at the first real token.)"""
+    pads = 4
+    short, full = random_ids(1, T - pads, seed=3), random_ids(1, T, seed=4)
+    ids = torch.cat([torch.cat([torch.full((1, pads), PAD), short], dim=1), full])
+    mask = (ids != PAD).long()
+    mask[1] = 1
+    kwargs = dict(output_logits=True, return_dict_in_generate=True)
+    with rh.watch(model, keep=ALL) as w:
+        padded = greedy(model, ids, 3, attention_mask=mask, **kwargs)
+    with rh.watch(model, keep=ALL) as alone:
+        single = greedy(model, short, 3, **kwargs)
+    for mixer, ref in zip(w.mixers, alone.mixers):
+        for call in range(3):
+            skip = pads if call == 0 else 0
+            for what in ("states", "conv_states"):
+                assert_close(f"{mixer} call {call} padded row {what}", getattr(ref.calls[call], what)[0],
+                             getattr(mixer.calls[call], what)[0, skip:], rtol=1e-4, atol=1e-6)
+    for step in range(3):
+        assert_close(f"padded row logits, call {step}", single.logits[step][0], padded.logits[step][0],
+                     rtol=1e-4, atol=1e-5)
+    plain = greedy(model, ids, 4, attention_mask=mask)
+    with rh.watch(model) as w:
+        for mixer in w.mixers:
+            mixer.register_state_hook(lambda m, c, t, s: None)
+        assert_equal("padded generate under a watch", plain, greedy(model, ids, 4, attention_mask=mask))
+
+
+@pytest.mark.parametrize("checkpointing", {"off": None, "reentrant": True, "non-reentrant": False})
+def test_gradient_checkpointing_gives_the_gradients_of_the_plain_backward(model, checkpointing):
+    """The decoder layer is checkpointed: its recompute repeats the call (write, replacing hook, kept states),
+    so loss, parameter gradients and the kept state's gradient are those of the plain backward."""
+    ids = random_ids(2, T)
+    write = perturbation(torch.zeros(2, 32), seed=2)
+
+    def backward(mode):
+        model.train()
+        model.zero_grad(set_to_none=True)
+        if mode is None:
+            model.activation_checkpointing_disable()
+        else:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": mode})
+        seen = []
+        try:
+            with rh.watch(model, keep={"states": [5, -1]}) as w:
+                first, last = w.mixers[0], w.mixers[-1]
+                first.set_state_after(3, write)
+                last.register_state_hook(lambda m, c, t, s: s * 0.5, token=4)
+                last.register_state_hook(lambda m, c, t, s: seen.append((c, t, m.recomputing)), token=6)
+                loss = model(ids, use_cache=False).logits.square().mean()
+                kept = first.state_after(5)
+                if kept.requires_grad:
+                    kept.retain_grad()  # reentrant: the forward ran without grad; its recompute retains it
+                loss.backward()
+            assert [c.index for c in first.calls] == [0], "a recompute counted as a new call"
+            state_grad = first.state_after(5).grad
+        finally:
+            model.activation_checkpointing_disable()
+            model.eval()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        return loss.detach(), grads, state_grad, seen
+
+    loss, grads, state_grad, seen = backward(None)
+    got_loss, got_grads, got_state_grad, got_seen = backward(checkpointing)
+    assert_close("loss", loss, got_loss, rtol=1e-6, atol=0)
+    assert sorted(got_grads) == sorted(grads)
+    scale = max(g.abs().max() for g in grads.values())
+    for name, grad in grads.items():
+        assert_close(f"grad of {name}", grad, got_grads[name], rtol=1e-4, atol=1e-5 * scale)
+    assert state_grad.abs().max() > 0
+    assert_close("grad of the kept state", state_grad, got_state_grad, rtol=1e-4, atol=1e-5 * state_grad.abs().max())
+    assert seen == [(0, 6, False)]
+    assert got_seen == seen + ([] if checkpointing is None else [(0, 6, True)])
+
+
+def test_route_kernels_binds_the_loops_and_back(model, family):
+    ids = random_ids(2, T)
+    plain = greedy(model, ids, 4)
+    plain_logits = logits_of(model, ids)
+    before = bindings(family)
+    rh.route_kernels(family, "torch")
+    try:
+        assert bindings(family) == {k.name: k.loop for k in rh.RealGatedLinearRecurrence.KERNELS}
+        assert_close("routed logits", plain_logits, logits_of(model, ids), **EXACT)
+        assert_equal("routed generate", plain, greedy(model, ids, 4))
+    finally:
+        rh.route_kernels(family, "default")
+    assert all(bindings(family)[name] is fn for name, fn in before.items())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_precision_keeps_the_logits_bit_identical(family, dtype):
+    """Both loops make transformers' operations in its dtypes: keeping every state and window of a bf16 or fp16
+    model changes no logit and no generated token."""
+    model = build(family).to(dtype)
+    ids = random_ids(2, T)
+    plain, tokens = logits_of(model, ids), greedy(model, ids, 5)
+    with rh.watch(model, keep=ALL) as w:
+        assert_equal("logits, every state kept", plain, logits_of(model, ids))
+        assert_equal("generate, every state kept", tokens, greedy(model, ids, 5))
+    assert w.mixers[0].states.dtype == torch.float32 and w.mixers[0].conv_states.dtype == dtype

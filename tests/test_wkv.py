@@ -1,0 +1,797 @@
+"""RWKV-4 time mixing (`WeightedKeyValue`): the kernels against transformers and the paper, and the family bar.
+
+Kernels:
+- the WKV loop against transformers' `rwkv_linear_attention_cpu` (outputs and new state, from no state and
+  from a state), and the state it hands `on_token` after every token against a float64 recurrence written
+  from the paper's equations (a_t, b_t; the library's (num, den, max) read as a = num e^max, b = den e^max);
+- the token-shift method against transformers' `RwkvSelfAttention.extract_key_value` (prompt, prompt over a
+  state, one-token step; batch 2 reproduces transformers' broadcast, bug 1);
+- `on_token` replacements change only later tokens.
+
+Family (parametrized by every family of the kind): the bar of tests/test_families.py, adapted to a model
+without a Cache (the memory is the `state=` list) and to transformers' bugs: decoding with a state is
+right for batch 1 only (bug 1), so every generate runs batch 1 and prompts run batch 2; attention_mask is
+ignored (bug 2), so there is no left-padding test. All comparisons are eval against eval (eval mode
+rescales weights in place; a no-op for the tiny 2-layer model, whose rescale factor is 2^0).
+"""
+
+import inspect
+import math
+
+import pytest
+import torch
+
+import recurrent_hooks as rh
+import recurrent_hooks._patching as patching
+from _compare import assert_close, assert_equal
+from _models import FAMILIES as BUILDERS
+from _models import PAD, build, random_ids
+from _reachable import tensor_bytes_reachable
+from recurrent_hooks._wkv import extract_key_value, rwkv_linear_attention
+
+FAMILIES = [name for name, row in rh.FAMILIES.items() if row.kind is rh.WeightedKeyValue]
+ALL = ("states", "conv_states", "inputs", "outputs")
+T = 13
+BATCH, CHANNELS = 2, 16
+
+
+def test_every_family_of_the_kind_has_a_tiny_model():
+    assert FAMILIES and all(name in BUILDERS for name in FAMILIES)
+
+
+# -- references ---------------------------------------------------------------------------------------------------
+
+
+def wkv_reference(time_decay, time_first, key, value, state=None):
+    """wkv_t, a_t and b_t of every token in float64, from the paper's recurrent form of WKV (Peng et al. 2023):
+        wkv_t = (a_{t-1} + e^{u+k_t} v_t) / (b_{t-1} + e^{u+k_t}),  a_t = e^{-w} a_{t-1} + e^{k_t} v_t,
+        b_t = e^{-w} b_{t-1} + e^{k_t},  w = exp(time_decay), u = time_first;
+    a_{-1} = num e^max, b_{-1} = den e^max from transformers' scaled state (zero without one)."""
+    w, u = time_decay.double().exp(), time_first.double()
+    k, v = key.double(), value.double()
+    if state is None:
+        a = b = torch.zeros_like(k[:, 0])
+    else:
+        num, den, p = (s.double() for s in state)
+        a, b = num * p.exp(), den * p.exp()
+    wkvs, As, Bs = [], [], []
+    for t in range(k.shape[1]):
+        bonus = torch.exp(u + k[:, t])
+        wkvs.append((a + bonus * v[:, t]) / (b + bonus))
+        a = torch.exp(-w) * a + torch.exp(k[:, t]) * v[:, t]
+        b = torch.exp(-w) * b + torch.exp(k[:, t])
+        As.append(a)
+        Bs.append(b)
+    return torch.stack(wkvs, 1), torch.stack(As, 1), torch.stack(Bs, 1)
+
+
+def paper_form(states):
+    """(a, b) from the library's stacked states [..., 3, channels]: a = num e^max, b = den e^max (float64)."""
+    num, den, p = states.double().unbind(-2)
+    return num * p.exp(), den * p.exp()
+
+
+def transformers_wkv():
+    """transformers' CPU WKV loop (what `rwkv_linear_attention` runs on CPU), as bound at import."""
+    module = rh.FAMILIES[FAMILIES[0]].module()
+    fn = patching.import_default(module, "rwkv_linear_attention_cpu")
+    assert not getattr(fn, "__recurrent_hooks__", False)
+    return fn
+
+
+def kernel_inputs(seq, seed=0, with_state=True):
+    gen = torch.Generator().manual_seed(seed)
+    inputs = dict(time_decay=torch.randn(CHANNELS, generator=gen) * 2, time_first=torch.randn(CHANNELS, generator=gen),
+                  key=torch.randn(BATCH, seq, CHANNELS, generator=gen) * 2,
+                  value=torch.randn(BATCH, seq, CHANNELS, generator=gen))
+    if with_state:
+        state = (torch.randn(BATCH, CHANNELS, generator=gen), torch.rand(BATCH, CHANNELS, generator=gen) + 0.5,
+                 torch.randn(BATCH, CHANNELS, generator=gen))
+        inputs["state"] = state
+    return inputs
+
+
+# -- kernels ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seq", [1, 37])
+@pytest.mark.parametrize("with_state", [True, False], ids=["from a state", "no state"])
+@pytest.mark.parametrize("return_state", [True, False])
+def test_wkv_loop_equals_transformers(seq, with_state, return_state):
+    inputs = kernel_inputs(seq, with_state=with_state)
+    expected_out, expected_state = transformers_wkv()(**inputs, return_state=return_state)
+    out, state = rwkv_linear_attention(**inputs, return_state=return_state)
+    assert_close("wkv", expected_out, out, rtol=0, atol=0)
+    assert (state is None) == (expected_state is None)
+    if state is not None:
+        for name, a, b in zip(rh.WeightedKeyValue.STATE_PARTS, expected_state, state):
+            assert_close(f"final {name}", a, b, rtol=0, atol=0)
+    # with an identity on_token too: the stacked state goes in and out unchanged
+    seen = []
+    out, state = rwkv_linear_attention(**inputs, return_state=True, on_token=lambda t, s: seen.append(s) or s)
+    assert_close("wkv, on_token", expected_out, out, rtol=0, atol=0)
+    assert len(seen) == seq and seen[0].shape == (BATCH, 3, CHANNELS) and seen[0].dtype == torch.float32
+
+
+@pytest.mark.parametrize("with_state", [True, False], ids=["from a state", "no state"])
+def test_states_handed_to_on_token_equal_the_paper_recurrence(with_state):
+    inputs = kernel_inputs(37, seed=1, with_state=with_state)
+    seen = []
+    out, _ = rwkv_linear_attention(**inputs, on_token=lambda t, s: seen.append(s.clone()) or s)
+    wkv, a, b = wkv_reference(**inputs)
+    got_a, got_b = paper_form(torch.stack(seen, 1))
+    # float32 against float64: a_t is a signed sum, so its error is relative to its scale, not to each entry
+    assert_close("a_t", a, got_a, rtol=1e-5, atol=1e-6 * float(a.abs().max()))
+    assert_close("b_t", b, got_b, rtol=1e-5, atol=1e-9)
+    assert_close("wkv_t", wkv, out, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("token", [0, 5, 36])
+def test_a_replaced_wkv_state_changes_only_later_tokens(token):
+    inputs = kernel_inputs(37, seed=2)
+    plain, _ = rwkv_linear_attention(**inputs)
+    gen = torch.Generator().manual_seed(3)
+    replacement = torch.stack([torch.randn(BATCH, CHANNELS, generator=gen), torch.rand(BATCH, CHANNELS, generator=gen),
+                               torch.randn(BATCH, CHANNELS, generator=gen)], 1)
+    out, final = rwkv_linear_attention(**inputs, on_token=lambda t, s: replacement if t == token else s)
+    assert_close("tokens <= t", plain[:, : token + 1], out[:, : token + 1], rtol=0, atol=0)
+    rest = {**inputs, "key": inputs["key"][:, token + 1:], "value": inputs["value"][:, token + 1:],
+            "state": tuple(replacement.unbind(1))}
+    expected, expected_final = transformers_wkv()(**rest)
+    assert_close("tokens > t continue from the replacement", expected, out[:, token + 1:], rtol=0, atol=0)
+    assert_close("final state", torch.stack(expected_final if token < 36 else list(replacement.unbind(1)), 1),
+                 torch.stack(final, 1), rtol=0, atol=0)
+
+
+def _shift_inputs(model, seq, batch, with_state):
+    module = model.rwkv.blocks[1].attention
+    gen = torch.Generator().manual_seed(seq + batch)
+    hidden = torch.randn(batch, seq, module.config.hidden_size, generator=gen)
+    state = None
+    if with_state:
+        shape = (batch, module.config.hidden_size, module.config.num_hidden_layers)
+        state = [torch.randn(shape, generator=gen) for _ in range(5)]
+    return module, hidden, state
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("seq, batch, with_state", [(7, 2, False), (7, 2, True), (1, 1, True), (1, 2, True),
+                                                    (1, 2, False)])
+def test_token_shift_equals_transformers_method(family, seq, batch, with_state):
+    """The library's extract_key_value and transformers' give the same receptance, key, value and stored shift
+    (batch 2 at a one-token step: transformers' [batch, batch, hidden] broadcast, reproduced)."""
+    module, hidden, state = _shift_inputs(build(family), seq, batch, with_state)
+    original = inspect.getattr_static(type(module), "extract_key_value")
+    assert not getattr(original, "__recurrent_hooks__", False)
+    copies = [None if state is None else [s.clone() for s in state] for _ in range(3)]
+    with torch.no_grad():
+        expected = original(module, hidden, state=copies[0])
+        got = extract_key_value(module, hidden, state=copies[1])
+        shifts = []
+        hooked = extract_key_value(module, hidden, state=copies[2], on_token=lambda t, s: shifts.append(s) or s)
+    for name, a, b, c in zip(("receptance", "key", "value"), expected, got, hooked):
+        assert_close(name, a, b, rtol=0, atol=0)
+        assert_close(f"{name}, on_token", a, c, rtol=0, atol=0)
+    if state is not None:
+        for i in range(5):
+            assert_close(f"state[{i}]", copies[0][i], copies[1][i], rtol=0, atol=0)
+            assert_close(f"state[{i}], on_token", copies[0][i], copies[2][i], rtol=0, atol=0)
+    assert_close("the shift after token t is token t's input", hidden, torch.stack(shifts, 1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_replaced_shift_changes_only_the_next_token(family):
+    module, hidden, state = _shift_inputs(build(family), 9, 2, True)
+    token, replacement = 4, torch.randn(2, hidden.shape[-1])
+    with torch.no_grad():
+        _, plain, _, _ = extract_key_value(module, hidden, [s.clone() for s in state])
+        _, key, _, _ = extract_key_value(module, hidden, [s.clone() for s in state],
+                                         on_token=lambda t, s: replacement if t == token else s)
+    changed = (key - plain).abs().amax(dim=(0, 2))
+    assert changed[token + 1] > 1e-3 and changed[: token + 1].max() == 0 and changed[token + 2:].max() == 0, changed
+
+
+# -- the family bar -----------------------------------------------------------------------------------------------
+
+
+def logits_of(model, ids, **kwargs):
+    with torch.no_grad():
+        return model(ids, **kwargs).logits
+
+
+def greedy(model, ids, n, **kwargs):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=PAD, **kwargs)
+
+
+def perturbation(state, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return state + torch.randn(state.shape, generator=gen) * (state.abs().max() + 1)
+
+
+def perturbed_wkv(state, seed=1):
+    """A different valid WKV state: num and den scaled per channel (den stays positive), max shifted."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = torch.rand(state[:, :1].shape, generator=gen) * 3 + 0.2
+    return torch.cat([state[:, :2] * scale, state[:, 2:] + torch.randn(state[:, 2:].shape, generator=gen)], 1)
+
+
+def layer_state(model_state, layer):
+    """The stacked [batch, 3, channels] WKV state of `layer` in transformers' model-level state list."""
+    return torch.stack([s[:, :, layer] for s in model_state[2:5]], 1)
+
+
+def state_in(mixer, call):
+    """The stacked WKV state call `call` started from, as its kernel received it."""
+    return torch.stack(list(mixer.calls[call].inputs["state"]), 1)
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture
+def model(family):
+    return build(family)
+
+
+@pytest.mark.parametrize("seq, batch", [(1, 1), (T, 2), (70, 2)], ids=lambda v: str(v))
+def test_watched_logits_equal_unwatched(model, seq, batch):
+    ids = random_ids(batch, seq)
+    plain = logits_of(model, ids)
+    with rh.watch(model):
+        assert_close("idle watch", plain, logits_of(model, ids), rtol=0, atol=0)
+    with rh.watch(model, keep=ALL) as w:  # the token loops make transformers' operations in its order
+        assert_close("keep states", plain, logits_of(model, ids), rtol=0, atol=0)
+    assert w.mixers[0].states.shape == (batch, seq, 3, model.config.hidden_size)
+    assert w.mixers[0].conv_states.shape == (batch, seq, model.config.hidden_size)
+    with rh.watch(model) as w:
+        for mixer in w.mixers:
+            mixer.register_state_hook(lambda m, c, t, s: None)
+            mixer.register_state_hook(lambda m, c, t, s: None, which="conv_state")
+        assert_close("no-op hooks", plain, logits_of(model, ids), rtol=0, atol=0)
+    with rh.watch(model, keep=ALL):
+        assert_close("no cache (state=None)", logits_of(model, ids, use_cache=False), plain, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_precision_is_bit_identical(family, dtype):
+    """The loops round as transformers does: a bf16 / fp16 model's logits are the same bits watched (every state
+    and shift kept, or hooked) as unwatched, in a batch-2 prompt and a batch-1 generate."""
+    config = build(family).config
+    torch.manual_seed(0)
+    model = type(build(family))._from_config(config, dtype=dtype).eval()
+    ids = random_ids(2, T)
+    kwargs = dict(output_logits=True, return_dict_in_generate=True)
+    plain, generated = logits_of(model, ids), greedy(model, ids[:1], 5, **kwargs)
+    with rh.watch(model, keep=("states", "conv_states")) as w:
+        assert_equal("prompt logits, kept", plain, logits_of(model, ids))
+        watched = greedy(model, ids[:1], 5, **kwargs)
+    assert w.mixers[0].states.dtype == torch.float32 and w.mixers[0].conv_states.dtype == dtype
+    assert_equal("generated tokens, kept", generated.sequences, watched.sequences)
+    for step, (a, b) in enumerate(zip(generated.logits, watched.logits)):
+        assert_equal(f"logits of call {step}, kept", a, b)
+    with rh.watch(model) as w:
+        for mixer in w.mixers:
+            mixer.register_state_hook(lambda m, c, t, s: None)
+            mixer.register_state_hook(lambda m, c, t, s: None, which="conv_state")
+        assert_equal("prompt logits, hooked", plain, logits_of(model, ids))
+
+
+def test_greedy_generate_is_identical(model):
+    ids = random_ids(1, T)
+    plain = greedy(model, ids, 6)
+    with rh.watch(model, keep=ALL):
+        assert_equal("tokens, keep states", plain, greedy(model, ids, 6))
+    with rh.watch(model) as w:
+        for mixer in w.mixers:
+            mixer.register_state_hook(lambda m, c, t, s: None)
+            mixer.register_state_hook(lambda m, c, t, s: None, which="conv_state")
+        assert_equal("tokens, hooks on every token", plain, greedy(model, ids, 6))
+
+
+def test_route_kernels_to_the_token_loops(model, family):
+    ids = random_ids(2, T)
+    plain = logits_of(model, ids)
+    rh.route_kernels(family, "torch")
+    try:
+        assert_close("routed to the library's loops", plain, logits_of(model, ids), rtol=0, atol=0)
+    finally:
+        rh.route_kernels(family, "default")
+    assert kernel_bindings(family) == default_bindings(family)
+
+
+def test_a_hook_only_watch_keeps_no_tensor(model):
+    norms = []
+    with rh.watch(model) as w:
+        w.mixers[0].register_state_hook(lambda m, c, t, s: norms.append(float(s.norm())), token=-1)
+        greedy(model, random_ids(1, T), 12)
+    assert len(w.mixers[0].calls) == 12 and len(norms) == 12
+    assert tensor_bytes_reachable(w) == 0
+
+
+def test_states_equal_float64_reference_at_prompt_and_decode_steps(model):
+    """Batch 2 prompt, then a batch 1 generate (prompt and 3 decode steps): the kept states, read in the
+    paper's form, and the kernel outputs equal the float64 recurrence over the call's own kernel inputs."""
+    runs = []
+    with rh.watch(model, keep=ALL) as w:
+        logits_of(model, random_ids(2, T))
+    runs.append((w, [T]))
+    with rh.watch(model, keep=ALL) as w:
+        greedy(model, random_ids(1, T), 4)
+    runs.append((w, [T, 1, 1, 1]))
+    for w, tokens in runs:
+        for mixer in w.mixers:
+            assert [c.tokens for c in mixer.calls] == tokens
+            for call, record in enumerate(mixer.calls):
+                x = record.inputs
+                wkv, a, b = wkv_reference(x["time_decay"], x["time_first"], x["key"], x["value"], x["state"])
+                got_a, got_b = paper_form(record.states)
+                assert_close(f"{mixer} call {call} a_t", a, got_a, rtol=1e-4, atol=1e-7)
+                assert_close(f"{mixer} call {call} b_t", b, got_b, rtol=1e-4, atol=1e-7)
+                assert_close(f"{mixer} call {call} wkv_t", wkv, record.output["output"], rtol=1e-4, atol=1e-6)
+                assert_close(f"{mixer} call {call} final state", record.states[:, -1],
+                             torch.stack(record.output["final_state"], 1), rtol=0, atol=0)
+
+
+def test_decode_states_continue_the_prompt_states(model):
+    ids = random_ids(1, T)
+    with rh.watch(model, keep=ALL) as w:
+        sequence = greedy(model, ids, 5)
+    with rh.watch(model, keep=ALL) as whole:
+        logits_of(model, sequence[:, :-1])
+    for mixer, long in zip(w.mixers, whole.mixers):
+        decoded = torch.cat([c.states for c in mixer.calls], dim=1)
+        assert_close(f"{mixer} prompt + decode vs one prompt", long.states, decoded, rtol=1e-5, atol=1e-6)
+        shifts = torch.cat([c.conv_states for c in mixer.calls], dim=1)
+        assert_close(f"{mixer} shifts", long.conv_states, shifts, rtol=1e-5, atol=1e-6)
+
+
+def test_call_counter_in_generate(model):
+    n = 5
+    seen = []
+    with rh.watch(model) as w:
+        w.mixers[-1].register_state_hook(lambda m, c, t, s: seen.append((c, t)))
+        greedy(model, random_ids(1, T), n)
+    for mixer in w.mixers:
+        assert [c.kernel for c in mixer.calls] == [rh.WeightedKeyValue.kernel_for("prompt").name] * n
+        assert [c.conv.kernel for c in mixer.calls] == [rh.WeightedKeyValue.kernel_for("prompt", "conv_state").name] * n
+        assert [c.index for c in mixer.calls] == list(range(n))
+    assert seen == [(0, t) for t in range(T)] + [(k, 0) for k in range(1, n)]
+
+
+def test_standalone_hooks_count_from_each_prompt(model):
+    """Outside a watch, call 0 is a call that starts from the empty state: the prompt of every generate."""
+    seen = []
+    handle = rh.register_state_hook(model.rwkv.blocks[1].attention, lambda m, c, t, s: seen.append((c, t)), token=-1)
+    try:
+        greedy(model, random_ids(1, T), 3)
+        greedy(model, random_ids(1, 5), 3)
+        logits_of(model, random_ids(1, 4), use_cache=False)
+    finally:
+        handle.remove()
+    assert seen == [(0, T - 1), (1, 0), (2, 0), (0, 4), (1, 0), (2, 0), (0, 3)]
+
+
+@pytest.mark.parametrize("token", [0, 4, T - 1])
+def test_write_changes_only_later_tokens_and_the_carried_state(model, token):
+    ids = random_ids(2, T)
+    plain = logits_of(model, ids)
+    with rh.watch(model, keep=ALL) as w:
+        logits_of(model, ids)
+        value = perturbed_wkv(w.mixers[0].state_after(token))
+    with rh.watch(model, keep=ALL) as w:
+        mixer = w.mixers[0]
+        mixer.set_state_after(token, value)
+        with torch.no_grad():
+            out = model(ids, use_cache=True)
+    assert_close("logits at tokens <= t", plain[:, : token + 1], out.logits[:, : token + 1], rtol=1e-5, atol=1e-5)
+    if token < T - 1:
+        change = (out.logits[:, token + 1:] - plain[:, token + 1:]).abs().amax(dim=(0, 2))
+        assert change.min() > 1e-6, f"a write at token {token} left later logits unchanged: {change}"
+    assert_close("state after the write", value, mixer.state_after(token), rtol=0, atol=0)
+    assert_close("the model's state holds the continued state", mixer.states[:, -1],
+                 layer_state(out.state, mixer.layer), rtol=0, atol=0)
+
+
+def test_write_at_the_last_prompt_token_steers_generation(model):
+    ids = random_ids(1, T)
+    plain = greedy(model, ids, 3, output_logits=True, return_dict_in_generate=True)
+    with rh.watch(model, keep=ALL) as w:
+        logits_of(model, ids)
+        value = perturbed_wkv(w.mixers[0].state_after(-1))
+    with rh.watch(model, keep=ALL) as w:
+        w.mixers[0].set_state_after(T - 1, value)
+        steered = greedy(model, ids, 3, output_logits=True, return_dict_in_generate=True)
+    assert_close("decode step 1 started from the write", value, state_in(w.mixers[0], 1), rtol=0, atol=0)
+    assert_close("the prompt's logits", plain.logits[0], steered.logits[0], rtol=1e-5, atol=1e-5)
+    assert (plain.logits[1] - steered.logits[1]).abs().max() > 1e-6
+
+
+def test_write_at_a_decode_step(model):
+    ids = random_ids(1, T)
+    kwargs = dict(output_logits=True, return_dict_in_generate=True)
+    plain = greedy(model, ids, 5, **kwargs)
+    with rh.watch(model, keep=ALL) as w:
+        greedy(model, ids, 5, **kwargs)
+        value = perturbed_wkv(w.mixers[0].state_after(0, call=2))
+    with rh.watch(model, keep=ALL) as w:
+        w.mixers[0].set_state_after(0, value, call=2)
+        steered = greedy(model, ids, 5, **kwargs)
+    for step in range(3):
+        assert_close(f"logits of call {step}", plain.logits[step], steered.logits[step], rtol=1e-5, atol=1e-5)
+    change = max((plain.logits[step] - steered.logits[step]).abs().max() for step in range(3, 5))
+    assert change > 1e-6, f"a write at decode call 2 changed no later logits ({change})"
+    assert_close("call 3 continued from the write", value, state_in(w.mixers[0], 3), rtol=0, atol=0)
+
+
+def test_a_memory_write_per_row_equals_each_row_written_alone(model):
+    ids = random_ids(3, T)
+    with rh.watch(model, keep=("states", "conv_states")) as w, torch.no_grad():
+        model(random_ids(3, T, seed=9))
+    value = w.mixers[0].memory_after(3)
+    per_row = [2, 5, T - 1]
+    with rh.watch(model, keep=("states", "conv_states")) as w, torch.no_grad():
+        w.mixers[0].set_memory_after(torch.tensor([2, 5, -1]), value)
+        logits = model(ids).logits
+    for row, token in enumerate(per_row):
+        with rh.watch(model, keep=("states", "conv_states")) as alone, torch.no_grad():
+            alone.mixers[0].set_memory_after(token, value)
+            expected = model(ids).logits
+        assert_close(f"row {row} logits", expected[row], logits[row], rtol=0, atol=0)
+        assert_close(f"row {row} states", alone.mixers[0].states[row], w.mixers[0].states[row], rtol=0, atol=0)
+        assert_close(f"row {row} shifts", alone.mixers[0].conv_states[row], w.mixers[0].conv_states[row],
+                     rtol=0, atol=0)
+
+
+def test_a_multi_token_continuation_continues_the_state(model):
+    """Several tokens over a carried state (transformers' kernel takes the state for any length): one call
+    that is not a prompt, whose states and shifts continue the prompt's as in one long prompt."""
+    ids = random_ids(2, T)
+    with rh.watch(model, keep=ALL) as w, torch.no_grad():
+        out = model(ids[:, :8], use_cache=True)
+        model(ids[:, 8:], state=out.state, use_cache=True)
+    with rh.watch(model, keep=ALL) as whole, torch.no_grad():
+        model(ids)
+    for mixer, long in zip(w.mixers, whole.mixers):
+        assert [c.tokens for c in mixer.calls] == [8, T - 8]
+        assert_close(f"{mixer} states", long.states, torch.cat([c.states for c in mixer.calls], 1),
+                     rtol=1e-6, atol=1e-7)
+        assert_close(f"{mixer} shifts", long.conv_states, torch.cat([c.conv_states for c in mixer.calls], 1),
+                     rtol=0, atol=0)
+    seen = []
+    handle = rh.register_state_hook(model.rwkv.blocks[0].attention, lambda m, c, t, s: seen.append((c, t)), token=0)
+    try:
+        with torch.no_grad():
+            out = model(ids[:, :8], use_cache=True)
+            model(ids[:, 8:], state=out.state, use_cache=True)
+    finally:
+        handle.remove()
+    assert seen == [(0, 0), (1, 0)], "the continuation counted as a prompt"
+
+
+def test_replacing_hooks_scale_the_paper_state(model):
+    """A hook that adds log 2 to the max exponent doubles a_t and b_t (wkv unchanged at the next token:
+    it is a ratio of the two, plus the current token's bonus, so it changes after)."""
+    ids = random_ids(2, T)
+    with rh.watch(model, keep=ALL) as w:
+        logits_of(model, ids)
+    with rh.watch(model, keep=ALL) as doubled:
+        doubled.mixers[0].register_state_hook(
+            lambda m, c, t, s: torch.cat([s[:, :2], s[:, 2:] + math.log(2)], 1), token=4)
+        logits_of(model, ids)
+    a, b = paper_form(w.mixers[0].state_after(4))
+    got_a, got_b = paper_form(doubled.mixers[0].state_after(4))
+    assert_close("a doubled", 2 * a, got_a, rtol=1e-5, atol=0)
+    assert_close("b doubled", 2 * b, got_b, rtol=1e-5, atol=0)
+    before, after = w.mixers[0].calls[0].output["output"], doubled.mixers[0].calls[0].output["output"]
+    assert_close("wkv up to token 4", before[:, :5], after[:, :5], rtol=0, atol=0)
+    assert (before[:, 5:] - after[:, 5:]).abs().max() > 1e-4
+
+
+def test_values(model):
+    with rh.watch(model, keep=ALL) as w:
+        logits_of(model, random_ids(2, T))
+    values = w.mixers[0].values()
+    assert sorted(values) == sorted(rh.WeightedKeyValue.VALUES)
+    assert all(v.shape == (2, T, model.config.hidden_size) for v in values.values())
+    assert values["wkv"] is w.mixers[0].calls[0].output["output"]
+
+
+# -- the token shift and the whole memory --------------------------------------------------------------------------
+
+
+def test_shifts_are_the_ln1_outputs_at_prompt_and_decode_steps(model):
+    with rh.watch(model, keep=ALL) as w:
+        greedy(model, random_ids(1, T), 3)
+    for mixer in w.mixers:
+        for call, record in enumerate(mixer.calls):
+            assert_close(f"{mixer} call {call} shifts", record.conv.inputs["hidden"], record.conv_states,
+                         rtol=0, atol=0)
+            if call:  # what the model's state carried into the step: the previous call's last shift
+                carried = record.conv.inputs["state"][1][:, :, mixer.layer]
+                assert_close(f"{mixer} call {call} shift in", mixer.calls[call - 1].conv_states[:, -1], carried,
+                             rtol=0, atol=0)
+
+
+def test_shift_write_changes_only_later_tokens_and_the_carried_shift(model):
+    ids, token = random_ids(2, T), 5
+    plain = logits_of(model, ids)
+    with rh.watch(model, keep=ALL) as w:
+        logits_of(model, ids)
+        value = perturbation(w.mixers[0].conv_state_after(token))
+    with rh.watch(model, keep=ALL) as w:
+        w.mixers[0].set_conv_state_after(token, value)
+        with torch.no_grad():
+            out = model(ids, use_cache=True)
+    assert_close("logits at tokens <= t", plain[:, : token + 1], out.logits[:, : token + 1], rtol=1e-5, atol=1e-5)
+    assert (out.logits[:, token + 1] - plain[:, token + 1]).abs().max() > 1e-6
+    mixer = w.mixers[0]
+    assert_close("shift after the write", value, mixer.conv_state_after(token), rtol=0, atol=0)
+    # the shift changes token t+1's key, value and receptance only: the WKV state carries it on
+    key = mixer.calls[0].inputs["key"]
+    with rh.watch(model, keep=ALL) as unwritten:
+        logits_of(model, ids)
+    change = (key - unwritten.mixers[0].calls[0].inputs["key"]).abs().amax(dim=(0, 2))
+    assert change[token + 1] > 1e-6 and change[: token + 1].max() == 0 and change[token + 2:].max() == 0, change
+    # a write at the last token is the shift the model's state carries
+    with rh.watch(model, keep=ALL) as w:
+        w.mixers[0].set_conv_state_after(T - 1, value)
+        with torch.no_grad():
+            out = model(ids, use_cache=True)
+    assert_close("the model's state holds the written shift", value, out.state[1][:, :, 0], rtol=0, atol=0)
+
+
+def test_shift_write_at_a_decode_step(model):
+    ids = random_ids(1, T)
+    with rh.watch(model, keep=ALL) as w:
+        greedy(model, ids, 4)
+        value = perturbation(w.mixers[0].conv_state_after(0, call=1))
+    with rh.watch(model, keep=ALL) as w:
+        w.mixers[0].set_conv_state_after(0, value, call=1)
+        greedy(model, ids, 4)
+    assert_close("call 2 mixed with the written shift", value,
+                 w.mixers[0].calls[2].conv.inputs["state"][1][:, :, w.mixers[0].layer], rtol=0, atol=0)
+
+
+def first_mixer_outputs(model, ids, memory=None, token=None):
+    module = model.rwkv.blocks[0].attention
+    outputs = []
+    handle = module.register_forward_hook(lambda m, a, out: outputs.append(out[0]))
+    try:
+        with rh.watch(model, keep=ALL) as w, torch.no_grad():
+            if memory is not None:
+                w.mixers[0].set_memory_after(token, memory)
+            model(ids)
+    finally:
+        handle.remove()
+    return outputs[0], w.mixers[0]
+
+
+def test_writing_the_whole_memory_makes_a_layer_continue_as_in_the_other_run(model):
+    """Memory(state, conv_state) is the whole memory of the time-mixing layer: written from run A after token t
+    into run B (which shares A's tokens after t), layer 0's outputs after t are A's; the WKV state alone is not."""
+    token = 6
+    run_a = random_ids(2, T, seed=5)
+    run_b = run_a.clone()
+    run_b[:, : token + 1] = random_ids(2, token + 1, seed=6)
+    out_a, mixer_a = first_mixer_outputs(model, run_a)
+    out_b, mixer_b = first_mixer_outputs(model, run_b)
+    assert mixer_a.layer == 0
+    patched, _ = first_mixer_outputs(model, run_b, mixer_a.memory_after(token), token)
+    assert (out_b[:, token + 1:] - out_a[:, token + 1:]).abs().max() > 1e-6, "the two runs did not differ"
+    assert_close("layer output after t, memory written", out_a[:, token + 1:], patched[:, token + 1:],
+                 rtol=1e-5, atol=1e-6)
+    state_only, _ = first_mixer_outputs(model, run_b, rh.Memory(mixer_a.state_after(token),
+                                                                mixer_b.conv_state_after(token)), token)
+    assert (state_only[:, token + 1] - out_a[:, token + 1]).abs().max() > 1e-6
+
+
+# -- gradients ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["state", "conv_state"])
+def test_gradient_with_respect_to_a_kept_memory(model, which):
+    """d metric / d memory after token t (use_cache=False: transformers' forward with a state cannot be
+    differentiated, watched or not; see the kind's LIMITS): the kept tensor is the one the recurrence used."""
+    ids = random_ids(1, T)
+    token = 5
+    read = "state_after" if which == "state" else "conv_state_after"
+    write = "set_state_after" if which == "state" else "set_conv_state_after"
+    with rh.watch(model, keep=ALL) as w:
+        metric = model(ids, use_cache=False).logits[0, -1].logsumexp(-1)
+    kept = getattr(w.mixers[0], read)(token)
+    leaf = kept.detach().clone().requires_grad_()
+    with rh.watch(model) as w:
+        getattr(w.mixers[0], write)(token, leaf)
+        model(ids, use_cache=False).logits[0, -1].logsumexp(-1).backward()
+    grad = leaf.grad
+    assert grad.abs().max() > 0
+    assert_close("grad of the kept memory", grad, torch.autograd.grad(metric, kept)[0], rtol=1e-4, atol=1e-7)
+    eps = 1e-2 * kept.norm() / grad.norm()
+    values = []
+    for sign in (1, -1):
+        with rh.watch(model) as w, torch.no_grad():
+            getattr(w.mixers[0], write)(token, kept.detach() + sign * eps * grad)
+            values.append(model(ids, use_cache=False).logits[0, -1].logsumexp(-1))
+    slope = (values[0] - values[1]) / (2 * eps)
+    assert_close("directional derivative", (grad * grad).sum(), slope, rtol=2e-2, atol=1e-6)
+
+
+def test_backward_with_a_state_fails_in_transformers_watched_or_not(model):
+    """The documented limit: the forward overwrites the state list in place after saving views of it."""
+    ids = random_ids(1, T)
+    for watched in (False, True):
+        with rh.watch(model, keep=ALL) if watched else torch.enable_grad():
+            metric = model(ids, use_cache=True).logits[0, -1].logsumexp(-1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            metric.backward()
+
+
+def test_every_kept_state_is_differentiable_with_frozen_weights(model):
+    model.requires_grad_(False)
+    try:
+        with rh.watch(model, keep=("states", "conv_states")) as w:
+            metric = model(random_ids(1, T), use_cache=False).logits[0, -1].logsumexp(-1)
+        states, shifts = torch.autograd.grad(metric, [w.mixers[0].states, w.mixers[0].conv_states])
+    finally:
+        model.requires_grad_(True)
+    assert states.shape == w.mixers[0].states.shape and states[:, :-1].abs().amax(dim=(0, 2, 3)).min() > 0
+    assert shifts[:, :-1].abs().amax(dim=(0, 2)).min() > 0
+
+
+def test_gradient_flows_to_inputs_through_the_token_loop(model):
+    ids = random_ids(1, T)
+    embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
+    model(inputs_embeds=embeds, use_cache=False).logits[0, -1].logsumexp(-1).backward()
+    plain = embeds.grad.clone()
+    embeds.grad = None
+    with rh.watch(model, keep=ALL):
+        model(inputs_embeds=embeds, use_cache=False).logits[0, -1].logsumexp(-1).backward()
+    assert_close("input gradient through the token loop", plain, embeds.grad, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("checkpointing", [None, True, False], ids=["off", "reentrant", "non-reentrant"])
+def test_gradient_checkpointing_gives_the_gradients_of_the_plain_backward(model, checkpointing):
+    ids = random_ids(2, T)
+    with rh.watch(model, keep={"states": [3]}) as w, torch.no_grad():
+        model(ids, use_cache=False)
+    write = perturbed_wkv(w.mixers[0].state_after(3), seed=2)
+
+    def backward(mode):
+        model.train()  # RwkvModel rescales in place on mode changes: 2^0 for this model, and eval again after
+        model.zero_grad(set_to_none=True)
+        if mode is None:
+            model.activation_checkpointing_disable()
+        else:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": mode})
+        seen = []
+        try:
+            with rh.watch(model, keep={"states": [5, -1]}) as w:
+                first, last = w.mixers[0], w.mixers[-1]
+                first.set_state_after(3, write)
+                last.register_state_hook(lambda m, c, t, s: s * 0.5, token=4)
+                last.register_state_hook(lambda m, c, t, s: seen.append((c, t, m.recomputing)), token=6)
+                loss = model(ids, use_cache=False).logits.square().mean()
+                kept = first.state_after(5)
+                if kept.requires_grad:
+                    kept.retain_grad()
+                loss.backward()
+            state_grad = first.state_after(5).grad
+            assert [c.index for c in first.calls] == [0]
+        finally:
+            model.activation_checkpointing_disable()
+            model.eval()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        return loss.detach(), grads, state_grad, seen
+
+    loss, grads, state_grad, seen = backward(None)
+    got_loss, got_grads, got_state_grad, got_seen = backward(checkpointing)
+    assert_close("loss", loss, got_loss, rtol=1e-6, atol=0)
+    assert sorted(got_grads) == sorted(grads)
+    scale = max(g.abs().max() for g in grads.values())
+    for name, grad in grads.items():
+        assert_close(f"grad of {name}", grad, got_grads[name], rtol=1e-4, atol=1e-5 * scale)
+    assert state_grad.abs().max() > 0
+    assert_close("grad of the kept state", state_grad, got_state_grad, rtol=1e-4, atol=1e-5 * state_grad.abs().max())
+    assert seen == [(0, 6, False)] and got_seen[:1] == seen
+    assert all(hook == (0, 6, True) for hook in got_seen[1:])
+    assert (len(got_seen) == 1) == (checkpointing is None)
+
+
+# -- bindings and support ------------------------------------------------------------------------------------------
+
+
+def kernel_bindings(family):
+    row = rh.FAMILIES[family]
+    module = row.module()
+    return {kernel.name: inspect.getattr_static(*kernel.target(module)) for kernel in row.kind.KERNELS}
+
+
+def default_bindings(family):
+    row = rh.FAMILIES[family]
+    module = row.module()
+    return {kernel.name: patching.import_default(*kernel.target(module)) for kernel in row.kind.KERNELS}
+
+
+def test_bindings_restored_after_exit_after_a_raising_hook_and_when_nested(model, family):
+    before = kernel_bindings(family)
+    ids = random_ids(1, 5)
+    with rh.watch(model):
+        assert all(getattr(f, "__recurrent_hooks__", False) for f in kernel_bindings(family).values())
+        with rh.watch(model) as inner:
+            inner.mixers[0].register_state_hook(lambda m, c, t, s: None)
+            logits_of(model, ids)
+        assert all(getattr(f, "__recurrent_hooks__", False) for f in kernel_bindings(family).values())
+    assert all(kernel_bindings(family)[name] is fn for name, fn in before.items())
+
+    def boom(mixer, call, token, state):
+        raise KeyError("boom")
+
+    for which in ("state", "conv_state"):
+        with pytest.raises(KeyError, match="boom"), rh.watch(model) as w:
+            w.mixers[0].register_state_hook(boom, token=3, which=which)
+            logits_of(model, ids)
+        assert all(kernel_bindings(family)[name] is fn for name, fn in before.items())
+    assert "extract_key_value" in vars(type(model.rwkv.blocks[0].attention))
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    assert_close("model unchanged after the watches", logits_of(model, ids), logits_of(build(family), ids),
+                 rtol=0, atol=0)
+
+
+def test_support_lists_the_kinds_values_and_limits(model, family):
+    rows = rh.support(model)
+    assert [(r.layer, r.family, r.kind) for r in rows] == [(0, family, "WeightedKeyValue"),
+                                                          (1, family, "WeightedKeyValue")]
+    for limit in ("batched decode", "attention_mask", "eval rescaling", "gradients with a state",
+                  "feed-forward shift"):
+        assert limit in rows[0].unavailable
+    assert "states" in rows[0].available and "conv_states" in rows[0].available
+    with rh.watch(model) as w:
+        assert w.mixer(1) is w.mixers[1] and repr(w.mixers[0]) == f"WeightedKeyValue({family}, layer 0)"
+
+
+def test_a_write_of_the_wrong_shape_names_the_parts(model):
+    with rh.watch(model) as w:
+        w.mixers[0].set_state_after(2, torch.zeros(2, model.config.hidden_size))
+        with pytest.raises(rh.InvalidValue, match=r"expected \(2, 3, 32\) \(axes: batch part channels\)"):
+            logits_of(model, random_ids(2, T))
+    with rh.watch(model) as w:
+        w.mixers[0].set_conv_state_after(2, torch.zeros(2, 3, model.config.hidden_size))
+        with pytest.raises(rh.InvalidValue, match=r"expected \(2, 32\) \(axes: batch hidden\)"):
+            logits_of(model, random_ids(2, T))
+
+
+# -- the research tools -------------------------------------------------------------------------------------------
+
+
+def test_a_patching_sweep_cell_is_one_write(model):
+    clean, corrupt = random_ids(1, 10, seed=1), random_ids(1, 10, seed=2)
+
+    def metric(logits):
+        return logits[:, -1, 5] - logits[:, -1, 7]
+
+    sweep = rh.patching_sweep(model, clean, corrupt, metric, batch_size=4)
+    with rh.watch(model, keep=("states", "conv_states")) as a, torch.no_grad():
+        model(clean, use_cache=False)
+    for layer, token in ((0, 3), (1, 8)):
+        with rh.watch(model) as b, torch.no_grad():
+            b.mixers[layer].set_memory_after(token, a.mixers[layer].memory_after(token))
+            expected = metric(model(corrupt, use_cache=False).logits)[0]
+        assert_close(f"cell ({layer}, {token})", expected, sweep.values[layer, token], rtol=1e-5, atol=1e-6)
+
+
+def test_attribution_runs_without_a_state(model):
+    """rh.attribute differentiates the corrupt run: with use_cache=False (transformers' backward fails with a
+    state, see LIMITS), every layer x token gets an attribution."""
+    clean, corrupt = random_ids(1, 10, seed=1), random_ids(1, 10, seed=2)
+
+    def metric(logits):
+        return logits[:, -1, 5] - logits[:, -1, 7]
+
+    result = rh.attribute(model, clean, corrupt, metric, forward_kwargs={"use_cache": False})
+    assert result.memory.shape == (2, 10) and bool(torch.isfinite(result.memory).all())
+    assert result.memory[:, :-1].abs().min() > 0
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        rh.attribute(model, clean, corrupt, metric)
