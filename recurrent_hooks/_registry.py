@@ -90,6 +90,15 @@ def _external_xlstm() -> bool:
     return bool(is_xlstm_available())
 
 
+def _external_xlstm_rows() -> tuple[Unsupported, ...]:
+    """With the xlstm package, transformers' xLSTM blocks are xlstm's mLSTMBlock: none of MatrixLSTM's kernels."""
+    if not _external_xlstm():
+        return ()
+    return (Unsupported("xlstm", "xLSTMBlock", "the xlstm package is installed, so transformers builds xlstm's own"
+                        " mLSTMBlock (modeling_xlstm.external_xlstm is True), which calls none of the kernels the"
+                        " MatrixLSTM kind rebinds; uninstall xlstm to watch xLSTM models"),)
+
+
 _SHORT_CONV = "a short-convolution mixer (its memory is only the convolution window): no mixer kind for it yet"
 _INLINE_CONV = "an inline convolution (unfold in forward), no kernel to rebind; no mixer kind for it yet"
 
@@ -103,9 +112,7 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("inkling2", "Inkling2DynamicShortConvolution", _INLINE_CONV),
     Unsupported("inkling2_loop", "Inkling2LoopShortConvolution", _SHORT_CONV),
     Unsupported("inkling2_loop", "Inkling2LoopDynamicShortConvolution", _INLINE_CONV),
-    *((Unsupported("xlstm", "xLSTMBlock", "the xlstm package is installed, so transformers builds xlstm's own"
-                   " mLSTMBlock (modeling_xlstm.external_xlstm is True), which calls none of the kernels the"
-                   " MatrixLSTM kind rebinds; uninstall xlstm to watch xLSTM models"),) if _external_xlstm() else ()),
+    *_external_xlstm_rows(),
     Unsupported("zaya", "ZayaCCAProjection", "CCA: an inline convolution window and a one-token value delay;"
                 " no kernel to rebind"),
 )

@@ -7,6 +7,7 @@ call that partial as the original. Its memory is `MLSTMState(C, n, m)`: three pa
 """
 
 import functools
+import re
 
 import pytest
 import torch
@@ -739,3 +740,30 @@ def test_a_patching_sweep_cell_is_the_memory_write_it_stands_for(model):
         assert_close(f"cell ({layer}, {position})", expected, sweep.values[layer, position], rtol=1e-5, atol=1e-6)
     # from the changed token on, up to the last but one (a write after the last token reaches no logit)
     assert (sweep.values[0, 3:-1] - sweep.values[0, 0]).abs().min() > 1e-3, "patching after the change did nothing"
+
+
+def test_with_the_xlstm_package_the_model_is_refused_with_the_reason(monkeypatch):
+    """The xlstm package is not installed here; with it, transformers builds xlstm's mLSTMBlock (as the
+    xLSTMBlock of modeling_xlstm), which the kind cannot watch. The registry then lists that class as
+    unsupported, and a watch names it with the reason. Simulated: the availability check, and a module of
+    that class name in that modeling module."""
+    import importlib
+    import transformers.utils
+    from torch import nn
+    import recurrent_hooks._registry as registry
+
+    assert not registry._external_xlstm() and not importlib.import_module(
+        "transformers.models.xlstm.modeling_xlstm").external_xlstm
+    assert registry._external_xlstm_rows() == ()
+    monkeypatch.setattr(transformers.utils, "is_xlstm_available", lambda: True)
+    (row,) = registry._external_xlstm_rows()  # the row UNSUPPORTED holds then
+    reason = row.reason
+    assert row.mixer_class == "xLSTMBlock" and "uninstall xlstm" in reason
+    monkeypatch.setitem(registry._UNSUPPORTED_BY_CLASS,
+                        ("transformers.models.xlstm.modeling_xlstm", "xLSTMBlock"), row)
+    block = type("xLSTMBlock", (nn.Module,), {"__module__": "transformers.models.xlstm.modeling_xlstm"})
+    model = nn.Sequential(block())
+    with pytest.raises(rh.Unavailable, match=re.escape(f"xLSTMBlock ({reason})")):
+        with rh.watch(model):
+            pass
+    assert rh.support(model)[0].unavailable == {"everything": reason}
