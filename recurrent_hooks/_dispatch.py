@@ -247,6 +247,8 @@ class _Tap:
 
             fast = _fast_path(kernel, busy, tokens)
             extra = {"tokens": tokens} if kernel.seq == FORWARD else {}
+            if "original" in kernel.signature.parameters:  # a loop that reads settings the kernel captured
+                extra["original"] = original
             if fast is not None and kernel.segments is None:  # the loop computes fast between the stops itself
                 result = kernel.loop(*args, on_token=on_token, stops=fast[0], **extra, **kwargs)
             elif fast is not None:

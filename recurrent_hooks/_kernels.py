@@ -78,7 +78,8 @@ class Kernel:
 
     - `name`: the name the mixer's forward calls (a module global, or an attribute of `owner`: see `site`);
     - `loop`: the library's pure-torch token loop with the same signature and return value, plus a
-      keyword-only `on_token(t, memory) -> memory` (and `tokens=` when `seq` is FORWARD);
+      keyword-only `on_token(t, memory) -> memory` (and `tokens=` when `seq` is FORWARD; a loop that takes
+      a keyword `original` gets the kernel bound before the watch, e.g. a partial whose settings it reads);
     - `state_in`: the argument that carries the memory in (None: the kernel always starts from zeros), or
       a tuple of them for a memory of several parts (`STATE_TYPE`), in the order of its parts;
     - `results`: names of the elements of the returned value (a single tensor is the first name);
@@ -142,7 +143,7 @@ class Kernel:
     def bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         """The call's arguments by name (extra keyword arguments the kernel ignores are left out)."""
         bound = self.signature.bind(*args, **kwargs)
-        return {k: v for k, v in bound.arguments.items() if k not in ("self", "kwargs", "on_token", "tokens")}
+        return {k: v for k, v in bound.arguments.items() if k not in ("self", "kwargs", "on_token", "tokens", "original")}
 
     def tokens(self, arguments: dict[str, Any], forward_tokens: int) -> int:
         """How many tokens the call covers."""

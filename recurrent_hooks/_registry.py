@@ -23,6 +23,7 @@ from ._gated_delta_net import GatedDeltaNet
 from ._lightning import LightningAttention
 from ._mixer import RecurrentMixer
 from ._rg_lru import RealGatedLinearRecurrence
+from ._mlstm import MatrixLSTM
 from ._selective_scan import PerHeadSelectiveScan, SelectiveScan
 from ._short_conv import LoopedShortConvolution, ShortConvolution
 from ._state_space import StateSpace
@@ -76,6 +77,7 @@ FAMILIES: dict[str, Family] = {
         Family("inkling", "InklingShortConvolution", ShortConvolution),
         Family("inkling2", "Inkling2ShortConvolution", ShortConvolution),
         Family("inkling2_loop", "Inkling2LoopShortConvolution", LoopedShortConvolution),
+        Family("xlstm", "xLSTMLayer", MatrixLSTM),
     )
 }
 
@@ -90,13 +92,28 @@ class Unsupported:
     reason: str
 
 
+def _external_xlstm() -> bool:
+    """transformers builds xLSTM from the xlstm package when it is importable (modeling_xlstm.external_xlstm)."""
+    from transformers.utils import is_xlstm_available
+
+    return bool(is_xlstm_available())
+
+
+def _external_xlstm_rows() -> tuple[Unsupported, ...]:
+    """With the xlstm package, transformers' xLSTM blocks are xlstm's mLSTMBlock: none of MatrixLSTM's kernels."""
+    if not _external_xlstm():
+        return ()
+    return (Unsupported("xlstm", "xLSTMBlock", "the xlstm package is installed, so transformers builds xlstm's own"
+                        " mLSTMBlock (modeling_xlstm.external_xlstm is True), which calls none of the kernels the"
+                        " MatrixLSTM kind rebinds; uninstall xlstm to watch xLSTM models"),)
+
+
 _INLINE_CONV = "an inline convolution (unfold in forward), no kernel to rebind; no mixer kind for it yet"
 
 UNSUPPORTED: tuple[Unsupported, ...] = (
-    Unsupported("xlstm", "xLSTMLayer", "mLSTM: kernels are captured in functools.partial when the model is built;"
-                " cannot be rebound"),
     Unsupported("inkling2", "Inkling2DynamicShortConvolution", _INLINE_CONV),
     Unsupported("inkling2_loop", "Inkling2LoopDynamicShortConvolution", _INLINE_CONV),
+    *_external_xlstm_rows(),
     Unsupported("zaya", "ZayaCCAProjection", "CCA: an inline convolution window and a one-token value delay;"
                 " no kernel to rebind"),
 )

@@ -21,6 +21,8 @@ from ._kimi_delta import KimiDeltaAttention as KimiDeltaAttention
 from ._lightning import LightningAttention as LightningAttention
 from ._mixer import RecurrentMixer as RecurrentMixer
 from ._rg_lru import RealGatedLinearRecurrence as RealGatedLinearRecurrence
+from ._mlstm import MatrixLSTM as MatrixLSTM
+from ._mlstm import MLSTMState as MLSTMState
 from ._registry import FAMILIES as FAMILIES
 from ._registry import UNSUPPORTED as UNSUPPORTED
 from ._registry import Family as Family
@@ -56,4 +58,6 @@ __all__ = [
     "LightningAttention",
     "ShortConvolution",
     "LoopedShortConvolution",
+    "MatrixLSTM",
+    "MLSTMState",
 ]
