@@ -28,6 +28,7 @@ from ._selective_scan import PerHeadSelectiveScan as PerHeadSelectiveScan
 from ._selective_scan import SelectiveScan as SelectiveScan
 from ._state_space import StateSpace as StateSpace
 from ._wkv import WeightedKeyValue as WeightedKeyValue
+from ._wkv import WkvState as WkvState
 
 __all__ = [
     "RecurrentMixer",
@@ -50,4 +51,5 @@ __all__ = [
     "StateSpace",
     "RealGatedLinearRecurrence",
     "WeightedKeyValue",
+    "WkvState",
 ]
