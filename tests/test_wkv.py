@@ -831,3 +831,17 @@ def test_attribution_runs_without_a_state(model):
     assert result.memory[:, :-1].abs().min() > 0
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         rh.attribute(model, clean, corrupt, metric)
+
+
+def test_state_norms_plot_measures_every_part(model):
+    """plots.state_norms on a WkvState: per token, the norm of num, den and max together (prompt, then decode)."""
+    pytest.importorskip("matplotlib")
+    from recurrent_hooks import plots
+
+    with rh.watch(model, keep=("states",)) as w:
+        greedy(model, random_ids(1, T), 3)
+    lines = plots.state_norms(w).axes[0].get_lines()
+    for mixer, line in zip(w.mixers, lines):
+        whole = cat_states([c.states for c in mixer.calls], dim=1)  # batch seq channels, each part
+        expected = torch.cat(list(whole), dim=-1)[0].double().norm(dim=-1)
+        assert_close(f"{mixer} plotted norms", expected, torch.as_tensor(line.get_ydata()), rtol=1e-12, atol=0)
