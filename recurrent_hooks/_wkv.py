@@ -87,8 +87,8 @@ def rwkv_linear_attention(
     Returns wkv `[batch, seq, channels]` in key's dtype and, when `return_state` or a state was given,
     the new `[num, den, max]` (else None). `on_token(t, state)` is called after token t's update with
     the state as a `WkvState(num, den, max)`; token t+1 continues from the `WkvState` it returns, and
-    the last one returned is the new state. The operations are those of
-    transformers' `rwkv_linear_attention_cpu`, in its order.
+    the last one returned is the new state. The operations are those of transformers'
+    `rwkv_linear_attention_cpu`, in its order.
     """
     _, seq, _ = key.shape
     output = torch.zeros_like(key)  # b t c
@@ -165,16 +165,16 @@ class WeightedKeyValue(RecurrentMixer):
 
         with recurrent_hooks.watch(model, keep=("states", "conv_states")) as w:
             model(input_ids)
-        w.mixers[0].states.den             # WkvState of [batch, seq, channels] stacks: den per token
+        w.mixers[0].states.den             # [batch, seq, channels]: den after every token (a WkvState of stacks)
         w.mixers[0].conv_state_after(4)    # [batch, hidden]: the ln1 output of token 4, which token 5 mixes with
 
     The state is transformers' (num, den, max) as a `WkvState`, three `[batch, channels]` float32 parts
     (`STATE_TYPE`); the paper's a_t = num e^{max}, b_t = den e^{max}. Hooks get a `WkvState` and may
     return one, writes take one; to edit one part, build a new one: `WkvState(s.num, s.den * 2, s.max)`
-    doubles b_t, and scaling a_t and b_t by c is `s._replace(max=s.max + log(c))`. The token shift (`conv_state`) is a window of one
-    input: `conv_state_after(t)` is the input token t+1 mixes with. The kernels return the new WKV state
-    and write the shift into the model's state list (`state=`, there is no Cache), so writes at the
-    last token of a call are what the next call continues from.
+    doubles b_t, and scaling a_t and b_t by c is `s._replace(max=s.max + log(c))`. The token shift
+    (`conv_state`) is a window of one input: `conv_state_after(t)` is the input token t+1 mixes with.
+    The kernels return the new WKV state and write the shift into the model's state list (`state=`,
+    there is no Cache), so writes at the last token of a call are what the next call continues from.
     """
 
     KERNELS = (

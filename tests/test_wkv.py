@@ -460,8 +460,8 @@ def test_a_memory_write_per_row_equals_each_row_written_alone(model):
             alone.mixers[0].set_memory_after(token, value)
             expected = model(ids).logits
         assert_close(f"row {row} logits", expected[row], logits[row], rtol=0, atol=0)
-        assert_state_close(f"row {row} states", map_parts(lambda s: s[row], alone.mixers[0].states),
-                           map_parts(lambda s: s[row], w.mixers[0].states), rtol=0, atol=0)
+        assert_state_close(f"row {row} states", WkvState(*[s[row] for s in alone.mixers[0].states]),
+                           WkvState(*[s[row] for s in w.mixers[0].states]), rtol=0, atol=0)
         assert_close(f"row {row} shifts", alone.mixers[0].conv_states[row], w.mixers[0].conv_states[row],
                      rtol=0, atol=0)
 
@@ -637,11 +637,14 @@ def test_gradient_with_respect_to_a_kept_memory(model, which):
     def norm(state):
         return math.hypot(*(float(part.detach().norm()) for _, part in parts_of(state)))
 
+    def moved(state, direction, step):  # state + step * direction, part by part
+        return map_parts(lambda s, d: s.detach() + step * d, state, direction)
+
     eps = 1e-2 * norm(kept) / norm(grad)
     values = []
     for sign in (1, -1):
         with rh.watch(model) as w, torch.no_grad():
-            getattr(w.mixers[0], write)(token, map_parts(lambda s, g: s.detach() + sign * eps * g, kept, grad))
+            getattr(w.mixers[0], write)(token, moved(kept, grad, sign * eps))
             values.append(model(ids, use_cache=False).logits[0, -1].logsumexp(-1))
     slope = (values[0] - values[1]) / (2 * eps)
     squared = sum((part * part).sum() for _, part in parts_of(grad))
