@@ -13,8 +13,10 @@ mixing, the WKV operator and its recurrent form), shape as the kernels take it; 
     value        v_t   [batch, seq, channels]    W_v (mu_v x'_t + (1 - mu_v) x'_{t-1})
     (receptance) r_t   [batch, seq, channels]    sigmoid(W_r (mu_r x'_t + (1 - mu_r) x'_{t-1}))
     output       wkv_t [batch, seq, channels]    the kernel's result; the mixer returns W_o (r_t * wkv_t)
-    state        (num, den, p) stacked  [batch, part, channels], float32, part = `STATE_PARTS`:
-                   0 "num": a_t e^{-p_t}, 1 "den": b_t e^{-p_t}, 2 "max": p_t, the running max exponent
+    state        `WkvState(num, den, max)`, three parts, each [batch, channels], float32:
+      .num       a_t e^{-p_t}   the numerator sum, scaled: a_t = num·e^max
+      .den       b_t e^{-p_t}   the denominator sum, scaled: b_t = den·e^max
+      .max       p_t            the running max exponent, the scale of num and den
     conv_state   x'_t  [batch, hidden]           the token shift, a window of one input: `conv_state_after(t)`
                                                  is x'_t, the input token t+1 mixes with (model dtype)
 
@@ -36,13 +38,14 @@ The feed-forward block (`RwkvFeedForward`, channel mixing) has its own token shi
 part of this mixer, and the library neither reads nor writes it.
 
 Module contents:
+- `WkvState`: the WKV state handed to hooks and taken by writes, a NamedTuple (num, den, max).
 - `rwkv_linear_attention`: the WKV token loop, with the signature and results of transformers' function of
   that name (and of its CPU path `rwkv_linear_attention_cpu`), plus a keyword-only `on_token`.
 - `extract_key_value`: the token shift, as the method `RwkvSelfAttention.extract_key_value` (self first).
 - `WeightedKeyValue`: the mixer kind.
 """
 
-from typing import Any, ClassVar
+from typing import Any, NamedTuple
 
 import torch
 from jaxtyping import Float
@@ -54,8 +57,17 @@ from ._loops import OnToken
 from ._mixer import RecurrentMixer
 
 
-STATE_PARTS = ("num", "den", "max")  # the part axis of the stacked WKV state, in order
-_PART_AXIS = 1  # [batch, part, channels]
+class WkvState(NamedTuple):
+    """The WKV state after a token: transformers' three scaled tensors, as the parts of one state.
+
+    The paper's sums are a_t = num·e^max and b_t = den·e^max; scaling both by c is `max + log(c)`.
+    """
+
+    num: Float[Tensor, "batch channels"]  # a_t e^{-p_t}, float32
+    den: Float[Tensor, "batch channels"]  # b_t e^{-p_t}, float32 (> 0 once a token has been seen)
+    max: Float[Tensor, "batch channels"]  # p_t, the running max exponent, float32
+
+
 _EMPTY_MAX = -1e30  # the max exponent of the state RwkvModel creates (`state[4] -= 1e30`)
 
 
@@ -74,9 +86,9 @@ def rwkv_linear_attention(
     `state` is (num, den, max), each `[batch, channels]` float32, or None (the empty state, max = -1e38).
     Returns wkv `[batch, seq, channels]` in key's dtype and, when `return_state` or a state was given,
     the new `[num, den, max]` (else None). `on_token(t, state)` is called after token t's update with
-    the state stacked as `[batch, 3, channels]` (`STATE_PARTS`); token t+1 continues from the stacked
-    state it returns, and the last one returned is the new state. The operations are those of
-    transformers' `rwkv_linear_attention_cpu`, in its order.
+    the state as a `WkvState(num, den, max)`; token t+1 continues from the `WkvState` it returns, and
+    the last one returned is the new state. The operations are those of transformers'
+    `rwkv_linear_attention_cpu`, in its order.
     """
     _, seq, _ = key.shape
     output = torch.zeros_like(key)  # b t c
@@ -101,8 +113,7 @@ def rwkv_linear_attention(
         den = e1 * den + e2  # b c   b_t e^{-p_t}
         p = scale  # b c   p_t
         if on_token is not None:
-            stacked = on_token(t, torch.stack([num, den, p], dim=_PART_AXIS))  # b 3 c   what token t+1 continues from
-            num, den, p = stacked.unbind(_PART_AXIS)  # b c   each
+            num, den, p = on_token(t, WkvState(num, den, p))  # b c   each: what token t+1 continues from
     if return_state or state is not None:
         return output, [num, den, p]
     return output, None
@@ -154,19 +165,18 @@ class WeightedKeyValue(RecurrentMixer):
 
         with recurrent_hooks.watch(model, keep=("states", "conv_states")) as w:
             model(input_ids)
-        w.mixers[0].states                 # Float[Tensor, "batch seq part channels"]: num, den, max per token
+        w.mixers[0].states.den             # [batch, seq, channels]: den after every token (a WkvState of stacks)
         w.mixers[0].conv_state_after(4)    # [batch, hidden]: the ln1 output of token 4, which token 5 mixes with
 
-    The state is transformers' (num, den, max) stacked on a part axis, `[batch, 3, channels]`, float32
-    (`STATE_PARTS`); the paper's a_t = num e^{max}, b_t = den e^{max}. Hooks get this stacked tensor and
-    writes take one; to edit one part, change a copy: `s = state.clone(); s[:, 1] *= 2` doubles b_t,
-    and scaling a_t and b_t by c is `s[:, 2] += log(c)`. The token shift (`conv_state`) is a window of one
-    input: `conv_state_after(t)` is the input token t+1 mixes with. The kernels return the new WKV state
-    and write the shift into the model's state list (`state=`, there is no Cache), so writes at the
-    last token of a call are what the next call continues from.
+    The state is transformers' (num, den, max) as a `WkvState`, three `[batch, channels]` float32 parts
+    (`STATE_TYPE`); the paper's a_t = num e^{max}, b_t = den e^{max}. Hooks get a `WkvState` and may
+    return one, writes take one; to edit one part, build a new one: `WkvState(s.num, s.den * 2, s.max)`
+    doubles b_t, and scaling a_t and b_t by c is `s._replace(max=s.max + log(c))`. The token shift
+    (`conv_state`) is a window of one input: `conv_state_after(t)` is the input token t+1 mixes with.
+    The kernels return the new WKV state and write the shift into the model's state list (`state=`,
+    there is no Cache), so writes at the last token of a call are what the next call continues from.
     """
 
-    STATE_PARTS: ClassVar[tuple[str, ...]] = STATE_PARTS
     KERNELS = (
         # prompt and decode: one module global; it takes (num, den, max) and returns the new ones
         Kernel(name="rwkv_linear_attention", role=Role.BOTH, loop=rwkv_linear_attention, state_in="state",
@@ -176,7 +186,8 @@ class WeightedKeyValue(RecurrentMixer):
                results=("receptance", "key", "value", "model_state"), seq=("hidden", 1), site=Site.CLASS,
                owner="RwkvSelfAttention"),
     )
-    STATE = "batch part channels"
+    STATE_TYPE = WkvState
+    STATE = {"num": "batch channels", "den": "batch channels", "max": "batch channels"}
     CONV_STATE = "batch hidden"
     INPUTS = {
         "time_decay": "channels",

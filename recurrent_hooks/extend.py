@@ -33,6 +33,7 @@ from ._short_conv import LoopedShortConvolution as LoopedShortConvolution
 from ._short_conv import ShortConvolution as ShortConvolution
 from ._state_space import StateSpace as StateSpace
 from ._wkv import WeightedKeyValue as WeightedKeyValue
+from ._wkv import WkvState as WkvState
 
 __all__ = [
     "RecurrentMixer",
@@ -60,4 +61,5 @@ __all__ = [
     "LoopedShortConvolution",
     "MatrixLSTM",
     "MLSTMState",
+    "WkvState",
 ]

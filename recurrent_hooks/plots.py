@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ._errors import InvalidValue
+from ._parts import parts_of
 
 _INSTALL = "pip install recurrent_hooks[plots]"
 
@@ -99,7 +100,8 @@ def state_norms(watch: Any, *, row: int = 0, ax: Any = None, title: str | None =
 
     `watch` is a `rh.Watch` (or a list of its mixers) whose block kept states (`keep=("states",)`). Calls
     follow each other on the x axis (the prompt's tokens, then one point per decode step), with a dotted
-    line where each call after the first begins. `row` picks the batch row.
+    line where each call after the first begins. `row` picks the batch row. A state of several parts
+    (`STATE_TYPE`, e.g. RWKV's `WkvState`) is measured as all its parts together.
     """
     where = "plots.state_norms"
     mixers = list(getattr(watch, "mixers", watch)) if not isinstance(watch, Tensor) else None
@@ -110,11 +112,14 @@ def state_norms(watch: Any, *, row: int = 0, ax: Any = None, title: str | None =
     for mixer in mixers:
         norms, starts = [], []
         for call in mixer.calls:
-            states = call.states  # raises rh.Unavailable when states were not kept
-            if not -states.shape[0] <= row < states.shape[0]:
-                raise InvalidValue(f"{where}: expected row in 0..{states.shape[0] - 1}, got row={row}")
+            parts = [part for _, part in parts_of(call.states)]  # raises rh.Unavailable when states were not kept
+            batch = parts[0].shape[0]
+            if not -batch <= row < batch:
+                raise InvalidValue(f"{where}: expected row in 0..{batch - 1}, got row={row}")
             starts.append(sum(len(n) for n in norms))
-            norms.append(states[row].detach().flatten(1).double().norm(dim=1).cpu())
+            per_part = [part[row].detach().flatten(1).double().norm(dim=1).cpu() for part in parts]  # seq each
+            # a state of several parts (`STATE_TYPE`): the norm of all its parts together
+            norms.append(per_part[0] if len(per_part) == 1 else torch.stack(per_part).norm(dim=0))
         ax.plot(torch.cat(norms).numpy(), label=f"layer {mixer.layer}")
     for start in starts[1:]:
         ax.axvline(start - 0.5, color="grey", linestyle=":", linewidth=0.8)

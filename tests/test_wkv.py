@@ -27,7 +27,9 @@ from _compare import assert_close, assert_equal
 from _models import FAMILIES as BUILDERS
 from _models import PAD, build, random_ids
 from _reachable import tensor_bytes_reachable
+from recurrent_hooks._parts import map_parts, parts_of, rebuild, stack_parts
 from recurrent_hooks._wkv import extract_key_value, rwkv_linear_attention
+from recurrent_hooks.extend import WkvState
 
 FAMILIES = [name for name, row in rh.FAMILIES.items() if row.kind is rh.WeightedKeyValue]
 ALL = ("states", "conv_states", "inputs", "outputs")
@@ -37,6 +39,19 @@ BATCH, CHANNELS = 2, 16
 
 def test_every_family_of_the_kind_has_a_tiny_model():
     assert FAMILIES and all(name in BUILDERS for name in FAMILIES)
+
+
+def assert_state_close(name, expected, got, *, rtol, atol):
+    """Two WKV states (`WkvState`s of tensors of any shape), part by part."""
+    for value in (expected, got):
+        assert isinstance(value, WkvState), f"{name}: expected WkvStates, got {type(value).__name__}"
+    for field, a, b in zip(WkvState._fields, expected, got):
+        assert_close(f"{name}, {field}", a, b, rtol=rtol, atol=atol)
+
+
+def cat_states(states, dim):
+    """WKV states concatenated part by part (the per-token stacks of consecutive calls)."""
+    return map_parts(lambda *parts: torch.cat(parts, dim=dim), *states)
 
 
 # -- references ---------------------------------------------------------------------------------------------------
@@ -66,8 +81,9 @@ def wkv_reference(time_decay, time_first, key, value, state=None):
 
 
 def paper_form(states):
-    """(a, b) from the library's stacked states [..., 3, channels]: a = num e^max, b = den e^max (float64)."""
-    num, den, p = states.double().unbind(-2)
+    """(a, b) from the library's WkvState (parts of any shape): a = num e^max, b = den e^max (float64)."""
+    assert isinstance(states, WkvState), type(states).__name__
+    num, den, p = (part.double() for part in states)
     return num * p.exp(), den * p.exp()
 
 
@@ -104,22 +120,23 @@ def test_wkv_loop_equals_transformers(seq, with_state, return_state):
     assert_close("wkv", expected_out, out, rtol=0, atol=0)
     assert (state is None) == (expected_state is None)
     if state is not None:
-        for name, a, b in zip(rh.WeightedKeyValue.STATE_PARTS, expected_state, state):
+        for name, a, b in zip(WkvState._fields, expected_state, state):
             assert_close(f"final {name}", a, b, rtol=0, atol=0)
-    # with an identity on_token too: the stacked state goes in and out unchanged
+    # with an identity on_token too: the WkvState goes in and out unchanged
     seen = []
     out, state = rwkv_linear_attention(**inputs, return_state=True, on_token=lambda t, s: seen.append(s) or s)
     assert_close("wkv, on_token", expected_out, out, rtol=0, atol=0)
-    assert len(seen) == seq and seen[0].shape == (BATCH, 3, CHANNELS) and seen[0].dtype == torch.float32
+    assert len(seen) == seq and isinstance(seen[0], WkvState)
+    assert all(part.shape == (BATCH, CHANNELS) and part.dtype == torch.float32 for part in seen[0])
 
 
 @pytest.mark.parametrize("with_state", [True, False], ids=["from a state", "no state"])
 def test_states_handed_to_on_token_equal_the_paper_recurrence(with_state):
     inputs = kernel_inputs(37, seed=1, with_state=with_state)
     seen = []
-    out, _ = rwkv_linear_attention(**inputs, on_token=lambda t, s: seen.append(s.clone()) or s)
+    out, _ = rwkv_linear_attention(**inputs, on_token=lambda t, s: seen.append(map_parts(torch.clone, s)) or s)
     wkv, a, b = wkv_reference(**inputs)
-    got_a, got_b = paper_form(torch.stack(seen, 1))
+    got_a, got_b = paper_form(stack_parts(seen, 1))
     # float32 against float64: a_t is a signed sum, so its error is relative to its scale, not to each entry
     assert_close("a_t", a, got_a, rtol=1e-5, atol=1e-6 * float(a.abs().max()))
     assert_close("b_t", b, got_b, rtol=1e-5, atol=1e-9)
@@ -131,16 +148,16 @@ def test_a_replaced_wkv_state_changes_only_later_tokens(token):
     inputs = kernel_inputs(37, seed=2)
     plain, _ = rwkv_linear_attention(**inputs)
     gen = torch.Generator().manual_seed(3)
-    replacement = torch.stack([torch.randn(BATCH, CHANNELS, generator=gen), torch.rand(BATCH, CHANNELS, generator=gen),
-                               torch.randn(BATCH, CHANNELS, generator=gen)], 1)
+    replacement = WkvState(torch.randn(BATCH, CHANNELS, generator=gen), torch.rand(BATCH, CHANNELS, generator=gen),
+                           torch.randn(BATCH, CHANNELS, generator=gen))
     out, final = rwkv_linear_attention(**inputs, on_token=lambda t, s: replacement if t == token else s)
     assert_close("tokens <= t", plain[:, : token + 1], out[:, : token + 1], rtol=0, atol=0)
     rest = {**inputs, "key": inputs["key"][:, token + 1:], "value": inputs["value"][:, token + 1:],
-            "state": tuple(replacement.unbind(1))}
+            "state": tuple(replacement)}
     expected, expected_final = transformers_wkv()(**rest)
     assert_close("tokens > t continue from the replacement", expected, out[:, token + 1:], rtol=0, atol=0)
-    assert_close("final state", torch.stack(expected_final if token < 36 else list(replacement.unbind(1)), 1),
-                 torch.stack(final, 1), rtol=0, atol=0)
+    assert_state_close("final state", WkvState(*(expected_final if token < 36 else replacement)), WkvState(*final),
+                       rtol=0, atol=0)
 
 
 def _shift_inputs(model, seq, batch, with_state):
@@ -212,18 +229,18 @@ def perturbation(state, seed=1):
 def perturbed_wkv(state, seed=1):
     """A different valid WKV state: num and den scaled per channel (den stays positive), max shifted."""
     gen = torch.Generator().manual_seed(seed)
-    scale = torch.rand(state[:, :1].shape, generator=gen) * 3 + 0.2
-    return torch.cat([state[:, :2] * scale, state[:, 2:] + torch.randn(state[:, 2:].shape, generator=gen)], 1)
+    scale = torch.rand(state.num.shape, generator=gen) * 3 + 0.2
+    return WkvState(state.num * scale, state.den * scale, state.max + torch.randn(state.max.shape, generator=gen))
 
 
 def layer_state(model_state, layer):
-    """The stacked [batch, 3, channels] WKV state of `layer` in transformers' model-level state list."""
-    return torch.stack([s[:, :, layer] for s in model_state[2:5]], 1)
+    """The WKV state of `layer` in transformers' model-level state list, as a WkvState."""
+    return WkvState(*(s[:, :, layer] for s in model_state[2:5]))
 
 
 def state_in(mixer, call):
-    """The stacked WKV state call `call` started from, as its kernel received it."""
-    return torch.stack(list(mixer.calls[call].inputs["state"]), 1)
+    """The WKV state call `call` started from, as its kernel received it, as a WkvState."""
+    return WkvState(*mixer.calls[call].inputs["state"])
 
 
 @pytest.fixture(params=FAMILIES)
@@ -244,7 +261,9 @@ def test_watched_logits_equal_unwatched(model, seq, batch):
         assert_close("idle watch", plain, logits_of(model, ids), rtol=0, atol=0)
     with rh.watch(model, keep=ALL) as w:  # the token loops make transformers' operations in its order
         assert_close("keep states", plain, logits_of(model, ids), rtol=0, atol=0)
-    assert w.mixers[0].states.shape == (batch, seq, 3, model.config.hidden_size)
+    states = w.mixers[0].states
+    assert isinstance(states, WkvState)
+    assert all(part.shape == (batch, seq, model.config.hidden_size) for part in states)
     assert w.mixers[0].conv_states.shape == (batch, seq, model.config.hidden_size)
     with rh.watch(model) as w:
         for mixer in w.mixers:
@@ -268,7 +287,7 @@ def test_half_precision_is_bit_identical(family, dtype):
     with rh.watch(model, keep=("states", "conv_states")) as w:
         assert_equal("prompt logits, kept", plain, logits_of(model, ids))
         watched = greedy(model, ids[:1], 5, **kwargs)
-    assert w.mixers[0].states.dtype == torch.float32 and w.mixers[0].conv_states.dtype == dtype
+    assert all(part.dtype == torch.float32 for part in w.mixers[0].states) and w.mixers[0].conv_states.dtype == dtype
     assert_equal("generated tokens, kept", generated.sequences, watched.sequences)
     for step, (a, b) in enumerate(zip(generated.logits, watched.logits)):
         assert_equal(f"logits of call {step}, kept", a, b)
@@ -305,7 +324,8 @@ def test_route_kernels_to_the_token_loops(model, family):
 def test_a_hook_only_watch_keeps_no_tensor(model):
     norms = []
     with rh.watch(model) as w:
-        w.mixers[0].register_state_hook(lambda m, c, t, s: norms.append(float(s.norm())), token=-1)
+        w.mixers[0].register_state_hook(lambda m, c, t, s: norms.append(math.hypot(*map(float, map(torch.norm, s)))),
+                                        token=-1)
         greedy(model, random_ids(1, T), 12)
     assert len(w.mixers[0].calls) == 12 and len(norms) == 12
     assert tensor_bytes_reachable(w) == 0
@@ -331,8 +351,8 @@ def test_states_equal_float64_reference_at_prompt_and_decode_steps(model):
                 assert_close(f"{mixer} call {call} a_t", a, got_a, rtol=1e-4, atol=1e-7)
                 assert_close(f"{mixer} call {call} b_t", b, got_b, rtol=1e-4, atol=1e-7)
                 assert_close(f"{mixer} call {call} wkv_t", wkv, record.output["output"], rtol=1e-4, atol=1e-6)
-                assert_close(f"{mixer} call {call} final state", record.states[:, -1],
-                             torch.stack(record.output["final_state"], 1), rtol=0, atol=0)
+                assert_state_close(f"{mixer} call {call} final state", map_parts(lambda s: s[:, -1], record.states),
+                                   WkvState(*record.output["final_state"]), rtol=0, atol=0)
 
 
 def test_decode_states_continue_the_prompt_states(model):
@@ -342,8 +362,8 @@ def test_decode_states_continue_the_prompt_states(model):
     with rh.watch(model, keep=ALL) as whole:
         logits_of(model, sequence[:, :-1])
     for mixer, long in zip(w.mixers, whole.mixers):
-        decoded = torch.cat([c.states for c in mixer.calls], dim=1)
-        assert_close(f"{mixer} prompt + decode vs one prompt", long.states, decoded, rtol=1e-5, atol=1e-6)
+        decoded = cat_states([c.states for c in mixer.calls], dim=1)
+        assert_state_close(f"{mixer} prompt + decode vs one prompt", long.states, decoded, rtol=1e-5, atol=1e-6)
         shifts = torch.cat([c.conv_states for c in mixer.calls], dim=1)
         assert_close(f"{mixer} shifts", long.conv_states, shifts, rtol=1e-5, atol=1e-6)
 
@@ -390,9 +410,9 @@ def test_write_changes_only_later_tokens_and_the_carried_state(model, token):
     if token < T - 1:
         change = (out.logits[:, token + 1:] - plain[:, token + 1:]).abs().amax(dim=(0, 2))
         assert change.min() > 1e-6, f"a write at token {token} left later logits unchanged: {change}"
-    assert_close("state after the write", value, mixer.state_after(token), rtol=0, atol=0)
-    assert_close("the model's state holds the continued state", mixer.states[:, -1],
-                 layer_state(out.state, mixer.layer), rtol=0, atol=0)
+    assert_state_close("state after the write", value, mixer.state_after(token), rtol=0, atol=0)
+    assert_state_close("the model's state holds the continued state", map_parts(lambda s: s[:, -1], mixer.states),
+                       layer_state(out.state, mixer.layer), rtol=0, atol=0)
 
 
 def test_write_at_the_last_prompt_token_steers_generation(model):
@@ -404,7 +424,7 @@ def test_write_at_the_last_prompt_token_steers_generation(model):
     with rh.watch(model, keep=ALL) as w:
         w.mixers[0].set_state_after(T - 1, value)
         steered = greedy(model, ids, 3, output_logits=True, return_dict_in_generate=True)
-    assert_close("decode step 1 started from the write", value, state_in(w.mixers[0], 1), rtol=0, atol=0)
+    assert_state_close("decode step 1 started from the write", value, state_in(w.mixers[0], 1), rtol=0, atol=0)
     assert_close("the prompt's logits", plain.logits[0], steered.logits[0], rtol=1e-5, atol=1e-5)
     assert (plain.logits[1] - steered.logits[1]).abs().max() > 1e-6
 
@@ -423,7 +443,7 @@ def test_write_at_a_decode_step(model):
         assert_close(f"logits of call {step}", plain.logits[step], steered.logits[step], rtol=1e-5, atol=1e-5)
     change = max((plain.logits[step] - steered.logits[step]).abs().max() for step in range(3, 5))
     assert change > 1e-6, f"a write at decode call 2 changed no later logits ({change})"
-    assert_close("call 3 continued from the write", value, state_in(w.mixers[0], 3), rtol=0, atol=0)
+    assert_state_close("call 3 continued from the write", value, state_in(w.mixers[0], 3), rtol=0, atol=0)
 
 
 def test_a_memory_write_per_row_equals_each_row_written_alone(model):
@@ -440,7 +460,8 @@ def test_a_memory_write_per_row_equals_each_row_written_alone(model):
             alone.mixers[0].set_memory_after(token, value)
             expected = model(ids).logits
         assert_close(f"row {row} logits", expected[row], logits[row], rtol=0, atol=0)
-        assert_close(f"row {row} states", alone.mixers[0].states[row], w.mixers[0].states[row], rtol=0, atol=0)
+        assert_state_close(f"row {row} states", WkvState(*[s[row] for s in alone.mixers[0].states]),
+                           WkvState(*[s[row] for s in w.mixers[0].states]), rtol=0, atol=0)
         assert_close(f"row {row} shifts", alone.mixers[0].conv_states[row], w.mixers[0].conv_states[row],
                      rtol=0, atol=0)
 
@@ -456,8 +477,8 @@ def test_a_multi_token_continuation_continues_the_state(model):
         model(ids)
     for mixer, long in zip(w.mixers, whole.mixers):
         assert [c.tokens for c in mixer.calls] == [8, T - 8]
-        assert_close(f"{mixer} states", long.states, torch.cat([c.states for c in mixer.calls], 1),
-                     rtol=1e-6, atol=1e-7)
+        assert_state_close(f"{mixer} states", long.states, cat_states([c.states for c in mixer.calls], 1),
+                           rtol=1e-6, atol=1e-7)
         assert_close(f"{mixer} shifts", long.conv_states, torch.cat([c.conv_states for c in mixer.calls], 1),
                      rtol=0, atol=0)
     seen = []
@@ -479,7 +500,7 @@ def test_replacing_hooks_scale_the_paper_state(model):
         logits_of(model, ids)
     with rh.watch(model, keep=ALL) as doubled:
         doubled.mixers[0].register_state_hook(
-            lambda m, c, t, s: torch.cat([s[:, :2], s[:, 2:] + math.log(2)], 1), token=4)
+            lambda m, c, t, s: WkvState(s.num, s.den, s.max + math.log(2)), token=4)
         logits_of(model, ids)
     a, b = paper_form(w.mixers[0].state_after(4))
     got_a, got_b = paper_form(doubled.mixers[0].state_after(4))
@@ -601,22 +622,33 @@ def test_gradient_with_respect_to_a_kept_memory(model, which):
     write = "set_state_after" if which == "state" else "set_conv_state_after"
     with rh.watch(model, keep=ALL) as w:
         metric = model(ids, use_cache=False).logits[0, -1].logsumexp(-1)
-    kept = getattr(w.mixers[0], read)(token)
-    leaf = kept.detach().clone().requires_grad_()
+    kept = getattr(w.mixers[0], read)(token)  # a WkvState for the state, a tensor for the shift
+    assert isinstance(kept, WkvState) == (which == "state")
+    leaf = map_parts(lambda s: s.detach().clone().requires_grad_(), kept)
     with rh.watch(model) as w:
         getattr(w.mixers[0], write)(token, leaf)
         model(ids, use_cache=False).logits[0, -1].logsumexp(-1).backward()
-    grad = leaf.grad
-    assert grad.abs().max() > 0
-    assert_close("grad of the kept memory", grad, torch.autograd.grad(metric, kept)[0], rtol=1e-4, atol=1e-7)
-    eps = 1e-2 * kept.norm() / grad.norm()
+    grad = map_parts(lambda s: s.grad, leaf)
+    through_kept = rebuild(kept, torch.autograd.grad(metric, [part for _, part in parts_of(kept)]))
+    for (name, part), (_, other) in zip(parts_of(grad), parts_of(through_kept)):
+        assert part.abs().max() > 0, f"no gradient reaches part {name!r}"
+        assert_close(f"grad of the kept memory {name}", part, other, rtol=1e-4, atol=1e-7)
+
+    def norm(state):
+        return math.hypot(*(float(part.detach().norm()) for _, part in parts_of(state)))
+
+    def moved(state, direction, step):  # state + step * direction, part by part
+        return map_parts(lambda s, d: s.detach() + step * d, state, direction)
+
+    eps = 1e-2 * norm(kept) / norm(grad)
     values = []
     for sign in (1, -1):
         with rh.watch(model) as w, torch.no_grad():
-            getattr(w.mixers[0], write)(token, kept.detach() + sign * eps * grad)
+            getattr(w.mixers[0], write)(token, moved(kept, grad, sign * eps))
             values.append(model(ids, use_cache=False).logits[0, -1].logsumexp(-1))
     slope = (values[0] - values[1]) / (2 * eps)
-    assert_close("directional derivative", (grad * grad).sum(), slope, rtol=2e-2, atol=1e-6)
+    squared = sum((part * part).sum() for _, part in parts_of(grad))
+    assert_close("directional derivative", squared, slope, rtol=2e-2, atol=1e-6)
 
 
 def test_backward_with_a_state_fails_in_transformers_watched_or_not(model):
@@ -634,10 +666,11 @@ def test_every_kept_state_is_differentiable_with_frozen_weights(model):
     try:
         with rh.watch(model, keep=("states", "conv_states")) as w:
             metric = model(random_ids(1, T), use_cache=False).logits[0, -1].logsumexp(-1)
-        states, shifts = torch.autograd.grad(metric, [w.mixers[0].states, w.mixers[0].conv_states])
+        *states, shifts = torch.autograd.grad(metric, [*w.mixers[0].states, w.mixers[0].conv_states])
     finally:
         model.requires_grad_(True)
-    assert states.shape == w.mixers[0].states.shape and states[:, :-1].abs().amax(dim=(0, 2, 3)).min() > 0
+    for name, grad, part in zip(WkvState._fields, states, w.mixers[0].states):
+        assert grad.shape == part.shape and grad[:, :-1].abs().amax(dim=(0, 2)).min() > 0, name
     assert shifts[:, :-1].abs().amax(dim=(0, 2)).min() > 0
 
 
@@ -671,14 +704,14 @@ def test_gradient_checkpointing_gives_the_gradients_of_the_plain_backward(model,
             with rh.watch(model, keep={"states": [5, -1]}) as w:
                 first, last = w.mixers[0], w.mixers[-1]
                 first.set_state_after(3, write)
-                last.register_state_hook(lambda m, c, t, s: s * 0.5, token=4)
+                last.register_state_hook(lambda m, c, t, s: map_parts(lambda p: p * 0.5, s), token=4)
                 last.register_state_hook(lambda m, c, t, s: seen.append((c, t, m.recomputing)), token=6)
                 loss = model(ids, use_cache=False).logits.square().mean()
-                kept = first.state_after(5)
-                if kept.requires_grad:
-                    kept.retain_grad()
+                for part in first.state_after(5):
+                    if part.requires_grad:
+                        part.retain_grad()
                 loss.backward()
-            state_grad = first.state_after(5).grad
+            state_grad = map_parts(lambda s: s.grad, first.state_after(5))
             assert [c.index for c in first.calls] == [0]
         finally:
             model.activation_checkpointing_disable()
@@ -693,8 +726,9 @@ def test_gradient_checkpointing_gives_the_gradients_of_the_plain_backward(model,
     scale = max(g.abs().max() for g in grads.values())
     for name, grad in grads.items():
         assert_close(f"grad of {name}", grad, got_grads[name], rtol=1e-4, atol=1e-5 * scale)
-    assert state_grad.abs().max() > 0
-    assert_close("grad of the kept state", state_grad, got_state_grad, rtol=1e-4, atol=1e-5 * state_grad.abs().max())
+    assert all(part is not None and part.abs().max() > 0 for part in state_grad)
+    scale = max(part.abs().max() for part in state_grad)
+    assert_state_close("grad of the kept state", state_grad, got_state_grad, rtol=1e-4, atol=1e-5 * scale)
     assert seen == [(0, 6, False)] and got_seen[:1] == seen
     assert all(hook == (0, 6, True) for hook in got_seen[1:])
     assert (len(got_seen) == 1) == (checkpointing is None)
@@ -754,8 +788,13 @@ def test_support_lists_the_kinds_values_and_limits(model, family):
 
 def test_a_write_of_the_wrong_shape_names_the_parts(model):
     with rh.watch(model) as w:
-        w.mixers[0].set_state_after(2, torch.zeros(2, model.config.hidden_size))
-        with pytest.raises(rh.InvalidValue, match=r"expected \(2, 3, 32\) \(axes: batch part channels\)"):
+        with pytest.raises(rh.InvalidValue, match=r"expected a WkvState with axes \(num: batch channels;"
+                                                  r" den: batch channels; max: batch channels\), got Tensor"):
+            w.mixers[0].set_state_after(2, torch.zeros(2, 3, model.config.hidden_size))
+        zeros = torch.zeros(2, model.config.hidden_size)
+        w.mixers[0].set_state_after(2, WkvState(zeros, zeros[:, :-1], zeros))
+        with pytest.raises(rh.InvalidValue, match=r"state part 'den' with shape \(2, 31\), expected \(2, 32\)"
+                                                  r" \(axes: batch channels\)"):
             logits_of(model, random_ids(2, T))
     with rh.watch(model) as w:
         w.mixers[0].set_conv_state_after(2, torch.zeros(2, 3, model.config.hidden_size))
@@ -795,3 +834,17 @@ def test_attribution_runs_without_a_state(model):
     assert result.memory[:, :-1].abs().min() > 0
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         rh.attribute(model, clean, corrupt, metric)
+
+
+def test_state_norms_plot_measures_every_part(model):
+    """plots.state_norms on a WkvState: per token, the norm of num, den and max together (prompt, then decode)."""
+    pytest.importorskip("matplotlib")
+    from recurrent_hooks import plots
+
+    with rh.watch(model, keep=("states",)) as w:
+        greedy(model, random_ids(1, T), 3)
+    lines = plots.state_norms(w).axes[0].get_lines()
+    for mixer, line in zip(w.mixers, lines):
+        whole = cat_states([c.states for c in mixer.calls], dim=1)  # batch seq channels, each part
+        expected = torch.cat(list(whole), dim=-1)[0].double().norm(dim=-1)
+        assert_close(f"{mixer} plotted norms", expected, torch.as_tensor(line.get_ydata()), rtol=1e-12, atol=0)
