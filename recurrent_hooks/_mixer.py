@@ -561,7 +561,8 @@ class RecurrentMixer:
         self._current = None
         if self._history:
             reorder, self._reorder = (self._reorder, None) if not forward.fresh else (None, None)
-            self._current = Call(index=len(self.calls), where=repr(self), tokens=forward.tokens, reorder=reorder)
+            # one counter: a watch's handle never restarts, so call k is self.calls[k]
+            self._current = Call(index=self._index, where=repr(self), tokens=forward.tokens, reorder=reorder)
             self.calls.append(self._current)
             if forward.cache is not None and self._saw_cache is not None:
                 self._saw_cache(forward.cache)
