@@ -244,7 +244,7 @@ class RealGatedLinearRecurrence(RecurrentMixer):
     INPUTS = {
         "hidden_states": "batch seq lru_width",
         "recurrent_gate": "batch seq lru_width",
-        "reset": "batch seq 1",
+        "reset": "rows seq 1  (position_ids == 0: one row when the batch shares its positions)",
         "recurrent_states": "batch lru_width",
     }
     OUTPUTS = {"output": "batch seq lru_width", "final_state": "batch lru_width"}
@@ -285,6 +285,7 @@ class RealGatedLinearRecurrence(RecurrentMixer):
     @classmethod
     def _token_values(cls, part: KernelCall) -> dict[str, Tensor]:
         x = part.inputs
-        reset = x["reset"]
+        rows = x["hidden_states"].shape[0]
+        reset = x["reset"].expand(rows, -1, -1)  # b t 1   one row per batch row (the kernel may get a shared one)
         return {"a": x["recurrent_gate"] * ~reset, "x": x["hidden_states"], "reset": reset[..., 0],
                 "output": part.output["output"]}

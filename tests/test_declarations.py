@@ -1,10 +1,11 @@
 """A kind's declarations are what its kernels really receive and return.
 
-`INPUTS`, `OUTPUTS`, `VALUES` and `STATE` name axes ("batch seq heads key_dim"); this file runs every family
-of the kinds whose kernels are module globals through a prompt and a decode step and binds those names to
-sizes, once per kernel call: each declared value must exist, have as many axes as declared, and an axis
-name must have one size across the values of a call (and `seq` the call's token count). The kernel rows
-themselves are checked too: roles, sites and the arguments they name.
+`INPUTS`, `OUTPUTS`, `VALUES`, `STATE` and `CONV_STATE` name axes ("batch seq heads key_dim"); this file
+runs every family through a prompt (batch 2) and two decode steps (batch 1) and binds those names to sizes,
+once per kernel call: each declared value must exist, have as many axes as declared, and an axis name must
+have one size across the values of a call (`seq` the call's token count, a number that size). A
+declaration may end with a comment after two spaces; a tuple of tensors is declared "(...), each <axes>".
+The kernel rows themselves are checked too: roles, sites and the arguments they name.
 """
 
 import inspect
@@ -13,14 +14,14 @@ import pytest
 import torch
 
 import recurrent_hooks as rh
-from recurrent_hooks._kernels import FORWARD, Role, Site
+from recurrent_hooks._kernels import CONV_MEMORY, FORWARD, STATE_MEMORY, Role, Site
+from recurrent_hooks._parts import map_parts, parts_of
 from _models import FAMILIES as BUILDERS
 from _models import PAD, build, random_ids
 
 T = 7
 KINDS = sorted({row.kind for row in rh.FAMILIES.values()}, key=lambda kind: kind.__name__)
-MODULE_GLOBAL_FAMILIES = [name for name, row in rh.FAMILIES.items() if name in BUILDERS
-                          and all(k.site is Site.MODULE for k in row.kind.KERNELS) and "state" in row.kind.MEMORIES]
+FAMILIES = [name for name in rh.FAMILIES if name in BUILDERS]
 
 
 class Axes:
@@ -29,33 +30,59 @@ class Axes:
     def __init__(self, where: str, seq: int):
         self.where, self.sizes = where, {"seq": seq}
 
-    def bind(self, what: str, axes: str, value) -> None:
+    def bind(self, what: str, declared: str, value) -> None:
+        axes = declared.split("  ")[0].strip()  # the axes, before a comment
+        if isinstance(value, (tuple, list)):  # "(num, den, max), each batch channels"
+            assert ", each " in axes, f"{self.where}: {what} is a {type(value).__name__}, declared ({declared})"
+            for i, part in enumerate(value):
+                self.bind(f"{what}[{i}]", axes.split(", each ")[1], part)
+            return
         names = axes.split()
         assert isinstance(value, torch.Tensor), f"{self.where}: {what} is {type(value).__name__}, declared ({axes})"
         assert value.dim() == len(names), \
             f"{self.where}: {what} has shape {tuple(value.shape)}, declared ({axes}): {len(names)} axes"
         for name, size in zip(names, value.shape):
-            known = self.sizes.setdefault(name, size)
+            known = int(name) if name.isdigit() else self.sizes.setdefault(name, size)
             assert known == size, f"{self.where}: {what} has {name}={size}, another value of the call has {known}"
 
 
-@pytest.mark.parametrize("family", MODULE_GLOBAL_FAMILIES)
-def test_inputs_outputs_values_and_state_are_what_the_kernels_see(family):
+def _runs(family):
+    """The calls of every mixer over a batch-2 prompt and a batch-1 generate (rwkv decodes right at batch 1 only)."""
     model = build(family)
-    with rh.watch(model, keep=("inputs", "outputs", "states")) as w, torch.no_grad():
-        model.generate(random_ids(2, T), max_new_tokens=2, do_sample=False, pad_token_id=PAD)
-    kind = type(w.mixers[0])
-    for mixer in w.mixers:
-        found = set()
+    with rh.watch(model, keep=("inputs", "outputs", "states", "conv_states")) as prompt, torch.no_grad():
+        model(random_ids(2, T))
+    with rh.watch(model, keep=("inputs", "outputs", "states", "conv_states")) as decode, torch.no_grad():
+        model.generate(random_ids(1, T), max_new_tokens=2, do_sample=False, pad_token_id=PAD)
+    return model, [*prompt.mixers, *decode.mixers]  # the model too: values() may read its module's weights
+
+
+def _kernel_calls(mixer, call):
+    """The kernel calls of `call` that INPUTS and OUTPUTS describe: those of the kind's first memory."""
+    return call.parts if type(mixer).MEMORIES[0] == STATE_MEMORY else [call.conv]
+
+
+def _per_head(declared: str) -> str:
+    """A per-head kernel's state: the declared state without its heads axis (axis 1)."""
+    return " ".join(a for i, a in enumerate(declared.split()) if i != 1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_inputs_outputs_values_and_memories_are_what_the_kernels_see(family):
+    model, mixers = _runs(family)
+    kind = type(mixers[0])
+    found = set()
+    for mixer in mixers:
+        prompt_inputs = set(_kernel_calls(mixer, mixer.calls[0])[0].inputs)
         for call in mixer.calls:
-            for head, part in enumerate(call.parts):
-                where = f"{mixer} call {call.index} ({part.kernel}{f', head {head}' if len(call.parts) > 1 else ''})"
+            parts = _kernel_calls(mixer, call)
+            for head, part in enumerate(parts):
+                where = f"{mixer} call {call.index} ({part.kernel}{f', head {head}' if len(parts) > 1 else ''})"
                 axes = Axes(where, call.tokens)
                 decode = kind.kernel(part.kernel).role is Role.DECODE
                 for name, declared in kind.INPUTS.items():
                     value = part.inputs.get(name)
-                    # one value per name: a prompt's layout, or the decode kernel's where only it has the name
-                    if isinstance(value, torch.Tensor) and (not decode or name not in prompt_inputs(mixer)):
+                    # one layout per name: a prompt's, or the decode kernel's where only it has the name
+                    if value is not None and (not decode or name not in prompt_inputs):
                         axes.bind(f"input {name}", declared, value)
                         found.add(name)
                 if not decode:
@@ -63,28 +90,29 @@ def test_inputs_outputs_values_and_state_are_what_the_kernels_see(family):
                         if part.output.get(name) is not None:
                             axes.bind(f"output {name}", declared, part.output[name])
                             found.add(name)
-                    state = call.states[:, 0] if len(call.parts) == 1 else call.states[:, 0, :, head]
-                    per_head = kind.STATE.split() if len(call.parts) == 1 else [
-                        a for i, a in enumerate(kind.STATE.split()) if i != 1]
-                    axes.bind("the state", " ".join(per_head), state)
+                if STATE_MEMORY in kind.MEMORIES and kind.MEMORIES[0] == STATE_MEMORY:
+                    first = call.states if len(parts) == 1 else map_parts(lambda s: s[:, :, head], call.states)
+                    for (name, state), (_, one) in zip(parts_of(call.states), parts_of(first)):
+                        declared = kind.STATE if isinstance(kind.STATE, str) else kind.STATE[name]
+                        declared = declared if len(parts) == 1 else _per_head(declared)
+                        axes.bind(f"the state{f' part {name}' if name else ''}", declared, one[:, 0])
+            if CONV_MEMORY in kind.MEMORIES:
+                window = Axes(f"{mixer} call {call.index} (conv window)", call.tokens)
+                window.bind("the conv window", kind.CONV_STATE, call.conv_states[:, 0])
             values = mixer.values(call.index)
             assert sorted(values) == sorted(kind.VALUES), f"{mixer} values(): {sorted(values)}, declared {sorted(kind.VALUES)}"
             value_axes = Axes(f"{mixer} values() of call {call.index}", call.tokens)
             for name, declared in kind.VALUES.items():
                 value_axes.bind(f"value {name}", declared, values[name])
-        missing = set(kind.INPUTS) | set(kind.OUTPUTS)
-        missing -= found | {name for name in missing if _optional(mixer, name)}
-        assert not missing, f"{mixer}: declared but never received or returned: {sorted(missing)}"
+    missing = set(kind.INPUTS) | set(kind.OUTPUTS)
+    missing -= found | {name for name in missing if _passed_as_none(mixers, name)}
+    assert not missing, f"{family}: declared but never received or returned: {sorted(missing)}"
 
 
-def prompt_inputs(mixer) -> set[str]:
-    return set(mixer.calls[0].parts[0].inputs)
-
-
-def _optional(mixer, name: str) -> bool:
+def _passed_as_none(mixers, name: str) -> bool:
     """A declared argument this family's mixer passes as None (e.g. Mamba's gate z when it applies it outside)."""
     return any(part.inputs.get(name, 0) is None or part.output.get(name, 0) is None
-               for call in mixer.calls for part in call.parts)
+               for mixer in mixers for call in mixer.calls for part in _kernel_calls(mixer, call))
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.__name__)
