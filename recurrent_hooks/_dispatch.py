@@ -31,16 +31,38 @@ from ._registry import family_of
 from ._threads import THREAD, in_backward
 
 
-_FORWARD_SIGNATURES: dict[type, inspect.Signature] = {}
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """How a mixer forward's arguments bind to its parameters: read once, when a tap is made (eagerly: a
+    compiled forward cannot inspect signatures)."""
+
+    positional: tuple[str, ...]  # the parameters a positional argument can fill, in order
+    named: frozenset[str]  # every parameter that can be passed by name
+    var_keyword: str | None  # the **kwargs parameter, which takes the other names
+
+    @classmethod
+    def of(cls, module: nn.Module) -> "_Layout":
+        parameters = inspect.signature(module.forward).parameters.values()
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        return cls(tuple(p.name for p in parameters if p.kind in kinds),
+                   frozenset(p.name for p in parameters if p.kind is not inspect.Parameter.POSITIONAL_ONLY),
+                   next((p.name for p in parameters if p.kind is inspect.Parameter.VAR_KEYWORD), None))
+
+    def bind(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The arguments by name, as `Signature.bind_partial(...).arguments` gives them."""
+        arguments: dict[str, Any] = dict(zip(self.positional, args))
+        for name, value in kwargs.items():
+            if name in self.named or self.var_keyword is None:
+                arguments[name] = value
+            else:
+                arguments.setdefault(self.var_keyword, {})[name] = value
+        return arguments
 
 
-def _forward_of(kind: type[RecurrentMixer], module: nn.Module, args: tuple, kwargs: dict[str, Any],
+def _forward_of(kind: type[RecurrentMixer], layout: _Layout, module: nn.Module, args: tuple, kwargs: dict[str, Any],
                 recompute: bool) -> _Forward:
     """Tokens, cache and freshness of a mixer forward, from its arguments."""
-    cls = type(module)
-    if cls not in _FORWARD_SIGNATURES:
-        _FORWARD_SIGNATURES[cls] = inspect.signature(module.forward)
-    arguments = _FORWARD_SIGNATURES[cls].bind_partial(*args, **kwargs).arguments
+    arguments = layout.bind(args, kwargs)
     tokens, cache, fresh, hidden = kind._parse_forward(module, arguments)
     return _Forward(tokens=tokens, cache=cache, fresh=fresh, hidden=hidden, recompute=recompute,
                     cache_index=kind._cache_index(module, arguments))
@@ -125,6 +147,7 @@ class _Tap:
 
     def __init__(self, module: nn.Module) -> None:
         self.mixers: list[RecurrentMixer] = []
+        self._layout = _Layout.of(module)
         self._handles = (
             module.register_forward_pre_hook(self._pre, with_kwargs=True),
             module.register_forward_hook(self._post, always_call=True),
@@ -134,15 +157,16 @@ class _Tap:
         thread = THREAD
         if thread.in_hook:
             return  # a forward run by a user's hook: not watched, not counted (its post hook skips it too)
-        if thread.running:
+        compiling = torch.compiler.is_compiling()
+        if thread.running and not compiling:
             _drop_stale(thread.running, module)
         recompute = in_backward()
-        ident = threading.get_ident()
+        ident = None if compiling else threading.get_ident()
         mixers = [mixer for mixer in self.mixers if mixer._sees(ident, recompute)]
         if not mixers or any(entry.module is module for entry in thread.running):
             thread.running.append(_Running(self, module, None, []))  # unwatched here, or re-entered
             return
-        forward = _forward_of(type(mixers[0]), module, args, kwargs, recompute)
+        forward = _forward_of(type(mixers[0]), self._layout, module, args, kwargs, recompute)
         mixers = [mixer for mixer in mixers if mixer._serves(forward)]  # a handle per pass: only its own
         if not mixers:
             thread.running.append(_Running(self, module, None, []))
@@ -221,7 +245,7 @@ class _Tap:
                     state = plan.apply(token, state)
                 if token in slot:
                     # a slice of a kernel's larger tensor: keep only the state itself
-                    state = map_parts(lambda s: s.clone() if s.untyped_storage().nbytes() > s.nbytes else s, state)
+                    state = map_parts(_own, state)
                     # A tensor that only the later tokens read: the gradient with respect to a kept state is the
                     # effect of changing it there (what a write does), not through token `token`'s own output.
                     if differentiable:
@@ -290,6 +314,14 @@ class _Tap:
         if any(mixer._wants(mixer._index) for mixer in entry.mixers):
             return None
         return original(*args, **kwargs)
+
+
+def _own(state: Tensor) -> Tensor:
+    """A kept state of its own: a slice of a kernel's larger tensor is copied (a compiled graph copies always:
+    it cannot ask for the storage)."""
+    if torch.compiler.is_compiling() or state.untyped_storage().nbytes() > state.nbytes:
+        return state.clone()
+    return state
 
 
 FAST_PATHS = True  # False: every call that is not idle runs the token loop (the tests compare both)
@@ -391,6 +423,8 @@ def running_entry() -> _Running | None:
     entry = thread.running[-1]
     if entry.forward is None:
         return None
+    if torch.compiler.is_compiling():
+        return entry
     caller = _calling_module(sys._getframe(2))
     if caller is not None and caller is not entry.module and family_of(caller) is not None:
         return None  # another mixer's forward (an unwatched model run inside this one): not ours

@@ -542,9 +542,10 @@ class RecurrentMixer:
         """Whether this handle takes part in `forward` (its memory is at this handle's cache index)."""
         return self.cache_index is None or forward.cache_index == self.cache_index
 
-    def _sees(self, thread: int, recompute: bool) -> bool:
-        """Whether this handle takes part in a forward running in `thread` (a recompute runs where autograd runs it)."""
-        return recompute or self._thread is None or self._thread == thread
+    def _sees(self, thread: int | None, recompute: bool) -> bool:
+        """Whether this handle takes part in a forward running in `thread` (a recompute runs where autograd runs
+        it; None: a compiled forward, whose thread cannot be told)."""
+        return recompute or thread is None or self._thread is None or self._thread == thread
 
     def _begin_call(self, forward: _Forward) -> None:
         self._forward = forward
@@ -564,7 +565,8 @@ class RecurrentMixer:
             # one counter: a watch's handle never restarts, so call k is self.calls[k]
             self._current = Call(index=self._index, where=repr(self), tokens=forward.tokens, reorder=reorder)
             self.calls.append(self._current)
-            if forward.cache is not None and self._saw_cache is not None:
+            if forward.cache is not None and self._saw_cache is not None and not torch.compiler.is_compiling():
+                # (a compiled forward cannot wrap a method: compiled beam search reports no `reorder`)
                 self._saw_cache(forward.cache)
         if forward.hidden is not None and (torch.is_grad_enabled() or self.module.training) \
                 and self._wants(self._index):

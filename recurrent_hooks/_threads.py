@@ -14,6 +14,8 @@ import torch
 
 def in_backward() -> bool:
     """Whether this thread runs inside an autograd backward pass (where checkpointing recomputes forwards)."""
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._current_graph_task_id() != -1
 
 
