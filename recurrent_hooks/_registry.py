@@ -108,14 +108,19 @@ def _external_xlstm_rows() -> tuple[Unsupported, ...]:
                         " MatrixLSTM kind rebinds; uninstall xlstm to watch xLSTM models"),)
 
 
-_INLINE_CONV = "an inline convolution (unfold in forward), no kernel to rebind; no mixer kind for it yet"
+# Inline code: the library would own the whole forward (a class-site kernel, as for MiniMax and RecurrentGemma's
+# block), equal to transformers' and handing its memory over per token. Not built yet.
+_INLINE_CONV = ("a dynamic convolution computed inline (an unfold in its forward over the cached window), with no"
+                " kernel function to rebind: watching it needs the library's own copy of that forward, which it does"
+                " not have yet")
 
 UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("inkling2", "Inkling2DynamicShortConvolution", _INLINE_CONV),
     Unsupported("inkling2_loop", "Inkling2LoopDynamicShortConvolution", _INLINE_CONV),
     *_external_xlstm_rows(),
-    Unsupported("zaya", "ZayaCCAProjection", "CCA: an inline convolution window and a one-token value delay;"
-                " no kernel to rebind"),
+    Unsupported("zaya", "ZayaCCAProjection", "CCA: an inline convolution window and a one-token value delay,"
+                " computed in its forward with no kernel function to rebind: watching it needs the library's own"
+                " copy of that forward, which it does not have yet"),
 )
 
 
