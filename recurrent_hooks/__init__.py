@@ -34,6 +34,8 @@ from ._selective_scan import PerHeadSelectiveScan as PerHeadSelectiveScan
 from ._selective_scan import SelectiveScan as SelectiveScan
 from ._short_conv import LoopedShortConvolution as LoopedShortConvolution
 from ._short_conv import ShortConvolution as ShortConvolution
+from ._dynamic_conv import DynamicShortConvolution as DynamicShortConvolution
+from ._dynamic_conv import LoopedDynamicShortConvolution as LoopedDynamicShortConvolution
 from ._state_space import StateSpace as StateSpace
 from ._sweep import Sweep as Sweep
 from ._sweep import patching_sweep as patching_sweep

@@ -5,7 +5,9 @@ new family is one row here and one test parametrization; nothing else in the lib
 
 Module contents:
 - `Family`: one row (name, modeling module, mixer class name, mixer kind).
-- `FAMILIES`: the supported families, by name.
+- `FAMILIES`: the supported families, by name (each with its first mixer class).
+- `MORE_MIXERS`: further mixer classes of families in `FAMILIES` (a family whose layers hold mixers of two
+  kinds, e.g. inkling2's static and dynamic convolutions): rows that share a family name.
 - `UNSUPPORTED`: recurrent and short-convolution mixer classes of transformers that the library does not
   handle yet, with the reason; `unsupported_of(module)` finds a module's row.
 - `family_of(module)`, `resolve_family(family)`: lookups.
@@ -17,6 +19,7 @@ from types import ModuleType
 
 from torch import nn
 
+from ._dynamic_conv import DynamicShortConvolution, LoopedDynamicShortConvolution
 from ._errors import Unavailable
 from ._kimi_delta import KimiDeltaAttention
 from ._gated_delta_net import GatedDeltaNet
@@ -81,7 +84,15 @@ FAMILIES: dict[str, Family] = {
     )
 }
 
-_BY_CLASS: dict[tuple[str, str], Family] = {(f.module_name, f.mixer_class): f for f in FAMILIES.values()}
+# A family's further mixer classes, each with its own kind: `family_of` finds them (the registry is keyed by
+# (modeling module, mixer class)); `FAMILIES[name]` and `resolve_family` give the family's first row.
+MORE_MIXERS: tuple[Family, ...] = (
+    Family("inkling2", "Inkling2DynamicShortConvolution", DynamicShortConvolution),
+    Family("inkling2_loop", "Inkling2LoopDynamicShortConvolution", LoopedDynamicShortConvolution),
+)
+
+_BY_CLASS: dict[tuple[str, str], Family] = {
+    (f.module_name, f.mixer_class): f for f in (*FAMILIES.values(), *MORE_MIXERS)}
 
 @dataclasses.dataclass(frozen=True)
 class Unsupported:
@@ -108,15 +119,7 @@ def _external_xlstm_rows() -> tuple[Unsupported, ...]:
                         " MatrixLSTM kind rebinds; uninstall xlstm to watch xLSTM models"),)
 
 
-# Inline code: the library would own the whole forward (a class-site kernel, as for MiniMax and RecurrentGemma's
-# block), equal to transformers' and handing its memory over per token. Not built yet.
-_INLINE_CONV = ("a dynamic convolution computed inline (an unfold in its forward over the cached window), with no"
-                " kernel function to rebind: watching it needs the library's own copy of that forward, which it does"
-                " not have yet")
-
 UNSUPPORTED: tuple[Unsupported, ...] = (
-    Unsupported("inkling2", "Inkling2DynamicShortConvolution", _INLINE_CONV),
-    Unsupported("inkling2_loop", "Inkling2LoopDynamicShortConvolution", _INLINE_CONV),
     *_external_xlstm_rows(),
     Unsupported("zaya", "ZayaCCAProjection", "CCA: an inline convolution window and a one-token value delay,"
                 " computed in its forward with no kernel function to rebind: watching it needs the library's own"
@@ -155,7 +158,7 @@ def resolve_family(family: "str | ModuleType | nn.Module") -> Family:
             f"{family.__name__} is not the modeling module of a supported family; supported: {', '.join(FAMILIES)}"
         )
     if isinstance(family, nn.Module):
-        found = {row.name: row for m in family.modules() if (row := family_of(m)) is not None}
+        found = {row.name: FAMILIES[row.name] for m in family.modules() if (row := family_of(m)) is not None}
         if len(found) == 1:
             return next(iter(found.values()))
         what = "no supported recurrent mixer" if not found else f"mixers of several families ({', '.join(found)})"

@@ -31,6 +31,8 @@ from ._selective_scan import PerHeadSelectiveScan as PerHeadSelectiveScan
 from ._selective_scan import SelectiveScan as SelectiveScan
 from ._short_conv import LoopedShortConvolution as LoopedShortConvolution
 from ._short_conv import ShortConvolution as ShortConvolution
+from ._dynamic_conv import DynamicShortConvolution as DynamicShortConvolution
+from ._dynamic_conv import LoopedDynamicShortConvolution as LoopedDynamicShortConvolution
 from ._state_space import StateSpace as StateSpace
 from ._wkv import WeightedKeyValue as WeightedKeyValue
 from ._wkv import WkvState as WkvState
@@ -59,6 +61,8 @@ __all__ = [
     "LightningAttention",
     "ShortConvolution",
     "LoopedShortConvolution",
+    "DynamicShortConvolution",
+    "LoopedDynamicShortConvolution",
     "MatrixLSTM",
     "MLSTMState",
     "WkvState",

@@ -36,6 +36,11 @@ def perturbation(window, seed=1):
         window.abs().max() + 1)
 
 
+def static(w):
+    """The watch's static short convolutions (inkling2's dynamic ones are tests/test_dynamic_conv.py's)."""
+    return [mixer for mixer in w.mixers if not isinstance(mixer, rh.DynamicShortConvolution)]
+
+
 def cache_index(mixer):
     """(cache layer, state index) of a mixer's window: its layer (inkling2_loop: its pass's cache layer), and its
     state index where a layer has several windows (inkling)."""
@@ -110,14 +115,14 @@ def test_windows_and_outputs_equal_the_float64_equation_at_prompt_and_decode_ste
     """Over a prompt and 3 decode steps: every kept window is the last K conv inputs of the family's equation
     (B ⊙ x~ for lfm, x for inkling), and every output is the equation's, from the module's own inputs."""
     with rh.watch(model) as w:
-        records = [_record_module(mixer) for mixer in w.mixers]
+        records = [_record_module(mixer) for mixer in static(w)]
     try:
         with rh.watch(model, keep=KEEP) as w:
             greedy(model, random_ids(2, T), 4)
     finally:
         for _, handle in records:
             handle.remove()
-    for mixer, (seen, _) in zip(w.mixers, records):
+    for mixer, (seen, _) in zip(static(w), records):
         assert [c.tokens for c in mixer.calls] == [T, 1, 1, 1]
         assert [c.kernel for c in mixer.calls] == ["causal_conv1d_fn"] + ["causal_conv1d_update"] * 3
         inputs = torch.cat([hidden for hidden, _ in seen], dim=1)  # the whole sequence, prompt and decode steps
@@ -131,7 +136,7 @@ def test_windows_are_the_last_inputs_of_each_kernel_call(model):
     """The window after every token is the last K inputs the kernel received (decode: after the cached window)."""
     with rh.watch(model, keep=KEEP) as w:
         greedy(model, random_ids(2, T), 3)
-    for mixer in w.mixers:
+    for mixer in static(w):
         for record in mixer.calls:
             x = record.conv.inputs["hidden_states"]
             if "conv_state" in record.conv.inputs:
@@ -148,7 +153,7 @@ def test_the_loops_equal_transformers_kernels_on_the_recorded_calls(model, famil
     prompt, decode = module.causal_conv1d_fn.__wrapped__, module.causal_conv1d_update.__wrapped__
     with rh.watch(model, keep=KEEP) as w:
         greedy(model, random_ids(2, T), 3)
-    for mixer in w.mixers:
+    for mixer in static(w):
         for record in mixer.calls:
             x = dict(record.conv.inputs)
             if "conv_state" in x:
@@ -172,9 +177,9 @@ def test_watched_logits_equal_unwatched(model, seq):
         assert_close("idle watch", plain, logits_of(model, ids), rtol=0, atol=0)
     with rh.watch(model, keep=KEEP) as w:
         assert_close("keep conv_states", plain, logits_of(model, ids), rtol=0, atol=0)
-    assert w.mixers[0].conv_states.shape[:2] == (2, seq)
+    assert static(w)[0].conv_states.shape[:2] == (2, seq)
     with rh.watch(model) as w:
-        for mixer in w.mixers:
+        for mixer in static(w):
             mixer.register_state_hook(lambda m, c, t, s: None)  # the window: this kind's only memory
         assert_close("no-op hook", plain, logits_of(model, ids), rtol=0, atol=0)
     with rh.watch(model, keep=KEEP):  # grad mode: every position recomputed from its kept window
@@ -187,7 +192,7 @@ def test_greedy_generate_is_identical(model):
     with rh.watch(model, keep=KEEP):
         assert_equal("tokens, keep conv_states", plain, greedy(model, ids, 6))
     with rh.watch(model) as w:
-        for mixer in w.mixers:
+        for mixer in static(w):
             mixer.register_state_hook(lambda m, c, t, s: None)
         assert_equal("tokens, hook on every token", plain, greedy(model, ids, 6))
 
@@ -197,9 +202,9 @@ def test_call_counter_in_generate(model):
     n = 5
     seen = []
     with rh.watch(model) as w:
-        w.mixers[-1].register_state_hook(lambda m, c, t, s: seen.append((c, t)))
+        static(w)[-1].register_state_hook(lambda m, c, t, s: seen.append((c, t)))
         greedy(model, random_ids(2, T), n)
-    for mixer in w.mixers:
+    for mixer in static(w):
         assert [c.kernel for c in mixer.calls] == ["causal_conv1d_fn"] + ["causal_conv1d_update"] * (n - 1)
         assert [c.index for c in mixer.calls] == list(range(n))
     assert seen == [(0, t) for t in range(T)] + [(k, 0) for k in range(1, n)]
@@ -208,7 +213,7 @@ def test_call_counter_in_generate(model):
 def test_standalone_hooks_count_from_each_prompt(model):
     seen = []
     with rh.watch(model) as w:
-        module = w.mixers[0].module
+        module = static(w)[0].module
     handle = rh.register_state_hook(module, lambda m, c, t, s: seen.append((c, t)), token=-1)
     try:
         greedy(model, random_ids(1, 5), 3)
@@ -227,9 +232,9 @@ def test_a_window_write_at_a_prompt_token_changes_only_later_tokens_and_the_cach
     plain = logits_of(model, ids)
     with rh.watch(model, keep=KEEP) as w:
         logits_of(model, ids)
-        value = perturbation(w.mixers[0].conv_state_after(token))
+        value = perturbation(static(w)[0].conv_state_after(token))
     with rh.watch(model, keep=KEEP) as w:
-        mixer = w.mixers[0]
+        mixer = static(w)[0]
         mixer.set_conv_state_after(token, value)
         with torch.no_grad():
             out = model(ids, use_cache=True)
@@ -242,7 +247,7 @@ def test_a_window_write_at_a_prompt_token_changes_only_later_tokens_and_the_cach
     assert_close("window after the write", value, mixer.conv_state_after(token), rtol=0, atol=0)
     assert_close("the cache holds the continued window", mixer.conv_states[:, -1],
                  cached_window(out.past_key_values, mixer), rtol=0, atol=0)
-    for other in w.mixers[1:]:  # the other windows of the model (inkling: of the same cache layer) are its own
+    for other in static(w)[1:]:  # the other windows of the model (inkling: of the same cache layer) are its own
         assert_close(f"{other}'s cached window", other.conv_states[:, -1], cached_window(out.past_key_values, other),
                      rtol=0, atol=0)
 
@@ -251,11 +256,11 @@ def test_a_write_after_the_last_prompt_token_is_what_generation_continues_from(m
     ids = random_ids(2, T)
     with rh.watch(model, keep=KEEP) as w:
         logits_of(model, ids)
-        value = perturbation(w.mixers[0].conv_state_after(-1))
+        value = perturbation(static(w)[0].conv_state_after(-1))
     with rh.watch(model, keep=KEEP) as w:
-        w.mixers[0].set_conv_state_after(T - 1, value)
+        static(w)[0].set_conv_state_after(T - 1, value)
         greedy(model, ids, 3)
-    assert_close("decode step 1 read the written window", value, w.mixers[0].calls[1].conv.inputs["conv_state"],
+    assert_close("decode step 1 read the written window", value, static(w)[0].calls[1].conv.inputs["conv_state"],
                  rtol=0, atol=0)
 
 
@@ -266,15 +271,15 @@ def test_a_window_write_at_a_decode_step(model):
     plain = greedy(model, ids, 5, **kwargs)
     with rh.watch(model, keep=KEEP) as w:
         greedy(model, ids, 5, **kwargs)
-        value = perturbation(w.mixers[0].conv_state_after(0, call=2))
+        value = perturbation(static(w)[0].conv_state_after(0, call=2))
     with rh.watch(model, keep=KEEP) as w:
-        w.mixers[0].set_conv_state_after(0, value, call=2)
+        static(w)[0].set_conv_state_after(0, value, call=2)
         steered = greedy(model, ids, 5, **kwargs)
     for step in range(3):
         assert_close(f"logits of call {step}", plain.logits[step], steered.logits[step], rtol=0, atol=0)
     change = max((plain.logits[step] - steered.logits[step]).abs().max() for step in range(3, 5))
     assert change > 1e-6, f"a write at decode call 2 changed no later logits ({change})"
-    assert_close("call 3 read the written window", value, w.mixers[0].calls[3].conv.inputs["conv_state"],
+    assert_close("call 3 read the written window", value, static(w)[0].calls[3].conv.inputs["conv_state"],
                  rtol=0, atol=0)
 
 
@@ -283,14 +288,14 @@ def test_a_replacing_hook_is_a_write(model):
     ids = random_ids(2, T)
     with rh.watch(model, keep=KEEP) as w:
         logits_of(model, ids)
-        value = perturbation(w.mixers[0].conv_state_after(4))
+        value = perturbation(static(w)[0].conv_state_after(4))
     with rh.watch(model) as w:
-        w.mixers[0].set_conv_state_after(4, value)
+        static(w)[0].set_conv_state_after(4, value)
         written = logits_of(model, ids)
     seen = []
     with rh.watch(model) as w:
-        w.mixers[0].register_state_hook(lambda m, c, t, s: value, call=0, token=4)
-        w.mixers[0].register_state_hook(lambda m, c, t, s: seen.append(s.clone()), call=0, token=4,
+        static(w)[0].register_state_hook(lambda m, c, t, s: value, call=0, token=4)
+        static(w)[0].register_state_hook(lambda m, c, t, s: seen.append(s.clone()), call=0, token=4,
                                         which="conv_state")
         hooked = logits_of(model, ids)
     assert_close("hook vs write", written, hooked, rtol=0, atol=0)
@@ -302,7 +307,7 @@ def test_a_replacing_hook_is_a_write(model):
 
 def _first_mixer_run(model, ids, window=None, token=None):
     with rh.watch(model, keep=KEEP) as w:
-        first = w.mixers[0]
+        first = static(w)[0]
         outputs = []
         handle = first.module.register_forward_hook(lambda m, a, out: outputs.append(out))
         try:
@@ -342,10 +347,10 @@ def test_gradient_with_respect_to_a_kept_window(model):
     token = 5
     with rh.watch(model, keep=KEEP) as w:
         metric = model(ids).logits[0, -1].logsumexp(-1)
-    (grad,) = torch.autograd.grad(metric, w.mixers[0].conv_state_after(token))
-    leaf = w.mixers[0].conv_state_after(token).detach().clone().requires_grad_()
+    (grad,) = torch.autograd.grad(metric, static(w)[0].conv_state_after(token))
+    leaf = static(w)[0].conv_state_after(token).detach().clone().requires_grad_()
     with rh.watch(model) as w:
-        w.mixers[0].set_conv_state_after(token, leaf)
+        static(w)[0].set_conv_state_after(token, leaf)
         model(ids).logits[0, -1].logsumexp(-1).backward()
     assert leaf.grad.abs().max() > 0
     assert_close("grad through the kept window vs a written leaf", leaf.grad, grad, rtol=1e-5, atol=1e-8)
@@ -353,7 +358,7 @@ def test_gradient_with_respect_to_a_kept_window(model):
     try:
         with rh.watch(model, keep=("conv_states",)) as w:
             metric = model(ids).logits[0, -1].logsumexp(-1)
-        (every,) = torch.autograd.grad(metric, w.mixers[0].conv_states)
+        (every,) = torch.autograd.grad(metric, static(w)[0].conv_states)
     finally:
         model.requires_grad_(True)
     assert_close("grad of conv_states at t", grad, every[:, token], rtol=1e-5, atol=1e-8)
@@ -376,14 +381,14 @@ def test_left_padded_batch(model):
         padded = logits_of(model, ids, attention_mask=mask)
     with rh.watch(model, keep=KEEP) as alone:
         single = logits_of(model, short)
-    for mixer, ref in zip(w.mixers, alone.mixers):
+    for mixer, ref in zip(static(w), static(alone)):
         assert_close(f"{mixer} padded row windows", ref.conv_states[0], mixer.conv_states[0, pads:],
                      rtol=1e-4, atol=1e-6)
         assert mixer.conv_states[0, :pads].abs().max() == 0, "padding entered the window"
     assert_close("padded row logits", single[0], padded[0, pads:], rtol=1e-4, atol=1e-5)
     plain = greedy(model, ids, 4, attention_mask=mask)
     with rh.watch(model, keep=KEEP) as w:
-        for mixer in w.mixers:
+        for mixer in static(w):
             mixer.register_state_hook(lambda m, c, t, s: None)
         assert_equal("padded greedy generate under a watch", plain, greedy(model, ids, 4, attention_mask=mask))
 
@@ -400,7 +405,7 @@ def test_bindings_restored_after_exit_after_a_raising_hook_and_when_nested(model
     with rh.watch(model):
         assert all(getattr(f, "__recurrent_hooks__", False) for f in kernel_bindings(family).values())
         with rh.watch(model) as inner:
-            inner.mixers[0].register_state_hook(lambda m, c, t, s: None)
+            static(inner)[0].register_state_hook(lambda m, c, t, s: None)
             logits_of(model, ids)
         assert all(getattr(f, "__recurrent_hooks__", False) for f in kernel_bindings(family).values())
     assert all(kernel_bindings(family)[name] is fn for name, fn in before.items())
@@ -410,7 +415,7 @@ def test_bindings_restored_after_exit_after_a_raising_hook_and_when_nested(model
 
     with pytest.raises(KeyError, match="boom"):
         with rh.watch(model) as w:
-            w.mixers[0].register_state_hook(boom, token=3)
+            static(w)[0].register_state_hook(boom, token=3)
             logits_of(model, ids)
     assert all(kernel_bindings(family)[name] is fn for name, fn in before.items())
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
@@ -421,7 +426,7 @@ def test_bindings_restored_after_exit_after_a_raising_hook_and_when_nested(model
 def test_the_state_is_unavailable_with_a_clear_message(model):
     with rh.watch(model, keep=KEEP) as w:
         logits_of(model, random_ids(1, 5))
-        mixer = w.mixers[0]
+        mixer = static(w)[0]
         carries = r"has no state; it carries only conv_state \(conv_state_after, set_conv_state_after\)"
         for read in (lambda: mixer.state_after(0), lambda: mixer.states,
                      lambda: mixer.set_state_after(0, torch.zeros(1)),
@@ -437,9 +442,9 @@ def test_the_state_is_unavailable_with_a_clear_message(model):
 
 
 def test_support_rows(model, family):
-    rows = [row for row in rh.support(model) if row.family is not None]
+    rows = [row for row in rh.support(model) if row.family is not None and "Dynamic" not in row.kind]
     with rh.watch(model) as w:
-        assert len(rows) == len({id(mixer.module) for mixer in w.mixers})  # a row per module (not per pass)
+        assert len(rows) == len({id(mixer.module) for mixer in static(w)})  # a row per module (not per pass)
     for row in rows:
         assert (row.family, row.kind) == (family, rh.FAMILIES[family].kind.__name__)
         assert row.available == ("conv_states", "inputs", "outputs", "values", "writes", "hooks")
@@ -449,11 +454,11 @@ def test_support_rows(model, family):
 def test_a_memory_per_layer_is_refused_where_a_layer_has_several_mixers(model):
     with rh.watch(model, keep=KEEP) as w:
         logits_of(model, random_ids(1, 5))
-    layers = [mixer.layer for mixer in w.mixers]
+    layers = [mixer.layer for mixer in static(w)]
     if len(set(layers)) == len(layers):
         assert set(w.memory_after(2)) == set(layers)
         return
-    assert [mixer.module.conv_idx for mixer in w.mixers if mixer.layer == 0] == [0, 1, 2, 3]
+    assert [mixer.module.conv_idx for mixer in static(w) if mixer.layer == 0] == [0, 1, 2, 3]
     with pytest.raises(rh.Unavailable, match=r"Watch.memory_after: layers \[0, 1(, 2)?\] have several mixers each"):
         w.memory_after(2)
     with rh.watch(model) as other:
@@ -470,7 +475,7 @@ def test_a_window_sweep_equals_one_forward_per_cell(model):
     corrupt[:, 2] = (clean[:, 2] + 1) % 125 + 3
     metric = lambda logits: logits[:, -1].logsumexp(-1)  # noqa: E731
     with rh.watch(model) as w:
-        layers = [mixer.layer for mixer in w.mixers]
+        layers = [mixer.layer for mixer in static(w)]
     if len(set(layers)) < len(layers):
         with pytest.raises(rh.Unavailable, match=r"patching_sweep: layers \[0, 1(, 2)?\] have several mixers each"):
             rh.patching_sweep(model, clean, corrupt, metric, what="window", progress=False)
@@ -478,7 +483,7 @@ def test_a_window_sweep_equals_one_forward_per_cell(model):
     sweep = rh.patching_sweep(model, clean, corrupt, metric, what="window", progress=False)
     with rh.watch(model, keep=("conv_states",)) as w, torch.no_grad():
         model(clean, use_cache=False)
-    first = w.mixers[0]
+    first = static(w)[0]
     for position in (2, 3):
         with rh.watch(model) as patched, torch.no_grad():
             patched.mixer(first.layer).set_conv_state_after(position, first.conv_state_after(position))
@@ -498,7 +503,7 @@ def test_a_window_sweep_equals_one_forward_per_cell(model):
 
 def _passes(w):
     """inkling2_loop's looped mixers: (pass 0, pass 1) of the first looped module, by cache layer."""
-    looped = [mixer for mixer in w.mixers if mixer.cache_index is not None]
+    looped = [mixer for mixer in static(w) if mixer.cache_index is not None]
     first = [mixer for mixer in looped if mixer.module is looped[0].module]
     return sorted(first, key=lambda mixer: mixer.cache_index[0])
 
@@ -559,7 +564,7 @@ def test_gradient_checkpointing_gives_the_gradients_of_the_plain_backward(model,
     ids = random_ids(2, T)
     with rh.watch(model, keep={"conv_states": [3]}) as w, torch.no_grad():
         model(ids, use_cache=False)
-    write = perturbation(w.mixers[0].conv_state_after(3), seed=2).detach()
+    write = perturbation(static(w)[0].conv_state_after(3), seed=2).detach()
 
     def backward(mode):
         model.train()
@@ -569,7 +574,7 @@ def test_gradient_checkpointing_gives_the_gradients_of_the_plain_backward(model,
         seen = []
         try:
             with rh.watch(model, keep={"conv_states": [5, -1]}) as w:
-                first, last = w.mixers[0], w.mixers[-1]
+                first, last = static(w)[0], static(w)[-1]
                 first.set_conv_state_after(3, write)
                 last.register_state_hook(lambda m, c, t, s: s * 0.5, token=4)
                 last.register_state_hook(lambda m, c, t, s: seen.append((c, t, m.recomputing)), token=6)
@@ -609,7 +614,7 @@ def test_a_multi_token_continuation_over_the_cache(model):
     def run(watch_keep=None, write=None):
         with rh.watch(model, keep=watch_keep or ()) as w, torch.no_grad():
             if write is not None:
-                w.mixers[0].set_conv_state_after(1, write, call=1)
+                static(w)[0].set_conv_state_after(1, write, call=1)
             first = model(ids[:, :8], use_cache=True)
             second = model(ids[:, 8:], cache=first.past_key_values, use_cache=True)
         return second.logits, w
@@ -619,11 +624,11 @@ def test_a_multi_token_continuation_over_the_cache(model):
     assert_close("continuation logits, watched", plain, watched, rtol=0, atol=0)
     with rh.watch(model, keep=KEEP) as whole, torch.no_grad():
         model(ids, use_cache=False)
-    for mixer, one in zip(w.mixers, whole.mixers):
+    for mixer, one in zip(static(w), static(whole)):
         assert [c.kernel for c in mixer.calls] == ["causal_conv1d_fn"] * 2 and mixer.calls[1].tokens == 4
         assert_close(f"{mixer} continuation windows", one.conv_states[:, 8:], mixer.calls[1].conv_states,
                      rtol=1e-6, atol=1e-7)
-    value = perturbation(w.mixers[0].conv_state_after(1, call=1))
+    value = perturbation(static(w)[0].conv_state_after(1, call=1))
     steered, _ = run(write=value)
     assert_close("continuation tokens <= 1", plain[:, :2], steered[:, :2], rtol=1e-6, atol=1e-7)
     assert (plain[:, 2:] - steered[:, 2:]).abs().max() > 1e-6
@@ -644,9 +649,9 @@ def test_half_precision_windows_leave_the_logits_bit_identical(name, dtype):
     with rh.watch(model, keep=KEEP) as w:
         assert_close("keep conv_states", plain, logits_of(model, ids), rtol=0, atol=0)
     expected = torch.float32 if name == "inkling" else dtype
-    assert all(mixer.conv_states.dtype == expected for mixer in w.mixers)
+    assert all(mixer.conv_states.dtype == expected for mixer in static(w))
     with rh.watch(model) as w:
-        for mixer in w.mixers:
+        for mixer in static(w):
             mixer.register_state_hook(lambda m, c, t, s: s.clone())
         again = greedy(model, ids, 3, **kwargs)
     assert_equal("greedy, a replacing hook on every token", plain_gen.sequences, again.sequences)
