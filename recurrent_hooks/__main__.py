@@ -40,10 +40,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _support_rows(target: str | None) -> list[dict[str, Any]]:
-    from ._registry import FAMILIES, UNSUPPORTED
+    from ._registry import FAMILIES, MORE_MIXERS, UNSUPPORTED
 
     if target is None or target in FAMILIES or target in {row.family for row in UNSUPPORTED}:
-        rows = [_family_row(family) for family in FAMILIES.values()]
+        rows = [_family_row(family) for family in (*FAMILIES.values(), *MORE_MIXERS)]
         rows += [{"family": row.family, "mixer_class": row.mixer_class, "kind": None, "available": [],
                   "unavailable": {"everything": row.reason}} for row in UNSUPPORTED]
         return rows if target is None else [row for row in rows if row["family"] == target]

@@ -26,7 +26,8 @@ Inkling runs four such convolutions in every decoder layer, each a mixer of its 
 (state 3, after the MLP). They share the cache layer `layer_idx` and are told apart by the module's
 `conv_idx`, the cache's `state_idx`. inkling2 names them `self_attn.{k,v}_proj.sconv`,
 `post_attention_convolution` and `post_mlp_convolution`; in its full-attention layers the k and v
-convolutions are dynamic (`Inkling2DynamicShortConvolution`, an inline unfold: not watched).
+convolutions are dynamic (`Inkling2DynamicShortConvolution`, an inline unfold: the `_dynamic_conv` kinds, which
+own that forward).
 
 inkling2_loop runs its loop layers (`loop_layer_index_start` .. `loop_layer_index_end - 1`) `loop_num_passes`
 times per forward, the same module each time, each pass on its own cache layer: pass 0 on `layer_idx`, pass

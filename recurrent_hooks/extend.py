@@ -25,6 +25,7 @@ from ._mlstm import MatrixLSTM as MatrixLSTM
 from ._mlstm import MLSTMState as MLSTMState
 from ._registry import FAMILIES as FAMILIES
 from ._registry import UNSUPPORTED as UNSUPPORTED
+from ._registry import MORE_MIXERS as MORE_MIXERS
 from ._registry import Family as Family
 from ._registry import Unsupported as Unsupported
 from ._selective_scan import PerHeadSelectiveScan as PerHeadSelectiveScan
@@ -51,6 +52,7 @@ __all__ = [
     "FAMILIES",
     "Unsupported",
     "UNSUPPORTED",
+    "MORE_MIXERS",
     "GatedDeltaNet",
     "KimiDeltaAttention",
     "SelectiveScan",

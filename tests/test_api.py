@@ -407,7 +407,9 @@ def test_the_support_command_reads_families_and_saved_configs(tmp_path, capsys):
     assert main(["support", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert {row["family"] for row in rows if row["kind"]} == set(rh.FAMILIES)
-    assert any(row["mixer_class"] == "Inkling2DynamicShortConvolution" and row["kind"] is None for row in rows)
+    assert any(row["mixer_class"] == "ZayaCCAProjection" and row["kind"] is None for row in rows)
+    assert any(row["mixer_class"] == "Inkling2DynamicShortConvolution" and row["kind"] == "DynamicShortConvolution"
+               for row in rows)
     assert main(["support", "mamba2"]) == 0
     assert capsys.readouterr().out.startswith("mamba2: Mamba2Mixer -> StateSpace")
     build("jamba").save_pretrained(tmp_path)

@@ -16,11 +16,12 @@ import torch
 import recurrent_hooks as rh
 from recurrent_hooks._kernels import CONV_MEMORY, FORWARD, STATE_MEMORY, Role, Site
 from recurrent_hooks._parts import map_parts, parts_of
+from recurrent_hooks._registry import MORE_MIXERS
 from _models import FAMILIES as BUILDERS
 from _models import PAD, build, random_ids
 
 T = 7
-KINDS = sorted({row.kind for row in rh.FAMILIES.values()}, key=lambda kind: kind.__name__)
+KINDS = sorted({row.kind for row in (*rh.FAMILIES.values(), *MORE_MIXERS)}, key=lambda kind: kind.__name__)
 FAMILIES = [name for name in rh.FAMILIES if name in BUILDERS]
 
 
@@ -69,9 +70,10 @@ def _per_head(declared: str) -> str:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_inputs_outputs_values_and_memories_are_what_the_kernels_see(family):
     model, mixers = _runs(family)
-    kind = type(mixers[0])
-    found = set()
+    found: dict[type, set] = {}  # per kind (a family may have mixers of two kinds: inkling2)
     for mixer in mixers:
+        kind = type(mixer)
+        found.setdefault(kind, set())
         prompt_inputs = set(_kernel_calls(mixer, mixer.calls[0])[0].inputs)
         for call in mixer.calls:
             parts = _kernel_calls(mixer, call)
@@ -84,12 +86,12 @@ def test_inputs_outputs_values_and_memories_are_what_the_kernels_see(family):
                     # one layout per name: a prompt's, or the decode kernel's where only it has the name
                     if value is not None and (not decode or name not in prompt_inputs):
                         axes.bind(f"input {name}", declared, value)
-                        found.add(name)
+                        found[kind].add(name)
                 if not decode:
                     for name, declared in kind.OUTPUTS.items():
                         if part.output.get(name) is not None:
                             axes.bind(f"output {name}", declared, part.output[name])
-                            found.add(name)
+                            found[kind].add(name)
                 if STATE_MEMORY in kind.MEMORIES and kind.MEMORIES[0] == STATE_MEMORY:
                     first = call.states if len(parts) == 1 else map_parts(lambda s: s[:, :, head], call.states)
                     for (name, state), (_, one) in zip(parts_of(call.states), parts_of(first)):
@@ -104,9 +106,11 @@ def test_inputs_outputs_values_and_memories_are_what_the_kernels_see(family):
             value_axes = Axes(f"{mixer} values() of call {call.index}", call.tokens)
             for name, declared in kind.VALUES.items():
                 value_axes.bind(f"value {name}", declared, values[name])
-    missing = set(kind.INPUTS) | set(kind.OUTPUTS)
-    missing -= found | {name for name in missing if _passed_as_none(mixers, name)}
-    assert not missing, f"{family}: declared but never received or returned: {sorted(missing)}"
+    for kind, names in found.items():
+        of_kind = [mixer for mixer in mixers if type(mixer) is kind]
+        missing = set(kind.INPUTS) | set(kind.OUTPUTS)
+        missing -= names | {name for name in missing if _passed_as_none(of_kind, name)}
+        assert not missing, f"{family} ({kind.__name__}): declared but never received or returned: {sorted(missing)}"
 
 
 def _passed_as_none(mixers, name: str) -> bool:

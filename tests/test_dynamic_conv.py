@@ -1,0 +1,338 @@
+"""The dynamic short-convolution kinds (`DynamicShortConvolution`, `LoopedDynamicShortConvolution`): the bar of
+tests/test_families.py for inkling2's and inkling2_loop's dynamic k/v convolutions, whose forward the library owns.
+
+The float64 reference is the equation (more-families.md, "Inkling2 dynamic"), from the module's own inputs:
+y_t = (x_t + sum_{j<K} (W_s[j] + (W_p u_t)_{head,j}) x_{t-j}) / sqrt(2K + 1); the window after token t is the last
+K inputs x_{t-K+1..t}, oldest first.
+"""
+
+import copy
+import math
+
+import pytest
+import torch
+
+import recurrent_hooks as rh
+from _compare import assert_close, assert_equal
+from _models import PAD, build, random_ids
+from recurrent_hooks._dynamic_conv import dynamic_conv_forward
+from recurrent_hooks._patching import import_default
+from recurrent_hooks._registry import MORE_MIXERS
+
+ROWS = {row.name: row for row in MORE_MIXERS if issubclass(row.kind, rh.DynamicShortConvolution)}
+FAMILIES = list(ROWS)
+KEEP = ("conv_states", "inputs", "outputs")
+T = 13
+
+
+def dynamic(w):
+    """The watch's dynamic convolutions, in module order (inkling2_loop: a mixer per pass)."""
+    return [mixer for mixer in w.mixers if isinstance(mixer, rh.DynamicShortConvolution)]
+
+
+def greedy(model, ids, n, **kwargs):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=PAD, **kwargs)
+
+
+def logits_of(model, ids, **kwargs):
+    with torch.no_grad():
+        return model(ids, **kwargs).logits
+
+
+def perturbation(window, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return window + torch.randn(window.shape, generator=gen) * (window.abs().max() + 1)
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request):
+    return request.param
+
+
+def _build(family):
+    """The tiny model, with random static taps (transformers initialises them to zeros)."""
+    model = build(family)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__ == ROWS[family].mixer_class:
+                module.static_weight.copy_(torch.randn(module.static_weight.shape, generator=gen) * 0.5)
+    return model
+
+
+@pytest.fixture
+def model(family):
+    return _build(family)
+
+
+def _modules(model, family):
+    return [m for m in model.modules() if type(m).__name__ == ROWS[family].mixer_class]
+
+
+# -- the float64 reference ----------------------------------------------------------------------------------------
+
+
+def _equation(module, x, u, window=None, written=None):
+    """Windows [b, t, c, K] and outputs [b, t, c] of the equation, in float64, over inputs x [b, t, c] and u, from
+    `window` (the window before token 0, zeros by default); `written` = {t: window} replaces the window after t."""
+    x, u = x.double(), u.double()
+    batch, seq, channels = x.shape
+    size, heads = module.conv_kernel_size, module.num_heads
+    taps = module.static_weight.double().T.reshape(heads, channels // heads, size)  # H c/H K
+    dyn = (u @ module.weight_proj.weight.double().T).reshape(batch, seq, heads, 1, size)  # b t H 1 K
+    current = x.new_zeros(batch, channels, size) if window is None else window.double()
+    windows, outputs = [], []
+    for t in range(seq):
+        current = torch.cat([current[..., 1:], x[:, t, :, None]], dim=-1)  # b c K
+        lags = current.flip(-1).reshape(batch, heads, channels // heads, size)  # x_{t-j}
+        y = (x[:, t] + ((taps + dyn[:, t]) * lags).sum(-1).reshape(batch, channels)) / math.sqrt(2 * size + 1)
+        outputs.append(y)
+        if written is not None and t in written:
+            current = written[t].double()
+        windows.append(current)
+    return torch.stack(windows, dim=1), torch.stack(outputs, dim=1)
+
+
+def test_windows_and_outputs_equal_the_float64_equation_at_prompt_and_decode_steps(model):
+    """Prompt and 3 decode steps of generate: every kept window is the last K inputs, every output the equation's."""
+    with rh.watch(model, keep=KEEP) as w:
+        greedy(model, random_ids(2, T), 4)
+    mixers = dynamic(w)
+    assert mixers
+    for mixer in mixers:
+        assert [c.tokens for c in mixer.calls] == [T, 1, 1, 1]
+        assert [c.index for c in mixer.calls] == [0, 1, 2, 3]
+        assert [c.conv.kernel for c in mixer.calls] == ["forward"] * 4
+        assert mixer.calls[0].conv.inputs["conv_state"] is None
+        x = torch.cat([c.conv.inputs["hidden_states"] for c in mixer.calls], dim=1)
+        u = torch.cat([c.conv.inputs["dynamic_input"] for c in mixer.calls], dim=1)
+        windows, outputs = _equation(mixer.module, x, u)
+        kept = torch.cat([c.conv_states for c in mixer.calls], dim=1)
+        assert_close(f"{mixer} windows", windows, kept, rtol=1e-6, atol=1e-7)
+        got = torch.cat([c.conv.output["output"] for c in mixer.calls], dim=1)
+        assert_close(f"{mixer} outputs", outputs, got, rtol=1e-5, atol=1e-6)
+        values = mixer.values(call=0)
+        assert_equal(f"{mixer} values x", mixer.calls[0].conv.inputs["hidden_states"], values["x"])
+
+
+# -- the forward against transformers' ------------------------------------------------------------------------------
+
+
+def _calls_of(model, family, run):
+    """Every call of the dynamic modules during `run()`: (module, args, kwargs with a deep copy of the cache)."""
+    seen, handles = [], []
+
+    def pre(m, args, kwargs):
+        kwargs = dict(kwargs)
+        if kwargs.get("cache") is not None:
+            kwargs["cache"] = copy.deepcopy(kwargs["cache"])
+        seen.append((m, tuple(a.clone() for a in args), kwargs))
+
+    for module in _modules(model, family):
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+def test_the_forward_equals_transformers_bit_for_bit(model, family):
+    """On the recorded calls of a prompt, decode steps and a multi-token continuation: the library's forward, with
+    and without `on_token`, gives transformers' output and cache window bit for bit (float32, no writes)."""
+    original = import_default(getattr(ROWS[family].module(), ROWS[family].mixer_class), "forward")
+    ids = random_ids(2, T)
+
+    def run():
+        with torch.no_grad():
+            out = model(ids[:, :8], use_cache=True)
+            model(ids[:, 8:], cache=out.past_key_values, use_cache=True)
+            model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=PAD)
+
+    calls = _calls_of(model, family, run)
+    assert {args[0].shape[1] for _, args, _ in calls} == {8, T - 8, T, 1}
+    windows = []
+    for module, args, kwargs in calls:
+        caches = [copy.deepcopy(kwargs.get("cache")) for _ in range(3)]
+        where = (module.layer_idx + kwargs.get("cache_offset", 0), module.conv_idx)
+        with torch.no_grad():
+            theirs = original(module, *args, **{**kwargs, "cache": caches[0]})
+            ours = dynamic_conv_forward(module, *args, **{**kwargs, "cache": caches[1]})
+            looped = dynamic_conv_forward(module, *args, **{**kwargs, "cache": caches[2]},
+                                          on_token=lambda t, window: windows.append(window) or window)
+        assert_equal(f"{module.__class__.__name__} output", theirs, ours)
+        assert_equal(f"{module.__class__.__name__} output with on_token", theirs, looped)
+        if caches[0] is not None:
+            for cache in caches[1:]:
+                assert_equal("cached window", caches[0].get_conv_state(*where), cache.get_conv_state(*where))
+            assert_equal("the last window handed over is the cached one", caches[0].get_conv_state(*where),
+                         windows[-1])
+
+
+@pytest.mark.parametrize("seq", [1, 3, T])
+def test_watched_logits_equal_unwatched(model, seq):
+    ids = random_ids(2, seq)
+    expected = logits_of(model, ids)
+    with rh.watch(model):
+        assert_equal("idle watch", expected, logits_of(model, ids))
+    with rh.watch(model, keep=("conv_states",)) as w:
+        assert_equal("token loop", expected, logits_of(model, ids))
+    assert dynamic(w)[0].conv_states.shape[:2] == (2, seq)
+
+
+def test_greedy_generate_is_identical_under_hooks_and_the_call_counter(model):
+    ids = random_ids(2, T)
+    expected = greedy(model, ids, 5)
+    seen = []
+    with rh.watch(model) as w:
+        for mixer in dynamic(w):
+            mixer.register_state_hook(lambda m, c, t, s: seen.append((c, t)))
+        assert_equal("generate", expected, greedy(model, ids, 5))
+    per_mixer = [(0, t) for t in range(T)] + [(k, 0) for k in range(1, 5)]
+    assert sorted(seen) == sorted(per_mixer * len(dynamic(w)))  # every mixer: the prompt's tokens, then steps 1..4
+
+
+# -- writes -----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("token", [0, 5, T - 2])
+def test_a_window_write_at_a_prompt_token_changes_only_later_tokens_and_the_cache(model, token):
+    ids = random_ids(2, T)
+    with rh.watch(model, keep=KEEP) as w:
+        clean = logits_of(model, ids, use_cache=True)
+    first = dynamic(w)[0]
+    value = perturbation(first.conv_state_after(token))
+    x, u = first.calls[0].conv.inputs["hidden_states"], first.calls[0].conv.inputs["dynamic_input"]
+    with rh.watch(model, keep=KEEP) as w:
+        dynamic(w)[0].set_conv_state_after(token, value)
+        out = model(ids, use_cache=True)
+    mixer = dynamic(w)[0]
+    assert_equal("logits up to the written token", clean[:, :token + 1], out.logits[:, :token + 1])
+    assert (clean[:, token + 1:] - out.logits[:, token + 1:]).abs().max() > 1e-6
+    _, expected = _equation(mixer.module, x, u, written={token: value})
+    assert_close("the mixer's outputs continue from the written window", expected,
+                 mixer.calls[0].conv.output["output"], rtol=1e-5, atol=1e-6)
+    layer, state = mixer.module.layer_idx, mixer.module.conv_idx
+    windows, _ = _equation(mixer.module, x, u, written={token: value})
+    assert_close("the cache holds the window continued from the write", windows[:, -1],
+                 out.past_key_values.get_conv_state(layer, state_idx=state), rtol=1e-6, atol=1e-7)
+
+
+def test_writes_after_the_last_prompt_token_and_at_a_decode_step_reach_the_cache(model):
+    ids = random_ids(2, T)
+    with rh.watch(model, keep=KEEP) as w:
+        clean = greedy(model, ids, 4)
+    last, step = perturbation(dynamic(w)[0].conv_state_after(-1)), perturbation(dynamic(w)[0].conv_state_after(0, call=2))
+    with rh.watch(model, keep=KEEP) as w:
+        dynamic(w)[0].set_conv_state_after(T - 1, last)
+        dynamic(w)[0].set_conv_state_after(0, step, call=2)
+        greedy(model, ids, 4)
+    calls = dynamic(w)[0].calls
+    assert_equal("decode step 1 read the window written after the prompt", last, calls[1].conv.inputs["conv_state"])
+    assert_equal("decode step 3 read the window written at step 2", step, calls[3].conv.inputs["conv_state"])
+    assert_equal("the prompt is unchanged", clean[:, :T], greedy(model, ids, 4)[:, :T])
+
+
+def test_a_replacing_hook_is_a_write(model):
+    ids = random_ids(1, T)
+    with rh.watch(model, keep=("conv_states",)) as w:
+        logits_of(model, ids)
+    value = perturbation(dynamic(w)[0].conv_state_after(4))
+    with rh.watch(model) as w:
+        dynamic(w)[0].set_conv_state_after(4, value)
+        written = logits_of(model, ids)
+    with rh.watch(model) as w:
+        dynamic(w)[0].register_state_hook(lambda m, c, t, s: value, call=0, token=4)
+        hooked = logits_of(model, ids)
+    assert_equal("a replacing hook is a write", written, hooked)
+
+
+def test_writing_the_window_makes_the_mixer_continue_as_in_the_other_run(model, family):
+    """Whole-memory identity: runs A and B share their inputs after token t; writing A's window after t into B
+    makes B's outputs after t equal A's (the module called on its own, without a cache)."""
+    module = _modules(model, family)[0]
+    gen = torch.Generator().manual_seed(5)
+    channels, size = module.static_weight.shape[1], module.weight_proj.in_features
+    xa, ua = torch.randn(2, T, channels, generator=gen), torch.randn(2, T, size, generator=gen)
+    xb, ub = xa.clone(), ua.clone()
+    t = 6
+    xb[:, :t + 1], ub[:, :t + 1] = torch.randn(2, t + 1, channels, generator=gen), torch.randn(2, t + 1, size, generator=gen)
+    with torch.no_grad(), rh.watch(model, keep=("conv_states",)) as w:
+        ya = module(xa, ua)
+        mixer = next(m for m in dynamic(w) if m.module is module)
+        window = mixer.conv_state_after(t)
+    with torch.no_grad(), rh.watch(model) as w:
+        plain = module(xb, ub)
+        mixer = next(m for m in dynamic(w) if m.module is module)
+        mixer.set_conv_state_after(t, window, call=1)
+        yb = module(xb, ub)
+    assert (plain[:, t + 1:] - ya[:, t + 1:]).abs().max() > 1e-3
+    assert_equal("B up to t is B's own", plain[:, :t + 1], yb[:, :t + 1])
+    assert_close("B after t is A's", ya[:, t + 1:], yb[:, t + 1:], rtol=1e-6, atol=1e-6)
+
+
+def test_gradient_with_respect_to_a_kept_window(model):
+    ids = random_ids(1, T)
+    token = 5
+    with rh.watch(model, keep=KEEP) as w:
+        metric = model(ids).logits[0, -1].logsumexp(-1)
+    (grad,) = torch.autograd.grad(metric, dynamic(w)[0].conv_state_after(token))
+    leaf = dynamic(w)[0].conv_state_after(token).detach().clone().requires_grad_()
+    with rh.watch(model) as w:
+        dynamic(w)[0].set_conv_state_after(token, leaf)
+        model(ids).logits[0, -1].logsumexp(-1).backward()
+    assert leaf.grad.abs().max() > 0
+    assert_close("grad through the kept window vs a written leaf", leaf.grad, grad, rtol=1e-5, atol=1e-8)
+    assert grad[..., 0].abs().max() == 0, "the oldest column reaches no later output"
+
+
+# -- bindings, registry and support -----------------------------------------------------------------------------------
+
+
+def test_bindings_restored_after_exit_after_a_raising_hook_and_when_nested(model, family):
+    owner = getattr(ROWS[family].module(), ROWS[family].mixer_class)
+    before = owner.__dict__["forward"]
+    ids = random_ids(1, 5)
+    with rh.watch(model) as outer:
+        assert getattr(owner.__dict__["forward"], "__recurrent_hooks__", False)
+        with rh.watch(model) as inner:
+            dynamic(inner)[0].register_state_hook(lambda m, c, t, s: None)
+            logits_of(model, ids)
+        assert getattr(owner.__dict__["forward"], "__recurrent_hooks__", False)
+        assert dynamic(outer)
+    assert owner.__dict__["forward"] is before
+
+    def boom(mixer, call, token, state):
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        with rh.watch(model) as w:
+            dynamic(w)[0].register_state_hook(boom, token=3)
+            logits_of(model, ids)
+    assert owner.__dict__["forward"] is before
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    assert_equal("model unchanged after the watches", logits_of(_build(family), ids), logits_of(model, ids))
+
+
+def test_registry_and_support_rows(model, family):
+    row = ROWS[family]
+    assert row.name in rh.FAMILIES and rh.FAMILIES[row.name].mixer_class != row.mixer_class
+    from recurrent_hooks._registry import UNSUPPORTED, family_of, resolve_family
+    assert all(u.mixer_class != row.mixer_class for u in UNSUPPORTED)
+    assert all(family_of(m) is row for m in _modules(model, family))
+    assert resolve_family(model) is rh.FAMILIES[family]
+    rows = [r for r in rh.support(model) if r.kind == row.kind.__name__]
+    assert len(rows) == len(_modules(model, family))
+    for r in rows:
+        assert r.family == family
+        assert r.available == ("conv_states", "inputs", "outputs", "values", "writes", "hooks")
+        assert "state" in r.unavailable and "effective attention" in r.unavailable
+
+
+def test_the_state_is_unavailable(model):
+    with rh.watch(model, keep=KEEP) as w:
+        logits_of(model, random_ids(1, 5))
+    with pytest.raises(rh.Unavailable, match="conv_state"):
+        dynamic(w)[0].state_after(2)
