@@ -375,8 +375,9 @@ def test_entry_points_refuse_bad_arguments():
     assert not rh_patching._BINDINGS
 
 
-def test_support_lists_short_convolution_mixers_it_does_not_handle():
-    """inkling2's dynamic short convolutions (an inline unfold) are listed with the reason, next to its watched ones."""
+def test_support_lists_both_kinds_of_short_convolution_of_a_family():
+    """inkling2's dynamic short convolutions (an inline unfold, whose forward the library owns) are listed with their
+    own kind, next to its static ones: one family, two kinds."""
     from transformers.models.inkling2.configuration_inkling2 import Inkling2TextConfig
 
     config = Inkling2TextConfig(
@@ -388,8 +389,8 @@ def test_support_lists_short_convolution_mixers_it_does_not_handle():
     rows = rh.support(transformers.Inkling2ForCausalLM(config))
     dynamic = [r for r in rows if r.mixer_class == "Inkling2DynamicShortConvolution"]
     assert [r.path for r in dynamic] == ["model.layers.1.self_attn.k_proj.sconv", "model.layers.1.self_attn.v_proj.sconv"]
-    assert all(r.family is None and "unfold" in r.unavailable["everything"] for r in dynamic)
-    assert {r.family for r in rows if r not in dynamic} == {"inkling2"}
+    assert all(r.family == "inkling2" and r.kind == "DynamicShortConvolution" for r in dynamic)
+    assert {(r.family, r.kind) for r in rows if r not in dynamic} == {("inkling2", "ShortConvolution")}
 
 
 @pytest.mark.parametrize("row", rh_registry.UNSUPPORTED, ids=lambda row: row.mixer_class)
