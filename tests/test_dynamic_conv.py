@@ -336,3 +336,81 @@ def test_the_state_is_unavailable(model):
         logits_of(model, random_ids(1, 5))
     with pytest.raises(rh.Unavailable, match="conv_state"):
         dynamic(w)[0].state_after(2)
+
+
+def test_a_multi_token_continuation_and_left_padding(model):
+    """A prompt, then 4 tokens in one cached forward, then a left-padded batch: watched with kept windows, the
+    logits are the unwatched ones bit for bit; the continuation starts from the prompt's last window, and a
+    padded position shifts a zero into the window."""
+    ids = random_ids(2, T)
+
+    def run():
+        with torch.no_grad():
+            out = model(ids[:, :8], use_cache=True)
+            more = model(ids[:, 8:12], cache=out.past_key_values, use_cache=True)
+        return out.logits, more.logits
+
+    expected = run()
+    with rh.watch(model, keep=KEEP) as w:
+        got = run()
+    for name, a, b in zip(("prompt", "continuation"), expected, got):
+        assert_equal(name, a, b)
+    for mixer in dynamic(w):
+        prompt, continuation = mixer.calls
+        assert continuation.tokens == 4 and continuation.index == 1
+        assert_equal(f"{mixer} continues from the prompt's last window", prompt.conv_states[:, -1],
+                     continuation.conv.inputs["conv_state"])
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[1, :4] = 0
+    padded = ids.clone()
+    padded[1, :4] = PAD
+    expected = logits_of(model, padded, attention_mask=mask)
+    with rh.watch(model, keep=KEEP) as w:
+        assert_equal("left-padded batch", expected, logits_of(model, padded, attention_mask=mask))
+    for mixer in dynamic(w):
+        windows = mixer.calls[0].conv_states
+        assert windows[1, :4].abs().max() == 0, f"{mixer}: the pads enter the window as zeros"
+        assert windows[0, :4].abs().max() > 0
+
+
+def test_standalone_hooks_count_from_each_prompt(model, family):
+    """rh.register_state_hook on a dynamic module: its prompt is call 0 in every generate (a looped module, whose
+    passes a hook without a watch cannot tell apart, refuses its later passes), and the binding is restored."""
+    module = _modules(model, family)[0]
+    owner = getattr(ROWS[family].module(), ROWS[family].mixer_class)
+    seen = []
+    looped = issubclass(ROWS[family].kind, rh.LoopedShortConvolution) and module.layer_idx >= 1
+    handle = rh.register_state_hook(module, lambda m, c, t, s: seen.append((c, t)), call=None if looped else 1)
+    try:
+        if looped:
+            with pytest.raises(rh.Unavailable, match="later pass of a looped layer"):
+                greedy(model, random_ids(1, 5), 3)
+        else:
+            greedy(model, random_ids(1, 5), 3)
+            greedy(model, random_ids(1, 6), 2)
+            assert seen == [(1, 0), (1, 0)]
+    finally:
+        handle.remove()
+    assert owner.__dict__["forward"] is import_default(owner, "forward")
+
+
+def test_bf16_windows_stay_float32_and_the_logits_bit_identical(family):
+    """A bf16 model (built with `_from_config(dtype=...)`: `.to(bf16)` breaks inkling2's router, bug 11): keeping or
+    replacing every window leaves the logits and greedy generate bit-identical; the windows are float32."""
+    fp32 = _build(family)
+    torch.manual_seed(0)
+    model = type(fp32)._from_config(fp32.config, dtype=torch.bfloat16).eval()
+    model.load_state_dict(fp32.state_dict())
+    ids = random_ids(2, T)
+    kwargs = dict(output_logits=True, return_dict_in_generate=True)
+    plain, plain_gen = logits_of(model, ids), greedy(model, ids, 3, **kwargs)
+    with rh.watch(model, keep=KEEP) as w:
+        assert_equal("keep conv_states", plain, logits_of(model, ids))
+    assert all(mixer.conv_states.dtype == torch.float32 for mixer in dynamic(w))
+    with rh.watch(model) as w:
+        for mixer in dynamic(w):
+            mixer.register_state_hook(lambda m, c, t, s: s.clone())
+        again = greedy(model, ids, 3, **kwargs)
+    assert_equal("greedy, a replacing hook on every token", plain_gen.sequences, again.sequences)
+    for step, (a, b) in enumerate(zip(plain_gen.logits, again.logits)):
+        assert_equal(f"logits of call {step}", a, b)
