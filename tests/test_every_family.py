@@ -117,8 +117,12 @@ def test_watched_logits_equal_unwatched(model, family, seq):
         assert_close("idle watch", plain, logits_of(model, ids), rtol=0, atol=0)
     with rh.watch(model, keep=keep_all(family)) as w:
         assert_close("keep every memory", plain, logits_of(model, ids), **tol)
+    kind = rh.FAMILIES[family].kind
     for memory in memories:
-        for name, part in parts_of(getattr(w.mixers[0], PER_TOKEN[memory])):
+        stack = getattr(w.mixers[0], PER_TOKEN[memory])
+        wanted = kind.STATE_TYPE if memory == "state" and kind.STATE_TYPE is not None else torch.Tensor
+        assert isinstance(stack, wanted), f"{memory}: a {type(stack).__name__}, expected a {wanted.__name__}"
+        for name, part in parts_of(stack):
             shape = (ids.shape[0], seq, *STATE_SHAPES.get(family, {}).get(memory, part.shape[2:]))
             assert part.shape == shape, f"{memory} {name}: {tuple(part.shape)}, expected {shape}"
     with rh.watch(model, keep=keep_all(family)):  # grad mode: the token loops, which keep what the recurrence used
@@ -190,11 +194,12 @@ def test_call_counter_in_generate(model, family):
 
 def test_standalone_hooks_count_from_each_prompt(model, family):
     """Outside a watch, a call that starts from no cached memory is a prompt: each generate, and each forward
-    with or without a cache, restarts at call 0."""
-    seen = []
-    module = next(m for m in model.modules() if family_of(m) is not None)
-    handle = rh.register_state_hook(module, lambda m, c, t, s: seen.append((c, t)) if m.head in (None, 0) else None,
-                                    token=-1)
+    with or without a cache, restarts at call 0 (hooks on the first and the last mixer module)."""
+    mixers = [m for m in model.modules() if family_of(m) is not None]
+    seen = {id(module): [] for module in (mixers[0], mixers[-1])}
+    handles = [rh.register_state_hook(module, lambda m, c, t, s, out=seen[id(module)]: out.append((c, t))
+                                      if m.head in (None, 0) else None, token=-1)
+               for module in (mixers[0], mixers[-1])[:len(seen)]]
     batch = quirk(family, "batch")
     try:
         greedy(model, random_ids(batch, T), 3)
@@ -202,8 +207,10 @@ def test_standalone_hooks_count_from_each_prompt(model, family):
         logits_of(model, random_ids(batch, 4))
         logits_of(model, random_ids(batch, 4), use_cache=False)
     finally:
-        handle.remove()
-    assert seen == [(0, T - 1), (1, 0), (2, 0), (0, 4), (1, 0), (0, 3), (0, 3)]
+        for handle in handles:
+            handle.remove()
+    for calls in seen.values():
+        assert calls == [(0, T - 1), (1, 0), (2, 0), (0, 4), (1, 0), (0, 3), (0, 3)]
 
 
 # -- gradients ------------------------------------------------------------------------------------------------------
@@ -237,6 +244,8 @@ def binding_sites(model, family):
     row = rh.FAMILIES[family]
     modeling = row.module()
     mixers = [m for m in model.modules() if family_of(m) is not None]
+    with rh.watch(model) as w:
+        assert {id(m.module) for m in w.mixers} == {id(m) for m in mixers}, "the watch attached other modules"
     sites = {}
     for kernel in row.kind.KERNELS:
         for mixer in mixers if kernel.site is Site.INSTANCE else mixers[:1]:
@@ -246,7 +255,9 @@ def binding_sites(model, family):
         if hasattr(modeling, name):
             sites[id(modeling), name] = (modeling, name, None)
     per_module = sum(kernel.site is Site.INSTANCE for kernel in row.kind.KERNELS)
-    assert len(sites) >= per_module * len(mixers) + len(row.kind.KERNELS) - per_module, "two kernels share a name"
+    fused = sum(hasattr(modeling, name) for name in row.kind.FUSED)
+    assert len(sites) == per_module * len(mixers) + len(row.kind.KERNELS) - per_module + fused, \
+        "two kernels share a binding"
     return list(sites.values())
 
 
