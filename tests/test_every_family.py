@@ -14,12 +14,12 @@ import inspect
 
 import pytest
 import torch
-
-import recurrent_hooks as rh
 from _compare import assert_close, assert_equal
 from _models import FAMILIES as BUILDERS
 from _models import PAD, build, random_ids
 from _reachable import tensor_bytes_reachable
+
+import recurrent_hooks as rh
 from recurrent_hooks._kernels import Site
 from recurrent_hooks._parts import map_parts, parts_of
 from recurrent_hooks._patching import bound_original, import_default
@@ -53,7 +53,10 @@ STATE_SHAPES = {
 }
 KEEP = {"state": "states", "conv_state": "conv_states"}  # memory -> its watch(keep=...) name
 PER_TOKEN = {"state": "states", "conv_state": "conv_states"}  # memory -> the mixer's per-token stack
-NOOP = lambda m, c, t, s: None  # noqa: E731
+
+
+def NOOP(mixer, call, token, state):  # a read-only hook that does nothing
+    return None
 
 
 def quirk(family, name):
@@ -196,10 +199,13 @@ def test_standalone_hooks_count_from_each_prompt(model, family):
     """Outside a watch, a call that starts from no cached memory is a prompt: each generate, and each forward
     with or without a cache, restarts at call 0 (hooks on the first and the last mixer module)."""
     mixers = [m for m in model.modules() if family_of(m) is not None]
-    seen = {id(module): [] for module in (mixers[0], mixers[-1])}
-    handles = [rh.register_state_hook(module, lambda m, c, t, s, out=seen[id(module)]: out.append((c, t))
-                                      if m.head in (None, 0) else None, token=-1)
-               for module in (mixers[0], mixers[-1])[:len(seen)]]
+    modules = list({id(m): m for m in (mixers[0], mixers[-1])}.values())
+    seen = [[] for _ in modules]
+
+    def recorder(out):
+        return lambda m, c, t, s: out.append((c, t)) if m.head in (None, 0) else None
+
+    handles = [rh.register_state_hook(module, recorder(out), token=-1) for module, out in zip(modules, seen)]
     batch = quirk(family, "batch")
     try:
         greedy(model, random_ids(batch, T), 3)
@@ -209,7 +215,7 @@ def test_standalone_hooks_count_from_each_prompt(model, family):
     finally:
         for handle in handles:
             handle.remove()
-    for calls in seen.values():
+    for calls in seen:
         assert calls == [(0, T - 1), (1, 0), (2, 0), (0, 4), (1, 0), (0, 3), (0, 3)]
 
 
