@@ -16,7 +16,8 @@ import pytest
 import torch
 from _compare import assert_close, assert_equal
 from _models import FAMILIES as BUILDERS
-from _models import PAD, build, random_ids
+from _models import build, random_ids
+from _runs import greedy, logits_of
 from _reachable import tensor_bytes_reachable
 
 import recurrent_hooks as rh
@@ -86,16 +87,6 @@ def hook_every_mixer(w, fn=NOOP, memories=None):
 def norm(state):
     """The norm of a state, all its parts together."""
     return sum(float(part.norm()) ** 2 for _, part in parts_of(state)) ** 0.5
-
-
-def logits_of(model, ids, **kwargs):
-    with torch.no_grad():
-        return model(ids, **kwargs).logits
-
-
-def greedy(model, ids, n, **kwargs):
-    with torch.no_grad():
-        return model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=PAD, **kwargs)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -17,6 +17,7 @@ import recurrent_hooks as rh
 import recurrent_hooks._dispatch as rh_dispatch
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
+from _runs import greedy, logits_of
 from _reference import gated_delta_rule_reference, kimi_delta_rule_reference
 from _reference_ssm import selective_scan_reference, ssd_reference
 
@@ -78,16 +79,6 @@ def state_in(mixer: rh.RecurrentMixer, call: int) -> torch.Tensor:
 def perturbation(state: torch.Tensor, seed: int = 1) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return state + torch.randn(state.shape, generator=gen) * (state.abs().max() + 1)
-
-
-def logits_of(model, ids, **kwargs):
-    with torch.no_grad():
-        return model(ids, **kwargs).logits
-
-
-def greedy(model, ids, n, **kwargs):
-    with torch.no_grad():
-        return model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=PAD, **kwargs)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

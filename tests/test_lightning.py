@@ -16,6 +16,7 @@ import recurrent_hooks as rh
 import recurrent_hooks._dispatch as rh_dispatch
 from _compare import assert_close, assert_equal
 from _models import PAD, _minimax, build, random_ids
+from _runs import greedy, logits_of
 import recurrent_hooks._lightning as rh_lightning
 from recurrent_hooks._lightning import lightning_attention_forward
 from recurrent_hooks._patching import import_default
@@ -44,16 +45,6 @@ def mixer_class(family):
 
 def mixers_of(model):
     return [m for m in model.modules() if family_of(m) is not None]
-
-
-def logits_of(model, ids, **kwargs):
-    with torch.no_grad():
-        return model(ids, **kwargs).logits
-
-
-def greedy(model, ids, n, **kwargs):
-    with torch.no_grad():
-        return model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=PAD, **kwargs)
 
 
 def perturbation(state, seed=1):

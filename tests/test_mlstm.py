@@ -17,7 +17,8 @@ from recurrent_hooks.extend import MatrixLSTM, MLSTMState
 from recurrent_hooks._mlstm import mlstm_inference, mlstm_train
 from _compare import assert_close, assert_equal
 from _models import FAMILIES as BUILDERS
-from _models import PAD, build, random_ids
+from _models import build, random_ids
+from _runs import greedy, logits_of
 
 FAMILIES = [name for name, row in rh.FAMILIES.items() if row.kind is MatrixLSTM and name in BUILDERS]
 T = 13  # chunk_size 8: 8 tokens chunk-wise, 5 token by token
@@ -211,16 +212,6 @@ PARTS = MLSTMState._fields
 def perturbation(state: MLSTMState, seed: int = 1) -> MLSTMState:
     gen = torch.Generator().manual_seed(seed)
     return MLSTMState(*(s + torch.randn(s.shape, generator=gen) * (s.abs().max() + 1) for s in state))
-
-
-def logits_of(model, ids, **kwargs):
-    with torch.no_grad():
-        return model(ids, **kwargs).logits
-
-
-def greedy(model, ids, n, **kwargs):
-    with torch.no_grad():
-        return model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=PAD, **kwargs)
 
 
 def assert_state_equal(name, expected, got):

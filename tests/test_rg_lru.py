@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
+from _runs import greedy, logits_of
 
 import recurrent_hooks as rh
 from recurrent_hooks._patching import import_default
@@ -37,16 +38,6 @@ def bindings(family):
     """What the kind's two class attributes hold now, read from the classes' own `__dict__`."""
     return {kernel.name: vars(kernel.target(rh.FAMILIES[family].module())[0])[kernel.name]
             for kernel in rh.FAMILIES[family].kind.KERNELS}
-
-
-def logits_of(model, ids, **kwargs):
-    with torch.no_grad():
-        return model(ids, **kwargs).logits
-
-
-def greedy(model, ids, n, **kwargs):
-    with torch.no_grad():
-        return model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=PAD, **kwargs)
 
 
 def perturbation(state, seed=1):

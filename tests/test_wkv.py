@@ -26,7 +26,8 @@ import recurrent_hooks as rh
 import recurrent_hooks._patching as patching
 from _compare import assert_close, assert_equal
 from _models import FAMILIES as BUILDERS
-from _models import PAD, build, random_ids
+from _models import build, random_ids
+from _runs import greedy, logits_of
 from recurrent_hooks._parts import map_parts, parts_of, rebuild, stack_parts
 from recurrent_hooks._wkv import extract_key_value, rwkv_linear_attention
 from recurrent_hooks.extend import WkvState
@@ -209,16 +210,6 @@ def test_a_replaced_shift_changes_only_the_next_token(family):
 
 
 # -- the family bar -----------------------------------------------------------------------------------------------
-
-
-def logits_of(model, ids, **kwargs):
-    with torch.no_grad():
-        return model(ids, **kwargs).logits
-
-
-def greedy(model, ids, n, **kwargs):
-    with torch.no_grad():
-        return model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=PAD, **kwargs)
 
 
 def perturbation(state, seed=1):
