@@ -56,8 +56,7 @@ STATE_SHAPES = {
     "recurrent_gemma": {"state": (32,), "conv_state": (32, 3)},
     "rwkv": {"state": (32,), "conv_state": (32,)},
 }
-KEEP = {"state": "states", "conv_state": "conv_states"}  # memory -> its watch(keep=...) name
-PER_TOKEN = {"state": "states", "conv_state": "conv_states"}  # memory -> the mixer's per-token stack
+STACK = {"state": "states", "conv_state": "conv_states"}  # memory -> its keep name, and the mixer's per-token stack
 
 
 def NOOP(mixer, call, token, state):  # a read-only hook that does nothing
@@ -74,7 +73,7 @@ def test_every_family_has_a_tiny_model():
 
 def keep_all(family):
     """Every memory the kind carries, and the kernels' arguments and results."""
-    return tuple(KEEP[memory] for memory in rh.FAMILIES[family].kind.MEMORIES) + ("inputs", "outputs")
+    return tuple(STACK[memory] for memory in rh.FAMILIES[family].kind.MEMORIES) + ("inputs", "outputs")
 
 
 def hook_every_mixer(w, fn=NOOP, memories=None):
@@ -112,9 +111,10 @@ def model(shared_model):
 
 @pytest.mark.parametrize("seq", [1, T, 70], ids=lambda s: f"T{s}")
 def test_watched_logits_equal_unwatched(model, family, seq):
-    """Idle: the plain model's logits bit for bit. Keeping every memory the kind carries (the token loops, with
-    and without gradients), a no-op hook on its first memory, and no-op hooks on every memory: within the
-    family's loop tolerance (bit for bit where the loops make transformers' operations in its order)."""
+    """Idle: the plain model's logits bit for bit. Keeping every memory the kind carries (and, at the family's
+    grad_parity lengths, keeping it with gradients), a no-op hook on its first memory, and no-op hooks on every
+    memory: within the family's loop tolerance (bit for bit where the loops make transformers' operations in its
+    order). The kept stacks have the kind's type and (batch, seq, per-token shape)."""
     ids = random_ids(quirk(family, "batch") if seq == 1 else 2, seq)
     tol = dict(rtol=quirk(family, "loop_atol"), atol=quirk(family, "loop_atol"))
     memories = rh.FAMILIES[family].kind.MEMORIES
@@ -125,7 +125,7 @@ def test_watched_logits_equal_unwatched(model, family, seq):
         assert_close("keep every memory", plain, logits_of(model, ids), **tol)
     kind = rh.FAMILIES[family].kind
     for memory in memories:
-        stack = getattr(w.mixers[0], PER_TOKEN[memory])
+        stack = getattr(w.mixers[0], STACK[memory])
         wanted = kind.STATE_TYPE if memory == "state" and kind.STATE_TYPE is not None else torch.Tensor
         assert isinstance(stack, wanted), f"{memory}: a {type(stack).__name__}, expected a {wanted.__name__}"
         for name, part in parts_of(stack):

@@ -11,9 +11,10 @@ Kernels:
 Family (parametrized by every family of the kind): the bar of tests/test_families.py, adapted to a model
 without a Cache (the memory is the `state=` list) and to transformers' bugs: decoding with a state is
 right for batch 1 only (bug 1), so every generate runs batch 1 and prompts run batch 2; attention_mask is
-ignored (bug 2), so there is no left-padding test. The kind-agnostic part of the bar (parity, generate, the
-call counter, standalone hooks, the input gradient, bindings) is tests/test_every_family.py's. All comparisons are eval against eval (eval mode
-rescales weights in place; a no-op for the tiny 2-layer model, whose rescale factor is 2^0).
+ignored (bug 2), so there is no left-padding test. All comparisons are eval against eval (eval mode
+rescales weights in place; a no-op for the tiny 2-layer model, whose rescale factor is 2^0). The kind-agnostic
+part of the bar (parity, generate, the call counter, standalone hooks, the input gradient, bindings) is
+tests/test_every_family.py's.
 """
 
 import inspect
