@@ -15,6 +15,7 @@ import torch
 import recurrent_hooks as rh
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
+from _runs import greedy, logits_of
 from recurrent_hooks._dynamic_conv import dynamic_conv_forward
 from recurrent_hooks._patching import import_default
 from recurrent_hooks._registry import MORE_MIXERS
@@ -28,16 +29,6 @@ T = 13
 def dynamic(w):
     """The watch's dynamic convolutions, in module order (inkling2_loop: a mixer per pass)."""
     return [mixer for mixer in w.mixers if isinstance(mixer, rh.DynamicShortConvolution)]
-
-
-def greedy(model, ids, n, **kwargs):
-    with torch.no_grad():
-        return model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=PAD, **kwargs)
-
-
-def logits_of(model, ids, **kwargs):
-    with torch.no_grad():
-        return model(ids, **kwargs).logits
 
 
 def perturbation(window, seed=1):

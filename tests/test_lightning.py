@@ -1,6 +1,7 @@
 """MiniMax lightning attention (`LightningAttention`): the library's forward against transformers' and the
 float64 recurrence, and the bar every family meets (tests/test_families.py), for a kind whose kernel is the
-mixer's whole forward, bound as a class attribute, and whose memory is the state alone.
+mixer's whole forward, bound as a class attribute, and whose memory is the state alone (the kind-agnostic part
+of the bar: tests/test_every_family.py).
 
 The float64 reference is written from the MiniMax-01 equations:
     [q; k; v] = SiLU(W_qkv x),  S_t = λ_h S_{t-1} + k_t^T v_t,  o_t = q_t S_t,  out = W_o(σ(W_g x) ⊙ RMSNorm(o)),
@@ -15,7 +16,7 @@ import recurrent_hooks as rh
 import recurrent_hooks._dispatch as rh_dispatch
 from _compare import assert_close, assert_equal
 from _models import PAD, _minimax, build, random_ids
-from _reachable import tensor_bytes_reachable
+from _runs import greedy, logits_of
 import recurrent_hooks._lightning as rh_lightning
 from recurrent_hooks._lightning import lightning_attention_forward
 from recurrent_hooks._patching import import_default
@@ -44,16 +45,6 @@ def mixer_class(family):
 
 def mixers_of(model):
     return [m for m in model.modules() if family_of(m) is not None]
-
-
-def logits_of(model, ids, **kwargs):
-    with torch.no_grad():
-        return model(ids, **kwargs).logits
-
-
-def greedy(model, ids, n, **kwargs):
-    with torch.no_grad():
-        return model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=PAD, **kwargs)
 
 
 def perturbation(state, seed=1):
@@ -102,6 +93,8 @@ def reference_states(mixer, call):
 
 
 def test_the_slopes_are_the_equations(model):
+    with rh.watch(model) as w:
+        assert [m.layer for m in w.mixers] == [m.layer_idx for m in mixers_of(model)]
     for module in mixers_of(model):
         assert_close(f"slope_rate of layer {module.layer_idx}", slopes(module.num_attention_heads, module.layer_idx,
                      module.num_hidden_layers)[:, None, None], module.slope_rate, rtol=1e-6, atol=0)
@@ -335,44 +328,7 @@ def test_stops_over_a_cached_state_run_token_by_token(family):
     assert_equal("state", want_state, state)
 
 
-# -- the bar: parity, states, writes, generate, calls ---------------------------------------------------------
-
-
-@pytest.mark.parametrize("seq", [1, T, 70], ids=lambda s: f"T{s}")
-def test_watched_logits_equal_unwatched(model, seq):
-    """Idle (transformers' forward runs), keeping states (the token loop) and with a no-op hook."""
-    ids = random_ids(2, seq)
-    plain = logits_of(model, ids)
-    with rh.watch(model) as w:
-        assert_close("idle watch", plain, logits_of(model, ids), rtol=0, atol=0)
-    assert [m.layer for m in w.mixers] == [m.layer_idx for m in mixers_of(model)]
-    with rh.watch(model, keep=ALL) as w:
-        assert_close("keep states", plain, logits_of(model, ids), rtol=1e-5, atol=1e-5)
-    assert w.mixers[0].states.shape == (2, seq, 2, 16, 16)
-    with rh.watch(model) as w:
-        for mixer in w.mixers:
-            mixer.register_state_hook(lambda m, c, t, s: None)
-        assert_close("no-op hook", plain, logits_of(model, ids), rtol=1e-5, atol=1e-5)
-
-
-def test_greedy_generate_is_identical(model):
-    ids = random_ids(2, T)
-    plain = greedy(model, ids, 6)
-    with rh.watch(model, keep=ALL):
-        assert_equal("tokens, keep states", plain, greedy(model, ids, 6))
-    with rh.watch(model) as w:
-        for mixer in w.mixers:
-            mixer.register_state_hook(lambda m, c, t, s: None)
-        assert_equal("tokens, hook on every token", plain, greedy(model, ids, 6))
-
-
-def test_a_hook_only_watch_keeps_no_tensor(model):
-    norms = []
-    with rh.watch(model) as w:
-        w.mixers[0].register_state_hook(lambda m, c, t, s: norms.append(float(s.norm())), token=-1)
-        greedy(model, random_ids(2, T), 12)
-    assert len(w.mixers[0].calls) == 12 and len(norms) == 12
-    assert tensor_bytes_reachable(w) == 0
+# -- the bar: states, writes, padding (parity, generate and the call counter: tests/test_every_family.py) -------
 
 
 def test_states_equal_float64_reference_at_prompt_and_decode_steps(model):
@@ -415,19 +371,6 @@ def test_multi_token_continuation_runs_the_per_token_branch(model):
     for mixer in w.mixers:
         assert [c.tokens for c in mixer.calls] == [T - 8] and mixer.calls[0].inputs["initial_state"] is not None
         assert_close(f"{mixer} continuation states", reference_states(mixer, 0), mixer.calls[0].states, **F64)
-
-
-def test_call_counter_in_generate(model):
-    n = 5
-    seen = []
-    with rh.watch(model) as w:
-        w.mixers[-1].register_state_hook(lambda m, c, t, s: seen.append((c, t)))
-        greedy(model, random_ids(2, T), n)
-    for mixer in w.mixers:
-        assert [c.kernel for c in mixer.calls] == ["forward"] * n
-        assert [c.index for c in mixer.calls] == list(range(n))
-        assert [c.tokens for c in mixer.calls] == [T] + [1] * (n - 1)
-    assert seen == [(0, t) for t in range(T)] + [(k, 0) for k in range(1, n)]
 
 
 @pytest.mark.parametrize("token", [0, 4, T - 1])
@@ -659,17 +602,6 @@ def test_every_kept_state_is_differentiable_with_frozen_weights(model):
                  rtol=1e-4, atol=1e-7)
 
 
-def test_gradient_flows_to_inputs_through_the_token_loop(model):
-    ids = random_ids(1, T)
-    embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
-    model(inputs_embeds=embeds).logits[0, -1].logsumexp(-1).backward()
-    plain = embeds.grad.clone()
-    embeds.grad = None
-    with rh.watch(model, keep=ALL):
-        model(inputs_embeds=embeds).logits[0, -1].logsumexp(-1).backward()
-    assert_close("input gradient through the token loop", plain, embeds.grad, rtol=1e-3, atol=1e-6)
-
-
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 def test_gradient_checkpointing_repeats_the_call(model, reentrant):
     """A recompute of the watched forward repeats its write and hook: same loss and gradients as without."""
@@ -835,48 +767,7 @@ def test_effective_attention_is_refused_with_the_reason(model):
     assert "effective attention" in rh.support(model)[0].unavailable
 
 
-# -- bindings and the frame check ------------------------------------------------------------------------------
-
-
-def test_bindings_restored_after_exit_after_a_raising_hook_and_when_nested(model, family):
-    cls = mixer_class(family)
-    before = cls.__dict__["forward"]
-    assert before is import_default(cls, "forward")
-    ids = random_ids(1, 5)
-    with rh.watch(model):
-        assert getattr(cls.__dict__["forward"], "__recurrent_hooks__", False)
-        with rh.watch(model) as inner:
-            inner.mixers[0].register_state_hook(lambda m, c, t, s: None)
-            logits_of(model, ids)
-        assert getattr(cls.__dict__["forward"], "__recurrent_hooks__", False)
-    assert cls.__dict__["forward"] is before
-
-    def boom(mixer, call, token, state):
-        raise KeyError("boom")
-
-    with pytest.raises(KeyError, match="boom"):
-        with rh.watch(model) as w:
-            w.mixers[0].register_state_hook(boom, token=3)
-            logits_of(model, ids)
-    assert cls.__dict__["forward"] is before
-    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
-    handle = rh.register_state_hook(mixers_of(model)[0], lambda m, c, t, s: None)
-    assert getattr(cls.__dict__["forward"], "__recurrent_hooks__", False)
-    handle.remove()
-    assert cls.__dict__["forward"] is before
-    assert_close("model unchanged after the watches", logits_of(model, ids), logits_of(build(family), ids),
-                 rtol=0, atol=0)
-
-
-def test_a_standalone_hook_counts_calls_from_each_prompt(model):
-    seen = []
-    handle = rh.register_state_hook(mixers_of(model)[0], lambda m, c, t, s: seen.append((c, t)), token=-1)
-    try:
-        for _ in range(2):
-            greedy(model, random_ids(1, T), 3)
-    finally:
-        handle.remove()
-    assert seen == [(0, T - 1), (1, 0), (2, 0)] * 2
+# -- threads, routing and the frame check (bindings: tests/test_every_family.py) ---------------------------------
 
 
 def test_two_threads_watch_their_own_models(family):

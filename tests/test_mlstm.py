@@ -1,12 +1,12 @@
 """The mLSTM kind (`MatrixLSTM`, xlstm): its token loop against transformers' kernels and the float64
-reference from the mLSTM equations, and the bar of tests/test_families.py at model level.
+reference from the mLSTM equations, and the bar of tests/test_families.py at model level (the kind-agnostic
+part of the bar: tests/test_every_family.py).
 
 The kernel is the instance attribute `mlstm_backend._inference_fn`, a `functools.partial` of
 `wrap_chunkwise_arbitrary_sequence_length` that transformers builds in `xLSTMBackend.__init__`; the tests
 call that partial as the original. Its memory is `MLSTMState(C, n, m)`: three parts of different shapes.
 """
 
-import functools
 import re
 
 import pytest
@@ -17,7 +17,8 @@ from recurrent_hooks.extend import MatrixLSTM, MLSTMState
 from recurrent_hooks._mlstm import mlstm_inference, mlstm_train
 from _compare import assert_close, assert_equal
 from _models import FAMILIES as BUILDERS
-from _models import PAD, build, random_ids
+from _models import build, random_ids
+from _runs import greedy, logits_of
 
 FAMILIES = [name for name, row in rh.FAMILIES.items() if row.kind is MatrixLSTM and name in BUILDERS]
 T = 13  # chunk_size 8: 8 tokens chunk-wise, 5 token by token
@@ -213,16 +214,6 @@ def perturbation(state: MLSTMState, seed: int = 1) -> MLSTMState:
     return MLSTMState(*(s + torch.randn(s.shape, generator=gen) * (s.abs().max() + 1) for s in state))
 
 
-def logits_of(model, ids, **kwargs):
-    with torch.no_grad():
-        return model(ids, **kwargs).logits
-
-
-def greedy(model, ids, n, **kwargs):
-    with torch.no_grad():
-        return model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=PAD, **kwargs)
-
-
 def assert_state_equal(name, expected, got):
     assert isinstance(got, MLSTMState), f"{name}: got a {type(got).__name__}, expected an MLSTMState"
     for part, a, b in zip(PARTS, expected, got):
@@ -256,48 +247,6 @@ def model(family):
     return build(family)
 
 
-@pytest.mark.parametrize("seq", [1, T, 70], ids=lambda s: f"T{s}")
-def test_watched_logits_equal_unwatched(model, seq):
-    """Idle (exact), keeping every state (the token loop) and with a no-op hook: the plain model's logits."""
-    ids = random_ids(2, seq)
-    plain = logits_of(model, ids)
-    with rh.watch(model):
-        assert_close("idle watch", plain, logits_of(model, ids), rtol=0, atol=0)
-    with rh.watch(model, keep=ALL) as w:
-        assert_close("keep states", plain, logits_of(model, ids), rtol=1e-5, atol=1e-5)
-    states = w.mixers[0].states
-    assert isinstance(states, MLSTMState) and all(part.shape[:2] == (2, seq) for part in states)
-    with rh.watch(model) as w:
-        for mixer in w.mixers:
-            mixer.register_state_hook(lambda m, c, t, s: None)
-        assert_close("no-op hook", plain, logits_of(model, ids), rtol=1e-5, atol=1e-5)
-
-
-def test_greedy_generate_is_identical(model):
-    ids = random_ids(2, T)
-    plain = greedy(model, ids, 6)
-    with rh.watch(model, keep=ALL):
-        assert_equal("tokens, keep states", plain, greedy(model, ids, 6))
-    with rh.watch(model) as w:
-        for mixer in w.mixers:
-            mixer.register_state_hook(lambda m, c, t, s: None)
-        assert_equal("tokens, hook on every token", plain, greedy(model, ids, 6))
-    with rh.watch(model) as w:  # a hook that returns a new MLSTMState of the same values
-        w.mixers[0].register_state_hook(lambda m, c, t, s: MLSTMState(*(p.clone() for p in s)))
-        assert_equal("tokens, replacing hook that changes nothing", plain, greedy(model, ids, 6))
-
-
-def test_a_hook_only_watch_keeps_no_tensor(model):
-    from _reachable import tensor_bytes_reachable
-
-    norms = []
-    with rh.watch(model) as w:
-        w.mixers[0].register_state_hook(lambda m, c, t, s: norms.append(float(s.C.norm())), token=-1)
-        greedy(model, random_ids(2, T), 12)
-    assert len(w.mixers[0].calls) == 12 and len(norms) == 12
-    assert tensor_bytes_reachable(w) == 0
-
-
 def test_states_equal_float64_reference_at_prompt_and_decode_steps(model):
     with rh.watch(model, keep=ALL) as w:
         greedy(model, random_ids(2, T), 4)
@@ -320,34 +269,6 @@ def test_decode_states_continue_the_prompt_states(model):
         for part in PARTS:
             decoded = torch.cat([getattr(c.states, part) for c in mixer.calls], dim=1)
             close(f"{mixer} part {part}, prompt + decode vs one prompt", getattr(long.states, part), decoded)
-
-
-def test_call_counter_in_generate(model):
-    """Prompt = call 0, decode step k = call k, all through the one kernel `_inference_fn`."""
-    n = 5
-    seen = []
-    with rh.watch(model) as w:
-        w.mixers[-1].register_state_hook(lambda m, c, t, s: seen.append((c, t)))
-        greedy(model, random_ids(2, T), n)
-    for mixer in w.mixers:
-        assert [c.kernel for c in mixer.calls] == ["_inference_fn"] * n
-        assert [c.index for c in mixer.calls] == list(range(n))
-        assert [c.tokens for c in mixer.calls] == [T] + [1] * (n - 1)
-    assert seen == [(0, t) for t in range(T)] + [(k, 0) for k in range(1, n)]
-
-
-def test_standalone_hooks_count_from_each_prompt(model):
-    """Outside a watch, a call over a zero (or no) state is a prompt: each generate restarts at call 0."""
-    seen = []
-    module = next(m for m in model.modules() if type(m).__name__ == rh.FAMILIES["xlstm"].mixer_class)
-    handle = rh.register_state_hook(module, lambda m, c, t, s: seen.append(c), token=-1)
-    try:
-        greedy(model, random_ids(1, T), 3)
-        greedy(model, random_ids(1, T, seed=2), 3)
-        logits_of(model, random_ids(1, 4))
-    finally:
-        handle.remove()
-    assert seen == [0, 1, 2, 0, 1, 2, 0]
 
 
 @pytest.mark.parametrize("token", [0, 4, T - 1])
@@ -488,17 +409,6 @@ def test_every_kept_state_is_differentiable_as_one_stack(model):
         assert_close(f"part {part} at token 3", single, stacked[:, 3], rtol=1e-4, atol=1e-6 * float(single.abs().max()))
 
 
-def test_gradient_flows_to_inputs_through_the_token_loop(model):
-    ids = random_ids(1, T)
-    embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
-    model(inputs_embeds=embeds, use_cache=False).logits[0, -1].logsumexp(-1).backward()
-    plain = embeds.grad.clone()
-    embeds.grad = None
-    with rh.watch(model, keep=ALL):
-        model(inputs_embeds=embeds, use_cache=False).logits[0, -1].logsumexp(-1).backward()
-    assert_close("input gradient through the token loop", plain, embeds.grad, rtol=1e-3, atol=1e-6)
-
-
 @pytest.mark.parametrize("checkpointing", [None, True, False], ids=["off", "reentrant", "non-reentrant"])
 def test_gradient_checkpointing_gives_the_gradients_of_the_plain_backward(model, checkpointing):
     ids = random_ids(2, T)
@@ -545,39 +455,6 @@ def test_gradient_checkpointing_gives_the_gradients_of_the_plain_backward(model,
     assert_close("grad of the kept C", state_grad, got_state_grad, rtol=1e-4, atol=1e-5 * state_grad.abs().max())
     assert seen == [(0, 6, False)] and got_seen[:1] == seen
     assert got_seen[1:] == ([] if checkpointing is None else [(0, 6, True)])
-
-
-def bindings(model, family):
-    row = rh.FAMILIES[family]
-    return {(id(module), kernel.name): getattr(*kernel.target(row.module(), module))
-            for module in model.modules() if type(module).__name__ == row.mixer_class for kernel in row.kind.KERNELS}
-
-
-def test_bindings_restored_after_exit_after_a_raising_hook_and_when_nested(model, family):
-    before = bindings(model, family)
-    assert len(before) == 2 * 2  # two layers, _inference_fn and _train_fn each
-    ids = random_ids(1, 5)
-    with rh.watch(model):
-        assert all(getattr(f, "__recurrent_hooks__", False) for f in bindings(model, family).values())
-        with rh.watch(model) as inner:
-            inner.mixers[0].register_state_hook(lambda m, c, t, s: None)
-            logits_of(model, ids)
-        assert all(getattr(f, "__recurrent_hooks__", False) for f in bindings(model, family).values())
-    assert all(bindings(model, family)[key] is fn for key, fn in before.items())
-
-    def boom(mixer, call, token, state):
-        raise KeyError("boom")
-
-    with pytest.raises(KeyError, match="boom"):
-        with rh.watch(model) as w:
-            w.mixers[0].register_state_hook(boom, token=3)
-            logits_of(model, ids)
-    assert all(bindings(model, family)[key] is fn for key, fn in before.items())
-    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
-    assert all(type(m.__dict__["_inference_fn"]) is functools.partial
-               for m in model.modules() if "_inference_fn" in m.__dict__)
-    assert_close("model unchanged after the watches", logits_of(model, ids), logits_of(build(family), ids),
-                 rtol=0, atol=0)
 
 
 def first_mixer_outputs(model, ids, memory=None, token=None):

@@ -5,8 +5,8 @@ the Cache, and its two kernels are class attributes (`RecurrentGemmaRglru._rnn_s
 so it has its own test file with the checks of tests/test_families.py, parametrized by family:
 - the two loops against transformers' own methods, bit for bit, and the states and windows against float64
   references written from Griffin's equations (h_t = a_t h_{t-1} + sqrt(1 - a_t^2)(i_t * x_t));
-- parity, generate, the call counter, writes (prompt, decode, conv window), the whole-memory identity,
-  gradients, bindings, support;
+- writes (prompt, decode, conv window), the whole-memory identity, gradients, support (parity, generate, the
+  call counter, standalone hooks, the input gradient and bindings are tests/test_every_family.py's);
 - transformers' own quirks (more-families.md, bugs 3-5), reproduced watched and unwatched.
 """
 
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
-from _reachable import tensor_bytes_reachable
+from _runs import greedy, logits_of
 
 import recurrent_hooks as rh
 from recurrent_hooks._patching import import_default
@@ -38,16 +38,6 @@ def bindings(family):
     """What the kind's two class attributes hold now, read from the classes' own `__dict__`."""
     return {kernel.name: vars(kernel.target(rh.FAMILIES[family].module())[0])[kernel.name]
             for kernel in rh.FAMILIES[family].kind.KERNELS}
-
-
-def logits_of(model, ids, **kwargs):
-    with torch.no_grad():
-        return model(ids, **kwargs).logits
-
-
-def greedy(model, ids, n, **kwargs):
-    with torch.no_grad():
-        return model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=PAD, **kwargs)
 
 
 def perturbation(state, seed=1):
@@ -270,45 +260,7 @@ def test_block_forward_window_write_feeds_the_next_positions(family):
     assert_close("the module keeps the last window", seen[-1], block.conv1d_state, **EXACT)
 
 
-# -- the model against the unwatched model -----------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("seq", [1, T, 70], ids=lambda s: f"T{s}")
-def test_watched_logits_equal_unwatched(model, seq):
-    ids = random_ids(2, seq)
-    plain = logits_of(model, ids)
-    with rh.watch(model):
-        assert_close("idle watch", plain, logits_of(model, ids), **EXACT)
-    with rh.watch(model, keep=ALL) as w:
-        assert_close("keep states", plain, logits_of(model, ids), rtol=1e-5, atol=1e-5)
-    assert w.mixers[0].states.shape == (2, seq, 32) and w.mixers[0].conv_states.shape == (2, seq, 32, 3)
-    with rh.watch(model) as w:
-        for mixer in w.mixers:
-            mixer.register_state_hook(lambda m, c, t, s: None)
-            mixer.register_state_hook(lambda m, c, t, s: None, which="conv_state")
-        assert_close("no-op hooks", plain, logits_of(model, ids), rtol=1e-5, atol=1e-5)
-    assert [m.layer for m in w.mixers] == [0, 1]
-
-
-def test_greedy_generate_is_identical(model):
-    ids = random_ids(2, T)
-    plain = greedy(model, ids, 6)
-    with rh.watch(model, keep=ALL):
-        assert_equal("tokens, keep states", plain, greedy(model, ids, 6))
-    with rh.watch(model) as w:
-        for mixer in w.mixers:
-            mixer.register_state_hook(lambda m, c, t, s: None)
-            mixer.register_state_hook(lambda m, c, t, s: None, which="conv_state")
-        assert_equal("tokens, hooks on every token", plain, greedy(model, ids, 6))
-
-
-def test_a_hook_only_watch_keeps_no_tensor(model):
-    norms = []
-    with rh.watch(model) as w:
-        w.mixers[0].register_state_hook(lambda m, c, t, s: norms.append(float(s.norm())), token=-1)
-        greedy(model, random_ids(2, T), 12)
-    assert len(w.mixers[0].calls) == 12 and len(norms) == 12
-    assert tensor_bytes_reachable(w) == 0
+# -- the model: states and windows against the references ---------------------------------------------------------
 
 
 def test_states_and_windows_equal_float64_references_at_prompt_and_decode_steps(model):
@@ -353,31 +305,6 @@ def test_decode_states_continue_the_prompt_states(model):
             decoded = torch.cat([getattr(c, what) for c in mixer.calls], dim=1)
             assert_close(f"{mixer} {what}: prompt + decode vs one prompt", getattr(long, what), decoded,
                          rtol=1e-4, atol=1e-6)
-
-
-def test_call_counter_in_generate(model):
-    n = 5
-    seen, windows = [], []
-    with rh.watch(model) as w:
-        w.mixers[-1].register_state_hook(lambda m, c, t, s: seen.append((c, t)))
-        w.mixers[-1].register_state_hook(lambda m, c, t, s: windows.append((c, t)), which="conv_state")
-        greedy(model, random_ids(2, T), n)
-    for mixer in w.mixers:
-        assert [(c.index, c.kernel, c.tokens) for c in mixer.calls] == \
-            [(0, "_rnn_scan", T)] + [(k, "_rnn_scan", 1) for k in range(1, n)]
-    assert seen == windows == [(0, t) for t in range(T)] + [(k, 0) for k in range(1, n)]
-
-
-def test_standalone_hooks_count_from_each_prompt(model):
-    block = model.model.layers[0].temporal_block
-    seen = []
-    handle = rh.register_state_hook(block, lambda m, c, t, s: seen.append(c), token=-1)
-    try:
-        greedy(model, random_ids(1, 5), 3)
-        greedy(model, random_ids(1, 6), 2)
-    finally:
-        handle.remove()
-    assert seen == [0, 1, 2, 0, 1]
 
 
 # -- writes ------------------------------------------------------------------------------------------------------
@@ -559,44 +486,7 @@ def test_every_kept_state_is_differentiable_with_frozen_weights(model):
     model.requires_grad_(True)
 
 
-def test_gradient_flows_to_inputs_through_the_token_loops(model):
-    ids = random_ids(1, T)
-    embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
-    model(inputs_embeds=embeds).logits[0, -1].logsumexp(-1).backward()
-    plain = embeds.grad.clone()
-    embeds.grad = None
-    with rh.watch(model, keep=ALL):
-        model(inputs_embeds=embeds).logits[0, -1].logsumexp(-1).backward()
-    assert_close("input gradient through the token loops", plain, embeds.grad, rtol=1e-4, atol=1e-7)
-
-
-# -- bindings, support, values -----------------------------------------------------------------------------------
-
-
-def test_bindings_restored_after_exit_after_a_raising_hook_and_when_nested(model, family):
-    before = bindings(family)
-    rglru_cls, block_cls = classes(family)
-    assert before == {"_rnn_scan": import_default(rglru_cls, "_rnn_scan"),
-                      "forward": import_default(block_cls, "forward")}
-    ids = random_ids(1, 5)
-    with rh.watch(model):
-        assert all(getattr(f, "__recurrent_hooks__", False) for f in bindings(family).values())
-        with rh.watch(model) as inner:
-            inner.mixers[0].register_state_hook(lambda m, c, t, s: None)
-            logits_of(model, ids)
-        assert all(getattr(f, "__recurrent_hooks__", False) for f in bindings(family).values())
-    assert all(bindings(family)[name] is fn for name, fn in before.items())
-
-    def boom(mixer, call, token, state):
-        raise KeyError("boom")
-
-    for which in ("state", "conv_state"):
-        with pytest.raises(KeyError, match="boom"), rh.watch(model) as w:
-            w.mixers[0].register_state_hook(boom, token=3, which=which)
-            logits_of(model, ids)
-        assert all(bindings(family)[name] is fn for name, fn in before.items())
-    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
-    assert_close("model unchanged after the watches", logits_of(model, ids), logits_of(build(family), ids), **EXACT)
+# -- support, values ---------------------------------------------------------------------------------------------
 
 
 def test_support_lists_the_values_and_limits(model):
@@ -608,6 +498,8 @@ def test_support_lists_the_values_and_limits(model):
     assert {"states", "conv_states", "values", "writes", "hooks"} <= set(row.available)
     assert set(row.unavailable) == set(rh.RealGatedLinearRecurrence.LIMITS)
     assert "multi-token continuation" in row.unavailable and "_rnn_scan" in row.notes["idle calls run"]
+    with rh.watch(model) as w:
+        assert [m.layer for m in w.mixers] == [0, 1]
 
 
 def test_values_are_the_recurrence_inputs(model):

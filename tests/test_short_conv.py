@@ -1,5 +1,6 @@
 """The short-convolution kind (`ShortConvolution`): the bar of tests/test_families.py for mixers whose only memory
-is the conv window (lfm2, lfm2_moe, lfm3, inkling, inkling2), on tiny random-weight models.
+is the conv window (lfm2, lfm2_moe, lfm3, inkling, inkling2), on tiny random-weight models. The kind-agnostic
+part of the bar (parity, generate, the call counter, standalone hooks, bindings) is tests/test_every_family.py.
 
 Each family's float64 reference is its mixer's equation (more-families.md, "Equations"), from the mixer module's
 own input: LFM2 y = W_out(C ⊙ DWConv_K(B ⊙ x̃)) with [B; C; x̃] = W_in h; inkling y = x + DWConv_K(x); inkling2
@@ -14,20 +15,11 @@ import torch
 import recurrent_hooks as rh
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
+from _runs import greedy, logits_of
 
 FAMILIES = [name for name, row in rh.FAMILIES.items() if issubclass(row.kind, rh.ShortConvolution)]
 KEEP = ("conv_states", "inputs", "outputs")
 T = 13  # not a multiple of anything
-
-
-def logits_of(model, ids, **kwargs):
-    with torch.no_grad():
-        return model(ids, **kwargs).logits
-
-
-def greedy(model, ids, n, **kwargs):
-    with torch.no_grad():
-        return model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=PAD, **kwargs)
 
 
 def perturbation(window, seed=1):
@@ -165,65 +157,7 @@ def test_the_loops_equal_transformers_kernels_on_the_recorded_calls(model, famil
             assert_close(f"{mixer} call {record.index} output", theirs, record.conv.output["output"], rtol=0, atol=0)
 
 
-# -- parity ----------------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("seq", [1, T, 70], ids=lambda s: f"T{s}")
-def test_watched_logits_equal_unwatched(model, seq):
-    """Idle, keeping windows (the token loop) and with a no-op hook: the logits of the plain model, bit for bit."""
-    ids = random_ids(2, seq)
-    plain = logits_of(model, ids)
-    with rh.watch(model):
-        assert_close("idle watch", plain, logits_of(model, ids), rtol=0, atol=0)
-    with rh.watch(model, keep=KEEP) as w:
-        assert_close("keep conv_states", plain, logits_of(model, ids), rtol=0, atol=0)
-    assert static(w)[0].conv_states.shape[:2] == (2, seq)
-    with rh.watch(model) as w:
-        for mixer in static(w):
-            mixer.register_state_hook(lambda m, c, t, s: None)  # the window: this kind's only memory
-        assert_close("no-op hook", plain, logits_of(model, ids), rtol=0, atol=0)
-    with rh.watch(model, keep=KEEP):  # grad mode: every position recomputed from its kept window
-        assert_close("keep conv_states with gradients", plain, model(ids).logits, rtol=1e-6, atol=1e-6)
-
-
-def test_greedy_generate_is_identical(model):
-    ids = random_ids(2, T)
-    plain = greedy(model, ids, 6)
-    with rh.watch(model, keep=KEEP):
-        assert_equal("tokens, keep conv_states", plain, greedy(model, ids, 6))
-    with rh.watch(model) as w:
-        for mixer in static(w):
-            mixer.register_state_hook(lambda m, c, t, s: None)
-        assert_equal("tokens, hook on every token", plain, greedy(model, ids, 6))
-
-
-def test_call_counter_in_generate(model):
-    """Prompt = call 0 through causal_conv1d_fn, decode step k = call k through causal_conv1d_update."""
-    n = 5
-    seen = []
-    with rh.watch(model) as w:
-        static(w)[-1].register_state_hook(lambda m, c, t, s: seen.append((c, t)))
-        greedy(model, random_ids(2, T), n)
-    for mixer in static(w):
-        assert [c.kernel for c in mixer.calls] == ["causal_conv1d_fn"] + ["causal_conv1d_update"] * (n - 1)
-        assert [c.index for c in mixer.calls] == list(range(n))
-    assert seen == [(0, t) for t in range(T)] + [(k, 0) for k in range(1, n)]
-
-
-def test_standalone_hooks_count_from_each_prompt(model):
-    seen = []
-    with rh.watch(model) as w:
-        module = static(w)[0].module
-    handle = rh.register_state_hook(module, lambda m, c, t, s: seen.append((c, t)), token=-1)
-    try:
-        greedy(model, random_ids(1, 5), 3)
-        greedy(model, random_ids(1, 4), 2)
-    finally:
-        handle.remove()
-    assert seen == [(0, 4), (1, 0), (2, 0), (0, 3), (1, 0)]
-
-
-# -- writes ------------------------------------------------------------------------------------------------------------
+# -- writes (parity, generate, the call counter and bindings: tests/test_every_family.py) ----------------------------
 
 
 @pytest.mark.parametrize("token", [0, 5, T - 1])
@@ -365,7 +299,7 @@ def test_gradient_with_respect_to_a_kept_window(model):
     assert every[:, -1].abs().max() == 0, "the last window is read by no later token of the call"
 
 
-# -- padding, bindings, errors and support -------------------------------------------------------------------------------
+# -- padding, errors and support ----------------------------------------------------------------------------------------
 
 
 def test_left_padded_batch(model):
@@ -391,36 +325,6 @@ def test_left_padded_batch(model):
         for mixer in static(w):
             mixer.register_state_hook(lambda m, c, t, s: None)
         assert_equal("padded greedy generate under a watch", plain, greedy(model, ids, 4, attention_mask=mask))
-
-
-def kernel_bindings(family):
-    row = rh.FAMILIES[family]
-    module = row.module()
-    return {kernel.name: getattr(module, kernel.name) for kernel in row.kind.KERNELS}
-
-
-def test_bindings_restored_after_exit_after_a_raising_hook_and_when_nested(model, family):
-    before = kernel_bindings(family)
-    ids = random_ids(1, 5)
-    with rh.watch(model):
-        assert all(getattr(f, "__recurrent_hooks__", False) for f in kernel_bindings(family).values())
-        with rh.watch(model) as inner:
-            static(inner)[0].register_state_hook(lambda m, c, t, s: None)
-            logits_of(model, ids)
-        assert all(getattr(f, "__recurrent_hooks__", False) for f in kernel_bindings(family).values())
-    assert all(kernel_bindings(family)[name] is fn for name, fn in before.items())
-
-    def boom(mixer, call, token, state):
-        raise KeyError("boom")
-
-    with pytest.raises(KeyError, match="boom"):
-        with rh.watch(model) as w:
-            static(w)[0].register_state_hook(boom, token=3)
-            logits_of(model, ids)
-    assert all(kernel_bindings(family)[name] is fn for name, fn in before.items())
-    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
-    assert_close("model unchanged after the watches", logits_of(model, ids), logits_of(build(family), ids),
-                 rtol=0, atol=0)
 
 
 def test_the_state_is_unavailable_with_a_clear_message(model):

@@ -12,7 +12,9 @@ Family (parametrized by every family of the kind): the bar of tests/test_familie
 without a Cache (the memory is the `state=` list) and to transformers' bugs: decoding with a state is
 right for batch 1 only (bug 1), so every generate runs batch 1 and prompts run batch 2; attention_mask is
 ignored (bug 2), so there is no left-padding test. All comparisons are eval against eval (eval mode
-rescales weights in place; a no-op for the tiny 2-layer model, whose rescale factor is 2^0).
+rescales weights in place; a no-op for the tiny 2-layer model, whose rescale factor is 2^0). The kind-agnostic
+part of the bar (parity, generate, the call counter, standalone hooks, the input gradient, bindings) is
+tests/test_every_family.py's.
 """
 
 import inspect
@@ -25,8 +27,8 @@ import recurrent_hooks as rh
 import recurrent_hooks._patching as patching
 from _compare import assert_close, assert_equal
 from _models import FAMILIES as BUILDERS
-from _models import PAD, build, random_ids
-from _reachable import tensor_bytes_reachable
+from _models import build, random_ids
+from _runs import greedy, logits_of
 from recurrent_hooks._parts import map_parts, parts_of, rebuild, stack_parts
 from recurrent_hooks._wkv import extract_key_value, rwkv_linear_attention
 from recurrent_hooks.extend import WkvState
@@ -211,16 +213,6 @@ def test_a_replaced_shift_changes_only_the_next_token(family):
 # -- the family bar -----------------------------------------------------------------------------------------------
 
 
-def logits_of(model, ids, **kwargs):
-    with torch.no_grad():
-        return model(ids, **kwargs).logits
-
-
-def greedy(model, ids, n, **kwargs):
-    with torch.no_grad():
-        return model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=PAD, **kwargs)
-
-
 def perturbation(state, seed=1):
     gen = torch.Generator().manual_seed(seed)
     return state + torch.randn(state.shape, generator=gen) * (state.abs().max() + 1)
@@ -254,22 +246,11 @@ def model(family):
 
 
 @pytest.mark.parametrize("seq, batch", [(1, 1), (T, 2), (70, 2)], ids=lambda v: str(v))
-def test_watched_logits_equal_unwatched(model, seq, batch):
+def test_a_forward_without_a_state_equals_one_with_it(model, seq, batch):
+    """use_cache=False (no model state, `state=None` to every block), watched: the logits of the forward that
+    builds and carries a state. (Parity of the watch itself: tests/test_every_family.py.)"""
     ids = random_ids(batch, seq)
     plain = logits_of(model, ids)
-    with rh.watch(model):
-        assert_close("idle watch", plain, logits_of(model, ids), rtol=0, atol=0)
-    with rh.watch(model, keep=ALL) as w:  # the token loops make transformers' operations in its order
-        assert_close("keep states", plain, logits_of(model, ids), rtol=0, atol=0)
-    states = w.mixers[0].states
-    assert isinstance(states, WkvState)
-    assert all(part.shape == (batch, seq, model.config.hidden_size) for part in states)
-    assert w.mixers[0].conv_states.shape == (batch, seq, model.config.hidden_size)
-    with rh.watch(model) as w:
-        for mixer in w.mixers:
-            mixer.register_state_hook(lambda m, c, t, s: None)
-            mixer.register_state_hook(lambda m, c, t, s: None, which="conv_state")
-        assert_close("no-op hooks", plain, logits_of(model, ids), rtol=0, atol=0)
     with rh.watch(model, keep=ALL):
         assert_close("no cache (state=None)", logits_of(model, ids, use_cache=False), plain, rtol=1e-5, atol=1e-5)
 
@@ -298,18 +279,6 @@ def test_half_precision_is_bit_identical(family, dtype):
         assert_equal("prompt logits, hooked", plain, logits_of(model, ids))
 
 
-def test_greedy_generate_is_identical(model):
-    ids = random_ids(1, T)
-    plain = greedy(model, ids, 6)
-    with rh.watch(model, keep=ALL):
-        assert_equal("tokens, keep states", plain, greedy(model, ids, 6))
-    with rh.watch(model) as w:
-        for mixer in w.mixers:
-            mixer.register_state_hook(lambda m, c, t, s: None)
-            mixer.register_state_hook(lambda m, c, t, s: None, which="conv_state")
-        assert_equal("tokens, hooks on every token", plain, greedy(model, ids, 6))
-
-
 def test_route_kernels_to_the_token_loops(model, family):
     ids = random_ids(2, T)
     plain = logits_of(model, ids)
@@ -319,16 +288,6 @@ def test_route_kernels_to_the_token_loops(model, family):
     finally:
         rh.route_kernels(family, "default")
     assert kernel_bindings(family) == default_bindings(family)
-
-
-def test_a_hook_only_watch_keeps_no_tensor(model):
-    norms = []
-    with rh.watch(model) as w:
-        w.mixers[0].register_state_hook(lambda m, c, t, s: norms.append(math.hypot(*map(float, map(torch.norm, s)))),
-                                        token=-1)
-        greedy(model, random_ids(1, T), 12)
-    assert len(w.mixers[0].calls) == 12 and len(norms) == 12
-    assert tensor_bytes_reachable(w) == 0
 
 
 def test_states_equal_float64_reference_at_prompt_and_decode_steps(model):
@@ -366,32 +325,6 @@ def test_decode_states_continue_the_prompt_states(model):
         assert_state_close(f"{mixer} prompt + decode vs one prompt", long.states, decoded, rtol=1e-5, atol=1e-6)
         shifts = torch.cat([c.conv_states for c in mixer.calls], dim=1)
         assert_close(f"{mixer} shifts", long.conv_states, shifts, rtol=1e-5, atol=1e-6)
-
-
-def test_call_counter_in_generate(model):
-    n = 5
-    seen = []
-    with rh.watch(model) as w:
-        w.mixers[-1].register_state_hook(lambda m, c, t, s: seen.append((c, t)))
-        greedy(model, random_ids(1, T), n)
-    for mixer in w.mixers:
-        assert [c.kernel for c in mixer.calls] == [rh.WeightedKeyValue.kernel_for("prompt").name] * n
-        assert [c.conv.kernel for c in mixer.calls] == [rh.WeightedKeyValue.kernel_for("prompt", "conv_state").name] * n
-        assert [c.index for c in mixer.calls] == list(range(n))
-    assert seen == [(0, t) for t in range(T)] + [(k, 0) for k in range(1, n)]
-
-
-def test_standalone_hooks_count_from_each_prompt(model):
-    """Outside a watch, call 0 is a call that starts from the empty state: the prompt of every generate."""
-    seen = []
-    handle = rh.register_state_hook(model.rwkv.blocks[1].attention, lambda m, c, t, s: seen.append((c, t)), token=-1)
-    try:
-        greedy(model, random_ids(1, T), 3)
-        greedy(model, random_ids(1, 5), 3)
-        logits_of(model, random_ids(1, 4), use_cache=False)
-    finally:
-        handle.remove()
-    assert seen == [(0, T - 1), (1, 0), (2, 0), (0, 4), (1, 0), (2, 0), (0, 3)]
 
 
 @pytest.mark.parametrize("token", [0, 4, T - 1])
@@ -674,17 +607,6 @@ def test_every_kept_state_is_differentiable_with_frozen_weights(model):
     assert shifts[:, :-1].abs().amax(dim=(0, 2)).min() > 0
 
 
-def test_gradient_flows_to_inputs_through_the_token_loop(model):
-    ids = random_ids(1, T)
-    embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
-    model(inputs_embeds=embeds, use_cache=False).logits[0, -1].logsumexp(-1).backward()
-    plain = embeds.grad.clone()
-    embeds.grad = None
-    with rh.watch(model, keep=ALL):
-        model(inputs_embeds=embeds, use_cache=False).logits[0, -1].logsumexp(-1).backward()
-    assert_close("input gradient through the token loop", plain, embeds.grad, rtol=1e-4, atol=1e-7)
-
-
 @pytest.mark.parametrize("checkpointing", [None, True, False], ids=["off", "reentrant", "non-reentrant"])
 def test_gradient_checkpointing_gives_the_gradients_of_the_plain_backward(model, checkpointing):
     ids = random_ids(2, T)
@@ -734,7 +656,7 @@ def test_gradient_checkpointing_gives_the_gradients_of_the_plain_backward(model,
     assert (len(got_seen) == 1) == (checkpointing is None)
 
 
-# -- bindings and support ------------------------------------------------------------------------------------------
+# -- support (bindings: tests/test_every_family.py) ---------------------------------------------------------------
 
 
 def kernel_bindings(family):
@@ -747,31 +669,6 @@ def default_bindings(family):
     row = rh.FAMILIES[family]
     module = row.module()
     return {kernel.name: patching.import_default(*kernel.target(module)) for kernel in row.kind.KERNELS}
-
-
-def test_bindings_restored_after_exit_after_a_raising_hook_and_when_nested(model, family):
-    before = kernel_bindings(family)
-    ids = random_ids(1, 5)
-    with rh.watch(model):
-        assert all(getattr(f, "__recurrent_hooks__", False) for f in kernel_bindings(family).values())
-        with rh.watch(model) as inner:
-            inner.mixers[0].register_state_hook(lambda m, c, t, s: None)
-            logits_of(model, ids)
-        assert all(getattr(f, "__recurrent_hooks__", False) for f in kernel_bindings(family).values())
-    assert all(kernel_bindings(family)[name] is fn for name, fn in before.items())
-
-    def boom(mixer, call, token, state):
-        raise KeyError("boom")
-
-    for which in ("state", "conv_state"):
-        with pytest.raises(KeyError, match="boom"), rh.watch(model) as w:
-            w.mixers[0].register_state_hook(boom, token=3, which=which)
-            logits_of(model, ids)
-        assert all(kernel_bindings(family)[name] is fn for name, fn in before.items())
-    assert "extract_key_value" in vars(type(model.rwkv.blocks[0].attention))
-    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
-    assert_close("model unchanged after the watches", logits_of(model, ids), logits_of(build(family), ids),
-                 rtol=0, atol=0)
 
 
 def test_support_lists_the_kinds_values_and_limits(model, family):
