@@ -36,7 +36,7 @@ from torch import Tensor
 from transformers.activations import ACT2FN
 
 from ._kernels import CONV_MEMORY, FORWARD, Kernel, Role
-from ._loops import OnToken
+from ._loops import OnToken, handed_back_changed
 
 
 
@@ -72,8 +72,7 @@ def _conv_loop(
             dirty -= dirty > 0
         version = window._version
         written = on_token(p - first_token, window)  # b c K   what token t+1 shifts into
-        if window._version != version or not (written is window or (
-                written.data_ptr() == window.data_ptr() and written.stride() == window.stride())):
+        if handed_back_changed(window, version, written):
             dirty = size - 1
         window = written
     return window

@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from ._calls import KernelCall
 from ._errors import Unavailable
 from ._kernels import CONV_MEMORY, Kernel, Role, Site
-from ._loops import OnToken
+from ._loops import OnToken, handed_back_changed
 from ._short_conv import LoopedShortConvolution, ShortConvolution
 
 
@@ -78,8 +78,7 @@ def _slide(
             dirty -= 1
         version = window._version
         written = on_token(t, window)  # b c K   what token t+1 shifts its input into
-        if window._version != version or not (written is window or (
-                written.data_ptr() == window.data_ptr() and written.stride() == window.stride())):
+        if handed_back_changed(window, version, written):
             dirty = size - 1  # positions t+1 .. t+K-1 read a column of it
         window = written
     return window

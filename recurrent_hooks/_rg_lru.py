@@ -53,7 +53,7 @@ from torch import Tensor, nn
 
 from ._calls import KernelCall
 from ._kernels import CONV_MEMORY, Kernel, Role, Site
-from ._loops import OnToken
+from ._loops import OnToken, handed_back_changed
 from ._mixer import RecurrentMixer
 
 
@@ -120,8 +120,7 @@ def _conv_prompt(
         window = full[..., 1:]  # b D K-1   the window after token t
         version = window._version
         written = on_token(t, window)  # b D K-1   what token t+1 shifts its input into
-        if window._version != version or not (written is window or (
-                written.data_ptr() == window.data_ptr() and written.stride() == window.stride())):
+        if handed_back_changed(window, version, written):
             dirty = block.conv1d_width - 1  # positions t+1 .. t+K-1 read a column of it
         window = written
     return out, window
