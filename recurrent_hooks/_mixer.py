@@ -12,15 +12,19 @@ Vocabulary (docs/concepts.md has the long form):
   causal convolution, `conv_state`. Each kernel updates one of them (`Kernel.memory`).
 
 The package's parts, by file:
-- `_kernels`: a kind's kernels as data (`Kernel`, `Segments`, the memories);
+- `_kernels`: a kind's kernels as data (`Kernel`, `Site`, `Role`, `Segments`, the memories);
+- `_parts`: a state of several named parts, handled part by part;
 - `_calls`: what a call left behind (`Call`, `KernelCall`, `Memory`);
 - `_arguments`: the checks of tokens, calls and `keep` that every entry point shares;
 - `_threads`: per-thread bookkeeping (running forwards, user hook code, autograd's backward);
+- `_patching`: rebinding kernels where they are looked up, with an undo stack;
 - `_dispatch`: taps on mixer modules, the dispatchers bound in place of kernels, segments and fast paths;
-- this module: `RecurrentMixer`, the user's handle on a mixer and the base class of the kinds (one
-  module per kind: `_gated_delta_net`, `_kimi_delta`, `_selective_scan`, `_state_space`, with `_conv`
-  for the convolution window), with its hooks, writes and call counter, and `_Plan`, what one handle
-  wants of one kernel call.
+- `_loops`: what the kinds' token loops share (`OnToken`, the starting state, the window check);
+- this module: `RecurrentMixer`, the user's handle on a mixer and the base class of the kinds, with its
+  hooks, writes and call counter, and `_Plan`, what one handle wants of one kernel call;
+- one module per kind: `_gated_delta_net`, `_kimi_delta`, `_selective_scan`, `_state_space`, `_rg_lru`,
+  `_wkv`, `_mlstm`, `_lightning`, `_short_conv` and `_dynamic_conv`, with `_conv` for the convolution
+  window most of them share; `_registry` maps families to kinds.
 
 How a kernel call is handled: a forward pre-hook on the mixer module pushes a `_Running` entry on the
 running thread's stack (`THREAD.running`) and starts a call on every attached `RecurrentMixer` that sees
