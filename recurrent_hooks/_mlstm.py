@@ -91,15 +91,15 @@ def _mlstm(
     dtype_qkv = query.dtype
     dhqk = query.shape[-1]
     C, n, m = (x.to(dtype=dtype_state) for x in state)
+    scaled = query * (dhqk ** (-0.5))  # b h t k   q̂ = q / √d_qk, elementwise: the step kernel's values, once
     outputs = []
     for t in range(query.shape[2]):
-        q, k, v = query[:, :, t], key[:, :, t], value[:, :, t]  # b h k, b h k, b h v
+        q_scaled, k, v = scaled[:, :, t], key[:, :, t], value[:, :, t]  # b h k, b h k, b h v
         i_pre, f_pre = igate[:, :, t, None], fgate[:, :, t, None]  # b h 1   ĩ_t, f̃_t
         f_log = F.logsigmoid(f_pre)  # b h 1   log σ(f̃_t)
         m_new = torch.max(f_log + m, i_pre)  # b h 1   m_t = max(log σ(f̃_t) + m_{t-1}, ĩ_t)
         f_act = torch.exp(f_log + m - m_new)  # b h 1   f'_t
         i_act = torch.exp(i_pre - m_new)  # b h 1   i'_t
-        q_scaled = q * (dhqk ** (-0.5))  # b h k   q̂_t = q_t / √d_qk
         # (the clones are the step kernel's: the product must not save the cache's tensor, which the model
         # copies the new state into, for the backward)
         C = f_act[:, :, :, None] * C.clone() + i_act[:, :, :, None] * (k[:, :, :, None] @ v[:, :, None, :])  # b h k v
@@ -111,15 +111,8 @@ def _mlstm(
         outputs.append((h_num / h_denom).to(dtype=dtype_qkv))  # b h v   h̃_t
         C, n, m = (C.to(dtype=dtype_state), n.to(dtype=dtype_state), m.to(dtype=dtype_state))  # as the step returns
         if on_token is not None:
-            C, n, m = _as_state(on_token(t, MLSTMState(C, n, m)), t)  # what token t+1 continues from
+            C, n, m = on_token(t, MLSTMState(C, n, m))  # what token t+1 continues from (checked by the engine)
     return torch.stack(outputs, dim=2), MLSTMState(C, n, m)
-
-
-def _as_state(value: Any, token: int) -> MLSTMState:
-    if not isinstance(value, tuple) or len(value) != 3:
-        raise RecurrentHooksError(f"token {token}: on_token returned {type(value).__name__}; expected an"
-                                  " MLSTMState(C, n, m)")
-    return MLSTMState(*value)
 
 
 def _initial(query: Tensor, value: Tensor, c_initial: Tensor | None, n_initial: Tensor | None,
