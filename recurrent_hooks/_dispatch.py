@@ -12,7 +12,6 @@ Module contents:
 
 import dataclasses
 import functools
-import inspect
 import sys
 import threading
 import types
@@ -24,42 +23,14 @@ import torch
 from torch import Tensor, nn
 
 from ._calls import KernelCall
-from ._kernels import CONV_MEMORY, FORWARD, Kernel
+from ._kernels import CONV_MEMORY, FORWARD, Kernel, Layout
 from ._mixer import RecurrentMixer, _Forward, _Plan
 from ._parts import State, map_parts, parts_of, rebuild
 from ._registry import family_of
 from ._threads import THREAD, in_backward
 
 
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    """How a mixer forward's arguments bind to its parameters: read once, when a tap is made (eagerly: a
-    compiled forward cannot inspect signatures)."""
-
-    positional: tuple[str, ...]  # the parameters a positional argument can fill, in order
-    named: frozenset[str]  # every parameter that can be passed by name
-    var_keyword: str | None  # the **kwargs parameter, which takes the other names
-
-    @classmethod
-    def of(cls, module: nn.Module) -> "_Layout":
-        parameters = inspect.signature(module.forward).parameters.values()
-        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        return cls(tuple(p.name for p in parameters if p.kind in kinds),
-                   frozenset(p.name for p in parameters if p.kind is not inspect.Parameter.POSITIONAL_ONLY),
-                   next((p.name for p in parameters if p.kind is inspect.Parameter.VAR_KEYWORD), None))
-
-    def bind(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """The arguments by name, as `Signature.bind_partial(...).arguments` gives them."""
-        arguments: dict[str, Any] = dict(zip(self.positional, args))
-        for name, value in kwargs.items():
-            if name in self.named or self.var_keyword is None:
-                arguments[name] = value
-            else:
-                arguments.setdefault(self.var_keyword, {})[name] = value
-        return arguments
-
-
-def _forward_of(kind: type[RecurrentMixer], layout: _Layout, module: nn.Module, args: tuple, kwargs: dict[str, Any],
+def _forward_of(kind: type[RecurrentMixer], layout: Layout, module: nn.Module, args: tuple, kwargs: dict[str, Any],
                 recompute: bool) -> _Forward:
     """Tokens, cache and freshness of a mixer forward, from its arguments."""
     arguments = layout.bind(args, kwargs)
@@ -147,7 +118,7 @@ class _Tap:
 
     def __init__(self, module: nn.Module) -> None:
         self.mixers: list[RecurrentMixer] = []
-        self._layout = _Layout.of(module)
+        self._layout = Layout.of(module.forward)  # read now, not while compiling
         self._handles = (
             module.register_forward_pre_hook(self._pre, with_kwargs=True),
             module.register_forward_hook(self._post, always_call=True),
@@ -233,7 +204,8 @@ class _Tap:
             keeping = [plan for plan in busy if plan.keep]
             kept_at = sorted(frozenset().union(*(plan.keep for plan in keeping)))
             slot = {token: i for i, token in enumerate(kept_at)}
-            differentiable = torch.is_grad_enabled()
+            # (under torch.compile, kept states are values: `_compiled`)
+            differentiable = torch.is_grad_enabled() and not torch.compiler.is_compiling()
             # A state is one tensor or a NamedTuple of parts (`_parts`): each step below is done part by part.
             buffer: list[State] = []  # grad mode: one leaf for every kept state of the call, zeros when read
             slots: list[State] = []  # its per-token views
@@ -271,7 +243,7 @@ class _Tap:
 
             fast = _fast_path(kernel, busy, tokens)
             extra = {"tokens": tokens} if kernel.seq == FORWARD else {}
-            if "original" in kernel.signature.parameters:  # a loop that reads settings the kernel captured
+            if "original" in kernel.layout.named:  # a loop that reads settings the kernel captured
                 extra["original"] = original
             if fast is not None and kernel.segments is None:  # the loop computes fast between the stops itself
                 result = kernel.loop(*args, on_token=on_token, stops=fast[0], **extra, **kwargs)
@@ -311,7 +283,8 @@ class _Tap:
     @staticmethod
     def run_fused(entry: _Running, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """A fused whole-forward kernel: skipped (None, as without mamba_ssm) when a mixer wants this call."""
-        if any(mixer._wants(mixer._index) for mixer in entry.mixers):
+        compiled = torch.compiler.is_compiling()  # a graph serves every call: fused is skipped if any is wanted
+        if any(mixer._wants_some() if compiled else mixer._wants(mixer._index) for mixer in entry.mixers):
             return None
         return original(*args, **kwargs)
 
@@ -357,7 +330,7 @@ def _run_in_segments(kernel: Kernel, original: Callable[..., Any], args: tuple, 
     """
     segments = kernel.segments
     run = segments.all_states if keeping_all else original
-    bound = dict(kernel.signature.bind(*args, **kwargs).arguments)
+    bound = kernel.layout.bind(args, kwargs)
     extra = bound.pop("kwargs", {})
     positional = list(bound)[: len(args)]  # call each piece the way the mixer called the kernel
     wants_final = bool(bound.get(segments.final_flag, False))

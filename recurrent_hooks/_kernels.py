@@ -112,6 +112,7 @@ class Kernel:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))
+        layout_of(self.loop)  # read now: a compiled forward cannot inspect signatures
         if (self.owner is None) != (self.site is Site.MODULE):
             raise TypeError(f"Kernel {self.name!r}: a {self.site.value} needs an owner, a module global none"
                             f" (got owner={self.owner!r})")
@@ -138,12 +139,17 @@ class Kernel:
 
     @property
     def signature(self) -> inspect.Signature:
-        return _signature(self.loop)
+        return inspect.signature(self.loop)
+
+    @property
+    def layout(self) -> "Layout":
+        """How the loop's parameters take a call's arguments (the kernel's own signature, plus the loop's keywords)."""
+        return layout_of(self.loop)
 
     def bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         """The call's arguments by name (extra keyword arguments the kernel ignores are left out)."""
-        bound = self.signature.bind(*args, **kwargs)
-        return {k: v for k, v in bound.arguments.items() if k not in ("self", "kwargs", "on_token", "tokens", "original")}
+        bound = self.layout.bind(args, kwargs)
+        return {k: v for k, v in bound.items() if k not in ("self", "kwargs", "on_token", "tokens", "original")}
 
     def tokens(self, arguments: dict[str, Any], forward_tokens: int) -> int:
         """How many tokens the call covers."""
@@ -159,12 +165,41 @@ class Kernel:
         return dict(zip(self.results, values))
 
 
-_SIGNATURES: dict[Callable, inspect.Signature] = {}
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a function's parameters take a call's arguments, read once from its signature (eagerly: a compiled
+    forward cannot inspect signatures)."""
+
+    positional: tuple[str, ...]  # the parameters a positional argument can fill, in order
+    named: frozenset[str]  # every parameter that can be passed by name
+    var_keyword: str | None  # the **kwargs parameter, which takes the other names
+
+    @classmethod
+    def of(cls, fn: Callable) -> "Layout":
+        parameters = inspect.signature(fn).parameters.values()
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        return cls(tuple(p.name for p in parameters if p.kind in kinds),
+                   frozenset(p.name for p in parameters if p.kind is not inspect.Parameter.POSITIONAL_ONLY),
+                   next((p.name for p in parameters if p.kind is inspect.Parameter.VAR_KEYWORD), None))
+
+    def bind(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The arguments by name, as `Signature.bind_partial(...).arguments` gives them (the positional ones first)."""
+        if len(args) > len(self.positional):
+            raise TypeError(f"{len(args)} positional arguments, for parameters {self.positional}")
+        arguments: dict[str, Any] = dict(zip(self.positional, args))
+        for name, value in kwargs.items():
+            if name in self.named or self.var_keyword is None:
+                arguments[name] = value
+            else:
+                arguments.setdefault(self.var_keyword, {})[name] = value
+        return arguments
 
 
-def _signature(fn: Callable) -> inspect.Signature:
-    if fn not in _SIGNATURES:
-        _SIGNATURES[fn] = inspect.signature(fn)
-    return _SIGNATURES[fn]
+_LAYOUTS: dict[Callable, Layout] = {}
 
 
+def layout_of(fn: Callable) -> Layout:
+    """`fn`'s `Layout`, read once."""
+    if fn not in _LAYOUTS:
+        _LAYOUTS[fn] = Layout.of(fn)
+    return _LAYOUTS[fn]

@@ -41,6 +41,8 @@ def refuse_packed(kwargs: dict[str, Any], names: Iterable[str], needs: str) -> N
 def handed_back_changed(window: Tensor, version: int, written: Tensor) -> bool:
     """Whether `on_token` changed the window it was handed (`version`: its `_version` before the call), in place
     or by returning another tensor; the same values in the same memory and layout count as unchanged."""
+    if torch.compiler.is_compiling():  # no version counters in a graph; a hook's result is a new tensor there
+        return written is not window
     if window._version != version:
         return True
     return not (written is window or (written.data_ptr() == window.data_ptr() and written.stride() == window.stride()))

@@ -60,6 +60,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ._errors import InvalidValue, RecurrentHooksError, Unavailable
 from ._arguments import _as_targets, _describe_calls, _describe_token, _RowTokens, as_calls, as_index, normalize_keep
+from . import _compiled
 from ._calls import Call, KernelCall, Memory, _position
 from ._kernels import CONV_MEMORY, STATE_MEMORY, Kernel, Role
 from ._parts import State, axes_of, describe, is_parts, map_parts, parts_of
@@ -82,9 +83,15 @@ class _Hook:
                  tokens: tuple[int, ...] | None, origin: str, *, write: bool = False):
         self.fn, self.memory, self.calls, self.tokens, self.origin = fn, memory, calls, tokens, origin
         self.write = write
+        self._key = _compiled.register(self)  # how a compiled graph's ops find it
 
     def targets(self, call: int | None) -> bool:
         return call is not None and (self.calls is None or call in self.calls)
+
+    @property
+    def targets_some(self) -> bool:
+        """It targets some call (what a compiled graph, traced for every call, must provide for)."""
+        return self.calls is None or len(self.calls) > 0
 
     @property
     def explicit(self) -> bool:
@@ -249,6 +256,7 @@ class RecurrentMixer:
         self._reorder: Tensor | None = None  # cache rows reordered since the last call (beam search)
         self._on_empty: Callable[[], None] | None = None
         self._live = False  # attached to its module's tap
+        self._key = _compiled.register(self)  # how a compiled graph's ops find this handle (`_compiled`)
 
     @property
     def module(self) -> nn.Module:
@@ -536,6 +544,10 @@ class RecurrentMixer:
         return index is not None and (bool(self.keep) or bool(self.records)
                                       or any(hook.targets(index) for hook in self._all_hooks()))
 
+    def _wants_some(self) -> bool:
+        """Whether some call has hooks, writes or kept values (a compiled graph serves every call)."""
+        return bool(self.keep) or bool(self.records) or any(hook.targets_some for hook in self._all_hooks())
+
     @classmethod
     def _instances(cls, module: nn.Module, model: nn.Module) -> tuple[Any, ...]:
         """The handles a watch of `model` makes for `module`, as their `cache_index` (`_cache_index` values): one,
@@ -556,27 +568,38 @@ class RecurrentMixer:
         self._kernel_calls = {}
         self.head = None
         self.recomputing = forward.recompute
+        if _compiled.compiling():
+            # counted when the graph runs (`_compiled`); a compiled beam search reports no `reorder` (a compiled
+            # forward cannot wrap the cache's method), and a compiled backward recomputes no forward of ours
+            self.recomputing = False
+            _compiled.begin(self, forward.fresh, forward.tokens)
+            return
         if forward.recompute:
             self._index, self._current = self._replayed(forward)
             return
-        self._begun += 1
-        if self._restart_on_prompt and forward.fresh:
-            self._offset = self._begun - 1
-        self._index = self._begun - 1 - self._offset
-        self._current = None
+        reorder = None
         if self._history:
             reorder, self._reorder = (self._reorder, None) if not forward.fresh else (None, None)
-            # one counter: a watch's handle never restarts, so call k is self.calls[k]
-            self._current = Call(index=self._index, where=repr(self), tokens=forward.tokens, reorder=reorder)
-            self.calls.append(self._current)
-            if forward.cache is not None and self._saw_cache is not None and not torch.compiler.is_compiling():
-                # (a compiled forward cannot wrap a method: compiled beam search reports no `reorder`)
-                self._saw_cache(forward.cache)
+        self._count_call(forward.fresh, forward.tokens, reorder)
+        if self._history and forward.cache is not None and self._saw_cache is not None:
+            self._saw_cache(forward.cache)
         if forward.hidden is not None and (torch.is_grad_enabled() or self.module.training) \
                 and self._wants(self._index):
             # Autograd may recompute this forward (gradient checkpointing): remember how to recognize it.
             self._replays.append(_Replay(self._index, self._current, tuple(forward.hidden.shape),
                                          _fingerprint(forward.hidden)))
+
+    def _count_call(self, fresh: bool, tokens: int, reorder: Tensor | None) -> None:
+        """A new call begins (not a recompute): count it and open its record."""
+        self._begun += 1
+        if self._restart_on_prompt and fresh:
+            self._offset = self._begun - 1
+        self._index = self._begun - 1 - self._offset
+        self._current = None
+        if self._history:
+            # one counter: a watch's handle never restarts, so call k is self.calls[k]
+            self._current = Call(index=self._index, where=repr(self), tokens=tokens, reorder=reorder)
+            self.calls.append(self._current)
 
     def _reordered(self, beam_idx: Tensor) -> None:
         """The cache's rows were reordered (beam search): the next call's row b continues row beam_idx[b]."""
@@ -604,9 +627,10 @@ class RecurrentMixer:
         if forward is None or recompute:
             return
         primary = self.MEMORIES[0]
-        if checked and self._kernel_calls.get(primary, 0) == 0 and self._wants(self._index):
+        wants = self._wants_some() if _compiled.compiling() else self._wants(self._index)
+        if checked and self._kernel_calls.get(primary, 0) == 0 and wants:
             raise RecurrentHooksError(
-                f"{self}: call {self._index} finished without calling a watched kernel"
+                f"{self}: call {'?' if _compiled.compiling() else self._index} finished without calling a watched kernel"
                 f" ({', '.join(k.name for k in self.KERNELS if k.memory == primary)}) although hooks or kept"
                 " values target it; the mixer took a path the library cannot see (a fused kernel, or a forward"
                 " this transformers version changed)"
@@ -617,24 +641,26 @@ class RecurrentMixer:
         part = self._kernel_calls.get(kernel.memory, 0)
         self._kernel_calls[kernel.memory] = part + 1
         self.head = part if self.KERNEL_PER_HEAD and kernel.memory == STATE_MEMORY else None
-        index = self._index
-        if index is None:
+        compiled = _compiled.compiling()  # a graph traced once for every call: which calls are targeted is
+        index = None if compiled else self._index  # told when it runs (`_compiled`)
+        if index is None and not compiled:
             return _Plan(self, index, [], None)
-        if self._wants(index) and (reason := self._refusal(kernel)) is not None:
-            raise Unavailable(f"{self}, call {index} ({kernel.name}): {reason}")
+        wants = self._wants_some() if compiled else self._wants(index)
+        if wants and (reason := self._refusal(kernel)) is not None:
+            raise Unavailable(f"{self}, call {'?' if compiled else index} ({kernel.name}): {reason}")
         hooks: list[tuple[_Hook, frozenset[int] | None]] = []  # registration order, with absolute positions
         for hook in self._all_hooks():
-            if hook.memory != kernel.memory or not hook.targets(index):
+            if hook.memory != kernel.memory or not (hook.targets_some if compiled else hook.targets(index)):
                 continue
             if hook.tokens is None:
                 hooks.append((hook, None))
                 continue
             outside = [t for t in hook.tokens if _position(t, tokens) is None]
             if outside and hook.explicit:
-                raise InvalidValue(
-                    f"{self}: {hook.origin} targets token {outside[0]}, but call {index} ({kernel.name}) has {tokens}"
-                    f" token{'s' if tokens != 1 else ''} (valid: 0..{tokens - 1} or -{tokens}..-1)"
-                )
+                if compiled:
+                    _compiled.outside(self, hook, outside[0], tokens, kernel.name)
+                else:
+                    self._refuse_outside(hook, outside[0], tokens, kernel.name)
             positions = frozenset(p for t in hook.tokens if (p := _position(t, tokens)) is not None)
             if positions:
                 hooks.append((hook, positions))
@@ -645,24 +671,66 @@ class RecurrentMixer:
                 p for t in wanted if (p := _position(t, tokens)) is not None)
         return _Plan(self, index, hooks, keep)
 
+    def _refuse_outside(self, hook: _Hook, token: int, tokens: int, kernel: str) -> None:
+        raise InvalidValue(
+            f"{self}: {hook.origin} targets token {token}, but call {self._index} ({kernel}) has {tokens}"
+            f" token{'s' if tokens != 1 else ''} (valid: 0..{tokens - 1} or -{tokens}..-1)"
+        )
+
     def _store(self, plan: "_Plan", kernel: Kernel, part: KernelCall, tokens: int) -> None:
+        inputs = part.inputs if "inputs" in self.records else None
+        output = part.output if "outputs" in self.records else None
+        if _compiled.compiling():
+            if self._history:  # filed in the call's record when the graph runs
+                _compiled.store(self, kernel.memory, kernel.name, plan.kept, inputs, output)
+            return
         record = self._current
         if record is None:
             return
         if self.recomputing:
             self._store_recomputed(plan, kernel, record)
             return
-        part = KernelCall(part.kernel, part.inputs if "inputs" in self.records else None,
-                          part.output if "outputs" in self.records else None)
-        if kernel.memory == CONV_MEMORY:
+        self._file(kernel.memory, kernel.name, plan.kept, inputs, output, plan.stacked)
+
+    def _file(self, memory: str, kernel: str, kept: "dict[int, State] | None", inputs: dict[str, Any] | None,
+              output: dict[str, Any] | None, stacked: State | None = None) -> None:
+        """File one kernel call in the running call's record: its records, and the states it kept."""
+        record = self._current
+        if record is None:
+            return
+        part = KernelCall(kernel, inputs, output)
+        if memory == CONV_MEMORY:
             record.conv = part
         else:
             record.parts.append(part)
-        if plan.kept is not None:
-            record._kept.setdefault(kernel.memory, []).append(plan.kept)
-            record._buffers.setdefault(kernel.memory, []).append(plan.stacked)
-            record._positions[kernel.memory] = self.keep[kernel.memory]
-            record._stacked.pop(kernel.memory, None)
+        if kept is not None:
+            record._kept.setdefault(memory, []).append(kept)
+            record._buffers.setdefault(memory, []).append(stacked)
+            record._positions[memory] = self.keep[memory]
+            record._stacked.pop(memory, None)
+
+    def _run_hook(self, hook: _Hook, call: int | None, token: int, state: State, *, replaces: bool = True) -> State:
+        """Call hook or write `hook` at `token`; returns the state token+1 continues from (checked)."""
+        if hook.write:
+            replacement = hook.fn(self, call, token, state)
+        else:
+            with user_code():
+                replacement = hook.fn(self, call, token, state)
+        if replacement is None or replacement is state:
+            return state
+        if not replaces:
+            raise RecurrentHooksError(
+                f"{self}, call {call}, token {token}: {hook.origin} returned a replacement inside a compiled graph"
+                " with gradients on, where hooks can only read (a replacement would cut the gradient); under"
+                " torch.no_grad() a hook may replace, and a write (set_state_after) works either way")
+        state = _checked(replacement, state, self, hook, call, token)
+        self._note_replaced(hook, token)
+        return state
+
+    def _note_replaced(self, hook: _Hook, token: int) -> None:
+        record = self._current
+        if record is not None and not self.recomputing:
+            record._replaced.setdefault(hook.memory, set()).add(token)
 
     def _store_recomputed(self, plan: "_Plan", kernel: Kernel, record: Call) -> None:
         """A recompute keeps nothing new, except where the call's own forward ran without gradients
@@ -696,18 +764,13 @@ class _Plan:
         return not self.hooks and not self.keep
 
     def apply(self, token: int, state: Tensor) -> Tensor:
+        compiled = _compiled.compiling()
         for hook, positions in self.hooks:
             if positions is None or token in positions:
-                if hook.write:
-                    replacement = hook.fn(self.mixer, self.call, token, state)
+                if compiled:
+                    state = _compiled.run_hook(self.mixer, hook, token, state)
                 else:
-                    with user_code():
-                        replacement = hook.fn(self.mixer, self.call, token, state)
-                if replacement is not None and replacement is not state:
-                    state = _checked(replacement, state, self.mixer, hook, self.call, token)
-                    record = self.mixer._current
-                    if record is not None and not self.mixer.recomputing:
-                        record._replaced.setdefault(hook.memory, set()).add(token)
+                    state = self.mixer._run_hook(hook, self.call, token, state)
         return state
 
 

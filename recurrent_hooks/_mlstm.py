@@ -274,7 +274,11 @@ class MatrixLSTM(RecurrentMixer):
         """`xLSTMLayer.forward(x, state)`: the state is the layer's cached (C, n, m), not a cache object;
         a call is fresh when there is none or it is all zeros (a prompt: `xLSTMCache` starts from zeros)."""
         hidden, state = arguments[cls.FORWARD_INPUT], arguments.get("state")
-        fresh = state is None or not bool(torch.stack([part.detach().any() for part in state]).any())
+        if state is None:
+            fresh = True
+        else:  # under torch.compile, a value of the graph (see `_compiled.begin`)
+            zeros = torch.stack([part.detach().any() for part in state]).any().logical_not()
+            fresh = zeros if torch.compiler.is_compiling() else bool(zeros)
         return hidden.shape[1], None, fresh, hidden
 
     @classmethod

@@ -1,68 +1,253 @@
-"""torch.compile(model, fullgraph=True) inside a watch: the same outputs, hook calls and kept states as eager.
+"""torch.compile(model, fullgraph=True) inside a watch: eager's outputs, hook calls and records, compiled once.
 
-What is tested is what works today (docs/concepts.md, "torch.compile"): the engine's bookkeeping traces
-(no frame inspection, thread lookup, signature binding or storage query while compiling), so a compiled
-model runs a watch with hooks, keeps, writes and replacing hooks in one graph. Each call still
-recompiles, because the graph's guards read the call records (`len(mixer.calls)`): that limit is pinned
-here too, so the test fails (and is to be updated) the day it is lifted. Mamba-1 is the family tested:
-its tiny model compiles fastest.
+The engine's per-call bookkeeping runs when the graph runs, in custom ops (`recurrent_hooks._compiled`), so
+a compiled model is traced once and its later calls replay the graph: `error_on_recompile` holds from the
+second call on. One family per kind, compiled with the "aot_eager" backend (dynamo and functionalization,
+what decides graphs and guards, without inductor's code generation, which would take minutes per family);
+one test compiles Mamba-1 with inductor, whose buffer reuse is what the ops' copies guard against.
+
+What is checked against the same run made eagerly: the logits of every call, every hook call (call index,
+token, the state's norm), the states kept, a write aimed at one call only, a replacing hook, the call
+records. The two upstream tests of transformers that a watch used to break are mirrored on the families
+whose generate compiles (`cache_implementation="static"` with a `CompileConfig`): the compiled generate
+equals the eager one, and a second generate, of the same or a smaller length, does not recompile.
 """
 
 import pytest
 import torch
+from transformers import CompileConfig
 
 import recurrent_hooks as rh
-from _compare import assert_close
-from _models import build, random_ids
+from _compare import assert_close, assert_equal
+from _models import PAD, build, random_ids
+from recurrent_hooks._parts import map_parts, parts_of
 
-FAMILY = "mamba"
+# one family per kind (inkling2 has a short and a dynamic convolution; inkling2_loop their looped kinds)
+ONE_PER_KIND = ["qwen3_5", "kimi_linear", "mamba", "zamba", "mamba2", "recurrent_gemma", "rwkv", "minimax",
+                "inkling2", "inkling2_loop", "xlstm"]
+STACK = {"state": "states", "conv_state": "conv_states"}  # memory -> its keep name
 CALLS = 3
+T = 5
+KEPT, WRITTEN, REPLACED = 1, 2, 3  # tokens: kept, written at call 1, replaced by a hook at every call
 
 
-def _run(model, forward, ids):
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _first(state):
+    return parts_of(state)[0][1]
+
+
+def _norm(state) -> float:
+    return float(_first(state).float().norm())
+
+
+def _memory_of(model) -> str:
+    with rh.watch(model) as w:
+        return w.mixers[0].MEMORIES[0]
+
+
+def _written(model, ids):
+    """What the write puts in: zeros of the first mixer's memory after token KEPT of an eager run."""
+    memory = _memory_of(model)
+    with rh.watch(model, keep={STACK[memory]: [KEPT]}) as w, torch.no_grad():
+        model(ids)
+    first = w.mixers[0]
+    state = first.state_after(KEPT) if memory == "state" else first.conv_state_after(KEPT)
+    return memory, map_parts(torch.zeros_like, state)
+
+
+def _one_of_each_kind(w):
+    """The first mixer of each kind in the watch, and the last mixer (what the hooks are registered on)."""
+    first = {type(mixer): mixer for mixer in reversed(w.mixers)}
+    return [mixer for mixer in w.mixers if mixer in first.values() or mixer is w.mixers[-1]]
+
+
+def _watched_calls(model, forward, ids, memory, zero):
+    """CALLS forwards of `forward` in one watch, every one after the first with error_on_recompile."""
     seen = []
-    with rh.watch(model, keep={"states": [2]}) as w, torch.no_grad():
-        w.mixers[0].register_state_hook(lambda m, c, t, s: seen.append((c, t, float(s.norm()))), token=[1, -1])
-        w.mixers[-1].register_state_hook(lambda m, c, t, s: s * 0.5, token=3)
-        w.mixers[0].set_state_after(5, torch.zeros_like(w.mixers[0].module.A_log[None].expand(1, -1, -1)), call=1)
-        logits = [forward(ids).logits for _ in range(CALLS)]
+    with rh.watch(model, keep={STACK[memory]: [KEPT]}) as w, torch.no_grad():
+        for mixer in _one_of_each_kind(w):
+            mixer.register_state_hook(lambda m, c, t, s: seen.append((m.layer, c, t, _norm(s))))
+        w.mixers[-1].register_state_hook(lambda m, c, t, s: map_parts(lambda p: p * 0.5, s), token=REPLACED)
+        first = w.mixers[0]
+        (first.set_state_after if memory == "state" else first.set_conv_state_after)(WRITTEN, zero, call=1)
+        logits = []
+        for call in range(CALLS):
+            with torch._dynamo.config.patch(error_on_recompile=call > 0 and forward is not model):
+                logits.append(forward(ids).logits)
     return logits, seen, w
 
 
-@pytest.fixture(scope="module")
-def runs():
-    torch._dynamo.reset()
-    model, ids = build(FAMILY), random_ids(1, 8)
-    eager = _run(model, model, ids)
-    compiled = _run(model, torch.compile(model, fullgraph=True), ids)
-    torch._dynamo.reset()
-    return eager, compiled
+def _compare_runs(eager, compiled, memory, atol):
+    (logits, seen, w), (compiled_logits, compiled_seen, cw) = eager, compiled
+    for call, (a, b) in enumerate(zip(logits, compiled_logits)):
+        assert_close(f"logits of call {call}", a, b, rtol=1e-5, atol=atol)
+    assert (logits[1] - logits[0]).abs().max() > 0, "the write at call 1 changed nothing"
+    assert_equal("call 2's logits (the write is call 1's only)", compiled_logits[0], compiled_logits[2])
+    assert [hook[:3] for hook in compiled_seen] == [hook[:3] for hook in seen]
+    assert {hook[1] for hook in seen} == set(range(CALLS)) and all(type(hook[1]) is int for hook in compiled_seen)
+    assert_close("hooked state norms", torch.tensor([h[3] for h in seen]), torch.tensor([h[3] for h in compiled_seen]),
+                 rtol=1e-5, atol=1e-6)
+    assert len(seen) == CALLS * T * len(_one_of_each_kind(w))
+    for mixer, compiled_mixer in zip(w.mixers, cw.mixers):
+        assert [c.index for c in compiled_mixer.calls] == list(range(CALLS))
+        assert [c.kernel for c in compiled_mixer.calls] == [c.kernel for c in mixer.calls]
+        for call in range(CALLS):
+            read = (lambda m: m.state_after(KEPT, call=call)) if memory == "state" else \
+                (lambda m: m.conv_state_after(KEPT, call=call))
+            for (name, a), (_, b) in zip(parts_of(read(mixer)), parts_of(read(compiled_mixer))):
+                assert_close(f"{mixer} call {call}: kept {memory} {name}", a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_a_compiled_model_in_a_watch_gives_the_eager_outputs_hook_calls_and_states(runs):
-    (eager, seen, w), (compiled, compiled_seen, cw) = runs
-    for call, (a, b) in enumerate(zip(eager, compiled)):
-        assert_close(f"logits of call {call}", a, b, rtol=1e-5, atol=1e-6)
-    assert (eager[1] - eager[0]).abs().max() > 1e-4, "the write at call 1 changed nothing"
-    assert [hook[:2] for hook in compiled_seen] == [hook[:2] for hook in seen] == \
-        [(c, t) for c in range(CALLS) for t in (1, 7)]
-    assert_close("hooked state norms", torch.tensor([h[2] for h in seen]), torch.tensor([h[2] for h in compiled_seen]),
-                 rtol=1e-5, atol=1e-7)
-    assert [c.index for c in cw.mixers[0].calls] == list(range(CALLS))
-    for call in range(CALLS):
-        assert_close(f"state kept at call {call}", w.mixers[0].state_after(2, call=call),
-                     cw.mixers[0].state_after(2, call=call), rtol=1e-5, atol=1e-7)
+@pytest.mark.parametrize("family", ONE_PER_KIND)
+def test_a_compiled_forward_in_a_watch_is_eager_and_compiles_once(family):
+    model, ids = build(family), random_ids(1, T)
+    memory, zero = _written(model, ids)
+    eager = _watched_calls(model, model, ids, memory, zero)
+    compiled = _watched_calls(model, torch.compile(model, fullgraph=True, backend="aot_eager"), ids, memory, zero)
+    _compare_runs(eager, compiled, memory, atol=1e-6)
 
 
-def test_each_call_still_recompiles():
-    """The known limit: the call records are in the graph's guards (issue: compile once)."""
-    torch._dynamo.reset()
-    model, ids = build(FAMILY), random_ids(1, 8)
-    compiled = torch.compile(model, fullgraph=True)
+def test_inductor_compiles_a_watched_mamba_once_with_eager_results():
+    """Inductor reuses a buffer once its last reader has run: what the ops hand Python and take back are copies."""
+    model, ids = build("mamba"), random_ids(1, T)
+    memory, zero = _written(model, ids)
+    eager = _watched_calls(model, model, ids, memory, zero)
+    compiled = _watched_calls(model, torch.compile(model, fullgraph=True), ids, memory, zero)
+    _compare_runs(eager, compiled, memory, atol=1e-5)
+
+
+# -- transformers' compiled generate: the two upstream tests, with hooks ---------------------------------------
+
+def _compile_config():
+    config = CompileConfig(fullgraph=True, backend="aot_eager")
+    config._compile_all_devices = True  # transformers compiles generate on accelerators only, unless told
+    return config
+
+
+GENERATE = dict(do_sample=False, cache_implementation="static", pad_token_id=PAD)
+NEW = 4
+
+
+def _generate(model, ids, compiled, zero, memory, again=()):
+    """Greedy generate in a watch with a per-token hook and a write at decode step 2; `again`: more generates in the
+    same watch, (ids, new tokens), each with error_on_recompile."""
+    seen = []
+    settings = dict(GENERATE, compile_config=_compile_config()) if compiled else dict(GENERATE, disable_compile=True)
     with rh.watch(model) as w, torch.no_grad():
-        w.mixers[0].register_state_hook(lambda m, c, t, s: None)
-        compiled(ids)
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            with pytest.raises(torch._dynamo.exc.RecompileError, match="calls"):
-                compiled(ids)
-    torch._dynamo.reset()
+        for mixer in _one_of_each_kind(w):
+            mixer.register_state_hook(lambda m, c, t, s: seen.append((m.layer, c, t, _norm(s))))
+        first = w.mixers[0]
+        (first.set_state_after if memory == "state" else first.set_conv_state_after)(0, zero, call=2)
+        out = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, **settings)
+        calls = len(seen)
+        for more, new in again:
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                model.generate(more, max_new_tokens=new, min_new_tokens=new, **settings)
+    return out, seen[:calls], seen[calls:]
+
+
+# Families whose generate transformers compiles, one per kind (rwkv, xlstm and minimax have no compileable cache:
+# transformers runs their generate eagerly). recurrent_gemma: a shorter prompt recompiles without the library too
+# (its conv window's strides depend on the prompt's length), so its second generate has the same length.
+COMPILED_GENERATE = {"qwen3_5": True, "kimi_linear": True, "mamba": True, "zamba": True, "mamba2": True,
+                     "recurrent_gemma": False, "lfm2": True, "inkling2": True, "inkling2_loop": True}
+
+
+@pytest.mark.parametrize("family", list(COMPILED_GENERATE))
+def test_compiled_generate_with_hooks_equals_eager_and_does_not_recompile(family):
+    """test_generate_compile_model_forward_fullgraph and test_static_cache_no_recompile_with_smaller_length, with
+    a per-token hook and a write at a decode step: the same sequences and hook calls, and further generates of
+    the same or a smaller length replay the compiled graph."""
+    model, ids = build(family), random_ids(1, T)
+    memory, zero = _written(model, ids)
+    sequences, seen, _ = _generate(model, ids, False, zero, memory)
+    again = [(ids, NEW)] + ([(ids[:, :-1], NEW - 1)] if COMPILED_GENERATE[family] else [])
+    compiled, compiled_seen, later = _generate(model, ids, True, zero, memory, again)
+    assert getattr(model, "_compiled_call", None) is not None, "transformers did not compile the forward"
+    assert_equal("sequences", sequences, compiled)
+    assert [hook[:3] for hook in compiled_seen] == [hook[:3] for hook in seen]
+    assert_close("hooked state norms", torch.tensor([h[3] for h in seen]), torch.tensor([h[3] for h in compiled_seen]),
+                 rtol=1e-5, atol=1e-6)
+    assert {hook[1] for hook in later} == set(range(NEW, NEW + sum(new for _, new in again))), \
+        "the calls of the later generates continue the watch's counter"
+
+
+# -- gradients, records, errors, standalone hooks ---------------------------------------------------------------
+
+def test_with_gradients_on_writes_are_traced_and_hooks_read():
+    """A write's value gets its gradient through the compiled graph as eagerly; a hook reads a detached copy; a
+    hook that replaces the state raises, naming itself."""
+    model, ids = build("mamba"), random_ids(1, T)
+    memory, zero = _written(model, ids)
+    grads, norms = [], []
+    for forward in (model, torch.compile(model, fullgraph=True, backend="aot_eager")):
+        value = (zero + 0.1).requires_grad_()
+        seen = []
+        with rh.watch(model) as w:
+            w.mixers[0].set_state_after(WRITTEN, value, call=1)
+            w.mixers[0].register_state_hook(lambda m, c, t, s: seen.append((c, t, _norm(s))), token=-1)
+            losses = [forward(ids).logits.square().sum() for _ in range(2)]
+        (gradient,) = torch.autograd.grad(losses[1], value)
+        (unwritten,) = torch.autograd.grad(losses[0], value, allow_unused=True)
+        assert unwritten is None or not unwritten.any(), "call 0 has a gradient with respect to call 1's write"
+        grads.append(gradient)
+        norms.append(seen)
+    assert gradient.abs().max() > 0
+    assert_close("gradient of the written value", grads[0], grads[1], rtol=1e-5, atol=1e-5)  # float32, reordered
+    assert [h[:2] for h in norms[0]] == [h[:2] for h in norms[1]] == [(0, T - 1), (1, T - 1)]
+    with rh.watch(model) as w:
+        w.mixers[0].register_state_hook(lambda m, c, t, s: s * 2, token=1)
+        with pytest.raises(rh.RecurrentHooksError, match=r"state hook .*returned a replacement inside a compiled graph"):
+            torch.compile(model, fullgraph=True, backend="aot_eager")(ids)
+
+
+def test_kernel_records_of_a_compiled_call_equal_eager_ones():
+    model, ids = build("qwen3_5"), random_ids(1, T)
+    records = []
+    for forward in (model, torch.compile(model, fullgraph=True, backend="aot_eager")):
+        with rh.watch(model, keep=("inputs", "outputs", "states")) as w, torch.no_grad():
+            forward(ids)
+        records.append(w.mixers[0].calls[0])
+    eager, compiled = records
+    assert eager.inputs.keys() == compiled.inputs.keys() and eager.output.keys() == compiled.output.keys()
+    for name, value in eager.inputs.items():
+        if isinstance(value, torch.Tensor):
+            assert_close(f"input {name}", value, compiled.inputs[name], rtol=1e-6, atol=1e-7)
+        else:
+            assert value == compiled.inputs[name], name
+    for name, value in eager.output.items():
+        if isinstance(value, torch.Tensor):
+            assert_close(f"output {name}", value, compiled.output[name], rtol=1e-5, atol=1e-6)
+    assert_close("every state", eager.states, compiled.states, rtol=1e-5, atol=1e-6)
+
+
+def test_a_hook_token_outside_a_call_it_names_raises_when_the_graph_runs():
+    model = build("mamba")
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with rh.watch(model) as w, torch.no_grad():
+        w.mixers[0].register_state_hook(lambda m, c, t, s: None, token=T + 2, call=1)
+        compiled(random_ids(1, T))  # call 0: not targeted
+        with pytest.raises(rh.InvalidValue, match=rf"targets token {T + 2}, but call 1 .* has {T} tokens"):
+            compiled(random_ids(1, T))
+
+
+def test_a_standalone_hook_counts_calls_from_each_prompt_under_compile():
+    model = build("mamba")
+    seen = []
+    handle = rh.register_state_hook(model.backbone.layers[0].mixer, lambda m, c, t, s: seen.append((c, t)), token=-1)
+    try:
+        with torch.no_grad():
+            model.generate(random_ids(1, T), max_new_tokens=3, min_new_tokens=3, **GENERATE,
+                           compile_config=_compile_config())
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                model.generate(random_ids(1, T), max_new_tokens=3, min_new_tokens=3, **GENERATE,
+                               compile_config=_compile_config())
+    finally:
+        handle.remove()
+    assert seen == [(0, T - 1), (1, 0), (2, 0)] * 2
