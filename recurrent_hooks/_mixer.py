@@ -19,6 +19,7 @@ The package's parts, by file:
 - `_threads`: per-thread bookkeeping (running forwards, user hook code, autograd's backward);
 - `_patching`: rebinding kernels where they are looked up, with an undo stack;
 - `_dispatch`: taps on mixer modules, the dispatchers bound in place of kernels, segments and fast paths;
+- `_compiled`: under torch.compile, the per-call bookkeeping as custom ops that run when the graph runs;
 - `_loops`: what the kinds' token loops share (`OnToken`, the starting state, the window check);
 - this module: `RecurrentMixer`, the user's handle on a mixer and the base class of the kinds, with its
   hooks, writes and call counter, and `_Plan`, what one handle wants of one kernel call;
