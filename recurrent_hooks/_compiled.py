@@ -101,7 +101,9 @@ def _(clock: Tensor, mixer: int, hook: int, token: int, tokens: int, head: int, 
 
 # Not mutating `clock` (an op that mutates an input cannot also return tensors), but effectful: kept in the
 # graph and in order even where its result is not used (a hook at a call's last token).
-torch.library._register_effectful_op(_hook._opoverload, torch.library.EffectType.ORDERED)
+_register_effectful = getattr(torch.library, "_register_effectful_op", None)  # torch 2.13's name for it
+if _register_effectful is not None:
+    _register_effectful(_hook._opoverload, torch.library.EffectType.ORDERED)
 
 
 def _rebuild(mixer: "RecurrentMixer", memory: str, parts: list[Tensor]) -> Any:
