@@ -36,7 +36,7 @@ from torch import Tensor
 from transformers.activations import ACT2FN
 
 from ._kernels import CONV_MEMORY, FORWARD, Kernel, Role
-from ._loops import OnToken, handed_back_changed
+from ._loops import OnToken, handed_back_changed, version_of
 
 
 
@@ -70,7 +70,7 @@ def _conv_loop(
         if dirty or every:
             out[..., p + offset, None] = F.conv1d(window, kernel, bias, groups=channels)  # b c 1
             dirty -= dirty > 0
-        version = window._version
+        version = version_of(window)
         written = on_token(p - first_token, window)  # b c K   what token t+1 shifts into
         if handed_back_changed(window, version, written):
             dirty = size - 1

@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from ._calls import KernelCall
 from ._errors import Unavailable
 from ._kernels import CONV_MEMORY, Kernel, Role, Site
-from ._loops import OnToken, handed_back_changed
+from ._loops import OnToken, handed_back_changed, version_of
 from ._short_conv import LoopedShortConvolution, ShortConvolution
 
 
@@ -76,7 +76,7 @@ def _slide(
                 lags = lags * mask[:, t, None, None, :]  # b H c/H K   packed sequences: other sequences' inputs out
             out[:, t] = (lags * weights[:, t]).sum(-1).reshape(batch, channels)  # b c   sum_j w_j x_{t-j}
             dirty -= 1
-        version = window._version
+        version = version_of(window)
         written = on_token(t, window)  # b c K   what token t+1 shifts its input into
         if handed_back_changed(window, version, written):
             dirty = size - 1  # positions t+1 .. t+K-1 read a column of it

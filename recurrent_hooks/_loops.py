@@ -9,8 +9,8 @@ Module contents:
   into its tensor in place later), or `zeros()` when the call starts from nothing.
 - `refuse_packed(kwargs, names, needs)`: packed sequences are refused, naming the package that runs them.
 - `causal_decay(cum)`: within a chunk, exp(c_i - c_j) for j <= i and 0 above the diagonal.
-- `handed_back_changed(window, version, written)`: whether `on_token` replaced a convolution window or
-  changed it in place (then the next positions that read it are recomputed).
+- `version_of(window)`, `handed_back_changed(window, version, written)`: whether `on_token` replaced a
+  convolution window or changed it in place (then the next positions that read it are recomputed).
 """
 
 from collections.abc import Callable, Iterable
@@ -38,12 +38,18 @@ def refuse_packed(kwargs: dict[str, Any], names: Iterable[str], needs: str) -> N
                 f"packed sequences ({name}) need {needs}; the token loop runs one sequence per batch row")
 
 
-def handed_back_changed(window: Tensor, version: int, written: Tensor) -> bool:
-    """Whether `on_token` changed the window it was handed (`version`: its `_version` before the call), in place
+def version_of(window: Tensor) -> "int | Tensor":
+    """What tells an in-place change of the window later: its version counter, or for an inference tensor
+    (`torch.inference_mode()`, which has none) a copy of its values."""
+    return window.clone() if window.is_inference() else window._version
+
+
+def handed_back_changed(window: Tensor, version: "int | Tensor", written: Tensor) -> bool:
+    """Whether `on_token` changed the window it was handed (`version`: `version_of` it before the call), in place
     or by returning another tensor; the same values in the same memory and layout count as unchanged."""
     if torch.compiler.is_compiling():  # no version counters in a graph; a hook's result is a new tensor there
         return written is not window
-    if window._version != version:
+    if window._version != version if isinstance(version, int) else not torch.equal(window, version):
         return True
     return not (written is window or (written.data_ptr() == window.data_ptr() and written.stride() == window.stride()))
 

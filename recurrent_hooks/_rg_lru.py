@@ -53,7 +53,7 @@ from torch import Tensor, nn
 
 from ._calls import KernelCall
 from ._kernels import CONV_MEMORY, Kernel, Role, Site
-from ._loops import OnToken, handed_back_changed
+from ._loops import OnToken, handed_back_changed, version_of
 from ._mixer import RecurrentMixer
 
 
@@ -118,7 +118,7 @@ def _conv_prompt(
             out[..., t, None] = F.conv1d(full, conv.weight, conv.bias, groups=channels)  # b D 1
             dirty -= dirty > 0
         window = full[..., 1:]  # b D K-1   the window after token t
-        version = window._version
+        version = version_of(window)
         written = on_token(t, window)  # b D K-1   what token t+1 shifts its input into
         if handed_back_changed(window, version, written):
             dirty = block.conv1d_width - 1  # positions t+1 .. t+K-1 read a column of it

@@ -236,6 +236,21 @@ def test_a_replacing_hook_is_a_write(model):
     assert_close("the second hook saw the replacement", value, seen[0], rtol=0, atol=0)
 
 
+def test_an_in_place_change_under_inference_mode_is_a_write(model):
+    """Inference tensors have no version counter: the loop compares the window's values to tell an in-place change."""
+    ids = random_ids(2, T)
+    with rh.watch(model, keep=KEEP) as w:
+        logits_of(model, ids)
+        value = perturbation(static(w)[0].conv_state_after(4))
+    with rh.watch(model) as w:
+        static(w)[0].set_conv_state_after(4, value)
+        written = logits_of(model, ids)
+    with rh.watch(model) as w, torch.inference_mode():
+        static(w)[0].register_state_hook(lambda m, c, t, s: (s.copy_(value), None)[1], call=0, token=4)
+        changed = model(ids).logits
+    assert_close("an in-place change under inference_mode vs a write", written, changed, rtol=0, atol=0)
+
+
 # -- the whole memory ----------------------------------------------------------------------------------------------------
 
 
