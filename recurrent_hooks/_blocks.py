@@ -37,6 +37,7 @@ Glossary (code name, symbol, shape):
     state       S_{s-1}                 the state the block starts from (what `on_token` returned at s-1)
 """
 
+import math
 from typing import Any
 
 import torch
@@ -105,9 +106,33 @@ def run_in_blocks(kernel: Kernel, args: tuple, kwargs: dict, on_token: OnToken, 
     return (out, None) if segments.tuple_without_final else out
 
 
-def blocks_apply(kernel: Kernel) -> bool:
-    """Whether a prompt call of `kernel` with a hook on every token can run in blocks now (see the docstring)."""
+def state_size(kind: Any, kernel: Kernel, arguments: dict[str, Any]) -> int | None:
+    """The number of elements of a call's state, batch included, from the sizes of the axes of the kind's
+    `STATE` in the kernel's arguments (as `INPUTS` declares them); None if an axis is in none of them."""
+    sizes: dict[str, int] = {}
+    for name, axes in kind.INPUTS.items():
+        value = arguments.get(name)
+        if name not in kernel.state_arguments and isinstance(value, Tensor) and len(axes.split()) == value.dim():
+            sizes.update(zip(axes.split(), value.shape))
+    declared = kind.STATE if isinstance(kind.STATE, str) else None
+    if declared is None or any(axis not in sizes for axis in declared.split()):
+        return None
+    return math.prod(sizes[axis] for axis in declared.split())
+
+
+SIZE_LIMIT: int | None = None  # None: each kernel's `Segments.blocks_below`; an int overrides it (tests, benchmark)
+
+
+def blocks_apply(kernel: Kernel, kind: Any, arguments: dict[str, Any]) -> bool:
+    """Whether a prompt call of `kernel` with a hook on every token runs in blocks: the kernel has `all_states`,
+    gradients are off, no inference mode, and the call's state is small enough that blocks beat the token loop
+    (`Segments.blocks_below`, measured: at larger states writing and reading every state of a block through
+    memory costs more than the token loop's per-token Python steps, which find the state in the cache)."""
     segments = kernel.segments
-    return (segments is not None and segments.all_states is not None and not torch.is_grad_enabled()
-            and not torch.is_inference_mode_enabled())
+    if segments is None or segments.all_states is None or torch.is_grad_enabled() \
+            or torch.is_inference_mode_enabled():
+        return False
+    limit = segments.blocks_below if SIZE_LIMIT is None else SIZE_LIMIT
+    size = state_size(kind, kernel, arguments)
+    return size is not None and size <= limit
 

@@ -271,7 +271,7 @@ class _Tap:
                     last.append(state)
                 return state
 
-            fast = _fast_path(kernel, busy, tokens)
+            fast = _fast_path(kernel, busy, tokens, arguments)
             extra = {"tokens": tokens} if kernel.seq == FORWARD else {}
             if "original" in kernel.signature.parameters:  # a loop that reads settings the kernel captured
                 extra["original"] = original
@@ -331,7 +331,8 @@ def _own(state: Tensor) -> Tensor:
 FAST_PATHS = True  # False: every call that is not idle runs the token loop (the tests compare both)
 
 
-def _fast_path(kernel: Kernel, busy: list[_Plan], tokens: int) -> tuple[list[int], bool] | str | None:
+def _fast_path(kernel: Kernel, busy: list[_Plan], tokens: int,
+               arguments: dict[str, Any]) -> tuple[list[int], bool] | str | None:
     """How a busy call can skip the token loop: the tokens to stop at, and whether every state is kept
     chunk-wise in between; `_blocks.BLOCKS` for a hook on every token that can run in blocks (`_blocks`);
     None when it cannot (a hook at every token otherwise, too many stops, no segments)."""
@@ -342,7 +343,7 @@ def _fast_path(kernel: Kernel, busy: list[_Plan], tokens: int) -> tuple[list[int
     every_state = False
     for plan in busy:
         if any(positions is None for _, positions in plan.hooks):  # a hook on every token
-            return _blocks.BLOCKS if _blocks.blocks_apply(kernel) else None
+            return _blocks.BLOCKS if _blocks.blocks_apply(kernel, type(plan.mixer), arguments) else None
         stops.update(p for _, positions in plan.hooks for p in positions)
         if plan.keep and len(plan.keep) == tokens and all_states \
                 and not torch.is_grad_enabled():

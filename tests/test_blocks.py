@@ -32,6 +32,7 @@ def shared_model(request):
 @pytest.fixture
 def model(shared_model, monkeypatch):
     monkeypatch.setattr(rh_blocks, "BLOCK", BLOCK)
+    monkeypatch.setattr(rh_blocks, "SIZE_LIMIT", 10**9)  # every call in blocks, whatever its kernel's blocks_below
     yield shared_model
     assert not shared_model.training, "a test left the model in train mode"
 
@@ -222,3 +223,20 @@ def test_run_in_blocks_matches_the_loop_for_any_block_size(shared_model):
         assert_close(f"output, block {block}", want_out, out, **TOL)
         assert_close(f"final state, block {block}", want_state, state, **TOL)
         assert state.untyped_storage().nbytes() == state.nbytes, "the final state is a view into a block's buffer"
+
+
+def test_blocks_are_chosen_by_the_size_of_the_state(model, monkeypatch, spy):
+    """`state_size` reads the state's size off the kind's declarations (it equals the kept state's); a call runs
+    in blocks when it is at most the limit (`Segments.blocks_below`, or `SIZE_LIMIT` when set)."""
+    ids = random_ids(2, T)
+    with rh.watch(model, keep=("states", "inputs")) as w, torch.no_grad():
+        model(ids)
+    mixer = w.mixers[0]
+    kernel = type(mixer).kernel_for("prompt")
+    size = rh_blocks.state_size(type(mixer), kernel, mixer.calls[0].parts[0].inputs)
+    assert size == mixer.state_after(0).numel()
+    for limit, runs in ((size - 1, False), (size, True), (None, size <= kernel.segments.blocks_below)):
+        monkeypatch.setattr(rh_blocks, "SIZE_LIMIT", limit)
+        spy["blocks"].clear()
+        _run(model, ids, True, monkeypatch)
+        assert bool(spy["blocks"]) == runs, f"limit {limit}, state of {size}: blocks {'not ' * runs}chosen"
