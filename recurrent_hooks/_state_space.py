@@ -277,7 +277,7 @@ class StateSpace(RecurrentMixer):
                segments=Segments(per_token={name: 1 for name in ("hidden_states", "dt", "B", "C")},
                                  state_in="initial_states", final_flag="return_final_states", out_axis=1,
                                  tuple_without_final=False, all_states=mamba2_chunk_scan_states,
-                                 blocks_below=32768)),  # e.g. 24 heads of 64 x 16 (docs/performance.md)
+                                 blocks_below=24576)),  # 24 heads of 64 x 16 at batch 1 (docs/performance.md)
         # one token over the cached state, which it updates in place
         Kernel(name="mamba2_selective_state_update", role=Role.DECODE, loop=mamba2_selective_state_update,
                state_in="state", results=("output",), in_place=True),
