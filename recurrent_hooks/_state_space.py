@@ -266,9 +266,10 @@ class StateSpace(RecurrentMixer):
     The state h_t is `[batch, heads, head_dim, d_state]`, float32, the layout of transformers' cache.
     Every token's state is a real state, not a chunk boundary: a prompt with hooks at a few tokens runs
     the chunk scan in segments ending at those tokens, every state kept comes from the chunk-wise
-    `mamba2_chunk_scan_states`, and a hook on every token runs the token loop. The prompt kernel takes the cached state
-    (`initial_states`) and returns the last one; the decode kernel writes the new state into the cache
-    tensor in place, and so does the library's loop, after any hook or write.
+    `mamba2_chunk_scan_states`, and a hook on every token runs the token loop (or, without gradients and at
+    a small state, `mamba2_chunk_scan_states` a block of tokens at a time: `_blocks`). The prompt kernel
+    takes the cached state (`initial_states`) and returns the last one; the decode kernel writes the new
+    state into the cache tensor in place, and so does the library's loop, after any hook or write.
     """
 
     KERNELS = (
