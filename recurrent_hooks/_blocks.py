@@ -22,12 +22,19 @@ handed, or it changed that state in place (its `_version` moved; the states of a
 buffer, which share a version counter, so an in-place change anywhere in the block counts: conservative).
 A returned copy with the same values (the dispatcher hands back a kept state as a tensor of its own) is no
 replacement. Only without gradients (the kept states must be the tensors the recurrence used) and outside
-`torch.inference_mode()` (inference tensors have no version counter); `_dispatch._fast_path` checks both.
+`torch.inference_mode()` (inference tensors have no version counter); `blocks_apply` checks both.
 
-`BLOCK` = 64, by measurement (`benchmarks/blocks.py`, 2 CPU cores): the per-block Python cost (one chunk-wise
-call: argument binding, `narrow`s, the buffer) is spread over 64 tokens, while a block stays a few chunks of
-the chunk-wise kernels' own 16 tokens, so that a replacement recomputes little, and the buffer stays small
-(64 states of 8 heads x 64 x 64 are 8 MB; of Mamba-2's 24 x 64 x 128, 50 MB).
+When: `blocks_apply`, a call whose state has at most `Segments.blocks_below` elements (batch included; the
+size is read off the kind's `STATE` and `INPUTS` declarations). Measured (`benchmarks/blocks.py`,
+docs/performance.md): at small states blocks beat the token loop (2.2 x at 4 Mamba-2 heads of 32 x 16), at
+larger ones they lose (2 x slower at gdn_small's 8 heads of 64 x 64 and at Mamba-2's 24 x 64 x 128), since
+`all_states` writes every state through memory and computes each from its chunk's start, while the loop finds
+the state it just computed in the cache.
+
+`BLOCK` = 64, by measurement (1 thread): within the noise of 128 and better than 32 at small states. The
+per-block Python cost (one chunk-wise call: binding, `narrow`s, the buffer) is spread over 64 tokens, a block
+is a few of the chunk-wise kernels' own 16-token chunks, a replacement recomputes at most one block, and the
+buffer stays small (64 states of 4 heads x 16 x 16 are 256 KB).
 
 Glossary (code name, symbol, shape):
     tokens      T                       tokens of the call
