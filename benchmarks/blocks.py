@@ -24,11 +24,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from run import _gdn, _mamba2, _ready, LINEAR2, VOCAB  # noqa: E402
+from run import LINEAR2, VOCAB, _gdn, _mamba2, _ready
 
-import recurrent_hooks as rh  # noqa: E402
-import recurrent_hooks._blocks as rh_blocks  # noqa: E402
-import recurrent_hooks._dispatch as rh_dispatch  # noqa: E402
+import recurrent_hooks as rh
+import recurrent_hooks._blocks as rh_blocks
+import recurrent_hooks._dispatch as rh_dispatch
 
 MODELS = {
     "gdn_small": (lambda: _gdn(256, 4, 8, 64, 512, LINEAR2), 512),

@@ -11,17 +11,17 @@ import dataclasses
 
 import pytest
 import torch
+from _compare import assert_close, assert_equal
+from _models import PAD, build, random_ids
 
 import recurrent_hooks as rh
 import recurrent_hooks._blocks as rh_blocks
 import recurrent_hooks._dispatch as rh_dispatch
-from _compare import assert_close, assert_equal
-from _models import PAD, build, random_ids
 
 FAMILIES = ["qwen3_5", "kimi_linear", "mamba2"]  # one family per kind with all_states
 BLOCK = 4
 T = 13  # blocks [0, 4) [4, 8) [8, 12) [12, 13)
-TOL = dict(rtol=1e-4, atol=1e-6)
+TOL = {"rtol": 1e-4, "atol": 1e-6}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -135,7 +135,7 @@ def test_a_hook_on_every_token_runs_in_blocks_and_equals_the_token_loop(model, m
 def test_a_replacement_restarts_the_block_as_the_token_loop_continues(model, monkeypatch, spy, tokens):
     """A hook that returns a new state at some tokens: the later outputs, hook inputs and the cache follow it."""
     ids = random_ids(2, T)
-    replace = lambda c, t, s: s * 0.5 + 1.0 if t in tokens else None  # noqa: E731
+    replace = lambda c, t, s: s * 0.5 + 1.0 if t in tokens else None
     fast = _run(model, ids, True, monkeypatch, replace=replace)
     mixers = len(fast[0].mixers)
     assert spy["all_states"] == mixers * _blocks_run(tokens), "a replacement did not end its block"
@@ -182,7 +182,7 @@ def test_writes_and_kept_states_with_a_hook_on_every_token(model, monkeypatch, s
 
 def test_greedy_generate_with_a_per_step_hook(model, monkeypatch, spy):
     ids = random_ids(2, T)
-    replace = lambda c, t, s: s * 0.9 if (c, t) in ((0, 6), (2, 0)) else None  # noqa: E731
+    replace = lambda c, t, s: s * 0.9 if (c, t) in ((0, 6), (2, 0)) else None
     fast = _run(model, ids, True, monkeypatch, replace=replace, generate=4)
     assert spy["blocks"] == [T] * len(fast[0].mixers), "only the prompt runs in blocks"
     slow = _run(model, ids, False, monkeypatch, replace=replace, generate=4)
@@ -215,7 +215,7 @@ def test_run_in_blocks_matches_the_loop_for_any_block_size(shared_model):
     inputs[kernel.segments.state_in] = torch.randn_like(w.mixers[0].calls[0].states[:, 0])
     kwargs = {k: v for k, v in inputs.items() if k in kernel.signature.parameters}
     extra = {k: v for k, v in inputs.items() if k not in kwargs}
-    on_token = lambda t, s: s * 0.5 if t == 9 else s  # noqa: E731
+    on_token = lambda t, s: s * 0.5 if t == 9 else s
     want_out, want_state = kernel.loop(**kwargs, **extra, on_token=on_token)
     for block in (1, 5, T, T + 3):
         with torch.no_grad():
