@@ -6,7 +6,8 @@ Module contents:
 - `_Tap.run_kernel`: the plans of the attached mixers decide: nothing wanted runs the bound kernel; a
   few tokens run it in segments between them (`_run_in_segments`), or the library's loop with `stops` for
   a kernel that computes fast between stops itself (`Kernel.stops`); every state kept without gradients
-  runs the chunk-wise kernel; otherwise the token loop runs, calling the plans after each token.
+  runs the chunk-wise kernel; a hook on every token without gradients runs the chunk-wise kernel a block
+  at a time (`_blocks.run_in_blocks`); otherwise the token loop runs, calling the plans after each token.
 - `FAST_PATHS`: False makes every busy call run the token loop (the tests compare both).
 """
 
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from . import _blocks
 from ._calls import KernelCall
 from ._kernels import CONV_MEMORY, FORWARD, Kernel, Layout
 from ._mixer import RecurrentMixer, _Forward, _Plan
@@ -241,11 +243,13 @@ class _Tap:
                     last.append(state)
                 return state
 
-            fast = _fast_path(kernel, busy, tokens)
+            fast = _fast_path(kernel, busy, tokens, arguments)
             extra = {"tokens": tokens} if kernel.seq == FORWARD else {}
             if "original" in kernel.layout.named:  # a loop that reads settings the kernel captured
                 extra["original"] = original
-            if fast is not None and kernel.segments is None:  # the loop computes fast between the stops itself
+            if fast is _blocks.BLOCKS:  # a hook on every token: the states chunk-wise, a block at a time
+                result = _blocks.run_in_blocks(kernel, args, kwargs, on_token)
+            elif fast is not None and kernel.segments is None:  # the loop computes fast between the stops itself
                 result = kernel.loop(*args, on_token=on_token, stops=fast[0], **extra, **kwargs)
             elif fast is not None:
                 stops, every_state = fast
@@ -300,17 +304,19 @@ def _own(state: Tensor) -> Tensor:
 FAST_PATHS = True  # False: every call that is not idle runs the token loop (the tests compare both)
 
 
-def _fast_path(kernel: Kernel, busy: list[_Plan], tokens: int) -> tuple[list[int], bool] | None:
+def _fast_path(kernel: Kernel, busy: list[_Plan], tokens: int,
+               arguments: dict[str, Any]) -> tuple[list[int], bool] | str | None:
     """How a busy call can skip the token loop: the tokens to stop at, and whether every state is kept
-    chunk-wise in between; None when it cannot (a hook at every token, too many stops, no segments)."""
+    chunk-wise in between; `_blocks.BLOCKS` for a hook on every token that can run in blocks (`_blocks`);
+    None when it cannot (a hook at every token otherwise, too many stops, no segments)."""
     if not FAST_PATHS or (kernel.segments is None and not kernel.stops):
         return None
     all_states = kernel.segments is not None and kernel.segments.all_states is not None
     stops: set[int] = set()
     every_state = False
     for plan in busy:
-        if any(positions is None for _, positions in plan.hooks):
-            return None
+        if any(positions is None for _, positions in plan.hooks):  # a hook on every token
+            return _blocks.BLOCKS if _blocks.blocks_apply(kernel, type(plan.mixer), arguments) else None
         stops.update(p for _, positions in plan.hooks for p in positions)
         if plan.keep and len(plan.keep) == tokens and all_states \
                 and not torch.is_grad_enabled():

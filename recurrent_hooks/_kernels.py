@@ -61,7 +61,10 @@ class Segments:
     - `tuple_without_final`: the kernel returns `(out, None)`, not `out`, when the last state is not asked for;
     - `all_states`: the library's chunk-wise version of the kernel (same signature) that returns
       `(result, states)`, every token's state too (token first: `states[t]`), or None. Used when every state is kept and
-      gradients are off (with gradients on, the token loop keeps the states the recurrence used).
+      gradients are off (with gradients on, the token loop keeps the states the recurrence used);
+    - `blocks_below`: a hook on every token runs `all_states` a block at a time (`_blocks`) when the call's state
+      has at most this many elements (batch included), measured to be where that beats the token loop
+      (`benchmarks/blocks.py`); 0: never.
     """
 
     per_token: dict[str, int]
@@ -70,6 +73,7 @@ class Segments:
     out_axis: int
     tuple_without_final: bool
     all_states: Callable[..., Any] | None = None
+    blocks_below: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -266,9 +266,10 @@ class StateSpace(RecurrentMixer):
     The state h_t is `[batch, heads, head_dim, d_state]`, float32, the layout of transformers' cache.
     Every token's state is a real state, not a chunk boundary: a prompt with hooks at a few tokens runs
     the chunk scan in segments ending at those tokens, every state kept comes from the chunk-wise
-    `mamba2_chunk_scan_states`, and a hook on every token runs the token loop. The prompt kernel takes the cached state
-    (`initial_states`) and returns the last one; the decode kernel writes the new state into the cache
-    tensor in place, and so does the library's loop, after any hook or write.
+    `mamba2_chunk_scan_states`, and a hook on every token runs the token loop (or, without gradients and at
+    a small state, `mamba2_chunk_scan_states` a block of tokens at a time: `_blocks`). The prompt kernel
+    takes the cached state (`initial_states`) and returns the last one; the decode kernel writes the new
+    state into the cache tensor in place, and so does the library's loop, after any hook or write.
     """
 
     KERNELS = (
@@ -276,7 +277,8 @@ class StateSpace(RecurrentMixer):
                results=("output", "final_state"), seq=("hidden_states", 1),
                segments=Segments(per_token={name: 1 for name in ("hidden_states", "dt", "B", "C")},
                                  state_in="initial_states", final_flag="return_final_states", out_axis=1,
-                                 tuple_without_final=False, all_states=mamba2_chunk_scan_states)),
+                                 tuple_without_final=False, all_states=mamba2_chunk_scan_states,
+                                 blocks_below=24576)),  # 24 heads of 64 x 16 at batch 1 (docs/performance.md)
         # one token over the cached state, which it updates in place
         Kernel(name="mamba2_selective_state_update", role=Role.DECODE, loop=mamba2_selective_state_update,
                state_in="state", results=("output",), in_place=True),
