@@ -132,13 +132,13 @@ SIZE_LIMIT: int | None = None  # None: each kernel's `Segments.blocks_below`; an
 
 def blocks_apply(kernel: Kernel, kind: Any, arguments: dict[str, Any]) -> bool:
     """Whether a prompt call of `kernel` with a hook on every token runs in blocks: the kernel has `all_states`,
-    gradients are off, no inference mode, and the call's state is small enough that blocks beat the token loop
+    gradients are off, no inference mode, not compiling, and the call's state is small enough that blocks beat the token loop
     (`Segments.blocks_below`, measured: at larger states writing and reading every state of a block through
     memory costs more than the token loop's per-token Python steps, which find the state in the cache)."""
     segments = kernel.segments
     if segments is None or segments.all_states is None or torch.is_grad_enabled() \
-            or torch.is_inference_mode_enabled():
-        return False
+            or torch.is_inference_mode_enabled() or torch.compiler.is_compiling():
+        return False  # (a compiled graph has no version counters, and would unroll every block)
     limit = segments.blocks_below if SIZE_LIMIT is None else SIZE_LIMIT
     size = state_size(kind, kernel, arguments)
     return size is not None and size <= limit
