@@ -18,6 +18,7 @@ import torch
 from transformers import CompileConfig
 
 import recurrent_hooks as rh
+import recurrent_hooks._dispatch as rh_dispatch
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
 from recurrent_hooks._parts import map_parts, parts_of
@@ -67,12 +68,13 @@ def _one_of_each_kind(w):
     return [mixer for mixer in w.mixers if mixer in first.values() or mixer is w.mixers[-1]]
 
 
-def _watched_calls(model, forward, ids, memory, zero):
-    """CALLS forwards of `forward` in one watch, every one after the first with error_on_recompile."""
+def _watched_calls(model, forward, ids, memory, zero, hooked=None):
+    """CALLS forwards of `forward` in one watch, every one after the first with error_on_recompile; the read hooks
+    at the tokens `hooked` (None: every token)."""
     seen = []
     with rh.watch(model, keep={STACK[memory]: [KEPT]}) as w, torch.no_grad():
         for mixer in _one_of_each_kind(w):
-            mixer.register_state_hook(lambda m, c, t, s: seen.append((m.layer, c, t, _norm(s))))
+            mixer.register_state_hook(lambda m, c, t, s: seen.append((m.layer, c, t, _norm(s))), token=hooked)
         w.mixers[-1].register_state_hook(lambda m, c, t, s: map_parts(lambda p: p * 0.5, s), token=REPLACED)
         first = w.mixers[0]
         (first.set_state_after if memory == "state" else first.set_conv_state_after)(WRITTEN, zero, call=1)
@@ -83,7 +85,7 @@ def _watched_calls(model, forward, ids, memory, zero):
     return logits, seen, w
 
 
-def _compare_runs(eager, compiled, memory, atol):
+def _compare_runs(eager, compiled, memory, atol, hooked=T):
     (logits, seen, w), (compiled_logits, compiled_seen, cw) = eager, compiled
     for call, (a, b) in enumerate(zip(logits, compiled_logits)):
         assert_close(f"logits of call {call}", a, b, rtol=1e-5, atol=atol)
@@ -93,7 +95,7 @@ def _compare_runs(eager, compiled, memory, atol):
     assert {hook[1] for hook in seen} == set(range(CALLS)) and all(type(hook[1]) is int for hook in compiled_seen)
     assert_close("hooked state norms", torch.tensor([h[3] for h in seen]), torch.tensor([h[3] for h in compiled_seen]),
                  rtol=1e-5, atol=1e-6)
-    assert len(seen) == CALLS * T * len(_one_of_each_kind(w))
+    assert len(seen) == CALLS * hooked * len(_one_of_each_kind(w))
     for mixer, compiled_mixer in zip(w.mixers, cw.mixers):
         assert [c.index for c in compiled_mixer.calls] == list(range(CALLS))
         assert [c.kernel for c in compiled_mixer.calls] == [c.kernel for c in mixer.calls]
@@ -111,6 +113,22 @@ def test_a_compiled_forward_in_a_watch_is_eager_and_compiles_once(family):
     eager = _watched_calls(model, model, ids, memory, zero)
     compiled = _watched_calls(model, torch.compile(model, fullgraph=True, backend="aot_eager"), ids, memory, zero)
     _compare_runs(eager, compiled, memory, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "mamba2"])
+def test_a_compiled_forward_with_a_few_hooked_tokens_runs_in_segments_as_eagerly(family, monkeypatch):
+    """A few hooked, kept and written tokens: the bound kernel runs in segments between them, in the graph too
+    (the path is chosen as eagerly; the spy is on the eager run: a list it appended to would be a guard)."""
+    model, ids = build(family), random_ids(1, T)
+    memory, zero = _written(model, ids)
+    segmented, real = [], rh_dispatch._run_in_segments
+    monkeypatch.setattr(rh_dispatch, "_run_in_segments", lambda *a: segmented.append(1) or real(*a))
+    eager = _watched_calls(model, model, ids, memory, zero, hooked=[0, -1])
+    assert segmented, "the eager run did not take segments"
+    monkeypatch.setattr(rh_dispatch, "_run_in_segments", real)
+    compiled = _watched_calls(model, torch.compile(model, fullgraph=True, backend="aot_eager"), ids, memory, zero,
+                              hooked=[0, -1])
+    _compare_runs(eager, compiled, memory, atol=1e-6, hooked=2)
 
 
 def test_inductor_compiles_a_watched_mamba_once_with_eager_results():
