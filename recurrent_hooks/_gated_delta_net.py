@@ -37,6 +37,7 @@ from ._calls import KernelCall
 from ._kernels import Kernel, Role, Segments
 from ._loops import OnToken, causal_decay, refuse_packed, starting_state
 from ._mixer import RecurrentMixer
+from ._paths import Shape
 
 
 
@@ -205,6 +206,12 @@ def recurrent_gated_delta_rule(
                              use_qk_l2norm_in_kernel, on_token, kwargs)
 
 
+def _cost_shape(arguments: dict[str, Any]) -> Shape:
+    """The prompt kernel call's shape for the cost model (`_paths`): transformers' kernel pads to chunks of 64."""
+    batch, _, heads, value_dim = arguments["value"].shape
+    return Shape("delta rule", batch, heads, arguments["key"].shape[-1], value_dim, arguments.get("chunk_size", 64))
+
+
 class GatedDeltaNet(RecurrentMixer):
     """A gated DeltaNet mixer (qwen3_next, qwen3_5, qwen3_5_moe, olmo_hybrid, qwen4_exp, lara_mini).
 
@@ -225,7 +232,8 @@ class GatedDeltaNet(RecurrentMixer):
                state_in="initial_state", results=("output", "final_state"), seq=("value", 1),
                segments=Segments(per_token={name: 1 for name in ("query", "key", "value", "g", "beta")},
                                  state_in="initial_state", final_flag="output_final_state", out_axis=1,
-                                 tuple_without_final=True, all_states=chunk_gated_delta_rule_states)),
+                                 tuple_without_final=True, all_states=chunk_gated_delta_rule_states,
+                                 shape=_cost_shape)),
         Kernel(name="torch_recurrent_gated_delta_rule", role=Role.DECODE, loop=recurrent_gated_delta_rule,
                state_in="initial_state", results=("output", "final_state"), seq=("value", 1)),
         *CONV_KERNELS,

@@ -61,7 +61,9 @@ class Segments:
     - `tuple_without_final`: the kernel returns `(out, None)`, not `out`, when the last state is not asked for;
     - `all_states`: the library's chunk-wise version of the kernel (same signature) that returns
       `(result, states)`, every token's state too (token first: `states[t]`), or None. Used when every state is kept and
-      gradients are off (with gradients on, the token loop keeps the states the recurrence used).
+      gradients are off (with gradients on, the token loop keeps the states the recurrence used);
+    - `shape`: the call's cost-relevant shape (`_paths.Shape`) from its bound arguments, by which `_paths`
+      chooses the cheapest path; None: the fixed rule (segments for at most max(8, T / 32) stops).
     """
 
     per_token: dict[str, int]
@@ -70,6 +72,7 @@ class Segments:
     out_axis: int
     tuple_without_final: bool
     all_states: Callable[..., Any] | None = None
+    shape: Callable[[dict[str, Any]], Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -60,6 +60,7 @@ from ._conv import CONV_KERNELS
 from ._calls import KernelCall
 from ._kernels import Kernel, Role, Segments
 from ._mixer import RecurrentMixer
+from ._paths import Shape
 from ._loops import OnToken, causal_decay, starting_state
 from ._selective_scan import discrete_step, refuse_mamba_packed, step_size
 
@@ -255,6 +256,12 @@ def mamba2_selective_state_update(
     return y.to(hidden_states.dtype)
 
 
+def _cost_shape(arguments: dict[str, Any]) -> Shape:
+    """The prompt kernel call's shape for the cost model (`_paths`): transformers' kernel pads to `chunk_size`."""
+    batch, _, heads, head_dim = arguments["hidden_states"].shape
+    return Shape("ssd", batch, heads, head_dim, arguments["B"].shape[-1], arguments["chunk_size"])
+
+
 class StateSpace(RecurrentMixer):
     """A Mamba-2 mixer (mamba2, bamba, falcon_h1, granitemoehybrid, nemotron_h, zamba2).
 
@@ -276,7 +283,8 @@ class StateSpace(RecurrentMixer):
                results=("output", "final_state"), seq=("hidden_states", 1),
                segments=Segments(per_token={name: 1 for name in ("hidden_states", "dt", "B", "C")},
                                  state_in="initial_states", final_flag="return_final_states", out_axis=1,
-                                 tuple_without_final=False, all_states=mamba2_chunk_scan_states)),
+                                 tuple_without_final=False, all_states=mamba2_chunk_scan_states,
+                                 shape=_cost_shape)),
         # one token over the cached state, which it updates in place
         Kernel(name="mamba2_selective_state_update", role=Role.DECODE, loop=mamba2_selective_state_update,
                state_in="state", results=("output",), in_place=True),
