@@ -70,18 +70,33 @@ def _ssd_call(batch: int, seq: int, heads: int, dim: int, chunk: int, d_state: i
     return StateSpace.kernel_for("prompt"), modeling.mamba2_chunk_scan, (x, dt, A, B, C, chunk), kwargs
 
 
-CALLS = {"delta rule": _gdn_call, "ssd": _ssd_call}
+def _kimi_call(batch: int, seq: int, heads: int, dim: int, chunk: int) -> tuple[Any, Callable, tuple, dict]:
+    """The Kimi delta attention prompt kernel's row, the bound kernel, and a call's arguments."""
+    import transformers.models.kimi_linear.modeling_kimi_linear as modeling
+    from recurrent_hooks._kimi_delta import KimiDeltaAttention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch, seq, heads, dim, generator=gen) for _ in range(3))
+    g, beta = -torch.rand(batch, seq, heads, dim, generator=gen), torch.rand(batch, seq, heads, generator=gen)
+    kwargs = dict(initial_state=torch.zeros(batch, heads, dim, dim), output_final_state=True,
+                  use_qk_l2norm_in_kernel=True)
+    return KimiDeltaAttention.kernel_for("prompt"), modeling.chunk_kimi_delta_attention, (q, k, v, g, beta), kwargs
+
+
+CALLS = {"delta rule": _gdn_call, "ssd": _ssd_call, "kimi delta": _kimi_call}
 # (batch, heads, dim, chunk) per kernel, and the lengths each path is timed at
 GRID = {
     "delta rule": [(1, 4, 16, 64), (8, 4, 16, 64), (64, 4, 16, 64), (1, 8, 64, 64), (16, 8, 64, 64),
                    (64, 8, 64, 64), (1, 32, 128, 64)],
     "ssd": [(1, 4, 16, 16), (8, 4, 16, 16), (64, 4, 16, 16), (1, 8, 32, 64), (64, 8, 32, 64), (1, 24, 64, 256),
             (8, 24, 64, 256)],
+    "kimi delta": [(1, 4, 16, 64), (64, 4, 16, 64), (1, 8, 64, 64), (16, 8, 64, 64), (1, 32, 128, 64)],
 }
 LENGTHS = {"kernel": (25, 64, 200, 512), "loop": (16, 64), "states": (16, 64, 256)}
 KERNEL_ELEMENTS = 2**27  # the bound kernel is timed up to batch * T * heads * k * v of this
 STATES_BYTES = 128 * 2**20  # the all-states kernel is timed up to this many bytes of states
-QUICK_GRID = {"delta rule": [(1, 4, 16, 64), (8, 4, 16, 64)], "ssd": [(1, 4, 16, 16), (8, 4, 16, 16)]}
+QUICK_GRID = {"delta rule": [(1, 4, 16, 64), (8, 4, 16, 64)], "ssd": [(1, 4, 16, 16), (8, 4, 16, 16)],
+              "kimi delta": [(1, 4, 16, 64)]}
 QUICK_LENGTHS = {"kernel": (16, 40), "loop": (8, 16), "states": (16, 32)}
 
 

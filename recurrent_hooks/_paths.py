@@ -91,15 +91,19 @@ class Constants:
 
 # Fitted by `python benchmarks/paths.py --calibrate` (non-negative least squares on relative error, each path
 # timed over its grid of shapes, best of 5; float32, no gradients, 1 thread) on this project's 2-core CPU
-# machine, 1 December 2026, torch 2.13, transformers 5.24, while other jobs shared the machine.
+# machine, 1 December 2026 13:12 UTC (load average about 1-3: other jobs shared the machine), torch 2.13,
+# transformers 5.24. The fits' worst relative errors on their own timings were 34-71%: they rank paths that
+# differ by more than that; `benchmarks/paths.py` checks the ranking on whole forwards.
 CONSTANTS = {
-    # transformers' torch_chunk_gated_delta_rule (chunk 64) and the library's delta-rule loop and kernel;
-    # Kimi delta attention's kernels are timed by these too (not measured separately)
-    "delta rule": Constants(kernel=(0.00029, 0.0002, 0, 2.3e-08, 1.9e-10), loop=(0.00044, 6.7e-05, 1.5e-07, 2.7e-09),
-                            states=(0.00016, 0.00037, 5.3e-05, 0, 5.6e-09)),
+    # transformers' torch_chunk_gated_delta_rule (chunk 64) and the library's delta-rule loop and kernel
+    "delta rule": Constants(kernel=(9.7e-05, 0, 0, 2.5e-08, 1.4e-10), loop=(1.8e-05, 5e-05, 5.2e-08, 2.1e-09),
+                            states=(0.00019, 0.00021, 3.2e-05, 4.8e-09, 3.4e-09)),
     # transformers' mamba2_chunk_scan (its torch path) and the library's SSD loop and kernel
-    "ssd": Constants(kernel=(0.00049, 3.6e-06, 8e-06, 2.1e-08, 2.3e-11), loop=(5.6e-05, 4.4e-05, 2.2e-07, 2.2e-09),
-                     states=(0.00017, 0.00015, 1.3e-05, 0, 3.3e-09)),
+    "ssd": Constants(kernel=(0.00046, 0, 7.2e-06, 9.9e-09, 1.2e-10), loop=(0.00021, 4.5e-05, 1e-07, 2.3e-09),
+                     states=(0.00023, 8.9e-06, 8.6e-06, 0, 4.3e-09)),
+    # transformers' chunk_kimi_delta_attention (chunk 64, a Python loop over each chunk's rows) and the library's
+    "kimi delta": Constants(kernel=(0, 0, 0, 3.1e-07, 4.5e-09), loop=(8.7e-06, 4.2e-05, 3.4e-07, 2e-09),
+                            states=(4.1e-05, 0.0004, 0.00014, 1.6e-09, 4.3e-09)),
 }
 
 STATES_BLOCK = 16  # the all-states kernels' block of tokens
