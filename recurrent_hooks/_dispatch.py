@@ -3,10 +3,12 @@
 Module contents:
 - `attach(mixer)`: attach a `RecurrentMixer` to its module's `_Tap` (module pre/post-forward hooks).
 - `make_dispatcher(kind)`: for `_patching.acquire_kernels`, the function bound in place of each kernel.
-- `_Tap.run_kernel`: the plans of the attached mixers decide: nothing wanted runs the bound kernel; a
-  few tokens run it in segments between them (`_run_in_segments`), or the library's loop with `stops` for
-  a kernel that computes fast between stops itself (`Kernel.stops`); every state kept without gradients
-  runs the chunk-wise kernel; otherwise the token loop runs, calling the plans after each token.
+- `_Tap.run_kernel`: the plans of the attached mixers decide: nothing wanted runs the bound kernel; a busy
+  call takes the path `_paths.choose` estimates cheapest from its shapes (`_fast_path`): the bound kernel in
+  segments between the stops (`_run_in_segments`, a piece maybe ending in a token loop from its last chunk
+  boundary), or the library's loop with `stops` for a kernel that computes fast between stops itself
+  (`Kernel.stops`); every state kept without gradients can run the chunk-wise kernel; otherwise the token
+  loop runs, calling the plans after each token.
 - `FAST_PATHS`: False makes every busy call run the token loop (the tests compare both).
 """
 
