@@ -5,11 +5,12 @@
     python benchmarks/paths.py --calibrate   # time the kernels over a grid of shapes, fit and print CONSTANTS
 
 Rows: a model forward (random weights, 2 recurrent layers, `torch.no_grad()`, 1 thread: see `--threads`) asked for states at
-some positions. Each path is forced in turn (`_paths.FORCE`; "segments, whole" also turns off the token-loop
-tails, `_paths.TAILS = False`); the paths are timed in interleaved rounds and each time is the median over the
+some positions. Each path is forced in turn (`_paths.FORCE`; "segments" with the token-loop tails on,
+`_paths.TAILS = True`, "segments, whole" with them off, the default); the paths are timed in interleaved rounds and each time is the median over the
 rounds, with the unhooked forward (no watch) timed in the same rounds. "chosen" is the path the cost model picks
 for the row's calls; the check is that its time is within 10% of the fastest path's. A path the call cannot take
-is "-"; "segments" is "segments, whole" again when no piece ends in a tail.
+is "-"; "segments" is "segments, whole" again when no piece ends in a tail (the chosen path is "segments" only
+when one does).
 
 Calibration: each path of each kernel alone (the bound transformers kernel on a whole call, the library's
 token loop with an identity `on_token`, the library's all-states kernel), best of 5 per shape; the
@@ -219,7 +220,7 @@ def _taken(model: Any, ids: torch.Tensor, keep: Any) -> set[str]:
     def spy(*args: Any, **kwargs: Any) -> Any:
         choice = real(*args, **kwargs)
         seen.add("token loop" if choice is None else choice.path.value if choice.path is not paths.Path.SEGMENTS
-                 else "segments" if choice.tails or not paths.TAILS else "segments, whole")
+                 else "segments" if choice.tails else "segments, whole")
         return choice
 
     paths.choose = spy
@@ -228,6 +229,9 @@ def _taken(model: Any, ids: torch.Tensor, keep: Any) -> set[str]:
     finally:
         paths.choose = real
     return seen
+
+
+DEFAULT_TAILS = paths.TAILS
 
 
 def _set(force: paths.Path | None, tails: bool) -> None:
@@ -247,7 +251,7 @@ def run_row(model: Any, batch: int, tokens: int, count: Any, repeats: int) -> tu
                   }.get(name, {name})
         if taken <= wanted:
             runnable.append((name, force, tails))
-    _set(None, True)
+    _set(None, DEFAULT_TAILS)
     chosen = _taken(model, ids, keep)
     times: dict[str, list[float]] = {name: [] for name, _, _ in [UNHOOKED, *runnable]}
     try:
@@ -261,7 +265,7 @@ def run_row(model: Any, batch: int, tokens: int, count: Any, repeats: int) -> tu
                 _forward(model, ids, keep)
                 times[name].append(time.perf_counter() - start)
     finally:
-        _set(None, True)
+        _set(None, DEFAULT_TAILS)
     medians = {name: statistics.median(times[name][1:]) if name in times else None
                for name, _, _ in [UNHOOKED, *VARIANTS]}
     return medians, " + ".join(sorted(chosen))

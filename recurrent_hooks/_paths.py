@@ -3,8 +3,9 @@
 A call with hooks, writes or kept states ("busy") can run in several ways (`_dispatch._Tap._run_kernel`):
 - `Path.SEGMENTS`: the kernel bound before the watch on the pieces between the stops (the tokens with
   hooks, writes or kept states), chaining the state through its `initial_state` argument. A piece may end
-  with a short token loop from its last chunk boundary to its stop (`Choice.tails`): a chunked kernel pads
-  every call up to a multiple of its chunk, so a stop just past a boundary would pay for a whole chunk;
+  with a short token loop from its last chunk boundary to its stop (`Choice.tails`, only with `TAILS` on): a
+  chunked kernel pads every call up to a multiple of its chunk, so a stop just past a boundary pays for a whole
+  chunk;
 - `Path.STATES`: the library's chunk-wise all-states kernel (`Segments.all_states`), when every state is
   kept and gradients are off (with a hook at a few tokens, in segments around them);
 - `Path.BLOCKS`: a hook at every token, gradients off, with the states computed a block at a time by the
@@ -20,7 +21,8 @@ timed by). Each of three computations costs a sum of terms, each term a count ti
     states(T): the all-states kernel, in blocks of 16: per call, per block, per head-block, per head-token
                times 16 k, per state element per token
 (`kernel_terms`, `loop_terms`, `states_terms`; a head is one batch row's head, work = batch * heads). SEGMENTS
-is the sum over its pieces, each piece the cheaper of kernel(piece) and kernel(its whole chunks) + loop(rest);
+is the sum over its pieces, each piece kernel(piece) or, with `TAILS` on, the cheaper of that and kernel(its whole
+chunks) + loop(rest);
 STATES the sum of states(piece); BLOCKS states(T); LOOP loop(T). The constants are seconds, fitted by
 `benchmarks/paths.py --calibrate` on this project's machine (see `CONSTANTS`). Grad mode only decides what is
 available (no STATES or BLOCKS with gradients): its cost is not modelled.
@@ -35,13 +37,13 @@ Module contents:
 - `Shape`, `Constants`, `CONSTANTS`: the model's inputs and its fitted constants;
 - `costs(shape, tokens, stops)`: each path's estimate; `choose(kernel, busy, tokens, arguments)`: the choice;
 - `BY_COST` (False: the fixed rule for every kernel), `FORCE` (a path to take whenever it is available)
-  and `TAILS` (False: no token-loop tails): internal switches for the tests and the benchmark.
+  and `TAILS` (token-loop tails; off by default, see there): internal switches for the tests and the benchmark.
 """
 
 import dataclasses
 import enum
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -110,7 +112,11 @@ STATES_BLOCK = 16  # the all-states kernels' block of tokens
 
 BY_COST = True  # False: every kernel takes the fixed rule (the tests of each path use it)
 FORCE: Path | None = None  # internal (benchmarks): take this path whenever the call can
-TAILS = True  # internal (benchmarks): False runs every piece of SEGMENTS through the bound kernel, whole
+# Token-loop tails: off. At the kernel, on a quiet machine, a 65-token Mamba-2 piece (mamba2-130m dims, chunk 256)
+# took 35 ms through the token loop and 50 ms through the kernel; in whole forwards (benchmarks/paths.py, T = 1024,
+# 8 positions) segments with tails measured 1.09, 1.10 and 1.12 x the whole pieces in three runs: the Python loop
+# slows more than the kernel on the shared machine. True: a piece ends in a tail where the estimate says it pays.
+TAILS = False
 
 
 def kernel_terms(shape: Shape, tokens: int) -> list[float]:
@@ -187,16 +193,17 @@ def segments_cost(shape: Shape, tokens: int, stops: Iterable[int]) -> tuple[floa
     return total, tuple(tails)
 
 
-def costs(shape: Shape, tokens: int, stops: list[int], every_state: bool = False) -> dict[Path, float]:
-    """Each path's estimated seconds for a call of `tokens` tokens stopping at `stops` (every path, available
-    or not; `every_state`: the kept states are every token's, so SEGMENTS stops at every token)."""
-    segment_stops = range(tokens) if every_state else stops
-    return {
-        Path.SEGMENTS: segments_cost(shape, tokens, segment_stops)[0],
-        Path.STATES: sum(states_cost(shape, end - start) for start, end in pieces(stops, tokens)),
-        Path.BLOCKS: states_cost(shape, tokens),
-        Path.LOOP: loop_cost(shape, tokens),
-    }
+def _estimates(shape: Shape, tokens: int, stops: Iterable[int]) -> dict[Path, Callable[[], float]]:
+    """Each path's estimate, as a function (a choice computes only those of the paths it can take)."""
+    return {Path.SEGMENTS: lambda: segments_cost(shape, tokens, stops)[0],
+            Path.STATES: lambda: sum(states_cost(shape, end - start) for start, end in pieces(stops, tokens)),
+            Path.BLOCKS: lambda: states_cost(shape, tokens),
+            Path.LOOP: lambda: loop_cost(shape, tokens)}
+
+
+def costs(shape: Shape, tokens: int, stops: Iterable[int]) -> dict[Path, float]:
+    """Each path's estimated seconds for a call of `tokens` tokens stopping at `stops` (available or not)."""
+    return {path: estimate() for path, estimate in _estimates(shape, tokens, stops).items()}
 
 
 def _fixed_rule(stops: set[int], every_state: bool, tokens: int) -> Choice | None:
@@ -236,8 +243,8 @@ def choose(kernel: Kernel, busy: list[Any], tokens: int, arguments: dict[str, An
         available = [Path.LOOP] + ([Path.BLOCKS] if all_states and not grad else [])
     else:
         available = [Path.LOOP, Path.STATES if every_state else Path.SEGMENTS]
-    estimates = costs(shape, tokens, sorted(stops), every_state)
-    path = FORCE if FORCE in available else min(available, key=estimates.__getitem__)
+    estimate = _estimates(shape, tokens, stops)
+    path = FORCE if FORCE in available else min(available, key=lambda p: estimate[p]())
     if path is Path.LOOP:
         return None
     if path is Path.SEGMENTS:

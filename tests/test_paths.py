@@ -113,16 +113,22 @@ def test_never_blocks_without_all_states(force, monkeypatch):
     assert path_of(blocks) in ((Path.BLOCKS,) if force else (Path.BLOCKS, Path.LOOP))
 
 
-def test_a_stop_just_past_a_chunk_boundary_ends_with_a_token_loop():
-    """Mamba-2 at mamba2-130m dims, chunk 256: a stop at token 300 runs the kernel on [0, 256) and the token loop
-    on [256, 301), rather than the kernel on a piece padded to 512 tokens."""
-    choice = rh_paths.choose(SSD, [keeping(300)], 1024, ssd_arguments(1, 1024, 24, 64, 128, 256), grad=False)
+def test_a_stop_just_past_a_chunk_boundary_ends_with_a_token_loop(monkeypatch):
+    """Mamba-2 at mamba2-130m dims, chunk 256, tails on: a stop at token 300 runs the kernel on [0, 256) and the
+    token loop on [256, 301), rather than the kernel on a piece padded to 512 tokens. Off (the default), not."""
+    arguments = ssd_arguments(1, 1024, 24, 64, 128, 256)
+    monkeypatch.setattr(rh_paths, "TAILS", False)
+    assert rh_paths.choose(SSD, [keeping(300)], 1024, arguments, grad=False) == rh_paths.Choice(Path.SEGMENTS, [300],
+                                                                                                False, ())
+    monkeypatch.setattr(rh_paths, "TAILS", True)
+    choice = rh_paths.choose(SSD, [keeping(300)], 1024, arguments, grad=False)
     assert path_of(choice) is Path.SEGMENTS
     assert (256, 301) in choice.tails
     assert all(start % 256 == 0 or start in (0, 301) for start, _ in choice.tails)
 
 
 def test_tails_are_only_taken_when_cheaper(monkeypatch):
+    monkeypatch.setattr(rh_paths, "TAILS", True)
     shape = rh_paths.Shape("ssd", 1, 24, 64, 128, 256)
     for start, end in rh_paths.pieces([300, 700], 1024):
         cost, tail = rh_paths._piece(shape, start, end)
@@ -198,6 +204,7 @@ def test_tails_at_the_kernel_equal_the_token_loop():
 def _cheap_tails(monkeypatch):
     """Constants that make every tail cheaper than a chunk: segments end in token loops wherever they can."""
     monkeypatch.setattr(rh_paths, "FORCE", Path.SEGMENTS)
+    monkeypatch.setattr(rh_paths, "TAILS", True)
     cheap = rh_paths.Constants(kernel=(0.0, 1.0, 0.0, 0.0, 0.0), loop=(0.0, 1e-3, 0.0, 0.0),
                                states=(0.0, 1.0, 0.0, 0.0, 0.0))
     monkeypatch.setitem(rh_paths.CONSTANTS, "ssd", cheap)
@@ -278,7 +285,7 @@ def test_quick_paths_benchmark_runs(capsys):
     threads = torch.get_num_threads()
     assert module.main(["--quick"]) == 0
     assert torch.get_num_threads() == threads
-    assert rh_paths.FORCE is None and rh_paths.TAILS
+    assert rh_paths.FORCE is None and rh_paths.TAILS is module.DEFAULT_TAILS
     out = capsys.readouterr().out
     for word in ("segments", "token loop", "chosen", "gdn_tiny", "mamba2_tiny"):
         assert word in out, f"the benchmark printed no {word!r}:\n{out}"
