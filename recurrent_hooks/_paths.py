@@ -114,8 +114,9 @@ BY_COST = True  # False: every kernel takes the fixed rule (the tests of each pa
 FORCE: Path | None = None  # internal (benchmarks): take this path whenever the call can
 # Token-loop tails: off. At the kernel, on a quiet machine, a 65-token Mamba-2 piece (mamba2-130m dims, chunk 256)
 # took 35 ms through the token loop and 50 ms through the kernel; in whole forwards (benchmarks/paths.py, T = 1024,
-# 8 positions) segments with tails measured 1.09, 1.10 and 1.12 x the whole pieces in three runs: the Python loop
-# slows more than the kernel on the shared machine. True: a piece ends in a tail where the estimate says it pays.
+# 8 positions) segments with tails measured 0.98 to 1.12 x the whole pieces over five runs, gdn_small (T = 512)
+# 0.81 to 1.12: no gain above the noise (docs/performance.md). True: a piece ends in a tail where the estimate
+# says it pays.
 TAILS = False
 
 
