@@ -54,7 +54,6 @@ from ._kernels import Kernel
 from ._loops import OnToken
 
 BLOCK = 64  # tokens per chunk-wise call (see the module docstring)
-BLOCKS = "blocks"  # what `_dispatch._fast_path` returns for this path (`_paths.Path.BLOCKS.value`)
 
 
 def replaced(handed: Tensor, version: int, returned: Tensor) -> bool:
@@ -130,13 +129,14 @@ def state_size(kind: Any, kernel: Kernel, arguments: dict[str, Any]) -> int | No
 SIZE_LIMIT: int | None = None  # None: each kernel's `Segments.blocks_below`; an int overrides it (tests, benchmark)
 
 
-def blocks_apply(kernel: Kernel, kind: Any, arguments: dict[str, Any]) -> bool:
+def blocks_apply(kernel: Kernel, kind: Any, arguments: dict[str, Any], grad: bool | None = None) -> bool:
     """Whether a prompt call of `kernel` with a hook on every token runs in blocks: the kernel has `all_states`,
-    gradients are off, no inference mode, not compiling, and the call's state is small enough that blocks beat the token loop
+    gradients are off (`grad`, default: torch's grad mode), no inference mode, not compiling, and the call's
+    state is small enough that blocks beat the token loop
     (`Segments.blocks_below`, measured: at larger states writing and reading every state of a block through
     memory costs more than the token loop's per-token Python steps, which find the state in the cache)."""
     segments = kernel.segments
-    if segments is None or segments.all_states is None or torch.is_grad_enabled() \
+    if segments is None or segments.all_states is None or (torch.is_grad_enabled() if grad is None else grad) \
             or torch.is_inference_mode_enabled() or torch.compiler.is_compiling():
         return False  # (a compiled graph has no version counters, and would unroll every block)
     limit = segments.blocks_below if SIZE_LIMIT is None else SIZE_LIMIT

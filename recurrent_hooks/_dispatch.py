@@ -3,11 +3,13 @@
 Module contents:
 - `attach(mixer)`: attach a `RecurrentMixer` to its module's `_Tap` (module pre/post-forward hooks).
 - `make_dispatcher(kind)`: for `_patching.acquire_kernels`, the function bound in place of each kernel.
-- `_Tap.run_kernel`: the plans of the attached mixers decide: nothing wanted runs the bound kernel; a
-  few tokens run it in segments between them (`_run_in_segments`), or the library's loop with `stops` for
-  a kernel that computes fast between stops itself (`Kernel.stops`); every state kept without gradients
-  runs the chunk-wise kernel; a hook on every token without gradients runs the chunk-wise kernel a block
-  at a time (`_blocks.run_in_blocks`); otherwise the token loop runs, calling the plans after each token.
+- `_Tap.run_kernel`: the plans of the attached mixers decide: nothing wanted runs the bound kernel; a busy
+  call takes the path `_paths.choose` estimates cheapest from its shapes (`_fast_path`): the bound kernel in
+  segments between the stops (`_run_in_segments`, a piece maybe ending in a token loop from its last chunk
+  boundary), or the library's loop with `stops` for a kernel that computes fast between stops itself
+  (`Kernel.stops`); every state kept without gradients can run the chunk-wise kernel, and a hook on every token
+  the chunk-wise kernel a block at a time (`_blocks.run_in_blocks`); otherwise the token loop runs, calling
+  the plans after each token.
 - `FAST_PATHS`: False makes every busy call run the token loop (the tests compare both).
 """
 
@@ -23,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _blocks
+from . import _blocks, _paths
 from ._calls import KernelCall
 from ._kernels import CONV_MEMORY, FORWARD, Kernel, Layout
 from ._mixer import RecurrentMixer, _Forward, _Plan
@@ -247,14 +249,13 @@ class _Tap:
             extra = {"tokens": tokens} if kernel.seq == FORWARD else {}
             if "original" in kernel.layout.named:  # a loop that reads settings the kernel captured
                 extra["original"] = original
-            if fast is _blocks.BLOCKS:  # a hook on every token: the states chunk-wise, a block at a time
+            if fast is not None and fast.path is _paths.Path.BLOCKS:  # the states chunk-wise, a block at a time
                 result = _blocks.run_in_blocks(kernel, args, kwargs, on_token)
             elif fast is not None and kernel.segments is None:  # the loop computes fast between the stops itself
-                result = kernel.loop(*args, on_token=on_token, stops=fast[0], **extra, **kwargs)
+                result = kernel.loop(*args, on_token=on_token, stops=fast.stops, **extra, **kwargs)
             elif fast is not None:
-                stops, every_state = fast
-                result = _run_in_segments(kernel, original, args, kwargs, stops, on_token,
-                                          [plan for plan in keeping if every_state])
+                result = _run_in_segments(kernel, original, args, kwargs, fast.stops, fast.tails, on_token,
+                                          [plan for plan in keeping if fast.every_state])
             else:
                 result = kernel.loop(*args, on_token=on_token, **extra, **kwargs)
             if kernel.memory == CONV_MEMORY and kernel.role == "prompt" and last:
@@ -305,34 +306,22 @@ FAST_PATHS = True  # False: every call that is not idle runs the token loop (the
 
 
 def _fast_path(kernel: Kernel, busy: list[_Plan], tokens: int,
-               arguments: dict[str, Any]) -> tuple[list[int], bool] | str | None:
-    """How a busy call can skip the token loop: the tokens to stop at, and whether every state is kept
-    chunk-wise in between; `_blocks.BLOCKS` for a hook on every token that can run in blocks (`_blocks`);
-    None when it cannot (a hook at every token otherwise, too many stops, no segments)."""
-    if not FAST_PATHS or (kernel.segments is None and not kernel.stops):
+               arguments: dict[str, Any] | None = None) -> _paths.Choice | None:
+    """How a busy call runs (`_paths.choose`: the cheapest path by its shapes); None: the token loop."""
+    if not FAST_PATHS:
         return None
-    all_states = kernel.segments is not None and kernel.segments.all_states is not None
-    stops: set[int] = set()
-    every_state = False
-    for plan in busy:
-        if any(positions is None for _, positions in plan.hooks):  # a hook on every token
-            return _blocks.BLOCKS if _blocks.blocks_apply(kernel, type(plan.mixer), arguments) else None
-        stops.update(p for _, positions in plan.hooks for p in positions)
-        if plan.keep and len(plan.keep) == tokens and all_states \
-                and not torch.is_grad_enabled():
-            every_state = True
-        elif plan.keep:
-            stops.update(plan.keep)
-    # each segment costs a kernel call; beyond about one stop per 32 tokens, the token loop is cheaper
-    return (sorted(stops), every_state) if len(stops) <= max(8, tokens // 32) else None
+    return _paths.choose(kernel, busy, tokens, arguments)
 
 
 def _run_in_segments(kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict, stops: list[int],
-                     on_token: Callable[[int, Tensor], Tensor], keeping_all: list[_Plan]) -> Any:
+                     tails: tuple[tuple[int, int], ...], on_token: Callable[[int, Tensor], Tensor],
+                     keeping_all: list[_Plan]) -> Any:
     """Run `original` on the tokens between the stops, chaining the state through `on_token` at each stop.
 
-    With `keeping_all`, the pieces run through the kernel's chunk-wise `all_states` version instead, and
-    the states of the tokens between the stops go to those plans.
+    The token ranges `tails` (`[start, end)`, each inside one piece and ending it) run through the library's
+    token loop instead, from the piece's last chunk boundary to its stop (`_paths.Choice.tails`). With
+    `keeping_all`, the pieces run through the kernel's chunk-wise `all_states` version instead, and the
+    states of the tokens between the stops go to those plans.
     """
     segments = kernel.segments
     run = segments.all_states if keeping_all else original
@@ -342,9 +331,10 @@ def _run_in_segments(kernel: Kernel, original: Callable[..., Any], args: tuple, 
     wants_final = bool(bound.get(segments.final_flag, False))
     tokens = kernel.tokens(bound, 0)
     state = bound.get(segments.state_in)
+    looped = dict(tails)  # start -> end of each range the token loop runs
     outputs = []
     start = 0
-    for end in [*(stop + 1 for stop in stops), tokens]:
+    for end in sorted({*(stop + 1 for stop in stops), *looped, tokens}):
         if end <= start:
             continue
         piece = {name: (value.narrow(segments.per_token[name], start, end - start)
@@ -355,6 +345,8 @@ def _run_in_segments(kernel: Kernel, original: Callable[..., Any], args: tuple, 
             (out, state), states = run(*leading, **piece, **extra)
             for plan in keeping_all:
                 plan.kept.update((start + i, states[i]) for i in range(end - start))
+        elif looped.get(start) == end:
+            out, state = kernel.loop(*leading, **piece, **extra)
         else:
             out, state = run(*leading, **piece, **extra)
         outputs.append(out)

@@ -65,6 +65,8 @@ class Segments:
     - `blocks_below`: a hook on every token runs `all_states` a block at a time (`_blocks`) when the call's state
       has at most this many elements (batch included), measured to be where that beats the token loop
       (`benchmarks/blocks.py`); 0: never.
+    - `shape`: the call's cost-relevant shape (`_paths.Shape`) from its bound arguments, by which `_paths`
+      chooses the cheapest path; None: the fixed rule (segments for at most max(8, T / 32) stops).
     """
 
     per_token: dict[str, int]
@@ -74,6 +76,7 @@ class Segments:
     tuple_without_final: bool
     all_states: Callable[..., Any] | None = None
     blocks_below: int = 0
+    shape: Callable[[dict[str, Any]], Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

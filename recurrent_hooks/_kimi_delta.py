@@ -38,8 +38,9 @@ from torch import Tensor
 
 from ._conv import CONV_KERNELS
 from ._kernels import Role
-from ._gated_delta_net import GatedDeltaNet, _gated_delta_rule, _gated_delta_rule_states
+from ._gated_delta_net import GatedDeltaNet, _cost_shape as _gated_cost_shape, _gated_delta_rule, _gated_delta_rule_states
 from ._loops import OnToken
+from ._paths import Shape
 
 
 def chunk_kimi_delta_attention(
@@ -100,6 +101,12 @@ def recurrent_kimi_delta_attention(
                              use_qk_l2norm_in_kernel, on_token, kwargs, kimi=True)
 
 
+def _cost_shape(arguments: dict[str, Any]) -> Shape:
+    """As gated DeltaNet's, timed by Kimi's constants: transformers' kernel inverts each chunk's system by a
+    Python loop over its rows, a larger cost per call."""
+    return dataclasses.replace(_gated_cost_shape(arguments), constants="kimi delta")
+
+
 class KimiDeltaAttention(GatedDeltaNet):
     """A Kimi delta attention mixer (kimi_linear, bailing_hybrid, glm5_next).
 
@@ -117,7 +124,8 @@ class KimiDeltaAttention(GatedDeltaNet):
         dataclasses.replace(GatedDeltaNet.kernel_for(Role.PROMPT), name="chunk_kimi_delta_attention",
                             loop=chunk_kimi_delta_attention,
                             segments=dataclasses.replace(GatedDeltaNet.kernel_for(Role.PROMPT).segments,
-                                                         all_states=chunk_kimi_delta_attention_states)),
+                                                         all_states=chunk_kimi_delta_attention_states,
+                                                         shape=_cost_shape)),
         dataclasses.replace(GatedDeltaNet.kernel_for(Role.DECODE), name="recurrent_kimi_delta_attention",
                             loop=recurrent_kimi_delta_attention),
         *CONV_KERNELS,

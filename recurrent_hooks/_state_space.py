@@ -60,13 +60,14 @@ from ._conv import CONV_KERNELS
 from ._calls import KernelCall
 from ._kernels import Kernel, Role, Segments
 from ._mixer import RecurrentMixer
+from ._paths import Shape
 from ._loops import OnToken, causal_decay, starting_state
 from ._selective_scan import discrete_step, refuse_mamba_packed, step_size
 
 
 def _per_head(v: Float[Tensor, "*lead groups d_state"], heads: int) -> Float[Tensor, "*lead heads d_state"]:
     """B or C for every head, float32: head h reads group h // (heads // groups)."""
-    return repeat(v.float(), "... g n -> ... (g r) n", r=heads // v.shape[-2])
+    return repeat(v.float(), "... g n -> ... (g r) n", r=heads // v.shape[-2]).contiguous()  # token-major (see below)
 
 
 def discretize(
@@ -149,7 +150,9 @@ def mamba2_chunk_scan(
     """
     refuse_mamba_packed(kwargs)
     heads = hidden_states.shape[2]
-    x = hidden_states.float()
+    # a token-major copy: the mixers hand over a view whose token axis is the fastest (the conv output
+    # transposed), which makes every step of the loop a strided gather (1.8x slower at mamba2-130m dims)
+    x = hidden_states.float().contiguous()
     delta = step_size(dt, dt_bias, dt_softplus, dt_limit)  # b t h
     y, state = _ssd(x, delta[..., None], A.float()[:, None, None], _per_head(B, heads), _per_head(C, heads),
                     initial_states, on_token)
@@ -255,6 +258,12 @@ def mamba2_selective_state_update(
     return y.to(hidden_states.dtype)
 
 
+def _cost_shape(arguments: dict[str, Any]) -> Shape:
+    """The prompt kernel call's shape for the cost model (`_paths`): transformers' kernel pads to `chunk_size`."""
+    batch, _, heads, head_dim = arguments["hidden_states"].shape
+    return Shape("ssd", batch, heads, head_dim, arguments["B"].shape[-1], arguments["chunk_size"])
+
+
 class StateSpace(RecurrentMixer):
     """A Mamba-2 mixer (mamba2, bamba, falcon_h1, granitemoehybrid, nemotron_h, zamba2).
 
@@ -278,7 +287,8 @@ class StateSpace(RecurrentMixer):
                segments=Segments(per_token={name: 1 for name in ("hidden_states", "dt", "B", "C")},
                                  state_in="initial_states", final_flag="return_final_states", out_axis=1,
                                  tuple_without_final=False, all_states=mamba2_chunk_scan_states,
-                                 blocks_below=24576)),  # 24 heads of 64 x 16 at batch 1 (docs/performance.md)
+                                 blocks_below=24576,  # 24 heads of 64 x 16 at batch 1 (docs/performance.md)
+                                 shape=_cost_shape)),
         # one token over the cached state, which it updates in place
         Kernel(name="mamba2_selective_state_update", role=Role.DECODE, loop=mamba2_selective_state_update,
                state_in="state", results=("output",), in_place=True),

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import recurrent_hooks._dispatch as dispatch_impl
+import recurrent_hooks._paths as paths_impl
 import recurrent_hooks._patching as patching
 import recurrent_hooks._threads as threads_impl
 import recurrent_hooks._watch as watch_impl
@@ -11,6 +12,14 @@ import recurrent_hooks._watch as watch_impl
 
 # The test models are tiny: one thread is several times faster than two threads contending for two cores.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def fixed_path_rule(monkeypatch):
+    """The fixed rule picks the paths (a few stops: segments): at the test models' tiny dims the cost model would
+    pick the token loop nearly always, and the tests of each fast path would not test it. tests/test_paths.py
+    turns the cost model back on where it tests it."""
+    monkeypatch.setattr(paths_impl, "BY_COST", False)
 
 
 @pytest.fixture(autouse=True)

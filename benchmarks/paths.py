@@ -1,0 +1,322 @@
+"""Benchmark and calibration of the cost model that chooses a busy call's path (`recurrent_hooks/_paths.py`).
+
+    python benchmarks/paths.py               # the rows: each path's time, forced, and the one chosen
+    python benchmarks/paths.py --quick       # a smoke run, a few seconds (run by the tests)
+    python benchmarks/paths.py --calibrate   # time the kernels over a grid of shapes, fit and print CONSTANTS
+
+Rows: a model forward (random weights, 2 recurrent layers, `torch.no_grad()`, 1 thread: see `--threads`) asked for states at
+some positions. Each path is forced in turn (`_paths.FORCE`; "segments" with the token-loop tails on,
+`_paths.TAILS = True`, "segments, whole" with them off, the default); the paths are timed in interleaved rounds and each time is the median over the
+rounds, with the unhooked forward (no watch) timed in the same rounds. "chosen" is the path the cost model picks
+for the row's calls; the check is that its time is within 10% of the fastest path's. A path the call cannot take
+is "-"; "segments" is "segments, whole" again when no piece ends in a tail (the chosen path is "segments" only
+when one does).
+
+Calibration: each path of each kernel alone (the bound transformers kernel on a whole call, the library's
+token loop with an identity `on_token`, the library's all-states kernel), best of 5 per shape; the
+constants of each path come from a non-negative least-squares fit of its terms (`_paths.kernel_terms` ...)
+to the times, weighted by 1/time (a fit on relative error). One torch thread by default: on this machine, shared
+by several jobs, two threads contending for two cores made single timings vary by 100x.
+"""
+
+import argparse
+import math
+import pathlib
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import scipy.optimize
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # this checkout's package
+import recurrent_hooks as rh  # noqa: E402
+import recurrent_hooks._paths as paths  # noqa: E402
+from recurrent_hooks._gated_delta_net import GatedDeltaNet  # noqa: E402
+from recurrent_hooks._state_space import StateSpace  # noqa: E402
+
+VOCAB = 1024
+
+
+# -- calibration --------------------------------------------------------------------------------------------------
+
+def _gdn_call(batch: int, seq: int, heads: int, dim: int, chunk: int) -> tuple[Any, Callable, tuple, dict]:
+    """The gated DeltaNet prompt kernel's row, the bound kernel, and a call's arguments."""
+    import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch, seq, heads, dim, generator=gen) for _ in range(3))
+    g, beta = -torch.rand(batch, seq, heads, generator=gen), torch.rand(batch, seq, heads, generator=gen)
+    kwargs = dict(initial_state=torch.zeros(batch, heads, dim, dim), output_final_state=True,
+                  use_qk_l2norm_in_kernel=True)
+    return GatedDeltaNet.kernel_for("prompt"), modeling.torch_chunk_gated_delta_rule, (q, k, v, g, beta), kwargs
+
+
+def _ssd_call(batch: int, seq: int, heads: int, dim: int, chunk: int, d_state: int = 0) -> tuple[Any, Callable, tuple, dict]:
+    """The Mamba-2 prompt kernel's row, the bound kernel, and a call's arguments (`dim`: head_dim; d_state = 2 dim
+    unless given)."""
+    import transformers.models.mamba2.modeling_mamba2 as modeling
+
+    d_state = d_state or 2 * dim
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, seq, heads, dim, generator=gen)
+    dt = torch.randn(batch, seq, heads, generator=gen)
+    B, C = (torch.randn(batch, seq, 1, d_state, generator=gen) for _ in range(2))
+    A = -torch.rand(heads, generator=gen)
+    kwargs = dict(D=torch.ones(heads), dt_bias=torch.zeros(heads), initial_states=torch.zeros(batch, heads, dim, d_state),
+                  dt_softplus=True, return_final_states=True)
+    return StateSpace.kernel_for("prompt"), modeling.mamba2_chunk_scan, (x, dt, A, B, C, chunk), kwargs
+
+
+def _kimi_call(batch: int, seq: int, heads: int, dim: int, chunk: int) -> tuple[Any, Callable, tuple, dict]:
+    """The Kimi delta attention prompt kernel's row, the bound kernel, and a call's arguments."""
+    import transformers.models.kimi_linear.modeling_kimi_linear as modeling
+    from recurrent_hooks._kimi_delta import KimiDeltaAttention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch, seq, heads, dim, generator=gen) for _ in range(3))
+    g, beta = -torch.rand(batch, seq, heads, dim, generator=gen), torch.rand(batch, seq, heads, generator=gen)
+    kwargs = dict(initial_state=torch.zeros(batch, heads, dim, dim), output_final_state=True,
+                  use_qk_l2norm_in_kernel=True)
+    return KimiDeltaAttention.kernel_for("prompt"), modeling.chunk_kimi_delta_attention, (q, k, v, g, beta), kwargs
+
+
+CALLS = {"delta rule": _gdn_call, "ssd": _ssd_call, "kimi delta": _kimi_call}
+# (batch, heads, dim, chunk) per kernel, and the lengths each path is timed at
+GRID = {
+    "delta rule": [(1, 4, 16, 64), (8, 4, 16, 64), (64, 4, 16, 64), (1, 8, 64, 64), (16, 8, 64, 64),
+                   (64, 8, 64, 64), (1, 32, 128, 64)],
+    "ssd": [(1, 4, 16, 16), (8, 4, 16, 16), (64, 4, 16, 16), (1, 8, 32, 64), (64, 8, 32, 64), (1, 24, 64, 256),
+            (8, 24, 64, 256)],
+    "kimi delta": [(1, 4, 16, 64), (64, 4, 16, 64), (1, 8, 64, 64), (16, 8, 64, 64), (1, 32, 128, 64)],
+}
+LENGTHS = {"kernel": (25, 64, 200, 512), "loop": (16, 64), "states": (16, 64, 256)}
+KERNEL_ELEMENTS = 2**27  # the bound kernel is timed up to batch * T * heads * k * v of this
+STATES_BYTES = 128 * 2**20  # the all-states kernel is timed up to this many bytes of states
+QUICK_GRID = {"delta rule": [(1, 4, 16, 64), (8, 4, 16, 64)], "ssd": [(1, 4, 16, 16), (8, 4, 16, 16)],
+              "kimi delta": [(1, 4, 16, 64)]}
+QUICK_LENGTHS = {"kernel": (16, 40), "loop": (8, 16), "states": (16, 32)}
+
+
+def _best(fn: Callable[[], Any], reps: int = 5) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+TERMS = {"kernel": paths.kernel_terms, "loop": paths.loop_terms, "states": paths.states_terms}
+
+
+def calibrate(quick: bool) -> dict[str, paths.Constants]:
+    """Time each path of each kernel over the grid, fit the constants, print them as `_paths.CONSTANTS` reads."""
+    fitted = {}
+    for name, make in CALLS.items():
+        rows: dict[str, list[tuple[list[float], float]]] = {"kernel": [], "loop": [], "states": []}
+        for batch, heads, dim, chunk in (QUICK_GRID if quick else GRID)[name]:
+            for path, lengths in (QUICK_LENGTHS if quick else LENGTHS).items():
+                for seq in lengths:
+                    kernel, original, args, kwargs = make(batch, seq, heads, dim, chunk)
+                    shape = kernel.segments.shape(kernel.bind(args, kwargs))
+                    if path == "kernel" and batch * seq * heads * shape.key_dim * shape.value_dim > KERNEL_ELEMENTS:
+                        continue
+                    if path == "states" and 4 * batch * seq * heads * shape.key_dim * shape.value_dim > STATES_BYTES:
+                        continue
+                    if path == "kernel":
+                        fn = lambda: original(*args, **kwargs)
+                    elif path == "loop":
+                        fn = lambda: kernel.loop(*args, on_token=lambda t, s: s, **kwargs)
+                    else:
+                        fn = lambda: kernel.segments.all_states(*args, **kwargs)
+                    fn()  # warm-up
+                    seconds = _best(fn)
+                    rows[path].append((TERMS[path](shape, seq), seconds))
+                    print(f"  {name:10} {path:6} batch {batch:3} heads {heads:2} dims {shape.key_dim}x{shape.value_dim}"
+                          f" chunk {chunk:3} T {seq:4}: {seconds * 1e3:8.2f} ms", flush=True)
+        coefficients = {}
+        for path, data in rows.items():
+            terms = np.array([t for t, _ in data])
+            times = np.array([s for _, s in data])
+            solution, _ = scipy.optimize.nnls(terms / times[:, None], np.ones(len(times)))
+            coefficients[path] = solution
+            worst = max(abs(t @ solution / s - 1) for t, s in zip(terms, times))
+            print(f"  {name} {path}: fit {', '.join(f'{c:.2e}' for c in solution)}; worst relative error {worst:.0%}")
+        fitted[name] = paths.Constants(**{path: tuple(float(c) for c in coefficients[path]) for path in TERMS})
+    print("CONSTANTS = {")
+    for name, c in fitted.items():
+        fields = ", ".join(f"{path}=({', '.join(f'{x:.2g}' for x in getattr(c, path))})" for path in TERMS)
+        print(f"    {name!r}: Constants({fields}),")
+    print("}")
+    return fitted
+
+
+# -- the rows -----------------------------------------------------------------------------------------------------
+
+def _gdn(hidden: int, key_heads: int, value_heads: int, head_dim: int) -> Any:
+    import transformers
+
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        layer_types=["linear_attention"] * 2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        linear_conv_kernel_dim=4, linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
+        linear_num_key_heads=key_heads, linear_num_value_heads=value_heads, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)
+    return transformers.Qwen3_5ForCausalLM(config)
+
+
+def _mamba2(hidden: int, heads: int, head_dim: int, state: int, chunk: int) -> Any:
+    import transformers
+
+    config = transformers.Mamba2Config(
+        vocab_size=VOCAB, hidden_size=hidden, num_heads=heads, head_dim=head_dim, expand=2, state_size=state,
+        n_groups=1, chunk_size=chunk, conv_kernel=4, num_hidden_layers=2, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)
+    return transformers.Mamba2ForCausalLM(config)
+
+
+MODELS = {
+    "gdn_tiny": ("gated DeltaNet, hidden 64, 4 value heads of 16", lambda: _gdn(64, 2, 4, 16)),
+    "gdn_small": ("gated DeltaNet, hidden 256, 8 value heads of 64", lambda: _gdn(256, 4, 8, 64)),
+    "mamba2_tiny": ("Mamba-2, hidden 64, 4 heads of 32, state 16, chunk 16", lambda: _mamba2(64, 4, 32, 16, 16)),
+    "mamba2": ("Mamba-2, mamba2-130m dims: hidden 768, 24 heads of 64, state 128, chunk 256",
+               lambda: _mamba2(768, 24, 64, 128, 256)),
+}
+
+
+def spread(count: int, tokens: int) -> list[int]:
+    """`count` positions spread over the tokens (the middle of each of `count` equal parts)."""
+    return sorted({min(tokens - 1, int((i + 0.5) * tokens / count)) for i in range(count)})
+
+
+# (model, batch, T, positions kept: a number spread over the tokens, or "all")
+ROWS = [
+    ("gdn_tiny", 64, 25, 1), ("gdn_tiny", 64, 25, 12), ("gdn_tiny", 64, 25, "all"), ("gdn_tiny", 1, 512, 8),
+    ("gdn_small", 64, 25, 1), ("gdn_small", 64, 25, 12), ("gdn_small", 1, 512, 8), ("gdn_small", 1, 512, 64),
+    ("mamba2_tiny", 64, 25, 1), ("mamba2_tiny", 64, 25, 12), ("mamba2_tiny", 1, 512, 8),
+    ("mamba2", 1, 512, 8), ("mamba2", 1, 1024, 8), ("mamba2", 1, 2048, 8), ("mamba2", 8, 64, 4),
+]
+QUICK_ROWS = [("gdn_tiny", 4, 25, 1), ("gdn_tiny", 4, 25, 12), ("gdn_tiny", 4, 25, "all"), ("mamba2_tiny", 4, 40, 3)]
+
+UNHOOKED = ("unhooked", None, True)  # the forward without a watch: what the issue's ratios divide by
+VARIANTS = [("segments", paths.Path.SEGMENTS, True), ("segments, whole", paths.Path.SEGMENTS, False),
+            ("chunk-wise states", paths.Path.STATES, True), ("token loop", paths.Path.LOOP, True)]
+
+
+def _forward(model: Any, ids: torch.Tensor, keep: Any) -> None:
+    with rh.watch(model, keep={"states": keep}):
+        model(ids, use_cache=False)
+
+
+def _taken(model: Any, ids: torch.Tensor, keep: Any) -> set[str]:
+    """The paths the calls of one forward take, forced as set now (from `_paths.choose`)."""
+    seen: set[str] = set()
+    real = paths.choose
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        choice = real(*args, **kwargs)
+        seen.add("token loop" if choice is None else choice.path.value if choice.path is not paths.Path.SEGMENTS
+                 else "segments" if choice.tails else "segments, whole")
+        return choice
+
+    paths.choose = spy
+    try:
+        _forward(model, ids, keep)
+    finally:
+        paths.choose = real
+    return seen
+
+
+DEFAULT_TAILS = paths.TAILS
+
+
+def _set(force: paths.Path | None, tails: bool) -> None:
+    paths.FORCE, paths.TAILS = force, tails
+
+
+def run_row(model: Any, batch: int, tokens: int, count: Any, repeats: int) -> tuple[dict[str, float | None], str]:
+    """Each variant's median time (None: the call cannot take it) and the path chosen."""
+    ids = torch.randint(3, VOCAB, (batch, tokens), generator=torch.Generator().manual_seed(0))
+    keep = list(range(tokens)) if count == "all" else spread(count, tokens)
+    runnable = []
+    for name, force, tails in VARIANTS:
+        _set(force, tails)
+        taken = _taken(model, ids, keep)
+        # a forced path that the call cannot take (forced segments whose pieces are all token loops take the loop)
+        wanted = {"segments": {"segments", "segments, whole"}, "segments, whole": {"segments", "segments, whole"}
+                  }.get(name, {name})
+        if taken <= wanted:
+            runnable.append((name, force, tails))
+    _set(None, DEFAULT_TAILS)
+    chosen = _taken(model, ids, keep)
+    times: dict[str, list[float]] = {name: [] for name, _, _ in [UNHOOKED, *runnable]}
+    try:
+        for _ in range(repeats + 1):  # the first round warms up
+            start = time.perf_counter()
+            model(ids, use_cache=False)
+            times[UNHOOKED[0]].append(time.perf_counter() - start)
+            for name, force, tails in runnable:
+                _set(force, tails)
+                start = time.perf_counter()
+                _forward(model, ids, keep)
+                times[name].append(time.perf_counter() - start)
+    finally:
+        _set(None, DEFAULT_TAILS)
+    medians = {name: statistics.median(times[name][1:]) if name in times else None
+               for name, _, _ in [UNHOOKED, *VARIANTS]}
+    return medians, " + ".join(sorted(chosen))
+
+
+def rows(quick: bool, repeats: int) -> int:
+    """Print the rows; return the number of rows whose chosen path is more than 10% slower than the fastest."""
+    built: dict[str, Any] = {}
+    header = f"{'model':12} {'batch':>5} {'T':>5} {'kept':>5} | " + " ".join(
+        f"{n:>15}" for n, _, _ in [UNHOOKED, *VARIANTS])
+    print("ms per forward (median of rounds); chosen path; chosen / fastest path; chosen / unhooked")
+    print(header + " | chosen")
+    misses = 0
+    for key, batch, tokens, count in QUICK_ROWS if quick else ROWS:
+        if key not in built:
+            torch.manual_seed(0)
+            built[key] = MODELS[key][1]().eval()
+        with torch.no_grad():
+            medians, chosen = run_row(built[key], batch, tokens, count, repeats)
+        unhooked = medians.pop(UNHOOKED[0])
+        fastest = min(t for t in medians.values() if t is not None)
+        picked = [medians[name] for name in chosen.split(" + ") if medians.get(name) is not None]
+        ratio = max(picked) / fastest if picked else float("nan")
+        misses += not ratio <= 1.1
+        cells = " ".join(f"{'-':>15}" if t is None else f"{t * 1e3:15.1f}" for t in [unhooked, *medians.values()])
+        print(f"{key:12} {batch:5} {tokens:5} {count!s:>5} | {cells} | {chosen} {ratio:.2f}"
+              f" {max(picked) / unhooked if picked else float('nan'):.2f}"
+              + ("" if ratio <= 1.1 else "  MISS (> 1.1)"), flush=True)
+    return misses
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, one round: a smoke run")
+    parser.add_argument("--calibrate", action="store_true", help="time the kernels, fit and print the constants")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per row (default 5)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the constants' setting)")
+    args = parser.parse_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        with torch.no_grad():
+            if args.calibrate:
+                calibrate(args.quick)
+                return 0
+        misses = rows(args.quick, 1 if args.quick else args.repeats)
+        print(f"rows where the chosen path is more than 10% slower than the fastest: {misses}")
+        return 0
+    finally:
+        torch.set_num_threads(threads)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""The cost model that chooses a busy call's path (`recurrent_hooks/_paths.py`), and the token-loop tails of segments.
+
+- `choose` on declared shapes: the token loop at tiny dims with a large batch and short prompts, segments at
+  real dims with 8 stops, never the chunk-wise states with gradients on, never blocks without an all-states
+  kernel, a token-loop tail for a Mamba-2 stop just past a chunk boundary, the fixed rule when told;
+- segments with tails (`_dispatch._run_in_segments`) equal the token loop: outputs, final state, what the
+  stops are handed, at the kernel and through a watched model (outputs, kept states, hook inputs, writes,
+  cache contents, decode steps);
+- the cost model switched on end to end gives what the token loop gives;
+- `benchmarks/paths.py --quick` runs (no timing is asserted).
+"""
+
+import dataclasses
+import importlib.util
+import pathlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import recurrent_hooks as rh
+import recurrent_hooks._dispatch as rh_dispatch
+import recurrent_hooks._paths as rh_paths
+from _compare import assert_close, assert_equal
+from _models import PAD, build, random_ids
+from recurrent_hooks._gated_delta_net import GatedDeltaNet
+from recurrent_hooks._paths import Path
+from recurrent_hooks._state_space import StateSpace
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+GDN = GatedDeltaNet.kernel_for("prompt")
+SSD = StateSpace.kernel_for("prompt")
+
+
+@pytest.fixture(autouse=True)
+def by_cost(monkeypatch):
+    monkeypatch.setattr(rh_paths, "BY_COST", True)  # conftest sets the fixed rule for the other tests
+
+
+def _meta(*shape: int) -> torch.Tensor:
+    return torch.empty(*shape, device="meta")
+
+
+def gdn_arguments(batch: int, tokens: int, key_heads: int, heads: int, dim: int) -> dict:
+    return {"query": _meta(batch, tokens, key_heads, dim), "key": _meta(batch, tokens, key_heads, dim),
+            "value": _meta(batch, tokens, heads, dim), "g": _meta(batch, tokens, heads),
+            "beta": _meta(batch, tokens, heads)}
+
+
+def ssd_arguments(batch: int, tokens: int, heads: int, head_dim: int, d_state: int, chunk: int) -> dict:
+    return {"hidden_states": _meta(batch, tokens, heads, head_dim), "dt": _meta(batch, tokens, heads),
+            "B": _meta(batch, tokens, 1, d_state), "C": _meta(batch, tokens, 1, d_state), "chunk_size": chunk}
+
+
+def keeping(*tokens: int, kind: type = GatedDeltaNet) -> SimpleNamespace:
+    return SimpleNamespace(hooks=[], keep=frozenset(tokens), mixer=object.__new__(kind))
+
+
+def hooked(tokens: frozenset[int] | None, kind: type = GatedDeltaNet) -> SimpleNamespace:
+    """A plan with one hook at `tokens` (None: every token), of a mixer of `kind` (only its type is read)."""
+    return SimpleNamespace(hooks=[(None, tokens)], keep=None, mixer=object.__new__(kind))
+
+
+def spread(count: int, tokens: int) -> list[int]:
+    return sorted({min(tokens - 1, int((i + 0.5) * tokens / count)) for i in range(count)})
+
+
+def path_of(choice: rh_paths.Choice | None) -> Path:
+    return Path.LOOP if choice is None else choice.path
+
+
+# -- choose ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kept", [1, 12])
+def test_tiny_heads_large_batch_short_prompt_take_the_token_loop(kept):
+    """The issue's case: 4 value heads of 16, batch 64, T = 25: transformers' chunked kernel costs far more."""
+    arguments = gdn_arguments(64, 25, 2, 4, 16)
+    choice = rh_paths.choose(GDN, [keeping(*spread(kept, 25))], 25, arguments, grad=False)
+    assert path_of(choice) is Path.LOOP
+
+
+def test_real_dims_with_8_stops_take_segments():
+    """Qwen3.5 dims (16 key / 32 value heads of 128), T = 2048, 8 kept positions: segments; Mamba-2 too."""
+    choice = rh_paths.choose(GDN, [keeping(*spread(8, 2048))], 2048, gdn_arguments(1, 2048, 16, 32, 128), grad=False)
+    assert path_of(choice) is Path.SEGMENTS
+    assert choice.stops == spread(8, 2048) and not choice.every_state
+    choice = rh_paths.choose(SSD, [keeping(*spread(8, 2048))], 2048, ssd_arguments(1, 2048, 24, 64, 128, 256),
+                             grad=False)
+    assert path_of(choice) is Path.SEGMENTS
+
+
+@pytest.mark.parametrize("force", [None, Path.STATES])
+def test_never_chunkwise_states_with_gradients(force, monkeypatch):
+    monkeypatch.setattr(rh_paths, "FORCE", force)
+    for batch, heads, dim in ((1, 32, 128), (64, 4, 16)):
+        every = keeping(*range(64))
+        choice = rh_paths.choose(GDN, [every], 64, gdn_arguments(batch, 64, heads, heads, dim), grad=True)
+        assert path_of(choice) is not Path.STATES
+        assert choice is None or not choice.every_state
+    choice = rh_paths.choose(GDN, [keeping(*range(64))], 64, gdn_arguments(1, 64, 4, 4, 16), grad=False)
+    assert path_of(choice) is Path.STATES or force is None  # without gradients it can
+
+
+@pytest.mark.parametrize("force", [None, Path.BLOCKS])
+def test_never_blocks_without_all_states(force, monkeypatch):
+    monkeypatch.setattr(rh_paths, "FORCE", force)
+    every_token = hooked(None)
+    without = dataclasses.replace(GDN, segments=dataclasses.replace(GDN.segments, all_states=None))
+    arguments = gdn_arguments(1, 512, 16, 32, 128)
+    assert path_of(rh_paths.choose(without, [every_token], 512, arguments, grad=False)) is Path.LOOP
+    assert path_of(rh_paths.choose(GDN, [every_token], 512, arguments, grad=True)) is Path.LOOP
+    # at real dims blocks were measured slower than the loop (`Segments.blocks_below`): not available, even forced
+    assert path_of(rh_paths.choose(GDN, [every_token], 512, arguments, grad=False)) is Path.LOOP
+    small = gdn_arguments(1, 512, 2, 4, 16)  # 4 heads of 16 x 16: under the delta rules' blocks_below
+    blocks = rh_paths.choose(GDN, [every_token], 512, small, grad=False)
+    assert path_of(blocks) in ((Path.BLOCKS,) if force else (Path.BLOCKS, Path.LOOP))
+
+
+def test_a_stop_just_past_a_chunk_boundary_ends_with_a_token_loop(monkeypatch):
+    """Mamba-2 at mamba2-130m dims, chunk 256, tails on: a stop at token 300 runs the kernel on [0, 256) and the
+    token loop on [256, 301), rather than the kernel on a piece padded to 512 tokens. Off (the default), not."""
+    arguments = ssd_arguments(1, 1024, 24, 64, 128, 256)
+    monkeypatch.setattr(rh_paths, "TAILS", False)
+    assert rh_paths.choose(SSD, [keeping(300)], 1024, arguments, grad=False) == rh_paths.Choice(Path.SEGMENTS, [300],
+                                                                                                False, ())
+    monkeypatch.setattr(rh_paths, "TAILS", True)
+    choice = rh_paths.choose(SSD, [keeping(300)], 1024, arguments, grad=False)
+    assert path_of(choice) is Path.SEGMENTS
+    assert (256, 301) in choice.tails
+    assert all(start % 256 == 0 or start in (0, 301) for start, _ in choice.tails)
+
+
+def test_tails_are_only_taken_when_cheaper(monkeypatch):
+    monkeypatch.setattr(rh_paths, "TAILS", True)
+    shape = rh_paths.Shape("ssd", 1, 24, 64, 128, 256)
+    for start, end in rh_paths.pieces([300, 700], 1024):
+        cost, tail = rh_paths._piece(shape, start, end)
+        assert cost <= rh_paths.kernel_cost(shape, end - start)
+        assert tail is None or cost < rh_paths.kernel_cost(shape, end - start)
+    monkeypatch.setattr(rh_paths, "TAILS", False)
+    assert rh_paths.segments_cost(shape, 1024, [300])[1] == ()
+
+
+def test_the_fixed_rule_when_told(monkeypatch):
+    monkeypatch.setattr(rh_paths, "BY_COST", False)
+    arguments = gdn_arguments(64, 25, 2, 4, 16)
+    choice = rh_paths.choose(GDN, [keeping(3)], 25, arguments, grad=False)
+    assert choice == rh_paths.Choice(Path.SEGMENTS, [3], False)
+    assert rh_paths.choose(GDN, [keeping(*range(0, 25, 2))], 25, arguments, grad=False) is None  # 13 > 8 stops
+    assert rh_paths.choose(GDN, [keeping(*range(25))], 25, arguments, grad=False).path is Path.STATES
+
+
+def test_estimates_grow_with_what_they_count():
+    small, large = rh_paths.Shape("delta rule", 1, 4, 16, 16, 64), rh_paths.Shape("delta rule", 64, 4, 16, 16, 64)
+    for cost in (rh_paths.kernel_cost, rh_paths.loop_cost, rh_paths.states_cost):
+        assert 0 < cost(small, 25) <= cost(small, 200) and cost(small, 25) <= cost(large, 25)
+    assert rh_paths.kernel_cost(small, 1) == rh_paths.kernel_cost(small, 64)  # padded to one chunk
+
+
+# -- segments with token-loop tails equal the token loop -----------------------------------------------------------
+
+
+def _ssd_inputs(batch: int, tokens: int, heads: int, head_dim: int, d_state: int, chunk: int):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, tokens, heads, head_dim, generator=gen)
+    dt = torch.randn(batch, tokens, heads, generator=gen) - 2
+    B, C = (torch.randn(batch, tokens, 2, d_state, generator=gen) for _ in range(2))
+    A = -torch.rand(heads, generator=gen)
+    kwargs = dict(D=torch.rand(heads, generator=gen), dt_bias=torch.zeros(heads),
+                  initial_states=torch.randn(batch, heads, head_dim, d_state, generator=gen), dt_softplus=True,
+                  return_final_states=True)
+    return (x, dt, A, B, C, chunk), kwargs
+
+
+def test_tails_at_the_kernel_equal_the_token_loop():
+    """A piece ending in a token loop from its last chunk boundary: the outputs, the last state and the state
+    each stop is handed (and the replacement it returns) are the token loop's."""
+    import transformers.models.mamba2.modeling_mamba2 as modeling
+
+    args, kwargs = _ssd_inputs(2, 40, 4, 8, 8, 8)
+    stops, tails = [12, 30], ((8, 13), (24, 31), (32, 40))
+
+    def run(fast: bool):
+        seen = {}
+
+        def on_token(t, state):
+            if t in stops:
+                seen[t] = state.clone()
+                return state * 0.5
+            return state
+
+        if fast:
+            out = rh_dispatch._run_in_segments(SSD, modeling.mamba2_chunk_scan, args, kwargs, stops, tails, on_token, [])
+        else:
+            out = SSD.loop(*args, on_token=on_token, **kwargs)
+        return out, seen
+
+    (fast_y, fast_state), fast_seen = run(True)
+    (slow_y, slow_state), slow_seen = run(False)
+    assert_close("outputs", slow_y, fast_y, rtol=1e-4, atol=1e-5)
+    assert_close("last state", slow_state, fast_state, rtol=1e-4, atol=1e-5)
+    assert sorted(slow_seen) == sorted(fast_seen) == stops
+    for t in stops:
+        assert_close(f"state at stop {t}", slow_seen[t], fast_seen[t], rtol=1e-4, atol=1e-5)
+
+
+def _cheap_tails(monkeypatch):
+    """Constants that make every tail cheaper than a chunk: segments end in token loops wherever they can."""
+    monkeypatch.setattr(rh_paths, "FORCE", Path.SEGMENTS)
+    monkeypatch.setattr(rh_paths, "TAILS", True)
+    cheap = rh_paths.Constants(kernel=(0.0, 1.0, 0.0, 0.0, 0.0), loop=(0.0, 1e-3, 0.0, 0.0),
+                               states=(0.0, 1.0, 0.0, 0.0, 0.0))
+    monkeypatch.setitem(rh_paths.CONSTANTS, "ssd", cheap)
+    monkeypatch.setitem(rh_paths.CONSTANTS, "delta rule", cheap)
+
+
+@pytest.mark.parametrize("family", ["mamba2", "qwen3_5"])
+def test_tails_through_a_watch_equal_the_token_loop(family, monkeypatch):
+    """Kept states, a write and a hook at tokens past chunk boundaries, a generate with decode steps: same logits,
+    kept states, hook inputs and cache contents with tails as through the token loop."""
+    model = build(family)
+    ids = random_ids(2, 150)
+    with rh.watch(model, keep={"states": [10]}) as w, torch.no_grad():
+        model(ids, use_cache=False)
+    value = w.mixers[0].state_after(10) * 0.5
+    taken = []
+    real = rh_dispatch._run_in_segments
+    monkeypatch.setattr(rh_dispatch, "_run_in_segments", lambda *a: taken.append(a[5]) or real(*a))
+    runs = {}
+    for fast in (True, False):
+        monkeypatch.setattr(rh_dispatch, "FAST_PATHS", fast)
+        if fast:
+            _cheap_tails(monkeypatch)
+        seen = []
+        with rh.watch(model, keep={"states": [2, 10, 80, -1]}) as w, torch.no_grad():
+            w.mixers[0].set_state_after(10, value)
+            w.mixers[-1].register_state_hook(lambda m, c, t, s: seen.append(s.clone()) or s * 0.9, token=[12, 140])
+            w.mixers[0].register_state_hook(lambda m, c, t, s: s * 1.1, token=[19])
+            out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=PAD, output_logits=True,
+                                 return_dict_in_generate=True)
+        runs[fast] = (w, out, seen)
+    (fast, fast_out, fast_seen), (slow, slow_out, slow_seen) = runs[True], runs[False]
+    assert any(taken), "no segment ended in a token loop"
+    assert_equal("tokens", slow_out.sequences, fast_out.sequences)
+    for step, (a, b) in enumerate(zip(slow_out.logits, fast_out.logits, strict=True)):
+        assert_close(f"logits of call {step}", a, b, rtol=1e-4, atol=1e-5)
+    assert_close("hook inputs", torch.stack(slow_seen), torch.stack(fast_seen), rtol=1e-4, atol=1e-6)
+    for a, b in zip(slow.mixers, fast.mixers, strict=True):
+        for token in (2, 10, 80, -1):
+            assert_close(f"{a} state after {token}", a.state_after(token, 0), b.state_after(token, 0),
+                         rtol=1e-4, atol=1e-6)
+        assert_close(f"{a} cached state", slow_out.past_key_values.get_recurrent_state(a.layer),
+                     fast_out.past_key_values.get_recurrent_state(b.layer), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["mamba2", "qwen3_5"])
+@pytest.mark.parametrize("keep", [[4], list(range(0, 25, 2)), None], ids=["1 position", "13 positions", "every"])
+def test_the_chosen_path_equals_the_token_loop(family, keep, monkeypatch):
+    """With the cost model on (whatever it picks at these dims), a sparse or full keep and a write give the token
+    loop's logits and states."""
+    model = build(family)
+    ids = random_ids(3, 25)
+    with rh.watch(model, keep={"states": [6]}) as w, torch.no_grad():
+        model(ids, use_cache=False)
+    value = w.mixers[0].state_after(6) * 0.5
+    runs = {}
+    for fast in (True, False):
+        monkeypatch.setattr(rh_dispatch, "FAST_PATHS", fast)
+        with rh.watch(model, keep={"states": keep}) as w, torch.no_grad():
+            w.mixers[0].set_state_after(6, value)
+            w.mixers[-1].register_state_hook(lambda m, c, t, s: s * 0.5, token=9)
+            logits = model(ids, use_cache=False).logits
+        runs[fast] = (w, logits)
+    (fast, fast_logits), (slow, slow_logits) = runs[True], runs[False]
+    assert_close("logits", slow_logits, fast_logits, rtol=1e-4, atol=1e-5)
+    for a, b in zip(slow.mixers, fast.mixers, strict=True):
+        for token in keep or range(25):
+            assert_close(f"{a} state after {token}", a.state_after(token), b.state_after(token), rtol=1e-4, atol=1e-6)
+
+
+# -- the benchmark ------------------------------------------------------------------------------------------------
+
+
+def test_quick_paths_benchmark_runs(capsys):
+    spec = importlib.util.spec_from_file_location("benchmark_paths", ROOT / "benchmarks" / "paths.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    assert module.main(["--quick"]) == 0
+    assert torch.get_num_threads() == threads
+    assert rh_paths.FORCE is None and rh_paths.TAILS is module.DEFAULT_TAILS
+    out = capsys.readouterr().out
+    for word in ("segments", "token loop", "chosen", "gdn_tiny", "mamba2_tiny"):
+        assert word in out, f"the benchmark printed no {word!r}:\n{out}"
+    assert "Traceback" not in out
