@@ -61,7 +61,9 @@ class Segments:
     - `tuple_without_final`: the kernel returns `(out, None)`, not `out`, when the last state is not asked for;
     - `all_states`: the library's chunk-wise version of the kernel (same signature) that returns
       `(result, states)`, every token's state too (token first: `states[t]`), or None. Used when every state is kept and
-      gradients are off (with gradients on, the token loop keeps the states the recurrence used).
+      gradients are off (with gradients on, the token loop keeps the states the recurrence used);
+    - `kernel`: the library's function (same signature) that runs a piece, for a kernel bound before the watch
+      that cannot start from a state (Mamba-1's scan); None: the bound kernel runs the pieces.
     """
 
     per_token: dict[str, int]
@@ -70,6 +72,7 @@ class Segments:
     out_axis: int
     tuple_without_final: bool
     all_states: Callable[..., Any] | None = None
+    kernel: Callable[..., Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -39,6 +39,7 @@ Module contents:
 """
 
 import functools
+import math
 from typing import Any
 
 import torch
@@ -49,7 +50,7 @@ from torch import Tensor
 
 from ._conv import CONV_KERNELS
 from ._calls import KernelCall
-from ._kernels import STATE_MEMORY, Kernel, Role
+from ._kernels import STATE_MEMORY, Kernel, Role, Segments
 from ._loops import OnToken, refuse_packed, starting_state
 from ._mixer import RecurrentMixer
 
@@ -183,10 +184,142 @@ def mamba_selective_scan(
     B_t = rearrange(B, "b n t -> b t n").float()
     C_t = rearrange(C, "b n t -> b t n").to(hidden_states.dtype)  # transformers reads C.h in x's dtype
     y, state = _selective_scan(x, delta, A.float(), B_t, C_t, initial_state, on_token)
-    y = _skip_and_gate(rearrange(y, "b t d -> b d t"), hidden_states, None if D is None else D[:, None], z)
-    dtype = functools.reduce(torch.promote_types, [v.dtype for v in (hidden_states, C, D, z) if v is not None])
-    y = y.to(dtype)
+    y = _prompt_result(rearrange(y, "b t d -> b d t"), hidden_states, C, D, z)
     return (y, state) if return_last_state else y
+
+
+def _prompt_result(y: Tensor, hidden_states: Tensor, C: Tensor, D: Tensor | None, z: Tensor | None) -> Tensor:
+    """The prompt kernel's result from C_t . h_t `[batch, d_inner, seq]`: skip and gate, in transformers' dtype."""
+    y = _skip_and_gate(y, hidden_states, None if D is None else D[:, None], z)
+    dtype = functools.reduce(torch.promote_types, [v.dtype for v in (hidden_states, C, D, z) if v is not None])
+    return y.to(dtype)
+
+
+_LOG_RANGE = 60.0  # how far a chunk's running decay may fall (e^-60): 1 / e^-60 ~ 1e26 stays far from float32's 3e38
+CHUNK = 32  # tokens per chunk of the chunk-wise scan (benchmarks/selective_scan.py measures the choice)
+
+
+def _scan_chunks(
+    x: Float[Tensor, "seq batch d_inner"],
+    dt: Float[Tensor, "seq batch d_inner"],
+    A: Float[Tensor, "d_inner d_state"],
+    B: Float[Tensor, "seq batch d_state"],
+    C: Float[Tensor, "seq batch d_state"],
+    initial_state: Float[Tensor, "batch d_inner d_state"] | None,
+    chunk: int,
+    every: Float[Tensor, "seq batch d_inner d_state"] | None,
+) -> tuple[Float[Tensor, "seq batch d_inner"], Float[Tensor, "batch d_inner d_state"]]:
+    """C_t . h_t of every token (in C's dtype) and the last state, a chunk of tokens at a time; token-first.
+
+    Inside a chunk starting from h_0, the log decay from its start to token i is c_i = A s_i, with s_i the
+    cumulative sum of Δ_j (A is the same at every token), and P_i = exp(c_i), per channel and state element:
+        h_i = P_i (h_0 + sum_{j<=i} Δ_j B_j x_j / P_j)
+    one cumulative sum along the chunk (a matmul) instead of a Python step per token. 1 / P_j grows as the decay
+    does, so a chunk ends early where |c_i| could pass 60 (1 / e^-60 ~ 1e26, far from float32's 3e38);
+    a one-token chunk is the plain update. With `every`, each token's state is written into it (else
+    only a chunk's states are held).
+    """
+    seq, batch, d_inner = x.shape
+    state = x.new_zeros(batch, d_inner, A.shape[-1]) if initial_state is None else initial_state.float()
+    fastest = A.abs().amax(-1)  # d   max_n |A|: |c_i| <= |s_i| max_n |A|
+    causal = torch.ones(chunk, chunk, dtype=x.dtype, device=x.device).tril()  # i j   1 where j <= i
+    outputs = []
+    start = 0
+    while start < seq:
+        stop = min(start + chunk, seq)
+        steps = dt[start:stop].cumsum(0)  # i b d   s_i
+        reach = (steps.abs() * fastest).flatten(1).amax(1)  # i   max |c_i|
+        if stop - start > 1 and reach[-1] > _LOG_RANGE:  # end the chunk before the first token out of range
+            stop = start + max(1, int((reach > _LOG_RANGE).int().argmax()))
+        size = stop - start
+        dc, xc, Bc = dt[start:stop], x[start:stop], B[start:stop]  # i b d, i b d, i b n
+        states = every[start:stop] if every is not None else x.new_empty(size, batch, d_inner, A.shape[-1])
+        drive = (dc * xc)[..., None] * Bc[..., None, :]  # j b d n   Δ_j B_j x_j
+        if size == 1:
+            torch.addcmul(drive, torch.exp(dc[..., None] * A), state, out=states)  # h_1 = exp(Δ A) h_0 + Δ B x
+        else:
+            running = torch.exp(steps[:size, ..., None] * A)  # i b d n   P_i
+            drive.div_(running)  # j b d n   Δ_j B_j x_j / P_j
+            drive[0] += state  # h_0 + Δ_0 B_0 x_0 / P_0
+            # the cumulative sum as a product with a lower-triangular matrix of ones: BLAS beats torch's cumsum
+            # along the first axis many times over
+            torch.matmul(causal[:size, :size], drive.view(size, -1), out=states.view(size, -1))  # i (b d n)
+            states.mul_(running)  # i b d n   h_i
+        if every is None:
+            outputs.append((states.to(C.dtype) @ C[start:stop, :, :, None])[..., 0])  # i b d   C_i . h_i
+        state = states[-1]
+        start = stop
+    if every is not None:
+        y = (every.to(C.dtype) @ C[..., None])[..., 0]  # t b d
+    else:
+        y = torch.cat(outputs) if outputs else C.new_zeros(0, batch, d_inner)
+    return y, state.clone()
+
+
+def _chunked(hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus, initial_state, chunk, keep_every):
+    """`mamba_selective_scan_chunks`' work: the result, the last state and every state (or None)."""
+    # token-first and contiguous, so that every per-chunk tensor is too (a chunk is a slice of the first axis)
+    seq_first = lambda v: rearrange(v, "b c t -> t b c").contiguous()  # noqa: E731
+    x = seq_first(hidden_states.float())
+    delta = seq_first(step_size(dt, None if delta_bias is None else delta_bias[:, None], delta_softplus))
+    B_t = seq_first(B.float())
+    C_t = seq_first(C.to(hidden_states.dtype))  # transformers reads C.h in x's dtype
+    seq, batch, d_inner = x.shape
+    every = x.new_empty(seq, batch, d_inner, A.shape[-1]) if keep_every else None
+    y, state = _scan_chunks(x, delta, A.float(), B_t, C_t, initial_state, chunk, every)
+    return _prompt_result(rearrange(y, "t b d -> b d t"), hidden_states, C, D, z), state, every
+
+
+def mamba_selective_scan_chunks(
+    hidden_states: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    delta_bias: Tensor | None = None,
+    delta_softplus: bool = False,
+    return_last_state: bool = False,
+    use_mambapy: bool = False,
+    use_associative_scan: bool = False,
+    *,
+    initial_state: Tensor | None = None,
+    chunk: int = CHUNK,
+    **kwargs: Any,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The prompt kernel chunk-wise (no per-token loop), from `initial_state` (zeros if None).
+
+    Same arguments and results as transformers' `mamba_selective_scan`, which always starts from zeros:
+    the library runs Mamba-1 prompts in segments with this (`Segments.kernel`). See `_scan_chunks`.
+    """
+    refuse_mamba_packed(kwargs)
+    y, state, _ = _chunked(hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus, initial_state, chunk, False)
+    return (y, state) if return_last_state else y
+
+
+def mamba_selective_scan_states(
+    hidden_states: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    delta_bias: Tensor | None = None,
+    delta_softplus: bool = False,
+    return_last_state: bool = False,
+    use_mambapy: bool = False,
+    use_associative_scan: bool = False,
+    *,
+    initial_state: Tensor | None = None,
+    chunk: int = CHUNK,
+    **kwargs: Any,
+) -> tuple[Tensor | tuple[Tensor, Tensor], Float[Tensor, "seq batch d_inner d_state"]]:
+    """`mamba_selective_scan_chunks`' results and every token's state, token first (when all are kept)."""
+    refuse_mamba_packed(kwargs)
+    y, state, every = _chunked(hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus, initial_state, chunk, True)
+    return ((y, state) if return_last_state else y), every
 
 
 def mamba_selective_state_update(
@@ -237,9 +370,14 @@ class SelectiveScan(RecurrentMixer):
     """
 
     KERNELS = (
-        # several tokens (a prompt): a scan from zeros, which takes no state
+        # several tokens (a prompt): a scan from zeros, which takes no state; in segments, the library's
+        # chunk-wise scan runs the pieces (it starts from the state the previous one left)
         Kernel(name="mamba_selective_scan", role=Role.PROMPT, loop=mamba_selective_scan, state_in=None,
-               results=("output", "final_state"), seq=("hidden_states", 2)),
+               results=("output", "final_state"), seq=("hidden_states", 2),
+               segments=Segments(per_token={name: 2 for name in ("hidden_states", "dt", "B", "C", "z")},
+                                 state_in="initial_state", final_flag="return_last_state", out_axis=2,
+                                 tuple_without_final=False, kernel=mamba_selective_scan_chunks,
+                                 all_states=mamba_selective_scan_states)),
         # one token over the cached state, which it updates in place
         Kernel(name="mamba_selective_state_update", role=Role.DECODE, loop=mamba_selective_state_update,
                state_in="state", results=("output",), in_place=True),
