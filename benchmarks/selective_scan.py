@@ -9,7 +9,7 @@ identity `on_token` (what a hook on every token, or a call with too many stops, 
 - "hf": transformers' own `mamba_selective_scan` (its CPU path is a Python loop too; it makes the discretized
   `[batch, d_inner, T, d_state]` tensors first): what an idle call runs;
 - "loop": the library's token loop (`mamba_selective_scan`), no `on_token`;
-- "chunks c": the chunk-wise scan `mamba_selective_scan_chunks` with chunks of c tokens (output and last
+- "chunks c" ("auto": the library's `chunk_size`): the chunk-wise scan `mamba_selective_scan_chunks` with chunks of c tokens (output and last
   state only): what a segment of a sparse call runs;
 - "states c": `mamba_selective_scan_states`, every token's state too: what keeping every state runs.
 No gradients, float32, 2 threads (as benchmarks/run.py). A call in segments costs about one chunk-wise call
@@ -56,10 +56,11 @@ def main() -> None:
     p.add_argument("--shapes", default=None, help="indices into SHAPES, comma-separated (default: all)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    chunks = [int(c) for c in args.chunks.split(",")]
+    chunks = [None, *(int(c) for c in args.chunks.split(","))]  # None: the library's choice (`chunk_size`)
     hf = modeling.mamba_selective_scan.__wrapped__
     identity = lambda t, s: s  # noqa: E731
-    names = ["hf", "loop", *(f"chunks {c}" for c in chunks), *(f"states {c}" for c in chunks)]
+    label = lambda c: "auto" if c is None else c  # noqa: E731
+    names = ["hf", "loop", *(f"chunks {label(c)}" for c in chunks), *(f"states {label(c)}" for c in chunks)]
     print(f"torch {torch.__version__}, {args.threads} threads, median of {args.rounds} interleaved rounds;"
           f" ms of the token loop with on_token, then each path's ratio to it")
     print(f"{'batch':>5} {'T':>5} {'d_in':>5} {'N':>3} | {'loop+hook':>9} | " + " ".join(f"{n:>9}" for n in names))
@@ -69,8 +70,8 @@ def main() -> None:
             paths = {"loop+hook": lambda: mamba_selective_scan(**x, on_token=identity),
                      "hf": lambda: hf(**x), "loop": lambda: mamba_selective_scan(**x)}
             for c in chunks:
-                paths[f"chunks {c}"] = lambda c=c: mamba_selective_scan_chunks(**x, chunk=c)
-                paths[f"states {c}"] = lambda c=c: mamba_selective_scan_states(**x, chunk=c)
+                paths[f"chunks {label(c)}"] = lambda c=c: mamba_selective_scan_chunks(**x, chunk=c)
+                paths[f"states {label(c)}"] = lambda c=c: mamba_selective_scan_states(**x, chunk=c)
             for fn in paths.values():  # warm up
                 fn()
             times = {name: [] for name in paths}

@@ -196,7 +196,13 @@ def _prompt_result(y: Tensor, hidden_states: Tensor, C: Tensor, D: Tensor | None
 
 
 _LOG_RANGE = 60.0  # how far a chunk's running decay may fall (e^-60): 1 / e^-60 ~ 1e26 stays far from float32's 3e38
-CHUNK = 32  # tokens per chunk of the chunk-wise scan (benchmarks/selective_scan.py measures the choice)
+
+
+def chunk_size(batch: int, d_inner: int, d_state: int) -> int:
+    """Tokens per chunk of the chunk-wise scan, by the elements of one token's state (measured on this machine
+    by benchmarks/selective_scan.py, see docs/performance.md): long chunks where the per-op overhead is what
+    costs (tiny states), 16 tokens where memory traffic is (a chunk's tensors then stay in cache)."""
+    return 64 if batch * d_inner * d_state <= 2048 else 16
 
 
 def _scan_chunks(
@@ -206,7 +212,7 @@ def _scan_chunks(
     B: Float[Tensor, "seq batch d_state"],
     C: Float[Tensor, "seq batch d_state"],
     initial_state: Float[Tensor, "batch d_inner d_state"] | None,
-    chunk: int,
+    chunk: int | None,
     every: Float[Tensor, "seq batch d_inner d_state"] | None,
 ) -> tuple[Float[Tensor, "seq batch d_inner"], Float[Tensor, "batch d_inner d_state"]]:
     """C_t . h_t of every token (in C's dtype) and the last state, a chunk of tokens at a time; token-first.
@@ -220,6 +226,7 @@ def _scan_chunks(
     only a chunk's states are held).
     """
     seq, batch, d_inner = x.shape
+    chunk = chunk or chunk_size(batch, d_inner, A.shape[-1])
     state = x.new_zeros(batch, d_inner, A.shape[-1]) if initial_state is None else initial_state.float()
     fastest = A.abs().amax(-1)  # d   max_n |A|: |c_i| <= |s_i| max_n |A|
     causal = torch.ones(chunk, chunk, dtype=x.dtype, device=x.device).tril()  # i j   1 where j <= i
@@ -285,7 +292,7 @@ def mamba_selective_scan_chunks(
     use_associative_scan: bool = False,
     *,
     initial_state: Tensor | None = None,
-    chunk: int = CHUNK,
+    chunk: int | None = None,
     **kwargs: Any,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The prompt kernel chunk-wise (no per-token loop), from `initial_state` (zeros if None).
@@ -313,7 +320,7 @@ def mamba_selective_scan_states(
     use_associative_scan: bool = False,
     *,
     initial_state: Tensor | None = None,
-    chunk: int = CHUNK,
+    chunk: int | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor | tuple[Tensor, Tensor], Float[Tensor, "seq batch d_inner d_state"]]:
     """`mamba_selective_scan_chunks`' results and every token's state, token first (when all are kept)."""
