@@ -1,4 +1,4 @@
-"""Mamba-1 (the selective scan, S6): token loops for its two kernels, and its discretization.
+"""Mamba-1 (the selective scan, S6): token loops for its two kernels, a chunk-wise scan, and its discretization.
 
 Glossary (code name, symbol in Gu & Dao, "Mamba: Linear-Time Sequence Modeling with Selective State
 Spaces", 2023, Algorithm 2, shape as the prompt kernel takes it; the decode kernel drops `seq`):
@@ -18,6 +18,9 @@ Spaces", 2023, Algorithm 2, shape as the prompt kernel takes it; the decode kern
     state          h_t      [batch, d_inner, d_state]  float32, the layout of transformers' cache
     (decay)        Ā_t = exp(Δ_t A)      [batch, seq, d_inner, d_state]  zero-order hold
     (drive)        B̄_t x_t = Δ_t B_t x_t  [batch, seq, d_inner, d_state]  the Euler step every implementation uses
+    chunk          -        tokens of one chunk of the chunk-wise scan (`chunk_size`)
+    steps          s_i      [chunk, batch, d_inner]    Δ summed from the chunk's start to token i
+    running        P_i = exp(A s_i)  [chunk, batch, d_inner, d_state]  the decay from the chunk's start to token i
 
 Recurrence, per channel d (h_t[d] is a d_state-vector, A[d] its decay rates):
     h_t = exp(Δ_t A) h_{t-1} + Δ_t B_t x_t
@@ -33,6 +36,9 @@ the result is cast to x's dtype). In float32 all of these are float32.
 Module contents:
 - `mamba_selective_scan`, `mamba_selective_state_update`: token loops with the signatures and results of
   transformers' kernels of the same names, plus a keyword-only `on_token` (and `initial_state` for the scan).
+- `mamba_selective_scan_chunks`, `mamba_selective_scan_states`: the prompt kernel chunk-wise, from an
+  `initial_state` (transformers' kernel takes none), without and with every token's state: Mamba-1 prompts
+  run in segments (`Segments.kernel`) and keep every state (`Segments.all_states`) with them.
 - `discretize`: Δ_t, exp(Δ_t A) and Δ_t B_t x_t of every token, from the prompt kernel's arguments.
 - `step_size`, `discrete_step`, `refuse_mamba_packed`: shared with the Mamba-2 loops in `_state_space`.
 - `SelectiveScan`, `PerHeadSelectiveScan`: the mixer kinds (zamba runs its kernels once per head).
@@ -236,7 +242,7 @@ def _scan_chunks(
         stop = min(start + chunk, seq)
         steps = dt[start:stop].cumsum(0)  # i b d   s_i
         reach = (steps.abs() * fastest).flatten(1).amax(1)  # i   max |c_i|
-        if stop - start > 1 and reach[-1] > _LOG_RANGE:  # end the chunk before the first token out of range
+        if stop - start > 1 and reach.max() > _LOG_RANGE:  # end the chunk before the first token out of range
             stop = start + max(1, int((reach > _LOG_RANGE).int().argmax()))
         size = stop - start
         dc, xc, Bc = dt[start:stop], x[start:stop], B[start:stop]  # i b d, i b d, i b n
@@ -374,6 +380,9 @@ class SelectiveScan(RecurrentMixer):
     The state h_t is `[batch, d_inner, d_state]`, float32, the layout of transformers' cache. The prompt
     kernel returns the last state (the mixer copies it into the cache); the decode kernel writes the new
     state into the cache tensor in place, and so does the library's loop, after any hook or write.
+    transformers' prompt kernel cannot start from a state, so a prompt with hooks, writes or kept states at a
+    few tokens runs the library's chunk-wise scan on the pieces between them, and one that keeps every state
+    (no gradients) its all-states version; a hook on every token runs the token loop.
     """
 
     KERNELS = (
