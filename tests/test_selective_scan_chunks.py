@@ -184,11 +184,33 @@ def test_half_precision_inputs(dtype):
     assert_close("output against transformers", ref_out, out, **loose)
 
 
-def test_the_prompt_kernel_row_declares_the_chunk_wise_scan():
+def test_the_prompt_kernel_row_declares_the_library_pieces():
     segments = rh.SelectiveScan.kernel_for("prompt").segments
-    assert segments.kernel is s6.mamba_selective_scan_chunks
-    assert segments.all_states is s6.mamba_selective_scan_states
+    assert segments.kernel is s6.mamba_selective_scan_piece
+    assert segments.all_states is s6.mamba_selective_scan_piece_states
     assert rh.PerHeadSelectiveScan.kernel_for("prompt").segments is segments
+
+
+@pytest.mark.parametrize("d_inner", [8, 1024], ids=["chunk-wise", "token-loop"])
+def test_pieces_choose_by_size_and_agree(d_inner, monkeypatch):
+    """Small states run chunk-wise, large ones (above CHUNKWISE_UP_TO elements) the token loop: same results."""
+    case = Case(1, 21, d_inner, 16, None)
+    x = inputs(case)
+    h0 = torch.randn(1, d_inner, 16, generator=torch.Generator().manual_seed(3))
+    ran = []
+    for name in ("mamba_selective_scan_chunks", "mamba_selective_scan_states", "mamba_selective_scan"):
+        real = getattr(s6, name)
+        monkeypatch.setattr(s6, name, lambda *a, _real=real, _name=name, **k: ran.append(_name) or _real(*a, **k))
+    out, last = s6.mamba_selective_scan_piece(**x, return_last_state=True, initial_state=h0)
+    (states_out, _), every = s6.mamba_selective_scan_piece_states(**x, return_last_state=True, initial_state=h0)
+    chunk_wise = 16 * d_inner <= s6.CHUNKWISE_UP_TO
+    assert ran == (["mamba_selective_scan_chunks", "mamba_selective_scan_states"] if chunk_wise
+                   else ["mamba_selective_scan", "mamba_selective_scan"])
+    ref_out, ref_states = reference(x, h0)
+    assert_close("output", ref_out, out, **TOL)
+    assert_close("last state", ref_states[:, -1], last, **TOL)
+    assert_close("every state", ref_states, every.movedim(0, 1), **TOL)
+    assert_close("all-states output", out, states_out, **TOL)
 
 
 # -- the watched models ---------------------------------------------------------------------------------
