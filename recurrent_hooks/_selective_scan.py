@@ -389,12 +389,12 @@ def mamba_selective_state_update(
     return _skip_and_gate(y[:, 0], hidden_states, D, z).to(hidden_states.dtype)
 
 
-CHUNKWISE_UP_TO = 8192  # state elements per token (batch * d_inner * d_state) up to which pieces run chunk-wise
+CHUNKWISE_UP_TO = 4096  # state elements per token (batch * d_inner * d_state) up to which pieces run chunk-wise
 
 
 def _chunk_wise(hidden_states: Tensor, A: Tensor) -> bool:
     """Whether a piece runs faster chunk-wise than by the token loop, by its state's size (measured on this
-    machine, docs/performance.md): below ~8K elements a token's Python step costs more than its arithmetic and
+    machine, docs/performance.md): up to ~4K elements a token's Python step costs more than its arithmetic and
     the chunk-wise scan is 1.5-6x faster; at mamba-130m dims (24,576 per batch row) the two cost about the
     same on their own, and with the fast-decaying elements a real model has, the chunk-wise scan is slower."""
     return hidden_states.shape[0] * hidden_states.shape[1] * A.shape[-1] <= CHUNKWISE_UP_TO

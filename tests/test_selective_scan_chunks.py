@@ -3,8 +3,7 @@
 Kernel level: `mamba_selective_scan_chunks` (a piece from a state) and `mamba_selective_scan_states` (every
 state too) equal the float64 recurrence of `_reference_ssm`, transformers' own `mamba_selective_scan` (the
 function under each family's module attribute `__wrapped__`) from zeros, and the library's token loop from
-a state; chunk boundaries anywhere (T not a multiple of the chunk, T = 1), fast decays that end a chunk
-early, steps of either sign, and bf16/fp16 inputs as the mixers pass them.
+a state; chunk boundaries anywhere (T not a multiple of the chunk, T = 1), state elements that decay too fast for the chunk-wise form (stepped on their own), steps of either sign, and bf16/fp16 inputs as the mixers pass them.
 Model level: sparse hooks, writes and kept states, and every state kept, on the tiny Mamba-1 models, run
 in segments by the chunk-wise scan (a spy checks that transformers' kernel, which cannot start from a state,
 runs no piece) and equal the token loop: logits, kept states, hook inputs, cache contents, generate.
@@ -139,9 +138,9 @@ def test_pieces_chain_like_one_call():
 
 
 @pytest.mark.parametrize("shift", [4.0, 30.0], ids=["fast", "memoryless"])
-def test_fast_decay_ends_chunks_early(shift):
+def test_fast_decaying_elements_step_through(shift):
     """Steps of ~4 (fast) or ~30 (one token decays by e^-30 or more): 1 / P would overflow float32 over a
-    64-token chunk, so the chunks end before |c| passes 60, down to one token; every value stays finite."""
+    64-token chunk, so those state elements are stepped token by token; every value stays finite."""
     case = Case(2, 40, 6, 4, 64)
     x = inputs(case)
     x["dt"] = x["dt"] + shift
@@ -220,9 +219,10 @@ T = 23
 ALL = ("states", "conv_states", "inputs", "outputs")
 
 
-def _spy(monkeypatch) -> list[bool]:
-    """Record each `_run_in_segments` call (whether it keeps every state), and hand it an `original` that
-    fails: transformers' kernel cannot start from a state, so the library's must run every piece."""
+def _spy(monkeypatch) -> list:
+    """Record each `_run_in_segments` call (whether it keeps every state) and each chunk-wise scan (its name),
+    and hand `_run_in_segments` an `original` that fails: transformers' kernel cannot start from a state, so
+    the library's must run every piece."""
     runs = []
     real = rh_dispatch._run_in_segments
 
@@ -234,6 +234,9 @@ def _spy(monkeypatch) -> list[bool]:
         return real(kernel, refuse, *rest)
 
     monkeypatch.setattr(rh_dispatch, "_run_in_segments", spy)
+    for name in ("mamba_selective_scan_chunks", "mamba_selective_scan_states"):  # the tiny models' states are small
+        real_scan = getattr(s6, name)
+        monkeypatch.setattr(s6, name, lambda *a, _real=real_scan, _name=name, **k: runs.append(_name) or _real(*a, **k))
     return runs
 
 
@@ -260,7 +263,8 @@ def test_sparse_calls_in_segments_equal_the_token_loop(family, monkeypatch):
     model, ids = build(family), random_ids(2, T)
     fast, fast_out, fast_seen, runs = _sparse(model, ids, True, monkeypatch)
     slow, slow_out, slow_seen, slow_runs = _sparse(model, ids, False, monkeypatch)
-    assert runs and not any(runs) and not slow_runs, "the sparse prompts did not run in segments"
+    assert False in runs and True not in runs and not slow_runs, "the sparse prompts did not run in segments"
+    assert "mamba_selective_scan_chunks" in runs, "the pieces did not run chunk-wise"
     for step, (a, b) in enumerate(zip(slow_out.logits, fast_out.logits)):
         assert_close(f"logits of call {step}", a, b, rtol=1e-4, atol=1e-5)
     assert_close("sequences", slow_out.sequences, fast_out.sequences, rtol=0, atol=0)
@@ -294,7 +298,8 @@ def test_every_state_kept_chunk_wise_equals_the_token_loop(family, monkeypatch):
             out = model(ids, use_cache=True)
         results[fast] = (w, out, seen, runs)
     (fast, fast_out, fast_seen, runs), (slow, slow_out, slow_seen, slow_runs) = results[True], results[False]
-    assert runs and all(runs) and not slow_runs, "the prompts did not run the all-states scan"
+    assert True in runs and False not in runs and not slow_runs, "the prompts did not run the all-states scan"
+    assert "mamba_selective_scan_states" in runs, "the pieces did not run chunk-wise"
     assert_close("logits", slow_out.logits, fast_out.logits, rtol=1e-4, atol=1e-5)
     assert_close("hook input", torch.stack(slow_seen), torch.stack(fast_seen), rtol=1e-4, atol=1e-6)
     for a, b in zip(slow.mixers, fast.mixers):
