@@ -396,7 +396,10 @@ def _chunk_wise(hidden_states: Tensor, A: Tensor) -> bool:
     """Whether a piece runs faster chunk-wise than by the token loop, by its state's size (measured on this
     machine, docs/performance.md): up to ~4K elements a token's Python step costs more than its arithmetic and
     the chunk-wise scan is 1.5-6x faster; at mamba-130m dims (24,576 per batch row) the two cost about the
-    same on their own, and with the fast-decaying elements a real model has, the chunk-wise scan is slower."""
+    same on their own, and with the fast-decaying elements a real model has, the chunk-wise scan is slower.
+    Never inside torch.compile: which elements decay fast is data, and a graph cannot branch on it."""
+    if torch.compiler.is_compiling():
+        return False
     return hidden_states.shape[0] * hidden_states.shape[1] * A.shape[-1] <= CHUNKWISE_UP_TO
 
 
