@@ -397,8 +397,9 @@ def _chunk_wise(hidden_states: Tensor, A: Tensor) -> bool:
     machine, docs/performance.md): up to ~4K elements a token's Python step costs more than its arithmetic and
     the chunk-wise scan is 1.5-6x faster; at mamba-130m dims (24,576 per batch row) the two cost about the
     same on their own, and with the fast-decaying elements a real model has, the chunk-wise scan is slower.
-    Never inside torch.compile: which elements decay fast is data, and a graph cannot branch on it."""
-    if torch.compiler.is_compiling():
+    Never inside torch.compile (which elements decay fast is data, and a graph cannot branch on it), nor with
+    gradients on (the chunk-wise scan writes into its buffers in place)."""
+    if torch.compiler.is_compiling() or torch.is_grad_enabled():
         return False
     return hidden_states.shape[0] * hidden_states.shape[1] * A.shape[-1] <= CHUNKWISE_UP_TO
 

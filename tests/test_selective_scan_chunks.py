@@ -200,11 +200,16 @@ def test_pieces_choose_by_size_and_agree(d_inner, monkeypatch):
     for name in ("mamba_selective_scan_chunks", "mamba_selective_scan_states", "mamba_selective_scan"):
         real = getattr(s6, name)
         monkeypatch.setattr(s6, name, lambda *a, _real=real, _name=name, **k: ran.append(_name) or _real(*a, **k))
-    out, last = s6.mamba_selective_scan_piece(**x, return_last_state=True, initial_state=h0)
-    (states_out, _), every = s6.mamba_selective_scan_piece_states(**x, return_last_state=True, initial_state=h0)
+    with torch.no_grad():
+        out, last = s6.mamba_selective_scan_piece(**x, return_last_state=True, initial_state=h0)
+        (states_out, _), every = s6.mamba_selective_scan_piece_states(**x, return_last_state=True, initial_state=h0)
     chunk_wise = 16 * d_inner <= s6.CHUNKWISE_UP_TO
     assert ran == (["mamba_selective_scan_chunks", "mamba_selective_scan_states"] if chunk_wise
                    else ["mamba_selective_scan", "mamba_selective_scan"])
+    ran.clear()
+    with torch.enable_grad():  # the chunk-wise scan writes its buffers in place: the token loop runs the piece
+        assert_close("with gradients on", out, s6.mamba_selective_scan_piece(**x, initial_state=h0), **TOL)
+    assert ran == ["mamba_selective_scan"]
     ref_out, ref_states = reference(x, h0)
     assert_close("output", ref_out, out, **TOL)
     assert_close("last state", ref_states[:, -1], last, **TOL)
