@@ -279,7 +279,7 @@ def _step_through(
 ) -> None:
     """Overwrite the state elements `fast` (flat indices into `[batch, d_inner, d_state]`) of a chunk's `states`
     with the plain recurrence, token by token, on those elements only."""
-    size, batch, d_inner = dt.shape
+    size, _, d_inner = dt.shape
     d_state = A.shape[-1]
     channel, element = fast // d_state, fast % (d_inner * d_state)  # k   (b d), (d n)
     row = fast // (d_inner * d_state) * d_state + fast % d_state  # k   (b n)

@@ -145,7 +145,7 @@ def test_fast_decaying_elements_step_through(shift):
     x = inputs(case)
     x["dt"] = x["dt"] + shift
     ref_out, ref_states = reference(x)
-    (out, last), every = s6.mamba_selective_scan_states(**x, return_last_state=True, chunk=64)
+    (out, _), every = s6.mamba_selective_scan_states(**x, return_last_state=True, chunk=64)
     assert torch.isfinite(every).all() and torch.isfinite(out).all()
     assert_close("output", ref_out, out, **TOL)
     assert_close("every state", ref_states, every.movedim(0, 1), **TOL)
@@ -172,7 +172,7 @@ def test_half_precision_inputs(dtype):
     x = {k: (v.to(dtype) if isinstance(v, torch.Tensor) and k not in ("A", "D", "delta_bias") else v)
          for k, v in inputs(case).items()}
     loose = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=3e-3, atol=3e-3)
-    loop_out, loop_last, loop_every = loop_states(x)
+    loop_out, _, loop_every = loop_states(x)
     (out, last), every = s6.mamba_selective_scan_states(**x, return_last_state=True, chunk=case.chunk)
     ref_out, ref_last = hf_kernel("mamba")(**x, return_last_state=True)
     assert out.dtype == loop_out.dtype == ref_out.dtype == torch.float32
