@@ -321,10 +321,11 @@ def _run_in_segments(kernel: Kernel, original: Callable[..., Any], args: tuple, 
     The token ranges `tails` (`[start, end)`, each inside one piece and ending it) run through the library's
     token loop instead, from the piece's last chunk boundary to its stop (`_paths.Choice.tails`). With
     `keeping_all`, the pieces run through the kernel's chunk-wise `all_states` version instead, and the
-    states of the tokens between the stops go to those plans.
+    states of the tokens between the stops go to those plans. `Segments.kernel`, when given, runs the
+    pieces in place of `original` (which cannot start from a state).
     """
     segments = kernel.segments
-    run = segments.all_states if keeping_all else original
+    run = segments.all_states if keeping_all else segments.kernel or original
     bound = kernel.layout.bind(args, kwargs)
     extra = bound.pop("kwargs", {})
     positional = list(bound)[: len(args)]  # call each piece the way the mixer called the kernel
@@ -338,7 +339,7 @@ def _run_in_segments(kernel: Kernel, original: Callable[..., Any], args: tuple, 
         if end <= start:
             continue
         piece = {name: (value.narrow(segments.per_token[name], start, end - start)
-                        if name in segments.per_token else value) for name, value in bound.items()}
+                        if name in segments.per_token and value is not None else value) for name, value in bound.items()}
         piece[segments.state_in], piece[segments.final_flag] = state, True
         leading = [piece.pop(name) for name in positional]
         if keeping_all:

@@ -67,6 +67,8 @@ class Segments:
       (`benchmarks/blocks.py`); 0: never.
     - `shape`: the call's cost-relevant shape (`_paths.Shape`) from its bound arguments, by which `_paths`
       chooses the cheapest path; None: the fixed rule (segments for at most max(8, T / 32) stops).
+    - `kernel`: the library's function (same signature) that runs a piece, for a kernel bound before the watch
+      that cannot start from a state (Mamba-1's scan); None: the bound kernel runs the pieces.
     """
 
     per_token: dict[str, int]
@@ -77,6 +79,7 @@ class Segments:
     all_states: Callable[..., Any] | None = None
     blocks_below: int = 0
     shape: Callable[[dict[str, Any]], Any] | None = None
+    kernel: Callable[..., Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

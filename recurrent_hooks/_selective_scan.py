@@ -1,4 +1,4 @@
-"""Mamba-1 (the selective scan, S6): token loops for its two kernels, and its discretization.
+"""Mamba-1 (the selective scan, S6): token loops for its two kernels, a chunk-wise scan, and its discretization.
 
 Glossary (code name, symbol in Gu & Dao, "Mamba: Linear-Time Sequence Modeling with Selective State
 Spaces", 2023, Algorithm 2, shape as the prompt kernel takes it; the decode kernel drops `seq`):
@@ -18,6 +18,9 @@ Spaces", 2023, Algorithm 2, shape as the prompt kernel takes it; the decode kern
     state          h_t      [batch, d_inner, d_state]  float32, the layout of transformers' cache
     (decay)        Ā_t = exp(Δ_t A)      [batch, seq, d_inner, d_state]  zero-order hold
     (drive)        B̄_t x_t = Δ_t B_t x_t  [batch, seq, d_inner, d_state]  the Euler step every implementation uses
+    chunk          -        tokens of one chunk of the chunk-wise scan (`chunk_size`)
+    steps          s_i      [chunk, batch, d_inner]    Δ summed from the chunk's start to token i
+    running        P_i = exp(A s_i)  [chunk, batch, d_inner, d_state]  the decay from the chunk's start to token i
 
 Recurrence, per channel d (h_t[d] is a d_state-vector, A[d] its decay rates):
     h_t = exp(Δ_t A) h_{t-1} + Δ_t B_t x_t
@@ -33,12 +36,18 @@ the result is cast to x's dtype). In float32 all of these are float32.
 Module contents:
 - `mamba_selective_scan`, `mamba_selective_state_update`: token loops with the signatures and results of
   transformers' kernels of the same names, plus a keyword-only `on_token` (and `initial_state` for the scan).
+- `mamba_selective_scan_chunks`, `mamba_selective_scan_states`: the prompt kernel chunk-wise, from an
+  `initial_state` (transformers' kernel takes none), without and with every token's state.
+- `mamba_selective_scan_piece`, `mamba_selective_scan_piece_states`: what runs a piece of a Mamba-1 prompt
+  in segments (`Segments.kernel`) and keeps every state (`Segments.all_states`): the chunk-wise scan for
+  small states, the token loop for large ones (`CHUNKWISE_UP_TO`, measured).
 - `discretize`: Δ_t, exp(Δ_t A) and Δ_t B_t x_t of every token, from the prompt kernel's arguments.
 - `step_size`, `discrete_step`, `refuse_mamba_packed`: shared with the Mamba-2 loops in `_state_space`.
 - `SelectiveScan`, `PerHeadSelectiveScan`: the mixer kinds (zamba runs its kernels once per head).
 """
 
 import functools
+import inspect
 from typing import Any
 
 import torch
@@ -49,7 +58,7 @@ from torch import Tensor
 
 from ._conv import CONV_KERNELS
 from ._calls import KernelCall
-from ._kernels import STATE_MEMORY, Kernel, Role
+from ._kernels import STATE_MEMORY, Kernel, Role, Segments
 from ._loops import OnToken, refuse_packed, starting_state
 from ._mixer import RecurrentMixer
 
@@ -183,10 +192,172 @@ def mamba_selective_scan(
     B_t = rearrange(B, "b n t -> b t n").float()
     C_t = rearrange(C, "b n t -> b t n").to(hidden_states.dtype)  # transformers reads C.h in x's dtype
     y, state = _selective_scan(x, delta, A.float(), B_t, C_t, initial_state, on_token)
-    y = _skip_and_gate(rearrange(y, "b t d -> b d t"), hidden_states, None if D is None else D[:, None], z)
-    dtype = functools.reduce(torch.promote_types, [v.dtype for v in (hidden_states, C, D, z) if v is not None])
-    y = y.to(dtype)
+    y = _prompt_result(rearrange(y, "b t d -> b d t"), hidden_states, C, D, z)
     return (y, state) if return_last_state else y
+
+
+def _prompt_result(y: Tensor, hidden_states: Tensor, C: Tensor, D: Tensor | None, z: Tensor | None) -> Tensor:
+    """The prompt kernel's result from C_t . h_t `[batch, d_inner, seq]`: skip and gate, in transformers' dtype."""
+    y = _skip_and_gate(y, hidden_states, None if D is None else D[:, None], z)
+    dtype = functools.reduce(torch.promote_types, [v.dtype for v in (hidden_states, C, D, z) if v is not None])
+    return y.to(dtype)
+
+
+_LOG_RANGE = 60.0  # how far a chunk's running decay may fall (e^-60): 1 / e^-60 ~ 1e26 stays far from float32's 3e38
+
+
+def chunk_size(batch: int, d_inner: int, d_state: int) -> int:
+    """Tokens per chunk of the chunk-wise scan, by the elements of one token's state (measured on this machine
+    by benchmarks/selective_scan.py, see docs/performance.md): long chunks where the per-op overhead is what
+    costs (tiny states), 16 tokens where memory traffic is (a chunk's tensors then stay in cache)."""
+    return 64 if batch * d_inner * d_state <= 2048 else 16
+
+
+def _scan_chunks(
+    x: Float[Tensor, "seq batch d_inner"],
+    dt: Float[Tensor, "seq batch d_inner"],
+    A: Float[Tensor, "d_inner d_state"],
+    B: Float[Tensor, "seq batch d_state"],
+    C: Float[Tensor, "seq batch d_state"],
+    initial_state: Float[Tensor, "batch d_inner d_state"] | None,
+    chunk: int | None,
+    every: Float[Tensor, "seq batch d_inner d_state"] | None,
+) -> tuple[Float[Tensor, "seq batch d_inner"], Float[Tensor, "batch d_inner d_state"]]:
+    """C_t . h_t of every token (in C's dtype) and the last state, a chunk of tokens at a time; token-first.
+
+    Inside a chunk starting from h_0, the log decay from its start to token i is c_i = A s_i, with s_i the
+    cumulative sum of Δ_j (A is the same at every token), and P_i = exp(c_i), per channel and state element:
+        h_i = P_i (h_0 + sum_{j<=i} Δ_j B_j x_j / P_j)
+    one cumulative sum along the chunk (a matmul) instead of a Python step per token. 1 / P_j grows as the
+    decay does, so this form holds only for the state elements whose |c_i| stays within 60 over the chunk
+    (1 / e^-60 ~ 1e26, far from float32's 3e38); the others (the fast-decaying channels, often a few
+    percent) are gathered and stepped token by token through the chunk. With `every`, each token's state is
+    written into it (else only a chunk's states are held).
+    """
+    seq, batch, d_inner = x.shape
+    d_state = A.shape[-1]
+    chunk = chunk or chunk_size(batch, d_inner, d_state)
+    state = x.new_zeros(batch, d_inner, d_state) if initial_state is None else initial_state.float()
+    rates = A.abs()  # d n   |c_i| = |s_i| |A|
+    causal = torch.ones(chunk, chunk, dtype=x.dtype, device=x.device).tril()  # i j   1 where j <= i
+    outputs = []
+    for start in range(0, seq, chunk):
+        stop = min(start + chunk, seq)
+        size = stop - start
+        dc, xc, Bc = dt[start:stop], x[start:stop], B[start:stop]  # i b d, i b d, i b n
+        states = every[start:stop] if every is not None else x.new_empty(size, batch, d_inner, d_state)
+        drive = (dc * xc)[..., None] * Bc[..., None, :]  # j b d n   Δ_j B_j x_j
+        steps = dc.cumsum(0)  # i b d   s_i
+        running = torch.mul(steps[..., None], A).clamp_(-_LOG_RANGE, _LOG_RANGE).exp_()  # i b d n   P_i
+        drive.div_(running)  # j b d n   Δ_j B_j x_j / P_j
+        drive[0] += state  # h_0 + Δ_0 B_0 x_0 / P_0
+        # the cumulative sum as a product with a lower-triangular matrix of ones: BLAS beats torch's cumsum
+        # along the first axis many times over
+        torch.matmul(causal[:size, :size], drive.view(size, -1), out=states.view(size, -1))  # i (b d n)
+        states.mul_(running)  # i b d n   h_i
+        fast = ((steps.abs().amax(0)[..., None] * rates) > _LOG_RANGE).view(-1).nonzero()[:, 0]  # k   (b d n) flat
+        if len(fast):
+            _step_through(fast, dc, xc, Bc, A, state, states)
+        if every is None:
+            outputs.append((states.to(C.dtype) @ C[start:stop, :, :, None])[..., 0])  # i b d   C_i . h_i
+        state = states[-1]
+    if every is not None:
+        y = (every.to(C.dtype) @ C[..., None])[..., 0]  # t b d
+    else:
+        y = torch.cat(outputs) if outputs else C.new_zeros(0, batch, d_inner)
+    return y, state.clone()
+
+
+def _step_through(
+    fast: Tensor,
+    dt: Float[Tensor, "chunk batch d_inner"],
+    x: Float[Tensor, "chunk batch d_inner"],
+    B: Float[Tensor, "chunk batch d_state"],
+    A: Float[Tensor, "d_inner d_state"],
+    state: Float[Tensor, "batch d_inner d_state"],
+    states: Float[Tensor, "chunk batch d_inner d_state"],
+) -> None:
+    """Overwrite the state elements `fast` (flat indices into `[batch, d_inner, d_state]`) of a chunk's `states`
+    with the plain recurrence, token by token, on those elements only."""
+    size, _, d_inner = dt.shape
+    d_state = A.shape[-1]
+    channel, element = fast // d_state, fast % (d_inner * d_state)  # k   (b d), (d n)
+    row = fast // (d_inner * d_state) * d_state + fast % d_state  # k   (b n)
+    dt_k = dt.reshape(size, -1)[:, channel]  # i k   Δ_i
+    decay = torch.exp(dt_k * A.reshape(-1)[element])  # i k   exp(Δ_i A)
+    drive = dt_k * x.reshape(size, -1)[:, channel] * B.reshape(size, -1)[:, row]  # i k   Δ_i B_i x_i
+    h = state.reshape(-1)[fast]  # k
+    out = []
+    for i in range(size):
+        h = torch.addcmul(drive[i], decay[i], h)  # k   h_i
+        out.append(h)
+    states.view(size, -1)[:, fast] = torch.stack(out)
+
+
+def _chunked(hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus, initial_state, chunk, keep_every):
+    """`mamba_selective_scan_chunks`' work: the result, the last state and every state (or None)."""
+    # token-first and contiguous, so that every per-chunk tensor is too (a chunk is a slice of the first axis)
+    seq_first = lambda v: rearrange(v, "b c t -> t b c").contiguous()  # noqa: E731
+    x = seq_first(hidden_states.float())
+    delta = seq_first(step_size(dt, None if delta_bias is None else delta_bias[:, None], delta_softplus))
+    B_t = seq_first(B.float())
+    C_t = seq_first(C.to(hidden_states.dtype))  # transformers reads C.h in x's dtype
+    seq, batch, d_inner = x.shape
+    every = x.new_empty(seq, batch, d_inner, A.shape[-1]) if keep_every else None
+    y, state = _scan_chunks(x, delta, A.float(), B_t, C_t, initial_state, chunk, every)
+    return _prompt_result(rearrange(y, "t b d -> b d t"), hidden_states, C, D, z), state, every
+
+
+def mamba_selective_scan_chunks(
+    hidden_states: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    delta_bias: Tensor | None = None,
+    delta_softplus: bool = False,
+    return_last_state: bool = False,
+    use_mambapy: bool = False,
+    use_associative_scan: bool = False,
+    *,
+    initial_state: Tensor | None = None,
+    chunk: int | None = None,
+    **kwargs: Any,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The prompt kernel chunk-wise (no per-token loop), from `initial_state` (zeros if None).
+
+    Same arguments and results as transformers' `mamba_selective_scan`, which always starts from zeros:
+    the library runs Mamba-1 prompts in segments with this (`Segments.kernel`). See `_scan_chunks`.
+    """
+    refuse_mamba_packed(kwargs)
+    y, state, _ = _chunked(hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus, initial_state, chunk, False)
+    return (y, state) if return_last_state else y
+
+
+def mamba_selective_scan_states(
+    hidden_states: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    delta_bias: Tensor | None = None,
+    delta_softplus: bool = False,
+    return_last_state: bool = False,
+    use_mambapy: bool = False,
+    use_associative_scan: bool = False,
+    *,
+    initial_state: Tensor | None = None,
+    chunk: int | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor | tuple[Tensor, Tensor], Float[Tensor, "seq batch d_inner d_state"]]:
+    """`mamba_selective_scan_chunks`' results and every token's state, token first (when all are kept)."""
+    refuse_mamba_packed(kwargs)
+    y, state, every = _chunked(hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus, initial_state, chunk, True)
+    return ((y, state) if return_last_state else y), every
 
 
 def mamba_selective_state_update(
@@ -218,6 +389,47 @@ def mamba_selective_state_update(
     return _skip_and_gate(y[:, 0], hidden_states, D, z).to(hidden_states.dtype)
 
 
+CHUNKWISE_UP_TO = 4096  # state elements per token (batch * d_inner * d_state) up to which pieces run chunk-wise
+
+
+def _chunk_wise(hidden_states: Tensor, A: Tensor) -> bool:
+    """Whether a piece runs faster chunk-wise than by the token loop, by its state's size (measured on this
+    machine, docs/performance.md): up to ~4K elements a token's Python step costs more than its arithmetic and
+    the chunk-wise scan is 1.5-6x faster; at mamba-130m dims (24,576 per batch row) the two cost about the
+    same on their own, and with the fast-decaying elements a real model has, the chunk-wise scan is slower.
+    Never inside torch.compile (which elements decay fast is data, and a graph cannot branch on it), nor with
+    gradients on (the chunk-wise scan writes into its buffers in place)."""
+    if torch.compiler.is_compiling() or torch.is_grad_enabled():
+        return False
+    return hidden_states.shape[0] * hidden_states.shape[1] * A.shape[-1] <= CHUNKWISE_UP_TO
+
+
+def mamba_selective_scan_piece(*args: Any, **kwargs: Any) -> Tensor | tuple[Tensor, Tensor]:
+    """A piece of a Mamba-1 prompt from a state (`Segments.kernel`): `mamba_selective_scan_chunks` or the
+    token loop `mamba_selective_scan`, whichever is faster at its shape (`_chunk_wise`); same arguments."""
+    bound = _PIECE.bind(*args, **kwargs).arguments
+    run = mamba_selective_scan_chunks if _chunk_wise(bound["hidden_states"], bound["A"]) else mamba_selective_scan
+    return run(*args, **kwargs)
+
+
+def mamba_selective_scan_piece_states(
+    *args: Any, **kwargs: Any,
+) -> tuple[Tensor | tuple[Tensor, Tensor], Float[Tensor, "seq batch d_inner d_state"]]:
+    """`mamba_selective_scan_piece` with every token's state, token first (`Segments.all_states`):
+    `mamba_selective_scan_states`, or the token loop keeping the state of each token."""
+    bound = _PIECE.bind(*args, **kwargs).arguments
+    if _chunk_wise(bound["hidden_states"], bound["A"]):
+        return mamba_selective_scan_states(*args, **kwargs)
+    seen: list[Tensor] = []
+    result = mamba_selective_scan(*args, on_token=lambda t, state: seen.append(state) or state, **kwargs)
+    every = torch.stack(seen) if seen else bound["hidden_states"].new_zeros(0, *bound["hidden_states"].shape[:2],
+                                                                             bound["A"].shape[-1], dtype=torch.float32)
+    return result, every
+
+
+_PIECE = inspect.signature(mamba_selective_scan_chunks)
+
+
 _CONTINUATION = ("transformers' mamba_selective_scan takes no initial state, so a forward of several tokens over"
                  " a cached state restarts the SSM state from zero (the model's own behaviour, watched or not);"
                  " hooks and kept states are refused for such a call: continue one token at a time")
@@ -234,12 +446,21 @@ class SelectiveScan(RecurrentMixer):
     The state h_t is `[batch, d_inner, d_state]`, float32, the layout of transformers' cache. The prompt
     kernel returns the last state (the mixer copies it into the cache); the decode kernel writes the new
     state into the cache tensor in place, and so does the library's loop, after any hook or write.
+    transformers' prompt kernel cannot start from a state, so a prompt with hooks, writes or kept states at a
+    few tokens runs the library's own scan on the pieces between them (chunk-wise for small states, the token
+    loop for large ones), and one that keeps every state (no gradients) its all-states version; a hook on
+    every token runs the token loop.
     """
 
     KERNELS = (
-        # several tokens (a prompt): a scan from zeros, which takes no state
+        # several tokens (a prompt): a scan from zeros, which takes no state; in segments, the library's
+        # chunk-wise scan or token loop runs the pieces (they start from the state the previous one left)
         Kernel(name="mamba_selective_scan", role=Role.PROMPT, loop=mamba_selective_scan, state_in=None,
-               results=("output", "final_state"), seq=("hidden_states", 2)),
+               results=("output", "final_state"), seq=("hidden_states", 2),
+               segments=Segments(per_token={name: 2 for name in ("hidden_states", "dt", "B", "C", "z")},
+                                 state_in="initial_state", final_flag="return_last_state", out_axis=2,
+                                 tuple_without_final=False, kernel=mamba_selective_scan_piece,
+                                 all_states=mamba_selective_scan_piece_states)),
         # one token over the cached state, which it updates in place
         Kernel(name="mamba_selective_state_update", role=Role.DECODE, loop=mamba_selective_state_update,
                state_in="state", results=("output",), in_place=True),
