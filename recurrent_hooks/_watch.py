@@ -141,10 +141,10 @@ class Watch:
     that is not watched, runs its kernels untouched. Writes aimed at calls that never ran (a generation
     that stopped early) give one `RecurrentHooksWarning` on exit; hooks aimed at them are not an error.
 
-    What it costs: a call nothing is asked of runs the kernel bound before the watch. A call with hooks,
-    writes or kept values at a few tokens runs that kernel in segments between them; every state kept
-    without gradients is computed chunk-wise; a hook on every token, or states kept with gradients on,
-    runs the token loop (docs/performance.md).
+    What it costs: a call nothing is asked of runs the kernel bound before the watch. A busy call takes
+    the path a cost model of its shapes finds cheapest: that kernel in segments between the tokens asked
+    for, every state computed chunk-wise (without gradients), a hook on every token fed by chunk-wise
+    blocks (small states, without gradients), or the token loop (docs/performance.md).
     """
 
     def __init__(self, model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (),
@@ -421,11 +421,16 @@ def support(model: nn.Module) -> list[MixerSupport]:
         notes = {
             "idle calls run": ", ".join(
                 f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}" for fn in bound.values()),
-            "a few tokens of a prompt": f"{prompt.name} in segments between them" if segments is not None
+            "a few tokens of a prompt": (f"the library's chunk-wise {prompt.name} in segments between them"
+                                         if segments.kernel is not None else
+                                         f"{prompt.name} in segments between them, or the token loop, by cost")
+            if segments is not None
             else f"the library's {prompt.name}, with its fast computation between them" if prompt.stops
             else "the token loop (the prompt kernel does not run in segments: see the limits)",
             "every state of a prompt": "chunk-wise without gradients, the token loop with them"
             if segments is not None and segments.all_states is not None else "the token loop",
+            "a hook on every token": "chunk-wise blocks for a small state without gradients, else the token loop"
+            if segments is not None and segments.blocks_below else "the token loop",
         }
         rows.append(MixerSupport(path, layer, name, family.name, kind.__name__, available, dict(kind.LIMITS), notes))
     return rows

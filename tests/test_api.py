@@ -363,7 +363,9 @@ def test_support_reports_each_mixer(model):
     assert "states" in rows[0].available and "conv_states" in rows[0].available
     assert "packed sequences" in rows[0].unavailable
     assert "qwen3_5 -> GatedDeltaNet" in str(rows[0])
-    assert rows[0].notes["a few tokens of a prompt"] == "torch_chunk_gated_delta_rule in segments between them"
+    assert rows[0].notes["a few tokens of a prompt"] == \
+        "torch_chunk_gated_delta_rule in segments between them, or the token loop, by cost"
+    assert rows[0].notes["a hook on every token"].startswith("chunk-wise blocks")
     # Mamba-1 prompts run in segments too (the library's own scan runs the pieces: Segments.kernel)
     assert rh.support(build("mamba"))[0].notes["a few tokens of a prompt"].endswith("in segments between them")
 
