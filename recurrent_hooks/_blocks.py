@@ -136,8 +136,8 @@ def blocks_apply(kernel: Kernel, kind: Any, arguments: dict[str, Any], grad: boo
     (`Segments.blocks_below`, measured: at larger states writing and reading every state of a block through
     memory costs more than the token loop's per-token Python steps, which find the state in the cache)."""
     segments = kernel.segments
-    if segments is None or segments.all_states is None or (torch.is_grad_enabled() if grad is None else grad) \
-            or torch.is_inference_mode_enabled() or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or segments is None or segments.all_states is None \
+            or (torch.is_grad_enabled() if grad is None else grad) or torch.is_inference_mode_enabled():
         return False  # (a compiled graph has no version counters, and would unroll every block)
     limit = segments.blocks_below if SIZE_LIMIT is None else SIZE_LIMIT
     size = state_size(kind, kernel, arguments)

@@ -41,6 +41,8 @@ def refuse_packed(kwargs: dict[str, Any], names: Iterable[str], needs: str) -> N
 def version_of(window: Tensor) -> "int | Tensor":
     """What tells an in-place change of the window later: its version counter, or for an inference tensor
     (`torch.inference_mode()`, which has none) a copy of its values."""
+    if torch.compiler.is_compiling():
+        return 0  # unused: `handed_back_changed` tells a change by identity in a graph
     return window.clone() if window.is_inference() else window._version
 
 

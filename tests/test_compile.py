@@ -95,7 +95,8 @@ def _compare_runs(eager, compiled, memory, atol, hooked=T):
     assert {hook[1] for hook in seen} == set(range(CALLS)) and all(type(hook[1]) is int for hook in compiled_seen)
     assert_close("hooked state norms", torch.tensor([h[3] for h in seen]), torch.tensor([h[3] for h in compiled_seen]),
                  rtol=1e-5, atol=1e-6)
-    assert len(seen) == CALLS * hooked * len(_one_of_each_kind(w))
+    # a hook runs once per kernel call of a call (once per head where the kind runs its kernel per head)
+    assert len(seen) == CALLS * hooked * sum(max(1, len(m.calls[0].parts)) for m in _one_of_each_kind(w))
     for mixer, compiled_mixer in zip(w.mixers, cw.mixers):
         assert [c.index for c in compiled_mixer.calls] == list(range(CALLS))
         assert [c.kernel for c in compiled_mixer.calls] == [c.kernel for c in mixer.calls]

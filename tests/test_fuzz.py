@@ -436,7 +436,8 @@ def check_fast_paths_against_token_loop(case: Case, slow: Run, fast: Run) -> Non
                           and edit.targets(0) for edit in case.edits)
         chunkwise = segments is not None and segments.all_states is not None and (
             case.keep is None or len(positions(case.keep, case.prompt)) == case.prompt)
-        expected = [] if segments is None or every_token else [(b.layer, chunkwise)]
+        # (a kind that runs its kernel once per head runs the segments once per head)
+        expected = [] if segments is None or every_token else [(b.layer, chunkwise)] * len(b.calls[0].parts)
         assert [s for s in fast.segmented if s[0] == b.layer] == expected, f"{b}: the prompt took another path"
     assert not slow.segmented, "FAST_PATHS = False ran a kernel in segments"
 
