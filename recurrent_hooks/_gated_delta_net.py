@@ -237,8 +237,13 @@ class GatedDeltaNet(RecurrentMixer):
                                  tuple_without_final=True, all_states=chunk_gated_delta_rule_states,
                                  blocks_below=2048,  # 4 heads of 16 x 16 at batch 2 (docs/performance.md)
                                  shape=_cost_shape)),
+        # a decode step with a hook or write runs transformers' kernel, then the hook on the state it returns
+        # (one segment: the token loop's order, whose output at a token is computed before its hook)
         Kernel(name="torch_recurrent_gated_delta_rule", role=Role.DECODE, loop=recurrent_gated_delta_rule,
-               state_in="initial_state", results=("output", "final_state"), seq=("value", 1)),
+               state_in="initial_state", results=("output", "final_state"), seq=("value", 1),
+               segments=Segments(per_token={name: 1 for name in ("query", "key", "value", "g", "beta")},
+                                 state_in="initial_state", final_flag="output_final_state", out_axis=1,
+                                 tuple_without_final=True)),
         *CONV_KERNELS,
     )
     STATE = "batch heads key_dim value_dim"

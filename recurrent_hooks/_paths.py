@@ -230,9 +230,11 @@ def choose(kernel: Kernel, busy: list[Any], tokens: int, arguments: dict[str, An
     every_state = every_token = False
     for plan in busy:
         if any(positions is None for _, positions in plan.hooks):
-            every_token = True
-            continue
-        stops.update(p for _, positions in plan.hooks for p in positions)
+            if tokens > 1:
+                every_token = True
+                continue
+            stops.add(0)  # every token of a one-token call (a decode step): a stop at it
+        stops.update(p for _, positions in plan.hooks if positions is not None for p in positions)
         if plan.keep and len(plan.keep) == tokens and all_states and not grad:
             every_state = True
         elif plan.keep:

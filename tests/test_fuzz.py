@@ -203,7 +203,8 @@ def run(case: Case, kind: Kind, values: list[rh.Memory], fast: bool) -> Run:
     real = rh_dispatch._run_in_segments
 
     def spy(*args):
-        segmented.append((rh_dispatch.THREAD.running[-1].mixers[0].layer, bool(args[-1])))
+        if args[0].role == "prompt":  # (decode steps run in one segment too: their kernel, then the hooks)
+            segmented.append((rh_dispatch.THREAD.running[-1].mixers[0].layer, bool(args[-1])))
         return real(*args)
 
     def hook_of(index: int, edit: Edit):

@@ -117,6 +117,42 @@ def test_never_blocks_without_all_states(force, monkeypatch):
     assert path_of(blocks) in ((Path.BLOCKS,) if force else (Path.BLOCKS, Path.LOOP))
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear"])
+def test_a_hooked_decode_step_runs_transformers_kernel_then_the_hooks(family, monkeypatch):
+    """A decode step is one token: a hook on it (at every token, or at -1) or a write is a stop at token 0, so the
+    bound kernel runs and the hooks see the state it returns; the same logits, hook inputs and cache as the loop."""
+    decode = type_of(family).kernel_for("decode")
+    assert rh_paths.choose(decode, [hooked(None)], 1, None, grad=False) == rh_paths.Choice(Path.SEGMENTS, [0], False)
+    model, ids = build(family), random_ids(2, 7)
+    runs = {}
+    for fast in (True, False):
+        monkeypatch.setattr(rh_dispatch, "FAST_PATHS", fast)
+        segmented, real = [], rh_dispatch._run_in_segments
+        monkeypatch.setattr(rh_dispatch, "_run_in_segments",
+                            lambda *a: segmented.append(a[0].role) or real(*a))
+        seen = []
+        with rh.watch(model) as w, torch.no_grad():
+            first = w.mixers[0]
+            first.register_state_hook(lambda m, c, t, s: seen.append((c, t, s.clone())))
+            first.register_state_hook(lambda m, c, t, s: s * 0.5, call=2)
+            out = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=PAD,
+                                 output_logits=True, return_dict_in_generate=True)
+        monkeypatch.setattr(rh_dispatch, "_run_in_segments", real)
+        runs[fast] = (out, seen, segmented)
+    (fast_out, fast_seen, segmented), (slow_out, slow_seen, _) = runs[True], runs[False]
+    assert segmented.count("decode") == 3, segmented  # the hooked mixer's decode steps 1-3
+    assert_equal("sequences", slow_out.sequences, fast_out.sequences)
+    for step, (a, b) in enumerate(zip(slow_out.logits, fast_out.logits)):
+        assert_close(f"logits of step {step}", a, b, rtol=1e-5, atol=1e-6)
+    assert [h[:2] for h in fast_seen] == [h[:2] for h in slow_seen]
+    for (c, t, a), (_, _, b) in zip(slow_seen, fast_seen):
+        assert_close(f"hooked state, call {c} token {t}", a, b, rtol=1e-5, atol=1e-6)
+
+
+def type_of(family: str):
+    return rh.FAMILIES[family].kind
+
+
 def test_a_stop_just_past_a_chunk_boundary_ends_with_a_token_loop(monkeypatch):
     """Mamba-2 at mamba2-130m dims, chunk 256, tails on: a stop at token 300 runs the kernel on [0, 256) and the
     token loop on [256, 301), rather than the kernel on a piece padded to 512 tokens. Off (the default), not."""
