@@ -47,7 +47,6 @@ Module contents:
 """
 
 import functools
-import inspect
 from typing import Any
 
 import torch
@@ -58,7 +57,7 @@ from torch import Tensor
 
 from ._conv import CONV_KERNELS
 from ._calls import KernelCall
-from ._kernels import STATE_MEMORY, Kernel, Role, Segments
+from ._kernels import STATE_MEMORY, Kernel, Layout, Role, Segments
 from ._loops import OnToken, refuse_packed, starting_state
 from ._mixer import RecurrentMixer
 
@@ -407,7 +406,7 @@ def _chunk_wise(hidden_states: Tensor, A: Tensor) -> bool:
 def mamba_selective_scan_piece(*args: Any, **kwargs: Any) -> Tensor | tuple[Tensor, Tensor]:
     """A piece of a Mamba-1 prompt from a state (`Segments.kernel`): `mamba_selective_scan_chunks` or the
     token loop `mamba_selective_scan`, whichever is faster at its shape (`_chunk_wise`); same arguments."""
-    bound = _PIECE.bind(*args, **kwargs).arguments
+    bound = _PIECE.bind(args, kwargs)
     run = mamba_selective_scan_chunks if _chunk_wise(bound["hidden_states"], bound["A"]) else mamba_selective_scan
     return run(*args, **kwargs)
 
@@ -417,7 +416,7 @@ def mamba_selective_scan_piece_states(
 ) -> tuple[Tensor | tuple[Tensor, Tensor], Float[Tensor, "seq batch d_inner d_state"]]:
     """`mamba_selective_scan_piece` with every token's state, token first (`Segments.all_states`):
     `mamba_selective_scan_states`, or the token loop keeping the state of each token."""
-    bound = _PIECE.bind(*args, **kwargs).arguments
+    bound = _PIECE.bind(args, kwargs)
     if _chunk_wise(bound["hidden_states"], bound["A"]):
         return mamba_selective_scan_states(*args, **kwargs)
     seen: list[Tensor] = []
@@ -427,7 +426,7 @@ def mamba_selective_scan_piece_states(
     return result, every
 
 
-_PIECE = inspect.signature(mamba_selective_scan_chunks)
+_PIECE = Layout.of(mamba_selective_scan_chunks)  # (read now: a compiled forward cannot inspect signatures)
 
 
 _CONTINUATION = ("transformers' mamba_selective_scan takes no initial state, so a forward of several tokens over"
