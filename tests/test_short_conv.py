@@ -217,15 +217,20 @@ def test_a_window_write_at_a_decode_step(model):
                  rtol=0, atol=0)
 
 
-def test_a_replacing_hook_is_a_write(model):
-    """A hook that returns a window is the same as writing it; the next hook sees the replacement."""
-    ids = random_ids(2, T)
+def _written_at_4(model, ids):
+    """A perturbed window after token 4 of the first mixer, and the logits of writing it there."""
     with rh.watch(model, keep=KEEP) as w:
         logits_of(model, ids)
         value = perturbation(static(w)[0].conv_state_after(4))
     with rh.watch(model) as w:
         static(w)[0].set_conv_state_after(4, value)
-        written = logits_of(model, ids)
+        return value, logits_of(model, ids)
+
+
+def test_a_replacing_hook_is_a_write(model):
+    """A hook that returns a window is the same as writing it; the next hook sees the replacement."""
+    ids = random_ids(2, T)
+    value, written = _written_at_4(model, ids)
     seen = []
     with rh.watch(model) as w:
         static(w)[0].register_state_hook(lambda m, c, t, s: value, call=0, token=4)
@@ -239,12 +244,7 @@ def test_a_replacing_hook_is_a_write(model):
 def test_an_in_place_change_under_inference_mode_is_a_write(model):
     """Inference tensors have no version counter: the loop compares the window's values to tell an in-place change."""
     ids = random_ids(2, T)
-    with rh.watch(model, keep=KEEP) as w:
-        logits_of(model, ids)
-        value = perturbation(static(w)[0].conv_state_after(4))
-    with rh.watch(model) as w:
-        static(w)[0].set_conv_state_after(4, value)
-        written = logits_of(model, ids)
+    value, written = _written_at_4(model, ids)
     with rh.watch(model) as w, torch.inference_mode():
         static(w)[0].register_state_hook(lambda m, c, t, s: (s.copy_(value), None)[1], call=0, token=4)
         changed = model(ids).logits
