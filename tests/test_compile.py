@@ -116,7 +116,7 @@ def test_a_compiled_forward_in_a_watch_is_eager_and_compiles_once(family):
     _compare_runs(eager, compiled, memory, atol=1e-6)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "mamba2", "mamba"])
+@pytest.mark.parametrize("family", ["qwen3_5", "mamba"])  # the bound kernel's pieces; the library's (Mamba-1)
 def test_a_compiled_forward_with_a_few_hooked_tokens_runs_in_segments_as_eagerly(family, monkeypatch):
     """A few hooked, kept and written tokens: the bound kernel runs in segments between them, in the graph too
     (the path is chosen as eagerly; the spy is on the eager run: a list it appended to would be a guard)."""
@@ -171,11 +171,13 @@ def _generate(model, ids, compiled, zero, memory, again=()):
     return out, seen[:calls], seen[calls:]
 
 
-# Families whose generate transformers compiles, one per kind (rwkv, xlstm and minimax have no compileable cache:
-# transformers runs their generate eagerly). recurrent_gemma: a shorter prompt recompiles without the library too
-# (its conv window's strides depend on the prompt's length), so its second generate has the same length.
+# Families whose generate transformers compiles, one per kind of recurrence (rwkv, xlstm and minimax have no
+# compileable cache: transformers runs their generate eagerly). recurrent_gemma: a shorter prompt recompiles
+# without the library too (its conv window's strides depend on the prompt's length), so its second generate has
+# the same length. The dynamic and looped convolutions (inkling2, inkling2_loop) pass this test too, in 12 and
+# 31 s: left to their compiled forwards above, for the suite's time; lfm2 stands for the short convolutions.
 COMPILED_GENERATE = {"qwen3_5": True, "kimi_linear": True, "mamba": True, "zamba": True, "mamba2": True,
-                     "recurrent_gemma": False, "lfm2": True, "inkling2": True, "inkling2_loop": True}
+                     "recurrent_gemma": False, "lfm2": True}
 
 
 @pytest.mark.parametrize("family", list(COMPILED_GENERATE))
