@@ -22,8 +22,8 @@ and the bookkeeping runs in Python when the graph runs:
 
 `clock` is the mixer's clock (`_CLOCKS`), a 0-d int64 tensor holding the running call's index. Every op declares
 that it mutates it, which orders the ops of a mixer as they were traced and keeps them in the graph when
-their results are not used. The ops name the mixer and the hook by a key (`register`), fixed when they are
-made: a constant of the graph.
+their results are not used. The ops name the mixer and the hook by a key (`register_mixer`, `register_hook`),
+fixed when they are made: a constant of the graph.
 
 The ops hand Python copies of the graph's tensors and take copies back (the compiled graph reuses its
 buffers once their last reader has run). With gradients on, a hook is handed a detached copy of the state
@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from ._kernels import STATE_MEMORY
-from ._parts import is_parts, map_parts, parts_of
+from ._parts import is_parts, map_parts, parts_of, rebuild
 
 if TYPE_CHECKING:
     from ._mixer import RecurrentMixer, _Hook
@@ -53,15 +53,19 @@ _HOOKS: "weakref.WeakValueDictionary[int, _Hook]" = weakref.WeakValueDictionary(
 _CLOCKS: dict[int, Tensor] = {}  # mixer key -> its clock (here, not on the mixer: a watch holds no tensor)
 
 
-def register(value: Any) -> int:
-    """A key for a mixer or a hook, by which the graph's ops find it at run time."""
+def register_mixer(mixer: "RecurrentMixer") -> int:
+    """A key by which the graph's ops find `mixer` at run time; its clock is made with it."""
     key = next(_KEYS)
-    if hasattr(value, "fn"):
-        _HOOKS[key] = value
-    else:
-        _MIXERS[key] = value
-        _CLOCKS[key] = torch.zeros((), dtype=torch.int64)
-        weakref.finalize(value, _CLOCKS.pop, key, None)
+    _MIXERS[key] = mixer
+    _CLOCKS[key] = torch.zeros((), dtype=torch.int64)
+    weakref.finalize(mixer, _CLOCKS.pop, key, None)
+    return key
+
+
+def register_hook(hook: "_Hook") -> int:
+    """A key by which the graph's ops find `hook` at run time."""
+    key = next(_KEYS)
+    _HOOKS[key] = hook
     return key
 
 
@@ -130,7 +134,7 @@ def run_hook(mixer: "RecurrentMixer", hook: "_Hook", token: int, state: Any) -> 
     if not torch.is_grad_enabled():
         parts = _hook(_CLOCKS[mixer._key], mixer._key, hook._key, token, mixer._tokens, head,
                       [part for _, part in parts_of(state)])
-        return _rebuild_like(state, parts)
+        return rebuild(state, parts)
     # gradients on: a hook reads a detached copy at run time; a write is traced, masked by the call counter
     _event(_CLOCKS[mixer._key], mixer._key, "look", [hook._key, token, mixer._tokens, head], "None",
            [part.detach() for _, part in parts_of(state)])
@@ -155,10 +159,6 @@ def store(mixer: "RecurrentMixer", memory: str, kernel: str, kept: "dict[int, An
     tensors: list[Tensor] = []
     spec = (memory, kernel, _encode(kept, tensors), _encode(inputs, tensors), _encode(output, tensors))
     _event(_CLOCKS[mixer._key], mixer._key, "store", [], repr(spec), tensors)
-
-
-def _rebuild_like(state: Any, parts: list[Tensor]) -> Any:
-    return type(state)(*parts) if is_parts(state) else parts[0]
 
 
 def _targeted(calls: Any, clock: Tensor) -> Tensor | None:

@@ -84,7 +84,7 @@ class _Hook:
                  tokens: tuple[int, ...] | None, origin: str, *, write: bool = False):
         self.fn, self.memory, self.calls, self.tokens, self.origin = fn, memory, calls, tokens, origin
         self.write = write
-        self._key = _compiled.register(self)  # how a compiled graph's ops find it
+        self._key = _compiled.register_hook(self)  # how a compiled graph's ops find it
 
     def targets(self, call: int | None) -> bool:
         return call is not None and (self.calls is None or call in self.calls)
@@ -257,7 +257,7 @@ class RecurrentMixer:
         self._reorder: Tensor | None = None  # cache rows reordered since the last call (beam search)
         self._on_empty: Callable[[], None] | None = None
         self._live = False  # attached to its module's tap
-        self._key = _compiled.register(self)  # how a compiled graph's ops find this handle (`_compiled`)
+        self._key = _compiled.register_mixer(self)  # how a compiled graph's ops find this handle (`_compiled`)
 
     @property
     def module(self) -> nn.Module:
@@ -752,23 +752,23 @@ class RecurrentMixer:
 class _Plan:
     """What one attached mixer wants of one kernel call: its hooks (in registration order) and kept tokens."""
 
-    __slots__ = ("mixer", "call", "hooks", "keep", "kept", "stacked")
+    __slots__ = ("mixer", "call", "hooks", "keep", "kept", "stacked", "compiled")
 
     def __init__(self, mixer: RecurrentMixer, call: int | None, hooks: list[tuple[_Hook, frozenset[int] | None]],
                  keep: frozenset[int] | None):
         self.mixer, self.call, self.hooks, self.keep = mixer, call, hooks, keep
         self.kept: dict[int, Tensor] | None = None if keep is None else {}
         self.stacked: Tensor | None = None  # every token kept in grad mode: the leaf the forward read them through
+        self.compiled = _compiled.compiling()  # traced into a graph: hooks run through its ops (`_compiled`)
 
     @property
     def idle(self) -> bool:
         return not self.hooks and not self.keep
 
     def apply(self, token: int, state: Tensor) -> Tensor:
-        compiled = _compiled.compiling()
         for hook, positions in self.hooks:
             if positions is None or token in positions:
-                if compiled:
+                if self.compiled:
                     state = _compiled.run_hook(self.mixer, hook, token, state)
                 else:
                     state = self.mixer._run_hook(hook, self.call, token, state)
