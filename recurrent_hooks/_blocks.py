@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._kernels import Kernel
+from ._kernels import Kernel, Pieces
 from ._loops import OnToken
 
 BLOCK = 64  # tokens per chunk-wise call (see the module docstring)
@@ -76,21 +76,14 @@ def run_in_blocks(kernel: Kernel, args: tuple, kwargs: dict, on_token: OnToken, 
     segments = kernel.segments
     if segments is None or segments.all_states is None:
         raise TypeError(f"kernel {kernel.name!r} has no chunk-wise all_states version: it cannot run in blocks")
-    bound = dict(kernel.signature.bind(*args, **kwargs).arguments)
-    extra = bound.pop("kwargs", {})
-    positional = list(bound)[: len(args)]  # call each block the way the mixer called the kernel
-    wants_final = bool(bound.get(segments.final_flag, False))
-    tokens = kernel.tokens(bound, 0)
-    state = bound.get(segments.state_in)
+    pieces = Pieces(kernel, args, kwargs)
+    tokens, state = pieces.tokens, pieces.state
     outputs: list[Tensor] = []
     start = 0
     while start < tokens or not outputs:  # an empty call still runs once, for its (empty) output
         end = min(start + block, tokens)
-        piece = {name: (value.narrow(segments.per_token[name], start, end - start)
-                        if name in segments.per_token else value) for name, value in bound.items()}
-        piece[segments.state_in], piece[segments.final_flag] = state, True
-        leading = [piece.pop(name) for name in positional]
-        (out, last), states = segments.all_states(*leading, **piece, **extra)
+        leading, named = pieces.call(start, end, state)
+        (out, last), states = segments.all_states(*leading, **named)
         if end == start:
             state = last
         done = end - start  # tokens of this block whose outputs stand
@@ -104,12 +97,9 @@ def run_in_blocks(kernel: Kernel, args: tuple, kwargs: dict, on_token: OnToken, 
         outputs.append(out if done == end - start else out.narrow(segments.out_axis, 0, done))
         del states  # this block's buffer lives on only through `state`, until the next block has read it
         start += done
-    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=segments.out_axis)
     if isinstance(state, Tensor) and state.untyped_storage().nbytes() > state.nbytes:
         state = state.clone()  # a view of the last block's buffer: the cache must not hold the whole block
-    if wants_final:
-        return out, state
-    return (out, None) if segments.tuple_without_final else out
+    return pieces.result(outputs, state)
 
 
 def state_size(kind: Any, kernel: Kernel, arguments: dict[str, Any]) -> int | None:

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from . import _blocks, _paths
 from ._calls import KernelCall
-from ._kernels import CONV_MEMORY, FORWARD, Kernel, Layout
+from ._kernels import CONV_MEMORY, FORWARD, Kernel, Layout, Pieces
 from ._mixer import RecurrentMixer, _Forward, _Plan
 from ._parts import State, map_parts, parts_of, rebuild
 from ._registry import family_of
@@ -326,38 +326,28 @@ def _run_in_segments(kernel: Kernel, original: Callable[..., Any], args: tuple, 
     """
     segments = kernel.segments
     run = segments.all_states if keeping_all else segments.kernel or original
-    bound = kernel.layout.bind(args, kwargs)
-    extra = bound.pop("kwargs", {})
-    positional = list(bound)[: len(args)]  # call each piece the way the mixer called the kernel
-    wants_final = bool(bound.get(segments.final_flag, False))
-    tokens = kernel.tokens(bound, 0)
-    state = bound.get(segments.state_in)
+    pieces = Pieces(kernel, args, kwargs)
+    state = pieces.state
     looped = dict(tails)  # start -> end of each range the token loop runs
     outputs = []
     start = 0
-    for end in sorted({*(stop + 1 for stop in stops), *looped, tokens}):
+    for end in sorted({*(stop + 1 for stop in stops), *looped, pieces.tokens}):
         if end <= start:
             continue
-        piece = {name: (value.narrow(segments.per_token[name], start, end - start)
-                        if name in segments.per_token and value is not None else value) for name, value in bound.items()}
-        piece[segments.state_in], piece[segments.final_flag] = state, True
-        leading = [piece.pop(name) for name in positional]
+        leading, named = pieces.call(start, end, state)
         if keeping_all:
-            (out, state), states = run(*leading, **piece, **extra)
+            (out, state), states = run(*leading, **named)
             for plan in keeping_all:
                 plan.kept.update((start + i, states[i]) for i in range(end - start))
         elif looped.get(start) == end:
-            out, state = kernel.loop(*leading, **piece, **extra)
+            out, state = kernel.loop(*leading, **named)
         else:
-            out, state = run(*leading, **piece, **extra)
+            out, state = run(*leading, **named)
         outputs.append(out)
         if end - 1 in stops:
             state = on_token(end - 1, state)  # the state after the stop, as the token loop would hand it over
         start = end
-    out = torch.cat(outputs, dim=segments.out_axis)
-    if wants_final:
-        return out, state
-    return (out, None) if segments.tuple_without_final else out
+    return pieces.result(outputs, state)
 
 
 _TAPS: "weakref.WeakKeyDictionary[nn.Module, _Tap]" = weakref.WeakKeyDictionary()

@@ -8,7 +8,8 @@ Module contents:
 - `Role`: which calls a kernel serves: prompts, one-token decode steps, or both.
 - `Kernel`: one kernel of a kind (name, site, the library's token loop, where the memory goes in, what the
   results are called, where its tokens are counted, how it can run in segments).
-- `Segments`: how a prompt kernel can run on consecutive pieces of its tokens, chaining the state.
+- `Segments`: how a prompt kernel can run on consecutive pieces of its tokens, chaining the state;
+  `Pieces`: one call cut into such pieces (its arguments per piece, its result from the pieces').
 """
 
 import dataclasses
@@ -17,6 +18,8 @@ import inspect
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
+
+import torch
 
 
 STATE_MEMORY, CONV_MEMORY = "state", "conv_state"  # the two memories of a mixer
@@ -80,6 +83,40 @@ class Segments:
     blocks_below: int = 0
     shape: Callable[[dict[str, Any]], Any] | None = None
     kernel: Callable[..., Any] | None = None
+
+
+class Pieces:
+    """A prompt call cut into pieces of its tokens (`Segments`): each piece called as the mixer called the
+    kernel, from the state the previous piece ended with; the results put back together as the kernel's.
+
+        pieces = Pieces(kernel, args, kwargs)
+        out, state = run(*pieces.call(start, end, state))   # -> (leading, keyword arguments)
+        return pieces.result(outputs, state)
+    """
+
+    def __init__(self, kernel: "Kernel", args: tuple, kwargs: dict[str, Any]) -> None:
+        self.segments = kernel.segments
+        self.bound = kernel.layout.bind(args, kwargs)
+        self.extra = self.bound.pop("kwargs", {})
+        self.positional = list(self.bound)[: len(args)]  # call each piece the way the mixer called the kernel
+        self.tokens = kernel.tokens(self.bound, 0)
+        self.state = self.bound.get(self.segments.state_in)  # the state the call starts from
+
+    def call(self, start: int, end: int, state: Any) -> tuple[list[Any], dict[str, Any]]:
+        """The positional and keyword arguments of the piece of tokens [start, end) from `state`."""
+        per_token = self.segments.per_token
+        piece = {name: (value.narrow(per_token[name], start, end - start)
+                        if name in per_token and value is not None else value) for name, value in self.bound.items()}
+        piece[self.segments.state_in], piece[self.segments.final_flag] = state, True
+        leading = [piece.pop(name) for name in self.positional]
+        return leading, {**piece, **self.extra}
+
+    def result(self, outputs: list[Any], state: Any) -> Any:
+        """The pieces' outputs and the last state, as the kernel returns them."""
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=self.segments.out_axis)
+        if self.bound.get(self.segments.final_flag, False):
+            return out, state
+        return (out, None) if self.segments.tuple_without_final else out
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
