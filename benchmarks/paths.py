@@ -28,8 +28,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-import scipy.optimize
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # this checkout's package
@@ -113,6 +111,37 @@ def _best(fn: Callable[[], Any], reps: int = 5) -> float:
 TERMS = {"kernel": paths.kernel_terms, "loop": paths.loop_terms, "states": paths.states_terms}
 
 
+def nnls(a: torch.Tensor, b: torch.Tensor, iterations: int = 300) -> torch.Tensor:
+    """x >= 0 minimising |a x - b|: Lawson and Hanson's active-set method ("Solving Least Squares Problems",
+    1974, ch. 23), in float64. A variable enters the passive set where the gradient a^T (b - a x) is largest; the
+    least-squares solution on the passive set is taken, stepping back to the boundary while any of it is <= 0."""
+    columns = a.shape[1]
+    x = torch.zeros(columns, dtype=a.dtype)
+    passive = torch.zeros(columns, dtype=torch.bool)
+    scale = a.abs().max().clamp_min(1e-300)
+    tolerance = 1e-12 * columns * scale * b.abs().max().clamp_min(1e-300)
+    for _ in range(iterations):
+        gradient = a.T @ (b - a @ x)
+        gradient[passive] = -torch.inf
+        if passive.all() or gradient.max() <= tolerance:
+            break
+        passive[int(gradient.argmax())] = True
+        while True:
+            z = torch.zeros_like(x)
+            z[passive] = torch.linalg.lstsq(a[:, passive], b[:, None]).solution[:, 0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            shrinking = passive & (z <= 0)
+            alpha = (x[shrinking] / (x[shrinking] - z[shrinking])).min()
+            x = x + alpha * (z - x)
+            passive &= x > 1e-15 * x.abs().max().clamp_min(1e-300)
+            x[~passive] = 0
+            if not passive.any():
+                break
+    return x
+
+
 def calibrate(quick: bool) -> dict[str, paths.Constants]:
     """Time each path of each kernel over the grid, fit the constants, print them as `_paths.CONSTANTS` reads."""
     fitted = {}
@@ -140,11 +169,11 @@ def calibrate(quick: bool) -> dict[str, paths.Constants]:
                           f" chunk {chunk:3} T {seq:4}: {seconds * 1e3:8.2f} ms", flush=True)
         coefficients = {}
         for path, data in rows.items():
-            terms = np.array([t for t, _ in data])
-            times = np.array([s for _, s in data])
-            solution, _ = scipy.optimize.nnls(terms / times[:, None], np.ones(len(times)))
-            coefficients[path] = solution
-            worst = max(abs(t @ solution / s - 1) for t, s in zip(terms, times))
+            terms = torch.tensor([t for t, _ in data], dtype=torch.float64)
+            times = torch.tensor([s for _, s in data], dtype=torch.float64)
+            solution = nnls(terms / times[:, None], torch.ones(len(times), dtype=torch.float64))
+            coefficients[path] = solution.tolist()
+            worst = max(abs(float(t @ solution) / float(s) - 1) for t, s in zip(terms, times))
             print(f"  {name} {path}: fit {', '.join(f'{c:.2e}' for c in solution)}; worst relative error {worst:.0%}")
         fitted[name] = paths.Constants(**{path: tuple(float(c) for c in coefficients[path]) for path in TERMS})
     print("CONSTANTS = {")

@@ -96,3 +96,19 @@ def test_the_family_tables_are_the_registry():
             assert named in wants, f"{page}: the row {row[0]!r} lists {sorted(named)}, the registry {sorted(wants[0])}"
             checked += 1
     assert checked >= len(by_kind), "the kind tables were not found"
+
+
+def test_ci_runs_the_readme_test_command_in_a_fresh_environment():
+    """`.ci/run` installs what the README's test command installs, in a virtual environment it makes itself (so a
+    dependency missing from pyproject.toml fails CI), and runs pytest there."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Tests"):]
+    command = re.search(r"```bash\n(.*?)\n```", section, flags=re.S).group(1)
+    steps = [step.strip() for step in command.split("&&")]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "python3 -m venv" in ci and "activate" in ci, ".ci/run does not make its own virtual environment"
+    for step in steps:
+        if step.startswith("pip install"):
+            assert f"python -m {step.replace('pip install', 'pip install -q', 1)}" in ci, \
+                f".ci/run does not run the README's {step!r}"
+    assert steps[-1].startswith("pytest") and "python -m pytest" in ci, f"the README's last step is {steps[-1]!r}"
