@@ -147,3 +147,24 @@ def test_support_describes_the_restart(family):
     row = rh.support(build(family))[0]
     text = row.unavailable["multi-token continuation"]
     assert "from zero" in text and "RecurrentHooksWarning" in text, text
+
+
+def test_compiled_a_multi_token_forward_over_the_cache_runs_and_warns_when_the_graph_runs():
+    """Under torch.compile the restart is told when the graph runs (it raised while tracing before): the
+    compiled continuation gives the unwatched logits, one warning per mixer names call 1, and the kept state
+    is the model's own, from zeros."""
+    model, ids = build("zamba"), random_ids(2, PROMPT + NEW)
+    plain, _ = _continue(model, ids)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with rh.watch(model, keep={"states": [-1], "inputs": None}) as w, torch.no_grad():
+            cache = model(ids[:, :PROMPT], use_cache=True).cache
+            got = compiled(ids[:, PROMPT:], cache=cache).logits
+    assert_close("compiled continuation logits", plain, got, rtol=1e-6, atol=1e-6)
+    restarts = _restarts(caught)
+    assert [str(r.message).split(" (")[0] for r in restarts] == [f"{m}, call 1" for m in w.mixers], \
+        [str(r.message) for r in restarts]
+    for mixer in w.mixers:
+        assert_close(f"{mixer} last state of call 1", _reference(mixer, 1)[:, -1], mixer.state_after(-1, call=1),
+                     **F64)
