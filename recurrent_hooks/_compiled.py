@@ -15,7 +15,8 @@ and the bookkeeping runs in Python when the graph runs:
 - `recurrent_hooks::event(clock, mixer, what, ints, spec, tensors)`: a forward of a watched mixer begins
   ("begin": count the call, open its record), its kernel call ends ("store": file the kept states and
   kernel records), a hook that names calls has a token outside this call ("outside": an error if it
-  targets the call), a hook runs with gradients on ("look");
+  targets the call), a hook runs with gradients on ("look"), the call restarts its memory from zeros
+  ("restart": a warning if the call wants something);
 - `recurrent_hooks::hook(clock, mixer, hook, token, tokens, head, parts) -> parts`: a hook or write at a
   token: at run time it is called as eagerly, with the call index as an int, and its replacement is what
   the graph continues from.
@@ -153,6 +154,12 @@ def outside(mixer: "RecurrentMixer", hook: "_Hook", token: int, tokens: int, ker
     _event(_CLOCKS[mixer._key], mixer._key, "outside", [hook._key, token, tokens], repr(kernel), [])
 
 
+def restarted(mixer: "RecurrentMixer", kernel: str, reason: str) -> None:
+    """This call restarts its memory from zeros (`RecurrentMixer._restart`): warned when the graph runs, for
+    a call that has hooks, writes or kept values."""
+    _event(_CLOCKS[mixer._key], mixer._key, "restart", [], repr((kernel, reason)), [])
+
+
 def store(mixer: "RecurrentMixer", memory: str, kernel: str, kept: "dict[int, Any] | None",
           inputs: "dict[str, Any] | None", output: "dict[str, Any] | None") -> None:
     """File a kernel call's kept states and records in the running call's record, when the graph runs."""
@@ -237,4 +244,10 @@ def _on_look(mixer: "RecurrentMixer", clock: Tensor, ints: list[int], spec: Any,
     mixer._run_hook(hook, mixer._index, token, state, replaces=False)
 
 
-_EVENTS = {"begin": _on_begin, "store": _on_store, "outside": _on_outside, "look": _on_look}
+def _on_restart(mixer: "RecurrentMixer", clock: Tensor, ints: list[int], spec: Any, tensors: list[Tensor]) -> None:
+    if mixer._wants(mixer._index):
+        mixer._warn_restart(mixer._index, *spec)
+
+
+_EVENTS = {"begin": _on_begin, "store": _on_store, "outside": _on_outside, "look": _on_look,
+           "restart": _on_restart}

@@ -49,6 +49,7 @@ import dataclasses
 import itertools
 import math
 import sys
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -59,7 +60,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from ._errors import InvalidValue, RecurrentHooksError, Unavailable
+from ._errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable
 from ._arguments import _as_targets, _describe_calls, _describe_token, _RowTokens, as_calls, as_index, normalize_keep
 from . import _compiled
 from ._calls import Call, KernelCall, Memory, _position
@@ -540,6 +541,17 @@ class RecurrentMixer:
         """Why this kernel call cannot serve hooks or kept states (None: it can); kinds override it."""
         return None
 
+    def _restart(self, kernel: Kernel) -> str | None:
+        """Why this kernel call starts its memory from zeros although its forward continues a cached one
+        (None: it does not); kinds override it. Such a call runs as transformers runs it, its hooks, writes
+        and kept states see the memory the model really started from, and one `RecurrentHooksWarning` per
+        call says so (`_warn_restart`)."""
+        return None
+
+    def _warn_restart(self, index: int | None, kernel: str, reason: str) -> None:
+        """Say once, for call `index` (it has hooks, writes or kept values), that the model restarted its memory."""
+        warnings.warn(f"{self}, call {index} ({kernel}): {reason}", RecurrentHooksWarning, stacklevel=2)
+
     def _wants(self, index: int | None) -> bool:
         """Whether call `index` has hooks, writes or kept values (None: a recompute of an idle call)."""
         return index is not None and (bool(self.keep) or bool(self.records)
@@ -649,6 +661,11 @@ class RecurrentMixer:
         wants = self._wants_some() if compiled else self._wants(index)
         if wants and (reason := self._refusal(kernel)) is not None:
             raise Unavailable(f"{self}, call {'?' if compiled else index} ({kernel.name}): {reason}")
+        if wants and part == 0 and (reason := self._restart(kernel)) is not None:
+            if compiled:  # told when the graph runs, to the calls it serves that want something
+                _compiled.restarted(self, kernel.name, reason)
+            else:
+                self._warn_restart(index, kernel.name, reason)
         hooks: list[tuple[_Hook, frozenset[int] | None]] = []  # registration order, with absolute positions
         for hook in self._all_hooks():
             if hook.memory != kernel.memory or not (hook.targets_some if compiled else hook.targets(index)):

@@ -430,8 +430,14 @@ _PIECE = Layout.of(mamba_selective_scan_chunks)  # (read now: a compiled forward
 
 
 _CONTINUATION = ("transformers' mamba_selective_scan takes no initial state, so a forward of several tokens over"
-                 " a cached state restarts the SSM state from zero (the model's own behaviour, watched or not);"
-                 " hooks and kept states are refused for such a call: continue one token at a time")
+                 " a cached state restarts the SSM state from zero (the model's own behaviour, watched or not; the"
+                 " convolution window carries over). Such a call runs as transformers runs it: its hooks, writes"
+                 " and kept states see the states from zero, and a RecurrentHooksWarning says so once per mixer"
+                 " and call. Continue one token at a time for an exact continuation")
+_RESTARTED = ("multi-token continuation: the model restarted its SSM state from zero (transformers'"
+              " mamba_selective_scan takes no initial state), as it does unwatched; this call's hooks, writes"
+              " and kept states see the states from zero, not from the cached state. Continue one token at a"
+              " time for an exact continuation")
 
 
 class SelectiveScan(RecurrentMixer):
@@ -487,9 +493,9 @@ class SelectiveScan(RecurrentMixer):
     }
     LIMITS = {"multi-token continuation": _CONTINUATION}
 
-    def _refusal(self, kernel: Kernel) -> str | None:
+    def _restart(self, kernel: Kernel) -> str | None:
         continuing = not self._forward.fresh and self._forward.tokens > 1
-        return _CONTINUATION if continuing and kernel.memory == STATE_MEMORY and kernel.role == "prompt" else None
+        return _RESTARTED if continuing and kernel.memory == STATE_MEMORY and kernel.role == "prompt" else None
 
     @classmethod
     def _token_values(cls, part: KernelCall) -> dict[str, Tensor]:

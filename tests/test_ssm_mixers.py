@@ -14,8 +14,9 @@ T = 11
 
 
 @pytest.mark.parametrize("family", MAMBA1)
-def test_mamba1_multi_token_continuation_is_refused_for_hooks_but_runs_idle(family):
-    """transformers' scan restarts from zero over a cache: the library says so instead of reporting those states."""
+def test_mamba1_multi_token_continuation_runs_watched_and_warns(family):
+    """transformers' scan restarts from zero over a cache: the library runs it so and says so (the states of
+    such a call are checked in tests/test_cache_restart.py)."""
     model, ids = build(family), random_ids(2, T)
     with torch.no_grad():
         plain = model(ids[:, 6:], cache=model(ids[:, :6], use_cache=True).cache).logits
@@ -24,10 +25,11 @@ def test_mamba1_multi_token_continuation_is_refused_for_hooks_but_runs_idle(fami
         assert_close("idle continuation", plain, watched, rtol=0, atol=0)
         assert w.mixers[0].calls[1].kernel == rh.SelectiveScan.kernel_for("prompt").name and w.mixers[0].calls[1].tokens == T - 6
         cache = model(ids[:, :6], use_cache=True).cache
-        with pytest.raises(rh.Unavailable, match=r"call 0 \(mamba_selective_scan\): transformers' mamba_selective_scan"
-                           r" takes no initial state"):
-            with rh.watch(model, keep=("states", "inputs", "outputs")):
-                model(ids[:, 6:], cache=cache)
+        with pytest.warns(rh.RecurrentHooksWarning, match=r"call 0 \(mamba_selective_scan\): multi-token continuation:"
+                          r" the model restarted its SSM state from zero"):
+            with rh.watch(model, keep=("states", "inputs", "outputs")) as w:
+                kept = model(ids[:, 6:], cache=cache).logits
+        assert_close("kept continuation", plain, kept, rtol=1e-6, atol=1e-6)
     assert "multi-token continuation" in rh.support(model)[0].unavailable
 
 
