@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import recurrent_hooks as rh
 import recurrent_hooks._dispatch as dispatch_impl
 import recurrent_hooks._paths as paths_impl
 import recurrent_hooks._patching as patching
@@ -40,3 +41,61 @@ def nothing_left_patched():
     threads_impl.THREAD.running.clear()
     threads_impl.THREAD.in_hook = 0
     assert not any(leaks.values()), f"the test left state behind: {leaks}"
+
+
+# -- the full matrices: one family per kind by default, every family with `pytest --full` ------------------------
+#
+# A test marked `one_per_kind` runs by default for the first family of each kind (in the registry's order) and for
+# every family with `--full`; a test marked `full` runs only with `--full`. A test left out is reported as skipped,
+# with the reason, in pytest's summary (`-ra`), never silently; `--only-full` runs just the tests the default
+# leaves out (`.ci/run` runs the default suite, then those).
+
+FULL = "the full matrix: `pytest --full` runs it (README, Tests)"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", help="also run the slow matrices on every family")
+    parser.addoption("--only-full", action="store_true", help="run only what the default suite leaves out")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "full: a slow case, run only with --full")
+    config.addinivalue_line("markers", "one_per_kind: a matrix over families, one family per kind without --full")
+
+
+def _representatives() -> set[str]:
+    first: dict[type, str] = {}
+    for name, family in rh.FAMILIES.items():
+        first.setdefault(family.kind, name)
+    return set(first.values())
+
+
+def _left_out_by_default(item, representatives: set[str]) -> bool:
+    if item.get_closest_marker("full"):
+        return True
+    if item.get_closest_marker("one_per_kind"):
+        params = getattr(item, "callspec", None)
+        family = params.params.get("family") if params is not None else None
+        assert family is not None, f"{item.nodeid} is marked one_per_kind but has no `family` parameter"
+        return family not in representatives
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+    full, only_full = config.getoption("--full"), config.getoption("--only-full")
+    if full and not only_full:
+        return
+    representatives = _representatives()
+    skip = pytest.mark.skip(reason=FULL)
+    kept, dropped = [], []
+    for item in items:
+        left_out = _left_out_by_default(item, representatives)
+        if only_full:
+            (kept if left_out else dropped).append(item)
+        else:
+            if left_out:
+                item.add_marker(skip)
+            kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept

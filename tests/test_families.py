@@ -234,6 +234,7 @@ def test_gradient_with_respect_to_a_state(model):
 CHECKPOINTING = {"off": None, "reentrant": True, "non-reentrant": False}
 
 
+@pytest.mark.one_per_kind
 @pytest.mark.parametrize("checkpointing", CHECKPOINTING)
 def test_gradient_checkpointing_gives_the_gradients_of_the_plain_backward(model, checkpointing):
     """A recompute repeats its call: a write at call 0, a replacing hook and kept states give the same loss,
