@@ -396,6 +396,60 @@ def test_conv_write_at_a_decode_step(model):
     assert (plain.logits[2] - steered.logits[2]).abs().max() > 1e-6
 
 
+def _records_of(mixer):
+    """Every tensor a watched call left: its states, windows, kernel inputs and outputs, by name."""
+    records = {}
+    for call in mixer.calls:
+        records[f"call {call.index} states"] = call.states
+        records[f"call {call.index} conv_states"] = call.conv_states
+        for what, values in (("input", call.inputs), ("output", call.output)):
+            for name, value in values.items():
+                if isinstance(value, torch.Tensor):
+                    records[f"call {call.index} {what} {name}"] = value
+    return records
+
+
+@pytest.mark.parametrize("call, token", [(0, 4), (2, 0)], ids=["prompt", "decode"])
+def test_an_in_place_edit_equals_the_returned_replacement(family, call, token):
+    """The state handed to a hook is the live one: halving it in place (and returning None) is the replacement
+    `s * 0.5`, as for every kind. RG-LRU's output is the state itself (y_t = h_t): token t's own output must
+    not see the edit (a write after token t changes what tokens > t see), nor, through the attention layer,
+    any later token's logits beyond what the continued state changes."""
+    ids = random_ids(2, T)
+    kwargs = dict(output_logits=True, return_dict_in_generate=True)
+
+    def run(hook):
+        """Logits of every token (the prompt's forward, or each call of a generate) and the watch's mixers, on a
+        fresh model (the memory survives on the modules: a generate's prompt would start from the last run's)."""
+        model = build(family)
+        with rh.watch(model, keep=ALL) as w:
+            if hook is not None:
+                w.mixers[0].register_state_hook(hook, call=call, token=token)
+            if call == 0:
+                logits = [logits_of(model, ids)]
+            else:
+                logits = [step[:, None] for step in greedy(model, ids, 4, **kwargs).logits]
+        return torch.cat(logits, dim=1), w.mixers
+
+    def halve_in_place(m, c, t, s):
+        s.mul_(0.5)  # returns None: the change is in place only
+
+    plain, _ = run(None)
+    replaced, replaced_mixers = run(lambda m, c, t, s: s * 0.5)
+    in_place, in_place_mixers = run(halve_in_place)
+    position = token if call == 0 else call  # the logits of the token written after (the prompt's, or call k's)
+    assert_close("logits up to the written token, the replacement", plain[:, : position + 1],
+                 replaced[:, : position + 1], rtol=1e-5, atol=1e-5)
+    assert (plain[:, position + 1:] - replaced[:, position + 1:]).abs().max() > 1e-6, \
+        "halving the state changed no later logit: the test cannot tell an in-place edit from none"
+    assert_close("logits of every token, in place vs replaced", replaced, in_place, **EXACT)
+    for mixer, other in zip(replaced_mixers, in_place_mixers):
+        expected, got = _records_of(mixer), _records_of(other)
+        assert sorted(got) == sorted(expected)
+        for name, value in expected.items():
+            assert_close(f"{mixer} {name}, in place vs replaced", value, got[name], **EXACT)
+
+
 # -- the whole memory --------------------------------------------------------------------------------------------
 
 
