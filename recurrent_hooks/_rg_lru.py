@@ -212,7 +212,12 @@ _PADDING = (
 _NOT_IN_CACHE = (
     "the memory is not in the transformers Cache (it holds the attention layers): after a call, read it from"
     " block.rg_lru.recurrent_states and block.conv1d_state, which the library's loops update as transformers"
-    " does; generate's beam reorder moves Cache rows only, so call.reorder is not meaningful (untested)")
+    " does")
+_BEAMS = (
+    "transformers 5.24 does not reorder this memory under beam search: generate reorders the Cache (the attention"
+    " layers' rows) and RecurrentGemma has no _reorder_cache, so block.rg_lru.recurrent_states and"
+    " block.conv1d_state stay in place and each row's h_t and window continue the same row, not its parent beam's"
+    " (watched or not; the library runs exactly that). call.reorder stays None: every row continues itself")
 
 
 class RealGatedLinearRecurrence(RecurrentMixer):
@@ -243,6 +248,7 @@ class RealGatedLinearRecurrence(RecurrentMixer):
     STATE = "batch lru_width"
     CONV_STATE = "batch lru_width window"
     FORWARD_INPUT = "input_states"
+    REORDERED_BY_CACHE = False  # the memory is on the modules, which beam search's Cache reorder leaves (LIMITS)
     INPUTS = {
         "hidden_states": "batch seq lru_width",
         "recurrent_gate": "batch seq lru_width",
@@ -263,6 +269,7 @@ class RealGatedLinearRecurrence(RecurrentMixer):
         "segments and chunk-wise states": _NO_SEGMENTS,
         "left padding": _PADDING,
         "cache": _NOT_IN_CACHE,
+        "beam search": _BEAMS,
         "effective attention": "not implemented for this kind (rh.effective_attention raises Unavailable)",
     }
 

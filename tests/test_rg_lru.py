@@ -643,6 +643,41 @@ def test_a_window_sized_with_hidden_size_fails_in_both(family):
     assert logits_of(model, random_ids(1, 5)).shape == (1, 5, 128)  # a longer prompt replaces the window
 
 
+def test_beam_search_leaves_the_module_memory_in_place_and_call_reorder_says_so(model, monkeypatch):
+    """transformers 5.24's beam search reorders the Cache (the attention layer) only: the module-held memory
+    (`rg_lru.recurrent_states`, `conv1d_state`) stays where it is, so each row continues its own row, not its
+    parent beam's. `call.reorder` tells what ran: the docs' identity, state_after(-1, call=k-1)[reorder] is
+    what call k starts from, holds with reorder None meaning every row continues itself."""
+    import transformers
+
+    moves = []
+    reorder_cache = transformers.DynamicCache.reorder_cache
+
+    def spy(cache, beam_idx, *args, **kwargs):
+        moves.append(beam_idx.clone())
+        return reorder_cache(cache, beam_idx, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.DynamicCache, "reorder_cache", spy)
+    ids = random_ids(2, 9)
+    plain = greedy(model, ids, 5, num_beams=3)
+    with rh.watch(model, keep=("states", "conv_states", "inputs")) as w:
+        watched = greedy(model, ids, 5, num_beams=3)
+    assert_equal("beam search, watched", plain, watched)
+    assert any(not torch.equal(move, torch.arange(6)) for move in moves), "no beam was ever reordered"
+    for mixer in w.mixers:
+        calls = mixer.calls
+        assert len(calls) == 5 and [c.tokens for c in calls[1:]] == [1] * 4
+        for k in range(1, len(calls)):
+            rows = torch.arange(6) if calls[k].reorder is None else calls[k].reorder
+            before = mixer.state_after(-1, call=k - 1)[rows]
+            assert_close(f"{mixer} call {k}: state in", before, calls[k].inputs["recurrent_states"], **EXACT)
+            window = mixer.conv_state_after(-1, call=k - 1)[rows]
+            assert_close(f"{mixer} call {k}: window in", window[..., 1:], mixer.conv_state_after(0, call=k)[..., :-1],
+                         **EXACT)
+    row = rh.support(model)[0]
+    assert "beam search" in row.unavailable and "reorder" in row.unavailable["beam search"]
+
+
 # -- padding, checkpointing, routing -----------------------------------------------------------------------------
 
 
