@@ -5,9 +5,11 @@ the Cache, and its two kernels are class attributes (`RecurrentGemmaRglru._rnn_s
 so it has its own test file with the checks of tests/test_families.py, parametrized by family:
 - the two loops against transformers' own methods, bit for bit, and the states and windows against float64
   references written from Griffin's equations (h_t = a_t h_{t-1} + sqrt(1 - a_t^2)(i_t * x_t));
-- writes (prompt, decode, conv window), the whole-memory identity, gradients, support (parity, generate, the
+- writes (prompt, decode, conv window), an in-place hook edit as a replacement, the whole-memory identity,
+  gradients, support (parity, generate, the
   call counter, standalone hooks, the input gradient and bindings are tests/test_every_family.py's);
-- transformers' own quirks (more-families.md, bugs 3-5), reproduced watched and unwatched.
+- transformers' own quirks (more-families.md, bugs 3-5) and its beam search, which leaves the module-held
+  memory in place, reproduced watched and unwatched.
 """
 
 import copy
@@ -676,6 +678,16 @@ def test_beam_search_leaves_the_module_memory_in_place_and_call_reorder_says_so(
                          **EXACT)
     row = rh.support(model)[0]
     assert "beam search" in row.unavailable and "reorder" in row.unavailable["beam search"]
+
+
+def test_support_reads_beam_search_from_the_kinds_reordered_by_cache(model, monkeypatch):
+    """`support` lists beam search as unavailable for a kind whose memory the Cache reorder leaves in place
+    (REORDERED_BY_CACHE = False), in the kind's own words if its LIMITS say why, else in general ones."""
+    kind = rh.RealGatedLinearRecurrence
+    monkeypatch.setattr(kind, "LIMITS", {k: v for k, v in kind.LIMITS.items() if k != "beam search"})
+    assert "call.reorder stays None" in rh.support(model)[0].unavailable["beam search"]
+    monkeypatch.setattr(kind, "REORDERED_BY_CACHE", True)
+    assert "beam search" not in rh.support(model)[0].unavailable
 
 
 # -- padding, checkpointing, routing -----------------------------------------------------------------------------
