@@ -6,8 +6,8 @@ so it has its own test file with the checks of tests/test_families.py, parametri
 - the two loops against transformers' own methods, bit for bit, and the states and windows against float64
   references written from Griffin's equations (h_t = a_t h_{t-1} + sqrt(1 - a_t^2)(i_t * x_t));
 - writes (prompt, decode, conv window), an in-place hook edit as a replacement, the whole-memory identity,
-  gradients, support (parity, generate, the
-  call counter, standalone hooks, the input gradient and bindings are tests/test_every_family.py's);
+  gradients, support (parity, generate, the call counter, standalone hooks, the input gradient and bindings
+  are tests/test_every_family.py's);
 - transformers' own quirks (more-families.md, bugs 3-5) and its beam search, which leaves the module-held
   memory in place, reproduced watched and unwatched.
 """
