@@ -192,7 +192,8 @@ class RecurrentMixer:
       versions do, for a call that has hooks or kept states, so that the forward goes on;
     - `REORDERED_BY_CACHE`: beam search's `cache.reorder_cache` moves this kind's memory rows (True for
       the kinds whose memory is in the cache's layers); False: it leaves them in place, so `call.reorder`
-      stays None (each row continues its own row);
+      stays None (each row continues its own row), and `support` lists "beam search" as unavailable
+      (with the kind's `LIMITS["beam search"]` if it says why);
     - `KERNEL_PER_HEAD`: the forward calls its recurrence kernel once per head (axis 1 of the state):
       hooks run once per head with that head's state, and `mixer.head` says which head is running;
     - `ROUTES`: the words `route_kernels` accepts for this kind, each meaning "torch" or "default";

@@ -78,7 +78,8 @@ def rnn_scan(
     Returns every token's h_t in hidden_states' dtype and the last state in `acc_dtype`. One loop serves
     prompts and one-token decode steps (transformers branches on the length; both branches make these
     operations). `on_token(t, state)` is called after token t's update and output; token t+1 continues
-    from the state it returns, and the last one returned is the last state (the module keeps it).
+    from the state it returns (or from the state it changed in place, as from a replacement: y_t is a copy),
+    and the last one returned is the last state (the module keeps it).
     """
     a = recurrent_gate * ~reset  # b t D   a_t, 0 where a sequence starts (position 0)
     batch, seq, width = hidden_states.shape
@@ -90,7 +91,9 @@ def rnn_scan(
     for t in range(seq):
         state = a[:, t].type(acc_dtype) * state  # b D   a_t h_{t-1}
         state = state + hidden_states[:, t].type(acc_dtype)  # b D   + sqrt(1 - a_t^2) (i_t * x_t)
-        outputs.append(state.type(hidden_states.dtype))  # b D   y_t = h_t, in the input's dtype
+        # b D   y_t = h_t, in the input's dtype: a tensor of its own (in float32 `.type` would return h_t itself,
+        # and a hook that edits the state in place would edit token t's output too; a write is for tokens > t)
+        outputs.append(state.to(hidden_states.dtype, copy=True))
         if on_token is not None:
             state = on_token(t, state)  # b D   what token t+1 continues from
     return torch.stack(outputs, dim=1), state
@@ -209,7 +212,12 @@ _PADDING = (
 _NOT_IN_CACHE = (
     "the memory is not in the transformers Cache (it holds the attention layers): after a call, read it from"
     " block.rg_lru.recurrent_states and block.conv1d_state, which the library's loops update as transformers"
-    " does; generate's beam reorder moves Cache rows only, so call.reorder is not meaningful (untested)")
+    " does")
+_BEAMS = (
+    "transformers 5.24 does not reorder this memory under beam search: generate reorders the Cache (the attention"
+    " layers' rows) and RecurrentGemma has no _reorder_cache, so block.rg_lru.recurrent_states and"
+    " block.conv1d_state stay in place and each row's h_t and window continue the same row, not its parent beam's"
+    " (watched or not; the library runs exactly that). call.reorder stays None: every row continues itself")
 
 
 class RealGatedLinearRecurrence(RecurrentMixer):
@@ -240,6 +248,7 @@ class RealGatedLinearRecurrence(RecurrentMixer):
     STATE = "batch lru_width"
     CONV_STATE = "batch lru_width window"
     FORWARD_INPUT = "input_states"
+    REORDERED_BY_CACHE = False  # the memory is on the modules, which beam search's Cache reorder leaves (LIMITS)
     INPUTS = {
         "hidden_states": "batch seq lru_width",
         "recurrent_gate": "batch seq lru_width",
@@ -260,6 +269,7 @@ class RealGatedLinearRecurrence(RecurrentMixer):
         "segments and chunk-wise states": _NO_SEGMENTS,
         "left padding": _PADDING,
         "cache": _NOT_IN_CACHE,
+        "beam search": _BEAMS,
         "effective attention": "not implemented for this kind (rh.effective_attention raises Unavailable)",
     }
 

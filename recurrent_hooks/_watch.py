@@ -394,6 +394,10 @@ def available_of(kind: type[RecurrentMixer]) -> tuple[str, ...]:
             *(("values",) if kind.VALUES else ()), "writes", "hooks")
 
 
+_NOT_REORDERED = ("beam search's cache reorder does not move this kind's memory: each row continues its own row, not"
+                  " its parent beam's, and call.reorder stays None")
+
+
 def support(model: nn.Module) -> list[MixerSupport]:
     """Per recurrent mixer of `model`: what can be read and written, and why not where it cannot.
 
@@ -432,5 +436,8 @@ def support(model: nn.Module) -> list[MixerSupport]:
             "a hook on every token": "chunk-wise blocks for a small state without gradients, else the token loop"
             if segments is not None and segments.blocks_below else "the token loop",
         }
-        rows.append(MixerSupport(path, layer, name, family.name, kind.__name__, available, dict(kind.LIMITS), notes))
+        unavailable = dict(kind.LIMITS)
+        if not kind.REORDERED_BY_CACHE:  # the kind's own words if it has them (why the rows stay)
+            unavailable.setdefault("beam search", _NOT_REORDERED)
+        rows.append(MixerSupport(path, layer, name, family.name, kind.__name__, available, unavailable, notes))
     return rows

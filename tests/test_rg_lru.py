@@ -5,9 +5,11 @@ the Cache, and its two kernels are class attributes (`RecurrentGemmaRglru._rnn_s
 so it has its own test file with the checks of tests/test_families.py, parametrized by family:
 - the two loops against transformers' own methods, bit for bit, and the states and windows against float64
   references written from Griffin's equations (h_t = a_t h_{t-1} + sqrt(1 - a_t^2)(i_t * x_t));
-- writes (prompt, decode, conv window), the whole-memory identity, gradients, support (parity, generate, the
-  call counter, standalone hooks, the input gradient and bindings are tests/test_every_family.py's);
-- transformers' own quirks (more-families.md, bugs 3-5), reproduced watched and unwatched.
+- writes (prompt, decode, conv window), an in-place hook edit as a replacement, the whole-memory identity,
+  gradients, support (parity, generate, the call counter, standalone hooks, the input gradient and bindings
+  are tests/test_every_family.py's);
+- transformers' own quirks (more-families.md, bugs 3-5) and its beam search, which leaves the module-held
+  memory in place, reproduced watched and unwatched.
 """
 
 import copy
@@ -396,6 +398,60 @@ def test_conv_write_at_a_decode_step(model):
     assert (plain.logits[2] - steered.logits[2]).abs().max() > 1e-6
 
 
+def _records_of(mixer):
+    """Every tensor a watched call left: its states, windows, kernel inputs and outputs, by name."""
+    records = {}
+    for call in mixer.calls:
+        records[f"call {call.index} states"] = call.states
+        records[f"call {call.index} conv_states"] = call.conv_states
+        for what, values in (("input", call.inputs), ("output", call.output)):
+            for name, value in values.items():
+                if isinstance(value, torch.Tensor):
+                    records[f"call {call.index} {what} {name}"] = value
+    return records
+
+
+@pytest.mark.parametrize("call, token", [(0, 4), (2, 0)], ids=["prompt", "decode"])
+def test_an_in_place_edit_equals_the_returned_replacement(family, call, token):
+    """The state handed to a hook is the live one: halving it in place (and returning None) is the replacement
+    `s * 0.5`, as for every kind. RG-LRU's output is the state itself (y_t = h_t): token t's own output must
+    not see the edit (a write after token t changes what tokens > t see), nor, through the attention layer,
+    any later token's logits beyond what the continued state changes."""
+    ids = random_ids(2, T)
+    kwargs = dict(output_logits=True, return_dict_in_generate=True)
+
+    def run(hook):
+        """Logits of every token (the prompt's forward, or each call of a generate) and the watch's mixers, on a
+        fresh model (the memory survives on the modules: a generate's prompt would start from the last run's)."""
+        model = build(family)
+        with rh.watch(model, keep=ALL) as w:
+            if hook is not None:
+                w.mixers[0].register_state_hook(hook, call=call, token=token)
+            if call == 0:
+                logits = [logits_of(model, ids)]
+            else:
+                logits = [step[:, None] for step in greedy(model, ids, 4, **kwargs).logits]
+        return torch.cat(logits, dim=1), w.mixers
+
+    def halve_in_place(m, c, t, s):
+        s.mul_(0.5)  # returns None: the change is in place only
+
+    plain, _ = run(None)
+    replaced, replaced_mixers = run(lambda m, c, t, s: s * 0.5)
+    in_place, in_place_mixers = run(halve_in_place)
+    position = token if call == 0 else call  # the logits of the token written after (the prompt's, or call k's)
+    assert_close("logits up to the written token, the replacement", plain[:, : position + 1],
+                 replaced[:, : position + 1], rtol=1e-5, atol=1e-5)
+    assert (plain[:, position + 1:] - replaced[:, position + 1:]).abs().max() > 1e-6, \
+        "halving the state changed no later logit: the test cannot tell an in-place edit from none"
+    assert_close("logits of every token, in place vs replaced", replaced, in_place, **EXACT)
+    for mixer, other in zip(replaced_mixers, in_place_mixers):
+        expected, got = _records_of(mixer), _records_of(other)
+        assert sorted(got) == sorted(expected)
+        for name, value in expected.items():
+            assert_close(f"{mixer} {name}, in place vs replaced", value, got[name], **EXACT)
+
+
 # -- the whole memory --------------------------------------------------------------------------------------------
 
 
@@ -587,6 +643,51 @@ def test_a_window_sized_with_hidden_size_fails_in_both(family):
         logits_of(model, ids)
     assert str(plain.value) == str(watched.value)
     assert logits_of(model, random_ids(1, 5)).shape == (1, 5, 128)  # a longer prompt replaces the window
+
+
+def test_beam_search_leaves_the_module_memory_in_place_and_call_reorder_says_so(model, monkeypatch):
+    """transformers 5.24's beam search reorders the Cache (the attention layer) only: the module-held memory
+    (`rg_lru.recurrent_states`, `conv1d_state`) stays where it is, so each row continues its own row, not its
+    parent beam's. `call.reorder` tells what ran: the docs' identity, state_after(-1, call=k-1)[reorder] is
+    what call k starts from, holds with reorder None meaning every row continues itself."""
+    import transformers
+
+    moves = []
+    reorder_cache = transformers.DynamicCache.reorder_cache
+
+    def spy(cache, beam_idx, *args, **kwargs):
+        moves.append(beam_idx.clone())
+        return reorder_cache(cache, beam_idx, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.DynamicCache, "reorder_cache", spy)
+    ids = random_ids(2, 9)
+    plain = greedy(model, ids, 5, num_beams=3)
+    with rh.watch(model, keep=("states", "conv_states", "inputs")) as w:
+        watched = greedy(model, ids, 5, num_beams=3)
+    assert_equal("beam search, watched", plain, watched)
+    assert any(not torch.equal(move, torch.arange(6)) for move in moves), "no beam was ever reordered"
+    for mixer in w.mixers:
+        calls = mixer.calls
+        assert len(calls) == 5 and [c.tokens for c in calls[1:]] == [1] * 4
+        for k in range(1, len(calls)):
+            rows = torch.arange(6) if calls[k].reorder is None else calls[k].reorder
+            before = mixer.state_after(-1, call=k - 1)[rows]
+            assert_close(f"{mixer} call {k}: state in", before, calls[k].inputs["recurrent_states"], **EXACT)
+            window = mixer.conv_state_after(-1, call=k - 1)[rows]
+            assert_close(f"{mixer} call {k}: window in", window[..., 1:], mixer.conv_state_after(0, call=k)[..., :-1],
+                         **EXACT)
+    row = rh.support(model)[0]
+    assert "beam search" in row.unavailable and "reorder" in row.unavailable["beam search"]
+
+
+def test_support_reads_beam_search_from_the_kinds_reordered_by_cache(model, monkeypatch):
+    """`support` lists beam search as unavailable for a kind whose memory the Cache reorder leaves in place
+    (REORDERED_BY_CACHE = False), in the kind's own words if its LIMITS say why, else in general ones."""
+    kind = rh.RealGatedLinearRecurrence
+    monkeypatch.setattr(kind, "LIMITS", {k: v for k, v in kind.LIMITS.items() if k != "beam search"})
+    assert "call.reorder stays None" in rh.support(model)[0].unavailable["beam search"]
+    monkeypatch.setattr(kind, "REORDERED_BY_CACHE", True)
+    assert "beam search" not in rh.support(model)[0].unavailable
 
 
 # -- padding, checkpointing, routing -----------------------------------------------------------------------------
