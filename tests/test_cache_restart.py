@@ -149,6 +149,7 @@ def test_support_describes_the_restart(family):
     assert "from zero" in text and "RecurrentHooksWarning" in text, text
 
 
+@pytest.mark.full  # 27 s of compiling a zamba model, for the rare compiled continuation
 def test_compiled_a_multi_token_forward_over_the_cache_runs_and_warns_when_the_graph_runs():
     """Under torch.compile the restart is told when the graph runs (it raised while tracing before): the
     compiled continuation gives the unwatched logits, one warning per mixer names call 1, and the kept state
