@@ -64,7 +64,7 @@ from ._arguments import _as_targets, _describe_calls, _describe_token, _RowToken
 from . import _compiled
 from ._calls import Call, KernelCall, Memory, _position
 from ._kernels import CONV_MEMORY, STATE_MEMORY, Kernel, Role
-from ._parts import State, axes_of, describe, is_parts, map_parts, parts_of
+from ._parts import State, axes_of, describe, is_parts, map_parts, not_a_tensor, parts_of
 from ._threads import user_code
 
 
@@ -488,8 +488,10 @@ class RecurrentMixer:
         axes = describe(self.STATE if memory == STATE_MEMORY else self.CONV_STATE)
         calls = as_calls(call, where)
         wanted = self.STATE_TYPE if memory == STATE_MEMORY and self.STATE_TYPE is not None else Tensor
-        if not isinstance(value, wanted) or (wanted is not Tensor and not all(isinstance(p, Tensor) for p in value)):
+        if not isinstance(value, wanted):
             raise InvalidValue(f"{where}: expected a {wanted.__name__} with axes ({axes}), got {type(value).__name__}")
+        if (wrong := not_a_tensor(value, self.STATE if memory == STATE_MEMORY else self.CONV_STATE)) is not None:
+            raise InvalidValue(f"{where}: {wrong}")
         rows = _RowTokens.of(token, where) if isinstance(token, Tensor) and token.dim() > 0 else None
         tokens = rows.tokens if rows is not None else (as_index(token, "token", where),)
 
@@ -691,6 +693,11 @@ class RecurrentMixer:
         if self.recomputing:
             self._store_recomputed(plan, kernel, record)
             return
+        # the positions the kernel ran over, per memory: the forward's input's, except where transformers' own
+        # bug makes them differ (rwkv's batched decode); the call's tokens are its first memory's
+        record._ran[kernel.memory] = tokens
+        if kernel.memory == self.MEMORIES[0]:
+            record.tokens = tokens
         self._file(kernel.memory, kernel.name, plan.kept, inputs, output, plan.stacked)
 
     def _file(self, memory: str, kernel: str, kept: "dict[int, State] | None", inputs: dict[str, Any] | None,
@@ -784,9 +791,11 @@ def _checked(replacement: Any, state: State, mixer: RecurrentMixer, hook: _Hook,
     if mixer.head is not None:
         where += f" (head {mixer.head} of a kernel run once per head)"
     wanted = type(state) if is_parts(state) else Tensor
-    if not isinstance(replacement, wanted) or not all(isinstance(part, Tensor) for _, part in parts_of(replacement)):
-        raise InvalidValue(f"{where} returned {type(replacement).__name__}; expected None or a {wanted.__name__}")
     declared = mixer.STATE if hook.memory == STATE_MEMORY else mixer.CONV_STATE
+    if isinstance(replacement, wanted) and (wrong := not_a_tensor(replacement, declared, state)) is not None:
+        raise InvalidValue(f"{where} returned a {wanted.__name__} whose {wrong}")
+    if not isinstance(replacement, wanted):
+        raise InvalidValue(f"{where} returned {type(replacement).__name__}; expected None or a {wanted.__name__}")
     for (name, want), (_, got) in zip(parts_of(state), parts_of(replacement)):
         axes = axes_of(declared, name)
         what_part = f"{hook.memory} part {name!r}" if name else hook.memory
