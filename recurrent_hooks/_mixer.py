@@ -256,6 +256,10 @@ class RecurrentMixer:
         self._saw_cache: Callable[[Any], None] | None = None  # the watch's: record how the cache gets reordered
         self._reorder: Tensor | None = None  # cache rows reordered since the last call (beam search)
         self._on_empty: Callable[[], None] | None = None
+        # keep at some tokens: memory -> the asked positions some call had, and the first calls' lengths (for
+        # the warning on exit about positions outside every call, `unkept`)
+        self._keep_reached: dict[str, set[int]] = {}
+        self._keep_lengths: dict[str, list[tuple[int, int]]] = {}
         self._live = False  # attached to its module's tap
         self._key = _compiled.register_mixer(self)  # how a compiled graph's ops find this handle (`_compiled`)
 
@@ -536,6 +540,22 @@ class RecurrentMixer:
                 problems.append(f"{hook.origin} on {self} (call {shown}; it saw {seen} call{'s' if seen != 1 else ''})")
         return problems
 
+    def unkept(self) -> list[str]:
+        """Positions of `keep` outside every call this mixer saw, which kept nothing (reported when a watch ends)."""
+        problems = []
+        for memory, wanted in self.keep.items():
+            lengths = self._keep_lengths.get(memory)
+            missed = [t for t in wanted or () if t not in self._keep_reached.get(memory, set())]
+            if not lengths or not missed:
+                continue
+            name = "states" if memory == STATE_MEMORY else "conv_states"
+            shown = "; ".join(f"call {call}: {tokens} token{'s' if tokens != 1 else ''}"
+                              for call, tokens in lengths[:_SHOWN]) + ("; ..." if len(lengths) > _SHOWN else "")
+            at = ", ".join(f"token {t}" for t in missed)
+            problems.append(f"keep={{{name!r}: {list(wanted)}}} kept nothing at {at} on {self}: outside every call it"
+                            f" saw ({shown})")
+        return problems
+
     # -- the call counter (driven by the tap's module hooks) -----------------------------------------------
 
     def _refusal(self, kernel: Kernel) -> str | None:
@@ -672,6 +692,12 @@ class RecurrentMixer:
             wanted = self.keep[kernel.memory]
             keep = frozenset(range(tokens)) if wanted is None else frozenset(
                 p for t in wanted if (p := _position(t, tokens)) is not None)
+            if wanted is not None and not compiled:
+                self._keep_reached.setdefault(kernel.memory, set()).update(
+                    t for t in wanted if _position(t, tokens) is not None)
+                lengths = self._keep_lengths.setdefault(kernel.memory, [])
+                if len(lengths) <= _SHOWN and (not lengths or lengths[-1][0] != index):
+                    lengths.append((index, tokens))
         return _Plan(self, index, hooks, keep)
 
     def _refuse_outside(self, hook: _Hook, token: int, tokens: int, kernel: str) -> None:
