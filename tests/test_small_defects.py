@@ -73,8 +73,10 @@ def test_keep_negative_and_generate_positions_do_not_warn(qwen):
 
 # -- float64 models ---------------------------------------------------------------------------------------------
 
-# one family per kind whose transformers kernels compute in the model's dtype when it is float64
-FLOAT64_FAMILIES = ["mamba", "zamba", "xlstm", "rwkv"]
+# Kinds whose transformers kernels compute in the model's dtype when it is float64 (Mamba-1 promotes its float32
+# A with the model's Δ; RWKV-4 follows its inputs). The gated delta rules, Mamba-2's prompt kernel and xLSTM's
+# compute in float32 whatever the model's dtype (explicit casts, `inference_state_dtype`): the library does too.
+FLOAT64_FAMILIES = ["mamba", "zamba", "rwkv"]
 
 
 def _last_hidden(model, ids):
