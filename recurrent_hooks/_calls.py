@@ -10,6 +10,21 @@ from ._kernels import CONV_MEMORY, STATE_MEMORY
 from ._parts import stack_parts
 
 
+def brief(value: Any) -> str:
+    """`value` for a repr: tensors as their shape and dtype (`Tensor[2, 12, 4] float32`), containers item by item."""
+    if isinstance(value, Tensor):
+        return f"Tensor[{', '.join(map(str, value.shape))}] {str(value.dtype).removeprefix('torch.')}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key!r}: {brief(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, tuple) and hasattr(type(value), "_fields"):
+        return f"{type(value).__name__}(" + ", ".join(f"{name}={brief(item)}" for name, item in
+                                                      zip(type(value)._fields, value)) + ")"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(brief(item) for item in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+    return repr(value)
+
+
 class Memory(NamedTuple):
     """The whole memory of a mixer after a token: what the next token continues from (None: a memory
     the mixer's kind does not carry, e.g. the state of a short convolution)."""
@@ -25,6 +40,9 @@ class KernelCall:
     kernel: str
     inputs: dict[str, Any] | None
     output: dict[str, Any] | None
+
+    def __repr__(self) -> str:
+        return f"KernelCall(kernel={self.kernel!r}, inputs={brief(self.inputs)}, output={brief(self.output)})"
 
 
 def _position(token: int, tokens: int) -> int | None:
@@ -65,6 +83,15 @@ class Call:
     # memory -> the tokens at which a hook or write replaced it (a hook returning a tensor): such a call's
     # outputs are no longer a function of its inputs and starting memory alone (effective attention refuses it)
     _replaced: dict[str, set[int]] = dataclasses.field(default_factory=dict, repr=False)
+    # memory -> the positions its kernel ran over, where they differ from `tokens` (a kernel that ran over other
+    # positions than the forward's input has: rwkv's batched decode bug, docs/concepts.md)
+    _ran: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
+
+    def __repr__(self) -> str:
+        kept = {memory: "every token" if self._positions.get(memory) is None else sorted(parts[0])
+                for memory, parts in self._kept.items()}
+        return (f"Call(index={self.index}, where={self.where!r}, tokens={self.tokens}, kernel={self.kernel!r},"
+                f" reorder={brief(self.reorder)}, parts={brief(self.parts)}, conv={brief(self.conv)}, kept={kept})")
 
     @property
     def kernel(self) -> str | None:
@@ -73,19 +100,30 @@ class Call:
             return self.parts[0].kernel
         return self.conv.kernel if self.conv is not None else None
 
-    def _single(self) -> KernelCall:
-        if len(self.parts) != 1:
+    def _single(self, name: str) -> KernelCall:
+        """The call's one recurrence kernel call (`name`: the attribute asked for, for the message)."""
+        if len(self.parts) == 1:
+            return self.parts[0]
+        if self.parts:
             raise Unavailable(f"{self.where}: call {self.index} made {len(self.parts)} recurrence kernel calls"
-                              " (one per head): read call.parts[head].inputs / .output")
-        return self.parts[0]
+                              f" (one per head): read call.parts[head].{name}")
+        if self.conv is not None:
+            raise Unavailable(f"{self.where}: call {self.index} made no recurrence kernel call (this mixer's memory"
+                              f" is a convolution window only): its kernel call ({self.conv.kernel}) is call.conv;"
+                              f" read call.conv.{name}")
+        raise Unavailable(f"{self.where}: call {self.index} made no watched kernel call")
 
     @property
     def inputs(self) -> dict[str, Any]:
-        return self._recorded(self._single().inputs, "inputs")
+        """The recurrence kernel's arguments by name (kernel once per head: `parts[h].inputs`; a convolution
+        window only: `conv.inputs`)."""
+        return self._recorded(self._single("inputs").inputs, "inputs")
 
     @property
     def output(self) -> dict[str, Any]:
-        return self._recorded(self._single().output, "outputs")
+        """The recurrence kernel's results by name (kernel once per head: `parts[h].output`; a convolution
+        window only: `conv.output`)."""
+        return self._recorded(self._single("output").output, "outputs")
 
     def _recorded(self, values: dict[str, Any] | None, name: str) -> dict[str, Any]:
         if values is None:
@@ -137,10 +175,11 @@ class Call:
 
     def _after(self, memory: str, token: int) -> Tensor:
         parts = self._kept_parts(memory)
-        position = _position(token, self.tokens)
+        tokens = self._ran.get(memory, self.tokens)
+        position = _position(token, tokens)
         if position is None:
-            raise Unavailable(f"{self.where}: token {token} is outside call {self.index}, which has {self.tokens}"
-                              f" tokens (valid: 0..{self.tokens - 1} or -{self.tokens}..-1)")
+            raise Unavailable(f"{self.where}: token {token} is outside call {self.index}, which has {tokens}"
+                              f" tokens (valid: 0..{tokens - 1} or -{tokens}..-1)")
         if position not in parts[0]:
             raise Unavailable(f"{self.where}: the {memory} after token {token} of call {self.index} was not kept"
                               f" (kept: tokens {sorted(parts[0])})")

@@ -5,6 +5,7 @@ Module contents:
 - `OnToken`: `on_token(t, state) -> state`, the library's keyword-only argument of every token loop:
   called after token t's update with the state token t+1 would continue from; it returns the state
   token t+1 continues from (the same one, or a hook's or write's replacement).
+- `at_least_float32(dtype)`: float32, or the model's dtype where it is wider (float64);
 - `starting_state(initial, zeros)`: a float32 copy of the state a call starts from (the cache writes
   into its tensor in place later), or `zeros()` when the call starts from nothing.
 - `refuse_packed(kwargs, names, needs)`: packed sequences are refused, naming the package that runs them.
@@ -25,9 +26,16 @@ from ._parts import State
 OnToken = Callable[[int, State], State]
 
 
-def starting_state(initial: Tensor | None, zeros: Callable[[], Tensor]) -> Tensor:
-    """The state a call starts from, float32 and a copy of the cache's tensor (which is written in place later)."""
-    return zeros() if initial is None else initial.to(torch.float32, copy=True)
+def starting_state(initial: Tensor | None, zeros: Callable[[], Tensor], dtype: torch.dtype = torch.float32) -> Tensor:
+    """The state a call starts from, in `dtype` (float32 by default) and a copy of the cache's tensor (which is
+    written in place later)."""
+    return zeros() if initial is None else initial.to(dtype, copy=True)
+
+
+def at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a recurrence computes in where transformers' kernel mixes float32 parameters with the model's
+    tensors (torch's promotion): float32 for half precision, the model's dtype above it (float64)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def refuse_packed(kwargs: dict[str, Any], names: Iterable[str], needs: str) -> None:

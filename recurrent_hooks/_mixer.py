@@ -65,7 +65,7 @@ from ._arguments import _as_targets, _describe_calls, _describe_token, _RowToken
 from . import _compiled
 from ._calls import Call, KernelCall, Memory, _position
 from ._kernels import CONV_MEMORY, STATE_MEMORY, Kernel, Role
-from ._parts import State, axes_of, describe, is_parts, map_parts, parts_of
+from ._parts import State, axes_of, describe, is_parts, map_parts, not_a_tensor, parts_of
 from ._threads import user_code
 
 
@@ -258,6 +258,10 @@ class RecurrentMixer:
         self._saw_cache: Callable[[Any], None] | None = None  # the watch's: record how the cache gets reordered
         self._reorder: Tensor | None = None  # cache rows reordered since the last call (beam search)
         self._on_empty: Callable[[], None] | None = None
+        # keep at some tokens: memory -> the asked positions some call had, and the first calls' lengths (for
+        # the warning on exit about positions outside every call, `unkept`)
+        self._keep_reached: dict[str, set[int]] = {}
+        self._keep_lengths: dict[str, list[tuple[int, int]]] = {}
         self._live = False  # attached to its module's tap
         self._key = _compiled.register_mixer(self)  # how a compiled graph's ops find this handle (`_compiled`)
 
@@ -490,8 +494,10 @@ class RecurrentMixer:
         axes = describe(self.STATE if memory == STATE_MEMORY else self.CONV_STATE)
         calls = as_calls(call, where)
         wanted = self.STATE_TYPE if memory == STATE_MEMORY and self.STATE_TYPE is not None else Tensor
-        if not isinstance(value, wanted) or (wanted is not Tensor and not all(isinstance(p, Tensor) for p in value)):
+        if not isinstance(value, wanted):
             raise InvalidValue(f"{where}: expected a {wanted.__name__} with axes ({axes}), got {type(value).__name__}")
+        if (wrong := not_a_tensor(value, self.STATE if memory == STATE_MEMORY else self.CONV_STATE)) is not None:
+            raise InvalidValue(f"{where}: {wrong}")
         rows = _RowTokens.of(token, where) if isinstance(token, Tensor) and token.dim() > 0 else None
         tokens = rows.tokens if rows is not None else (as_index(token, "token", where),)
 
@@ -534,6 +540,22 @@ class RecurrentMixer:
             if missed:
                 shown = ", ".join(map(str, missed[:_SHOWN])) + (", ..." if len(missed) > _SHOWN else "")
                 problems.append(f"{hook.origin} on {self} (call {shown}; it saw {seen} call{'s' if seen != 1 else ''})")
+        return problems
+
+    def unkept(self) -> list[str]:
+        """Positions of `keep` outside every call this mixer saw, which kept nothing (reported when a watch ends)."""
+        problems = []
+        for memory, wanted in self.keep.items():
+            lengths = self._keep_lengths.get(memory)
+            missed = [t for t in wanted or () if t not in self._keep_reached.get(memory, set())]
+            if not lengths or not missed:
+                continue
+            name = "states" if memory == STATE_MEMORY else "conv_states"
+            shown = "; ".join(f"call {call}: {tokens} token{'s' if tokens != 1 else ''}"
+                              for call, tokens in lengths[:_SHOWN]) + ("; ..." if len(lengths) > _SHOWN else "")
+            at = ", ".join(f"token {t}" for t in missed)
+            problems.append(f"keep={{{name!r}: {list(wanted)}}} kept nothing at {at} on {self}: outside every call it"
+                            f" saw ({shown})")
         return problems
 
     # -- the call counter (driven by the tap's module hooks) -----------------------------------------------
@@ -688,6 +710,12 @@ class RecurrentMixer:
             wanted = self.keep[kernel.memory]
             keep = frozenset(range(tokens)) if wanted is None else frozenset(
                 p for t in wanted if (p := _position(t, tokens)) is not None)
+            if wanted is not None and not compiled:
+                self._keep_reached.setdefault(kernel.memory, set()).update(
+                    t for t in wanted if _position(t, tokens) is not None)
+                lengths = self._keep_lengths.setdefault(kernel.memory, [])
+                if len(lengths) <= _SHOWN and (not lengths or lengths[-1][0] != index):
+                    lengths.append((index, tokens))
         return _Plan(self, index, hooks, keep)
 
     def _refuse_outside(self, hook: _Hook, token: int, tokens: int, kernel: str) -> None:
@@ -709,6 +737,11 @@ class RecurrentMixer:
         if self.recomputing:
             self._store_recomputed(plan, kernel, record)
             return
+        # the positions the kernel ran over, per memory: the forward's input's, except where transformers' own
+        # bug makes them differ (rwkv's batched decode); the call's tokens are its first memory's
+        record._ran[kernel.memory] = tokens
+        if kernel.memory == self.MEMORIES[0]:
+            record.tokens = tokens
         self._file(kernel.memory, kernel.name, plan.kept, inputs, output, plan.stacked)
 
     def _file(self, memory: str, kernel: str, kept: "dict[int, State] | None", inputs: dict[str, Any] | None,
@@ -802,9 +835,11 @@ def _checked(replacement: Any, state: State, mixer: RecurrentMixer, hook: _Hook,
     if mixer.head is not None:
         where += f" (head {mixer.head} of a kernel run once per head)"
     wanted = type(state) if is_parts(state) else Tensor
-    if not isinstance(replacement, wanted) or not all(isinstance(part, Tensor) for _, part in parts_of(replacement)):
-        raise InvalidValue(f"{where} returned {type(replacement).__name__}; expected None or a {wanted.__name__}")
     declared = mixer.STATE if hook.memory == STATE_MEMORY else mixer.CONV_STATE
+    if isinstance(replacement, wanted) and (wrong := not_a_tensor(replacement, declared, state)) is not None:
+        raise InvalidValue(f"{where} returned a {wanted.__name__} whose {wrong}")
+    if not isinstance(replacement, wanted):
+        raise InvalidValue(f"{where} returned {type(replacement).__name__}; expected None or a {wanted.__name__}")
     for (name, want), (_, got) in zip(parts_of(state), parts_of(replacement)):
         axes = axes_of(declared, name)
         what_part = f"{hook.memory} part {name!r}" if name else hook.memory

@@ -14,6 +14,7 @@ Module contents:
 - `parts_of(state)`: `(name, tensor)` pairs (`("", tensor)` for a one-tensor state).
 - `rebuild(like, tensors)`: a state of `like`'s type from its parts' tensors.
 - `stack_parts(states, dim)`: `torch.stack` part by part.
+- `not_a_tensor(value, declared, like)`: what is wrong with a state whose parts are not all tensors, or None.
 """
 
 from collections.abc import Callable, Sequence
@@ -60,3 +61,18 @@ def describe(declared: "str | dict[str, str]") -> str:
     if isinstance(declared, str):
         return declared
     return "; ".join(f"{name}: {axes}" for name, axes in declared.items())
+
+
+def not_a_tensor(value: State, declared: "str | dict[str, str]", like: State | None = None) -> str | None:
+    """What is wrong with a state of several parts some of which are not tensors (None: every part is one):
+    the first such part, what it is, and the tensor expected (its shape when `like`, the state it replaces,
+    is given; else its declared axes)."""
+    if not is_parts(value):
+        return None
+    expected = dict(parts_of(like)) if like is not None and is_parts(like) else {}
+    for name, part in parts_of(value):
+        if not isinstance(part, Tensor):
+            want = (f"a Tensor of shape {tuple(expected[name].shape)} ({expected[name].dtype})" if name in expected
+                    else "a Tensor")
+            return f"part {name!r} is a {type(part).__name__}, expected {want} (axes: {axes_of(declared, name)})"
+    return None

@@ -31,7 +31,9 @@ is formed in dt's dtype (bias cast to it, softplus taken in it) and then used in
 the recurrence are float32; C_t . h_t is read in C's dtype (the state cast to it, as transformers'
 `ssm_state.to(C.dtype) @ C`), and the skip and gate are taken in the dtypes the kernel gets (prompt: x and
 z in the model dtype with D as float32, so the result is float32; decode: D in the model dtype too, and
-the result is cast to x's dtype). In float32 all of these are float32.
+the result is cast to x's dtype). In float32 all of these are float32. In a float64 model the prompt
+kernel computes in float64 (transformers' float32 A promoted with the model's Δ, x and B rounded to float32
+first, as it does: `at_least_float32`), so its states are float64; the decode kernel casts to float32.
 
 Module contents:
 - `mamba_selective_scan`, `mamba_selective_state_update`: token loops with the signatures and results of
@@ -58,13 +60,15 @@ from torch import Tensor
 from ._conv import CONV_KERNELS
 from ._calls import KernelCall
 from ._kernels import STATE_MEMORY, Kernel, Layout, Role, Segments
-from ._loops import OnToken, refuse_packed, starting_state
+from ._loops import OnToken, at_least_float32, refuse_packed, starting_state
 from ._mixer import RecurrentMixer
 
 
 
-def step_size(dt: Tensor, bias: Tensor | None, softplus: bool, limit: tuple[float, float] | None = None) -> Tensor:
-    """Δ from a kernel's `dt`, in float32: bias added and softplus taken in dt's dtype, as transformers does.
+def step_size(dt: Tensor, bias: Tensor | None, softplus: bool, limit: tuple[float, float] | None = None,
+              dtype: torch.dtype = torch.float32) -> Tensor:
+    """Δ from a kernel's `dt`, in `dtype` (float32; Mamba-1's prompt: at least float32, see `at_least_float32`):
+    bias added and softplus taken in dt's dtype, as transformers does.
 
     `limit` clamps Δ after the softplus; only Mamba-2's prompt kernel has one (its decode kernel does not).
     """
@@ -74,7 +78,7 @@ def step_size(dt: Tensor, bias: Tensor | None, softplus: bool, limit: tuple[floa
         dt = F.softplus(dt)
     if limit is not None:
         dt = dt.clamp(limit[0], limit[1])
-    return dt.float()
+    return dt.to(dtype)
 
 
 def refuse_mamba_packed(kwargs: dict[str, Any]) -> None:
@@ -115,8 +119,9 @@ def discretize(
     B[..., None], dt_bias, dt_softplus)`.
     """
     x, dt, B = (rearrange(v, "b c t -> b t c") for v in (hidden_states, dt, B))
-    dt = step_size(dt, delta_bias, delta_softplus)
-    return (dt, *discrete_step(dt, A.float(), B.float(), x.float()))
+    wide = at_least_float32(hidden_states.dtype)
+    dt = step_size(dt, delta_bias, delta_softplus, dtype=wide)
+    return (dt, *discrete_step(dt, A.to(wide), B.float().to(wide), x.float().to(wide)))
 
 
 def _selective_scan(
@@ -135,7 +140,7 @@ def _selective_scan(
     """
     batch, seq, d_inner = x.shape
     # a copy: the decode kernel's state is the cache tensor, written only at the end
-    state = starting_state(initial_state, lambda: x.new_zeros(batch, d_inner, A.shape[-1]))
+    state = starting_state(initial_state, lambda: x.new_zeros(batch, d_inner, A.shape[-1]), x.dtype)
     outputs = []
     for t in range(seq):
         decay, drive = discrete_step(dt[:, t], A, B[:, t], x[:, t])  # b d n   exp(Δ_t A), Δ_t B_t x_t
@@ -186,11 +191,13 @@ def mamba_selective_scan(
     multi-token forward of a Mamba-1 model with a cache drops the cached state.
     """
     refuse_mamba_packed(kwargs)
-    x = rearrange(hidden_states, "b d t -> b t d").float()
-    delta = step_size(rearrange(dt, "b d t -> b t d"), delta_bias, delta_softplus)
-    B_t = rearrange(B, "b n t -> b t n").float()
+    # transformers rounds x and B to float32 and promotes them with the model's Δ: float64 stays float64
+    wide = at_least_float32(hidden_states.dtype)
+    x = rearrange(hidden_states, "b d t -> b t d").float().to(wide)
+    delta = step_size(rearrange(dt, "b d t -> b t d"), delta_bias, delta_softplus, dtype=wide)
+    B_t = rearrange(B, "b n t -> b t n").float().to(wide)
     C_t = rearrange(C, "b n t -> b t n").to(hidden_states.dtype)  # transformers reads C.h in x's dtype
-    y, state = _selective_scan(x, delta, A.float(), B_t, C_t, initial_state, on_token)
+    y, state = _selective_scan(x, delta, A.to(wide), B_t, C_t, initial_state, on_token)
     y = _prompt_result(rearrange(y, "b t d -> b d t"), hidden_states, C, D, z)
     return (y, state) if return_last_state else y
 
@@ -236,7 +243,7 @@ def _scan_chunks(
     seq, batch, d_inner = x.shape
     d_state = A.shape[-1]
     chunk = chunk or chunk_size(batch, d_inner, d_state)
-    state = x.new_zeros(batch, d_inner, d_state) if initial_state is None else initial_state.float()
+    state = x.new_zeros(batch, d_inner, d_state) if initial_state is None else initial_state.to(x.dtype)
     rates = A.abs()  # d n   |c_i| = |s_i| |A|
     causal = torch.ones(chunk, chunk, dtype=x.dtype, device=x.device).tril()  # i j   1 where j <= i
     outputs = []
@@ -297,13 +304,14 @@ def _chunked(hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus, initi
     """`mamba_selective_scan_chunks`' work: the result, the last state and every state (or None)."""
     # token-first and contiguous, so that every per-chunk tensor is too (a chunk is a slice of the first axis)
     seq_first = lambda v: rearrange(v, "b c t -> t b c").contiguous()  # noqa: E731
-    x = seq_first(hidden_states.float())
-    delta = seq_first(step_size(dt, None if delta_bias is None else delta_bias[:, None], delta_softplus))
-    B_t = seq_first(B.float())
+    wide = at_least_float32(hidden_states.dtype)
+    x = seq_first(hidden_states.float().to(wide))  # as `mamba_selective_scan`: rounded to float32, then promoted
+    delta = seq_first(step_size(dt, None if delta_bias is None else delta_bias[:, None], delta_softplus, dtype=wide))
+    B_t = seq_first(B.float().to(wide))
     C_t = seq_first(C.to(hidden_states.dtype))  # transformers reads C.h in x's dtype
     seq, batch, d_inner = x.shape
     every = x.new_empty(seq, batch, d_inner, A.shape[-1]) if keep_every else None
-    y, state = _scan_chunks(x, delta, A.float(), B_t, C_t, initial_state, chunk, every)
+    y, state = _scan_chunks(x, delta, A.to(wide), B_t, C_t, initial_state, chunk, every)
     return _prompt_result(rearrange(y, "t b d -> b d t"), hidden_states, C, D, z), state, every
 
 
@@ -422,7 +430,8 @@ def mamba_selective_scan_piece_states(
     seen: list[Tensor] = []
     result = mamba_selective_scan(*args, on_token=lambda t, state: seen.append(state) or state, **kwargs)
     every = torch.stack(seen) if seen else bound["hidden_states"].new_zeros(0, *bound["hidden_states"].shape[:2],
-                                                                             bound["A"].shape[-1], dtype=torch.float32)
+                                                                             bound["A"].shape[-1],
+                                                                             dtype=at_least_float32(bound["hidden_states"].dtype))
     return result, every
 
 

@@ -140,6 +140,7 @@ class Watch:
     The block sees the forwards of the thread that entered it; a model run inside a hook, or a model
     that is not watched, runs its kernels untouched. Writes aimed at calls that never ran (a generation
     that stopped early) give one `RecurrentHooksWarning` on exit; hooks aimed at them are not an error.
+    Kept positions outside every call a mixer saw (`{"states": [100]}` on 12 tokens) give another.
 
     What it costs: a call nothing is asked of runs the kernel bound before the watch. A busy call takes
     the path a cost model of its shapes finds cheapest: that kernel in segments between the tokens asked
@@ -260,6 +261,12 @@ class Watch:
                 warnings.warn(f"{len(problems)} write{'s' if len(problems) != 1 else ''} never ran: {shown}{more}."
                               " The calls they target did not happen: generation may have stopped early (EOS or"
                               " max_new_tokens)", RecurrentHooksWarning, stacklevel=2)
+            unkept = [p for mixer in self.mixers for p in mixer.unkept()]
+            if unkept:
+                shown = "; ".join(unkept[:_WRITES_SHOWN])
+                more = f"; and {len(unkept) - _WRITES_SHOWN} more mixers" if len(unkept) > _WRITES_SHOWN else ""
+                warnings.warn(f"{shown}{more}. Positions count from each call's first token (negative: from its"
+                              " last)", RecurrentHooksWarning, stacklevel=2)
 
 
 _WRITES_SHOWN = 2  # writes named in the warning about writes that never ran

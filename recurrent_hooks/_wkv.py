@@ -201,7 +201,9 @@ class WeightedKeyValue(RecurrentMixer):
     LIMITS = {
         "batched decode": "transformers' token shift mixes a [batch, hidden] state with a [batch, 1, hidden] input at"
         " a one-token step over a state, which broadcasts to [batch, batch, hidden] for batch > 1 (its bug): cached"
-        " decoding is right for batch 1 only, watched or not; prompts are right for any batch",
+        " decoding is right for batch 1 only, watched or not; prompts are right for any batch. Such a step's WKV kernel"
+        " runs over batch positions, and the record says so: call.tokens and the kept states have batch positions,"
+        " the conv_states (the shift saw one input) one",
         "attention_mask": "RwkvModel ignores attention_mask: left padding enters the state (the model's behaviour)",
         "eval rescaling": "in eval mode RwkvModel divides attention.output and feed_forward.value weights in place by"
         " 2^(layer // rescale_every) (and back in train mode): compare runs in the same mode",
