@@ -48,7 +48,7 @@ def _continue(model, ids, before=None):
         cache = model(ids[:, :PROMPT], use_cache=True).past_key_values
         if before is not None:
             before(cache)
-        return model(ids[:, PROMPT:], past_key_values=cache, use_cache=True).logits, cache
+        return model(ids[:, PROMPT:], cache=cache, use_cache=True).logits, cache
 
 
 def _restarts(caught):
