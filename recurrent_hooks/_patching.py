@@ -83,8 +83,6 @@ class Transient:
     Attributes other than its own (`__self__`, `__func__`, `__name__`, ...) are the replacement's.
     """
 
-    __slots__ = ("replacement", "original")
-
     def __init__(self, replacement: Callable[..., Any], original: Any) -> None:
         self.replacement, self.original = replacement, original
 
@@ -92,7 +90,7 @@ class Transient:
         return self.replacement(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        if name in Transient.__slots__:  # not set yet (while unpickling): not the replacement's either
+        if name in ("replacement", "original"):  # not set (yet): not the replacement's either
             raise AttributeError(name)
         return getattr(self.replacement, name)
 
