@@ -7,7 +7,7 @@ from torch import Tensor
 
 from ._errors import Unavailable
 from ._kernels import CONV_MEMORY, STATE_MEMORY
-from ._parts import stack_parts
+from ._parts import map_parts, stack_parts
 
 
 def brief(value: Any) -> str:
@@ -158,10 +158,30 @@ class Call:
                               f" {sorted(parts[0])} only; read them with {memory}_after(token)")
         if memory not in self._stacked:
             buffers = self._buffers.get(memory) or [None] * len(parts)
-            per_part = [buffer if buffer is not None else stack_parts([kept[t] for t in sorted(kept)], dim=1)
-                        for kept, buffer in zip(parts, buffers)]
-            self._stacked[memory] = per_part[0] if len(per_part) == 1 else stack_parts(per_part, dim=2)
+            if all(buffer is None for buffer in buffers):
+                self._stacked[memory] = self._stack_once(parts)
+            else:
+                per_part = [buffer if buffer is not None else stack_parts([kept[t] for t in sorted(kept)], dim=1)
+                            for kept, buffer in zip(parts, buffers)]
+                self._stacked[memory] = per_part[0] if len(per_part) == 1 else stack_parts(per_part, dim=2)
         return self._stacked[memory]
+
+    @staticmethod
+    def _stack_once(parts: list[dict[int, Tensor]]) -> Tensor:
+        """Stack the kept states of every token (and head: axis 2) into one tensor, and keep views of it in place
+        of the per-token tensors: the record holds one copy of them, not two (`state_after(t)` is `states[:, t]`).
+        Not for states kept in grad mode, which are the tensors the forward read (`_buffers`)."""
+        tokens = sorted(parts[0])
+        if len(parts) == 1:
+            stacked = stack_parts([parts[0][t] for t in tokens], dim=1)
+            for i, t in enumerate(tokens):
+                parts[0][t] = map_parts(lambda s, i=i: s[:, i], stacked)
+            return stacked
+        stacked = stack_parts([stack_parts([kept[t] for kept in parts], dim=1) for t in tokens], dim=1)
+        for i, t in enumerate(tokens):
+            for head, kept in enumerate(parts):
+                kept[t] = map_parts(lambda s, i=i, head=head: s[:, i, head], stacked)
+        return stacked
 
     def differentiable(self, memory: str) -> list[Tensor]:
         """Per kernel call (one, or one per head), the kept states of every token as one tensor that the

@@ -120,15 +120,44 @@ class _Tap:
     thread, and only when the module that calls the kernel is that entry's module.
     """
 
+    copied = False  # a copy's tap (`__deepcopy__`): it takes its hooks off the copy and watches nothing
+
     def __init__(self, module: nn.Module) -> None:
         self.mixers: list[RecurrentMixer] = []
+        self._module = weakref.ref(module)
         self._layout = Layout.of(module.forward)  # read now, not while compiling
         self._handles = (
             module.register_forward_pre_hook(self._pre, with_kwargs=True),
             module.register_forward_hook(self._post, always_call=True),
         )
 
+    # A deep copy or a pickle of a watched model copies its module hooks, and with them the tap: the copy's hooks
+    # get an inert tap instead, which takes them off the copy once the deep copy is over (pickle: at the copy's
+    # first forward), so the copy is the plain model. `Transient` does the same for kernels bound on objects.
+
+    @classmethod
+    def _inert(cls) -> "_Tap":
+        tap = cls.__new__(cls)
+        tap.mixers, tap._module, tap._handles, tap.copied = [], None, (), True
+        return tap
+
+    def __deepcopy__(self, memo: dict) -> "_Tap":
+        tap = _Tap._inert()
+        module = self._module() if self._module is not None else None
+        copied = memo.get(id(module)) if module is not None else None
+        if isinstance(copied, nn.Module):  # filled in by the deep copy: cleaned when it is over (its memo dies)
+            sentinel = _Sentinel()
+            weakref.finalize(sentinel, _drop_hooks, copied, tap)
+            memo.setdefault(id(memo), []).append(sentinel)
+        return tap
+
+    def __reduce__(self) -> tuple:
+        return (_Tap._inert, ())
+
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if self.copied:
+            _drop_hooks(module, self)
+            return
         thread = THREAD
         if thread.in_hook:
             return  # a forward run by a user's hook: not watched, not counted (its post hook skips it too)
@@ -153,6 +182,9 @@ class _Tap:
         thread.running.append(entry)
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.copied:
+            _drop_hooks(module, self)
+            return
         thread = THREAD
         if thread.in_hook:
             return
@@ -292,6 +324,20 @@ class _Tap:
         if any(mixer._wants_some() if compiled else mixer._wants(mixer._index) for mixer in entry.mixers):
             return None
         return original(*args, **kwargs)
+
+
+class _Sentinel:
+    """Lives as long as a deep copy's memo (see `_Tap.__deepcopy__`)."""
+
+
+def _drop_hooks(module: nn.Module, tap: _Tap) -> None:
+    """Take the module hooks of `tap` (a copy's inert tap) off `module`."""
+    state = vars(module)  # (a deep copy that failed may have left it without some of them)
+    for hooks in (state.get("_forward_pre_hooks", {}), state.get("_forward_hooks", {})):
+        for key in [key for key, hook in hooks.items() if getattr(hook, "__self__", None) is tap]:
+            del hooks[key]
+            for flags in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+                state.get(flags, {}).pop(key, None)
 
 
 def _own(state: Tensor) -> Tensor:

@@ -14,8 +14,11 @@ Module contents:
   acquisition saves what was bound, the last release restores exactly that object.
 - `rebind_process_wide(...)`: the same rebinding, for good (`route_kernels`).
 - `import_default(owner, name)`: what a module or class bound to `name` before the library touched it.
+- `Transient`: what the library sets on an object of the model (not a module or class): a deep copy or a
+  pickle of the model gets the object that was there instead.
 """
 
+import copy
 import dataclasses
 import inspect
 import threading
@@ -68,6 +71,42 @@ class UndoStack:
 
     def __len__(self) -> int:
         return len(self._records)
+
+
+class Transient:
+    """A replacement the library sets on an object of the model for a while (a kernel's dispatcher, a wrapped
+    `reorder_cache`): it calls `replacement`, and a copy or a pickle of the object gets `original` instead.
+
+        owner.kernel = Transient(dispatcher, owner.kernel)
+        copy.deepcopy(owner).kernel   # a deep copy of the original kernel, as without the library
+
+    Attributes other than its own (`__self__`, `__func__`, `__name__`, ...) are the replacement's.
+    """
+
+    def __init__(self, replacement: Callable[..., Any], original: Any) -> None:
+        self.replacement, self.original = replacement, original
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.replacement(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("replacement", "original"):  # not set (yet): not the replacement's either
+            raise AttributeError(name)
+        return getattr(self.replacement, name)
+
+    @property
+    def __wrapped__(self) -> Any:
+        return self.original
+
+    @property
+    def __recurrent_hooks__(self) -> bool:
+        return True
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return copy.deepcopy(self.original, memo)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self.original.__reduce_ex__(protocol)
 
 
 def _owner_key(owner: Any) -> str:
@@ -168,8 +207,11 @@ def _acquire(owner: Any, name: str, make_dispatcher: Callable[[str, Any], Callab
         if isinstance(owner, (ModuleType, type)):
             import_default(owner, name)
         undo = UndoStack()
+        dispatcher = make_dispatcher(name, original)
+        if not isinstance(owner, (ModuleType, type)):  # an object of the model's: copied and pickled with it
+            dispatcher = Transient(dispatcher, original)
         # in the owner's own __dict__ (a method a base class defines is shadowed there; undo deletes it)
-        undo.set_instance_attribute(owner, name, make_dispatcher(name, original))
+        undo.set_instance_attribute(owner, name, dispatcher)
         binding = _BINDINGS[key] = _Binding(undo=undo, original=original)
     binding.count += 1
     released = False

@@ -30,7 +30,7 @@ from ._calls import Memory
 from ._dispatch import attach, make_dispatcher
 from ._kernels import KEEPABLE, KERNEL_RECORDS, Kernel, Role, Site
 from ._mixer import RecurrentMixer, StateHook
-from ._patching import UndoStack, acquire_kernels, bound_original, import_default, rebind_process_wide
+from ._patching import Transient, UndoStack, acquire_kernels, bound_original, import_default, rebind_process_wide
 from ._registry import FAMILIES, Family, family_of, resolve_family, unsupported_of
 
 
@@ -111,9 +111,14 @@ def _reorder_recorder(mixers: list[RecurrentMixer], patches: UndoStack) -> Calla
                 mixer._reordered(beam_idx)
             return reorder(beam_idx, *args, **kwargs)
 
-        patches.set_instance_attribute(cache, "reorder_cache", reorder_cache)
+        patches.set_instance_attribute(cache, "reorder_cache", Transient(reorder_cache, reorder))
 
     return saw_cache
+
+
+def _forget_cache_recorder(mixers: list[RecurrentMixer]) -> None:
+    for mixer in mixers:
+        mixer._saw_cache = None
 
 
 class Watch:
@@ -246,6 +251,7 @@ class Watch:
         saw_cache = _reorder_recorder(mixers, instance_patches)
         for mixer in mixers:
             mixer._saw_cache = saw_cache
+        stack.callback(_forget_cache_recorder, mixers)  # it refers to the mixers: a cycle once the block is over
         self.mixers, self._stack = mixers, stack
         return self
 
@@ -328,6 +334,7 @@ def register_state_hook(module: nn.Module, fn: StateHook, *, call: int | Iterabl
                 del _STANDALONE[live]
             finalizer.detach()
             releases.close()
+            mixer._on_empty = None  # this function refers to the mixer: a cycle once the mixer is released
 
         mixer._on_empty = release
         _STANDALONE[module] = mixer
