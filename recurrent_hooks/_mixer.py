@@ -270,14 +270,14 @@ class RecurrentMixer:
     @classmethod
     def kernel_for(cls, role: "Role | str", memory: str | None = None) -> Kernel:
         """The declared kernel that serves `role` ("prompt" or "decode") for `memory` (default: the kind's
-        first memory); a kernel declared for both roles serves either.
+        first memory); a kernel declared for both roles serves either, one that updates two memories both.
 
             rh.StateSpace.kernel_for("prompt").name   # "mamba2_chunk_scan"
         """
         role, memory = Role(role), memory or cls.MEMORIES[0]
         for kernel in cls.KERNELS:
-            if kernel.memory == memory and kernel.role in (role, Role.BOTH):
-                return kernel
+            if memory in kernel.memories and kernel.role in (role, Role.BOTH):
+                return kernel.serving(memory)
         raise KeyError(f"{cls.__name__} declares no {role.value} kernel for its {memory}")
 
     @classmethod
