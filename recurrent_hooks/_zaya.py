@@ -240,8 +240,8 @@ class CompressedConvolutionalAttention(RecurrentMixer):
         " fails at the second decode step (the cache grows the window by whole windows, and the q/k view raises);"
         " generate never records the past for zaya (_is_stateful blocks assisted decoding), and a watched call"
         " with hooks refuses such a window by name (rh.Unavailable)",
-        "research tools": "effective_attention is not provided (CCA feeds softmax attention; it is no linear"
-        " recurrence); patching_sweep and attribute read and write the two memories as any kind's",
+        "effective attention": "not provided: CCA projects the inputs of softmax attention; it is no linear"
+        " recurrence over the values",
         "segments": "every call with hooks, writes or kept memories runs the token loop (a cheap shift per token;"
         " only the positions that read a written window are recomputed)",
     }
