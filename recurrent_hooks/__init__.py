@@ -46,6 +46,7 @@ from ._watch import route_kernels as route_kernels
 from ._watch import support as support
 from ._watch import watch as watch
 from ._wkv import WeightedKeyValue as WeightedKeyValue
+from ._zaya import CompressedConvolutionalAttention as CompressedConvolutionalAttention
 
 __all__ = [
     "watch",

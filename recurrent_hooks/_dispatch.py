@@ -220,7 +220,8 @@ class _Tap:
                     kwargs: dict) -> Any:
         arguments = type(entry.mixers[0])._kernel_arguments(entry.module, kernel, kernel.bind(args, kwargs))
         tokens = kernel.tokens(arguments, entry.forward.tokens)
-        plans = [mixer._plan(kernel, tokens) for mixer in entry.mixers]
+        served = [kernel.serving(memory) for memory in kernel.memories]  # one row per memory the kernel updates
+        plans = [[mixer._plan(row, tokens) for mixer in entry.mixers] for row in served]
         recompute = entry.forward.recompute
         records = set() if recompute else {name for mixer in entry.mixers for name in mixer.records}
         live_state = arguments.get(kernel.state_in) if isinstance(kernel.state_in, str) else None
@@ -233,52 +234,16 @@ class _Tap:
                     arguments[name] = value.clone()
                 elif isinstance(value, (tuple, list)):
                     arguments[name] = type(value)(part.clone() if isinstance(part, Tensor) else part for part in value)
-        busy = [plan for plan in plans if not plan.idle]
-        if not busy:
+        busy = [[plan for plan in per_memory if not plan.idle] for per_memory in plans]
+        if not any(busy):
             result = original(*args, **kwargs)
         else:
-            keeping = [plan for plan in busy if plan.keep]
-            kept_at = sorted(frozenset().union(*(plan.keep for plan in keeping)))
-            slot = {token: i for i, token in enumerate(kept_at)}
-            # (under torch.compile, kept states are values: `_compiled`)
-            differentiable = torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            # A state is one tensor or a NamedTuple of parts (`_parts`): each step below is done part by part.
-            buffer: list[State] = []  # grad mode: one leaf for every kept state of the call, zeros when read
-            slots: list[State] = []  # its per-token views
-            filled: dict[int, State] = {}  # slot -> the state it holds
-            last: list[State] = []
-
-            def on_token(token: int, state: State) -> State:
-                for plan in busy:
-                    state = plan.apply(token, state)
-                if token in slot:
-                    # a slice of a kernel's larger tensor: keep only the state itself
-                    state = map_parts(_own, state)
-                    # A tensor that only the later tokens read: the gradient with respect to a kept state is the
-                    # effect of changing it there (what a write does), not through token `token`'s own output.
-                    if differentiable:
-                        # ... read through a slot of one zero leaf, so that the stack of every kept state is a
-                        # tensor the forward used (autograd.grad(metric, mix.states)), with frozen weights too.
-                        # The slots come from one unbind: its backward stacks their gradients once (a slice
-                        # per token would add a whole-buffer gradient per token, quadratic in the tokens).
-                        if not buffer:
-                            buffer.append(map_parts(lambda s: s.new_zeros((s.shape[0], len(kept_at), *s.shape[1:]),
-                                                                          requires_grad=True), state))
-                            views = [part.unbind(1) for _, part in parts_of(buffer[0])]
-                            slots.extend(rebuild(state, per_token) for per_token in zip(*views))
-                        state = map_parts(torch.add, state, slots[slot[token]])
-                        filled[slot[token]] = state  # copied into the leaf once the kernel call is over
-                    else:
-                        state = map_parts(lambda s: s.view_as(s), state)
-                    for plan in keeping:
-                        if token in plan.keep:
-                            plan.kept[token] = state
-                if token == tokens - 1:
-                    last.append(state)
-                return state
-
-            fast = _fast_path(kernel, busy, tokens, arguments)
+            takers = [_Taker(per_memory, tokens) for per_memory in busy]
+            fast = _fast_path(kernel, busy[0], tokens, arguments) if len(served) == 1 else None
+            on_token = takers[0].on_token
             extra = {"tokens": tokens} if kernel.seq == FORWARD else {}
+            if len(served) > 1:  # the second memory's hooks, writes and kept values (`Kernel.also`)
+                extra["on_also"] = takers[1].on_token
             if "original" in kernel.layout.named:  # a loop that reads settings the kernel captured
                 extra["original"] = original
             if fast is not None and fast.path is _paths.Path.BLOCKS:  # the states chunk-wise, a block at a time
@@ -287,24 +252,20 @@ class _Tap:
                 result = kernel.loop(*args, on_token=on_token, stops=fast.stops, **extra, **kwargs)
             elif fast is not None:
                 result = _run_in_segments(kernel, original, args, kwargs, fast.stops, fast.tails, on_token,
-                                          [plan for plan in keeping if fast.every_state])
+                                          [plan for plan in takers[0].keeping if fast.every_state])
             else:
                 result = kernel.loop(*args, on_token=on_token, **extra, **kwargs)
-            if kernel.memory == CONV_MEMORY and kernel.role == "prompt" and last:
-                self._sync_conv_cache(type(entry.mixers[0]), entry.forward, last[0])
-            if buffer:
-                with torch.no_grad():  # the leaf holds the states from now on (the forward read it as zeros)
-                    for i, state in filled.items():
-                        map_parts(lambda leaf, s: leaf[:, i].copy_(s), buffer[0], state)
-            for plan in keeping:
-                if buffer and len(plan.keep) == len(kept_at) == tokens:
-                    plan.stacked = buffer[0]
+            if kernel.memory == CONV_MEMORY and kernel.role == "prompt" and takers[0].last:
+                self._sync_conv_cache(type(entry.mixers[0]), entry.forward, takers[0].last[0])
+            for taker in takers:
+                taker.finish()
         output = kernel.name_results(result) if "outputs" in records else {}
         if kernel.in_place and isinstance(live_state, Tensor) and "outputs" in records:
             output["final_state"] = live_state.clone()
         part = KernelCall(kernel.name, arguments if "inputs" in records else None, output)
-        for mixer, plan in zip(entry.mixers, plans):
-            mixer._store(plan, kernel, part, tokens)
+        for row, per_memory in zip(served, plans):
+            for mixer, plan in zip(entry.mixers, per_memory):
+                mixer._store(plan, row, part, tokens)
         return result
 
     @staticmethod
@@ -338,6 +299,65 @@ def _drop_hooks(module: nn.Module, tap: _Tap) -> None:
             del hooks[key]
             for flags in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
                 state.get(flags, {}).pop(key, None)
+
+
+class _Taker:
+    """The `on_token` a busy kernel call hands its loop for one memory: the plans' hooks and writes at each token,
+    and the kept states (in grad mode read through one zero leaf, filled by `finish` once the call is over)."""
+
+    def __init__(self, busy: list[_Plan], tokens: int) -> None:
+        self.busy, self.tokens = busy, tokens
+        self.keeping = [plan for plan in busy if plan.keep]
+        self.kept_at = sorted(frozenset().union(*(plan.keep for plan in self.keeping)))
+        self.slot = {token: i for i, token in enumerate(self.kept_at)}
+        # (under torch.compile, kept states are values: `_compiled`)
+        self.differentiable = torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        # A state is one tensor or a NamedTuple of parts (`_parts`): each step below is done part by part.
+        self.buffer: list[State] = []  # grad mode: one leaf for every kept state of the call, zeros when read
+        self.slots: list[State] = []  # its per-token views
+        self.filled: dict[int, State] = {}  # slot -> the state it holds
+        self.last: list[State] = []
+
+    def on_token(self, token: int, state: State) -> State:
+        for plan in self.busy:
+            state = plan.apply(token, state)
+        if token in self.slot:
+            slot = self.slot[token]
+            # a slice of a kernel's larger tensor: keep only the state itself
+            state = map_parts(_own, state)
+            # A tensor that only the later tokens read: the gradient with respect to a kept state is the
+            # effect of changing it there (what a write does), not through token `token`'s own output.
+            if self.differentiable:
+                # ... read through a slot of one zero leaf, so that the stack of every kept state is a
+                # tensor the forward used (autograd.grad(metric, mix.states)), with frozen weights too.
+                # The slots come from one unbind: its backward stacks their gradients once (a slice
+                # per token would add a whole-buffer gradient per token, quadratic in the tokens).
+                if not self.buffer:
+                    count = len(self.kept_at)
+                    self.buffer.append(map_parts(lambda s: s.new_zeros((s.shape[0], count, *s.shape[1:]),
+                                                                       requires_grad=True), state))
+                    views = [part.unbind(1) for _, part in parts_of(self.buffer[0])]
+                    self.slots.extend(rebuild(state, per_token) for per_token in zip(*views))
+                state = map_parts(torch.add, state, self.slots[slot])
+                self.filled[slot] = state  # copied into the leaf once the kernel call is over
+            else:
+                state = map_parts(lambda s: s.view_as(s), state)
+            for plan in self.keeping:
+                if token in plan.keep:
+                    plan.kept[token] = state
+        if token == self.tokens - 1:
+            self.last.append(state)
+        return state
+
+    def finish(self) -> None:
+        """The kernel call is over: the leaf holds the kept states from now on (the forward read it as zeros)."""
+        if self.buffer:
+            with torch.no_grad():
+                for i, state in self.filled.items():
+                    map_parts(lambda leaf, s: leaf[:, i].copy_(s), self.buffer[0], state)
+        for plan in self.keeping:
+            if self.buffer and len(plan.keep) == len(self.kept_at) == self.tokens:
+                plan.stacked = self.buffer[0]
 
 
 def _own(state: Tensor) -> Tensor:

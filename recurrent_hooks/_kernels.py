@@ -135,6 +135,9 @@ class Kernel:
       FORWARD: the forward's tokens, the last positions of the kernel's input;
     - `in_place`: the kernel writes the new memory into its `state_in` tensor instead of returning it;
     - `memory`: which memory the kernel updates, STATE_MEMORY or CONV_MEMORY;
+    - `also`: a second memory the kernel updates too (None: one), for a whole forward that carries two
+      (zaya's CCA: its conv window and its value delay). Its loop takes a keyword-only `on_also(t, memory)
+      -> memory` for it, called as `on_token` is; `serving(memory)` is the row as that memory's kernel;
     - `segments`: how the kernel bound before the watch can run piece by piece, chaining the state (None:
       it cannot). Then a call with hooks and kept states at a few tokens only runs that kernel on the
       pieces between them, instead of the token loop;
@@ -152,6 +155,7 @@ class Kernel:
     seq: tuple[str, int] | str | None = None
     in_place: bool = False
     memory: str = STATE_MEMORY
+    also: str | None = None
     segments: Segments | None = None
     site: Site = Site.MODULE
     owner: str | None = None
@@ -176,6 +180,23 @@ class Kernel:
         for part in filter(None, self.owner.split(".")):
             owner = getattr(owner, part)
         return owner, self.name
+
+    @property
+    def memories(self) -> tuple[str, ...]:
+        """The memories the kernel updates: `memory`, then `also`."""
+        return (self.memory,) if self.also is None else (self.memory, self.also)
+
+    def serving(self, memory: str) -> "Kernel":
+        """This row as the kernel of `memory`, one of its `memories` (hooks, writes and kept values of that memory)."""
+        if memory == self.memory:
+            return self
+        if memory != self.also:
+            raise KeyError(f"kernel {self.name!r} updates {' and '.join(self.memories)}, not {memory}")
+        row, view = _SERVING.get((id(self), memory), (None, None))
+        if row is not self:  # made once per row (`row` is kept, so that its id is not reused)
+            view = dataclasses.replace(self, memory=memory, also=None)
+            _SERVING[id(self), memory] = (self, view)
+        return view
 
     @property
     def state_arguments(self) -> tuple[str, ...]:
@@ -243,6 +264,7 @@ class Layout:
 
 
 _LAYOUTS: dict[Callable, Layout] = {}
+_SERVING: dict[tuple[int, str], tuple[Kernel, Kernel]] = {}  # Kernel.serving's rows, made once
 
 
 def layout_of(fn: Callable) -> Layout:

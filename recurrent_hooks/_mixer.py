@@ -9,7 +9,8 @@ Vocabulary (docs/concepts.md has the long form):
 - kernel: a module-global function the mixer's forward calls; the library rebinds it (see
   `_patching`) to a dispatcher that knows which mixer is running.
 - memory: what a mixer carries from token to token: its recurrent `state` and the window of its
-  causal convolution, `conv_state`. Each kernel updates one of them (`Kernel.memory`).
+  causal convolution, `conv_state`. Each kernel updates one of them (`Kernel.memory`), or both (`Kernel.also`:
+  a whole forward that carries two, zaya's CCA).
 
 The package's parts, by file:
 - `_kernels`: a kind's kernels as data (`Kernel`, `Site`, `Role`, `Segments`, the memories);
@@ -24,7 +25,7 @@ The package's parts, by file:
 - this module: `RecurrentMixer`, the user's handle on a mixer and the base class of the kinds, with its
   hooks, writes and call counter, and `_Plan`, what one handle wants of one kernel call;
 - one module per kind: `_gated_delta_net`, `_kimi_delta`, `_selective_scan`, `_state_space`, `_rg_lru`,
-  `_wkv`, `_mlstm`, `_lightning`, `_short_conv` and `_dynamic_conv`, with `_conv` for the convolution
+  `_wkv`, `_mlstm`, `_lightning`, `_short_conv`, `_dynamic_conv` and `_zaya`, with `_conv` for the convolution
   window most of them share; `_registry` maps families to kinds.
 
 How a kernel call is handled: a forward pre-hook on the mixer module pushes a `_Running` entry on the
@@ -276,14 +277,14 @@ class RecurrentMixer:
     @classmethod
     def kernel_for(cls, role: "Role | str", memory: str | None = None) -> Kernel:
         """The declared kernel that serves `role` ("prompt" or "decode") for `memory` (default: the kind's
-        first memory); a kernel declared for both roles serves either.
+        first memory); a kernel declared for both roles serves either, one that updates two memories both.
 
             rh.StateSpace.kernel_for("prompt").name   # "mamba2_chunk_scan"
         """
         role, memory = Role(role), memory or cls.MEMORIES[0]
         for kernel in cls.KERNELS:
-            if kernel.memory == memory and kernel.role in (role, Role.BOTH):
-                return kernel
+            if memory in kernel.memories and kernel.role in (role, Role.BOTH):
+                return kernel.serving(memory)
         raise KeyError(f"{cls.__name__} declares no {role.value} kernel for its {memory}")
 
     @classmethod

@@ -31,6 +31,7 @@ from ._selective_scan import PerHeadSelectiveScan, SelectiveScan
 from ._short_conv import LoopedShortConvolution, ShortConvolution
 from ._state_space import StateSpace
 from ._wkv import WeightedKeyValue
+from ._zaya import CompressedConvolutionalAttention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +82,7 @@ FAMILIES: dict[str, Family] = {
         Family("inkling2", "Inkling2ShortConvolution", ShortConvolution),
         Family("inkling2_loop", "Inkling2LoopShortConvolution", LoopedShortConvolution),
         Family("xlstm", "xLSTMLayer", MatrixLSTM),
+        Family("zaya", "ZayaCCAProjection", CompressedConvolutionalAttention),
     )
 }
 
@@ -121,9 +123,6 @@ def _external_xlstm_rows() -> tuple[Unsupported, ...]:
 
 UNSUPPORTED: tuple[Unsupported, ...] = (
     *_external_xlstm_rows(),
-    Unsupported("zaya", "ZayaCCAProjection", "CCA: an inline convolution window and a one-token value delay,"
-                " computed in its forward with no kernel function to rebind: watching it needs the library's own"
-                " copy of that forward, which it does not have yet"),
 )
 
 

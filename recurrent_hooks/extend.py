@@ -37,6 +37,7 @@ from ._dynamic_conv import LoopedDynamicShortConvolution as LoopedDynamicShortCo
 from ._state_space import StateSpace as StateSpace
 from ._wkv import WeightedKeyValue as WeightedKeyValue
 from ._wkv import WkvState as WkvState
+from ._zaya import CompressedConvolutionalAttention as CompressedConvolutionalAttention
 
 __all__ = [
     "RecurrentMixer",
@@ -66,6 +67,7 @@ __all__ = [
     "DynamicShortConvolution",
     "LoopedDynamicShortConvolution",
     "MatrixLSTM",
+    "CompressedConvolutionalAttention",
     "MLSTMState",
     "WkvState",
 ]

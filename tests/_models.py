@@ -596,6 +596,22 @@ def _inkling2_loop():
                  loop_layer_index_start=1, loop_layer_index_end=2, loop_num_passes=2, loop_gate_rank=8)
 
 
+def _zaya():
+    # Table 3: a hybrid and a sliding layer, each with a CCA projection (K = (2 - 1) + (2 - 1) = 2 window columns).
+    # ZayaQKNorm's key scale `temp` is initialised to zeros: every key is 0, the attention uniform, and the q/k conv
+    # window reaches no logit (a write to it changed nothing). A scale of 1 per kv head lets it (effect of zeroing the
+    # window after token 4: ~1e-4 on the next logits; the value delay's: ~8e-2).
+    model = _make(transformers.ZayaConfig, transformers.ZayaForCausalLM, **_SHORT_CONV_COMMON, num_hidden_layers=2,
+                  layer_types=["hybrid", "hybrid_sliding"], sliding_window=8, head_dim=16, num_experts=4,
+                  num_experts_per_tok=1, moe_intermediate_size=32, router_hidden_size=16, cca_time0=2, cca_time1=2,
+                  attention_bias=True)  # biases: the delay before a prompt's first token is W_vd 0 = the bias
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__ == "ZayaQKNorm":
+                module.temp.fill_(1.0)
+    return model
+
+
 FAMILIES: dict[str, Callable[[], transformers.PreTrainedModel]] = {
     "qwen3_next": _qwen3_next,
     "qwen3_5": _qwen3_5,
@@ -626,6 +642,7 @@ FAMILIES: dict[str, Callable[[], transformers.PreTrainedModel]] = {
     "inkling2": _inkling2,
     "inkling2_loop": _inkling2_loop,
     "xlstm": _xlstm,
+    "zaya": _zaya,
 }
 
 

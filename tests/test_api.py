@@ -9,6 +9,7 @@ import transformers
 
 import recurrent_hooks as rh
 import recurrent_hooks._patching as rh_patching
+import recurrent_hooks._registry as rh_registry
 import recurrent_hooks._watch as watch_impl
 from _compare import assert_close
 from _models import PAD, build, random_ids
@@ -37,13 +38,11 @@ def generate(model, n=4):
         return model.generate(random_ids(2, T), max_new_tokens=n, do_sample=False, pad_token_id=PAD)
 
 
-def zaya_model():
-    """zaya: attention layers whose projections run an inline convolution (CCA), which the library refuses."""
-    config = transformers.ZayaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2,
-                                     layer_types=["hybrid", "hybrid_sliding"], sliding_window=8, num_attention_heads=2,
-                                     num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=1,
-                                     moe_intermediate_size=32, router_hidden_size=16, cca_time0=2, cca_time1=2)
-    return transformers.ZayaForCausalLM(config).eval()
+def attention_only_model():
+    """A tiny Llama: attention layers only, no recurrent mixer."""
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    return transformers.LlamaForCausalLM(config).eval()
 
 
 def test_public_names_are_importable():
@@ -147,14 +146,23 @@ def test_reading_what_was_not_kept_or_does_not_exist(model):
     assert w.mixer(2) is w.mixers[1]
 
 
-def test_an_unsupported_model_is_refused_with_the_reason():
-    with pytest.raises(rh.Unavailable, match=r"ZayaForCausalLM contains no recurrent mixer of a supported family "
-                       r"\(supported: qwen3_next, .*\); it has ZayaCCAProjection \(CCA: an inline convolution"):
-        with rh.watch(zaya_model()):
+def test_an_unsupported_model_is_refused_with_the_reason(monkeypatch):
+    """A model without a supported mixer is refused naming the supported families, and the recurrent mixers it has
+    that the library does not handle (`UNSUPPORTED`), with their reasons; `support` lists those with the reason.
+    (Every recurrent family of transformers 5.24 is supported since zaya: a stand-in row tests the listing.)"""
+    with pytest.raises(rh.Unavailable, match=r"LlamaForCausalLM contains no recurrent mixer of a supported family "
+                       r"\(supported: qwen3_next, .*, zaya\)$"):
+        with rh.watch(attention_only_model()):
             pass
-    rows = rh.support(zaya_model())
-    assert [row.mixer_class for row in rows] == ["ZayaCCAProjection"] * 2
-    assert rows[0].family is None and rows[0].unavailable["everything"].startswith("CCA")
+    row = rh_registry.Unsupported("llama", "LlamaAttention", "a stand-in reason")
+    monkeypatch.setitem(rh_registry._UNSUPPORTED_BY_CLASS,
+                        ("transformers.models.llama.modeling_llama", "LlamaAttention"), row)
+    with pytest.raises(rh.Unavailable, match=r"\); it has LlamaAttention \(a stand-in reason\)$"):
+        with rh.watch(attention_only_model()):
+            pass
+    rows = rh.support(attention_only_model())
+    assert [row.mixer_class for row in rows] == ["LlamaAttention"]
+    assert rows[0].family is None and rows[0].unavailable == {"everything": "a stand-in reason"}
     with pytest.raises(rh.InvalidValue, match="expected a torch.nn.Module"):
         rh.watch("qwen3_5")
     with pytest.raises(rh.InvalidValue, match=r"cannot keep \['state'\]; keep takes names from"):
@@ -410,7 +418,11 @@ def test_the_support_command_reads_families_and_saved_configs(tmp_path, capsys):
     assert main(["support", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert {row["family"] for row in rows if row["kind"]} == set(rh.FAMILIES)
-    assert any(row["mixer_class"] == "ZayaCCAProjection" and row["kind"] is None for row in rows)
+    assert any(row["mixer_class"] == "ZayaCCAProjection" and row["kind"] == "CompressedConvolutionalAttention"
+               for row in rows)
+    assert [row for row in rows if row["kind"] is None] == [
+        {"family": row.family, "mixer_class": row.mixer_class, "kind": None, "available": [],
+         "unavailable": {"everything": row.reason}} for row in rh_registry.UNSUPPORTED]
     assert any(row["mixer_class"] == "Inkling2DynamicShortConvolution" and row["kind"] == "DynamicShortConvolution"
                for row in rows)
     assert main(["support", "mamba2"]) == 0

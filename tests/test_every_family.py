@@ -49,12 +49,14 @@ QUIRKS = {
     # kernel: an mLSTM output divides by max(|n_t q|, e^(-m_t)), which can be small
     "xlstm": dict(backward_use_cache=False, input_grad=(1e-3, 1e-6)),
     **{name: _SHORT_CONV for name, row in rh.FAMILIES.items() if issubclass(row.kind, rh.ShortConvolution)},
+    "zaya": dict(grad_parity=(13,), **_EXACT_LOOPS),  # its forward, operation for operation; grad mode recomputes
 }
 # The per-token shape after (batch, seq) of each memory (every part of a state of several parts), where pinned.
 STATE_SHAPES = {
     "minimax": {"state": (2, 16, 16)},
     "recurrent_gemma": {"state": (32,), "conv_state": (32, 3)},
     "rwkv": {"state": (32,), "conv_state": (32,)},
+    "zaya": {"state": (8,), "conv_state": (48, 2)},  # the value delay; the window over [q~; k~], K = 2
 }
 STACK = {"state": "states", "conv_state": "conv_states"}  # memory -> its keep name, and the mixer's per-token stack
 

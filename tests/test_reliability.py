@@ -393,10 +393,11 @@ def test_support_lists_both_kinds_of_short_convolution_of_a_family():
     assert {(r.family, r.kind) for r in rows if r not in dynamic} == {("inkling2", "ShortConvolution")}
 
 
-@pytest.mark.parametrize("row", rh_registry.UNSUPPORTED, ids=lambda row: row.mixer_class)
-def test_every_listed_unsupported_mixer_exists_in_transformers(row):
-    module = importlib.import_module(f"transformers.models.{row.family}.modeling_{row.family}")
-    assert isinstance(getattr(module, row.mixer_class, None), type), f"{row} names no class of {module.__name__}"
+def test_every_listed_unsupported_mixer_exists_in_transformers():
+    # a loop, not a parametrization: the list may be empty (every recurrent family of transformers 5.24 is supported)
+    for row in rh_registry.UNSUPPORTED:
+        module = importlib.import_module(f"transformers.models.{row.family}.modeling_{row.family}")
+        assert isinstance(getattr(module, row.mixer_class, None), type), f"{row} names no class of {module.__name__}"
 
 
 def test_a_dropped_standalone_handle_keeps_its_hook_until_the_module_dies():
