@@ -33,8 +33,10 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ._conv import CONV_KERNELS
+from ._effective import EffectiveAttention, cat, decayed
 from ._calls import KernelCall
 from ._kernels import Kernel, Role, Segments
+from ._errors import Unavailable
 from ._loops import OnToken, causal_decay, refuse_packed, starting_state
 from ._mixer import RecurrentMixer
 from ._paths import Shape
@@ -228,6 +230,7 @@ class GatedDeltaNet(RecurrentMixer):
 
     # the words of this kind's documentation: prompts token by token ("recurrent") or chunk-wise ("chunked")
     ROUTES = {**RecurrentMixer.ROUTES, "recurrent": "torch", "chunked": "default"}
+    DECAY_PER_KEY_CHANNEL = False  # Kimi delta attention: a decay per key channel, Diag(alpha_t)
     KERNELS = (
         # both kernels take the state in `initial_state` and return the new one
         Kernel(name="torch_chunk_gated_delta_rule", role=Role.PROMPT, loop=chunk_gated_delta_rule,
@@ -273,3 +276,29 @@ class GatedDeltaNet(RecurrentMixer):
         # the kernel's own arguments are token-major already (before the kernel's l2norm and scaling)
         return {**{name: part.inputs[name] for name in ("query", "key", "value", "g", "beta")},
                 "output": part.output["output"]}
+
+    def _effective_attention(self, calls: range, dtype: torch.dtype) -> EffectiveAttention:
+        """The delta rule's exact map (the UT transform; see `recurrent_hooks.studies.effective_attention`)."""
+        kind, kimi = type(self), self.DECAY_PER_KEY_CHANNEL
+        per_call = []
+        for index in calls:
+            part = self.calls[index].parts[0]
+            x = part.inputs
+            if x.get("cu_seqlens") is not None:
+                raise Unavailable(f"{self}, call {index}: packed sequences (cu_seqlens) have no per-row"
+                                  " effective attention")
+            g = x["g"] if kimi else x["g"][..., None]
+            prepared = _prepare(x["query"], x["key"], x["value"], g, x["beta"], x["initial_state"],
+                                x["use_qk_l2norm_in_kernel"], {}, kimi=kimi, recurrent=kind.kernel(part.kernel).role is Role.DECODE)
+            per_call.append([v.transpose(1, 2) for v in prepared[:5]] + [prepared[5]])  # b h t ..
+        q, k, v, b, log_a = (cat([c[i] for c in per_call], dtype) for i in range(5))
+        state = per_call[0][5].to(dtype)  # b h k v   S_0 of the history
+        rows = self.calls[calls[-1]].parts[0].inputs["value"].shape[1]
+        start = q.shape[2] - rows
+        cum = log_a.cumsum(2)  # b h s (1|k)   c_s
+        system = decayed(k, k, cum, cum, 0, strict=True) * b[..., None]  # b h s s   strict_lower(diag(b) W(k, k))
+        system.diagonal(dim1=-2, dim2=-1).fill_(1)  # T = I + ...
+        reads = decayed(q[:, :, start:], k, cum[:, :, start:], cum, start, strict=False)  # b h t s   W(q, k)
+        weights = torch.linalg.solve_triangular(system, reads, upper=False, left=False, unitriangular=True) * b[:, :, None]
+        from_state = (q[:, :, start:] * cum[:, :, start:].exp()) @ state - weights @ ((k * cum.exp()) @ state)
+        return EffectiveAttention(weights, v, from_state, None, None, calls)

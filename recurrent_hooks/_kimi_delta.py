@@ -120,6 +120,7 @@ class KimiDeltaAttention(GatedDeltaNet):
     bailing_hybrid hands `g` over in the model dtype (bf16 in a bf16 model); the token loop runs in float32.
     """
 
+    DECAY_PER_KEY_CHANNEL = True
     KERNELS = (  # gated DeltaNet's declarations, with their own names and loops
         dataclasses.replace(GatedDeltaNet.kernel_for(Role.PROMPT), name="chunk_kimi_delta_attention",
                             loop=chunk_kimi_delta_attention,

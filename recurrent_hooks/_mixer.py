@@ -407,6 +407,11 @@ class RecurrentMixer:
         """`values()` of one kernel call; each kind derives them from its kernel's arguments."""
         raise NotImplementedError
 
+    def _effective_attention(self, calls: range, dtype: torch.dtype) -> Any:
+        """The exact effective attention (`_effective.EffectiveAttention`) over the history `calls`, from their
+        kept records; a kind with the maths overrides this (`rh.effective_attention` checks the history)."""
+        raise Unavailable(f"{self}: no effective attention for the kind {type(self).__name__}")
+
     def _call(self, call: Any, method: str) -> Call:
         if call is not None:
             call = as_index(call, "call", f"{self}.{method}")

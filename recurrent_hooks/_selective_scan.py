@@ -58,6 +58,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ._conv import CONV_KERNELS
+from ._effective import EffectiveAttention, decayed
 from ._calls import KernelCall
 from ._kernels import STATE_MEMORY, Kernel, Layout, Role, Segments
 from ._loops import OnToken, at_least_float32, refuse_packed, starting_state
@@ -518,6 +519,45 @@ class SelectiveScan(RecurrentMixer):
         return {"x": x["hidden_states"][:, None], "dt": dt[:, None], "B": x["B"][:, None], "C": x["C"][:, None],
                 "y": part.output["output"][:, None]}
 
+    def _effective_attention_of_head(self, calls: range, head: int, dtype: torch.dtype) -> EffectiveAttention:
+        """Mamba-1's exact map over one kernel call per head (zamba: one per mamba head)."""
+        kind = type(self)
+        xs, steps, Bs, Cs = [], [], [], []
+        for index in calls:
+            part = self.calls[index].parts[head]
+            values = self._token_values(part)  # token-major x, Δ, B, C
+            xs.append(values["x"]), steps.append(values["dt"]), Bs.append(values["B"]), Cs.append(values["C"])
+        last = self.calls[calls[-1]].parts[head]
+        first = self.calls[calls[0]].parts[head]
+        x, delta, B, C = (torch.cat([p.to(dtype) for p in pieces], dim=1) for pieces in (xs, steps, Bs, Cs))
+        A = last.inputs["A"].to(dtype)  # d n
+        rows = xs[-1].shape[1]
+        start = x.shape[1] - rows
+        cum = (delta[..., None] * A).cumsum(1).transpose(1, 2)  # b d s n   c_s per channel and state entry
+        B, C = B[:, None], C[:, None, start:]  # b 1 s n, b 1 t n
+        weights = decayed(C, B, cum[:, :, start:], cum, start, strict=False) * delta.transpose(1, 2)[:, :, None]
+        state = first.inputs.get(kind.kernel(first.kernel).state_in) if kind.kernel(first.kernel).role is Role.DECODE else None  # the scan starts from 0
+        x_rows = x[:, start:].transpose(1, 2)[..., None]  # b d t 1
+        if state is None:
+            from_state = torch.zeros_like(x_rows)
+        else:
+            from_state = ((C * cum[:, :, start:].exp()) * state.to(dtype)[:, :, None]).sum(-1)[..., None]
+        inputs = last.inputs
+        D, z = inputs.get("D"), inputs.get("z")
+        skip = None if D is None else D.to(dtype)[:, None, None] * x_rows
+        if z is not None:
+            z = (z if kind.kernel(last.kernel).role is Role.PROMPT else z[..., None]).to(dtype)  # b d t
+            z = F.silu(z)[..., None]
+        return EffectiveAttention(weights, x.transpose(1, 2)[..., None], from_state, skip, z, calls)
+
+    def _effective_attention(self, calls: range, dtype: torch.dtype) -> EffectiveAttention:
+        """Mamba-1's exact map: the heads' maps side by side (channel = head * head_dim + p)."""
+        heads = len(self.calls[calls[-1]].parts)
+        parts = [self._effective_attention_of_head(calls, head, dtype) for head in range(heads)]
+        if heads == 1:
+            return parts[0]
+        fields = [torch.cat(f, dim=1) if f[0] is not None else None for f in zip(*(p[:5] for p in parts))]
+        return EffectiveAttention(*fields, calls)
 
 class PerHeadSelectiveScan(SelectiveScan):
     """A Mamba-1 mixer that runs its kernels once per mamba head inside one forward (zamba).

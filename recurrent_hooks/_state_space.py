@@ -57,6 +57,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ._conv import CONV_KERNELS
+from ._effective import EffectiveAttention, decayed
 from ._calls import KernelCall
 from ._kernels import Kernel, Role, Segments
 from ._mixer import RecurrentMixer
@@ -331,3 +332,37 @@ class StateSpace(RecurrentMixer):
         dt = step_size(x["dt"][..., 0], None if x["dt_bias"] is None else x["dt_bias"][..., 0], x["dt_softplus"])
         return {"x": x["hidden_states"][:, None], "dt": dt[:, None], "decay": torch.exp(dt * x["A"][:, 0, 0].float())[:, None],
                 "B": x["B"][:, None], "C": x["C"][:, None], "y": part.output["output"][:, None]}
+
+    def _effective_attention(self, calls: range, dtype: torch.dtype) -> EffectiveAttention:
+        """Mamba-2's exact map (SSD: a scalar decay per head)."""
+        kind = type(self)
+        xs, steps, Bs, Cs = [], [], [], []
+        for index in calls:
+            values = kind._token_values(self.calls[index].parts[0])  # token-major x, Δ (clamped as the kernel), B, C
+            xs.append(values["x"]), steps.append(values["dt"]), Bs.append(values["B"]), Cs.append(values["C"])
+        last, first = self.calls[calls[-1]].parts[0], self.calls[calls[0]].parts[0]
+        x, delta, B, C = (torch.cat([p.to(dtype) for p in pieces], dim=1) for pieces in (xs, steps, Bs, Cs))
+        heads = x.shape[2]
+        B, C = (repeat(v, "b s g n -> b (g r) s n", r=heads // v.shape[2]) for v in (B, C))  # head h reads group h // r
+        decode = kind.kernel(last.kernel).role is Role.DECODE
+        A = last.inputs["A"]
+        A = (A[:, 0, 0] if decode else A).to(dtype)  # h   (the decode kernel gets it expanded over head_dim, d_state)
+        rows = xs[-1].shape[1]
+        start = x.shape[1] - rows
+        delta = delta.transpose(1, 2)  # b h s
+        cum = (delta * A[:, None]).cumsum(2)[..., None]  # b h s 1
+        weights = decayed(C[:, :, start:], B, cum[:, :, start:], cum, start, strict=False) * delta[:, :, None]
+        values = x.transpose(1, 2)  # b h s p
+        state = first.inputs["state" if kind.kernel(first.kernel).role is Role.DECODE else "initial_states"]
+        if state is None:
+            from_state = torch.zeros_like(values[:, :, start:])
+        else:
+            from_state = torch.einsum("bhpn,bhtn->bhtp", state.to(dtype), C[:, :, start:]) * cum[:, :, start:].exp()
+        D = last.inputs.get("D")
+        skip = None
+        if D is not None:
+            D = (D[:, 0] if decode else D).to(dtype)
+            skip = D[:, None, None] * values[:, :, start:]
+        z = last.inputs.get("z") if decode else None
+        gate = None if z is None else F.silu(z.to(dtype))[:, :, None]
+        return EffectiveAttention(weights, values, from_state, skip, gate, calls)
