@@ -6,7 +6,7 @@
 - segments with tails (`_dispatch._run_in_segments`) equal the token loop: outputs, final state, what the
   stops are handed, at the kernel and through a watched model (outputs, kept states, hook inputs, writes,
   cache contents, decode steps);
-- the cost model switched on end to end gives what the token loop gives;
+- the cost model (the shipped default) end to end gives what the token loop gives;
 - `torch.compile(model, fullgraph=True)` traces the cost model's choice (aot_eager for qwen3_5 and mamba2, one
   inductor case): a hook, a write, kept states, standalone hooks, the token loop and segments, as eagerly;
 - `benchmarks/paths.py --quick` runs (no timing is asserted).
@@ -33,11 +33,6 @@ from recurrent_hooks._state_space import StateSpace
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GDN = GatedDeltaNet.kernel_for("prompt")
 SSD = StateSpace.kernel_for("prompt")
-
-
-@pytest.fixture(autouse=True)
-def by_cost(monkeypatch):
-    monkeypatch.setattr(rh_paths, "BY_COST", True)  # conftest sets the fixed rule for the other tests
 
 
 def _meta(*shape: int) -> torch.Tensor:
