@@ -204,6 +204,17 @@ def _estimates(shape: Shape, tokens: int, stops: Iterable[int]) -> dict[Path, Ca
             Path.LOOP: lambda: loop_cost(shape, tokens)}
 
 
+def _cheapest(available: list[Path], estimate: dict[Path, Callable[[], float]]) -> Path:
+    """The available path of the lowest estimate (the first of equal ones). A plain loop, not `min(key=...)`:
+    `choose` runs while torch.compile traces a forward, and dynamo cannot trace `min` with a key."""
+    best, lowest = available[0], estimate[available[0]]()
+    for path in available[1:]:
+        cost = estimate[path]()
+        if cost < lowest:
+            best, lowest = path, cost
+    return best
+
+
 def costs(shape: Shape, tokens: int, stops: Iterable[int]) -> dict[Path, float]:
     """Each path's estimated seconds for a call of `tokens` tokens stopping at `stops` (available or not)."""
     return {path: estimate() for path, estimate in _estimates(shape, tokens, stops).items()}
@@ -253,8 +264,7 @@ def choose(kernel: Kernel, busy: list[Any], tokens: int, arguments: dict[str, An
         available = [Path.LOOP] + ([Path.BLOCKS] if blocks else [])
     else:
         available = [Path.LOOP, Path.STATES if every_state else Path.SEGMENTS]
-    estimate = _estimates(shape, tokens, stops)
-    path = FORCE if FORCE in available else min(available, key=lambda p: estimate[p]())
+    path = FORCE if FORCE in available else _cheapest(available, _estimates(shape, tokens, stops))
     if path is Path.LOOP:
         return None
     if path is Path.SEGMENTS:

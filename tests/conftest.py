@@ -15,11 +15,12 @@ import recurrent_hooks._watch as watch_impl
 torch.set_num_threads(1)
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def fixed_path_rule(monkeypatch):
-    """The fixed rule picks the paths (a few stops: segments): at the test models' tiny dims the cost model would
-    pick the token loop nearly always, and the tests of each fast path would not test it. tests/test_paths.py
-    turns the cost model back on where it tests it."""
+    """The fixed rule picks the paths (a few stops: segments; every state kept: chunk-wise), for the tests of a
+    particular fast path, which ask for it (`pytest.mark.usefixtures("fixed_path_rule")`): at the test models'
+    tiny dims the cost model picks the token loop nearly always, and they would not test their path. Every other
+    test runs the shipped default, the cost model (`_paths.BY_COST = True`)."""
     monkeypatch.setattr(paths_impl, "BY_COST", False)
 
 

@@ -170,6 +170,7 @@ def measure(model, ids):
     return logits, states
 
 
+@pytest.mark.usefixtures("fixed_path_rule")  # the fast paths it names: the cost model takes the token loop at tiny dims
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", list(CASES))
 def test_half_precision_within_transformers_own_prompt_vs_decode_difference(case, dtype):

@@ -420,6 +420,7 @@ def _sparse_run(model, ids, fast, monkeypatch):
     return w, out, seen, segmented
 
 
+@pytest.mark.usefixtures("fixed_path_rule")  # segments (the cost model picks the token loop at these tiny dims)
 def test_sparse_fast_path_equals_the_token_loop(model, monkeypatch):
     """Same outputs, kept states, hook inputs and cache contents whether sparse calls run in segments or not."""
     ids = random_ids(2, T)
@@ -442,6 +443,7 @@ def test_sparse_fast_path_equals_the_token_loop(model, monkeypatch):
                              b.calls[call].conv.inputs["conv_state"], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.usefixtures("fixed_path_rule")  # chunk-wise (the cost model may pick the token loop at tiny dims)
 def test_every_state_kept_chunkwise_equals_the_token_loop(model, monkeypatch):
     """keep=ALL without gradients takes the chunk-wise path where a kind has one (with a hook at one
     token, in segments around it): same outputs, states, hook inputs and cache as the token loop."""

@@ -6,7 +6,9 @@
 - segments with tails (`_dispatch._run_in_segments`) equal the token loop: outputs, final state, what the
   stops are handed, at the kernel and through a watched model (outputs, kept states, hook inputs, writes,
   cache contents, decode steps);
-- the cost model switched on end to end gives what the token loop gives;
+- the cost model (the shipped default) end to end gives what the token loop gives;
+- `torch.compile(model, fullgraph=True)` traces the cost model's choice (aot_eager for qwen3_5 and mamba2, one
+  inductor case): a hook, a write, kept states, standalone hooks, the token loop and segments, as eagerly;
 - `benchmarks/paths.py --quick` runs (no timing is asserted).
 """
 
@@ -25,16 +27,12 @@ from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
 from recurrent_hooks._gated_delta_net import GatedDeltaNet
 from recurrent_hooks._paths import Path
+from recurrent_hooks._registry import family_of
 from recurrent_hooks._state_space import StateSpace
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GDN = GatedDeltaNet.kernel_for("prompt")
 SSD = StateSpace.kernel_for("prompt")
-
-
-@pytest.fixture(autouse=True)
-def by_cost(monkeypatch):
-    monkeypatch.setattr(rh_paths, "BY_COST", True)  # conftest sets the fixed rule for the other tests
 
 
 def _meta(*shape: int) -> torch.Tensor:
@@ -313,6 +311,152 @@ def test_the_chosen_path_equals_the_token_loop(family, keep, monkeypatch):
     for a, b in zip(slow.mixers, fast.mixers, strict=True):
         for token in keep or range(25):
             assert_close(f"{a} state after {token}", a.state_after(token), b.state_after(token), rtol=1e-4, atol=1e-6)
+
+
+# -- torch.compile on the cost model's choice -----------------------------------------------------------------------
+
+COMPILED_T, KEPT, WRITTEN = 6, 2, 3
+
+
+def _cheap_segments(monkeypatch):
+    """Constants under which the cost model picks segments (or the chunk-wise states) over the token loop."""
+    cheap = rh_paths.Constants(kernel=(1e-6, 0.0, 0.0, 0.0, 0.0), loop=(1.0, 1.0, 0.0, 0.0),
+                               states=(1e-6, 0.0, 0.0, 0.0, 0.0))
+    monkeypatch.setitem(rh_paths.CONSTANTS, "ssd", cheap)
+    monkeypatch.setitem(rh_paths.CONSTANTS, "delta rule", cheap)
+
+
+def _watched_calls(model, forward, ids, what, value, calls=2):
+    """`calls` forwards of `forward` in one watch with `what` ("hook", "write", "kept" or "all": the three and a
+    replacing hook) on the first mixer, each after the first with error_on_recompile: logits, hook calls, watch."""
+    seen = []
+    with rh.watch(model, keep={"states": [KEPT]} if what in ("kept", "all") else ()) as w, torch.no_grad():
+        first = w.mixers[0]
+        if what in ("hook", "all"):
+            first.register_state_hook(lambda m, c, t, s: seen.append((c, t, float(s.norm()))), token=-1)
+        if what in ("write", "all"):
+            first.set_state_after(WRITTEN, value)
+        if what == "all":
+            w.mixers[-1].register_state_hook(lambda m, c, t, s: s * 0.5, token=1)
+        logits = []
+        for call in range(calls):
+            with torch._dynamo.config.patch(error_on_recompile=call > 0 and forward is not model):
+                logits.append(forward(ids).logits)
+    return logits, seen, w
+
+
+def _compare_watched(what, eager, compiled, atol=1e-6):
+    (logits, seen, w), (compiled_logits, compiled_seen, cw) = eager, compiled
+    for call, (a, b) in enumerate(zip(logits, compiled_logits, strict=True)):
+        assert_close(f"{what}: logits of call {call}", a, b, rtol=1e-5, atol=atol)
+    assert [h[:2] for h in compiled_seen] == [h[:2] for h in seen]
+    if seen:
+        assert_close(f"{what}: hooked state norms", torch.tensor([h[2] for h in seen]),
+                     torch.tensor([h[2] for h in compiled_seen]), rtol=1e-5, atol=1e-6)
+    if what in ("kept", "all"):
+        for a, b in zip(w.mixers, cw.mixers, strict=True):
+            for call in range(len(logits)):
+                assert_close(f"{a} call {call}: kept state", a.state_after(KEPT, call=call),
+                             b.state_after(KEPT, call=call), rtol=1e-5, atol=1e-6)
+
+
+def _value(model, ids):
+    with rh.watch(model, keep={"states": [WRITTEN]}) as w, torch.no_grad():
+        model(ids)
+    return w.mixers[0].state_after(WRITTEN) * 0.5
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("family", ["qwen3_5", "mamba2"])
+@pytest.mark.parametrize("what", ["hook", "write", "kept"])
+def test_fullgraph_compile_traces_the_cost_models_choice(family, what):
+    """torch.compile(fullgraph=True) with a hook, a write or a kept state on a prompt, on the shipped path choice
+    (the cost model): the choice traces (it used `min(key=...)`, which dynamo refused as an "invalid call to
+    builtin op handler"), and the compiled calls give eager's logits, hook calls and kept states, compiled once."""
+    model, ids = build(family), random_ids(2, COMPILED_T)
+    value = _value(model, ids)
+    eager = _watched_calls(model, model, ids, what, value)
+    compiled = _watched_calls(model, torch.compile(model, fullgraph=True, backend="aot_eager"), ids, what, value)
+    _compare_watched(what, eager, compiled)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("family", ["qwen3_5", "mamba2"])
+def test_fullgraph_compile_traces_the_cost_models_segments(family, monkeypatch):
+    """The same where the cost model picks segments and the chunk-wise states (constants that make the token loop
+    dear): hooks, a write and a kept state in the graph, as eagerly; the spy is on the eager run only."""
+    _cheap_segments(monkeypatch)
+    model, ids = build(family), random_ids(2, COMPILED_T)
+    value = _value(model, ids)
+    taken, real = [], rh_dispatch._run_in_segments
+    monkeypatch.setattr(rh_dispatch, "_run_in_segments", lambda *a: taken.append(bool(a[-1])) or real(*a))
+    eager = _watched_calls(model, model, ids, "all", value)
+    assert False in taken, "the cost model did not pick segments"
+    monkeypatch.setattr(rh_dispatch, "_run_in_segments", real)
+    compiled = _watched_calls(model, torch.compile(model, fullgraph=True, backend="aot_eager"), ids, "all", value)
+    _compare_watched("all", eager, compiled)
+    taken.clear()
+    monkeypatch.setattr(rh_dispatch, "_run_in_segments", lambda *a: taken.append(bool(a[-1])) or real(*a))
+    with rh.watch(model, keep=("states",)) as w, torch.no_grad():  # every state kept: the chunk-wise states
+        logits, eager_states = model(ids).logits, [m.states for m in w.mixers]
+    assert taken and all(taken), "every state kept: the cost model did not pick the chunk-wise states"
+    monkeypatch.setattr(rh_dispatch, "_run_in_segments", real)
+    with rh.watch(model, keep=("states",)) as w, torch.no_grad():
+        compiled_logits = torch.compile(model, fullgraph=True, backend="aot_eager")(ids).logits
+        compiled_states = [m.states for m in w.mixers]
+    assert_close("every state kept: logits", logits, compiled_logits, rtol=1e-5, atol=1e-6)
+    for layer, (a, b) in enumerate(zip(eager_states, compiled_states, strict=True)):
+        assert_close(f"every state kept: mixer {layer}'s states", a, b, rtol=1e-5, atol=1e-6)
+
+
+def _standalone_calls(model, forward, ids, calls=2):
+    """A standalone hook on every mixer module (a reading one at the last token, a replacing one at token 1)."""
+    seen = []
+    modules = [m for m in model.modules() if family_of(m) is not None]
+    handles = [rh.register_state_hook(m, lambda mx, c, t, s: seen.append((mx.layer, c, t, float(s.norm()))),
+                                      token=-1) for m in modules]
+    handles.append(rh.register_state_hook(modules[-1], lambda mx, c, t, s: s * 0.5, token=1))
+    try:
+        with torch.no_grad():
+            logits = []
+            for call in range(calls):
+                with torch._dynamo.config.patch(error_on_recompile=call > 0 and forward is not model):
+                    logits.append(forward(ids).logits)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return logits, seen
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("family", ["qwen3_5", "mamba2"])
+def test_fullgraph_compile_with_standalone_hooks_on_the_cost_models_choice(family):
+    model, ids = build(family), random_ids(2, COMPILED_T)
+    logits, seen = _standalone_calls(model, model, ids)
+    compiled_logits, compiled_seen = _standalone_calls(model, torch.compile(model, fullgraph=True,
+                                                                            backend="aot_eager"), ids)
+    for call, (a, b) in enumerate(zip(logits, compiled_logits, strict=True)):
+        assert_close(f"logits of call {call}", a, b, rtol=1e-5, atol=1e-6)
+    assert [h[:3] for h in compiled_seen] == [h[:3] for h in seen] and seen
+    assert_close("hooked state norms", torch.tensor([h[3] for h in seen]), torch.tensor([h[3] for h in compiled_seen]),
+                 rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_inductor_traces_the_cost_models_choice():
+    """Inductor (the default backend) on the cost model's choice, with a hook, a write and a kept state."""
+    model, ids = build("mamba2"), random_ids(2, COMPILED_T)
+    value = _value(model, ids)
+    eager = _watched_calls(model, model, ids, "all", value)
+    compiled = _watched_calls(model, torch.compile(model, fullgraph=True), ids, "all", value)
+    _compare_watched("all", eager, compiled, atol=1e-5)
 
 
 # -- the benchmark ------------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ def zero_memory(model, ids, token=0):
     return rh.Memory(memory.state * 0 + 0.5, memory.conv_state * 0)
 
 
+@pytest.mark.usefixtures("fixed_path_rule")  # "fast paths": the chunk-wise states (the cost model: the token loop)
 @pytest.mark.parametrize("fast", [False, True], ids=["token loop", "fast paths"])
 def test_a_write_per_row_equals_each_row_written_alone(model, fast, monkeypatch):
     monkeypatch.setattr(rh_dispatch, "FAST_PATHS", fast)
