@@ -8,7 +8,7 @@ Models as in benchmarks/run.py (random weights, 2 recurrent layers, `use_cache=F
 every round runs each row once, interleaved; a row's ratio is its time over the unhooked forward's in the same
 round, and the median over rounds is printed with its range. Rows:
 - "chosen": the hook as the library runs it (blocks where `Segments.blocks_below` allows, else the token loop);
-- "loop": the hook through the token loop (`_dispatch.FAST_PATHS = False`, what main ran before the blocks path);
+- "loop": the hook through the token loop (`dispatch.FAST_PATHS = False`, what main ran before the blocks path);
 - "blocks B": the same hook through `_blocks.run_in_blocks` with `BLOCK = B`, forced (`_blocks.SIZE_LIMIT`);
 - "blocks B, no-op hook": a hook that reads nothing (returns None): the path's own cost, without the norms;
 - "all_states once": the unhooked forward with its prompt kernel replaced by the chunk-wise `all_states` over the
@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from run import LINEAR2, VOCAB, _gdn, _mamba2, _ready
 
 import recurrent_hooks as rh
-import recurrent_hooks._blocks as rh_blocks
-import recurrent_hooks._dispatch as rh_dispatch
+import recurrent_hooks.engine.blocks as rh_blocks
+import recurrent_hooks.engine.dispatch as rh_dispatch
 
 MODELS = {
     "gdn_small": (lambda: _gdn(256, 4, 8, 64, 512, LINEAR2), 512),

@@ -15,7 +15,7 @@ import time
 import torch
 import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
 
-from recurrent_hooks._gated_delta_net import chunk_gated_delta_rule, chunk_gated_delta_rule_states
+from recurrent_hooks.kinds.gated_delta_net import chunk_gated_delta_rule, chunk_gated_delta_rule_states
 
 SHAPES = [(1, 25, 4, 16), (64, 25, 4, 16), (1, 512, 4, 16), (1, 512, 16, 128), (8, 128, 16, 64), (1, 2048, 16, 128)]
 

@@ -1,12 +1,12 @@
-"""Benchmark and calibration of the cost model that chooses a busy call's path (`recurrent_hooks/_paths.py`).
+"""Benchmark and calibration of the cost model that chooses a busy call's path (`recurrent_hooks/engine/strategies.py`).
 
     python benchmarks/paths.py               # the rows: each path's time, forced, and the one chosen
     python benchmarks/paths.py --quick       # a smoke run, a few seconds (run by the tests)
     python benchmarks/paths.py --calibrate   # time the kernels over a grid of shapes, fit and print CONSTANTS
 
 Rows: a model forward (random weights, 2 recurrent layers, `torch.no_grad()`, 1 thread: see `--threads`) asked for states at
-some positions. Each path is forced in turn (`_paths.FORCE`; "segments" with the token-loop tails on,
-`_paths.TAILS = True`, "segments, whole" with them off, the default); the paths are timed in interleaved rounds and each time is the median over the
+some positions. Each path is forced in turn (`strategies.FORCE`; "segments" with the token-loop tails on,
+`strategies.TAILS = True`, "segments, whole" with them off, the default); the paths are timed in interleaved rounds and each time is the median over the
 rounds, with the unhooked forward (no watch) timed in the same rounds. "chosen" is the path the cost model picks
 for the row's calls; the check is that its time is within 10% of the fastest path's. A path the call cannot take
 is "-"; "segments" is "segments, whole" again when no piece ends in a tail (the chosen path is "segments" only
@@ -14,7 +14,7 @@ when one does).
 
 Calibration: each path of each kernel alone (the bound transformers kernel on a whole call, the library's
 token loop with an identity `on_token`, the library's all-states kernel), best of 5 per shape; the
-constants of each path come from a non-negative least-squares fit of its terms (`_paths.kernel_terms` ...)
+constants of each path come from a non-negative least-squares fit of its terms (`strategies.kernel_terms` ...)
 to the times, weighted by 1/time (a fit on relative error). One torch thread by default: on this machine, shared
 by several jobs, two threads contending for two cores made single timings vary by 100x.
 """
@@ -32,9 +32,9 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # this checkout's package
 import recurrent_hooks as rh  # noqa: E402
-import recurrent_hooks._paths as paths  # noqa: E402
-from recurrent_hooks._gated_delta_net import GatedDeltaNet  # noqa: E402
-from recurrent_hooks._state_space import StateSpace  # noqa: E402
+import recurrent_hooks.engine.strategies as paths  # noqa: E402
+from recurrent_hooks.kinds.gated_delta_net import GatedDeltaNet  # noqa: E402
+from recurrent_hooks.kinds.state_space import StateSpace  # noqa: E402
 
 VOCAB = 1024
 
@@ -72,7 +72,7 @@ def _ssd_call(batch: int, seq: int, heads: int, dim: int, chunk: int, d_state: i
 def _kimi_call(batch: int, seq: int, heads: int, dim: int, chunk: int) -> tuple[Any, Callable, tuple, dict]:
     """The Kimi delta attention prompt kernel's row, the bound kernel, and a call's arguments."""
     import transformers.models.kimi_linear.modeling_kimi_linear as modeling
-    from recurrent_hooks._kimi_delta import KimiDeltaAttention
+    from recurrent_hooks.kinds.kimi_delta import KimiDeltaAttention
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(batch, seq, heads, dim, generator=gen) for _ in range(3))
@@ -143,7 +143,7 @@ def nnls(a: torch.Tensor, b: torch.Tensor, iterations: int = 300) -> torch.Tenso
 
 
 def calibrate(quick: bool) -> dict[str, paths.Constants]:
-    """Time each path of each kernel over the grid, fit the constants, print them as `_paths.CONSTANTS` reads."""
+    """Time each path of each kernel over the grid, fit the constants, print them as `strategies.CONSTANTS` reads."""
     fitted = {}
     for name, make in CALLS.items():
         rows: dict[str, list[tuple[list[float], float]]] = {"kernel": [], "loop": [], "states": []}
@@ -242,7 +242,7 @@ def _forward(model: Any, ids: torch.Tensor, keep: Any) -> None:
 
 
 def _taken(model: Any, ids: torch.Tensor, keep: Any) -> set[str]:
-    """The paths the calls of one forward take, forced as set now (from `_paths.choose`)."""
+    """The paths the calls of one forward take, forced as set now (from `strategies.choose`)."""
     seen: set[str] = set()
     real = paths.choose
 

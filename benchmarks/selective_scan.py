@@ -24,7 +24,7 @@ import time
 import torch
 import transformers.models.mamba.modeling_mamba as modeling
 
-from recurrent_hooks._selective_scan import (mamba_selective_scan, mamba_selective_scan_chunks,
+from recurrent_hooks.kinds.selective_scan import (mamba_selective_scan, mamba_selective_scan_chunks,
                                              mamba_selective_scan_states)
 
 # (batch, T, d_inner, d_state): mamba-130m dims, tiny dims (the test and --quick models), large batch short T

@@ -5,48 +5,58 @@
         model(input_ids)
     w.mixers[0].states        # the state after every token: [batch, seq, heads, key_dim, value_dim]
 
-The public names are listed in `__all__`; everything else lives in private modules. The names for adding a
-mixer kind or a family (`Kernel`, `Role`, `Site`, `Segments`, `RecurrentMixer`, the kind classes, `Family`)
-are in `recurrent_hooks.extend`; the kinds, `Kernel` and `FAMILIES` stay importable from here too, and
-`LinearAttention` is the gated DeltaNet kind's former name.
+The public names are listed in `__all__`. The names for adding a mixer kind or a family (`Kernel`, `Role`,
+`Site`, `Segments`, `RecurrentMixer`, the kind classes, `Family`) are in `recurrent_hooks.extend`; the kinds,
+`Kernel` and `FAMILIES` stay importable from here too. `recurrent_hooks.toys` has the trained toys,
+`recurrent_hooks.plots` the figures.
+
+The package is three layers and the registry between two of them (docs/architecture.md has the picture):
+
+    studies/    sweep, attribution, effective attention, plots          imports the engine (and the kinds' data)
+    registry.py the families: transformers modules and mixer classes -> kinds
+    kinds/      one module per mixer kind: its kernels, loops, costs     imports the engine
+    engine/     watch, the mixer handle, calls, dispatch, patching, compile support, path strategies
+
+Imports run downwards only: the engine imports no kind, no study and not the registry; a kind imports no study
+(tests/test_layout.py).
 """
 
-from ._attribution import Attribution as Attribution
-from ._attribution import attribute as attribute
-from ._effective_attention import EffectiveAttention as EffectiveAttention
-from ._effective_attention import effective_attention as effective_attention
-from ._errors import InvalidValue as InvalidValue
-from ._errors import RecurrentHooksError as RecurrentHooksError
-from ._errors import RecurrentHooksWarning as RecurrentHooksWarning
-from ._errors import Unavailable as Unavailable
-from ._kimi_delta import KimiDeltaAttention as KimiDeltaAttention
-from ._lightning import LightningAttention as LightningAttention
-from ._gated_delta_net import GatedDeltaNet as GatedDeltaNet
-from ._gated_delta_net import GatedDeltaNet as LinearAttention  # noqa: F401  (its former name, for code that uses it)
-from ._calls import Call as Call
-from ._calls import KernelCall as KernelCall
-from ._calls import Memory as Memory
-from ._kernels import Kernel as Kernel
-from ._mixer import RecurrentMixer as RecurrentMixer
-from ._registry import FAMILIES as FAMILIES
-from ._rg_lru import RealGatedLinearRecurrence as RealGatedLinearRecurrence
-from ._selective_scan import PerHeadSelectiveScan as PerHeadSelectiveScan
-from ._selective_scan import SelectiveScan as SelectiveScan
-from ._short_conv import LoopedShortConvolution as LoopedShortConvolution
-from ._short_conv import ShortConvolution as ShortConvolution
-from ._dynamic_conv import DynamicShortConvolution as DynamicShortConvolution
-from ._dynamic_conv import LoopedDynamicShortConvolution as LoopedDynamicShortConvolution
-from ._state_space import StateSpace as StateSpace
-from ._sweep import Sweep as Sweep
-from ._sweep import patching_sweep as patching_sweep
-from ._watch import MixerSupport as MixerSupport
-from ._watch import Watch as Watch
-from ._watch import register_state_hook as register_state_hook
-from ._watch import route_kernels as route_kernels
-from ._watch import support as support
-from ._watch import watch as watch
-from ._wkv import WeightedKeyValue as WeightedKeyValue
-from ._zaya import CompressedConvolutionalAttention as CompressedConvolutionalAttention
+from .studies.attribution import Attribution as Attribution
+from .studies.attribution import attribute as attribute
+from .studies.effective_attention import EffectiveAttention as EffectiveAttention
+from .studies.effective_attention import effective_attention as effective_attention
+from .engine.errors import InvalidValue as InvalidValue
+from .engine.errors import RecurrentHooksError as RecurrentHooksError
+from .engine.errors import RecurrentHooksWarning as RecurrentHooksWarning
+from .engine.errors import Unavailable as Unavailable
+from .kinds.kimi_delta import KimiDeltaAttention as KimiDeltaAttention
+from .kinds.lightning import LightningAttention as LightningAttention
+from .kinds.gated_delta_net import GatedDeltaNet as GatedDeltaNet
+from .kinds.gated_delta_net import GatedDeltaNet as LinearAttention  # noqa: F401  (its former name, for code that uses it)
+from .engine.calls import Call as Call
+from .engine.calls import KernelCall as KernelCall
+from .engine.calls import Memory as Memory
+from .engine.kernels import Kernel as Kernel
+from .engine.mixer import RecurrentMixer as RecurrentMixer
+from .registry import FAMILIES as FAMILIES
+from .kinds.rg_lru import RealGatedLinearRecurrence as RealGatedLinearRecurrence
+from .kinds.selective_scan import PerHeadSelectiveScan as PerHeadSelectiveScan
+from .kinds.selective_scan import SelectiveScan as SelectiveScan
+from .kinds.short_conv import LoopedShortConvolution as LoopedShortConvolution
+from .kinds.short_conv import ShortConvolution as ShortConvolution
+from .kinds.dynamic_conv import DynamicShortConvolution as DynamicShortConvolution
+from .kinds.dynamic_conv import LoopedDynamicShortConvolution as LoopedDynamicShortConvolution
+from .kinds.state_space import StateSpace as StateSpace
+from .studies.sweep import Sweep as Sweep
+from .studies.sweep import patching_sweep as patching_sweep
+from .engine.watch import MixerSupport as MixerSupport
+from .engine.watch import Watch as Watch
+from .engine.watch import register_state_hook as register_state_hook
+from .engine.watch import route_kernels as route_kernels
+from .engine.watch import support as support
+from .engine.watch import watch as watch
+from .kinds.wkv import WeightedKeyValue as WeightedKeyValue
+from .kinds.zaya import CompressedConvolutionalAttention as CompressedConvolutionalAttention
 
 __all__ = [
     "watch",

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _support_rows(target: str | None) -> list[dict[str, Any]]:
-    from ._registry import FAMILIES, MORE_MIXERS, UNSUPPORTED
+    from .registry import FAMILIES, MORE_MIXERS, UNSUPPORTED
 
     if target is None or target in FAMILIES or target in {row.family for row in UNSUPPORTED}:
         rows = [_family_row(family) for family in (*FAMILIES.values(), *MORE_MIXERS)]
@@ -55,7 +55,7 @@ def _support_rows(target: str | None) -> list[dict[str, Any]]:
 
 
 def _family_row(family: Any) -> dict[str, Any]:
-    from ._watch import available_of
+    from .engine.watch import available_of
 
     kind = family.kind
     return {"family": family.name, "mixer_class": family.mixer_class, "kind": kind.__name__,
@@ -66,7 +66,7 @@ def _family_row(family: Any) -> dict[str, Any]:
 def _model_support(path: pathlib.Path) -> list[Any]:
     import torch
 
-    from ._watch import support
+    from .engine.watch import support
 
     config = transformers.AutoConfig.from_pretrained(str(path.parent if path.is_file() else path))
     with torch.device("meta"):

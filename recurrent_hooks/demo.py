@@ -16,7 +16,7 @@ import math
 import torch
 import transformers
 
-from ._watch import watch
+from .engine.watch import watch
 
 _CONFIG = dict(
     vocab_size=128,
@@ -51,7 +51,7 @@ def tiny_model(seed: int = 0) -> transformers.Qwen3_5ForCausalLM:
 
 def main() -> None:
     """Read, patch, steer and attribute the memory of the shipped Mamba-2 MQAR toy; print what each step measured."""
-    from ._attribution import attribute
+    from .studies.attribution import attribute
     from .toys import MQAR, generate_answers, load_toy
 
     task, model = MQAR(), load_toy("mamba2")

@@ -32,7 +32,7 @@ from transformers.distributed import DistributedConfig
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # run from a clone without installing
 
 import recurrent_hooks as rh  # noqa: E402
-import recurrent_hooks._patching as patching  # noqa: E402
+import recurrent_hooks.engine.patching as patching  # noqa: E402
 from recurrent_hooks.demo import _CONFIG  # noqa: E402
 
 ALL = ("states", "conv_states")

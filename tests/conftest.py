@@ -4,11 +4,11 @@ import pytest
 import torch
 
 import recurrent_hooks as rh
-import recurrent_hooks._dispatch as dispatch_impl
-import recurrent_hooks._paths as paths_impl
-import recurrent_hooks._patching as patching
-import recurrent_hooks._threads as threads_impl
-import recurrent_hooks._watch as watch_impl
+import recurrent_hooks.engine.dispatch as dispatch_impl
+import recurrent_hooks.engine.strategies as paths_impl
+import recurrent_hooks.engine.patching as patching
+import recurrent_hooks.engine.threads as threads_impl
+import recurrent_hooks.engine.watch as watch_impl
 
 
 # The test models are tiny: one thread is several times faster than two threads contending for two cores.

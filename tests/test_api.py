@@ -8,9 +8,9 @@ import torch
 import transformers
 
 import recurrent_hooks as rh
-import recurrent_hooks._patching as rh_patching
-import recurrent_hooks._registry as rh_registry
-import recurrent_hooks._watch as watch_impl
+import recurrent_hooks.engine.patching as rh_patching
+import recurrent_hooks.registry as rh_registry
+import recurrent_hooks.engine.watch as watch_impl
 from _compare import assert_close
 from _models import PAD, build, random_ids
 

@@ -1,6 +1,6 @@
 """torch.compile(model, fullgraph=True) inside a watch: eager's outputs, hook calls and records, compiled once.
 
-The engine's per-call bookkeeping runs when the graph runs, in custom ops (`recurrent_hooks._compiled`), so
+The engine's per-call bookkeeping runs when the graph runs, in custom ops (`recurrent_hooks.engine.compiled`), so
 a compiled model is traced once and its later calls replay the graph: `error_on_recompile` holds from the
 second call on. One family per kind, compiled with the "aot_eager" backend (dynamo and functionalization,
 what decides graphs and guards, without inductor's code generation, which would take minutes per family);
@@ -18,10 +18,10 @@ import torch
 from transformers import CompileConfig
 
 import recurrent_hooks as rh
-import recurrent_hooks._dispatch as rh_dispatch
+import recurrent_hooks.engine.dispatch as rh_dispatch
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
-from recurrent_hooks._parts import map_parts, parts_of
+from recurrent_hooks.engine.parts import map_parts, parts_of
 
 # one family per kind (inkling2 has a short and a dynamic convolution; inkling2_loop their looped kinds)
 ONE_PER_KIND = ["qwen3_5", "kimi_linear", "mamba", "zamba", "mamba2", "recurrent_gemma", "rwkv", "minimax",

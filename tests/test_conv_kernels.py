@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from _compare import assert_close
-from recurrent_hooks._conv import causal_conv1d_fn, causal_conv1d_update
+from recurrent_hooks.kinds.conv import causal_conv1d_fn, causal_conv1d_update
 
 MODULES = ["qwen3_5", "kimi_linear", "mamba", "mamba2", "zamba"]
 

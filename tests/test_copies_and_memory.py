@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import recurrent_hooks as rh
-from recurrent_hooks._parts import map_parts, parts_of
+from recurrent_hooks.engine.parts import map_parts, parts_of
 
 from _compare import assert_close
 from _models import build, random_ids

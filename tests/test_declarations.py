@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import recurrent_hooks as rh
-from recurrent_hooks._kernels import CONV_MEMORY, FORWARD, STATE_MEMORY, Role, Site
-from recurrent_hooks._parts import map_parts, parts_of
-from recurrent_hooks._registry import MORE_MIXERS
+from recurrent_hooks.engine.kernels import CONV_MEMORY, FORWARD, STATE_MEMORY, Role, Site
+from recurrent_hooks.engine.parts import map_parts, parts_of
+from recurrent_hooks.registry import MORE_MIXERS
 from _models import FAMILIES as BUILDERS
 from _models import PAD, build, random_ids
 

@@ -9,9 +9,9 @@ import sys
 import pytest
 
 import recurrent_hooks as rh
-from recurrent_hooks._registry import MORE_MIXERS
-import recurrent_hooks._patching as patching
-from recurrent_hooks._kernels import Site
+from recurrent_hooks.registry import MORE_MIXERS
+import recurrent_hooks.engine.patching as patching
+from recurrent_hooks.engine.kernels import Site
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -16,9 +16,9 @@ import recurrent_hooks as rh
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
 from _runs import greedy, logits_of
-from recurrent_hooks._dynamic_conv import dynamic_conv_forward
-from recurrent_hooks._patching import import_default
-from recurrent_hooks._registry import MORE_MIXERS
+from recurrent_hooks.kinds.dynamic_conv import dynamic_conv_forward
+from recurrent_hooks.engine.patching import import_default
+from recurrent_hooks.registry import MORE_MIXERS
 
 ROWS = {row.name: row for row in MORE_MIXERS if issubclass(row.kind, rh.DynamicShortConvolution)}
 FAMILIES = list(ROWS)
@@ -310,7 +310,7 @@ def test_bindings_restored_after_exit_after_a_raising_hook_and_when_nested(model
 def test_registry_and_support_rows(model, family):
     row = ROWS[family]
     assert row.name in rh.FAMILIES and rh.FAMILIES[row.name].mixer_class != row.mixer_class
-    from recurrent_hooks._registry import UNSUPPORTED, family_of, resolve_family
+    from recurrent_hooks.registry import UNSUPPORTED, family_of, resolve_family
     assert all(u.mixer_class != row.mixer_class for u in UNSUPPORTED)
     assert all(family_of(m) is row for m in _modules(model, family))
     assert resolve_family(model) is rh.FAMILIES[family]

@@ -21,10 +21,10 @@ from _runs import greedy, logits_of
 from _reachable import tensor_bytes_reachable
 
 import recurrent_hooks as rh
-from recurrent_hooks._kernels import Site
-from recurrent_hooks._parts import map_parts, parts_of
-from recurrent_hooks._patching import bound_original, import_default
-from recurrent_hooks._registry import family_of
+from recurrent_hooks.engine.kernels import Site
+from recurrent_hooks.engine.parts import map_parts, parts_of
+from recurrent_hooks.engine.patching import bound_original, import_default
+from recurrent_hooks.registry import family_of
 
 FAMILIES = list(rh.FAMILIES)
 T = 13  # not a multiple of anything

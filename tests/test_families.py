@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import recurrent_hooks as rh
-import recurrent_hooks._dispatch as rh_dispatch
+import recurrent_hooks.engine.dispatch as rh_dispatch
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
 from _runs import greedy, logits_of

@@ -39,8 +39,8 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 import recurrent_hooks as rh
-import recurrent_hooks._dispatch as rh_dispatch
-import recurrent_hooks._paths as rh_paths
+import recurrent_hooks.engine.dispatch as rh_dispatch
+import recurrent_hooks.engine.strategies as rh_paths
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
 from _reference import gated_delta_rule_reference, kimi_delta_rule_reference

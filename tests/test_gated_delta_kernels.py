@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from _compare import assert_close
 from _reference import gated_delta_rule_reference
-from recurrent_hooks._gated_delta_net import (
+from recurrent_hooks.kinds.gated_delta_net import (
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_states,
     recurrent_gated_delta_rule,

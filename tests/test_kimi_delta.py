@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from _compare import assert_close
 from _reference import kimi_delta_rule_reference
 from recurrent_hooks import FAMILIES, KimiDeltaAttention
-from recurrent_hooks._kimi_delta import (
+from recurrent_hooks.kinds.kimi_delta import (
     chunk_kimi_delta_attention,
     chunk_kimi_delta_attention_states,
     recurrent_kimi_delta_attention,

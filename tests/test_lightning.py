@@ -13,14 +13,14 @@ import torch
 import torch.nn.functional as F
 
 import recurrent_hooks as rh
-import recurrent_hooks._dispatch as rh_dispatch
+import recurrent_hooks.engine.dispatch as rh_dispatch
 from _compare import assert_close, assert_equal
 from _models import PAD, _minimax, build, random_ids
 from _runs import greedy, logits_of
-import recurrent_hooks._lightning as rh_lightning
-from recurrent_hooks._lightning import lightning_attention_forward
-from recurrent_hooks._patching import import_default
-from recurrent_hooks._registry import family_of
+import recurrent_hooks.kinds.lightning as rh_lightning
+from recurrent_hooks.kinds.lightning import lightning_attention_forward
+from recurrent_hooks.engine.patching import import_default
+from recurrent_hooks.registry import family_of
 
 LIGHTNING = [name for name, row in rh.FAMILIES.items() if row.kind is rh.LightningAttention]
 ALL = ("states", "inputs", "outputs")  # the kind has no conv window to keep

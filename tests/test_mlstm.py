@@ -14,7 +14,7 @@ import torch
 
 import recurrent_hooks as rh
 from recurrent_hooks.extend import MatrixLSTM, MLSTMState
-from recurrent_hooks._mlstm import mlstm_inference, mlstm_train
+from recurrent_hooks.kinds.mlstm import mlstm_inference, mlstm_train
 from _compare import assert_close, assert_equal
 from _models import FAMILIES as BUILDERS
 from _models import build, random_ids
@@ -627,7 +627,7 @@ def test_with_the_xlstm_package_the_model_is_refused_with_the_reason(monkeypatch
     import importlib
     import transformers.utils
     from torch import nn
-    import recurrent_hooks._registry as registry
+    import recurrent_hooks.registry as registry
 
     assert not registry._external_xlstm() and not importlib.import_module(
         "transformers.models.xlstm.modeling_xlstm").external_xlstm

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 import recurrent_hooks as rh
-import recurrent_hooks._dispatch as rh_dispatch
-import recurrent_hooks._registry as registry
+import recurrent_hooks.engine.dispatch as rh_dispatch
+import recurrent_hooks.registry as registry
 from recurrent_hooks.extend import GatedDeltaNet, Role
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids

@@ -1,4 +1,4 @@
-"""The cost model that chooses a busy call's path (`recurrent_hooks/_paths.py`), and the token-loop tails of segments.
+"""The cost model that chooses a busy call's path (`recurrent_hooks/engine/strategies.py`), and the token-loop tails of segments.
 
 - `choose` on declared shapes: the token loop at tiny dims with a large batch and short prompts, segments at
   real dims with 8 stops, never the chunk-wise states with gradients on, never blocks without an all-states
@@ -21,14 +21,14 @@ import pytest
 import torch
 
 import recurrent_hooks as rh
-import recurrent_hooks._dispatch as rh_dispatch
-import recurrent_hooks._paths as rh_paths
+import recurrent_hooks.engine.dispatch as rh_dispatch
+import recurrent_hooks.engine.strategies as rh_paths
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
-from recurrent_hooks._gated_delta_net import GatedDeltaNet
-from recurrent_hooks._paths import Path
-from recurrent_hooks._registry import family_of
-from recurrent_hooks._state_space import StateSpace
+from recurrent_hooks.kinds.gated_delta_net import GatedDeltaNet
+from recurrent_hooks.engine.strategies import Path
+from recurrent_hooks.registry import family_of
+from recurrent_hooks.kinds.state_space import StateSpace
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GDN = GatedDeltaNet.kernel_for("prompt")

@@ -13,10 +13,10 @@ import transformers
 from torch import nn
 
 import recurrent_hooks as rh
-import recurrent_hooks._threads as rh_threads
-import recurrent_hooks._patching as rh_patching
-import recurrent_hooks._registry as rh_registry
-import recurrent_hooks._watch as watch_impl
+import recurrent_hooks.engine.threads as rh_threads
+import recurrent_hooks.engine.patching as rh_patching
+import recurrent_hooks.registry as rh_registry
+import recurrent_hooks.engine.watch as watch_impl
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
 from _reachable import tensor_bytes_reachable

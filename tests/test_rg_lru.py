@@ -22,8 +22,8 @@ from _models import PAD, build, random_ids
 from _runs import greedy, logits_of
 
 import recurrent_hooks as rh
-from recurrent_hooks._patching import import_default
-from recurrent_hooks._rg_lru import recurrent_block_forward, rnn_scan
+from recurrent_hooks.engine.patching import import_default
+from recurrent_hooks.kinds.rg_lru import recurrent_block_forward, rnn_scan
 
 RG_LRU_FAMILIES = [name for name, row in rh.FAMILIES.items() if row.kind is rh.RealGatedLinearRecurrence]
 ALL = ("states", "conv_states", "inputs", "outputs")

@@ -17,7 +17,7 @@ import torch
 from einops import rearrange
 
 import recurrent_hooks as rh
-import recurrent_hooks._dispatch as rh_dispatch
+import recurrent_hooks.engine.dispatch as rh_dispatch
 from _compare import assert_close
 from _models import PAD, build, random_ids
 from _reference_ssm import selective_scan_reference

@@ -510,7 +510,7 @@ def test_packed_sequences_are_refused(packed):
 @pytest.mark.parametrize("with_state", [False, True], ids=["fresh", "from-state"])
 def test_mamba2_chunkwise_states_equal_float64_reference(seq, with_state):
     """The chunk-wise all-states path of the Mamba-2 prompt kernel (used when every state is kept)."""
-    from recurrent_hooks._state_space import mamba2_chunk_scan_states
+    from recurrent_hooks.kinds.state_space import mamba2_chunk_scan_states
 
     gen = torch.Generator().manual_seed(seq)
     batch, heads, head_dim, groups, d_state = 2, 4, 8, 2, 6

@@ -20,7 +20,7 @@ import torch
 import transformers
 
 import recurrent_hooks as rh
-import recurrent_hooks._dispatch as rh_dispatch
+import recurrent_hooks.engine.dispatch as rh_dispatch
 from _compare import assert_close, assert_equal
 from _models import _COMMON, _KDA, _MLA, _HYBRID_LAYERS, _make, build, random_ids
 

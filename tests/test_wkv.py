@@ -24,13 +24,13 @@ import pytest
 import torch
 
 import recurrent_hooks as rh
-import recurrent_hooks._patching as patching
+import recurrent_hooks.engine.patching as patching
 from _compare import assert_close, assert_equal
 from _models import FAMILIES as BUILDERS
 from _models import build, random_ids
 from _runs import greedy, logits_of
-from recurrent_hooks._parts import map_parts, parts_of, rebuild, stack_parts
-from recurrent_hooks._wkv import extract_key_value, rwkv_linear_attention
+from recurrent_hooks.engine.parts import map_parts, parts_of, rebuild, stack_parts
+from recurrent_hooks.kinds.wkv import extract_key_value, rwkv_linear_attention
 from recurrent_hooks.extend import WkvState
 
 FAMILIES = [name for name, row in rh.FAMILIES.items() if row.kind is rh.WeightedKeyValue]

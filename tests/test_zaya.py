@@ -17,8 +17,8 @@ import recurrent_hooks as rh
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
 from _runs import greedy, logits_of
-from recurrent_hooks._patching import import_default
-from recurrent_hooks._zaya import CompressedConvolutionalAttention, cca_forward
+from recurrent_hooks.engine.patching import import_default
+from recurrent_hooks.kinds.zaya import CompressedConvolutionalAttention, cca_forward
 
 KEEP = ("conv_states", "states", "inputs", "outputs")
 T = 13
@@ -386,7 +386,7 @@ def test_bindings_restored_after_exit_after_a_raising_hook_and_when_nested(model
 
 
 def test_registry_and_support_rows(model):
-    from recurrent_hooks._registry import UNSUPPORTED, family_of, resolve_family
+    from recurrent_hooks.registry import UNSUPPORTED, family_of, resolve_family
 
     assert rh.FAMILIES["zaya"].kind is CompressedConvolutionalAttention
     assert all(u.mixer_class != "ZayaCCAProjection" for u in UNSUPPORTED)

@@ -1,0 +1,15 @@
+"""The engine: what every kind shares, and nothing of any kind or study.
+
+- `watch` (`Watch`, `watch`, `register_state_hook`, `support`): the context managers a researcher types;
+- `mixer` (`RecurrentMixer`): the user's handle on one mixer, and the base class whose constants a kind declares;
+- `calls` (`Call`, `KernelCall`, `Memory`): the record of each call, and what was kept;
+- `dispatch`: which mixer a kernel call belongs to, and how the call runs (the bound kernel, segments, blocks,
+  the token loop); `strategies` and `blocks`: the path a busy call takes, by cost;
+- `patching`: the undo stack that rebinds kernel names and restores them; `threads`: per-thread state;
+- `compiled`: torch.compile support (the custom ops a graph runs);
+- `kernels` (`Kernel`, `Role`, `Site`, `Segments`), `parts`, `loops`, `arguments`, `errors`: the declarations and
+  helpers the kinds build on.
+
+The engine imports no kind (`recurrent_hooks.kinds`), no study (`recurrent_hooks.studies`) and not the registry
+(tests/test_layout.py checks it). Its modules are internal: the public names are in `recurrent_hooks`.
+"""

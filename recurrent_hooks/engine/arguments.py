@@ -1,0 +1,139 @@
+"""Checking and normalizing what users hand the library: tokens, calls, per-row tokens, keep.
+
+Every public entry point goes through these, so that a bool, a float or a 0-d tensor gets the same
+answer (and the same message, naming what was expected, what arrived and where) everywhere.
+"""
+
+import dataclasses
+import operator
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .errors import InvalidValue
+from .kernels import KEEPABLE
+
+
+def as_index(value: Any, what: str, where: str) -> int:
+    """`value` as a Python int: an int or an integer 0-d tensor; bools, floats and the rest raise InvalidValue."""
+    if isinstance(value, bool) or (isinstance(value, Tensor) and value.dtype == torch.bool):
+        raise InvalidValue(f"{where}: {what} must be an int, got the bool {value!r}")
+    if isinstance(value, Tensor) and (value.dim() != 0 or value.is_floating_point() or value.is_complex()):
+        raise InvalidValue(f"{where}: {what} must be an int or an integer 0-d tensor,"
+                           f" got a {value.dtype} tensor of shape {tuple(value.shape)}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise InvalidValue(f"{where}: {what} must be an int, got {type(value).__name__} {value!r}") from None
+
+
+def _as_targets(value: Any, what: str, where: str) -> tuple[int, ...] | None:
+    """Token positions: None (every token), an int, or a non-empty iterable of ints (negative: from the end)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes, float)) or not isinstance(value, Iterable) or isinstance(value, Tensor) \
+            and value.dim() == 0:
+        return (as_index(value, what, where),)
+    items = tuple(as_index(item, what, where) for item in value)
+    if not items:
+        raise InvalidValue(f"{where}: {what} must be an int, a non-empty iterable of ints or None, got {value!r}")
+    return items
+
+
+def as_calls(value: Any, where: str) -> "frozenset[int] | range | None":
+    """Call targets: None (every call), an int, a non-empty iterable of ints, a `range` or a `slice` of
+    calls (`slice(1, None)`: every decode step). Calls count from 0; negative calls are refused."""
+    if value is None:
+        return None
+    if isinstance(value, (slice, range)):
+        start, stop, step = value.start, value.stop, value.step
+        start, step = (0 if start is None else start), (1 if step is None else step)
+        stop = sys.maxsize if stop is None else stop
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, stop, step)) \
+                or start < 0 or stop < 0 or step < 1:
+            raise InvalidValue(f"{where}: a slice of calls needs start >= 0, stop >= 0 or None and step >= 1,"
+                               f" got call={value!r}")
+        if stop <= start:
+            raise InvalidValue(f"{where}: call={value!r} targets no call")
+        return range(start, stop, step)
+    calls = _as_targets(value, "call", where)
+    if any(c < 0 for c in calls):
+        raise InvalidValue(f"{where}: calls count from 0, got call={value!r}")
+    return frozenset(calls)
+
+
+def _describe_calls(calls: "frozenset[int] | range | None") -> str:
+    if calls is None:
+        return "None"
+    if isinstance(calls, range):
+        stop = "None" if calls.stop == sys.maxsize else calls.stop
+        return f"slice({calls.start}, {stop}, {calls.step})" if calls.step != 1 else f"slice({calls.start}, {stop})"
+    return str(next(iter(calls))) if len(calls) == 1 else str(sorted(calls))
+
+
+def _describe_token(token: Any) -> str:
+    if isinstance(token, Tensor) and token.dim() > 0:
+        return f"<{'mask' if token.dtype == torch.bool else 'tokens'} {tuple(token.shape)}>"
+    return repr(token)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RowTokens:
+    """A write at a different token in each batch row: one token per row (negative: from the end), or a
+    `[batch, seq]` mask of the tokens written in each row."""
+
+    per_row: Tensor | None  # [batch] integer tokens
+    mask: Tensor | None  # [batch, seq] bool
+    tokens: tuple[int, ...]  # the tokens at which some row is written (what the write's hook targets)
+
+    @classmethod
+    def of(cls, token: Tensor, where: str) -> "_RowTokens":
+        if token.dtype == torch.bool:
+            if token.dim() != 2:
+                raise InvalidValue(f"{where}: a mask of tokens must be [batch, seq], got shape {tuple(token.shape)}")
+            columns = token.any(0).nonzero().flatten().tolist()
+            if not columns:
+                raise InvalidValue(f"{where}: the mask of tokens selects no token")
+            return cls(None, token.detach().cpu(), tuple(columns))
+        if token.dim() != 1 or token.is_floating_point() or token.is_complex():
+            raise InvalidValue(f"{where}: per-row tokens must be a 1-d integer tensor (one token per batch row)"
+                               f" or a [batch, seq] bool mask, got a {token.dtype} tensor of shape {tuple(token.shape)}")
+        per_row = token.detach().cpu().long()
+        return cls(per_row, None, tuple(sorted(set(per_row.tolist()))))
+
+    def at(self, token: int, tokens: int, batch: int, where: str) -> Tensor:
+        """The rows written at `token` of a call of `tokens` tokens: `[batch]` bool."""
+        given = (self.per_row if self.per_row is not None else self.mask).shape[0]
+        if given != batch:
+            raise InvalidValue(f"{where}: per-row tokens for {given} rows, but the call has batch {batch}")
+        if self.mask is not None:
+            if self.mask.shape[1] != tokens:
+                raise InvalidValue(f"{where}: a mask of {self.mask.shape[1]} tokens, but the call has {tokens}")
+            return self.mask[:, token]
+        valid = (self.per_row >= -tokens) & (self.per_row < tokens)
+        return valid & (self.per_row % tokens == token)
+
+
+def normalize_keep(
+    keep: Sequence[str] | Mapping[str, Iterable[int] | None],
+) -> tuple[dict[str, tuple[int, ...] | None], frozenset[str]]:
+    """`keep` as (memory -> kept token positions, None for every token; the kernel records kept: "inputs",
+    "outputs"). Names are checked against KEEPABLE."""
+    if isinstance(keep, str):
+        keep = (keep,)
+    items = keep.items() if isinstance(keep, Mapping) else ((name, None) for name in keep)
+    memories: dict[str, tuple[int, ...] | None] = {}
+    records: set[str] = set()
+    for name, positions in items:
+        if name not in KEEPABLE:
+            raise InvalidValue(f"watch: cannot keep {[name]}; keep takes names from {tuple(KEEPABLE)}")
+        if KEEPABLE[name] is None:
+            records.add(name)
+        else:
+            memories[KEEPABLE[name]] = _as_targets(positions, f"keep[{name!r}]", "watch")
+    return memories, frozenset(records)
+
+

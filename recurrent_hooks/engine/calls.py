@@ -1,0 +1,210 @@
+"""What a call left behind: `Call` (one forward of a mixer), `KernelCall` (one kernel call), `Memory`."""
+
+import dataclasses
+from typing import Any, NamedTuple
+
+from torch import Tensor
+
+from .errors import Unavailable
+from .kernels import CONV_MEMORY, STATE_MEMORY
+from .parts import map_parts, stack_parts
+
+
+def brief(value: Any) -> str:
+    """`value` for a repr: tensors as their shape and dtype (`Tensor[2, 12, 4] float32`), containers item by item."""
+    if isinstance(value, Tensor):
+        return f"Tensor[{', '.join(map(str, value.shape))}] {str(value.dtype).removeprefix('torch.')}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key!r}: {brief(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, tuple) and hasattr(type(value), "_fields"):
+        return f"{type(value).__name__}(" + ", ".join(f"{name}={brief(item)}" for name, item in
+                                                      zip(type(value)._fields, value)) + ")"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(brief(item) for item in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+    return repr(value)
+
+
+class Memory(NamedTuple):
+    """The whole memory of a mixer after a token: what the next token continues from (None: a memory
+    the mixer's kind does not carry, e.g. the state of a short convolution)."""
+
+    state: Tensor | None
+    conv_state: Tensor | None
+
+
+@dataclasses.dataclass(eq=False)
+class KernelCall:
+    """One kernel call: its name, its arguments and its results by name (None: not kept)."""
+
+    kernel: str
+    inputs: dict[str, Any] | None
+    output: dict[str, Any] | None
+
+    def __repr__(self) -> str:
+        return f"KernelCall(kernel={self.kernel!r}, inputs={brief(self.inputs)}, output={brief(self.output)})"
+
+
+def _position(token: int, tokens: int) -> int | None:
+    return token % tokens if -tokens <= token < tokens else None
+
+
+@dataclasses.dataclass(eq=False)
+class Call:
+    """What one call (one forward) of a mixer left behind.
+
+        mix.calls[0].kernel            # "torch_chunk_gated_delta_rule": which recurrence kernel fired
+        mix.calls[0].inputs["value"]   # its arguments by name
+        mix.calls[0].output["output"]  # its results by name
+        mix.calls[0].states            # per-token states, if kept
+        mix.calls[0].conv              # the convolution kernel's KernelCall
+        mix.calls[3].reorder           # beam search: the cache rows this decode step continues, or None
+
+    Inputs and outputs are the tensors the kernel saw (not copies), except the memory: the memory
+    argument is cloned before the call and, for kernels that update it in place, its new value is
+    cloned after the call into `output["final_state"]`.
+
+    A mixer that runs its recurrence kernel once per head (zamba) makes several kernel calls in one
+    call: `parts[h]` is head h's `KernelCall`, and `states` stacks the heads on the axis after `seq`.
+    """
+
+    index: int
+    where: str = ""
+    tokens: int | None = None
+    reorder: Tensor | None = None  # beam search: row b of this call continues row reorder[b] of the previous call
+    parts: list[KernelCall] = dataclasses.field(default_factory=list)
+    conv: KernelCall | None = None
+    # memory -> one {token: tensor} per kernel call (per head), and the positions kept (None: every token)
+    _kept: dict[str, list[dict[int, Tensor]]] = dataclasses.field(default_factory=dict, repr=False)
+    _positions: dict[str, tuple[int, ...] | None] = dataclasses.field(default_factory=dict, repr=False)
+    _stacked: dict[str, Tensor] = dataclasses.field(default_factory=dict, repr=False)
+    # memory -> per kernel call, the leaf every kept state of the call was read through (grad mode), or None
+    _buffers: dict[str, list[Tensor | None]] = dataclasses.field(default_factory=dict, repr=False)
+    # memory -> the tokens at which a hook or write replaced it (a hook returning a tensor): such a call's
+    # outputs are no longer a function of its inputs and starting memory alone (effective attention refuses it)
+    _replaced: dict[str, set[int]] = dataclasses.field(default_factory=dict, repr=False)
+    # memory -> the positions its kernel ran over, where they differ from `tokens` (a kernel that ran over other
+    # positions than the forward's input has: rwkv's batched decode bug, docs/concepts.md)
+    _ran: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
+
+    def __repr__(self) -> str:
+        kept = {memory: "every token" if self._positions.get(memory) is None else sorted(parts[0])
+                for memory, parts in self._kept.items()}
+        return (f"Call(index={self.index}, where={self.where!r}, tokens={self.tokens}, kernel={self.kernel!r},"
+                f" reorder={brief(self.reorder)}, parts={brief(self.parts)}, conv={brief(self.conv)}, kept={kept})")
+
+    @property
+    def kernel(self) -> str | None:
+        """The recurrence kernel that fired (a kind with only a convolution window: its conv kernel)."""
+        if self.parts:
+            return self.parts[0].kernel
+        return self.conv.kernel if self.conv is not None else None
+
+    def _single(self, name: str) -> KernelCall:
+        """The call's one recurrence kernel call (`name`: the attribute asked for, for the message)."""
+        if len(self.parts) == 1:
+            return self.parts[0]
+        if self.parts:
+            raise Unavailable(f"{self.where}: call {self.index} made {len(self.parts)} recurrence kernel calls"
+                              f" (one per head): read call.parts[head].{name}")
+        if self.conv is not None:
+            raise Unavailable(f"{self.where}: call {self.index} made no recurrence kernel call (this mixer's memory"
+                              f" is a convolution window only): its kernel call ({self.conv.kernel}) is call.conv;"
+                              f" read call.conv.{name}")
+        raise Unavailable(f"{self.where}: call {self.index} made no watched kernel call")
+
+    @property
+    def inputs(self) -> dict[str, Any]:
+        """The recurrence kernel's arguments by name (kernel once per head: `parts[h].inputs`; a convolution
+        window only: `conv.inputs`)."""
+        return self._recorded(self._single("inputs").inputs, "inputs")
+
+    @property
+    def output(self) -> dict[str, Any]:
+        """The recurrence kernel's results by name (kernel once per head: `parts[h].output`; a convolution
+        window only: `conv.output`)."""
+        return self._recorded(self._single("output").output, "outputs")
+
+    def _recorded(self, values: dict[str, Any] | None, name: str) -> dict[str, Any]:
+        if values is None:
+            raise Unavailable(f"{self.where}: the kernel {name} of call {self.index} were not kept:"
+                              " pass keep=('inputs', 'outputs') to watch")
+        return values
+
+    @property
+    def states(self) -> Tensor:
+        """The state after every token of this call, stacked on a `seq` axis after `batch`.
+
+        Kept in grad mode, it is the tensor the forward read every state through:
+        `torch.autograd.grad(metric, call.states)` gives the effect of a write at each token, also when
+        the weights are frozen (for a kernel run once per head, see `differentiable`)."""
+        return self._all(STATE_MEMORY)
+
+    @property
+    def conv_states(self) -> Tensor:
+        """The convolution window after every token of this call, `[batch, seq, channels, kernel_size]`."""
+        return self._all(CONV_MEMORY)
+
+    def _kept_parts(self, memory: str) -> list[dict[int, Tensor]]:
+        if memory not in self._kept:
+            name = "states" if memory == STATE_MEMORY else "conv_states"
+            raise Unavailable(f"{self.where}: call {self.index} kept no {name}; pass keep=({name!r},) to watch")
+        return self._kept[memory]
+
+    def _all(self, memory: str) -> Tensor:
+        parts = self._kept_parts(memory)
+        if self._positions[memory] is not None:
+            raise Unavailable(f"{self.where}: call {self.index} kept its {memory} at tokens"
+                              f" {sorted(parts[0])} only; read them with {memory}_after(token)")
+        if memory not in self._stacked:
+            buffers = self._buffers.get(memory) or [None] * len(parts)
+            if all(buffer is None for buffer in buffers):
+                self._stacked[memory] = self._stack_once(parts)
+            else:
+                per_part = [buffer if buffer is not None else stack_parts([kept[t] for t in sorted(kept)], dim=1)
+                            for kept, buffer in zip(parts, buffers)]
+                self._stacked[memory] = per_part[0] if len(per_part) == 1 else stack_parts(per_part, dim=2)
+        return self._stacked[memory]
+
+    @staticmethod
+    def _stack_once(parts: list[dict[int, Tensor]]) -> Tensor:
+        """Stack the kept states of every token (and head: axis 2) into one tensor, and keep views of it in place
+        of the per-token tensors: the record holds one copy of them, not two (`state_after(t)` is `states[:, t]`).
+        Not for states kept in grad mode, which are the tensors the forward read (`_buffers`)."""
+        tokens = sorted(parts[0])
+        if len(parts) == 1:
+            stacked = stack_parts([parts[0][t] for t in tokens], dim=1)
+            for i, t in enumerate(tokens):
+                parts[0][t] = map_parts(lambda s, i=i: s[:, i], stacked)
+            return stacked
+        stacked = stack_parts([stack_parts([kept[t] for kept in parts], dim=1) for t in tokens], dim=1)
+        for i, t in enumerate(tokens):
+            for head, kept in enumerate(parts):
+                kept[t] = map_parts(lambda s, i=i, head=head: s[:, i, head], stacked)
+        return stacked
+
+    def differentiable(self, memory: str) -> list[Tensor]:
+        """Per kernel call (one, or one per head), the kept states of every token as one tensor that the
+        forward read them through: `torch.autograd.grad(metric, ...)` works on each (grad mode, every token)."""
+        parts = self._kept_parts(memory)
+        buffers = self._buffers.get(memory) or [None] * len(parts)
+        if any(buffer is None for buffer in buffers):
+            raise Unavailable(f"{self.where}: call {self.index} kept no differentiable {memory}s: keep every token"
+                              " (keep=('states',) or 'conv_states') and run the forward with gradients enabled")
+        return list(buffers)
+
+    def _after(self, memory: str, token: int) -> Tensor:
+        parts = self._kept_parts(memory)
+        tokens = self._ran.get(memory, self.tokens)
+        position = _position(token, tokens)
+        if position is None:
+            raise Unavailable(f"{self.where}: token {token} is outside call {self.index}, which has {tokens}"
+                              f" tokens (valid: 0..{tokens - 1} or -{tokens}..-1)")
+        if position not in parts[0]:
+            raise Unavailable(f"{self.where}: the {memory} after token {token} of call {self.index} was not kept"
+                              f" (kept: tokens {sorted(parts[0])})")
+        if len(parts) == 1:
+            return parts[0][position]
+        return stack_parts([kept[position] for kept in parts], dim=1)
+
+

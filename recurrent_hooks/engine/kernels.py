@@ -1,0 +1,274 @@
+"""The declaration of a mixer kind's kernels, as data: which module global, the library's loop, roles.
+
+Module contents:
+- `STATE_MEMORY`, `CONV_MEMORY`: the two memories of a mixer (its recurrent state, its conv window);
+  `KEEPABLE`: what `watch(keep=...)` takes, and which memory each name keeps; `KERNEL_RECORDS`.
+- `Site`: where a kernel is bound, so that the library can rebind it: a global of the modeling module, an
+  attribute of one of its classes (a method), or an attribute of an object inside each mixer module.
+- `Role`: which calls a kernel serves: prompts, one-token decode steps, or both.
+- `Kernel`: one kernel of a kind (name, site, the library's token loop, where the memory goes in, what the
+  results are called, where its tokens are counted, how it can run in segments).
+- `Segments`: how a prompt kernel can run on consecutive pieces of its tokens, chaining the state;
+  `Pieces`: one call cut into such pieces (its arguments per piece, its result from the pieces').
+"""
+
+import dataclasses
+import enum
+import inspect
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+
+
+STATE_MEMORY, CONV_MEMORY = "state", "conv_state"  # the two memories of a mixer
+KEEPABLE = {"inputs": None, "outputs": None, "states": STATE_MEMORY, "conv_states": CONV_MEMORY}  # keep name -> memory
+KERNEL_RECORDS = ("inputs", "outputs")  # the keep names of the kernel's arguments and results
+FORWARD = "forward"  # Kernel.seq: the kernel covers the forward's tokens (and maybe a cached prefix before them)
+
+
+class Site(enum.Enum):
+    """Where a kernel is bound: what the library rebinds for the duration of a watch.
+
+    - MODULE: a global of the family's modeling module, looked up by the mixer's forward at call time
+      (`torch_chunk_gated_delta_rule`); `Kernel.owner` is None.
+    - CLASS: an attribute of a class of the modeling module, `Kernel.owner` (a method such as
+      `RecurrentGemmaRglru._rnn_scan`, or a whole `forward`); the library's loop takes `self` first.
+    - INSTANCE: an attribute of an object inside each mixer module, `Kernel.owner` its dotted path from
+      the mixer module ("" for the mixer itself): a kernel captured when the model was built (a
+      `functools.partial` in an attribute). Rebound per module, for the mixers a watch attaches.
+    """
+
+    MODULE = "module global"
+    CLASS = "class attribute"
+    INSTANCE = "instance attribute"
+
+
+class Role(str, enum.Enum):
+    """Which calls a kernel serves (a str, so `kernel.role == "prompt"` reads as it says)."""
+
+    PROMPT = "prompt"  # a call over the prompt's tokens (or a chunk of them)
+    DECODE = "decode"  # a one-token step over a cached memory
+    BOTH = "both"  # one kernel for both (RWKV)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Segments:
+    """How a prompt kernel can be run on consecutive pieces of its tokens, chaining the state.
+
+    - `per_token`: the arguments that have a token axis, and which axis;
+    - `state_in`: the argument that takes the state a piece starts from;
+    - `final_flag`: the argument that asks the kernel to return its last state;
+    - `out_axis`: the token axis of the output;
+    - `tuple_without_final`: the kernel returns `(out, None)`, not `out`, when the last state is not asked for;
+    - `all_states`: the library's chunk-wise version of the kernel (same signature) that returns
+      `(result, states)`, every token's state too (token first: `states[t]`), or None. Used when every state is kept and
+      gradients are off (with gradients on, the token loop keeps the states the recurrence used);
+    - `blocks_below`: a hook on every token runs `all_states` a block at a time (`blocks`) when the call's state
+      has at most this many elements (batch included), measured to be where that beats the token loop
+      (`benchmarks/blocks.py`); 0: never.
+    - `shape`: the call's cost-relevant shape (`strategies.Shape`) from its bound arguments, by which `strategies`
+      chooses the cheapest path; None: the fixed rule (segments for at most max(8, T / 32) stops).
+    - `kernel`: the library's function (same signature) that runs a piece, for a kernel bound before the watch
+      that cannot start from a state (Mamba-1's scan); None: the bound kernel runs the pieces.
+    """
+
+    per_token: dict[str, int]
+    state_in: str
+    final_flag: str
+    out_axis: int
+    tuple_without_final: bool
+    all_states: Callable[..., Any] | None = None
+    blocks_below: int = 0
+    shape: Callable[[dict[str, Any]], Any] | None = None
+    kernel: Callable[..., Any] | None = None
+
+
+class Pieces:
+    """A prompt call cut into pieces of its tokens (`Segments`): each piece called as the mixer called the
+    kernel, from the state the previous piece ended with; the results put back together as the kernel's.
+
+        pieces = Pieces(kernel, args, kwargs)
+        out, state = run(*pieces.call(start, end, state))   # -> (leading, keyword arguments)
+        return pieces.result(outputs, state)
+    """
+
+    def __init__(self, kernel: "Kernel", args: tuple, kwargs: dict[str, Any]) -> None:
+        self.segments = kernel.segments
+        self.bound = kernel.layout.bind(args, kwargs)
+        self.extra = self.bound.pop("kwargs", {})
+        self.positional = list(self.bound)[: len(args)]  # call each piece the way the mixer called the kernel
+        self.tokens = kernel.tokens(self.bound, 0)
+        self.state = self.bound.get(self.segments.state_in)  # the state the call starts from
+
+    def call(self, start: int, end: int, state: Any) -> tuple[list[Any], dict[str, Any]]:
+        """The positional and keyword arguments of the piece of tokens [start, end) from `state`."""
+        per_token = self.segments.per_token
+        piece = {name: (value.narrow(per_token[name], start, end - start)
+                        if name in per_token and value is not None else value) for name, value in self.bound.items()}
+        piece[self.segments.state_in], piece[self.segments.final_flag] = state, True
+        leading = [piece.pop(name) for name in self.positional]
+        return leading, {**piece, **self.extra}
+
+    def result(self, outputs: list[Any], state: Any) -> Any:
+        """The pieces' outputs and the last state, as the kernel returns them."""
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=self.segments.out_axis)
+        if self.bound.get(self.segments.final_flag, False):
+            return out, state
+        return (out, None) if self.segments.tuple_without_final else out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Kernel:
+    """One kernel of a mixer kind, as data (keyword-only fields).
+
+    - `name`: the name the mixer's forward calls (a module global, or an attribute of `owner`: see `site`);
+    - `loop`: the library's pure-torch token loop with the same signature and return value, plus a
+      keyword-only `on_token(t, memory) -> memory` (and `tokens=` when `seq` is FORWARD; a loop that takes
+      a keyword `original` gets the kernel bound before the watch, e.g. a partial whose settings it reads);
+    - `state_in`: the argument that carries the memory in (None: the kernel always starts from zeros), or
+      a tuple of them for a memory of several parts (`STATE_TYPE`), in the order of its parts;
+    - `results`: names of the elements of the returned value (a single tensor is the first name);
+    - `role`: a `Role` (or its string): prompt, decode, or both;
+    - `seq`: `(argument, axis)` where the tokens of the call are counted, None for one token, or
+      FORWARD: the forward's tokens, the last positions of the kernel's input;
+    - `in_place`: the kernel writes the new memory into its `state_in` tensor instead of returning it;
+    - `memory`: which memory the kernel updates, STATE_MEMORY or CONV_MEMORY;
+    - `also`: a second memory the kernel updates too (None: one), for a whole forward that carries two
+      (zaya's CCA: its conv window and its value delay). Its loop takes a keyword-only `on_also(t, memory)
+      -> memory` for it, called as `on_token` is; `serving(memory)` is the row as that memory's kernel;
+    - `segments`: how the kernel bound before the watch can run piece by piece, chaining the state (None:
+      it cannot). Then a call with hooks and kept states at a few tokens only runs that kernel on the
+      pieces between them, instead of the token loop;
+    - `site`, `owner`: where the name is bound (`Site`): a module global by default;
+    - `stops`: the loop also takes a keyword-only `stops`, the sorted tokens at which it must call `on_token`
+      (None: every token), and runs a faster computation between them (a whole forward whose own block
+      loop can start from a state: lightning attention). Used like `segments`, for kernels without them.
+    """
+
+    name: str
+    role: Role
+    loop: Callable[..., Any]
+    state_in: str | tuple[str, ...] | None
+    results: tuple[str, ...]
+    seq: tuple[str, int] | str | None = None
+    in_place: bool = False
+    memory: str = STATE_MEMORY
+    also: str | None = None
+    segments: Segments | None = None
+    site: Site = Site.MODULE
+    owner: str | None = None
+    stops: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role(self.role))
+        layout_of(self.loop)  # read now: a compiled forward cannot inspect signatures
+        if (self.owner is None) != (self.site is Site.MODULE):
+            raise TypeError(f"Kernel {self.name!r}: a {self.site.value} needs an owner, a module global none"
+                            f" (got owner={self.owner!r})")
+
+    def target(self, modeling_module: ModuleType, mixer_module: Any = None) -> tuple[Any, str]:
+        """The object and attribute name this kernel is bound to (for INSTANCE, inside `mixer_module`)."""
+        if self.site is Site.MODULE:
+            return modeling_module, self.name
+        if self.site is Site.CLASS:
+            return getattr(modeling_module, self.owner), self.name
+        if mixer_module is None:
+            raise TypeError(f"Kernel {self.name!r} is bound per mixer module ({self.owner!r}): give the module")
+        owner = mixer_module
+        for part in filter(None, self.owner.split(".")):
+            owner = getattr(owner, part)
+        return owner, self.name
+
+    @property
+    def memories(self) -> tuple[str, ...]:
+        """The memories the kernel updates: `memory`, then `also`."""
+        return (self.memory,) if self.also is None else (self.memory, self.also)
+
+    def serving(self, memory: str) -> "Kernel":
+        """This row as the kernel of `memory`, one of its `memories` (hooks, writes and kept values of that memory)."""
+        if memory == self.memory:
+            return self
+        if memory != self.also:
+            raise KeyError(f"kernel {self.name!r} updates {' and '.join(self.memories)}, not {memory}")
+        row, view = _SERVING.get((id(self), memory), (None, None))
+        if row is not self:  # made once per row (`row` is kept, so that its id is not reused)
+            view = dataclasses.replace(self, memory=memory, also=None)
+            _SERVING[id(self), memory] = (self, view)
+        return view
+
+    @property
+    def state_arguments(self) -> tuple[str, ...]:
+        """The arguments that carry the memory in (none, one, or one per part)."""
+        if self.state_in is None:
+            return ()
+        return (self.state_in,) if isinstance(self.state_in, str) else self.state_in
+
+    @property
+    def signature(self) -> inspect.Signature:
+        return inspect.signature(self.loop)
+
+    @property
+    def layout(self) -> "Layout":
+        """How the loop's parameters take a call's arguments (the kernel's own signature, plus the loop's keywords)."""
+        return layout_of(self.loop)
+
+    def bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """The call's arguments by name (extra keyword arguments the kernel ignores are left out)."""
+        bound = self.layout.bind(args, kwargs)
+        return {k: v for k, v in bound.items() if k not in ("self", "kwargs", "on_token", "tokens", "original")}
+
+    def tokens(self, arguments: dict[str, Any], forward_tokens: int) -> int:
+        """How many tokens the call covers."""
+        if self.seq is None:
+            return 1
+        if self.seq == FORWARD:
+            return forward_tokens
+        name, axis = self.seq
+        return arguments[name].shape[axis]
+
+    def name_results(self, result: Any) -> dict[str, Any]:
+        values = result if isinstance(result, tuple) else (result,)
+        return dict(zip(self.results, values))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a function's parameters take a call's arguments, read once from its signature (eagerly: a compiled
+    forward cannot inspect signatures)."""
+
+    positional: tuple[str, ...]  # the parameters a positional argument can fill, in order
+    named: frozenset[str]  # every parameter that can be passed by name
+    var_keyword: str | None  # the **kwargs parameter, which takes the other names
+
+    @classmethod
+    def of(cls, fn: Callable) -> "Layout":
+        parameters = inspect.signature(fn).parameters.values()
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        return cls(tuple(p.name for p in parameters if p.kind in kinds),
+                   frozenset(p.name for p in parameters if p.kind is not inspect.Parameter.POSITIONAL_ONLY),
+                   next((p.name for p in parameters if p.kind is inspect.Parameter.VAR_KEYWORD), None))
+
+    def bind(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The arguments by name, as `Signature.bind_partial(...).arguments` gives them (the positional ones first)."""
+        if len(args) > len(self.positional):
+            raise TypeError(f"{len(args)} positional arguments, for parameters {self.positional}")
+        arguments: dict[str, Any] = dict(zip(self.positional, args))
+        for name, value in kwargs.items():
+            if name in self.named or self.var_keyword is None:
+                arguments[name] = value
+            else:
+                arguments.setdefault(self.var_keyword, {})[name] = value
+        return arguments
+
+
+_LAYOUTS: dict[Callable, Layout] = {}
+_SERVING: dict[tuple[int, str], tuple[Kernel, Kernel]] = {}  # Kernel.serving's rows, made once
+
+
+def layout_of(fn: Callable) -> Layout:
+    """`fn`'s `Layout`, read once."""
+    if fn not in _LAYOUTS:
+        _LAYOUTS[fn] = Layout.of(fn)
+    return _LAYOUTS[fn]

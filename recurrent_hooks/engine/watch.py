@@ -1,0 +1,457 @@
+"""The public entry points: `watch`, `register_state_hook`, `route_kernels` and `support`.
+
+Module contents:
+- `Watch` / `watch(model, keep=...)`: a context manager that attaches a `RecurrentMixer` to every
+  supported mixer of a model and rebinds its family's kernels for the duration of the block.
+- `register_state_hook(mixer_module, fn)`: a state hook without a `with` block, live until its handle
+  is removed (the forward-hook workflow).
+- `route_kernels(family, "torch" | "default")`: process-wide rebinding of a family's kernels to the
+  library's token loops, or back to what transformers bound at import.
+- `support(model)`: per mixer, what the library can give and why not.
+"""
+
+import contextlib
+import dataclasses
+import functools
+import threading
+import types
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import ModuleType
+from typing import Any
+
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from .errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable
+from .arguments import as_index, normalize_keep
+from .calls import Memory
+from .dispatch import attach, make_dispatcher
+from .kernels import KEEPABLE, KERNEL_RECORDS, Kernel, Role, Site
+from .mixer import RecurrentMixer, StateHook
+from .patching import Transient, UndoStack, acquire_kernels, bound_original, import_default, rebind_process_wide
+from .families import FAMILIES, Family, family_of, resolve_family, unsupported_of
+
+
+def _mixer_modules(model: nn.Module) -> list[tuple[str, nn.Module, Family]]:
+    return [(path, m, row) for path, m in model.named_modules() if (row := family_of(m)) is not None]
+
+
+def _layer_in_path(path: str) -> int | None:
+    """The decoder layer a module's path names: its last integer part ("model.layers.3.temporal_block" -> 3)."""
+    numbers = [int(part) for part in path.split(".") if part.isdigit()]
+    return numbers[-1] if numbers else None
+
+
+def _attach_with_kernels(mixer: RecurrentMixer, family: Family, stack: contextlib.ExitStack) -> None:
+    """Attach `mixer` and acquire its family's kernels, registering both releases on `stack`."""
+    stack.callback(attach(mixer))
+    module = family.module()
+    targets = [kernel.target(module, mixer.module) for kernel in family.kind.KERNELS]
+    targets += [(module, name) for name in family.kind.FUSED if hasattr(module, name)]
+    stack.callback(acquire_kernels(targets, make_dispatcher(family.kind)))
+    for kernel in family.kind.KERNELS:
+        if kernel.site is Site.CLASS:
+            _acquire_bound_copies(mixer.module, kernel, kernel.target(module)[0], family.kind, stack)
+
+
+def _acquire_bound_copies(mixer_module: nn.Module, kernel: Kernel, owner: type, kind: type[RecurrentMixer],
+                          stack: contextlib.ExitStack) -> None:
+    """Rebind, for the watch, the attributes of the mixer module that hold a class-attribute kernel already
+    bound to it: a wrapper that replaced the module's `forward` keeps the original bound method on the
+    instance (accelerate's offloading hooks store it as `_old_forward`) and calls it, so rebinding the class
+    attribute alone would not reach its calls. Each becomes the kernel's dispatcher, bound to the module."""
+    original = import_default(owner, kernel.name)
+
+    def holds_kernel(value: Any) -> bool:  # the original bound to the module, or a watch's dispatcher for it
+        func = getattr(value, "__func__", None)
+        return getattr(value, "__self__", None) is mixer_module and func is not None and (
+            func is original or getattr(func, "__wrapped__", None) is original and _is_dispatcher(func))
+
+    names = [name for name, value in vars(mixer_module).items() if holds_kernel(value)]
+    if not names:
+        return
+    dispatcher = make_dispatcher(kind)
+
+    def bound(name: str, value: Any) -> Any:
+        return types.MethodType(dispatcher(kernel.name, value.__func__), value.__self__)
+
+    stack.callback(acquire_kernels([(mixer_module, name) for name in names], bound))
+
+
+def _is_dispatcher(fn: Any) -> bool:
+    return getattr(fn, "__recurrent_hooks__", False)
+
+
+def _no_mixer_message(model: nn.Module) -> str:
+    unsupported = sorted({f"{row.mixer_class} ({row.reason})" for m in model.modules()
+                          if (row := unsupported_of(m)) is not None})
+    message = (f"{type(model).__name__} contains no recurrent mixer of a supported family"
+               f" (supported: {', '.join(FAMILIES)})")
+    if unsupported:
+        message += f"; it has {', '.join(unsupported)}"
+    return message
+
+
+def _reorder_recorder(mixers: list[RecurrentMixer], patches: UndoStack) -> Callable[[object], None]:
+    """For the mixers of one watch: a function that, the first time a cache is seen, wraps its
+    `reorder_cache` (beam search) to tell the mixers how its rows moved; `patches` undoes the wrapping."""
+    caches: weakref.WeakSet = weakref.WeakSet()
+
+    def saw_cache(cache: object) -> None:
+        if cache in caches or not callable(getattr(cache, "reorder_cache", None)):
+            return
+        caches.add(cache)
+        reorder = cache.reorder_cache
+
+        @functools.wraps(reorder)
+        def reorder_cache(beam_idx: Tensor, *args: object, **kwargs: object) -> object:
+            for mixer in mixers:
+                mixer._reordered(beam_idx)
+            return reorder(beam_idx, *args, **kwargs)
+
+        patches.set_instance_attribute(cache, "reorder_cache", Transient(reorder_cache, reorder))
+
+    return saw_cache
+
+
+def _forget_cache_recorder(mixers: list[RecurrentMixer]) -> None:
+    for mixer in mixers:
+        mixer._saw_cache = None
+
+
+class Watch:
+    """A `with` block in which every supported recurrent mixer of `model` can be read and written per token.
+
+        with recurrent_hooks.watch(model, keep=("states",)) as w:
+            model(input_ids)
+        w.mixers[0].states          # [batch, seq, heads, key_dim, value_dim]: the state after every token
+        w.mixer(2).calls[0].inputs  # the mixer of decoder layer 2: its first call's kernel arguments
+
+    On entry the family's kernel names are rebound (module globals of its transformers modeling module)
+    and each mixer module gets a pre- and post-forward hook; on exit, also on an exception and when
+    nested, exactly the previous objects are bound again and the module hooks are removed. Hooks and
+    writes registered on `w.mixers[i]` live until the block ends; what the mixers kept stays readable.
+    Like every PyTorch hook, the block's effects are global: the model is changed for anyone who calls
+    it inside the block.
+
+    `keep` names what to keep of every call, and a watch keeps nothing else: "states" (the state after
+    every token), "conv_states" (the convolution window after every token), "inputs" and "outputs" (the
+    kernel's arguments and results, by reference; `values()` needs both). A mapping keeps some tokens
+    only (`{"states": [4, -1]}`). Each call's metadata (`call.kernel`, `call.tokens`, `call.index`) is
+    always there. `record=True` is the older spelling of keeping "inputs" and "outputs".
+
+    The block sees the forwards of the thread that entered it; a model run inside a hook, or a model
+    that is not watched, runs its kernels untouched. Writes aimed at calls that never ran (a generation
+    that stopped early) give one `RecurrentHooksWarning` on exit; hooks aimed at them are not an error.
+    Kept positions outside every call a mixer saw (`{"states": [100]}` on 12 tokens) give another.
+
+    What it costs: a call nothing is asked of runs the kernel bound before the watch. A busy call takes
+    the path a cost model of its shapes finds cheapest: that kernel in segments between the tokens asked
+    for, every state computed chunk-wise (without gradients), a hook on every token fed by chunk-wise
+    blocks (small states, without gradients), or the token loop (docs/performance.md).
+    """
+
+    def __init__(self, model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (),
+                 record: bool = False) -> None:
+        if not isinstance(model, nn.Module):
+            raise InvalidValue(f"watch: expected a torch.nn.Module (a transformers model), got {type(model).__name__}")
+        if not isinstance(record, bool):
+            raise InvalidValue(f"watch: expected record=True or record=False, got record={record!r}")
+        if not isinstance(keep, (str, Sequence, Mapping)):
+            raise InvalidValue(f"watch: expected keep as a tuple of names or a mapping of names to tokens,"
+                               f" got {type(keep).__name__}")
+        normalize_keep(keep)  # checked here, before anything is acquired
+        keep = (keep,) if isinstance(keep, str) else dict(keep) if isinstance(keep, Mapping) else tuple(keep)
+        self.model = model
+        self.keep = keep
+        self.record = record
+        # what each mixer keeps: `keep`, plus the kernels' inputs and outputs for record=True
+        self._kept = ({**dict.fromkeys(KERNEL_RECORDS), **keep} if isinstance(keep, dict)
+                      else (*KERNEL_RECORDS, *keep)) if record else keep
+        self.mixers: list[RecurrentMixer] = []
+        self._stack: contextlib.ExitStack | None = None
+
+    def __repr__(self) -> str:
+        state = "active" if self._stack is not None else "inactive"
+        mixers = ", ".join(f"layer {m.layer}: {len(m.calls)} calls" for m in self.mixers)
+        return f"Watch({type(self.model).__name__}, {state}, keep={self.keep}, mixers=[{mixers}])"
+
+    def mixer(self, layer: int) -> RecurrentMixer:
+        """The mixer of decoder layer `layer` (the transformers `layer_idx`; the first one, in module order,
+        where a layer has several, as inkling's four convolution windows)."""
+        layer = as_index(layer, "layer", "Watch.mixer")
+        for mixer in self.mixers:
+            if mixer.layer == layer:
+                return mixer
+        raise Unavailable(f"no recurrent mixer at layer {layer}; recurrent layers: {[m.layer for m in self.mixers]}")
+
+    def memory_after(self, token: int, call: int | None = None) -> dict[int, Memory]:
+        """The whole memory (state and conv window) after `token` of every mixer, by layer.
+
+        Needs `keep=("states", "conv_states")`; pass the result to another watch's `set_memory_after`.
+        A model with several mixers per layer (inkling's four windows) has no memory per layer: use
+        `w.mixers[i].memory_after` there.
+        """
+        self._one_mixer_per_layer("Watch.memory_after")
+        return {mixer.layer: mixer.memory_after(token, call) for mixer in self.mixers}
+
+    def _one_mixer_per_layer(self, method: str) -> None:
+        layers = [mixer.layer for mixer in self.mixers]
+        shared = sorted({layer for layer in layers if layers.count(layer) > 1})
+        if shared:
+            raise Unavailable(f"{method}: layers {shared} have several mixers each"
+                              f" ({', '.join(str(m) for m in self.mixers if m.layer == shared[0])}), so a memory per"
+                              " layer would be ambiguous; read and write each mixer's own (w.mixers[i].memory_after,"
+                              " w.mixers[i].set_memory_after)")
+
+    def set_memory_after(self, token: int, memories: Mapping[int, Memory], call: int = 0
+                         ) -> list[RemovableHandle]:
+        """Write each layer's whole memory after `token` of call `call` (the activation-patching move).
+
+            with rh.watch(model, keep=("states", "conv_states")) as a:
+                model(run_a)
+            with rh.watch(model) as b:
+                b.set_memory_after(7, a.memory_after(7))   # every recurrent layer continues as in run A
+                model(run_b)
+        """
+        if not isinstance(memories, Mapping):
+            raise InvalidValue(f"Watch.set_memory_after: expected a mapping of layer -> Memory (as memory_after"
+                               f" returns), got {type(memories).__name__}")
+        self._one_mixer_per_layer("Watch.set_memory_after")
+        unknown = sorted(set(memories) - {mixer.layer for mixer in self.mixers})
+        if unknown:
+            raise Unavailable(f"set_memory_after: no recurrent mixer at layers {unknown};"
+                              f" recurrent layers: {[m.layer for m in self.mixers]}")
+        return [self.mixer(layer).set_memory_after(token, memory, call) for layer, memory in memories.items()]
+
+    def __enter__(self) -> "Watch":
+        if self._stack is not None:
+            raise RecurrentHooksError("this watch is active already: enter a new watch(model) instead")
+        found = _mixer_modules(self.model)
+        if not found:
+            raise Unavailable(_no_mixer_message(self.model))
+        thread = threading.get_ident()
+        rows = sorted(((row.kind(m, row.name, keep=self._kept, thread=thread, layer=_layer_in_path(path),
+                                 cache_index=index), row)
+                       for path, m, row in found for index in row.kind._instances(m, self.model)),
+                      key=lambda pair: (pair[0].layer is None, pair[0].layer or 0))
+        mixers = [mixer for mixer, _ in rows]
+        stack = contextlib.ExitStack()
+        try:  # all or nothing: a failure releases what was acquired so far
+            for mixer, row in rows:
+                _attach_with_kernels(mixer, row, stack)
+                stack.callback(mixer._detached)
+        except BaseException:
+            stack.close()
+            raise
+        instance_patches = UndoStack()
+        stack.callback(instance_patches.undo)
+        saw_cache = _reorder_recorder(mixers, instance_patches)
+        for mixer in mixers:
+            mixer._saw_cache = saw_cache
+        stack.callback(_forget_cache_recorder, mixers)  # it refers to the mixers: a cycle once the block is over
+        self.mixers, self._stack = mixers, stack
+        return self
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+        if exc_type is None:
+            problems = [p for mixer in self.mixers for p in mixer.unapplied()]
+            if problems:
+                shown = "; ".join(problems[:_WRITES_SHOWN])
+                more = f"; and {len(problems) - _WRITES_SHOWN} more" if len(problems) > _WRITES_SHOWN else ""
+                warnings.warn(f"{len(problems)} write{'s' if len(problems) != 1 else ''} never ran: {shown}{more}."
+                              " The calls they target did not happen: generation may have stopped early (EOS or"
+                              " max_new_tokens)", RecurrentHooksWarning, stacklevel=2)
+            unkept = [p for mixer in self.mixers for p in mixer.unkept()]
+            if unkept:
+                shown = "; ".join(unkept[:_WRITES_SHOWN])
+                more = f"; and {len(unkept) - _WRITES_SHOWN} more mixers" if len(unkept) > _WRITES_SHOWN else ""
+                warnings.warn(f"{shown}{more}. Positions count from each call's first token (negative: from its"
+                              " last)", RecurrentHooksWarning, stacklevel=2)
+
+
+_WRITES_SHOWN = 2  # writes named in the warning about writes that never ran
+
+
+def watch(model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (),
+          record: bool = False) -> Watch:
+    """Watch every supported recurrent mixer of `model` for the duration of a `with` block.
+
+        with recurrent_hooks.watch(model, keep=("states",)) as w:
+            w.mixers[1].set_state_after(4, value)          # call 0 (the prompt): tokens 5.. continue from value
+            h = w.mixers[1].register_state_hook(fn)        # fn(mixer, call, token, state) at every token
+            out = model.generate(ids, max_new_tokens=8)    # call 0 is the prompt, call k decode step k
+        w.mixers[0].states                                  # the state after every token of the last call
+
+    See `Watch` for what happens on entry and exit, and docs/concepts.md for calls, tokens and writes.
+    """
+    return Watch(model, keep, record)
+
+
+_STANDALONE: "weakref.WeakKeyDictionary[nn.Module, RecurrentMixer]" = weakref.WeakKeyDictionary()
+
+
+def register_state_hook(module: nn.Module, fn: StateHook, *, call: int | Iterable[int] | None = None,
+                        token: int | Iterable[int] | None = None) -> RemovableHandle:
+    """Register `fn(mixer, call, token, state)` on a mixer module, without a `with` block.
+
+        h = recurrent_hooks.register_state_hook(model.model.layers[0].linear_attn, fn)
+        model(ids); model.generate(ids, max_new_tokens=4)   # fn runs at every token until removed
+        h.remove()                                          # the last handle removed restores the kernels
+
+    Calls are counted from each prompt: a call that starts from no cached state is call 0 again, so in
+    every `generate` the prompt is call 0 and decode step k is call k, as inside a fresh `watch`. The
+    hook contract (return None or a replacement state) is that of `RecurrentMixer.register_state_hook`.
+    Like a torch module hook, it fires in every thread that runs the module, and a handle dropped without
+    `remove()` leaves the hook in place; the kernels are released when the last hook is removed or when
+    the module is garbage-collected.
+    """
+    row = family_of(module)
+    if row is None:
+        raise InvalidValue(
+            f"register_state_hook: expected a recurrent mixer module (one of"
+            f" {', '.join(f.mixer_class for f in FAMILIES.values())}), got {type(module).__name__}"
+        )
+    mixer = _STANDALONE.get(module)
+    if mixer is None:
+        mixer = row.kind(module, row.name, history=False, restart_on_prompt=True)
+        stack = contextlib.ExitStack()
+        with stack:  # released again if attaching fails
+            _attach_with_kernels(mixer, row, stack)
+            stack.callback(mixer._detached)
+            releases = stack.pop_all()
+        owner = weakref.ref(module)
+        finalizer = weakref.finalize(module, releases.close)  # the module died with hooks on it
+
+        def release() -> None:
+            live = owner()
+            if live is not None and _STANDALONE.get(live) is mixer:
+                del _STANDALONE[live]
+            finalizer.detach()
+            releases.close()
+            mixer._on_empty = None  # this function refers to the mixer: a cycle once the mixer is released
+
+        mixer._on_empty = release
+        _STANDALONE[module] = mixer
+    try:
+        return mixer.register_state_hook(fn, call=call, token=token)
+    except BaseException:
+        mixer._hook_removed()  # releases the kernels if this was to be the first hook
+        raise
+
+
+def route_kernels(family: "str | ModuleType | nn.Module", to: str) -> None:
+    """Bind a family's kernels process-wide: `"torch"` to the library's token loops, `"default"` back.
+
+        recurrent_hooks.route_kernels("qwen3_5", "torch")    # every prompt now runs token by token
+        recurrent_hooks.route_kernels(model, "default")      # what transformers bound at import
+
+    Each kind may accept its own words too (`RecurrentMixer.ROUTES`): for gated DeltaNet and Kimi delta
+    attention, "recurrent" means "torch" and "chunked" means "default".
+
+    `family` is a family name, its transformers modeling module, or a model with mixers of one family.
+    Unlike `watch`, nothing is undone automatically; refused while a watch or hook is active on the family.
+    """
+    if not isinstance(to, str):
+        raise InvalidValue(f"route_kernels: expected to='torch' or to='default', got {to!r}")
+    row = resolve_family(family)
+    words = row.kind.ROUTES
+    if to not in words:
+        raise InvalidValue(f"route_kernels: expected to= one of {', '.join(map(repr, words))} for {row.name}"
+                           f" ({row.kind.__name__}), got {to!r}")
+    module = row.module()
+    per_instance = [kernel.name for kernel in row.kind.KERNELS if kernel.site is Site.INSTANCE]
+    if per_instance:
+        raise Unavailable(f"route_kernels: {row.name}'s kernels ({', '.join(per_instance)}) are captured by each"
+                          " module when the model is built, so there is nothing process-wide to reroute; use watch")
+    targets = {kernel.target(module): kernel for kernel in row.kind.KERNELS}
+    if words[to] == "torch":
+        replacements = {target: kernel.loop for target, kernel in targets.items()}
+    else:
+        replacements = {target: import_default(*target) for target in targets}
+    rebind_process_wide(replacements)
+
+
+@dataclasses.dataclass(frozen=True)
+class MixerSupport:
+    """What the library can give for one mixer of a model, and why not where it cannot."""
+
+    path: str  # the module's name in the model, e.g. "model.layers.0.linear_attn"
+    layer: int | None
+    mixer_class: str
+    family: str | None  # None: not a supported family
+    kind: str | None  # the RecurrentMixer subclass
+    available: tuple[str, ...]
+    unavailable: dict[str, str]  # what cannot be had -> why
+    notes: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def __str__(self) -> str:
+        head = f"{self.path} ({self.mixer_class}, layer {self.layer}"
+        head += f", {self.family} -> {self.kind})" if self.family else ")"
+        lines = [head]
+        if self.available:
+            lines.append(f"  available: {', '.join(self.available)}")
+        lines += [f"  unavailable: {what}: {why}" for what, why in self.unavailable.items()]
+        lines += [f"  {what}: {note}" for what, note in self.notes.items()]
+        return "\n".join(lines)
+
+
+def available_of(kind: type[RecurrentMixer]) -> tuple[str, ...]:
+    """What a kind's mixers offer: the keep names of its memories and of the kernel records, then values
+    (if it declares any), writes and hooks."""
+    return (*(name for name, memory in KEEPABLE.items() if memory in kind.MEMORIES), *KERNEL_RECORDS,
+            *(("values",) if kind.VALUES else ()), "writes", "hooks")
+
+
+_NOT_REORDERED = ("beam search's cache reorder does not move this kind's memory: each row continues its own row, not"
+                  " its parent beam's, and call.reorder stays None")
+
+
+def support(model: nn.Module) -> list[MixerSupport]:
+    """Per recurrent mixer of `model`: what can be read and written, and why not where it cannot.
+
+        for row in recurrent_hooks.support(model):
+            print(row)
+
+    Mixers of recurrent families the library does not handle are listed too, with the reason.
+    """
+    if not isinstance(model, nn.Module):
+        raise InvalidValue(f"support: expected a torch.nn.Module (a transformers model), got {type(model).__name__}")
+    rows = []
+    for path, module in model.named_modules():
+        name = type(module).__name__
+        family = family_of(module)
+        layer = getattr(module, "layer_idx" if family is None else family.kind.LAYER_ATTRIBUTE, _layer_in_path(path))
+        if family is None:
+            if (unsupported := unsupported_of(module)) is not None:
+                rows.append(MixerSupport(path, layer, name, None, None, (), {"everything": unsupported.reason}))
+            continue
+        kind = family.kind
+        bound = {k.name: bound_original(*k.target(family.module(), module)) for k in kind.KERNELS}
+        available = available_of(kind)
+        prompt = kind.kernel_for(Role.PROMPT)
+        segments = prompt.segments
+        notes = {
+            "idle calls run": ", ".join(
+                f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}" for fn in bound.values()),
+            "a few tokens of a prompt": (f"the library's chunk-wise {prompt.name} in segments between them"
+                                         if segments.kernel is not None else
+                                         f"{prompt.name} in segments between them, or the token loop, by cost")
+            if segments is not None
+            else f"the library's {prompt.name}, with its fast computation between them" if prompt.stops
+            else "the token loop (the prompt kernel does not run in segments: see the limits)",
+            "every state of a prompt": "chunk-wise without gradients, the token loop with them"
+            if segments is not None and segments.all_states is not None else "the token loop",
+            "a hook on every token": "chunk-wise blocks for a small state without gradients, else the token loop"
+            if segments is not None and segments.blocks_below else "the token loop",
+        }
+        unavailable = dict(kind.LIMITS)
+        if not kind.REORDERED_BY_CACHE:  # the kind's own words if it has them (why the rows stay)
+            unavailable.setdefault("beam search", _NOT_REORDERED)
+        rows.append(MixerSupport(path, layer, name, family.name, kind.__name__, available, unavailable, notes))
+    return rows

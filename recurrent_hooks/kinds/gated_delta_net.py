@@ -1,0 +1,304 @@
+"""Gated DeltaNet (the gated delta rule): the `GatedDeltaNet` mixer kind and its token loop.
+
+Glossary (code name, symbol in Yang, Kautz & Hatamizadeh, "Gated Delta Networks", 2024, shape):
+    batch      b                                       batch size
+    seq        t (a position), T (the length)          tokens of one kernel call
+    key_heads  -                                       query/key heads (heads % key_heads == 0)
+    heads      -                                       value heads; value head j reads key head j // (heads // key_heads)
+    key_dim    d_k                                     query/key head size
+    value_dim  d_v                                     value head size
+    query      q_t     [batch, seq, key_heads, key_dim]    L2-normalised in the kernel, scaled by d_k ** -0.5
+    key        k_t     [batch, seq, key_heads, key_dim]    L2-normalised in the kernel
+    value      v_t     [batch, seq, heads, value_dim]
+    g          log a_t [batch, seq, heads]                 log of the decay a_t = exp(g_t) in (0, 1]
+    beta       b_t     [batch, seq, heads]                 write strength (olmo_hybrid: in [0, 2])
+    state      S_t     [batch, heads, key_dim, value_dim]  key-major, float32, the layout of transformers' cache
+
+Recurrence, per value head (S_t^T k reads the value the state stores under key k):
+    S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T
+    o_t = S_t^T q_t
+computed as transformers and flash-linear-attention do: decay, read `kv_mem`, write the correction.
+
+Module contents:
+- `chunk_gated_delta_rule`, `recurrent_gated_delta_rule`: token loops with the signatures of transformers'
+  `torch_chunk_gated_delta_rule` and `torch_recurrent_gated_delta_rule`, plus a keyword-only `on_token`.
+- `GatedDeltaNet`: the mixer kind, its kernels and values declared as class constants.
+"""
+
+from typing import Any
+
+import torch
+from einops import repeat
+from jaxtyping import Float
+from torch import Tensor
+
+from .conv import CONV_KERNELS
+from .effective import EffectiveAttention, cat, decayed
+from ..engine.calls import KernelCall
+from ..engine.kernels import Kernel, Role, Segments
+from ..engine.errors import Unavailable
+from ..engine.loops import OnToken, causal_decay, refuse_packed, starting_state
+from ..engine.mixer import RecurrentMixer
+from ..engine.strategies import Shape
+
+
+
+def _prepare(
+    query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
+    use_qk_l2norm_in_kernel: bool, kwargs: dict[str, Any], kimi: bool = False, recurrent: bool = True,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """q, k, v, beta, log-decay (float32, token-major, one key head per value head) and the starting state.
+
+    g is the log decay per head (`[.., heads, 1]`: gated DeltaNet, whose wrappers add the axis) or per key
+    channel (`[.., heads, key_dim]`: Kimi delta attention); exp(g) scales the rows of the key-major state.
+    The normalisation and the 1/sqrt(d_k) scaling are written as transformers writes them, so that the
+    roundings are the same: gated DeltaNet multiplies by rsqrt(|x|^2 + eps) and its decode kernel
+    divides by sqrt(d_k) (its prompt kernel, `recurrent=False`, multiplies by d_k ** -0.5); Kimi delta
+    attention (`kimi`) divides by sqrt(|x|^2 + eps) and multiplies by 1 / sqrt(d_k).
+    """
+    refuse_packed(kwargs, ("cu_seqlens",), "flash-linear-attention")
+    batch, _, key_heads, key_dim = key.shape
+    heads, value_dim = value.shape[-2:]
+    # grouped value heads: value head j reads key head j // (heads // key_heads)
+    query, key = (repeat(x, "b t kh d -> b t (kh g) d", g=heads // key_heads) for x in (query, key))
+    # token-major copies: the mixers hand over views whose token axis is the fastest (a conv output transposed),
+    # which makes every per-token step of the loop a strided gather (measured 1.8x slower at Mamba-2 sizes)
+    q, k, v, b, log_a = (x.to(torch.float32).contiguous() for x in (query, key, value, beta, g))
+    if use_qk_l2norm_in_kernel:
+        if kimi:
+            q, k = (x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+        else:
+            q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    if kimi:
+        q = q * (1 / key_dim**0.5)
+    elif recurrent:
+        q = q / key_dim**0.5
+    else:
+        q = q * key_dim**-0.5
+    state = starting_state(initial_state, lambda: q.new_zeros(batch, heads, key_dim, value_dim))
+    return q, k, v, b, log_a, state
+
+
+def _gated_delta_rule(
+    query: Float[Tensor, "batch seq key_heads key_dim"],
+    key: Float[Tensor, "batch seq key_heads key_dim"],
+    value: Float[Tensor, "batch seq heads value_dim"],
+    g: Float[Tensor, "batch seq heads decay_dim"],
+    beta: Float[Tensor, "batch seq heads"],
+    initial_state: Float[Tensor, "batch heads key_dim value_dim"] | None,
+    output_final_state: bool,
+    use_qk_l2norm_in_kernel: bool,
+    on_token: OnToken | None,
+    kwargs: dict[str, Any],
+    kimi: bool = False,
+) -> tuple[Float[Tensor, "batch seq heads value_dim"], Float[Tensor, "batch heads key_dim value_dim"] | None]:
+    """The token loop, in float32 and with the ops of transformers' decode kernels (products summed over
+    key_dim, not matmuls), so that a half-precision model rounds its output as transformers does."""
+    q, k, v, b, log_a, state = _prepare(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel, kwargs,
+                                        kimi=kimi)
+    a = log_a.exp()
+    outputs = []
+    for t in range(q.shape[1]):
+        state = state * a[:, t, :, :, None]  # b h k v   decay: diag(a_t) S_{t-1}, a_t [b h (1|k)]
+        kv_mem = (state * k[:, t, :, :, None]).sum(-2)  # b h v   what S stores under k_t
+        delta = (v[:, t] - kv_mem) * b[:, t, :, None]  # b h v   b_t (v_t - S^T k_t)
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]  # b h k v   S + k_t delta^T
+        outputs.append((state * q[:, t, :, :, None]).sum(-2))  # b h v   o_t = S_t^T q_t
+        if on_token is not None:
+            state = on_token(t, state)  # b h k v   what token t+1 continues from
+    out = torch.stack(outputs, dim=1) if outputs else v.new_zeros(*v.shape)
+    return out.to(query.dtype), (state if output_final_state else None)
+
+
+def _gated_delta_rule_states(
+    query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
+    output_final_state: bool, use_qk_l2norm_in_kernel: bool, kwargs: dict[str, Any], chunk: int = 16,
+    kimi: bool = False,
+) -> tuple[tuple[Tensor, Tensor | None], Float[Tensor, "seq batch heads key_dim value_dim"]]:
+    """The same recurrence, chunk by chunk, vectorized inside each chunk, returning every token's state too.
+
+    Inside a chunk starting from S_0, with c_i the cumulative log decay from the chunk start to token i
+    and D_ij = diag(exp(c_i - c_j)) for j <= i (the decay from token j to token i, at most 1):
+        u_i + b_i sum_{j<i} (k_i^T D_ij k_j) u_j = b_i (v_i - S_0^T diag(exp(c_i)) k_i)   (solved for U)
+        S_i = diag(exp(c_i)) S_0 + sum_{j<=i} D_ij k_j u_j^T
+        o_i = S_i^T q_i
+    u_i is the correction token i writes (b_i (v_i - what the decayed state stores under k_i)), as in the
+    token loop. The states are written once, into one token-first buffer; costs chunk^2 * key_dim *
+    value_dim per chunk and head: for when every state is kept.
+    """
+    q, k, v, b, log_a, state = _prepare(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel, kwargs,
+                                        kimi=kimi, recurrent=False)
+    q, k, v, b, log_a = (x.movedim(1, 0) for x in (q, k, v, b, log_a))  # token first: t b h ..
+    every = q.new_empty(*q.shape[:3], q.shape[-1], v.shape[-1])  # t b h k v
+    out = v.new_empty(v.shape)  # t b h v
+    for start in range(0, q.shape[0], chunk):
+        qc, kc, vc, bc, gc = (x[start:start + chunk] for x in (q, k, v, b, log_a))  # i b h ..
+        size = qc.shape[0]
+        cum = gc.cumsum(0)  # i b h d   c_i, d = 1 or key_dim
+        decay = causal_decay(cum)  # i j b h d   D_ij
+        decayed_keys = decay * kc[None]  # i j b h k   D_ij k_j
+        interaction = (kc[:, None] * decayed_keys).sum(-1) * bc[:, None]  # i j b h   b_i k_i^T D_ij k_j
+        system = torch.eye(size, device=q.device) + interaction.permute(2, 3, 0, 1).tril(-1)  # b h i j
+        reads = ((kc * cum.exp())[..., None, :] @ state).squeeze(-2)  # i b h v   S_0^T diag(exp(c_i)) k_i
+        rhs = (bc[..., None] * (vc - reads)).permute(1, 2, 0, 3)  # b h i v
+        u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # b h j v
+        states = every[start:start + size]  # i b h k v
+        torch.matmul(decayed_keys.permute(0, 2, 3, 4, 1), u, out=states)  # sum_j D_ij k_j u_j^T
+        states += cum.exp()[..., None] * state  # + diag(exp(c_i)) S_0
+        out[start:start + size] = (qc[..., None, :] @ states).squeeze(-2)  # i b h v   o_i = S_i^T q_i
+        state = states[-1]
+    result = (out.movedim(0, 1).to(query.dtype), state if output_final_state else None)
+    return result, every
+
+
+def chunk_gated_delta_rule(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    chunk_size: int = 64,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    *,
+    on_token: OnToken | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor | None]:
+    """The prompt kernel, token by token: same arguments and results as `torch_chunk_gated_delta_rule`.
+
+    `chunk_size` is accepted and ignored; `on_token(t, state)` is called after each token's state update
+    and returns the state token t+1 continues from. Other unknown keyword arguments are ignored.
+    """
+    return _gated_delta_rule(query, key, value, g[..., None], beta, initial_state, output_final_state,
+                             use_qk_l2norm_in_kernel, on_token, kwargs)
+
+
+def chunk_gated_delta_rule_states(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    chunk_size: int = 64,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    **kwargs: Any,
+) -> tuple[tuple[Tensor, Tensor | None], Tensor]:
+    """`chunk_gated_delta_rule`'s results and every token's state, token first: `[seq, batch, heads, key_dim,
+    value_dim]`, computed chunk-wise (no per-token Python loop); `chunk_size` is accepted and ignored."""
+    return _gated_delta_rule_states(query, key, value, g[..., None], beta, initial_state, output_final_state,
+                                    use_qk_l2norm_in_kernel, kwargs)
+
+
+def recurrent_gated_delta_rule(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    *,
+    on_token: OnToken | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor | None]:
+    """The decode kernel: same arguments and results as `torch_recurrent_gated_delta_rule`, plus `on_token`."""
+    return _gated_delta_rule(query, key, value, g[..., None], beta, initial_state, output_final_state,
+                             use_qk_l2norm_in_kernel, on_token, kwargs)
+
+
+def _cost_shape(arguments: dict[str, Any]) -> Shape:
+    """The prompt kernel call's shape for the cost model (`strategies`): transformers' kernel pads to chunks of 64."""
+    batch, _, heads, value_dim = arguments["value"].shape
+    return Shape("delta rule", batch, heads, arguments["key"].shape[-1], value_dim, arguments.get("chunk_size", 64))
+
+
+class GatedDeltaNet(RecurrentMixer):
+    """A gated DeltaNet mixer (qwen3_next, qwen3_5, qwen3_5_moe, olmo_hybrid, qwen4_exp, lara_mini).
+
+        with recurrent_hooks.watch(model, keep=("states",)) as w:
+            model(input_ids)
+        w.mixers[0].states   # Float[Tensor, "batch seq heads key_dim value_dim"]
+
+    The state S_t is `[batch, heads, key_dim, value_dim]`, float32, key-major (o_t = S_t^T q_t), the
+    layout of transformers' cache. Both kernels return the new state and the mixer copies it into the
+    cache, so a write at the last token of a call reaches the cache.
+    """
+
+    # the words of this kind's documentation: prompts token by token ("recurrent") or chunk-wise ("chunked")
+    ROUTES = {**RecurrentMixer.ROUTES, "recurrent": "torch", "chunked": "default"}
+    DECAY_PER_KEY_CHANNEL = False  # Kimi delta attention: a decay per key channel, Diag(alpha_t)
+    KERNELS = (
+        # both kernels take the state in `initial_state` and return the new one
+        Kernel(name="torch_chunk_gated_delta_rule", role=Role.PROMPT, loop=chunk_gated_delta_rule,
+               state_in="initial_state", results=("output", "final_state"), seq=("value", 1),
+               segments=Segments(per_token={name: 1 for name in ("query", "key", "value", "g", "beta")},
+                                 state_in="initial_state", final_flag="output_final_state", out_axis=1,
+                                 tuple_without_final=True, all_states=chunk_gated_delta_rule_states,
+                                 blocks_below=2048,  # 4 heads of 16 x 16 at batch 2 (docs/performance.md)
+                                 shape=_cost_shape)),
+        # a decode step with a hook or write runs transformers' kernel, then the hook on the state it returns
+        # (one segment: the token loop's order, whose output at a token is computed before its hook)
+        Kernel(name="torch_recurrent_gated_delta_rule", role=Role.DECODE, loop=recurrent_gated_delta_rule,
+               state_in="initial_state", results=("output", "final_state"), seq=("value", 1),
+               segments=Segments(per_token={name: 1 for name in ("query", "key", "value", "g", "beta")},
+                                 state_in="initial_state", final_flag="output_final_state", out_axis=1,
+                                 tuple_without_final=True)),
+        *CONV_KERNELS,
+    )
+    STATE = "batch heads key_dim value_dim"
+    INPUTS = {
+        "query": "batch seq key_heads key_dim",
+        "key": "batch seq key_heads key_dim",
+        "value": "batch seq heads value_dim",
+        "g": "batch seq heads",
+        "beta": "batch seq heads",
+        "initial_state": "batch heads key_dim value_dim",
+    }
+    OUTPUTS = {"output": "batch seq heads value_dim", "final_state": "batch heads key_dim value_dim"}
+    VALUES = {
+        "query": "batch seq key_heads key_dim",
+        "key": "batch seq key_heads key_dim",
+        "value": "batch seq heads value_dim",
+        "g": "batch seq heads",
+        "beta": "batch seq heads",
+        "output": "batch seq heads value_dim",
+    }
+    LIMITS = {
+        "packed sequences": "cu_seqlens (packed batches) need flash-linear-attention; the token loop refuses them",
+    }
+
+    @classmethod
+    def _token_values(cls, part: KernelCall) -> dict[str, Tensor]:
+        # the kernel's own arguments are token-major already (before the kernel's l2norm and scaling)
+        return {**{name: part.inputs[name] for name in ("query", "key", "value", "g", "beta")},
+                "output": part.output["output"]}
+
+    def _effective_attention(self, calls: range, dtype: torch.dtype) -> EffectiveAttention:
+        """The delta rule's exact map (the UT transform; see `recurrent_hooks.studies.effective_attention`)."""
+        kind, kimi = type(self), self.DECAY_PER_KEY_CHANNEL
+        per_call = []
+        for index in calls:
+            part = self.calls[index].parts[0]
+            x = part.inputs
+            if x.get("cu_seqlens") is not None:
+                raise Unavailable(f"{self}, call {index}: packed sequences (cu_seqlens) have no per-row"
+                                  " effective attention")
+            g = x["g"] if kimi else x["g"][..., None]
+            prepared = _prepare(x["query"], x["key"], x["value"], g, x["beta"], x["initial_state"],
+                                x["use_qk_l2norm_in_kernel"], {}, kimi=kimi, recurrent=kind.kernel(part.kernel).role is Role.DECODE)
+            per_call.append([v.transpose(1, 2) for v in prepared[:5]] + [prepared[5]])  # b h t ..
+        q, k, v, b, log_a = (cat([c[i] for c in per_call], dtype) for i in range(5))
+        state = per_call[0][5].to(dtype)  # b h k v   S_0 of the history
+        rows = self.calls[calls[-1]].parts[0].inputs["value"].shape[1]
+        start = q.shape[2] - rows
+        cum = log_a.cumsum(2)  # b h s (1|k)   c_s
+        system = decayed(k, k, cum, cum, 0, strict=True) * b[..., None]  # b h s s   strict_lower(diag(b) W(k, k))
+        system.diagonal(dim1=-2, dim2=-1).fill_(1)  # T = I + ...
+        reads = decayed(q[:, :, start:], k, cum[:, :, start:], cum, start, strict=False)  # b h t s   W(q, k)
+        weights = torch.linalg.solve_triangular(system, reads, upper=False, left=False, unitriangular=True) * b[:, :, None]
+        from_state = (q[:, :, start:] * cum[:, :, start:].exp()) @ state - weights @ ((k * cum.exp()) @ state)
+        return EffectiveAttention(weights, v, from_state, None, None, calls)

@@ -1,0 +1,368 @@
+"""Mamba-2 (state space duality, SSD): token loops for its two kernels, and its discretization.
+
+Glossary (code name, symbol in Dao & Gu, "Transformers are SSMs: Generalized Models and Efficient
+Algorithms Through Structured State Space Duality", 2024, shape as the prompt kernel takes it):
+    batch           b                   batch size
+    seq             t (a position), T   tokens of one kernel call
+    heads           H                   heads; each has its own scalar decay rate
+    head_dim        P                   channels per head (`intermediate_size = heads * head_dim`)
+    groups          G                   B/C groups (`n_groups`); head h reads group h // (heads // groups)
+    d_state         N                   state size
+    hidden_states   x_t      [batch, seq, heads, head_dim]
+    dt              -        [batch, seq, heads]                   the step before bias, softplus and clamp
+    dt_bias         -        [heads]
+    dt_limit        -        (low, high)                           clamp of Δ_t (prompt kernel only)
+    (step)          Δ_t      [batch, seq, heads]                   clamp(softplus(dt + dt_bias), dt_limit), float32
+    A               a_h      [heads]                               -exp(A_log), float32, negative: a scalar per head
+    B               B_t      [batch, seq, groups, d_state]
+    C               C_t      [batch, seq, groups, d_state]
+    D               D_h      [heads]                               skip connection
+    z               z_t      decode only: [batch, heads, head_dim]  gate y_t * silu(z_t) (falcon_h1)
+    initial_states  h_0      [batch, heads, head_dim, d_state]
+    state           h_t      [batch, heads, head_dim, d_state]     float32, the layout of transformers' cache
+    (decay)         exp(Δ_t a_h)   [batch, seq, heads]
+    (drive)         Δ_t x_t B_t^T  [batch, seq, heads, head_dim, d_state]
+
+Recurrence, per head (h_t is a head_dim x d_state matrix):
+    h_t = exp(Δ_t a_h) h_{t-1} + Δ_t x_t B_t^T
+    y_t = h_t C_t + D_h x_t
+
+The decode kernel takes the per-head parameters expanded over head_dim, as the mixers pass them:
+dt `[batch, heads, head_dim]`, A `[heads, head_dim, d_state]`, D and dt_bias `[heads, head_dim]`,
+B/C `[batch, groups, d_state]`; the loop uses them as given (per channel), so nothing assumes they
+are constant over head_dim.
+
+As in transformers: the step is formed in dt's dtype (bias cast to it, softplus and clamp taken in it);
+the prompt kernel clamps Δ to `dt_limit` even without softplus (the default (0, inf) sets negative steps
+to 0), the decode kernel never clamps; the prompt kernel ignores `z` (it arrives in `**kwargs`) and
+returns float32 whatever the input dtype; the decode kernel applies `z` and returns hidden_states' dtype.
+The prompt loop runs in float32, as transformers' prompt kernel does. The decode loop computes in the
+dtypes and order of transformers' decode kernel: Δ B x in the model dtype (then added to the float32
+state), h C and the skip in the model dtype; so in a bf16 model its output rounds as transformers' does.
+
+Module contents:
+- `mamba2_chunk_scan`, `mamba2_selective_state_update`: token loops with the signatures and results of
+  transformers' kernels of the same names, plus a keyword-only `on_token`.
+- `mamba2_chunk_scan_states`: the prompt kernel chunk-wise, with every token's state (when all are kept).
+- `discretize`: Δ_t, exp(Δ_t a_h) and Δ_t x_t B_t^T of every token, from the prompt kernel's arguments.
+- `StateSpace`: the mixer kind.
+"""
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from einops import einsum, repeat
+from jaxtyping import Float
+from torch import Tensor
+
+from .conv import CONV_KERNELS
+from .effective import EffectiveAttention, decayed
+from ..engine.calls import KernelCall
+from ..engine.kernels import Kernel, Role, Segments
+from ..engine.mixer import RecurrentMixer
+from ..engine.strategies import Shape
+from ..engine.loops import OnToken, causal_decay, starting_state
+from .selective_scan import discrete_step, refuse_mamba_packed, step_size
+
+
+def _per_head(v: Float[Tensor, "*lead groups d_state"], heads: int) -> Float[Tensor, "*lead heads d_state"]:
+    """B or C for every head, float32: head h reads group h // (heads // groups)."""
+    return repeat(v.float(), "... g n -> ... (g r) n", r=heads // v.shape[-2]).contiguous()  # token-major (see below)
+
+
+def discretize(
+    hidden_states: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    dt_bias: Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+) -> tuple[Float[Tensor, "batch seq heads"], Float[Tensor, "batch seq heads"],
+           Float[Tensor, "batch seq heads head_dim d_state"]]:
+    """Δ_t, exp(Δ_t a_h) and Δ_t x_t B_t^T of every token, float32, from `mamba2_chunk_scan`'s arguments.
+
+        names = ("hidden_states", "dt", "A", "B", "dt_bias", "dt_softplus", "dt_limit")
+        dt, decay, drive = discretize(**{k: v for k, v in call.inputs.items() if k in names})
+        # states[:, t] == decay[:, t, :, None, None] * states[:, t - 1] + drive[:, t]   (before any state write)
+
+    For the decode kernel's arguments take channel 0 of the expanded parameters, add the seq axis and
+    do not clamp: `discretize(x[:, None], dt[:, None, :, 0], A[:, 0, 0], B[:, None], dt_bias[:, 0],
+    dt_softplus, (-inf, inf))`.
+    """
+    dt = step_size(dt, dt_bias, dt_softplus, dt_limit)
+    decay, drive = discrete_step(dt[..., None], A.float()[:, None, None], _per_head(B, hidden_states.shape[-2]),
+                             hidden_states.float())
+    return dt, decay[..., 0, 0], drive
+
+
+def _ssd(
+    x: Float[Tensor, "batch seq heads head_dim"],
+    dt: Float[Tensor, "batch seq heads q"],
+    A: Float[Tensor, "heads q m"],
+    B: Float[Tensor, "batch seq heads d_state"],
+    C: Float[Tensor, "batch seq heads d_state"],
+    initial_state: Float[Tensor, "batch heads head_dim d_state"] | None,
+    on_token: OnToken | None,
+) -> tuple[Float[Tensor, "batch seq heads head_dim"], Float[Tensor, "batch heads head_dim d_state"]]:
+    """h_t C_t of every token and the last state; float32 in and out (no D, no gate).
+
+    q is 1 (prompt: a step per head) or head_dim (decode: expanded), m is 1 or d_state, as in `discrete_step`.
+    """
+    batch, seq, heads, head_dim = x.shape
+    # a copy: the decode kernel's state is the cache tensor, written only at the end
+    state = starting_state(initial_state, lambda: x.new_zeros(batch, heads, head_dim, B.shape[-1]))
+    outputs = []
+    for t in range(seq):
+        decay, drive = discrete_step(dt[:, t], A, B[:, t], x[:, t])  # b h q m, b h p n   exp(Δ_t a_h), Δ_t x_t B_t^T
+        state = decay * state + drive  # b h p n   h_t
+        outputs.append(einsum(state, C[:, t], "b h p n, b h n -> b h p"))  # b h p   h_t C_t
+        if on_token is not None:
+            state = on_token(t, state)  # b h p n   what token t+1 continues from
+    y = torch.stack(outputs, dim=1) if outputs else x.new_zeros(batch, 0, heads, head_dim)
+    return y, state
+
+
+def mamba2_chunk_scan(
+    hidden_states: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    chunk_size: int,
+    D: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    initial_states: Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    return_final_states: bool = False,
+    *,
+    on_token: OnToken | None = None,
+    **kwargs: Any,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The prompt kernel, token by token: same arguments and results as transformers' `mamba2_chunk_scan`.
+
+    Returns y `[batch, seq, heads, head_dim]` float32 (D skip applied, no gate), and the last state
+    `[batch, heads, head_dim, d_state]` float32 when `return_final_states`. `chunk_size` is accepted and
+    ignored; so are `z` and other unknown keyword arguments (transformers' kernel ignores `z` too: the
+    mixer gates afterwards). `on_token(t, state)` is called after token t's state update and output;
+    token t+1 continues from the state it returns, and the last one returned is the final state.
+    """
+    refuse_mamba_packed(kwargs)
+    heads = hidden_states.shape[2]
+    # a token-major copy: the mixers hand over a view whose token axis is the fastest (the conv output
+    # transposed), which makes every step of the loop a strided gather (1.8x slower at mamba2-130m dims)
+    x = hidden_states.float().contiguous()
+    delta = step_size(dt, dt_bias, dt_softplus, dt_limit)  # b t h
+    y, state = _ssd(x, delta[..., None], A.float()[:, None, None], _per_head(B, heads), _per_head(C, heads),
+                    initial_states, on_token)
+    if D is not None:
+        y = y + D[:, None] * x  # float32 (or D's dtype if wider), as transformers
+    return (y, state) if return_final_states else y
+
+
+def mamba2_chunk_scan_states(
+    hidden_states: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    chunk_size: int,
+    D: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    initial_states: Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    return_final_states: bool = False,
+    *,
+    chunk: int = 16,
+    **kwargs: Any,
+) -> tuple[Tensor | tuple[Tensor, Tensor], Float[Tensor, "seq batch heads head_dim d_state"]]:
+    """`mamba2_chunk_scan`'s results and every token's state, token first, chunk by chunk (no per-token loop).
+
+    Inside a chunk starting from h_0, with c_i the cumulative log decay (sum of Δ a_h) from the chunk
+    start to token i, and w_ij = exp(c_i - c_j) for j <= i (the decay from token j to i, at most 1):
+        h_i = exp(c_i) h_0 + sum_{j<=i} w_ij Δ_j x_j B_j^T,    y_i = h_i C_i + D_h x_i
+    one (i x j) @ (j x head_dim*d_state) product per head and chunk. `chunk_size` is accepted and ignored.
+    """
+    refuse_mamba_packed(kwargs)
+    batch, seq, heads, head_dim = hidden_states.shape
+    x = hidden_states.float().movedim(1, 0)  # t b h p
+    delta = step_size(dt, dt_bias, dt_softplus, dt_limit).movedim(1, 0)  # t b h
+    B_h, C_h = (_per_head(v, heads).movedim(1, 0) for v in (B, C))  # t b h n
+    log_decay = delta * A.float()  # t b h   Δ_t a_h
+    d_state = B_h.shape[-1]
+    state = x.new_zeros(batch, heads, head_dim, d_state) if initial_states is None else initial_states.float()
+    every = x.new_empty(seq, batch, heads, head_dim, d_state)  # t b h p n
+    for start in range(0, seq, chunk):
+        xc, dc, Bc, lc = (v[start:start + chunk] for v in (x, delta, B_h, log_decay))  # i b h ..
+        size = xc.shape[0]
+        cum = lc.cumsum(0)  # i b h   c_i
+        weights = causal_decay(cum)  # i j b h   w_ij
+        drive = (dc[..., None] * xc)[..., None] * Bc[..., None, :]  # j b h p n   Δ_j x_j B_j^T
+        mixed = weights.permute(2, 3, 0, 1) @ drive.permute(1, 2, 0, 3, 4).flatten(3)  # b h i (p n)
+        states = every[start:start + size]  # i b h p n
+        states.copy_(mixed.unflatten(-1, (head_dim, d_state)).permute(2, 0, 1, 3, 4))
+        states += cum.exp()[..., None, None] * state  # + exp(c_i) h_0
+        state = states[-1]
+    y = (every @ C_h[..., None]).squeeze(-1)  # t b h p   h_t C_t
+    if D is not None:
+        y = y + D[:, None] * x
+    y = y.movedim(0, 1)
+    return ((y, state) if return_final_states else y), every
+
+
+def mamba2_selective_state_update(
+    state: Tensor,
+    hidden_states: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    dt_softplus: bool = False,
+    z: Tensor | None = None,
+    *,
+    on_token: OnToken | None = None,
+    **kwargs: Any,
+) -> Tensor:
+    """The decode kernel (one token): same arguments and result as transformers' `mamba2_selective_state_update`.
+
+    Returns y `[batch, heads, head_dim]` in hidden_states' dtype (D skip and silu(z) gate applied) and,
+    like transformers, writes the new state into `state` in place (`copy_`): the mixer never writes it
+    back to the cache. With `on_token` (called once, t=0) the state written is the one it returns.
+    No `dt_limit` clamp, as in transformers. Unknown keyword arguments are ignored.
+    """
+    refuse_mamba_packed(kwargs)
+    heads = hidden_states.shape[1]
+    # in the dtypes and order of transformers' kernel: Δ in dt's dtype, exp(Δ A) in float32, Δ B x in the
+    # promotion of dt, B and x (the model dtype), the state float32, h C and the skip in C's and x's dtypes
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    dt = dt[..., None]  # b h p 1
+    decay = torch.exp(dt.float() * A.float())  # b h p n   exp(Δ a_h)
+    B_h, C_h = (repeat(v, "b g n -> b (g r) n", r=heads // v.shape[-2]) for v in (B, C))  # b h n
+    drive = (dt * B_h[:, :, None, :]) * hidden_states[..., None]  # b h p n   Δ B x
+    new_state = state.to(torch.float32) * decay + drive  # b h p n   h_t (a new tensor: the cache is written last)
+    y = torch.matmul(new_state.to(C_h.dtype), C_h[..., None])[..., 0]  # b h p   h_t C_t
+    if on_token is not None:
+        new_state = on_token(0, new_state)  # what the next step continues from
+    state.copy_(new_state)
+    if D is not None:
+        y = (y + hidden_states * D).to(y.dtype)
+    if z is not None:
+        y = y * F.silu(z)
+    return y.to(hidden_states.dtype)
+
+
+def _cost_shape(arguments: dict[str, Any]) -> Shape:
+    """The prompt kernel call's shape for the cost model (`strategies`): transformers' kernel pads to `chunk_size`."""
+    batch, _, heads, head_dim = arguments["hidden_states"].shape
+    return Shape("ssd", batch, heads, head_dim, arguments["B"].shape[-1], arguments["chunk_size"])
+
+
+class StateSpace(RecurrentMixer):
+    """A Mamba-2 mixer (mamba2, bamba, falcon_h1, granitemoehybrid, nemotron_h, zamba2).
+
+        with recurrent_hooks.watch(model, keep=("states",)) as w:
+            model(input_ids)
+        w.mixers[0].states     # Float[Tensor, "batch seq heads head_dim d_state"]
+        w.mixers[0].values()   # x, dt, decay, B, C, y of every token
+
+    The state h_t is `[batch, heads, head_dim, d_state]`, float32, the layout of transformers' cache.
+    Every token's state is a real state, not a chunk boundary: a prompt with hooks at a few tokens runs
+    the chunk scan in segments ending at those tokens, every state kept comes from the chunk-wise
+    `mamba2_chunk_scan_states`, and a hook on every token runs the token loop (or, without gradients and at
+    a small state, `mamba2_chunk_scan_states` a block of tokens at a time: `blocks`). The prompt kernel
+    takes the cached state (`initial_states`) and returns the last one; the decode kernel writes the new
+    state into the cache tensor in place, and so does the library's loop, after any hook or write.
+    """
+
+    KERNELS = (
+        Kernel(name="mamba2_chunk_scan", role=Role.PROMPT, loop=mamba2_chunk_scan, state_in="initial_states",
+               results=("output", "final_state"), seq=("hidden_states", 1),
+               segments=Segments(per_token={name: 1 for name in ("hidden_states", "dt", "B", "C")},
+                                 state_in="initial_states", final_flag="return_final_states", out_axis=1,
+                                 tuple_without_final=False, all_states=mamba2_chunk_scan_states,
+                                 blocks_below=24576,  # 24 heads of 64 x 16 at batch 1 (docs/performance.md)
+                                 shape=_cost_shape)),
+        # one token over the cached state, which it updates in place
+        Kernel(name="mamba2_selective_state_update", role=Role.DECODE, loop=mamba2_selective_state_update,
+               state_in="state", results=("output",), in_place=True),
+        *CONV_KERNELS,
+    )
+    FUSED = ("mamba2_split_conv1d_scan_combined",)
+    STATE = "batch heads head_dim d_state"
+    INPUTS = {
+        "hidden_states": "batch seq heads head_dim",
+        "dt": "batch seq heads",
+        "A": "heads",
+        "B": "batch seq groups d_state",
+        "C": "batch seq groups d_state",
+        "D": "heads",
+        "initial_states": "batch heads head_dim d_state",
+        "state": "batch heads head_dim d_state",
+    }
+    OUTPUTS = {"output": "batch seq heads head_dim", "final_state": "batch heads head_dim d_state"}
+    VALUES = {
+        "x": "batch seq heads head_dim",
+        "dt": "batch seq heads",
+        "decay": "batch seq heads",
+        "B": "batch seq groups d_state",
+        "C": "batch seq groups d_state",
+        "y": "batch seq heads head_dim",
+    }
+    LIMITS = {
+        "dt_limit at decode steps": "transformers' decode kernel does not clamp dt to time_step_limit (its prompt"
+        " kernel does); the library's loops do the same, so a non-default limit makes them disagree",
+    }
+
+    @classmethod
+    def _token_values(cls, part: KernelCall) -> dict[str, Tensor]:
+        x = part.inputs
+        if part.kernel == cls.kernel_for(Role.PROMPT).name:
+            dt = step_size(x["dt"], x["dt_bias"], x["dt_softplus"], x["dt_limit"])
+            return {"x": x["hidden_states"], "dt": dt, "decay": torch.exp(dt * x["A"].float()), "B": x["B"],
+                    "C": x["C"], "y": part.output["output"]}
+        # the decode kernel gets the per-head parameters expanded over head_dim: channel 0 is the head's
+        dt = step_size(x["dt"][..., 0], None if x["dt_bias"] is None else x["dt_bias"][..., 0], x["dt_softplus"])
+        return {"x": x["hidden_states"][:, None], "dt": dt[:, None], "decay": torch.exp(dt * x["A"][:, 0, 0].float())[:, None],
+                "B": x["B"][:, None], "C": x["C"][:, None], "y": part.output["output"][:, None]}
+
+    def _effective_attention(self, calls: range, dtype: torch.dtype) -> EffectiveAttention:
+        """Mamba-2's exact map (SSD: a scalar decay per head)."""
+        kind = type(self)
+        xs, steps, Bs, Cs = [], [], [], []
+        for index in calls:
+            values = kind._token_values(self.calls[index].parts[0])  # token-major x, Δ (clamped as the kernel), B, C
+            xs.append(values["x"]), steps.append(values["dt"]), Bs.append(values["B"]), Cs.append(values["C"])
+        last, first = self.calls[calls[-1]].parts[0], self.calls[calls[0]].parts[0]
+        x, delta, B, C = (torch.cat([p.to(dtype) for p in pieces], dim=1) for pieces in (xs, steps, Bs, Cs))
+        heads = x.shape[2]
+        B, C = (repeat(v, "b s g n -> b (g r) s n", r=heads // v.shape[2]) for v in (B, C))  # head h reads group h // r
+        decode = kind.kernel(last.kernel).role is Role.DECODE
+        A = last.inputs["A"]
+        A = (A[:, 0, 0] if decode else A).to(dtype)  # h   (the decode kernel gets it expanded over head_dim, d_state)
+        rows = xs[-1].shape[1]
+        start = x.shape[1] - rows
+        delta = delta.transpose(1, 2)  # b h s
+        cum = (delta * A[:, None]).cumsum(2)[..., None]  # b h s 1
+        weights = decayed(C[:, :, start:], B, cum[:, :, start:], cum, start, strict=False) * delta[:, :, None]
+        values = x.transpose(1, 2)  # b h s p
+        state = first.inputs["state" if kind.kernel(first.kernel).role is Role.DECODE else "initial_states"]
+        if state is None:
+            from_state = torch.zeros_like(values[:, :, start:])
+        else:
+            from_state = torch.einsum("bhpn,bhtn->bhtp", state.to(dtype), C[:, :, start:]) * cum[:, :, start:].exp()
+        D = last.inputs.get("D")
+        skip = None
+        if D is not None:
+            D = (D[:, 0] if decode else D).to(dtype)
+            skip = D[:, None, None] * values[:, :, start:]
+        z = last.inputs.get("z") if decode else None
+        gate = None if z is None else F.silu(z.to(dtype))[:, :, None]
+        return EffectiveAttention(weights, values, from_state, skip, gate, calls)

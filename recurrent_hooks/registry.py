@@ -1,0 +1,92 @@
+"""The family registry: which transformers modeling modules and mixer classes the library supports, as data.
+
+A family is one transformers model type (its modeling module has its own copy of every kernel). A
+new family is one row here and one test parametrization; nothing else in the library names a family.
+
+The rows are added to the engine's tables (`recurrent_hooks.engine.families`: `Family`, `FAMILIES`,
+`MORE_MIXERS`, `UNSUPPORTED` and the lookups, re-exported here) when the package is imported. A family whose
+layers hold mixers of two kinds (inkling2's static and dynamic convolutions) has a row per mixer class.
+"""
+
+from .engine.families import FAMILIES as FAMILIES
+from .engine.families import MORE_MIXERS as MORE_MIXERS
+from .engine.families import UNSUPPORTED as UNSUPPORTED
+from .engine.families import Family as Family
+from .engine.families import Unsupported as Unsupported
+from .engine.families import _BY_CLASS as _BY_CLASS  # noqa: F401  (tests patch rows in)
+from .engine.families import _UNSUPPORTED_BY_CLASS as _UNSUPPORTED_BY_CLASS  # noqa: F401
+from .engine.families import family_of as family_of
+from .engine.families import register
+from .engine.families import resolve_family as resolve_family
+from .engine.families import unsupported_of as unsupported_of
+from .kinds.dynamic_conv import DynamicShortConvolution, LoopedDynamicShortConvolution
+from .kinds.kimi_delta import KimiDeltaAttention
+from .kinds.gated_delta_net import GatedDeltaNet
+from .kinds.lightning import LightningAttention
+from .kinds.rg_lru import RealGatedLinearRecurrence
+from .kinds.mlstm import MatrixLSTM
+from .kinds.selective_scan import PerHeadSelectiveScan, SelectiveScan
+from .kinds.short_conv import LoopedShortConvolution, ShortConvolution
+from .kinds.state_space import StateSpace
+from .kinds.wkv import WeightedKeyValue
+from .kinds.zaya import CompressedConvolutionalAttention
+
+
+register(
+    Family("qwen3_next", "Qwen3NextGatedDeltaNet", GatedDeltaNet),
+    Family("qwen3_5", "Qwen3_5GatedDeltaNet", GatedDeltaNet),
+    Family("qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet", GatedDeltaNet),
+    Family("olmo_hybrid", "OlmoHybridGatedDeltaNet", GatedDeltaNet),
+    Family("qwen4_exp", "Qwen4ExpTextGatedDeltaNet", GatedDeltaNet),
+    Family("lara_mini", "LaraMiniGatedDeltaNet", GatedDeltaNet),
+    Family("kimi_linear", "KimiLinearDeltaAttention", KimiDeltaAttention),
+    Family("bailing_hybrid", "BailingHybridDeltaAttention", KimiDeltaAttention),
+    Family("glm5_next", "Glm5NextTextLinearAttention", KimiDeltaAttention),
+    Family("mamba", "MambaMixer", SelectiveScan),
+    Family("falcon_mamba", "FalconMambaMixer", SelectiveScan),
+    Family("jamba", "JambaMambaMixer", SelectiveScan),
+    Family("zamba", "ZambaMambaMixer", PerHeadSelectiveScan),
+    Family("mamba2", "Mamba2Mixer", StateSpace),
+    Family("bamba", "BambaMixer", StateSpace),
+    Family("falcon_h1", "FalconH1Mixer", StateSpace),
+    Family("granitemoehybrid", "GraniteMoeHybridMambaLayer", StateSpace),
+    Family("nemotron_h", "NemotronHMamba2Mixer", StateSpace),
+    Family("zamba2", "Zamba2MambaMixer", StateSpace),
+    Family("recurrent_gemma", "RecurrentGemmaRecurrentBlock", RealGatedLinearRecurrence),
+    Family("rwkv", "RwkvSelfAttention", WeightedKeyValue),
+    Family("minimax", "MiniMaxLightningAttention", LightningAttention),
+    Family("lfm2", "Lfm2ShortConv", ShortConvolution),
+    Family("lfm2_moe", "Lfm2MoeShortConv", ShortConvolution),
+    Family("lfm3", "Lfm3ShortConv", ShortConvolution),
+    Family("inkling", "InklingShortConvolution", ShortConvolution),
+    Family("inkling2", "Inkling2ShortConvolution", ShortConvolution),
+    Family("inkling2_loop", "Inkling2LoopShortConvolution", LoopedShortConvolution),
+    Family("xlstm", "xLSTMLayer", MatrixLSTM),
+    Family("zaya", "ZayaCCAProjection", CompressedConvolutionalAttention),
+)
+
+# A family's further mixer classes, each with its own kind: `family_of` finds them (the tables are keyed by
+# (modeling module, mixer class)); `FAMILIES[name]` and `resolve_family` give the family's first row.
+register(
+    Family("inkling2", "Inkling2DynamicShortConvolution", DynamicShortConvolution),
+    Family("inkling2_loop", "Inkling2LoopDynamicShortConvolution", LoopedDynamicShortConvolution),
+)
+
+
+def _external_xlstm() -> bool:
+    """transformers builds xLSTM from the xlstm package when it is importable (modeling_xlstm.external_xlstm)."""
+    from transformers.utils import is_xlstm_available
+
+    return bool(is_xlstm_available())
+
+
+def _external_xlstm_rows() -> tuple[Unsupported, ...]:
+    """With the xlstm package, transformers' xLSTM blocks are xlstm's mLSTMBlock: none of MatrixLSTM's kernels."""
+    if not _external_xlstm():
+        return ()
+    return (Unsupported("xlstm", "xLSTMBlock", "the xlstm package is installed, so transformers builds xlstm's own"
+                        " mLSTMBlock (modeling_xlstm.external_xlstm is True), which calls none of the kernels the"
+                        " MatrixLSTM kind rebinds; uninstall xlstm to watch xLSTM models"),)
+
+
+register(*_external_xlstm_rows())
