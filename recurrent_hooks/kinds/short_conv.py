@@ -41,6 +41,7 @@ Module contents:
 - `LoopedShortConvolution`: inkling2_loop's, with a mixer per pass of a looped module.
 """
 
+import warnings
 from typing import Any, ClassVar
 
 from einops import rearrange
@@ -48,7 +49,7 @@ from torch import Tensor, nn
 
 from ..engine.calls import KernelCall
 from .conv import CONV_KERNELS
-from ..engine.errors import Unavailable
+from ..engine.errors import RecurrentHooksWarning, Unavailable
 from ..engine.kernels import CONV_MEMORY
 from ..engine.mixer import RecurrentMixer
 
@@ -152,14 +153,16 @@ class LoopedShortConvolution(ShortConvolution):
     The passes of a module are told apart by the cache layer the forward uses (`layer_idx + cache_offset`):
     a mixer takes part in its own pass's forwards only. The passes come from the model's config (the
     `LOOP_CONFIG` fields), so only a watch knows them: a hook registered on a looped module without a watch
-    (`rh.register_state_hook`) sees every pass and refuses the passes after the first.
+    (`rh.register_state_hook`) serves the first pass; the later passes run unhooked, with one warning.
     """
 
     LOOP_CONFIG: ClassVar[tuple[str, str, str]] = ("loop_layer_index_start", "loop_layer_index_end", "loop_num_passes")
+    _warned_later_pass = False  # a handle without a watch said once that it skipped a later pass
     LIMITS = {
         **ShortConvolution.LIMITS,
         "hooks without a watch on a looped module": "rh.register_state_hook cannot tell the passes apart (they"
-        " come from the model's config): its calls after the first pass raise; watch the model instead",
+        " come from the model's config): it serves the first pass, the later passes run unhooked (one warning);"
+        " watch the model for a mixer per pass",
     }
 
     @classmethod
@@ -174,13 +177,19 @@ class LoopedShortConvolution(ShortConvolution):
         offsets = [0] + [config.num_hidden_layers + (p - 1) * (end - start) - start for p in range(1, passes)]
         return tuple((layer + offset, state) for offset in offsets)
 
-    def _refusal(self, kernel: Any) -> str | None:
-        forward = self._forward
-        index = None if forward is None else forward.cache_index
+    def _serves(self, forward: Any) -> bool:
+        """A watch's mixer serves its own pass. A hook registered without a watch cannot tell the passes apart
+        (they come from the model's config): it serves the first pass, and a later pass runs as transformers runs
+        it, unhooked and uncounted, with one warning per handle (a watch has a mixer per pass)."""
+        index = forward.cache_index
         if self.cache_index is None and index is not None and index[0] != self.layer:
-            return (f"this forward is a later pass of a looped layer (cache layer {index[0]}); a hook"
-                    " registered without a watch cannot tell passes apart: watch the model for a mixer per pass")
-        return None
+            if not self._warned_later_pass:
+                self._warned_later_pass = True
+                warnings.warn(f"{self}: a later pass of a looped layer (cache layer {index[0]}) ran without this"
+                              " hook, which was registered without a watch and serves the first pass only; watch"
+                              " the model for a mixer per pass", RecurrentHooksWarning, stacklevel=2)
+            return False
+        return super()._serves(forward)
 
     def __repr__(self) -> str:
         if self.cache_index is None or self.cache_index[0] == self.layer:
