@@ -192,3 +192,26 @@ def test_unsupported_rows_are_registered_and_found_lazily():
         registry.unregister(row)
     assert registry.unsupported_of(attention) is None and row not in extend.UNSUPPORTED
 
+
+def test_route_kernels_routes_every_mixer_class_of_the_family():
+    """inkling2's one row has two mixer classes: routing the family reroutes both (the dynamic convolutions'
+    forward too, which the family's first row alone used to leave as it was), and the model computes the same."""
+    row = rh.FAMILIES["inkling2"]
+    targets = {mixer.mixer_class: [mixer.target(kernel) for kernel in mixer.kind.KERNELS] for mixer in row.classes}
+    model, ids = build("inkling2"), random_ids(1, 6)
+    with torch.no_grad():
+        expected = model(ids).logits
+    rh.route_kernels("inkling2", "torch")
+    try:
+        for cls, bindings in targets.items():
+            for owner, name in bindings:
+                assert patching.bound_original(owner, name) is not patching.import_default(owner, name), \
+                    f"{cls}.{name} was not routed"
+        with torch.no_grad():
+            got = model(ids).logits
+    finally:
+        rh.route_kernels("inkling2", "default")
+    assert_close("logits through the token loops", expected, got, rtol=1e-4, atol=1e-5)
+    for bindings in targets.values():
+        for owner, name in bindings:
+            assert patching.bound_original(owner, name) is patching.import_default(owner, name)

@@ -360,20 +360,22 @@ def route_kernels(family: "str | ModuleType | nn.Module", to: str) -> None:
     if not isinstance(to, str):
         raise InvalidValue(f"route_kernels: expected to='torch' or to='default', got {to!r}")
     row = resolve_family(family)
-    mixer = row.classes[0]
-    words = mixer.kind.ROUTES
-    if to not in words:
-        raise InvalidValue(f"route_kernels: expected to= one of {', '.join(map(repr, words))} for {row.name}"
-                           f" ({row.kind.__name__}), got {to!r}")
-    per_instance = [kernel.name for kernel in row.kind.KERNELS if kernel.site is Site.INSTANCE]
-    if per_instance:
-        raise Unavailable(f"route_kernels: {row.name}'s kernels ({', '.join(per_instance)}) are captured by each"
-                          " module when the model is built, so there is nothing process-wide to reroute; use watch")
-    targets = {mixer.target(kernel): kernel for kernel in row.kind.KERNELS}
-    if words[to] == "torch":
-        replacements = {target: kernel.loop for target, kernel in targets.items()}
-    else:
-        replacements = {target: import_default(*target) for target in targets}
+    replacements = {}
+    for mixer in row.classes:  # every mixer class of the family (inkling2: its static and dynamic convolutions)
+        words = mixer.kind.ROUTES
+        if to not in words:
+            raise InvalidValue(f"route_kernels: expected to= one of {', '.join(map(repr, words))} for {row.name}"
+                               f" ({mixer.kind.__name__}), got {to!r}")
+        per_instance = [kernel.name for kernel in mixer.kind.KERNELS if kernel.site is Site.INSTANCE]
+        if per_instance:
+            raise Unavailable(f"route_kernels: {row.name}'s kernels ({', '.join(per_instance)}) are captured by"
+                              " each module when the model is built, so there is nothing process-wide to reroute;"
+                              " use watch")
+        targets = {mixer.target(kernel): kernel for kernel in mixer.kind.KERNELS}
+        if words[to] == "torch":
+            replacements.update({target: kernel.loop for target, kernel in targets.items()})
+        else:
+            replacements.update({target: import_default(*target) for target in targets})
     rebind_process_wide(replacements)
 
 
