@@ -40,10 +40,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _support_rows(target: str | None) -> list[dict[str, Any]]:
-    from .registry import FAMILIES, MORE_MIXERS, UNSUPPORTED
+    from .registry import FAMILIES, UNSUPPORTED
 
     if target is None or target in FAMILIES or target in {row.family for row in UNSUPPORTED}:
-        rows = [_family_row(family) for family in (*FAMILIES.values(), *MORE_MIXERS)]
+        rows = [_family_row(mixer) for family in FAMILIES.values() for mixer in family.classes]
         rows += [{"family": row.family, "mixer_class": row.mixer_class, "kind": None, "available": [],
                   "unavailable": {"everything": row.reason}} for row in UNSUPPORTED]
         return rows if target is None else [row for row in rows if row["family"] == target]
@@ -54,11 +54,12 @@ def _support_rows(target: str | None) -> list[dict[str, Any]]:
     return [_mixer_row(row) for row in _model_support(path)]
 
 
-def _family_row(family: Any) -> dict[str, Any]:
+def _family_row(mixer: Any) -> dict[str, Any]:
+    """One mixer class of a family (a `MixerClass`): its kind, what it offers and its limits."""
     from .engine.watch import available_of
 
-    kind = family.kind
-    return {"family": family.name, "mixer_class": family.mixer_class, "kind": kind.__name__,
+    kind = mixer.kind
+    return {"family": mixer.name, "mixer_class": mixer.mixer_class, "kind": kind.__name__,
             "state": kind.STATE, "available": list(available_of(kind)),
             "unavailable": dict(kind.LIMITS)}
 

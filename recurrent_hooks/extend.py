@@ -1,10 +1,16 @@
 """The names for people who add a mixer kind or a family: declarations, kinds and the registry.
 
     from recurrent_hooks.extend import Kernel, Role, Site, Segments, RecurrentMixer, FAMILIES
+    from recurrent_hooks.extend import Family, GatedDeltaNet, register
+    register(Family("my_qwen", {"MyQwenGatedDeltaNet": GatedDeltaNet}, modeling="my_pkg.modeling_my_qwen"))
 
-A family of an existing kind is one `Family` row in `recurrent_hooks/registry.py` (and one test builder);
-a new kind is a `RecurrentMixer` subclass that declares its kernels (`Kernel` rows), its memories and its
-values as class constants, in a module of its own. docs/concepts.md ("Adding a family") walks through both.
+A family of an existing kind is one `Family` row: its mixer classes, each with its kind, and the owners of
+class-attribute kernels that are not the mixer class's. The library's rows are in `recurrent_hooks/registry.py`
+(with one test builder each); `register` adds a row at run time (a fork of a transformers modeling module, a
+family the library does not list yet), which the next watch finds, and refuses a family or mixer class that is
+registered already. A new kind is a `RecurrentMixer` subclass that declares its kernels (`Kernel` rows), its
+memories and its values as class constants, in a module of its own. docs/concepts.md ("Adding a family") walks
+through both.
 Users who read and write states need none of this: `recurrent_hooks` itself has their names.
 """
 
@@ -25,9 +31,9 @@ from .kinds.mlstm import MatrixLSTM as MatrixLSTM
 from .kinds.mlstm import MLSTMState as MLSTMState
 from .registry import FAMILIES as FAMILIES
 from .registry import UNSUPPORTED as UNSUPPORTED
-from .registry import MORE_MIXERS as MORE_MIXERS
 from .registry import Family as Family
 from .registry import Unsupported as Unsupported
+from .registry import register as register
 from .kinds.selective_scan import PerHeadSelectiveScan as PerHeadSelectiveScan
 from .kinds.selective_scan import SelectiveScan as SelectiveScan
 from .kinds.short_conv import LoopedShortConvolution as LoopedShortConvolution
@@ -51,9 +57,9 @@ __all__ = [
     "CONV_KERNELS",
     "Family",
     "FAMILIES",
+    "register",
     "Unsupported",
     "UNSUPPORTED",
-    "MORE_MIXERS",
     "GatedDeltaNet",
     "KimiDeltaAttention",
     "SelectiveScan",

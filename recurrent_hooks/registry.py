@@ -1,23 +1,26 @@
 """The family registry: which transformers modeling modules and mixer classes the library supports, as data.
 
-A family is one transformers model type (its modeling module has its own copy of every kernel). A
-new family is one row here and one test parametrization; nothing else in the library names a family.
+A family is one transformers model type (its modeling module has its own copy of every kernel) and one row
+here: its mixer classes, each with the kind that describes it, and where a kind's class- or instance-attribute
+kernels live when that is not the mixer class (`owners`). A new family of an existing kind is one row and one
+test builder; nothing else in the library names a family, and no kind names a transformers class.
 
-The rows are added to the engine's tables (`recurrent_hooks.engine.families`: `Family`, `FAMILIES`,
-`MORE_MIXERS`, `UNSUPPORTED` and the lookups, re-exported here) when the package is imported. A family whose
-layers hold mixers of two kinds (inkling2's static and dynamic convolutions) has a row per mixer class.
+The rows are added to the engine's registry (`recurrent_hooks.engine.families`: `Family`, `FAMILIES`,
+`UNSUPPORTED` and the lazily built lookups, re-exported here) when the package is imported;
+`recurrent_hooks.extend.register` adds more at run time.
 """
 
 from .engine.families import FAMILIES as FAMILIES
-from .engine.families import MORE_MIXERS as MORE_MIXERS
 from .engine.families import UNSUPPORTED as UNSUPPORTED
 from .engine.families import Family as Family
+from .engine.families import MixerClass as MixerClass
 from .engine.families import Unsupported as Unsupported
-from .engine.families import _BY_CLASS as _BY_CLASS  # noqa: F401  (tests patch rows in)
-from .engine.families import _UNSUPPORTED_BY_CLASS as _UNSUPPORTED_BY_CLASS  # noqa: F401
 from .engine.families import family_of as family_of
-from .engine.families import register
+from .engine.families import mixer_of as mixer_of
+from .engine.families import register as register
+from .engine.families import replace as replace
 from .engine.families import resolve_family as resolve_family
+from .engine.families import unregister as unregister
 from .engine.families import unsupported_of as unsupported_of
 from .kinds.dynamic_conv import DynamicShortConvolution, LoopedDynamicShortConvolution
 from .kinds.kimi_delta import KimiDeltaAttention
@@ -33,43 +36,43 @@ from .kinds.zaya import CompressedConvolutionalAttention
 
 
 register(
-    Family("qwen3_next", "Qwen3NextGatedDeltaNet", GatedDeltaNet),
-    Family("qwen3_5", "Qwen3_5GatedDeltaNet", GatedDeltaNet),
-    Family("qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet", GatedDeltaNet),
-    Family("olmo_hybrid", "OlmoHybridGatedDeltaNet", GatedDeltaNet),
-    Family("qwen4_exp", "Qwen4ExpTextGatedDeltaNet", GatedDeltaNet),
-    Family("lara_mini", "LaraMiniGatedDeltaNet", GatedDeltaNet),
-    Family("kimi_linear", "KimiLinearDeltaAttention", KimiDeltaAttention),
-    Family("bailing_hybrid", "BailingHybridDeltaAttention", KimiDeltaAttention),
-    Family("glm5_next", "Glm5NextTextLinearAttention", KimiDeltaAttention),
-    Family("mamba", "MambaMixer", SelectiveScan),
-    Family("falcon_mamba", "FalconMambaMixer", SelectiveScan),
-    Family("jamba", "JambaMambaMixer", SelectiveScan),
-    Family("zamba", "ZambaMambaMixer", PerHeadSelectiveScan),
-    Family("mamba2", "Mamba2Mixer", StateSpace),
-    Family("bamba", "BambaMixer", StateSpace),
-    Family("falcon_h1", "FalconH1Mixer", StateSpace),
-    Family("granitemoehybrid", "GraniteMoeHybridMambaLayer", StateSpace),
-    Family("nemotron_h", "NemotronHMamba2Mixer", StateSpace),
-    Family("zamba2", "Zamba2MambaMixer", StateSpace),
-    Family("recurrent_gemma", "RecurrentGemmaRecurrentBlock", RealGatedLinearRecurrence),
-    Family("rwkv", "RwkvSelfAttention", WeightedKeyValue),
-    Family("minimax", "MiniMaxLightningAttention", LightningAttention),
-    Family("lfm2", "Lfm2ShortConv", ShortConvolution),
-    Family("lfm2_moe", "Lfm2MoeShortConv", ShortConvolution),
-    Family("lfm3", "Lfm3ShortConv", ShortConvolution),
-    Family("inkling", "InklingShortConvolution", ShortConvolution),
-    Family("inkling2", "Inkling2ShortConvolution", ShortConvolution),
-    Family("inkling2_loop", "Inkling2LoopShortConvolution", LoopedShortConvolution),
-    Family("xlstm", "xLSTMLayer", MatrixLSTM),
-    Family("zaya", "ZayaCCAProjection", CompressedConvolutionalAttention),
-)
-
-# A family's further mixer classes, each with its own kind: `family_of` finds them (the tables are keyed by
-# (modeling module, mixer class)); `FAMILIES[name]` and `resolve_family` give the family's first row.
-register(
-    Family("inkling2", "Inkling2DynamicShortConvolution", DynamicShortConvolution),
-    Family("inkling2_loop", "Inkling2LoopDynamicShortConvolution", LoopedDynamicShortConvolution),
+    Family("qwen3_next", {"Qwen3NextGatedDeltaNet": GatedDeltaNet}),
+    Family("qwen3_5", {"Qwen3_5GatedDeltaNet": GatedDeltaNet}),
+    Family("qwen3_5_moe", {"Qwen3_5MoeGatedDeltaNet": GatedDeltaNet}),
+    Family("olmo_hybrid", {"OlmoHybridGatedDeltaNet": GatedDeltaNet}),
+    Family("qwen4_exp", {"Qwen4ExpTextGatedDeltaNet": GatedDeltaNet}),
+    Family("lara_mini", {"LaraMiniGatedDeltaNet": GatedDeltaNet}),
+    Family("kimi_linear", {"KimiLinearDeltaAttention": KimiDeltaAttention}),
+    Family("bailing_hybrid", {"BailingHybridDeltaAttention": KimiDeltaAttention}),
+    Family("glm5_next", {"Glm5NextTextLinearAttention": KimiDeltaAttention}),
+    Family("mamba", {"MambaMixer": SelectiveScan}),
+    Family("falcon_mamba", {"FalconMambaMixer": SelectiveScan}),
+    Family("jamba", {"JambaMambaMixer": SelectiveScan}),
+    Family("zamba", {"ZambaMambaMixer": PerHeadSelectiveScan}),
+    Family("mamba2", {"Mamba2Mixer": StateSpace}),
+    Family("bamba", {"BambaMixer": StateSpace}),
+    Family("falcon_h1", {"FalconH1Mixer": StateSpace}),
+    Family("granitemoehybrid", {"GraniteMoeHybridMambaLayer": StateSpace}),
+    Family("nemotron_h", {"NemotronHMamba2Mixer": StateSpace}),
+    Family("zamba2", {"Zamba2MambaMixer": StateSpace}),
+    # the block's forward (the window) is the mixer class's; the recurrence is a method of its RG-LRU class
+    Family("recurrent_gemma", {"RecurrentGemmaRecurrentBlock": RealGatedLinearRecurrence},
+           owners={"_rnn_scan": "RecurrentGemmaRglru"}),
+    Family("rwkv", {"RwkvSelfAttention": WeightedKeyValue}),
+    Family("minimax", {"MiniMaxLightningAttention": LightningAttention}),
+    Family("lfm2", {"Lfm2ShortConv": ShortConvolution}),
+    Family("lfm2_moe", {"Lfm2MoeShortConv": ShortConvolution}),
+    Family("lfm3", {"Lfm3ShortConv": ShortConvolution}),
+    Family("inkling", {"InklingShortConvolution": ShortConvolution}),
+    # static convolutions in the linear layers, dynamic ones of the keys and values in the full-attention layers
+    Family("inkling2", {"Inkling2ShortConvolution": ShortConvolution,
+                        "Inkling2DynamicShortConvolution": DynamicShortConvolution}),
+    Family("inkling2_loop", {"Inkling2LoopShortConvolution": LoopedShortConvolution,
+                             "Inkling2LoopDynamicShortConvolution": LoopedDynamicShortConvolution}),
+    # the kernels are partials captured by each layer's backend object when the model is built
+    Family("xlstm", {"xLSTMLayer": MatrixLSTM},
+           owners={"_inference_fn": "mlstm_backend", "_train_fn": "mlstm_backend"}),
+    Family("zaya", {"ZayaCCAProjection": CompressedConvolutionalAttention}),
 )
 
 

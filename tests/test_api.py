@@ -146,7 +146,7 @@ def test_reading_what_was_not_kept_or_does_not_exist(model):
     assert w.mixer(2) is w.mixers[1]
 
 
-def test_an_unsupported_model_is_refused_with_the_reason(monkeypatch):
+def test_an_unsupported_model_is_refused_with_the_reason(request):
     """A model without a supported mixer is refused naming the supported families, and the recurrent mixers it has
     that the library does not handle (`UNSUPPORTED`), with their reasons; `support` lists those with the reason.
     (Every recurrent family of transformers 5.24 is supported since zaya: a stand-in row tests the listing.)"""
@@ -155,8 +155,8 @@ def test_an_unsupported_model_is_refused_with_the_reason(monkeypatch):
         with rh.watch(attention_only_model()):
             pass
     row = rh_registry.Unsupported("llama", "LlamaAttention", "a stand-in reason")
-    monkeypatch.setitem(rh_registry._UNSUPPORTED_BY_CLASS,
-                        ("transformers.models.llama.modeling_llama", "LlamaAttention"), row)
+    rh_registry.register(row)
+    request.addfinalizer(lambda: rh_registry.unregister(row))
     with pytest.raises(rh.Unavailable, match=r"\); it has LlamaAttention \(a stand-in reason\)$"):
         with rh.watch(attention_only_model()):
             pass

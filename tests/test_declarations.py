@@ -16,12 +16,11 @@ import torch
 import recurrent_hooks as rh
 from recurrent_hooks.engine.kernels import CONV_MEMORY, FORWARD, STATE_MEMORY, Role, Site
 from recurrent_hooks.engine.parts import map_parts, parts_of
-from recurrent_hooks.registry import MORE_MIXERS
 from _models import FAMILIES as BUILDERS
 from _models import PAD, build, random_ids
 
 T = 7
-KINDS = sorted({row.kind for row in (*rh.FAMILIES.values(), *MORE_MIXERS)}, key=lambda kind: kind.__name__)
+KINDS = sorted({kind for row in rh.FAMILIES.values() for kind in row.mixers.values()}, key=lambda kind: kind.__name__)
 FAMILIES = [name for name in rh.FAMILIES if name in BUILDERS]
 
 
@@ -145,8 +144,9 @@ def test_kernel_rows_are_consistent(kind):
 
 
 def test_a_kernel_row_is_checked_when_declared():
-    with pytest.raises(TypeError, match="needs an owner"):
-        rh.Kernel(name="_rnn_scan", role="decode", loop=lambda: None, state_in=None, results=(), site=Site.CLASS)
+    with pytest.raises(TypeError, match="owner"):  # whose method it is, is the family's: its row's `owners`
+        rh.Kernel(name="_rnn_scan", role="decode", loop=lambda: None, state_in=None, results=(), site=Site.CLASS,
+                  owner="RecurrentGemmaRglru")
     with pytest.raises(ValueError, match="'sideways' is not a valid Role"):
         rh.Kernel(name="k", role="sideways", loop=lambda: None, state_in=None, results=())
     with pytest.raises(KeyError, match="declares no decode kernel for its nothing"):

@@ -9,7 +9,6 @@ import sys
 import pytest
 
 import recurrent_hooks as rh
-from recurrent_hooks.registry import MORE_MIXERS
 import recurrent_hooks.engine.patching as patching
 from recurrent_hooks.engine.kernels import Site
 
@@ -36,12 +35,11 @@ def test_code_blocks_run(path):
                 if hasattr(namespace.get(name), "remove"):
                     namespace[name].remove()
     # nothing stays rebound: not by a watch or hook, not by a route_kernels("...", "torch") left in place
-    for family in rh.FAMILIES.values():
-        module = family.module()
+    for family in (mixer for row in rh.FAMILIES.values() for mixer in row.classes):
         for kernel in family.kind.KERNELS:
             if kernel.site is Site.INSTANCE:
                 continue  # bound per module of a model, released with its watch (tests/test_api.py)
-            target = kernel.target(module)
+            target = family.target(kernel)
             assert patching.bound_original(*target) is patching.import_default(*target), \
                 f"{path.name} left {kernel.name} rebound"
             assert not patching._BINDINGS, f"{path.name} left a binding: {sorted(patching._BINDINGS)}"
@@ -76,7 +74,7 @@ def _table_rows(text: str) -> list[list[str]]:
 def test_the_family_tables_are_the_registry():
     """api.md's family table is the registry row for row; in the kind tables of README and concepts.md,
     each kind (the first name in backticks of a row, with a sibling it covers) lists exactly its families."""
-    registry = (*rh.FAMILIES.values(), *MORE_MIXERS)  # a family may have mixers of two kinds (inkling2)
+    registry = [mixer for row in rh.FAMILIES.values() for mixer in row.classes]  # inkling2: mixers of two kinds
     rows = {(row[0].strip("`"), row[1].strip("`"), row[2].strip("`"))
             for row in _table_rows((ROOT / "docs/api.md").read_text()) if row and row[0].strip("`") in rh.FAMILIES}
     assert rows == {(f.name, f.mixer_class, f.kind.__name__) for f in registry}

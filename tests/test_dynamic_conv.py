@@ -18,9 +18,9 @@ from _models import PAD, build, random_ids
 from _runs import greedy, logits_of
 from recurrent_hooks.kinds.dynamic_conv import dynamic_conv_forward
 from recurrent_hooks.engine.patching import import_default
-from recurrent_hooks.registry import MORE_MIXERS
 
-ROWS = {row.name: row for row in MORE_MIXERS if issubclass(row.kind, rh.DynamicShortConvolution)}
+ROWS = {row.name: row for family in rh.FAMILIES.values() for row in family.classes  # the dynamic mixer classes
+        if issubclass(row.kind, rh.DynamicShortConvolution)}
 FAMILIES = list(ROWS)
 KEEP = ("conv_states", "inputs", "outputs")
 T = 13
@@ -310,9 +310,9 @@ def test_bindings_restored_after_exit_after_a_raising_hook_and_when_nested(model
 def test_registry_and_support_rows(model, family):
     row = ROWS[family]
     assert row.name in rh.FAMILIES and rh.FAMILIES[row.name].mixer_class != row.mixer_class
-    from recurrent_hooks.registry import UNSUPPORTED, family_of, resolve_family
+    from recurrent_hooks.registry import UNSUPPORTED, family_of, mixer_of, resolve_family
     assert all(u.mixer_class != row.mixer_class for u in UNSUPPORTED)
-    assert all(family_of(m) is row for m in _modules(model, family))
+    assert all(mixer_of(m) is row and family_of(m) is rh.FAMILIES[family] for m in _modules(model, family))
     assert resolve_family(model) is rh.FAMILIES[family]
     rows = [r for r in rh.support(model) if r.kind == row.kind.__name__]
     assert len(rows) == len(_modules(model, family))

@@ -274,7 +274,7 @@ def binding_sites(model, family):
     sites = {}
     for kernel in row.kind.KERNELS:
         for mixer in mixers if kernel.site is Site.INSTANCE else mixers[:1]:
-            owner, name = kernel.target(modeling, mixer)
+            owner, name = row.classes[0].target(kernel, mixer)
             sites[id(owner), name] = (owner, name, mixer if kernel.site is Site.INSTANCE else None)
     for name in row.kind.FUSED:
         if hasattr(modeling, name):

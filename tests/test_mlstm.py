@@ -619,7 +619,7 @@ def test_a_patching_sweep_cell_is_the_memory_write_it_stands_for(model):
     assert (sweep.values[0, 3:-1] - sweep.values[0, 0]).abs().min() > 1e-3, "patching after the change did nothing"
 
 
-def test_with_the_xlstm_package_the_model_is_refused_with_the_reason(monkeypatch):
+def test_with_the_xlstm_package_the_model_is_refused_with_the_reason(monkeypatch, request):
     """The xlstm package is not installed here; with it, transformers builds xlstm's mLSTMBlock (as the
     xLSTMBlock of modeling_xlstm), which the kind cannot watch. The registry then lists that class as
     unsupported, and a watch names it with the reason. Simulated: the availability check, and a module of
@@ -636,8 +636,8 @@ def test_with_the_xlstm_package_the_model_is_refused_with_the_reason(monkeypatch
     (row,) = registry._external_xlstm_rows()  # the row UNSUPPORTED holds then
     reason = row.reason
     assert row.mixer_class == "xLSTMBlock" and "uninstall xlstm" in reason
-    monkeypatch.setitem(registry._UNSUPPORTED_BY_CLASS,
-                        ("transformers.models.xlstm.modeling_xlstm", "xLSTMBlock"), row)
+    registry.register(row)
+    request.addfinalizer(lambda: registry.unregister(row))
     block = type("xLSTMBlock", (nn.Module,), {"__module__": "transformers.models.xlstm.modeling_xlstm"})
     model = nn.Sequential(block())
     with pytest.raises(rh.Unavailable, match=re.escape(f"xLSTMBlock ({reason})")):

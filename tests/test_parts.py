@@ -58,15 +58,15 @@ def halves(state: Tensor) -> Halves:
 
 
 @pytest.fixture
-def kind_of_qwen3_5(monkeypatch):
+def kind_of_qwen3_5():
     """A function that makes qwen3_5's mixers `kind` for the next watches (the registry is restored after the test)."""
     row = rh.FAMILIES["qwen3_5"]
-    monkeypatch.setitem(registry._BY_CLASS, (row.module_name, row.mixer_class), row)
 
     def route(kind):
-        registry._BY_CLASS[(row.module_name, row.mixer_class)] = dataclasses.replace(row, kind=kind)
+        registry.replace(dataclasses.replace(row, mixers={row.mixer_class: kind}))
 
-    return route
+    yield route
+    registry.replace(row)
 
 
 def test_kept_parts_are_the_halves_of_the_one_tensor_state(kind_of_qwen3_5, monkeypatch):

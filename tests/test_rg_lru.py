@@ -38,7 +38,7 @@ def classes(family):
 
 def bindings(family):
     """What the kind's two class attributes hold now, read from the classes' own `__dict__`."""
-    return {kernel.name: vars(kernel.target(rh.FAMILIES[family].module())[0])[kernel.name]
+    return {kernel.name: vars(rh.FAMILIES[family].classes[0].target(kernel)[0])[kernel.name]
             for kernel in rh.FAMILIES[family].kind.KERNELS}
 
 

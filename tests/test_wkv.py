@@ -660,15 +660,13 @@ def test_gradient_checkpointing_gives_the_gradients_of_the_plain_backward(model,
 
 
 def kernel_bindings(family):
-    row = rh.FAMILIES[family]
-    module = row.module()
-    return {kernel.name: inspect.getattr_static(*kernel.target(module)) for kernel in row.kind.KERNELS}
+    row = rh.FAMILIES[family].classes[0]
+    return {kernel.name: inspect.getattr_static(*row.target(kernel)) for kernel in row.kind.KERNELS}
 
 
 def default_bindings(family):
-    row = rh.FAMILIES[family]
-    module = row.module()
-    return {kernel.name: patching.import_default(*kernel.target(module)) for kernel in row.kind.KERNELS}
+    row = rh.FAMILIES[family].classes[0]
+    return {kernel.name: patching.import_default(*row.target(kernel)) for kernel in row.kind.KERNELS}
 
 
 def test_support_lists_the_kinds_values_and_limits(model, family):

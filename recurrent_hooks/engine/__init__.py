@@ -7,6 +7,8 @@
   the token loop); `strategies` and `blocks`: the path a busy call takes, by cost;
 - `patching`: the undo stack that rebinds kernel names and restores them; `threads`: per-thread state;
 - `compiled`: torch.compile support (the custom ops a graph runs);
+- `families` (`Family`, `MixerClass`, `Unsupported`, `REGISTRY`): the row type of a family and the registry that
+  holds the rows `recurrent_hooks/registry.py` adds, with lookups built lazily (so rows added at run time count);
 - `kernels` (`Kernel`, `Role`, `Site`, `Segments`), `parts`, `loops`, `arguments`, `errors`: the declarations and
   helpers the kinds build on.
 

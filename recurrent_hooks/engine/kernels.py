@@ -32,12 +32,15 @@ class Site(enum.Enum):
     """Where a kernel is bound: what the library rebinds for the duration of a watch.
 
     - MODULE: a global of the family's modeling module, looked up by the mixer's forward at call time
-      (`torch_chunk_gated_delta_rule`); `Kernel.owner` is None.
-    - CLASS: an attribute of a class of the modeling module, `Kernel.owner` (a method such as
-      `RecurrentGemmaRglru._rnn_scan`, or a whole `forward`); the library's loop takes `self` first.
-    - INSTANCE: an attribute of an object inside each mixer module, `Kernel.owner` its dotted path from
-      the mixer module ("" for the mixer itself): a kernel captured when the model was built (a
-      `functools.partial` in an attribute). Rebound per module, for the mixers a watch attaches.
+      (`torch_chunk_gated_delta_rule`).
+    - CLASS: an attribute of a class of the modeling module (a method such as `RecurrentGemmaRglru._rnn_scan`,
+      or a whole `forward`); the library's loop takes `self` first.
+    - INSTANCE: an attribute of an object inside each mixer module, at a dotted path from the mixer module
+      ("" for the mixer itself): a kernel captured when the model was built (a `functools.partial` in an
+      attribute). Rebound per module, for the mixers a watch attaches.
+
+    Which class, or which path, is a fact of the family, not of the kind: the family's row says it
+    (`Family.owners`, by default the mixer class, or the mixer module itself).
     """
 
     MODULE = "module global"
@@ -123,7 +126,7 @@ class Pieces:
 class Kernel:
     """One kernel of a mixer kind, as data (keyword-only fields).
 
-    - `name`: the name the mixer's forward calls (a module global, or an attribute of `owner`: see `site`);
+    - `name`: the name the mixer's forward calls (a module global, or an attribute of an owner: see `site`);
     - `loop`: the library's pure-torch token loop with the same signature and return value, plus a
       keyword-only `on_token(t, memory) -> memory` (and `tokens=` when `seq` is FORWARD; a loop that takes
       a keyword `original` gets the kernel bound before the watch, e.g. a partial whose settings it reads);
@@ -141,7 +144,8 @@ class Kernel:
     - `segments`: how the kernel bound before the watch can run piece by piece, chaining the state (None:
       it cannot). Then a call with hooks and kept states at a few tokens only runs that kernel on the
       pieces between them, instead of the token loop;
-    - `site`, `owner`: where the name is bound (`Site`): a module global by default;
+    - `site`: where the name is bound (`Site`): a module global by default (the family's row names the class
+      or path of a class or instance attribute, `Family.owners`);
     - `stops`: the loop also takes a keyword-only `stops`, the sorted tokens at which it must call `on_token`
       (None: every token), and runs a faster computation between them (a whole forward whose own block
       loop can start from a state: lightning attention). Used like `segments`, for kernels without them.
@@ -158,28 +162,28 @@ class Kernel:
     also: str | None = None
     segments: Segments | None = None
     site: Site = Site.MODULE
-    owner: str | None = None
     stops: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))
         layout_of(self.loop)  # read now: a compiled forward cannot inspect signatures
-        if (self.owner is None) != (self.site is Site.MODULE):
-            raise TypeError(f"Kernel {self.name!r}: a {self.site.value} needs an owner, a module global none"
-                            f" (got owner={self.owner!r})")
 
-    def target(self, modeling_module: ModuleType, mixer_module: Any = None) -> tuple[Any, str]:
-        """The object and attribute name this kernel is bound to (for INSTANCE, inside `mixer_module`)."""
+    def target(self, modeling_module: ModuleType, owner: str | None, mixer_module: Any = None) -> tuple[Any, str]:
+        """The object and attribute name this kernel is bound to: a global of `modeling_module`, an attribute of
+        its class `owner`, or (INSTANCE) of the object at the dotted path `owner` inside `mixer_module`. The
+        family's row knows the owner: `MixerClass.target(kernel, mixer_module)` calls this."""
         if self.site is Site.MODULE:
             return modeling_module, self.name
+        if owner is None:
+            raise TypeError(f"Kernel {self.name!r} is a {self.site.value}: give its owner")
         if self.site is Site.CLASS:
-            return getattr(modeling_module, self.owner), self.name
+            return getattr(modeling_module, owner), self.name
         if mixer_module is None:
-            raise TypeError(f"Kernel {self.name!r} is bound per mixer module ({self.owner!r}): give the module")
-        owner = mixer_module
-        for part in filter(None, self.owner.split(".")):
-            owner = getattr(owner, part)
-        return owner, self.name
+            raise TypeError(f"Kernel {self.name!r} is bound per mixer module ({owner!r}): give the module")
+        found = mixer_module
+        for part in filter(None, owner.split(".")):
+            found = getattr(found, part)
+        return found, self.name
 
     @property
     def memories(self) -> tuple[str, ...]:

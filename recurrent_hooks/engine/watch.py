@@ -31,11 +31,11 @@ from .dispatch import attach, make_dispatcher
 from .kernels import KEEPABLE, KERNEL_RECORDS, Kernel, Role, Site
 from .mixer import RecurrentMixer, StateHook
 from .patching import Transient, UndoStack, acquire_kernels, bound_original, import_default, rebind_process_wide
-from .families import FAMILIES, Family, family_of, resolve_family, unsupported_of
+from .families import FAMILIES, MixerClass, mixer_of, resolve_family, unsupported_of
 
 
-def _mixer_modules(model: nn.Module) -> list[tuple[str, nn.Module, Family]]:
-    return [(path, m, row) for path, m in model.named_modules() if (row := family_of(m)) is not None]
+def _mixer_modules(model: nn.Module) -> list[tuple[str, nn.Module, MixerClass]]:
+    return [(path, m, row) for path, m in model.named_modules() if (row := mixer_of(m)) is not None]
 
 
 def _layer_in_path(path: str) -> int | None:
@@ -44,16 +44,16 @@ def _layer_in_path(path: str) -> int | None:
     return numbers[-1] if numbers else None
 
 
-def _attach_with_kernels(mixer: RecurrentMixer, family: Family, stack: contextlib.ExitStack) -> None:
+def _attach_with_kernels(mixer: RecurrentMixer, family: MixerClass, stack: contextlib.ExitStack) -> None:
     """Attach `mixer` and acquire its family's kernels, registering both releases on `stack`."""
     stack.callback(attach(mixer))
     module = family.module()
-    targets = [kernel.target(module, mixer.module) for kernel in family.kind.KERNELS]
+    targets = [family.target(kernel, mixer.module) for kernel in family.kind.KERNELS]
     targets += [(module, name) for name in family.kind.FUSED if hasattr(module, name)]
     stack.callback(acquire_kernels(targets, make_dispatcher(family.kind)))
     for kernel in family.kind.KERNELS:
         if kernel.site is Site.CLASS:
-            _acquire_bound_copies(mixer.module, kernel, kernel.target(module)[0], family.kind, stack)
+            _acquire_bound_copies(mixer.module, kernel, family.target(kernel)[0], family.kind, stack)
 
 
 def _acquire_bound_copies(mixer_module: nn.Module, kernel: Kernel, owner: type, kind: type[RecurrentMixer],
@@ -311,11 +311,11 @@ def register_state_hook(module: nn.Module, fn: StateHook, *, call: int | Iterabl
     `remove()` leaves the hook in place; the kernels are released when the last hook is removed or when
     the module is garbage-collected.
     """
-    row = family_of(module)
+    row = mixer_of(module)
     if row is None:
         raise InvalidValue(
             f"register_state_hook: expected a recurrent mixer module (one of"
-            f" {', '.join(f.mixer_class for f in FAMILIES.values())}), got {type(module).__name__}"
+            f" {', '.join(cls for f in FAMILIES.values() for cls in f.mixers)}), got {type(module).__name__}"
         )
     mixer = _STANDALONE.get(module)
     if mixer is None:
@@ -360,20 +360,22 @@ def route_kernels(family: "str | ModuleType | nn.Module", to: str) -> None:
     if not isinstance(to, str):
         raise InvalidValue(f"route_kernels: expected to='torch' or to='default', got {to!r}")
     row = resolve_family(family)
-    words = row.kind.ROUTES
-    if to not in words:
-        raise InvalidValue(f"route_kernels: expected to= one of {', '.join(map(repr, words))} for {row.name}"
-                           f" ({row.kind.__name__}), got {to!r}")
-    module = row.module()
-    per_instance = [kernel.name for kernel in row.kind.KERNELS if kernel.site is Site.INSTANCE]
-    if per_instance:
-        raise Unavailable(f"route_kernels: {row.name}'s kernels ({', '.join(per_instance)}) are captured by each"
-                          " module when the model is built, so there is nothing process-wide to reroute; use watch")
-    targets = {kernel.target(module): kernel for kernel in row.kind.KERNELS}
-    if words[to] == "torch":
-        replacements = {target: kernel.loop for target, kernel in targets.items()}
-    else:
-        replacements = {target: import_default(*target) for target in targets}
+    replacements = {}
+    for mixer in row.classes:  # every mixer class of the family (inkling2: its static and dynamic convolutions)
+        words = mixer.kind.ROUTES
+        if to not in words:
+            raise InvalidValue(f"route_kernels: expected to= one of {', '.join(map(repr, words))} for {row.name}"
+                               f" ({mixer.kind.__name__}), got {to!r}")
+        per_instance = [kernel.name for kernel in mixer.kind.KERNELS if kernel.site is Site.INSTANCE]
+        if per_instance:
+            raise Unavailable(f"route_kernels: {row.name}'s kernels ({', '.join(per_instance)}) are captured by"
+                              " each module when the model is built, so there is nothing process-wide to reroute;"
+                              " use watch")
+        targets = {mixer.target(kernel): kernel for kernel in mixer.kind.KERNELS}
+        if words[to] == "torch":
+            replacements.update({target: kernel.loop for target, kernel in targets.items()})
+        else:
+            replacements.update({target: import_default(*target) for target in targets})
     rebind_process_wide(replacements)
 
 
@@ -425,14 +427,14 @@ def support(model: nn.Module) -> list[MixerSupport]:
     rows = []
     for path, module in model.named_modules():
         name = type(module).__name__
-        family = family_of(module)
+        family = mixer_of(module)
         layer = getattr(module, "layer_idx" if family is None else family.kind.LAYER_ATTRIBUTE, _layer_in_path(path))
         if family is None:
             if (unsupported := unsupported_of(module)) is not None:
                 rows.append(MixerSupport(path, layer, name, None, None, (), {"everything": unsupported.reason}))
             continue
         kind = family.kind
-        bound = {k.name: bound_original(*k.target(family.module(), module)) for k in kind.KERNELS}
+        bound = {k.name: bound_original(*family.target(k, module)) for k in kind.KERNELS}
         available = available_of(kind)
         prompt = kind.kernel_for(Role.PROMPT)
         segments = prompt.segments

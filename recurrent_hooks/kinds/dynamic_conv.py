@@ -162,11 +162,10 @@ class DynamicShortConvolution(ShortConvolution):
     the window it held (`conv_state`, None for a prompt); `outputs` are its result, `output`.
     """
 
-    OWNER = "Inkling2DynamicShortConvolution"
     KERNELS = (
         # the whole forward; `conv_state`, in the recorded inputs, is the cached window it started from
         Kernel(name="forward", role=Role.BOTH, loop=dynamic_conv_forward, memory=CONV_MEMORY, state_in="conv_state",
-               results=("output",), seq=("hidden_states", 1), site=Site.CLASS, owner=OWNER),
+               results=("output",), seq=("hidden_states", 1), site=Site.CLASS),
     )
     INPUTS = {
         "hidden_states": "batch seq channels  (the convolution's input x: the k or v projection)",
@@ -215,11 +214,6 @@ class LoopedDynamicShortConvolution(DynamicShortConvolution, LoopedShortConvolut
         [m.cache_index for m in w.mixers if isinstance(m, rh.LoopedDynamicShortConvolution)]
     """
 
-    OWNER = "Inkling2LoopDynamicShortConvolution"
-    KERNELS = (
-        Kernel(name="forward", role=Role.BOTH, loop=dynamic_conv_forward, memory=CONV_MEMORY, state_in="conv_state",
-               results=("output",), seq=("hidden_states", 1), site=Site.CLASS, owner=OWNER),
-    )
     LIMITS = {**DynamicShortConvolution.LIMITS,
               "hooks without a watch on a looped module": LoopedShortConvolution.LIMITS[
                   "hooks without a watch on a looped module"]}

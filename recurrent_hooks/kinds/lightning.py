@@ -188,8 +188,7 @@ class LightningAttention(RecurrentMixer):
     KERNELS = (
         # the whole forward; `initial_state`, in the recorded inputs, is the cached state it started from
         Kernel(name="forward", role=Role.BOTH, loop=lightning_attention_forward, state_in="initial_state",
-               results=("output", "final_state"), seq=FORWARD, site=Site.CLASS, owner="MiniMaxLightningAttention",
-               stops=True),
+               results=("output", "final_state"), seq=FORWARD, site=Site.CLASS, stops=True),
     )
     MEMORIES = (STATE_MEMORY,)
     REORDERED_BY_CACHE = False  # MiniMaxCache.reorder_cache reorders its attention layers only (see LIMITS)

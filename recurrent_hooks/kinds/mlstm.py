@@ -213,10 +213,10 @@ class MatrixLSTM(RecurrentMixer):
     STATE_TYPE = MLSTMState
     KERNELS = (
         Kernel(name="_inference_fn", role=Role.BOTH, loop=mlstm_inference, site=Site.INSTANCE,
-               owner="mlstm_backend", state_in=("c_initial", "n_initial", "m_initial"),
+               state_in=("c_initial", "n_initial", "m_initial"),
                results=("output", "final_state"), seq=("value", 2)),
         Kernel(name="_train_fn", role=Role.PROMPT, loop=mlstm_train, site=Site.INSTANCE,
-               owner="mlstm_backend", state_in=("c_initial", "n_initial", "m_initial"),
+               state_in=("c_initial", "n_initial", "m_initial"),
                results=("output", "final_state"), seq=("value", 2)),
     )
     MEMORIES = ("state",)

@@ -57,10 +57,6 @@ from ..engine.loops import OnToken, handed_back_changed, version_of
 from ..engine.mixer import RecurrentMixer
 
 
-RGLRU_CLASS = "RecurrentGemmaRglru"  # owns the recurrence method `_rnn_scan`
-BLOCK_CLASS = "RecurrentGemmaRecurrentBlock"  # the mixer: owns the conv window, inline in its forward
-
-
 def rnn_scan(
     self: nn.Module,
     hidden_states: Float[Tensor, "batch seq lru_width"],
@@ -240,10 +236,10 @@ class RealGatedLinearRecurrence(RecurrentMixer):
     KERNELS = (
         # prompts and decode steps alike; returns the last state, which the module stores
         Kernel(name="_rnn_scan", role=Role.BOTH, loop=rnn_scan, state_in="recurrent_states",
-               results=("output", "final_state"), seq=("hidden_states", 1), site=Site.CLASS, owner=RGLRU_CLASS),
+               results=("output", "final_state"), seq=("hidden_states", 1), site=Site.CLASS),
         # the block's forward, which the library owns: the conv window
         Kernel(name="forward", role=Role.BOTH, loop=recurrent_block_forward, memory=CONV_MEMORY, state_in=None,
-               results=("output", "unused"), seq=("input_states", 1), site=Site.CLASS, owner=BLOCK_CLASS),
+               results=("output", "unused"), seq=("input_states", 1), site=Site.CLASS),
     )
     STATE = "batch lru_width"
     CONV_STATE = "batch lru_width window"

@@ -183,8 +183,7 @@ class WeightedKeyValue(RecurrentMixer):
                results=("output", "final_state"), seq=("key", 1)),
         # the token shift, a method of RwkvSelfAttention (its state argument is the model's state list)
         Kernel(name="extract_key_value", role=Role.BOTH, loop=extract_key_value, memory=CONV_MEMORY, state_in="state",
-               results=("receptance", "key", "value", "model_state"), seq=("hidden", 1), site=Site.CLASS,
-               owner="RwkvSelfAttention"),
+               results=("receptance", "key", "value", "model_state"), seq=("hidden", 1), site=Site.CLASS),
     )
     STATE_TYPE = WkvState
     STATE = {"num": "batch channels", "den": "batch channels", "max": "batch channels"}

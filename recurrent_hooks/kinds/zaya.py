@@ -208,12 +208,11 @@ class CompressedConvolutionalAttention(RecurrentMixer):
     `outputs` are its results, `query`, `key`, `value` (before zaya's q/k norm and rotary embedding).
     """
 
-    OWNER = "ZayaCCAProjection"
     KERNELS = (
         # the whole forward, for both memories; `conv_state` and `delay`, in the recorded inputs, are what it read
         Kernel(name="forward", role=Role.BOTH, loop=cca_forward, memory=CONV_MEMORY, also=STATE_MEMORY,
                state_in=("conv_state", "delay"), results=("query", "key", "value"), seq=("hidden_states", 1),
-               site=Site.CLASS, owner=OWNER),
+               site=Site.CLASS),
     )
     MEMORIES = (CONV_MEMORY, STATE_MEMORY)
     STATE = "batch delay_channels"
