@@ -21,7 +21,7 @@ import recurrent_hooks.engine.dispatch as rh_dispatch
 from _compare import assert_close
 from _models import PAD, build, random_ids
 from _reference_ssm import selective_scan_reference
-from recurrent_hooks import _selective_scan as s6
+from recurrent_hooks.kinds import selective_scan as s6
 
 MAMBA1_FAMILIES = ["mamba", "falcon_mamba", "jamba", "zamba"]
 # float32 against float64: the chunk-wise form divides by the running decay P_j and multiplies by P_i, so a
