@@ -8,8 +8,9 @@ Models as in benchmarks/run.py (random weights, 2 recurrent layers, `use_cache=F
 every round runs each row once, interleaved; a row's ratio is its time over the unhooked forward's in the same
 round, and the median over rounds is printed with its range. Rows:
 - "chosen": the hook as the library runs it (blocks where `Segments.blocks_below` allows, else the token loop);
-- "loop": the hook through the token loop (`dispatch.FAST_PATHS = False`, what main ran before the blocks path);
-- "blocks B": the same hook through `_blocks.run_in_blocks` with `BLOCK = B`, forced (`_blocks.SIZE_LIMIT`);
+- "loop": the hook through the token loop (`paths=rh.Paths(rule="loop")`, what main ran before the blocks path);
+- "blocks B": the same hook through `_blocks.run_in_blocks` with `BLOCK = B`, forced (`Paths(force="blocks",
+  blocks_below=2**62)`);
 - "blocks B, no-op hook": a hook that reads nothing (returns None): the path's own cost, without the norms;
 - "all_states once": the unhooked forward with its prompt kernel replaced by the chunk-wise `all_states` over the
   whole call (every state materialized once, no hook): the floor of any path that hands over every state.
@@ -28,7 +29,6 @@ from run import LINEAR2, VOCAB, _gdn, _mamba2, _ready
 
 import recurrent_hooks as rh
 import recurrent_hooks.engine.blocks as rh_blocks
-import recurrent_hooks.engine.dispatch as rh_dispatch
 
 MODELS = {
     "gdn_small": (lambda: _gdn(256, 4, 8, 64, 512, LINEAR2), 512),
@@ -51,8 +51,8 @@ def _rows(model, blocks):
     def unhooked(ids):
         return model(ids, use_cache=False).logits
 
-    def hooked(ids, fn):
-        handles = [rh.register_state_hook(mod, fn) for mod in modules]
+    def hooked(ids, fn, paths=None):
+        handles = [rh.register_state_hook(mod, fn, paths=paths) for mod in modules]
         try:
             return model(ids, use_cache=False).logits
         finally:
@@ -65,20 +65,16 @@ def _rows(model, blocks):
         norms.append(s.norm())
 
     def loop(ids):
-        rh_dispatch.FAST_PATHS = False
-        try:
-            return hooked(ids, norm_hook)
-        finally:
-            rh_dispatch.FAST_PATHS = True
+        return hooked(ids, norm_hook, rh.Paths(rule="loop"))
 
     def blocks_row(block, fn):
         def run(ids):
-            saved = rh_blocks.BLOCK, rh_blocks.SIZE_LIMIT
-            rh_blocks.BLOCK, rh_blocks.SIZE_LIMIT = block, 2**62
+            saved = rh_blocks.BLOCK
+            rh_blocks.BLOCK = block
             try:
-                return hooked(ids, fn)
+                return hooked(ids, fn, rh.Paths(force="blocks", blocks_below=2**62))
             finally:
-                rh_blocks.BLOCK, rh_blocks.SIZE_LIMIT = saved
+                rh_blocks.BLOCK = saved
         return run
 
     def all_states_once(ids):

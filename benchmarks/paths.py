@@ -2,11 +2,13 @@
 
     python benchmarks/paths.py               # the rows: each path's time, forced, and the one chosen
     python benchmarks/paths.py --quick       # a smoke run, a few seconds (run by the tests)
-    python benchmarks/paths.py --calibrate   # time the kernels over a grid of shapes, fit and print CONSTANTS
+    python benchmarks/paths.py --calibrate   # time the kernels over a grid of shapes, fit and print the constants
+    python benchmarks/paths.py --calibrate --write   # ... and write them into the package's costs.json, under
+                                                     # this device type and dtype ("cpu/float32"; --device cuda)
 
 Rows: a model forward (random weights, 2 recurrent layers, `torch.no_grad()`, 1 thread: see `--threads`) asked for states at
-some positions. Each path is forced in turn (`strategies.FORCE`; "segments" with the token-loop tails on,
-`strategies.TAILS = True`, "segments, whole" with them off, the default); the paths are timed in interleaved rounds and each time is the median over the
+some positions. Each path is forced in turn (`watch(model, paths=rh.Paths(force=...))`; "segments" with the token-loop
+tails on, `Paths(tails=True)`, "segments, whole" with them off, the default); the paths are timed in interleaved rounds and each time is the median over the
 rounds, with the unhooked forward (no watch) timed in the same rounds. "chosen" is the path the cost model picks
 for the row's calls; the check is that its time is within 10% of the fastest path's. A path the call cannot take
 is "-"; "segments" is "segments, whole" again when no piece ends in a tail (the chosen path is "segments" only
@@ -15,11 +17,14 @@ when one does).
 Calibration: each path of each kernel alone (the bound transformers kernel on a whole call, the library's
 token loop with an identity `on_token`, the library's all-states kernel), best of 5 per shape; the
 constants of each path come from a non-negative least-squares fit of its terms (`strategies.kernel_terms` ...)
-to the times, weighted by 1/time (a fit on relative error). One torch thread by default: on this machine, shared
-by several jobs, two threads contending for two cores made single timings vary by 100x.
+to the times, weighted by 1/time (a fit on relative error), and each fit's worst relative error on its own timings
+is printed and written with the constants (how far the model is off). One torch thread by default: on this machine,
+shared by several jobs, two threads contending for two cores made single timings vary by 100x.
 """
 
 import argparse
+import datetime
+import json
 import math
 import pathlib
 import statistics
@@ -142,15 +147,35 @@ def nnls(a: torch.Tensor, b: torch.Tensor, iterations: int = 300) -> torch.Tenso
     return x
 
 
-def calibrate(quick: bool) -> dict[str, paths.Constants]:
-    """Time each path of each kernel over the grid, fit the constants, print them as `strategies.CONSTANTS` reads."""
-    fitted = {}
+def _on(device: str, value: Any) -> Any:
+    """`value` (a call's arguments: tensors, tuples, dicts) moved to `device`."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(_on(device, item) for item in value)
+    if isinstance(value, dict):
+        return {key: _on(device, item) for key, item in value.items()}
+    return value
+
+
+def _timed(fn: Callable[[], Any], device: str) -> float:
+    if device == "cpu":
+        return _best(fn)
+    sync = getattr(torch, torch.device(device).type).synchronize
+    return _best(lambda: (fn(), sync()))
+
+
+def calibrate(quick: bool, device: str = "cpu") -> tuple[dict[str, paths.Constants], dict[str, dict[str, float]]]:
+    """Time each path of each kernel over the grid on `device` (float32), fit the constants, print them and each
+    fit's worst relative error; return both (kernel key -> Constants, kernel key -> path -> worst error)."""
+    fitted, errors = {}, {}
     for name, make in CALLS.items():
         rows: dict[str, list[tuple[list[float], float]]] = {"kernel": [], "loop": [], "states": []}
         for batch, heads, dim, chunk in (QUICK_GRID if quick else GRID)[name]:
             for path, lengths in (QUICK_LENGTHS if quick else LENGTHS).items():
                 for seq in lengths:
                     kernel, original, args, kwargs = make(batch, seq, heads, dim, chunk)
+                    args, kwargs = _on(device, args), _on(device, kwargs)
                     shape = kernel.segments.shape(kernel.bind(args, kwargs))
                     if path == "kernel" and batch * seq * heads * shape.key_dim * shape.value_dim > KERNEL_ELEMENTS:
                         continue
@@ -163,25 +188,47 @@ def calibrate(quick: bool) -> dict[str, paths.Constants]:
                     else:
                         fn = lambda: kernel.segments.all_states(*args, **kwargs)
                     fn()  # warm-up
-                    seconds = _best(fn)
+                    seconds = _timed(fn, device)
                     rows[path].append((TERMS[path](shape, seq), seconds))
                     print(f"  {name:10} {path:6} batch {batch:3} heads {heads:2} dims {shape.key_dim}x{shape.value_dim}"
                           f" chunk {chunk:3} T {seq:4}: {seconds * 1e3:8.2f} ms", flush=True)
-        coefficients = {}
+        coefficients, errors[name] = {}, {}
         for path, data in rows.items():
             terms = torch.tensor([t for t, _ in data], dtype=torch.float64)
             times = torch.tensor([s for _, s in data], dtype=torch.float64)
             solution = nnls(terms / times[:, None], torch.ones(len(times), dtype=torch.float64))
             coefficients[path] = solution.tolist()
             worst = max(abs(float(t @ solution) / float(s) - 1) for t, s in zip(terms, times))
+            errors[name][path] = worst
             print(f"  {name} {path}: fit {', '.join(f'{c:.2e}' for c in solution)}; worst relative error {worst:.0%}")
         fitted[name] = paths.Constants(**{path: tuple(float(c) for c in coefficients[path]) for path in TERMS})
-    print("CONSTANTS = {")
     for name, c in fitted.items():
         fields = ", ".join(f"{path}=({', '.join(f'{x:.2g}' for x in getattr(c, path))})" for path in TERMS)
         print(f"    {name!r}: Constants({fields}),")
-    print("}")
-    return fitted
+    return fitted, errors
+
+
+def write(key: str, fitted: dict[str, paths.Constants], errors: dict[str, dict[str, float]],
+          file: pathlib.Path = paths.COSTS_FILE) -> None:
+    """Write one calibration into the costs file under `key` ("cpu/float32"), keeping the others and each kernel's
+    "about" line."""
+    data = json.loads(file.read_text()) if file.exists() else {}
+    old = data.get(key, {}).get("kernels", {})
+    worst = [e for per_kernel in errors.values() for e in per_kernel.values()]
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%d %B %Y %H:%M")
+    data[key] = {
+        "measured": (f"python benchmarks/paths.py --calibrate --write (non-negative least squares on relative error,"
+                     f" each path timed over its grid of shapes, best of 5; float32, no gradients,"
+                     f" {torch.get_num_threads()} thread(s)), {when} UTC, torch {torch.__version__.split('+')[0]}"),
+        "worst relative error": (f"{min(worst):.0%}-{max(worst):.0%} over the fits (each path's worst on its own"
+                                 " timings): the model ranks paths that differ by more than that"),
+        "kernels": {name: {**({"about": old[name]["about"]} if "about" in old.get(name, {}) else {}),
+                           **{path: [float(f"{x:.2g}") for x in getattr(c, path)] for path in TERMS},
+                           "worst relative error": {path: round(errors[name][path], 2) for path in TERMS}}
+                    for name, c in fitted.items()},
+    }
+    file.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {key} into {file}")
 
 
 # -- the rows -----------------------------------------------------------------------------------------------------
@@ -236,13 +283,13 @@ VARIANTS = [("segments", paths.Path.SEGMENTS, True), ("segments, whole", paths.P
             ("chunk-wise states", paths.Path.STATES, True), ("token loop", paths.Path.LOOP, True)]
 
 
-def _forward(model: Any, ids: torch.Tensor, keep: Any) -> None:
-    with rh.watch(model, keep={"states": keep}):
+def _forward(model: Any, ids: torch.Tensor, keep: Any, policy: paths.Paths = paths.DEFAULT) -> None:
+    with rh.watch(model, keep={"states": keep}, paths=policy):
         model(ids, use_cache=False)
 
 
-def _taken(model: Any, ids: torch.Tensor, keep: Any) -> set[str]:
-    """The paths the calls of one forward take, forced as set now (from `strategies.choose`)."""
+def _taken(model: Any, ids: torch.Tensor, keep: Any, policy: paths.Paths) -> set[str]:
+    """The paths the calls of one forward take under `policy` (from `strategies.choose`)."""
     seen: set[str] = set()
     real = paths.choose
 
@@ -254,17 +301,14 @@ def _taken(model: Any, ids: torch.Tensor, keep: Any) -> set[str]:
 
     paths.choose = spy
     try:
-        _forward(model, ids, keep)
+        _forward(model, ids, keep, policy)
     finally:
         paths.choose = real
     return seen
 
 
-DEFAULT_TAILS = paths.TAILS
-
-
-def _set(force: paths.Path | None, tails: bool) -> None:
-    paths.FORCE, paths.TAILS = force, tails
+def _policy(force: paths.Path | None, tails: bool) -> paths.Paths:
+    return paths.LOOP if force is paths.Path.LOOP else paths.Paths(force=force, tails=tails)
 
 
 def run_row(model: Any, batch: int, tokens: int, count: Any, repeats: int) -> tuple[dict[str, float | None], str]:
@@ -273,28 +317,23 @@ def run_row(model: Any, batch: int, tokens: int, count: Any, repeats: int) -> tu
     keep = list(range(tokens)) if count == "all" else spread(count, tokens)
     runnable = []
     for name, force, tails in VARIANTS:
-        _set(force, tails)
-        taken = _taken(model, ids, keep)
+        taken = _taken(model, ids, keep, _policy(force, tails))
         # a forced path that the call cannot take (forced segments whose pieces are all token loops take the loop)
         wanted = {"segments": {"segments", "segments, whole"}, "segments, whole": {"segments", "segments, whole"}
                   }.get(name, {name})
         if taken <= wanted:
             runnable.append((name, force, tails))
-    _set(None, DEFAULT_TAILS)
-    chosen = _taken(model, ids, keep)
+    chosen = _taken(model, ids, keep, paths.DEFAULT)
     times: dict[str, list[float]] = {name: [] for name, _, _ in [UNHOOKED, *runnable]}
-    try:
-        for _ in range(repeats + 1):  # the first round warms up
+    for _ in range(repeats + 1):  # the first round warms up
+        start = time.perf_counter()
+        model(ids, use_cache=False)
+        times[UNHOOKED[0]].append(time.perf_counter() - start)
+        for name, force, tails in runnable:
+            policy = _policy(force, tails)
             start = time.perf_counter()
-            model(ids, use_cache=False)
-            times[UNHOOKED[0]].append(time.perf_counter() - start)
-            for name, force, tails in runnable:
-                _set(force, tails)
-                start = time.perf_counter()
-                _forward(model, ids, keep)
-                times[name].append(time.perf_counter() - start)
-    finally:
-        _set(None, DEFAULT_TAILS)
+            _forward(model, ids, keep, policy)
+            times[name].append(time.perf_counter() - start)
     medians = {name: statistics.median(times[name][1:]) if name in times else None
                for name, _, _ in [UNHOOKED, *VARIANTS]}
     return medians, " + ".join(sorted(chosen))
@@ -330,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes, one round: a smoke run")
     parser.add_argument("--calibrate", action="store_true", help="time the kernels, fit and print the constants")
+    parser.add_argument("--write", action="store_true",
+                        help="with --calibrate: write the constants into the package's costs.json")
+    parser.add_argument("--device", default="cpu", help="with --calibrate: the device to time on (default cpu)")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds per row (default 5)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the constants' setting)")
     args = parser.parse_args(argv)
@@ -338,7 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with torch.no_grad():
             if args.calibrate:
-                calibrate(args.quick)
+                fitted, errors = calibrate(args.quick, args.device)
+                if args.write:
+                    write(paths.calibration_key(args.device, torch.float32), fitted, errors)
                 return 0
         misses = rows(args.quick, 1 if args.quick else args.repeats)
         print(f"rows where the chosen path is more than 10% slower than the fastest: {misses}")

@@ -49,6 +49,7 @@ from .kinds.dynamic_conv import LoopedDynamicShortConvolution as LoopedDynamicSh
 from .kinds.state_space import StateSpace as StateSpace
 from .studies.sweep import Sweep as Sweep
 from .studies.sweep import patching_sweep as patching_sweep
+from .engine.strategies import Paths as Paths
 from .engine.watch import MixerSupport as MixerSupport
 from .engine.watch import Watch as Watch
 from .engine.watch import register_state_hook as register_state_hook
@@ -67,6 +68,7 @@ __all__ = [
     "patching_sweep",
     "Sweep",
     "MixerSupport",
+    "Paths",
     "attribute",
     "Attribution",
     "Call",

@@ -5,7 +5,6 @@ import torch
 
 import recurrent_hooks as rh
 import recurrent_hooks.engine.dispatch as dispatch_impl
-import recurrent_hooks.engine.strategies as paths_impl
 import recurrent_hooks.engine.patching as patching
 import recurrent_hooks.engine.threads as threads_impl
 import recurrent_hooks.engine.watch as watch_impl
@@ -15,13 +14,8 @@ import recurrent_hooks.engine.watch as watch_impl
 torch.set_num_threads(1)
 
 
-@pytest.fixture
-def fixed_path_rule(monkeypatch):
-    """The fixed rule picks the paths (a few stops: segments; every state kept: chunk-wise), for the tests of a
-    particular fast path, which ask for it (`pytest.mark.usefixtures("fixed_path_rule")`): at the test models'
-    tiny dims the cost model picks the token loop nearly always, and they would not test their path. Every other
-    test runs the shipped default, the cost model (`_paths.BY_COST = True`)."""
-    monkeypatch.setattr(paths_impl, "BY_COST", False)
+# A test asks for its path through the policy of its watches (`rh.watch(model, paths=rh.Paths(rule="fixed"))`,
+# `Paths(rule="loop")`): every other test runs the shipped default, the cost model.
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,5 @@
 """The blocks path (`recurrent_hooks/engine/blocks.py`): a hook on every token of a prompt, the states computed chunk-wise a
-block at a time, against the token loop (`_dispatch.FAST_PATHS = False`).
+block at a time, against the token loop (`watch(model, paths=rh.Paths(rule="loop"))`).
 
 For each kind whose prompt kernel has `Segments.all_states` (gated DeltaNet, Kimi delta attention, Mamba-2): the
 same logits, hook inputs (token, call, state), kept states, cache contents and greedy generate; replacements (a
@@ -16,7 +16,6 @@ from _models import PAD, build, random_ids
 
 import recurrent_hooks as rh
 import recurrent_hooks.engine.blocks as rh_blocks
-import recurrent_hooks.engine.dispatch as rh_dispatch
 
 FAMILIES = ["qwen3_5", "kimi_linear", "mamba2"]  # one family per kind with all_states
 BLOCK = 4
@@ -25,9 +24,6 @@ TOL = {"rtol": 1e-4, "atol": 1e-6}
 
 # The fixed rule: a hook on every token runs in blocks wherever `_blocks.blocks_apply` allows (the cost model would
 # pick the token loop for qwen3_5 and kimi_linear at these tiny dims, and this file would not test blocks).
-pytestmark = pytest.mark.usefixtures("fixed_path_rule")
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
 def shared_model(request):
     return build(request.param)
@@ -36,7 +32,6 @@ def shared_model(request):
 @pytest.fixture
 def model(shared_model, monkeypatch):
     monkeypatch.setattr(rh_blocks, "BLOCK", BLOCK)
-    monkeypatch.setattr(rh_blocks, "SIZE_LIMIT", 10**9)  # every call in blocks, whatever its kernel's blocks_below
     yield shared_model
     assert not shared_model.training, "a test left the model in train mode"
 
@@ -82,11 +77,16 @@ def _recorder(seen, replace=None):
     return hook
 
 
-def _run(model, ids, fast, monkeypatch, replace=None, keep=None, writes=(), generate=0):
-    """A forward (or greedy generate) with a hook on every token of every mixer, through one path."""
-    monkeypatch.setattr(rh_dispatch, "FAST_PATHS", fast)
+# every call with a hook on every token in blocks, whatever its kernel's blocks_below; the token loop
+BLOCKS, LOOP = rh.Paths(rule="fixed", blocks_below=10**9), rh.Paths(rule="loop")
+
+
+def _run(model, ids, fast, monkeypatch, replace=None, keep=None, writes=(), generate=0, blocks_below=10**9):
+    """A forward (or greedy generate) with a hook on every token of every mixer, through one path (`fast`: blocks
+    where the state has at most `blocks_below` elements; else the token loop)."""
     seen = []
-    with rh.watch(model, keep=keep or ()) as w, torch.no_grad():
+    paths = rh.Paths(rule="fixed", blocks_below=blocks_below) if fast else LOOP
+    with rh.watch(model, keep=keep or (), paths=paths) as w, torch.no_grad():
         for mixer in w.mixers:
             mixer.register_state_hook(_recorder(seen, replace))
             for token, value in writes:
@@ -198,10 +198,10 @@ def test_gradients_on_or_inference_mode_keep_the_token_loop(model, monkeypatch, 
     counter, so an in-place change could not be seen: both run the token loop."""
     ids = random_ids(2, T)
     grads = []
-    with rh.watch(model) as w, torch.enable_grad():
+    with rh.watch(model, paths=BLOCKS) as w, torch.enable_grad():
         w.mixers[0].register_state_hook(lambda m, c, t, s: grads.append(s.requires_grad))
         model(ids)
-    with rh.watch(model) as w, torch.inference_mode():
+    with rh.watch(model, paths=BLOCKS) as w, torch.inference_mode():
         w.mixers[0].register_state_hook(lambda m, c, t, s: None)
         model(ids)
     assert spy["blocks"] == [] and len(grads) == T and all(grads)
@@ -231,7 +231,7 @@ def test_run_in_blocks_matches_the_loop_for_any_block_size(shared_model):
 
 def test_blocks_are_chosen_by_the_size_of_the_state(model, monkeypatch, spy):
     """`state_size` reads the state's size off the kind's declarations (it equals the kept state's); a call runs
-    in blocks when it is at most the limit (`Segments.blocks_below`, or `SIZE_LIMIT` when set)."""
+    in blocks when it is at most the limit (`Segments.blocks_below`, or `Paths(blocks_below=...)` when set)."""
     ids = random_ids(2, T)
     with rh.watch(model, keep=("states", "inputs")) as w, torch.no_grad():
         model(ids)
@@ -240,7 +240,6 @@ def test_blocks_are_chosen_by_the_size_of_the_state(model, monkeypatch, spy):
     size = rh_blocks.state_size(type(mixer), kernel, mixer.calls[0].parts[0].inputs)
     assert size == mixer.state_after(0).numel()
     for limit, runs in ((size - 1, False), (size, True), (None, size <= kernel.segments.blocks_below)):
-        monkeypatch.setattr(rh_blocks, "SIZE_LIMIT", limit)
         spy["blocks"].clear()
-        _run(model, ids, True, monkeypatch)
+        _run(model, ids, True, monkeypatch, blocks_below=limit)
         assert bool(spy["blocks"]) == runs, f"limit {limit}, state of {size}: blocks {'not ' * runs}chosen"

@@ -68,11 +68,11 @@ def _one_of_each_kind(w):
     return [mixer for mixer in w.mixers if mixer in first.values() or mixer is w.mixers[-1]]
 
 
-def _watched_calls(model, forward, ids, memory, zero, hooked=None):
-    """CALLS forwards of `forward` in one watch, every one after the first with error_on_recompile; the read hooks
-    at the tokens `hooked` (None: every token)."""
+def _watched_calls(model, forward, ids, memory, zero, hooked=None, paths=None):
+    """CALLS forwards of `forward` in one watch (its policy `paths`), every one after the first with
+    error_on_recompile; the read hooks at the tokens `hooked` (None: every token)."""
     seen = []
-    with rh.watch(model, keep={STACK[memory]: [KEPT]}) as w, torch.no_grad():
+    with rh.watch(model, keep={STACK[memory]: [KEPT]}, paths=paths) as w, torch.no_grad():
         for mixer in _one_of_each_kind(w):
             mixer.register_state_hook(lambda m, c, t, s: seen.append((m.layer, c, t, _norm(s))), token=hooked)
         w.mixers[-1].register_state_hook(lambda m, c, t, s: map_parts(lambda p: p * 0.5, s), token=REPLACED)
@@ -116,7 +116,6 @@ def test_a_compiled_forward_in_a_watch_is_eager_and_compiles_once(family):
     _compare_runs(eager, compiled, memory, atol=1e-6)
 
 
-@pytest.mark.usefixtures("fixed_path_rule")  # segments: the cost model picks the token loop at these tiny dims
 @pytest.mark.parametrize("family", ["qwen3_5", "mamba"])  # the bound kernel's pieces; the library's (Mamba-1)
 def test_a_compiled_forward_with_a_few_hooked_tokens_runs_in_segments_as_eagerly(family, monkeypatch):
     """A few hooked, kept and written tokens: the bound kernel runs in segments between them, in the graph too
@@ -125,11 +124,12 @@ def test_a_compiled_forward_with_a_few_hooked_tokens_runs_in_segments_as_eagerly
     memory, zero = _written(model, ids)
     segmented, real = [], rh_dispatch._run_in_segments
     monkeypatch.setattr(rh_dispatch, "_run_in_segments", lambda *a: segmented.append(1) or real(*a))
-    eager = _watched_calls(model, model, ids, memory, zero, hooked=[0, -1])
+    fixed = rh.Paths(rule="fixed")  # segments: the cost model picks the token loop at these tiny dims
+    eager = _watched_calls(model, model, ids, memory, zero, hooked=[0, -1], paths=fixed)
     assert segmented, "the eager run did not take segments"
     monkeypatch.setattr(rh_dispatch, "_run_in_segments", real)
     compiled = _watched_calls(model, torch.compile(model, fullgraph=True, backend="aot_eager"), ids, memory, zero,
-                              hooked=[0, -1])
+                              hooked=[0, -1], paths=fixed)
     _compare_runs(eager, compiled, memory, atol=1e-6, hooked=2)
 
 

@@ -144,8 +144,12 @@ def _every_token(w):
         mixer.register_state_hook(lambda m, c, t, s: None)  # a hook at every token: the token loop
 
 
+FIXED = rh.Paths(rule="fixed")  # the fast paths `measure` names: the cost model takes the token loop at tiny dims
+
+
 def measure(model, ids):
-    """Logits of every path, unwatched and watched (name -> logits), and every state the watches kept."""
+    """Logits of every path, unwatched and watched (name -> logits), and every state the watches kept (the watches
+    on the fixed rule)."""
     prompt, generated = ids[:, :T], ids
     logits, states = {}, []
     with torch.no_grad():
@@ -154,23 +158,22 @@ def measure(model, ids):
         with _by_decode(model):
             logits["prompt by decode"] = _prompt(model, prompt)
             logits["generate by decode"], _ = _generate(model, generated)
-        with rh.watch(model, keep=()) as w:
+        with rh.watch(model, keep=(), paths=FIXED) as w:
             _every_token(w)
             logits["prompt, token loop"] = _prompt(model, prompt)
             logits["generate, token loop"], cache = _generate(model, generated)
             states += [cache.get_recurrent_state(m.layer) for m in w.mixers]
-        with rh.watch(model, keep=("states",)) as w:
+        with rh.watch(model, keep=("states",), paths=FIXED) as w:
             logits["prompt, every state kept"] = _prompt(model, prompt)  # chunk-wise, where the kind has it
             states += [m.states for m in w.mixers]
             logits["generate, every state kept"], _ = _generate(model, generated)
             states += [m.states for m in w.mixers]  # the last decode step's
-        with rh.watch(model, keep={"states": [4, -1]}) as w:
+        with rh.watch(model, keep={"states": [4, -1]}, paths=FIXED) as w:
             logits["prompt, two states kept"] = _prompt(model, prompt)  # the bound kernel in segments, if it has them
             states += [m.state_after(4) for m in w.mixers]
     return logits, states
 
 
-@pytest.mark.usefixtures("fixed_path_rule")  # the fast paths it names: the cost model takes the token loop at tiny dims
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", list(CASES))
 def test_half_precision_within_transformers_own_prompt_vs_decode_difference(case, dtype):

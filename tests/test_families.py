@@ -399,18 +399,21 @@ def _conv_window_of(model, ids, token):
 
 
 def _sparse_run(model, ids, fast, monkeypatch):
-    """Writes, hooks and kept states at a few tokens of the prompt and at a decode step, through one path."""
-    monkeypatch.setattr(rh_dispatch, "FAST_PATHS", fast)
+    """Writes, hooks and kept states at a few tokens of the prompt and at a decode step, through one path (`fast`:
+    the fixed rule, segments; the cost model picks the token loop at these tiny dims. Else the token loop)."""
+    paths = rh.Paths(rule="fixed") if fast else rh.Paths(rule="loop")
     segmented = []
     real = rh_dispatch._run_in_segments
     monkeypatch.setattr(rh_dispatch, "_run_in_segments", lambda *a: segmented.append(1) or real(*a))
     seen = []
-    with rh.watch(model, keep={"states": [2, 7, -1], "conv_states": [7], "inputs": None}) as w, torch.no_grad():
+    with rh.watch(model, keep={"states": [2, 7, -1], "conv_states": [7], "inputs": None}, paths=paths) as w, \
+            torch.no_grad():
         mixer = w.mixers[0]
         model(ids)
         value = mixer.state_after(7) * 0.5
         window = mixer.conv_state_after(7) * 2
-    with rh.watch(model, keep={"states": [2, 7, -1], "conv_states": [7], "inputs": None}) as w, torch.no_grad():
+    with rh.watch(model, keep={"states": [2, 7, -1], "conv_states": [7], "inputs": None}, paths=paths) as w, \
+            torch.no_grad():
         w.mixers[0].set_state_after(7, value)
         w.mixers[0].set_conv_state_after(7, window)
         w.mixers[-1].register_state_hook(lambda m, c, t, s: seen.append(float(s.norm())) or s * 0.9, token=[3, -2])
@@ -420,7 +423,6 @@ def _sparse_run(model, ids, fast, monkeypatch):
     return w, out, seen, segmented
 
 
-@pytest.mark.usefixtures("fixed_path_rule")  # segments (the cost model picks the token loop at these tiny dims)
 def test_sparse_fast_path_equals_the_token_loop(model, monkeypatch):
     """Same outputs, kept states, hook inputs and cache contents whether sparse calls run in segments or not."""
     ids = random_ids(2, T)
@@ -443,7 +445,6 @@ def test_sparse_fast_path_equals_the_token_loop(model, monkeypatch):
                              b.calls[call].conv.inputs["conv_state"], rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.usefixtures("fixed_path_rule")  # chunk-wise (the cost model may pick the token loop at tiny dims)
 def test_every_state_kept_chunkwise_equals_the_token_loop(model, monkeypatch):
     """keep=ALL without gradients takes the chunk-wise path where a kind has one (with a hook at one
     token, in segments around it): same outputs, states, hook inputs and cache as the token loop."""
@@ -452,10 +453,9 @@ def test_every_state_kept_chunkwise_equals_the_token_loop(model, monkeypatch):
     real = rh_dispatch._run_in_segments
     monkeypatch.setattr(rh_dispatch, "_run_in_segments", lambda *a: chunkwise.append(bool(a[-1])) or real(*a))
     runs = {}
-    for fast in (True, False):
-        monkeypatch.setattr(rh_dispatch, "FAST_PATHS", fast)
+    for fast in (True, False):  # the fixed rule: chunk-wise (the cost model may pick the token loop at tiny dims)
         seen = []
-        with rh.watch(model, keep=ALL) as w, torch.no_grad():
+        with rh.watch(model, keep=ALL, paths=rh.Paths(rule="fixed" if fast else "loop")) as w, torch.no_grad():
             w.mixers[0].register_state_hook(lambda m, c, t, s: seen.append(s.clone()) or s * 0.5, token=40)
             out = model(ids, use_cache=True)
         runs[fast] = (w, out, seen)

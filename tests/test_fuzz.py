@@ -15,8 +15,8 @@ family per mixer kind (qwen3_5, kimi_linear, mamba, zamba, mamba2):
   record what they see and may scale it;
 - what the fast run keeps: every state (the chunk-wise path) or a few positions (segments).
 
-Each case runs twice, through the token loop (`FAST_PATHS = False`, every state, window and kernel
-input kept) and through the fast paths (`FAST_PATHS = True`). The properties:
+Each case runs twice, through the token loop (`paths=rh.Paths(rule="loop")`, every state, window and kernel
+input kept) and through the fast paths (`paths=rh.Paths(rule="fixed")`). The properties:
 
 1. The token loop's states, windows and hook inputs equal a float64 reference recomputed from each
    call's recorded kernel inputs, with the drawn edits applied at their tokens. Each call starts from
@@ -40,7 +40,6 @@ from hypothesis import strategies as st
 
 import recurrent_hooks as rh
 import recurrent_hooks.engine.dispatch as rh_dispatch
-import recurrent_hooks.engine.strategies as rh_paths
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
 from _reference import gated_delta_rule_reference, kimi_delta_rule_reference
@@ -219,10 +218,10 @@ def run(case: Case, kind: Kind, values: list[rh.Memory], fast: bool) -> Run:
     else:
         keep = EVERYTHING
     n = case.decode + 1
-    # the fixed rule (conftest's `fixed_path_rule`, set here with the run's other switches): property 2 checks the
-    # path the fast run takes, segments or chunk-wise, which the cost model rarely picks at these tiny dims
-    with patched(rh_dispatch, FAST_PATHS=fast, _run_in_segments=spy), patched(rh_paths, BY_COST=False), \
-            rh.watch(model, keep=keep) as w:
+    # the fixed rule for the fast run: property 2 checks the path it takes, segments or chunk-wise, which the cost
+    # model rarely picks at these tiny dims; the token loop for the slow run
+    paths = rh.Paths(rule="fixed") if fast else rh.Paths(rule="loop")
+    with patched(rh_dispatch, _run_in_segments=spy), rh.watch(model, keep=keep, paths=paths) as w:
         assert len(w.mixers) == kind.mixers
         for i, (edit, value) in enumerate(zip(case.edits, values)):
             mixer = w.mixers[edit.mixer]
@@ -444,7 +443,7 @@ def check_fast_paths_against_token_loop(case: Case, slow: Run, fast: Run) -> Non
         # (a kind that runs its kernel once per head runs the segments once per head)
         expected = [] if segments is None or every_token else [(b.layer, chunkwise)] * len(b.calls[0].parts)
         assert [s for s in fast.segmented if s[0] == b.layer] == expected, f"{b}: the prompt took another path"
-    assert not slow.segmented, "FAST_PATHS = False ran a kernel in segments"
+    assert not slow.segmented, "Paths(rule='loop') ran a kernel in segments"
 
 
 def check(kind: Kind, case: Case) -> None:

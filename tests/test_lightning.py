@@ -477,17 +477,17 @@ def test_left_padded_batch(model):
 
 def _sparse_run(model, ids, fast, monkeypatch):
     """Writes, hooks and kept states at a few tokens of the prompt and at a decode step, through one path."""
-    monkeypatch.setattr(rh_dispatch, "FAST_PATHS", fast)
+    paths = None if fast else rh.Paths(rule="loop")
     blocks = []
     real = rh_lightning._blocks
     monkeypatch.setattr(rh_lightning, "_blocks", lambda *a: blocks.append(a[-2:]) or real(*a))
     seen = []
     keep = {"states": [2, 7, -1], "inputs": None}
-    with rh.watch(model, keep=keep) as w, torch.no_grad():
+    with rh.watch(model, keep=keep, paths=paths) as w, torch.no_grad():
         model(ids)
         value = w.mixers[0].state_after(7) * 0.5
     blocks.clear()
-    with rh.watch(model, keep=keep) as w, torch.no_grad():
+    with rh.watch(model, keep=keep, paths=paths) as w, torch.no_grad():
         w.mixers[0].set_state_after(7, value)
         w.mixers[-1].register_state_hook(lambda m, c, t, s: seen.append(float(s.norm())) or s * 0.9, token=[3, -2])
         w.mixers[0].set_state_after(0, value, call=2)

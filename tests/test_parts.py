@@ -15,7 +15,6 @@ import torch
 from torch import Tensor
 
 import recurrent_hooks as rh
-import recurrent_hooks.engine.dispatch as rh_dispatch
 import recurrent_hooks.registry as registry
 from recurrent_hooks.extend import GatedDeltaNet, Role
 from _compare import assert_close, assert_equal
@@ -70,12 +69,12 @@ def kind_of_qwen3_5():
 
 
 def test_kept_parts_are_the_halves_of_the_one_tensor_state(kind_of_qwen3_5, monkeypatch):
-    monkeypatch.setattr(rh_dispatch, "FAST_PATHS", False)  # both through the token loop: the same bits
     model, ids = build("qwen3_5"), random_ids(2, T)
-    with rh.watch(model, keep=("states",)) as whole, torch.no_grad():
+    loop = rh.Paths(rule="loop")  # both through the token loop: the same bits
+    with rh.watch(model, keep=("states",), paths=loop) as whole, torch.no_grad():
         plain = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=PAD)
     kind_of_qwen3_5(SplitDeltaNet)
-    with rh.watch(model, keep=("states",)) as w, torch.no_grad():
+    with rh.watch(model, keep=("states",), paths=loop) as w, torch.no_grad():
         split = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=PAD)
     assert_equal("generated tokens", plain, split)
     mixer, reference = w.mixers[0], whole.mixers[0]
@@ -172,15 +171,15 @@ def test_a_bad_replacement_names_the_part(kind_of_qwen3_5):
 
 def test_attribution_and_a_sweep_sum_over_the_parts(kind_of_qwen3_5, monkeypatch):
     """A state of parts is attributed and patched part by part: the same numbers as the one-tensor state."""
-    monkeypatch.setattr(rh_dispatch, "FAST_PATHS", False)
-    model = build("qwen3_5")
+    model, loop = build("qwen3_5"), rh.Paths(rule="loop")
     clean, corrupt = random_ids(2, T, seed=1), random_ids(2, T, seed=2)
     metric = lambda logits: logits[:, -1, 5] - logits[:, -1, 7]  # noqa: E731
     runs = {}
     for kind in (GatedDeltaNet, SplitDeltaNet):
         kind_of_qwen3_5(kind)
-        runs[kind] = (rh.attribute(model, clean, corrupt, metric),
-                      rh.patching_sweep(model, clean[:1], corrupt[:1], metric, positions=[2, 5], progress=False))
+        runs[kind] = (rh.attribute(model, clean, corrupt, metric, paths=loop),
+                      rh.patching_sweep(model, clean[:1], corrupt[:1], metric, positions=[2, 5], progress=False,
+                                        paths=loop))
     (one, one_sweep), (split, split_sweep) = runs[GatedDeltaNet], runs[SplitDeltaNet]
     assert one.state.abs().max() > 0
     assert_close("attributed state", one.state, split.state, rtol=1e-5, atol=1e-7)

@@ -3,6 +3,8 @@
 - `choose` on declared shapes: the token loop at tiny dims with a large batch and short prompts, segments at
   real dims with 8 stops, never the chunk-wise states with gradients on, never blocks without an all-states
   kernel, a token-loop tail for a Mamba-2 stop just past a chunk boundary, the fixed rule when told;
+- the policy (`rh.Paths`, an argument of `watch` and `register_state_hook`): the path it asks for is the one each
+  call records, with the token loop's results; a device without calibration takes the fixed rule; bad policies;
 - segments with tails (`_dispatch._run_in_segments`) equal the token loop: outputs, final state, what the
   stops are handed, at the kernel and through a watched model (outputs, kept states, hook inputs, writes,
   cache contents, decode steps);
@@ -36,7 +38,8 @@ SSD = StateSpace.kernel_for("prompt")
 
 
 def _meta(*shape: int) -> torch.Tensor:
-    return torch.empty(*shape, device="meta")
+    """A float32 CPU tensor of `shape` that holds one element (the cost model reads shapes, device and dtype)."""
+    return torch.zeros(()).expand(*shape)
 
 
 def gdn_arguments(batch: int, tokens: int, key_heads: int, heads: int, dim: int) -> dict:
@@ -89,29 +92,29 @@ def test_real_dims_with_8_stops_take_segments():
 
 
 @pytest.mark.parametrize("force", [None, Path.STATES])
-def test_never_chunkwise_states_with_gradients(force, monkeypatch):
-    monkeypatch.setattr(rh_paths, "FORCE", force)
+def test_never_chunkwise_states_with_gradients(force):
+    paths = rh.Paths(force=force)
     for batch, heads, dim in ((1, 32, 128), (64, 4, 16)):
         every = keeping(*range(64))
-        choice = rh_paths.choose(GDN, [every], 64, gdn_arguments(batch, 64, heads, heads, dim), grad=True)
+        choice = rh_paths.choose(GDN, [every], 64, gdn_arguments(batch, 64, heads, heads, dim), grad=True, paths=paths)
         assert path_of(choice) is not Path.STATES
         assert choice is None or not choice.every_state
-    choice = rh_paths.choose(GDN, [keeping(*range(64))], 64, gdn_arguments(1, 64, 4, 4, 16), grad=False)
+    choice = rh_paths.choose(GDN, [keeping(*range(64))], 64, gdn_arguments(1, 64, 4, 4, 16), grad=False, paths=paths)
     assert path_of(choice) is Path.STATES or force is None  # without gradients it can
 
 
 @pytest.mark.parametrize("force", [None, Path.BLOCKS])
-def test_never_blocks_without_all_states(force, monkeypatch):
-    monkeypatch.setattr(rh_paths, "FORCE", force)
+def test_never_blocks_without_all_states(force):
+    paths = rh.Paths(force=force)
     every_token = hooked(None)
     without = dataclasses.replace(GDN, segments=dataclasses.replace(GDN.segments, all_states=None))
     arguments = gdn_arguments(1, 512, 16, 32, 128)
-    assert path_of(rh_paths.choose(without, [every_token], 512, arguments, grad=False)) is Path.LOOP
-    assert path_of(rh_paths.choose(GDN, [every_token], 512, arguments, grad=True)) is Path.LOOP
+    assert path_of(rh_paths.choose(without, [every_token], 512, arguments, grad=False, paths=paths)) is Path.LOOP
+    assert path_of(rh_paths.choose(GDN, [every_token], 512, arguments, grad=True, paths=paths)) is Path.LOOP
     # at real dims blocks were measured slower than the loop (`Segments.blocks_below`): not available, even forced
-    assert path_of(rh_paths.choose(GDN, [every_token], 512, arguments, grad=False)) is Path.LOOP
+    assert path_of(rh_paths.choose(GDN, [every_token], 512, arguments, grad=False, paths=paths)) is Path.LOOP
     small = gdn_arguments(1, 512, 2, 4, 16)  # 4 heads of 16 x 16: under the delta rules' blocks_below
-    blocks = rh_paths.choose(GDN, [every_token], 512, small, grad=False)
+    blocks = rh_paths.choose(GDN, [every_token], 512, small, grad=False, paths=paths)
     assert path_of(blocks) in ((Path.BLOCKS,) if force else (Path.BLOCKS, Path.LOOP))
 
 
@@ -124,12 +127,11 @@ def test_a_hooked_decode_step_runs_transformers_kernel_then_the_hooks(family, mo
     model, ids = build(family), random_ids(2, 7)
     runs = {}
     for fast in (True, False):
-        monkeypatch.setattr(rh_dispatch, "FAST_PATHS", fast)
         segmented, real = [], rh_dispatch._run_in_segments
         monkeypatch.setattr(rh_dispatch, "_run_in_segments",
                             lambda *a: segmented.append(a[0].role) or real(*a))
         seen = []
-        with rh.watch(model) as w, torch.no_grad():
+        with rh.watch(model, paths=None if fast else LOOP) as w, torch.no_grad():
             first = w.mixers[0]
             first.register_state_hook(lambda m, c, t, s: seen.append((c, t, s.clone())))
             first.register_state_hook(lambda m, c, t, s: s * 0.5, call=2)
@@ -147,49 +149,53 @@ def test_a_hooked_decode_step_runs_transformers_kernel_then_the_hooks(family, mo
         assert_close(f"hooked state, call {c} token {t}", a, b, rtol=1e-5, atol=1e-6)
 
 
+LOOP = rh.Paths(rule="loop")  # the token loop for every busy call: what the fast paths are checked against
+
+
 def type_of(family: str):
     return rh.FAMILIES[family].kind
 
 
-def test_a_stop_just_past_a_chunk_boundary_ends_with_a_token_loop(monkeypatch):
+def test_a_stop_just_past_a_chunk_boundary_ends_with_a_token_loop():
     """Mamba-2 at mamba2-130m dims, chunk 256, tails on: a stop at token 300 runs the kernel on [0, 256) and the
     token loop on [256, 301), rather than the kernel on a piece padded to 512 tokens. Off (the default), not."""
     arguments = ssd_arguments(1, 1024, 24, 64, 128, 256)
-    monkeypatch.setattr(rh_paths, "TAILS", False)
     assert rh_paths.choose(SSD, [keeping(300)], 1024, arguments, grad=False) == rh_paths.Choice(Path.SEGMENTS, [300],
                                                                                                 False, ())
-    monkeypatch.setattr(rh_paths, "TAILS", True)
-    choice = rh_paths.choose(SSD, [keeping(300)], 1024, arguments, grad=False)
+    choice = rh_paths.choose(SSD, [keeping(300)], 1024, arguments, grad=False, paths=rh.Paths(tails=True))
     assert path_of(choice) is Path.SEGMENTS
     assert (256, 301) in choice.tails
     assert all(start % 256 == 0 or start in (0, 301) for start, _ in choice.tails)
 
 
-def test_tails_are_only_taken_when_cheaper(monkeypatch):
-    monkeypatch.setattr(rh_paths, "TAILS", True)
-    shape = rh_paths.Shape("ssd", 1, 24, 64, 128, 256)
+def _cpu(key: str) -> rh_paths.Constants:
+    return rh_paths.costs_for("cpu", torch.float32)[key]
+
+
+def test_tails_are_only_taken_when_cheaper():
+    shape, constants = rh_paths.Shape("ssd", 1, 24, 64, 128, 256), _cpu("ssd")
     for start, end in rh_paths.pieces([300, 700], 1024):
-        cost, tail = rh_paths._piece(shape, start, end)
-        assert cost <= rh_paths.kernel_cost(shape, end - start)
-        assert tail is None or cost < rh_paths.kernel_cost(shape, end - start)
-    monkeypatch.setattr(rh_paths, "TAILS", False)
-    assert rh_paths.segments_cost(shape, 1024, [300])[1] == ()
+        cost, tail = rh_paths._piece(constants, shape, start, end, True)
+        assert cost <= rh_paths.kernel_cost(constants, shape, end - start)
+        assert tail is None or cost < rh_paths.kernel_cost(constants, shape, end - start)
+    assert rh_paths.segments_cost(constants, shape, 1024, [300], tails=False)[1] == ()
 
 
-def test_the_fixed_rule_when_told(monkeypatch):
-    monkeypatch.setattr(rh_paths, "BY_COST", False)
-    arguments = gdn_arguments(64, 25, 2, 4, 16)
-    choice = rh_paths.choose(GDN, [keeping(3)], 25, arguments, grad=False)
+def test_the_fixed_rule_when_told():
+    arguments, fixed = gdn_arguments(64, 25, 2, 4, 16), rh.Paths(rule="fixed")
+    choice = rh_paths.choose(GDN, [keeping(3)], 25, arguments, grad=False, paths=fixed)
     assert choice == rh_paths.Choice(Path.SEGMENTS, [3], False)
-    assert rh_paths.choose(GDN, [keeping(*range(0, 25, 2))], 25, arguments, grad=False) is None  # 13 > 8 stops
-    assert rh_paths.choose(GDN, [keeping(*range(25))], 25, arguments, grad=False).path is Path.STATES
+    assert rh_paths.choose(GDN, [keeping(*range(0, 25, 2))], 25, arguments, grad=False, paths=fixed) is None  # > 8
+    assert rh_paths.choose(GDN, [keeping(*range(25))], 25, arguments, grad=False, paths=fixed).path is Path.STATES
 
 
 def test_estimates_grow_with_what_they_count():
     small, large = rh_paths.Shape("delta rule", 1, 4, 16, 16, 64), rh_paths.Shape("delta rule", 64, 4, 16, 16, 64)
+    constants = _cpu("delta rule")
     for cost in (rh_paths.kernel_cost, rh_paths.loop_cost, rh_paths.states_cost):
-        assert 0 < cost(small, 25) <= cost(small, 200) and cost(small, 25) <= cost(large, 25)
-    assert rh_paths.kernel_cost(small, 1) == rh_paths.kernel_cost(small, 64)  # padded to one chunk
+        assert 0 < cost(constants, small, 25) <= cost(constants, small, 200)
+        assert cost(constants, small, 25) <= cost(constants, large, 25)
+    assert rh_paths.kernel_cost(constants, small, 1) == rh_paths.kernel_cost(constants, small, 64)  # one chunk
 
 
 # -- segments with token-loop tails equal the token loop -----------------------------------------------------------
@@ -239,14 +245,10 @@ def test_tails_at_the_kernel_equal_the_token_loop():
         assert_close(f"state at stop {t}", slow_seen[t], fast_seen[t], rtol=1e-4, atol=1e-5)
 
 
-def _cheap_tails(monkeypatch):
-    """Constants that make every tail cheaper than a chunk: segments end in token loops wherever they can."""
-    monkeypatch.setattr(rh_paths, "FORCE", Path.SEGMENTS)
-    monkeypatch.setattr(rh_paths, "TAILS", True)
-    cheap = rh_paths.Constants(kernel=(0.0, 1.0, 0.0, 0.0, 0.0), loop=(0.0, 1e-3, 0.0, 0.0),
-                               states=(0.0, 1.0, 0.0, 0.0, 0.0))
-    monkeypatch.setitem(rh_paths.CONSTANTS, "ssd", cheap)
-    monkeypatch.setitem(rh_paths.CONSTANTS, "delta rule", cheap)
+# Constants that make every tail cheaper than a chunk: segments end in token loops wherever they can.
+CHEAP_TAILS = rh_paths.Constants(kernel=(0.0, 1.0, 0.0, 0.0, 0.0), loop=(0.0, 1e-3, 0.0, 0.0),
+                                 states=(0.0, 1.0, 0.0, 0.0, 0.0))
+TAILS_EVERYWHERE = rh.Paths(force="segments", tails=True, costs={"ssd": CHEAP_TAILS, "delta rule": CHEAP_TAILS})
 
 
 @pytest.mark.parametrize("family", ["mamba2", "qwen3_5"])
@@ -263,11 +265,9 @@ def test_tails_through_a_watch_equal_the_token_loop(family, monkeypatch):
     monkeypatch.setattr(rh_dispatch, "_run_in_segments", lambda *a: taken.append(a[5]) or real(*a))
     runs = {}
     for fast in (True, False):
-        monkeypatch.setattr(rh_dispatch, "FAST_PATHS", fast)
-        if fast:
-            _cheap_tails(monkeypatch)
         seen = []
-        with rh.watch(model, keep={"states": [2, 10, 80, -1]}) as w, torch.no_grad():
+        with rh.watch(model, keep={"states": [2, 10, 80, -1]}, paths=TAILS_EVERYWHERE if fast else LOOP) as w, \
+                torch.no_grad():
             w.mixers[0].set_state_after(10, value)
             w.mixers[-1].register_state_hook(lambda m, c, t, s: seen.append(s.clone()) or s * 0.9, token=[12, 140])
             w.mixers[0].register_state_hook(lambda m, c, t, s: s * 1.1, token=[19])
@@ -290,7 +290,7 @@ def test_tails_through_a_watch_equal_the_token_loop(family, monkeypatch):
 
 @pytest.mark.parametrize("family", ["mamba2", "qwen3_5"])
 @pytest.mark.parametrize("keep", [[4], list(range(0, 25, 2)), None], ids=["1 position", "13 positions", "every"])
-def test_the_chosen_path_equals_the_token_loop(family, keep, monkeypatch):
+def test_the_chosen_path_equals_the_token_loop(family, keep):
     """With the cost model on (whatever it picks at these dims), a sparse or full keep and a write give the token
     loop's logits and states."""
     model = build(family)
@@ -300,8 +300,7 @@ def test_the_chosen_path_equals_the_token_loop(family, keep, monkeypatch):
     value = w.mixers[0].state_after(6) * 0.5
     runs = {}
     for fast in (True, False):
-        monkeypatch.setattr(rh_dispatch, "FAST_PATHS", fast)
-        with rh.watch(model, keep={"states": keep}) as w, torch.no_grad():
+        with rh.watch(model, keep={"states": keep}, paths=None if fast else LOOP) as w, torch.no_grad():
             w.mixers[0].set_state_after(6, value)
             w.mixers[-1].register_state_hook(lambda m, c, t, s: s * 0.5, token=9)
             logits = model(ids, use_cache=False).logits
@@ -318,19 +317,18 @@ def test_the_chosen_path_equals_the_token_loop(family, keep, monkeypatch):
 COMPILED_T, KEPT, WRITTEN = 6, 2, 3
 
 
-def _cheap_segments(monkeypatch):
-    """Constants under which the cost model picks segments (or the chunk-wise states) over the token loop."""
-    cheap = rh_paths.Constants(kernel=(1e-6, 0.0, 0.0, 0.0, 0.0), loop=(1.0, 1.0, 0.0, 0.0),
-                               states=(1e-6, 0.0, 0.0, 0.0, 0.0))
-    monkeypatch.setitem(rh_paths.CONSTANTS, "ssd", cheap)
-    monkeypatch.setitem(rh_paths.CONSTANTS, "delta rule", cheap)
+# Constants under which the cost model picks segments (or the chunk-wise states) over the token loop.
+CHEAP = rh_paths.Constants(kernel=(1e-6, 0.0, 0.0, 0.0, 0.0), loop=(1.0, 1.0, 0.0, 0.0),
+                           states=(1e-6, 0.0, 0.0, 0.0, 0.0))
+CHEAP_SEGMENTS = rh.Paths(costs={"ssd": CHEAP, "delta rule": CHEAP})
 
 
-def _watched_calls(model, forward, ids, what, value, calls=2):
+def _watched_calls(model, forward, ids, what, value, calls=2, paths=None):
     """`calls` forwards of `forward` in one watch with `what` ("hook", "write", "kept" or "all": the three and a
     replacing hook) on the first mixer, each after the first with error_on_recompile: logits, hook calls, watch."""
     seen = []
-    with rh.watch(model, keep={"states": [KEPT]} if what in ("kept", "all") else ()) as w, torch.no_grad():
+    with rh.watch(model, keep={"states": [KEPT]} if what in ("kept", "all") else (), paths=paths) as w, \
+            torch.no_grad():
         first = w.mixers[0]
         if what in ("hook", "all"):
             first.register_state_hook(lambda m, c, t, s: seen.append((c, t, float(s.norm()))), token=-1)
@@ -394,23 +392,23 @@ def test_fullgraph_compile_traces_the_cost_models_choice(family, what):
 def test_fullgraph_compile_traces_the_cost_models_segments(family, monkeypatch):
     """The same where the cost model picks segments and the chunk-wise states (constants that make the token loop
     dear): hooks, a write and a kept state in the graph, as eagerly; the spy is on the eager run only."""
-    _cheap_segments(monkeypatch)
     model, ids = build(family), random_ids(2, COMPILED_T)
     value = _value(model, ids)
     taken, real = [], rh_dispatch._run_in_segments
     monkeypatch.setattr(rh_dispatch, "_run_in_segments", lambda *a: taken.append(bool(a[-1])) or real(*a))
-    eager = _watched_calls(model, model, ids, "all", value)
+    eager = _watched_calls(model, model, ids, "all", value, paths=CHEAP_SEGMENTS)
     assert False in taken, "the cost model did not pick segments"
     monkeypatch.setattr(rh_dispatch, "_run_in_segments", real)
-    compiled = _watched_calls(model, torch.compile(model, fullgraph=True, backend="aot_eager"), ids, "all", value)
+    compiled = _watched_calls(model, torch.compile(model, fullgraph=True, backend="aot_eager"), ids, "all", value,
+                              paths=CHEAP_SEGMENTS)
     _compare_watched("all", eager, compiled)
     taken.clear()
     monkeypatch.setattr(rh_dispatch, "_run_in_segments", lambda *a: taken.append(bool(a[-1])) or real(*a))
-    with rh.watch(model, keep=("states",)) as w, torch.no_grad():  # every state kept: the chunk-wise states
+    with rh.watch(model, keep=("states",), paths=CHEAP_SEGMENTS) as w, torch.no_grad():  # every state: chunk-wise
         logits, eager_states = model(ids).logits, [m.states for m in w.mixers]
     assert taken and all(taken), "every state kept: the cost model did not pick the chunk-wise states"
     monkeypatch.setattr(rh_dispatch, "_run_in_segments", real)
-    with rh.watch(model, keep=("states",)) as w, torch.no_grad():
+    with rh.watch(model, keep=("states",), paths=CHEAP_SEGMENTS) as w, torch.no_grad():
         compiled_logits = torch.compile(model, fullgraph=True, backend="aot_eager")(ids).logits
         compiled_states = [m.states for m in w.mixers]
     assert_close("every state kept: logits", logits, compiled_logits, rtol=1e-5, atol=1e-6)
@@ -472,8 +470,103 @@ def test_quick_paths_benchmark_runs(capsys):
     threads = torch.get_num_threads()
     assert module.main(["--quick"]) == 0
     assert torch.get_num_threads() == threads
-    assert rh_paths.FORCE is None and rh_paths.TAILS is module.DEFAULT_TAILS
     out = capsys.readouterr().out
     for word in ("segments", "token loop", "chosen", "gdn_tiny", "mamba2_tiny"):
         assert word in out, f"the benchmark printed no {word!r}:\n{out}"
     assert "Traceback" not in out
+
+
+# -- the policy: an argument of watch and register_state_hook (issue 18, items 4 and 5) ---------------------------
+
+
+def _kept_and_written(model, ids, paths, value=None):
+    """A watch with `paths`: states kept at a few tokens, a write at token 6 (if `value`), a hook at token 9."""
+    with rh.watch(model, keep={"states": [2, 6, -1]}, paths=paths) as w, torch.no_grad():
+        if value is not None:
+            w.mixers[0].set_state_after(6, value)
+        w.mixers[-1].register_state_hook(lambda m, c, t, s: s * 0.5, token=9)
+        logits = model(ids, use_cache=False).logits
+    return w, logits
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "mamba2"])
+def test_watch_paths_choose_the_path_and_each_call_records_it(family):
+    """`watch(model, paths=rh.Paths(rule="loop"))` runs every busy call through the token loop, `rule="fixed"` in
+    segments (at these tiny dims the cost model would take the loop), `force="states"` every state chunk-wise; the
+    calls say which path they took, and every path gives the token loop's logits and states."""
+    model, ids = build(family), random_ids(2, 25)
+    value = _kept_and_written(model, ids, None)[0].mixers[0].state_after(6) * 0.5
+    slow, slow_logits = _kept_and_written(model, ids, rh.Paths(rule="loop"), value)
+    assert {part.path for m in slow.mixers for part in m.calls[0].parts} == {"token loop"}
+    fixed, fixed_logits = _kept_and_written(model, ids, rh.Paths(rule="fixed"), value)
+    assert {part.path for m in fixed.mixers for part in m.calls[0].parts} == {"segments"}
+    assert_close("logits, fixed rule vs token loop", slow_logits, fixed_logits, rtol=1e-4, atol=1e-5)
+    for a, b in zip(slow.mixers, fixed.mixers, strict=True):
+        for token in (2, 6, -1):
+            assert_close(f"{a} state after {token}", a.state_after(token), b.state_after(token), rtol=1e-4, atol=1e-6)
+    with rh.watch(model, keep=("states",), paths=rh.Paths(force="states")) as w, torch.no_grad():
+        model(ids, use_cache=False)
+    assert {part.path for m in w.mixers for part in m.calls[0].parts} == {"chunk-wise states"}
+    with rh.watch(model, keep=("states",)) as idle, torch.no_grad():  # nothing asked of the decode-free call
+        model(ids, use_cache=False)
+    with rh.watch(model) as nothing, torch.no_grad():
+        model(ids, use_cache=False)
+    assert {part.path for m in nothing.mixers for part in m.calls[0].parts} == {"bound kernel"}
+    assert_close("every state, forced chunk-wise vs the default", idle.mixers[0].states, w.mixers[0].states,
+                 rtol=1e-4, atol=1e-6)
+
+
+def test_standalone_hooks_take_their_paths_and_disagreeing_handles_the_token_loop():
+    """`register_state_hook(..., paths=...)` sets the standalone hooks' policy; a second, different one while
+    they are live is refused; a watch and a standalone hook whose policies differ share a call through the
+    token loop (the rule when handles disagree)."""
+    model, ids = build("qwen3_5"), random_ids(2, 25)
+    module = next(m for m in model.modules() if family_of(m) is not None)
+    handle = rh.register_state_hook(module, lambda m, c, t, s: None, token=[3], paths=rh.Paths(rule="fixed"))
+    try:
+        with pytest.raises(rh.InvalidValue, match=r"run with Paths\(rule='fixed'.*got paths=Paths\(rule='loop'"):
+            rh.register_state_hook(module, lambda m, c, t, s: None, paths=rh.Paths(rule="loop"))
+        with rh.watch(model, keep={"states": [5]}, paths=rh.Paths(rule="fixed")) as w, torch.no_grad():
+            model(ids, use_cache=False)
+        assert w.mixers[0].calls[0].parts[0].path == "segments"  # the same policy: segments
+        with rh.watch(model, keep={"states": [5]}) as w, torch.no_grad():
+            model(ids, use_cache=False)
+        assert w.mixers[0].calls[0].parts[0].path == "token loop"  # fixed and the default: the loop
+    finally:
+        handle.remove()
+
+
+def test_a_device_without_calibration_takes_the_fixed_rule_and_support_says_so():
+    """The constants are data keyed by device type and dtype (`costs.json`, "cpu/float32" shipped); a call on a
+    device or dtype without calibration takes the fixed rule, and `support()` names the rule a model gets."""
+    assert rh_paths.costs_for("cpu", torch.float32) is not None
+    assert rh_paths.costs_for("cuda", torch.bfloat16) is None and rh_paths.costs_for("cpu", torch.bfloat16) is None
+    tiny = gdn_arguments(64, 25, 2, 4, 16)  # the cost model's token loop on cpu/float32
+    assert rh_paths.choose(GDN, [keeping(3)], 25, tiny, grad=False) is None
+    uncalibrated = {name: value.to(torch.bfloat16) for name, value in tiny.items()}
+    assert rh_paths.choose(GDN, [keeping(3)], 25, uncalibrated, grad=False) == rh_paths.Choice(Path.SEGMENTS, [3],
+                                                                                               False)
+    model = build("qwen3_5")
+    (row,) = [r for r in rh.support(model) if r.family][:1]
+    assert row.notes["path choice"] == "the cost model, calibrated for cpu/float32"
+    (row,) = [r for r in rh.support(model.to(torch.bfloat16)) if r.family][:1]
+    assert row.notes["path choice"].startswith("the fixed rule") and "cpu/bfloat16" in row.notes["path choice"]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"rule": "fast"}, r"expected rule= one of 'cost', 'fixed', 'loop', got rule='fast'"),
+    ({"force": "loop"}, r"expected force= None or one of 'segments', 'states', 'blocks' \(the token loop is"
+                        r" rule='loop'\), got force='loop'"),
+    ({"rule": "loop", "force": "segments"}, r"forces no other path"),
+    ({"tails": 1}, r"expected tails=True or tails=False, got tails=1"),
+    ({"blocks_below": -1}, r"blocks_below= None or a number of state elements >= 0, got blocks_below=-1"),
+    ({"costs": {"ssd": (1, 2)}}, r"costs\['ssd'\]: expected Constants"),
+])
+def test_bad_paths_are_refused_with_what_was_expected(kwargs, message):
+    with pytest.raises(rh.InvalidValue, match=message):
+        rh.Paths(**kwargs)
+
+
+def test_watch_refuses_paths_that_are_not_a_policy():
+    with pytest.raises(rh.InvalidValue, match=r"watch: expected paths= a recurrent_hooks.Paths .* got str 'loop'"):
+        rh.watch(build("qwen3_5"), paths="loop")

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import recurrent_hooks as rh
-import recurrent_hooks.engine.dispatch as rh_dispatch
 from _compare import assert_close
 from _models import PAD, build, random_ids
 
@@ -24,10 +23,10 @@ def zero_memory(model, ids, token=0):
     return rh.Memory(memory.state * 0 + 0.5, memory.conv_state * 0)
 
 
-@pytest.mark.usefixtures("fixed_path_rule")  # "fast paths": the chunk-wise states (the cost model: the token loop)
+# "fast paths": the fixed rule, the chunk-wise states (the cost model would take the token loop at these dims)
 @pytest.mark.parametrize("fast", [False, True], ids=["token loop", "fast paths"])
-def test_a_write_per_row_equals_each_row_written_alone(model, fast, monkeypatch):
-    monkeypatch.setattr(rh_dispatch, "FAST_PATHS", fast)
+def test_a_write_per_row_equals_each_row_written_alone(model, fast):
+    paths = rh.Paths(rule="fixed") if fast else rh.Paths(rule="loop")
     ids = random_ids(3, T)
     value = zero_memory(model, ids)
     per_row = [2, 5, T - 1]
@@ -35,11 +34,11 @@ def test_a_write_per_row_equals_each_row_written_alone(model, fast, monkeypatch)
     mask[torch.arange(3), torch.tensor(per_row)] = True
     runs = {}
     for name, token in (("tokens", torch.tensor([2, 5, -1])), ("mask", mask)):
-        with rh.watch(model, keep=("states",)) as w, torch.no_grad():
+        with rh.watch(model, keep=("states",), paths=paths) as w, torch.no_grad():
             w.mixers[0].set_memory_after(token, value)
             runs[name] = (model(ids).logits, w.mixers[0].states)
     for row, token in enumerate(per_row):
-        with rh.watch(model, keep=("states",)) as alone, torch.no_grad():
+        with rh.watch(model, keep=("states",), paths=paths) as alone, torch.no_grad():
             alone.mixers[0].set_memory_after(token, value)
             logits = model(ids).logits
         tolerance = dict(rtol=0, atol=0) if not fast else dict(rtol=1e-5, atol=1e-6)  # segments round differently

@@ -21,7 +21,7 @@ import recurrent_hooks.engine.dispatch as rh_dispatch
 from _compare import assert_close
 from _models import PAD, build, random_ids
 from _reference_ssm import selective_scan_reference
-from recurrent_hooks import _selective_scan as s6
+from recurrent_hooks.kinds import selective_scan as s6
 
 MAMBA1_FAMILIES = ["mamba", "falcon_mamba", "jamba", "zamba"]
 # float32 against float64: the chunk-wise form divides by the running decay P_j and multiplies by P_i, so a
@@ -247,14 +247,14 @@ def _spy(monkeypatch) -> list:
 
 def _sparse(model, ids, fast, monkeypatch):
     """Kept states, writes and hooks at a few prompt tokens, a write at a decode step, through generate."""
-    monkeypatch.setattr(rh_dispatch, "FAST_PATHS", fast)
+    paths = None if fast else rh.Paths(rule="loop")
     runs = _spy(monkeypatch)
     seen = []
     keep = {"states": [0, 5, 11, -1], "conv_states": [5], "inputs": None}
-    with rh.watch(model, keep=keep) as w, torch.no_grad():
+    with rh.watch(model, keep=keep, paths=paths) as w, torch.no_grad():
         model(ids)
         value = w.mixers[0].state_after(5) * 0.5
-    with rh.watch(model, keep=keep) as w, torch.no_grad():
+    with rh.watch(model, keep=keep, paths=paths) as w, torch.no_grad():
         w.mixers[0].set_state_after(5, value)
         w.mixers[-1].register_state_hook(lambda m, c, t, s: seen.append(s.clone()) or s * 0.9, token=[2, 12, -3])
         w.mixers[0].set_state_after(0, value, call=1)
@@ -295,10 +295,9 @@ def test_every_state_kept_chunk_wise_equals_the_token_loop(family, monkeypatch):
     model, ids = build(family), random_ids(2, 70)
     runs, results = [], {}
     for fast in (True, False):
-        monkeypatch.setattr(rh_dispatch, "FAST_PATHS", fast)
         runs = _spy(monkeypatch)
         seen = []
-        with rh.watch(model, keep=ALL) as w, torch.no_grad():
+        with rh.watch(model, keep=ALL, paths=None if fast else rh.Paths(rule="loop")) as w, torch.no_grad():
             w.mixers[0].register_state_hook(lambda m, c, t, s: seen.append(s.clone()) or s * 0.5, token=40)
             out = model(ids, use_cache=True)
         results[fast] = (w, out, seen, runs)

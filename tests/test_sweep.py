@@ -4,7 +4,7 @@ Two references, both a loop of one forward per cell that writes the clean memory
 (or `set_state_after`, `set_conv_state_after`):
 
 - bit for bit: with every kernel call on the library's token loop (`route_kernels(model, "torch")` for idle
-  calls, `FAST_PATHS = False` for the others), and with each cell's forward at the batch shape the sweep
+  calls, `paths=rh.Paths(rule="loop")` for the others), and with each cell's forward at the batch shape the sweep
   gave it, reading the cell's row. Otherwise the two differ by the path each call takes, not by what
   they compute: one write at one token runs transformers' chunked kernel in two segments, hooks at many
   tokens run the token loop or more segments, and a layer that patches only some rows of a batch runs its
@@ -20,7 +20,6 @@ import torch
 import transformers
 
 import recurrent_hooks as rh
-import recurrent_hooks.engine.dispatch as rh_dispatch
 from _compare import assert_close, assert_equal
 from _models import _COMMON, _KDA, _MLA, _HYBRID_LAYERS, _make, build, random_ids
 
@@ -49,10 +48,14 @@ def prompts():
     return random_ids(1, T, seed=1), random_ids(1, T, seed=2)
 
 
-def loop_reference(model, clean, corrupt, what, batch_size=None):
+LOOP = rh.Paths(rule="loop")  # every busy call through the token loop
+
+
+def loop_reference(model, clean, corrupt, what, batch_size=None, paths=None):
     """One forward per (layer, position), through the public writes; `batch_size`: run each cell at the
-    batch shape `patching_sweep(batch_size=...)` gives it and read its row (None: one prompt per forward)."""
-    with rh.watch(model, keep=("states", "conv_states")) as a, torch.no_grad():
+    batch shape `patching_sweep(batch_size=...)` gives it and read its row (None: one prompt per forward);
+    `paths`: the watches' policy."""
+    with rh.watch(model, keep=("states", "conv_states"), paths=paths) as a, torch.no_grad():
         model(clean, use_cache=False)
     mixers = a.mixers
     cells = [(i, p) for i in range(len(mixers)) for p in range(T)]
@@ -61,7 +64,7 @@ def loop_reference(model, clean, corrupt, what, batch_size=None):
         rows, row = (1, 0) if batch_size is None else (min(batch_size, len(cells) - c // batch_size * batch_size),
                                                        c % batch_size)
         state, window = (x.expand(rows, *x.shape[1:]).contiguous() for x in mixers[i].memory_after(p))
-        with rh.watch(model) as w, torch.no_grad():
+        with rh.watch(model, paths=paths) as w, torch.no_grad():
             mixer = w.mixer(mixers[i].layer)
             if what == "memory":
                 mixer.set_memory_after(p, rh.Memory(state, window))
@@ -74,15 +77,15 @@ def loop_reference(model, clean, corrupt, what, batch_size=None):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_batched_sweep_equals_the_loop_of_public_writes_bit_for_bit(family, monkeypatch):
-    monkeypatch.setattr(rh_dispatch, "FAST_PATHS", False)
+def test_the_batched_sweep_equals_the_loop_of_public_writes_bit_for_bit(family):
     model = FAMILIES[family]()
     clean, corrupt = prompts()
     rh.route_kernels(model, "torch")
     try:
         for what in WHAT:
-            expected, layers = loop_reference(model, clean, corrupt, what, batch_size=BATCH)
-            sweep = rh.patching_sweep(model, clean, corrupt, metric, what=what, batch_size=BATCH, progress=False)
+            expected, layers = loop_reference(model, clean, corrupt, what, batch_size=BATCH, paths=LOOP)
+            sweep = rh.patching_sweep(model, clean, corrupt, metric, what=what, batch_size=BATCH, progress=False,
+                                      paths=LOOP)
             assert sweep.layers == tuple(layers) and sweep.positions == tuple(range(T)) and sweep.what == what
             assert_equal(f"{family}, what={what}: batched sweep vs one forward per cell", expected, sweep.values)
             assert (sweep.values - sweep.corrupt).abs().max() > 1e-4, f"{family}, what={what}: patching changed nothing"

@@ -116,20 +116,19 @@ def state_size(kind: Any, kernel: Kernel, arguments: dict[str, Any]) -> int | No
     return math.prod(sizes[axis] for axis in declared.split())
 
 
-SIZE_LIMIT: int | None = None  # None: each kernel's `Segments.blocks_below`; an int overrides it (tests, benchmark)
-
-
-def blocks_apply(kernel: Kernel, kind: Any, arguments: dict[str, Any], grad: bool | None = None) -> bool:
+def blocks_apply(kernel: Kernel, kind: Any, arguments: dict[str, Any], grad: bool | None = None,
+                 limit: int | None = None) -> bool:
     """Whether a prompt call of `kernel` with a hook on every token runs in blocks: the kernel has `all_states`,
     gradients are off (`grad`, default: torch's grad mode), no inference mode, not compiling, and the call's
     state is small enough that blocks beat the token loop
     (`Segments.blocks_below`, measured: at larger states writing and reading every state of a block through
-    memory costs more than the token loop's per-token Python steps, which find the state in the cache)."""
+    memory costs more than the token loop's per-token Python steps, which find the state in the cache; measured on
+    a CPU: `limit`, from `Paths(blocks_below=...)`, overrides it)."""
     segments = kernel.segments
     if torch.compiler.is_compiling() or segments is None or segments.all_states is None \
             or (torch.is_grad_enabled() if grad is None else grad) or torch.is_inference_mode_enabled():
         return False  # (a compiled graph has no version counters, and would unroll every block)
-    limit = segments.blocks_below if SIZE_LIMIT is None else SIZE_LIMIT
+    limit = segments.blocks_below if limit is None else limit
     size = state_size(kind, kernel, arguments)
     return size is not None and size <= limit
 

@@ -35,14 +35,18 @@ class Memory(NamedTuple):
 
 @dataclasses.dataclass(eq=False)
 class KernelCall:
-    """One kernel call: its name, its arguments and its results by name (None: not kept)."""
+    """One kernel call: its name, its arguments and its results by name (None: not kept), and the path it ran
+    by: "bound kernel" (nothing was asked of it), "segments", "chunk-wise states", "blocks" or "token loop"
+    (`recurrent_hooks.Paths` chooses; docs/performance.md)."""
 
     kernel: str
     inputs: dict[str, Any] | None
     output: dict[str, Any] | None
+    path: str = "bound kernel"
 
     def __repr__(self) -> str:
-        return f"KernelCall(kernel={self.kernel!r}, inputs={brief(self.inputs)}, output={brief(self.output)})"
+        return (f"KernelCall(kernel={self.kernel!r}, path={self.path!r}, inputs={brief(self.inputs)},"
+                f" output={brief(self.output)})")
 
 
 def _position(token: int, tokens: int) -> int | None:

@@ -161,10 +161,10 @@ def restarted(mixer: "RecurrentMixer", kernel: str, reason: str) -> None:
 
 
 def store(mixer: "RecurrentMixer", memory: str, kernel: str, kept: "dict[int, Any] | None",
-          inputs: "dict[str, Any] | None", output: "dict[str, Any] | None") -> None:
-    """File a kernel call's kept states and records in the running call's record, when the graph runs."""
+          inputs: "dict[str, Any] | None", output: "dict[str, Any] | None", path: str) -> None:
+    """File a kernel call's kept states, records and path in the running call's record, when the graph runs."""
     tensors: list[Tensor] = []
-    spec = (memory, kernel, _encode(kept, tensors), _encode(inputs, tensors), _encode(output, tensors))
+    spec = (memory, kernel, _encode(kept, tensors), _encode(inputs, tensors), _encode(output, tensors), path)
     _event(_CLOCKS[mixer._key], mixer._key, "store", [], repr(spec), tensors)
 
 
@@ -220,10 +220,10 @@ def _on_begin(mixer: "RecurrentMixer", clock: Tensor, ints: list[int], fresh: bo
 
 
 def _on_store(mixer: "RecurrentMixer", clock: Tensor, ints: list[int], spec: Any, tensors: list[Tensor]) -> None:
-    memory, kernel, kept, inputs, output = spec
+    memory, kernel, kept, inputs, output, path = spec
     values = iter(tensors)
     decoded = [_decode(item, values, mixer.STATE_TYPE) for item in (kept, inputs, output)]
-    mixer._file(memory, kernel, *decoded)
+    mixer._file(memory, kernel, *decoded, path=path)
 
 
 def _on_outside(mixer: "RecurrentMixer", clock: Tensor, ints: list[int], kernel: str, tensors: list[Tensor]) -> None:

@@ -4,13 +4,12 @@ Module contents:
 - `attach(mixer)`: attach a `RecurrentMixer` to its module's `_Tap` (module pre/post-forward hooks).
 - `make_dispatcher(kind)`: for `patching.acquire_kernels`, the function bound in place of each kernel.
 - `_Tap.run_kernel`: the plans of the attached mixers decide: nothing wanted runs the bound kernel; a busy
-  call takes the path `strategies.choose` estimates cheapest from its shapes (`_fast_path`): the bound kernel in
+  call takes the path `strategies.choose` picks under its handles' policy (`_fast_path`, `strategies.Paths`): the bound kernel in
   segments between the stops (`_run_in_segments`, a piece maybe ending in a token loop from its last chunk
   boundary), or the library's loop with `stops` for a kernel that computes fast between stops itself
   (`Kernel.stops`); every state kept without gradients can run the chunk-wise kernel, and a hook on every token
   the chunk-wise kernel a block at a time (`blocks.run_in_blocks`); otherwise the token loop runs, calling
-  the plans after each token.
-- `FAST_PATHS`: False makes every busy call run the token loop (the tests compare both).
+  the plans after each token. The path taken is recorded (`KernelCall.path`).
 """
 
 import dataclasses
@@ -236,11 +235,13 @@ class _Tap:
                 elif isinstance(value, (tuple, list)):
                     arguments[name] = type(value)(part.clone() if isinstance(part, Tensor) else part for part in value)
         busy = [[plan for plan in per_memory if not plan.idle] for per_memory in plans]
+        path = BOUND_KERNEL
         if not any(busy):
             result = original(*args, **kwargs)
         else:
             takers = [_Taker(per_memory, tokens) for per_memory in busy]
             fast = _fast_path(kernel, busy[0], tokens, arguments) if len(served) == 1 else None
+            path = strategies.Path.LOOP.value if fast is None else fast.path.value
             on_token = takers[0].on_token
             extra = {"tokens": tokens} if kernel.seq == FORWARD else {}
             if len(served) > 1:  # the second memory's hooks, writes and kept values (`Kernel.also`)
@@ -263,7 +264,7 @@ class _Tap:
         output = kernel.name_results(result) if "outputs" in records else {}
         if kernel.in_place and isinstance(live_state, Tensor) and "outputs" in records:
             output["final_state"] = live_state.clone()
-        part = KernelCall(kernel.name, arguments if "inputs" in records else None, output)
+        part = KernelCall(kernel.name, arguments if "inputs" in records else None, output, path)
         for row, per_memory in zip(served, plans):
             for mixer, plan in zip(entry.mixers, per_memory):
                 mixer._store(plan, row, part, tokens)
@@ -369,15 +370,18 @@ def _own(state: Tensor) -> Tensor:
     return state
 
 
-FAST_PATHS = True  # False: every call that is not idle runs the token loop (the tests compare both)
+BOUND_KERNEL = "bound kernel"  # `KernelCall.path` of a call nothing was asked of: the kernel bound before the watch
 
 
 def _fast_path(kernel: Kernel, busy: list[_Plan], tokens: int,
                arguments: dict[str, Any] | None = None) -> strategies.Choice | None:
-    """How a busy call runs (`strategies.choose`: the cheapest path by its shapes); None: the token loop."""
-    if not FAST_PATHS:
-        return None
-    return strategies.choose(kernel, busy, tokens, arguments)
+    """How a busy call runs (`strategies.choose` under the policy of its handles, `strategies.Paths`); None: the
+    token loop. Handles whose policies differ (a watch and a standalone hook on one module) get the token loop."""
+    paths = busy[0].mixer.paths
+    for plan in busy[1:]:
+        if plan.mixer.paths is not paths and plan.mixer.paths != paths:
+            return None
+    return strategies.choose(kernel, busy, tokens, arguments, paths=paths)
 
 
 def _run_in_segments(kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict, stops: list[int],

@@ -56,6 +56,8 @@ from . import compiled as _compiled
 from .calls import Call, KernelCall, Memory, _position
 from .kernels import CONV_MEMORY, STATE_MEMORY, Kernel, Role
 from .parts import State, axes_of, describe, is_parts, map_parts, not_a_tensor, parts_of
+from .strategies import DEFAULT as _DEFAULT_PATHS
+from .strategies import Paths
 from .threads import user_code
 
 
@@ -215,6 +217,8 @@ class RecurrentMixer:
     FORWARD_INPUT: ClassVar[str] = "hidden_states"
     FORWARD_CACHE: ClassVar[tuple[str, ...]] = ("cache", "cache_params")
     LAYER_ATTRIBUTE: ClassVar[str] = "layer_idx"
+    # how this handle's busy calls pick their path (`Paths`; `watch(model, paths=...)`, `register_state_hook`)
+    paths: Paths = _DEFAULT_PATHS
 
     def __init__(self, module: nn.Module, family: str, *,
                  keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (), history: bool = True,
@@ -724,7 +728,7 @@ class RecurrentMixer:
         output = part.output if "outputs" in self.records else None
         if _compiled.compiling():
             if self._history:  # filed in the call's record when the graph runs
-                _compiled.store(self, kernel.memory, kernel.name, plan.kept, inputs, output)
+                _compiled.store(self, kernel.memory, kernel.name, plan.kept, inputs, output, part.path)
             return
         record = self._current
         if record is None:
@@ -737,15 +741,15 @@ class RecurrentMixer:
         record._ran[kernel.memory] = tokens
         if kernel.memory == self.MEMORIES[0]:
             record.tokens = tokens
-        self._file(kernel.memory, kernel.name, plan.kept, inputs, output, plan.stacked)
+        self._file(kernel.memory, kernel.name, plan.kept, inputs, output, plan.stacked, path=part.path)
 
     def _file(self, memory: str, kernel: str, kept: "dict[int, State] | None", inputs: dict[str, Any] | None,
-              output: dict[str, Any] | None, stacked: State | None = None) -> None:
-        """File one kernel call in the running call's record: its records, and the states it kept."""
+              output: dict[str, Any] | None, stacked: State | None = None, path: str = "bound kernel") -> None:
+        """File one kernel call in the running call's record: its records, its path, and the states it kept."""
         record = self._current
         if record is None:
             return
-        part = KernelCall(kernel, inputs, output)
+        part = KernelCall(kernel, inputs, output, path)
         if memory == CONV_MEMORY:
             record.conv = part
         else:

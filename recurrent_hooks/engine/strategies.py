@@ -3,7 +3,7 @@
 A call with hooks, writes or kept states ("busy") can run in several ways (`dispatch._Tap._run_kernel`):
 - `Path.SEGMENTS`: the kernel bound before the watch on the pieces between the stops (the tokens with
   hooks, writes or kept states), chaining the state through its `initial_state` argument. A piece may end
-  with a short token loop from its last chunk boundary to its stop (`Choice.tails`, only with `TAILS` on): a
+  with a short token loop from its last chunk boundary to its stop (`Choice.tails`, only with `Paths(tails=True)`): a
   chunked kernel pads every call up to a multiple of its chunk, so a stop just past a boundary pays for a whole
   chunk;
 - `Path.STATES`: the library's chunk-wise all-states kernel (`Segments.all_states`), when every state is
@@ -14,42 +14,55 @@ A call with hooks, writes or kept states ("busy") can run in several ways (`disp
 - `Path.LOOP`: the library's token loop (`Kernel.loop`), one Python step per token.
 
 The model. Each prompt kernel with `Segments.shape` declares its call's cost-relevant shape (`Shape`: batch,
-heads, the two dims of a head's state k x v, the bound kernel's chunk size, and which set of `CONSTANTS` it is
-timed by). Each of three computations costs a sum of terms, each term a count times a fitted constant:
+heads, the two dims of a head's state k x v, the bound kernel's chunk size, and which kernel key its constants are
+filed under). Each of three computations costs a sum of terms, each term a count times a fitted constant:
     kernel(T): the bound kernel on T tokens, padded to n = ceil(T / chunk) chunks: per call, per chunk, per
                head-chunk, per head-chunk's chunk^2, per element-product chunk^2 (k + v) + chunk k v;
     loop(T):   the token loop: per call, per token, per head-token, per state element per token;
     states(T): the all-states kernel, in blocks of 16: per call, per block, per head-block, per head-token
                times 16 k, per state element per token
 (`kernel_terms`, `loop_terms`, `states_terms`; a head is one batch row's head, work = batch * heads). SEGMENTS
-is the sum over its pieces, each piece kernel(piece) or, with `TAILS` on, the cheaper of that and kernel(its whole
+is the sum over its pieces, each piece kernel(piece) or, with `Paths(tails=True)`, the cheaper of that and kernel(its whole
 chunks) + loop(rest);
 STATES the sum of states(piece); BLOCKS states(T); LOOP loop(T). The constants are seconds, fitted by
-`benchmarks/paths.py --calibrate` on this project's machine (see `CONSTANTS`). Grad mode only decides what is
-available (no STATES or BLOCKS with gradients): its cost is not modelled.
+`benchmarks/paths.py --calibrate --write` per device type and dtype, and read from the data file `costs.json`
+next to this module (keyed "cpu/float32": the package ships the CPU one), once, at the first watch or standalone
+hook (`costs_for`). Grad mode only decides what is available (no STATES or BLOCKS with gradients): its cost is
+not modelled.
 
-A kernel without a declared shape (lightning attention's `Kernel.stops`, or a `Segments` without `shape`)
-keeps the fixed rule of before: the segments (or the chunk-wise kernel when every state is kept) when there
-are at most max(8, T / 32) stops, else the token loop.
+The fixed rule: the segments (or the chunk-wise kernel when every state is kept) when there are at most
+max(8, T / 32) stops, else the token loop (a hook on every token: blocks where `blocks.blocks_apply` allows them).
+A call takes it when its kernel declares no shape (lightning attention's `Kernel.stops`, or a `Segments` without
+`shape`), when its device and dtype have no calibration (a GPU: `support()` says which rule a model gets), or
+when `Paths(rule="fixed")` asks for it.
+
+The policy is the user's (`Paths`, an argument of `watch` and `register_state_hook`, carried by each handle to
+its calls): the cost model or the fixed rule, the token loop for every busy call (a check), a path forced where
+the call can take it, the token-loop tails, the blocks' size limit, constants of one's own.
 
 Module contents:
 - `Path`, `Choice`: the paths and a call's choice (its path, its stops, whether every state is kept
   chunk-wise, and the token ranges of SEGMENTS that the token loop runs);
-- `Shape`, `Constants`, `CONSTANTS`: the model's inputs and its fitted constants;
-- `costs(shape, tokens, stops)`: each path's estimate; `choose(kernel, busy, tokens, arguments)`: the choice;
-- `BY_COST` (False: the fixed rule for every kernel), `FORCE` (a path to take whenever it is available)
-  and `TAILS` (token-loop tails; off by default, see there): internal switches for the tests and the benchmark.
+- `Paths`: the policy (public: `recurrent_hooks.Paths`); `DEFAULT`, the shipped one; `LOOP`, the token loop;
+- `Shape`, `Constants`: the model's inputs and its constants; `costs_for(device, dtype)`: the calibration of a
+  device type and dtype (None: none), from `costs.json`; `calibration_key(device, dtype)`: its key there;
+- `costs(shape, tokens, stops, constants)`: each path's estimate; `choose(kernel, busy, tokens, arguments,
+  paths=...)`: the choice.
 """
 
 import dataclasses
 import enum
+import json
 import math
-from collections.abc import Callable, Iterable
+import pathlib
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from . import blocks as _blocks
+from .errors import InvalidValue
 from .kernels import Kernel
 
 
@@ -76,7 +89,7 @@ class Choice:
 class Shape:
     """A prompt kernel call's cost-relevant shape (declared by its `Segments.shape` from the bound arguments)."""
 
-    constants: str  # the key of its CONSTANTS (the kernels timed alike)
+    constants: str  # its kernel key in a calibration ("delta rule", "ssd": the kernels timed alike)
     batch: int
     heads: int
     key_dim: int  # rows of one head's state (gated DeltaNet: key_dim; Mamba-2: head_dim)
@@ -93,33 +106,119 @@ class Constants:
     states: tuple[float, ...]
 
 
-# Fitted by `python benchmarks/paths.py --calibrate` (non-negative least squares on relative error, each path
-# timed over its grid of shapes, best of 5; float32, no gradients, 1 thread) on this project's 2-core CPU
-# machine, 1 December 2026 13:12 UTC (load average about 1-3: other jobs shared the machine), torch 2.13,
-# transformers 5.24. The fits' worst relative errors on their own timings were 34-71%: they rank paths that
-# differ by more than that; `benchmarks/paths.py` checks the ranking on whole forwards.
-CONSTANTS = {
-    # transformers' torch_chunk_gated_delta_rule (chunk 64) and the library's delta-rule loop and kernel
-    "delta rule": Constants(kernel=(9.7e-05, 0, 0, 2.5e-08, 1.4e-10), loop=(1.8e-05, 5e-05, 5.2e-08, 2.1e-09),
-                            states=(0.00019, 0.00021, 3.2e-05, 4.8e-09, 3.4e-09)),
-    # transformers' mamba2_chunk_scan (its torch path) and the library's SSD loop and kernel
-    "ssd": Constants(kernel=(0.00046, 0, 7.2e-06, 9.9e-09, 1.2e-10), loop=(0.00021, 4.5e-05, 1e-07, 2.3e-09),
-                     states=(0.00023, 8.9e-06, 8.6e-06, 0, 4.3e-09)),
-    # transformers' chunk_kimi_delta_attention (chunk 64, a Python loop over each chunk's rows) and the library's
-    "kimi delta": Constants(kernel=(0, 0, 0, 3.1e-07, 4.5e-09), loop=(8.7e-06, 4.2e-05, 3.4e-07, 2e-09),
-                            states=(4.1e-05, 0.0004, 0.00014, 1.6e-09, 4.3e-09)),
-}
-
 STATES_BLOCK = 16  # the all-states kernels' block of tokens
 
-BY_COST = True  # False: every kernel takes the fixed rule (the tests of each path use it)
-FORCE: Path | None = None  # internal (benchmarks): take this path whenever the call can
-# Token-loop tails: off. At the kernel, on a quiet machine, a 65-token Mamba-2 piece (mamba2-130m dims, chunk 256)
-# took 35 ms through the token loop and 50 ms through the kernel; in whole forwards (benchmarks/paths.py, T = 1024,
-# 8 positions) segments with tails measured 0.98 to 1.12 x the whole pieces over five runs, gdn_small (T = 512)
-# 0.81 to 1.12: no gain above the noise (docs/performance.md). True: a piece ends in a tail where the estimate
-# says it pays.
-TAILS = False
+COSTS_FILE = pathlib.Path(__file__).with_name("costs.json")  # written by `benchmarks/paths.py --calibrate --write`
+_COSTS: dict[str, dict[str, Constants]] = {}  # calibration key -> kernel constants key -> Constants, once read
+_READ: list[bool] = []  # [True] once COSTS_FILE was read
+
+
+def calibration_key(device: torch.device | str, dtype: torch.dtype) -> str:
+    """The key of a device type and dtype in `costs.json`: "cpu/float32", "cuda/bfloat16"."""
+    return f"{torch.device(device).type}/{str(dtype).removeprefix('torch.')}"
+
+
+def read_costs(path: pathlib.Path | str = COSTS_FILE) -> dict[str, dict[str, Constants]]:
+    """The calibrations of a costs file: key -> the constants of each kernel key ("delta rule", "ssd", ...)."""
+    data = json.loads(pathlib.Path(path).read_text())
+    return {key: {name: Constants(*(tuple(float(c) for c in fit[part]) for part in ("kernel", "loop", "states")))
+                  for name, fit in entry["kernels"].items()} for key, entry in data.items()}
+
+
+def load_costs() -> None:
+    """Read `costs.json` once (the first watch or standalone hook does, so that no trace of torch.compile
+    reads a file)."""
+    if not _READ:
+        _COSTS.update(read_costs())
+        _READ.append(True)
+
+
+def costs_for(device: torch.device | str, dtype: torch.dtype) -> dict[str, Constants] | None:
+    """The constants calibrated for a device type and dtype, by kernel key; None: no calibration (the fixed rule)."""
+    load_costs()
+    return _COSTS.get(calibration_key(device, dtype))
+
+
+_FORCED = {"segments": Path.SEGMENTS, "states": Path.STATES, "blocks": Path.BLOCKS}
+RULES = ("cost", "fixed", "loop")
+
+
+@dataclasses.dataclass(frozen=True)
+class Paths:
+    """How a busy call (hooks, writes or kept states) picks its path: an argument of `watch` and
+    `register_state_hook`.
+
+        with rh.watch(model, keep=("states",), paths=rh.Paths(rule="loop")) as w:   # every busy call token by token
+            model(ids)
+        w.mixers[0].calls[0].parts[0].path      # "token loop": the path each kernel call took
+
+    - `rule`: "cost" (the default: the cheapest path by a cost model of the call's shapes, calibrated per device
+      type and dtype; a device without calibration takes the fixed rule), "fixed" (segments for at most
+      max(8, T / 32) stops, the chunk-wise states when every state is kept, else the token loop), or "loop"
+      (every busy call runs the library's token loop: the reference the other paths are checked against);
+    - `force`: "segments", "states" (the chunk-wise all-states kernel) or "blocks": taken wherever the call can
+      take it (benchmarks, tests of a path), the rule deciding elsewhere;
+    - `tails`: with the cost model, a piece of segments may end in a token loop from its last chunk boundary
+      where the estimate says it pays (off: measured no gain above the noise, docs/performance.md);
+    - `blocks_below`: the largest state (elements, batch included) a hook on every token runs in blocks at
+      (None: each kernel's measured `Segments.blocks_below`);
+    - `costs`: constants by kernel key ("delta rule", "ssd", "kimi delta") to use instead of the device's
+      calibration (`Constants`, or a mapping with "kernel", "loop" and "states" lists as `costs.json` has them).
+
+    Every path gives the token loop's results (within float rounding); only the time differs. Several handles
+    busy in one call (a watch and a standalone hook on one module) take the path their policies agree on; if
+    they differ, the token loop.
+    """
+
+    rule: str = "cost"
+    force: "str | Path | None" = None
+    tails: bool = False
+    blocks_below: int | None = None
+    costs: "Mapping[str, Any] | None" = None
+
+    def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise InvalidValue(f"Paths: expected rule= one of {', '.join(map(repr, RULES))}, got rule={self.rule!r}")
+        force = self.force
+        if isinstance(force, str) and force in _FORCED:
+            object.__setattr__(self, "force", _FORCED[force])
+        elif force is not None and not (isinstance(force, Path) and force is not Path.LOOP):
+            raise InvalidValue(f"Paths: expected force= None or one of {', '.join(map(repr, _FORCED))} (the token"
+                               f" loop is rule='loop'), got force={force!r}")
+        if self.rule == "loop" and self.force is not None:
+            raise InvalidValue(f"Paths: rule='loop' runs every busy call through the token loop; it forces no"
+                               f" other path, got force={force!r}")
+        if not isinstance(self.tails, bool):
+            raise InvalidValue(f"Paths: expected tails=True or tails=False, got tails={self.tails!r}")
+        if self.blocks_below is not None and (isinstance(self.blocks_below, bool) or not isinstance(
+                self.blocks_below, int) or self.blocks_below < 0):
+            raise InvalidValue(f"Paths: expected blocks_below= None or a number of state elements >= 0, got"
+                               f" blocks_below={self.blocks_below!r}")
+        if self.costs is not None:
+            object.__setattr__(self, "costs", _as_constants(self.costs))
+
+    def __hash__(self) -> int:  # (costs is a dict)
+        return hash((self.rule, self.force, self.tails, self.blocks_below,
+                     None if self.costs is None else tuple(sorted(self.costs.items()))))
+
+
+def _as_constants(costs: Any) -> dict[str, Constants]:
+    if not isinstance(costs, Mapping):
+        raise InvalidValue(f"Paths: expected costs= a mapping of kernel keys (as 'delta rule', 'ssd') to Constants,"
+                           f" got {type(costs).__name__}")
+    out = {}
+    for name, value in costs.items():
+        if isinstance(value, Mapping) and {"kernel", "loop", "states"} <= set(value):
+            value = Constants(*(tuple(float(c) for c in value[part]) for part in ("kernel", "loop", "states")))
+        if not isinstance(value, Constants):
+            raise InvalidValue(f"Paths: costs[{name!r}]: expected Constants or a mapping with 'kernel', 'loop' and"
+                               f" 'states' lists, got {value!r}")
+        out[name] = value
+    return out
+
+
+DEFAULT = Paths()
+LOOP = Paths(rule="loop")
 
 
 def kernel_terms(shape: Shape, tokens: int) -> list[float]:
@@ -150,19 +249,19 @@ def _dot(coefficients: tuple[float, ...], terms: list[float]) -> float:
     return sum(c * t for c, t in zip(coefficients, terms, strict=True))
 
 
-def kernel_cost(shape: Shape, tokens: int) -> float:
+def kernel_cost(constants: Constants, shape: Shape, tokens: int) -> float:
     """The bound kernel on `tokens` tokens, padded up to whole chunks."""
-    return _dot(CONSTANTS[shape.constants].kernel, kernel_terms(shape, tokens)) if tokens > 0 else 0.0
+    return _dot(constants.kernel, kernel_terms(shape, tokens)) if tokens > 0 else 0.0
 
 
-def loop_cost(shape: Shape, tokens: int) -> float:
+def loop_cost(constants: Constants, shape: Shape, tokens: int) -> float:
     """The token loop on `tokens` tokens."""
-    return _dot(CONSTANTS[shape.constants].loop, loop_terms(shape, tokens)) if tokens > 0 else 0.0
+    return _dot(constants.loop, loop_terms(shape, tokens)) if tokens > 0 else 0.0
 
 
-def states_cost(shape: Shape, tokens: int) -> float:
+def states_cost(constants: Constants, shape: Shape, tokens: int) -> float:
     """The all-states kernel on `tokens` tokens."""
-    return _dot(CONSTANTS[shape.constants].states, states_terms(shape, tokens)) if tokens > 0 else 0.0
+    return _dot(constants.states, states_terms(shape, tokens)) if tokens > 0 else 0.0
 
 
 def pieces(stops: Iterable[int], tokens: int) -> list[tuple[int, int]]:
@@ -175,33 +274,37 @@ def pieces(stops: Iterable[int], tokens: int) -> list[tuple[int, int]]:
     return out
 
 
-def _piece(shape: Shape, start: int, end: int) -> tuple[float, tuple[int, int] | None]:
-    """A piece of SEGMENTS: its cost, and the range the token loop runs at its end (None: the kernel runs all)."""
-    whole = kernel_cost(shape, end - start)
+def _piece(constants: Constants, shape: Shape, start: int, end: int, tails: bool
+           ) -> tuple[float, tuple[int, int] | None]:
+    """A piece of SEGMENTS: its cost, and the range the token loop runs at its end (None: the kernel runs all;
+    always, without `tails`)."""
+    whole = kernel_cost(constants, shape, end - start)
     boundary = start + (end - start) // shape.chunk * shape.chunk
-    if boundary == end or not TAILS:
+    if boundary == end or not tails:
         return whole, None
-    split = kernel_cost(shape, boundary - start) + loop_cost(shape, end - boundary)
+    split = kernel_cost(constants, shape, boundary - start) + loop_cost(constants, shape, end - boundary)
     return (split, (boundary, end)) if split < whole else (whole, None)
 
 
-def segments_cost(shape: Shape, tokens: int, stops: Iterable[int]) -> tuple[float, tuple[tuple[int, int], ...]]:
-    """SEGMENTS: its cost and its tails (the ranges the token loop runs)."""
-    total, tails = 0.0, []
+def segments_cost(constants: Constants, shape: Shape, tokens: int, stops: Iterable[int], tails: bool = False
+                  ) -> tuple[float, tuple[tuple[int, int], ...]]:
+    """SEGMENTS: its cost and its tails (the ranges the token loop runs; none without `tails`)."""
+    total, looped = 0.0, []
     for start, end in pieces(stops, tokens):
-        cost, tail = _piece(shape, start, end)
+        cost, tail = _piece(constants, shape, start, end, tails)
         total += cost
         if tail is not None:
-            tails.append(tail)
-    return total, tuple(tails)
+            looped.append(tail)
+    return total, tuple(looped)
 
 
-def _estimates(shape: Shape, tokens: int, stops: Iterable[int]) -> dict[Path, Callable[[], float]]:
+def _estimates(constants: Constants, shape: Shape, tokens: int, stops: Iterable[int], tails: bool
+               ) -> dict[Path, Callable[[], float]]:
     """Each path's estimate, as a function (a choice computes only those of the paths it can take)."""
-    return {Path.SEGMENTS: lambda: segments_cost(shape, tokens, stops)[0],
-            Path.STATES: lambda: sum(states_cost(shape, end - start) for start, end in pieces(stops, tokens)),
-            Path.BLOCKS: lambda: states_cost(shape, tokens),
-            Path.LOOP: lambda: loop_cost(shape, tokens)}
+    return {Path.SEGMENTS: lambda: segments_cost(constants, shape, tokens, stops, tails)[0],
+            Path.STATES: lambda: sum(states_cost(constants, shape, end - start) for start, end in pieces(stops, tokens)),
+            Path.BLOCKS: lambda: states_cost(constants, shape, tokens),
+            Path.LOOP: lambda: loop_cost(constants, shape, tokens)}
 
 
 def _cheapest(available: list[Path], estimate: dict[Path, Callable[[], float]]) -> Path:
@@ -215,26 +318,39 @@ def _cheapest(available: list[Path], estimate: dict[Path, Callable[[], float]]) 
     return best
 
 
-def costs(shape: Shape, tokens: int, stops: Iterable[int]) -> dict[Path, float]:
+def costs(shape: Shape, tokens: int, stops: Iterable[int], constants: Constants, tails: bool = False
+          ) -> dict[Path, float]:
     """Each path's estimated seconds for a call of `tokens` tokens stopping at `stops` (available or not)."""
-    return {path: estimate() for path, estimate in _estimates(shape, tokens, stops).items()}
+    return {path: estimate() for path, estimate in _estimates(constants, shape, tokens, stops, tails).items()}
 
 
-def _fixed_rule(stops: set[int], every_state: bool, tokens: int) -> Choice | None:
-    """The rule of before: a few stops run the fast path, else the token loop."""
+def _fixed_rule(stops: set[int], every_state: bool, tokens: int) -> Path:
+    """The rule without a cost model: a few stops run the fast path, else the token loop."""
     if len(stops) > max(8, tokens // 32):
-        return None
-    return Choice(Path.STATES if every_state else Path.SEGMENTS, sorted(stops), every_state)
+        return Path.LOOP
+    return Path.STATES if every_state else Path.SEGMENTS
+
+
+def _constants_of(shape: Shape, arguments: dict[str, Any], paths: Paths) -> Constants | None:
+    """The constants for a call (None: none, the fixed rule): the policy's own, else the calibration of the
+    device type and dtype of the call's first floating-point tensor argument."""
+    if paths.costs is not None:
+        return paths.costs.get(shape.constants)
+    for value in arguments.values():
+        if isinstance(value, Tensor) and value.is_floating_point():
+            table = costs_for(value.device, value.dtype)
+            return None if table is None else table.get(shape.constants)
+    return None
 
 
 def choose(kernel: Kernel, busy: list[Any], tokens: int, arguments: dict[str, Any] | None = None,
-           grad: bool | None = None) -> Choice | None:
-    """The path of a busy call (its plans `busy`, each with `hooks` and `keep`): a `Choice`, or None for the
-    token loop. `arguments`: the call's bound arguments, from which the kernel's `Segments.shape` reads its
-    shape; `grad`: whether gradients are on (default: `torch.is_grad_enabled()`)."""
+           grad: bool | None = None, paths: Paths = DEFAULT) -> Choice | None:
+    """The path of a busy call (its plans `busy`, each with `hooks` and `keep`) under the policy `paths`: a
+    `Choice`, or None for the token loop. `arguments`: the call's bound arguments, from which the kernel's
+    `Segments.shape` reads its shape; `grad`: whether gradients are on (default: `torch.is_grad_enabled()`)."""
     grad = torch.is_grad_enabled() if grad is None else grad
     segments = kernel.segments
-    if segments is None and not kernel.stops:
+    if paths.rule == "loop" or segments is None and not kernel.stops:
         return None
     all_states = segments is not None and segments.all_states is not None
     stops: set[int] = set()
@@ -252,26 +368,28 @@ def choose(kernel: Kernel, busy: list[Any], tokens: int, arguments: dict[str, An
             stops.update(plan.keep)
     # blocks where they were measured to beat the token loop (`blocks.blocks_apply`: the state's size)
     blocks = every_token and all_states and not grad and arguments is not None \
-        and _blocks.blocks_apply(kernel, type(busy[0].mixer), arguments, grad)
-    shape = None
-    if BY_COST and segments is not None and segments.shape is not None and arguments is not None:
-        shape = segments.shape(arguments)
-    if shape is None:  # no cost model for this kernel: the fixed rule
-        if every_token:
-            return Choice(Path.BLOCKS, list(range(tokens)), False) if blocks else None
-        return _fixed_rule(stops, every_state, tokens)
+        and _blocks.blocks_apply(kernel, type(busy[0].mixer), arguments, grad, paths.blocks_below)
     if every_token:
         available = [Path.LOOP] + ([Path.BLOCKS] if blocks else [])
     else:
         available = [Path.LOOP, Path.STATES if every_state else Path.SEGMENTS]
-    path = FORCE if FORCE in available else _cheapest(available, _estimates(shape, tokens, stops))
+    constants = shape = None
+    if paths.rule == "cost" and segments is not None and segments.shape is not None and arguments is not None:
+        shape = segments.shape(arguments)
+        constants = None if shape is None else _constants_of(shape, arguments, paths)
+    if paths.force in available:
+        path = paths.force
+    elif constants is None:  # no cost model for this call: the fixed rule
+        path = available[-1] if every_token else _fixed_rule(stops, every_state, tokens)
+    else:
+        path = _cheapest(available, _estimates(constants, shape, tokens, stops, paths.tails))
     if path is Path.LOOP:
         return None
-    if path is Path.SEGMENTS:
-        tails = segments_cost(shape, tokens, stops)[1]
-        if sum(end - start for start, end in tails) == tokens:
-            return None  # every piece shorter than a chunk, run by the loop: the token loop itself, in one call
-        return Choice(path, sorted(stops), False, tails)
     if path is Path.BLOCKS:
         return Choice(path, list(range(tokens)), False)
-    return Choice(path, sorted(stops), True)
+    if path is Path.STATES:
+        return Choice(path, sorted(stops), True)
+    tails = () if constants is None else segments_cost(constants, shape, tokens, stops, paths.tails)[1]
+    if tails and sum(end - start for start, end in tails) == tokens:
+        return None  # every piece shorter than a chunk, run by the loop: the token loop itself, in one call
+    return Choice(path, sorted(stops), False, tails)

@@ -28,6 +28,8 @@ from .errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Un
 from .arguments import as_index, normalize_keep
 from .calls import Memory
 from .dispatch import attach, make_dispatcher
+from . import strategies
+from .strategies import Paths
 from .kernels import KEEPABLE, KERNEL_RECORDS, Kernel, Role, Site
 from .mixer import RecurrentMixer, StateHook
 from .patching import Transient, UndoStack, acquire_kernels, bound_original, import_default, rebind_process_wide
@@ -46,6 +48,7 @@ def _layer_in_path(path: str) -> int | None:
 
 def _attach_with_kernels(mixer: RecurrentMixer, family: MixerClass, stack: contextlib.ExitStack) -> None:
     """Attach `mixer` and acquire its family's kernels, registering both releases on `stack`."""
+    strategies.load_costs()  # the cost model's calibrations, read now rather than while torch.compile traces
     stack.callback(attach(mixer))
     module = family.module()
     targets = [family.target(kernel, mixer.module) for kernel in family.kind.KERNELS]
@@ -150,13 +153,17 @@ class Watch:
     What it costs: a call nothing is asked of runs the kernel bound before the watch. A busy call takes
     the path a cost model of its shapes finds cheapest: that kernel in segments between the tokens asked
     for, every state computed chunk-wise (without gradients), a hook on every token fed by chunk-wise
-    blocks (small states, without gradients), or the token loop (docs/performance.md).
+    blocks (small states, without gradients), or the token loop (docs/performance.md). `paths` (a `Paths`) sets
+    how: `Paths(rule="loop")` runs every busy call through the token loop, `Paths(rule="fixed")` takes the rule
+    without a cost model, `Paths(force="segments")` takes that path wherever a call can; each kernel call's
+    `path` says which it took.
     """
 
     def __init__(self, model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (),
-                 record: bool = False) -> None:
+                 record: bool = False, paths: Paths | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise InvalidValue(f"watch: expected a torch.nn.Module (a transformers model), got {type(model).__name__}")
+        self.paths = _checked_paths(paths, "watch")
         if not isinstance(record, bool):
             raise InvalidValue(f"watch: expected record=True or record=False, got record={record!r}")
         if not isinstance(keep, (str, Sequence, Mapping)):
@@ -238,6 +245,8 @@ class Watch:
                        for path, m, row in found for index in row.kind._instances(m, self.model)),
                       key=lambda pair: (pair[0].layer is None, pair[0].layer or 0))
         mixers = [mixer for mixer, _ in rows]
+        for mixer in mixers:
+            mixer.paths = self.paths
         stack = contextlib.ExitStack()
         try:  # all or nothing: a failure releases what was acquired so far
             for mixer, row in rows:
@@ -278,8 +287,17 @@ class Watch:
 _WRITES_SHOWN = 2  # writes named in the warning about writes that never ran
 
 
+def _checked_paths(paths: Any, where: str) -> Paths:
+    if paths is None:
+        return strategies.DEFAULT
+    if not isinstance(paths, Paths):
+        raise InvalidValue(f"{where}: expected paths= a recurrent_hooks.Paths (as Paths(rule='loop')) or None, got"
+                           f" {type(paths).__name__} {paths!r}")
+    return paths
+
+
 def watch(model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (),
-          record: bool = False) -> Watch:
+          record: bool = False, paths: Paths | None = None) -> Watch:
     """Watch every supported recurrent mixer of `model` for the duration of a `with` block.
 
         with recurrent_hooks.watch(model, keep=("states",)) as w:
@@ -288,16 +306,17 @@ def watch(model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | N
             out = model.generate(ids, max_new_tokens=8)    # call 0 is the prompt, call k decode step k
         w.mixers[0].states                                  # the state after every token of the last call
 
-    See `Watch` for what happens on entry and exit, and docs/concepts.md for calls, tokens and writes.
+    See `Watch` for what happens on entry and exit and for `paths` (how busy calls run: `Paths`), and
+    docs/concepts.md for calls, tokens and writes.
     """
-    return Watch(model, keep, record)
+    return Watch(model, keep, record, paths)
 
 
 _STANDALONE: "weakref.WeakKeyDictionary[nn.Module, RecurrentMixer]" = weakref.WeakKeyDictionary()
 
 
 def register_state_hook(module: nn.Module, fn: StateHook, *, call: int | Iterable[int] | None = None,
-                        token: int | Iterable[int] | None = None) -> RemovableHandle:
+                        token: int | Iterable[int] | None = None, paths: Paths | None = None) -> RemovableHandle:
     """Register `fn(mixer, call, token, state)` on a mixer module, without a `with` block.
 
         h = recurrent_hooks.register_state_hook(model.model.layers[0].linear_attn, fn)
@@ -310,7 +329,12 @@ def register_state_hook(module: nn.Module, fn: StateHook, *, call: int | Iterabl
     Like a torch module hook, it fires in every thread that runs the module, and a handle dropped without
     `remove()` leaves the hook in place; the kernels are released when the last hook is removed or when
     the module is garbage-collected.
+
+    `paths` (a `Paths`, as for `watch`) is the policy of every standalone hook on the module: the first hook's
+    (None: the default, or the one already set) until all are removed; another one while hooks are live is an
+    error.
     """
+    given = None if paths is None else _checked_paths(paths, "register_state_hook")
     row = mixer_of(module)
     if row is None:
         raise InvalidValue(
@@ -318,8 +342,12 @@ def register_state_hook(module: nn.Module, fn: StateHook, *, call: int | Iterabl
             f" {', '.join(cls for f in FAMILIES.values() for cls in f.mixers)}), got {type(module).__name__}"
         )
     mixer = _STANDALONE.get(module)
+    if mixer is not None and given is not None and given != mixer.paths:
+        raise InvalidValue(f"register_state_hook: the standalone hooks on {mixer} run with {mixer.paths}; got"
+                           f" paths={given}. Remove them first, or pass the same paths (or none)")
     if mixer is None:
         mixer = row.kind(module, row.name, history=False, restart_on_prompt=True)
+        mixer.paths = strategies.DEFAULT if given is None else given
         stack = contextlib.ExitStack()
         with stack:  # released again if attaching fails
             _attach_with_kernels(mixer, row, stack)
@@ -410,6 +438,20 @@ def available_of(kind: type[RecurrentMixer]) -> tuple[str, ...]:
             *(("values",) if kind.VALUES else ()), "writes", "hooks")
 
 
+def _path_rule(module: nn.Module, segments: Any) -> str:
+    """Which rule picks a busy prompt call's path by default, on the device and dtype of the module's weights."""
+    fixed = "the fixed rule (segments for at most max(8, T / 32) stops, else the token loop)"
+    if segments is None or segments.shape is None:
+        return f"{fixed}: this kernel has no cost model"
+    weight = next(module.parameters(), None)
+    if weight is None:
+        return fixed
+    key = strategies.calibration_key(weight.device, weight.dtype)
+    if strategies.costs_for(weight.device, weight.dtype) is None:
+        return f"{fixed}: no calibration for {key} (benchmarks/paths.py --calibrate --write makes one)"
+    return f"the cost model, calibrated for {key}"
+
+
 _NOT_REORDERED = ("beam search's cache reorder does not move this kind's memory: each row continues its own row, not"
                   " its parent beam's, and call.reorder stays None")
 
@@ -452,6 +494,8 @@ def support(model: nn.Module) -> list[MixerSupport]:
             "a hook on every token": "chunk-wise blocks for a small state without gradients, else the token loop"
             if segments is not None and segments.blocks_below else "the token loop",
         }
+        if segments is not None or prompt.stops:
+            notes["path choice"] = _path_rule(module, segments)
         unavailable = dict(kind.LIMITS)
         if not kind.REORDERED_BY_CACHE:  # the kind's own words if it has them (why the rows stay)
             unavailable.setdefault("beam search", _NOT_REORDERED)

@@ -33,6 +33,7 @@ from ..engine.arguments import as_index
 from ..engine.kernels import CONV_MEMORY, STATE_MEMORY
 from ..engine.mixer import RecurrentMixer
 from ..engine.parts import map_parts, parts_of
+from ..engine.strategies import Paths
 from ..engine.watch import watch
 
 _MEMORIES = (STATE_MEMORY, CONV_MEMORY)  # the rows `state` and `window`
@@ -56,7 +57,8 @@ class Attribution:
 
 
 def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: Metric, *,
-              layers: Iterable[int] | None = None, forward_kwargs: Mapping[str, Any] | None = None) -> Attribution:
+              layers: Iterable[int] | None = None, forward_kwargs: Mapping[str, Any] | None = None,
+              paths: Paths | None = None) -> Attribution:
     """Attribution patching of every recurrent layer x token, from one clean forward and one forward and
     backward of the corrupt run.
 
@@ -64,7 +66,8 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
         result.memory        # [layers, seq]: compare with rh.patching_sweep's exact effects
 
     `metric(logits)` returns one value per row (or a scalar); the mean over rows is attributed. Extra
-    `forward_kwargs` go to both forwards (e.g. `use_cache=False`). The weights need not require grad.
+    `forward_kwargs` go to both forwards (e.g. `use_cache=False`); `paths` sets how their calls run
+    (`recurrent_hooks.Paths`, as for `watch`). The weights need not require grad.
     """
     where = "attribute"
     for name, ids in (("clean_ids", clean_ids), ("corrupt_ids", corrupt_ids)):
@@ -78,9 +81,9 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
         raise InvalidValue(f"{where}: expected a callable metric(logits) -> [batch] or a scalar, got {metric!r}")
     kwargs = dict(forward_kwargs or {})
     keep = ("states", "conv_states")  # a memory a mixer's kind does not carry is not kept (normalize_keep)
-    with torch.no_grad(), watch(model, keep=keep) as clean_watch:
+    with torch.no_grad(), watch(model, keep=keep, paths=paths) as clean_watch:
         clean_value = _mean(metric(model(clean_ids, **kwargs).logits), where)
-    with torch.enable_grad(), watch(model, keep=keep) as corrupt_watch:
+    with torch.enable_grad(), watch(model, keep=keep, paths=paths) as corrupt_watch:
         corrupt_value = _mean(metric(model(corrupt_ids, **kwargs).logits), where)
     chosen = _chosen(corrupt_watch.mixers, layers, where)
     pairs = [(clean_watch.mixer(m.layer), m) for m in chosen]

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from ..engine.errors import InvalidValue
 from ..engine.kernels import CONV_MEMORY, STATE_MEMORY
 from ..engine.parts import map_parts
+from ..engine.strategies import Paths
 from ..engine.watch import watch
 
 WHAT = {"memory": (STATE_MEMORY, CONV_MEMORY), "state": (STATE_MEMORY,), "window": (CONV_MEMORY,)}
@@ -131,7 +132,7 @@ def _carried(mixer: Any, memories: tuple[str, ...], what: str) -> tuple[str, ...
 def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: Callable[[Tensor], Tensor], *,
                    layers: int | Iterable[int] | None = None, positions: int | Iterable[int] | None = None,
                    what: str = "memory", batch_size: int = 32, progress: bool = True,
-                   forward_kwargs: Mapping[str, Any] | None = None) -> Sweep:
+                   forward_kwargs: Mapping[str, Any] | None = None, paths: Paths | None = None) -> Sweep:
     """Patch the clean run into the corrupt run at every (layer, position); return `metric` per cell.
 
         sweep = rh.patching_sweep(model, clean_ids, corrupt_ids, lambda logits: logits[:, -1, answer])
@@ -149,7 +150,7 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
       "window" only the conv window (`set_conv_state_after`).
     - `batch_size`: cells per forward. Each forward repeats the corrupt prompt `batch_size` times.
     - `progress`: a tqdm bar over the cells; `forward_kwargs`: passed to every forward, after
-      `use_cache=False`.
+      `use_cache=False`; `paths`: how the watched calls run (`recurrent_hooks.Paths`, as for `watch`).
 
     Cell (L, p) equals one forward of the corrupt prompt with the clean `what` of layer L written after
     token p by the public writes: bit for bit where both take the same kernel path at the same batch
@@ -183,7 +184,7 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
 
     # The clean run, once: read hooks keep the memory after each chosen position (per head for zamba).
     clean: dict[tuple[str, int, int, int | None], Tensor] = {}
-    with watch(model) as w, torch.no_grad():
+    with watch(model, paths=paths) as w, torch.no_grad():
         w._one_mixer_per_layer("patching_sweep")  # cells are (layer, position): a layer must be one mixer
         layers = _layers(layers, [mixer.layer for mixer in w.mixers])
         for layer in layers:
@@ -204,7 +205,7 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
     with tqdm(total=len(cells), desc=_WHERE, unit="cell", disable=not progress) as bar:
         for start in range(0, len(cells), batch_size):
             batch = cells[start:start + batch_size]
-            with watch(model) as w, torch.no_grad():
+            with watch(model, paths=paths) as w, torch.no_grad():
                 for i in sorted({i for i, _ in batch}):
                     layer = layers[i]
                     rows: dict[int, list[int]] = {}  # token -> the rows patched after it
