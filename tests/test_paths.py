@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import recurrent_hooks as rh
+import recurrent_hooks.engine.watch as watch_impl
 import recurrent_hooks.engine.dispatch as rh_dispatch
 import recurrent_hooks.engine.strategies as rh_paths
 from _compare import assert_close, assert_equal
@@ -570,3 +571,18 @@ def test_bad_paths_are_refused_with_what_was_expected(kwargs, message):
 def test_watch_refuses_paths_that_are_not_a_policy():
     with pytest.raises(rh.InvalidValue, match=r"watch: expected paths= a recurrent_hooks.Paths .* got str 'loop'"):
         rh.watch(build("qwen3_5"), paths="loop")
+
+
+def test_the_suite_runs_the_shipped_path_choice():
+    """No fixture or switch changes the path policy for the whole suite (issue 17): a watch and a standalone hook
+    get the default `rh.Paths()`, the cost model, unless a test passes its own."""
+    model = build("qwen3_5")
+    assert rh.Paths() == rh.Paths(rule="cost", force=None, tails=False)
+    with rh.watch(model) as w:
+        assert {m.paths for m in w.mixers} == {rh.Paths()}
+    module = w.mixers[0].module
+    handle = rh.register_state_hook(module, lambda m, c, t, s: None)
+    try:
+        assert watch_impl._STANDALONE[module].paths == rh.Paths()
+    finally:
+        handle.remove()
