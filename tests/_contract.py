@@ -138,6 +138,7 @@ class Adapter:
     scale: Callable = halve  # a replacing hook's change
     carried: Callable | None = cache_state  # (out, mixer, memory) -> {where: the value the model carries on}
     window_in: Callable | None = conv_input  # the window a call started from; None: read it off the shift
+    state_in: Callable = state_in  # the state a call started from
     batch: int = 2  # of every generate (rwkv decodes right with batch 1 only, more-families.md bug 1)
     early: dict = dataclasses.field(default_factory=lambda: dict(rtol=1e-5, atol=1e-5))  # logits at tokens <= t
     decode_early: dict | None = None  # logits of calls <= k after a decode write (default: `early`)
@@ -174,7 +175,10 @@ _RG_LRU = Adapter(carried=rg_lru_memory, window_in=None, window_reach="every", r
 _SHORT_CONV = Adapter(early=dict(rtol=1e-6, atol=1e-7), decode_early=dict(rtol=0, atol=0), window_tokens=(0, 5, T - 1),
                       grad_tol=dict(rtol=1e-5, atol=1e-8), finite_difference=(),
                       whole_memory_tol=dict(rtol=0, atol=0))
+# zaya's CCA: one forward updates both memories, the q/k window and the one-token value delay (the state)
+_ZAYA = Adapter(state_in=lambda mixer, call: mixer.calls[call].conv.inputs["delay"])
 ADAPTERS = {
+    rh.CompressedConvolutionalAttention: _ZAYA,
     rh.GatedDeltaNet: _GDN_LIKE, rh.KimiDeltaAttention: _GDN_LIKE, rh.SelectiveScan: _GDN_LIKE,
     rh.PerHeadSelectiveScan: _GDN_LIKE, rh.StateSpace: _GDN_LIKE,
     rh.LightningAttention: _LIGHTNING, MatrixLSTM: _MLSTM, rh.WeightedKeyValue: _WKV,

@@ -19,7 +19,7 @@ import pytest
 import torch
 from _compare import assert_close, assert_equal
 from _models import FAMILIES as BUILDERS
-from _contract import READ, STACK, WRITE, cases, state_in, whole_memory_model
+from _contract import READ, STACK, WRITE, cases, whole_memory_model
 from _models import build, random_ids
 from _reachable import tensor_bytes_reachable
 from _runs import greedy, logits_of
@@ -355,7 +355,6 @@ def test_bindings_restored_after_exit_after_a_raising_hook_and_when_nested(model
 
 
 CASES = cases()
-BY_ID = {case.id: case for case in CASES}
 _MODELS: dict[str, torch.nn.Module] = {}
 
 
@@ -399,7 +398,7 @@ def started_from(case, mixer, memory, call, value):
     """The call started from `value`: its kernel's input (the state, or the window where recorded), else the window
     shifted by the call's first input (RG-LRU records no window input)."""
     if memory == "state":
-        assert_memory_equal(f"call {call} started from the write", value, state_in(mixer, call))
+        assert_memory_equal(f"call {call} started from the write", value, case.adapter.state_in(mixer, call))
     elif case.adapter.window_in is not None:
         assert_memory_equal(f"call {call} read the written window", value, case.adapter.window_in(mixer, call))
     else:
@@ -645,12 +644,18 @@ CHECKPOINTING = {"off": None, "reentrant": True, "non-reentrant": False}
 
 @pytest.mark.one_per_kind
 @pytest.mark.parametrize("checkpointing", CHECKPOINTING)
-@pytest.mark.parametrize("family", list(BY_ID))  # the case id (conftest's one_per_kind reads `family`)
 def test_gradient_checkpointing_gives_the_gradients_of_the_plain_backward(family, checkpointing):
     """A recompute repeats its call: a write at call 0, a replacing hook and kept memories (the kind's first memory)
     give the same loss, parameter gradients and kept-memory gradients with checkpointing (reentrant or not) as
-    without; a read-only hook runs again in the recompute, with the same call and `recomputing` set."""
-    case = BY_ID[family]
+    without; a read-only hook runs again in the recompute, with the same call and `recomputing` set. For every
+    mixer class of the family (inkling2's static and dynamic convolutions)."""
+    family_cases = [case for case in CASES if case.family == family]
+    assert family_cases, f"{family} has no contract adapter (tests/_contract.py)"
+    for case in family_cases:
+        _checkpointed(case, checkpointing)
+
+
+def _checkpointed(case, checkpointing):
     model, adapter = model_of(case), case.adapter
     memory = case.kind.MEMORIES[0]
     ids = random_ids(2, T)
