@@ -14,6 +14,7 @@ import torch
 
 import recurrent_hooks as rh
 from _compare import assert_close, assert_equal
+from _contract import family_fixtures
 from _models import PAD, build, random_ids
 from _runs import greedy, logits_of
 from recurrent_hooks.kinds.dynamic_conv import dynamic_conv_forward
@@ -36,11 +37,6 @@ def perturbation(window, seed=1):
     return window + torch.randn(window.shape, generator=gen) * (window.abs().max() + 1)
 
 
-@pytest.fixture(params=FAMILIES)
-def family(request):
-    return request.param
-
-
 def _build(family):
     """The tiny model, with random static taps (transformers initialises them to zeros)."""
     model = build(family)
@@ -52,9 +48,7 @@ def _build(family):
     return model
 
 
-@pytest.fixture
-def model(family):
-    return _build(family)
+family, model = family_fixtures(FAMILIES, _build)
 
 
 def _modules(model, family):

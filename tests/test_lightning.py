@@ -1,7 +1,7 @@
 """MiniMax lightning attention (`LightningAttention`): the library's forward against transformers' and the
 float64 recurrence, and the bar every family meets (tests/test_families.py), for a kind whose kernel is the
 mixer's whole forward, bound as a class attribute, and whose memory is the state alone (the kind-agnostic part
-of the bar: tests/test_every_family.py).
+of the bar: tests/test_contract.py).
 
 The float64 reference is written from the MiniMax-01 equations:
     [q; k; v] = SiLU(W_qkv x),  S_t = λ_h S_{t-1} + k_t^T v_t,  o_t = q_t S_t,  out = W_o(σ(W_g x) ⊙ RMSNorm(o)),
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import recurrent_hooks as rh
 import recurrent_hooks.engine.dispatch as rh_dispatch
 from _compare import assert_close, assert_equal
+from _contract import family_fixtures
 from _models import PAD, _minimax, build, random_ids
 from _runs import greedy, logits_of
 import recurrent_hooks.kinds.lightning as rh_lightning
@@ -29,14 +30,7 @@ FP32 = dict(rtol=1e-5, atol=1e-6)  # float32 against float32 (the block loop aga
 F64 = dict(rtol=1e-4, atol=1e-6)  # float32 against the float64 reference
 
 
-@pytest.fixture(params=LIGHTNING)
-def family(request):
-    return request.param
-
-
-@pytest.fixture
-def model(family):
-    return build(family)
+family, model = family_fixtures(LIGHTNING)
 
 
 def mixer_class(family):
@@ -45,11 +39,6 @@ def mixer_class(family):
 
 def mixers_of(model):
     return [m for m in model.modules() if family_of(m) is not None]
-
-
-def perturbation(state, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    return state + torch.randn(state.shape, generator=gen) * (state.abs().max() + 1)
 
 
 # -- the float64 reference -------------------------------------------------------------------------------------
@@ -328,7 +317,7 @@ def test_stops_over_a_cached_state_run_token_by_token(family):
     assert_equal("state", want_state, state)
 
 
-# -- the bar: states, writes, padding (parity, generate and the call counter: tests/test_every_family.py) -------
+# -- the bar: states, writes, padding (parity, generate and the call counter: tests/test_contract.py) -------
 
 
 def test_states_equal_float64_reference_at_prompt_and_decode_steps(model):
@@ -347,17 +336,6 @@ def test_states_equal_float64_reference_at_prompt_and_decode_steps(model):
                              rtol=0, atol=0)
 
 
-def test_decode_states_continue_the_prompt_states(model):
-    ids = random_ids(2, T)
-    with rh.watch(model, keep=ALL) as w:
-        sequence = greedy(model, ids, 5)
-    with rh.watch(model, keep=ALL) as whole:
-        logits_of(model, sequence[:, :-1], use_cache=False)
-    for mixer, long in zip(w.mixers, whole.mixers):
-        decoded = torch.cat([c.states for c in mixer.calls], dim=1)
-        assert_close(f"{mixer} prompt + decode vs one prompt", long.states, decoded, **F64)
-
-
 def test_multi_token_continuation_runs_the_per_token_branch(model):
     """Several tokens over a cached state: transformers' per-token branch, which the library's loop equals bit
     for bit; its states continue the prompt's."""
@@ -371,82 +349,6 @@ def test_multi_token_continuation_runs_the_per_token_branch(model):
     for mixer in w.mixers:
         assert [c.tokens for c in mixer.calls] == [T - 8] and mixer.calls[0].inputs["initial_state"] is not None
         assert_close(f"{mixer} continuation states", reference_states(mixer, 0), mixer.calls[0].states, **F64)
-
-
-@pytest.mark.parametrize("token", [0, 4, T - 1])
-def test_write_changes_only_later_tokens_and_the_cache(model, token):
-    ids = random_ids(2, T)
-    plain = logits_of(model, ids)
-    with rh.watch(model, keep=ALL) as w:
-        logits_of(model, ids)
-        value = perturbation(w.mixers[0].state_after(token))
-    with rh.watch(model, keep=ALL) as w:
-        mixer = w.mixers[0]
-        mixer.set_state_after(token, value)
-        with torch.no_grad():
-            out = model(ids, use_cache=True)
-    assert_close("logits at tokens <= t", plain[:, : token + 1], out.logits[:, : token + 1], rtol=1e-5, atol=1e-5)
-    if token < T - 1:
-        change = (out.logits[:, token + 1:] - plain[:, token + 1:]).abs().amax(dim=(0, 2))
-        assert change.min() > 1e-6, f"a write at token {token} left later logits unchanged: {change}"
-    assert_close("state after the write", value, mixer.state_after(token), rtol=0, atol=0)
-    cached = out.cache.get_linear_cache(mixer.layer)
-    assert_close("cache holds the continued state", mixer.states[:, -1], cached, rtol=0, atol=0)
-    assert_close("the forward returned it", mixer.calls[0].output["final_state"], cached, rtol=0, atol=0)
-
-
-def test_write_at_the_last_prompt_token_steers_generation(model):
-    ids = random_ids(2, T)
-    plain = greedy(model, ids, 3, output_logits=True, return_dict_in_generate=True)
-    with rh.watch(model, keep=ALL) as w:
-        logits_of(model, ids)
-        value = perturbation(w.mixers[0].state_after(-1))
-    with rh.watch(model, keep=ALL) as w:
-        w.mixers[0].set_state_after(T - 1, value)
-        steered = greedy(model, ids, 3, output_logits=True, return_dict_in_generate=True)
-    assert_close("decode step 1 started from the write", value, w.mixers[0].calls[1].inputs["initial_state"],
-                 rtol=0, atol=0)
-    assert_close("the prompt's logits", plain.logits[0], steered.logits[0], rtol=1e-5, atol=1e-5)
-    assert (plain.logits[1] - steered.logits[1]).abs().max() > 1e-6
-
-
-def test_write_at_a_decode_step(model):
-    ids = random_ids(2, T)
-    kwargs = dict(output_logits=True, return_dict_in_generate=True)
-    plain = greedy(model, ids, 5, **kwargs)
-    with rh.watch(model, keep=ALL) as w:
-        greedy(model, ids, 5, **kwargs)
-        value = perturbation(w.mixers[0].state_after(0, call=2))
-    with rh.watch(model, keep=ALL) as w:
-        w.mixers[0].set_state_after(0, value, call=2)
-        steered = greedy(model, ids, 5, **kwargs)
-    for step in range(3):
-        assert_close(f"logits of call {step}", plain.logits[step], steered.logits[step], rtol=1e-5, atol=1e-5)
-    change = max((plain.logits[step] - steered.logits[step]).abs().max() for step in range(3, 5))
-    assert change > 1e-6, f"a write at decode call 2 changed no later logits ({change})"
-    assert_close("call 3 continued from the write", value, w.mixers[0].calls[3].inputs["initial_state"],
-                 rtol=0, atol=0)
-
-
-def test_replacing_hooks_equal_writes(model):
-    """A hook that returns a state is a write: s * 0.5 at token 4 and at decode step 2."""
-    ids = random_ids(2, T)
-    kwargs = dict(output_logits=True, return_dict_in_generate=True)
-    with rh.watch(model, keep=ALL) as w:
-        halve = lambda m, c, t, s: s * 0.5  # noqa: E731
-        w.mixers[0].register_state_hook(halve, call=0, token=4)
-        w.mixers[-1].register_state_hook(halve, call=2)
-        hooked = greedy(model, ids, 4, **kwargs)
-    first, last = w.mixers[0].state_after(4, call=0), w.mixers[-1].state_after(0, call=2)
-    with rh.watch(model, keep=ALL) as plain:
-        greedy(model, ids, 4, **kwargs)
-    assert_close("the hook halved the state", plain.mixers[0].state_after(4, call=0) * 0.5, first, rtol=0, atol=0)
-    with rh.watch(model, keep=ALL) as v:
-        v.mixers[0].set_state_after(4, first, call=0)
-        v.mixers[-1].set_state_after(0, last, call=2)
-        written = greedy(model, ids, 4, **kwargs)
-    for step, (a, b) in enumerate(zip(hooked.logits, written.logits)):
-        assert_close(f"logits of call {step}", a, b, rtol=0, atol=0)
 
 
 def test_left_padded_batch(model):
@@ -560,13 +462,12 @@ def test_beam_search_runs_as_unwatched_and_the_state_rows_stay_in_place(model):
 # -- gradients -----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kept", ["every token", "one token"])
-def test_gradient_with_respect_to_a_state(model, kept):
-    """d metric / d state after token t: the kept state is the tensor the recurrence used (the token loop
-    when every state is kept; the block computation between stops when one is)."""
+def test_gradient_with_respect_to_a_state_kept_at_one_token(model):
+    """d metric / d state after token t, one state kept: the block computation between stops keeps the tensor the
+    recurrence used (every state kept, the token loop: tests/test_contract.py)."""
     ids = random_ids(1, T)
     token = 5
-    with rh.watch(model, keep=ALL if kept == "every token" else {"states": [token]}) as w:
+    with rh.watch(model, keep={"states": [token]}) as w:
         metric = model(ids).logits[0, -1].logsumexp(-1)
     state = w.mixers[0].state_after(token)
     leaf = state.detach().clone().requires_grad_()
@@ -602,79 +503,7 @@ def test_every_kept_state_is_differentiable_with_frozen_weights(model):
                  rtol=1e-4, atol=1e-7)
 
 
-@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
-def test_gradient_checkpointing_repeats_the_call(model, reentrant):
-    """A recompute of the watched forward repeats its write and hook: same loss and gradients as without."""
-    ids = random_ids(2, T)
-    with rh.watch(model, keep={"states": [3]}) as w, torch.no_grad():
-        model(ids, use_cache=False)
-    write = perturbation(w.mixers[0].state_after(3), seed=2)
-
-    def backward(checkpointing):
-        model.train()
-        model.zero_grad(set_to_none=True)
-        if checkpointing:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
-        seen = []
-        try:
-            with rh.watch(model) as w:
-                w.mixers[0].set_state_after(3, write)
-                w.mixers[-1].register_state_hook(lambda m, c, t, s: seen.append((c, t, m.recomputing)) or s * 0.5,
-                                                 token=4)
-                loss = model(ids, use_cache=False).logits.square().mean()
-                loss.backward()
-            assert [c.index for c in w.mixers[0].calls] == [0]
-        finally:
-            model.activation_checkpointing_disable()
-            model.eval()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, seen
-
-    loss, grads, seen = backward(False)
-    got_loss, got_grads, got_seen = backward(True)
-    assert_close("loss", loss, got_loss, rtol=1e-6, atol=0)
-    assert sorted(got_grads) == sorted(grads)
-    scale = max(g.abs().max() for g in grads.values())
-    for name, grad in grads.items():
-        assert_close(f"grad of {name}", grad, got_grads[name], rtol=1e-4, atol=1e-5 * scale)
-    assert seen == [(0, 4, False)] and got_seen == [(0, 4, False), (0, 4, True)]
-
-
 # -- the whole memory ----------------------------------------------------------------------------------------------
-
-
-def first_mixer_outputs(model, ids, memory=None, token=None):
-    module = mixers_of(model)[0]
-    outputs = []
-    handle = module.register_forward_hook(lambda m, a, out: outputs.append(out[0]))
-    try:
-        with rh.watch(model, keep=ALL) as w, torch.no_grad():
-            if memory is not None:
-                w.mixers[0].set_memory_after(token, memory)
-            model(ids, use_cache=False)
-    finally:
-        handle.remove()
-    return outputs[0], w.mixers[0]
-
-
-def test_writing_the_whole_memory_makes_a_layer_continue_as_in_the_other_run():
-    """Run A's memory after token t of the first lightning layer, written into run B (which shares A's tokens
-    after t), makes that layer's outputs after t equal A's: the state is the whole memory (no conv window).
-    The layer must see only tokens, so this runs the linear-first pattern, without a cache (bug 8)."""
-    torch.manual_seed(0)
-    model = _minimax(linear_first=True).eval()
-    token = 6
-    run_a = random_ids(2, T, seed=5)
-    run_b = run_a.clone()
-    run_b[:, : token + 1] = random_ids(2, token + 1, seed=6)
-    out_a, mixer_a = first_mixer_outputs(model, run_a)
-    assert mixer_a.layer == 0
-    out_b, _ = first_mixer_outputs(model, run_b)
-    memory = mixer_a.memory_after(token)
-    assert memory.conv_state is None
-    patched, _ = first_mixer_outputs(model, run_b, memory, token)
-    assert (out_b[:, token + 1:] - out_a[:, token + 1:]).abs().max() > 1e-6, "the two runs did not differ"
-    assert_close("layer output after t, memory written", out_a[:, token + 1:], patched[:, token + 1:], **F64)
-    assert_close("layer output up to t unchanged", out_b[:, : token + 1], patched[:, : token + 1], rtol=0, atol=0)
 
 
 def test_linear_attention_at_layer_0_breaks_cached_continuations_in_transformers():
@@ -767,7 +596,7 @@ def test_effective_attention_is_refused_with_the_reason(model):
     assert "effective attention" in rh.support(model)[0].unavailable
 
 
-# -- threads, routing and the frame check (bindings: tests/test_every_family.py) ---------------------------------
+# -- threads, routing and the frame check (bindings: tests/test_contract.py) ---------------------------------
 
 
 def test_two_threads_watch_their_own_models(family):

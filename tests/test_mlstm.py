@@ -1,6 +1,6 @@
 """The mLSTM kind (`MatrixLSTM`, xlstm): its token loop against transformers' kernels and the float64
 reference from the mLSTM equations, and the bar of tests/test_families.py at model level (the kind-agnostic
-part of the bar: tests/test_every_family.py).
+part of the bar: tests/test_contract.py).
 
 The kernel is the instance attribute `mlstm_backend._inference_fn`, a `functools.partial` of
 `wrap_chunkwise_arbitrary_sequence_length` that transformers builds in `xLSTMBackend.__init__`; the tests
@@ -16,6 +16,7 @@ import recurrent_hooks as rh
 from recurrent_hooks.extend import MatrixLSTM, MLSTMState
 from recurrent_hooks.kinds.mlstm import mlstm_inference, mlstm_train
 from _compare import assert_close, assert_equal
+from _contract import family_fixtures
 from _models import FAMILIES as BUILDERS
 from _models import build, random_ids
 from _runs import greedy, logits_of
@@ -209,11 +210,6 @@ ALL = ("states", "inputs", "outputs")  # the mLSTM has no convolution window
 PARTS = MLSTMState._fields
 
 
-def perturbation(state: MLSTMState, seed: int = 1) -> MLSTMState:
-    gen = torch.Generator().manual_seed(seed)
-    return MLSTMState(*(s + torch.randn(s.shape, generator=gen) * (s.abs().max() + 1) for s in state))
-
-
 def assert_state_equal(name, expected, got):
     assert isinstance(got, MLSTMState), f"{name}: got a {type(got).__name__}, expected an MLSTMState"
     for part, a, b in zip(PARTS, expected, got):
@@ -226,10 +222,6 @@ def state_in(mixer, call):
     return MLSTMState(x["c_initial"], x["n_initial"], x["m_initial"])
 
 
-def cached(out, layer):
-    return MLSTMState(*out.cache.rnn_state[layer])
-
-
 def reference_states(mixer, call):
     """Per-token states of `call`, recomputed in float64 from the call's recorded kernel inputs."""
     x = mixer.calls[call].parts[0].inputs
@@ -237,14 +229,7 @@ def reference_states(mixer, call):
                                                   "n_initial", "m_initial")})[1]
 
 
-@pytest.fixture(params=FAMILIES)
-def family(request):
-    return request.param
-
-
-@pytest.fixture
-def model(family):
-    return build(family)
+family, model = family_fixtures(FAMILIES)
 
 
 def test_states_equal_float64_reference_at_prompt_and_decode_steps(model):
@@ -256,67 +241,6 @@ def test_states_equal_float64_reference_at_prompt_and_decode_steps(model):
             reference, kept = reference_states(mixer, call), mixer.calls[call].states
             for part, ref, got in zip(PARTS, reference, kept):
                 close(f"{mixer} call {call} part {part}", ref, got)
-
-
-def test_decode_states_continue_the_prompt_states(model):
-    """Split invariance: the state at decode step k is the state after token T+k-1 of one long prompt."""
-    ids = random_ids(2, T)
-    with rh.watch(model, keep=ALL) as w:
-        sequence = greedy(model, ids, 5)
-    with rh.watch(model, keep=ALL) as whole:
-        logits_of(model, sequence[:, :-1], use_cache=False)
-    for mixer, long in zip(w.mixers, whole.mixers):
-        for part in PARTS:
-            decoded = torch.cat([getattr(c.states, part) for c in mixer.calls], dim=1)
-            close(f"{mixer} part {part}, prompt + decode vs one prompt", getattr(long.states, part), decoded)
-
-
-@pytest.mark.parametrize("token", [0, 4, T - 1])
-def test_write_changes_only_later_tokens_and_the_cache(model, token):
-    ids = random_ids(2, T)
-    plain = logits_of(model, ids)
-    with rh.watch(model, keep=ALL) as w:
-        logits_of(model, ids)
-        value = perturbation(w.mixers[0].state_after(token))
-    with rh.watch(model, keep=ALL) as w:
-        mixer = w.mixers[0]
-        mixer.set_state_after(token, value)
-        with torch.no_grad():
-            out = model(ids, use_cache=True)
-    assert_close("logits at tokens <= t", plain[:, : token + 1], out.logits[:, : token + 1], rtol=1e-5, atol=1e-5)
-    if token < T - 1:
-        change = (out.logits[:, token + 1:] - plain[:, token + 1:]).abs().amax(dim=(0, 2))
-        assert change.min() > 1e-3, f"a write at token {token} left later logits unchanged: {change}"
-    assert_state_equal("state after the write", value, mixer.state_after(token))
-    assert_state_equal("the cache holds the continued state", mixer.state_after(-1), cached(out, mixer.layer))
-
-
-def test_write_at_the_last_prompt_token_steers_generation(model):
-    ids = random_ids(2, T)
-    with rh.watch(model, keep=ALL) as w:
-        logits_of(model, ids)
-        value = perturbation(w.mixers[0].state_after(-1))
-    with rh.watch(model, keep=ALL) as w:
-        w.mixers[0].set_state_after(T - 1, value)
-        greedy(model, ids, 3)
-    assert_state_equal("decode step 1 started from the write", value, state_in(w.mixers[0], 1))
-
-
-def test_write_at_a_decode_step(model):
-    ids = random_ids(2, T)
-    kwargs = dict(output_logits=True, return_dict_in_generate=True)
-    plain = greedy(model, ids, 5, **kwargs)
-    with rh.watch(model, keep=ALL) as w:
-        greedy(model, ids, 5, **kwargs)
-        value = perturbation(w.mixers[0].state_after(0, call=2))
-    with rh.watch(model, keep=ALL) as w:
-        w.mixers[0].set_state_after(0, value, call=2)
-        steered = greedy(model, ids, 5, **kwargs)
-    for step in range(3):
-        assert_close(f"logits of call {step}", plain.logits[step], steered.logits[step], rtol=1e-5, atol=1e-5)
-    change = max((plain.logits[step] - steered.logits[step]).abs().max() for step in range(3, 5))
-    assert change > 1e-3, f"a write at decode call 2 changed no later logits ({change})"
-    assert_state_equal("call 3 continued from the write", value, state_in(w.mixers[0], 3))
 
 
 def test_a_replacing_hook_is_a_write_and_a_read_only_hook_sees_the_kept_states(model):
@@ -409,54 +333,6 @@ def test_every_kept_state_is_differentiable_as_one_stack(model):
         assert_close(f"part {part} at token 3", single, stacked[:, 3], rtol=1e-4, atol=1e-6 * float(single.abs().max()))
 
 
-@pytest.mark.parametrize("checkpointing", [None, True, False], ids=["off", "reentrant", "non-reentrant"])
-def test_gradient_checkpointing_gives_the_gradients_of_the_plain_backward(model, checkpointing):
-    ids = random_ids(2, T)
-    with rh.watch(model, keep={"states": [3]}) as w, torch.no_grad():
-        model(ids, use_cache=False)
-    write = perturbation(w.mixers[0].state_after(3), seed=2)
-
-    def backward(mode):
-        model.train()
-        model.zero_grad(set_to_none=True)
-        if mode is None:
-            model.activation_checkpointing_disable()
-        else:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": mode})
-        seen = []
-        try:
-            with rh.watch(model, keep={"states": [5, -1]}) as w:
-                first, last = w.mixers[0], w.mixers[-1]
-                first.set_state_after(3, write)
-                last.register_state_hook(lambda m, c, t, s: MLSTMState(s.C * 0.5, s.n * 0.5, s.m), token=4)
-                last.register_state_hook(lambda m, c, t, s: seen.append((c, t, m.recomputing)), token=6)
-                loss = model(ids, use_cache=False).logits.square().mean()
-                kept = first.state_after(5)
-                if kept.C.requires_grad:
-                    for part in kept:
-                        part.retain_grad()
-                loss.backward()
-            state_grad = first.state_after(5).C.grad
-            assert [c.index for c in first.calls] == [0], "a recompute counted as a new call"
-        finally:
-            model.activation_checkpointing_disable()
-            model.eval()
-        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-        return loss.detach(), grads, state_grad, seen
-
-    loss, grads, state_grad, seen = backward(None)
-    got_loss, got_grads, got_state_grad, got_seen = backward(checkpointing)
-    assert_close("loss", loss, got_loss, rtol=1e-6, atol=0)
-    assert sorted(got_grads) == sorted(grads)
-    scale = max(g.abs().max() for g in grads.values())
-    for name, grad in grads.items():
-        assert_close(f"grad of {name}", grad, got_grads[name], rtol=1e-4, atol=1e-5 * scale)
-    assert state_grad is not None and state_grad.abs().max() > 0
-    assert_close("grad of the kept C", state_grad, got_state_grad, rtol=1e-4, atol=1e-5 * state_grad.abs().max())
-    assert seen == [(0, 6, False)] and got_seen[:1] == seen
-    assert got_seen[1:] == ([] if checkpointing is None else [(0, 6, True)])
-
-
 def first_mixer_outputs(model, ids, memory=None, token=None):
     """The first mLSTM layer's output, optionally with its whole memory written after `token`."""
     outputs = []
@@ -471,23 +347,17 @@ def first_mixer_outputs(model, ids, memory=None, token=None):
     return outputs[0], w.mixers[0]
 
 
-def test_writing_the_whole_memory_makes_a_layer_continue_as_in_the_other_run(model):
-    """Run A's memory (C, n and m) after token t, written into run B, which shares A's tokens after t: the
-    first layer's outputs after t are A's. A memory of one part alone (C without its n and m) is not."""
+def test_one_part_of_the_state_is_not_the_whole_memory(model):
+    """Run A's C after token t, with run B's own n and m, written into B (which shares A's tokens after t): the
+    first layer's outputs after t are not A's (the whole-memory identity, C, n and m together: tests/test_contract.py)."""
     token = 6
     run_a = random_ids(2, T, seed=5)
     run_b = run_a.clone()
     run_b[:, : token + 1] = random_ids(2, token + 1, seed=6)
     out_a, mixer_a = first_mixer_outputs(model, run_a)
     assert mixer_a.layer == 0
-    out_b, mixer_b = first_mixer_outputs(model, run_b)
-    memory = mixer_a.memory_after(token)
-    assert memory.conv_state is None and isinstance(memory.state, MLSTMState)
-    patched, _ = first_mixer_outputs(model, run_b, memory, token)
-    assert (out_b[:, token + 1:] - out_a[:, token + 1:]).abs().max() > 1e-3, "the two runs did not differ"
-    assert_close("layer output after t, memory written", out_a[:, token + 1:], patched[:, token + 1:],
-                 rtol=1e-5, atol=1e-6)
-    own = mixer_b.state_after(token)
+    _, mixer_b = first_mixer_outputs(model, run_b)
+    memory, own = mixer_a.memory_after(token), mixer_b.state_after(token)
     c_only, _ = first_mixer_outputs(model, run_b, rh.Memory(MLSTMState(memory.state.C, own.n, own.m), None), token)
     assert (c_only[:, token + 1:] - out_a[:, token + 1:]).abs().max() > 1e-3
 

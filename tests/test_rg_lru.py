@@ -7,7 +7,7 @@ so it has its own test file with the checks of tests/test_families.py, parametri
   references written from Griffin's equations (h_t = a_t h_{t-1} + sqrt(1 - a_t^2)(i_t * x_t));
 - writes (prompt, decode, conv window), an in-place hook edit as a replacement, the whole-memory identity,
   gradients, support (parity, generate, the call counter, standalone hooks, the input gradient and bindings
-  are tests/test_every_family.py's);
+  are tests/test_contract.py's);
 - transformers' own quirks (more-families.md, bugs 3-5) and its beam search, which leaves the module-held
   memory in place, reproduced watched and unwatched.
 """
@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _compare import assert_close, assert_equal
+from _contract import family_fixtures
 from _models import PAD, build, random_ids
 from _runs import greedy, logits_of
 
@@ -42,19 +43,7 @@ def bindings(family):
             for kernel in rh.FAMILIES[family].kind.KERNELS}
 
 
-def perturbation(state, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    return state + torch.randn(state.shape, generator=gen).to(state.dtype) * (state.abs().max() + 1)
-
-
-@pytest.fixture(params=RG_LRU_FAMILIES)
-def family(request):
-    return request.param
-
-
-@pytest.fixture
-def model(family):
-    return build(family)
+family, model = family_fixtures(RG_LRU_FAMILIES)
 
 
 # -- float64 references from the paper's equations ---------------------------------------------------------------
@@ -296,106 +285,7 @@ def test_states_and_windows_equal_float64_references_at_prompt_and_decode_steps(
             assert_close(f"{mixer} call {call} conv outputs", conv, x, rtol=1e-5, atol=1e-6)
 
 
-def test_decode_states_continue_the_prompt_states(model):
-    ids = random_ids(2, T)
-    with rh.watch(model, keep=ALL) as w:
-        sequence = greedy(model, ids, 5)
-    with rh.watch(model, keep=ALL) as whole:
-        logits_of(model, sequence[:, :-1], use_cache=False)
-    for mixer, long in zip(w.mixers, whole.mixers):
-        for what in ("states", "conv_states"):
-            decoded = torch.cat([getattr(c, what) for c in mixer.calls], dim=1)
-            assert_close(f"{mixer} {what}: prompt + decode vs one prompt", getattr(long, what), decoded,
-                         rtol=1e-4, atol=1e-6)
-
-
 # -- writes ------------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("token", [0, 4, T - 1])
-def test_write_changes_only_later_tokens_and_the_module_state(model, token):
-    ids = random_ids(2, T)
-    plain = logits_of(model, ids)
-    with rh.watch(model, keep=ALL) as w:
-        logits_of(model, ids)
-        value = perturbation(w.mixers[0].state_after(token))
-    with rh.watch(model, keep=ALL) as w:
-        mixer = w.mixers[0]
-        mixer.set_state_after(token, value)
-        out = logits_of(model, ids)
-    assert_close("logits at tokens <= t", plain[:, : token + 1], out[:, : token + 1], rtol=1e-5, atol=1e-5)
-    if token < T - 1:
-        change = (out[:, token + 1:] - plain[:, token + 1:]).abs().amax(dim=(0, 2))
-        assert change.min() > 1e-6, f"a write at token {token} left later logits unchanged: {change}"
-    assert_close("state after the write", value, mixer.state_after(token), **EXACT)
-    assert_close("the module holds the continued state", mixer.states[:, -1],
-                 mixer.module.rg_lru.recurrent_states, **EXACT)
-
-
-def test_write_at_the_last_prompt_token_steers_generation(model):
-    ids = random_ids(2, T)
-    with rh.watch(model, keep=ALL) as w:
-        logits_of(model, ids)
-        value = perturbation(w.mixers[0].state_after(-1))
-    with rh.watch(model, keep=ALL) as w:
-        w.mixers[0].set_state_after(T - 1, value)
-        greedy(model, ids, 3)
-    assert_close("decode step 1 started from the write", value, w.mixers[0].calls[1].inputs["recurrent_states"],
-                 **EXACT)
-
-
-def test_write_at_a_decode_step(model):
-    ids = random_ids(2, T)
-    kwargs = dict(output_logits=True, return_dict_in_generate=True)
-    plain = greedy(model, ids, 5, **kwargs)
-    with rh.watch(model, keep=ALL) as w:
-        greedy(model, ids, 5, **kwargs)
-        value = perturbation(w.mixers[0].state_after(0, call=2))
-    with rh.watch(model, keep=ALL) as w:
-        w.mixers[0].set_state_after(0, value, call=2)
-        steered = greedy(model, ids, 5, **kwargs)
-    for step in range(3):
-        assert_close(f"logits of call {step}", plain.logits[step], steered.logits[step], rtol=1e-5, atol=1e-5)
-    change = max((plain.logits[step] - steered.logits[step]).abs().max() for step in range(3, 5))
-    assert change > 1e-6, f"a write at decode call 2 changed no later logits ({change})"
-    assert_close("call 3 continued from the write", value, w.mixers[0].calls[3].inputs["recurrent_states"], **EXACT)
-
-
-def test_conv_write_changes_only_later_tokens_and_the_module_window(model):
-    ids, token = random_ids(2, T), 5
-    plain = logits_of(model, ids)
-    with rh.watch(model, keep=ALL) as w:
-        logits_of(model, ids)
-        value = perturbation(w.mixers[0].conv_state_after(token))
-    with rh.watch(model, keep=ALL) as w:
-        w.mixers[0].set_conv_state_after(token, value)
-        out = logits_of(model, ids)
-    assert_close("logits at tokens <= t", plain[:, : token + 1], out[:, : token + 1], rtol=1e-5, atol=1e-5)
-    change = (out[:, token + 1:] - plain[:, token + 1:]).abs().amax(dim=(0, 2))
-    assert change.min() > 1e-6, f"a conv write at token {token} left later logits unchanged: {change}"
-    mixer = w.mixers[0]
-    assert_close("window after the write", value, mixer.conv_state_after(token), **EXACT)
-    assert_close("next window shifts the written one", value[..., 1:], mixer.conv_state_after(token + 1)[..., :-1],
-                 **EXACT)
-    assert_close("the module holds the continued window", mixer.conv_states[:, -1], mixer.module.conv1d_state,
-                 **EXACT)
-
-
-def test_conv_write_at_a_decode_step(model):
-    ids = random_ids(2, T)
-    kwargs = dict(output_logits=True, return_dict_in_generate=True)
-    plain = greedy(model, ids, 4, **kwargs)
-    with rh.watch(model, keep=ALL) as w:
-        greedy(model, ids, 4)
-        value = perturbation(w.mixers[0].conv_state_after(0, call=1))
-    with rh.watch(model, keep=ALL) as w:
-        w.mixers[0].set_conv_state_after(0, value, call=1)
-        steered = greedy(model, ids, 4, **kwargs)
-    assert_close("call 2 shifted its input into the written window", value[..., 1:],
-                 w.mixers[0].conv_state_after(0, call=2)[..., :-1], **EXACT)
-    for step in range(2):
-        assert_close(f"logits of call {step}", plain.logits[step], steered.logits[step], rtol=1e-5, atol=1e-5)
-    assert (plain.logits[2] - steered.logits[2]).abs().max() > 1e-6
 
 
 def _records_of(mixer):
@@ -473,26 +363,15 @@ def first_mixer_outputs(model, ids, memory=None, token=None, state_only=False):
     return outputs[0], w.mixers[0]
 
 
-def test_writing_the_whole_memory_makes_a_layer_continue_as_in_the_other_run(model):
-    """Run A's memory (h_t and the conv window) after token t, written into run B, which shares A's tokens
-    after t: the first recurrent block's outputs after t equal A's. The state alone is not enough, unless B
-    also shares the K-1 tokens the window holds."""
+def test_the_state_alone_carries_over_when_the_window_tokens_are_shared(model):
+    """Run A's h_t after token t, written into run C, which shares A's tokens from t-K+2 on (the K-1 tokens the
+    window holds): the first block's outputs after t equal A's (the whole-memory identity, and that the state
+    alone is not the whole memory otherwise: tests/test_contract.py)."""
     token = 6
     run_a = random_ids(2, T, seed=5)
-    run_b = run_a.clone()
-    run_b[:, : token + 1] = random_ids(2, token + 1, seed=6)
     out_a, mixer_a = first_mixer_outputs(model, run_a)
-    out_b, _ = first_mixer_outputs(model, run_b)
     memory = mixer_a.memory_after(token)
     assert memory.state.shape == (2, 32) and memory.conv_state.shape == (2, 32, 3)
-    patched, _ = first_mixer_outputs(model, run_b, memory, token)
-    assert (out_b[:, token + 1:] - out_a[:, token + 1:]).abs().max() > 1e-6, "the two runs did not differ"
-    assert_close("block output after t, memory written", out_a[:, token + 1:], patched[:, token + 1:],
-                 rtol=1e-5, atol=1e-6)
-    state_only, _ = first_mixer_outputs(model, run_b, memory, token, state_only=True)
-    assert (state_only[:, token + 1:] - out_a[:, token + 1:]).abs().max() > 1e-6, \
-        "the state alone made B continue as A: the window carried nothing"
-    # B' shares A's tokens from t-K+2 on (the window's tokens): the state alone is the whole difference
     run_c = run_a.clone()
     run_c[:, : token - 2] = random_ids(2, token - 2, seed=7)
     state_only, _ = first_mixer_outputs(model, run_c, memory, token, state_only=True)
@@ -501,34 +380,6 @@ def test_writing_the_whole_memory_makes_a_layer_continue_as_in_the_other_run(mod
 
 
 # -- gradients ---------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("memory", ["state", "conv_state"])
-def test_gradient_with_respect_to_a_kept_memory(model, memory):
-    """d metric / d (state or window after token t): the kept tensor is the one the later tokens read, equal to
-    the gradient through a leaf written at t, and it predicts a small change (finite difference)."""
-    ids = random_ids(1, T)
-    token = 5
-    read = "state_after" if memory == "state" else "conv_state_after"
-    write = "set_state_after" if memory == "state" else "set_conv_state_after"
-    with rh.watch(model, keep=ALL) as w:
-        metric = model(ids).logits[0, -1].logsumexp(-1)
-    kept = getattr(w.mixers[0], read)(token)
-    leaf = kept.detach().clone().requires_grad_()
-    with rh.watch(model) as w:
-        getattr(w.mixers[0], write)(token, leaf)
-        model(ids).logits[0, -1].logsumexp(-1).backward()
-    grad = leaf.grad
-    assert grad.abs().max() > 0
-    assert_close("grad of the kept memory", grad, torch.autograd.grad(metric, kept)[0], rtol=1e-4, atol=1e-7)
-    eps = 1e-2 * kept.norm() / grad.norm()
-    values = []
-    for sign in (1, -1):
-        with rh.watch(model) as w, torch.no_grad():
-            getattr(w.mixers[0], write)(token, kept.detach() + sign * eps * grad)
-            values.append(model(ids).logits[0, -1].logsumexp(-1))
-    slope = (values[0] - values[1]) / (2 * eps)
-    assert_close("directional derivative", (grad * grad).sum(), slope, rtol=2e-2, atol=1e-6)
 
 
 def test_every_kept_state_is_differentiable_with_frozen_weights(model):
@@ -723,53 +574,6 @@ def test_left_padded_generate(model):
         for mixer in w.mixers:
             mixer.register_state_hook(lambda m, c, t, s: None)
         assert_equal("padded generate under a watch", plain, greedy(model, ids, 4, attention_mask=mask))
-
-
-@pytest.mark.parametrize("checkpointing", {"off": None, "reentrant": True, "non-reentrant": False})
-def test_gradient_checkpointing_gives_the_gradients_of_the_plain_backward(model, checkpointing):
-    """The decoder layer is checkpointed: its recompute repeats the call (write, replacing hook, kept states),
-    so loss, parameter gradients and the kept state's gradient are those of the plain backward."""
-    ids = random_ids(2, T)
-    write = perturbation(torch.zeros(2, 32), seed=2)
-
-    def backward(mode):
-        model.train()
-        model.zero_grad(set_to_none=True)
-        if mode is None:
-            model.activation_checkpointing_disable()
-        else:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": mode})
-        seen = []
-        try:
-            with rh.watch(model, keep={"states": [5, -1]}) as w:
-                first, last = w.mixers[0], w.mixers[-1]
-                first.set_state_after(3, write)
-                last.register_state_hook(lambda m, c, t, s: s * 0.5, token=4)
-                last.register_state_hook(lambda m, c, t, s: seen.append((c, t, m.recomputing)), token=6)
-                loss = model(ids, use_cache=False).logits.square().mean()
-                kept = first.state_after(5)
-                if kept.requires_grad:
-                    kept.retain_grad()  # reentrant: the forward ran without grad; its recompute retains it
-                loss.backward()
-            assert [c.index for c in first.calls] == [0], "a recompute counted as a new call"
-            state_grad = first.state_after(5).grad
-        finally:
-            model.activation_checkpointing_disable()
-            model.eval()
-        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-        return loss.detach(), grads, state_grad, seen
-
-    loss, grads, state_grad, seen = backward(None)
-    got_loss, got_grads, got_state_grad, got_seen = backward(checkpointing)
-    assert_close("loss", loss, got_loss, rtol=1e-6, atol=0)
-    assert sorted(got_grads) == sorted(grads)
-    scale = max(g.abs().max() for g in grads.values())
-    for name, grad in grads.items():
-        assert_close(f"grad of {name}", grad, got_grads[name], rtol=1e-4, atol=1e-5 * scale)
-    assert state_grad.abs().max() > 0
-    assert_close("grad of the kept state", state_grad, got_state_grad, rtol=1e-4, atol=1e-5 * state_grad.abs().max())
-    assert seen == [(0, 6, False)]
-    assert got_seen == seen + ([] if checkpointing is None else [(0, 6, True)])
 
 
 def test_route_kernels_binds_the_loops_and_back(model, family):

@@ -1,6 +1,6 @@
 """The short-convolution kind (`ShortConvolution`): the bar of tests/test_families.py for mixers whose only memory
 is the conv window (lfm2, lfm2_moe, lfm3, inkling, inkling2), on tiny random-weight models. The kind-agnostic
-part of the bar (parity, generate, the call counter, standalone hooks, bindings) is tests/test_every_family.py.
+part of the bar (parity, generate, the call counter, standalone hooks, bindings) is tests/test_contract.py.
 
 Each family's float64 reference is its mixer's equation (more-families.md, "Equations"), from the mixer module's
 own input: LFM2 y = W_out(C ⊙ DWConv_K(B ⊙ x̃)) with [B; C; x̃] = W_in h; inkling y = x + DWConv_K(x); inkling2
@@ -14,6 +14,7 @@ import torch
 
 import recurrent_hooks as rh
 from _compare import assert_close, assert_equal
+from _contract import family_fixtures
 from _models import PAD, build, random_ids
 from _runs import greedy, logits_of
 
@@ -45,14 +46,7 @@ def cached_window(cache, mixer):
     return cache.get_conv_state(layer, state_idx=state)
 
 
-@pytest.fixture(params=FAMILIES)
-def family(request):
-    return request.param
-
-
-@pytest.fixture
-def model(family):
-    return build(family)
+family, model = family_fixtures(FAMILIES)
 
 
 # -- the float64 reference: each family's mixer equation -----------------------------------------------------------
@@ -157,64 +151,7 @@ def test_the_loops_equal_transformers_kernels_on_the_recorded_calls(model, famil
             assert_close(f"{mixer} call {record.index} output", theirs, record.conv.output["output"], rtol=0, atol=0)
 
 
-# -- writes (parity, generate, the call counter and bindings: tests/test_every_family.py) ----------------------------
-
-
-@pytest.mark.parametrize("token", [0, 5, T - 1])
-def test_a_window_write_at_a_prompt_token_changes_only_later_tokens_and_the_cache(model, token):
-    ids = random_ids(2, T)
-    plain = logits_of(model, ids)
-    with rh.watch(model, keep=KEEP) as w:
-        logits_of(model, ids)
-        value = perturbation(static(w)[0].conv_state_after(token))
-    with rh.watch(model, keep=KEEP) as w:
-        mixer = static(w)[0]
-        mixer.set_conv_state_after(token, value)
-        with torch.no_grad():
-            out = model(ids, use_cache=True)
-    # not bit for bit: a MoE layer (inkling's) groups the tokens by expert, so a later token routed elsewhere
-    # changes the shapes, and the rounding, of the earlier tokens' expert matmuls
-    assert_close("logits at tokens <= t", plain[:, : token + 1], out.logits[:, : token + 1], rtol=1e-6, atol=1e-7)
-    if token < T - 1:
-        change = (out.logits[:, token + 1:] - plain[:, token + 1:]).abs().amax(dim=(0, 2))
-        assert change.max() > 1e-6, f"a window write at token {token} left later logits unchanged: {change}"
-    assert_close("window after the write", value, mixer.conv_state_after(token), rtol=0, atol=0)
-    assert_close("the cache holds the continued window", mixer.conv_states[:, -1],
-                 cached_window(out.past_key_values, mixer), rtol=0, atol=0)
-    for other in static(w)[1:]:  # the other windows of the model (inkling: of the same cache layer) are its own
-        assert_close(f"{other}'s cached window", other.conv_states[:, -1], cached_window(out.past_key_values, other),
-                     rtol=0, atol=0)
-
-
-def test_a_write_after_the_last_prompt_token_is_what_generation_continues_from(model):
-    ids = random_ids(2, T)
-    with rh.watch(model, keep=KEEP) as w:
-        logits_of(model, ids)
-        value = perturbation(static(w)[0].conv_state_after(-1))
-    with rh.watch(model, keep=KEEP) as w:
-        static(w)[0].set_conv_state_after(T - 1, value)
-        greedy(model, ids, 3)
-    assert_close("decode step 1 read the written window", value, static(w)[0].calls[1].conv.inputs["conv_state"],
-                 rtol=0, atol=0)
-
-
-def test_a_window_write_at_a_decode_step(model):
-    """A write at call 2 leaves the logits of calls <= 2 as they were and changes later ones."""
-    ids = random_ids(2, T)
-    kwargs = dict(output_logits=True, return_dict_in_generate=True)
-    plain = greedy(model, ids, 5, **kwargs)
-    with rh.watch(model, keep=KEEP) as w:
-        greedy(model, ids, 5, **kwargs)
-        value = perturbation(static(w)[0].conv_state_after(0, call=2))
-    with rh.watch(model, keep=KEEP) as w:
-        static(w)[0].set_conv_state_after(0, value, call=2)
-        steered = greedy(model, ids, 5, **kwargs)
-    for step in range(3):
-        assert_close(f"logits of call {step}", plain.logits[step], steered.logits[step], rtol=0, atol=0)
-    change = max((plain.logits[step] - steered.logits[step]).abs().max() for step in range(3, 5))
-    assert change > 1e-6, f"a write at decode call 2 changed no later logits ({change})"
-    assert_close("call 3 read the written window", value, static(w)[0].calls[3].conv.inputs["conv_state"],
-                 rtol=0, atol=0)
+# -- writes (parity, generate, the call counter and bindings: tests/test_contract.py) ----------------------------
 
 
 def _written_at_4(model, ids):
@@ -225,20 +162,6 @@ def _written_at_4(model, ids):
     with rh.watch(model) as w:
         static(w)[0].set_conv_state_after(4, value)
         return value, logits_of(model, ids)
-
-
-def test_a_replacing_hook_is_a_write(model):
-    """A hook that returns a window is the same as writing it; the next hook sees the replacement."""
-    ids = random_ids(2, T)
-    value, written = _written_at_4(model, ids)
-    seen = []
-    with rh.watch(model) as w:
-        static(w)[0].register_state_hook(lambda m, c, t, s: value, call=0, token=4)
-        static(w)[0].register_state_hook(lambda m, c, t, s: seen.append(s.clone()), call=0, token=4,
-                                        which="conv_state")
-        hooked = logits_of(model, ids)
-    assert_close("hook vs write", written, hooked, rtol=0, atol=0)
-    assert_close("the second hook saw the replacement", value, seen[0], rtol=0, atol=0)
 
 
 def test_an_in_place_change_under_inference_mode_is_a_write(model):
@@ -254,55 +177,16 @@ def test_an_in_place_change_under_inference_mode_is_a_write(model):
 # -- the whole memory ----------------------------------------------------------------------------------------------------
 
 
-def _first_mixer_run(model, ids, window=None, token=None):
-    with rh.watch(model, keep=KEEP) as w:
-        first = static(w)[0]
-        outputs = []
-        handle = first.module.register_forward_hook(lambda m, a, out: outputs.append(out))
-        try:
-            if window is not None:
-                first.set_memory_after(token, rh.Memory(None, window))
-            with torch.no_grad():
-                model(ids, use_cache=False)
-        finally:
-            handle.remove()
-    return outputs[0], first
-
-
-def test_writing_the_window_makes_the_layer_continue_as_in_the_other_run(model):
-    """For a short convolution the window is the whole memory: run A's window after t, written into run B
-    (which shares A's tokens after t), makes the first conv mixer's outputs after t equal A's. Unwritten, B's
-    outputs differ from A's at tokens t+1..t+K-1 only: at t+K, the window has forgotten what came before."""
-    token = 6
-    run_a = random_ids(2, T, seed=5)
-    run_b = run_a.clone()
-    run_b[:, : token + 1] = random_ids(2, token + 1, seed=6)
-    out_a, mixer_a = _first_mixer_run(model, run_a)
-    assert mixer_a.layer == 0, f"the first conv mixer is at layer {mixer_a.layer}: its inputs are not only tokens"
-    size = mixer_a.conv_states.shape[-1]
-    out_b, _ = _first_mixer_run(model, run_b)
-    assert (out_b[:, token + 1: token + size] - out_a[:, token + 1: token + size]).abs().max() > 1e-6
-    assert_close("B after t+K-1, unwritten", out_a[:, token + size:], out_b[:, token + size:], rtol=0, atol=0)
-    memory = mixer_a.memory_after(token)
-    assert memory.state is None
-    patched, _ = _first_mixer_run(model, run_b, memory.conv_state, token)
-    assert_close("layer output after t, window written", out_a[:, token + 1:], patched[:, token + 1:], rtol=0, atol=0)
-
-
-def test_gradient_with_respect_to_a_kept_window(model):
-    """d metric / d window after token t: the kept window is the tensor later tokens read; it equals the
-    gradient through a leaf written at t, and `conv_states` is differentiable as one tensor with frozen weights."""
+def test_every_kept_window_is_differentiable_as_one_tensor_with_frozen_weights(model):
+    """`conv_states` is differentiable as one tensor with frozen weights: its gradient at t is the kept window's
+    after t (which is the gradient through a written leaf: tests/test_contract.py), and the last window, read by
+    no later token of the call, gets none."""
     ids = random_ids(1, T)
     token = 5
     with rh.watch(model, keep=KEEP) as w:
         metric = model(ids).logits[0, -1].logsumexp(-1)
     (grad,) = torch.autograd.grad(metric, static(w)[0].conv_state_after(token))
-    leaf = static(w)[0].conv_state_after(token).detach().clone().requires_grad_()
-    with rh.watch(model) as w:
-        static(w)[0].set_conv_state_after(token, leaf)
-        model(ids).logits[0, -1].logsumexp(-1).backward()
-    assert leaf.grad.abs().max() > 0
-    assert_close("grad through the kept window vs a written leaf", leaf.grad, grad, rtol=1e-5, atol=1e-8)
+    assert grad.abs().max() > 0
     model.requires_grad_(False)
     try:
         with rh.watch(model, keep=("conv_states",)) as w:
@@ -477,57 +361,6 @@ def test_a_hook_without_a_watch_serves_the_first_pass_of_a_looped_module_and_war
     assert_equal("sequences", plain, hooked)
     assert len([c for c in caught if issubclass(c.category, rh.RecurrentHooksWarning)]) == 1
     assert seen == [(0, 4), (1, 0), (2, 0)]  # pass 0: the prompt's last token and each decode step
-
-
-CHECKPOINTING = {"off": None, "reentrant": True, "non-reentrant": False}
-
-
-@pytest.mark.parametrize("checkpointing", ["reentrant", "non-reentrant"])
-def test_gradient_checkpointing_gives_the_gradients_of_the_plain_backward(model, checkpointing):
-    """A recompute repeats its call: a window write, a replacing hook and kept windows give the same loss and
-    gradients with checkpointing as without, and a read-only hook sees `recomputing` in the recompute."""
-    ids = random_ids(2, T)
-    with rh.watch(model, keep={"conv_states": [3]}) as w, torch.no_grad():
-        model(ids, use_cache=False)
-    write = perturbation(static(w)[0].conv_state_after(3), seed=2).detach()
-
-    def backward(mode):
-        model.train()
-        model.zero_grad(set_to_none=True)
-        if mode is not None:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": mode})
-        seen = []
-        try:
-            with rh.watch(model, keep={"conv_states": [5, -1]}) as w:
-                first, last = static(w)[0], static(w)[-1]
-                first.set_conv_state_after(3, write)
-                last.register_state_hook(lambda m, c, t, s: s * 0.5, token=4)
-                last.register_state_hook(lambda m, c, t, s: seen.append((c, t, m.recomputing)), token=6)
-                loss = model(ids, use_cache=False).logits.square().mean()
-                kept = first.conv_state_after(5)
-                if kept.requires_grad:
-                    kept.retain_grad()
-                loss.backward()
-            window_grad = first.conv_state_after(5).grad
-            assert [c.index for c in first.calls] == [0], "a recompute counted as a new call"
-        finally:
-            model.activation_checkpointing_disable()
-            model.eval()
-        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-        return loss.detach(), grads, window_grad, seen
-
-    loss, grads, window_grad, seen = backward(None)
-    got_loss, got_grads, got_window_grad, got_seen = backward(CHECKPOINTING[checkpointing])
-    assert_close("loss", loss, got_loss, rtol=1e-6, atol=0)
-    assert sorted(got_grads) == sorted(grads)
-    scale = max(g.abs().max() for g in grads.values())
-    for name, grad in grads.items():
-        assert_close(f"grad of {name}", grad, got_grads[name], rtol=1e-4, atol=1e-5 * scale)
-    assert window_grad is not None and window_grad.abs().max() > 0
-    assert_close("grad of the kept window", window_grad, got_window_grad, rtol=1e-4,
-                 atol=1e-5 * window_grad.abs().max())
-    assert seen == [(0, 6, False)] and got_seen[:1] == seen
-    assert got_seen[1:] and all(hook == (0, 6, True) for hook in got_seen[1:])
 
 
 def test_a_multi_token_continuation_over_the_cache(model):

@@ -14,7 +14,7 @@ right for batch 1 only (bug 1), so every generate runs batch 1 and prompts run b
 ignored (bug 2), so there is no left-padding test. All comparisons are eval against eval (eval mode
 rescales weights in place; a no-op for the tiny 2-layer model, whose rescale factor is 2^0). The kind-agnostic
 part of the bar (parity, generate, the call counter, standalone hooks, the input gradient, bindings) is
-tests/test_every_family.py's.
+tests/test_contract.py's.
 """
 
 import inspect
@@ -26,10 +26,11 @@ import torch
 import recurrent_hooks as rh
 import recurrent_hooks.engine.patching as patching
 from _compare import assert_close, assert_equal
+from _contract import family_fixtures
 from _models import FAMILIES as BUILDERS
 from _models import build, random_ids
 from _runs import greedy, logits_of
-from recurrent_hooks.engine.parts import map_parts, parts_of, rebuild, stack_parts
+from recurrent_hooks.engine.parts import map_parts, stack_parts
 from recurrent_hooks.kinds.wkv import extract_key_value, rwkv_linear_attention
 from recurrent_hooks.extend import WkvState
 
@@ -218,37 +219,13 @@ def perturbation(state, seed=1):
     return state + torch.randn(state.shape, generator=gen) * (state.abs().max() + 1)
 
 
-def perturbed_wkv(state, seed=1):
-    """A different valid WKV state: num and den scaled per channel (den stays positive), max shifted."""
-    gen = torch.Generator().manual_seed(seed)
-    scale = torch.rand(state.num.shape, generator=gen) * 3 + 0.2
-    return WkvState(state.num * scale, state.den * scale, state.max + torch.randn(state.max.shape, generator=gen))
-
-
-def layer_state(model_state, layer):
-    """The WKV state of `layer` in transformers' model-level state list, as a WkvState."""
-    return WkvState(*(s[:, :, layer] for s in model_state[2:5]))
-
-
-def state_in(mixer, call):
-    """The WKV state call `call` started from, as its kernel received it, as a WkvState."""
-    return WkvState(*mixer.calls[call].inputs["state"])
-
-
-@pytest.fixture(params=FAMILIES)
-def family(request):
-    return request.param
-
-
-@pytest.fixture
-def model(family):
-    return build(family)
+family, model = family_fixtures(FAMILIES)
 
 
 @pytest.mark.parametrize("seq, batch", [(1, 1), (T, 2), (70, 2)], ids=lambda v: str(v))
 def test_a_forward_without_a_state_equals_one_with_it(model, seq, batch):
     """use_cache=False (no model state, `state=None` to every block), watched: the logits of the forward that
-    builds and carries a state. (Parity of the watch itself: tests/test_every_family.py.)"""
+    builds and carries a state. (Parity of the watch itself: tests/test_contract.py.)"""
     ids = random_ids(batch, seq)
     plain = logits_of(model, ids)
     with rh.watch(model, keep=ALL):
@@ -312,71 +289,6 @@ def test_states_equal_float64_reference_at_prompt_and_decode_steps(model):
                 assert_close(f"{mixer} call {call} wkv_t", wkv, record.output["output"], rtol=1e-4, atol=1e-6)
                 assert_state_close(f"{mixer} call {call} final state", map_parts(lambda s: s[:, -1], record.states),
                                    WkvState(*record.output["final_state"]), rtol=0, atol=0)
-
-
-def test_decode_states_continue_the_prompt_states(model):
-    ids = random_ids(1, T)
-    with rh.watch(model, keep=ALL) as w:
-        sequence = greedy(model, ids, 5)
-    with rh.watch(model, keep=ALL) as whole:
-        logits_of(model, sequence[:, :-1])
-    for mixer, long in zip(w.mixers, whole.mixers):
-        decoded = cat_states([c.states for c in mixer.calls], dim=1)
-        assert_state_close(f"{mixer} prompt + decode vs one prompt", long.states, decoded, rtol=1e-5, atol=1e-6)
-        shifts = torch.cat([c.conv_states for c in mixer.calls], dim=1)
-        assert_close(f"{mixer} shifts", long.conv_states, shifts, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("token", [0, 4, T - 1])
-def test_write_changes_only_later_tokens_and_the_carried_state(model, token):
-    ids = random_ids(2, T)
-    plain = logits_of(model, ids)
-    with rh.watch(model, keep=ALL) as w:
-        logits_of(model, ids)
-        value = perturbed_wkv(w.mixers[0].state_after(token))
-    with rh.watch(model, keep=ALL) as w:
-        mixer = w.mixers[0]
-        mixer.set_state_after(token, value)
-        with torch.no_grad():
-            out = model(ids, use_cache=True)
-    assert_close("logits at tokens <= t", plain[:, : token + 1], out.logits[:, : token + 1], rtol=1e-5, atol=1e-5)
-    if token < T - 1:
-        change = (out.logits[:, token + 1:] - plain[:, token + 1:]).abs().amax(dim=(0, 2))
-        assert change.min() > 1e-6, f"a write at token {token} left later logits unchanged: {change}"
-    assert_state_close("state after the write", value, mixer.state_after(token), rtol=0, atol=0)
-    assert_state_close("the model's state holds the continued state", map_parts(lambda s: s[:, -1], mixer.states),
-                       layer_state(out.state, mixer.layer), rtol=0, atol=0)
-
-
-def test_write_at_the_last_prompt_token_steers_generation(model):
-    ids = random_ids(1, T)
-    plain = greedy(model, ids, 3, output_logits=True, return_dict_in_generate=True)
-    with rh.watch(model, keep=ALL) as w:
-        logits_of(model, ids)
-        value = perturbed_wkv(w.mixers[0].state_after(-1))
-    with rh.watch(model, keep=ALL) as w:
-        w.mixers[0].set_state_after(T - 1, value)
-        steered = greedy(model, ids, 3, output_logits=True, return_dict_in_generate=True)
-    assert_state_close("decode step 1 started from the write", value, state_in(w.mixers[0], 1), rtol=0, atol=0)
-    assert_close("the prompt's logits", plain.logits[0], steered.logits[0], rtol=1e-5, atol=1e-5)
-    assert (plain.logits[1] - steered.logits[1]).abs().max() > 1e-6
-
-
-def test_write_at_a_decode_step(model):
-    ids = random_ids(1, T)
-    kwargs = dict(output_logits=True, return_dict_in_generate=True)
-    plain = greedy(model, ids, 5, **kwargs)
-    with rh.watch(model, keep=ALL) as w:
-        greedy(model, ids, 5, **kwargs)
-        value = perturbed_wkv(w.mixers[0].state_after(0, call=2))
-    with rh.watch(model, keep=ALL) as w:
-        w.mixers[0].set_state_after(0, value, call=2)
-        steered = greedy(model, ids, 5, **kwargs)
-    for step in range(3):
-        assert_close(f"logits of call {step}", plain.logits[step], steered.logits[step], rtol=1e-5, atol=1e-5)
-    change = max((plain.logits[step] - steered.logits[step]).abs().max() for step in range(3, 5))
-    assert change > 1e-6, f"a write at decode call 2 changed no later logits ({change})"
-    assert_state_close("call 3 continued from the write", value, state_in(w.mixers[0], 3), rtol=0, atol=0)
 
 
 def test_a_memory_write_per_row_equals_each_row_written_alone(model):
@@ -469,119 +381,22 @@ def test_shifts_are_the_ln1_outputs_at_prompt_and_decode_steps(model):
                              rtol=0, atol=0)
 
 
-def test_shift_write_changes_only_later_tokens_and_the_carried_shift(model):
+def test_a_shift_write_changes_the_next_tokens_key_only(model):
+    """The shift after token t is token t+1's mixing input: a write there changes token t+1's key, value and
+    receptance only, and the WKV state carries it on (the write contract: tests/test_contract.py)."""
     ids, token = random_ids(2, T), 5
-    plain = logits_of(model, ids)
     with rh.watch(model, keep=ALL) as w:
         logits_of(model, ids)
         value = perturbation(w.mixers[0].conv_state_after(token))
+    unwritten = w.mixers[0].calls[0].inputs["key"]
     with rh.watch(model, keep=ALL) as w:
         w.mixers[0].set_conv_state_after(token, value)
-        with torch.no_grad():
-            out = model(ids, use_cache=True)
-    assert_close("logits at tokens <= t", plain[:, : token + 1], out.logits[:, : token + 1], rtol=1e-5, atol=1e-5)
-    assert (out.logits[:, token + 1] - plain[:, token + 1]).abs().max() > 1e-6
-    mixer = w.mixers[0]
-    assert_close("shift after the write", value, mixer.conv_state_after(token), rtol=0, atol=0)
-    # the shift changes token t+1's key, value and receptance only: the WKV state carries it on
-    key = mixer.calls[0].inputs["key"]
-    with rh.watch(model, keep=ALL) as unwritten:
         logits_of(model, ids)
-    change = (key - unwritten.mixers[0].calls[0].inputs["key"]).abs().amax(dim=(0, 2))
+    change = (w.mixers[0].calls[0].inputs["key"] - unwritten).abs().amax(dim=(0, 2))
     assert change[token + 1] > 1e-6 and change[: token + 1].max() == 0 and change[token + 2:].max() == 0, change
-    # a write at the last token is the shift the model's state carries
-    with rh.watch(model, keep=ALL) as w:
-        w.mixers[0].set_conv_state_after(T - 1, value)
-        with torch.no_grad():
-            out = model(ids, use_cache=True)
-    assert_close("the model's state holds the written shift", value, out.state[1][:, :, 0], rtol=0, atol=0)
-
-
-def test_shift_write_at_a_decode_step(model):
-    ids = random_ids(1, T)
-    with rh.watch(model, keep=ALL) as w:
-        greedy(model, ids, 4)
-        value = perturbation(w.mixers[0].conv_state_after(0, call=1))
-    with rh.watch(model, keep=ALL) as w:
-        w.mixers[0].set_conv_state_after(0, value, call=1)
-        greedy(model, ids, 4)
-    assert_close("call 2 mixed with the written shift", value,
-                 w.mixers[0].calls[2].conv.inputs["state"][1][:, :, w.mixers[0].layer], rtol=0, atol=0)
-
-
-def first_mixer_outputs(model, ids, memory=None, token=None):
-    module = model.rwkv.blocks[0].attention
-    outputs = []
-    handle = module.register_forward_hook(lambda m, a, out: outputs.append(out[0]))
-    try:
-        with rh.watch(model, keep=ALL) as w, torch.no_grad():
-            if memory is not None:
-                w.mixers[0].set_memory_after(token, memory)
-            model(ids)
-    finally:
-        handle.remove()
-    return outputs[0], w.mixers[0]
-
-
-def test_writing_the_whole_memory_makes_a_layer_continue_as_in_the_other_run(model):
-    """Memory(state, conv_state) is the whole memory of the time-mixing layer: written from run A after token t
-    into run B (which shares A's tokens after t), layer 0's outputs after t are A's; the WKV state alone is not."""
-    token = 6
-    run_a = random_ids(2, T, seed=5)
-    run_b = run_a.clone()
-    run_b[:, : token + 1] = random_ids(2, token + 1, seed=6)
-    out_a, mixer_a = first_mixer_outputs(model, run_a)
-    out_b, mixer_b = first_mixer_outputs(model, run_b)
-    assert mixer_a.layer == 0
-    patched, _ = first_mixer_outputs(model, run_b, mixer_a.memory_after(token), token)
-    assert (out_b[:, token + 1:] - out_a[:, token + 1:]).abs().max() > 1e-6, "the two runs did not differ"
-    assert_close("layer output after t, memory written", out_a[:, token + 1:], patched[:, token + 1:],
-                 rtol=1e-5, atol=1e-6)
-    state_only, _ = first_mixer_outputs(model, run_b, rh.Memory(mixer_a.state_after(token),
-                                                                mixer_b.conv_state_after(token)), token)
-    assert (state_only[:, token + 1] - out_a[:, token + 1]).abs().max() > 1e-6
 
 
 # -- gradients ---------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("which", ["state", "conv_state"])
-def test_gradient_with_respect_to_a_kept_memory(model, which):
-    """d metric / d memory after token t (use_cache=False: transformers' forward with a state cannot be
-    differentiated, watched or not; see the kind's LIMITS): the kept tensor is the one the recurrence used."""
-    ids = random_ids(1, T)
-    token = 5
-    read = "state_after" if which == "state" else "conv_state_after"
-    write = "set_state_after" if which == "state" else "set_conv_state_after"
-    with rh.watch(model, keep=ALL) as w:
-        metric = model(ids, use_cache=False).logits[0, -1].logsumexp(-1)
-    kept = getattr(w.mixers[0], read)(token)  # a WkvState for the state, a tensor for the shift
-    assert isinstance(kept, WkvState) == (which == "state")
-    leaf = map_parts(lambda s: s.detach().clone().requires_grad_(), kept)
-    with rh.watch(model) as w:
-        getattr(w.mixers[0], write)(token, leaf)
-        model(ids, use_cache=False).logits[0, -1].logsumexp(-1).backward()
-    grad = map_parts(lambda s: s.grad, leaf)
-    through_kept = rebuild(kept, torch.autograd.grad(metric, [part for _, part in parts_of(kept)]))
-    for (name, part), (_, other) in zip(parts_of(grad), parts_of(through_kept)):
-        assert part.abs().max() > 0, f"no gradient reaches part {name!r}"
-        assert_close(f"grad of the kept memory {name}", part, other, rtol=1e-4, atol=1e-7)
-
-    def norm(state):
-        return math.hypot(*(float(part.detach().norm()) for _, part in parts_of(state)))
-
-    def moved(state, direction, step):  # state + step * direction, part by part
-        return map_parts(lambda s, d: s.detach() + step * d, state, direction)
-
-    eps = 1e-2 * norm(kept) / norm(grad)
-    values = []
-    for sign in (1, -1):
-        with rh.watch(model) as w, torch.no_grad():
-            getattr(w.mixers[0], write)(token, moved(kept, grad, sign * eps))
-            values.append(model(ids, use_cache=False).logits[0, -1].logsumexp(-1))
-    slope = (values[0] - values[1]) / (2 * eps)
-    squared = sum((part * part).sum() for _, part in parts_of(grad))
-    assert_close("directional derivative", squared, slope, rtol=2e-2, atol=1e-6)
 
 
 def test_backward_with_a_state_fails_in_transformers_watched_or_not(model):
@@ -607,56 +422,7 @@ def test_every_kept_state_is_differentiable_with_frozen_weights(model):
     assert shifts[:, :-1].abs().amax(dim=(0, 2)).min() > 0
 
 
-@pytest.mark.parametrize("checkpointing", [None, True, False], ids=["off", "reentrant", "non-reentrant"])
-def test_gradient_checkpointing_gives_the_gradients_of_the_plain_backward(model, checkpointing):
-    ids = random_ids(2, T)
-    with rh.watch(model, keep={"states": [3]}) as w, torch.no_grad():
-        model(ids, use_cache=False)
-    write = perturbed_wkv(w.mixers[0].state_after(3), seed=2)
-
-    def backward(mode):
-        model.train()  # RwkvModel rescales in place on mode changes: 2^0 for this model, and eval again after
-        model.zero_grad(set_to_none=True)
-        if mode is None:
-            model.activation_checkpointing_disable()
-        else:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": mode})
-        seen = []
-        try:
-            with rh.watch(model, keep={"states": [5, -1]}) as w:
-                first, last = w.mixers[0], w.mixers[-1]
-                first.set_state_after(3, write)
-                last.register_state_hook(lambda m, c, t, s: map_parts(lambda p: p * 0.5, s), token=4)
-                last.register_state_hook(lambda m, c, t, s: seen.append((c, t, m.recomputing)), token=6)
-                loss = model(ids, use_cache=False).logits.square().mean()
-                for part in first.state_after(5):
-                    if part.requires_grad:
-                        part.retain_grad()
-                loss.backward()
-            state_grad = map_parts(lambda s: s.grad, first.state_after(5))
-            assert [c.index for c in first.calls] == [0]
-        finally:
-            model.activation_checkpointing_disable()
-            model.eval()
-        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-        return loss.detach(), grads, state_grad, seen
-
-    loss, grads, state_grad, seen = backward(None)
-    got_loss, got_grads, got_state_grad, got_seen = backward(checkpointing)
-    assert_close("loss", loss, got_loss, rtol=1e-6, atol=0)
-    assert sorted(got_grads) == sorted(grads)
-    scale = max(g.abs().max() for g in grads.values())
-    for name, grad in grads.items():
-        assert_close(f"grad of {name}", grad, got_grads[name], rtol=1e-4, atol=1e-5 * scale)
-    assert all(part is not None and part.abs().max() > 0 for part in state_grad)
-    scale = max(part.abs().max() for part in state_grad)
-    assert_state_close("grad of the kept state", state_grad, got_state_grad, rtol=1e-4, atol=1e-5 * scale)
-    assert seen == [(0, 6, False)] and got_seen[:1] == seen
-    assert all(hook == (0, 6, True) for hook in got_seen[1:])
-    assert (len(got_seen) == 1) == (checkpointing is None)
-
-
-# -- support (bindings: tests/test_every_family.py) ---------------------------------------------------------------
+# -- support (bindings: tests/test_contract.py) ---------------------------------------------------------------
 
 
 def kernel_bindings(family):
