@@ -27,11 +27,11 @@ from torch.utils.hooks import RemovableHandle
 from .errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable
 from .arguments import as_index, normalize_keep
 from .calls import Memory
-from .dispatch import attach, make_dispatcher
+from .dispatch import attach, make_dispatcher, make_owner
 from .kernels import KEEPABLE, KERNEL_RECORDS, Kernel, Role, Site
 from .mixer import RecurrentMixer, StateHook
 from .patching import Transient, UndoStack, acquire_kernels, bound_original, import_default, rebind_process_wide
-from .families import FAMILIES, Family, family_of, resolve_family, unsupported_of
+from .families import FAMILIES, MORE_MIXERS, Family, family_of, resolve_family, unsupported_of
 
 
 def _mixer_modules(model: nn.Module) -> list[tuple[str, nn.Module, Family]]:
@@ -45,9 +45,18 @@ def _layer_in_path(path: str) -> int | None:
 
 
 def _attach_with_kernels(mixer: RecurrentMixer, family: Family, stack: contextlib.ExitStack) -> None:
-    """Attach `mixer` and acquire its family's kernels, registering both releases on `stack`."""
-    stack.callback(attach(mixer))
+    """Attach `mixer` and acquire its family's kernels, registering both releases on `stack`.
+
+    The `__call__` of its mixer class (and of the other mixer classes of its modeling module, which may call
+    the same kernels) is acquired too: each forward of an instance, watched or not, then tells the kernels whose
+    forward is running (`dispatch.make_owner`)."""
     module = family.module()
+    classes = {type(mixer.module), *(cls for row in (*FAMILIES.values(), *MORE_MIXERS)
+                                     if row.module_name == family.module_name
+                                     and isinstance(cls := getattr(module, row.mixer_class, None), type))}
+    stack.callback(acquire_kernels([(cls, "__call__") for cls in sorted(classes, key=lambda c: c.__qualname__)],
+                                   make_owner))
+    stack.callback(attach(mixer))
     targets = [kernel.target(module, mixer.module) for kernel in family.kind.KERNELS]
     targets += [(module, name) for name in family.kind.FUSED if hasattr(module, name)]
     stack.callback(acquire_kernels(targets, make_dispatcher(family.kind)))
