@@ -151,3 +151,35 @@ def test_no_module_of_the_package_reads_stack_frames():
              for path in sorted(root.rglob("*.py"))
              for number, line in enumerate(path.read_text().splitlines(), 1) if _FRAME_WORDS.search(line)]
     assert found == [], f"stack frames read in recurrent_hooks/: {found}"
+
+
+@pytest.mark.parametrize("interrupted", [False, True])
+def test_a_forward_past_the_class_call_is_watched_and_an_interrupt_there_does_not_stick(interrupted):
+    """`module._call_impl(...)` skips the class's `__call__`: the pre-forward hook pushes the entry and the
+    post-forward hook pops it; an entry an interrupt left there is dropped when the module begins again."""
+    model = build("qwen3_5")
+    ids = random_ids(2, T)
+    mixer_module = model.model.layers[0].linear_attn
+    with torch.no_grad():
+        hidden = model.model.embed_tokens(ids)
+    seen = []
+    handle = rh.register_state_hook(mixer_module, lambda m, c, t, s: seen.append(c), token=-1)
+    try:
+        if interrupted:
+            def interrupt(module, args, output):
+                raise KeyboardInterrupt
+
+            stop = mixer_module.register_forward_hook(interrupt, prepend=True)
+            with pytest.raises(KeyboardInterrupt), torch.no_grad():
+                mixer_module._call_impl(hidden)
+            stop.remove()
+        with torch.no_grad():
+            out = mixer_module._call_impl(hidden)
+            mixer_module._call_impl(hidden)
+            through_call = mixer_module(hidden)
+        assert rh_threads.THREAD.running == []
+    finally:
+        handle.remove()
+    assert seen == [0] * (4 if interrupted else 3)
+    assert rh_threads.THREAD.running == []
+    assert_equal("the output past __call__ (the same path as through it)", through_call, out)

@@ -1,7 +1,11 @@
 """Dispatch: which mixer a kernel call belongs to, and how it runs (the bound kernel, segments, the loop).
 
 Module contents:
-- `attach(mixer)`: attach a `RecurrentMixer` to its module's `_Tap` (module pre/post-forward hooks).
+- `make_owner`: for `patching.acquire_kernels`, the `__call__` bound on a mixer class: every forward of an
+  instance, watched or not, pushes its `_Running` entry on its thread's stack and pops it on the way out; a
+  kernel call belongs to the innermost entry (`running_entry`). No stack frame is read.
+- `attach(mixer)`: attach a `RecurrentMixer` to its module's `_Tap` (a module pre-forward hook that fills the
+  forward's entry in).
 - `make_dispatcher(kind)`: for `patching.acquire_kernels`, the function bound in place of each kernel.
 - `_Tap.run_kernel`: the plans of the attached mixers decide: nothing wanted runs the bound kernel; a busy
   call takes the path `strategies.choose` estimates cheapest from its shapes (`_fast_path`): the bound kernel in
@@ -73,13 +77,23 @@ def _pop(running: list[_Running], i: int, checked: bool) -> None:
 
 
 def _leave(entry: _Running, checked: bool) -> None:
-    """The forward of `entry` is over: pop it (a detached tap or the test's cleanup may have removed it)."""
+    """The forward of `entry` is over: pop it, and what is left above it (if it is not there, someone cleared the
+    stack: just end its calls)."""
     running = THREAD.running
     for i in range(len(running) - 1, -1, -1):
         if running[i] is entry:
             _pop(running, i, checked)
             return
     _end(entry, checked=False)
+
+
+def _drop_left(running: list[_Running], module: nn.Module) -> None:
+    """`module` begins a forward while an entry its pre-forward hook pushed is still there: that forward was left
+    by an interrupt that skipped the post-forward hook (a forward re-entered past `__call__` is taken to be one)."""
+    left = [entry for entry in running[:-1] if entry.by_hook and entry.module is module]
+    running[:] = [entry for entry in running if not any(entry is other for other in left)]
+    for entry in left:
+        _end(entry, checked=False)
 
 
 def make_owner(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -167,6 +181,8 @@ class _Tap:
             entry = _Running(module, None, None, [], by_hook=True)  # before the watch)
             running.append(entry)
         entry.tap = self
+        if any(other.by_hook and other.module is module for other in running[:-1]):
+            _drop_left(running, module)
         compiling = torch.compiler.is_compiling()
         recompute = in_backward()
         ident = None if compiling else threading.get_ident()

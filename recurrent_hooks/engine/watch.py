@@ -138,9 +138,10 @@ class Watch:
         w.mixers[0].states          # [batch, seq, heads, key_dim, value_dim]: the state after every token
         w.mixer(2).calls[0].inputs  # the mixer of decoder layer 2: its first call's kernel arguments
 
-    On entry the family's kernel names are rebound (module globals of its transformers modeling module)
-    and each mixer module gets a pre- and post-forward hook; on exit, also on an exception and when
-    nested, exactly the previous objects are bound again and the module hooks are removed. Hooks and
+    On entry the family's kernel names are rebound (module globals of its transformers modeling module),
+    and so is its mixer classes' `__call__` (each forward marks itself as running: what kernel calls belong
+    to), and each mixer module gets forward hooks; on exit, also on an exception and when nested, exactly
+    the previous objects are bound again and the module hooks are removed. Hooks and
     writes registered on `w.mixers[i]` live until the block ends; what the mixers kept stays readable.
     Like every PyTorch hook, the block's effects are global: the model is changed for anyone who calls
     it inside the block.
