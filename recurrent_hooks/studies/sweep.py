@@ -295,8 +295,9 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
     token p by the public writes: bit for bit where both take the same kernel path at the same batch
     shape, else within float32 rounding (a single write runs the chunked kernel in two segments, hooks at
     many positions the token loop; CPU matrix products round by batch size; docs/sweep.md). Runs under
-    `torch.no_grad()`. `forward_kwargs` go to batch-1 and batch-`batch_size` forwards alike, so they must
-    not hold per-row tensors (one prompt has no padding: no attention mask is needed).
+    `torch.no_grad()`. `forward_kwargs` go to the one-token probe, the batch-1 and the batch-`batch_size`
+    forwards alike, so they must not hold per-row or per-token tensors (one prompt has no padding: no
+    attention mask is needed).
     """
     clean_ids, corrupt_ids, batch_size, budget = _checked(model, clean_ids, corrupt_ids, metric, what, batch_size,
                                                           budget_bytes, progress, forward_kwargs)
