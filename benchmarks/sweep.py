@@ -2,6 +2,9 @@
 
     python benchmarks/sweep.py                       # demo.tiny_model, T = 64, every layer x position
     python benchmarks/sweep.py --tokens 128 --batch-size 128 --repeats 5
+    python benchmarks/sweep.py --memory              # gdn_small, T = 512: memory held vs the number of positions
+    python benchmarks/sweep.py --memory --library /work/main --budget-mib 256   # the same rows on another checkout
+    python benchmarks/sweep.py --per-cell            # gdn_small, T = 512: seconds per cell by batch size vs naive
 
 The model is `recurrent_hooks.demo.tiny_model()` (Qwen3.5, 4 layers: gated DeltaNet at 0 and 2, attention
 at 1 and 3; hidden 64, random weights). Both sides patch the whole memory (state and conv window) and
@@ -17,16 +20,168 @@ untimed warm-up round. A third timing, the floor, runs the same batched forwards
 unpatched: what batching alone buys on this model, which bounds the ratio from below. The two results must agree within float32 rounding (rtol 1e-5, atol 1e-6:
 they take different kernel paths; tests/test_sweep.py checks bit equality where the paths are the
 same); the script exits non-zero when they do not, or when the ratio misses the 0.2 target.
+
+`--memory`: the gated DeltaNet model `gdn_small` of benchmarks/run.py (hidden 256, 4 key / 8 value heads of
+64, 2 layers, vocab 1024), T = 512, layer 0, for a growing number of positions spread over the prompt. Each row
+runs in its own child process (MALLOC_MMAP_THRESHOLD_=65536, as benchmarks/run.py): `held` is the most bytes
+of clean memories alive at once (every clone of the sweep's read hooks, counted until freed), `peak+` the
+VmHWM during the sweep minus the VmRSS before it. `--library` measures another checkout (one without
+`budget_bytes` runs without it). `--per-cell`: the same model, 16 positions of layer 0, seconds per cell of
+the loop of one forward per cell with `set_memory_after` and of `patching_sweep` at each `--batch-sizes`.
 `main(argv)` runs everything; importing this module does no work.
 """
 
 import argparse
+import json
+import os
 import pathlib
+import subprocess
 import statistics
 import sys
 import time
 
 TARGET = 0.2  # batched / naive
+HERE = pathlib.Path(__file__).resolve().parent
+SMALL_TOKENS = 512
+
+
+def _small_model() -> object:
+    """benchmarks/run.py's gdn_small forward model (2 gated DeltaNet layers), seeded."""
+    sys.path.insert(0, str(HERE))
+    import torch
+
+    import run as bench
+
+    torch.manual_seed(0)
+    return bench._gdn(256, 4, 8, 64, 512, bench.LINEAR2).eval()
+
+
+def _spread(count: int, tokens: int) -> list[int]:
+    return sorted({min(tokens - 1, int((i + 0.5) * tokens / count)) for i in range(count)})
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def memory_child(count: int, budget_mib: float | None) -> dict:
+    """One `--memory` row, in this (child) process: the held bytes and the peak RSS added by one sweep."""
+    import gc
+    import inspect
+
+    import torch
+
+    import recurrent_hooks as rh
+    import recurrent_hooks.studies.sweep as module
+
+    torch.set_num_threads(1)
+    model = _small_model()
+    gen = torch.Generator().manual_seed(0)
+    clean, corrupt = (torch.randint(3, 1024, (1, SMALL_TOKENS), generator=gen) for _ in range(2))
+    held = {"live": 0, "peak": 0}
+    real = module.map_parts
+
+    def freed(nbytes: int) -> None:
+        held["live"] -= nbytes
+
+    def track(part: torch.Tensor) -> torch.Tensor:
+        import weakref
+
+        held["live"] += part.nbytes
+        held["peak"] = max(held["peak"], held["live"])
+        weakref.finalize(part, freed, part.nbytes)
+        return part
+
+    def spied(fn, *parts):  # noqa: ANN001, ANN202 - the sweep module's map_parts, counting its clones
+        out = real(fn, *parts)
+        if fn is torch.clone:
+            real(track, out)
+        return out
+
+    module.map_parts = spied
+    kwargs = {}
+    if "budget_bytes" in inspect.signature(rh.patching_sweep).parameters and budget_mib is not None:
+        kwargs["budget_bytes"] = int(budget_mib * 2**20)
+    run = lambda positions: rh.patching_sweep(  # noqa: E731
+        model, clean, corrupt, lambda logits: logits[:, -1].log_softmax(-1)[:, 5], layers=[0], positions=positions,
+        progress=False, forward_kwargs={"logits_to_keep": 1}, **kwargs)
+    run([1, 2])  # warm-up
+    gc.collect()
+    before = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    held.update(live=0, peak=0)
+    start = time.perf_counter()
+    run(_spread(count, SMALL_TOKENS))
+    seconds = time.perf_counter() - start
+    return {"held": held["peak"], "peak": _status("VmHWM") - before, "seconds": seconds,
+            "budget": "budget_bytes" in kwargs or "budget_bytes" in inspect.signature(rh.patching_sweep).parameters}
+
+
+def memory_rows(args: argparse.Namespace) -> int:
+    """`--memory`: one child process per number of positions; prints the table."""
+    library = pathlib.Path(args.library).resolve() if args.library else HERE.parent
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", MALLOC_ARENA_MAX="2",
+               PYTHONPATH=str(library))
+    budget = "default" if args.budget_mib is None else f"{args.budget_mib} MiB"
+    print(f"patching sweep memory, gdn_small (hidden 256, 8 value heads of 64), T={SMALL_TOKENS}, layer 0,"
+          f" logits_to_keep=1, 1 thread; library {library}; budget_bytes {budget}")
+    print(f"  {'positions':>9} {'held MiB':>9} {'peak+ MiB':>9} {'seconds':>8}")
+    for count in (int(c) for c in args.positions.split(",")):
+        argv = [sys.executable, str(pathlib.Path(__file__).resolve()), "--memory-child", str(count)]
+        if args.budget_mib is not None:
+            argv += ["--budget-mib", str(args.budget_mib)]
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, cwd=str(library))
+        if proc.returncode != 0:
+            print("ERROR: " + " | ".join(proc.stderr.strip().splitlines()[-3:]))
+            return 1
+        row = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(f"  {count:>9} {row['held'] / 2**20:>9.2f} {row['peak'] / 2**20:>9.1f} {row['seconds']:>8.1f}",
+              flush=True)
+    return 0
+
+
+def per_cell_rows(args: argparse.Namespace) -> int:
+    """`--per-cell`: seconds per cell, the loop of one forward per cell vs the sweep at each batch size."""
+    sys.path.insert(0, str(HERE.parent))
+    import torch
+
+    import recurrent_hooks as rh
+
+    torch.set_num_threads(args.threads)
+    model = _small_model()
+    gen = torch.Generator().manual_seed(0)
+    clean, corrupt = (torch.randint(3, 1024, (1, SMALL_TOKENS), generator=gen) for _ in range(2))
+    positions = _spread(16, SMALL_TOKENS)
+    metric = lambda logits: logits[:, -1].log_softmax(-1)[:, 5]  # noqa: E731
+
+    def naive() -> None:
+        with rh.watch(model, keep={"states": positions, "conv_states": positions}) as a, torch.no_grad():
+            model(clean, use_cache=False)
+        for position in positions:
+            with rh.watch(model) as w, torch.no_grad():
+                w.mixer(0).set_memory_after(position, a.mixer(0).memory_after(position))
+                metric(model(corrupt, use_cache=False).logits)
+
+    runs = {"naive: one forward per cell, set_memory_after": naive}
+    for batch in (None if b == "None" else int(b) for b in args.batch_sizes.split(",")):
+        runs[f"patching_sweep(batch_size={batch})"] = lambda batch=batch: rh.patching_sweep(
+            model, clean, corrupt, metric, layers=[0], positions=positions, batch_size=batch, progress=False)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for round_ in range(args.repeats + 1):
+        for name, fn in runs.items():
+            start = time.perf_counter()
+            fn()
+            if round_:
+                times[name].append(time.perf_counter() - start)
+    print(f"patching sweep per cell, gdn_small, T={SMALL_TOKENS}, 16 positions of layer 0, {args.threads} thread(s),"
+          f" median of {args.repeats} interleaved rounds")
+    naive_s = statistics.median(times[next(iter(runs))])
+    for name, values in times.items():
+        median = statistics.median(values)
+        print(f"  {name:<48} {median / 16:.3f} s/cell ({median / naive_s:.2f} x naive)")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,9 +190,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the machine is shared)")
+    parser.add_argument("--memory", action="store_true", help="gdn_small: memory held vs the number of positions")
+    parser.add_argument("--positions", default="8,32,128", help="--memory: numbers of positions, comma-separated")
+    parser.add_argument("--budget-mib", type=float, default=None, help="--memory: budget_bytes in MiB")
+    parser.add_argument("--library", default=None, help="--memory: the checkout to measure (default: this one)")
+    parser.add_argument("--per-cell", action="store_true", help="gdn_small: seconds per cell by batch size")
+    parser.add_argument("--batch-sizes", default="1,2,7,32", help="--per-cell: batch sizes (None: the default)")
+    parser.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.memory_child is not None:
+        print(json.dumps(memory_child(args.memory_child, args.budget_mib)))
+        return 0
+    if args.memory:
+        return memory_rows(args)
+    if args.per_cell:
+        return per_cell_rows(args)
 
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # this checkout's package
+    sys.path.insert(0, str(HERE.parent))  # this checkout's package
     import torch
 
     import recurrent_hooks as rh

@@ -15,11 +15,14 @@ Two references, both a loop of one forward per cell that writes the clean memory
 - within float32 rounding: the default kernels, one prompt (batch 1) per forward, as a user would write it.
 """
 
+import weakref
+
 import pytest
 import torch
 import transformers
 
 import recurrent_hooks as rh
+import recurrent_hooks.studies.sweep as sweep_module
 from _compare import assert_close, assert_equal
 from _models import _COMMON, _KDA, _MLA, _HYBRID_LAYERS, _make, build, random_ids
 
@@ -144,7 +147,9 @@ def test_bad_arguments_raise_invalid_value_naming_what_was_expected_and_what_cam
         (dict(positions=[3, -7]), r"expected each position once, got position 3 twice"),
         (dict(positions=[]), r"expected positions as an int or a non-empty list of ints, got \[\]"),
         (dict(what="states"), r"expected what in \('memory', 'state', 'window'\), got what='states'"),
-        (dict(batch_size=0), r"expected batch_size >= 1, got batch_size=0"),
+        (dict(batch_size=0), r"expected batch_size >= 1 \(or None: chosen from the shapes\), got batch_size=0"),
+        (dict(budget_bytes=-1), r"expected budget_bytes >= 0 \(or None: 268435456\), got budget_bytes=-1"),
+        (dict(budget_bytes=1.5), r"expected budget_bytes as an int, got float 1.5"),
         (dict(metric=lambda logits: logits[:, -1, 5].sum()), r"expected metric\(logits\) to return one value per row,"
                                                                r" a tensor of shape \(1,\) for logits of shape"
                                                                r" \(1, 10, 128\), got shape \(\)"),
@@ -164,3 +169,92 @@ def test_bad_arguments_raise_invalid_value_naming_what_was_expected_and_what_cam
         rh.patching_sweep(model, clean, corrupt, metric, progress="yes")
     with pytest.raises(rh.InvalidValue, match=r"expected a torch.nn.Module \(a transformers model\), got str"):
         rh.patching_sweep("model", clean, corrupt, metric)
+
+
+def cell_bytes(model, clean):
+    """The bytes of one cell's clean memory (the state and the window after a token, batch 1) per recurrent layer."""
+    with rh.watch(model, keep=("states", "conv_states")) as w, torch.no_grad():
+        model(clean, use_cache=False)
+    return {m.layer: sum(x.nbytes for x in m.memory_after(0) if x is not None) for m in w.mixers}
+
+
+class HeldMemories:
+    """A spy on the clean memories the sweep keeps: every clone its read hooks make is counted while alive
+    (`weakref.finalize`), and `peak` is the most bytes alive at once."""
+
+    def __init__(self, monkeypatch):
+        self.live = self.peak = 0
+        real = sweep_module.map_parts
+
+        def spied(fn, *parts):
+            out = real(fn, *parts)
+            if fn is torch.clone:
+                real(self._track, out)
+            return out
+
+        monkeypatch.setattr(sweep_module, "map_parts", spied)
+
+    def _track(self, part):
+        self.live += part.nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(part, self._freed, part.nbytes)
+        return part
+
+    def _freed(self, nbytes):
+        self.live -= nbytes
+
+
+@pytest.mark.parametrize("budget", [0, "3 batches"])
+def test_the_clean_memories_held_at_once_are_bounded_by_the_budget_whatever_the_number_of_positions(
+        monkeypatch, budget):
+    model = build("qwen3_5")  # 2 recurrent layers of the same size
+    batch, peaks = 3, []
+    for tokens in (10, 30):
+        clean, corrupt = random_ids(1, tokens, seed=1), random_ids(1, tokens, seed=2)
+        per_cell = max(cell_bytes(model, clean).values())
+        allowed = batch * per_cell if budget == 0 else 3 * batch * per_cell
+        held = HeldMemories(monkeypatch)
+        sweep = rh.patching_sweep(model, clean, corrupt, metric, batch_size=batch, progress=False,
+                                  budget_bytes=0 if budget == 0 else allowed)
+        assert sweep.values.shape == (2, tokens)
+        assert 0 < held.peak <= allowed, (f"T={tokens}, budget {budget}: {held.peak} bytes of clean memories held at"
+                                          f" once, allowed {allowed} ({per_cell} a cell)")
+        assert held.live == 0, f"T={tokens}: {held.live} bytes of clean memories outlive the sweep"
+        peaks.append(held.peak)
+    assert peaks[0] == peaks[1], f"budget {budget}: the memory held grows with the positions: {peaks}"
+
+
+def test_a_sweep_in_rounds_equals_the_sweep_in_one_round_bit_for_bit():
+    model = build("qwen3_5")
+    clean, corrupt = prompts()
+    rh.route_kernels(model, "torch")
+    try:
+        for what in WHAT:
+            one = rh.patching_sweep(model, clean, corrupt, metric, what=what, batch_size=BATCH, progress=False,
+                                    paths=LOOP)
+            rounds = rh.patching_sweep(model, clean, corrupt, metric, what=what, batch_size=BATCH, progress=False,
+                                       paths=LOOP, budget_bytes=0)
+            assert_equal(f"what={what}: one batch per clean forward vs all in one", one.values, rounds.values)
+    finally:
+        rh.route_kernels(model, "default")
+
+
+def test_the_default_batch_is_the_budget_of_a_batch_over_the_bytes_of_a_cell(monkeypatch):
+    model = build("qwen3_5")
+    clean, corrupt = prompts()
+    per_cell = max(cell_bytes(model, clean).values())
+    rows = []
+
+    def counting(logits):
+        rows.append(logits.shape[0])
+        return metric(logits)
+
+    # at Qwen3.5 dims (32 value heads of 128 x 128, a window of 8192 channels x 4): batch 1; tiny models: 32
+    assert sweep_module._default_batch_size(32 * 128 * 128 * 4 + 8192 * 4 * 4) == 1
+    assert sweep_module._default_batch_size(per_cell) == sweep_module.MAX_BATCH == 32
+    for batch_bytes, expected in ((sweep_module.BATCH_BYTES, 2 * T), (3 * per_cell, 3), (per_cell - 1, 1)):
+        rows.clear()
+        monkeypatch.setattr(sweep_module, "BATCH_BYTES", batch_bytes)
+        rh.patching_sweep(model, clean, corrupt, counting, progress=False)
+        assert rows[2:] == [expected] * (2 * T // expected) + [2 * T % expected] * bool(2 * T % expected), (
+            f"BATCH_BYTES={batch_bytes}, {per_cell} bytes a cell: forwards of {rows[2:]} rows")

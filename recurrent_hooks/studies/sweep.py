@@ -129,10 +129,144 @@ def _carried(mixer: Any, memories: tuple[str, ...], what: str) -> tuple[str, ...
     return tuple(m for m in memories if m in mixer.MEMORIES) if what == "memory" else memories
 
 
+# The default batch: rows per forward while one row's patched memory is small. Below it a row's token-loop step
+# in the patched layer is Python-bound, and more rows cost little; at Qwen3.5 dims (2 MiB a cell) a row's forward
+# is compute-bound, rows cost as much as forwards, and batch 1 was measured fastest (docs/sweep.md, "Cost").
+BATCH_BYTES = 1 << 20
+MAX_BATCH = 32
+# The default budget for the clean memories held at once: one clean forward produces the memories of as many
+# whole batches of cells as fit (at least one batch).
+BUDGET_BYTES = 256 << 20
+
+
+def _keep_hooks(w: Any, cells: Mapping[int, Iterable[int]], memories: tuple[str, ...], what: str,
+                into: dict[tuple[str, int, int, int | None], Tensor]) -> None:
+    """Read hooks that clone the memory after the given positions of each layer into `into`."""
+    for layer, tokens in cells.items():
+        for memory in _carried(w.mixer(layer), memories, what):
+            def keep(mixer: Any, call: int, token: int, state: Tensor, layer: int = layer,
+                     memory: str = memory) -> None:
+                into[memory, layer, token, mixer.head] = map_parts(torch.clone, state)
+
+            w.mixer(layer).register_state_hook(keep, call=0, token=sorted(tokens), which=memory)
+
+
+def _probe(model: nn.Module, clean_ids: Tensor, layers: Any, memories: tuple[str, ...], what: str,
+           paths: Paths | None, kwargs: Mapping[str, Any]) -> tuple[tuple[int, ...], dict[int, int]]:
+    """The chosen layers and the bytes of one cell's memory per layer, read from a one-token clean forward."""
+    kept: dict[tuple[str, int, int, int | None], Tensor] = {}
+    with watch(model, paths=paths) as w, torch.no_grad():
+        w._one_mixer_per_layer("patching_sweep")  # cells are (layer, position): a layer must be one mixer
+        layers = _layers(layers, [mixer.layer for mixer in w.mixers])
+        _keep_hooks(w, {layer: [0] for layer in layers}, memories, what, kept)
+        model(clean_ids[:, :1], **kwargs)
+    sizes = dict.fromkeys(layers, 0)
+    for (_, layer, _, _), value in kept.items():
+        sizes[layer] += sum(part.nbytes for part in _parts(value))
+    return layers, sizes
+
+
+def _parts(value: Any) -> list[Tensor]:
+    parts: list[Tensor] = []
+    map_parts(lambda part: parts.append(part) or part, value)
+    return parts
+
+
+def _default_batch_size(cell_bytes: int) -> int:
+    """The batch `patching_sweep(batch_size=None)` takes for cells of `cell_bytes` (the largest chosen layer's
+    state and window at batch 1): `BATCH_BYTES // cell_bytes`, clamped to 1..`MAX_BATCH`."""
+    return max(1, min(MAX_BATCH, BATCH_BYTES // max(1, cell_bytes)))
+
+
+def _rounds(cells: list[tuple[int, int]], batch_size: int, cost: Callable[[int], int],
+            budget: int) -> list[list[list[tuple[int, int]]]]:
+    """The batches of `cells` (in order, `batch_size` each), grouped into rounds of whole batches whose memories
+    (`cost(i)` bytes for a cell of layer i) fit `budget`; a round holds at least one batch."""
+    batches = [cells[start:start + batch_size] for start in range(0, len(cells), batch_size)]
+    rounds: list[list[list[tuple[int, int]]]] = []
+    held = 0
+    for batch in batches:
+        size = sum(cost(i) for i, _ in batch)
+        if rounds and held + size <= budget:
+            rounds[-1].append(batch)
+            held += size
+        else:
+            rounds.append([batch])
+            held = size
+    return rounds
+
+
+def _clean_memories(model: nn.Module, clean_ids: Tensor, cells: Mapping[int, Iterable[int]],
+                    memories: tuple[str, ...], what: str, paths: Paths | None,
+                    kwargs: Mapping[str, Any]) -> dict[tuple[str, int, int, int | None], Tensor]:
+    """One clean forward keeping the memory after `cells[layer]` positions of each layer (per head for zamba):
+    `{(memory, layer, token, head): value}`."""
+    kept: dict[tuple[str, int, int, int | None], Tensor] = {}
+    with watch(model, paths=paths) as w, torch.no_grad():
+        _keep_hooks(w, cells, memories, what, kept)
+        model(clean_ids, **kwargs)
+    return kept
+
+
+def _patched(model: nn.Module, ids: Tensor, batch: list[tuple[int, int]],
+             cells: tuple[tuple[int, ...], tuple[int, ...]], clean: Mapping[tuple[str, int, int, int | None], Tensor], memories: tuple[str, ...], what: str,
+             paths: Paths | None, kwargs: Mapping[str, Any], metric: Callable[[Tensor], Tensor]) -> Tensor:
+    """The metric of one forward whose row r is the corrupt prompt patched at cell `batch[r]`."""
+    layers, positions = cells
+    with watch(model, paths=paths) as w, torch.no_grad():
+        for i in sorted({i for i, _ in batch}):
+            layer = layers[i]
+            rows: dict[int, list[int]] = {}  # token -> the rows patched after it
+            for row, (li, j) in enumerate(batch):
+                if li == i:
+                    rows.setdefault(positions[j], []).append(row)
+            at = {token: torch.tensor(r, device=ids.device) for token, r in rows.items()}
+            for memory in _carried(w.mixer(layer), memories, what):
+                def patch(mixer: Any, call: int, token: int, state: Tensor, layer: int = layer,
+                          memory: str = memory, at: dict[int, Tensor] = at) -> Tensor:
+                    value = clean[memory, layer, token, mixer.head]
+                    index = at[token]
+                    return map_parts(lambda s, v: s.index_copy(0, index, v.expand(len(index), *v.shape[1:])),
+                                     state, value)
+
+                w.mixer(layer).register_state_hook(patch, call=0, token=sorted(rows), which=memory)
+        return _measure(metric, model(ids.expand(len(batch), ids.shape[1]), **kwargs).logits, len(batch))
+
+
+def _checked(model: Any, clean_ids: Any, corrupt_ids: Any, metric: Any, what: Any, batch_size: Any,
+             budget_bytes: Any, progress: Any, forward_kwargs: Any) -> tuple[Tensor, Tensor, int | None, int]:
+    """The arguments of `patching_sweep` checked: the two prompts, the batch size (None: by default) and the budget."""
+    if not isinstance(model, nn.Module):
+        raise InvalidValue(f"{_WHERE}: expected a torch.nn.Module (a transformers model), got {type(model).__name__}")
+    clean_ids, corrupt_ids = _as_prompt(clean_ids, "clean_ids"), _as_prompt(corrupt_ids, "corrupt_ids")
+    if clean_ids.shape != corrupt_ids.shape:
+        raise InvalidValue(f"{_WHERE}: expected clean_ids and corrupt_ids of the same length (positions are shared),"
+                           f" got shapes {tuple(clean_ids.shape)} and {tuple(corrupt_ids.shape)}")
+    if not callable(metric):
+        raise InvalidValue(f"{_WHERE}: expected metric as a callable logits -> one value per row, got {metric!r}")
+    if what not in WHAT:
+        raise InvalidValue(f"{_WHERE}: expected what in {tuple(WHAT)}, got what={what!r}")
+    if batch_size is not None:
+        batch_size = _as_int(batch_size, "batch_size")
+        if batch_size < 1:
+            raise InvalidValue(f"{_WHERE}: expected batch_size >= 1 (or None: chosen from the shapes), got"
+                               f" batch_size={batch_size}")
+    budget = BUDGET_BYTES if budget_bytes is None else _as_int(budget_bytes, "budget_bytes")
+    if budget < 0:
+        raise InvalidValue(f"{_WHERE}: expected budget_bytes >= 0 (or None: {BUDGET_BYTES}), got budget_bytes={budget}")
+    if not isinstance(progress, bool):
+        raise InvalidValue(f"{_WHERE}: expected progress=True or progress=False, got progress={progress!r}")
+    if forward_kwargs is not None and not isinstance(forward_kwargs, Mapping):
+        raise InvalidValue(f"{_WHERE}: expected forward_kwargs as a mapping of keyword arguments, got"
+                           f" {type(forward_kwargs).__name__}")
+    return clean_ids, corrupt_ids, batch_size, budget
+
+
 def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: Callable[[Tensor], Tensor], *,
                    layers: int | Iterable[int] | None = None, positions: int | Iterable[int] | None = None,
-                   what: str = "memory", batch_size: int = 32, progress: bool = True,
-                   forward_kwargs: Mapping[str, Any] | None = None, paths: Paths | None = None) -> Sweep:
+                   what: str = "memory", batch_size: int | None = None, budget_bytes: int | None = None,
+                   progress: bool = True, forward_kwargs: Mapping[str, Any] | None = None,
+                   paths: Paths | None = None) -> Sweep:
     """Patch the clean run into the corrupt run at every (layer, position); return `metric` per cell.
 
         sweep = rh.patching_sweep(model, clean_ids, corrupt_ids, lambda logits: logits[:, -1, answer])
@@ -148,7 +282,12 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
     - `what`: "memory" writes the state and the conv window after the position (`set_memory_after`), the
       whole of what the next token continues from; "state" only the recurrent state (`set_state_after`),
       "window" only the conv window (`set_conv_state_after`).
-    - `batch_size`: cells per forward. Each forward repeats the corrupt prompt `batch_size` times.
+    - `batch_size`: cells per forward; each forward repeats the corrupt prompt `batch_size` times. None:
+      `BATCH_BYTES` (1 MiB) // the bytes of one cell's memory (its state and window at batch 1), clamped to
+      1..32: 1 at Qwen3.5 dims, 32 on tiny models.
+    - `budget_bytes`: the clean memories held at once (None: `BUDGET_BYTES`, 256 MiB). One clean forward
+      keeps the memories of as many whole batches as fit, at least one batch; the sweep holds no more,
+      whatever the number of positions.
     - `progress`: a tqdm bar over the cells; `forward_kwargs`: passed to every forward, after
       `use_cache=False`; `paths`: how the watched calls run (`recurrent_hooks.Paths`, as for `watch`).
 
@@ -156,46 +295,20 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
     token p by the public writes: bit for bit where both take the same kernel path at the same batch
     shape, else within float32 rounding (a single write runs the chunked kernel in two segments, hooks at
     many positions the token loop; CPU matrix products round by batch size; docs/sweep.md). Runs under
-    `torch.no_grad()`. `forward_kwargs` go to batch-1 and batch-`batch_size` forwards alike, so they must
-    not hold per-row tensors (one prompt has no padding: no attention mask is needed).
+    `torch.no_grad()`. `forward_kwargs` go to the one-token probe, the batch-1 and the batch-`batch_size`
+    forwards alike, so they must not hold per-row or per-token tensors (one prompt has no padding: no
+    attention mask is needed).
     """
-    if not isinstance(model, nn.Module):
-        raise InvalidValue(f"{_WHERE}: expected a torch.nn.Module (a transformers model), got {type(model).__name__}")
-    clean_ids, corrupt_ids = _as_prompt(clean_ids, "clean_ids"), _as_prompt(corrupt_ids, "corrupt_ids")
-    if clean_ids.shape != corrupt_ids.shape:
-        raise InvalidValue(f"{_WHERE}: expected clean_ids and corrupt_ids of the same length (positions are shared),"
-                           f" got shapes {tuple(clean_ids.shape)} and {tuple(corrupt_ids.shape)}")
-    if not callable(metric):
-        raise InvalidValue(f"{_WHERE}: expected metric as a callable logits -> one value per row, got {metric!r}")
-    if what not in WHAT:
-        raise InvalidValue(f"{_WHERE}: expected what in {tuple(WHAT)}, got what={what!r}")
-    batch_size = _as_int(batch_size, "batch_size")
-    if batch_size < 1:
-        raise InvalidValue(f"{_WHERE}: expected batch_size >= 1, got batch_size={batch_size}")
-    if not isinstance(progress, bool):
-        raise InvalidValue(f"{_WHERE}: expected progress=True or progress=False, got progress={progress!r}")
-    if forward_kwargs is not None and not isinstance(forward_kwargs, Mapping):
-        raise InvalidValue(f"{_WHERE}: expected forward_kwargs as a mapping of keyword arguments, got"
-                           f" {type(forward_kwargs).__name__}")
+    clean_ids, corrupt_ids, batch_size, budget = _checked(model, clean_ids, corrupt_ids, metric, what, batch_size,
+                                                          budget_bytes, progress, forward_kwargs)
     kwargs = {"use_cache": False, **(forward_kwargs or {})}
-    tokens = clean_ids.shape[1]
-    positions = _positions(positions, tokens)
+    positions = _positions(positions, clean_ids.shape[1])
     memories = WHAT[what]
-
-    # The clean run, once: read hooks keep the memory after each chosen position (per head for zamba).
-    clean: dict[tuple[str, int, int, int | None], Tensor] = {}
-    with watch(model, paths=paths) as w, torch.no_grad():
-        w._one_mixer_per_layer("patching_sweep")  # cells are (layer, position): a layer must be one mixer
-        layers = _layers(layers, [mixer.layer for mixer in w.mixers])
-        for layer in layers:
-            for memory in _carried(w.mixer(layer), memories, what):
-                def keep(mixer: Any, call: int, token: int, state: Tensor, layer: int = layer,
-                         memory: str = memory) -> None:
-                    clean[memory, layer, token, mixer.head] = map_parts(torch.clone, state)
-
-                w.mixer(layer).register_state_hook(keep, call=0, token=positions, which=memory)
-        clean_metric = _measure(metric, model(clean_ids, **kwargs).logits, 1)[0]
+    layers, sizes = _probe(model, clean_ids, layers, memories, what, paths, kwargs)
+    if batch_size is None:
+        batch_size = _default_batch_size(max(sizes.values()))
     with torch.no_grad():
+        clean_metric = _measure(metric, model(clean_ids, **kwargs).logits, 1)[0]
         corrupt_metric = _measure(metric, model(corrupt_ids, **kwargs).logits, 1)[0]
 
     from tqdm.auto import tqdm  # a dependency of transformers
@@ -203,29 +316,16 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
     cells = [(i, j) for i in range(len(layers)) for j in range(len(positions))]  # layer-major: few layers per batch
     values = torch.empty(len(layers), len(positions), dtype=clean_metric.dtype, device=clean_metric.device)
     with tqdm(total=len(cells), desc=_WHERE, unit="cell", disable=not progress) as bar:
-        for start in range(0, len(cells), batch_size):
-            batch = cells[start:start + batch_size]
-            with watch(model, paths=paths) as w, torch.no_grad():
-                for i in sorted({i for i, _ in batch}):
-                    layer = layers[i]
-                    rows: dict[int, list[int]] = {}  # token -> the rows patched after it
-                    for row, (li, j) in enumerate(batch):
-                        if li == i:
-                            rows.setdefault(positions[j], []).append(row)
-                    at = {token: torch.tensor(r, device=corrupt_ids.device) for token, r in rows.items()}
-                    for memory in _carried(w.mixer(layer), memories, what):
-                        def patch(mixer: Any, call: int, token: int, state: Tensor, layer: int = layer,
-                                  memory: str = memory, at: dict[int, Tensor] = at) -> Tensor:
-                            value = clean[memory, layer, token, mixer.head]
-                            index = at[token]
-                            return map_parts(lambda s, v: s.index_copy(0, index, v.expand(len(index), *v.shape[1:])),
-                                             state, value)
-
-                        w.mixer(layer).register_state_hook(patch, call=0, token=sorted(rows), which=memory)
-                ids = corrupt_ids.expand(len(batch), tokens)
-                measured = _measure(metric, model(ids, **kwargs).logits, len(batch))
-            for row, (i, j) in enumerate(batch):
-                values[i, j] = measured[row]
-            bar.update(len(batch))
+        for round_ in _rounds(cells, batch_size, lambda i: sizes[layers[i]], budget):
+            wanted: dict[int, list[int]] = {}
+            for i, j in (cell for batch in round_ for cell in batch):
+                wanted.setdefault(layers[i], []).append(positions[j])
+            clean = _clean_memories(model, clean_ids, wanted, memories, what, paths, kwargs)
+            for batch in round_:
+                measured = _patched(model, corrupt_ids, batch, (layers, positions), clean, memories, what, paths,
+                                    kwargs, metric)
+                for row, (i, j) in enumerate(batch):
+                    values[i, j] = measured[row]
+                bar.update(len(batch))
+            del clean  # before the next round's clean forward: one round's memories at a time
     return Sweep(values, clean_metric, corrupt_metric, layers, positions, what)
-
