@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             return logits[:, -1].log_softmax(-1)[:, answer]
 
         def naive() -> torch.Tensor:
-            with rh.watch(model, keep=("states", "conv_states")) as a, torch.no_grad():
+            with rh.watch(model, keep=("states", "windows")) as a, torch.no_grad():
                 model(clean, use_cache=False)
             out = torch.empty(len(a.mixers), args.tokens)
             for i, kept in enumerate(a.mixers):

@@ -525,13 +525,13 @@ def test_the_memory_is_the_state_alone(model):
     with rh.watch(model, keep=ALL) as w:
         logits_of(model, random_ids(1, 5))
         mixer = w.mixers[0]
-        for attempt in (lambda: mixer.conv_state_after(0), lambda: mixer.conv_states,
-                        lambda: mixer.set_conv_state_after(0, torch.zeros(1)),
-                        lambda: mixer.register_state_hook(lambda *a: None, which="conv_state")):
-            with pytest.raises(rh.Unavailable, match=r"LightningAttention mixer has no conv_state; it carries only state \(state_after, set_state_after\)"):
+        for attempt in (lambda: mixer.window_after(0), lambda: mixer.windows,
+                        lambda: mixer.set_window_after(0, torch.zeros(1)),
+                        lambda: mixer.register_state_hook(lambda *a: None, which="window")):
+            with pytest.raises(rh.Unavailable, match=r"LightningAttention mixer has no window; it carries only state \(state_after, set_state_after\)"):
                 attempt()
     row = rh.support(model)[0]
-    assert row.kind == "LightningAttention" and "conv_states" not in row.available and "states" in row.available
+    assert row.kind == "LightningAttention" and "windows" not in row.available and "states" in row.available
     assert set(row.unavailable) == set(rh.LightningAttention.LIMITS)
 
 
@@ -558,7 +558,7 @@ def test_a_sweep_of_the_whole_memory_is_a_sweep_of_the_state(model):
     memory = rh.patching_sweep(model, clean, corrupt, metric, progress=False)
     state = rh.patching_sweep(model, clean, corrupt, metric, what="state", progress=False)
     assert_close("what=memory vs what=state", state.values, memory.values, rtol=0, atol=0)
-    with pytest.raises(rh.Unavailable, match="no conv_state"):
+    with pytest.raises(rh.Unavailable, match="no window"):
         rh.patching_sweep(model, clean, corrupt, metric, what="window", progress=False)
     with rh.watch(model, keep={"states": [4]}) as w, torch.no_grad():
         model(clean, use_cache=False)

@@ -291,7 +291,7 @@ def test_beam_search_decode_states_continue_the_reordered_rows(family):
 
 
 def _state_in(mixer, k):
-    parts = mixer.calls[k].parts
+    parts = mixer.calls[k].kernel_calls
     name = type(mixer).kernel(mixer.calls[k].kernel).state_in
     states = [part.inputs[name] for part in parts]
     return states[0] if len(states) == 1 else torch.stack(states, dim=1)
@@ -302,10 +302,10 @@ def _reference_step(mixer, k, start):
     import test_families
 
     parts = []
-    for h, part in enumerate(mixer.calls[k].parts):
+    for h, part in enumerate(mixer.calls[k].kernel_calls):
         x = dict(part.inputs)
         name = type(mixer).kernel(part.kernel).state_in
-        x[name] = start if len(mixer.calls[k].parts) == 1 else start[:, h]
+        x[name] = start if len(mixer.calls[k].kernel_calls) == 1 else start[:, h]
         for kind, reference in test_families.REFERENCES.items():
             if type(mixer) is kind:
                 parts.append(reference(rh.KernelCall(part.kernel, x, None))[:, 0])

@@ -208,7 +208,7 @@ class LightningAttention(RecurrentMixer):
         "output": "batch seq hidden",
     }
     LIMITS = {
-        "conv_states": "lightning attention has no short convolution: its memory is the state alone",
+        "windows": "lightning attention has no short convolution: its memory is the state alone",
         "linear attention at layer 0": _BUG_8,
         "beam search": "transformers 5.24's MiniMaxCache does not reorder its linear states when beam search"
         " reorders the cache (Cache.reorder_cache moves only the attention layers), so each row's state continues"

@@ -219,10 +219,10 @@ _BEAMS = (
 class RealGatedLinearRecurrence(RecurrentMixer):
     """A Griffin recurrent block with its RG-LRU (recurrent_gemma).
 
-        with recurrent_hooks.watch(model, keep=("states", "conv_states")) as w:
+        with recurrent_hooks.watch(model, keep=("states", "windows")) as w:
             model(input_ids)
         w.mixers[0].states        # Float[Tensor, "batch seq lru_width"]: h_t after every token
-        w.mixers[0].conv_states   # Float[Tensor, "batch seq lru_width window"]: the last K-1 conv inputs
+        w.mixers[0].windows   # Float[Tensor, "batch seq lru_width window"]: the last K-1 conv inputs
 
     The mixer module is `RecurrentGemmaRecurrentBlock` (it has no `layer_idx`: its layer is read from its
     path in the model). The state h_t is `[batch, lru_width]`, float32, kept on `block.rg_lru.recurrent_states`;

@@ -147,7 +147,7 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
       patchable); `positions`: tokens of the prompt (default: all; negative counts from the end).
     - `what`: "memory" writes the state and the conv window after the position (`set_memory_after`), the
       whole of what the next token continues from; "state" only the recurrent state (`set_state_after`),
-      "window" only the conv window (`set_conv_state_after`).
+      "window" only the conv window (`set_window_after`).
     - `batch_size`: cells per forward. Each forward repeats the corrupt prompt `batch_size` times.
     - `progress`: a tqdm bar over the cells; `forward_kwargs`: passed to every forward, after
       `use_cache=False`; `paths`: how the watched calls run (`recurrent_hooks.Paths`, as for `watch`).
