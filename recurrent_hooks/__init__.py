@@ -26,6 +26,7 @@ from .studies.attribution import attribute as attribute
 from .studies.effective_attention import EffectiveAttention as EffectiveAttention
 from .studies.effective_attention import effective_attention as effective_attention
 from .engine.errors import InvalidValue as InvalidValue
+from .engine.errors import RecurrentHooksDeprecationWarning as RecurrentHooksDeprecationWarning
 from .engine.errors import RecurrentHooksError as RecurrentHooksError
 from .engine.errors import RecurrentHooksWarning as RecurrentHooksWarning
 from .engine.errors import Unavailable as Unavailable
@@ -78,6 +79,7 @@ __all__ = [
     "FAMILIES",
     "RecurrentHooksError",
     "RecurrentHooksWarning",
+    "RecurrentHooksDeprecationWarning",
     "Unavailable",
     "InvalidValue",
 ]
