@@ -19,7 +19,7 @@ filed under). Each of three computations costs a sum of terms, each term a count
     kernel(T): the bound kernel on T tokens, padded to n = ceil(T / chunk) chunks: per call, per chunk, per
                head-chunk, per head-chunk's chunk^2, per element-product chunk^2 (k + v) + chunk k v;
     loop(T):   the token loop: per call, per token, per head-token, per state element per token;
-    states(T): the all-states kernel, in blocks of 16: per call, per block, per head-block, per head-token
+    states(T): the all-states kernel, in chunks of 16: per call, per chunk, per head-chunk, per head-token
                times 16 k, per state element per token
 (`kernel_terms`, `loop_terms`, `states_terms`; a head is one batch row's head, work = batch * heads). SEGMENTS
 is the sum over its pieces, each piece kernel(piece) or, with `Paths(tails=True)`, the cheaper of that and kernel(its whole
@@ -108,7 +108,7 @@ class Constants:
     states: tuple[float, ...]
 
 
-STATES_BLOCK = 16  # the all-states kernels' block of tokens
+STATES_CHUNK = 16  # the all-states kernels' chunk of tokens
 
 COSTS_FILE = pathlib.Path(__file__).with_name("costs.json")  # written by `benchmarks/paths.py --calibrate --write`
 _COSTS: dict[str, dict[str, Constants]] = {}  # calibration key -> kernel constants key -> Constants, once read
@@ -239,11 +239,11 @@ def loop_terms(shape: Shape, tokens: int) -> list[float]:
 
 
 def states_terms(shape: Shape, tokens: int) -> list[float]:
-    """The all-states kernel, in blocks of 16 tokens: per call, per block, per head-block, per head-token's
-    block (its i x j decay masks), per state element per token (each state is written once)."""
+    """The all-states kernel, in chunks of 16 tokens: per call, per chunk, per head-chunk, per head-token's
+    chunk (its i x j decay masks), per state element per token (each state is written once)."""
     work = shape.batch * shape.heads
-    blocks = math.ceil(tokens / STATES_BLOCK)
-    return [1.0, blocks, work * blocks, work * tokens * STATES_BLOCK * shape.key_dim,
+    chunks = math.ceil(tokens / STATES_CHUNK)
+    return [1.0, chunks, work * chunks, work * tokens * STATES_CHUNK * shape.key_dim,
             work * tokens * shape.key_dim * shape.value_dim]
 
 

@@ -17,7 +17,7 @@ mixing, the WKV operator and its recurrent form), shape as the kernels take it; 
       .num       a_t e^{-p_t}   the numerator sum, scaled: a_t = num·e^max
       .den       b_t e^{-p_t}   the denominator sum, scaled: b_t = den·e^max
       .max       p_t            the running max exponent, the scale of num and den
-    conv_state   x'_t  [batch, hidden]           the token shift, a window of one input: `window_after(t)`
+    window       x'_t  [batch, hidden]           the token shift, which IS rwkv's window (of one input): `window_after(t)`
                                                  is x'_t, the input token t+1 mixes with (model dtype)
 
 Recurrence, per channel (a_t, b_t in the paper's form; transformers keeps them scaled by e^{-p_t}):
@@ -172,7 +172,7 @@ class WeightedKeyValue(RecurrentMixer):
     (`STATE_TYPE`); the paper's a_t = num e^{max}, b_t = den e^{max}. Hooks get a `WkvState` and may
     return one, writes take one; to edit one part, build a new one: `WkvState(s.num, s.den * 2, s.max)`
     doubles b_t, and scaling a_t and b_t by c is `s._replace(max=s.max + log(c))`. The token shift
-    (`conv_state`) is a window of one input: `window_after(t)` is the input token t+1 mixes with.
+    is its window (the memory "window"), of one input: `window_after(t)` is the input token t+1 mixes with.
     The kernels return the new WKV state and write the shift into the model's state list (`state=`,
     there is no Cache), so writes at the last token of a call are what the next call continues from.
     """

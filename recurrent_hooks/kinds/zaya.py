@@ -199,7 +199,7 @@ class CompressedConvolutionalAttention(RecurrentMixer):
         mix.states                               # Float[Tensor, "batch seq delay_channels"]: the value delay
         mix.set_state_after(4, delay)            # (in a new watch) token 5's delayed value half is `delay`
 
-    Its two memories: the conv window (`conv_state`, `[batch, (H + Hkv) * D, K]`, the cache's layout and model
+    Its two memories: the conv window (the memory "window"; transformers' `conv_state`, `[batch, (H + Hkv) * D, K]`, the cache's layout and model
     dtype), and the value delay, the mixer's `state` (`[batch, Hkv * D / 2]`): the previous token's
     `v_proj_delayed` output, which transformers caches as the layer's recurrent state. Both are computed
     inline in the module's forward, which the library owns (a `Site.CLASS` kernel that updates both memories);
