@@ -391,7 +391,7 @@ def test_bf16_windows_stay_float32_and_the_logits_bit_identical(family):
     kwargs = dict(output_logits=True, return_dict_in_generate=True)
     plain, plain_gen = logits_of(model, ids), greedy(model, ids, 3, **kwargs)
     with rh.watch(model, keep=KEEP) as w:
-        assert_equal("keep conv_states", plain, logits_of(model, ids))
+        assert_equal("keep windows", plain, logits_of(model, ids))
     assert all(mixer.windows.dtype == torch.float32 for mixer in dynamic(w))
     with rh.watch(model) as w:
         for mixer in dynamic(w):

@@ -68,9 +68,9 @@ def test_memory_writes_are_checked_and_reported():
     with rh.watch(model) as b:
         with pytest.raises(rh.Unavailable, match=r"no recurrent mixer at layers \[1\]; recurrent layers: \[0, 2\]"):
             b.set_memory_after(3, {1: None})
-        with pytest.raises(rh.InvalidValue, match=r"expected a Memory\(state, conv_state\), got Tensor"):
+        with pytest.raises(rh.InvalidValue, match=r"expected a Memory\(state, window\), got Tensor"):
             b.mixers[0].set_memory_after(3, torch.zeros(2))
-    with pytest.raises(rh.InvalidValue, match=r"call 0, token 3: set_window_after\(3, call=0\) gave a conv_state "
+    with pytest.raises(rh.InvalidValue, match=r"call 0, token 3: set_window_after\(3, call=0\) gave a window "
                        r"with shape \(2, 64\), expected \(2, 64, 4\) \(axes: batch channels kernel_size\)"):
         with rh.watch(model) as b:
             b.mixers[0].set_window_after(3, torch.zeros(2, 64))

@@ -342,7 +342,7 @@ def test_integer_0d_tensors_work_as_ints(watched):
         (lambda m, s: m.register_state_hook(lambda *a: None, token=4.0), {}, r"register_state_hook: token must be an int"),
         (lambda m, s: m.register_state_hook(lambda *a: None, call=[0, True]), {}, r"call must be an int, got the bool"),
         (lambda m, s: m.register_state_hook(lambda *a: None, call=range(3, 3)), {}, r"call=range\(3, 3\) targets no call"),
-        (lambda m, s: m.set_memory_after(4, s), {}, r"expected a Memory\(state, conv_state\), got Tensor"),
+        (lambda m, s: m.set_memory_after(4, s), {}, r"expected a Memory\(state, window\), got Tensor"),
     ],
     ids=["bool token", "float token", "float call", "negative slice", "hook float token", "bool call", "empty range",
          "memory not a pair"],

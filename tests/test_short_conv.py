@@ -194,7 +194,7 @@ def test_every_kept_window_is_differentiable_as_one_tensor_with_frozen_weights(m
         (every,) = torch.autograd.grad(metric, static(w)[0].windows)
     finally:
         model.requires_grad_(True)
-    assert_close("grad of conv_states at t", grad, every[:, token], rtol=1e-5, atol=1e-8)
+    assert_close("grad of windows at t", grad, every[:, token], rtol=1e-5, atol=1e-8)
     assert every[:, -1].abs().max() == 0, "the last window is read by no later token of the call"
 
 
@@ -405,7 +405,7 @@ def test_half_precision_windows_leave_the_logits_bit_identical(name, dtype):
     kwargs = dict(output_logits=True, return_dict_in_generate=True)
     plain, plain_gen = logits_of(model, ids), greedy(model, ids, 3, **kwargs)
     with rh.watch(model, keep=KEEP) as w:
-        assert_close("keep conv_states", plain, logits_of(model, ids), rtol=0, atol=0)
+        assert_close("keep windows", plain, logits_of(model, ids), rtol=0, atol=0)
     expected = torch.float32 if name == "inkling" else dtype
     assert all(mixer.windows.dtype == expected for mixer in static(w))
     with rh.watch(model) as w:

@@ -223,7 +223,7 @@ class _Tap:
         served = [kernel.serving(memory) for memory in kernel.memories]  # one row per memory the kernel updates
         plans = [[mixer._plan(row, tokens) for mixer in entry.mixers] for row in served]
         recompute = entry.forward.recompute
-        records = set() if recompute else {name for mixer in entry.mixers for name in mixer.records}
+        records = set() if recompute else {name for mixer in entry.mixers for name in mixer.kernel_io}
         live_state = arguments.get(kernel.state_in) if isinstance(kernel.state_in, str) else None
         if "inputs" in records:
             for name in kernel.state_arguments:

@@ -229,7 +229,7 @@ class RecurrentMixer:
         # the module's own layer_idx; else `layer`, the watch's reading of the module's path (a mixer module
         # that does not store its index, e.g. "model.layers.3.temporal_block")
         self.layer: int | None = getattr(module, self.LAYER_ATTRIBUTE, layer)
-        self.keep, self.records = normalize_keep(keep)
+        self.keep, self.kernel_io = normalize_keep(keep)
         self.calls: list[Call] = []
         self.head: int | None = None  # the head of the running recurrence kernel call (KERNEL_PER_HEAD kinds)
         self.recomputing = False  # the running forward is a checkpointed forward being recomputed
@@ -413,7 +413,7 @@ class RecurrentMixer:
 
     def _effective_attention(self, calls: range, dtype: torch.dtype) -> Any:
         """The exact effective attention (`effective.EffectiveAttention`) over the history `calls`, from their
-        kept records; a kind with the maths overrides this (`rh.effective_attention` checks the history)."""
+        kept inputs and outputs; a kind with the maths overrides this (`rh.effective_attention` checks the history)."""
         raise Unavailable(f"{self}: no effective attention for the kind {type(self).__name__}")
 
     def _call(self, call: Any, method: str) -> Call:
@@ -593,12 +593,12 @@ class RecurrentMixer:
 
     def _wants(self, index: int | None) -> bool:
         """Whether call `index` has hooks, writes or kept values (None: a recompute of an idle call)."""
-        return index is not None and (bool(self.keep) or bool(self.records)
+        return index is not None and (bool(self.keep) or bool(self.kernel_io)
                                       or any(hook.targets(index) for hook in self._all_hooks()))
 
     def _wants_some(self) -> bool:
         """Whether some call has hooks, writes or kept values (a compiled graph serves every call)."""
-        return bool(self.keep) or bool(self.records) or any(hook.targets_some for hook in self._all_hooks())
+        return bool(self.keep) or bool(self.kernel_io) or any(hook.targets_some for hook in self._all_hooks())
 
     @classmethod
     def _instances(cls, module: nn.Module, model: nn.Module) -> tuple[Any, ...]:
@@ -741,8 +741,8 @@ class RecurrentMixer:
         )
 
     def _store(self, plan: "_Plan", kernel: Kernel, part: KernelCall, tokens: int) -> None:
-        inputs = part.inputs if "inputs" in self.records else None
-        output = part.output if "outputs" in self.records else None
+        inputs = part.inputs if "inputs" in self.kernel_io else None
+        output = part.output if "outputs" in self.kernel_io else None
         if _compiled.compiling():
             if self._history:  # filed in the call's record when the graph runs
                 _compiled.store(self, kernel.memory, kernel.name, plan.kept, inputs, output, part.path)
@@ -762,7 +762,7 @@ class RecurrentMixer:
 
     def _file(self, memory: str, kernel: str, kept: "dict[int, State] | None", inputs: dict[str, Any] | None,
               output: dict[str, Any] | None, stacked: State | None = None, path: str = "bound kernel") -> None:
-        """File one kernel call in the running call's record: its records, its path, and the states it kept."""
+        """File one kernel call in the running call's record: its inputs and outputs, its path, and the states it kept."""
         record = self._current
         if record is None:
             return

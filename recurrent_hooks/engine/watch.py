@@ -449,7 +449,7 @@ class MixerSupport:
 
 
 def available_of(kind: type[RecurrentMixer]) -> tuple[str, ...]:
-    """What a kind's mixers offer: the keep names of its memories and of the kernel records, then values
+    """What a kind's mixers offer: the keep names of its memories and of the kernel inputs and outputs, then values
     (if it declares any), writes and hooks."""
     return (*(name for name, memory in KEEPABLE.items() if memory in kind.MEMORIES), *KERNEL_IO,
             *(("values",) if kind.VALUES else ()), "writes", "hooks")
