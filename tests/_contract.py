@@ -160,7 +160,8 @@ class Adapter:
 
 
 _GDN_LIKE = Adapter()
-_LIGHTNING = Adapter(carried=lightning_state, window_in=None, whole_memory_model=lambda: _minimax(linear_first=True),
+_LIGHTNING = Adapter(carried=lightning_state, window_in=None, recomputes_once=True,
+                     whole_memory_model=lambda: _minimax(linear_first=True),
                      whole_memory_tol=dict(rtol=1e-4, atol=1e-6), whole_memory_early=dict(rtol=0, atol=0))
 _MLSTM = Adapter(carried=mlstm_state, window_in=None, scale=halve_mlstm, later=1e-3, grad_use_cache=False,
                  grad_parts=("C",), recomputes_once=True, whole_memory_tol=dict(rtol=1e-5, atol=1e-6),

@@ -90,7 +90,7 @@ def hook_every_mixer(w, fn=NOOP, memories=None):
 
 def norm(state):
     """The norm of a state, all its parts together."""
-    return sum(float(part.norm()) ** 2 for _, part in parts_of(state)) ** 0.5
+    return sum(float(part.detach().norm()) ** 2 for _, part in parts_of(state)) ** 0.5
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -351,6 +351,40 @@ def test_multi_token_continuation_runs_the_per_token_branch(model):
         assert_close(f"{mixer} continuation states", reference_states(mixer, 0), mixer.calls[0].states, **F64)
 
 
+def test_replacing_hooks_on_the_first_and_last_mixer_equal_writes_in_a_generate(model):
+    """A hook that returns a state is a write: s * 0.5 on the first mixer at token 4 of the prompt and on the LAST
+    mixer at decode call 2, in one generate (the contract hooks the first mixer's prompt only:
+    tests/test_contract.py): the kept states are the halved ones, and writing them gives every call's logits bit
+    for bit."""
+    ids = random_ids(2, T)
+    kwargs = dict(output_logits=True, return_dict_in_generate=True)
+    with rh.watch(model, keep=ALL) as w:
+        halve = lambda m, c, t, s: s * 0.5  # noqa: E731
+        w.mixers[0].register_state_hook(halve, call=0, token=4)
+        w.mixers[-1].register_state_hook(halve, call=2)
+        hooked = greedy(model, ids, 4, **kwargs)
+    assert w.mixers[-1] is not w.mixers[0] and w.mixers[-1].calls[2].tokens == 1, "not a decode step of another mixer"
+    first, last = w.mixers[0].state_after(4, call=0), w.mixers[-1].state_after(0, call=2)
+    with rh.watch(model, keep=ALL) as plain:
+        greedy(model, ids, 4, **kwargs)
+    assert_close("the hook halved the prompt state", plain.mixers[0].state_after(4, call=0) * 0.5, first,
+                 rtol=0, atol=0)
+    with rh.watch(model, keep=ALL) as prompt_hooked:  # the same run up to the last mixer's hook at call 2
+        prompt_hooked.mixers[0].register_state_hook(halve, call=0, token=4)
+        greedy(model, ids, 4, **kwargs)
+    assert_close("the hook halved the decode state", prompt_hooked.mixers[-1].state_after(0, call=2) * 0.5, last,
+                 rtol=0, atol=0)
+    with rh.watch(model, keep=ALL) as v:
+        v.mixers[0].set_state_after(4, first, call=0)
+        v.mixers[-1].set_state_after(0, last, call=2)
+        written = greedy(model, ids, 4, **kwargs)
+    assert len(hooked.logits) == len(written.logits) == 4
+    for step, (a, b) in enumerate(zip(hooked.logits, written.logits)):
+        assert_close(f"logits of call {step}", a, b, rtol=0, atol=0)
+    assert_close("call 3 of the last mixer started from the hooked state", last,
+                 v.mixers[-1].calls[3].inputs["initial_state"], rtol=0, atol=0)
+
+
 def test_left_padded_batch(model):
     """A left-padded row computes the same states and logits as the same tokens alone (full attention first)."""
     pads = 4

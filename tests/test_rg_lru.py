@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _compare import assert_close, assert_equal
-from _contract import family_fixtures
+from _contract import family_fixtures, perturbation
 from _models import PAD, build, random_ids
 from _runs import greedy, logits_of
 
@@ -286,6 +286,22 @@ def test_states_and_windows_equal_float64_references_at_prompt_and_decode_steps(
 
 
 # -- writes ------------------------------------------------------------------------------------------------------
+
+
+def test_a_window_write_in_the_prompt_is_shifted_into_the_next_tokens_window(model):
+    """A window written after prompt token t is what token t+1 shifts its input into: the window after t+1 is
+    the written one shifted by one (the write contract checks the decode form only: tests/test_contract.py)."""
+    ids, token = random_ids(2, T), 5
+    with rh.watch(model, keep=ALL) as w:
+        logits_of(model, ids)
+        value = perturbation(w.mixers[0].window_after(token))
+    with rh.watch(model, keep=ALL) as w:
+        mixer = w.mixers[0]
+        mixer.set_window_after(token, value)
+        logits_of(model, ids)
+    assert_close("window after the write", value, mixer.window_after(token), **EXACT)
+    assert_close("next window shifts the written one", value[..., 1:], mixer.window_after(token + 1)[..., :-1],
+                 **EXACT)
 
 
 def _records_of(mixer):

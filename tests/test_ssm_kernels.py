@@ -18,8 +18,8 @@ from einops import rearrange
 from _compare import assert_close
 from _reference_ssm import selective_scan_reference, ssd_reference
 from recurrent_hooks import RecurrentHooksError
-from recurrent_hooks import _selective_scan as s6
-from recurrent_hooks import _state_space as ssd
+from recurrent_hooks.kinds import selective_scan as s6
+from recurrent_hooks.kinds import state_space as ssd
 
 MAMBA1_FAMILIES = ["mamba", "falcon_mamba", "jamba", "zamba"]
 MAMBA2_FAMILIES = ["mamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2"]

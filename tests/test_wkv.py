@@ -311,6 +311,23 @@ def test_a_memory_write_per_row_equals_each_row_written_alone(model):
                      rtol=0, atol=0)
 
 
+def test_decode_memories_continue_the_prompt_memories_with_the_cache_on(model):
+    """Split invariance as RWKV runs it by default: the long prompt with the cache on (its kernels start from the
+    zero `state=` list the model builds; the contract's form, without a state: tests/test_contract.py). Every
+    generate runs batch 1 (bug 1); the states and shifts of prompt + decode steps are those of one long prompt."""
+    with rh.watch(model, keep=ALL) as w:
+        sequence = greedy(model, random_ids(1, T), 5)
+    with rh.watch(model, keep=ALL) as whole, torch.no_grad():
+        out = model(sequence[:, :-1], use_cache=True)
+    assert out.state is not None
+    for mixer, long in zip(w.mixers, whole.mixers):
+        assert long.calls[0].inputs["state"] is not None, f"{long}: the long prompt ran without a state"
+        decoded = cat_states([c.states for c in mixer.calls], dim=1)
+        assert_state_close(f"{mixer} prompt + decode vs one prompt", long.states, decoded, rtol=1e-5, atol=1e-6)
+        shifts = torch.cat([c.windows for c in mixer.calls], dim=1)
+        assert_close(f"{mixer} shifts", long.windows, shifts, rtol=1e-5, atol=1e-6)
+
+
 def test_a_multi_token_continuation_continues_the_state(model):
     """Several tokens over a carried state (transformers' kernel takes the state for any length): one call
     that is not a prompt, whose states and shifts continue the prompt's as in one long prompt."""
@@ -383,17 +400,54 @@ def test_shifts_are_the_ln1_outputs_at_prompt_and_decode_steps(model):
 
 def test_a_shift_write_changes_the_next_tokens_key_only(model):
     """The shift after token t is token t+1's mixing input: a write there changes token t+1's key, value and
-    receptance only, and the WKV state carries it on (the write contract: tests/test_contract.py)."""
+    receptance only, so the logits at t+1 already move, and the WKV state carries it on (the write contract:
+    tests/test_contract.py)."""
     ids, token = random_ids(2, T), 5
     with rh.watch(model, keep=ALL) as w:
-        logits_of(model, ids)
+        plain = logits_of(model, ids)
         value = perturbation(w.mixers[0].window_after(token))
     unwritten = w.mixers[0].calls[0].inputs["key"]
     with rh.watch(model, keep=ALL) as w:
         w.mixers[0].set_window_after(token, value)
-        logits_of(model, ids)
+        written = logits_of(model, ids)
     change = (w.mixers[0].calls[0].inputs["key"] - unwritten).abs().amax(dim=(0, 2))
     assert change[token + 1] > 1e-6 and change[: token + 1].max() == 0 and change[token + 2:].max() == 0, change
+    assert (written[:, token + 1] - plain[:, token + 1]).abs().max() > 1e-6, "the logits at t+1 did not move"
+
+
+def _first_mixer_outputs(model, ids, memory=None, token=None):
+    """Layer 0's time-mixing output over `ids`, the cache on (the model's default), optionally with a whole
+    memory written after `token`."""
+    outputs = []
+    handle = model.rwkv.blocks[0].attention.register_forward_hook(lambda m, a, out: outputs.append(out[0]))
+    try:
+        with rh.watch(model, keep=ALL) as w, torch.no_grad():
+            if memory is not None:
+                w.mixers[0].set_memory_after(token, memory)
+            model(ids, use_cache=True)
+    finally:
+        handle.remove()
+    assert w.mixers[0].layer == 0 and w.mixers[0].calls[0].inputs["state"] is not None
+    return outputs[0], w.mixers[0]
+
+
+def test_the_whole_memory_identity_holds_with_the_cache_on(model):
+    """Memory(state, window) from run A after token t, written into run B (which shares A's tokens after t),
+    with the cache on, as RWKV runs by default (the contract's form runs without a state: tests/test_contract.py):
+    layer 0's outputs after t are A's, the WKV state alone is not enough."""
+    token = 6
+    run_a = random_ids(2, T, seed=5)
+    run_b = run_a.clone()
+    run_b[:, : token + 1] = random_ids(2, token + 1, seed=6)
+    out_a, mixer_a = _first_mixer_outputs(model, run_a)
+    out_b, mixer_b = _first_mixer_outputs(model, run_b)
+    patched, _ = _first_mixer_outputs(model, run_b, mixer_a.memory_after(token), token)
+    assert (out_b[:, token + 1:] - out_a[:, token + 1:]).abs().max() > 1e-6, "the two runs did not differ"
+    assert_close("layer output after t, memory written", out_a[:, token + 1:], patched[:, token + 1:],
+                 rtol=1e-5, atol=1e-6)
+    state_only, _ = _first_mixer_outputs(model, run_b, rh.Memory(mixer_a.state_after(token),
+                                                                 mixer_b.window_after(token)), token)
+    assert (state_only[:, token + 1] - out_a[:, token + 1]).abs().max() > 1e-6, "the state alone made B continue as A"
 
 
 # -- gradients ---------------------------------------------------------------------------------------------------

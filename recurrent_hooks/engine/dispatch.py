@@ -1,7 +1,11 @@
 """Dispatch: which mixer a kernel call belongs to, and how it runs (the bound kernel, segments, the loop).
 
 Module contents:
-- `attach(mixer)`: attach a `RecurrentMixer` to its module's `_Tap` (module pre/post-forward hooks).
+- `make_owner`: for `patching.acquire_kernels`, the `__call__` bound on a mixer class: every forward of an
+  instance, watched or not, pushes its `_Running` entry on its thread's stack and pops it on the way out; a
+  kernel call belongs to the innermost entry (`running_entry`). No stack frame is read.
+- `attach(mixer)`: attach a `RecurrentMixer` to its module's `_Tap` (a module pre-forward hook that fills the
+  forward's entry in).
 - `make_dispatcher(kind)`: for `patching.acquire_kernels`, the function bound in place of each kernel.
 - `_Tap.run_kernel`: the plans of the attached mixers decide: nothing wanted runs the bound kernel; a busy
   call takes the path `strategies.choose` picks under its handles' policy (`_fast_path`, `strategies.Paths`): the bound kernel in
@@ -14,9 +18,7 @@ Module contents:
 
 import dataclasses
 import functools
-import sys
 import threading
-import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +32,6 @@ from .calls import KernelCall
 from .kernels import CONV_MEMORY, FORWARD, Kernel, Layout, Pieces
 from .mixer import RecurrentMixer, _Forward, _Plan
 from .parts import State, map_parts, parts_of, rebuild
-from .families import family_of
 from .threads import THREAD, in_backward
 
 
@@ -45,79 +46,90 @@ def _forward_of(kind: type[RecurrentMixer], layout: Layout, module: nn.Module, a
 
 @dataclasses.dataclass(eq=False)
 class _Running:
-    """One forward of an attached mixer module running in this thread: what its kernel calls belong to."""
+    """One forward of a mixer module running in this thread: what its kernel calls belong to.
 
-    tap: "_Tap"
+    The `__call__` of every mixer class a watch or hook holds pushes one for each instance, watched or not
+    (`make_owner`), and pops it in a `finally`; the module's tap, if it has one, fills it in (`_Tap._pre`)."""
+
     module: nn.Module
+    tap: "_Tap | None"  # the tap that filled it in; None: the module has none (an unwatched instance)
     forward: _Forward | None  # None: a forward the library does not watch (re-entered, or no handle sees it)
     mixers: list[RecurrentMixer]
     failed: bool = False  # a kernel call of this forward raised: its end is not checked
-
-
-def _self_of(frame: types.FrameType) -> Any:
-    """The `self` of a method's frame (None for other frames)."""
-    code = frame.f_code
-    return frame.f_locals.get("self") if code.co_argcount and code.co_varnames[0] == "self" else None
-
-
-def _calling_module(frame: types.FrameType | None) -> nn.Module | None:
-    """The module whose method called a kernel: the nearest frame up the stack with an `nn.Module` self."""
-    for _ in range(_FRAMES_LOOKED_AT):
-        if frame is None:
-            return None
-        owner = _self_of(frame)
-        if isinstance(owner, nn.Module):
-            return owner
-        frame = frame.f_back
-    return None
-
-
-_FRAMES_LOOKED_AT = 4  # kernels are called from the mixer's forward or a helper method of it
-
-
-def _drop_stale(running: list[_Running], starting: nn.Module) -> None:
-    """Drop the entries of forwards that ended without their post-forward hook (a KeyboardInterrupt skips
-    it): those whose module has no method on this thread's stack above the call of `starting` that is
-    beginning. Only runs when a forward begins while entries are left, which is rare."""
-    frame = sys._getframe(1)
-    while frame is not None and _self_of(frame) is not starting:  # down to the starting module's own call ...
-        frame = frame.f_back
-    while frame is not None and _self_of(frame) is starting:  # ... and past it
-        frame = frame.f_back
-    live = set()
-    while frame is not None:
-        owner = _self_of(frame)
-        if isinstance(owner, nn.Module):
-            live.add(id(owner))
-        frame = frame.f_back
-    stale = [entry for entry in running if id(entry.module) not in live]
-    running[:] = [entry for entry in running if id(entry.module) in live]
-    for entry in stale:
-        _end(entry, checked=False)
+    by_hook: bool = False  # pushed by the tap's pre-forward hook: a forward that did not go through `__call__`
 
 
 def _end(entry: _Running, checked: bool) -> None:
-    for mixer in entry.mixers:
+    mixers, entry.mixers, entry.forward = entry.mixers, [], None
+    for mixer in mixers:
         mixer._end_call(checked=checked)
 
 
-def _pop(running: list[_Running], i: int) -> None:
-    """End and remove entry `i` of a thread's stack, and the stale entries above it (forwards an interrupt
-    ended without their post-forward hook)."""
+def _pop(running: list[_Running], i: int, checked: bool) -> None:
+    """End and remove entry `i` of a thread's stack, and the entries above it: forwards that left without
+    popping theirs (only those the pre-forward hook pushed, which an interrupt can skip past)."""
     entry, stale = running[i], running[i + 1:]
     del running[i:]
     for other in stale:
         _end(other, checked=False)
-    _end(entry, checked=not entry.failed)
+    _end(entry, checked=checked and not entry.failed)
+
+
+def _leave(entry: _Running, checked: bool) -> None:
+    """The forward of `entry` is over: pop it, and what is left above it (if it is not there, someone cleared the
+    stack: just end its calls)."""
+    running = THREAD.running
+    for i in range(len(running) - 1, -1, -1):
+        if running[i] is entry:
+            _pop(running, i, checked)
+            return
+    _end(entry, checked=False)
+
+
+def _drop_left(running: list[_Running], module: nn.Module) -> None:
+    """`module` begins a forward while an entry its pre-forward hook pushed is still there: that forward was left
+    by an interrupt that skipped the post-forward hook (a forward re-entered past `__call__` is taken to be one)."""
+    left = [entry for entry in running[:-1] if entry.by_hook and entry.module is module]
+    running[:] = [entry for entry in running if not any(entry is other for other in left)]
+    for entry in left:
+        _end(entry, checked=False)
+
+
+def make_owner(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    """For `acquire_kernels`: the `__call__` bound on a mixer class while a watch or hook holds it.
+
+    Every forward of an instance, watched or not, pushes its entry on this thread's stack and pops it on the way
+    out, by return, exception or interrupt: a kernel call belongs to the innermost entry (`running_entry`), so
+    an unwatched mixer run inside a watched one runs its own kernels, whichever of its submodules calls them."""
+    while getattr(original, "__recurrent_hooks__", False):  # a base class's, bound by another watch
+        original = original.__wrapped__
+
+    @functools.wraps(original)
+    def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if THREAD.in_hook:
+            return original(self, *args, **kwargs)  # a forward run by a user's hook: not watched
+        entry = _Running(self, None, None, [])
+        THREAD.running.append(entry)
+        try:
+            result = original(self, *args, **kwargs)
+        except BaseException:
+            _leave(entry, checked=False)
+            raise
+        _leave(entry, checked=True)
+        return result
+
+    __call__.__recurrent_hooks__ = True
+    return __call__
 
 
 class _Tap:
     """The per-module side of the mechanism: module hooks, and the mixers attached to the module.
 
     One tap per mixer module, shared by every watch and standalone hook on it; it exists while at least
-    one `RecurrentMixer` is attached. Its pre-forward hook pushes a `_Running` entry on the running
-    thread's stack, its post-forward hook pops it; a kernel call is handled by the innermost entry of its
-    thread, and only when the module that calls the kernel is that entry's module.
+    one `RecurrentMixer` is attached. The mixer class's `__call__` pushes the forward's `_Running` entry
+    (`make_owner`); the tap's pre-forward hook fills it in with the attached mixers that see this forward, and
+    begins their calls. (A forward that did not go through `__call__` gets its entry from the pre-forward hook
+    and pops it in the post-forward hook.) A kernel call is handled by the innermost entry of its thread.
     """
 
     copied = False  # a copy's tap (`__deepcopy__`): it takes its hooks off the copy and watches nothing
@@ -160,26 +172,30 @@ class _Tap:
             return
         thread = THREAD
         if thread.in_hook:
-            return  # a forward run by a user's hook: not watched, not counted (its post hook skips it too)
+            return  # a forward run by a user's hook: not watched, not counted
+        running = thread.running
+        if running and running[-1].module is module and running[-1].tap is None and not running[-1].by_hook:
+            entry = running[-1]  # pushed by the class's `__call__`
+        else:  # a forward called past the class's `__call__` (`module._call_impl`, a bound `__call__` kept from
+            entry = _Running(module, None, None, [], by_hook=True)  # before the watch)
+            running.append(entry)
+        entry.tap = self
+        if any(other.by_hook and other.module is module for other in running[:-1]):
+            _drop_left(running, module)
         compiling = torch.compiler.is_compiling()
-        if thread.running and not compiling:
-            _drop_stale(thread.running, module)
         recompute = in_backward()
         ident = None if compiling else threading.get_ident()
         mixers = [mixer for mixer in self.mixers if mixer._sees(ident, recompute)]
-        if not mixers or any(entry.module is module for entry in thread.running):
-            thread.running.append(_Running(self, module, None, []))  # unwatched here, or re-entered
-            return
+        if not mixers or any(other.module is module for other in running[:-1]):
+            return  # unwatched here, or re-entered
         forward = _forward_of(type(mixers[0]), self._layout, module, args, kwargs, recompute)
         mixers = [mixer for mixer in mixers if mixer._serves(forward)]  # a handle per pass: only its own
         if not mixers:
-            thread.running.append(_Running(self, module, None, []))
             return
-        entry = _Running(self, module, forward, mixers)
+        entry.forward, entry.mixers = forward, mixers
         for mixer in mixers:
             mixer._begin_call(forward)
         forward.hidden = None  # read by _begin_call; a forward's record must not hold its input
-        thread.running.append(entry)
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.copied:
@@ -188,17 +204,21 @@ class _Tap:
         thread = THREAD
         if thread.in_hook:
             return
-        running = thread.running
+        running = thread.running  # only the entries this hook pushed: `__call__` pops its own
         for i in range(len(running) - 1, -1, -1):
             if running[i].module is module:
-                _pop(running, i)
+                if running[i].by_hook:
+                    _pop(running, i, checked=True)
                 return
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
-        running = THREAD.running  # this thread's entries of this tap (other threads drop theirs when stale)
-        running[:] = [entry for entry in running if entry.tap is not self]
+        running = THREAD.running  # this thread's entries of this tap: their forwards go on unwatched
+        for entry in running:
+            if entry.tap is self:
+                entry.forward, entry.mixers = None, []
+        running[:] = [entry for entry in running if not (entry.tap is self and entry.by_hook)]
 
     def run_kernel(self, entry: _Running, kernel: Kernel, original: Callable[..., Any], args: tuple,
                    kwargs: dict) -> Any:
@@ -209,11 +229,12 @@ class _Tap:
             entry.failed = True  # the forward stops here: its end is not checked
             raise
         except BaseException:
-            # KeyboardInterrupt and the like skip the post-forward hook: end the forward here.
+            # KeyboardInterrupt and the like skip the post-forward hook: end a forward it pushed here (`__call__`
+            # pops its own).
             entry.failed = True
             running = THREAD.running
-            if entry in running:
-                _pop(running, running.index(entry))
+            if entry.by_hook and entry in running:
+                _pop(running, running.index(entry), checked=False)
             raise
 
     def _run_kernel(self, entry: _Running, kernel: Kernel, original: Callable[..., Any], args: tuple,
@@ -449,19 +470,12 @@ def attach(mixer: RecurrentMixer) -> Callable[[], None]:
 
 
 def running_entry() -> _Running | None:
-    """The innermost watched forward of this thread, if a kernel called now belongs to it."""
+    """The innermost forward of this thread, if it is a watched one: the kernel called now belongs to it."""
     thread = THREAD
     if thread.in_hook or not thread.running:
         return None
     entry = thread.running[-1]
-    if entry.forward is None:
-        return None
-    if torch.compiler.is_compiling():
-        return entry
-    caller = _calling_module(sys._getframe(2))
-    if caller is not None and caller is not entry.module and family_of(caller) is not None:
-        return None  # another mixer's forward (an unwatched model run inside this one): not ours
-    return entry
+    return None if entry.forward is None else entry
 
 
 def make_dispatcher(kind: type[RecurrentMixer]) -> Callable[[str, Any], Callable[..., Any]]:

@@ -17,12 +17,13 @@ Where this module sits: the package's layers are drawn in docs/architecture.md (
 `RecurrentMixer`, the user's handle on a mixer and the base class of the kinds, with its hooks, writes and call
 counter, and `_Plan`, what one handle wants of one kernel call.
 
-How a kernel call is handled: a forward pre-hook on the mixer module pushes a `_Running` entry on the
-running thread's stack (`THREAD.running`) and starts a call on every attached `RecurrentMixer` that sees
-that thread; the dispatcher bound in place of the kernel takes the innermost entry, and only if the
-module whose method calls the kernel is that entry's module (an unwatched model run inside a watched
-forward calls its own kernels untouched, and so does code inside a user's hook, `THREAD.in_hook`). Each
-attached mixer says what it wants of this kernel call (a `_Plan`). Then:
+How a kernel call is handled: the mixer class's `__call__`, rebound for the watch, pushes a `_Running` entry
+on the running thread's stack (`THREAD.running`) for every forward of an instance, watched or not, and pops it
+in a `finally`; the module's forward pre-hook fills it in and starts a call on every attached `RecurrentMixer`
+that sees that thread. The dispatcher bound in place of the kernel takes the innermost entry (an unwatched
+model run inside a watched forward has its own entries, and calls its own kernels untouched; so does code
+inside a user's hook, `THREAD.in_hook`). Each attached mixer says what it wants of this kernel call (a
+`_Plan`). Then:
 - nothing is wanted: the kernel bound before the watch runs unchanged;
 - only a few tokens are wanted: that kernel runs in segments between them (`_run_in_segments`),
   chaining the state, and `_Plan.apply` runs at each stop (a kernel declared with `Kernel.stops` gets
@@ -574,7 +575,7 @@ class RecurrentMixer:
                             f" saw ({shown})")
         return problems
 
-    # -- the call counter (driven by the tap's module hooks) -----------------------------------------------
+    # -- the call counter (driven by the tap's pre-forward hook and the class's `__call__`) -----------------------------------------------
 
     def _refusal(self, kernel: Kernel) -> str | None:
         """Why this kernel call cannot serve hooks or kept states (None: it can); kinds override it."""

@@ -27,7 +27,7 @@ from torch.utils.hooks import RemovableHandle
 from .errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable, renamed
 from .arguments import as_index, normalize_keep, renamed_keep
 from .calls import Memory
-from .dispatch import attach, make_dispatcher
+from .dispatch import attach, make_dispatcher, make_owner
 from . import strategies
 from .strategies import Paths
 from .kernels import KEEPABLE, KERNEL_IO, Kernel, Role, Site
@@ -47,10 +47,19 @@ def _layer_in_path(path: str) -> int | None:
 
 
 def _attach_with_kernels(mixer: RecurrentMixer, family: MixerClass, stack: contextlib.ExitStack) -> None:
-    """Attach `mixer` and acquire its family's kernels, registering both releases on `stack`."""
+    """Attach `mixer` and acquire its family's kernels, registering both releases on `stack`.
+
+    The `__call__` of its mixer class (and of the other mixer classes of its modeling module, which may call
+    the same kernels) is acquired too: each forward of an instance, watched or not, then tells the kernels whose
+    forward is running (`dispatch.make_owner`)."""
     strategies.load_costs()  # the cost model's calibrations, read now rather than while torch.compile traces
-    stack.callback(attach(mixer))
     module = family.module()
+    classes = {type(mixer.module), *(cls for row in FAMILIES.values() if row.module_name == family.module_name
+                                     for each in row.classes
+                                     if isinstance(cls := getattr(module, each.mixer_class, None), type))}
+    stack.callback(acquire_kernels([(cls, "__call__") for cls in sorted(classes, key=lambda c: c.__qualname__)],
+                                   make_owner))
+    stack.callback(attach(mixer))
     targets = [family.target(kernel, mixer.module) for kernel in family.kind.KERNELS]
     targets += [(module, name) for name in family.kind.FUSED if hasattr(module, name)]
     stack.callback(acquire_kernels(targets, make_dispatcher(family.kind)))
@@ -133,9 +142,10 @@ class Watch:
         w.mixer(2).calls[0].inputs  # the mixer of decoder layer 2: its first call's kernel arguments
         w.mixer("model.layers.2.linear_attn")   # the same mixer, by its module path
 
-    On entry the family's kernel names are rebound (module globals of its transformers modeling module)
-    and each mixer module gets a pre- and post-forward hook; on exit, also on an exception and when
-    nested, exactly the previous objects are bound again and the module hooks are removed. Hooks and
+    On entry the family's kernel names are rebound (module globals of its transformers modeling module),
+    and so is its mixer classes' `__call__` (each forward marks itself as running: what kernel calls belong
+    to), and each mixer module gets forward hooks; on exit, also on an exception and when nested, exactly
+    the previous objects are bound again and the module hooks are removed. Hooks and
     writes registered on `w.mixers[i]` live until the block ends; what the mixers kept stays readable.
     Like every PyTorch hook, the block's effects are global: the model is changed for anyone who calls
     it inside the block.
