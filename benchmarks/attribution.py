@@ -5,7 +5,7 @@
 
 Rows, each divided by one plain forward of the same model on the same ids (`model(ids, use_cache=False)`
 under `torch.no_grad()`) timed in the same round; the ratio is the median over interleaved rounds:
-- "forward + backward, every state kept differentiably": a watch with keep=("states", "conv_states"),
+- "forward + backward, every state kept differentiably": a watch with keep=("states", "windows"),
   the forward, and one `torch.autograd.grad` with respect to every mixer's states and windows (the
   issue's target: <= 4 x a plain forward);
 - "rh.attribute": the above plus the clean forward that keeps every state and window without gradients.
@@ -55,9 +55,9 @@ def main(argv: list[str] | None = None) -> int:
             model(corrupt, use_cache=False)
 
     def backward() -> None:
-        with rh.watch(model, keep=("states", "conv_states")) as w:
+        with rh.watch(model, keep=("states", "windows")) as w:
             value = metric(model(corrupt, use_cache=False).logits).sum()
-        torch.autograd.grad(value, [t for m in w.mixers for memory in ("state", "conv_state")
+        torch.autograd.grad(value, [t for m in w.mixers for memory in ("state", "window")
                                     for t in m.calls[0].differentiable(memory)])
 
     def attribution() -> None:

@@ -39,7 +39,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # this 
 import recurrent_hooks as rh  # noqa: E402
 import recurrent_hooks.engine.strategies as paths  # noqa: E402
 from recurrent_hooks.kinds.gated_delta_net import GatedDeltaNet  # noqa: E402
-from recurrent_hooks.kinds.state_space import StateSpace  # noqa: E402
+from recurrent_hooks.kinds.state_space import Mamba2StateSpace  # noqa: E402
 
 VOCAB = 1024
 
@@ -71,7 +71,7 @@ def _ssd_call(batch: int, seq: int, heads: int, dim: int, chunk: int, d_state: i
     A = -torch.rand(heads, generator=gen)
     kwargs = dict(D=torch.ones(heads), dt_bias=torch.zeros(heads), initial_states=torch.zeros(batch, heads, dim, d_state),
                   dt_softplus=True, return_final_states=True)
-    return StateSpace.kernel_for("prompt"), modeling.mamba2_chunk_scan, (x, dt, A, B, C, chunk), kwargs
+    return Mamba2StateSpace.kernel_for("prompt"), modeling.mamba2_chunk_scan, (x, dt, A, B, C, chunk), kwargs
 
 
 def _kimi_call(batch: int, seq: int, heads: int, dim: int, chunk: int) -> tuple[Any, Callable, tuple, dict]:
@@ -279,8 +279,8 @@ ROWS = [
 QUICK_ROWS = [("gdn_tiny", 4, 25, 1), ("gdn_tiny", 4, 25, 12), ("gdn_tiny", 4, 25, "all"), ("mamba2_tiny", 4, 40, 3)]
 
 UNHOOKED = ("unhooked", None, True)  # the forward without a watch: what the ratios divide by
-VARIANTS = [("segments", paths.Path.SEGMENTS, True), ("segments, whole", paths.Path.SEGMENTS, False),
-            ("chunk-wise states", paths.Path.STATES, True), ("token loop", paths.Path.LOOP, True)]
+VARIANTS = [("segments", paths.Strategy.SEGMENTS, True), ("segments, whole", paths.Strategy.SEGMENTS, False),
+            ("chunk-wise states", paths.Strategy.STATES, True), ("token loop", paths.Strategy.LOOP, True)]
 
 
 def _forward(model: Any, ids: torch.Tensor, keep: Any, policy: paths.Paths = paths.DEFAULT) -> None:
@@ -295,7 +295,7 @@ def _taken(model: Any, ids: torch.Tensor, keep: Any, policy: paths.Paths) -> set
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         choice = real(*args, **kwargs)
-        seen.add("token loop" if choice is None else choice.path.value if choice.path is not paths.Path.SEGMENTS
+        seen.add("token loop" if choice is None else choice.path.value if choice.path is not paths.Strategy.SEGMENTS
                  else "segments" if choice.tails else "segments, whole")
         return choice
 
@@ -307,8 +307,8 @@ def _taken(model: Any, ids: torch.Tensor, keep: Any, policy: paths.Paths) -> set
     return seen
 
 
-def _policy(force: paths.Path | None, tails: bool) -> paths.Paths:
-    return paths.LOOP if force is paths.Path.LOOP else paths.Paths(force=force, tails=tails)
+def _policy(force: paths.Strategy | None, tails: bool) -> paths.Paths:
+    return paths.LOOP if force is paths.Strategy.LOOP else paths.Paths(force=force, tails=tails)
 
 
 def run_row(model: Any, batch: int, tokens: int, count: Any, repeats: int) -> tuple[dict[str, float | None], str]:

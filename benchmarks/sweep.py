@@ -157,7 +157,7 @@ def per_cell_rows(args: argparse.Namespace) -> int:
     metric = lambda logits: logits[:, -1].log_softmax(-1)[:, 5]  # noqa: E731
 
     def naive() -> None:
-        with rh.watch(model, keep={"states": positions, "conv_states": positions}) as a, torch.no_grad():
+        with rh.watch(model, keep={"states": positions, "windows": positions}) as a, torch.no_grad():
             model(clean, use_cache=False)
         for position in positions:
             with rh.watch(model) as w, torch.no_grad():
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             return logits[:, -1].log_softmax(-1)[:, answer]
 
         def naive() -> torch.Tensor:
-            with rh.watch(model, keep=("states", "conv_states")) as a, torch.no_grad():
+            with rh.watch(model, keep=("states", "windows")) as a, torch.no_grad():
                 model(clean, use_cache=False)
             out = torch.empty(len(a.mixers), args.tokens)
             for i, kept in enumerate(a.mixers):

@@ -21,9 +21,9 @@ run_b[0, :8] = torch.randint(3, 128, (8,), generator=gen)
 t = 7
 
 # 1. Record A: the memory after token t of every recurrent layer, and A's logits.
-with rh.watch(model, keep=("states", "conv_states")) as a, torch.no_grad():
+with rh.watch(model, keep=("states", "windows")) as a, torch.no_grad():
     logits_a = model(run_a).logits
-memory = a.memory_after(t)  # {layer: Memory(state, conv_state)}
+memory = a.memory_after(t)  # {layer: Memory(state, window)}
 
 # 2. Run B with A's memory written after token t.
 with rh.watch(model) as b, torch.no_grad():

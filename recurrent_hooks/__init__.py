@@ -26,13 +26,13 @@ from .studies.attribution import attribute as attribute
 from .studies.effective_attention import EffectiveAttention as EffectiveAttention
 from .studies.effective_attention import effective_attention as effective_attention
 from .engine.errors import InvalidValue as InvalidValue
+from .engine.errors import RecurrentHooksDeprecationWarning as RecurrentHooksDeprecationWarning
 from .engine.errors import RecurrentHooksError as RecurrentHooksError
 from .engine.errors import RecurrentHooksWarning as RecurrentHooksWarning
 from .engine.errors import Unavailable as Unavailable
 from .kinds.kimi_delta import KimiDeltaAttention as KimiDeltaAttention
 from .kinds.lightning import LightningAttention as LightningAttention
 from .kinds.gated_delta_net import GatedDeltaNet as GatedDeltaNet
-from .kinds.gated_delta_net import GatedDeltaNet as LinearAttention  # noqa: F401  (its former name, for code that uses it)
 from .engine.calls import Call as Call
 from .engine.calls import KernelCall as KernelCall
 from .engine.calls import Memory as Memory
@@ -46,7 +46,7 @@ from .kinds.short_conv import LoopedShortConvolution as LoopedShortConvolution
 from .kinds.short_conv import ShortConvolution as ShortConvolution
 from .kinds.dynamic_conv import DynamicShortConvolution as DynamicShortConvolution
 from .kinds.dynamic_conv import LoopedDynamicShortConvolution as LoopedDynamicShortConvolution
-from .kinds.state_space import StateSpace as StateSpace
+from .kinds.state_space import Mamba2StateSpace as Mamba2StateSpace
 from .studies.sweep import Sweep as Sweep
 from .studies.sweep import patching_sweep as patching_sweep
 from .engine.strategies import Paths as Paths
@@ -79,6 +79,17 @@ __all__ = [
     "FAMILIES",
     "RecurrentHooksError",
     "RecurrentHooksWarning",
+    "RecurrentHooksDeprecationWarning",
     "Unavailable",
     "InvalidValue",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """The former names of the kinds (docs/api.md, "Renamed"): they work for one release, with a warning."""
+    from .engine.errors import renamed_attribute
+
+    return renamed_attribute(__name__, name, _RENAMED, globals())
+
+
+_RENAMED = {"StateSpace": "Mamba2StateSpace", "LinearAttention": "GatedDeltaNet"}  # former name -> new name

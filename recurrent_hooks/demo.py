@@ -68,7 +68,7 @@ def main() -> None:
     value = int(task.value_positions[pair])
     right, wrong = int(clean.answers[0, -1]), int(corrupt.answers[0, -1])
     clean_ids, corrupt_ids = clean.ids[:, :query + 1], corrupt.ids[:, :query + 1]
-    with watch(model, keep=("states", "conv_states")) as run, torch.no_grad():
+    with watch(model, keep=("states", "windows")) as run, torch.no_grad():
         logits = model(clean_ids).logits
     mixer = run.mixers[0]
     print(f"\n1. prompt: {' '.join(names.get(int(t), 'bos') for t in clean_ids[0])}")

@@ -40,7 +40,7 @@ from .kinds.short_conv import LoopedShortConvolution as LoopedShortConvolution
 from .kinds.short_conv import ShortConvolution as ShortConvolution
 from .kinds.dynamic_conv import DynamicShortConvolution as DynamicShortConvolution
 from .kinds.dynamic_conv import LoopedDynamicShortConvolution as LoopedDynamicShortConvolution
-from .kinds.state_space import StateSpace as StateSpace
+from .kinds.state_space import Mamba2StateSpace as Mamba2StateSpace
 from .kinds.wkv import WeightedKeyValue as WeightedKeyValue
 from .kinds.wkv import WkvState as WkvState
 from .kinds.zaya import CompressedConvolutionalAttention as CompressedConvolutionalAttention
@@ -64,7 +64,7 @@ __all__ = [
     "KimiDeltaAttention",
     "SelectiveScan",
     "PerHeadSelectiveScan",
-    "StateSpace",
+    "Mamba2StateSpace",
     "RealGatedLinearRecurrence",
     "WeightedKeyValue",
     "LightningAttention",
@@ -77,3 +77,13 @@ __all__ = [
     "MLSTMState",
     "WkvState",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """The former names of the kinds (docs/api.md, "Renamed"): they work for one release, with a warning."""
+    from .engine.errors import renamed_attribute
+
+    return renamed_attribute(__name__, name, _RENAMED, globals())
+
+
+_RENAMED = {"StateSpace": "Mamba2StateSpace", "LinearAttention": "GatedDeltaNet"}  # former name -> new name

@@ -30,7 +30,7 @@ from .kinds.rg_lru import RealGatedLinearRecurrence
 from .kinds.mlstm import MatrixLSTM
 from .kinds.selective_scan import PerHeadSelectiveScan, SelectiveScan
 from .kinds.short_conv import LoopedShortConvolution, ShortConvolution
-from .kinds.state_space import StateSpace
+from .kinds.state_space import Mamba2StateSpace
 from .kinds.wkv import WeightedKeyValue
 from .kinds.zaya import CompressedConvolutionalAttention
 
@@ -49,12 +49,12 @@ register(
     Family("falcon_mamba", {"FalconMambaMixer": SelectiveScan}),
     Family("jamba", {"JambaMambaMixer": SelectiveScan}),
     Family("zamba", {"ZambaMambaMixer": PerHeadSelectiveScan}),
-    Family("mamba2", {"Mamba2Mixer": StateSpace}),
-    Family("bamba", {"BambaMixer": StateSpace}),
-    Family("falcon_h1", {"FalconH1Mixer": StateSpace}),
-    Family("granitemoehybrid", {"GraniteMoeHybridMambaLayer": StateSpace}),
-    Family("nemotron_h", {"NemotronHMamba2Mixer": StateSpace}),
-    Family("zamba2", {"Zamba2MambaMixer": StateSpace}),
+    Family("mamba2", {"Mamba2Mixer": Mamba2StateSpace}),
+    Family("bamba", {"BambaMixer": Mamba2StateSpace}),
+    Family("falcon_h1", {"FalconH1Mixer": Mamba2StateSpace}),
+    Family("granitemoehybrid", {"GraniteMoeHybridMambaLayer": Mamba2StateSpace}),
+    Family("nemotron_h", {"NemotronHMamba2Mixer": Mamba2StateSpace}),
+    Family("zamba2", {"Zamba2MambaMixer": Mamba2StateSpace}),
     # the block's forward (the window) is the mixer class's; the recurrence is a method of its RG-LRU class
     Family("recurrent_gemma", {"RecurrentGemmaRecurrentBlock": RealGatedLinearRecurrence},
            owners={"_rnn_scan": "RecurrentGemmaRglru"}),

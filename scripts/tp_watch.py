@@ -35,7 +35,7 @@ import recurrent_hooks as rh  # noqa: E402
 import recurrent_hooks.engine.patching as patching  # noqa: E402
 from recurrent_hooks.demo import _CONFIG  # noqa: E402
 
-ALL = ("states", "conv_states")
+ALL = ("states", "windows")
 RTOL, ATOL = 1e-5, 1e-6  # float32; tensor parallelism changes the order of the attention's sums
 T, NEW = 13, 5
 
@@ -135,7 +135,7 @@ def main() -> None:
     for a, b in zip(expected["read"].mixers, got["read"].mixers, strict=True):
         assert type(b.states) is torch.Tensor, f"rank {rank}: {b} kept a {type(b.states).__name__}"  # not a DTensor
         close(f"{b} states", a.states, b.states)
-        close(f"{b} conv windows", a.conv_states, b.conv_states)
+        close(f"{b} conv windows", a.windows, b.windows)
     close("logits after a write", expected["written_logits"], got["written_logits"])
     for a, b in zip(expected["written"].mixers, got["written"].mixers, strict=True):
         close(f"{b} states after a write", a.states, b.states)

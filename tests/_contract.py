@@ -27,9 +27,9 @@ from recurrent_hooks.engine.parts import map_parts, parts_of
 from recurrent_hooks.extend import MatrixLSTM, MLSTMState, WkvState
 
 T = 13  # not a multiple of anything
-READ = {"state": "state_after", "conv_state": "conv_state_after"}
-WRITE = {"state": "set_state_after", "conv_state": "set_conv_state_after"}
-STACK = {"state": "states", "conv_state": "conv_states"}  # memory -> its keep name and the mixer's per-token stack
+READ = {"state": "state_after", "window": "window_after"}
+WRITE = {"state": "set_state_after", "window": "set_window_after"}
+STACK = {"state": "states", "window": "windows"}  # memory -> its keep name and the mixer's per-token stack
 
 
 # -- write values ---------------------------------------------------------------------------------------------------
@@ -114,7 +114,7 @@ def state_in(mixer, call):
         value = tuple(inputs[n] for n in name) if isinstance(name, tuple) else inputs[name]
         return kind.STATE_TYPE(*value) if isinstance(value, (tuple, list)) else value
 
-    states = [one(part.inputs) for part in record.parts]
+    states = [one(part.inputs) for part in record.kernel_calls]
     return states[0] if len(states) == 1 else torch.stack(states, dim=1)
 
 
@@ -168,9 +168,9 @@ _MLSTM = Adapter(carried=mlstm_state, window_in=None, scale=halve_mlstm, later=1
                  finite_difference=(), split_tol=dict(rtol=1e-5, atol=1e-5, relative=True))
 _WKV = Adapter(perturb=perturbed_wkv, carried=wkv_memory, window_in=wkv_shift_in, batch=1, grad_use_cache=False,
                window_tokens=(5, T - 1), split_tol=dict(rtol=1e-5, atol=1e-6),
-               recomputes_once=True, finite_difference=("state", "conv_state"), whole_memory_tol=dict(rtol=1e-5, atol=1e-6))
+               recomputes_once=True, finite_difference=("state", "window"), whole_memory_tol=dict(rtol=1e-5, atol=1e-6))
 _RG_LRU = Adapter(carried=rg_lru_memory, window_in=None, window_reach="every", recomputes_once=True,
-                  finite_difference=("state", "conv_state"),
+                  finite_difference=("state", "window"),
                   whole_memory_tol=dict(rtol=1e-5, atol=1e-6))
 _SHORT_CONV = Adapter(early=dict(rtol=1e-6, atol=1e-7), decode_early=dict(rtol=0, atol=0), window_tokens=(0, 5, T - 1),
                       grad_tol=dict(rtol=1e-5, atol=1e-8), finite_difference=(),
@@ -180,7 +180,7 @@ _ZAYA = Adapter(state_in=lambda mixer, call: mixer.calls[call].conv.inputs["dela
 ADAPTERS = {
     rh.CompressedConvolutionalAttention: _ZAYA,
     rh.GatedDeltaNet: _GDN_LIKE, rh.KimiDeltaAttention: _GDN_LIKE, rh.SelectiveScan: _GDN_LIKE,
-    rh.PerHeadSelectiveScan: _GDN_LIKE, rh.StateSpace: _GDN_LIKE,
+    rh.PerHeadSelectiveScan: _GDN_LIKE, rh.Mamba2StateSpace: _GDN_LIKE,
     rh.LightningAttention: _LIGHTNING, MatrixLSTM: _MLSTM, rh.WeightedKeyValue: _WKV,
     rh.RealGatedLinearRecurrence: _RG_LRU,
     rh.ShortConvolution: _SHORT_CONV, rh.LoopedShortConvolution: _SHORT_CONV,

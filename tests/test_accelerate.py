@@ -25,7 +25,7 @@ from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
 
 T = 13
-ALL = ("states", "conv_states", "inputs", "outputs")
+ALL = ("states", "windows", "inputs", "outputs")
 # A CPU budget per family for device_map="auto" that leaves some of the decoder layers in memory and
 # offloads the rest to disk (accelerate 1.15; the test below checks what the map really is).
 CPU_BUDGET = {"qwen3_5": "150KB", "mamba2": "80KB", "mamba": "60KB"}
@@ -110,7 +110,7 @@ def test_kept_states_equal_the_plain_model(models):
     assert [m.layer for m in w0.mixers] == [m.layer for m in w1.mixers]
     for a, b in zip(w0.mixers, w1.mixers):
         assert_close(f"{b} states", a.states, b.states, rtol=1e-5, atol=1e-6)
-        assert_close(f"{b} conv windows", a.conv_states, b.conv_states, rtol=1e-5, atol=1e-6)
+        assert_close(f"{b} conv windows", a.windows, b.windows, rtol=1e-5, atol=1e-6)
         for name, value in a.values().items():  # computed from inputs recorded while the weights were loaded
             assert_close(f"{b} value {name}", value, b.values()[name], rtol=1e-5, atol=1e-6)
 

@@ -25,12 +25,12 @@ def frozen(request):
 def test_every_kept_state_and_window_is_differentiable_as_one_tensor_with_frozen_weights(frozen):
     """autograd.grad(metric, mix.states) in one backward, equal to the gradient through a leaf written at t."""
     ids = random_ids(2, T)
-    with rh.watch(frozen, keep=("states", "conv_states")) as w:
+    with rh.watch(frozen, keep=("states", "windows")) as w:
         value = metric(frozen(ids).logits).sum()
     mixer = w.mixers[0]
     per_head = type(mixer).KERNEL_PER_HEAD
     states = mixer.calls[0].differentiable("state")
-    windows = mixer.calls[0].differentiable("conv_state")
+    windows = mixer.calls[0].differentiable("window")
     assert all(s.requires_grad for s in states + windows)
     grads = torch.autograd.grad(value, [*states, *windows], retain_graph=True)
     state_grad = torch.stack(grads[:len(states)], dim=2) if per_head else grads[0]
@@ -42,7 +42,7 @@ def test_every_kept_state_and_window_is_differentiable_as_one_tensor_with_frozen
             assert_close(f"token {t}", grad, state_grad[:, t], rtol=1e-6, atol=0)
     for t in (2, 7):
         leaf_state = mixer.state_after(t).detach().clone().requires_grad_()
-        leaf_window = mixer.conv_state_after(t).detach().clone().requires_grad_()
+        leaf_window = mixer.window_after(t).detach().clone().requires_grad_()
         with rh.watch(frozen) as again:
             again.mixers[0].set_memory_after(t, rh.Memory(leaf_state, leaf_window))
             metric(frozen(ids).logits).sum().backward()
@@ -54,7 +54,7 @@ def test_every_kept_state_and_window_is_differentiable_as_one_tensor_with_frozen
 def test_attribute_is_the_first_order_estimate_of_patching_each_memory(frozen):
     clean, corrupt = random_ids(2, T, seed=1), random_ids(2, T, seed=2)
     result = rh.attribute(frozen, clean, corrupt, metric)
-    with rh.watch(frozen, keep=("states", "conv_states")) as c, torch.no_grad():
+    with rh.watch(frozen, keep=("states", "windows")) as c, torch.no_grad():
         frozen(clean)
     assert result.state.shape == result.window.shape == (len(c.mixers), T)
     assert result.layers == tuple(m.layer for m in c.mixers)
@@ -62,16 +62,16 @@ def test_attribute_is_the_first_order_estimate_of_patching_each_memory(frozen):
     for i, layer in enumerate(result.layers):
         for t in (0, 5, T - 2):
             clean_memory = c.mixer(layer).memory_after(t)
-            with rh.watch(frozen, keep=("states", "conv_states")) as r, torch.no_grad():
+            with rh.watch(frozen, keep=("states", "windows")) as r, torch.no_grad():
                 frozen(corrupt)
             corrupt_memory = r.mixer(layer).memory_after(t)
             leaf_state = corrupt_memory.state.clone().requires_grad_()
-            leaf_window = corrupt_memory.conv_state.clone().requires_grad_()
+            leaf_window = corrupt_memory.window.clone().requires_grad_()
             with rh.watch(frozen) as w:
                 w.mixer(layer).set_memory_after(t, rh.Memory(leaf_state, leaf_window))
                 metric(frozen(corrupt).logits).mean().backward()
             state_term = ((clean_memory.state - corrupt_memory.state) * leaf_state.grad).sum()
-            window_term = ((clean_memory.conv_state - corrupt_memory.conv_state) * leaf_window.grad).sum()
+            window_term = ((clean_memory.window - corrupt_memory.window) * leaf_window.grad).sum()
             scale = result.memory.abs().max()
             assert_close(f"layer {layer} token {t} state", state_term, result.state[i, t], rtol=1e-4, atol=1e-6 * scale)
             assert_close(f"layer {layer} token {t} window", window_term, result.window[i, t], rtol=1e-4,

@@ -213,7 +213,7 @@ def test_run_in_blocks_matches_the_loop_for_any_block_size(shared_model):
         shared_model(random_ids(2, T))
     kind = type(w.mixers[0])
     kernel = kind.kernel_for("prompt")
-    inputs = dict(w.mixers[0].calls[0].parts[0].inputs)
+    inputs = dict(w.mixers[0].calls[0].kernel_calls[0].inputs)
     flag = kernel.segments.final_flag
     inputs[flag] = True
     inputs[kernel.segments.state_in] = torch.randn_like(w.mixers[0].calls[0].states[:, 0])
@@ -237,7 +237,7 @@ def test_blocks_are_chosen_by_the_size_of_the_state(model, monkeypatch, spy):
         model(ids)
     mixer = w.mixers[0]
     kernel = type(mixer).kernel_for("prompt")
-    size = rh_blocks.state_size(type(mixer), kernel, mixer.calls[0].parts[0].inputs)
+    size = rh_blocks.state_size(type(mixer), kernel, mixer.calls[0].kernel_calls[0].inputs)
     assert size == mixer.state_after(0).numel()
     for limit, runs in ((size - 1, False), (size, True), (None, size <= kernel.segments.blocks_below)):
         spy["blocks"].clear()

@@ -35,7 +35,7 @@ def _part_states(part, initial_state=None):
 
 def _reference(mixer, call, initial_state=None):
     """Per-token float64 states of `call` (heads stacked after seq for zamba), from `initial_state`."""
-    parts = mixer.calls[call].parts
+    parts = mixer.calls[call].kernel_calls
     if len(parts) == 1:
         return _part_states(parts[0], initial_state)
     heads = [_part_states(p, None if initial_state is None else initial_state[:, h]) for h, p in enumerate(parts)]
@@ -121,14 +121,14 @@ def test_a_write_into_a_restarted_call_is_applied_from_where_the_model_started(f
     assert_close("state after the written token", value, mixer.state_after(1, call=1), rtol=0, atol=0)
     # from token 2 on the states continue from `value`: the reference run on tokens 2.. from it
     states = record.states
-    for h, part in enumerate(record.parts):
+    for h, part in enumerate(record.kernel_calls):
         x = part.inputs
         t = lambda v: v.transpose(1, 2)[:, 2:]  # noqa: E731
-        start = value if len(record.parts) == 1 else value[:, h]
+        start = value if len(record.kernel_calls) == 1 else value[:, h]
         expected = selective_scan_reference(t(x["hidden_states"]), t(x["dt"]), x["A"], t(x["B"]), t(x["C"]),
                                             dt_bias=x["delta_bias"], softplus=x["delta_softplus"],
                                             initial_state=start)[1]
-        got = states[:, 2:] if len(record.parts) == 1 else states[:, 2:, h]
+        got = states[:, 2:] if len(record.kernel_calls) == 1 else states[:, 2:, h]
         assert_close(f"{mixer} head {h} states after the write", expected, got, **F64)
     assert_close("cache after the written call", mixer.state_after(-1, call=1),
                  cache.get_recurrent_state(mixer.layer).float(), rtol=0, atol=0)

@@ -26,7 +26,7 @@ from recurrent_hooks.engine.parts import map_parts, parts_of
 # one family per kind (inkling2 has a short and a dynamic convolution; inkling2_loop their looped kinds)
 ONE_PER_KIND = ["qwen3_5", "kimi_linear", "mamba", "zamba", "mamba2", "recurrent_gemma", "rwkv", "minimax",
                 "inkling2", "inkling2_loop", "xlstm"]
-STACK = {"state": "states", "conv_state": "conv_states"}  # memory -> its keep name
+STACK = {"state": "states", "window": "windows"}  # memory -> its keep name
 CALLS = 3
 T = 5
 KEPT, WRITTEN, REPLACED = 1, 2, 3  # tokens: kept, written at call 1, replaced by a hook at every call
@@ -58,7 +58,7 @@ def _written(model, ids):
     with rh.watch(model, keep={STACK[memory]: [KEPT]}) as w, torch.no_grad():
         model(ids)
     first = w.mixers[0]
-    state = first.state_after(KEPT) if memory == "state" else first.conv_state_after(KEPT)
+    state = first.state_after(KEPT) if memory == "state" else first.window_after(KEPT)
     return memory, map_parts(torch.zeros_like, state)
 
 
@@ -77,7 +77,7 @@ def _watched_calls(model, forward, ids, memory, zero, hooked=None, paths=None):
             mixer.register_state_hook(lambda m, c, t, s: seen.append((m.layer, c, t, _norm(s))), token=hooked)
         w.mixers[-1].register_state_hook(lambda m, c, t, s: map_parts(lambda p: p * 0.5, s), token=REPLACED)
         first = w.mixers[0]
-        (first.set_state_after if memory == "state" else first.set_conv_state_after)(WRITTEN, zero, call=1)
+        (first.set_state_after if memory == "state" else first.set_window_after)(WRITTEN, zero, call=1)
         logits = []
         for call in range(CALLS):
             with torch._dynamo.config.patch(error_on_recompile=call > 0 and forward is not model):
@@ -96,13 +96,13 @@ def _compare_runs(eager, compiled, memory, atol, hooked=T):
     assert_close("hooked state norms", torch.tensor([h[3] for h in seen]), torch.tensor([h[3] for h in compiled_seen]),
                  rtol=1e-5, atol=1e-6)
     # a hook runs once per kernel call of a call (once per head where the kind runs its kernel per head)
-    assert len(seen) == CALLS * hooked * sum(max(1, len(m.calls[0].parts)) for m in _one_of_each_kind(w))
+    assert len(seen) == CALLS * hooked * sum(max(1, len(m.calls[0].kernel_calls)) for m in _one_of_each_kind(w))
     for mixer, compiled_mixer in zip(w.mixers, cw.mixers):
         assert [c.index for c in compiled_mixer.calls] == list(range(CALLS))
         assert [c.kernel for c in compiled_mixer.calls] == [c.kernel for c in mixer.calls]
         for call in range(CALLS):
             read = (lambda m: m.state_after(KEPT, call=call)) if memory == "state" else \
-                (lambda m: m.conv_state_after(KEPT, call=call))
+                (lambda m: m.window_after(KEPT, call=call))
             for (name, a), (_, b) in zip(parts_of(read(mixer)), parts_of(read(compiled_mixer))):
                 assert_close(f"{mixer} call {call}: kept {memory} {name}", a, b, rtol=1e-5, atol=1e-6)
 
@@ -163,7 +163,7 @@ def _generate(model, ids, compiled, zero, memory, again=()):
         for mixer in _one_of_each_kind(w):
             mixer.register_state_hook(lambda m, c, t, s: seen.append((m.layer, c, t, _norm(s))))
         first = w.mixers[0]
-        (first.set_state_after if memory == "state" else first.set_conv_state_after)(0, zero, call=2)
+        (first.set_state_after if memory == "state" else first.set_window_after)(0, zero, call=2)
         out = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, **settings)
         calls = len(seen)
         for more, new in again:

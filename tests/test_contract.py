@@ -58,9 +58,9 @@ QUIRKS = {
 # The per-token shape after (batch, seq) of each memory (every part of a state of several parts), where pinned.
 STATE_SHAPES = {
     "minimax": {"state": (2, 16, 16)},
-    "recurrent_gemma": {"state": (32,), "conv_state": (32, 3)},
-    "rwkv": {"state": (32,), "conv_state": (32,)},
-    "zaya": {"state": (8,), "conv_state": (48, 2)},  # the value delay; the window over [q~; k~], K = 2
+    "recurrent_gemma": {"state": (32,), "window": (32, 3)},
+    "rwkv": {"state": (32,), "window": (32,)},
+    "zaya": {"state": (8,), "window": (48, 2)},  # the value delay; the window over [q~; k~], K = 2
 }
 
 
@@ -206,9 +206,9 @@ def test_call_counter_in_generate(hooked_generate, family):
         assert [c.tokens for c in calls] == [T] + [1] * (N - 1)
         assert [c.kernel for c in calls] == ([own.kernel_for("prompt").name]
                                              + [own.kernel_for("decode").name] * (N - 1))
-        if "conv_state" in own.MEMORIES:
-            assert [c.conv.kernel for c in calls] == ([own.kernel_for("prompt", "conv_state").name]
-                                                      + [own.kernel_for("decode", "conv_state").name] * (N - 1))
+        if "window" in own.MEMORIES:
+            assert [c.conv.kernel for c in calls] == ([own.kernel_for("prompt", "window").name]
+                                                      + [own.kernel_for("decode", "window").name] * (N - 1))
 
 
 def test_standalone_hooks_count_from_each_prompt(model, family):
@@ -403,7 +403,7 @@ def started_from(case, mixer, memory, call, value):
         assert_memory_equal(f"call {call} read the written window", value, case.adapter.window_in(mixer, call))
     else:
         assert_close(f"call {call} shifted its input into the written window", value[..., 1:],
-                     mixer.conv_state_after(0, call=call)[..., :-1], rtol=0, atol=0)
+                     mixer.window_after(0, call=call)[..., :-1], rtol=0, atol=0)
 
 
 def later_change(case, memory, change):
@@ -435,7 +435,7 @@ def test_decode_memories_continue_the_prompt_memories(case):
 
 
 WRITES = [(case, "state", token) for case in memory_cases("state") for token in (0, 4, T - 1)]
-WRITES += [(case, "conv_state", token) for case in memory_cases("conv_state") for token in case.adapter.window_tokens]
+WRITES += [(case, "window", token) for case in memory_cases("window") for token in case.adapter.window_tokens]
 
 
 @pytest.mark.parametrize("case, memory, token", WRITES,
@@ -579,19 +579,19 @@ def test_writing_the_whole_memory_makes_a_layer_continue_as_in_the_other_run(cas
     assert (out_b[:, token + 1:] - out_a[:, token + 1:]).abs().max() > adapter.later, "the two runs did not differ"
     memory = mixer_a.memory_after(token)
     assert (memory.state is None) == ("state" not in case.kind.MEMORIES)
-    assert (memory.conv_state is None) == ("conv_state" not in case.kind.MEMORIES)
+    assert (memory.window is None) == ("window" not in case.kind.MEMORIES)
     patched, _ = _first_outputs(model, case, run_b, memory, token)
     assert_close("layer output after t, memory written", out_a[:, token + 1:], patched[:, token + 1:],
                  **adapter.whole_memory_tol)
     assert_close("layer output up to t, B's own", out_b[:, : token + 1], patched[:, : token + 1],
                  **(adapter.whole_memory_early or adapter.whole_memory_tol))
-    if memory.state is not None and memory.conv_state is not None:
-        state_only, _ = _first_outputs(model, case, run_b, rh.Memory(memory.state, mixer_b.conv_state_after(token)),
+    if memory.state is not None and memory.window is not None:
+        state_only, _ = _first_outputs(model, case, run_b, rh.Memory(memory.state, mixer_b.window_after(token)),
                                        token)
         assert (state_only[:, token + 1] - out_a[:, token + 1]).abs().max() > adapter.later, \
             "the state alone made B continue as A: the window carried nothing"
     elif memory.state is None:
-        size = mixer_a.conv_states.shape[-1]
+        size = mixer_a.windows.shape[-1]
         assert (out_b[:, token + 1: token + size] - out_a[:, token + 1: token + size]).abs().max() > adapter.later
         assert_close("B after t+K-1, unwritten", out_a[:, token + size:], out_b[:, token + size:], rtol=0, atol=0)
 

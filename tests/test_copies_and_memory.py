@@ -136,18 +136,18 @@ def _storage(tensor):
     return tensor.untyped_storage().data_ptr()
 
 
-@pytest.mark.parametrize("family,memory", [("qwen3_5", "state"), ("qwen3_5", "conv_state"), ("xlstm", "state"),
+@pytest.mark.parametrize("family,memory", [("qwen3_5", "state"), ("qwen3_5", "window"), ("xlstm", "state"),
                                            ("rwkv", "state"), ("zamba", "state")])
 def test_reading_states_keeps_one_copy(family, memory):
     model, ids = build(family), random_ids(2, 5)
-    name = "states" if memory == "state" else "conv_states"
+    name = "states" if memory == "state" else "windows"
     with torch.no_grad(), rh.watch(model, keep=(name,)) as w:
         model(ids)
     mix = w.mixers[0]
     call = mix.calls[-1]
     stacked = getattr(call, name)
     assert getattr(call, name) is stacked
-    after = mix.state_after if memory == "state" else mix.conv_state_after
+    after = mix.state_after if memory == "state" else mix.window_after
     for per_kernel_call in call._kept[memory]:
         for token, kept in per_kernel_call.items():
             for (part, value), (_, whole) in zip(parts_of(kept), parts_of(stacked)):

@@ -49,16 +49,16 @@ class Axes:
 def _runs(family):
     """The calls of every mixer over a batch-2 prompt and a batch-1 generate (rwkv decodes right at batch 1 only)."""
     model = build(family)
-    with rh.watch(model, keep=("inputs", "outputs", "states", "conv_states")) as prompt, torch.no_grad():
+    with rh.watch(model, keep=("inputs", "outputs", "states", "windows")) as prompt, torch.no_grad():
         model(random_ids(2, T))
-    with rh.watch(model, keep=("inputs", "outputs", "states", "conv_states")) as decode, torch.no_grad():
+    with rh.watch(model, keep=("inputs", "outputs", "states", "windows")) as decode, torch.no_grad():
         model.generate(random_ids(1, T), max_new_tokens=2, do_sample=False, pad_token_id=PAD)
     return model, [*prompt.mixers, *decode.mixers]  # the model too: values() may read its module's weights
 
 
 def _kernel_calls(mixer, call):
     """The kernel calls of `call` that INPUTS and OUTPUTS describe: those of the kind's first memory."""
-    return call.parts if type(mixer).MEMORIES[0] == STATE_MEMORY else [call.conv]
+    return call.kernel_calls if type(mixer).MEMORIES[0] == STATE_MEMORY else [call.conv]
 
 
 def _per_head(declared: str) -> str:
@@ -99,7 +99,7 @@ def test_inputs_outputs_values_and_memories_are_what_the_kernels_see(family):
                         axes.bind(f"the state{f' part {name}' if name else ''}", declared, one[:, 0])
             if CONV_MEMORY in kind.MEMORIES:
                 window = Axes(f"{mixer} call {call.index} (conv window)", call.tokens)
-                window.bind("the conv window", kind.CONV_STATE, call.conv_states[:, 0])
+                window.bind("the conv window", kind.CONV_STATE, call.windows[:, 0])
             values = mixer.values(call.index)
             assert sorted(values) == sorted(kind.VALUES), f"{mixer} values(): {sorted(values)}, declared {sorted(kind.VALUES)}"
             value_axes = Axes(f"{mixer} values() of call {call.index}", call.tokens)

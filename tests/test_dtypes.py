@@ -101,7 +101,7 @@ def _ssd_by_decode(decode):
 
 _DECODE_LOOPS = {rh.GatedDeltaNet: _gated_delta_by_decode, rh.KimiDeltaAttention: _gated_delta_by_decode,
                  rh.SelectiveScan: _selective_scan_by_decode, rh.PerHeadSelectiveScan: _selective_scan_by_decode,
-                 rh.StateSpace: _ssd_by_decode}
+                 rh.Mamba2StateSpace: _ssd_by_decode}
 
 
 CASES = {family: (lambda family=family: build(family)) for family in FAMILIES}
@@ -217,7 +217,7 @@ def test_loops_round_as_transformers_kernels(case, dtype):
         _generate(model, random_ids(BATCH, T + NEW))
     for mixer in w.mixers:
         for call in mixer.calls:
-            for part in call.parts:
+            for part in call.kernel_calls:
                 if part.kernel not in _exact_kernels(kind):
                     continue
                 kernel = kind.kernel(part.kernel)
@@ -264,7 +264,7 @@ def _write_back(kept):
     def arm(w):
         for mixer, windows in zip(w.mixers, kept):
             for token, window in windows.items():
-                mixer.set_conv_state_after(token, window.clone())
+                mixer.set_window_after(token, window.clone())
     return arm
 
 
@@ -290,16 +290,16 @@ def test_conv_windows_kept_hooked_or_written_leave_the_model_bit_identical(case,
             patch.setattr(module, "causal_conv1d_fn", _conv_by_decode(module))
             logits["prompt by decode"] = _prompt(model, prompt)
             logits["generate by decode"], _ = _generate(model, ids)
-        with rh.watch(model, keep=("conv_states",)) as w:
+        with rh.watch(model, keep=("windows",)) as w:
             logits["prompt, windows kept"] = _prompt(model, prompt)
-            prompt_windows = [m.conv_states for m in w.mixers]  # [batch, T, channels, kernel_size]
+            prompt_windows = [m.windows for m in w.mixers]  # [batch, T, channels, kernel_size]
             logits["generate, windows kept"], kept_cache = _generate(model, ids)
-            last_windows = [m.conv_states[:, -1] for m in w.mixers]  # the last decode step's
+            last_windows = [m.windows[:, -1] for m in w.mixers]  # the last decode step's
             _after_prompt(model, prompt)
-            kept_after_prompt = [m.conv_state_after(T - 1) for m in w.mixers]
+            kept_after_prompt = [m.window_after(T - 1) for m in w.mixers]
         with rh.watch(model, keep=()) as w:
             for mixer in w.mixers:
-                mixer.register_state_hook(lambda m, c, t, s: None, which="conv_state")
+                mixer.register_state_hook(lambda m, c, t, s: None, which="window")
             logits["prompt, windows hooked"] = _prompt(model, prompt)
             logits["generate, windows hooked"], _ = _generate(model, ids)
         kept = [{t: windows[:, t] for t in WRITTEN} for windows in prompt_windows]

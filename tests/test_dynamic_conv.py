@@ -23,7 +23,7 @@ from recurrent_hooks.engine.patching import import_default
 ROWS = {row.name: row for family in rh.FAMILIES.values() for row in family.classes  # the dynamic mixer classes
         if issubclass(row.kind, rh.DynamicShortConvolution)}
 FAMILIES = list(ROWS)
-KEEP = ("conv_states", "inputs", "outputs")
+KEEP = ("windows", "inputs", "outputs")
 T = 13
 
 
@@ -93,7 +93,7 @@ def test_windows_and_outputs_equal_the_float64_equation_at_prompt_and_decode_ste
         x = torch.cat([c.conv.inputs["hidden_states"] for c in mixer.calls], dim=1)
         u = torch.cat([c.conv.inputs["dynamic_input"] for c in mixer.calls], dim=1)
         windows, outputs = _equation(mixer.module, x, u)
-        kept = torch.cat([c.conv_states for c in mixer.calls], dim=1)
+        kept = torch.cat([c.windows for c in mixer.calls], dim=1)
         assert_close(f"{mixer} windows", windows, kept, rtol=1e-6, atol=1e-7)
         got = torch.cat([c.conv.output["output"] for c in mixer.calls], dim=1)
         assert_close(f"{mixer} outputs", outputs, got, rtol=1e-5, atol=1e-6)
@@ -162,9 +162,9 @@ def test_watched_logits_equal_unwatched(model, seq):
     expected = logits_of(model, ids)
     with rh.watch(model):
         assert_equal("idle watch", expected, logits_of(model, ids))
-    with rh.watch(model, keep=("conv_states",)) as w:
+    with rh.watch(model, keep=("windows",)) as w:
         assert_equal("token loop", expected, logits_of(model, ids))
-    assert dynamic(w)[0].conv_states.shape[:2] == (2, seq)
+    assert dynamic(w)[0].windows.shape[:2] == (2, seq)
 
 
 def test_greedy_generate_is_identical_under_hooks_and_the_call_counter(model):
@@ -188,10 +188,10 @@ def test_a_window_write_at_a_prompt_token_changes_only_later_tokens_and_the_cach
     with rh.watch(model, keep=KEEP) as w:
         clean = logits_of(model, ids, use_cache=True)
     first = dynamic(w)[0]
-    value = perturbation(first.conv_state_after(token))
+    value = perturbation(first.window_after(token))
     x, u = first.calls[0].conv.inputs["hidden_states"], first.calls[0].conv.inputs["dynamic_input"]
     with rh.watch(model, keep=KEEP) as w:
-        dynamic(w)[0].set_conv_state_after(token, value)
+        dynamic(w)[0].set_window_after(token, value)
         out = model(ids, use_cache=True)
     mixer = dynamic(w)[0]
     assert_equal("logits up to the written token", clean[:, :token + 1], out.logits[:, :token + 1])
@@ -209,10 +209,10 @@ def test_writes_after_the_last_prompt_token_and_at_a_decode_step_reach_the_cache
     ids = random_ids(2, T)
     with rh.watch(model, keep=KEEP) as w:
         clean = greedy(model, ids, 4)
-    last, step = perturbation(dynamic(w)[0].conv_state_after(-1)), perturbation(dynamic(w)[0].conv_state_after(0, call=2))
+    last, step = perturbation(dynamic(w)[0].window_after(-1)), perturbation(dynamic(w)[0].window_after(0, call=2))
     with rh.watch(model, keep=KEEP) as w:
-        dynamic(w)[0].set_conv_state_after(T - 1, last)
-        dynamic(w)[0].set_conv_state_after(0, step, call=2)
+        dynamic(w)[0].set_window_after(T - 1, last)
+        dynamic(w)[0].set_window_after(0, step, call=2)
         greedy(model, ids, 4)
     calls = dynamic(w)[0].calls
     assert_equal("decode step 1 read the window written after the prompt", last, calls[1].conv.inputs["conv_state"])
@@ -222,11 +222,11 @@ def test_writes_after_the_last_prompt_token_and_at_a_decode_step_reach_the_cache
 
 def test_a_replacing_hook_is_a_write(model):
     ids = random_ids(1, T)
-    with rh.watch(model, keep=("conv_states",)) as w:
+    with rh.watch(model, keep=("windows",)) as w:
         logits_of(model, ids)
-    value = perturbation(dynamic(w)[0].conv_state_after(4))
+    value = perturbation(dynamic(w)[0].window_after(4))
     with rh.watch(model) as w:
-        dynamic(w)[0].set_conv_state_after(4, value)
+        dynamic(w)[0].set_window_after(4, value)
         written = logits_of(model, ids)
     with rh.watch(model) as w:
         dynamic(w)[0].register_state_hook(lambda m, c, t, s: value, call=0, token=4)
@@ -244,14 +244,14 @@ def test_writing_the_window_makes_the_mixer_continue_as_in_the_other_run(model, 
     xb, ub = xa.clone(), ua.clone()
     t = 6
     xb[:, :t + 1], ub[:, :t + 1] = torch.randn(2, t + 1, channels, generator=gen), torch.randn(2, t + 1, size, generator=gen)
-    with torch.no_grad(), rh.watch(model, keep=("conv_states",)) as w:
+    with torch.no_grad(), rh.watch(model, keep=("windows",)) as w:
         ya = module(xa, ua)
         mixer = next(m for m in dynamic(w) if m.module is module)
-        window = mixer.conv_state_after(t)
+        window = mixer.window_after(t)
     with torch.no_grad(), rh.watch(model) as w:
         plain = module(xb, ub)
         mixer = next(m for m in dynamic(w) if m.module is module)
-        mixer.set_conv_state_after(t, window, call=1)
+        mixer.set_window_after(t, window, call=1)
         yb = module(xb, ub)
     assert (plain[:, t + 1:] - ya[:, t + 1:]).abs().max() > 1e-3
     assert_equal("B up to t is B's own", plain[:, :t + 1], yb[:, :t + 1])
@@ -263,10 +263,10 @@ def test_gradient_with_respect_to_a_kept_window(model):
     token = 5
     with rh.watch(model, keep=KEEP) as w:
         metric = model(ids).logits[0, -1].logsumexp(-1)
-    (grad,) = torch.autograd.grad(metric, dynamic(w)[0].conv_state_after(token))
-    leaf = dynamic(w)[0].conv_state_after(token).detach().clone().requires_grad_()
+    (grad,) = torch.autograd.grad(metric, dynamic(w)[0].window_after(token))
+    leaf = dynamic(w)[0].window_after(token).detach().clone().requires_grad_()
     with rh.watch(model) as w:
-        dynamic(w)[0].set_conv_state_after(token, leaf)
+        dynamic(w)[0].set_window_after(token, leaf)
         model(ids).logits[0, -1].logsumexp(-1).backward()
     assert leaf.grad.abs().max() > 0
     assert_close("grad through the kept window vs a written leaf", leaf.grad, grad, rtol=1e-5, atol=1e-8)
@@ -312,14 +312,14 @@ def test_registry_and_support_rows(model, family):
     assert len(rows) == len(_modules(model, family))
     for r in rows:
         assert r.family == family
-        assert r.available == ("conv_states", "inputs", "outputs", "values", "writes", "hooks")
+        assert r.available == ("windows", "inputs", "outputs", "values", "writes", "hooks")
         assert "state" in r.unavailable and "effective attention" in r.unavailable
 
 
 def test_the_state_is_unavailable(model):
     with rh.watch(model, keep=KEEP) as w:
         logits_of(model, random_ids(1, 5))
-    with pytest.raises(rh.Unavailable, match="conv_state"):
+    with pytest.raises(rh.Unavailable, match="window"):
         dynamic(w)[0].state_after(2)
 
 
@@ -343,7 +343,7 @@ def test_a_multi_token_continuation_and_left_padding(model):
     for mixer in dynamic(w):
         prompt, continuation = mixer.calls
         assert continuation.tokens == 4 and continuation.index == 1
-        assert_equal(f"{mixer} continues from the prompt's last window", prompt.conv_states[:, -1],
+        assert_equal(f"{mixer} continues from the prompt's last window", prompt.windows[:, -1],
                      continuation.conv.inputs["conv_state"])
     mask = torch.ones(2, T, dtype=torch.long)
     mask[1, :4] = 0
@@ -353,7 +353,7 @@ def test_a_multi_token_continuation_and_left_padding(model):
     with rh.watch(model, keep=KEEP) as w:
         assert_equal("left-padded batch", expected, logits_of(model, padded, attention_mask=mask))
     for mixer in dynamic(w):
-        windows = mixer.calls[0].conv_states
+        windows = mixer.calls[0].windows
         assert windows[1, :4].abs().max() == 0, f"{mixer}: the pads enter the window as zeros"
         assert windows[0, :4].abs().max() > 0
 
@@ -391,8 +391,8 @@ def test_bf16_windows_stay_float32_and_the_logits_bit_identical(family):
     kwargs = dict(output_logits=True, return_dict_in_generate=True)
     plain, plain_gen = logits_of(model, ids), greedy(model, ids, 3, **kwargs)
     with rh.watch(model, keep=KEEP) as w:
-        assert_equal("keep conv_states", plain, logits_of(model, ids))
-    assert all(mixer.conv_states.dtype == torch.float32 for mixer in dynamic(w))
+        assert_equal("keep windows", plain, logits_of(model, ids))
+    assert all(mixer.windows.dtype == torch.float32 for mixer in dynamic(w))
     with rh.watch(model) as w:
         for mixer in dynamic(w):
             mixer.register_state_hook(lambda m, c, t, s: s.clone())

@@ -66,7 +66,7 @@ def _mamba1_tokens(part):
 
 def _mamba2_tokens(part):
     x = part.inputs
-    if part.kernel == rh.StateSpace.kernel_for("prompt").name:
+    if part.kernel == rh.Mamba2StateSpace.kernel_for("prompt").name:
         hidden, dt, A, B, C, D = x["hidden_states"], x["dt"], x["A"], x["B"], x["C"], x["D"]
         bias, limit, z = x["dt_bias"], x["dt_limit"], None
     else:  # the decode kernel gets the per-head parameters expanded over head_dim: channel 0 is the head's
@@ -166,9 +166,9 @@ def reference_map(mixer, calls, initial_state):
     """The float64 map of the last of `calls` over all their tokens: (weights, values, from_state, skip, gate),
     each mixer head (zamba: each kernel call) computed separately and concatenated on the heads axis."""
     heads = []
-    for head in range(len(mixer.calls[calls[-1]].parts)):
-        parts = [mixer.calls[c].parts[head] for c in calls]
-        per_head = initial_state is not None and len(mixer.calls[calls[-1]].parts) > 1
+    for head in range(len(mixer.calls[calls[-1]].kernel_calls)):
+        parts = [mixer.calls[c].kernel_calls[head] for c in calls]
+        per_head = initial_state is not None and len(mixer.calls[calls[-1]].kernel_calls) > 1
         start = initial_state[:, head] if per_head else initial_state
         if isinstance(mixer, rh.GatedDeltaNet):
             heads.append(delta_rule_map(parts, start, kimi=isinstance(mixer, rh.KimiDeltaAttention)))
@@ -186,7 +186,7 @@ def kernel_output(mixer, call):
     """The call's kept kernel output in the map's layout [batch, heads, tokens, value_dim] (heads of zamba's
     per-head kernel calls concatenated)."""
     outs = []
-    for part in mixer.calls[call].parts:
+    for part in mixer.calls[call].kernel_calls:
         y = part.output["output"]
         if isinstance(mixer, rh.GatedDeltaNet):  # b t h v
             y = y.transpose(1, 2)
@@ -280,7 +280,7 @@ def test_without_the_key_removal_the_map_is_wrong():
     with rh.watch(model, keep=KEEP) as w, torch.no_grad():
         model(random_ids(2, T), use_cache=False)
     mixer = w.mixers[0]
-    x = _delta_rule_tokens(mixer.calls[0].parts[0])
+    x = _delta_rule_tokens(mixer.calls[0].kernel_calls[0])
     q, k, v, beta, alpha = x["q"], x["k"], x["v"], x["beta"], x["alpha"][..., 0]
     cum = torch.log(alpha).cumsum(-1)  # b h t
     decay = (cum[..., :, None] - cum[..., None, :]).tril().exp().tril()  # prod_{r=s+1..t} a_r, s <= t

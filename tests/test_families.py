@@ -20,7 +20,7 @@ from _runs import greedy, logits_of
 from _reference import gated_delta_rule_reference, kimi_delta_rule_reference
 from _reference_ssm import selective_scan_reference, ssd_reference
 
-ALL = ("states", "conv_states", "inputs", "outputs")  # every state and window, and the kernels' arguments and results
+ALL = ("states", "windows", "inputs", "outputs")  # every state and window, and the kernels' arguments and results
 T = 13  # not a multiple of anything
 
 
@@ -44,7 +44,7 @@ def _selective_scan_part(part):
 
 def _state_space_part(part):
     x = part.inputs
-    if part.kernel == rh.StateSpace.kernel_for("prompt").name:
+    if part.kernel == rh.Mamba2StateSpace.kernel_for("prompt").name:
         return ssd_reference(x["hidden_states"], x["dt"], x["A"], x["B"], x["C"], dt_bias=x["dt_bias"],
                              softplus=x["dt_softplus"], dt_limit=x["dt_limit"], initial_state=x["initial_states"])[1]
     # the decode kernel gets the per-head parameters expanded over head_dim: channel 0 is the head's
@@ -55,7 +55,7 @@ def _state_space_part(part):
 
 REFERENCES = {rh.GatedDeltaNet: _gated_delta_part, rh.KimiDeltaAttention: _gated_delta_part,
               rh.SelectiveScan: _selective_scan_part, rh.PerHeadSelectiveScan: _selective_scan_part,
-              rh.StateSpace: _state_space_part}
+              rh.Mamba2StateSpace: _state_space_part}
 # The matrix covers the kinds whose mixers carry a state and a convolution window through module-global
 # kernels; each other kind has a test file of its own with the same checks (tests/test_<kind>.py).
 FAMILIES = [name for name in rh.FAMILIES if rh.FAMILIES[name].kind in REFERENCES]
@@ -63,7 +63,7 @@ FAMILIES = [name for name in rh.FAMILIES if rh.FAMILIES[name].kind in REFERENCES
 
 def reference_states(mixer: rh.RecurrentMixer, call: int) -> torch.Tensor:
     """Per-token states of `call`, recomputed in float64 from the call's recorded kernel inputs."""
-    parts = [REFERENCES[type(mixer)](part) for part in mixer.calls[call].parts]
+    parts = [REFERENCES[type(mixer)](part) for part in mixer.calls[call].kernel_calls]
     return parts[0] if len(parts) == 1 else torch.stack(parts, dim=2)
 
 
@@ -71,7 +71,7 @@ def state_in(mixer: rh.RecurrentMixer, call: int) -> torch.Tensor:
     """The state call `call` started from, as its kernel received it (heads stacked for per-head mixers)."""
     record = mixer.calls[call]
     name = type(mixer).kernel(record.kernel).state_in
-    states = [part.inputs[name] for part in record.parts]
+    states = [part.inputs[name] for part in record.kernel_calls]
     return states[0] if len(states) == 1 else torch.stack(states, dim=1)
 
 
@@ -151,7 +151,7 @@ def test_conv_windows_are_the_last_inputs_at_prompt_and_decode_steps(model):
     for mixer in w.mixers:
         for call in range(3):
             assert_close(f"{mixer} call {call} conv windows", conv_window_reference(mixer, call),
-                         mixer.calls[call].conv_states, rtol=0, atol=0)
+                         mixer.calls[call].windows, rtol=0, atol=0)
 
 
 # -- fast paths against the token loop ---------------------------------------------------------------------------
@@ -165,16 +165,16 @@ def _sparse_run(model, ids, fast, monkeypatch):
     real = rh_dispatch._run_in_segments
     monkeypatch.setattr(rh_dispatch, "_run_in_segments", lambda *a: segmented.append(1) or real(*a))
     seen = []
-    with rh.watch(model, keep={"states": [2, 7, -1], "conv_states": [7], "inputs": None}, paths=paths) as w, \
+    with rh.watch(model, keep={"states": [2, 7, -1], "windows": [7], "inputs": None}, paths=paths) as w, \
             torch.no_grad():
         mixer = w.mixers[0]
         model(ids)
         value = mixer.state_after(7) * 0.5
-        window = mixer.conv_state_after(7) * 2
-    with rh.watch(model, keep={"states": [2, 7, -1], "conv_states": [7], "inputs": None}, paths=paths) as w, \
+        window = mixer.window_after(7) * 2
+    with rh.watch(model, keep={"states": [2, 7, -1], "windows": [7], "inputs": None}, paths=paths) as w, \
             torch.no_grad():
         w.mixers[0].set_state_after(7, value)
-        w.mixers[0].set_conv_state_after(7, window)
+        w.mixers[0].set_window_after(7, window)
         w.mixers[-1].register_state_hook(lambda m, c, t, s: seen.append(float(s.norm())) or s * 0.9, token=[3, -2])
         w.mixers[0].set_state_after(0, value, call=2)
         out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=PAD, output_logits=True,

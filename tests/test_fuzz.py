@@ -10,7 +10,7 @@ family per mixer kind (qwen3_5, kimi_linear, mamba, zamba, mamba2):
   DeltaNet and Kimi prompt kernels, 16 in the library's chunk-wise kernels, 8 in mamba2's config);
 - 0..3 decode steps of greedy `generate`;
 - up to three edits on random layers, registered in a random order: `set_state_after`,
-  `set_conv_state_after` and `set_memory_after` at a random prompt token or decode step, with random
+  `set_window_after` and `set_memory_after` at a random prompt token or decode step, with random
   values (zeros included), and state or convolution-window hooks at random calls and tokens, which
   record what they see and may scale it;
 - what the fast run keeps: every state (the chunk-wise path) or a few positions (segments).
@@ -45,13 +45,13 @@ from _models import PAD, build, random_ids
 from _reference import gated_delta_rule_reference, kimi_delta_rule_reference
 from _reference_ssm import selective_scan_reference, ssd_reference
 
-EVERYTHING = ("inputs", "outputs", "states", "conv_states")
+EVERYTHING = ("inputs", "outputs", "states", "windows")
 STATES = dict(rtol=1e-4, atol=1e-6)  # float32 against float64, and fast paths against the token loop
 LOGITS = dict(rtol=1e-4, atol=1e-5)
 EXACT = dict(rtol=0, atol=0)
 
-STATE_MEMORY, CONV_MEMORY = "state", "conv_state"
-WRITES = {"set_state_after": (STATE_MEMORY,), "set_conv_state_after": (CONV_MEMORY,),
+STATE_MEMORY, CONV_MEMORY = "state", "window"
+WRITES = {"set_state_after": (STATE_MEMORY,), "set_window_after": (CONV_MEMORY,),
           "set_memory_after": (STATE_MEMORY, CONV_MEMORY)}
 HOOKS = {"state_hook": STATE_MEMORY, "conv_hook": CONV_MEMORY}
 
@@ -159,10 +159,10 @@ def cases(draw, kind: Kind) -> Case:
 def model_of(family: str):
     """The family's tiny model (built once per module), and its state and window shapes without batch."""
     model = build(family)
-    with rh.watch(model, keep=("states", "conv_states")) as w, torch.no_grad():
+    with rh.watch(model, keep=("states", "windows")) as w, torch.no_grad():
         model(random_ids(1, 1), use_cache=False)
     mixer = w.mixers[0]
-    return model, tuple(mixer.state_after(0).shape[1:]), tuple(mixer.conv_state_after(0).shape[1:])
+    return model, tuple(mixer.state_after(0).shape[1:]), tuple(mixer.window_after(0).shape[1:])
 
 
 def write_values(case: Case, family: str) -> list[rh.Memory]:
@@ -214,7 +214,7 @@ def run(case: Case, kind: Kind, values: list[rh.Memory], fast: bool) -> Run:
         return hook
 
     if fast and case.keep is not None:
-        keep = {"inputs": None, "outputs": None, "states": case.keep, "conv_states": case.keep}
+        keep = {"inputs": None, "outputs": None, "states": case.keep, "windows": case.keep}
     else:
         keep = EVERYTHING
     n = case.decode + 1
@@ -227,8 +227,8 @@ def run(case: Case, kind: Kind, values: list[rh.Memory], fast: bool) -> Run:
             mixer = w.mixers[edit.mixer]
             if edit.method == "set_state_after":
                 mixer.set_state_after(edit.token, value.state, call=edit.call)
-            elif edit.method == "set_conv_state_after":
-                mixer.set_conv_state_after(edit.token, value.conv_state, call=edit.call)
+            elif edit.method == "set_window_after":
+                mixer.set_window_after(edit.token, value.window, call=edit.call)
             elif edit.method == "set_memory_after":
                 mixer.set_memory_after(edit.token, value, call=edit.call)
             else:
@@ -274,7 +274,7 @@ def _selective_scan(part):
 
 def _state_space(part):
     x = part.inputs
-    if part.kernel == rh.StateSpace.kernel_for("prompt").name:
+    if part.kernel == rh.Mamba2StateSpace.kernel_for("prompt").name:
         per_token = {name: x[name] for name in ("hidden_states", "dt", "B", "C")}
         A, bias, limit, start = x["A"], x["dt_bias"], x["dt_limit"], x["initial_states"]
     else:  # the decode kernel gets the per-head parameters expanded over head_dim: channel 0 is the head's
@@ -292,7 +292,7 @@ def _state_space(part):
 
 RECURRENCES = {rh.GatedDeltaNet: _gated_delta, rh.KimiDeltaAttention: _gated_delta,
                rh.SelectiveScan: _selective_scan, rh.PerHeadSelectiveScan: _selective_scan,
-               rh.StateSpace: _state_space}
+               rh.Mamba2StateSpace: _state_space}
 
 
 class Reference:
@@ -310,7 +310,7 @@ class Reference:
                     or token not in positions(edit.token, tokens):
                 continue
             if edit.method in WRITES:
-                written = self.values[i].state if memory == STATE_MEMORY else self.values[i].conv_state
+                written = self.values[i].state if memory == STATE_MEMORY else self.values[i].window
                 value = (written if head is None else written[:, head]).to(value.dtype)
             else:
                 self.seen[(i, call, head, token)] = value
@@ -325,7 +325,7 @@ class Reference:
         stops = sorted({p for edit in self.case.edits if edit.mixer == index and STATE_MEMORY in edit.memories()
                         and edit.targets(call) for p in positions(edit.token, tokens)})
         heads = []
-        for head, part in enumerate(record.parts):
+        for head, part in enumerate(record.kernel_calls):
             head = head if type(mixer).KERNEL_PER_HEAD else None  # zamba: one kernel call per head
             per_token, state, recurrence = RECURRENCES[type(mixer)](part)
             state = None if state is None else state.double()
@@ -365,7 +365,7 @@ def state_in(mixer: rh.RecurrentMixer, call: int) -> torch.Tensor | None:
     """The state `call` started from, as its kernel received it (heads stacked for per-head mixers)."""
     record = mixer.calls[call]
     name = type(mixer).kernel(record.kernel).state_in
-    states = [part.inputs.get(name) if name else None for part in record.parts]
+    states = [part.inputs.get(name) if name else None for part in record.kernel_calls]
     if any(state is None for state in states):
         return None
     return states[0] if len(states) == 1 else torch.stack(states, dim=1)
@@ -388,14 +388,14 @@ def check_token_loop_against_reference(case: Case, values: list[rh.Memory], slow
             if call == calls - 1:
                 last = expected[:, -1]
             assert_close(f"{mixer} call {call}: windows against the last inputs", reference.windows(index, mixer, call),
-                         record.conv_states, **EXACT)
+                         record.windows, **EXACT)
             start, window = state_in(mixer, call), record.conv.inputs.get("conv_state")
             if call == 0:
                 assert start is None or not start.any(), f"{mixer}: the prompt did not start from zeros"
             else:  # what the cache handed over: the previous call's last state and window, writes included
                 previous = mixer.calls[call - 1]
                 assert_close(f"{mixer} call {call}: state in", previous.states[:, -1], start, **EXACT)
-                assert_close(f"{mixer} call {call}: window in", previous.conv_states[:, -1], window, **EXACT)
+                assert_close(f"{mixer} call {call}: window in", previous.windows[:, -1], window, **EXACT)
         cache = slow.out.past_key_values
         assert_close(f"{mixer}: cached state after the run", mixer.calls[-1].states[:, -1],
                      cache.get_recurrent_state(mixer.layer), **EXACT)
@@ -403,7 +403,7 @@ def check_token_loop_against_reference(case: Case, values: list[rh.Memory], slow
                      cache.get_recurrent_state(mixer.layer), **STATES)
         cached_window = cache.get_conv_state(mixer.layer)
         assert_close(f"{mixer}: cached window after the run",
-                     mixer.calls[-1].conv_states[:, -1].to(cached_window.dtype), cached_window, **EXACT)
+                     mixer.calls[-1].windows[:, -1].to(cached_window.dtype), cached_window, **EXACT)
     assert set(reference.seen) == set(slow.seen), \
         f"hooks ran at (edit, call, head, token) {sorted(slow.seen, key=str)}, not {sorted(reference.seen, key=str)}"
     for key, expected in reference.seen.items():
@@ -425,8 +425,8 @@ def check_fast_paths_against_token_loop(case: Case, slow: Run, fast: Run) -> Non
             for token in range(tokens) if case.keep is None else positions(case.keep, tokens):
                 assert_close(f"{a} call {call}: state after {token}", a.state_after(token, call),
                              b.state_after(token, call), **STATES)
-                assert_close(f"{a} call {call}: window after {token}", a.conv_state_after(token, call),
-                             b.conv_state_after(token, call), **STATES)
+                assert_close(f"{a} call {call}: window after {token}", a.window_after(token, call),
+                             b.window_after(token, call), **STATES)
             if call:
                 assert_close(f"{a} call {call}: state in", state_in(a, call), state_in(b, call), **STATES)
                 assert_close(f"{a} call {call}: window in", a.calls[call].conv.inputs["conv_state"],
@@ -441,7 +441,7 @@ def check_fast_paths_against_token_loop(case: Case, slow: Run, fast: Run) -> Non
         chunkwise = segments is not None and segments.all_states is not None and (
             case.keep is None or len(positions(case.keep, case.prompt)) == case.prompt)
         # (a kind that runs its kernel once per head runs the segments once per head)
-        expected = [] if segments is None or every_token else [(b.layer, chunkwise)] * len(b.calls[0].parts)
+        expected = [] if segments is None or every_token else [(b.layer, chunkwise)] * len(b.calls[0].kernel_calls)
         assert [s for s in fast.segmented if s[0] == b.layer] == expected, f"{b}: the prompt took another path"
     assert not slow.segmented, "Paths(rule='loop') ran a kernel in segments"
 

@@ -25,8 +25,8 @@ from recurrent_hooks.registry import family_of
 
 LIGHTNING = [name for name, row in rh.FAMILIES.items() if row.kind is rh.LightningAttention]
 ALL = ("states", "inputs", "outputs")  # the kind has no conv window to keep
-T = 13  # two blocks of 8 in transformers' block loop, the second one partial
-FP32 = dict(rtol=1e-5, atol=1e-6)  # float32 against float32 (the block loop against the token loop)
+T = 13  # two chunks of 8 (block_size) in transformers' chunk loop, the second one partial
+FP32 = dict(rtol=1e-5, atol=1e-6)  # float32 against float32 (the chunk loop against the token loop)
 F64 = dict(rtol=1e-4, atol=1e-6)  # float32 against the float64 reference
 
 
@@ -110,7 +110,7 @@ def _hidden(seq, seed=0):
 @pytest.mark.parametrize("cached", [False, True], ids=["prompt", "cached"])
 @pytest.mark.parametrize("seq", [1, T, 70], ids=lambda s: f"T{s}")
 def test_forward_matches_transformers(family, seq, cached):
-    """Against the class's own forward (its block loop for a prompt, its per-token loop over a cached state):
+    """Against the class's own forward (its chunk loop for a prompt, its per-token loop over a cached state):
     output, returned state and cached state; bit for bit over a cached state, where both run the same ops."""
     model = build(family)
     original = import_default(mixer_class(family), "forward")
@@ -163,7 +163,7 @@ def test_a_prompt_is_transformers_per_token_branch_from_a_zero_state(family, dty
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_half_precision_logits_stay_within_transformers_own_prompt_versus_decode_difference(family, dtype):
-    """In half precision the block loop and the per-token loop round differently: a watched prompt is
+    """In half precision the chunk loop and the per-token loop round differently: a watched prompt is
     within transformers' own difference between its prompt path and its per-token path (the yardstick)."""
     model = build(family).to(dtype)
     ids = random_ids(2, 70)
@@ -225,7 +225,7 @@ def test_on_token_replacement_changes_only_later_tokens_and_the_cache(family, to
 def test_stops_run_blocks_between_them(family, stops):
     """With `stops`, a prompt calls on_token only there and runs the block computation in between: outputs
     and states equal the float64 reference, a replacement at a stop changes only later tokens, and with the
-    last token as the only stop the prompt is transformers' block loop bit for bit."""
+    last token as the only stop the prompt is transformers' chunk loop bit for bit."""
     model = build(family)
     original = import_default(mixer_class(family), "forward")
     for module in mixers_of(model):
@@ -247,7 +247,7 @@ def test_stops_run_blocks_between_them(family, stops):
         if stops == [36]:
             with torch.no_grad():
                 want_out, want_state = original(module, x, None, None)
-            assert_equal("one stop at the end: transformers' block loop", want_out, out)
+            assert_equal("one stop at the end: transformers' chunk loop", want_out, out)
             assert_equal("one stop at the end: its state", want_state, final)
         replacement = torch.randn(final.shape, generator=torch.Generator().manual_seed(11))
         at = stops[0]
@@ -415,8 +415,8 @@ def _sparse_run(model, ids, fast, monkeypatch):
     """Writes, hooks and kept states at a few tokens of the prompt and at a decode step, through one path."""
     paths = None if fast else rh.Paths(rule="loop")
     blocks = []
-    real = rh_lightning._blocks
-    monkeypatch.setattr(rh_lightning, "_blocks", lambda *a: blocks.append(a[-2:]) or real(*a))
+    real = rh_lightning._chunks
+    monkeypatch.setattr(rh_lightning, "_chunks", lambda *a: blocks.append(a[-2:]) or real(*a))
     seen = []
     keep = {"states": [2, 7, -1], "inputs": None}
     with rh.watch(model, keep=keep, paths=paths) as w, torch.no_grad():
@@ -559,13 +559,13 @@ def test_the_memory_is_the_state_alone(model):
     with rh.watch(model, keep=ALL) as w:
         logits_of(model, random_ids(1, 5))
         mixer = w.mixers[0]
-        for attempt in (lambda: mixer.conv_state_after(0), lambda: mixer.conv_states,
-                        lambda: mixer.set_conv_state_after(0, torch.zeros(1)),
-                        lambda: mixer.register_state_hook(lambda *a: None, which="conv_state")):
-            with pytest.raises(rh.Unavailable, match=r"LightningAttention mixer has no conv_state; it carries only state \(state_after, set_state_after\)"):
+        for attempt in (lambda: mixer.window_after(0), lambda: mixer.windows,
+                        lambda: mixer.set_window_after(0, torch.zeros(1)),
+                        lambda: mixer.register_state_hook(lambda *a: None, which="window")):
+            with pytest.raises(rh.Unavailable, match=r"LightningAttention mixer has no window; it carries only state \(state_after, set_state_after\)"):
                 attempt()
     row = rh.support(model)[0]
-    assert row.kind == "LightningAttention" and "conv_states" not in row.available and "states" in row.available
+    assert row.kind == "LightningAttention" and "windows" not in row.available and "states" in row.available
     assert set(row.unavailable) == set(rh.LightningAttention.LIMITS)
 
 
@@ -592,7 +592,7 @@ def test_a_sweep_of_the_whole_memory_is_a_sweep_of_the_state(model):
     memory = rh.patching_sweep(model, clean, corrupt, metric, progress=False)
     state = rh.patching_sweep(model, clean, corrupt, metric, what="state", progress=False)
     assert_close("what=memory vs what=state", state.values, memory.values, rtol=0, atol=0)
-    with pytest.raises(rh.Unavailable, match="no conv_state"):
+    with pytest.raises(rh.Unavailable, match="no window"):
         rh.patching_sweep(model, clean, corrupt, metric, what="window", progress=False)
     with rh.watch(model, keep={"states": [4]}) as w, torch.no_grad():
         model(clean, use_cache=False)

@@ -38,7 +38,7 @@ def test_the_whole_memory_of_every_layer_carries_run_a_into_run_b(name):
     run_a = random_ids(2, T, seed=1)
     run_b = run_a.clone()
     run_b[:, : TOKEN + 1] = random_ids(2, TOKEN + 1, seed=2)
-    with rh.watch(model, keep=("states", "conv_states")) as a, torch.no_grad():
+    with rh.watch(model, keep=("states", "windows")) as a, torch.no_grad():
         logits_a = model(run_a, use_cache=False).logits
     with torch.no_grad():
         logits_b = model(run_b, use_cache=False).logits
@@ -63,15 +63,15 @@ def test_memory_writes_are_checked_and_reported():
     model = build("qwen3_5")
     with rh.watch(model, keep=("states",)) as a:
         model(random_ids(2, T))
-    with pytest.raises(rh.Unavailable, match=r"kept no conv_states; pass keep=\('conv_states',\)"):
+    with pytest.raises(rh.Unavailable, match=r"kept no windows; pass keep=\('windows',\)"):
         a.memory_after(3)
     with rh.watch(model) as b:
         with pytest.raises(rh.Unavailable, match=r"no recurrent mixer at layers \[1\]; recurrent layers: \[0, 2\]"):
             b.set_memory_after(3, {1: None})
-        with pytest.raises(rh.InvalidValue, match=r"expected a Memory\(state, conv_state\), got Tensor"):
+        with pytest.raises(rh.InvalidValue, match=r"expected a Memory\(state, window\), got Tensor"):
             b.mixers[0].set_memory_after(3, torch.zeros(2))
-    with pytest.raises(rh.InvalidValue, match=r"call 0, token 3: set_conv_state_after\(3, call=0\) gave a conv_state "
+    with pytest.raises(rh.InvalidValue, match=r"call 0, token 3: set_window_after\(3, call=0\) gave a window "
                        r"with shape \(2, 64\), expected \(2, 64, 4\) \(axes: batch channels kernel_size\)"):
         with rh.watch(model) as b:
-            b.mixers[0].set_conv_state_after(3, torch.zeros(2, 64))
+            b.mixers[0].set_window_after(3, torch.zeros(2, 64))
             model(random_ids(2, T))

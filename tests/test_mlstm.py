@@ -218,13 +218,13 @@ def assert_state_equal(name, expected, got):
 
 def state_in(mixer, call):
     """The state call `call` started from, as its kernel received it."""
-    x = mixer.calls[call].parts[0].inputs
+    x = mixer.calls[call].kernel_calls[0].inputs
     return MLSTMState(x["c_initial"], x["n_initial"], x["m_initial"])
 
 
 def reference_states(mixer, call):
     """Per-token states of `call`, recomputed in float64 from the call's recorded kernel inputs."""
-    x = mixer.calls[call].parts[0].inputs
+    x = mixer.calls[call].kernel_calls[0].inputs
     return mlstm_reference(**{k: x[k] for k in ("query", "key", "value", "igate", "fgate", "c_initial",
                                                   "n_initial", "m_initial")})[1]
 
@@ -365,15 +365,15 @@ def test_one_part_of_the_state_is_not_the_whole_memory(model):
 def test_support_lists_the_values_and_the_limits(model):
     rows = [row for row in rh.support(model) if row.family is not None]
     assert [row.layer for row in rows] == [0, 1] and {row.kind for row in rows} == {"MatrixLSTM"}
-    assert "conv_states" not in rows[0].available and "states" in rows[0].available
+    assert "windows" not in rows[0].available and "states" in rows[0].available
     assert set(rows[0].unavailable) == set(MatrixLSTM.LIMITS)
     with rh.watch(model, keep=ALL) as w:
         logits_of(model, random_ids(2, T))
     values = w.mixers[0].values()
     assert sorted(values) == sorted(MatrixLSTM.VALUES)
     assert values["query"].shape == (2, T, 2, 32) and values["igate"].shape == (2, T, 2)
-    with pytest.raises(rh.Unavailable, match="has no conv_state"):
-        w.mixers[0].conv_state_after(0)
+    with pytest.raises(rh.Unavailable, match="has no window"):
+        w.mixers[0].window_after(0)
     with pytest.raises(rh.Unavailable, match="captured by each module when the model is built"):
         rh.route_kernels(model, "torch")
 

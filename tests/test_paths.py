@@ -29,13 +29,13 @@ import recurrent_hooks.engine.strategies as rh_paths
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
 from recurrent_hooks.kinds.gated_delta_net import GatedDeltaNet
-from recurrent_hooks.engine.strategies import Path
+from recurrent_hooks.engine.strategies import Strategy
 from recurrent_hooks.registry import family_of
-from recurrent_hooks.kinds.state_space import StateSpace
+from recurrent_hooks.kinds.state_space import Mamba2StateSpace
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GDN = GatedDeltaNet.kernel_for("prompt")
-SSD = StateSpace.kernel_for("prompt")
+SSD = Mamba2StateSpace.kernel_for("prompt")
 
 
 def _meta(*shape: int) -> torch.Tensor:
@@ -67,8 +67,8 @@ def spread(count: int, tokens: int) -> list[int]:
     return sorted({min(tokens - 1, int((i + 0.5) * tokens / count)) for i in range(count)})
 
 
-def path_of(choice: rh_paths.Choice | None) -> Path:
-    return Path.LOOP if choice is None else choice.path
+def path_of(choice: rh_paths.Choice | None) -> Strategy:
+    return Strategy.LOOP if choice is None else choice.path
 
 
 # -- choose ------------------------------------------------------------------------------------------------------
@@ -79,44 +79,44 @@ def test_tiny_heads_large_batch_short_prompt_take_the_token_loop(kept):
     """The issue's case: 4 value heads of 16, batch 64, T = 25: transformers' chunked kernel costs far more."""
     arguments = gdn_arguments(64, 25, 2, 4, 16)
     choice = rh_paths.choose(GDN, [keeping(*spread(kept, 25))], 25, arguments, grad=False)
-    assert path_of(choice) is Path.LOOP
+    assert path_of(choice) is Strategy.LOOP
 
 
 def test_real_dims_with_8_stops_take_segments():
     """Qwen3.5 dims (16 key / 32 value heads of 128), T = 2048, 8 kept positions: segments; Mamba-2 too."""
     choice = rh_paths.choose(GDN, [keeping(*spread(8, 2048))], 2048, gdn_arguments(1, 2048, 16, 32, 128), grad=False)
-    assert path_of(choice) is Path.SEGMENTS
+    assert path_of(choice) is Strategy.SEGMENTS
     assert choice.stops == spread(8, 2048) and not choice.every_state
     choice = rh_paths.choose(SSD, [keeping(*spread(8, 2048))], 2048, ssd_arguments(1, 2048, 24, 64, 128, 256),
                              grad=False)
-    assert path_of(choice) is Path.SEGMENTS
+    assert path_of(choice) is Strategy.SEGMENTS
 
 
-@pytest.mark.parametrize("force", [None, Path.STATES])
+@pytest.mark.parametrize("force", [None, Strategy.STATES])
 def test_never_chunkwise_states_with_gradients(force):
     paths = rh.Paths(force=force)
     for batch, heads, dim in ((1, 32, 128), (64, 4, 16)):
         every = keeping(*range(64))
         choice = rh_paths.choose(GDN, [every], 64, gdn_arguments(batch, 64, heads, heads, dim), grad=True, paths=paths)
-        assert path_of(choice) is not Path.STATES
+        assert path_of(choice) is not Strategy.STATES
         assert choice is None or not choice.every_state
     choice = rh_paths.choose(GDN, [keeping(*range(64))], 64, gdn_arguments(1, 64, 4, 4, 16), grad=False, paths=paths)
-    assert path_of(choice) is Path.STATES or force is None  # without gradients it can
+    assert path_of(choice) is Strategy.STATES or force is None  # without gradients it can
 
 
-@pytest.mark.parametrize("force", [None, Path.BLOCKS])
+@pytest.mark.parametrize("force", [None, Strategy.BLOCKS])
 def test_never_blocks_without_all_states(force):
     paths = rh.Paths(force=force)
     every_token = hooked(None)
     without = dataclasses.replace(GDN, segments=dataclasses.replace(GDN.segments, all_states=None))
     arguments = gdn_arguments(1, 512, 16, 32, 128)
-    assert path_of(rh_paths.choose(without, [every_token], 512, arguments, grad=False, paths=paths)) is Path.LOOP
-    assert path_of(rh_paths.choose(GDN, [every_token], 512, arguments, grad=True, paths=paths)) is Path.LOOP
+    assert path_of(rh_paths.choose(without, [every_token], 512, arguments, grad=False, paths=paths)) is Strategy.LOOP
+    assert path_of(rh_paths.choose(GDN, [every_token], 512, arguments, grad=True, paths=paths)) is Strategy.LOOP
     # at real dims blocks were measured slower than the loop (`Segments.blocks_below`): not available, even forced
-    assert path_of(rh_paths.choose(GDN, [every_token], 512, arguments, grad=False, paths=paths)) is Path.LOOP
+    assert path_of(rh_paths.choose(GDN, [every_token], 512, arguments, grad=False, paths=paths)) is Strategy.LOOP
     small = gdn_arguments(1, 512, 2, 4, 16)  # 4 heads of 16 x 16: under the delta rules' blocks_below
     blocks = rh_paths.choose(GDN, [every_token], 512, small, grad=False, paths=paths)
-    assert path_of(blocks) in ((Path.BLOCKS,) if force else (Path.BLOCKS, Path.LOOP))
+    assert path_of(blocks) in ((Strategy.BLOCKS,) if force else (Strategy.BLOCKS, Strategy.LOOP))
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear"])
@@ -124,7 +124,7 @@ def test_a_hooked_decode_step_runs_transformers_kernel_then_the_hooks(family, mo
     """A decode step is one token: a hook on it (at every token, or at -1) or a write is a stop at token 0, so the
     bound kernel runs and the hooks see the state it returns; the same logits, hook inputs and cache as the loop."""
     decode = type_of(family).kernel_for("decode")
-    assert rh_paths.choose(decode, [hooked(None)], 1, None, grad=False) == rh_paths.Choice(Path.SEGMENTS, [0], False)
+    assert rh_paths.choose(decode, [hooked(None)], 1, None, grad=False) == rh_paths.Choice(Strategy.SEGMENTS, [0], False)
     model, ids = build(family), random_ids(2, 7)
     runs = {}
     for fast in (True, False):
@@ -161,10 +161,10 @@ def test_a_stop_just_past_a_chunk_boundary_ends_with_a_token_loop():
     """Mamba-2 at mamba2-130m dims, chunk 256, tails on: a stop at token 300 runs the kernel on [0, 256) and the
     token loop on [256, 301), rather than the kernel on a piece padded to 512 tokens. Off (the default), not."""
     arguments = ssd_arguments(1, 1024, 24, 64, 128, 256)
-    assert rh_paths.choose(SSD, [keeping(300)], 1024, arguments, grad=False) == rh_paths.Choice(Path.SEGMENTS, [300],
+    assert rh_paths.choose(SSD, [keeping(300)], 1024, arguments, grad=False) == rh_paths.Choice(Strategy.SEGMENTS, [300],
                                                                                                 False, ())
     choice = rh_paths.choose(SSD, [keeping(300)], 1024, arguments, grad=False, paths=rh.Paths(tails=True))
-    assert path_of(choice) is Path.SEGMENTS
+    assert path_of(choice) is Strategy.SEGMENTS
     assert (256, 301) in choice.tails
     assert all(start % 256 == 0 or start in (0, 301) for start, _ in choice.tails)
 
@@ -185,9 +185,9 @@ def test_tails_are_only_taken_when_cheaper():
 def test_the_fixed_rule_when_told():
     arguments, fixed = gdn_arguments(64, 25, 2, 4, 16), rh.Paths(rule="fixed")
     choice = rh_paths.choose(GDN, [keeping(3)], 25, arguments, grad=False, paths=fixed)
-    assert choice == rh_paths.Choice(Path.SEGMENTS, [3], False)
+    assert choice == rh_paths.Choice(Strategy.SEGMENTS, [3], False)
     assert rh_paths.choose(GDN, [keeping(*range(0, 25, 2))], 25, arguments, grad=False, paths=fixed) is None  # > 8
-    assert rh_paths.choose(GDN, [keeping(*range(25))], 25, arguments, grad=False, paths=fixed).path is Path.STATES
+    assert rh_paths.choose(GDN, [keeping(*range(25))], 25, arguments, grad=False, paths=fixed).path is Strategy.STATES
 
 
 def test_estimates_grow_with_what_they_count():
@@ -498,21 +498,21 @@ def test_watch_paths_choose_the_path_and_each_call_records_it(family):
     model, ids = build(family), random_ids(2, 25)
     value = _kept_and_written(model, ids, None)[0].mixers[0].state_after(6) * 0.5
     slow, slow_logits = _kept_and_written(model, ids, rh.Paths(rule="loop"), value)
-    assert {part.path for m in slow.mixers for part in m.calls[0].parts} == {"token loop"}
+    assert {part.path for m in slow.mixers for part in m.calls[0].kernel_calls} == {"token loop"}
     fixed, fixed_logits = _kept_and_written(model, ids, rh.Paths(rule="fixed"), value)
-    assert {part.path for m in fixed.mixers for part in m.calls[0].parts} == {"segments"}
+    assert {part.path for m in fixed.mixers for part in m.calls[0].kernel_calls} == {"segments"}
     assert_close("logits, fixed rule vs token loop", slow_logits, fixed_logits, rtol=1e-4, atol=1e-5)
     for a, b in zip(slow.mixers, fixed.mixers, strict=True):
         for token in (2, 6, -1):
             assert_close(f"{a} state after {token}", a.state_after(token), b.state_after(token), rtol=1e-4, atol=1e-6)
     with rh.watch(model, keep=("states",), paths=rh.Paths(force="states")) as w, torch.no_grad():
         model(ids, use_cache=False)
-    assert {part.path for m in w.mixers for part in m.calls[0].parts} == {"chunk-wise states"}
+    assert {part.path for m in w.mixers for part in m.calls[0].kernel_calls} == {"chunk-wise states"}
     with rh.watch(model, keep=("states",)) as idle, torch.no_grad():  # nothing asked of the decode-free call
         model(ids, use_cache=False)
     with rh.watch(model) as nothing, torch.no_grad():
         model(ids, use_cache=False)
-    assert {part.path for m in nothing.mixers for part in m.calls[0].parts} == {"bound kernel"}
+    assert {part.path for m in nothing.mixers for part in m.calls[0].kernel_calls} == {"bound kernel"}
     assert_close("every state, forced chunk-wise vs the default", idle.mixers[0].states, w.mixers[0].states,
                  rtol=1e-4, atol=1e-6)
 
@@ -529,10 +529,10 @@ def test_standalone_hooks_take_their_paths_and_disagreeing_handles_the_token_loo
             rh.register_state_hook(module, lambda m, c, t, s: None, paths=rh.Paths(rule="loop"))
         with rh.watch(model, keep={"states": [5]}, paths=rh.Paths(rule="fixed")) as w, torch.no_grad():
             model(ids, use_cache=False)
-        assert w.mixers[0].calls[0].parts[0].path == "segments"  # the same policy: segments
+        assert w.mixers[0].calls[0].kernel_calls[0].path == "segments"  # the same policy: segments
         with rh.watch(model, keep={"states": [5]}) as w, torch.no_grad():
             model(ids, use_cache=False)
-        assert w.mixers[0].calls[0].parts[0].path == "token loop"  # fixed and the default: the loop
+        assert w.mixers[0].calls[0].kernel_calls[0].path == "token loop"  # fixed and the default: the loop
     finally:
         handle.remove()
 
@@ -545,7 +545,7 @@ def test_a_device_without_calibration_takes_the_fixed_rule_and_support_says_so()
     tiny = gdn_arguments(64, 25, 2, 4, 16)  # the cost model's token loop on cpu/float32
     assert rh_paths.choose(GDN, [keeping(3)], 25, tiny, grad=False) is None
     uncalibrated = {name: value.to(torch.bfloat16) for name, value in tiny.items()}
-    assert rh_paths.choose(GDN, [keeping(3)], 25, uncalibrated, grad=False) == rh_paths.Choice(Path.SEGMENTS, [3],
+    assert rh_paths.choose(GDN, [keeping(3)], 25, uncalibrated, grad=False) == rh_paths.Choice(Strategy.SEGMENTS, [3],
                                                                                                False)
     model = build("qwen3_5")
     (row,) = [r for r in rh.support(model) if r.family][:1]

@@ -74,9 +74,9 @@ def test_a_renamed_copy_registered_at_run_time_is_watched_like_the_original(rena
     assert {(s.family, s.kind) for s in rh.support(copy)} == {(RENAMED, "GatedDeltaNet")}
 
     ids = random_ids(2, 9)
-    with rh.watch(original, keep=("states", "conv_states")) as w0, torch.no_grad():
+    with rh.watch(original, keep=("states", "windows")) as w0, torch.no_grad():
         expected = original(ids).logits
-    with rh.watch(copy, keep=("states", "conv_states")) as w1, torch.no_grad():
+    with rh.watch(copy, keep=("states", "windows")) as w1, torch.no_grad():
         # the copy's own module global is what the watch rebound (the original module's is untouched)
         assert module.torch_chunk_gated_delta_rule is not patching.import_default(
             module, "torch_chunk_gated_delta_rule")
@@ -85,7 +85,7 @@ def test_a_renamed_copy_registered_at_run_time_is_watched_like_the_original(rena
     assert [m.family for m in w1.mixers] == [RENAMED] * len(w0.mixers) and w1.mixers
     for a, b in zip(w0.mixers, w1.mixers):
         assert_close(f"layer {a.layer} states", a.states, b.states)
-        assert_close(f"layer {a.layer} conv_states", a.conv_states, b.conv_states)
+        assert_close(f"layer {a.layer} windows", a.windows, b.windows)
     assert module.torch_chunk_gated_delta_rule is patching.import_default(
         module, "torch_chunk_gated_delta_rule"), "the watch left the copy's kernel rebound"
 
@@ -137,7 +137,7 @@ def test_a_family_with_mixers_of_two_kinds_is_one_row():
             assert registry.family_of(module) is row and mixer.family is row and mixer.name == "inkling2"
             kinds[type(module).__name__] = mixer.kind
     assert kinds == dict(row.mixers)
-    with rh.watch(model, keep=("conv_states",)) as w, torch.no_grad():
+    with rh.watch(model, keep=("windows",)) as w, torch.no_grad():
         model(random_ids(1, 5))
     assert {type(m) for m in w.mixers} == set(row.mixers.values())
     assert not hasattr(registry, "MORE_MIXERS") and not hasattr(extend, "MORE_MIXERS")

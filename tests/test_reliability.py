@@ -291,7 +291,7 @@ def test_beam_search_decode_states_continue_the_reordered_rows(family):
 
 
 def _state_in(mixer, k):
-    parts = mixer.calls[k].parts
+    parts = mixer.calls[k].kernel_calls
     name = type(mixer).kernel(mixer.calls[k].kernel).state_in
     states = [part.inputs[name] for part in parts]
     return states[0] if len(states) == 1 else torch.stack(states, dim=1)
@@ -302,10 +302,10 @@ def _reference_step(mixer, k, start):
     import test_families
 
     parts = []
-    for h, part in enumerate(mixer.calls[k].parts):
+    for h, part in enumerate(mixer.calls[k].kernel_calls):
         x = dict(part.inputs)
         name = type(mixer).kernel(part.kernel).state_in
-        x[name] = start if len(mixer.calls[k].parts) == 1 else start[:, h]
+        x[name] = start if len(mixer.calls[k].kernel_calls) == 1 else start[:, h]
         for kind, reference in test_families.REFERENCES.items():
             if type(mixer) is kind:
                 parts.append(reference(rh.KernelCall(part.kernel, x, None))[:, 0])
@@ -342,7 +342,7 @@ def test_integer_0d_tensors_work_as_ints(watched):
         (lambda m, s: m.register_state_hook(lambda *a: None, token=4.0), {}, r"register_state_hook: token must be an int"),
         (lambda m, s: m.register_state_hook(lambda *a: None, call=[0, True]), {}, r"call must be an int, got the bool"),
         (lambda m, s: m.register_state_hook(lambda *a: None, call=range(3, 3)), {}, r"call=range\(3, 3\) targets no call"),
-        (lambda m, s: m.set_memory_after(4, s), {}, r"expected a Memory\(state, conv_state\), got Tensor"),
+        (lambda m, s: m.set_memory_after(4, s), {}, r"expected a Memory\(state, window\), got Tensor"),
     ],
     ids=["bool token", "float token", "float call", "negative slice", "hook float token", "bool call", "empty range",
          "memory not a pair"],

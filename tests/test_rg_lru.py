@@ -27,7 +27,7 @@ from recurrent_hooks.engine.patching import import_default
 from recurrent_hooks.kinds.rg_lru import recurrent_block_forward, rnn_scan
 
 RG_LRU_FAMILIES = [name for name, row in rh.FAMILIES.items() if row.kind is rh.RealGatedLinearRecurrence]
-ALL = ("states", "conv_states", "inputs", "outputs")
+ALL = ("states", "windows", "inputs", "outputs")
 T = 13
 EXACT = dict(rtol=0, atol=0)
 
@@ -274,14 +274,14 @@ def test_states_and_windows_equal_float64_references_at_prompt_and_decode_steps(
             assert_close(f"{mixer} call {call} state in", h0 if h0 is not None else torch.zeros(2, 32),
                          mixer.calls[call].inputs["recurrent_states"], **EXACT)
             u, _ = capture.blocks[block][call]
-            previous = None if call == 0 else mixer.conv_state_after(-1, call=call - 1)
+            previous = None if call == 0 else mixer.window_after(-1, call=call - 1)
             with torch.no_grad():
                 windows = window_reference(block, u, previous)
                 before = torch.cat([windows.new_zeros(2, 1, 32, 3) if previous is None else previous.double()[:, None],
                                     windows[:, :-1]], dim=1)
                 x_in = block.linear_x(u).double()
                 conv = conv_reference(block, before, x_in)
-            assert_close(f"{mixer} call {call} windows", windows, mixer.calls[call].conv_states, rtol=1e-6, atol=1e-7)
+            assert_close(f"{mixer} call {call} windows", windows, mixer.calls[call].windows, rtol=1e-6, atol=1e-7)
             assert_close(f"{mixer} call {call} conv outputs", conv, x, rtol=1e-5, atol=1e-6)
 
 
@@ -294,13 +294,13 @@ def test_a_window_write_in_the_prompt_is_shifted_into_the_next_tokens_window(mod
     ids, token = random_ids(2, T), 5
     with rh.watch(model, keep=ALL) as w:
         logits_of(model, ids)
-        value = perturbation(w.mixers[0].conv_state_after(token))
+        value = perturbation(w.mixers[0].window_after(token))
     with rh.watch(model, keep=ALL) as w:
         mixer = w.mixers[0]
-        mixer.set_conv_state_after(token, value)
+        mixer.set_window_after(token, value)
         logits_of(model, ids)
-    assert_close("window after the write", value, mixer.conv_state_after(token), **EXACT)
-    assert_close("next window shifts the written one", value[..., 1:], mixer.conv_state_after(token + 1)[..., :-1],
+    assert_close("window after the write", value, mixer.window_after(token), **EXACT)
+    assert_close("next window shifts the written one", value[..., 1:], mixer.window_after(token + 1)[..., :-1],
                  **EXACT)
 
 
@@ -309,7 +309,7 @@ def _records_of(mixer):
     records = {}
     for call in mixer.calls:
         records[f"call {call.index} states"] = call.states
-        records[f"call {call.index} conv_states"] = call.conv_states
+        records[f"call {call.index} windows"] = call.windows
         for what, values in (("input", call.inputs), ("output", call.output)):
             for name, value in values.items():
                 if isinstance(value, torch.Tensor):
@@ -387,7 +387,7 @@ def test_the_state_alone_carries_over_when_the_window_tokens_are_shared(model):
     run_a = random_ids(2, T, seed=5)
     out_a, mixer_a = first_mixer_outputs(model, run_a)
     memory = mixer_a.memory_after(token)
-    assert memory.state.shape == (2, 32) and memory.conv_state.shape == (2, 32, 3)
+    assert memory.state.shape == (2, 32) and memory.window.shape == (2, 32, 3)
     run_c = run_a.clone()
     run_c[:, : token - 2] = random_ids(2, token - 2, seed=7)
     state_only, _ = first_mixer_outputs(model, run_c, memory, token, state_only=True)
@@ -403,7 +403,7 @@ def test_every_kept_state_is_differentiable_with_frozen_weights(model):
     model.requires_grad_(False)
     with rh.watch(model, keep=ALL) as w:
         metric = model(ids).logits[0, -1].logsumexp(-1)
-    states, windows = torch.autograd.grad(metric, [w.mixers[0].states, w.mixers[0].conv_states])
+    states, windows = torch.autograd.grad(metric, [w.mixers[0].states, w.mixers[0].windows])
     assert states.shape == (1, T, 32) and windows.shape == (1, T, 32, 3)
     assert states[:, :-1].abs().amax(-1).min() > 0 and windows[:, :-1].abs().amax((-2, -1)).min() > 0
     model.requires_grad_(True)
@@ -418,7 +418,7 @@ def test_support_lists_the_values_and_limits(model):
         ("model.layers.0.temporal_block", 0, "RealGatedLinearRecurrence"),
         ("model.layers.1.temporal_block", 1, "RealGatedLinearRecurrence")]
     row = rows[0]
-    assert {"states", "conv_states", "values", "writes", "hooks"} <= set(row.available)
+    assert {"states", "windows", "values", "writes", "hooks"} <= set(row.available)
     assert set(row.unavailable) == set(rh.RealGatedLinearRecurrence.LIMITS)
     assert "multi-token continuation" in row.unavailable and "_rnn_scan" in row.notes["idle calls run"]
     with rh.watch(model) as w:
@@ -470,7 +470,7 @@ def test_multi_token_continuation_restarts_the_window_and_continues_the_state(mo
     assert [c.tokens for c in mixer.calls] == [8, 4]
     assert_close("the state continues", mixer.state_after(-1, call=0), mixer.calls[1].inputs["recurrent_states"],
                  **EXACT)
-    first_window = mixer.conv_state_after(0, call=1)
+    first_window = mixer.window_after(0, call=1)
     assert first_window[..., :-1].abs().max() == 0, "the window did not restart from zeros (bug 5 fixed?)"
     assert (logits_of(model, ids, use_cache=False)[:, 8:] - plain).abs().max() > 1e-3, \
         "the continuation equals one forward: transformers' bug 5 is gone, update the docs"
@@ -529,7 +529,7 @@ def test_beam_search_leaves_the_module_memory_in_place_and_call_reorder_says_so(
     monkeypatch.setattr(transformers.DynamicCache, "reorder_cache", spy)
     ids = random_ids(2, 9)
     plain = greedy(model, ids, 5, num_beams=3)
-    with rh.watch(model, keep=("states", "conv_states", "inputs")) as w:
+    with rh.watch(model, keep=("states", "windows", "inputs")) as w:
         watched = greedy(model, ids, 5, num_beams=3)
     assert_equal("beam search, watched", plain, watched)
     assert any(not torch.equal(move, torch.arange(6)) for move in moves), "no beam was ever reordered"
@@ -540,8 +540,8 @@ def test_beam_search_leaves_the_module_memory_in_place_and_call_reorder_says_so(
             rows = torch.arange(6) if calls[k].reorder is None else calls[k].reorder
             before = mixer.state_after(-1, call=k - 1)[rows]
             assert_close(f"{mixer} call {k}: state in", before, calls[k].inputs["recurrent_states"], **EXACT)
-            window = mixer.conv_state_after(-1, call=k - 1)[rows]
-            assert_close(f"{mixer} call {k}: window in", window[..., 1:], mixer.conv_state_after(0, call=k)[..., :-1],
+            window = mixer.window_after(-1, call=k - 1)[rows]
+            assert_close(f"{mixer} call {k}: window in", window[..., 1:], mixer.window_after(0, call=k)[..., :-1],
                          **EXACT)
     row = rh.support(model)[0]
     assert "beam search" in row.unavailable and "reorder" in row.unavailable["beam search"]
@@ -579,7 +579,7 @@ def test_left_padded_generate(model):
     for mixer, ref in zip(w.mixers, alone.mixers):
         for call in range(3):
             skip = pads if call == 0 else 0
-            for what in ("states", "conv_states"):
+            for what in ("states", "windows"):
                 assert_close(f"{mixer} call {call} padded row {what}", getattr(ref.calls[call], what)[0],
                              getattr(mixer.calls[call], what)[0, skip:], rtol=1e-4, atol=1e-6)
     for step in range(3):
@@ -617,4 +617,4 @@ def test_half_precision_keeps_the_logits_bit_identical(family, dtype):
     with rh.watch(model, keep=ALL) as w:
         assert_equal("logits, every state kept", plain, logits_of(model, ids))
         assert_equal("generate, every state kept", tokens, greedy(model, ids, 5))
-    assert w.mixers[0].states.dtype == torch.float32 and w.mixers[0].conv_states.dtype == dtype
+    assert w.mixers[0].states.dtype == torch.float32 and w.mixers[0].windows.dtype == dtype

@@ -17,10 +17,10 @@ def model(request):
 
 
 def zero_memory(model, ids, token=0):
-    with rh.watch(model, keep=("states", "conv_states")) as w, torch.no_grad():
+    with rh.watch(model, keep=("states", "windows")) as w, torch.no_grad():
         model(ids)
     memory = w.mixers[0].memory_after(token)
-    return rh.Memory(memory.state * 0 + 0.5, memory.conv_state * 0)
+    return rh.Memory(memory.state * 0 + 0.5, memory.window * 0)
 
 
 # "fast paths": the fixed rule, the chunk-wise states (the cost model would take the token loop at these dims)

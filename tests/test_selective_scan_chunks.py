@@ -221,7 +221,7 @@ def test_pieces_choose_by_size_and_agree(d_inner, monkeypatch):
 
 
 T = 23
-ALL = ("states", "conv_states", "inputs", "outputs")
+ALL = ("states", "windows", "inputs", "outputs")
 
 
 def _spy(monkeypatch) -> list:
@@ -250,7 +250,7 @@ def _sparse(model, ids, fast, monkeypatch):
     paths = None if fast else rh.Paths(rule="loop")
     runs = _spy(monkeypatch)
     seen = []
-    keep = {"states": [0, 5, 11, -1], "conv_states": [5], "inputs": None}
+    keep = {"states": [0, 5, 11, -1], "windows": [5], "inputs": None}
     with rh.watch(model, keep=keep, paths=paths) as w, torch.no_grad():
         model(ids)
         value = w.mixers[0].state_after(5) * 0.5
@@ -281,8 +281,8 @@ def test_sparse_calls_in_segments_equal_the_token_loop(family, monkeypatch):
                          rtol=1e-4, atol=1e-6)
         assert len(a.calls) == len(b.calls) == 3  # the prompt and two decode steps
         for call in (1, 2):  # the decode steps: what the cache handed over, and the state they left
-            assert_close(f"{a} call {call} state in", a.calls[call].parts[0].inputs["state"],
-                         b.calls[call].parts[0].inputs["state"], rtol=1e-4, atol=1e-6)
+            assert_close(f"{a} call {call} state in", a.calls[call].kernel_calls[0].inputs["state"],
+                         b.calls[call].kernel_calls[0].inputs["state"], rtol=1e-4, atol=1e-6)
             assert_close(f"{a} call {call} state after", a.state_after(0, call), b.state_after(0, call),
                          rtol=1e-4, atol=1e-6)
         assert_close(f"{a} cached state", slow_out.past_key_values.get_recurrent_state(a.layer),
@@ -308,7 +308,7 @@ def test_every_state_kept_chunk_wise_equals_the_token_loop(family, monkeypatch):
     assert_close("hook input", torch.stack(slow_seen), torch.stack(fast_seen), rtol=1e-4, atol=1e-6)
     for a, b in zip(slow.mixers, fast.mixers):
         assert_close(f"{a} every state", a.states, b.states, rtol=1e-4, atol=1e-6)
-        for head, (pa, pb) in enumerate(zip(a.calls[0].parts, b.calls[0].parts, strict=True)):  # zamba: per head
+        for head, (pa, pb) in enumerate(zip(a.calls[0].kernel_calls, b.calls[0].kernel_calls, strict=True)):  # zamba: per head
             assert_close(f"{a} kernel output {head}", pa.output["output"], pb.output["output"], rtol=1e-4, atol=1e-5)
         assert_close(f"{a} cached state", slow_out.past_key_values.get_recurrent_state(a.layer),
                      fast_out.past_key_values.get_recurrent_state(b.layer), rtol=1e-4, atol=1e-6)

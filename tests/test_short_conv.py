@@ -19,7 +19,7 @@ from _models import PAD, build, random_ids
 from _runs import greedy, logits_of
 
 FAMILIES = [name for name, row in rh.FAMILIES.items() if issubclass(row.kind, rh.ShortConvolution)]
-KEEP = ("conv_states", "inputs", "outputs")
+KEEP = ("windows", "inputs", "outputs")
 T = 13  # not a multiple of anything
 
 
@@ -113,7 +113,7 @@ def test_windows_and_outputs_equal_the_float64_equation_at_prompt_and_decode_ste
         assert [c.kernel for c in mixer.calls] == ["causal_conv1d_fn"] + ["causal_conv1d_update"] * 3
         inputs = torch.cat([hidden for hidden, _ in seen], dim=1)  # the whole sequence, prompt and decode steps
         windows, outputs = EQUATIONS[family](mixer.module, inputs)
-        kept = torch.cat([call.conv_states for call in mixer.calls], dim=1)
+        kept = torch.cat([call.windows for call in mixer.calls], dim=1)
         assert_close(f"{mixer} windows", windows, kept, rtol=1e-5, atol=1e-6)
         assert_close(f"{mixer} outputs", outputs, torch.cat([out for _, out in seen], dim=1), rtol=1e-4, atol=1e-5)
 
@@ -129,7 +129,7 @@ def test_windows_are_the_last_inputs_of_each_kernel_call(model):
                 x = torch.cat([record.conv.inputs["conv_state"], x], dim=-1)
             size = record.conv.inputs["weight"].shape[-1]
             expected = _windows(x, size)[:, -record.tokens:]
-            assert_close(f"{mixer} call {record.index}", expected, record.conv_states, rtol=0, atol=0)
+            assert_close(f"{mixer} call {record.index}", expected, record.windows, rtol=0, atol=0)
 
 
 def test_the_loops_equal_transformers_kernels_on_the_recorded_calls(model, family):
@@ -145,7 +145,7 @@ def test_the_loops_equal_transformers_kernels_on_the_recorded_calls(model, famil
             if "conv_state" in x:
                 window = x["conv_state"].clone()
                 theirs = decode(x["hidden_states"], window, x["weight"], x["bias"])
-                assert_close(f"{mixer} call {record.index} window", record.conv_states[:, -1], window, rtol=0, atol=0)
+                assert_close(f"{mixer} call {record.index} window", record.windows[:, -1], window, rtol=0, atol=0)
             else:
                 theirs = prompt(x["hidden_states"], x["weight"], x["bias"])
             assert_close(f"{mixer} call {record.index} output", theirs, record.conv.output["output"], rtol=0, atol=0)
@@ -158,9 +158,9 @@ def _written_at_4(model, ids):
     """A perturbed window after token 4 of the first mixer, and the logits of writing it there."""
     with rh.watch(model, keep=KEEP) as w:
         logits_of(model, ids)
-        value = perturbation(static(w)[0].conv_state_after(4))
+        value = perturbation(static(w)[0].window_after(4))
     with rh.watch(model) as w:
-        static(w)[0].set_conv_state_after(4, value)
+        static(w)[0].set_window_after(4, value)
         return value, logits_of(model, ids)
 
 
@@ -178,23 +178,23 @@ def test_an_in_place_change_under_inference_mode_is_a_write(model):
 
 
 def test_every_kept_window_is_differentiable_as_one_tensor_with_frozen_weights(model):
-    """`conv_states` is differentiable as one tensor with frozen weights: its gradient at t is the kept window's
+    """`windows` is differentiable as one tensor with frozen weights: its gradient at t is the kept window's
     after t (which is the gradient through a written leaf: tests/test_contract.py), and the last window, read by
     no later token of the call, gets none."""
     ids = random_ids(1, T)
     token = 5
     with rh.watch(model, keep=KEEP) as w:
         metric = model(ids).logits[0, -1].logsumexp(-1)
-    (grad,) = torch.autograd.grad(metric, static(w)[0].conv_state_after(token))
+    (grad,) = torch.autograd.grad(metric, static(w)[0].window_after(token))
     assert grad.abs().max() > 0
     model.requires_grad_(False)
     try:
-        with rh.watch(model, keep=("conv_states",)) as w:
+        with rh.watch(model, keep=("windows",)) as w:
             metric = model(ids).logits[0, -1].logsumexp(-1)
-        (every,) = torch.autograd.grad(metric, static(w)[0].conv_states)
+        (every,) = torch.autograd.grad(metric, static(w)[0].windows)
     finally:
         model.requires_grad_(True)
-    assert_close("grad of conv_states at t", grad, every[:, token], rtol=1e-5, atol=1e-8)
+    assert_close("grad of windows at t", grad, every[:, token], rtol=1e-5, atol=1e-8)
     assert every[:, -1].abs().max() == 0, "the last window is read by no later token of the call"
 
 
@@ -215,9 +215,9 @@ def test_left_padded_batch(model):
     with rh.watch(model, keep=KEEP) as alone:
         single = logits_of(model, short)
     for mixer, ref in zip(static(w), static(alone)):
-        assert_close(f"{mixer} padded row windows", ref.conv_states[0], mixer.conv_states[0, pads:],
+        assert_close(f"{mixer} padded row windows", ref.windows[0], mixer.windows[0, pads:],
                      rtol=1e-4, atol=1e-6)
-        assert mixer.conv_states[0, :pads].abs().max() == 0, "padding entered the window"
+        assert mixer.windows[0, :pads].abs().max() == 0, "padding entered the window"
     assert_close("padded row logits", single[0], padded[0, pads:], rtol=1e-4, atol=1e-5)
     plain = greedy(model, ids, 4, attention_mask=mask)
     with rh.watch(model, keep=KEEP) as w:
@@ -230,7 +230,7 @@ def test_the_state_is_unavailable_with_a_clear_message(model):
     with rh.watch(model, keep=KEEP) as w:
         logits_of(model, random_ids(1, 5))
         mixer = static(w)[0]
-        carries = r"has no state; it carries only conv_state \(conv_state_after, set_conv_state_after\)"
+        carries = r"has no state; it carries only window \(window_after, set_window_after\)"
         for read in (lambda: mixer.state_after(0), lambda: mixer.states,
                      lambda: mixer.set_state_after(0, torch.zeros(1)),
                      lambda: mixer.register_state_hook(lambda m, c, t, s: None, which="state")):
@@ -239,8 +239,8 @@ def test_the_state_is_unavailable_with_a_clear_message(model):
                                                       rf" {carries}"):
                 read()
         values = mixer.values()
-        assert values["x"].shape == values["output"].shape == (1, 5, mixer.conv_states.shape[2])
-        assert_close("values: x is the window's newest column", mixer.conv_states[..., -1], values["x"],
+        assert values["x"].shape == values["output"].shape == (1, 5, mixer.windows.shape[2])
+        assert_close("values: x is the window's newest column", mixer.windows[..., -1], values["x"],
                      rtol=0, atol=0)
 
 
@@ -250,7 +250,7 @@ def test_support_rows(model, family):
         assert len(rows) == len({id(mixer.module) for mixer in static(w)})  # a row per module (not per pass)
     for row in rows:
         assert (row.family, row.kind) == (family, rh.FAMILIES[family].kind.__name__)
-        assert row.available == ("conv_states", "inputs", "outputs", "values", "writes", "hooks")
+        assert row.available == ("windows", "inputs", "outputs", "values", "writes", "hooks")
         assert "state" in row.unavailable and "patching_sweep(what='memory' | 'window')" in " ".join(row.unavailable.values())
 
 
@@ -271,7 +271,7 @@ def test_a_memory_per_layer_is_refused_where_a_layer_has_several_mixers(model):
 
 def test_a_window_sweep_equals_one_forward_per_cell(model):
     """patching_sweep(what="window") patches the clean window (here the whole memory) into the corrupt run, one
-    cell per layer x position, equal to a forward with set_conv_state_after; "memory" and "state" ask for a
+    cell per layer x position, equal to a forward with set_window_after; "memory" and "state" ask for a
     recurrent state and raise. Where a layer has several mixers (inkling), a cell per layer is refused."""
     clean = random_ids(1, 8, seed=1)
     corrupt = clean.clone()
@@ -284,19 +284,19 @@ def test_a_window_sweep_equals_one_forward_per_cell(model):
             rh.patching_sweep(model, clean, corrupt, metric, what="window", progress=False)
         return
     sweep = rh.patching_sweep(model, clean, corrupt, metric, what="window", progress=False)
-    with rh.watch(model, keep=("conv_states",)) as w, torch.no_grad():
+    with rh.watch(model, keep=("windows",)) as w, torch.no_grad():
         model(clean, use_cache=False)
     first = static(w)[0]
     for position in (2, 3):
         with rh.watch(model) as patched, torch.no_grad():
-            patched.mixer(first.layer).set_conv_state_after(position, first.conv_state_after(position))
+            patched.mixer(first.layer).set_window_after(position, first.window_after(position))
             value = metric(model(corrupt, use_cache=False).logits)
         assert_close(f"cell (layer {first.layer}, position {position})", value[0],
                      sweep.values[sweep.layers.index(first.layer), position], rtol=1e-5, atol=1e-6)
     # "memory" patches every memory the kind carries: here the window alone
     whole = rh.patching_sweep(model, clean, corrupt, metric, what="memory", progress=False)
     assert_close("the memory sweep is the window sweep", sweep.values, whole.values, rtol=0, atol=0)
-    with pytest.raises(rh.Unavailable, match="has no state; it carries only conv_state"):
+    with pytest.raises(rh.Unavailable, match="has no state; it carries only window"):
         rh.patching_sweep(model, clean, corrupt, metric, what="state", progress=False)
     # attribution patching estimates the same cells: no state rows, window rows that vary with the position
     estimate = rh.attribute(model, clean[:1], corrupt[:1], metric, forward_kwargs={"use_cache": False})
@@ -322,9 +322,9 @@ def test_a_looped_module_has_a_mixer_per_pass_each_with_its_own_calls_and_cache_
     assert (first.layer, first.cache_index, second.layer, second.cache_index) == (1, (1, 2), 1, (3, 2))
     assert repr(second) == "LoopedShortConvolution(inkling2_loop, layer 1, cache layer 3)"
     assert [len(m.calls) for m in (first, second)] == [4, 4] and second.calls[0].tokens == T
-    value = perturbation(second.conv_state_after(5, call=0))
+    value = perturbation(second.window_after(5, call=0))
     with rh.watch(model, keep=KEEP) as w:
-        _passes(w)[1].set_conv_state_after(5, value, call=[0, 1])  # the forward, then generate's prompt
+        _passes(w)[1].set_window_after(5, value, call=[0, 1])  # the forward, then generate's prompt
         with torch.no_grad():
             out = model(ids, use_cache=True)
         steered = greedy(model, ids, 4, output_logits=True, return_dict_in_generate=True)
@@ -333,12 +333,12 @@ def test_a_looped_module_has_a_mixer_per_pass_each_with_its_own_calls_and_cache_
     # not bit for bit: the MoE groups tokens by expert (see the prompt-write test above)
     assert_close("logits at tokens <= 5", reference[:, :6], out.logits[:, :6], rtol=1e-6, atol=1e-7)
     assert (reference[:, 6:] - out.logits[:, 6:]).abs().max() > 1e-6, "a write in pass 1 changed no later logits"
-    assert_close("the written window", value, second_w.conv_state_after(5, call=0), rtol=0, atol=0)
-    assert_close("pass 1's cache layer holds its continued window", second_w.calls[0].conv_states[:, -1],
+    assert_close("the written window", value, second_w.window_after(5, call=0), rtol=0, atol=0)
+    assert_close("pass 1's cache layer holds its continued window", second_w.calls[0].windows[:, -1],
                  cached_window(out.past_key_values, second_w), rtol=0, atol=0)
     for call in range(4):  # calls 0-3 of the generate, after the plain forward (call 0 of this watch)
-        assert_close(f"pass 0 unchanged, call {call}", first.calls[call].conv_states,
-                     first_w.calls[call + 1].conv_states, rtol=0, atol=0)
+        assert_close(f"pass 0 unchanged, call {call}", first.calls[call].windows,
+                     first_w.calls[call + 1].windows, rtol=0, atol=0)
     change = max((a - b).abs().max() for a, b in zip(plain.logits, steered.logits))
     assert change > 1e-6, "a write in pass 1 changed nothing"
 
@@ -372,7 +372,7 @@ def test_a_multi_token_continuation_over_the_cache(model):
     def run(watch_keep=None, write=None):
         with rh.watch(model, keep=watch_keep or ()) as w, torch.no_grad():
             if write is not None:
-                static(w)[0].set_conv_state_after(1, write, call=1)
+                static(w)[0].set_window_after(1, write, call=1)
             first = model(ids[:, :8], use_cache=True)
             second = model(ids[:, 8:], cache=first.past_key_values, use_cache=True)
         return second.logits, w
@@ -384,9 +384,9 @@ def test_a_multi_token_continuation_over_the_cache(model):
         model(ids, use_cache=False)
     for mixer, one in zip(static(w), static(whole)):
         assert [c.kernel for c in mixer.calls] == ["causal_conv1d_fn"] * 2 and mixer.calls[1].tokens == 4
-        assert_close(f"{mixer} continuation windows", one.conv_states[:, 8:], mixer.calls[1].conv_states,
+        assert_close(f"{mixer} continuation windows", one.windows[:, 8:], mixer.calls[1].windows,
                      rtol=1e-6, atol=1e-7)
-    value = perturbation(static(w)[0].conv_state_after(1, call=1))
+    value = perturbation(static(w)[0].window_after(1, call=1))
     steered, _ = run(write=value)
     assert_close("continuation tokens <= 1", plain[:, :2], steered[:, :2], rtol=1e-6, atol=1e-7)
     assert (plain[:, 2:] - steered[:, 2:]).abs().max() > 1e-6
@@ -405,9 +405,9 @@ def test_half_precision_windows_leave_the_logits_bit_identical(name, dtype):
     kwargs = dict(output_logits=True, return_dict_in_generate=True)
     plain, plain_gen = logits_of(model, ids), greedy(model, ids, 3, **kwargs)
     with rh.watch(model, keep=KEEP) as w:
-        assert_close("keep conv_states", plain, logits_of(model, ids), rtol=0, atol=0)
+        assert_close("keep windows", plain, logits_of(model, ids), rtol=0, atol=0)
     expected = torch.float32 if name == "inkling" else dtype
-    assert all(mixer.conv_states.dtype == expected for mixer in static(w))
+    assert all(mixer.windows.dtype == expected for mixer in static(w))
     with rh.watch(model) as w:
         for mixer in static(w):
             mixer.register_state_hook(lambda m, c, t, s: s.clone())
@@ -423,4 +423,4 @@ def test_the_support_command_lists_what_the_kind_offers(capsys, family):
     assert main(["support", family]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"{family}: {rh.FAMILIES[family].mixer_class} -> {rh.FAMILIES[family].kind.__name__}")
-    assert "  available: conv_states, inputs, outputs, values, writes, hooks\n" in out
+    assert "  available: windows, inputs, outputs, values, writes, hooks\n" in out

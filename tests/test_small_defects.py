@@ -4,7 +4,7 @@
   nothing), as writes whose call never ran do; negative positions keep working;
 - a float64 model keeps float64 states, and its watched logits are the unwatched ones to float64 precision;
 - `repr(call)` shows the shapes and dtypes of kept tensors, not their values;
-- `call.inputs` / `call.output` say where a call's kernel data is (`call.conv`, `call.parts[head]`);
+- `call.inputs` / `call.output` say where a call's kernel data is (`call.conv`, `call.kernel_calls[head]`);
 - a state of several parts with a part that is not a tensor: the error names the part and what it should be;
 - rwkv under transformers' batched decode bug: `call.tokens` is the number of positions the WKV kernel ran.
 """
@@ -130,7 +130,7 @@ def test_per_head_inputs_point_to_parts():
     with rh.watch(model, keep=("inputs", "outputs")) as w:
         logits_of(model, random_ids(2, T))
     call = w.mixers[0].calls[0]
-    with pytest.raises(rh.Unavailable, match=r"made \d+ recurrence kernel calls \(one per head\).*call\.parts\[head\]"):
+    with pytest.raises(rh.Unavailable, match=r"made \d+ recurrence kernel calls \(one per head\).*call\.kernel_calls\[head\]"):
         call.inputs
 
 
@@ -159,7 +159,7 @@ def test_part_given_as_list_is_named(family):
 
 def test_rwkv_batched_decode_record_is_what_ran():
     model = build("rwkv")
-    with rh.watch(model, keep=("states", "conv_states")) as w:
+    with rh.watch(model, keep=("states", "windows")) as w:
         greedy(model, random_ids(2, 5), 3)
     mixer = w.mixers[0]
     for call in mixer.calls:

@@ -9,7 +9,7 @@ from _compare import assert_close
 from _models import build, random_ids
 
 MAMBA1 = [name for name, row in rh.FAMILIES.items() if issubclass(row.kind, rh.SelectiveScan)]
-MAMBA2 = [name for name, row in rh.FAMILIES.items() if issubclass(row.kind, rh.StateSpace)]
+MAMBA2 = [name for name, row in rh.FAMILIES.items() if issubclass(row.kind, rh.Mamba2StateSpace)]
 T = 11
 
 
@@ -79,11 +79,11 @@ def test_zamba_runs_one_kernel_call_per_head():
         mixer.register_state_hook(lambda m, c, t, s: seen.append((c, t, m.head, tuple(s.shape))), token=[0, -1])
         with torch.no_grad():
             model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
-    head_dim, d_state = mixer.calls[0].parts[0].inputs["A"].shape
+    head_dim, d_state = mixer.calls[0].kernel_calls[0].inputs["A"].shape
     assert seen[:2 * heads] == [(0, t, h, (2, head_dim, d_state)) for h in range(heads) for t in (0, T - 1)]
-    assert [len(c.parts) for c in mixer.calls] == [heads] * 3
+    assert [len(c.kernel_calls) for c in mixer.calls] == [heads] * 3
     assert mixer.calls[0].states.shape == (2, T, heads, head_dim, d_state)
-    with pytest.raises(rh.Unavailable, match="made 2 recurrence kernel calls .* read call.parts"):
+    with pytest.raises(rh.Unavailable, match="made 2 recurrence kernel calls .* read call.kernel_calls"):
         mixer.calls[0].inputs
     values = mixer.values(0)
     assert values["x"].shape == (2, T, heads, head_dim) and values["B"].shape == (2, T, heads, d_state)
@@ -97,10 +97,10 @@ def test_values_rebuild_the_states(family):
         model(ids)
     mixer = w.mixers[0]
     values, states = mixer.values(), mixer.states
-    parts = mixer.calls[0].parts
+    parts = mixer.calls[0].kernel_calls
     previous = torch.zeros_like(states[:, 0])
     for t in range(T):
-        if isinstance(mixer, rh.StateSpace):
+        if isinstance(mixer, rh.Mamba2StateSpace):
             heads = values["x"].shape[2]
             B = values["B"].float().repeat_interleave(heads // values["B"].shape[2], dim=2)[:, t]  # b h n
             drive = values["dt"][:, t, :, None, None] * values["x"][:, t, :, :, None].float() * B[:, :, None, :]

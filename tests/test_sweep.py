@@ -1,7 +1,7 @@
 """`patching_sweep`: many (layer, position) cells per forward equal one forward per cell through the public writes.
 
 Two references, both a loop of one forward per cell that writes the clean memory with `set_memory_after`
-(or `set_state_after`, `set_conv_state_after`):
+(or `set_state_after`, `set_window_after`):
 
 - bit for bit: with every kernel call on the library's token loop (`route_kernels(model, "torch")` for idle
   calls, `paths=rh.Paths(rule="loop")` for the others), and with each cell's forward at the batch shape the sweep
@@ -58,7 +58,7 @@ def loop_reference(model, clean, corrupt, what, batch_size=None, paths=None):
     """One forward per (layer, position), through the public writes; `batch_size`: run each cell at the
     batch shape `patching_sweep(batch_size=...)` gives it and read its row (None: one prompt per forward);
     `paths`: the watches' policy."""
-    with rh.watch(model, keep=("states", "conv_states"), paths=paths) as a, torch.no_grad():
+    with rh.watch(model, keep=("states", "windows"), paths=paths) as a, torch.no_grad():
         model(clean, use_cache=False)
     mixers = a.mixers
     cells = [(i, p) for i in range(len(mixers)) for p in range(T)]
@@ -74,7 +74,7 @@ def loop_reference(model, clean, corrupt, what, batch_size=None, paths=None):
             elif what == "state":
                 mixer.set_state_after(p, state)
             else:
-                mixer.set_conv_state_after(p, window)
+                mixer.set_window_after(p, window)
             out[i, p] = metric(model(corrupt.expand(rows, T), use_cache=False).logits)[row]
     return out, [m.layer for m in mixers]
 
@@ -173,7 +173,7 @@ def test_bad_arguments_raise_invalid_value_naming_what_was_expected_and_what_cam
 
 def cell_bytes(model, clean):
     """The bytes of one cell's clean memory (the state and the window after a token, batch 1) per recurrent layer."""
-    with rh.watch(model, keep=("states", "conv_states")) as w, torch.no_grad():
+    with rh.watch(model, keep=("states", "windows")) as w, torch.no_grad():
         model(clean, use_cache=False)
     return {m.layer: sum(x.nbytes for x in m.memory_after(0) if x is not None) for m in w.mixers}
 

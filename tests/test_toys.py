@@ -174,7 +174,7 @@ def test_gdn_binding_is_done_by_attention_not_the_state(models):
     model, task = _toy(models, "gdn"), toys.toy_task("gdn")
     clean, corrupt = task.contrast(256, seed=7)
     before = int(task.query_positions[-1]) - 1  # the last token before the last query
-    with torch.no_grad(), rh.watch(model, keep=("states", "conv_states")) as w:
+    with torch.no_grad(), rh.watch(model, keep=("states", "windows")) as w:
         model(corrupt.ids[:, :-1])
         memory = w.mixer(0).memory_after(before)
     with torch.no_grad(), rh.watch(model) as w:
@@ -251,7 +251,7 @@ def _patched_logits(model, clean, corrupt, token_of_row, layers=None):
     (default: all) is written after token ``token_of_row[b]``. Rows are grouped by token, since
     `set_memory_after` takes one token."""
     ids_clean, ids_corrupt = clean.ids[:, :-1], corrupt.ids[:, :-1]  # they differ in the changed value only
-    with torch.no_grad(), rh.watch(model, keep=("states", "conv_states")) as clean_watch:
+    with torch.no_grad(), rh.watch(model, keep=("states", "windows")) as clean_watch:
         model(ids_clean, use_cache=False)
     logits = torch.empty(len(clean), model.config.vocab_size)
     for token in token_of_row.unique().tolist():

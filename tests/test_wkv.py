@@ -35,7 +35,7 @@ from recurrent_hooks.kinds.wkv import extract_key_value, rwkv_linear_attention
 from recurrent_hooks.extend import WkvState
 
 FAMILIES = [name for name, row in rh.FAMILIES.items() if row.kind is rh.WeightedKeyValue]
-ALL = ("states", "conv_states", "inputs", "outputs")
+ALL = ("states", "windows", "inputs", "outputs")
 T = 13
 BATCH, CHANNELS = 2, 16
 
@@ -242,17 +242,17 @@ def test_half_precision_is_bit_identical(family, dtype):
     ids = random_ids(2, T)
     kwargs = dict(output_logits=True, return_dict_in_generate=True)
     plain, generated = logits_of(model, ids), greedy(model, ids[:1], 5, **kwargs)
-    with rh.watch(model, keep=("states", "conv_states")) as w:
+    with rh.watch(model, keep=("states", "windows")) as w:
         assert_equal("prompt logits, kept", plain, logits_of(model, ids))
         watched = greedy(model, ids[:1], 5, **kwargs)
-    assert all(part.dtype == torch.float32 for part in w.mixers[0].states) and w.mixers[0].conv_states.dtype == dtype
+    assert all(part.dtype == torch.float32 for part in w.mixers[0].states) and w.mixers[0].windows.dtype == dtype
     assert_equal("generated tokens, kept", generated.sequences, watched.sequences)
     for step, (a, b) in enumerate(zip(generated.logits, watched.logits)):
         assert_equal(f"logits of call {step}, kept", a, b)
     with rh.watch(model) as w:
         for mixer in w.mixers:
             mixer.register_state_hook(lambda m, c, t, s: None)
-            mixer.register_state_hook(lambda m, c, t, s: None, which="conv_state")
+            mixer.register_state_hook(lambda m, c, t, s: None, which="window")
         assert_equal("prompt logits, hooked", plain, logits_of(model, ids))
 
 
@@ -293,21 +293,21 @@ def test_states_equal_float64_reference_at_prompt_and_decode_steps(model):
 
 def test_a_memory_write_per_row_equals_each_row_written_alone(model):
     ids = random_ids(3, T)
-    with rh.watch(model, keep=("states", "conv_states")) as w, torch.no_grad():
+    with rh.watch(model, keep=("states", "windows")) as w, torch.no_grad():
         model(random_ids(3, T, seed=9))
     value = w.mixers[0].memory_after(3)
     per_row = [2, 5, T - 1]
-    with rh.watch(model, keep=("states", "conv_states")) as w, torch.no_grad():
+    with rh.watch(model, keep=("states", "windows")) as w, torch.no_grad():
         w.mixers[0].set_memory_after(torch.tensor([2, 5, -1]), value)
         logits = model(ids).logits
     for row, token in enumerate(per_row):
-        with rh.watch(model, keep=("states", "conv_states")) as alone, torch.no_grad():
+        with rh.watch(model, keep=("states", "windows")) as alone, torch.no_grad():
             alone.mixers[0].set_memory_after(token, value)
             expected = model(ids).logits
         assert_close(f"row {row} logits", expected[row], logits[row], rtol=0, atol=0)
         assert_state_close(f"row {row} states", WkvState(*[s[row] for s in alone.mixers[0].states]),
                            WkvState(*[s[row] for s in w.mixers[0].states]), rtol=0, atol=0)
-        assert_close(f"row {row} shifts", alone.mixers[0].conv_states[row], w.mixers[0].conv_states[row],
+        assert_close(f"row {row} shifts", alone.mixers[0].windows[row], w.mixers[0].windows[row],
                      rtol=0, atol=0)
 
 
@@ -324,8 +324,8 @@ def test_decode_memories_continue_the_prompt_memories_with_the_cache_on(model):
         assert long.calls[0].inputs["state"] is not None, f"{long}: the long prompt ran without a state"
         decoded = cat_states([c.states for c in mixer.calls], dim=1)
         assert_state_close(f"{mixer} prompt + decode vs one prompt", long.states, decoded, rtol=1e-5, atol=1e-6)
-        shifts = torch.cat([c.conv_states for c in mixer.calls], dim=1)
-        assert_close(f"{mixer} shifts", long.conv_states, shifts, rtol=1e-5, atol=1e-6)
+        shifts = torch.cat([c.windows for c in mixer.calls], dim=1)
+        assert_close(f"{mixer} shifts", long.windows, shifts, rtol=1e-5, atol=1e-6)
 
 
 def test_a_multi_token_continuation_continues_the_state(model):
@@ -341,7 +341,7 @@ def test_a_multi_token_continuation_continues_the_state(model):
         assert [c.tokens for c in mixer.calls] == [8, T - 8]
         assert_state_close(f"{mixer} states", long.states, cat_states([c.states for c in mixer.calls], 1),
                            rtol=1e-6, atol=1e-7)
-        assert_close(f"{mixer} shifts", long.conv_states, torch.cat([c.conv_states for c in mixer.calls], 1),
+        assert_close(f"{mixer} shifts", long.windows, torch.cat([c.windows for c in mixer.calls], 1),
                      rtol=0, atol=0)
     seen = []
     handle = rh.register_state_hook(model.rwkv.blocks[0].attention, lambda m, c, t, s: seen.append((c, t)), token=0)
@@ -390,11 +390,11 @@ def test_shifts_are_the_ln1_outputs_at_prompt_and_decode_steps(model):
         greedy(model, random_ids(1, T), 3)
     for mixer in w.mixers:
         for call, record in enumerate(mixer.calls):
-            assert_close(f"{mixer} call {call} shifts", record.conv.inputs["hidden"], record.conv_states,
+            assert_close(f"{mixer} call {call} shifts", record.conv.inputs["hidden"], record.windows,
                          rtol=0, atol=0)
             if call:  # what the model's state carried into the step: the previous call's last shift
                 carried = record.conv.inputs["state"][1][:, :, mixer.layer]
-                assert_close(f"{mixer} call {call} shift in", mixer.calls[call - 1].conv_states[:, -1], carried,
+                assert_close(f"{mixer} call {call} shift in", mixer.calls[call - 1].windows[:, -1], carried,
                              rtol=0, atol=0)
 
 
@@ -405,10 +405,10 @@ def test_a_shift_write_changes_the_next_tokens_key_only(model):
     ids, token = random_ids(2, T), 5
     with rh.watch(model, keep=ALL) as w:
         plain = logits_of(model, ids)
-        value = perturbation(w.mixers[0].conv_state_after(token))
+        value = perturbation(w.mixers[0].window_after(token))
     unwritten = w.mixers[0].calls[0].inputs["key"]
     with rh.watch(model, keep=ALL) as w:
-        w.mixers[0].set_conv_state_after(token, value)
+        w.mixers[0].set_window_after(token, value)
         written = logits_of(model, ids)
     change = (w.mixers[0].calls[0].inputs["key"] - unwritten).abs().amax(dim=(0, 2))
     assert change[token + 1] > 1e-6 and change[: token + 1].max() == 0 and change[token + 2:].max() == 0, change
@@ -432,7 +432,7 @@ def _first_mixer_outputs(model, ids, memory=None, token=None):
 
 
 def test_the_whole_memory_identity_holds_with_the_cache_on(model):
-    """Memory(state, conv_state) from run A after token t, written into run B (which shares A's tokens after t),
+    """Memory(state, window) from run A after token t, written into run B (which shares A's tokens after t),
     with the cache on, as RWKV runs by default (the contract's form runs without a state: tests/test_contract.py):
     layer 0's outputs after t are A's, the WKV state alone is not enough."""
     token = 6
@@ -446,7 +446,7 @@ def test_the_whole_memory_identity_holds_with_the_cache_on(model):
     assert_close("layer output after t, memory written", out_a[:, token + 1:], patched[:, token + 1:],
                  rtol=1e-5, atol=1e-6)
     state_only, _ = _first_mixer_outputs(model, run_b, rh.Memory(mixer_a.state_after(token),
-                                                                 mixer_b.conv_state_after(token)), token)
+                                                                 mixer_b.window_after(token)), token)
     assert (state_only[:, token + 1] - out_a[:, token + 1]).abs().max() > 1e-6, "the state alone made B continue as A"
 
 
@@ -466,9 +466,9 @@ def test_backward_with_a_state_fails_in_transformers_watched_or_not(model):
 def test_every_kept_state_is_differentiable_with_frozen_weights(model):
     model.requires_grad_(False)
     try:
-        with rh.watch(model, keep=("states", "conv_states")) as w:
+        with rh.watch(model, keep=("states", "windows")) as w:
             metric = model(random_ids(1, T), use_cache=False).logits[0, -1].logsumexp(-1)
-        *states, shifts = torch.autograd.grad(metric, [*w.mixers[0].states, w.mixers[0].conv_states])
+        *states, shifts = torch.autograd.grad(metric, [*w.mixers[0].states, w.mixers[0].windows])
     finally:
         model.requires_grad_(True)
     for name, grad, part in zip(WkvState._fields, states, w.mixers[0].states):
@@ -496,7 +496,7 @@ def test_support_lists_the_kinds_values_and_limits(model, family):
     for limit in ("batched decode", "attention_mask", "eval rescaling", "gradients with a state",
                   "feed-forward shift"):
         assert limit in rows[0].unavailable
-    assert "states" in rows[0].available and "conv_states" in rows[0].available
+    assert "states" in rows[0].available and "windows" in rows[0].available
     with rh.watch(model) as w:
         assert w.mixer(1) is w.mixers[1] and repr(w.mixers[0]) == f"WeightedKeyValue({family}, layer 0)"
 
@@ -512,7 +512,7 @@ def test_a_write_of_the_wrong_shape_names_the_parts(model):
                                                   r" \(axes: batch channels\)"):
             logits_of(model, random_ids(2, T))
     with rh.watch(model) as w:
-        w.mixers[0].set_conv_state_after(2, torch.zeros(2, 3, model.config.hidden_size))
+        w.mixers[0].set_window_after(2, torch.zeros(2, 3, model.config.hidden_size))
         with pytest.raises(rh.InvalidValue, match=r"expected \(2, 32\) \(axes: batch hidden\)"):
             logits_of(model, random_ids(2, T))
 
@@ -527,7 +527,7 @@ def test_a_patching_sweep_cell_is_one_write(model):
         return logits[:, -1, 5] - logits[:, -1, 7]
 
     sweep = rh.patching_sweep(model, clean, corrupt, metric, batch_size=4)
-    with rh.watch(model, keep=("states", "conv_states")) as a, torch.no_grad():
+    with rh.watch(model, keep=("states", "windows")) as a, torch.no_grad():
         model(clean, use_cache=False)
     for layer, token in ((0, 3), (1, 8)):
         with rh.watch(model) as b, torch.no_grad():

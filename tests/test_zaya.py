@@ -20,7 +20,7 @@ from _runs import greedy, logits_of
 from recurrent_hooks.engine.patching import import_default
 from recurrent_hooks.kinds.zaya import CompressedConvolutionalAttention, cca_forward
 
-KEEP = ("conv_states", "states", "inputs", "outputs")
+KEEP = ("windows", "states", "inputs", "outputs")
 T = 13
 
 
@@ -108,7 +108,7 @@ def test_windows_delays_and_outputs_equal_the_float64_equation_at_prompt_and_dec
         assert mixer.calls[0].conv.inputs["conv_state"] is None and mixer.calls[0].conv.inputs["delay"] is None
         x = torch.cat([c.conv.inputs["hidden_states"] for c in mixer.calls], dim=1)
         windows, delays, outputs = _equation(mixer.module, x)
-        assert_close(f"{mixer} windows", windows, torch.cat([c.conv_states for c in mixer.calls], dim=1),
+        assert_close(f"{mixer} windows", windows, torch.cat([c.windows for c in mixer.calls], dim=1),
                      rtol=1e-6, atol=1e-7)
         assert_close(f"{mixer} delays", delays, torch.cat([c.states for c in mixer.calls], dim=1), rtol=1e-6, atol=1e-7)
         for what, want in zip(("query", "key", "value"), outputs):
@@ -202,10 +202,10 @@ def test_watched_logits_equal_unwatched(model, seq):
         assert_equal("idle watch", expected, logits_of(model, ids))
     with rh.watch(model, keep=KEEP) as w:
         assert_equal("keep both memories", expected, logits_of(model, ids))
-    assert w.mixers[0].conv_states.shape == (2, seq, 48, 2) and w.mixers[0].states.shape == (2, seq, 8)
+    assert w.mixers[0].windows.shape == (2, seq, 48, 2) and w.mixers[0].states.shape == (2, seq, 8)
     with rh.watch(model) as w:
         for mixer in w.mixers:
-            mixer.register_state_hook(lambda m, c, t, s: None, which="conv_state")
+            mixer.register_state_hook(lambda m, c, t, s: None, which="window")
             mixer.register_state_hook(lambda m, c, t, s: None, which="state")
         assert_equal("no-op hooks on both memories", expected, logits_of(model, ids))
 
@@ -215,15 +215,15 @@ def test_greedy_generate_and_hooks_at_prompt_tokens_and_decode_steps(model):
     the next token reads; generate's tokens are the unwatched ones."""
     ids = random_ids(2, T)
     expected = greedy(model, ids, 5)
-    seen = {"conv_state": [], "state": []}
-    with rh.watch(model, keep=("conv_states", "states")) as w:
+    seen = {"window": [], "state": []}
+    with rh.watch(model, keep=("windows", "states")) as w:
         mixer = w.mixers[1]
         for which in seen:
             mixer.register_state_hook(lambda m, c, t, s, which=which: seen[which].append((c, t, s.clone())),
                                       which=which)
         assert_equal("generate", expected, greedy(model, ids, 5))
     order = [(0, t) for t in range(T)] + [(k, 0) for k in range(1, 5)]
-    for which, getter in (("conv_state", mixer.conv_state_after), ("state", mixer.state_after)):
+    for which, getter in (("window", mixer.window_after), ("state", mixer.state_after)):
         assert [(c, t) for c, t, _ in seen[which]] == order, which
         for c, t, value in seen[which]:
             assert_equal(f"{which} hooked at call {c}, token {t}", getter(t, call=c), value)
@@ -238,21 +238,21 @@ def _prompt_memories(model, ids):
     return clean, w.mixers[0]
 
 
-@pytest.mark.parametrize("which", ["conv_state", "state", "both"])
+@pytest.mark.parametrize("which", ["window", "state", "both"])
 @pytest.mark.parametrize("token", [0, 5, T - 2])
 def test_a_write_at_a_prompt_token_changes_only_later_tokens_and_the_cache(model, which, token):
     """A write after token t (the window, the delay or both): the logits up to t bit for bit, later ones changed; the
     mixer's q, k, v are the equation's continued from the written memory, and the cache holds what it continued to."""
     ids = random_ids(2, T)
     clean, first = _prompt_memories(model, ids)
-    window = perturbation(first.conv_state_after(token)) if which in ("conv_state", "both") else None
+    window = perturbation(first.window_after(token)) if which in ("window", "both") else None
     delay = perturbation(first.state_after(token), seed=2) if which in ("state", "both") else None
     x = first.calls[0].conv.inputs["hidden_states"]
     with rh.watch(model, keep=KEEP) as w:
         if which == "both":
             w.mixers[0].set_memory_after(token, rh.Memory(delay, window))
-        elif which == "conv_state":
-            w.mixers[0].set_conv_state_after(token, window)
+        elif which == "window":
+            w.mixers[0].set_window_after(token, window)
         else:
             w.mixers[0].set_state_after(token, delay)
         out = model(ids, use_cache=True)
@@ -272,9 +272,9 @@ def test_writes_after_the_last_prompt_token_and_at_a_decode_step_reach_the_next_
     with rh.watch(model, keep=KEEP) as w:
         greedy(model, ids, 4)
     first = w.mixers[0]
-    window, delay = perturbation(first.conv_state_after(-1)), perturbation(first.state_after(0, call=2), seed=2)
+    window, delay = perturbation(first.window_after(-1)), perturbation(first.state_after(0, call=2), seed=2)
     with rh.watch(model, keep=KEEP) as w:
-        w.mixers[0].set_conv_state_after(T - 1, window)
+        w.mixers[0].set_window_after(T - 1, window)
         w.mixers[0].set_state_after(0, delay, call=2)
         greedy(model, ids, 4)
     calls = w.mixers[0].calls
@@ -286,15 +286,15 @@ def test_writes_after_the_last_prompt_token_and_at_a_decode_step_reach_the_next_
 
 def test_a_replacing_hook_is_a_write(model):
     ids = random_ids(1, T)
-    with rh.watch(model, keep=("conv_states", "states")) as w:
+    with rh.watch(model, keep=("windows", "states")) as w:
         logits_of(model, ids)
-    window, delay = perturbation(w.mixers[0].conv_state_after(4)), perturbation(w.mixers[0].state_after(4))
+    window, delay = perturbation(w.mixers[0].window_after(4)), perturbation(w.mixers[0].state_after(4))
     with rh.watch(model) as w:
-        w.mixers[0].set_conv_state_after(4, window)
+        w.mixers[0].set_window_after(4, window)
         w.mixers[0].set_state_after(4, delay)
         written = logits_of(model, ids)
     with rh.watch(model) as w:
-        w.mixers[0].register_state_hook(lambda m, c, t, s: window, call=0, token=4, which="conv_state")
+        w.mixers[0].register_state_hook(lambda m, c, t, s: window, call=0, token=4, which="window")
         w.mixers[0].register_state_hook(lambda m, c, t, s: delay, call=0, token=4, which="state")
         hooked = logits_of(model, ids)
     assert_equal("a replacing hook is a write", written, hooked)
@@ -313,7 +313,7 @@ def test_the_whole_memory_identity(model):
     """set_memory_after(t, memory_after(t)) changes nothing; and runs A and B that share their inputs after t: B
     written with A's memory after t continues as A (the module called on its own, without a cache)."""
     ids = random_ids(2, T)
-    with rh.watch(model, keep=("conv_states", "states")) as w:
+    with rh.watch(model, keep=("windows", "states")) as w:
         clean = logits_of(model, ids)
     memory = w.memory_after(6)
     with rh.watch(model) as w:
@@ -325,7 +325,7 @@ def test_the_whole_memory_identity(model):
     xb = xa.clone()
     t = 6
     xb[:, :t + 1] = torch.randn(2, t + 1, module.hidden_size, generator=gen)
-    with torch.no_grad(), rh.watch(model, keep=("conv_states", "states")) as w:
+    with torch.no_grad(), rh.watch(model, keep=("windows", "states")) as w:
         qa, ka, va = module(xa, None)
         mixer = next(m for m in w.mixers if m.module is module)
         memory = mixer.memory_after(t)
@@ -343,12 +343,12 @@ def test_the_whole_memory_identity(model):
 def test_gradient_with_respect_to_a_kept_delay_and_window(model):
     ids = random_ids(1, T)
     token = 5
-    with rh.watch(model, keep=("conv_states", "states")) as w:
+    with rh.watch(model, keep=("windows", "states")) as w:
         metric = model(ids).logits[0, -1].logsumexp(-1)
     mixer = w.mixers[0]
-    grads = torch.autograd.grad(metric, [mixer.state_after(token), mixer.conv_state_after(token)])
+    grads = torch.autograd.grad(metric, [mixer.state_after(token), mixer.window_after(token)])
     delay = mixer.state_after(token).detach().clone().requires_grad_()
-    window = mixer.conv_state_after(token).detach().clone().requires_grad_()
+    window = mixer.window_after(token).detach().clone().requires_grad_()
     with rh.watch(model) as w:
         w.mixers[0].set_memory_after(token, rh.Memory(delay, window))
         model(ids).logits[0, -1].logsumexp(-1).backward()
@@ -375,7 +375,7 @@ def test_bindings_restored_after_exit_after_a_raising_hook_and_when_nested(model
     def boom(mixer, call, token, state):
         raise KeyError("boom")
 
-    for which in ("conv_state", "state"):
+    for which in ("window", "state"):
         with pytest.raises(KeyError, match="boom"):
             with rh.watch(model) as w:
                 w.mixers[0].register_state_hook(boom, token=3, which=which)
@@ -396,7 +396,7 @@ def test_registry_and_support_rows(model):
     assert [r.layer for r in rows] == [0, 1]
     for r in rows:
         assert (r.family, r.kind) == ("zaya", "CompressedConvolutionalAttention")
-        assert r.available == ("states", "conv_states", "inputs", "outputs", "values", "writes", "hooks")
+        assert r.available == ("states", "windows", "inputs", "outputs", "values", "writes", "hooks")
         assert "activate_past_recording" in r.unavailable["past recording (assisted decoding)"]
 
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .errors import InvalidValue
-from .kernels import KEEPABLE
+from .errors import InvalidValue, renamed
+from .kernels import KEEPABLE, RENAMED_KEEP
 
 
 def as_index(value: Any, what: str, where: str) -> int:
@@ -117,23 +117,38 @@ class _RowTokens:
         return valid & (self.per_row % tokens == token)
 
 
+def renamed_keep(keep: Any) -> Any:
+    """`keep` with its former names (`RENAMED_KEEP`: "conv_states") replaced by the new ones, each with a
+    `RecurrentHooksDeprecationWarning`; anything else is returned as it came (`normalize_keep` checks it)."""
+    if isinstance(keep, str):
+        keep = (keep,)
+    names = keep.keys() if isinstance(keep, Mapping) else keep if isinstance(keep, Sequence) else ()
+    old = [name for name in names if isinstance(name, str) and name in RENAMED_KEEP]
+    if not old:
+        return keep
+    for name in old:
+        renamed(f"watch: keep={name!r}", f"keep={RENAMED_KEEP[name]!r}", stacklevel=5)
+    if isinstance(keep, Mapping):
+        return {RENAMED_KEEP.get(name, name): positions for name, positions in keep.items()}
+    return tuple(RENAMED_KEEP.get(name, name) for name in keep)
+
+
 def normalize_keep(
     keep: Sequence[str] | Mapping[str, Iterable[int] | None],
 ) -> tuple[dict[str, tuple[int, ...] | None], frozenset[str]]:
-    """`keep` as (memory -> kept token positions, None for every token; the kernel records kept: "inputs",
-    "outputs"). Names are checked against KEEPABLE."""
-    if isinstance(keep, str):
-        keep = (keep,)
+    """`keep` as (memory -> kept token positions, None for every token; the kernel's tensors kept: "inputs",
+    "outputs"). Names are checked against KEEPABLE (a former name warns: `renamed_keep`)."""
+    keep = renamed_keep(keep)
     items = keep.items() if isinstance(keep, Mapping) else ((name, None) for name in keep)
     memories: dict[str, tuple[int, ...] | None] = {}
-    records: set[str] = set()
+    kernel_io: set[str] = set()
     for name, positions in items:
         if name not in KEEPABLE:
             raise InvalidValue(f"watch: cannot keep {[name]}; keep takes names from {tuple(KEEPABLE)}")
         if KEEPABLE[name] is None:
-            records.add(name)
+            kernel_io.add(name)
         else:
             memories[KEEPABLE[name]] = _as_targets(positions, f"keep[{name!r}]", "watch")
-    return memories, frozenset(records)
+    return memories, frozenset(kernel_io)
 
 

@@ -5,8 +5,8 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from .errors import Unavailable
-from .kernels import CONV_MEMORY, STATE_MEMORY
+from .errors import Unavailable, renamed
+from .kernels import CONV_MEMORY, KEEP_NAMES, STATE_MEMORY, memory_name
 from .parts import map_parts, stack_parts
 
 
@@ -27,10 +27,17 @@ def brief(value: Any) -> str:
 
 class Memory(NamedTuple):
     """The whole memory of a mixer after a token: what the next token continues from (None: a memory
-    the mixer's kind does not carry, e.g. the state of a short convolution)."""
+    the mixer's kind does not carry, e.g. the state of a short convolution). `window` is the convolution
+    window (formerly `conv_state`)."""
 
     state: Tensor | None
-    conv_state: Tensor | None
+    window: Tensor | None
+
+    @property
+    def conv_state(self) -> Tensor | None:
+        """The former name of `window`."""
+        renamed("Memory.conv_state", "Memory.window")
+        return self.window
 
 
 @dataclasses.dataclass(eq=False)
@@ -61,6 +68,7 @@ class Call:
         mix.calls[0].inputs["value"]   # its arguments by name
         mix.calls[0].output["output"]  # its results by name
         mix.calls[0].states            # per-token states, if kept
+        mix.calls[0].windows           # per-token convolution windows, if kept
         mix.calls[0].conv              # the convolution kernel's KernelCall
         mix.calls[3].reorder           # beam search: the cache rows this decode step continues, or None
 
@@ -69,14 +77,15 @@ class Call:
     cloned after the call into `output["final_state"]`.
 
     A mixer that runs its recurrence kernel once per head (zamba) makes several kernel calls in one
-    call: `parts[h]` is head h's `KernelCall`, and `states` stacks the heads on the axis after `seq`.
+    call: `kernel_calls[h]` is head h's `KernelCall`, and `states` stacks the heads on the axis after `seq`.
+    (A call is the record of one forward; what it holds of the kernels' tensors is what `keep` kept.)
     """
 
     index: int
     where: str = ""
     tokens: int | None = None
     reorder: Tensor | None = None  # beam search: row b of this call continues row reorder[b] of the previous call
-    parts: list[KernelCall] = dataclasses.field(default_factory=list)
+    kernel_calls: list[KernelCall] = dataclasses.field(default_factory=list)
     conv: KernelCall | None = None
     # memory -> one {token: tensor} per kernel call (per head), and the positions kept (None: every token)
     _kept: dict[str, list[dict[int, Tensor]]] = dataclasses.field(default_factory=dict, repr=False)
@@ -95,22 +104,28 @@ class Call:
         kept = {memory: "every token" if self._positions.get(memory) is None else sorted(parts[0])
                 for memory, parts in self._kept.items()}
         return (f"Call(index={self.index}, where={self.where!r}, tokens={self.tokens}, kernel={self.kernel!r},"
-                f" reorder={brief(self.reorder)}, parts={brief(self.parts)}, conv={brief(self.conv)}, kept={kept})")
+                f" reorder={brief(self.reorder)}, kernel_calls={brief(self.kernel_calls)}, conv={brief(self.conv)}, kept={kept})")
+
+    @property
+    def parts(self) -> list[KernelCall]:
+        """The former name of `kernel_calls`."""
+        renamed("Call.parts", "Call.kernel_calls")
+        return self.kernel_calls
 
     @property
     def kernel(self) -> str | None:
         """The recurrence kernel that fired (a kind with only a convolution window: its conv kernel)."""
-        if self.parts:
-            return self.parts[0].kernel
+        if self.kernel_calls:
+            return self.kernel_calls[0].kernel
         return self.conv.kernel if self.conv is not None else None
 
     def _single(self, name: str) -> KernelCall:
         """The call's one recurrence kernel call (`name`: the attribute asked for, for the message)."""
-        if len(self.parts) == 1:
-            return self.parts[0]
-        if self.parts:
-            raise Unavailable(f"{self.where}: call {self.index} made {len(self.parts)} recurrence kernel calls"
-                              f" (one per head): read call.parts[head].{name}")
+        if len(self.kernel_calls) == 1:
+            return self.kernel_calls[0]
+        if self.kernel_calls:
+            raise Unavailable(f"{self.where}: call {self.index} made {len(self.kernel_calls)} recurrence kernel"
+                              f" calls (one per head): read call.kernel_calls[head].{name}")
         if self.conv is not None:
             raise Unavailable(f"{self.where}: call {self.index} made no recurrence kernel call (this mixer's memory"
                               f" is a convolution window only): its kernel call ({self.conv.kernel}) is call.conv;"
@@ -119,13 +134,13 @@ class Call:
 
     @property
     def inputs(self) -> dict[str, Any]:
-        """The recurrence kernel's arguments by name (kernel once per head: `parts[h].inputs`; a convolution
+        """The recurrence kernel's arguments by name (kernel once per head: `kernel_calls[h].inputs`; a convolution
         window only: `conv.inputs`)."""
         return self._recorded(self._single("inputs").inputs, "inputs")
 
     @property
     def output(self) -> dict[str, Any]:
-        """The recurrence kernel's results by name (kernel once per head: `parts[h].output`; a convolution
+        """The recurrence kernel's results by name (kernel once per head: `kernel_calls[h].output`; a convolution
         window only: `conv.output`)."""
         return self._recorded(self._single("output").output, "outputs")
 
@@ -145,13 +160,19 @@ class Call:
         return self._all(STATE_MEMORY)
 
     @property
-    def conv_states(self) -> Tensor:
+    def windows(self) -> Tensor:
         """The convolution window after every token of this call, `[batch, seq, channels, kernel_size]`."""
         return self._all(CONV_MEMORY)
 
+    @property
+    def conv_states(self) -> Tensor:
+        """The former name of `windows`."""
+        renamed("Call.conv_states", "Call.windows")
+        return self.windows
+
     def _kept_parts(self, memory: str) -> list[dict[int, Tensor]]:
         if memory not in self._kept:
-            name = "states" if memory == STATE_MEMORY else "conv_states"
+            name = KEEP_NAMES[memory]
             raise Unavailable(f"{self.where}: call {self.index} kept no {name}; pass keep=({name!r},) to watch")
         return self._kept[memory]
 
@@ -189,12 +210,14 @@ class Call:
 
     def differentiable(self, memory: str) -> list[Tensor]:
         """Per kernel call (one, or one per head), the kept states of every token as one tensor that the
-        forward read them through: `torch.autograd.grad(metric, ...)` works on each (grad mode, every token)."""
+        forward read them through: `torch.autograd.grad(metric, ...)` works on each (grad mode, every token).
+        `memory` is "state" or "window"."""
+        memory = memory_name(memory, "Call.differentiable")
         parts = self._kept_parts(memory)
         buffers = self._buffers.get(memory) or [None] * len(parts)
         if any(buffer is None for buffer in buffers):
             raise Unavailable(f"{self.where}: call {self.index} kept no differentiable {memory}s: keep every token"
-                              " (keep=('states',) or 'conv_states') and run the forward with gradients enabled")
+                              " (keep=('states',) or 'windows') and run the forward with gradients enabled")
         return list(buffers)
 
     def _after(self, memory: str, token: int) -> Tensor:

@@ -162,7 +162,7 @@ def restarted(mixer: "RecurrentMixer", kernel: str, reason: str) -> None:
 
 def store(mixer: "RecurrentMixer", memory: str, kernel: str, kept: "dict[int, Any] | None",
           inputs: "dict[str, Any] | None", output: "dict[str, Any] | None", path: str) -> None:
-    """File a kernel call's kept states, records and path in the running call's record, when the graph runs."""
+    """File a kernel call's kept states, kernel inputs and outputs and path in the running call's record, when the graph runs."""
     tensors: list[Tensor] = []
     spec = (memory, kernel, _encode(kept, tensors), _encode(inputs, tensors), _encode(output, tensors), path)
     _event(_CLOCKS[mixer._key], mixer._key, "store", [], repr(spec), tensors)

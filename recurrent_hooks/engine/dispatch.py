@@ -244,7 +244,7 @@ class _Tap:
         served = [kernel.serving(memory) for memory in kernel.memories]  # one row per memory the kernel updates
         plans = [[mixer._plan(row, tokens) for mixer in entry.mixers] for row in served]
         recompute = entry.forward.recompute
-        records = set() if recompute else {name for mixer in entry.mixers for name in mixer.records}
+        records = set() if recompute else {name for mixer in entry.mixers for name in mixer.kernel_io}
         live_state = arguments.get(kernel.state_in) if isinstance(kernel.state_in, str) else None
         if "inputs" in records:
             for name in kernel.state_arguments:
@@ -262,14 +262,14 @@ class _Tap:
         else:
             takers = [_Taker(per_memory, tokens) for per_memory in busy]
             fast = _fast_path(kernel, busy[0], tokens, arguments) if len(served) == 1 else None
-            path = strategies.Path.LOOP.value if fast is None else fast.path.value
+            path = strategies.Strategy.LOOP.value if fast is None else fast.path.value
             on_token = takers[0].on_token
             extra = {"tokens": tokens} if kernel.seq == FORWARD else {}
             if len(served) > 1:  # the second memory's hooks, writes and kept values (`Kernel.also`)
                 extra["on_also"] = takers[1].on_token
             if "original" in kernel.layout.named:  # a loop that reads settings the kernel captured
                 extra["original"] = original
-            if fast is not None and fast.path is strategies.Path.BLOCKS:  # the states chunk-wise, a block at a time
+            if fast is not None and fast.path is strategies.Strategy.BLOCKS:  # the states chunk-wise, a block at a time
                 result = _blocks.run_in_blocks(kernel, args, kwargs, on_token)
             elif fast is not None and kernel.segments is None:  # the loop computes fast between the stops itself
                 result = kernel.loop(*args, on_token=on_token, stops=fast.stops, **extra, **kwargs)

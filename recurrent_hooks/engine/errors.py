@@ -7,7 +7,11 @@ Module contents:
   shape, dtype or device, or an argument is out of its range.
 - `RecurrentHooksWarning`: something the block asked for did not happen, but nothing went wrong
   (a write aimed at a decode step that a generation stopped before).
+- `RecurrentHooksDeprecationWarning`, `renamed`: a renamed name was used (it works for one more release).
 """
+
+import sys
+import warnings
 
 
 class RecurrentHooksError(Exception):
@@ -30,3 +34,24 @@ class InvalidValue(RecurrentHooksError, ValueError):
 
 class RecurrentHooksWarning(UserWarning):
     """Something a watch was asked for did not happen, though nothing went wrong (e.g. a write whose call never ran)."""
+
+
+class RecurrentHooksDeprecationWarning(FutureWarning):
+    """A name the library renamed was used: it still works for one release; the message names the new one."""
+
+
+def renamed(old: str, new: str, stacklevel: int = 3) -> None:
+    """Warn that `old` is the former name of `new` (docs/api.md, "Renamed")."""
+    warnings.warn(f"{old} is renamed {new}; the old name goes in the next release",
+                  RecurrentHooksDeprecationWarning, stacklevel=stacklevel)
+
+
+def renamed_attribute(module: str, name: str, renames: dict[str, str], namespace: dict[str, object]) -> object:
+    """A module's `__getattr__` for its former names: the object under the new name, with a warning."""
+    if name not in renames:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    # `from recurrent_hooks import StateSpace` looks the name up twice: importlib's `hasattr` check of the
+    # package, then the import itself. Only the second, the user's, warns.
+    if sys._getframe(2).f_globals.get("__name__") != "importlib._bootstrap":
+        renamed(f"{module}.{name}", f"{module}.{renames[name]}", stacklevel=4)
+    return namespace[renames[name]]

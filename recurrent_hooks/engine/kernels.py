@@ -2,7 +2,8 @@
 
 Module contents:
 - `STATE_MEMORY`, `CONV_MEMORY`: the two memories of a mixer (its recurrent state, its conv window);
-  `KEEPABLE`: what `watch(keep=...)` takes, and which memory each name keeps; `KERNEL_RECORDS`.
+  `KEEPABLE`: what `watch(keep=...)` takes, and which memory each name keeps; `KERNEL_IO`; the former names
+  (`RENAMED_KEEP`, `RENAMED_MEMORY`, `memory_name`).
 - `Site`: where a kernel is bound, so that the library can rebind it: a global of the modeling module, an
   attribute of one of its classes (a method), or an attribute of an object inside each mixer module.
 - `Role`: which calls a kernel serves: prompts, one-token decode steps, or both.
@@ -21,10 +22,23 @@ from typing import Any
 
 import torch
 
+from .errors import renamed
 
-STATE_MEMORY, CONV_MEMORY = "state", "conv_state"  # the two memories of a mixer
-KEEPABLE = {"inputs": None, "outputs": None, "states": STATE_MEMORY, "conv_states": CONV_MEMORY}  # keep name -> memory
-KERNEL_RECORDS = ("inputs", "outputs")  # the keep names of the kernel's arguments and results
+
+STATE_MEMORY, CONV_MEMORY = "state", "window"  # the two memories of a mixer: its state, its convolution window
+KEEPABLE = {"inputs": None, "outputs": None, "states": STATE_MEMORY, "windows": CONV_MEMORY}  # keep name -> memory
+KEEP_NAMES = {memory: name for name, memory in KEEPABLE.items() if memory is not None}  # memory -> keep name
+KERNEL_IO = ("inputs", "outputs")  # the keep names of the kernel's arguments and results
+RENAMED_KEEP = {"conv_states": "windows"}  # former keep names (docs/api.md, "Renamed"): they warn
+RENAMED_MEMORY = {"conv_state": CONV_MEMORY}  # former memory names (`which=`, `differentiable`): they warn
+
+
+def memory_name(memory: object, where: str) -> object:
+    """`memory` with a former name replaced by the new one (with a `RecurrentHooksDeprecationWarning`)."""
+    if isinstance(memory, str) and memory in RENAMED_MEMORY:
+        renamed(f"{where}: the memory {memory!r}", repr(RENAMED_MEMORY[memory]), stacklevel=4)
+        return RENAMED_MEMORY[memory]
+    return memory
 FORWARD = "forward"  # Kernel.seq: the kernel covers the forward's tokens (and maybe a cached prefix before them)
 
 

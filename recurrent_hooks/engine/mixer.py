@@ -9,7 +9,7 @@ Vocabulary (docs/concepts.md has the long form):
 - kernel: a module-global function the mixer's forward calls; the library rebinds it (see
   `patching`) to a dispatcher that knows which mixer is running.
 - memory: what a mixer carries from token to token: its recurrent `state` and the window of its
-  causal convolution, `conv_state`. Each kernel updates one of them (`Kernel.memory`), or both (`Kernel.also`:
+  causal convolution, `window`. Each kernel updates one of them (`Kernel.memory`), or both (`Kernel.also`:
   a whole forward that carries two, zaya's CCA).
 
 Where this module sits: the package's layers are drawn in docs/architecture.md (and listed in
@@ -51,11 +51,11 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from .errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable
+from .errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable, renamed
 from .arguments import _as_targets, _describe_calls, _describe_token, _RowTokens, as_calls, as_index, normalize_keep
 from . import compiled as _compiled
 from .calls import Call, KernelCall, Memory, _position
-from .kernels import CONV_MEMORY, STATE_MEMORY, Kernel, Role
+from .kernels import CONV_MEMORY, KEEP_NAMES, STATE_MEMORY, Kernel, Role, memory_name
 from .parts import State, axes_of, describe, is_parts, map_parts, not_a_tensor, parts_of
 from .strategies import DEFAULT as _DEFAULT_PATHS
 from .strategies import Paths
@@ -103,7 +103,7 @@ class _Hook:
 
 
 # how a memory is read and written, for messages
-_ACCESSORS = {STATE_MEMORY: "state_after, set_state_after", CONV_MEMORY: "conv_state_after, set_conv_state_after"}
+_ACCESSORS = {STATE_MEMORY: "state_after, set_state_after", CONV_MEMORY: "window_after, set_window_after"}
 _SHOWN = 3  # calls named in a message about calls that never ran; the rest are counted
 
 
@@ -191,7 +191,7 @@ class RecurrentMixer:
       hooks run once per head with that head's state, and `mixer.head` says which head is running;
     - `ROUTES`: the words `route_kernels` accepts for this kind, each meaning "torch" or "default";
     - `MEMORIES`: the memories the kind's mixers carry, the one every watched call updates first
-      (`state`, `conv_state`; a short convolution has only `conv_state`);
+      (`state`, `window`; a short convolution has only `window`);
     - `FORWARD_INPUT`, `FORWARD_CACHE`: the mixer forward's argument whose axis 1 counts the call's
       tokens, and the names its cache may come under (`_parse_forward` reads them; a kind whose
       forward differs overrides it);
@@ -230,7 +230,7 @@ class RecurrentMixer:
         # the module's own layer_idx; else `layer`, the watch's reading of the module's path (a mixer module
         # that does not store its index, e.g. "model.layers.3.temporal_block")
         self.layer: int | None = getattr(module, self.LAYER_ATTRIBUTE, layer)
-        self.keep, self.records = normalize_keep(keep)
+        self.keep, self.kernel_io = normalize_keep(keep)
         self.calls: list[Call] = []
         self.head: int | None = None  # the head of the running recurrence kernel call (KERNEL_PER_HEAD kinds)
         self.recomputing = False  # the running forward is a checkpointed forward being recomputed
@@ -273,7 +273,7 @@ class RecurrentMixer:
         """The declared kernel that serves `role` ("prompt" or "decode") for `memory` (default: the kind's
         first memory); a kernel declared for both roles serves either, one that updates two memories both.
 
-            rh.StateSpace.kernel_for("prompt").name   # "mamba2_chunk_scan"
+            rh.Mamba2StateSpace.kernel_for("prompt").name   # "mamba2_chunk_scan"
         """
         role, memory = Role(role), memory or cls.MEMORIES[0]
         for kernel in cls.KERNELS:
@@ -349,10 +349,16 @@ class RecurrentMixer:
         return self._call(None, "states").states
 
     @property
+    def windows(self) -> Float[Tensor, "batch seq channels kernel_size"]:
+        """The convolution window after every token of the last call (needs keep=("windows",))."""
+        self._has(CONV_MEMORY, "windows")
+        return self._call(None, "windows").windows
+
+    @property
     def conv_states(self) -> Float[Tensor, "batch seq channels kernel_size"]:
-        """The convolution window after every token of the last call (needs keep=("conv_states",))."""
-        self._has(CONV_MEMORY, "conv_states")
-        return self._call(None, "conv_states").conv_states
+        """The former name of `windows`."""
+        renamed("RecurrentMixer.conv_states", "RecurrentMixer.windows")
+        return self.windows
 
     def state_after(self, token: int, call: int | None = None) -> Float[Tensor, "batch *state"]:
         """The state after `token` (negative counts from the end) of call `call` (default: the last call).
@@ -365,18 +371,23 @@ class RecurrentMixer:
         self._has(STATE_MEMORY, "state_after")
         return self._call(call, "state_after")._after(STATE_MEMORY, as_index(token, "token", where))
 
-    def conv_state_after(self, token: int, call: int | None = None) -> Float[Tensor, "batch channels kernel_size"]:
+    def window_after(self, token: int, call: int | None = None) -> Float[Tensor, "batch channels kernel_size"]:
         """The convolution window after `token` of call `call`: the last kernel_size conv inputs, oldest
         first, in the layout of transformers' cache; token+1 reads its last kernel_size-1 columns."""
-        where = f"{self}.conv_state_after"
-        self._has(CONV_MEMORY, "conv_state_after")
-        return self._call(call, "conv_state_after")._after(CONV_MEMORY, as_index(token, "token", where))
+        where = f"{self}.window_after"
+        self._has(CONV_MEMORY, "window_after")
+        return self._call(call, "window_after")._after(CONV_MEMORY, as_index(token, "token", where))
+
+    def conv_state_after(self, token: int, call: int | None = None) -> Float[Tensor, "batch channels kernel_size"]:
+        """The former name of `window_after`."""
+        renamed("RecurrentMixer.conv_state_after", "RecurrentMixer.window_after")
+        return self.window_after(token, call)
 
     def memory_after(self, token: int, call: int | None = None) -> Memory:
-        """The whole memory after `token`: `Memory(state, conv_state)` (needs both kept; a memory the kind
+        """The whole memory after `token`: `Memory(state, window)` (needs both kept; a memory the kind
         does not carry is None)."""
         return Memory(*(getter(token, call) if memory in self.MEMORIES else None for memory, getter in
-                        ((STATE_MEMORY, self.state_after), (CONV_MEMORY, self.conv_state_after))))
+                        ((STATE_MEMORY, self.state_after), (CONV_MEMORY, self.window_after))))
 
     def values(self, call: int | None = None) -> dict[str, Tensor]:
         """The per-token values of call `call` (default: the last), token-major, named as in `VALUES`.
@@ -387,11 +398,11 @@ class RecurrentMixer:
         needed). Mixers that run their kernel once per head stack the heads on the axis after `seq`.
         """
         record = self._call(call, "values")
-        if not record.parts:
+        if not record.kernel_calls:
             raise Unavailable(f"{self}: call {record.index} made no recurrence kernel call")
-        for part in record.parts:
+        for part in record.kernel_calls:
             record._recorded(part.inputs, "inputs"), record._recorded(part.output, "outputs")
-        per_part = [self._token_values(part) for part in record.parts]
+        per_part = [self._token_values(part) for part in record.kernel_calls]
         if len(per_part) == 1:
             return per_part[0]
         return {name: torch.stack([values[name] for values in per_part], dim=2) for name in per_part[0]}
@@ -403,7 +414,7 @@ class RecurrentMixer:
 
     def _effective_attention(self, calls: range, dtype: torch.dtype) -> Any:
         """The exact effective attention (`effective.EffectiveAttention`) over the history `calls`, from their
-        kept records; a kind with the maths overrides this (`rh.effective_attention` checks the history)."""
+        kept inputs and outputs; a kind with the maths overrides this (`rh.effective_attention` checks the history)."""
         raise Unavailable(f"{self}: no effective attention for the kind {type(self).__name__}")
 
     def _call(self, call: Any, method: str) -> Call:
@@ -438,16 +449,16 @@ class RecurrentMixer:
         outside one of them raises; with `call=None` or an open slice, calls without the token are
         skipped. Calls that never run (a generation that stopped early) are not an error for hooks.
         A model that `fn` runs is not watched: its kernels run untouched.
-        `which="conv_state"` hooks the convolution window instead (`[batch, channels, kernel_size]`).
+        `which="window"` hooks the convolution window instead (`[batch, channels, kernel_size]`).
         The default is the kind's first memory (`MEMORIES[0]`): the state, or the window of a kind that
         carries only a window (a short convolution).
         """
         where = f"{self}.register_state_hook"
-        which = self.MEMORIES[0] if which is None else which
+        which = self.MEMORIES[0] if which is None else memory_name(which, where)
         if not callable(fn):
             raise InvalidValue(f"{where}: expected a callable fn(mixer, call, token, state), got {fn!r}")
         if which not in (STATE_MEMORY, CONV_MEMORY):
-            raise InvalidValue(f"{where}: expected which='state' or which='conv_state', got {which!r}")
+            raise InvalidValue(f"{where}: expected which='state' or which='window', got {which!r}")
         self._has(which, "register_state_hook")
         calls = as_calls(call, where)
         name = getattr(fn, "__qualname__", repr(fn))
@@ -466,17 +477,23 @@ class RecurrentMixer:
         """
         return self._add_hooks(self._write(STATE_MEMORY, token, value, call, "set_state_after"))
 
-    def set_conv_state_after(self, token: int, value: Tensor, call: "int | Iterable[int] | slice | None" = 0
-                             ) -> RemovableHandle:
+    def set_window_after(self, token: int, value: Tensor, call: "int | Iterable[int] | slice | None" = 0
+                         ) -> RemovableHandle:
         """Replace the convolution window after `token` of call `call` by `value` (`[batch, channels,
         kernel_size]`, the cache's layout and dtype): tokens token+1.. read it, and so does the cache."""
-        return self._add_hooks(self._write(CONV_MEMORY, token, value, call, "set_conv_state_after"))
+        return self._add_hooks(self._write(CONV_MEMORY, token, value, call, "set_window_after"))
+
+    def set_conv_state_after(self, token: int, value: Tensor, call: "int | Iterable[int] | slice | None" = 0
+                             ) -> RemovableHandle:
+        """The former name of `set_window_after`."""
+        renamed("RecurrentMixer.set_conv_state_after", "RecurrentMixer.set_window_after")
+        return self.set_window_after(token, value, call)
 
     def set_memory_after(self, token: int, memory: Memory, call: "int | Iterable[int] | slice | None" = 0
                          ) -> RemovableHandle:
         """Write the whole memory after `token` (state and conv window), e.g. kept in another run.
 
-            with rh.watch(model, keep=("states", "conv_states")) as a:
+            with rh.watch(model, keep=("states", "windows")) as a:
                 model(ids_a)
             with rh.watch(model) as b:
                 b.mixers[0].set_memory_after(7, a.mixers[0].memory_after(7))
@@ -484,7 +501,7 @@ class RecurrentMixer:
         """
         if not isinstance(memory, tuple) or len(memory) != 2:
             raise InvalidValue(f"{self}.set_memory_after({token!r}, call={call!r}): expected a Memory(state,"
-                               f" conv_state), got {type(memory).__name__}")
+                               f" window), got {type(memory).__name__}")
         parts = [(name, value) for name, value in zip((STATE_MEMORY, CONV_MEMORY), memory) if name in self.MEMORIES]
         return self._add_hooks(*(self._write(name, token, value, call, "set_memory_after") for name, value in parts))
 
@@ -550,7 +567,7 @@ class RecurrentMixer:
             missed = [t for t in wanted or () if t not in self._keep_reached.get(memory, set())]
             if not lengths or not missed:
                 continue
-            name = "states" if memory == STATE_MEMORY else "conv_states"
+            name = KEEP_NAMES[memory]
             shown = "; ".join(f"call {call}: {tokens} token{'s' if tokens != 1 else ''}"
                               for call, tokens in lengths[:_SHOWN]) + ("; ..." if len(lengths) > _SHOWN else "")
             at = ", ".join(f"token {t}" for t in missed)
@@ -577,12 +594,12 @@ class RecurrentMixer:
 
     def _wants(self, index: int | None) -> bool:
         """Whether call `index` has hooks, writes or kept values (None: a recompute of an idle call)."""
-        return index is not None and (bool(self.keep) or bool(self.records)
+        return index is not None and (bool(self.keep) or bool(self.kernel_io)
                                       or any(hook.targets(index) for hook in self._all_hooks()))
 
     def _wants_some(self) -> bool:
         """Whether some call has hooks, writes or kept values (a compiled graph serves every call)."""
-        return bool(self.keep) or bool(self.records) or any(hook.targets_some for hook in self._all_hooks())
+        return bool(self.keep) or bool(self.kernel_io) or any(hook.targets_some for hook in self._all_hooks())
 
     @classmethod
     def _instances(cls, module: nn.Module, model: nn.Module) -> tuple[Any, ...]:
@@ -725,8 +742,8 @@ class RecurrentMixer:
         )
 
     def _store(self, plan: "_Plan", kernel: Kernel, part: KernelCall, tokens: int) -> None:
-        inputs = part.inputs if "inputs" in self.records else None
-        output = part.output if "outputs" in self.records else None
+        inputs = part.inputs if "inputs" in self.kernel_io else None
+        output = part.output if "outputs" in self.kernel_io else None
         if _compiled.compiling():
             if self._history:  # filed in the call's record when the graph runs
                 _compiled.store(self, kernel.memory, kernel.name, plan.kept, inputs, output, part.path)
@@ -746,7 +763,7 @@ class RecurrentMixer:
 
     def _file(self, memory: str, kernel: str, kept: "dict[int, State] | None", inputs: dict[str, Any] | None,
               output: dict[str, Any] | None, stacked: State | None = None, path: str = "bound kernel") -> None:
-        """File one kernel call in the running call's record: its records, its path, and the states it kept."""
+        """File one kernel call in the running call's record: its inputs and outputs, its path, and the states it kept."""
         record = self._current
         if record is None:
             return
@@ -754,7 +771,7 @@ class RecurrentMixer:
         if memory == CONV_MEMORY:
             record.conv = part
         else:
-            record.parts.append(part)
+            record.kernel_calls.append(part)
         if kept is not None:
             record._kept.setdefault(memory, []).append(kept)
             record._buffers.setdefault(memory, []).append(stacked)

@@ -1,17 +1,17 @@
 """Which path a busy prompt call takes: an estimate of each path's cost from the call's shapes, the cheapest wins.
 
 A call with hooks, writes or kept states ("busy") can run in several ways (`dispatch._Tap._run_kernel`):
-- `Path.SEGMENTS`: the kernel bound before the watch on the pieces between the stops (the tokens with
+- `Strategy.SEGMENTS`: the kernel bound before the watch on the pieces between the stops (the tokens with
   hooks, writes or kept states), chaining the state through its `initial_state` argument. A piece may end
   with a short token loop from its last chunk boundary to its stop (`Choice.tails`, only with `Paths(tails=True)`): a
   chunked kernel pads every call up to a multiple of its chunk, so a stop just past a boundary pays for a whole
   chunk;
-- `Path.STATES`: the library's chunk-wise all-states kernel (`Segments.all_states`), when every state is
+- `Strategy.STATES`: the library's chunk-wise all-states kernel (`Segments.all_states`), when every state is
   kept and gradients are off (with a hook at a few tokens, in segments around them);
-- `Path.BLOCKS`: a hook at every token, gradients off, with the states computed a block at a time by the
+- `Strategy.BLOCKS`: a hook at every token, gradients off, with the states computed a block at a time by the
   all-states kernel (`blocks`; estimated like STATES, and available only where `blocks.blocks_apply` says
   blocks were measured to beat the token loop: a state of at most `Segments.blocks_below` elements);
-- `Path.LOOP`: the library's token loop (`Kernel.loop`), one Python step per token.
+- `Strategy.LOOP`: the library's token loop (`Kernel.loop`), one Python step per token.
 
 The model. Each prompt kernel with `Segments.shape` declares its call's cost-relevant shape (`Shape`: batch,
 heads, the two dims of a head's state k x v, the bound kernel's chunk size, and which kernel key its constants are
@@ -19,7 +19,7 @@ filed under). Each of three computations costs a sum of terms, each term a count
     kernel(T): the bound kernel on T tokens, padded to n = ceil(T / chunk) chunks: per call, per chunk, per
                head-chunk, per head-chunk's chunk^2, per element-product chunk^2 (k + v) + chunk k v;
     loop(T):   the token loop: per call, per token, per head-token, per state element per token;
-    states(T): the all-states kernel, in blocks of 16: per call, per block, per head-block, per head-token
+    states(T): the all-states kernel, in chunks of 16: per call, per chunk, per head-chunk, per head-token
                times 16 k, per state element per token
 (`kernel_terms`, `loop_terms`, `states_terms`; a head is one batch row's head, work = batch * heads). SEGMENTS
 is the sum over its pieces, each piece kernel(piece) or, with `Paths(tails=True)`, the cheaper of that and kernel(its whole
@@ -41,7 +41,7 @@ its calls): the cost model or the fixed rule, the token loop for every busy call
 the call can take it, the token-loop tails, the blocks' size limit, constants of one's own.
 
 Module contents:
-- `Path`, `Choice`: the paths and a call's choice (its path, its stops, whether every state is kept
+- `Strategy`, `Choice`: the strategies (a call's path) and a call's choice (its path, its stops, whether every state is kept
   chunk-wise, and the token ranges of SEGMENTS that the token loop runs);
 - `Paths`: the policy (public: `recurrent_hooks.Paths`); `DEFAULT`, the shipped one; `LOOP`, the token loop;
 - `Shape`, `Constants`: the model's inputs and its constants; `costs_for(device, dtype)`: the calibration of a
@@ -66,7 +66,9 @@ from .errors import InvalidValue
 from .kernels import Kernel
 
 
-class Path(enum.Enum):
+class Strategy(enum.Enum):
+    """How a busy kernel call runs (its value is the `KernelCall.path` the call records); `Paths` picks one."""
+
     SEGMENTS = "segments"
     STATES = "chunk-wise states"
     BLOCKS = "blocks"
@@ -79,7 +81,7 @@ class Choice:
     between them, and for SEGMENTS the token ranges `[start, end)` that the token loop runs instead of the
     bound kernel (each one from a piece's last chunk boundary to its end)."""
 
-    path: Path
+    path: Strategy
     stops: list[int]
     every_state: bool
     tails: tuple[tuple[int, int], ...] = ()
@@ -106,7 +108,7 @@ class Constants:
     states: tuple[float, ...]
 
 
-STATES_BLOCK = 16  # the all-states kernels' block of tokens
+STATES_CHUNK = 16  # the all-states kernels' chunk of tokens
 
 COSTS_FILE = pathlib.Path(__file__).with_name("costs.json")  # written by `benchmarks/paths.py --calibrate --write`
 _COSTS: dict[str, dict[str, Constants]] = {}  # calibration key -> kernel constants key -> Constants, once read
@@ -139,7 +141,7 @@ def costs_for(device: torch.device | str, dtype: torch.dtype) -> dict[str, Const
     return _COSTS.get(calibration_key(device, dtype))
 
 
-_FORCED = {"segments": Path.SEGMENTS, "states": Path.STATES, "blocks": Path.BLOCKS}
+_FORCED = {"segments": Strategy.SEGMENTS, "states": Strategy.STATES, "blocks": Strategy.BLOCKS}
 RULES = ("cost", "fixed", "loop")
 
 
@@ -150,7 +152,7 @@ class Paths:
 
         with rh.watch(model, keep=("states",), paths=rh.Paths(rule="loop")) as w:   # every busy call token by token
             model(ids)
-        w.mixers[0].calls[0].parts[0].path      # "token loop": the path each kernel call took
+        w.mixers[0].calls[0].kernel_calls[0].path      # "token loop": the path each kernel call took
 
     - `rule`: "cost" (the default: the cheapest path by a cost model of the call's shapes, calibrated per device
       type and dtype; a device without calibration takes the fixed rule), "fixed" (segments for at most
@@ -171,7 +173,7 @@ class Paths:
     """
 
     rule: str = "cost"
-    force: "str | Path | None" = None
+    force: "str | Strategy | None" = None
     tails: bool = False
     blocks_below: int | None = None
     costs: "Mapping[str, Any] | None" = None
@@ -182,7 +184,7 @@ class Paths:
         force = self.force
         if isinstance(force, str) and force in _FORCED:
             object.__setattr__(self, "force", _FORCED[force])
-        elif force is not None and not (isinstance(force, Path) and force is not Path.LOOP):
+        elif force is not None and not (isinstance(force, Strategy) and force is not Strategy.LOOP):
             raise InvalidValue(f"Paths: expected force= None or one of {', '.join(map(repr, _FORCED))} (the token"
                                f" loop is rule='loop'), got force={force!r}")
         if self.rule == "loop" and self.force is not None:
@@ -237,11 +239,11 @@ def loop_terms(shape: Shape, tokens: int) -> list[float]:
 
 
 def states_terms(shape: Shape, tokens: int) -> list[float]:
-    """The all-states kernel, in blocks of 16 tokens: per call, per block, per head-block, per head-token's
-    block (its i x j decay masks), per state element per token (each state is written once)."""
+    """The all-states kernel, in chunks of 16 tokens: per call, per chunk, per head-chunk, per head-token's
+    chunk (its i x j decay masks), per state element per token (each state is written once)."""
     work = shape.batch * shape.heads
-    blocks = math.ceil(tokens / STATES_BLOCK)
-    return [1.0, blocks, work * blocks, work * tokens * STATES_BLOCK * shape.key_dim,
+    chunks = math.ceil(tokens / STATES_CHUNK)
+    return [1.0, chunks, work * chunks, work * tokens * STATES_CHUNK * shape.key_dim,
             work * tokens * shape.key_dim * shape.value_dim]
 
 
@@ -299,15 +301,15 @@ def segments_cost(constants: Constants, shape: Shape, tokens: int, stops: Iterab
 
 
 def _estimates(constants: Constants, shape: Shape, tokens: int, stops: Iterable[int], tails: bool
-               ) -> dict[Path, Callable[[], float]]:
+               ) -> dict[Strategy, Callable[[], float]]:
     """Each path's estimate, as a function (a choice computes only those of the paths it can take)."""
-    return {Path.SEGMENTS: lambda: segments_cost(constants, shape, tokens, stops, tails)[0],
-            Path.STATES: lambda: sum(states_cost(constants, shape, end - start) for start, end in pieces(stops, tokens)),
-            Path.BLOCKS: lambda: states_cost(constants, shape, tokens),
-            Path.LOOP: lambda: loop_cost(constants, shape, tokens)}
+    return {Strategy.SEGMENTS: lambda: segments_cost(constants, shape, tokens, stops, tails)[0],
+            Strategy.STATES: lambda: sum(states_cost(constants, shape, end - start) for start, end in pieces(stops, tokens)),
+            Strategy.BLOCKS: lambda: states_cost(constants, shape, tokens),
+            Strategy.LOOP: lambda: loop_cost(constants, shape, tokens)}
 
 
-def _cheapest(available: list[Path], estimate: dict[Path, Callable[[], float]]) -> Path:
+def _cheapest(available: list[Strategy], estimate: dict[Strategy, Callable[[], float]]) -> Strategy:
     """The available path of the lowest estimate (the first of equal ones). A plain loop, not `min(key=...)`:
     `choose` runs while torch.compile traces a forward, and dynamo cannot trace `min` with a key."""
     best, lowest = available[0], estimate[available[0]]()
@@ -319,16 +321,16 @@ def _cheapest(available: list[Path], estimate: dict[Path, Callable[[], float]]) 
 
 
 def costs(shape: Shape, tokens: int, stops: Iterable[int], constants: Constants, tails: bool = False
-          ) -> dict[Path, float]:
+          ) -> dict[Strategy, float]:
     """Each path's estimated seconds for a call of `tokens` tokens stopping at `stops` (available or not)."""
     return {path: estimate() for path, estimate in _estimates(constants, shape, tokens, stops, tails).items()}
 
 
-def _fixed_rule(stops: set[int], every_state: bool, tokens: int) -> Path:
+def _fixed_rule(stops: set[int], every_state: bool, tokens: int) -> Strategy:
     """The rule without a cost model: a few stops run the fast path, else the token loop."""
     if len(stops) > max(8, tokens // 32):
-        return Path.LOOP
-    return Path.STATES if every_state else Path.SEGMENTS
+        return Strategy.LOOP
+    return Strategy.STATES if every_state else Strategy.SEGMENTS
 
 
 def _constants_of(shape: Shape, arguments: dict[str, Any], paths: Paths) -> Constants | None:
@@ -370,9 +372,9 @@ def choose(kernel: Kernel, busy: list[Any], tokens: int, arguments: dict[str, An
     blocks = every_token and all_states and not grad and arguments is not None \
         and _blocks.blocks_apply(kernel, type(busy[0].mixer), arguments, grad, paths.blocks_below)
     if every_token:
-        available = [Path.LOOP] + ([Path.BLOCKS] if blocks else [])
+        available = [Strategy.LOOP] + ([Strategy.BLOCKS] if blocks else [])
     else:
-        available = [Path.LOOP, Path.STATES if every_state else Path.SEGMENTS]
+        available = [Strategy.LOOP, Strategy.STATES if every_state else Strategy.SEGMENTS]
     constants = shape = None
     if paths.rule == "cost" and segments is not None and segments.shape is not None and arguments is not None:
         shape = segments.shape(arguments)
@@ -383,11 +385,11 @@ def choose(kernel: Kernel, busy: list[Any], tokens: int, arguments: dict[str, An
         path = available[-1] if every_token else _fixed_rule(stops, every_state, tokens)
     else:
         path = _cheapest(available, _estimates(constants, shape, tokens, stops, paths.tails))
-    if path is Path.LOOP:
+    if path is Strategy.LOOP:
         return None
-    if path is Path.BLOCKS:
+    if path is Strategy.BLOCKS:
         return Choice(path, list(range(tokens)), False)
-    if path is Path.STATES:
+    if path is Strategy.STATES:
         return Choice(path, sorted(stops), True)
     tails = () if constants is None else segments_cost(constants, shape, tokens, stops, paths.tails)[1]
     if tails and sum(end - start for start, end in tails) == tokens:

@@ -24,13 +24,13 @@ from typing import Any
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from .errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable
-from .arguments import as_index, normalize_keep
+from .errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable, renamed
+from .arguments import as_index, normalize_keep, renamed_keep
 from .calls import Memory
 from .dispatch import attach, make_dispatcher, make_owner
 from . import strategies
 from .strategies import Paths
-from .kernels import KEEPABLE, KERNEL_RECORDS, Kernel, Role, Site
+from .kernels import KEEPABLE, KERNEL_IO, Kernel, Role, Site
 from .mixer import RecurrentMixer, StateHook
 from .patching import Transient, UndoStack, acquire_kernels, bound_original, import_default, rebind_process_wide
 from .families import FAMILIES, MixerClass, mixer_of, resolve_family, unsupported_of
@@ -140,6 +140,7 @@ class Watch:
             model(input_ids)
         w.mixers[0].states          # [batch, seq, heads, key_dim, value_dim]: the state after every token
         w.mixer(2).calls[0].inputs  # the mixer of decoder layer 2: its first call's kernel arguments
+        w.mixer("model.layers.2.linear_attn")   # the same mixer, by its module path
 
     On entry the family's kernel names are rebound (module globals of its transformers modeling module),
     and so is its mixer classes' `__call__` (each forward marks itself as running: what kernel calls belong
@@ -150,10 +151,11 @@ class Watch:
     it inside the block.
 
     `keep` names what to keep of every call, and a watch keeps nothing else: "states" (the state after
-    every token), "conv_states" (the convolution window after every token), "inputs" and "outputs" (the
+    every token), "windows" (the convolution window after every token), "inputs" and "outputs" (the
     kernel's arguments and results, by reference; `values()` needs both). A mapping keeps some tokens
     only (`{"states": [4, -1]}`). Each call's metadata (`call.kernel`, `call.tokens`, `call.index`) is
-    always there. `record=True` is the older spelling of keeping "inputs" and "outputs".
+    always there: each `Call` is the record of one forward, and what it holds beyond that is what was kept.
+    `record=True` is the former spelling of keeping "inputs" and "outputs" (it warns).
 
     The block sees the forwards of the thread that entered it; a model run inside a hook, or a model
     that is not watched, runs its kernels untouched. Writes aimed at calls that never ran (a generation
@@ -176,18 +178,22 @@ class Watch:
         self.paths = _checked_paths(paths, "watch")
         if not isinstance(record, bool):
             raise InvalidValue(f"watch: expected record=True or record=False, got record={record!r}")
+        if record:
+            renamed("watch(record=True)", "watch(keep=('inputs', 'outputs'))", stacklevel=4)
         if not isinstance(keep, (str, Sequence, Mapping)):
             raise InvalidValue(f"watch: expected keep as a tuple of names or a mapping of names to tokens,"
                                f" got {type(keep).__name__}")
+        keep = renamed_keep(keep)  # a former name warns once, here
         normalize_keep(keep)  # checked here, before anything is acquired
         keep = (keep,) if isinstance(keep, str) else dict(keep) if isinstance(keep, Mapping) else tuple(keep)
         self.model = model
         self.keep = keep
         self.record = record
         # what each mixer keeps: `keep`, plus the kernels' inputs and outputs for record=True
-        self._kept = ({**dict.fromkeys(KERNEL_RECORDS), **keep} if isinstance(keep, dict)
-                      else (*KERNEL_RECORDS, *keep)) if record else keep
+        self._kept = ({**dict.fromkeys(KERNEL_IO), **keep} if isinstance(keep, dict)
+                      else (*KERNEL_IO, *keep)) if record else keep
         self.mixers: list[RecurrentMixer] = []
+        self._by_path: dict[str, RecurrentMixer] = {}  # module path -> its (first) mixer, in module order
         self._stack: contextlib.ExitStack | None = None
 
     def __repr__(self) -> str:
@@ -195,9 +201,19 @@ class Watch:
         mixers = ", ".join(f"layer {m.layer}: {len(m.calls)} calls" for m in self.mixers)
         return f"Watch({type(self.model).__name__}, {state}, keep={self.keep}, mixers=[{mixers}])"
 
-    def mixer(self, layer: int) -> RecurrentMixer:
+    def mixer(self, layer: int | str) -> RecurrentMixer:
         """The mixer of decoder layer `layer` (the transformers `layer_idx`; the first one, in module order,
-        where a layer has several, as inkling's four convolution windows)."""
+        where a layer has several, as inkling's four convolution windows), or of the module at a path as
+        `model.named_modules()` names it.
+
+            w.mixer(0)                                # by layer
+            w.mixer("model.layers.0.linear_attn")     # by module path
+        """
+        if isinstance(layer, str):
+            if layer not in self._by_path:
+                raise Unavailable(f"Watch.mixer: no recurrent mixer at module path {layer!r}; the mixer paths"
+                                  f" are {list(self._by_path)}" + ("" if self._by_path else " (enter the watch first)"))
+            return self._by_path[layer]
         layer = as_index(layer, "layer", "Watch.mixer")
         for mixer in self.mixers:
             if mixer.layer == layer:
@@ -207,7 +223,7 @@ class Watch:
     def memory_after(self, token: int, call: int | None = None) -> dict[int, Memory]:
         """The whole memory (state and conv window) after `token` of every mixer, by layer.
 
-        Needs `keep=("states", "conv_states")`; pass the result to another watch's `set_memory_after`.
+        Needs `keep=("states", "windows")`; pass the result to another watch's `set_memory_after`.
         A model with several mixers per layer (inkling's four windows) has no memory per layer: use
         `w.mixers[i].memory_after` there.
         """
@@ -227,7 +243,7 @@ class Watch:
                          ) -> list[RemovableHandle]:
         """Write each layer's whole memory after `token` of call `call` (the activation-patching move).
 
-            with rh.watch(model, keep=("states", "conv_states")) as a:
+            with rh.watch(model, keep=("states", "windows")) as a:
                 model(run_a)
             with rh.watch(model) as b:
                 b.set_memory_after(7, a.memory_after(7))   # every recurrent layer continues as in run A
@@ -255,6 +271,7 @@ class Watch:
                        for path, m, row in found for index in row.kind._instances(m, self.model)),
                       key=lambda pair: (pair[0].layer is None, pair[0].layer or 0))
         mixers = [mixer for mixer, _ in rows]
+        paths = {path: next(mixer for mixer in mixers if mixer.module is m) for path, m, _ in found}
         for mixer in mixers:
             mixer.paths = self.paths
         stack = contextlib.ExitStack()
@@ -271,7 +288,7 @@ class Watch:
         for mixer in mixers:
             mixer._saw_cache = saw_cache
         stack.callback(_forget_cache_recorder, mixers)  # it refers to the mixers: a cycle once the block is over
-        self.mixers, self._stack = mixers, stack
+        self.mixers, self._stack, self._by_path = mixers, stack, paths
         return self
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
@@ -442,9 +459,9 @@ class MixerSupport:
 
 
 def available_of(kind: type[RecurrentMixer]) -> tuple[str, ...]:
-    """What a kind's mixers offer: the keep names of its memories and of the kernel records, then values
+    """What a kind's mixers offer: the keep names of its memories and of the kernel inputs and outputs, then values
     (if it declares any), writes and hooks."""
-    return (*(name for name, memory in KEEPABLE.items() if memory in kind.MEMORIES), *KERNEL_RECORDS,
+    return (*(name for name, memory in KEEPABLE.items() if memory in kind.MEMORIES), *KERNEL_IO,
             *(("values",) if kind.VALUES else ()), "writes", "hooks")
 
 

@@ -4,7 +4,7 @@ token loops (and chunk-wise kernels where it has them), its cost shapes and its 
     gated_delta_net   GatedDeltaNet               qwen3_next, qwen3_5, olmo_hybrid, ...
     kimi_delta        KimiDeltaAttention          kimi_linear, bailing_hybrid, glm5_next
     selective_scan    SelectiveScan, PerHeadSelectiveScan   mamba, falcon_mamba, jamba, zamba
-    state_space       StateSpace (Mamba-2, SSD)   mamba2, bamba, falcon_h1, granitemoehybrid, nemotron_h, zamba2
+    state_space       Mamba2StateSpace (Mamba-2, SSD)   mamba2, bamba, falcon_h1, granitemoehybrid, nemotron_h, zamba2
     rg_lru            RealGatedLinearRecurrence   recurrent_gemma
     wkv               WeightedKeyValue            rwkv
     lightning         LightningAttention          minimax

@@ -149,11 +149,11 @@ _PACKED = ("seq_idx (packed sequences) masks the other sequences' inputs out of 
 class DynamicShortConvolution(ShortConvolution):
     """inkling2's dynamic short convolution of the keys or values in its full-attention layers (inkling2).
 
-        with recurrent_hooks.watch(model, keep=("conv_states",)) as w:
+        with recurrent_hooks.watch(model, keep=("windows",)) as w:
             model(input_ids)
         mix = next(m for m in w.mixers if isinstance(m, rh.DynamicShortConvolution))
-        mix.conv_states                          # Float[Tensor, "batch seq channels kernel_size"]
-        mix.set_conv_state_after(4, window)      # (in a new watch) tokens 5.. and the cache read `window`
+        mix.windows                          # Float[Tensor, "batch seq channels kernel_size"]
+        mix.set_window_after(4, window)      # (in a new watch) tokens 5.. and the cache read `window`
 
     Its taps are W_s[j] + (W_p u_t)_{head, j}: weights projected from the token's own input, so the
     convolution is computed inline in the module's forward, which the library owns (a `Site.CLASS` kernel).
@@ -209,7 +209,7 @@ class LoopedDynamicShortConvolution(DynamicShortConvolution, LoopedShortConvolut
     """inkling2_loop's dynamic short convolutions: `DynamicShortConvolution` with a mixer per pass of a looped
     layer (`LoopedShortConvolution`).
 
-        with recurrent_hooks.watch(model, keep=("conv_states",)) as w:
+        with recurrent_hooks.watch(model, keep=("windows",)) as w:
             model.generate(input_ids, max_new_tokens=4)
         [m.cache_index for m in w.mixers if isinstance(m, rh.LoopedDynamicShortConvolution)]
     """

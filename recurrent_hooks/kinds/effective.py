@@ -21,7 +21,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-BLOCK = 32  # query rows per block of the per-channel decayed products
+ROWS = 32  # query rows at a time of the per-channel decayed products
 
 
 class EffectiveAttention(NamedTuple):
@@ -67,8 +67,8 @@ def decayed(
         return (x @ k.transpose(-1, -2)) * decay
     shape = torch.broadcast_shapes(x.shape[:-2], k.shape[:-2], cx.shape[:-2], ck.shape[:-2])
     out = x.new_zeros(*shape, rows, source)
-    for r0 in range(0, rows, BLOCK):
-        r1 = min(rows, r0 + BLOCK)
+    for r0 in range(0, rows, ROWS):
+        r1 = min(rows, r0 + ROWS)
         ref = start + r0  # the block's first position: decays are measured from it
         near_end = min(source, start + r1)  # sources inside the block's own positions
         c_ref = ck[..., ref:ref + 1, :]

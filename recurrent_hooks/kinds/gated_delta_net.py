@@ -282,7 +282,7 @@ class GatedDeltaNet(RecurrentMixer):
         kind, kimi = type(self), self.DECAY_PER_KEY_CHANNEL
         per_call = []
         for index in calls:
-            part = self.calls[index].parts[0]
+            part = self.calls[index].kernel_calls[0]
             x = part.inputs
             if x.get("cu_seqlens") is not None:
                 raise Unavailable(f"{self}, call {index}: packed sequences (cu_seqlens) have no per-row"
@@ -293,7 +293,7 @@ class GatedDeltaNet(RecurrentMixer):
             per_call.append([v.transpose(1, 2) for v in prepared[:5]] + [prepared[5]])  # b h t ..
         q, k, v, b, log_a = (cat([c[i] for c in per_call], dtype) for i in range(5))
         state = per_call[0][5].to(dtype)  # b h k v   S_0 of the history
-        rows = self.calls[calls[-1]].parts[0].inputs["value"].shape[1]
+        rows = self.calls[calls[-1]].kernel_calls[0].inputs["value"].shape[1]
         start = q.shape[2] - rows
         cum = log_a.cumsum(2)  # b h s (1|k)   c_s
         system = decayed(k, k, cum, cum, 0, strict=True) * b[..., None]  # b h s s   strict_lower(diag(b) W(k, k))

@@ -1,11 +1,11 @@
 """MiniMax lightning attention: the `LightningAttention` mixer kind, whose kernel is the mixer's whole forward.
 
-transformers' `MiniMaxLightningAttention.forward` computes its recurrence inline (a block loop for a prompt,
+transformers' `MiniMaxLightningAttention.forward` computes its recurrence inline (a chunk loop for a prompt,
 a per-token loop over a cached state), so there is no kernel function to rebind. The library binds a
 dispatcher in place of the class's `forward` (a `Site.CLASS` kernel): an idle call runs transformers' own
 forward, unchanged; a call with hooks, writes or kept states runs `lightning_attention_forward` below, the
 same forward with a per-token loop that calls `on_token(t, state)` after every token's update. When only a
-few tokens of a prompt are asked for (`Kernel.stops`), it runs transformers' block computation between them
+few tokens of a prompt are asked for (`Kernel.stops`), it runs transformers' chunk computation between them
 instead, from the state at each stop.
 
 Glossary (code name, symbol in MiniMax, "MiniMax-01: Scaling Foundation Models with Lightning Attention",
@@ -29,10 +29,11 @@ Glossary (code name, symbol in MiniMax, "MiniMax-01: Scaling Foundation Models w
 Recurrence, per head (S_{-1} is the cached state, zeros for a prompt):
     S_t = λ_h S_{t-1} + k_t^T v_t
     o_t = q_t S_t
-transformers computes a prompt block by block (block_size tokens at once: the intra-block products decayed
-by λ^(i-j), plus the decayed state of the previous blocks); the token loop runs the recurrence as written,
+transformers computes a prompt chunk by chunk (`block_size` tokens at once: transformers says "block"; this
+library keeps "blocks" for the path of that name, so here they are chunks. The intra-chunk products decayed
+by λ^(i-j), plus the decayed state of the previous chunks); the token loop runs the recurrence as written,
 with the operations of transformers' own per-token branch, so a decode step is bit for bit transformers'
-and a prompt equals its block loop to float32 rounding.
+and a prompt equals its chunk loop to float32 rounding.
 
 The state is assigned to the cache (`MiniMaxCache.set_linear_cache`, a new tensor every forward), never
 updated in place, and the forward returns it as its second result: the state after the last token, written
@@ -41,7 +42,7 @@ or hooked, is what the cache gets and what the next call starts from.
 Module contents:
 - `lightning_attention_forward`: the library's forward, `MiniMaxLightningAttention.forward`'s signature and
   results plus keyword-only `on_token` and `stops` (and `tokens`, which it ignores).
-- `_per_token`, `blocks`: its two loops, transformers' per-token branch and its block loop from a state.
+- `_per_token`, `_chunks`: its two loops, transformers' per-token branch and its chunk loop from a state.
 - `LightningAttention`: the mixer kind.
 """
 
@@ -93,11 +94,11 @@ def _per_token(self: nn.Module, query: Tensor, key: Tensor, value: Tensor, state
     return outputs, state
 
 
-def _blocks(self: nn.Module, query: Tensor, key: Tensor, value: Tensor, state: Tensor, start: int, end: int
+def _chunks(self: nn.Module, query: Tensor, key: Tensor, value: Tensor, state: Tensor, start: int, end: int
             ) -> tuple[list[Tensor], Tensor]:
-    """Tokens start..end-1 block by block from `state`, with the operations of transformers' block loop
-    (blocks of `block_size` counted from `start`; from start = 0 and a zero state, bit for bit its loop).
-    Within a block of n tokens i, j = 1..n: o_i = λ^i q_i S + sum_{j<=i} λ^(i-j) (q_i . k_j) v_j and
+    """Tokens start..end-1 chunk by chunk from `state`, with the operations of transformers' chunk loop
+    (chunks of `block_size` counted from `start`; from start = 0 and a zero state, bit for bit its loop).
+    Within a chunk of n tokens i, j = 1..n: o_i = λ^i q_i S + sum_{j<=i} λ^(i-j) (q_i . k_j) v_j and
     S <- λ^n S + sum_j λ^(n-j) k_j^T v_j."""
     outputs = []
     for first in range(start, end, self.block_size):
@@ -129,7 +130,7 @@ def lightning_attention_forward(
 
     `on_token(t, state)` is called after token t's update (its output is computed already) and returns
     the state token t+1 continues from; the state after the last token is returned and cached. With
-    `stops` (sorted tokens), a prompt calls `on_token` at those tokens only and runs transformers' block
+    `stops` (sorted tokens), a prompt calls `on_token` at those tokens only and runs transformers' chunk
     computation between them; a call over a cached state runs token by token, as transformers does.
     `past_key_values` is the deprecated name of `cache` (transformers' forward accepts both);
     `position_embeddings` and other keyword arguments are ignored, as transformers' forward ignores them.
@@ -142,13 +143,13 @@ def lightning_attention_forward(
         if state is None:
             state = value.new_zeros(batch, self.num_attention_heads, self.head_dim, self.head_dim)  # b h d d   S_{-1}
         outputs, state = _per_token(self, query, key, value, state, 0, seq, on_token)
-    else:  # a prompt, with stops: blocks between them
+    else:  # a prompt, with stops: chunks between them
         state = value.new_zeros(batch, self.num_attention_heads, self.head_dim, self.head_dim)  # b h d d   S_{-1} = 0
         outputs, start = [], 0
         for end in [*(stop + 1 for stop in stops), seq]:
             if end <= start:
                 continue
-            span, state = _blocks(self, query, key, value, state, start, end)
+            span, state = _chunks(self, query, key, value, state, start, end)
             outputs += span
             if on_token is not None and end - 1 in stops:
                 state = on_token(end - 1, state)  # b h d d   what token end continues from
@@ -179,7 +180,7 @@ class LightningAttention(RecurrentMixer):
     The state S_t is `[batch, heads, head_dim, head_dim]`, key-major (o_t = q_t S_t), in the model dtype,
     the layout of `MiniMaxCache.linear_cache`. The kernel is the mixer's whole forward (a class attribute,
     `Site.CLASS`): idle calls run transformers' forward, busy ones the library's, which calls the hooks
-    after every token (or, for a few tokens of a prompt, runs the block loop between them) and caches the
+    after every token (or, for a few tokens of a prompt, runs the chunk loop between them) and caches the
     state after the last one. The memory is the state alone (no short convolution). `inputs` are the
     forward's arguments, with the cache replaced by the state it held for the layer (`initial_state`, None
     for a prompt); `outputs` are its results, `output` and `final_state`.
@@ -208,7 +209,7 @@ class LightningAttention(RecurrentMixer):
         "output": "batch seq hidden",
     }
     LIMITS = {
-        "conv_states": "lightning attention has no short convolution: its memory is the state alone",
+        "windows": "lightning attention has no short convolution: its memory is the state alone",
         "linear attention at layer 0": _BUG_8,
         "beam search": "transformers 5.24's MiniMaxCache does not reorder its linear states when beam search"
         " reorders the cache (Cache.reorder_cache moves only the attention layers), so each row's state continues"

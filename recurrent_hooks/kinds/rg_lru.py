@@ -18,7 +18,7 @@ for Efficient Language Models", 2024, shape):
                                                     normalized; the factor is 1 where the sequence resets
     reset            -     [batch, seq, 1] bool     position_ids == 0: a_t := 0 there (a new sequence starts)
     state            h_t   [batch, lru_width]       float32 (`acc_dtype`), `rg_lru.recurrent_states`
-    conv_state       -     [batch, lru_width, window]   the last K - 1 conv inputs, oldest first, model dtype,
+    window           -     [batch, lru_width, K - 1]   the last K - 1 conv inputs, oldest first, model dtype,
                                                     `conv1d_state` of the block (transformers' own layout)
 
 Recurrence, per channel (a diagonal linear recurrence; the kernel's output is the state itself):
@@ -219,10 +219,10 @@ _BEAMS = (
 class RealGatedLinearRecurrence(RecurrentMixer):
     """A Griffin recurrent block with its RG-LRU (recurrent_gemma).
 
-        with recurrent_hooks.watch(model, keep=("states", "conv_states")) as w:
+        with recurrent_hooks.watch(model, keep=("states", "windows")) as w:
             model(input_ids)
         w.mixers[0].states        # Float[Tensor, "batch seq lru_width"]: h_t after every token
-        w.mixers[0].conv_states   # Float[Tensor, "batch seq lru_width window"]: the last K-1 conv inputs
+        w.mixers[0].windows   # Float[Tensor, "batch seq lru_width window"]: the last K-1 conv inputs
 
     The mixer module is `RecurrentGemmaRecurrentBlock` (it has no `layer_idx`: its layer is read from its
     path in the model). The state h_t is `[batch, lru_width]`, float32, kept on `block.rg_lru.recurrent_states`;

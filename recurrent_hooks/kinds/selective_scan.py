@@ -524,11 +524,11 @@ class SelectiveScan(RecurrentMixer):
         kind = type(self)
         xs, steps, Bs, Cs = [], [], [], []
         for index in calls:
-            part = self.calls[index].parts[head]
+            part = self.calls[index].kernel_calls[head]
             values = self._token_values(part)  # token-major x, Δ, B, C
             xs.append(values["x"]), steps.append(values["dt"]), Bs.append(values["B"]), Cs.append(values["C"])
-        last = self.calls[calls[-1]].parts[head]
-        first = self.calls[calls[0]].parts[head]
+        last = self.calls[calls[-1]].kernel_calls[head]
+        first = self.calls[calls[0]].kernel_calls[head]
         x, delta, B, C = (torch.cat([p.to(dtype) for p in pieces], dim=1) for pieces in (xs, steps, Bs, Cs))
         A = last.inputs["A"].to(dtype)  # d n
         rows = xs[-1].shape[1]
@@ -552,7 +552,7 @@ class SelectiveScan(RecurrentMixer):
 
     def _effective_attention(self, calls: range, dtype: torch.dtype) -> EffectiveAttention:
         """Mamba-1's exact map: the heads' maps side by side (channel = head * head_dim + p)."""
-        heads = len(self.calls[calls[-1]].parts)
+        heads = len(self.calls[calls[-1]].kernel_calls)
         parts = [self._effective_attention_of_head(calls, head, dtype) for head in range(heads)]
         if heads == 1:
             return parts[0]
@@ -566,7 +566,7 @@ class PerHeadSelectiveScan(SelectiveScan):
             model(input_ids)
         w.mixers[0].states     # Float[Tensor, "batch seq heads head_dim d_state"]
 
-    One call of the mixer makes one kernel call per head (`call.parts[h]`). The state is the cache's
+    One call of the mixer makes one kernel call per head (`call.kernel_calls[h]`). The state is the cache's
     `[batch, heads, head_dim, d_state]`; kept states and `values()` stack the heads after `seq`. Hooks run
     once per head and token with that head's `[batch, head_dim, d_state]` state, `mixer.head` telling
     which; `set_state_after` takes the whole state and writes each head's slice.

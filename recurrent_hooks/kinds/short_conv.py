@@ -59,14 +59,14 @@ class ShortConvolution(RecurrentMixer):
 
     (inkling2_loop's is `LoopedShortConvolution`, which adds a mixer per pass of a looped layer.)
 
-        with recurrent_hooks.watch(model, keep=("conv_states",)) as w:
+        with recurrent_hooks.watch(model, keep=("windows",)) as w:
             model(input_ids)
         mix = w.mixers[0]
-        mix.conv_states                          # Float[Tensor, "batch seq channels kernel_size"]
-        mix.set_conv_state_after(4, window)      # (in a new watch) tokens 5.. and the cache read `window`
+        mix.windows                          # Float[Tensor, "batch seq channels kernel_size"]
+        mix.set_window_after(4, window)      # (in a new watch) tokens 5.. and the cache read `window`
 
     There is no recurrent state: `state_after`, `states` and `set_state_after` raise `Unavailable`, and
-    `register_state_hook` hooks the window (`which="conv_state"`, the default for this kind). The window
+    `register_state_hook` hooks the window (`which="window"`, the default for this kind). The window
     after token t is what tokens t+1..t+K-1 read, so writing it after t makes the convolution's outputs
     after t those of the run it came from: for a short convolution the window is the whole memory.
 
@@ -90,7 +90,7 @@ class ShortConvolution(RecurrentMixer):
         "output": "batch seq channels  (DWConv_K(x) at each token, before the family's gate or residual)",
     }
     LIMITS = {
-        "state": "a short convolution carries no recurrent state: its whole memory is the window (conv_states)",
+        "state": "a short convolution carries no recurrent state: its whole memory is the window (windows)",
         "research tools": "effective_attention and patching_sweep(what='state') need a recurrent state and raise"
         " Unavailable; patching_sweep(what='memory' | 'window') patches the windows (the whole memory here), and"
         " attribute estimates them (its state rows are zero)",
@@ -145,7 +145,7 @@ class ShortConvolution(RecurrentMixer):
 class LoopedShortConvolution(ShortConvolution):
     """inkling2_loop's short convolutions: a looped layer's module runs once per pass, and has a mixer per pass.
 
-        with recurrent_hooks.watch(model, keep=("conv_states",)) as w:
+        with recurrent_hooks.watch(model, keep=("windows",)) as w:
             model.generate(input_ids, max_new_tokens=4)
         [(m.layer, m.cache_index) for m in w.mixers]   # a looped layer's modules twice: (layer, i) and (cache layer, i)
         w.mixers[5].calls[1]                     # decode step 1 of that mixer's own pass

@@ -45,7 +45,7 @@ Module contents:
   transformers' kernels of the same names, plus a keyword-only `on_token`.
 - `mamba2_chunk_scan_states`: the prompt kernel chunk-wise, with every token's state (when all are kept).
 - `discretize`: Δ_t, exp(Δ_t a_h) and Δ_t x_t B_t^T of every token, from the prompt kernel's arguments.
-- `StateSpace`: the mixer kind.
+- `Mamba2StateSpace`: the mixer kind.
 """
 
 from typing import Any
@@ -265,7 +265,7 @@ def _cost_shape(arguments: dict[str, Any]) -> Shape:
     return Shape("ssd", batch, heads, head_dim, arguments["B"].shape[-1], arguments["chunk_size"])
 
 
-class StateSpace(RecurrentMixer):
+class Mamba2StateSpace(RecurrentMixer):
     """A Mamba-2 mixer (mamba2, bamba, falcon_h1, granitemoehybrid, nemotron_h, zamba2).
 
         with recurrent_hooks.watch(model, keep=("states",)) as w:
@@ -338,9 +338,9 @@ class StateSpace(RecurrentMixer):
         kind = type(self)
         xs, steps, Bs, Cs = [], [], [], []
         for index in calls:
-            values = kind._token_values(self.calls[index].parts[0])  # token-major x, Δ (clamped as the kernel), B, C
+            values = kind._token_values(self.calls[index].kernel_calls[0])  # token-major x, Δ (clamped as the kernel), B, C
             xs.append(values["x"]), steps.append(values["dt"]), Bs.append(values["B"]), Cs.append(values["C"])
-        last, first = self.calls[calls[-1]].parts[0], self.calls[calls[0]].parts[0]
+        last, first = self.calls[calls[-1]].kernel_calls[0], self.calls[calls[0]].kernel_calls[0]
         x, delta, B, C = (torch.cat([p.to(dtype) for p in pieces], dim=1) for pieces in (xs, steps, Bs, Cs))
         heads = x.shape[2]
         B, C = (repeat(v, "b s g n -> b (g r) s n", r=heads // v.shape[2]) for v in (B, C))  # head h reads group h // r

@@ -17,7 +17,7 @@ mixing, the WKV operator and its recurrent form), shape as the kernels take it; 
       .num       a_t e^{-p_t}   the numerator sum, scaled: a_t = num·e^max
       .den       b_t e^{-p_t}   the denominator sum, scaled: b_t = den·e^max
       .max       p_t            the running max exponent, the scale of num and den
-    conv_state   x'_t  [batch, hidden]           the token shift, a window of one input: `conv_state_after(t)`
+    window       x'_t  [batch, hidden]           the token shift, which IS rwkv's window (of one input): `window_after(t)`
                                                  is x'_t, the input token t+1 mixes with (model dtype)
 
 Recurrence, per channel (a_t, b_t in the paper's form; transformers keeps them scaled by e^{-p_t}):
@@ -32,7 +32,7 @@ with, for stability, each step taking the larger exponent as its scale (`rwkv_li
 The empty state is num = den = 0 with p = -1e30 (`RwkvModel` with `use_cache`) or -1e38 (the kernel
 given no state): e^{p} = 0, so a = b = 0 either way.
 
-The mixer's memory is `Memory(state, conv_state)`: the WKV state above and the token shift, the last
+The mixer's memory is `Memory(state, window)`: the WKV state above and the token shift, the last
 `ln1` output (a window of one input, `[batch, hidden]`, model dtype, transformers' `state[1][:, :, layer]`).
 The feed-forward block (`RwkvFeedForward`, channel mixing) has its own token shift (`state[0]`): it is not
 part of this mixer, and the library neither reads nor writes it.
@@ -163,16 +163,16 @@ def extract_key_value(
 class WeightedKeyValue(RecurrentMixer):
     """An RWKV-4 time-mixing mixer (rwkv): the WKV state and the token shift.
 
-        with recurrent_hooks.watch(model, keep=("states", "conv_states")) as w:
+        with recurrent_hooks.watch(model, keep=("states", "windows")) as w:
             model(input_ids)
         w.mixers[0].states.den             # [batch, seq, channels]: den after every token (a WkvState of stacks)
-        w.mixers[0].conv_state_after(4)    # [batch, hidden]: the ln1 output of token 4, which token 5 mixes with
+        w.mixers[0].window_after(4)    # [batch, hidden]: the ln1 output of token 4, which token 5 mixes with
 
     The state is transformers' (num, den, max) as a `WkvState`, three `[batch, channels]` float32 parts
     (`STATE_TYPE`); the paper's a_t = num e^{max}, b_t = den e^{max}. Hooks get a `WkvState` and may
     return one, writes take one; to edit one part, build a new one: `WkvState(s.num, s.den * 2, s.max)`
     doubles b_t, and scaling a_t and b_t by c is `s._replace(max=s.max + log(c))`. The token shift
-    (`conv_state`) is a window of one input: `conv_state_after(t)` is the input token t+1 mixes with.
+    is its window (the memory "window"), of one input: `window_after(t)` is the input token t+1 mixes with.
     The kernels return the new WKV state and write the shift into the model's state list (`state=`,
     there is no Cache), so writes at the last token of a call are what the next call continues from.
     """
@@ -202,7 +202,7 @@ class WeightedKeyValue(RecurrentMixer):
         " a one-token step over a state, which broadcasts to [batch, batch, hidden] for batch > 1 (its bug): cached"
         " decoding is right for batch 1 only, watched or not; prompts are right for any batch. Such a step's WKV kernel"
         " runs over batch positions, and the record says so: call.tokens and the kept states have batch positions,"
-        " the conv_states (the shift saw one input) one",
+        " the windows (the shift saw one input) one",
         "attention_mask": "RwkvModel ignores attention_mask: left padding enters the state (the model's behaviour)",
         "eval rescaling": "in eval mode RwkvModel divides attention.output and feed_forward.value weights in place by"
         " 2^(layer // rescale_every) (and back in train mode): compare runs in the same mode",

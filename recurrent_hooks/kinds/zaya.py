@@ -192,14 +192,14 @@ def cca_forward(
 class CompressedConvolutionalAttention(RecurrentMixer):
     """zaya's CCA projection: a conv window over the queries and keys, and a one-token value delay (zaya).
 
-        with recurrent_hooks.watch(model, keep=("conv_states", "states")) as w:
+        with recurrent_hooks.watch(model, keep=("windows", "states")) as w:
             model(input_ids)
         mix = w.mixers[0]
-        mix.conv_states                          # Float[Tensor, "batch seq channels kernel_size"]: the q/k window
+        mix.windows                          # Float[Tensor, "batch seq channels kernel_size"]: the q/k window
         mix.states                               # Float[Tensor, "batch seq delay_channels"]: the value delay
         mix.set_state_after(4, delay)            # (in a new watch) token 5's delayed value half is `delay`
 
-    Its two memories: the conv window (`conv_state`, `[batch, (H + Hkv) * D, K]`, the cache's layout and model
+    Its two memories: the conv window (the memory "window"; transformers' `conv_state`, `[batch, (H + Hkv) * D, K]`, the cache's layout and model
     dtype), and the value delay, the mixer's `state` (`[batch, Hkv * D / 2]`): the previous token's
     `v_proj_delayed` output, which transformers caches as the layer's recurrent state. Both are computed
     inline in the module's forward, which the library owns (a `Site.CLASS` kernel that updates both memories);

@@ -80,7 +80,7 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
     if not callable(metric):
         raise InvalidValue(f"{where}: expected a callable metric(logits) -> [batch] or a scalar, got {metric!r}")
     kwargs = dict(forward_kwargs or {})
-    keep = ("states", "conv_states")  # a memory a mixer's kind does not carry is not kept (normalize_keep)
+    keep = ("states", "windows")  # a memory a mixer's kind does not carry is not kept (normalize_keep)
     with torch.no_grad(), watch(model, keep=keep, paths=paths) as clean_watch:
         clean_value = _mean(metric(model(clean_ids, **kwargs).logits), where)
     with torch.enable_grad(), watch(model, keep=keep, paths=paths) as corrupt_watch:

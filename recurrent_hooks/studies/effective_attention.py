@@ -31,7 +31,7 @@ Per kind (heads axis, value v_s):
         gate = silu(z_t) (both Mamba-1 kernels take z and apply it).
     zamba (PerHeadSelectiveScan): one Mamba-1 kernel call per mamba head; the channels of the heads are
         concatenated, channel = head * head_dim + p (the order of d_inner in zamba's mixer).
-    Mamba-2 (StateSpace), heads, v_s = x_s (head_dim channels):
+    Mamba-2 (Mamba2StateSpace), heads, v_s = x_s (head_dim channels):
             A[h, t, s] = (C_t . B_s) exp(sum_{r=s+1..t} Δ_r a_h) Δ_s,   skip = D_h x_t
         Δ after bias, softplus and (prompt kernel only) the dt_limit clamp, as the kernels form it;
         gate = silu(z_t) only for a decode kernel call given z (the prompt kernel ignores z).
@@ -55,14 +55,14 @@ from ..engine.mixer import RecurrentMixer
 
 def _state_in(mixer: RecurrentMixer, record: Call) -> list[Tensor | None]:
     name = type(mixer).kernel(record.kernel).state_in
-    return [None if name is None else part.inputs.get(name) for part in record.parts]
+    return [None if name is None else part.inputs.get(name) for part in record.kernel_calls]
 
 
 def _continues(mixer: RecurrentMixer, before: Call, record: Call) -> bool:
     """Whether `record` started from exactly the state `before` ended with (same rows, no write since)."""
-    if record.reorder is not None or before._replaced.get(STATE_MEMORY) or len(before.parts) != len(record.parts):
+    if record.reorder is not None or before._replaced.get(STATE_MEMORY) or len(before.kernel_calls) != len(record.kernel_calls):
         return False
-    for start, part in zip(_state_in(mixer, record), before.parts):
+    for start, part in zip(_state_in(mixer, record), before.kernel_calls):
         final = (part.output or {}).get("final_state")
         if start is None or final is None or start.shape != final.shape \
                 or not torch.equal(start.to(torch.float32), final.to(torch.float32)):
@@ -74,7 +74,7 @@ def _history(mixer: RecurrentMixer, call: int | None) -> range:
     """The calls whose tokens the source axis covers: back from `call` while each continues the one before."""
     record = mixer._call(call, "effective_attention")
     where = f"{mixer}.effective_attention, call {record.index}"
-    if not record.parts:
+    if not record.kernel_calls:
         raise Unavailable(f"{where}: the call made no recurrence kernel call")
     if record._replaced.get(STATE_MEMORY):
         raise Unavailable(
@@ -83,13 +83,13 @@ def _history(mixer: RecurrentMixer, call: int | None) -> range:
     first = record.index
     while first > 0:
         before = mixer.calls[first - 1]
-        for part in (*before.parts, *mixer.calls[first].parts):
+        for part in (*before.kernel_calls, *mixer.calls[first].kernel_calls):
             record._recorded(part.inputs, "inputs"), record._recorded(part.output, "outputs")
         if not _continues(mixer, before, mixer.calls[first]):
             break
         first -= 1
     for index in range(first, record.index + 1):
-        for part in mixer.calls[index].parts:
+        for part in mixer.calls[index].kernel_calls:
             record._recorded(part.inputs, "inputs"), record._recorded(part.output, "outputs")
     return range(first, record.index + 1)
 

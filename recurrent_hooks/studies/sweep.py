@@ -281,7 +281,7 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
       patchable); `positions`: tokens of the prompt (default: all; negative counts from the end).
     - `what`: "memory" writes the state and the conv window after the position (`set_memory_after`), the
       whole of what the next token continues from; "state" only the recurrent state (`set_state_after`),
-      "window" only the conv window (`set_conv_state_after`).
+      "window" only the conv window (`set_window_after`).
     - `batch_size`: cells per forward; each forward repeats the corrupt prompt `batch_size` times. None:
       `BATCH_BYTES` (1 MiB) // the bytes of one cell's memory (its state and window at batch 1), clamped to
       1..32: 1 at Qwen3.5 dims, 32 on tiny models.

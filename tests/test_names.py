@@ -1,0 +1,168 @@
+"""Issue 18, item 8: the renamed names. Each former name still works for one release, warns exactly once with a
+`RecurrentHooksDeprecationWarning` that names the new name, and gives what the new name gives; a mixer is
+reachable by its module path as well as by its layer.
+
+The pytest configuration turns this warning into an error everywhere else, so the library, its docs and the
+other tests use the new names only.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+import recurrent_hooks as rh
+import recurrent_hooks.extend as extend
+from _compare import assert_equal
+from _models import build, random_ids
+
+T = 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build("qwen3_5")  # gated DeltaNet: a state and a convolution window; linear_attn at layers 0 and 2
+
+
+def warns_once(new, read):
+    """`read()`, checking that it gave exactly one deprecation warning, naming `new`."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        value = read()
+    deprecations = [w for w in caught if issubclass(w.category, rh.RecurrentHooksDeprecationWarning)]
+    assert len(deprecations) == 1, [str(w.message) for w in deprecations]
+    assert new in str(deprecations[0].message), str(deprecations[0].message)
+    assert issubclass(rh.RecurrentHooksDeprecationWarning, FutureWarning)
+    return value
+
+
+@pytest.fixture(scope="module")
+def kept(model):
+    with rh.watch(model, keep=("states", "windows", "inputs", "outputs")) as w, torch.no_grad():
+        model(random_ids(2, T))
+    return w
+
+
+def test_call_parts_is_kernel_calls(kept):
+    call = kept.mixers[0].calls[0]
+    assert warns_once("Call.kernel_calls", lambda: call.parts) is call.kernel_calls
+    assert len(call.kernel_calls) == 1 and call.kernel_calls[0].inputs is call.inputs
+
+
+def test_the_window_readers_are_renamed(kept):
+    mixer = kept.mixers[0]
+    call = mixer.calls[0]
+    assert_equal("Call.conv_states", call.windows, warns_once("Call.windows", lambda: call.conv_states))
+    assert_equal("mixer.conv_states", mixer.windows, warns_once("RecurrentMixer.windows", lambda: mixer.conv_states))
+    assert_equal("mixer.conv_state_after", mixer.window_after(3),
+                 warns_once("RecurrentMixer.window_after", lambda: mixer.conv_state_after(3)))
+    memory = mixer.memory_after(3)
+    assert_equal("Memory.conv_state", memory.window, warns_once("Memory.window", lambda: memory.conv_state))
+    assert memory._fields == ("state", "window")
+
+
+def test_keep_conv_states_is_keep_windows(model):
+    ids = random_ids(2, T)
+    with rh.watch(model, keep=("windows",)) as new, torch.no_grad():
+        model(ids)
+    old = warns_once("keep='windows'", lambda: rh.watch(model, keep=("conv_states",)))
+    with old, torch.no_grad():
+        model(ids)
+    assert_equal("keep=('conv_states',)", new.mixers[0].windows, old.mixers[0].windows)
+    some = warns_once("keep='windows'", lambda: rh.watch(model, keep={"conv_states": [2]}))
+    with some, torch.no_grad():
+        model(ids)
+    assert_equal("keep={'conv_states': [2]}", new.mixers[0].window_after(2), some.mixers[0].window_after(2))
+
+
+def test_set_conv_state_after_is_set_window_after(model, kept):
+    ids = random_ids(2, T)
+    window = torch.zeros_like(kept.mixers[0].window_after(3))
+    with rh.watch(model) as w, torch.no_grad():
+        w.mixers[0].set_window_after(3, window)
+        expected = model(ids).logits
+    with rh.watch(model) as w, torch.no_grad():
+        warns_once("RecurrentMixer.set_window_after", lambda: w.mixers[0].set_conv_state_after(3, window))
+        got = model(ids).logits
+    assert_equal("a window written by its former name", expected, got)
+
+
+def test_which_conv_state_is_which_window(model):
+    ids = random_ids(2, T)
+    seen = {"window": [], "conv_state": []}
+    with rh.watch(model, keep=("windows",)) as w, torch.no_grad():
+        w.mixers[0].register_state_hook(lambda m, c, t, s: seen["window"].append(s.clone()), which="window")
+        warns_once("'window'", lambda: w.mixers[0].register_state_hook(
+            lambda m, c, t, s: seen["conv_state"].append(s.clone()), which="conv_state"))
+        model(ids)
+    assert len(seen["window"]) == T
+    for t, (a, b) in enumerate(zip(seen["window"], seen["conv_state"], strict=True)):
+        assert_equal(f"the window hooked at token {t}", a, b)
+        assert_equal(f"the window hooked at token {t} is the kept one", w.mixers[0].window_after(t), a)
+
+
+def test_differentiable_conv_state_is_window(model):
+    with rh.watch(model, keep=("windows",)) as w:
+        model(random_ids(2, T))
+    call = w.mixers[0].calls[0]
+    new = call.differentiable("window")
+    old = warns_once("'window'", lambda: call.differentiable("conv_state"))
+    assert len(new) == len(old) == 1 and new[0] is old[0]
+
+
+def test_record_true_is_keep_inputs_and_outputs(model):
+    ids = random_ids(2, T)
+    with rh.watch(model, keep=("states", "inputs", "outputs")) as new, torch.no_grad():
+        model(ids)
+    old = warns_once("keep=('inputs', 'outputs')", lambda: rh.watch(model, keep=("states",), record=True))
+    with old, torch.no_grad():
+        model(ids)
+    for name in new.mixers[0].calls[0].inputs:
+        if isinstance(new.mixers[0].calls[0].inputs[name], torch.Tensor):
+            assert_equal(f"record=True: input {name}", new.mixers[0].calls[0].inputs[name],
+                         old.mixers[0].calls[0].inputs[name])
+    assert_equal("record=True: the states", new.mixers[0].states, old.mixers[0].states)
+
+
+@pytest.mark.parametrize("namespace", [rh, extend], ids=["recurrent_hooks", "recurrent_hooks.extend"])
+@pytest.mark.parametrize(("old", "new"), [("StateSpace", "Mamba2StateSpace"), ("LinearAttention", "GatedDeltaNet")])
+def test_the_kinds_former_names(namespace, old, new):
+    assert warns_once(f"{namespace.__name__}.{new}", lambda: getattr(namespace, old)) is getattr(namespace, new)
+    assert old not in namespace.__all__
+    with pytest.raises(AttributeError, match="has no attribute 'NoSuchKind'"):
+        namespace.NoSuchKind
+
+
+def test_from_import_of_a_former_name_warns():
+    def imported():
+        from recurrent_hooks import StateSpace
+        return StateSpace
+
+    assert warns_once("Mamba2StateSpace", imported) is rh.Mamba2StateSpace
+
+
+# -- a mixer by its module path -----------------------------------------------------------------------------------------
+
+
+def test_a_mixer_by_module_path_is_the_mixer_by_layer(model):
+    paths = [path for path, module in model.named_modules() if type(module).__name__ == "Qwen3_5GatedDeltaNet"]
+    assert paths == ["model.layers.0.linear_attn", "model.layers.2.linear_attn"]
+    with rh.watch(model, keep=("states",)) as w, torch.no_grad():
+        model(random_ids(2, T))
+        assert w.mixer("model.layers.0.linear_attn") is w.mixer(0) is w.mixers[0]
+        assert w.mixer("model.layers.2.linear_attn") is w.mixer(2) is w.mixers[1]
+        assert w.mixer("model.layers.2.linear_attn").module is model.model.layers[2].linear_attn
+    assert w.mixer("model.layers.2.linear_attn") is w.mixers[1]  # readable after the block, as w.mixers
+
+
+def test_a_wrong_module_path_names_the_mixer_paths(model):
+    with rh.watch(model) as w:
+        with pytest.raises(rh.Unavailable, match=r"Watch.mixer: no recurrent mixer at module path"
+                                                 r" 'model.layers.1.linear_attn'; the mixer paths are"
+                                                 r" \['model.layers.0.linear_attn', 'model.layers.2.linear_attn'\]"):
+            w.mixer("model.layers.1.linear_attn")
+        with pytest.raises(rh.Unavailable, match=r"module path 'model.layers.1.self_attn'"):
+            w.mixer("model.layers.1.self_attn")  # a module that is there, but no recurrent mixer
+    unentered = rh.watch(model)
+    with pytest.raises(rh.Unavailable, match=r"the mixer paths are \[\] \(enter the watch first\)"):
+        unentered.mixer("model.layers.0.linear_attn")
