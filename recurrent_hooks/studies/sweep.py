@@ -159,6 +159,42 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
     `torch.no_grad()`. `forward_kwargs` go to batch-1 and batch-`batch_size` forwards alike, so they must
     not hold per-row tensors (one prompt has no padding: no attention mask is needed).
     """
+    clean_ids, corrupt_ids, batch_size = _checked(model, clean_ids, corrupt_ids, metric, what, batch_size, progress,
+                                                  forward_kwargs)
+    kwargs = {"use_cache": False, **(forward_kwargs or {})}
+    tokens = clean_ids.shape[1]
+    positions = _positions(positions, tokens)
+    memories = WHAT[what]
+    layers, clean, clean_metric = _clean_run(model, clean_ids, metric, layers, positions, memories, what, kwargs,
+                                             paths)
+    with torch.no_grad():
+        corrupt_metric = _measure(metric, model(corrupt_ids, **kwargs).logits, 1)[0]
+
+    from tqdm.auto import tqdm  # a dependency of transformers
+
+    cells = [(i, j) for i in range(len(layers)) for j in range(len(positions))]  # layer-major: few layers per batch
+    values = torch.empty(len(layers), len(positions), dtype=clean_metric.dtype, device=clean_metric.device)
+    with tqdm(total=len(cells), desc=_WHERE, unit="cell", disable=not progress) as bar:
+        for start in range(0, len(cells), batch_size):
+            batch = cells[start:start + batch_size]
+            with watch(model, paths=paths) as w, torch.no_grad():
+                for i in sorted({i for i, _ in batch}):
+                    rows: dict[int, list[int]] = {}  # token -> the rows patched after it
+                    for row, (li, j) in enumerate(batch):
+                        if li == i:
+                            rows.setdefault(positions[j], []).append(row)
+                    _patch_rows(w.mixer(layers[i]), layers[i], rows, clean, memories, what, corrupt_ids.device)
+                ids = corrupt_ids.expand(len(batch), tokens)
+                measured = _measure(metric, model(ids, **kwargs).logits, len(batch))
+            for row, (i, j) in enumerate(batch):
+                values[i, j] = measured[row]
+            bar.update(len(batch))
+    return Sweep(values, clean_metric, corrupt_metric, layers, positions, what)
+
+
+def _checked(model: Any, clean_ids: Any, corrupt_ids: Any, metric: Any, what: Any, batch_size: Any, progress: Any,
+             forward_kwargs: Any) -> tuple[Tensor, Tensor, int]:
+    """`patching_sweep`'s arguments checked: the two prompts as `[1, seq]` and the batch size as an int."""
     if not isinstance(model, nn.Module):
         raise InvalidValue(f"{_WHERE}: expected a torch.nn.Module (a transformers model), got {type(model).__name__}")
     clean_ids, corrupt_ids = _as_prompt(clean_ids, "clean_ids"), _as_prompt(corrupt_ids, "corrupt_ids")
@@ -177,12 +213,14 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
     if forward_kwargs is not None and not isinstance(forward_kwargs, Mapping):
         raise InvalidValue(f"{_WHERE}: expected forward_kwargs as a mapping of keyword arguments, got"
                            f" {type(forward_kwargs).__name__}")
-    kwargs = {"use_cache": False, **(forward_kwargs or {})}
-    tokens = clean_ids.shape[1]
-    positions = _positions(positions, tokens)
-    memories = WHAT[what]
+    return clean_ids, corrupt_ids, batch_size
 
-    # The clean run, once: read hooks keep the memory after each chosen position (per head for zamba).
+
+def _clean_run(model: nn.Module, clean_ids: Tensor, metric: Callable[[Tensor], Tensor], layers: Any,
+               positions: tuple[int, ...], memories: tuple[str, ...], what: str, kwargs: dict[str, Any],
+               paths: Paths | None) -> tuple[tuple[int, ...], dict[tuple[str, int, int, int | None], Tensor], Tensor]:
+    """The clean run, once: the layers swept, the memory after each chosen position (read hooks keep it, per head
+    for zamba) by (memory, layer, token, head), and the clean metric."""
     clean: dict[tuple[str, int, int, int | None], Tensor] = {}
     with watch(model, paths=paths) as w, torch.no_grad():
         w._one_mixer_per_layer("patching_sweep")  # cells are (layer, position): a layer must be one mixer
@@ -195,37 +233,19 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
 
                 w.mixer(layer).register_state_hook(keep, call=0, token=positions, which=memory)
         clean_metric = _measure(metric, model(clean_ids, **kwargs).logits, 1)[0]
-    with torch.no_grad():
-        corrupt_metric = _measure(metric, model(corrupt_ids, **kwargs).logits, 1)[0]
+    return layers, clean, clean_metric
 
-    from tqdm.auto import tqdm  # a dependency of transformers
 
-    cells = [(i, j) for i in range(len(layers)) for j in range(len(positions))]  # layer-major: few layers per batch
-    values = torch.empty(len(layers), len(positions), dtype=clean_metric.dtype, device=clean_metric.device)
-    with tqdm(total=len(cells), desc=_WHERE, unit="cell", disable=not progress) as bar:
-        for start in range(0, len(cells), batch_size):
-            batch = cells[start:start + batch_size]
-            with watch(model, paths=paths) as w, torch.no_grad():
-                for i in sorted({i for i, _ in batch}):
-                    layer = layers[i]
-                    rows: dict[int, list[int]] = {}  # token -> the rows patched after it
-                    for row, (li, j) in enumerate(batch):
-                        if li == i:
-                            rows.setdefault(positions[j], []).append(row)
-                    at = {token: torch.tensor(r, device=corrupt_ids.device) for token, r in rows.items()}
-                    for memory in _carried(w.mixer(layer), memories, what):
-                        def patch(mixer: Any, call: int, token: int, state: Tensor, layer: int = layer,
-                                  memory: str = memory, at: dict[int, Tensor] = at) -> Tensor:
-                            value = clean[memory, layer, token, mixer.head]
-                            index = at[token]
-                            return map_parts(lambda s, v: s.index_copy(0, index, v.expand(len(index), *v.shape[1:])),
-                                             state, value)
+def _patch_rows(mixer: Any, layer: int, rows: dict[int, list[int]], clean: dict, memories: tuple[str, ...],
+                what: str, device: torch.device) -> None:
+    """Register, on one layer's mixer of a batch's watch, the hooks that write the clean memory after token t
+    into the rows `rows[t]` patched after it (every other row keeps the corrupt run's)."""
+    at = {token: torch.tensor(r, device=device) for token, r in rows.items()}
+    for memory in _carried(mixer, memories, what):
+        def patch(mixer: Any, call: int, token: int, state: Tensor, layer: int = layer,
+                  memory: str = memory, at: dict[int, Tensor] = at) -> Tensor:
+            value = clean[memory, layer, token, mixer.head]
+            index = at[token]
+            return map_parts(lambda s, v: s.index_copy(0, index, v.expand(len(index), *v.shape[1:])), state, value)
 
-                        w.mixer(layer).register_state_hook(patch, call=0, token=sorted(rows), which=memory)
-                ids = corrupt_ids.expand(len(batch), tokens)
-                measured = _measure(metric, model(ids, **kwargs).logits, len(batch))
-            for row, (i, j) in enumerate(batch):
-                values[i, j] = measured[row]
-            bar.update(len(batch))
-    return Sweep(values, clean_metric, corrupt_metric, layers, positions, what)
-
+        mixer.register_state_hook(patch, call=0, token=sorted(rows), which=memory)
