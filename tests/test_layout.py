@@ -94,3 +94,15 @@ def test_the_length_check_sees_a_long_function(tmp_path):
     found = [line.split()[1:3] for line in _too_long(source, tmp_path)]
     assert ["class", "C:"] in found and ["function", "f:"] in found, found
 
+
+
+def test_the_per_call_state_branches_on_compiling_in_one_place():
+    """The handle does not branch on torch.compile: its per-call state picks the traced implementation once
+    (`CallState.now`), and compile support (`compiled.TracedCallState`) implements the same interface."""
+    found = {}
+    for name in ("mixer.py", "call_state.py", "kind.py"):
+        tree = ast.parse((PACKAGE / "engine" / name).read_text())
+        found[name] = sorted(f"{fn.name}" for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef)
+                             for node in ast.walk(fn) if isinstance(node, ast.Attribute)
+                             and node.attr in ("is_compiling", "compiling"))
+    assert found == {"mixer.py": [], "call_state.py": ["now"], "kind.py": []}, found
