@@ -53,3 +53,56 @@ def test_the_layers_are_there_and_the_check_sees_imports():
     assert "engine.kernels" in _imports(PACKAGE / "kinds" / "gated_delta_net.py")
     assert "engine.mixer" in _imports(PACKAGE / "studies" / "effective_attention.py")
     assert {"kinds.gated_delta_net", "engine.families"} <= _imports(PACKAGE / "registry.py")
+
+
+MAX_CLASS_LINES = 300
+MAX_FUNCTION_LINES = 80
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+
+
+def _too_long(path: pathlib.Path, root: pathlib.Path = PACKAGE.parent) -> list[str]:
+    """The classes over MAX_CLASS_LINES lines and the functions over MAX_FUNCTION_LINES in one file (decorators
+    and docstrings count: a definition's lines are end_lineno - lineno + 1)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ClassDef):
+            limit, what = MAX_CLASS_LINES, "class"
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            limit, what = MAX_FUNCTION_LINES, "function"
+        else:
+            continue
+        lines = node.end_lineno - node.lineno + 1
+        if lines > limit:
+            found.append(f"{path.relative_to(root)}:{node.lineno} {what} {node.name}:"
+                         f" {lines} lines (limit {limit})")
+    return found
+
+
+def test_no_class_over_300_lines_and_no_function_over_80():
+    """Issue 18: a class holds one role and a function one step; long ones are split, not waived."""
+    assert SOURCES, "no sources found under recurrent_hooks/"
+    offenders = [line for path in SOURCES for line in _too_long(path)]
+    assert not offenders, "too long:\n" + "\n".join(offenders)
+
+
+def test_the_length_check_sees_a_long_function(tmp_path):
+    """The reader counts a long function and a long class (so the test above can fail)."""
+    source = tmp_path / "long.py"
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    source.write_text(f"class C:\n    def f(self):\n{'    ' + body.replace(chr(10), chr(10) + '    ')}\n"
+                      + "".join(f"    y{i} = {i}\n" for i in range(MAX_CLASS_LINES)))
+    found = [line.split()[1:3] for line in _too_long(source, tmp_path)]
+    assert ["class", "C:"] in found and ["function", "f:"] in found, found
+
+
+
+def test_the_per_call_state_branches_on_compiling_in_one_place():
+    """The handle does not branch on torch.compile: its per-call state picks the traced implementation once
+    (`CallState.now`), and compile support (`compiled.TracedCallState`) implements the same interface."""
+    found = {}
+    for name in ("mixer.py", "call_state.py", "kind.py"):
+        tree = ast.parse((PACKAGE / "engine" / name).read_text())
+        found[name] = sorted(f"{fn.name}" for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef)
+                             for node in ast.walk(fn) if isinstance(node, ast.Attribute)
+                             and node.attr in ("is_compiling", "compiling"))
+    assert found == {"mixer.py": [], "call_state.py": ["now"], "kind.py": []}, found

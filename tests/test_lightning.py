@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 
 import recurrent_hooks as rh
-import recurrent_hooks.engine.dispatch as rh_dispatch
 from _compare import assert_close, assert_equal
 from _contract import family_fixtures
 from _models import PAD, _minimax, build, random_ids

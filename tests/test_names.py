@@ -24,14 +24,14 @@ def model():
     return build("qwen3_5")  # gated DeltaNet: a state and a convolution window; linear_attn at layers 0 and 2
 
 
-def warns_once(new, read):
-    """`read()`, checking that it gave exactly one deprecation warning, naming `new`."""
+def warns_once(new, read, most=1):
+    """`read()`, checking that it gave one deprecation warning (up to `most` of the same), naming `new`."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         value = read()
     deprecations = [w for w in caught if issubclass(w.category, rh.RecurrentHooksDeprecationWarning)]
-    assert len(deprecations) == 1, [str(w.message) for w in deprecations]
-    assert new in str(deprecations[0].message), str(deprecations[0].message)
+    assert 1 <= len(deprecations) <= most, [str(w.message) for w in deprecations]
+    assert all(new in str(w.message) for w in deprecations), [str(w.message) for w in deprecations]
     assert issubclass(rh.RecurrentHooksDeprecationWarning, FutureWarning)
     return value
 
@@ -138,7 +138,8 @@ def test_from_import_of_a_former_name_warns():
         from recurrent_hooks import StateSpace
         return StateSpace
 
-    assert warns_once("Mamba2StateSpace", imported) is rh.Mamba2StateSpace
+    # the import looks the name up twice (importlib's hasattr, then the import): one warning or two, the same
+    assert warns_once("Mamba2StateSpace", imported, most=2) is rh.Mamba2StateSpace
 
 
 # -- a mixer by its module path -----------------------------------------------------------------------------------------

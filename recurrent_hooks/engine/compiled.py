@@ -23,8 +23,13 @@ and the bookkeeping runs in Python when the graph runs:
 
 `clock` is the mixer's clock (`_CLOCKS`), a 0-d int64 tensor holding the running call's index. Every op declares
 that it mutates it, which orders the ops of a mixer as they were traced and keeps them in the graph when
-their results are not used. The ops name the mixer and the hook by a key (`register_mixer`, `register_hook`),
-fixed when they are made: a constant of the graph.
+their results are not used. The ops name the mixer (its `CallState`) and the hook by a key (`register_state`,
+`register_hook`), fixed when they are made: a constant of the graph.
+
+`TracedCallState` is the per-call interface of `call_state` (begin, plan, store, end, wants_call) as tracing
+implements it: it puts these ops into the graph, and `TracedPlan` runs hooks through them; the mixer's
+`CallState` hands it out while torch.compile traces (`CallState.now`), and the ops call that `CallState` when
+the graph runs.
 
 The ops hand Python copies of the graph's tensors and take copies back (the compiled graph reuses its
 buffers once their last reader has run). With gradients on, a hook is handed a detached copy of the state
@@ -32,6 +37,7 @@ and may only read it (a replacement raises), and a write is traced into the grap
 `where(call targeted, value, state)`; kept states are values (no gradients with respect to them).
 """
 
+import functools
 import itertools
 import weakref
 from ast import literal_eval
@@ -40,26 +46,28 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from .kernels import STATE_MEMORY
+from .call_state import CallState, Plan, _Forward
+from .calls import KernelCall
+from .kernels import STATE_MEMORY, Kernel
 from .parts import is_parts, map_parts, parts_of, rebuild
 
 if TYPE_CHECKING:
-    from .mixer import RecurrentMixer, _Hook
+    from .mixer import _Hook
 
 _KEYS = itertools.count(1)
-_MIXERS: "weakref.WeakValueDictionary[int, RecurrentMixer]" = weakref.WeakValueDictionary()
+_STATES: "weakref.WeakValueDictionary[int, CallState]" = weakref.WeakValueDictionary()
 _HOOKS: "weakref.WeakValueDictionary[int, _Hook]" = weakref.WeakValueDictionary()
 
 
 _CLOCKS: dict[int, Tensor] = {}  # mixer key -> its clock (here, not on the mixer: a watch holds no tensor)
 
 
-def register_mixer(mixer: "RecurrentMixer") -> int:
-    """A key by which the graph's ops find `mixer` at run time; its clock is made with it."""
+def register_state(state: CallState) -> int:
+    """A key by which the graph's ops find a mixer's `state` at run time; its clock is made with it."""
     key = next(_KEYS)
-    _MIXERS[key] = mixer
+    _STATES[key] = state
     _CLOCKS[key] = torch.zeros((), dtype=torch.int64)
-    weakref.finalize(mixer, _CLOCKS.pop, key, None)
+    weakref.finalize(state, _CLOCKS.pop, key, None)
     return key
 
 
@@ -70,15 +78,11 @@ def register_hook(hook: "_Hook") -> int:
     return key
 
 
-def compiling() -> bool:
-    return torch.compiler.is_compiling()
-
-
 # -- the ops ----------------------------------------------------------------------------------------------------
 
 @torch.library.custom_op("recurrent_hooks::event", mutates_args=("clock",))
 def _event(clock: Tensor, mixer: int, what: str, ints: list[int], spec: str, tensors: list[Tensor]) -> None:
-    _EVENTS[what](_MIXERS[mixer], clock, ints, literal_eval(spec), [t.clone() for t in tensors])
+    _EVENTS[what](_STATES[mixer], clock, ints, literal_eval(spec), [t.clone() for t in tensors])
 
 
 @_event.register_fake
@@ -89,12 +93,12 @@ def _(clock: Tensor, mixer: int, what: str, ints: list[int], spec: str, tensors:
 @torch.library.custom_op("recurrent_hooks::hook", mutates_args=())
 def _hook(clock: Tensor, mixer: int, hook: int, token: int, tokens: int, head: int, parts: list[Tensor]
           ) -> list[Tensor]:
-    owner, fn = _MIXERS[mixer], _HOOKS[hook]
-    owner._tokens, owner.head = tokens, None if head < 0 else head
-    if not fn.targets(owner._index):
+    owner, fn = _STATES[mixer], _HOOKS[hook]
+    owner.tokens, owner.head = tokens, None if head < 0 else head
+    if not fn.targets(owner.index):
         return [part.clone() for part in parts]
     state = _rebuild(owner, fn.memory, [part.clone() for part in parts])
-    state = owner._run_hook(fn, owner._index, token, state)
+    state = owner.run_hook(fn, owner.index, token, state)
     # fresh tensors with the layout the graph was traced with (a replacement may be any tensor of the user's)
     return [torch.empty_like(like).copy_(part) for like, (_, part) in zip(parts, parts_of(state))]
 
@@ -111,61 +115,112 @@ if _register_effectful is not None:
     _register_effectful(_hook._opoverload, torch.library.EffectType.ORDERED)
 
 
-def _rebuild(mixer: "RecurrentMixer", memory: str, parts: list[Tensor]) -> Any:
-    state_type = mixer.STATE_TYPE if memory == STATE_MEMORY else None
+def _rebuild(owner: CallState, memory: str, parts: list[Tensor]) -> Any:
+    state_type = owner.kind.STATE_TYPE if memory == STATE_MEMORY else None
     return state_type(*parts) if state_type is not None else parts[0]
 
 
 # -- what the engine calls while tracing ------------------------------------------------------------------------
 
-def begin(mixer: "RecurrentMixer", fresh: bool, tokens: int) -> None:
-    """A forward of `mixer` begins: counted, and its record opened, when the graph runs."""
+class TracedCallState:
+    """The per-call interface while torch.compile traces a forward (see the module docstring): what changes
+    from call to call is told when the graph runs, through the ops; the running forward's scratch (its kernel
+    calls, head and tokens) is the `CallState`'s, as eagerly."""
+
+    def __init__(self, state: CallState) -> None:
+        self._state = weakref.ref(state)  # the state owns this object: no cycle
+        self.key = register_state(state)
+
+    @property
+    def state(self) -> CallState:
+        return self._state()
+
+    def now(self) -> "TracedCallState":
+        return self
+
+    def wants_call(self) -> bool:
+        """A graph serves every call: whether some call has hooks, writes or kept values."""
+        return self.state.wants_some()
+
+    def begin(self, forward: _Forward) -> None:
+        """A forward begins: counted, and its record opened, when the graph runs. A compiled beam search reports
+        no `reorder` (a compiled forward cannot wrap the cache's method), and a compiled backward recomputes no
+        forward of ours."""
+        state = self.state
+        state.start(forward)
+        state.recomputing = False
+        _begin(self, forward.fresh, forward.tokens)
+
+    def plan(self, kernel: Kernel, tokens: int) -> Plan:
+        """What the handle wants of a kernel call of any call the graph serves; which calls are targeted is told
+        when it runs (a restart is warned then, and a token outside a call a hook names is refused then)."""
+        state = self.state
+        part = state.next_part(kernel, tokens)
+        if state.wants_some() and (reason := state.checks(kernel, part, "?")) is not None:
+            _event(_CLOCKS[self.key], self.key, "restart", [], repr((kernel.name, reason)), [])
+        hooks = state.hooked(kernel, tokens, lambda hook: hook.targets_some, functools.partial(_outside, self))
+        return TracedPlan(state, None, hooks, state.keep_at(kernel.memory, tokens))
+
+    def store(self, plan: Plan, kernel: Kernel, part: KernelCall, tokens: int) -> None:
+        """File a kernel call's kept states, records and path in the running call's record, when the graph runs."""
+        state = self.state
+        if not state.history:
+            return
+        inputs = part.inputs if "inputs" in state.kernel_io else None
+        output = part.output if "outputs" in state.kernel_io else None
+        tensors: list[Tensor] = []
+        spec = (kernel.memory, kernel.name, _encode(plan.kept, tensors), _encode(inputs, tensors),
+                _encode(output, tensors), part.path)
+        _event(_CLOCKS[self.key], self.key, "store", [], repr(spec), tensors)
+
+    def end(self, checked: bool = True) -> None:
+        state = self.state
+        state.finish(checked, state.wants_some, "?")
+
+
+class TracedPlan(Plan):
+    """A plan traced into a graph: its hooks run through the graph's ops."""
+
+    __slots__ = ()
+
+    def _run(self, hook: "_Hook", token: int, state: Any) -> Any:
+        return _run_hook(self.owner.traced, hook, token, state)
+
+
+def _begin(traced: TracedCallState, fresh: bool, tokens: int) -> None:
+    key = traced.key
     # `fresh` may be read from the memory's values (all zeros: a prompt): a symbol or a tensor of the graph,
     # which tracing must not branch on
     if isinstance(fresh, Tensor):
-        _event(_CLOCKS[mixer._key], mixer._key, "begin", [tokens, -1], "None", [fresh])
+        _event(_CLOCKS[key], key, "begin", [tokens, -1], "None", [fresh])
         return
     fresh = int(fresh) if fresh is True or fresh is False else torch.sym_ite(fresh, 1, 0)
-    _event(_CLOCKS[mixer._key], mixer._key, "begin", [tokens, fresh], "None", [])
+    _event(_CLOCKS[key], key, "begin", [tokens, fresh], "None", [])
 
 
-def run_hook(mixer: "RecurrentMixer", hook: "_Hook", token: int, state: Any) -> Any:
+def _run_hook(traced: TracedCallState, hook: "_Hook", token: int, state: Any) -> Any:
     """Hook or write `hook` at `token`, called when the graph runs; returns what the graph continues from."""
-    head = -1 if mixer.head is None else mixer.head
+    owner, key = traced.state, traced.key
+    head = -1 if owner.head is None else owner.head
     if not torch.is_grad_enabled():
-        parts = _hook(_CLOCKS[mixer._key], mixer._key, hook._key, token, mixer._tokens, head,
-                      [part for _, part in parts_of(state)])
+        parts = _hook(_CLOCKS[key], key, hook._key, token, owner.tokens, head, [part for _, part in parts_of(state)])
         return rebuild(state, parts)
     # gradients on: a hook reads a detached copy at run time; a write is traced, masked by the call counter
-    _event(_CLOCKS[mixer._key], mixer._key, "look", [hook._key, token, mixer._tokens, head], "None",
+    _event(_CLOCKS[key], key, "look", [hook._key, token, owner.tokens, head], "None",
            [part.detach() for _, part in parts_of(state)])
     if not hook.write:
         return state
-    written = hook.fn(mixer, None, token, state)
-    targeted = _targeted(hook.calls, _CLOCKS[mixer._key])
+    written = hook.fn(owner.mixer, None, token, state)
+    targeted = _targeted(hook.calls, _CLOCKS[key])
     if targeted is None:
         return written
     return map_parts(lambda w, s: torch.where(targeted.to(s.device), w, s), written, state)
 
 
-def outside(mixer: "RecurrentMixer", hook: "_Hook", token: int, tokens: int, kernel: str) -> None:
+def _outside(traced: TracedCallState, hook: "_Hook", token: int, tokens: int, kernel: str) -> None:
     """A hook that names calls has token `token` outside this call of `tokens` tokens: an error if it
     targets this call (told when the graph runs)."""
-    _event(_CLOCKS[mixer._key], mixer._key, "outside", [hook._key, token, tokens], repr(kernel), [])
-
-
-def restarted(mixer: "RecurrentMixer", kernel: str, reason: str) -> None:
-    """This call restarts its memory from zeros (`RecurrentMixer._restart`): warned when the graph runs, for
-    a call that has hooks, writes or kept values."""
-    _event(_CLOCKS[mixer._key], mixer._key, "restart", [], repr((kernel, reason)), [])
-
-
-def store(mixer: "RecurrentMixer", memory: str, kernel: str, kept: "dict[int, Any] | None",
-          inputs: "dict[str, Any] | None", output: "dict[str, Any] | None", path: str) -> None:
-    """File a kernel call's kept states, kernel inputs and outputs and path in the running call's record, when the graph runs."""
-    tensors: list[Tensor] = []
-    spec = (memory, kernel, _encode(kept, tensors), _encode(inputs, tensors), _encode(output, tensors), path)
-    _event(_CLOCKS[mixer._key], mixer._key, "store", [], repr(spec), tensors)
+    _event(_CLOCKS[traced.key], traced.key, "outside", [hook._key, token, tokens], repr(kernel), [])
 
 
 def _targeted(calls: Any, clock: Tensor) -> Tensor | None:
@@ -213,40 +268,40 @@ def _decode(spec: Any, tensors: "Any", state_type: type | None) -> Any:
 
 # -- what runs when the graph runs -------------------------------------------------------------------------------
 
-def _on_begin(mixer: "RecurrentMixer", clock: Tensor, ints: list[int], fresh: bool, tensors: list[Tensor]) -> None:
+def _on_begin(owner: CallState, clock: Tensor, ints: list[int], fresh: bool, tensors: list[Tensor]) -> None:
     fresh = bool(tensors[0]) if ints[1] < 0 else bool(ints[1])
-    mixer._count_call(fresh, ints[0], reorder=None)
-    clock.fill_(mixer._index)
+    owner.count(fresh, ints[0], reorder=None)
+    clock.fill_(owner.index)
 
 
-def _on_store(mixer: "RecurrentMixer", clock: Tensor, ints: list[int], spec: Any, tensors: list[Tensor]) -> None:
+def _on_store(owner: CallState, clock: Tensor, ints: list[int], spec: Any, tensors: list[Tensor]) -> None:
     memory, kernel, kept, inputs, output, path = spec
     values = iter(tensors)
-    decoded = [_decode(item, values, mixer.STATE_TYPE) for item in (kept, inputs, output)]
-    mixer._file(memory, kernel, *decoded, path=path)
+    decoded = [_decode(item, values, owner.kind.STATE_TYPE) for item in (kept, inputs, output)]
+    owner.file(memory, kernel, *decoded, path=path)
 
 
-def _on_outside(mixer: "RecurrentMixer", clock: Tensor, ints: list[int], kernel: str, tensors: list[Tensor]) -> None:
+def _on_outside(owner: CallState, clock: Tensor, ints: list[int], kernel: str, tensors: list[Tensor]) -> None:
     hook, token, tokens = _HOOKS[ints[0]], ints[1], ints[2]
-    if hook.targets(mixer._index):
-        mixer._refuse_outside(hook, token, tokens, kernel)
+    if hook.targets(owner.index):
+        owner.refuse_outside(hook, token, tokens, kernel)
 
 
-def _on_look(mixer: "RecurrentMixer", clock: Tensor, ints: list[int], spec: Any, tensors: list[Tensor]) -> None:
+def _on_look(owner: CallState, clock: Tensor, ints: list[int], spec: Any, tensors: list[Tensor]) -> None:
     hook, token = _HOOKS[ints[0]], ints[1]
-    mixer._tokens, mixer.head = ints[2], None if ints[3] < 0 else ints[3]
-    if not hook.targets(mixer._index):
+    owner.tokens, owner.head = ints[2], None if ints[3] < 0 else ints[3]
+    if not hook.targets(owner.index):
         return
     if hook.write:
-        mixer._note_replaced(hook, token)
+        owner.note_replaced(hook, token)
         return
-    state = _rebuild(mixer, hook.memory, tensors)
-    mixer._run_hook(hook, mixer._index, token, state, replaces=False)
+    state = _rebuild(owner, hook.memory, tensors)
+    owner.run_hook(hook, owner.index, token, state, replaces=False)
 
 
-def _on_restart(mixer: "RecurrentMixer", clock: Tensor, ints: list[int], spec: Any, tensors: list[Tensor]) -> None:
-    if mixer._wants(mixer._index):
-        mixer._warn_restart(mixer._index, *spec)
+def _on_restart(owner: CallState, clock: Tensor, ints: list[int], spec: Any, tensors: list[Tensor]) -> None:
+    if owner.wants(owner.index):
+        owner.warn_restart(owner.index, *spec)
 
 
 _EVENTS = {"begin": _on_begin, "store": _on_store, "outside": _on_outside, "look": _on_look,

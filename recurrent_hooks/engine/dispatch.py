@@ -30,7 +30,8 @@ from . import blocks as _blocks
 from . import strategies
 from .calls import KernelCall
 from .kernels import CONV_MEMORY, FORWARD, Kernel, Layout, Pieces
-from .mixer import RecurrentMixer, _Forward, _Plan
+from .call_state import Plan, _Forward
+from .mixer import RecurrentMixer
 from .parts import State, map_parts, parts_of, rebuild
 from .threads import THREAD, in_backward
 
@@ -62,7 +63,7 @@ class _Running:
 def _end(entry: _Running, checked: bool) -> None:
     mixers, entry.mixers, entry.forward = entry.mixers, [], None
     for mixer in mixers:
-        mixer._end_call(checked=checked)
+        mixer.call_state.now().end(checked=checked)
 
 
 def _pop(running: list[_Running], i: int, checked: bool) -> None:
@@ -120,6 +121,18 @@ def make_owner(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
 
     __call__.__recurrent_hooks__ = True
     return __call__
+
+
+def _keep_memory_arguments(kernel: Kernel, arguments: dict[str, Any]) -> None:
+    """Copy the memory arguments that `inputs` records: the cache (or the model's state list) updates these
+    tensors in place, at the next step or in this very call. A memory may come as a tuple or list of tensors
+    (RWKV)."""
+    for name in kernel.state_arguments:
+        value = arguments.get(name)
+        if isinstance(value, Tensor):
+            arguments[name] = value.clone()
+        elif isinstance(value, (tuple, list)):
+            arguments[name] = type(value)(part.clone() if isinstance(part, Tensor) else part for part in value)
 
 
 class _Tap:
@@ -194,8 +207,8 @@ class _Tap:
             return
         entry.forward, entry.mixers = forward, mixers
         for mixer in mixers:
-            mixer._begin_call(forward)
-        forward.hidden = None  # read by _begin_call; a forward's record must not hold its input
+            mixer.call_state.now().begin(forward)
+        forward.hidden = None  # read by begin; a forward's record must not hold its input
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.copied:
@@ -242,54 +255,55 @@ class _Tap:
         arguments = type(entry.mixers[0])._kernel_arguments(entry.module, kernel, kernel.bind(args, kwargs))
         tokens = kernel.tokens(arguments, entry.forward.tokens)
         served = [kernel.serving(memory) for memory in kernel.memories]  # one row per memory the kernel updates
-        plans = [[mixer._plan(row, tokens) for mixer in entry.mixers] for row in served]
+        states = [mixer.call_state.now() for mixer in entry.mixers]  # traced ones while torch.compile traces
+        plans = [[state.plan(row, tokens) for state in states] for row in served]
         recompute = entry.forward.recompute
         records = set() if recompute else {name for mixer in entry.mixers for name in mixer.kernel_io}
         live_state = arguments.get(kernel.state_in) if isinstance(kernel.state_in, str) else None
         if "inputs" in records:
-            for name in kernel.state_arguments:
-                value = arguments.get(name)
-                # The cache (or the model's state list) updates these tensors in place, at the next step or in
-                # this very call: keep their values. A memory may come as a tuple or list of tensors (RWKV).
-                if isinstance(value, Tensor):
-                    arguments[name] = value.clone()
-                elif isinstance(value, (tuple, list)):
-                    arguments[name] = type(value)(part.clone() if isinstance(part, Tensor) else part for part in value)
+            _keep_memory_arguments(kernel, arguments)
         busy = [[plan for plan in per_memory if not plan.idle] for per_memory in plans]
         path = BOUND_KERNEL
         if not any(busy):
             result = original(*args, **kwargs)
         else:
-            takers = [_Taker(per_memory, tokens) for per_memory in busy]
-            fast = _fast_path(kernel, busy[0], tokens, arguments) if len(served) == 1 else None
-            path = strategies.Strategy.LOOP.value if fast is None else fast.path.value
-            on_token = takers[0].on_token
-            extra = {"tokens": tokens} if kernel.seq == FORWARD else {}
-            if len(served) > 1:  # the second memory's hooks, writes and kept values (`Kernel.also`)
-                extra["on_also"] = takers[1].on_token
-            if "original" in kernel.layout.named:  # a loop that reads settings the kernel captured
-                extra["original"] = original
-            if fast is not None and fast.path is strategies.Strategy.BLOCKS:  # the states chunk-wise, a block at a time
-                result = _blocks.run_in_blocks(kernel, args, kwargs, on_token)
-            elif fast is not None and kernel.segments is None:  # the loop computes fast between the stops itself
-                result = kernel.loop(*args, on_token=on_token, stops=fast.stops, **extra, **kwargs)
-            elif fast is not None:
-                result = _run_in_segments(kernel, original, args, kwargs, fast.stops, fast.tails, on_token,
-                                          [plan for plan in takers[0].keeping if fast.every_state])
-            else:
-                result = kernel.loop(*args, on_token=on_token, **extra, **kwargs)
-            if kernel.memory == CONV_MEMORY and kernel.role == "prompt" and takers[0].last:
-                self._sync_conv_cache(type(entry.mixers[0]), entry.forward, takers[0].last[0])
-            for taker in takers:
-                taker.finish()
+            result, path = self._run_busy(entry, kernel, original, args, kwargs, busy, tokens, arguments)
         output = kernel.name_results(result) if "outputs" in records else {}
         if kernel.in_place and isinstance(live_state, Tensor) and "outputs" in records:
             output["final_state"] = live_state.clone()
         part = KernelCall(kernel.name, arguments if "inputs" in records else None, output, path)
         for row, per_memory in zip(served, plans):
-            for mixer, plan in zip(entry.mixers, per_memory):
-                mixer._store(plan, row, part, tokens)
+            for state, plan in zip(states, per_memory):
+                state.store(plan, row, part, tokens)
         return result
+
+    def _run_busy(self, entry: _Running, kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict,
+                  busy: list[list[Plan]], tokens: int, arguments: dict[str, Any]) -> tuple[Any, str]:
+        """Run a kernel call that some plan wants something of (`busy`: per memory it updates, the busy plans),
+        by the path its handles' policy picks, calling the plans at their tokens; returns its result and path."""
+        takers = [_Taker(per_memory, tokens) for per_memory in busy]
+        fast = _fast_path(kernel, busy[0], tokens, arguments) if len(busy) == 1 else None
+        path = strategies.Strategy.LOOP.value if fast is None else fast.path.value
+        on_token = takers[0].on_token
+        extra = {"tokens": tokens} if kernel.seq == FORWARD else {}
+        if len(busy) > 1:  # the second memory's hooks, writes and kept values (`Kernel.also`)
+            extra["on_also"] = takers[1].on_token
+        if "original" in kernel.layout.named:  # a loop that reads settings the kernel captured
+            extra["original"] = original
+        if fast is not None and fast.path is strategies.Strategy.BLOCKS:  # the states chunk-wise, a block at a time
+            result = _blocks.run_in_blocks(kernel, args, kwargs, on_token)
+        elif fast is not None and kernel.segments is None:  # the loop computes fast between the stops itself
+            result = kernel.loop(*args, on_token=on_token, stops=fast.stops, **extra, **kwargs)
+        elif fast is not None:
+            result = _run_in_segments(kernel, original, args, kwargs, fast.stops, fast.tails, on_token,
+                                      [plan for plan in takers[0].keeping if fast.every_state])
+        else:
+            result = kernel.loop(*args, on_token=on_token, **extra, **kwargs)
+        if kernel.memory == CONV_MEMORY and kernel.role == "prompt" and takers[0].last:
+            self._sync_conv_cache(type(entry.mixers[0]), entry.forward, takers[0].last[0])
+        for taker in takers:
+            taker.finish()
+        return result, path
 
     @staticmethod
     def _sync_conv_cache(kind: type[RecurrentMixer], forward: _Forward, window: Tensor) -> None:
@@ -304,8 +318,8 @@ class _Tap:
     @staticmethod
     def run_fused(entry: _Running, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """A fused whole-forward kernel: skipped (None, as without mamba_ssm) when a mixer wants this call."""
-        compiled = torch.compiler.is_compiling()  # a graph serves every call: fused is skipped if any is wanted
-        if any(mixer._wants_some() if compiled else mixer._wants(mixer._index) for mixer in entry.mixers):
+        # (a compiled graph serves every call: fused is skipped there if any call is wanted)
+        if any(mixer.call_state.now().wants_call() for mixer in entry.mixers):
             return None
         return original(*args, **kwargs)
 
@@ -328,7 +342,7 @@ class _Taker:
     """The `on_token` a busy kernel call hands its loop for one memory: the plans' hooks and writes at each token,
     and the kept states (in grad mode read through one zero leaf, filled by `finish` once the call is over)."""
 
-    def __init__(self, busy: list[_Plan], tokens: int) -> None:
+    def __init__(self, busy: list[Plan], tokens: int) -> None:
         self.busy, self.tokens = busy, tokens
         self.keeping = [plan for plan in busy if plan.keep]
         self.kept_at = sorted(frozenset().union(*(plan.keep for plan in self.keeping)))
@@ -394,7 +408,7 @@ def _own(state: Tensor) -> Tensor:
 BOUND_KERNEL = "bound kernel"  # `KernelCall.path` of a call nothing was asked of: the kernel bound before the watch
 
 
-def _fast_path(kernel: Kernel, busy: list[_Plan], tokens: int,
+def _fast_path(kernel: Kernel, busy: list[Plan], tokens: int,
                arguments: dict[str, Any] | None = None) -> strategies.Choice | None:
     """How a busy call runs (`strategies.choose` under the policy of its handles, `strategies.Paths`); None: the
     token loop. Handles whose policies differ (a watch and a standalone hook on one module) get the token loop."""
@@ -407,7 +421,7 @@ def _fast_path(kernel: Kernel, busy: list[_Plan], tokens: int,
 
 def _run_in_segments(kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict, stops: list[int],
                      tails: tuple[tuple[int, int], ...], on_token: Callable[[int, Tensor], Tensor],
-                     keeping_all: list[_Plan]) -> Any:
+                     keeping_all: list[Plan]) -> Any:
     """Run `original` on the tokens between the stops, chaining the state through `on_token` at each stop.
 
     The token ranges `tails` (`[start, end)`, each inside one piece and ending it) run through the library's

@@ -10,7 +10,6 @@ Module contents:
 - `RecurrentHooksDeprecationWarning`, `renamed`: a renamed name was used (it works for one more release).
 """
 
-import sys
 import warnings
 
 
@@ -50,8 +49,7 @@ def renamed_attribute(module: str, name: str, renames: dict[str, str], namespace
     """A module's `__getattr__` for its former names: the object under the new name, with a warning."""
     if name not in renames:
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
-    # `from recurrent_hooks import StateSpace` looks the name up twice: importlib's `hasattr` check of the
-    # package, then the import itself. Only the second, the user's, warns.
-    if sys._getframe(2).f_globals.get("__name__") != "importlib._bootstrap":
-        renamed(f"{module}.{name}", f"{module}.{renames[name]}", stacklevel=4)
+    # (`from recurrent_hooks import StateSpace` looks the name up twice, importlib's `hasattr` check of the package
+    # and the import itself, so it may warn twice: the library reads no stack frames to tell them apart.)
+    renamed(f"{module}.{name}", f"{module}.{renames[name]}", stacklevel=4)
     return namespace[renames[name]]

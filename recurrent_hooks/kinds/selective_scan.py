@@ -503,8 +503,9 @@ class SelectiveScan(RecurrentMixer):
     }
     LIMITS = {"multi-token continuation": _CONTINUATION}
 
-    def _restart(self, kernel: Kernel) -> str | None:
-        continuing = not self._forward.fresh and self._forward.tokens > 1
+    @classmethod
+    def _restart(cls, kernel: Kernel, forward: Any) -> str | None:
+        continuing = not forward.fresh and forward.tokens > 1
         return _RESTARTED if continuing and kernel.memory == STATE_MEMORY and kernel.role == "prompt" else None
 
     @classmethod

@@ -1,0 +1,445 @@
+"""The per-call state of one handle: the call counter, the running call and its record, what each kernel call wants.
+
+    with recurrent_hooks.watch(model, keep=("states",)) as w:
+        model(ids)                      # the tap's module hooks drive w.mixers[0].call_state:
+    w.mixers[0].calls[0]                # begin (count call 0, open this record), plan and store per kernel
+    w.mixers[0].call_state.index        # call, end: 0, the call that ran last
+
+A `RecurrentMixer` (the user's handle) owns one `CallState`; dispatch drives it through a small interface, the
+same in both implementations:
+
+- `begin(forward)`: a forward of the mixer begins: count it and open its record (a forward that autograd
+  recomputes, gradient checkpointing, is matched to the call it repeats instead, `_Replay`);
+- `plan(kernel, tokens) -> Plan`: what the handle wants of one kernel call (its hooks and kept tokens);
+- `store(plan, kernel, part, tokens)`: file the kernel call in the call's record, with the states it kept;
+- `end(checked)`: the forward is over (checked: it called a watched kernel if something targeted it);
+- `wants_call()`: whether the running call has hooks, writes or kept values (a fused kernel is skipped then).
+
+`CallState` implements it eagerly. While torch.compile traces a forward, `now()` hands out the traced
+implementation instead (`compiled.TracedCallState`): a graph serves every call, so what changes from call to
+call is not read while tracing but put into the graph as ops, which call this object's run-time methods
+(`count`, `file`, `run_hook`, `refuse_outside`, `warn_restart`, `note_replaced`) when the graph runs.
+"""
+
+import collections
+import dataclasses
+import math
+import warnings
+import weakref
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import Tensor
+
+from .calls import Call, KernelCall, _position
+from .errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable
+from .kernels import CONV_MEMORY, KEEP_NAMES, STATE_MEMORY, Kernel
+from .parts import State, axes_of, is_parts, map_parts, not_a_tensor, parts_of
+from .threads import user_code
+
+if TYPE_CHECKING:
+    from .mixer import RecurrentMixer, _Hook
+
+_SHOWN = 3  # calls named in a message about calls that never ran; the rest are counted
+_REPLAY_MATCH = 1e-5  # relative fingerprint distance under which a recompute is the same forward
+_REPLAYS_KEPT = 256  # recomputable calls remembered per mixer
+
+
+@dataclasses.dataclass
+class _Forward:
+    """What the library needs to know of one forward of a mixer module."""
+
+    tokens: int  # hidden_states.shape[1]
+    cache: Any  # the transformers Cache, or None
+    fresh: bool  # no cached state for this layer: the call starts from zeros (a prompt)
+    hidden: Tensor | None = None  # the forward's input, read only to match a recompute to its call
+    cache_index: Any = None  # where its memory is in the cache (the kind's `_cache_index`: by default the layer)
+    recompute: bool = False  # autograd is recomputing a checkpointed forward (this is not a new call)
+
+
+def _fingerprint(hidden: Tensor) -> Tensor:
+    """Two numbers that tell a forward's input from another one's: its sum and its sum of squares (float64)."""
+    with torch.no_grad():
+        h = hidden.detach().to(torch.float64)
+        return torch.stack([h.sum(), h.square().sum()])
+
+
+@dataclasses.dataclass(eq=False)
+class _Replay:
+    """A call that a checkpointed backward may recompute: its index, its record and what its input looked like."""
+
+    index: int
+    record: "Call | None"
+    shape: tuple[int, ...]
+    fingerprint: Tensor
+
+    def distance(self, shape: tuple[int, ...], fingerprint: Tensor) -> float:
+        if shape != self.shape:
+            return math.inf
+        n = math.prod(shape)
+        total, squares = self.fingerprint.tolist()
+        other_total, other_squares = fingerprint.tolist()
+        scale = max(squares, 1e-30)
+        return abs(total - other_total) / math.sqrt(n * scale) + abs(squares - other_squares) / scale
+
+
+def _replayed(replays: Iterable[_Replay], forward: _Forward) -> tuple[int | None, "Call | None"]:
+    """The call that a recomputed forward repeats: the remembered call whose input it matches."""
+    replays = list(replays)
+    if forward.hidden is None or not replays:
+        return None, None
+    shape, fingerprint = tuple(forward.hidden.shape), _fingerprint(forward.hidden)
+    distances = [replay.distance(shape, fingerprint) for replay in replays]
+    best = min(range(len(distances)), key=lambda i: (distances[i], -i))  # the latest of equals
+    if distances[best] > _REPLAY_MATCH:
+        return None, None  # no call with hooks, writes or kept values had this input: it wanted nothing
+    replay = replays[best]
+    return replay.index, replay.record
+
+
+Hooked = list[tuple["_Hook", frozenset[int] | None]]  # hooks in registration order, with absolute positions
+
+
+class Plan:
+    """What one attached mixer wants of one kernel call: its hooks (in registration order) and kept tokens."""
+
+    __slots__ = ("owner", "call", "hooks", "keep", "kept", "stacked")
+
+    def __init__(self, owner: "CallState", call: int | None, hooks: Hooked, keep: frozenset[int] | None):
+        self.owner, self.call, self.hooks, self.keep = owner, call, hooks, keep
+        self.kept: dict[int, Tensor] | None = None if keep is None else {}
+        self.stacked: Tensor | None = None  # every token kept in grad mode: the leaf the forward read them through
+
+    @property
+    def mixer(self) -> "RecurrentMixer":
+        return self.owner.mixer
+
+    @property
+    def idle(self) -> bool:
+        return not self.hooks and not self.keep
+
+    def apply(self, token: int, state: Tensor) -> Tensor:
+        for hook, positions in self.hooks:
+            if positions is None or token in positions:
+                state = self._run(hook, token, state)
+        return state
+
+    def _run(self, hook: "_Hook", token: int, state: State) -> State:
+        return self.owner.run_hook(hook, self.call, token, state)
+
+
+class CallState:
+    """The eager per-call state machine of one handle (see the module docstring for its interface)."""
+
+    def __init__(self, mixer: "RecurrentMixer", hooks: "dict[int, tuple[_Hook, ...]]", *, history: bool,
+                 restart_on_prompt: bool) -> None:
+        self._mixer = weakref.ref(mixer)  # the handle owns this object: no cycle
+        self.kind = type(mixer)
+        self.hooks = hooks  # the handle's registrations (handle id -> its hooks), the same dict
+        self.keep, self.kernel_io = mixer.keep, mixer.kernel_io
+        self.history = history  # False: a standalone hook's handle, which records no calls
+        self.restart_on_prompt = restart_on_prompt
+        self.calls: list[Call] = []  # the handle's `calls`
+        self.begun = 0  # forwards begun since the mixer was attached
+        self.offset = 0  # begun count at the last prompt (hooks registered outside a watch count from it)
+        self.index: int | None = 0  # the running call's index (None: a recompute of a call that wanted nothing)
+        self.forward: _Forward | None = None
+        self.current: Call | None = None
+        self.kernel_calls: dict[str, int] = {}  # memory -> kernel calls in the running forward
+        self.tokens = 0  # tokens of the running kernel call
+        self.head: int | None = None  # the head of the running recurrence kernel call (KERNEL_PER_HEAD kinds)
+        self.recomputing = False  # the running forward is a checkpointed forward being recomputed
+        self.replays: collections.deque[_Replay] = collections.deque(maxlen=_REPLAYS_KEPT)
+        self.saw_cache: Callable[[Any], None] | None = None  # the watch's: record how the cache gets reordered
+        self.reorder: Tensor | None = None  # cache rows reordered since the last call (beam search)
+        # keep at some tokens: memory -> the asked positions some call had, and the first calls' lengths (for
+        # the warning on exit about positions outside every call, `unkept`)
+        self.keep_reached: dict[str, set[int]] = {}
+        self.keep_lengths: dict[str, list[tuple[int, int]]] = {}
+        self.traced: Any = None  # the implementation a compiled graph's tracing uses (`compiled.TracedCallState`)
+
+    @property
+    def mixer(self) -> "RecurrentMixer":
+        return self._mixer()
+
+    def now(self) -> "CallState":
+        """The implementation that serves the running forward: the traced one while torch.compile traces it."""
+        return self.traced if torch.compiler.is_compiling() else self
+
+    @property
+    def seen(self) -> int:
+        """The calls counted since the last restart (a watch: since it began)."""
+        return self.begun - self.offset
+
+    def all_hooks(self) -> Iterable["_Hook"]:
+        return (hook for hooks in self.hooks.values() for hook in hooks)
+
+    def wants(self, index: int | None) -> bool:
+        """Whether call `index` has hooks, writes or kept values (None: a recompute of an idle call)."""
+        return index is not None and (bool(self.keep) or bool(self.kernel_io)
+                                      or any(hook.targets(index) for hook in self.all_hooks()))
+
+    def wants_some(self) -> bool:
+        """Whether some call has hooks, writes or kept values (a compiled graph serves every call)."""
+        return bool(self.keep) or bool(self.kernel_io) or any(hook.targets_some for hook in self.all_hooks())
+
+    def wants_call(self) -> bool:
+        """Whether the running call has hooks, writes or kept values."""
+        return self.wants(self.index)
+
+    # -- a forward begins and ends ------------------------------------------------------------------------------
+
+    def start(self, forward: _Forward) -> None:
+        """What every implementation does when a forward begins: the running forward's scratch."""
+        self.forward = forward
+        self.kernel_calls = {}
+        self.head = None
+        self.recomputing = forward.recompute
+
+    def begin(self, forward: _Forward) -> None:
+        self.start(forward)
+        if forward.recompute:
+            self.index, self.current = _replayed(self.replays, forward)
+            return
+        reorder = None
+        if self.history:
+            reorder, self.reorder = (self.reorder, None) if not forward.fresh else (None, None)
+        self.count(forward.fresh, forward.tokens, reorder)
+        if self.history and forward.cache is not None and self.saw_cache is not None:
+            self.saw_cache(forward.cache)
+        if forward.hidden is not None and (torch.is_grad_enabled() or self.mixer.module.training) \
+                and self.wants(self.index):
+            # Autograd may recompute this forward (gradient checkpointing): remember how to recognize it.
+            self.replays.append(_Replay(self.index, self.current, tuple(forward.hidden.shape),
+                                        _fingerprint(forward.hidden)))
+
+    def count(self, fresh: bool, tokens: int, reorder: Tensor | None) -> None:
+        """A new call begins (not a recompute): count it and open its record."""
+        self.begun += 1
+        if self.restart_on_prompt and fresh:
+            self.offset = self.begun - 1
+        self.index = self.begun - 1 - self.offset
+        self.current = None
+        if self.history:
+            # one counter: a watch's handle never restarts, so call k is calls[k]
+            self.current = Call(index=self.index, where=repr(self.mixer), tokens=tokens, reorder=reorder)
+            self.calls.append(self.current)
+
+    def reordered(self, beam_idx: Tensor) -> None:
+        """The cache's rows were reordered (beam search): the next call's row b continues row beam_idx[b]."""
+        if not self.kind.REORDERED_BY_CACHE:
+            return  # the cache's reordering leaves this kind's memory where it is
+        beam_idx = beam_idx.detach().clone()
+        self.reorder = beam_idx if self.reorder is None else self.reorder[beam_idx]
+
+    def end(self, checked: bool = True) -> None:
+        self.finish(checked, self.wants_call, self.index)
+
+    def finish(self, checked: bool, wants: Callable[[], bool], shown: Any) -> None:
+        """What every implementation does when a forward ends: check that a call that `wants` something called
+        a watched kernel (`shown`: the call's index as the message shows it)."""
+        self.head = None
+        recompute, self.recomputing = self.recomputing, False
+        forward, self.forward = self.forward, None
+        if forward is None or recompute:
+            return
+        primary = self.kind.MEMORIES[0]
+        if checked and self.kernel_calls.get(primary, 0) == 0 and wants():
+            raise RecurrentHooksError(
+                f"{self.mixer}: call {shown} finished without calling a watched kernel"
+                f" ({', '.join(k.name for k in self.kind.KERNELS if k.memory == primary)}) although hooks or kept"
+                " values target it; the mixer took a path the library cannot see (a fused kernel, or a forward"
+                " this transformers version changed)"
+            )
+
+    # -- a kernel call ------------------------------------------------------------------------------------------
+
+    def next_part(self, kernel: Kernel, tokens: int) -> int:
+        """Count a kernel call of the running forward; its number among those of its memory (the head, for a
+        kernel run once per head)."""
+        self.tokens = tokens
+        part = self.kernel_calls.get(kernel.memory, 0)
+        self.kernel_calls[kernel.memory] = part + 1
+        self.head = part if self.kind.KERNEL_PER_HEAD and kernel.memory == STATE_MEMORY else None
+        return part
+
+    def checks(self, kernel: Kernel, part: int, shown: Any) -> str | None:
+        """For a kernel call that something wants: refuse it if it cannot serve that, and return why it restarts
+        its memory (None: it continues it). `shown`: the call's index as the message shows it."""
+        if (reason := self.kind._refusal(kernel)) is not None:
+            raise Unavailable(f"{self.mixer}, call {shown} ({kernel.name}): {reason}")
+        return self.kind._restart(kernel, self.forward) if part == 0 else None
+
+    def plan(self, kernel: Kernel, tokens: int) -> Plan:
+        part = self.next_part(kernel, tokens)
+        index = self.index
+        if index is None:
+            return Plan(self, index, [], None)
+        if self.wants(index) and (reason := self.checks(kernel, part, index)) is not None:
+            self.warn_restart(index, kernel.name, reason)
+        hooks = self.hooked(kernel, tokens, lambda hook: hook.targets(index), self.refuse_outside)
+        keep = self.keep_at(kernel.memory, tokens)
+        wanted = self.keep.get(kernel.memory)
+        if wanted is not None:
+            self.keep_reached.setdefault(kernel.memory, set()).update(
+                t for t in wanted if _position(t, tokens) is not None)
+            lengths = self.keep_lengths.setdefault(kernel.memory, [])
+            if len(lengths) <= _SHOWN and (not lengths or lengths[-1][0] != index):
+                lengths.append((index, tokens))
+        return Plan(self, index, hooks, keep)
+
+    def hooked(self, kernel: Kernel, tokens: int, targets: Callable[["_Hook"], bool],
+                outside: Callable[["_Hook", int, int, str], None]) -> Hooked:
+        """The hooks of the kernel's memory that `targets` picks, with their positions in this kernel call
+        (`outside` is told of a hook that names calls and a token outside this one)."""
+        hooks: Hooked = []
+        for hook in self.all_hooks():
+            if hook.memory != kernel.memory or not targets(hook):
+                continue
+            if hook.tokens is None:
+                hooks.append((hook, None))
+                continue
+            missing = [t for t in hook.tokens if _position(t, tokens) is None]
+            if missing and hook.explicit:
+                outside(hook, missing[0], tokens, kernel.name)
+            positions = frozenset(p for t in hook.tokens if (p := _position(t, tokens)) is not None)
+            if positions:
+                hooks.append((hook, positions))
+        return hooks
+
+    def keep_at(self, memory: str, tokens: int) -> frozenset[int] | None:
+        """The positions of this kernel call whose `memory` is kept (None: the memory is not kept)."""
+        if memory not in self.keep:
+            return None
+        wanted = self.keep[memory]
+        if wanted is None:
+            return frozenset(range(tokens))
+        return frozenset(p for t in wanted if (p := _position(t, tokens)) is not None)
+
+    def refuse_outside(self, hook: "_Hook", token: int, tokens: int, kernel: str) -> None:
+        raise InvalidValue(
+            f"{self.mixer}: {hook.origin} targets token {token}, but call {self.index} ({kernel}) has {tokens}"
+            f" token{'s' if tokens != 1 else ''} (valid: 0..{tokens - 1} or -{tokens}..-1)"
+        )
+
+    def warn_restart(self, index: int | None, kernel: str, reason: str) -> None:
+        """Say once, for call `index` (it has hooks, writes or kept values), that the model restarted its memory."""
+        warnings.warn(f"{self.mixer}, call {index} ({kernel}): {reason}", RecurrentHooksWarning, stacklevel=2)
+
+    def store(self, plan: Plan, kernel: Kernel, part: KernelCall, tokens: int) -> None:
+        inputs = part.inputs if "inputs" in self.kernel_io else None
+        output = part.output if "outputs" in self.kernel_io else None
+        record = self.current
+        if record is None:
+            return
+        if self.recomputing:
+            self._store_recomputed(plan, kernel, record)
+            return
+        # the positions the kernel ran over, per memory: the forward's input's, except where transformers' own
+        # bug makes them differ (rwkv's batched decode); the call's tokens are its first memory's
+        record._ran[kernel.memory] = tokens
+        if kernel.memory == self.kind.MEMORIES[0]:
+            record.tokens = tokens
+        self.file(kernel.memory, kernel.name, plan.kept, inputs, output, plan.stacked, path=part.path)
+
+    def file(self, memory: str, kernel: str, kept: "dict[int, State] | None", inputs: dict[str, Any] | None,
+             output: dict[str, Any] | None, stacked: State | None = None, path: str = "bound kernel") -> None:
+        """File one kernel call in the running call's record: its inputs and outputs, its path, and the states it kept."""
+        record = self.current
+        if record is None:
+            return
+        part = KernelCall(kernel, inputs, output, path)
+        if memory == CONV_MEMORY:
+            record.conv = part
+        else:
+            record.kernel_calls.append(part)
+        if kept is not None:
+            record._kept.setdefault(memory, []).append(kept)
+            record._buffers.setdefault(memory, []).append(stacked)
+            record._positions[memory] = self.keep[memory]
+            record._stacked.pop(memory, None)
+
+    def _store_recomputed(self, plan: Plan, kernel: Kernel, record: Call) -> None:
+        """A recompute keeps nothing new, except where the call's own forward ran without gradients
+        (reentrant checkpointing): its kept states are then replaced by the recomputed, differentiable
+        ones, whose `.grad` is retained for `loss.backward()`."""
+        kept = record._kept.get(kernel.memory)
+        part = self.kernel_calls[kernel.memory] - 1
+        if plan.kept is None or kept is None or part >= len(kept):
+            return
+        for token, state in plan.kept.items():
+            if _requires_grad(state) and token in kept[part] and not _requires_grad(kept[part][token]):
+                map_parts(lambda s: s.retain_grad(), state)
+                kept[part][token] = state
+                record._buffers[kernel.memory][part] = None  # the recomputed states are read one by one
+        record._stacked.pop(kernel.memory, None)
+
+    # -- a hook at a token ----------------------------------------------------------------------------------------
+
+    def run_hook(self, hook: "_Hook", call: int | None, token: int, state: State, *, replaces: bool = True) -> State:
+        """Call hook or write `hook` at `token`; returns the state token+1 continues from (checked)."""
+        mixer = self.mixer
+        if hook.write:
+            replacement = hook.fn(mixer, call, token, state)
+        else:
+            with user_code():
+                replacement = hook.fn(mixer, call, token, state)
+        if replacement is None or replacement is state:
+            return state
+        if not replaces:
+            raise RecurrentHooksError(
+                f"{mixer}, call {call}, token {token}: {hook.origin} returned a replacement inside a compiled graph"
+                " with gradients on, where hooks can only read (a replacement would cut the gradient); under"
+                " torch.no_grad() a hook may replace, and a write (set_state_after) works either way")
+        state = _checked(replacement, state, self, hook, call, token)
+        self.note_replaced(hook, token)
+        return state
+
+    def note_replaced(self, hook: "_Hook", token: int) -> None:
+        record = self.current
+        if record is not None and not self.recomputing:
+            record._replaced.setdefault(hook.memory, set()).add(token)
+
+    # -- on exit ----------------------------------------------------------------------------------------------
+
+    def unkept(self) -> list[str]:
+        """Positions of `keep` outside every call this mixer saw, which kept nothing (reported when a watch ends)."""
+        problems = []
+        for memory, wanted in self.keep.items():
+            lengths = self.keep_lengths.get(memory)
+            missed = [t for t in wanted or () if t not in self.keep_reached.get(memory, set())]
+            if not lengths or not missed:
+                continue
+            name = KEEP_NAMES[memory]
+            shown = "; ".join(f"call {call}: {tokens} token{'s' if tokens != 1 else ''}"
+                              for call, tokens in lengths[:_SHOWN]) + ("; ..." if len(lengths) > _SHOWN else "")
+            at = ", ".join(f"token {t}" for t in missed)
+            problems.append(f"keep={{{name!r}: {list(wanted)}}} kept nothing at {at} on {self.mixer}: outside every"
+                            f" call it saw ({shown})")
+        return problems
+
+
+def _requires_grad(state: State) -> bool:
+    return any(part.requires_grad for _, part in parts_of(state))
+
+
+def _checked(replacement: Any, state: State, owner: CallState, hook: "_Hook", call: int, token: int) -> State:
+    kind = owner.kind
+    where = f"{owner.mixer}, call {call}, token {token}: {hook.origin}"
+    if owner.head is not None:
+        where += f" (head {owner.head} of a kernel run once per head)"
+    wanted = type(state) if is_parts(state) else Tensor
+    declared = kind.STATE if hook.memory == STATE_MEMORY else kind.CONV_STATE
+    if isinstance(replacement, wanted) and (wrong := not_a_tensor(replacement, declared, state)) is not None:
+        raise InvalidValue(f"{where} returned a {wanted.__name__} whose {wrong}")
+    if not isinstance(replacement, wanted):
+        raise InvalidValue(f"{where} returned {type(replacement).__name__}; expected None or a {wanted.__name__}")
+    for (name, want), (_, got) in zip(parts_of(state), parts_of(replacement)):
+        axes = axes_of(declared, name)
+        what_part = f"{hook.memory} part {name!r}" if name else hook.memory
+        for what, expected, given in (("shape", tuple(want.shape), tuple(got.shape)), ("dtype", want.dtype, got.dtype),
+                                      ("device", want.device, got.device)):
+            if expected != given:
+                raise InvalidValue(f"{where} gave a {what_part} with {what} {given}, expected {expected} (axes: {axes})")
+    return replacement
