@@ -291,3 +291,41 @@ def test_the_former_keep_name_in_reduce_warns_and_reduces_the_windows():
         with reduced:
             model(ids, use_cache=False)
     assert_close("former name", per_token_norm(full.mixers[0].windows), reduced.mixers[0].windows)
+
+
+def test_a_reduction_inside_a_compiled_forward():
+    """A graph traced by torch.compile keeps the reductions as the eager forward does (`TracedCallState.plan`)."""
+    model = model_of("qwen3_5")
+    ids = random_ids(1, 12, seed=6)
+    with torch.no_grad():
+        with rh.watch(model, keep=("states",)) as full:
+            model(ids, use_cache=False)
+        compiled = torch.compile(model, backend="eager")
+        with rh.watch(model, keep=("states",), reduce={"states": per_token_norm}) as reduced:
+            compiled(ids, use_cache=False)
+    for whole, mixer in zip(full.mixers, reduced.mixers):
+        assert_close(f"compiled {mixer}", per_token_norm(whole.states), mixer.states, rtol=1e-4, atol=1e-5)
+        assert "state (reduced)" in repr(mixer.calls[0])
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_a_checkpointed_recompute_keeps_the_first_forwards_reductions(reentrant):
+    """Gradient checkpointing recomputes the call: what is kept is still one reduction per token, equal to the
+    eager forward's, and the call is counted once (reentrant: the first forward ran without gradients)."""
+    model = model_of("qwen3_5")
+    ids = random_ids(1, 12, seed=7)
+    with torch.no_grad(), rh.watch(model, keep=("states",)) as full:
+        model(ids, use_cache=False)
+    model.train()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    try:
+        with rh.watch(model, keep=("states",), reduce={"states": per_token_norm}) as reduced:
+            model(ids, use_cache=False).logits.square().mean().backward()
+    finally:
+        model.activation_checkpointing_disable()
+        model.eval()
+        model.zero_grad(set_to_none=True)
+    for whole, mixer in zip(full.mixers, reduced.mixers):
+        assert [call.index for call in mixer.calls] == [0]
+        assert_close(f"checkpointed {mixer}", per_token_norm(whole.states), mixer.states.detach(),
+                     rtol=1e-4, atol=1e-5)
