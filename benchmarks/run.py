@@ -183,6 +183,11 @@ def _state_bytes(result: Any) -> int:
     return sum(t.numel() * t.element_size() for t in states)
 
 
+def _per_token_norm(states: Any) -> Any:
+    """The reduction the "reduce" row keeps: each token's state norm, `[batch, chunk, *state] -> [batch, chunk]`."""
+    return states.flatten(2).norm(dim=-1)
+
+
 def make_rows(spec: Spec, model: Any, gen_model: Any, keep_mode: str, all_states_budget: float) -> list[Row]:
     """The rows of one model. `keep_mode`: "sparse", "all" (fallback keep=("states",)) or auto by budget."""
     import torch
@@ -257,6 +262,11 @@ def make_rows(spec: Spec, model: Any, gen_model: Any, keep_mode: str, all_states
         # the states as kept (a list of references, no stacking copy)
         return {"out": out, "watch": w, "states": [m.state_after(t) for m in w.mixers for t in range(ids.shape[1])]}
 
+    def reduced(ids):
+        with rh.watch(model, keep=("states",), reduce={"states": _per_token_norm}) as w:
+            out = model(ids, **fwd).logits
+        return {"out": out, "watch": w, "norms": [m.states for m in w.mixers]}
+
     def generate(ids):
         return {"out": gen_model.generate(ids, **gen)}
 
@@ -277,6 +287,8 @@ def make_rows(spec: Spec, model: Any, gen_model: Any, keep_mode: str, all_states
     ]
     if spec.all_states:
         rows.append(Row("all", "all-token states: keep=('states',)", all_states, "unhooked", 1.5))
+    rows.append(Row("reduce", "keep with a per-token reduction: reduce={'states': norm}", reduced,
+                    "unhooked", 1.5))
     rows += [
         Row("gen", f"plain greedy generate, {spec.new_tokens} new tokens", generate, "gen", note=spec.gen_note),
         Row("gen_hook", "generate + per-step hook (token=-1) vs plain generate", generate_hook, "gen", 1.1),

@@ -152,3 +152,45 @@ def normalize_keep(
     return memories, frozenset(kernel_io)
 
 
+def normalize_reduce(reduce: Any, memories: Mapping[str, Any], where: str = "watch") -> dict[str, Any]:
+    """`reduce` as memory -> the function applied to each chunk of kept states (`{"states": fn}`; a bare
+    callable reduces "states"). Each name must be one that `keep` keeps (`memories`: `normalize_keep`'s)."""
+    if reduce is None:
+        return {}
+    if callable(reduce):
+        reduce = {"states": reduce}
+    if not isinstance(reduce, Mapping):
+        raise InvalidValue(f"{where}: expected reduce= a mapping of kept names to functions (as {{'states':"
+                           f" lambda s: s.flatten(2).norm(dim=-1)}}) or a callable, got {type(reduce).__name__}")
+    out: dict[str, Any] = {}
+    for name, fn in reduce.items():
+        if isinstance(name, str) and name in RENAMED_KEEP:
+            renamed(f"{where}: reduce={{{name!r}: ...}}", f"reduce={{{RENAMED_KEEP[name]!r}: ...}}", stacklevel=4)
+            name = RENAMED_KEEP[name]
+        if KEEPABLE.get(name) is None:
+            raise InvalidValue(f"{where}: reduce={{{name!r}: ...}}: only kept memories can be reduced, from"
+                               f" {tuple(k for k, memory in KEEPABLE.items() if memory is not None)}")
+        if KEEPABLE[name] not in memories:
+            raise InvalidValue(f"{where}: reduce={{{name!r}: ...}}, but keep does not keep {name!r}: add it to keep"
+                               f" (keep=({name!r},), or a mapping of the positions to reduce)")
+        if not callable(fn):
+            raise InvalidValue(f"{where}: reduce[{name!r}] must be a function of a [batch, chunk, *state] tensor,"
+                               f" got {type(fn).__name__} {fn!r}")
+        out[KEEPABLE[name]] = fn
+    return out
+
+
+def as_keep_device(device: Any, where: str = "watch") -> torch.device | None:
+    """`keep_device` as a `torch.device` this machine has (None: kept where the model computes them)."""
+    if device is None:
+        return None
+    if not isinstance(device, (str, torch.device)) or isinstance(device, bool):
+        raise InvalidValue(f"{where}: expected keep_device= a device (as 'cpu' or 'cuda:0') or None, got"
+                           f" {type(device).__name__} {device!r}")
+    try:
+        device = torch.device(device)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError, ValueError) as error:
+        raise InvalidValue(f"{where}: keep_device={str(device)!r} is not a device this machine has"
+                           f" ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from None
+    return device

@@ -104,12 +104,20 @@ Hooked = list[tuple["_Hook", frozenset[int] | None]]  # hooks in registration or
 class Plan:
     """What one attached mixer wants of one kernel call: its hooks (in registration order) and kept tokens."""
 
-    __slots__ = ("owner", "call", "hooks", "keep", "kept", "stacked")
+    __slots__ = ("owner", "call", "hooks", "keep", "kept", "stacked", "reduce", "device")
 
-    def __init__(self, owner: "CallState", call: int | None, hooks: Hooked, keep: frozenset[int] | None):
+    def __init__(self, owner: "CallState", call: int | None, hooks: Hooked, keep: frozenset[int] | None,
+                 memory: str | None = None):
         self.owner, self.call, self.hooks, self.keep = owner, call, hooks, keep
         self.kept: dict[int, Tensor] | None = None if keep is None else {}
         self.stacked: Tensor | None = None  # every token kept in grad mode: the leaf the forward read them through
+        # what the handle's watch asked of kept `memory` values: fn(a chunk of kept states), kept instead of the
+        # states (`watch(reduce=...)`), and the device they go to as they are kept (`watch(keep_device=...)`)
+        self.reduce: Callable[[Any], Any] | None = None
+        self.device: torch.device | None = None
+        if keep is not None and memory is not None:
+            mixer = owner.mixer
+            self.reduce, self.device = mixer.reduce.get(memory), mixer.keep_device
 
     @property
     def mixer(self) -> "RecurrentMixer":
@@ -287,7 +295,7 @@ class CallState:
             lengths = self.keep_lengths.setdefault(kernel.memory, [])
             if len(lengths) <= _SHOWN and (not lengths or lengths[-1][0] != index):
                 lengths.append((index, tokens))
-        return Plan(self, index, hooks, keep)
+        return Plan(self, index, hooks, keep, kernel.memory)
 
     def hooked(self, kernel: Kernel, tokens: int, targets: Callable[["_Hook"], bool],
                 outside: Callable[["_Hook", int, int, str], None]) -> Hooked:
@@ -359,6 +367,8 @@ class CallState:
             record._buffers.setdefault(memory, []).append(stacked)
             record._positions[memory] = self.keep[memory]
             record._stacked.pop(memory, None)
+            if memory in self.mixer.reduce:
+                record._reduced.add(memory)
 
     def _store_recomputed(self, plan: Plan, kernel: Kernel, record: Call) -> None:
         """A recompute keeps nothing new, except where the call's own forward ran without gradients
@@ -366,8 +376,8 @@ class CallState:
         ones, whose `.grad` is retained for `loss.backward()`."""
         kept = record._kept.get(kernel.memory)
         part = self.kernel_calls[kernel.memory] - 1
-        if plan.kept is None or kept is None or part >= len(kept):
-            return
+        if plan.kept is None or plan.reduce is not None or kept is None or part >= len(kept):
+            return  # (reductions: the first forward's stand)
         for token, state in plan.kept.items():
             if _requires_grad(state) and token in kept[part] and not _requires_grad(kept[part][token]):
                 map_parts(lambda s: s.retain_grad(), state)

@@ -99,9 +99,12 @@ class Call:
     # memory -> the positions its kernel ran over, where they differ from `tokens` (a kernel that ran over other
     # positions than the forward's input has: rwkv's batched decode bug, docs/concepts.md)
     _ran: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
+    # the memories kept as reductions (`watch(reduce=...)`): what `_kept` holds of them is fn(states), per token
+    _reduced: set[str] = dataclasses.field(default_factory=set, repr=False)
 
     def __repr__(self) -> str:
-        kept = {memory: "every token" if self._positions.get(memory) is None else sorted(parts[0])
+        kept = {memory + (" (reduced)" if memory in self._reduced else ""):
+                "every token" if self._positions.get(memory) is None else sorted(parts[0])
                 for memory, parts in self._kept.items()}
         return (f"Call(index={self.index}, where={self.where!r}, tokens={self.tokens}, kernel={self.kernel!r},"
                 f" reorder={brief(self.reorder)}, kernel_calls={brief(self.kernel_calls)}, conv={brief(self.conv)}, kept={kept})")
@@ -154,7 +157,9 @@ class Call:
     def states(self) -> Tensor:
         """The state after every token of this call, stacked on a `seq` axis after `batch`.
 
-        Kept in grad mode, it is the tensor the forward read every state through:
+        Kept as a reduction (`watch(reduce={"states": fn})`): fn's result for every token, `[batch, seq, ...]`
+        (a kernel run once per head: each head's, stacked on the axis after `seq`). Kept in grad mode, it is the
+        tensor the forward read every state through:
         `torch.autograd.grad(metric, call.states)` gives the effect of a write at each token, also when
         the weights are frozen (for a kernel run once per head, see `differentiable`)."""
         return self._all(STATE_MEMORY)
@@ -215,6 +220,10 @@ class Call:
         memory = memory_name(memory, "Call.differentiable")
         parts = self._kept_parts(memory)
         buffers = self._buffers.get(memory) or [None] * len(parts)
+        if memory in self._reduced:
+            raise Unavailable(f"{self.where}: call {self.index} kept reductions of its {memory}s (watch(reduce=...)),"
+                              " which the forward did not read: they have no gradient of a metric. Keep the states"
+                              " themselves for that, or take gradients through the reduction's own graph")
         if any(buffer is None for buffer in buffers):
             raise Unavailable(f"{self.where}: call {self.index} kept no differentiable {memory}s: keep every token"
                               " (keep=('states',) or 'windows') and run the forward with gradients enabled")

@@ -159,7 +159,7 @@ class TracedCallState:
         if state.wants_some() and (reason := state.checks(kernel, part, "?")) is not None:
             _event(_CLOCKS[self.key], self.key, "restart", [], repr((kernel.name, reason)), [])
         hooks = state.hooked(kernel, tokens, lambda hook: hook.targets_some, functools.partial(_outside, self))
-        return TracedPlan(state, None, hooks, state.keep_at(kernel.memory, tokens))
+        return TracedPlan(state, None, hooks, state.keep_at(kernel.memory, tokens), kernel.memory)
 
     def store(self, plan: Plan, kernel: Kernel, part: KernelCall, tokens: int) -> None:
         """File a kernel call's kept states, records and path in the running call's record, when the graph runs."""

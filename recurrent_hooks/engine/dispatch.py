@@ -31,9 +31,10 @@ from . import strategies
 from .calls import KernelCall
 from .kernels import CONV_MEMORY, FORWARD, Kernel, Layout, Pieces
 from .call_state import Plan, _Forward
+from .errors import InvalidValue
 from .mixer import RecurrentMixer
-from .parts import State, map_parts, parts_of, rebuild
-from .threads import THREAD, in_backward
+from .parts import State, is_parts, map_parts, parts_of, rebuild, stack_parts
+from .threads import THREAD, in_backward, user_code
 
 
 def _forward_of(kind: type[RecurrentMixer], layout: Layout, module: nn.Module, args: tuple, kwargs: dict[str, Any],
@@ -291,12 +292,13 @@ class _Tap:
         if "original" in kernel.layout.named:  # a loop that reads settings the kernel captured
             extra["original"] = original
         if fast is not None and fast.path is strategies.Strategy.BLOCKS:  # the states chunk-wise, a block at a time
+            takers[0].borrowed = True
             result = _blocks.run_in_blocks(kernel, args, kwargs, on_token)
         elif fast is not None and kernel.segments is None:  # the loop computes fast between the stops itself
             result = kernel.loop(*args, on_token=on_token, stops=fast.stops, **extra, **kwargs)
         elif fast is not None:
             result = _run_in_segments(kernel, original, args, kwargs, fast.stops, fast.tails, on_token,
-                                      [plan for plan in takers[0].keeping if fast.every_state])
+                                      [plan for plan in takers[0].storing if fast.every_state])
         else:
             result = kernel.loop(*args, on_token=on_token, **extra, **kwargs)
         if kernel.memory == CONV_MEMORY and kernel.role == "prompt" and takers[0].last:
@@ -345,15 +347,21 @@ class _Taker:
     def __init__(self, busy: list[Plan], tokens: int) -> None:
         self.busy, self.tokens = busy, tokens
         self.keeping = [plan for plan in busy if plan.keep]
-        self.kept_at = sorted(frozenset().union(*(plan.keep for plan in self.keeping)))
+        self.storing = [plan for plan in self.keeping if plan.reduce is None]  # the states themselves
+        self.reducing = [_Reduction(plan) for plan in self.keeping if plan.reduce is not None]
+        self.kept_at = sorted(frozenset().union(*(plan.keep for plan in self.storing)))
         self.slot = {token: i for i, token in enumerate(self.kept_at)}
         # (under torch.compile, kept states are values: `compiled`)
         self.differentiable = torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        # the states handed over are views of a block's buffer, which nothing changes later (`blocks`): a
+        # reduction may hold them until its chunk is full
+        self.borrowed = False
         # A state is one tensor or a NamedTuple of parts (`parts`): each step below is done part by part.
         self.buffer: list[State] = []  # grad mode: one leaf for every kept state of the call, zeros when read
         self.slots: list[State] = []  # its per-token views
         self.filled: dict[int, State] = {}  # slot -> the state it holds
         self.last: list[State] = []
+        self.moved: set[torch.device] = set()  # devices kept values were copied from without blocking
 
     def on_token(self, token: int, state: State) -> State:
         for plan in self.busy:
@@ -379,15 +387,47 @@ class _Taker:
                 self.filled[slot] = state  # copied into the leaf once the kernel call is over
             else:
                 state = map_parts(lambda s: s.view_as(s), state)
-            for plan in self.keeping:
+            for plan in self.storing:
                 if token in plan.keep:
-                    plan.kept[token] = state
+                    plan.kept[token] = self._moved(plan, token, state)
+        for reduction in self.reducing:
+            if token in reduction.plan.keep:
+                reduction.add(token, state if self.borrowed else map_parts(_own, state), self)
         if token == self.tokens - 1:
             self.last.append(state)
         return state
 
+    def _moved(self, plan: Plan, token: int, value: State, graph: bool = False) -> State:
+        """`value` on the plan's keep device (`watch(keep_device=...)`), copied without blocking (synchronized
+        when the call is over). A state kept with gradients stays where the forward read it (`graph`: a
+        reduction, whose copy keeps its graph)."""
+        device = plan.device
+        if device is None:
+            return value
+        source = parts_of(value)[0][1].device
+        if source == device:
+            return value
+        if self.differentiable and not graph:
+            raise InvalidValue(
+                f"{plan.mixer}, call {plan.call}, token {token}: keep_device={str(device)!r} with gradients on: a"
+                f" state kept in grad mode is the tensor the forward read (on {source}), which a copy on another"
+                " device is not. Run the forward under torch.no_grad(), keep on the model's device (keep_device="
+                "None), or keep a reduction (reduce=...), whose copy keeps its graph")
+        if source.type != "cpu":
+            self.moved.add(source)
+        return map_parts(lambda s: s.to(device, non_blocking=True), value)
+
     def finish(self) -> None:
-        """The kernel call is over: the leaf holds the kept states from now on (the forward read it as zeros)."""
+        """The kernel call is over: the leaf holds the kept states from now on (the forward read it as zeros);
+        the last chunk of each reduction is reduced; copies made without blocking are waited for."""
+        for reduction in self.reducing:
+            reduction.flush(self)
+        for plan in self.storing:  # (the chunk-wise states path keeps the states of a whole piece directly)
+            if plan.device is not None:
+                for token, value in plan.kept.items():
+                    plan.kept[token] = self._moved(plan, token, value)
+        for device in self.moved:
+            torch.accelerator.synchronize(device)
         if self.buffer:
             with torch.no_grad():
                 for i, state in self.filled.items():
@@ -395,6 +435,51 @@ class _Taker:
         for plan in self.keeping:
             if self.buffer and len(plan.keep) == len(self.kept_at) == self.tokens:
                 plan.stacked = self.buffer[0]
+
+
+class _Reduction:
+    """A reducing plan's kept states of one kernel call, `CHUNK` tokens at a time: each full chunk
+    `[batch, chunk, *state]` goes through the plan's `reduce` function, and the plan keeps, per token, its
+    slice of the result (`[batch, ...]`). At most one chunk of states is held (O(chunk x state))."""
+
+    CHUNK = _blocks.BLOCK
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.tokens: list[int] = []
+        self.states: list[State] = []
+
+    def add(self, token: int, state: State, taker: "_Taker") -> None:
+        self.tokens.append(token)
+        self.states.append(state)
+        if len(self.tokens) == self.CHUNK:
+            self.flush(taker)
+
+    def flush(self, taker: "_Taker") -> None:
+        if not self.tokens:
+            return
+        tokens, states = self.tokens, self.states
+        self.tokens, self.states = [], []
+        chunk = stack_parts(states, dim=1)  # [batch, chunk, *state]
+        del states
+        plan = self.plan
+        with user_code():
+            reduced = plan.reduce(chunk)
+        del chunk
+        where = f"{plan.mixer}, call {plan.call}, tokens {tokens[0]}..{tokens[-1]}: the reduction {_name(plan.reduce)}"
+        for name, part in parts_of(reduced) if is_parts(reduced) else [("", reduced)]:
+            if not isinstance(part, Tensor) or part.dim() < 2 or part.shape[1] != len(tokens):
+                got = f"a tensor of shape {tuple(part.shape)}" if isinstance(part, Tensor) else type(part).__name__
+                raise InvalidValue(f"{where} returned {got}{f' in part {name!r}' if name else ''}; expected a tensor"
+                                   f" [batch, chunk, ...] with chunk = {len(tokens)} (a result per token of the"
+                                   " chunk of states [batch, chunk, *state] it was given)")
+        reduced = taker._moved(plan, tokens[0], reduced, graph=True)
+        for i, token in enumerate(tokens):
+            plan.kept[token] = map_parts(lambda r, i=i: r[:, i], reduced)
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
 
 
 def _own(state: Tensor) -> Tensor:
@@ -427,8 +512,8 @@ def _run_in_segments(kernel: Kernel, original: Callable[..., Any], args: tuple, 
     The token ranges `tails` (`[start, end)`, each inside one piece and ending it) run through the library's
     token loop instead, from the piece's last chunk boundary to its stop (`strategies.Choice.tails`). With
     `keeping_all`, the pieces run through the kernel's chunk-wise `all_states` version instead, and the
-    states of the tokens between the stops go to those plans. `Segments.kernel`, when given, runs the
-    pieces in place of `original` (which cannot start from a state).
+    states of the tokens between the stops go to those plans (`_Taker.finish` moves them to their keep device).
+    `Segments.kernel`, when given, runs the pieces in place of `original` (which cannot start from a state).
     """
     segments = kernel.segments
     run = segments.all_states if keeping_all else segments.kernel or original

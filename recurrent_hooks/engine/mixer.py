@@ -140,6 +140,10 @@ class RecurrentMixer(Kind):
 
     # how this handle's busy calls pick their path (`Paths`; `watch(model, paths=...)`, `register_state_hook`)
     paths: Paths = _DEFAULT_PATHS
+    # where kept values go as they are kept (None: where the model computes them; `watch(keep_device=...)`), and
+    # memory -> the function kept in place of its states, applied to chunks of them (`watch(reduce=...)`)
+    keep_device: "torch.device | None" = None
+    reduce: "dict[str, Callable[[Any], Any]]" = {}  # (assigned per handle, never changed in place)
 
     def __init__(self, module: nn.Module, family: str, *,
                  keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (), history: bool = True,

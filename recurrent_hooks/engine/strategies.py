@@ -55,6 +55,7 @@ import enum
 import json
 import math
 import pathlib
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -357,20 +358,29 @@ def choose(kernel: Kernel, busy: list[Any], tokens: int, arguments: dict[str, An
     all_states = segments is not None and segments.all_states is not None
     stops: set[int] = set()
     every_state = every_token = False
+    reducing = False  # a reduction of every state: handed over token by token (blocks or the loop), never all at once
     for plan in busy:
+        reduces_all = bool(plan.keep) and getattr(plan, "reduce", None) is not None and len(plan.keep) == tokens > 1
+        reducing |= reduces_all
+        every_token |= reduces_all
         if any(positions is None for _, positions in plan.hooks):
             if tokens > 1:
                 every_token = True
                 continue
             stops.add(0)  # every token of a one-token call (a decode step): a stop at it
         stops.update(p for _, positions in plan.hooks if positions is not None for p in positions)
+        if reduces_all:
+            continue
         if plan.keep and len(plan.keep) == tokens and all_states and not grad:
             every_state = True
         elif plan.keep:
             stops.update(plan.keep)
     # blocks where they were measured to beat the token loop (`blocks.blocks_apply`: the state's size)
+    # (blocks at any size for a reduction alone: its on_token costs next to nothing, unlike a hook's)
+    only_reducing = reducing and not any(positions is None for plan in busy for _, positions in plan.hooks)
     blocks = every_token and all_states and not grad and arguments is not None \
-        and _blocks.blocks_apply(kernel, type(busy[0].mixer), arguments, grad, paths.blocks_below)
+        and _blocks.blocks_apply(kernel, type(busy[0].mixer), arguments, grad,
+                                 sys.maxsize if only_reducing else paths.blocks_below)
     if every_token:
         available = [Strategy.LOOP] + ([Strategy.BLOCKS] if blocks else [])
     else:
@@ -381,6 +391,8 @@ def choose(kernel: Kernel, busy: list[Any], tokens: int, arguments: dict[str, An
         constants = None if shape is None else _constants_of(shape, arguments, paths)
     if paths.force in available:
         path = paths.force
+    elif only_reducing and blocks:  # measured: half the token loop's time at Qwen3.5 dims (docs/performance.md)
+        path = Strategy.BLOCKS
     elif constants is None:  # no cost model for this call: the fixed rule
         path = available[-1] if every_token else _fixed_rule(stops, every_state, tokens)
     else:

@@ -21,11 +21,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from .errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable, renamed
-from .arguments import as_index, normalize_keep, renamed_keep
+from .arguments import as_index, as_keep_device, normalize_keep, normalize_reduce, renamed_keep
 from .calls import Memory
 from .dispatch import attach, make_dispatcher, make_owner
 from . import strategies
@@ -157,6 +158,13 @@ class Watch:
     always there: each `Call` is the record of one forward, and what it holds beyond that is what was kept.
     `record=True` is the former spelling of keeping "inputs" and "outputs" (it warns).
 
+    At real sizes: `keep_device="cpu"` moves each kept state there as it is kept (a model on a GPU keeps its
+    states in host memory; with gradients on, kept states are refused on another device, reductions keep their
+    graph), and `reduce={"states": fn}` keeps `fn(states)` instead of the states, `fn` taking a chunk of kept
+    tokens' states `[batch, chunk, *state]` and returning `[batch, chunk, ...]` (a per-token norm:
+    `lambda s: s.flatten(2).norm(dim=-1)`): `mix.states` is then the stacked reductions, `state_after(t)`
+    the reduction at t, and at most one chunk of states is held at a time.
+
     The block sees the forwards of the thread that entered it; a model run inside a hook, or a model
     that is not watched, runs its kernels untouched. Writes aimed at calls that never ran (a generation
     that stopped early) give one `RecurrentHooksWarning` on exit; hooks aimed at them are not an error.
@@ -172,7 +180,8 @@ class Watch:
     """
 
     def __init__(self, model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (),
-                 record: bool = False, paths: Paths | None = None) -> None:
+                 record: bool = False, paths: Paths | None = None, keep_device: "str | torch.device | None" = None,
+                 reduce: "Mapping[str, Callable[[Any], Any]] | Callable[[Any], Any] | None" = None) -> None:
         if not isinstance(model, nn.Module):
             raise InvalidValue(f"watch: expected a torch.nn.Module (a transformers model), got {type(model).__name__}")
         self.paths = _checked_paths(paths, "watch")
@@ -184,7 +193,9 @@ class Watch:
             raise InvalidValue(f"watch: expected keep as a tuple of names or a mapping of names to tokens,"
                                f" got {type(keep).__name__}")
         keep = renamed_keep(keep)  # a former name warns once, here
-        normalize_keep(keep)  # checked here, before anything is acquired
+        memories, _ = normalize_keep(keep)  # checked here, before anything is acquired
+        self.keep_device = as_keep_device(keep_device)
+        self.reduce = normalize_reduce(reduce, memories)
         keep = (keep,) if isinstance(keep, str) else dict(keep) if isinstance(keep, Mapping) else tuple(keep)
         self.model = model
         self.keep = keep
@@ -273,7 +284,7 @@ class Watch:
         mixers = [mixer for mixer, _ in rows]
         paths = {path: next(mixer for mixer in mixers if mixer.module is m) for path, m, _ in found}
         for mixer in mixers:
-            mixer.paths = self.paths
+            mixer.paths, mixer.keep_device, mixer.reduce = self.paths, self.keep_device, self.reduce
         stack = contextlib.ExitStack()
         try:  # all or nothing: a failure releases what was acquired so far
             for mixer, row in rows:
@@ -324,7 +335,8 @@ def _checked_paths(paths: Any, where: str) -> Paths:
 
 
 def watch(model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (),
-          record: bool = False, paths: Paths | None = None) -> Watch:
+          record: bool = False, paths: Paths | None = None, keep_device: "str | torch.device | None" = None,
+          reduce: "Mapping[str, Callable[[Any], Any]] | Callable[[Any], Any] | None" = None) -> Watch:
     """Watch every supported recurrent mixer of `model` for the duration of a `with` block.
 
         with recurrent_hooks.watch(model, keep=("states",)) as w:
@@ -336,7 +348,7 @@ def watch(model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | N
     See `Watch` for what happens on entry and exit and for `paths` (how busy calls run: `Paths`), and
     docs/concepts.md for calls, tokens and writes.
     """
-    return Watch(model, keep, record, paths)
+    return Watch(model, keep, record, paths, keep_device, reduce)
 
 
 _STANDALONE: "weakref.WeakKeyDictionary[nn.Module, RecurrentMixer]" = weakref.WeakKeyDictionary()
