@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import recurrent_hooks as rh
+from recurrent_hooks.studies import attribution
 from _compare import assert_close
 from _models import build, random_ids
 
@@ -24,8 +25,14 @@ def frozen(request):
     return build(request.param).requires_grad_(False)
 
 
-@pytest.mark.parametrize("tokens, chunk", [(13, 64), (13, 4), (37, 20)])  # one piece; many; pieces > a step
-def test_chunks_equal_kept_states(frozen, tokens, chunk):
+@pytest.mark.parametrize("tokens, chunk, steps_of", [(13, 64, None), (13, 4, None), (37, 20, 7)])
+def test_chunks_equal_kept_states(frozen, tokens, chunk, steps_of, monkeypatch):
+    """One piece; many; pieces of several backward steps (`steps_of` tokens of states at once)."""
+    if steps_of is not None:
+        with rh.watch(frozen, keep=("states",)) as w, torch.no_grad():
+            frozen(random_ids(2, 2))
+        state = w.mixers[0].state_after(0)
+        monkeypatch.setattr(attribution, "_STEP_BYTES", steps_of * state.numel() * state.element_size())
     clean, corrupt = random_ids(2, tokens, seed=1), random_ids(2, tokens, seed=2)
     reference = rh.attribute(frozen, clean, corrupt, metric, method="states")
     result = rh.attribute(frozen, clean, corrupt, metric, method="chunks", chunk=chunk)

@@ -26,8 +26,9 @@ Two ways to the same numbers (`method`):
   d metric / d eps_t is exactly the `state` term at t. The clean states of a piece are recomputed from its
   clean boundary (the kind's chunk-wise `all_states`, no grad). Memory per chosen layer: the inputs
   (O(seq x width)), seq / chunk boundary states of each run, and in the backward 2 x chunk states plus
-  the token loop's graph over `_STEP` tokens (about 5 state-sized tensors a token); nothing of size
-  seq x state. Windows are kept as in "states" (K columns a token).
+  the token loop's graph over min(chunk, 32 MiB / state bytes) tokens (about 5 state-sized tensors a
+  token; the piece's corrupt states are recomputed first, without grad, when a piece has more tokens);
+  nothing of size seq x state. Windows are kept as in "states" (K columns a token).
 - "states": one backward through the corrupt run with every state and window kept (kept states are read
   through one leaf per call in grad mode, so this works with frozen weights): memory seq x state per layer,
   with the token loop's whole graph. Every kind; the reference the other is tested against.
@@ -74,7 +75,7 @@ class Attribution:
 
 
 METHODS = ("auto", "chunks", "states")
-_STEP = 16  # tokens of the token loop's graph held at once in the backward of "chunks"
+_STEP_BYTES = 32 * 2**20  # the states of the token loop's graph held at once in the backward of "chunks"
 
 
 def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: Metric, *,
@@ -354,6 +355,8 @@ class _Chunked(torch.autograd.Function):
             name: [] for name in wanted if name in segments.per_token}
         summed: dict[str, Tensor] = {}
         ranges = _ranges(pieces.tokens, spec.chunk)
+        last = spec.boundaries[-1]  # steps of the token loop: as many tokens as _STEP_BYTES of states
+        step_tokens = min(spec.chunk, max(1, _STEP_BYTES // (last.numel() * last.element_size())))
         eps_parts: list[Tensor] = []
         grad_state = grad_final
         for index in reversed(range(len(ranges))):
@@ -361,8 +364,8 @@ class _Chunked(torch.autograd.Function):
             clean = spec.clean.states(kernel, index, start, end)  # i b *state
             leading, named = pieces.call(start, end, spec.boundaries[index])
             with torch.no_grad():  # the corrupt states inside the piece: the boundaries of its steps
-                corrupt = _states(kernel, leading, named) if end - start > _STEP else None
-            steps = _ranges(end - start, _STEP)
+                corrupt = _states(kernel, leading, named) if end - start > step_tokens else None
+            steps = _ranges(end - start, step_tokens)
             step_eps: list[Tensor] = []
             for step in reversed(range(len(steps))):
                 first, last = steps[step]
