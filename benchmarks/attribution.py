@@ -1,92 +1,142 @@
-"""Benchmark: attribution in one backward against a plain forward, in one run.
+"""Benchmark: `rh.attribute` against a plain forward + backward of the same model, in one run.
 
-    python benchmarks/attribution.py            # gdn_small at T = 512
-    python benchmarks/attribution.py --quick    # tiny dims, a smoke run
+    python benchmarks/attribution.py                      # gdn_small at T = 512
+    python benchmarks/attribution.py --model qwen3_5      # Qwen3.5 layer dims, T = 512 (--tokens 2048)
+    python benchmarks/attribution.py --quick              # tiny dims, a smoke run
 
-Rows, each divided by one plain forward of the same model on the same ids (`model(ids, use_cache=False)`
-under `torch.no_grad()`) timed in the same round; the ratio is the median over interleaved rounds:
-- "forward + backward, every state kept differentiably": a watch with keep=("states", "windows"),
-  the forward, and one `torch.autograd.grad` with respect to every mixer's states and windows (the
-  issue's target: <= 4 x a plain forward);
-- "rh.attribute": the above plus the clean forward that keeps every state and window without gradients.
-Weights are frozen, as in a study.
+Reference: "plain forward + backward": the corrupt ids' forward with gradients on and one backward of the
+metric (log-sum-exp of the last token's logits) to the input embeddings (a leaf; the weights are frozen, as
+in a study, so without it nothing would require grad). Rows, timed in interleaved rounds, each divided by the
+reference of the same round (median over rounds):
+- `rh.attribute(method="chunks")`: the default where the kind has it (nothing of size seq x state kept);
+- `rh.attribute(method="states")`: every state and window kept differentiably (the reference path);
+  skipped with --no-states (at Qwen3.5 dims it needs about 11 GB at T = 512).
+Both include the clean forward. Memory: each row once in a child process (MALLOC_MMAP_THRESHOLD_=65536,
+as benchmarks/run.py: RSS follows the live tensors); peak+ = VmHWM during the row - VmRSS before it.
+Targets (issue 19): time <= 4 x and memory <= 2 x the reference.
 """
 
 import argparse
+import gc
+import json
+import os
 import pathlib
 import statistics
+import subprocess
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import run as bench  # noqa: E402  the benchmark's model builders
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # this checkout's package, not an installed one
+import run as bench  # noqa: E402  the benchmark's model builders and memory probes
 
 import recurrent_hooks as rh  # noqa: E402
 
-TARGET = 4.0
+TIME_TARGET, MEMORY_TARGET = 4.0, 2.0
+MODELS = {  # name -> (label, builder)
+    "gdn_small": ("gdn_small: hidden 256, 4 key / 8 value heads of 64, MLP 512, 2 gated DeltaNet layers",
+                  lambda: bench._gdn(256, 4, 8, 64, 512, bench.LINEAR2)),
+    "qwen3_5": ("Qwen3.5 layer dims: hidden 2048, 16 key / 32 value heads of 128, MLP 6144;"
+                " one gated DeltaNet layer and one attention layer",
+                lambda: bench._gdn(2048, 16, 32, 128, 6144, bench.HYBRID)),
+    "quick": ("gated DeltaNet (quick dims)", lambda: bench._gdn(64, 2, 4, 16, 128, bench.LINEAR2)),
+}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+def metric(logits: torch.Tensor) -> torch.Tensor:
+    return logits[:, -1].logsumexp(-1)
+
+
+def setup(args: argparse.Namespace):
     torch.manual_seed(0)
-    if args.quick:
-        model, tokens, label = bench._gdn(64, 2, 4, 16, 128, bench.LINEAR2), 32, "gated DeltaNet (quick dims)"
-    else:
-        model, tokens, label = (bench._gdn(256, 4, 8, 64, 512, bench.LINEAR2), 512,
-                                "gdn_small: hidden 256, 4 key / 8 value heads of 64, MLP 512")
-    model.eval().requires_grad_(False)
+    label, build = MODELS["quick" if args.quick else args.model]
+    model = build().eval().requires_grad_(False)
+    tokens = 32 if args.quick else args.tokens
     gen = torch.Generator().manual_seed(0)
     clean = torch.randint(3, bench.VOCAB, (1, tokens), generator=gen)
     corrupt = clean.clone()
     corrupt[0, tokens // 2] = (corrupt[0, tokens // 2] + 1) % bench.VOCAB
 
-    def metric(logits: torch.Tensor) -> torch.Tensor:
-        return logits[:, -1].logsumexp(-1)
+    def reference() -> None:
+        embeds = model.get_input_embeddings()(corrupt).detach().requires_grad_()
+        value = metric(model(inputs_embeds=embeds, use_cache=False).logits).sum()
+        torch.autograd.grad(value, [embeds])
 
-    def plain() -> None:
-        with torch.no_grad():
-            model(corrupt, use_cache=False)
+    rows = {"plain forward + backward": reference}
+    for method in ("chunks",) + (() if args.no_states else ("states",)):
+        rows[f"rh.attribute(method={method!r})"] = (
+            lambda method=method: rh.attribute(model, clean, corrupt, metric, method=method,
+                                               forward_kwargs={"use_cache": False}))
+    return label, tokens, rows
 
-    def backward() -> None:
-        with rh.watch(model, keep=("states", "windows")) as w:
-            value = metric(model(corrupt, use_cache=False).logits).sum()
-        torch.autograd.grad(value, [t for m in w.mixers for memory in ("state", "window")
-                                    for t in m.calls[0].differentiable(memory)])
 
-    def attribution() -> None:
-        rh.attribute(model, clean, corrupt, metric, forward_kwargs={"use_cache": False})
+def memory_child(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    _, _, rows = setup(args)
+    out = {}
+    for name, run_row in rows.items():
+        gc.collect()
+        before = bench._status("VmRSS")
+        bench._reset_peak()
+        run_row()
+        out[name] = (bench._status("VmHWM") - before) / bench.MB
+        gc.collect()
+    print(json.dumps(out))
 
-    rows = {"forward + backward, every state kept differentiably": (backward, TARGET),
-            "rh.attribute (and the clean forward)": (attribution, None)}
-    ratios: dict[str, list[float]] = {name: [] for name in rows}
-    seconds: dict[str, list[float]] = {name: [] for name in ["plain forward", *rows]}
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="gdn_small")
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--no-states", action="store_true")
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.memory_child:
+        memory_child(args)
+        return 0
+    torch.set_num_threads(args.threads)
+    label, tokens, rows = setup(args)
+    seconds: dict[str, list[float]] = {name: [] for name in rows}
     for round_ in range(args.repeats + 1):
-        start = time.perf_counter()
-        plain()
-        reference = time.perf_counter() - start
-        if round_:  # the first round warms up
-            seconds["plain forward"].append(reference)
-        for name, (run_row, _) in rows.items():
+        for name, run_row in rows.items():
             start = time.perf_counter()
             run_row()
-            elapsed = time.perf_counter() - start
-            if round_:
-                ratios[name].append(elapsed / reference)
-                seconds[name].append(elapsed)
+            if round_:  # the first round warms up
+                seconds[name].append(time.perf_counter() - start)
+    memory: dict[str, float] = {}
+    if not args.no_memory:
+        child = [sys.executable, os.path.abspath(__file__), "--memory-child", "--model", args.model, "--tokens",
+                 str(args.tokens), "--threads", str(args.threads)] + [f for f, on in (("--quick", args.quick),
+                                                                                     ("--no-states", args.no_states))
+                                                                      if on]
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", MALLOC_ARENA_MAX="2")
+        proc = subprocess.run(child, env=env, capture_output=True, text=True)
+        if proc.returncode:
+            print("memory child failed: " + " | ".join(proc.stderr.strip().splitlines()[-3:]))
+        else:
+            memory = json.loads(proc.stdout.strip().splitlines()[-1])
     print(f"{label}; T = {tokens}, batch 1, {args.threads} threads, {args.repeats} rounds (+1 warm-up)")
-    print(f"plain forward: median {statistics.median(seconds['plain forward']):.3f} s")
-    for name, (_, target) in rows.items():
-        ratio = statistics.median(ratios[name])
-        verdict = f"; target <= {target}: {'met' if ratio <= target else 'NOT met'}" if target else ""
-        print(f"{name}: ratio {ratio:.2f} (range {min(ratios[name]):.2f}-{max(ratios[name]):.2f}),"
-              f" median {statistics.median(seconds[name]):.3f} s{verdict}")
+    reference = "plain forward + backward"
+    for name in rows:
+        ratios = [a / b for a, b in zip(seconds[name], seconds[reference])]
+        line = f"{name}: median {statistics.median(seconds[name]):.3f} s"
+        if name != reference:
+            ratio = statistics.median(ratios)
+            line += (f", time ratio {ratio:.2f} (range {min(ratios):.2f}-{max(ratios):.2f}; target <= {TIME_TARGET}:"
+                     f" {'met' if ratio <= TIME_TARGET else 'NOT met'})")
+        if name in memory:
+            line += f"; peak+ {memory[name]:.0f} MB"
+            if name != reference and memory.get(reference):
+                mem_ratio = memory[name] / memory[reference]
+                line += (f" = {mem_ratio:.2f} x (target <= {MEMORY_TARGET}:"
+                         f" {'met' if mem_ratio <= MEMORY_TARGET else 'NOT met'})")
+        print(line)
     return 0
 
 

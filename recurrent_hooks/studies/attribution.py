@@ -14,12 +14,29 @@ Glossary (code name, symbol, shape):
     state                   (S_t - S'_t) . dm/dS'_t        [layers, seq], summed over rows and state axes
     window                  (W_t - W'_t) . dm/dW'_t        [layers, seq]
 
-The gradients come from one backward through the corrupt run with every state and window kept (kept
-states are read through one leaf per call in grad mode, so this works with frozen weights). Patching the
-memory after t makes tokens t+1.. continue from the clean memory; the window term matters most for the
-kernel_size - 1 tokens right after t, which read the window (docs/concepts.md, "Write semantics").
+Two ways to the same numbers (`method`):
+- "chunks" (the default where every chosen mixer's kind has a prompt kernel that runs in pieces chaining its
+  state, `Segments`: gated DeltaNet, Kimi delta attention, Mamba-2, Mamba-1): no state is kept. Each prompt
+  call of a chosen mixer runs through a call runner (`engine.runners`): in the clean run, the bound kernel
+  in pieces of `chunk` tokens, keeping the states at the piece boundaries and the call's inputs; in the
+  corrupt run, one `torch.autograd.Function` (`_Chunked`) doing the same forward, whose backward walks the
+  pieces right to left, recomputes each from its boundary with the kind's token loop, in which the state
+  after token t is replaced by S'_t + eps_t (S_t - S'_t) with eps a zero leaf [batch, seq] (the values do
+  not change), and returns the gradients of the call's inputs, its initial state and eps.
+  d metric / d eps_t is exactly the `state` term at t. The clean states of a piece are recomputed from its
+  clean boundary (the kind's chunk-wise `all_states`, no grad). Memory per chosen layer: the inputs
+  (O(seq x width)), seq / chunk boundary states of each run, and in the backward 2 x chunk states plus
+  the token loop's graph over min(chunk, 32 MiB / state bytes) tokens (about 5 state-sized tensors a
+  token; the piece's corrupt states are recomputed first, without grad, when a piece has more tokens);
+  nothing of size seq x state. Windows are kept as in "states" (K columns a token).
+- "states": one backward through the corrupt run with every state and window kept (kept states are read
+  through one leaf per call in grad mode, so this works with frozen weights): memory seq x state per layer,
+  with the token loop's whole graph. Every kind; the reference the other is tested against.
+Patching the memory after t makes tokens t+1.. continue from the clean memory; the window term matters most
+for the kernel_size - 1 tokens right after t, which read the window (docs/concepts.md, "Write semantics").
 """
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -30,7 +47,8 @@ from torch import Tensor, nn
 
 from ..engine.errors import InvalidValue
 from ..engine.arguments import as_index
-from ..engine.kernels import CONV_MEMORY, STATE_MEMORY
+from ..engine import runners
+from ..engine.kernels import CONV_MEMORY, STATE_MEMORY, Kernel, Pieces, Role
 from ..engine.mixer import RecurrentMixer
 from ..engine.parts import map_parts, parts_of
 from ..engine.strategies import Paths
@@ -56,9 +74,13 @@ class Attribution:
         return self.state + self.window
 
 
+METHODS = ("auto", "chunks", "states")
+_STEP_BYTES = 32 * 2**20  # the states of the token loop's graph held at once in the backward of "chunks"
+
+
 def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: Metric, *,
               layers: Iterable[int] | None = None, forward_kwargs: Mapping[str, Any] | None = None,
-              paths: Paths | None = None) -> Attribution:
+              paths: Paths | None = None, method: str = "auto", chunk: int = 64) -> Attribution:
     """Attribution patching of every recurrent layer x token, from one clean forward and one forward and
     backward of the corrupt run.
 
@@ -67,7 +89,9 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
 
     `metric(logits)` returns one value per row (or a scalar); the mean over rows is attributed. Extra
     `forward_kwargs` go to both forwards (e.g. `use_cache=False`); `paths` sets how their calls run
-    (`recurrent_hooks.Paths`, as for `watch`). The weights need not require grad.
+    (`recurrent_hooks.Paths`, as for `watch`). The weights need not require grad. `method`: "chunks"
+    (no state of every token is kept: the module docstring), "states" (every state kept, any kind), or
+    "auto": "chunks" where every chosen mixer's kind has it; `chunk`: the piece length of "chunks".
     """
     where = "attribute"
     for name, ids in (("clean_ids", clean_ids), ("corrupt_ids", corrupt_ids)):
@@ -79,7 +103,20 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
                            " must have the same shape (row b of one is patched into row b of the other)")
     if not callable(metric):
         raise InvalidValue(f"{where}: expected a callable metric(logits) -> [batch] or a scalar, got {metric!r}")
+    if method not in METHODS:
+        raise InvalidValue(f"{where}: expected method in {METHODS}, got {method!r}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise InvalidValue(f"{where}: expected chunk as a positive int (tokens per piece), got {chunk!r}")
     kwargs = dict(forward_kwargs or {})
+    if method != "states":
+        with watch(model, paths=paths) as probe:
+            chunkable = all(_chunkable(type(m)) for m in _chosen(probe.mixers, layers, where))
+        if method == "chunks" and not chunkable:
+            slow = sorted({type(m).__name__ for m in _chosen(probe.mixers, layers, where) if not _chunkable(type(m))})
+            raise InvalidValue(f"{where}: method='chunks' needs a prompt kernel that runs in pieces from a state;"
+                               f" {', '.join(slow)} has none: use method='states' (or 'auto')")
+        if chunkable:
+            return _attribute_in_chunks(model, clean_ids, corrupt_ids, metric, layers, kwargs, paths, chunk, where)
     keep = ("states", "windows")  # a memory a mixer's kind does not carry is not kept (normalize_keep)
     with torch.no_grad(), watch(model, keep=keep, paths=paths) as clean_watch:
         clean_value = _mean(metric(model(clean_ids, **kwargs).logits), where)
@@ -94,21 +131,305 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
     state_rows, window_rows = [], []
     for clean, corrupt in pairs:
         for memory, rows in zip(_MEMORIES, (state_rows, window_rows)):
-            total = torch.zeros(clean_ids.shape[1], dtype=torch.float32, device=clean_ids.device)
-            if memory in corrupt.MEMORIES:
-                buffers = corrupt.calls[0].differentiable(memory)
-                reference = clean.calls[0]._all(memory)
-                for head, buffer in enumerate(buffers):
-                    clean_part = reference if len(buffers) == 1 else map_parts(lambda r: r[:, :, head], reference)
-                    for (_, leaf), (_, clean_leaf) in zip(parts_of(buffer), parts_of(clean_part)):
-                        grad = next(grads)
-                        if grad is None:  # the metric does not depend on this memory
-                            continue
-                        delta = clean_leaf.to(torch.float32) - leaf.detach().to(torch.float32)  # b t *memory
-                        total = total + (delta * grad.to(torch.float32)).flatten(2).sum(-1).sum(0).to(total.device)  # t
-            rows.append(total)
+            rows.append(_memory_row(clean, corrupt, memory, grads, clean_ids))
     return Attribution(tuple(m.layer for m in chosen), torch.stack(state_rows), torch.stack(window_rows),
                        float(clean_value), float(corrupt_value.detach()))
+
+
+def _memory_row(clean: RecurrentMixer, corrupt: RecurrentMixer, memory: str, grads: Iterable, ids: Tensor) -> Tensor:
+    """sum over rows and memory axes of (clean - corrupt) * gradient, per token, from kept states (next(grads)
+    per part of every buffer of `memory`, in `inputs`' order)."""
+    total = torch.zeros(ids.shape[1], dtype=torch.float32, device=ids.device)
+    if memory not in corrupt.MEMORIES:
+        return total
+    buffers = corrupt.calls[0].differentiable(memory)
+    reference = clean.calls[0]._all(memory)
+    for head, buffer in enumerate(buffers):
+        clean_part = reference if len(buffers) == 1 else map_parts(lambda r: r[:, :, head], reference)
+        for (_, leaf), (_, clean_leaf) in zip(parts_of(buffer), parts_of(clean_part)):
+            grad = next(grads)
+            if grad is None:  # the metric does not depend on this memory
+                continue
+            delta = clean_leaf.to(torch.float32) - leaf.detach().to(torch.float32)  # b t *memory
+            total = total + (delta * grad.to(torch.float32)).flatten(2).sum(-1).sum(0).to(total.device)  # t
+    return total
+
+
+def _attribute_in_chunks(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: Metric,
+                         layers: Iterable[int] | None, kwargs: dict[str, Any], paths: Paths | None, chunk: int,
+                         where: str) -> Attribution:
+    """method="chunks": the state term through `_Chunked` calls, the window term from kept windows."""
+    keep = ("windows",)  # the windows as in "states"; the state kernels' calls go to the runners
+    with torch.no_grad(), watch(model, keep=keep, paths=paths) as clean_watch, contextlib.ExitStack() as stack:
+        clean_chosen = _chosen(clean_watch.mixers, layers, where)
+        cleans = {m.layer: _CleanRunner(chunk) for m in clean_chosen}
+        for m in clean_chosen:
+            stack.enter_context(runners.running(m, cleans[m.layer]))
+        clean_value = _mean(metric(model(clean_ids, **kwargs).logits), where)
+    with torch.enable_grad(), watch(model, keep=keep, paths=paths) as corrupt_watch, \
+            contextlib.ExitStack() as stack:
+        chosen = _chosen(corrupt_watch.mixers, layers, where)
+        corrupts = {m.layer: _CorruptRunner(cleans[m.layer], chunk, f"{m}") for m in chosen}
+        for m in chosen:
+            stack.enter_context(runners.running(m, corrupts[m.layer]))
+        corrupt_value = _mean(metric(model(corrupt_ids, **kwargs).logits), where)
+    for m in chosen:
+        runner, clean = corrupts[m.layer], cleans[m.layer]
+        if not runner.eps or len(runner.eps) != len(clean.records):
+            raise InvalidValue(f"{where}: {m}: its prompt kernel ran {len(runner.eps)} time(s) through the chunked"
+                               f" path in the corrupt run and {len(clean.records)} in the clean one (another handle"
+                               " watching it, or a path the study cannot see): use method='states'")
+    pairs = [(clean_watch.mixer(m.layer), m) for m in chosen]
+    windows = [leaf for _, m in pairs if CONV_MEMORY in m.MEMORIES
+               for buffer in m.calls[0].differentiable(CONV_MEMORY) for _, leaf in parts_of(buffer)]
+    eps = [e for m in chosen for e in corrupts[m.layer].eps]
+    grads = torch.autograd.grad(corrupt_value, [*eps, *windows], allow_unused=True)
+    eps_grads, window_grads = iter(grads[:len(eps)]), iter(grads[len(eps):])
+    state_rows, window_rows = [], []
+    for clean, corrupt in pairs:
+        total = torch.zeros(clean_ids.shape[1], dtype=torch.float32, device=clean_ids.device)
+        for _ in corrupts[corrupt.layer].eps:
+            grad = next(eps_grads)
+            if grad is not None:
+                total = total + grad.sum(0).to(total.device)
+        state_rows.append(total)
+        window_rows.append(_memory_row(clean, corrupt, CONV_MEMORY, window_grads, clean_ids))
+    return Attribution(tuple(m.layer for m in chosen), torch.stack(state_rows), torch.stack(window_rows),
+                       float(clean_value), float(corrupt_value.detach()))
+
+
+def _chunkable(kind: type[RecurrentMixer]) -> bool:
+    """Whether the kind's state kernel of prompts runs in pieces from a state (a state of one tensor)."""
+    return kind.STATE_TYPE is None and any(_takes(kernel) for kernel in kind.KERNELS)
+
+
+def _takes(kernel: Kernel) -> bool:
+    return kernel.role is Role.PROMPT and kernel.memory == STATE_MEMORY and kernel.segments is not None
+
+
+def _ranges(tokens: int, chunk: int) -> list[tuple[int, int]]:
+    return [(start, min(start + chunk, tokens)) for start in range(0, tokens, chunk)]
+
+
+def _run_pieces(kernel: Kernel, original: Callable[..., Any], pieces: Pieces,
+                chunk: int) -> tuple[list[Any], list[Any]]:
+    """The bound kernel (or `Segments.kernel`) on pieces of `chunk` tokens: their outputs, and the states at
+    the boundaries (the call's initial state first, the last state last)."""
+    run = kernel.segments.kernel or original
+    state = pieces.state
+    boundaries, outputs = [state], []
+    for start, end in _ranges(pieces.tokens, chunk):
+        leading, named = pieces.call(start, end, state)
+        out, state = run(*leading, **named)
+        outputs.append(out)
+        boundaries.append(state)
+    return outputs, boundaries
+
+
+@dataclasses.dataclass
+class _CleanCall:
+    """What the backward needs of one clean prompt call: its pieces (inputs) and boundary states."""
+
+    pieces: Pieces
+    boundaries: list[Any]
+
+    def states(self, kernel: Kernel, index: int, start: int, end: int) -> Tensor:
+        """The clean states after tokens start..end-1 (piece `index`), token first, recomputed without grad."""
+        leading, named = self.pieces.call(start, end, self.boundaries[index])
+        with torch.no_grad():
+            return _states(kernel, leading, named)
+
+
+def _states(kernel: Kernel, leading: list[Any], named: dict[str, Any]) -> Tensor:
+    """Every state of a piece, token first: the kind's chunk-wise `all_states`, or its token loop."""
+    if kernel.segments.all_states is not None:
+        _, states = kernel.segments.all_states(*leading, **named)
+        return states if isinstance(states, Tensor) else torch.stack(list(states))
+    kept: list[Tensor] = []
+    kernel.loop(*leading, on_token=lambda t, s: kept.append(s.clone()) or s, **named)
+    return torch.stack(kept)
+
+
+class _CleanRunner:
+    """The clean run's call runner: the bound kernel in pieces, no grad; keeps what `_CleanCall` holds."""
+
+    path = "attribution: pieces (clean)"
+
+    def __init__(self, chunk: int) -> None:
+        self.chunk = chunk
+        self.records: list[_CleanCall] = []
+
+    def takes(self, kernel: Kernel) -> bool:
+        return _takes(kernel)
+
+    def run(self, kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        pieces = Pieces(kernel, args, kwargs)
+        if isinstance(pieces.state, Tensor):  # a cache's tensor, updated in place later
+            pieces.state = pieces.state.clone()
+        outputs, boundaries = _run_pieces(kernel, original, pieces, self.chunk)
+        self.records.append(_CleanCall(pieces, boundaries))
+        return pieces.result(outputs, boundaries[-1])
+
+
+class _CorruptRunner:
+    """The corrupt run's call runner: each prompt call as one `_Chunked` Function, with its zero leaf eps."""
+
+    path = "attribution: pieces (corrupt)"
+
+    def __init__(self, clean: _CleanRunner, chunk: int, where: str) -> None:
+        self.clean, self.chunk, self.where = clean, chunk, where
+        self.eps: list[Tensor] = []
+
+    def takes(self, kernel: Kernel) -> bool:
+        return _takes(kernel)
+
+    def run(self, kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        index = len(self.eps)
+        if index >= len(self.clean.records):
+            raise InvalidValue(f"attribute: {self.where}: prompt kernel call {index} of the corrupt run has no clean"
+                               f" counterpart (the clean run made {len(self.clean.records)})")
+        clean = self.clean.records[index]
+        pieces = Pieces(kernel, args, kwargs)
+        if pieces.tokens != clean.pieces.tokens:
+            raise InvalidValue(f"attribute: {self.where}: prompt kernel call {index} covers {pieces.tokens} tokens"
+                               f" in the corrupt run and {clean.pieces.tokens} in the clean one")
+        slots = [(i, None) for i, a in enumerate(args) if isinstance(a, Tensor)]
+        slots += [(None, k) for k, v in kwargs.items() if isinstance(v, Tensor)]
+        tensors = [args[i] if k is None else kwargs[k] for i, k in slots]
+        state = pieces.state
+        batch = next(t for t in tensors if t.dim() > 0).shape[0] if state is None else state.shape[0]
+        eps = torch.zeros(batch, pieces.tokens, dtype=torch.float32, device=tensors[0].device, requires_grad=True)
+        self.eps.append(eps)
+        spec = _Spec(kernel, original, args, kwargs, slots, clean, self.chunk)
+        out, final = _Chunked.apply(spec, eps, *tensors)
+        return pieces.result([out], final)
+
+
+@dataclasses.dataclass
+class _Spec:
+    """The non-tensor side of one `_Chunked` call."""
+
+    kernel: Kernel
+    original: Callable[..., Any]
+    args: tuple
+    kwargs: dict
+    slots: list[tuple[int | None, str | None]]  # where each tensor input goes: (args index, None) or (None, key)
+    clean: _CleanCall
+    chunk: int
+    boundaries: list[Any] = dataclasses.field(default_factory=list)
+
+    def pieces(self, tensors: Iterable[Tensor]) -> Pieces:
+        args, kwargs = list(self.args), dict(self.kwargs)
+        for (i, key), tensor in zip(self.slots, tensors):
+            if key is None:
+                args[i] = tensor
+            else:
+                kwargs[key] = tensor
+        return Pieces(self.kernel, tuple(args), kwargs)
+
+
+class _Chunked(torch.autograd.Function):
+    """One prompt kernel call of the corrupt run: the bound kernel in pieces forward; backward from the piece
+    boundaries with the token loop, the state after each token t replaced by S'_t + eps_t (S_t - S'_t)."""
+
+    @staticmethod
+    def forward(ctx: Any, spec: _Spec, eps: Tensor, *tensors: Tensor) -> tuple[Tensor, Tensor]:
+        pieces = spec.pieces(tensors)
+        outputs, spec.boundaries = _run_pieces(spec.kernel, spec.original, pieces, spec.chunk)
+        ctx.spec = spec
+        ctx.save_for_backward(*tensors)
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=spec.kernel.segments.out_axis)
+        return out, spec.boundaries[-1]
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor | None, grad_final: Tensor | None) -> tuple[Any, ...]:
+        spec = ctx.spec
+        kernel, segments = spec.kernel, spec.kernel.segments
+        saved = [t.detach() for t in ctx.saved_tensors]
+        pieces = spec.pieces(saved)
+        names = [name for name in pieces.bound if name != "kwargs"]
+        slot_names = [names[i] if key is None else key for i, key in spec.slots]
+        wanted = {name for name, needed, tensor in zip(slot_names, ctx.needs_input_grad[2:], saved)
+                  if needed and tensor.is_floating_point() and name != segments.state_in}
+        per_token: dict[str, list[tuple[int, int, Tensor | None]]] = {
+            name: [] for name in wanted if name in segments.per_token}
+        summed: dict[str, Tensor] = {}
+        ranges = _ranges(pieces.tokens, spec.chunk)
+        last = spec.boundaries[-1]  # steps of the token loop: as many tokens as _STEP_BYTES of states
+        step_tokens = min(spec.chunk, max(1, _STEP_BYTES // (last.numel() * last.element_size())))
+        eps_parts: list[Tensor] = []
+        grad_state = grad_final
+        for index in reversed(range(len(ranges))):
+            start, end = ranges[index]
+            clean = spec.clean.states(kernel, index, start, end)  # i b *state
+            leading, named = pieces.call(start, end, spec.boundaries[index])
+            with torch.no_grad():  # the corrupt states inside the piece: the boundaries of its steps
+                corrupt = _states(kernel, leading, named) if end - start > step_tokens else None
+            steps = _ranges(end - start, step_tokens)
+            step_eps: list[Tensor] = []
+            for step in reversed(range(len(steps))):
+                first, last = steps[step]
+                boundary = spec.boundaries[index] if first == 0 else corrupt[first - 1]
+                grad_state, eps_part, grads = _backward_step(
+                    kernel, pieces, start + first, start + last, boundary, clean[first:last], wanted,
+                    grad_out, grad_state)
+                step_eps.append(eps_part)
+                for name, grad in grads.items():
+                    if name in per_token:
+                        per_token[name].append((start + first, start + last, grad))
+                    elif grad is not None:
+                        summed[name] = grad if name not in summed else summed[name] + grad
+            eps_parts.extend(step_eps)
+        eps_grad = torch.cat(list(reversed(eps_parts)), dim=1)
+        result: list[Any] = [None, eps_grad]
+        for name, tensor in zip(slot_names, saved):
+            if name == segments.state_in:  # the call's initial state: the gradient at the first boundary
+                result.append(grad_state if ctx.needs_input_grad[2 + slot_names.index(name)] else None)
+            elif name in per_token:
+                axis = segments.per_token[name]
+                chunks = [g if g is not None else torch.zeros_like(tensor.narrow(axis, first, last - first))
+                          for first, last, g in reversed(per_token[name])]
+                result.append(torch.cat(chunks, dim=axis))
+            else:
+                result.append(summed.get(name))
+        return tuple(result)
+
+
+def _backward_step(kernel: Kernel, pieces: Pieces, start: int, end: int, boundary: Any, clean: Tensor,
+                   wanted: set[str], grad_out: Tensor | None,
+                   grad_state: Tensor | None) -> tuple[Tensor | None, Tensor, dict[str, Tensor | None]]:
+    """Tokens [start, end) of the call through the token loop, from `boundary`, with the eps replacement: the
+    gradients of the boundary state, of eps over these tokens, and of the wanted inputs' pieces."""
+    segments = kernel.segments
+    with torch.enable_grad():
+        leading, named = pieces.call(start, end, None)
+        names = pieces.positional[:len(leading)]
+        leaves: dict[str, Tensor] = {}
+        for i, name in enumerate(names):
+            if name in wanted and isinstance(leading[i], Tensor):
+                leading[i] = leaves[name] = leading[i].detach().requires_grad_()
+        for name in list(named):
+            if name in wanted and isinstance(named[name], Tensor):
+                named[name] = leaves[name] = named[name].detach().requires_grad_()
+        state = None if boundary is None else boundary.detach().requires_grad_()
+        named[segments.state_in] = state
+        eps = torch.zeros(clean.shape[1], end - start, dtype=torch.float32, device=clean.device, requires_grad=True)
+
+        def on_token(t: int, s: Tensor) -> Tensor:
+            scale = eps[:, t].reshape(-1, *([1] * (s.dim() - 1))).to(s.dtype)
+            return s + scale * (clean[t].to(s.dtype) - s.detach())
+
+        out, final = kernel.loop(*leading, on_token=on_token, **named)
+        outputs, grads_in = [out], [torch.zeros_like(out) if grad_out is None
+                                    else grad_out.narrow(segments.out_axis, start, end - start)]
+        if grad_state is not None:
+            outputs.append(final)
+            grads_in.append(grad_state)
+        targets = [eps, *leaves.values()] + ([state] if state is not None else [])
+        grads = torch.autograd.grad(outputs, targets, grads_in, allow_unused=True)
+    eps_grad = grads[0] if grads[0] is not None else torch.zeros_like(eps)
+    state_grad = grads[-1] if state is not None else None
+    return state_grad, eps_grad, dict(zip(leaves, grads[1:1 + len(leaves)]))
 
 
 def _mean(value: Any, where: str) -> Tensor:
