@@ -388,6 +388,7 @@ def test_fullgraph_compile_traces_the_cost_models_choice(family, what):
     _compare_watched(what, eager, compiled)
 
 
+@pytest.mark.full  # 17 s; tests/test_compile.py runs segments in a graph by default (a few hooked tokens)
 @pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("family", ["qwen3_5", "mamba2"])
 def test_fullgraph_compile_traces_the_cost_models_segments(family, monkeypatch):
@@ -437,7 +438,7 @@ def _standalone_calls(model, forward, ids, calls=2):
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
-@pytest.mark.parametrize("family", ["qwen3_5", "mamba2"])
+@pytest.mark.parametrize("family", ["qwen3_5", pytest.param("mamba2", marks=pytest.mark.full)])
 def test_fullgraph_compile_with_standalone_hooks_on_the_cost_models_choice(family):
     model, ids = build(family), random_ids(2, COMPILED_T)
     logits, seen = _standalone_calls(model, model, ids)
