@@ -132,6 +132,13 @@ class Kind:
         return cache.get_conv_state(where)
 
     @classmethod
+    def _pop_cache(cls, arguments: dict[str, Any]) -> Any:
+        """Take the cache out of an owned forward's arguments (a kernel that is a whole forward): it comes under
+        one of `FORWARD_CACHE`'s names, the first one given wins; the arguments kept do not hold it."""
+        found = [arguments.pop(name, None) for name in cls.FORWARD_CACHE]
+        return next((cache for cache in found if cache is not None), None)
+
+    @classmethod
     def _kernel_arguments(cls, module: nn.Module, kernel: Kernel, arguments: dict[str, Any]) -> dict[str, Any]:
         """A kernel call's arguments by name, as `inputs` records them and `Kernel.state_in` names them: the
         kernel's own, by default. A kind whose kernel reads its memory from elsewhere (a whole forward that

@@ -189,9 +189,7 @@ class DynamicShortConvolution(ShortConvolution):
     @classmethod
     def _kernel_arguments(cls, module: nn.Module, kernel: Kernel, arguments: dict[str, Any]) -> dict[str, Any]:
         arguments = dict(arguments)
-        cache = arguments.pop("cache", None)
-        deprecated = arguments.pop("past_key_values", None)
-        cache = deprecated if cache is None else cache
+        cache = cls._pop_cache(arguments)
         where = cls._cache_index(module, arguments)
         arguments[kernel.state_in] = None if cache is None or where is None else cls._cached_window(cache, where)
         return arguments

@@ -227,9 +227,7 @@ class LightningAttention(RecurrentMixer):
     @classmethod
     def _kernel_arguments(cls, module: nn.Module, kernel: Kernel, arguments: dict[str, Any]) -> dict[str, Any]:
         arguments = dict(arguments)
-        cache = arguments.pop("cache", None)
-        deprecated = arguments.pop("past_key_values", None)
-        cache = deprecated if cache is None else cache
+        cache = cls._pop_cache(arguments)
         arguments[cls.kernel("forward").state_in] = None if cache is None else _cached_state(cache, module.layer_idx)
         return arguments
 

@@ -248,9 +248,7 @@ class CompressedConvolutionalAttention(RecurrentMixer):
     @classmethod
     def _kernel_arguments(cls, module: nn.Module, kernel: Kernel, arguments: dict[str, Any]) -> dict[str, Any]:
         arguments = dict(arguments)
-        cache = arguments.pop("cache", None)
-        deprecated = arguments.pop("past_key_values", None)
-        cache = deprecated if cache is None else cache
+        cache = cls._pop_cache(arguments)
         layer = getattr(module, cls.LAYER_ATTRIBUTE, None)
         found = cache is not None and layer is not None
         arguments["conv_state"] = cache.get_conv_state(layer) if found else None
