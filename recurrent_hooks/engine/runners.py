@@ -15,6 +15,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
+from .errors import RecurrentHooksError
 from .kernels import Kernel
 
 
@@ -35,7 +36,8 @@ _RUNNERS: "weakref.WeakKeyDictionary[Any, CallRunner]" = weakref.WeakKeyDictiona
 def running(mixer: Any, runner: CallRunner) -> Iterator[None]:
     """Run the calls of `mixer` (a `RecurrentMixer` handle) that `runner` takes through it, for the block."""
     if mixer in _RUNNERS:
-        raise RuntimeError(f"{mixer}: a call runner is set already")
+        raise RecurrentHooksError(f"{mixer}: a call runner is set already ({type(_RUNNERS[mixer]).__name__}); expected"
+                                  f" none while setting {type(runner).__name__} (one study runs a mixer's calls at a time)")
     _RUNNERS[mixer] = runner
     try:
         yield
