@@ -65,16 +65,22 @@ def _conv_loop(
     if first_token:  # the positions before the call's tokens: no window to hand over
         window = torch.cat([window, x[..., :first_token]], dim=-1)[..., -size:]
     dirty = 0  # how many more positions read a written window
+    columns = []  # with autograd recording, every position's output, written into `out` at once (per position,
+    # each slice assignment's backward would copy the whole gradient of `out`: quadratic in the tokens)
     for p in range(first_token, x.shape[-1]):
         window = torch.cat([window[..., 1:], x[..., p, None]], dim=-1)  # b c K   shift in x_p
-        if dirty or every:
+        if every:
+            columns.append(F.conv1d(window, kernel, bias, groups=channels))  # b c 1
+        elif dirty:
             out[..., p + offset, None] = F.conv1d(window, kernel, bias, groups=channels)  # b c 1
-            dirty -= dirty > 0
+            dirty -= 1
         version = version_of(window)
         written = on_token(p - first_token, window)  # b c K   what token t+1 shifts into
         if handed_back_changed(window, version, written):
             dirty = size - 1
         window = written
+    if columns:
+        out[..., first_token + offset:x.shape[-1] + offset] = torch.cat(columns, dim=-1)  # b c L
     return window
 
 
