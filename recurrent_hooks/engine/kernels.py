@@ -89,6 +89,12 @@ class Segments:
       chooses the cheapest path; None: the fixed rule (segments for at most max(8, T / 32) stops).
     - `kernel`: the library's function (same signature) that runs a piece, for a kernel bound before the watch
       that cannot start from a state (Mamba-1's scan); None: the bound kernel runs the pieces.
+    - `adjoint`: the kernel's adjoint recurrence (same arguments, plus keyword-only `grad_output`, the gradient of
+      the output, `grad_final`, of the last state, either None for zeros, and `visit`): walks the tokens right
+      to left calling `visit(t, mu_t)` with mu_t = d m / d S_t through the tokens after t (the gradient of the
+      state a write at t replaces; mu_{T-1} = grad_final), and returns the initial state's gradient. With it, the
+      gradients of every state of a piece cost one state-sized Python step a token without autograd
+      (`engine.adjoint`: kept states in grad mode; attribution's chunks); None: the token loop under autograd.
     """
 
     per_token: dict[str, int]
@@ -100,6 +106,7 @@ class Segments:
     blocks_below: int = 0
     shape: Callable[[dict[str, Any]], Any] | None = None
     kernel: Callable[..., Any] | None = None
+    adjoint: Callable[..., Any] | None = None
 
 
 class Pieces:

@@ -5,11 +5,15 @@ Module contents:
 - `OnToken`: `on_token(t, state) -> state`, the library's keyword-only argument of every token loop:
   called after token t's update with the state token t+1 would continue from; it returns the state
   token t+1 continues from (the same one, or a hook's or write's replacement).
+- `Visit`: `visit(t, mu)`, what a kind's adjoint recurrence (`kernels.Segments.adjoint`) calls right to left with
+  mu_t, the gradient of the state after token t through the later tokens (a temporary: read it, do not keep it).
 - `at_least_float32(dtype)`: float32, or the model's dtype where it is wider (float64);
 - `starting_state(initial, zeros)`: a float32 copy of the state a call starts from (the cache writes
   into its tensor in place later), or `zeros()` when the call starts from nothing.
 - `refuse_packed(kwargs, names, needs)`: packed sequences are refused, naming the package that runs them.
-- `causal_decay(cum)`: within a chunk, exp(c_i - c_j) for j <= i and 0 above the diagonal.
+- `states_buffer(out, shape)`: a caller's buffer for a chunk-wise all-states kernel, checked (its first tokens);
+- `causal_decay(cum)`: within a chunk, exp(c_i - c_j) for j <= i and 0 above the diagonal; `flushed_exp(x)`:
+  exp with the subnormal range flushed to 0 (what the chunk-wise kernels take decays with).
 - `version_of(window)`, `handed_back_changed(window, version, written)`: whether `on_token` replaced a
   convolution window or changed it in place (then the next positions that read it are recomputed).
 """
@@ -24,12 +28,21 @@ from .errors import RecurrentHooksError
 from .parts import State
 
 OnToken = Callable[[int, State], State]
+Visit = Callable[[int, Tensor], None]
 
 
 def starting_state(initial: Tensor | None, zeros: Callable[[], Tensor], dtype: torch.dtype = torch.float32) -> Tensor:
     """The state a call starts from, in `dtype` (float32 by default) and a copy of the cache's tensor (which is
     written in place later)."""
     return zeros() if initial is None else initial.to(dtype, copy=True)
+
+
+def states_buffer(out: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """`out` as the float32 all-states buffer of `shape` (token first): its leading tokens when it has more."""
+    if out.dtype != torch.float32 or tuple(out.shape[1:]) != tuple(shape[1:]) or out.shape[0] < shape[0]:
+        raise RecurrentHooksError(f"all-states buffer: expected float32 {list(shape)} (or more tokens), got"
+                                  f" {out.dtype} {list(out.shape)}")
+    return out[:shape[0]]
 
 
 def at_least_float32(dtype: torch.dtype) -> torch.dtype:
@@ -71,4 +84,15 @@ def causal_decay(cum: Tensor) -> Tensor:
     size = cum.shape[0]
     causal = torch.ones(size, size, dtype=torch.bool, device=cum.device).tril()
     causal = causal.view(size, size, *(1,) * (cum.dim() - 1))
-    return (cum[:, None] - cum[None, :]).masked_fill(~causal, -torch.inf).exp()
+    return flushed_exp((cum[:, None] - cum[None, :]).masked_fill(~causal, -torch.inf))
+
+
+FLUSH_BELOW = -60.0  # exp(-60) = 8.7e-27: a decay below it contributes nothing a float32 sum of unit terms can hold
+
+
+def flushed_exp(x: Tensor) -> Tensor:
+    """exp(x), 0 where x < `FLUSH_BELOW`. A decay that small times a key or state lands in the subnormal floats,
+    which CPUs multiply 3x slower (measured on the chunk-wise gated delta rule at strong decay); what it drops is
+    below 1e-26 of the sum's unit-sized terms (the current token's decay is 1), 19 orders under float32's
+    resolution."""
+    return x.masked_fill(x < FLUSH_BELOW, -torch.inf).exp()

@@ -37,7 +37,7 @@ from .effective import EffectiveAttention, cat, decayed
 from ..engine.calls import KernelCall
 from ..engine.kernels import Kernel, Role, Segments
 from ..engine.errors import Unavailable
-from ..engine.loops import OnToken, causal_decay, refuse_packed, starting_state
+from ..engine.loops import OnToken, Visit, causal_decay, flushed_exp, states_buffer, refuse_packed, starting_state
 from ..engine.mixer import RecurrentMixer
 from ..engine.strategies import Shape
 
@@ -113,7 +113,7 @@ def _gated_delta_rule(
 def _gated_delta_rule_states(
     query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
     output_final_state: bool, use_qk_l2norm_in_kernel: bool, kwargs: dict[str, Any], chunk: int = 16,
-    kimi: bool = False,
+    kimi: bool = False, out: Tensor | None = None,
 ) -> tuple[tuple[Tensor, Tensor | None], Float[Tensor, "seq batch heads key_dim value_dim"]]:
     """The same recurrence, chunk by chunk, vectorized inside each chunk, returning every token's state too.
 
@@ -123,13 +123,15 @@ def _gated_delta_rule_states(
         S_i = diag(exp(c_i)) S_0 + sum_{j<=i} D_ij k_j u_j^T
         o_i = S_i^T q_i
     u_i is the correction token i writes (b_i (v_i - what the decayed state stores under k_i)), as in the
-    token loop. The states are written once, into one token-first buffer; costs chunk^2 * key_dim *
-    value_dim per chunk and head: for when every state is kept.
+    token loop. The states are written once, into one token-first buffer (`out`, float32, when given: a
+    buffer reused across calls is not paged in again, which a fresh one of this size is on CPU); costs
+    chunk^2 * key_dim * value_dim per chunk and head: for when every state is kept.
     """
     q, k, v, b, log_a, state = _prepare(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel, kwargs,
                                         kimi=kimi, recurrent=False)
     q, k, v, b, log_a = (x.movedim(1, 0) for x in (q, k, v, b, log_a))  # token first: t b h ..
-    every = q.new_empty(*q.shape[:3], q.shape[-1], v.shape[-1])  # t b h k v
+    shape = (*q.shape[:3], q.shape[-1], v.shape[-1])
+    every = q.new_empty(shape) if out is None else states_buffer(out, shape)  # t b h k v
     out = v.new_empty(v.shape)  # t b h v
     for start in range(0, q.shape[0], chunk):
         qc, kc, vc, bc, gc = (x[start:start + chunk] for x in (q, k, v, b, log_a))  # i b h ..
@@ -139,16 +141,41 @@ def _gated_delta_rule_states(
         decayed_keys = decay * kc[None]  # i j b h k   D_ij k_j
         interaction = (kc[:, None] * decayed_keys).sum(-1) * bc[:, None]  # i j b h   b_i k_i^T D_ij k_j
         system = torch.eye(size, device=q.device) + interaction.permute(2, 3, 0, 1).tril(-1)  # b h i j
-        reads = ((kc * cum.exp())[..., None, :] @ state).squeeze(-2)  # i b h v   S_0^T diag(exp(c_i)) k_i
+        # (b h batches: broadcasting S_0 over the chunk's tokens would copy it once per token)
+        reads = ((kc * flushed_exp(cum)).permute(1, 2, 0, 3) @ state).permute(2, 0, 1, 3)  # i b h v   S_0^T diag(exp(c_i)) k_i
         rhs = (bc[..., None] * (vc - reads)).permute(1, 2, 0, 3)  # b h i v
         u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # b h j v
         states = every[start:start + size]  # i b h k v
         torch.matmul(decayed_keys.permute(0, 2, 3, 4, 1), u, out=states)  # sum_j D_ij k_j u_j^T
-        states += cum.exp()[..., None] * state  # + diag(exp(c_i)) S_0
+        states.addcmul_(flushed_exp(cum)[..., None], state)  # + diag(exp(c_i)) S_0
         out[start:start + size] = (qc[..., None, :] @ states).squeeze(-2)  # i b h v   o_i = S_i^T q_i
         state = states[-1]
     result = (out.movedim(0, 1).to(query.dtype), state if output_final_state else None)
     return result, every
+
+
+def _gated_delta_rule_adjoint(
+    query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
+    use_qk_l2norm_in_kernel: bool, grad_output: Tensor | None, grad_final: Tensor | None, visit: Visit,
+    kwargs: dict[str, Any], kimi: bool = False,
+) -> Float[Tensor, "batch heads key_dim value_dim"]:
+    """The adjoint of the prompt recurrence, right to left (`Segments.adjoint`): with mu_t = d m / d S_t
+    through the tokens after t (mu_{T-1} the final state's gradient) and dO_t the output's gradient,
+        mu_{t-1} = D_t (I - b_t k_t k_t^T) (mu_t + q_t dO_t^T)      (D_t = diag(a_t); a scalar for gated DeltaNet)
+    the transpose of S_t = (I - b_t k_t k_t^T) D_t S_{t-1} + b_t k_t v_t^T, o_t = S_t^T q_t. Calls
+    `visit(t, mu_t)` at each token and returns mu_{-1}, the initial state's gradient. q and k as the prompt
+    kernel forms them (`_prepare(recurrent=False)`); float32."""
+    q, k, _, b, log_a, state = _prepare(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel, kwargs,
+                                        kimi=kimi, recurrent=False)
+    a = log_a.exp()  # b t h (1|k)
+    mu = state.new_zeros(state.shape) if grad_final is None else grad_final.to(torch.float32, copy=True)
+    for t in reversed(range(q.shape[1])):
+        visit(t, mu)  # b h k v   mu_t: what a change of the state after token t does to m
+        if grad_output is not None:
+            mu = mu + q[:, t, :, :, None] * grad_output[:, t, :, None, :].to(torch.float32)  # b h k v   + q_t dO_t^T
+        read = (mu * k[:, t, :, :, None]).sum(-2)  # b h v   k_t^T mu
+        mu = (mu - (b[:, t, :, None, None] * k[:, t, :, :, None]) * read[:, :, None, :]) * a[:, t, :, :, None]  # b h k v
+    return mu
 
 
 def chunk_gated_delta_rule(
@@ -184,12 +211,36 @@ def chunk_gated_delta_rule_states(
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
+    *,
+    out: Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[tuple[Tensor, Tensor | None], Tensor]:
     """`chunk_gated_delta_rule`'s results and every token's state, token first: `[seq, batch, heads, key_dim,
-    value_dim]`, computed chunk-wise (no per-token Python loop); `chunk_size` is accepted and ignored."""
+    value_dim]`, computed chunk-wise (no per-token Python loop), into `out` when given; `chunk_size` is accepted
+    and ignored."""
     return _gated_delta_rule_states(query, key, value, g[..., None], beta, initial_state, output_final_state,
-                                    use_qk_l2norm_in_kernel, kwargs)
+                                    use_qk_l2norm_in_kernel, kwargs, out=out)
+
+
+def chunk_gated_delta_rule_adjoint(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    chunk_size: int = 64,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    *,
+    grad_output: Tensor | None,
+    grad_final: Tensor | None,
+    visit: Visit,
+    **kwargs: Any,
+) -> Tensor:
+    """The prompt kernel's adjoint recurrence (`_gated_delta_rule_adjoint`), with the kernel's arguments."""
+    return _gated_delta_rule_adjoint(query, key, value, g[..., None], beta, initial_state, use_qk_l2norm_in_kernel,
+                                     grad_output, grad_final, visit, kwargs)
 
 
 def recurrent_gated_delta_rule(
@@ -238,6 +289,7 @@ class GatedDeltaNet(RecurrentMixer):
                segments=Segments(per_token={name: 1 for name in ("query", "key", "value", "g", "beta")},
                                  state_in="initial_state", final_flag="output_final_state", out_axis=1,
                                  tuple_without_final=True, all_states=chunk_gated_delta_rule_states,
+                                 adjoint=chunk_gated_delta_rule_adjoint,
                                  blocks_below=2048,  # 4 heads of 16 x 16 at batch 2 (docs/performance.md)
                                  shape=_cost_shape)),
         # a decode step with a hook or write runs transformers' kernel, then the hook on the state it returns

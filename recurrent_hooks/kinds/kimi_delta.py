@@ -38,8 +38,9 @@ from torch import Tensor
 
 from .conv import CONV_KERNELS
 from ..engine.kernels import Role
-from .gated_delta_net import GatedDeltaNet, _cost_shape as _gated_cost_shape, _gated_delta_rule, _gated_delta_rule_states
-from ..engine.loops import OnToken
+from .gated_delta_net import (GatedDeltaNet, _cost_shape as _gated_cost_shape, _gated_delta_rule,
+                              _gated_delta_rule_adjoint, _gated_delta_rule_states)
+from ..engine.loops import OnToken, Visit
 from ..engine.strategies import Shape
 
 
@@ -76,11 +77,34 @@ def chunk_kimi_delta_attention_states(
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
+    *,
+    out: Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[tuple[Tensor, Tensor | None], Tensor]:
-    """`chunk_kimi_delta_attention`'s results and every token's state, computed chunk-wise."""
+    """`chunk_kimi_delta_attention`'s results and every token's state, computed chunk-wise (into `out`)."""
     return _gated_delta_rule_states(query, key, value, g, beta, initial_state, output_final_state,
-                                    use_qk_l2norm_in_kernel, kwargs, kimi=True)
+                                    use_qk_l2norm_in_kernel, kwargs, kimi=True, out=out)
+
+
+def chunk_kimi_delta_attention_adjoint(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    chunk_size: int = 64,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    *,
+    grad_output: Tensor | None,
+    grad_final: Tensor | None,
+    visit: Visit,
+    **kwargs: Any,
+) -> Tensor:
+    """The prompt kernel's adjoint recurrence (`Segments.adjoint`), the decay per key channel."""
+    return _gated_delta_rule_adjoint(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel,
+                                     grad_output, grad_final, visit, kwargs, kimi=True)
 
 
 def recurrent_kimi_delta_attention(
@@ -126,6 +150,7 @@ class KimiDeltaAttention(GatedDeltaNet):
                             loop=chunk_kimi_delta_attention,
                             segments=dataclasses.replace(GatedDeltaNet.kernel_for(Role.PROMPT).segments,
                                                          all_states=chunk_kimi_delta_attention_states,
+                                                         adjoint=chunk_kimi_delta_attention_adjoint,
                                                          shape=_cost_shape)),
         dataclasses.replace(GatedDeltaNet.kernel_for(Role.DECODE), name="recurrent_kimi_delta_attention",
                             loop=recurrent_kimi_delta_attention),

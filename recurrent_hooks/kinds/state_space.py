@@ -62,7 +62,7 @@ from ..engine.calls import KernelCall
 from ..engine.kernels import Kernel, Role, Segments
 from ..engine.mixer import RecurrentMixer
 from ..engine.strategies import Shape
-from ..engine.loops import OnToken, causal_decay, starting_state
+from ..engine.loops import OnToken, Visit, causal_decay, flushed_exp, starting_state, states_buffer
 from .selective_scan import discrete_step, refuse_mamba_packed, step_size
 
 
@@ -177,6 +177,7 @@ def mamba2_chunk_scan_states(
     return_final_states: bool = False,
     *,
     chunk: int = 16,
+    out: Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor | tuple[Tensor, Tensor], Float[Tensor, "seq batch heads head_dim d_state"]]:
     """`mamba2_chunk_scan`'s results and every token's state, token first, chunk by chunk (no per-token loop).
@@ -185,6 +186,8 @@ def mamba2_chunk_scan_states(
     start to token i, and w_ij = exp(c_i - c_j) for j <= i (the decay from token j to i, at most 1):
         h_i = exp(c_i) h_0 + sum_{j<=i} w_ij Δ_j x_j B_j^T,    y_i = h_i C_i + D_h x_i
     one (i x j) @ (j x head_dim*d_state) product per head and chunk. `chunk_size` is accepted and ignored.
+    The states go into `out` (float32, at least seq tokens) when given: a buffer reused across calls is not
+    paged in again, which a fresh one of this size is on CPU.
     """
     refuse_mamba_packed(kwargs)
     batch, seq, heads, head_dim = hidden_states.shape
@@ -194,7 +197,8 @@ def mamba2_chunk_scan_states(
     log_decay = delta * A.float()  # t b h   Δ_t a_h
     d_state = B_h.shape[-1]
     state = x.new_zeros(batch, heads, head_dim, d_state) if initial_states is None else initial_states.float()
-    every = x.new_empty(seq, batch, heads, head_dim, d_state)  # t b h p n
+    shape = (seq, batch, heads, head_dim, d_state)
+    every = x.new_empty(shape) if out is None else states_buffer(out, shape)  # t b h p n
     for start in range(0, seq, chunk):
         xc, dc, Bc, lc = (v[start:start + chunk] for v in (x, delta, B_h, log_decay))  # i b h ..
         size = xc.shape[0]
@@ -204,13 +208,52 @@ def mamba2_chunk_scan_states(
         mixed = weights.permute(2, 3, 0, 1) @ drive.permute(1, 2, 0, 3, 4).flatten(3)  # b h i (p n)
         states = every[start:start + size]  # i b h p n
         states.copy_(mixed.unflatten(-1, (head_dim, d_state)).permute(2, 0, 1, 3, 4))
-        states += cum.exp()[..., None, None] * state  # + exp(c_i) h_0
+        states.addcmul_(flushed_exp(cum)[..., None, None], state)  # + exp(c_i) h_0
         state = states[-1]
     y = (every @ C_h[..., None]).squeeze(-1)  # t b h p   h_t C_t
     if D is not None:
         y = y + D[:, None] * x
     y = y.movedim(0, 1)
     return ((y, state) if return_final_states else y), every
+
+
+def mamba2_chunk_scan_adjoint(
+    hidden_states: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    chunk_size: int,
+    D: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    initial_states: Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    return_final_states: bool = False,
+    *,
+    grad_output: Tensor | None,
+    grad_final: Tensor | None,
+    visit: Visit,
+    **kwargs: Any,
+) -> Float[Tensor, "batch heads head_dim d_state"]:
+    """The prompt kernel's adjoint recurrence, right to left (`Segments.adjoint`): with mu_t = d m / d h_t
+    through the tokens after t (mu_{T-1} the final state's gradient) and dy_t the output's gradient,
+        mu_{t-1} = exp(Δ_t a_h) (mu_t + dy_t C_t^T)
+    the transpose of h_t = exp(Δ_t a_h) h_{t-1} + Δ_t x_t B_t^T, y_t = h_t C_t + D_h x_t. Calls `visit(t, mu_t)`
+    at each token and returns mu_{-1}, the initial state's gradient; float32."""
+    refuse_mamba_packed(kwargs)
+    batch, seq, heads, head_dim = hidden_states.shape
+    delta = step_size(dt, dt_bias, dt_softplus, dt_limit)  # b t h
+    decay = torch.exp(delta * A.float())  # b t h   exp(Δ_t a_h)
+    C_h = _per_head(C, heads)  # b t h n
+    mu = (hidden_states.new_zeros(batch, heads, head_dim, C_h.shape[-1], dtype=torch.float32) if grad_final is None
+          else grad_final.to(torch.float32, copy=True))
+    for t in reversed(range(seq)):
+        visit(t, mu)  # b h p n   mu_t: what a change of the state after token t does to m
+        if grad_output is not None:
+            mu = mu + grad_output[:, t, :, :, None].to(torch.float32) * C_h[:, t, :, None, :]  # b h p n   + dy_t C_t^T
+        mu = mu * decay[:, t, :, None, None]  # b h p n   exp(Δ_t a_h) (..)
+    return mu
 
 
 def mamba2_selective_state_update(
@@ -288,6 +331,7 @@ class Mamba2StateSpace(RecurrentMixer):
                segments=Segments(per_token={name: 1 for name in ("hidden_states", "dt", "B", "C")},
                                  state_in="initial_states", final_flag="return_final_states", out_axis=1,
                                  tuple_without_final=False, all_states=mamba2_chunk_scan_states,
+                                 adjoint=mamba2_chunk_scan_adjoint,
                                  blocks_below=24576,  # 24 heads of 64 x 16 at batch 1 (docs/performance.md)
                                  shape=_cost_shape)),
         # one token over the cached state, which it updates in place

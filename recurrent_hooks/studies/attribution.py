@@ -233,17 +233,18 @@ class _CleanCall:
     pieces: Pieces
     boundaries: list[Any]
 
-    def states(self, kernel: Kernel, index: int, start: int, end: int) -> Tensor:
+    def states(self, kernel: Kernel, index: int, start: int, end: int, out: Tensor | None = None) -> Tensor:
         """The clean states after tokens start..end-1 (piece `index`), token first, recomputed without grad."""
         leading, named = self.pieces.call(start, end, self.boundaries[index])
         with torch.no_grad():
-            return _states(kernel, leading, named)
+            return _states(kernel, leading, named, out)
 
 
-def _states(kernel: Kernel, leading: list[Any], named: dict[str, Any]) -> Tensor:
-    """Every state of a piece, token first: the kind's chunk-wise `all_states`, or its token loop."""
+def _states(kernel: Kernel, leading: list[Any], named: dict[str, Any], out: Tensor | None = None) -> Tensor:
+    """Every state of a piece, token first: the kind's chunk-wise `all_states` (into `out`: a kind with an
+    adjoint takes one), or its token loop."""
     if kernel.segments.all_states is not None:
-        _, states = kernel.segments.all_states(*leading, **named)
+        _, states = kernel.segments.all_states(*leading, **named, **({} if out is None else {"out": out}))
         return states if isinstance(states, Tensor) else torch.stack(list(states))
     kept: list[Tensor] = []
     kernel.loop(*leading, on_token=lambda t, s: kept.append(s.clone()) or s, **named)
@@ -359,8 +360,22 @@ class _Chunked(torch.autograd.Function):
         step_tokens = min(spec.chunk, max(1, _STEP_BYTES // (last.numel() * last.element_size())))
         eps_parts: list[Tensor] = []
         grad_state = grad_final
+        buffers: list[Tensor] = []  # the adjoint's: a piece's clean and corrupt states, reused piece after piece
         for index in reversed(range(len(ranges))):
             start, end = ranges[index]
+            if segments.adjoint is not None:  # the kind's adjoint recurrence: no token loop under autograd
+                if not buffers:
+                    buffers = [last.new_empty((spec.chunk, *last.shape), dtype=torch.float32) for _ in range(2)]
+                clean = spec.clean.states(kernel, index, start, end, buffers[0])  # i b *state
+                grad_state, eps_part, grads = _backward_piece(spec, pieces, start, end, spec.boundaries[index],
+                                                              clean, buffers[1], wanted, grad_out, grad_state)
+                eps_parts.append(eps_part)
+                for name, grad in grads.items():
+                    if name in per_token:
+                        per_token[name].append((start, end, grad))
+                    elif grad is not None:
+                        summed[name] = grad if name not in summed else summed[name] + grad
+                continue
             clean = spec.clean.states(kernel, index, start, end)  # i b *state
             leading, named = pieces.call(start, end, spec.boundaries[index])
             with torch.no_grad():  # the corrupt states inside the piece: the boundaries of its steps
@@ -393,6 +408,53 @@ class _Chunked(torch.autograd.Function):
             else:
                 result.append(summed.get(name))
         return tuple(result)
+
+
+def _backward_piece(spec: _Spec, pieces: Pieces, start: int, end: int, boundary: Any, clean: Tensor,
+                    buffer: Tensor, wanted: set[str], grad_out: Tensor | None,
+                    grad_state: Tensor | None) -> tuple[Tensor | None, Tensor, dict[str, Tensor | None]]:
+    """Tokens [start, end) of the call by the kind's adjoint (`Segments.adjoint`): the inputs' and the boundary
+    state's gradients from the piece's kernel recomputed under autograd (chunk-wise), the eps gradients
+    (S_t - S'_t) . mu_t from the adjoint recurrence, with the piece's corrupt states from `all_states` (into
+    `buffer`; `clean`, the clean states, becomes S_t - S'_t in place)."""
+    kernel = spec.kernel
+    segments = kernel.segments
+    run = segments.kernel or spec.original
+    piece_grad = None if grad_out is None else grad_out.narrow(segments.out_axis, start, end - start)
+    with torch.enable_grad():
+        leading, named = pieces.call(start, end, None)
+        names = pieces.positional[:len(leading)]
+        leaves: dict[str, Tensor] = {}
+        for i, name in enumerate(names):
+            if name in wanted and isinstance(leading[i], Tensor):
+                leading[i] = leaves[name] = leading[i].detach().requires_grad_()
+        for name in list(named):
+            if name in wanted and isinstance(named[name], Tensor):
+                named[name] = leaves[name] = named[name].detach().requires_grad_()
+        state = None if boundary is None else boundary.detach().requires_grad_()
+        named[segments.state_in] = state
+        out, final = run(*leading, **named)
+        outputs, grads_in = [out], [torch.zeros_like(out) if piece_grad is None else piece_grad]
+        if grad_state is not None:
+            outputs.append(final)
+            grads_in.append(grad_state)
+        targets = [*leaves.values()] + ([state] if state is not None else [])
+        grads = torch.autograd.grad(outputs, targets, grads_in, allow_unused=True) if targets else ()
+    detached = {name: tensor.detach() for name, tensor in leaves.items()}
+    leading = [detached.get(name, value) if isinstance(value, Tensor) else value
+               for name, value in zip(names, leading)]
+    named = {name: detached.get(name, value) for name, value in named.items()}
+    named[segments.state_in] = None if boundary is None else boundary.detach()
+    with torch.no_grad():
+        delta = clean.sub_(_states(kernel, leading, named, buffer))  # i b *state   S_t - S'_t
+        eps = delta.new_zeros(delta.shape[1], end - start)  # b i
+
+        def visit(t: int, mu: Tensor) -> None:  # (S_t - S'_t) . mu_t per row
+            eps[:, t] = torch.linalg.vecdot(delta[t].flatten(1), mu.flatten(1))
+
+        initial = segments.adjoint(*leading, grad_output=piece_grad, grad_final=grad_state, visit=visit, **named)
+    state_grad = None if state is None else (grads[-1] if grads[-1] is not None else initial)
+    return state_grad, eps, dict(zip(leaves, grads[:len(leaves)]))
 
 
 def _backward_step(kernel: Kernel, pieces: Pieces, start: int, end: int, boundary: Any, clean: Tensor,
