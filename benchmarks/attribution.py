@@ -1,7 +1,9 @@
-"""Benchmark: `rh.attribute` against a plain forward + backward of the same model, in one run.
+"""Benchmark: the studies at real layer dims against a plain forward + backward of the same model, in one run.
 
     python benchmarks/attribution.py                      # gdn_small at T = 512
     python benchmarks/attribution.py --model qwen3_5      # Qwen3.5 layer dims, T = 512 (--tokens 2048)
+    python benchmarks/attribution.py --model mamba2_130m  # mamba2-130m layer dims
+    python benchmarks/attribution.py --device cuda        # the same rows on a GPU (fused kernels if installed)
     python benchmarks/attribution.py --quick              # tiny dims, a smoke run
 
 Reference: "plain forward + backward": the corrupt ids' forward with gradients on and one backward of the
@@ -10,10 +12,15 @@ in a study, so without it nothing would require grad). Rows, timed in interleave
 reference of the same round (median over rounds):
 - `rh.attribute(method="chunks")`: the default where the kind has it (nothing of size seq x state kept);
 - `rh.attribute(method="states")`: every state and window kept differentiably (the reference path);
-  skipped with --no-states (at Qwen3.5 dims it needs about 11 GB at T = 512).
-Both include the clean forward. Memory: each row once in a child process (MALLOC_MMAP_THRESHOLD_=65536,
-as benchmarks/run.py: RSS follows the live tensors); peak+ = VmHWM during the row - VmRSS before it.
-Targets (issue 19): time <= 4 x and memory <= 2 x the reference.
+  skipped with --no-states (at Qwen3.5 dims it needs about 11 GB at T = 512);
+- "gradients to every kept state": `watch(keep=("states",))` with gradients on, then one
+  `autograd.grad(metric, [embeddings, every mixer's .states])` (the chunk-wise path of `engine.adjoint`).
+Both attribution rows include the clean forward. Memory (CPU): each row once in a child process
+(MALLOC_MMAP_THRESHOLD_=65536, as benchmarks/run.py: RSS follows the live tensors); peak+ = VmHWM during the
+row - VmRSS before it. On another device: the accelerator's peak allocated bytes during the row
+(`torch.cuda.max_memory_allocated`, CUDA only), in the same process.
+Targets (issue 19): attribution time <= 4 x and memory <= 2 x the reference; gradients to every kept state
+time <= 3 x.
 """
 
 import argparse
@@ -35,12 +42,15 @@ import run as bench  # noqa: E402  the benchmark's model builders and memory pro
 import recurrent_hooks as rh  # noqa: E402
 
 TIME_TARGET, MEMORY_TARGET = 4.0, 2.0
+TIME_TARGETS = {"gradients to every kept state": 3.0}  # rows with their own target (else TIME_TARGET)
 MODELS = {  # name -> (label, builder)
     "gdn_small": ("gdn_small: hidden 256, 4 key / 8 value heads of 64, MLP 512, 2 gated DeltaNet layers",
                   lambda: bench._gdn(256, 4, 8, 64, 512, bench.LINEAR2)),
     "qwen3_5": ("Qwen3.5 layer dims: hidden 2048, 16 key / 32 value heads of 128, MLP 6144;"
                 " one gated DeltaNet layer and one attention layer",
                 lambda: bench._gdn(2048, 16, 32, 128, 6144, bench.HYBRID)),
+    "mamba2_130m": ("mamba2-130m layer dims: hidden 768, 24 heads of 64, state 128, chunk 256; 2 layers",
+                    lambda: bench._mamba2(768, 24, 64, 128, 256)),
     "quick": ("gated DeltaNet (quick dims)", lambda: bench._gdn(64, 2, 4, 16, 128, bench.LINEAR2)),
 }
 
@@ -52,24 +62,38 @@ def metric(logits: torch.Tensor) -> torch.Tensor:
 def setup(args: argparse.Namespace):
     torch.manual_seed(0)
     label, build = MODELS["quick" if args.quick else args.model]
-    model = build().eval().requires_grad_(False)
+    device = torch.device(args.device)
+    model = build().eval().requires_grad_(False).to(device)
     tokens = 32 if args.quick else args.tokens
     gen = torch.Generator().manual_seed(0)
     clean = torch.randint(3, bench.VOCAB, (1, tokens), generator=gen)
     corrupt = clean.clone()
     corrupt[0, tokens // 2] = (corrupt[0, tokens // 2] + 1) % bench.VOCAB
+    clean, corrupt = clean.to(device), corrupt.to(device)
 
     def reference() -> None:
         embeds = model.get_input_embeddings()(corrupt).detach().requires_grad_()
         value = metric(model(inputs_embeds=embeds, use_cache=False).logits).sum()
         torch.autograd.grad(value, [embeds])
 
+    def every_state() -> None:
+        embeds = model.get_input_embeddings()(corrupt).detach().requires_grad_()
+        with rh.watch(model, keep=("states",)) as w:
+            value = metric(model(inputs_embeds=embeds, use_cache=False).logits).sum()
+        torch.autograd.grad(value, [embeds, *(m.states for m in w.mixers)])
+
     rows = {"plain forward + backward": reference}
     for method in ("chunks",) + (() if args.no_states else ("states",)):
         rows[f"rh.attribute(method={method!r})"] = (
             lambda method=method: rh.attribute(model, clean, corrupt, metric, method=method,
                                                forward_kwargs={"use_cache": False}))
+    rows["gradients to every kept state"] = every_state
     return label, tokens, rows
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
 
 
 def memory_child(args: argparse.Namespace) -> None:
@@ -86,6 +110,24 @@ def memory_child(args: argparse.Namespace) -> None:
     print(json.dumps(out))
 
 
+def device_memory(args: argparse.Namespace, rows: dict) -> dict[str, float]:
+    """Each row's peak allocated bytes above what was allocated before it, on a CUDA device (MB)."""
+    device = torch.device(args.device)
+    if device.type != "cuda":
+        print(f"memory on {device.type}: not measured (CPU: a child process's RSS; CUDA: peak allocated bytes)")
+        return {}
+    out = {}
+    for name, run_row in rows.items():
+        gc.collect()
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run_row()
+        torch.cuda.synchronize(device)
+        out[name] = (torch.cuda.max_memory_allocated(device) - before) / bench.MB
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="gdn_small")
@@ -95,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda, ...)")
     parser.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.memory_child:
@@ -103,14 +146,19 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     label, tokens, rows = setup(args)
     seconds: dict[str, list[float]] = {name: [] for name in rows}
+    device = torch.device(args.device)
     for round_ in range(args.repeats + 1):
         for name, run_row in rows.items():
+            _synchronize(device)
             start = time.perf_counter()
             run_row()
+            _synchronize(device)
             if round_:  # the first round warms up
                 seconds[name].append(time.perf_counter() - start)
     memory: dict[str, float] = {}
-    if not args.no_memory:
+    if not args.no_memory and device.type != "cpu":
+        memory = device_memory(args, rows)
+    elif not args.no_memory:
         child = [sys.executable, os.path.abspath(__file__), "--memory-child", "--model", args.model, "--tokens",
                  str(args.tokens), "--threads", str(args.threads)] + [f for f, on in (("--quick", args.quick),
                                                                                      ("--no-states", args.no_states))
@@ -121,18 +169,18 @@ def main(argv: list[str] | None = None) -> int:
             print("memory child failed: " + " | ".join(proc.stderr.strip().splitlines()[-3:]))
         else:
             memory = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"{label}; T = {tokens}, batch 1, {args.threads} threads, {args.repeats} rounds (+1 warm-up)")
+    print(f"{label}; T = {tokens}, batch 1, {device}, {args.threads} threads, {args.repeats} rounds (+1 warm-up)")
     reference = "plain forward + backward"
     for name in rows:
         ratios = [a / b for a, b in zip(seconds[name], seconds[reference])]
         line = f"{name}: median {statistics.median(seconds[name]):.3f} s"
         if name != reference:
-            ratio = statistics.median(ratios)
-            line += (f", time ratio {ratio:.2f} (range {min(ratios):.2f}-{max(ratios):.2f}; target <= {TIME_TARGET}:"
-                     f" {'met' if ratio <= TIME_TARGET else 'NOT met'})")
+            ratio, target = statistics.median(ratios), TIME_TARGETS.get(name, TIME_TARGET)
+            line += (f", time ratio {ratio:.2f} (range {min(ratios):.2f}-{max(ratios):.2f}; target <= {target}:"
+                     f" {'met' if ratio <= target else 'NOT met'})")
         if name in memory:
             line += f"; peak+ {memory[name]:.0f} MB"
-            if name != reference and memory.get(reference):
+            if name != reference and memory.get(reference) and name.startswith("rh.attribute"):
                 mem_ratio = memory[name] / memory[reference]
                 line += (f" = {mem_ratio:.2f} x (target <= {MEMORY_TARGET}:"
                          f" {'met' if mem_ratio <= MEMORY_TARGET else 'NOT met'})")

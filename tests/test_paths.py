@@ -92,16 +92,25 @@ def test_real_dims_with_8_stops_take_segments():
     assert path_of(choice) is Strategy.SEGMENTS
 
 
-@pytest.mark.parametrize("force", [None, Strategy.STATES])
-def test_never_chunkwise_states_with_gradients(force):
-    paths = rh.Paths(force=force)
+def test_chunkwise_states_with_gradients_where_the_kind_has_an_adjoint():
+    """Every state kept with gradients: chunk-wise (`engine.adjoint`) where the kind declares an adjoint and no hook
+    or write stops the call; the token loop otherwise (a kind without one; a hook between)."""
+    paths = rh.Paths(force=Strategy.STATES)
     for batch, heads, dim in ((1, 32, 128), (64, 4, 16)):
         every = keeping(*range(64))
         choice = rh_paths.choose(GDN, [every], 64, gdn_arguments(batch, 64, heads, heads, dim), grad=True, paths=paths)
-        assert path_of(choice) is not Strategy.STATES
-        assert choice is None or not choice.every_state
-    choice = rh_paths.choose(GDN, [keeping(*range(64))], 64, gdn_arguments(1, 64, 4, 4, 16), grad=False, paths=paths)
-    assert path_of(choice) is Strategy.STATES or force is None  # without gradients it can
+        assert path_of(choice) is Strategy.STATES and choice.every_state and choice.stops == []
+        hooked_too = SimpleNamespace(hooks=[(None, [5])], keep=frozenset(range(64)), mixer=every.mixer)
+        choice = rh_paths.choose(GDN, [hooked_too], 64, gdn_arguments(batch, 64, heads, heads, dim), grad=True,
+                                 paths=paths)
+        assert path_of(choice) is not Strategy.STATES and (choice is None or not choice.every_state)
+    no_adjoint = dataclasses.replace(GDN, segments=dataclasses.replace(GDN.segments, adjoint=None))
+    choice = rh_paths.choose(no_adjoint, [keeping(*range(64))], 64, gdn_arguments(1, 64, 4, 4, 16), grad=True,
+                             paths=paths)
+    assert path_of(choice) is not Strategy.STATES and (choice is None or not choice.every_state)
+    choice = rh_paths.choose(no_adjoint, [keeping(*range(64))], 64, gdn_arguments(1, 64, 4, 4, 16), grad=False,
+                             paths=paths)
+    assert path_of(choice) is Strategy.STATES  # without gradients it can
 
 
 @pytest.mark.parametrize("force", [None, Strategy.BLOCKS])

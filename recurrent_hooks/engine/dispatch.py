@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from . import adjoint as _adjoint
 from . import blocks as _blocks
 from . import runners as _runners
 from . import strategies
@@ -520,6 +521,15 @@ def _run_in_segments(kernel: Kernel, original: Callable[..., Any], args: tuple, 
     `Segments.kernel`, when given, runs the pieces in place of `original` (which cannot start from a state).
     """
     segments = kernel.segments
+    if keeping_all and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        # every state with gradients, no stop (`strategies.choose`): all-states forward, adjoint backward
+        where = f"{keeping_all[0].mixer}, call {keeping_all[0].call}"
+        result, states, per_token = _adjoint.keep_every_state(kernel, original, args, kwargs, where)
+        states.retain_grad()  # (`loss.backward()` then fills `.states.grad`, as the token loop's leaf does)
+        for plan in keeping_all:
+            plan.kept.update(enumerate(per_token))
+            plan.stacked = states
+        return result
     run = segments.all_states if keeping_all else segments.kernel or original
     pieces = Pieces(kernel, args, kwargs)
     state = pieces.state

@@ -5,8 +5,11 @@ Module contents:
 - `OnToken`: `on_token(t, state) -> state`, the library's keyword-only argument of every token loop:
   called after token t's update with the state token t+1 would continue from; it returns the state
   token t+1 continues from (the same one, or a hook's or write's replacement).
-- `Visit`: `visit(t, mu)`, what a kind's adjoint recurrence (`kernels.Segments.adjoint`) calls right to left with
-  mu_t, the gradient of the state after token t through the later tokens (a temporary: read it, do not keep it).
+- `Visit`: `visit(t, mu) -> None | Tensor`, what a kind's adjoint recurrence (`kernels.Segments.adjoint`) calls right
+  to left with mu_t, the gradient of the state after token t through the later tokens (a temporary the walk
+  goes on changing in place: read or copy it, do not keep it); a tensor it returns replaces mu_t and is then
+  the walk's own (a gradient sent to that state from elsewhere, added);
+  `visited(visit, t, mu)` applies that rule.
 - `at_least_float32(dtype)`: float32, or the model's dtype where it is wider (float64);
 - `starting_state(initial, zeros)`: a float32 copy of the state a call starts from (the cache writes
   into its tensor in place later), or `zeros()` when the call starts from nothing.
@@ -28,7 +31,13 @@ from .errors import RecurrentHooksError
 from .parts import State
 
 OnToken = Callable[[int, State], State]
-Visit = Callable[[int, Tensor], None]
+Visit = Callable[[int, Tensor], "Tensor | None"]
+
+
+def visited(visit: Visit, t: int, mu: Tensor) -> Tensor:
+    """`visit(t, mu)`, and what the adjoint continues from: its returned tensor, or mu."""
+    replaced = visit(t, mu)
+    return mu if replaced is None else replaced
 
 
 def starting_state(initial: Tensor | None, zeros: Callable[[], Tensor], dtype: torch.dtype = torch.float32) -> Tensor:

@@ -7,7 +7,8 @@ A call with hooks, writes or kept states ("busy") can run in several ways (`disp
   chunked kernel pads every call up to a multiple of its chunk, so a stop just past a boundary pays for a whole
   chunk;
 - `Strategy.STATES`: the library's chunk-wise all-states kernel (`Segments.all_states`), when every state is
-  kept and gradients are off (with a hook at a few tokens, in segments around them);
+  kept: gradients off (with a hook at a few tokens, in segments around them), or on where the kind has an
+  adjoint recurrence (`engine.adjoint`, whole calls only);
 - `Strategy.BLOCKS`: a hook at every token, gradients off, with the states computed a block at a time by the
   all-states kernel (`blocks`; estimated like STATES, and available only where `blocks.blocks_apply` says
   blocks were measured to beat the token loop: a state of at most `Segments.blocks_below` elements);
@@ -27,8 +28,10 @@ chunks) + loop(rest);
 STATES the sum of states(piece); BLOCKS states(T); LOOP loop(T). The constants are seconds, fitted by
 `benchmarks/paths.py --calibrate --write` per device type and dtype, and read from the data file `costs.json`
 next to this module (keyed "cpu/float32": the package ships the CPU one), once, at the first watch or standalone
-hook (`costs_for`). Grad mode only decides what is available (no STATES or BLOCKS with gradients): its cost is
-not modelled.
+hook (`costs_for`). Grad mode decides what is available (no BLOCKS with gradients; STATES only where the kind
+declares an adjoint recurrence, `Segments.adjoint`, and no hook or write stops the call) and is not modelled
+otherwise: every state kept with gradients takes STATES where it can (measured faster than the token loop under
+autograd, docs/performance.md).
 
 The fixed rule: the segments (or the chunk-wise kernel when every state is kept) when there are at most
 max(8, T / 32) stops, else the token loop (a hook on every token: blocks where `blocks.blocks_apply` allows them).
@@ -356,6 +359,8 @@ def choose(kernel: Kernel, busy: list[Any], tokens: int, arguments: dict[str, An
     if paths.rule == "loop" or segments is None and not kernel.stops:
         return None
     all_states = segments is not None and segments.all_states is not None
+    # every state kept with gradients: chunk-wise where the kind has an adjoint (`adjoint`), outside compile
+    states_with_grad = all_states and segments.adjoint is not None and not torch.compiler.is_compiling()
     stops: set[int] = set()
     every_state = every_token = False
     reducing = False  # a reduction of every state: handed over token by token (blocks or the loop), never all at once
@@ -371,10 +376,13 @@ def choose(kernel: Kernel, busy: list[Any], tokens: int, arguments: dict[str, An
         stops.update(p for _, positions in plan.hooks if positions is not None for p in positions)
         if reduces_all:
             continue
-        if plan.keep and len(plan.keep) == tokens and all_states and not grad:
+        if plan.keep and len(plan.keep) == tokens and all_states and (not grad or states_with_grad):
             every_state = True
         elif plan.keep:
             stops.update(plan.keep)
+    if every_state and grad and stops:  # (with gradients, all-states runs whole calls only: no hook between)
+        every_state = False
+        stops.update(range(tokens))
     # blocks where they were measured to beat the token loop (`blocks.blocks_apply`: the state's size)
     # (blocks at any size for a reduction alone: its on_token costs next to nothing, unlike a hook's)
     only_reducing = reducing and not any(positions is None for plan in busy for _, positions in plan.hooks)
@@ -391,6 +399,8 @@ def choose(kernel: Kernel, busy: list[Any], tokens: int, arguments: dict[str, An
         constants = None if shape is None else _constants_of(shape, arguments, paths)
     if paths.force in available:
         path = paths.force
+    elif every_state and grad:  # measured: the adjoint's backward beats the token loop's (docs/performance.md)
+        path = Strategy.STATES
     elif only_reducing and blocks:  # measured: half the token loop's time at Qwen3.5 dims (docs/performance.md)
         path = Strategy.BLOCKS
     elif constants is None:  # no cost model for this call: the fixed rule

@@ -37,7 +37,8 @@ from .effective import EffectiveAttention, cat, decayed
 from ..engine.calls import KernelCall
 from ..engine.kernels import Kernel, Role, Segments
 from ..engine.errors import Unavailable
-from ..engine.loops import OnToken, Visit, causal_decay, flushed_exp, states_buffer, refuse_packed, starting_state
+from ..engine.loops import (OnToken, Visit, causal_decay, flushed_exp, refuse_packed, starting_state, states_buffer,
+                            visited)
 from ..engine.mixer import RecurrentMixer
 from ..engine.strategies import Shape
 
@@ -169,12 +170,15 @@ def _gated_delta_rule_adjoint(
                                         kimi=kimi, recurrent=False)
     a = log_a.exp()  # b t h (1|k)
     mu = state.new_zeros(state.shape) if grad_final is None else grad_final.to(torch.float32, copy=True)
+    grad_output = None if grad_output is None else grad_output.to(torch.float32)
+    written = (b[..., None] * k).unsqueeze(-1)  # b t h k 1   b_t k_t
     for t in reversed(range(q.shape[1])):
-        visit(t, mu)  # b h k v   mu_t: what a change of the state after token t does to m
+        mu = visited(visit, t, mu)  # b h k v   mu_t: what a change of the state after token t does to m
+        # (in place from here: mu is this loop's own tensor, which `visit` does not keep)
         if grad_output is not None:
-            mu = mu + q[:, t, :, :, None] * grad_output[:, t, :, None, :].to(torch.float32)  # b h k v   + q_t dO_t^T
-        read = (mu * k[:, t, :, :, None]).sum(-2)  # b h v   k_t^T mu
-        mu = (mu - (b[:, t, :, None, None] * k[:, t, :, :, None]) * read[:, :, None, :]) * a[:, t, :, :, None]  # b h k v
+            mu.addcmul_(q[:, t, :, :, None], grad_output[:, t, :, None, :])  # b h k v   + q_t dO_t^T
+        read = k[:, t, :, None, :] @ mu  # b h 1 v   k_t^T mu
+        mu.addcmul_(written[:, t], read, value=-1).mul_(a[:, t, :, :, None])  # b h k v   D_t (I - b_t k_t k_t^T) mu
     return mu
 
 

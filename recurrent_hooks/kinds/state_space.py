@@ -62,7 +62,7 @@ from ..engine.calls import KernelCall
 from ..engine.kernels import Kernel, Role, Segments
 from ..engine.mixer import RecurrentMixer
 from ..engine.strategies import Shape
-from ..engine.loops import OnToken, Visit, causal_decay, flushed_exp, starting_state, states_buffer
+from ..engine.loops import OnToken, Visit, causal_decay, flushed_exp, starting_state, states_buffer, visited
 from .selective_scan import discrete_step, refuse_mamba_packed, step_size
 
 
@@ -248,11 +248,13 @@ def mamba2_chunk_scan_adjoint(
     C_h = _per_head(C, heads)  # b t h n
     mu = (hidden_states.new_zeros(batch, heads, head_dim, C_h.shape[-1], dtype=torch.float32) if grad_final is None
           else grad_final.to(torch.float32, copy=True))
+    grad_output = None if grad_output is None else grad_output.to(torch.float32)
     for t in reversed(range(seq)):
-        visit(t, mu)  # b h p n   mu_t: what a change of the state after token t does to m
+        mu = visited(visit, t, mu)  # b h p n   mu_t: what a change of the state after token t does to m
+        # (in place from here: mu is this loop's own tensor, which `visit` does not keep)
         if grad_output is not None:
-            mu = mu + grad_output[:, t, :, :, None].to(torch.float32) * C_h[:, t, :, None, :]  # b h p n   + dy_t C_t^T
-        mu = mu * decay[:, t, :, None, None]  # b h p n   exp(Δ_t a_h) (..)
+            mu.addcmul_(grad_output[:, t, :, :, None], C_h[:, t, :, None, :])  # b h p n   + dy_t C_t^T
+        mu.mul_(decay[:, t, :, None, None])  # b h p n   exp(Δ_t a_h) (..)
     return mu
 
 

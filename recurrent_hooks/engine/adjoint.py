@@ -1,0 +1,264 @@
+"""Every state of a prompt call kept with gradients on, without the token loop: the kind's chunk-wise
+all-states kernel forward, its adjoint recurrence backward (`kernels.Segments.adjoint`).
+
+    with rh.watch(model, keep=("states",)) as w:        # gradients on, every state kept
+        metric = model(ids).logits[0, -1].logsumexp(-1)
+    torch.autograd.grad(metric, w.mixers[0].states)     # d metric / d S_t at every t, one backward
+
+Glossary (symbol, shape):
+    S_t     the state after token t                  [batch, *state]
+    X       every kept state, the tensor handed out  [batch, seq, *state]   (`.states`; `state_after(t)` is X_t)
+    mu_t    d m / d S_t through the outputs after t  [batch, *state]        (what a write at t changes)
+    G_t     the gradient a use of X_t itself sends   [batch, *state]        (a metric that reads a kept state)
+    P_t     G_t + d S_{t+1} / d S_t ^T P_{t+1}       [batch, *state]        (those uses, through the later tokens)
+
+What the token loop gives, this path gives: `autograd.grad(m, X)` is mu_t + P_t at every t, and gradients reach
+the call's inputs (and so every earlier layer) through its output, its last state and the kept states. The graph:
+- `_States` (inputs -> X): the all-states kernel (no graph of its own). A hook on X sees what reached it,
+  mu_t + G_t: G = that - mu (nothing when nothing used X: it is mu, bit for bit); where G is not zero it
+  adds P - G (the kind's adjoint with G as sources), and `_States`' backward sends the inputs the gradient of
+  sum_t <G_t, S_t> through the kind's token loop under autograd (the slow path, only then);
+- `_Readout` (inputs, X_0..X_{T-1} -> output, last state): hands out the output the forward computed. Its
+  backward recomputes the call under autograd `PIECE` tokens at a time from saved boundary states (the
+  inputs' and the initial state's gradients, chunk-wise, as a plain backward) and runs the kind's adjoint over
+  each piece: d / d X_t = mu_t.
+Known limit: where the value differentiated uses kept states themselves (G not zero), the gradient taken with
+respect to `state_after(t)` (X_t, read before the hook on X) lacks P_t - G_t, and so does the one with respect to
+`.states` when the same `autograd.grad` call also asks for an input's gradient (PyTorch takes a tensor's
+gradient before its hooks when its node runs too); the inputs' gradients have it. A `RecurrentHooksWarning`
+says so whenever G is not zero; the token loop (`Paths(rule="loop")`) has no such limit.
+Memory: X (seq x state, kept by the user's request) plus, in the backward, one piece's recompute.
+"""
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .errors import RecurrentHooksWarning
+from .kernels import Kernel, Pieces
+
+PIECE = 64  # tokens per recomputed piece in the backward
+
+
+@dataclasses.dataclass
+class _Spec:
+    """The non-tensor side of one call: how its tensors go back into the kernel's arguments, and what the
+    Functions of one backward hand each other."""
+
+    kernel: Kernel
+    original: Callable[..., Any]
+    args: tuple
+    kwargs: dict
+    slots: list[tuple[int | None, str | None]]  # where each tensor input goes: (args index, None) or (None, key)
+    where: str = ""  # mixer and call, for the warning
+    out: Any = None  # the forward's (output, last state), handed out by _Readout
+    boundaries: list[Tensor | None] = dataclasses.field(default_factory=list)  # the state every PIECE tokens
+    mu: Tensor | None = None  # d / d X from _Readout's backward, [batch, seq, *state]
+    used: Tensor | None = None  # G, found by the hook on X
+
+    def pieces(self, tensors: tuple[Tensor, ...]) -> Pieces:
+        args, kwargs = list(self.args), dict(self.kwargs)
+        for (i, key), tensor in zip(self.slots, tensors):
+            if key is None:
+                args[i] = tensor
+            else:
+                kwargs[key] = tensor
+        return Pieces(self.kernel, tuple(args), kwargs)
+
+
+def keep_every_state(kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict,
+                     where: str = "") -> tuple[Any, Tensor, tuple[Tensor, ...]]:
+    """Run a prompt call keeping every state with gradients: the kernel's result, X `[batch, seq, *state]`, and
+    X_t for every t (the views the graph reads: `state_after(t)`). `where` names the mixer and call."""
+    slots = [(i, None) for i, a in enumerate(args) if isinstance(a, Tensor)]
+    slots += [(None, k) for k, v in kwargs.items() if isinstance(v, Tensor)]
+    tensors = tuple(args[i] if k is None else kwargs[k] for i, k in slots)
+    spec = _Spec(kernel, original, args, kwargs, slots, where)
+    anchor = torch.zeros((), requires_grad=True)  # X requires grad even when no input does (frozen weights)
+    states = _States.apply(spec, anchor, *tensors)
+    states.register_hook(lambda grad: _through_uses(spec, tensors, grad))
+    per_token = states.unbind(1)
+    out, final = _Readout.apply(spec, *tensors, *per_token)
+    return spec.pieces(tensors).result([out], final), states, per_token
+
+
+def _through_uses(spec: _Spec, tensors: tuple[Tensor, ...], grad: Tensor) -> Tensor | None:
+    """The hook on X: where the value differentiated used kept states itself (G), add their effect through
+    the later tokens (P - G), and leave G for `_States`' backward."""
+    if spec.mu is None:  # (_Readout's backward did not run: nothing reached the outputs)
+        spec.used = grad
+        mu = torch.zeros_like(grad)
+    else:
+        mu, spec.mu = spec.mu, None
+        if grad is mu or torch.equal(grad, mu):
+            return None
+        spec.used = grad - mu
+    used = spec.used
+    tokens = [t for t in range(used.shape[1]) if bool(used[:, t].any())]
+    warnings.warn(RecurrentHooksWarning(
+        f"{spec.where}: the value differentiated uses this call's kept states themselves (tokens {tokens[:8]}"
+        f"{' ...' if len(tokens) > 8 else ''}). The inputs' gradients include that use; gradients taken with"
+        " respect to kept states do not include its effect through the later tokens on this path (every state"
+        " kept with gradients, chunk-wise): state_after(t) never, .states when the same autograd.grad call also"
+        " takes an input's gradient. For those, keep with paths=rh.Paths(rule='loop')"), stacklevel=2)
+    detached = tuple(t.detach() for t in tensors)
+    pieces = spec.pieces(detached)
+    leading, named = pieces.call(0, pieces.tokens, pieces.state)
+    through = torch.empty_like(used)  # P
+
+    def visit(t: int, later: Tensor) -> Tensor:  # later: d S_{t+1} / d S_t ^T P_{t+1} (G_{T-1} at the last token)
+        if t != pieces.tokens - 1:
+            later = later + used[:, t]  # P_t
+        through[:, t].copy_(later)
+        return later
+
+    with torch.no_grad():
+        spec.kernel.segments.adjoint(*leading, grad_output=None, grad_final=used[:, -1], visit=visit, **named)
+    return mu + through
+
+
+class _States(torch.autograd.Function):
+    """inputs -> X, by the all-states kernel; the backward sends the inputs what a use of X itself adds."""
+
+    @staticmethod
+    def forward(ctx: Any, spec: _Spec, anchor: Tensor, *tensors: Tensor) -> Tensor:
+        pieces = spec.pieces(tensors)
+        leading, named = pieces.call(0, pieces.tokens, pieces.state)
+        (out, final), every = spec.kernel.segments.all_states(*leading, **named)  # t b *state
+        spec.out = (out, final)
+        spec.boundaries = [pieces.state] + [every[end - 1].clone() for end in range(PIECE, pieces.tokens, PIECE)]
+        ctx.spec = spec
+        ctx.save_for_backward(*tensors)
+        ctx.set_materialize_grads(False)
+        return every.movedim(0, 1).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor | None) -> tuple[Any, ...]:
+        spec = ctx.spec
+        used, spec.used = spec.used, None
+        if used is None or not any(ctx.needs_input_grad[2:]):
+            return (None,) * (2 + len(ctx.saved_tensors))
+        return (None, None, *_through_the_loop(spec, ctx.saved_tensors, ctx.needs_input_grad[2:], used))
+
+
+def _through_the_loop(spec: _Spec, saved: tuple[Tensor, ...], needed: tuple[bool, ...],
+                      used: Tensor) -> list[Tensor | None]:
+    """The inputs' gradients of sum_t <G_t, S_t>, through the kind's token loop under autograd."""
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() if need and t.is_floating_point() else t.detach()
+                  for t, need in zip(saved, needed)]
+        pieces = spec.pieces(tuple(leaves))
+        leading, named = pieces.call(0, pieces.tokens, pieces.state)
+        total: list[Tensor] = []
+
+        def on_token(t: int, state: Tensor) -> Tensor:
+            total.append((state * used[:, t].to(state.dtype)).sum())
+            return state
+
+        spec.kernel.loop(*leading, on_token=on_token, **named)
+        wanted = [leaf for leaf in leaves if leaf.requires_grad]
+        grads = iter(torch.autograd.grad(torch.stack(total).sum(), wanted, allow_unused=True) if wanted else ())
+    return [next(grads) if leaf.requires_grad else None for leaf in leaves]
+
+
+class _Readout(torch.autograd.Function):
+    """(inputs, X_0..X_{T-1}) -> (output, last state): the forward's; the backward by pieces and the adjoint."""
+
+    @staticmethod
+    def forward(ctx: Any, spec: _Spec, *tensors_and_states: Tensor) -> tuple[Tensor, Tensor]:
+        tensors = tensors_and_states[:len(spec.slots)]
+        ctx.spec = spec
+        ctx.save_for_backward(*tensors)
+        ctx.set_materialize_grads(False)
+        out, final = spec.out
+        spec.out = None
+        return out, final
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor | None, grad_final: Tensor | None) -> tuple[Any, ...]:
+        spec = ctx.spec
+        saved = tuple(t.detach() for t in ctx.saved_tensors)
+        needed = ctx.needs_input_grad[1:1 + len(saved)]
+        segments = spec.kernel.segments
+        pieces = spec.pieces(saved)
+        run = segments.kernel or spec.original
+        tokens = pieces.tokens
+        names = [name for name in pieces.bound if name != "kwargs"]
+        slot_names = [names[i] if key is None else key for i, key in spec.slots]
+        mu: Tensor | None = None  # d / d X_t, [batch, seq, *state], filled piece by piece
+        sums: dict[str, Tensor] = {}
+        per_token: dict[str, list[Tensor]] = {name: [] for name in segments.per_token}
+        grad_state = grad_final
+        for start in reversed(range(0, tokens, PIECE)):
+            end = min(start + PIECE, tokens)
+            boundary = spec.boundaries[start // PIECE]
+            with torch.enable_grad():
+                leading, named = pieces.call(start, end, None)
+                leaves = _leaves(leading, named, pieces.positional, set(slot_names), slot_names, needed)
+                state = None if boundary is None else boundary.detach().requires_grad_()
+                named[segments.state_in] = state
+                out, final = run(*leading, **named)
+                piece_grad = None if grad_out is None else grad_out.narrow(segments.out_axis, start, end - start)
+                outputs = [o for o, g in ((out, piece_grad), (final, grad_state)) if g is not None]
+                grads_in = [g for g in (piece_grad, grad_state) if g is not None]
+                targets = list(leaves.values()) + ([state] if state is not None else [])
+                grads = torch.autograd.grad(outputs, targets, grads_in, allow_unused=True) \
+                    if outputs and targets else (None,) * len(targets)
+            detached = _detached(leading, named, pieces.positional, leaves, boundary, segments.state_in)
+            with torch.no_grad():
+                def visit(t: int, m: Tensor, start: int = start) -> None:
+                    nonlocal mu
+                    if mu is None:
+                        mu = m.new_empty((m.shape[0], tokens, *m.shape[1:]))
+                    mu[:, start + t].copy_(m)
+
+                segments.adjoint(*detached[0], grad_output=piece_grad, grad_final=grad_state, visit=visit,
+                                 **detached[1])
+            for name, grad in zip(leaves, grads):
+                if name in per_token:
+                    grad = torch.zeros_like(leaves[name]) if grad is None else grad
+                    per_token[name].insert(0, grad)
+                else:
+                    if grad is not None:
+                        sums[name] = grad if name not in sums else sums[name] + grad
+            grad_state = grads[-1] if state is not None else None
+        spec.mu = mu
+        result: list[Any] = [None]
+        for name, tensor, need in zip(slot_names, saved, needed):
+            if not need or not tensor.is_floating_point():
+                result.append(None)
+            elif name == segments.state_in:
+                result.append(grad_state)
+            elif name in per_token:
+                result.append(torch.cat(per_token[name], dim=segments.per_token[name]))
+            else:
+                result.append(sums.get(name))
+        return (*result, *mu.unbind(1))
+
+
+def _leaves(leading: list[Any], named: dict[str, Any], positional: list[str], slot_names: set[str],
+            order: list[str], needed: tuple[bool, ...]) -> dict[str, Tensor]:
+    """Make the piece's tensors whose gradients are wanted leaves, in place in `leading` and `named`."""
+    wanted = {name for name, need in zip(order, needed) if need}
+    leaves: dict[str, Tensor] = {}
+    for i, name in enumerate(positional[:len(leading)]):
+        if name in wanted and isinstance(leading[i], Tensor) and leading[i].is_floating_point():
+            leading[i] = leaves[name] = leading[i].detach().requires_grad_()
+    for name in list(named):
+        if name in wanted and isinstance(named[name], Tensor) and named[name].is_floating_point():
+            named[name] = leaves[name] = named[name].detach().requires_grad_()
+    return leaves
+
+
+def _detached(leading: list[Any], named: dict[str, Any], positional: list[str], leaves: dict[str, Tensor],
+              boundary: Tensor | None, state_in: str) -> tuple[list[Any], dict[str, Any]]:
+    """The piece's arguments without their leaves' graphs, from `boundary`."""
+    names = positional[:len(leading)]
+    plain = [leaves[name].detach() if name in leaves else value for name, value in zip(names, leading)]
+    named = {name: (leaves[name].detach() if name in leaves else value) for name, value in named.items()}
+    named[state_in] = None if boundary is None else boundary.detach()
+    return plain, named
