@@ -67,8 +67,12 @@ def _conv_loop(
     dirty = 0  # how many more positions read a written window
     columns = []  # with autograd recording, every position's output, written into `out` at once (per position,
     # each slice assignment's backward would copy the whole gradient of `out`: quadratic in the tokens)
+    # (and the inputs from one unbind, whose backward stacks their gradients once: a slice's per position would
+    # add a gradient of the whole of x, quadratic too)
+    inputs = x.unbind(-1) if every else None
     for p in range(first_token, x.shape[-1]):
-        window = torch.cat([window[..., 1:], x[..., p, None]], dim=-1)  # b c K   shift in x_p
+        x_p = x[..., p, None] if inputs is None else inputs[p][..., None]  # b c 1
+        window = torch.cat([window[..., 1:], x_p], dim=-1)  # b c K   shift in x_p
         if every:
             columns.append(F.conv1d(window, kernel, bias, groups=channels))  # b c 1
         elif dirty:

@@ -99,12 +99,13 @@ def _gated_delta_rule(
                                         kimi=kimi)
     a = log_a.exp()
     outputs = []
-    for t in range(q.shape[1]):
-        state = state * a[:, t, :, :, None]  # b h k v   decay: diag(a_t) S_{t-1}, a_t [b h (1|k)]
-        kv_mem = (state * k[:, t, :, :, None]).sum(-2)  # b h v   what S stores under k_t
-        delta = (v[:, t] - kv_mem) * b[:, t, :, None]  # b h v   b_t (v_t - S^T k_t)
-        state = state + k[:, t, :, :, None] * delta[:, :, None, :]  # b h k v   S + k_t delta^T
-        outputs.append((state * q[:, t, :, :, None]).sum(-2))  # b h v   o_t = S_t^T q_t
+    # per token from one unbind each: under autograd a slice's backward is a gradient of the whole tensor, per token
+    for t, (q_t, k_t, v_t, b_t, a_t) in enumerate(zip(*(x.unbind(1) for x in (q, k, v, b, a)))):
+        state = state * a_t[..., None]  # b h k v   decay: diag(a_t) S_{t-1}, a_t [b h (1|k)]
+        kv_mem = (state * k_t[..., None]).sum(-2)  # b h v   what S stores under k_t
+        delta = (v_t - kv_mem) * b_t[..., None]  # b h v   b_t (v_t - S^T k_t)
+        state = state + k_t[..., None] * delta[:, :, None, :]  # b h k v   S + k_t delta^T
+        outputs.append((state * q_t[..., None]).sum(-2))  # b h v   o_t = S_t^T q_t
         if on_token is not None:
             state = on_token(t, state)  # b h k v   what token t+1 continues from
     out = torch.stack(outputs, dim=1) if outputs else v.new_zeros(*v.shape)

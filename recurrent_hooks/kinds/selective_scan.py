@@ -143,10 +143,11 @@ def _selective_scan(
     # a copy: the decode kernel's state is the cache tensor, written only at the end
     state = starting_state(initial_state, lambda: x.new_zeros(batch, d_inner, A.shape[-1]), x.dtype)
     outputs = []
-    for t in range(seq):
-        decay, drive = discrete_step(dt[:, t], A, B[:, t], x[:, t])  # b d n   exp(Δ_t A), Δ_t B_t x_t
+    # per token from one unbind each: under autograd a slice's backward is a gradient of the whole tensor, per token
+    for t, (dt_t, B_t, C_t, x_t) in enumerate(zip(*(v.unbind(1) for v in (dt, B, C, x)))):
+        decay, drive = discrete_step(dt_t, A, B_t, x_t)  # b d n   exp(Δ_t A), Δ_t B_t x_t
         state = decay * state + drive  # b d n   h_t
-        outputs.append(torch.matmul(state.to(C.dtype), C[:, t, :, None])[..., 0])  # b d   C_t . h_t
+        outputs.append(torch.matmul(state.to(C.dtype), C_t[:, :, None])[..., 0])  # b d   C_t . h_t
         if on_token is not None:
             state = on_token(t, state)  # b d n   what token t+1 continues from
     y = torch.stack(outputs, dim=1) if outputs else C.new_zeros(batch, 0, d_inner)

@@ -114,10 +114,11 @@ def _ssd(
     # a copy: the decode kernel's state is the cache tensor, written only at the end
     state = starting_state(initial_state, lambda: x.new_zeros(batch, heads, head_dim, B.shape[-1]))
     outputs = []
-    for t in range(seq):
-        decay, drive = discrete_step(dt[:, t], A, B[:, t], x[:, t])  # b h q m, b h p n   exp(Δ_t a_h), Δ_t x_t B_t^T
+    # per token from one unbind each: under autograd a slice's backward is a gradient of the whole tensor, per token
+    for t, (dt_t, B_t, C_t, x_t) in enumerate(zip(*(v.unbind(1) for v in (dt, B, C, x)))):
+        decay, drive = discrete_step(dt_t, A, B_t, x_t)  # b h q m, b h p n   exp(Δ_t a_h), Δ_t x_t B_t^T
         state = decay * state + drive  # b h p n   h_t
-        outputs.append(einsum(state, C[:, t], "b h p n, b h n -> b h p"))  # b h p   h_t C_t
+        outputs.append(einsum(state, C_t, "b h p n, b h n -> b h p"))  # b h p   h_t C_t
         if on_token is not None:
             state = on_token(t, state)  # b h p n   what token t+1 continues from
     y = torch.stack(outputs, dim=1) if outputs else x.new_zeros(batch, 0, heads, head_dim)
