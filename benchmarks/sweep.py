@@ -5,6 +5,7 @@
     python benchmarks/sweep.py --memory              # gdn_small, T = 512: memory held vs the number of positions
     python benchmarks/sweep.py --memory --library /work/main --budget-mib 256   # the same rows on another checkout
     python benchmarks/sweep.py --per-cell            # gdn_small, T = 512: seconds per cell by batch size vs naive
+    python benchmarks/sweep.py --per-cell --dims qwen3_5 --cells 8 --batch-sizes None,1 --repeats 1
 
 The model is `recurrent_hooks.demo.tiny_model()` (Qwen3.5, 4 layers: gated DeltaNet at 0 and 2, attention
 at 1 and 3; hidden 64, random weights). Both sides patch the whole memory (state and conv window) and
@@ -26,7 +27,7 @@ same); the script exits non-zero when they do not, or when the ratio misses the 
 runs in its own child process (MALLOC_MMAP_THRESHOLD_=65536, as benchmarks/run.py): `held` is the most bytes
 of clean memories alive at once (every clone of the sweep's read hooks, counted until freed), `peak+` the
 VmHWM during the sweep minus the VmRSS before it. `--library` measures another checkout (one without
-`budget_bytes` runs without it). `--per-cell`: the same model, 16 positions of layer 0, seconds per cell of
+`budget_bytes` runs without it). `--per-cell`: the same model (`--dims qwen3_5`: Qwen3.5 layer dims), `--cells` positions of layer 0, seconds per cell of
 the loop of one forward per cell with `set_memory_after` and of `patching_sweep` at each `--batch-sizes`.
 `main(argv)` runs everything; importing this module does no work.
 """
@@ -45,14 +46,17 @@ HERE = pathlib.Path(__file__).resolve().parent
 SMALL_TOKENS = 512
 
 
-def _small_model() -> object:
-    """benchmarks/run.py's gdn_small forward model (2 gated DeltaNet layers), seeded."""
+def _small_model(dims: str = "gdn_small") -> object:
+    """benchmarks/run.py's gdn_small forward model (2 gated DeltaNet layers), or (`dims="qwen3_5"`) Qwen3.5 layer
+    dims (hidden 2048, 16 key / 32 value heads of 128: one gated DeltaNet and one attention layer), seeded."""
     sys.path.insert(0, str(HERE))
     import torch
 
     import run as bench
 
     torch.manual_seed(0)
+    if dims == "qwen3_5":
+        return bench._gdn(2048, 16, 32, 128, 6144, bench.HYBRID).eval()
     return bench._gdn(256, 4, 8, 64, 512, bench.LINEAR2).eval()
 
 
@@ -150,10 +154,11 @@ def per_cell_rows(args: argparse.Namespace) -> int:
     import recurrent_hooks as rh
 
     torch.set_num_threads(args.threads)
-    model = _small_model()
+    model = _small_model(args.dims)
     gen = torch.Generator().manual_seed(0)
     clean, corrupt = (torch.randint(3, 1024, (1, SMALL_TOKENS), generator=gen) for _ in range(2))
-    positions = _spread(16, SMALL_TOKENS)
+    positions = _spread(args.cells, SMALL_TOKENS)
+    cells = len(positions)
     metric = lambda logits: logits[:, -1].log_softmax(-1)[:, 5]  # noqa: E731
 
     def naive() -> None:
@@ -175,12 +180,12 @@ def per_cell_rows(args: argparse.Namespace) -> int:
             fn()
             if round_:
                 times[name].append(time.perf_counter() - start)
-    print(f"patching sweep per cell, gdn_small, T={SMALL_TOKENS}, 16 positions of layer 0, {args.threads} thread(s),"
-          f" median of {args.repeats} interleaved rounds")
+    print(f"patching sweep per cell, {args.dims}, T={SMALL_TOKENS}, {cells} positions of layer 0,"
+          f" {args.threads} thread(s), median of {args.repeats} interleaved rounds")
     naive_s = statistics.median(times[next(iter(runs))])
     for name, values in times.items():
         median = statistics.median(values)
-        print(f"  {name:<48} {median / 16:.3f} s/cell ({median / naive_s:.2f} x naive)")
+        print(f"  {name:<48} {median / cells:.3f} s/cell ({median / naive_s:.2f} x naive)")
     return 0
 
 
@@ -196,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--library", default=None, help="--memory: the checkout to measure (default: this one)")
     parser.add_argument("--per-cell", action="store_true", help="gdn_small: seconds per cell by batch size")
     parser.add_argument("--batch-sizes", default="1,2,7,32", help="--per-cell: batch sizes (None: the default)")
+    parser.add_argument("--dims", choices=("gdn_small", "qwen3_5"), default="gdn_small",
+                        help="--per-cell: the model's layer dims")
+    parser.add_argument("--cells", type=int, default=16, help="--per-cell: positions of layer 0")
     parser.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.memory_child is not None:

@@ -7,7 +7,8 @@
   counter, the running call's record, what each kernel call wants), driven by dispatch;
 - `calls` (`Call`, `KernelCall`, `Memory`): the record of each call, and what was kept;
 - `dispatch`: which mixer a kernel call belongs to, and how the call runs (the bound kernel, segments, blocks,
-  the token loop); `strategies` and `blocks`: the path a busy call takes, by cost;
+  the token loop); `strategies` and `blocks`: the path a busy call takes, by cost; `adjoint`: every state kept
+  with gradients on, chunk-wise forward and the kind's adjoint recurrence backward;
 - `patching`: the undo stack that rebinds kernel names and restores them; `threads`: per-thread state;
 - `compiled`: torch.compile support (the custom ops a graph runs, and `TracedCallState`, the per-call state's
   interface as tracing implements it);

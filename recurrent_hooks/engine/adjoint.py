@@ -78,7 +78,7 @@ def keep_every_state(kernel: Kernel, original: Callable[..., Any], args: tuple, 
     slots += [(None, k) for k, v in kwargs.items() if isinstance(v, Tensor)]
     tensors = tuple(args[i] if k is None else kwargs[k] for i, k in slots)
     spec = _Spec(kernel, original, args, kwargs, slots, where)
-    anchor = torch.zeros((), requires_grad=True)  # X requires grad even when no input does (frozen weights)
+    anchor = torch.zeros((), device=tensors[0].device, requires_grad=True)  # X requires grad when no input does
     states = _States.apply(spec, anchor, *tensors)
     states.register_hook(lambda grad: _through_uses(spec, tensors, grad))
     per_token = states.unbind(1)

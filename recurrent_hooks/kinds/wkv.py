@@ -235,4 +235,4 @@ class WeightedKeyValue(RecurrentMixer):
 def _empty(state: list[Tensor], layer: int) -> bool:
     """Whether `layer`'s WKV state in the model's state list is the empty one RwkvModel starts from."""
     num, den, p = (s[:, :, layer] for s in state[2:5])
-    return bool(((num == 0) & (den == 0) & (p == torch.tensor(_EMPTY_MAX, dtype=p.dtype))).all())  # one sync
+    return bool(((num == 0) & (den == 0) & (p == torch.tensor(_EMPTY_MAX, dtype=p.dtype, device=p.device))).all())  # one sync
