@@ -56,12 +56,14 @@ def _conv_loop(
     `out` holds the convolution over the inputs' own windows (position p in column p + offset), computed
     in one call as transformers does. A window `on_token` replaces or changes in place feeds the next
     K - 1 positions: their columns are recomputed, one `F.conv1d` each, and written into `out` (the same
-    bits per position as in the one call). With autograd recording through the inputs, every position
-    is recomputed from its window, so that a kept window is the tensor the later tokens read.
+    bits per position as in the one call). With autograd recording through the inputs or a window (from the
+    first window `on_token` hands back with gradients), every position is recomputed from its window, so that
+    a kept window is the tensor the later tokens read, and written into `out` at once.
     """
     channels, size = x.shape[1], weight.shape[-1]
     kernel = weight.unsqueeze(1)  # c 1 K   F.conv1d's depthwise layout, as transformers passes it
-    every = torch.is_grad_enabled() and (x.requires_grad or window.requires_grad)
+    recording = torch.is_grad_enabled()
+    every = recording and (x.requires_grad or window.requires_grad)
     if first_token:  # the positions before the call's tokens: no window to hand over
         window = torch.cat([window, x[..., :first_token]], dim=-1)[..., -size:]
     dirty = 0  # how many more positions read a written window
@@ -70,6 +72,7 @@ def _conv_loop(
     # (and the inputs from one unbind, whose backward stacks their gradients once: a slice's per position would
     # add a gradient of the whole of x, quadratic too)
     inputs = x.unbind(-1) if every else None
+    first_column = first_token
     for p in range(first_token, x.shape[-1]):
         x_p = x[..., p, None] if inputs is None else inputs[p][..., None]  # b c 1
         window = torch.cat([window[..., 1:], x_p], dim=-1)  # b c K   shift in x_p
@@ -83,8 +86,10 @@ def _conv_loop(
         if handed_back_changed(window, version, written):
             dirty = size - 1
         window = written
+        if recording and not every and window.requires_grad:  # (a window kept with gradients: from here on, too)
+            every, first_column = True, p + 1
     if columns:
-        out[..., first_token + offset:x.shape[-1] + offset] = torch.cat(columns, dim=-1)  # b c L
+        out[..., first_column + offset:x.shape[-1] + offset] = torch.cat(columns, dim=-1)  # b c L
     return window
 
 
