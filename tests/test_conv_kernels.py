@@ -62,3 +62,29 @@ def test_decode_replacement_is_written_into_the_cache_tensor():
     out = causal_conv1d_update(x, state, weight, bias, on_token=lambda t, w: replacement)
     assert_close("cache window", replacement, state, rtol=0, atol=0)
     assert out.shape == (2, 6, 1)
+
+
+def test_window_terms_equal_the_effect_of_writing_each_window():
+    """conv.window_terms(x - x', g, w)[p]: sum over the later positions s of g_s times the change of the
+    convolution's output at s when the window after p is x's instead of x''s (linear: the exact change)."""
+    from recurrent_hooks.kinds.conv import window_terms
+    gen = torch.Generator().manual_seed(5)
+    batch, channels, length, size = 2, 3, 9, 4
+    x, x_other = torch.randn(2, batch, channels, length, generator=gen, dtype=torch.float64)
+    grad = torch.randn(batch, channels, length, generator=gen, dtype=torch.float64)
+    weight = torch.randn(channels, size, generator=gen, dtype=torch.float64)
+    padded = torch.nn.functional.pad
+    expected = torch.zeros(batch, length, dtype=torch.float64)
+    for p in range(length):
+        # the primed run's inputs, with the window after p (inputs p-K+1..p) taken from x
+        written = x_other.clone()
+        lo = max(0, p - size + 1)
+        written[..., lo:p + 1] = x[..., lo:p + 1]
+        for s in range(p + 1, min(length, p + size)):
+            inputs = lambda v: padded(v, (size - 1, 0))[..., s:s + size]  # noqa: E731  window_s, oldest first
+            window = inputs(x_other).clone()
+            window[..., :size - (s - p)] = inputs(written)[..., :size - (s - p)]  # the columns read from W_p
+            change = ((window - inputs(x_other)) * weight).sum(-1)  # b c
+            expected[:, p] += (grad[..., s] * change).sum(-1)
+    got = window_terms(x - x_other, grad, weight)
+    assert_close("window terms", got, expected.float(), rtol=1e-5, atol=1e-6)

@@ -25,6 +25,8 @@ Module contents:
 - `causal_conv1d_fn`, `causal_conv1d_update`: token loops with the signatures and results of
   transformers' kernels of the same names, plus a keyword-only `on_token(t, window) -> window`.
 - `CONV_KERNELS`: their `Kernel` declarations, shared by every mixer kind.
+- `causal_conv1d_shifted`, `window_terms`: the prompt kernel with a shift before the activation, and the
+  window term of attribution patching from the inputs and that shift's gradient (no per-token step).
 """
 
 from typing import Any
@@ -155,6 +157,46 @@ def causal_conv1d_update(
         window = _conv_loop(x, run[..., :size], weight, bias, out, 1, 0, on_token)
     conv_state.copy_(window)
     return _finish(out[..., -length:], activation, hidden_states.dtype)
+
+
+def causal_conv1d_shifted(hidden_states: Tensor, weight: Tensor, bias: Tensor | None = None,
+                          activation: str | None = None, *, shift: Tensor) -> Tensor:
+    """`causal_conv1d_fn`'s result (the same ops, so the same bits at shift = 0) with `shift` `[batch, channels,
+    length]` added to the convolution before the activation: with a zero leaf as `shift`, its gradient is
+    d m / d the convolution's output at every position (what `window_terms` needs)."""
+    x = hidden_states.to(weight.dtype)
+    channels, length = x.shape[1:]
+    out = F.conv1d(x, weight.unsqueeze(1), bias, padding=weight.shape[-1] - 1, groups=channels)  # b c L+K-1
+    return _finish(out[..., :length] + shift.to(out.dtype), activation, hidden_states.dtype)
+
+
+def window_terms(
+    delta: Float[Tensor, "batch channels length"],
+    grad: Float[Tensor, "batch channels length"],
+    weight: Float[Tensor, "channels kernel_size"],
+) -> Float[Tensor, "batch length"]:
+    """For every position p of a prompt call: sum over channels and columns of (W_p - W'_p) . d m / d W'_p, the
+    first-order effect of writing the window after p, from the inputs and the convolution's gradients alone.
+
+    `delta` is x - x' (the convolution's inputs of two runs, the call's own positions from 0), `grad` the
+    gradient of m with respect to the convolution's output (before the activation) of the primed run. The window
+    after p holds x_{p-K+1..p}; position s = p + d (d = 1..K-1) reads its columns j >= d through tap j - d, so
+        d m / d W'_p[:, j] = sum_{d=1}^{j} w[:, j - d] grad_{p+d}
+        term_p = sum_{d=1}^{K-1} sum_c grad_{p+d} . sum_{i=0}^{K-1-d} w[:, i] delta_{p+d-K+1+i}
+    (the partial convolution of delta at s over the taps that read positions <= p). No per-token step."""
+    batch, channels, length = delta.shape
+    size = weight.shape[-1]
+    delta, grad, weight = delta.float(), grad.float(), weight.float()
+    padded = F.pad(delta, (size - 1, size - 1))  # b c L+2K-2   delta_u at column u + K - 1, zeros outside
+    terms = delta.new_zeros(batch, length)
+    for d in range(1, size):
+        reads = delta.new_zeros(batch, channels, length)  # at p: sum_i w_i delta_{p+d-K+1+i}, the taps i <= K-1-d
+        for i in range(size - d):
+            start = d + i  # column of delta_{p+d-K+1+i} at p = 0
+            reads += weight[:, i, None] * padded[..., start:start + length]
+        later = F.pad(grad[..., d:], (0, d))  # b c L   grad_{p+d}, 0 past the call's end
+        terms += (later * reads).sum(1)
+    return terms
 
 
 CONV_KERNELS = (

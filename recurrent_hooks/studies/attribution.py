@@ -53,6 +53,7 @@ from ..engine.mixer import RecurrentMixer
 from ..engine.parts import map_parts, parts_of
 from ..engine.strategies import Paths
 from ..engine.watch import watch
+from ..kinds import conv
 
 _MEMORIES = (STATE_MEMORY, CONV_MEMORY)  # the rows `state` and `window`
 Metric = Callable[[Tensor], Tensor]  # logits [batch, seq, vocab] -> [batch] or a scalar
@@ -158,11 +159,14 @@ def _memory_row(clean: RecurrentMixer, corrupt: RecurrentMixer, memory: str, gra
 def _attribute_in_chunks(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: Metric,
                          layers: Iterable[int] | None, kwargs: dict[str, Any], paths: Paths | None, chunk: int,
                          where: str) -> Attribution:
-    """method="chunks": the state term through `_Chunked` calls, the window term from kept windows."""
-    keep = ("windows",)  # the windows as in "states"; the state kernels' calls go to the runners
+    """method="chunks": the state term through `_Chunked` calls, the window term from the convolution's inputs
+    and output gradients (`conv.window_terms`) where the kind's conv is the shared one, else from kept windows."""
+    with watch(model, paths=paths) as probe:
+        shared_conv = all(_conv_kernel(type(m)) is not None for m in _chosen(probe.mixers, layers, where))
+    keep = () if shared_conv else ("windows",)  # the state kernels' calls (and the shared convs) go to the runners
     with torch.no_grad(), watch(model, keep=keep, paths=paths) as clean_watch, contextlib.ExitStack() as stack:
         clean_chosen = _chosen(clean_watch.mixers, layers, where)
-        cleans = {m.layer: _CleanRunner(chunk) for m in clean_chosen}
+        cleans = {m.layer: _CleanRunner(chunk, shared_conv) for m in clean_chosen}
         for m in clean_chosen:
             stack.enter_context(runners.running(m, cleans[m.layer]))
         clean_value = _mean(metric(model(clean_ids, **kwargs).logits), where)
@@ -180,11 +184,13 @@ def _attribute_in_chunks(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tenso
                                f" path in the corrupt run and {len(clean.records)} in the clean one (another handle"
                                " watching it, or a path the study cannot see): use method='states'")
     pairs = [(clean_watch.mixer(m.layer), m) for m in chosen]
-    windows = [leaf for _, m in pairs if CONV_MEMORY in m.MEMORIES
-               for buffer in m.calls[0].differentiable(CONV_MEMORY) for _, leaf in parts_of(buffer)]
+    windows = [] if shared_conv else [leaf for _, m in pairs if CONV_MEMORY in m.MEMORIES
+                                      for buffer in m.calls[0].differentiable(CONV_MEMORY) for _, leaf in parts_of(buffer)]
     eps = [e for m in chosen for e in corrupts[m.layer].eps]
-    grads = torch.autograd.grad(corrupt_value, [*eps, *windows], allow_unused=True)
-    eps_grads, window_grads = iter(grads[:len(eps)]), iter(grads[len(eps):])
+    shifts = [call.shift for m in chosen for call in corrupts[m.layer].convs]
+    grads = torch.autograd.grad(corrupt_value, [*eps, *shifts, *windows], allow_unused=True)
+    eps_grads, shift_grads = iter(grads[:len(eps)]), iter(grads[len(eps):len(eps) + len(shifts)])
+    window_grads = iter(grads[len(eps) + len(shifts):])
     state_rows, window_rows = [], []
     for clean, corrupt in pairs:
         total = torch.zeros(clean_ids.shape[1], dtype=torch.float32, device=clean_ids.device)
@@ -193,9 +199,59 @@ def _attribute_in_chunks(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tenso
             if grad is not None:
                 total = total + grad.sum(0).to(total.device)
         state_rows.append(total)
-        window_rows.append(_memory_row(clean, corrupt, CONV_MEMORY, window_grads, clean_ids))
+        if shared_conv:
+            window_rows.append(_window_row(cleans[corrupt.layer], corrupts[corrupt.layer], shift_grads, clean_ids,
+                                           f"{where}: {corrupt}"))
+        else:
+            window_rows.append(_memory_row(clean, corrupt, CONV_MEMORY, window_grads, clean_ids))
     return Attribution(tuple(m.layer for m in chosen), torch.stack(state_rows), torch.stack(window_rows),
                        float(clean_value), float(corrupt_value.detach()))
+
+
+def _conv_kernel(kind: type[RecurrentMixer]) -> Kernel | None:
+    """The kind's prompt convolution when it is the shared one (`kinds.conv`), whose window term
+    `conv.window_terms` computes without a per-token step; None otherwise."""
+    return next((kernel for kernel in kind.KERNELS if _conv_takes(kernel)), None)
+
+
+def _conv_takes(kernel: Kernel) -> bool:
+    return kernel.role is Role.PROMPT and kernel.memory == CONV_MEMORY and kernel.loop is conv.causal_conv1d_fn
+
+
+@dataclasses.dataclass
+class _ConvCall:
+    """One prompt convolution call: its inputs (clean: to subtract; corrupt: with the zero leaf `shift` added
+    before the activation, whose gradient is d m / d the convolution's output) and weight."""
+
+    inputs: Tensor  # b c L
+    weight: Tensor  # c K
+    shift: Tensor | None = None  # b c L, the corrupt run's
+
+
+def _conv_call(kernel: Kernel, args: tuple, kwargs: dict) -> dict[str, Any]:
+    bound = kernel.layout.bind(args, kwargs)
+    bound.pop("kwargs", None)
+    return bound
+
+
+def _window_row(clean: "_CleanRunner", corrupt: "_CorruptRunner", grads: Iterable, ids: Tensor,
+                where: str) -> Tensor:
+    """The window term per token, summed over rows, from each prompt convolution call's inputs and gradient."""
+    total = torch.zeros(ids.shape[1], dtype=torch.float32, device=ids.device)
+    if len(clean.convs) != len(corrupt.convs):
+        raise InvalidValue(f"{where}: its prompt convolution ran {len(corrupt.convs)} time(s) in the corrupt run and"
+                           f" {len(clean.convs)} in the clean one: use method='states'")
+    for before, after in zip(clean.convs, corrupt.convs):
+        grad = next(grads)
+        if grad is None:
+            continue
+        if before.inputs.shape != after.inputs.shape or before.inputs.shape[-1] != ids.shape[1]:
+            raise InvalidValue(f"{where}: its prompt convolution covers {tuple(after.inputs.shape)} in the corrupt run"
+                               f" and {tuple(before.inputs.shape)} in the clean one, for a {ids.shape[1]}-token"
+                               " prompt (a cached prefix?): use method='states'")
+        delta = before.inputs.to(torch.float32) - after.inputs.to(torch.float32)  # b c L
+        total = total + conv.window_terms(delta, grad, after.weight).sum(0).to(total.device)
+    return total
 
 
 def _chunkable(kind: type[RecurrentMixer]) -> bool:
@@ -256,14 +312,19 @@ class _CleanRunner:
 
     path = "attribution: pieces (clean)"
 
-    def __init__(self, chunk: int) -> None:
-        self.chunk = chunk
+    def __init__(self, chunk: int, convs: bool = False) -> None:
+        self.chunk, self.taking_convs = chunk, convs
         self.records: list[_CleanCall] = []
+        self.convs: list[_ConvCall] = []
 
     def takes(self, kernel: Kernel) -> bool:
-        return _takes(kernel)
+        return _takes(kernel) or self.taking_convs and _conv_takes(kernel)
 
     def run(self, kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if kernel.memory == CONV_MEMORY:  # the shared prompt convolution: its inputs
+            bound = _conv_call(kernel, args, kwargs)
+            self.convs.append(_ConvCall(bound["hidden_states"].detach(), bound["weight"].detach()))
+            return original(*args, **kwargs)
         pieces = Pieces(kernel, args, kwargs)
         if isinstance(pieces.state, Tensor):  # a cache's tensor, updated in place later
             pieces.state = pieces.state.clone()
@@ -280,11 +341,18 @@ class _CorruptRunner:
     def __init__(self, clean: _CleanRunner, chunk: int, where: str) -> None:
         self.clean, self.chunk, self.where = clean, chunk, where
         self.eps: list[Tensor] = []
+        self.convs: list[_ConvCall] = []
 
     def takes(self, kernel: Kernel) -> bool:
-        return _takes(kernel)
+        return self.clean.takes(kernel)
 
     def run(self, kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if kernel.memory == CONV_MEMORY:  # the shared prompt convolution, with a zero leaf before its activation
+            bound = _conv_call(kernel, args, kwargs)
+            x, weight = bound["hidden_states"], bound["weight"]
+            shift = torch.zeros(x.shape, dtype=torch.float32, device=x.device, requires_grad=True)
+            self.convs.append(_ConvCall(x.detach(), weight.detach(), shift))
+            return conv.causal_conv1d_shifted(x, weight, bound.get("bias"), bound.get("activation"), shift=shift)
         index = len(self.eps)
         if index >= len(self.clean.records):
             raise InvalidValue(f"attribute: {self.where}: prompt kernel call {index} of the corrupt run has no clean"
