@@ -21,6 +21,7 @@ Imports run downwards only: the engine imports no kind, no study and not the reg
 (tests/test_layout.py).
 """
 
+from .studies import metrics as metrics
 from .studies.attribution import Attribution as Attribution
 from .studies.attribution import attribute as attribute
 from .studies.effective_attention import EffectiveAttention as EffectiveAttention
@@ -71,6 +72,7 @@ __all__ = [
     "Paths",
     "attribute",
     "Attribution",
+    "metrics",
     "Call",
     "KernelCall",
     "Memory",

@@ -66,13 +66,31 @@ class Attribution:
     layers: tuple[int, ...]  # the decoder layer of each row
     state: Float[Tensor, "layers seq"]
     window: Float[Tensor, "layers seq"]
-    clean: float  # the metric of the clean run (mean over rows)
-    corrupt: float  # the metric of the corrupt run
+    clean: Tensor  # the metric of the clean run (mean over rows), a 0-d tensor (as `Sweep.clean`)
+    corrupt: Tensor  # the metric of the corrupt run
 
     @property
     def memory(self) -> Float[Tensor, "layers seq"]:
         """The estimate for patching the whole memory (state and window) after each token."""
         return self.state + self.window
+
+    def normalized(self) -> Tensor:
+        """`memory / (clean - corrupt)`: the estimated share of the clean metric each cell's patch restores, on
+        `Sweep.normalized()`'s scale (0: no effect, 1: the clean metric restored; inf or nan where the two
+        baselines are equal)."""
+        return self.memory / (self.clean - self.corrupt)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Tensors, ints and strings only: `torch.save(result.to_dict(), path)` loads back with
+        `Attribution.from_dict(torch.load(path, weights_only=True))`."""
+        return {"layers": list(self.layers), "state": self.state, "window": self.window, "clean": self.clean,
+                "corrupt": self.corrupt}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Attribution":
+        """The result `to_dict` gave."""
+        return cls(tuple(int(layer) for layer in data["layers"]), data["state"], data["window"],
+                   torch.as_tensor(data["clean"]), torch.as_tensor(data["corrupt"]))
 
 
 METHODS = ("auto", "chunks", "states")
@@ -134,7 +152,7 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
         for memory, rows in zip(_MEMORIES, (state_rows, window_rows)):
             rows.append(_memory_row(clean, corrupt, memory, grads, clean_ids))
     return Attribution(tuple(m.layer for m in chosen), torch.stack(state_rows), torch.stack(window_rows),
-                       float(clean_value), float(corrupt_value.detach()))
+                       clean_value.detach().float(), corrupt_value.detach().float())
 
 
 def _memory_row(clean: RecurrentMixer, corrupt: RecurrentMixer, memory: str, grads: Iterable, ids: Tensor) -> Tensor:
@@ -205,7 +223,7 @@ def _attribute_in_chunks(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tenso
         else:
             window_rows.append(_memory_row(clean, corrupt, CONV_MEMORY, window_grads, clean_ids))
     return Attribution(tuple(m.layer for m in chosen), torch.stack(state_rows), torch.stack(window_rows),
-                       float(clean_value), float(corrupt_value.detach()))
+                       clean_value.detach().float(), corrupt_value.detach().float())
 
 
 def _conv_kernel(kind: type[RecurrentMixer]) -> Kernel | None:

@@ -54,6 +54,19 @@ class Sweep:
         clean metric (inf or nan where the two baselines are equal)."""
         return (self.values - self.corrupt) / (self.clean - self.corrupt)
 
+    def to_dict(self) -> dict[str, Any]:
+        """Tensors, ints and strings only: `torch.save(sweep.to_dict(), path)` loads back with
+        `Sweep.from_dict(torch.load(path, weights_only=True))`."""
+        return {"values": self.values, "clean": self.clean, "corrupt": self.corrupt, "layers": list(self.layers),
+                "positions": list(self.positions), "what": self.what}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Sweep":
+        """The result `to_dict` gave."""
+        return cls(data["values"], torch.as_tensor(data["clean"]), torch.as_tensor(data["corrupt"]),
+                   tuple(int(layer) for layer in data["layers"]), tuple(int(p) for p in data["positions"]),
+                   str(data["what"]))
+
 
 def _as_prompt(ids: Any, name: str) -> Tensor:
     if not isinstance(ids, Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
