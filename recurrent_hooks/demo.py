@@ -110,7 +110,7 @@ def main() -> None:
     def metric(logits: torch.Tensor) -> torch.Tensor:
         return logits[:, query, right] - logits[:, query, wrong]
 
-    result = attribute(model, clean_ids, corrupt_ids, metric)
+    result = attribute(model, clean_ids[0], corrupt_ids[0], metric)  # one pair, [seq]: [layers, seq]
     layer, token = divmod(int(result.memory.argmax()), result.memory.shape[1])
     print(f"\n4. attribution from one backward: the largest estimated effect is layer {result.layers[layer]},"
           f" after token {token}; no token before the value ({value}) matters:"

@@ -56,7 +56,7 @@ def test_attribute_is_the_first_order_estimate_of_patching_each_memory(frozen):
     result = rh.attribute(frozen, clean, corrupt, metric)
     with rh.watch(frozen, keep=("states", "windows")) as c, torch.no_grad():
         frozen(clean)
-    assert result.state.shape == result.window.shape == (len(c.mixers), T)
+    assert result.state.shape == result.window.shape == (2, len(c.mixers), T)  # pairs x layers x tokens
     assert result.layers == tuple(m.layer for m in c.mixers)
     assert_close("memory", result.state + result.window, result.memory, rtol=0, atol=0)
     for i, layer in enumerate(result.layers):
@@ -73,8 +73,10 @@ def test_attribute_is_the_first_order_estimate_of_patching_each_memory(frozen):
             state_term = ((clean_memory.state - corrupt_memory.state) * leaf_state.grad).sum()
             window_term = ((clean_memory.window - corrupt_memory.window) * leaf_window.grad).sum()
             scale = result.memory.abs().max()
-            assert_close(f"layer {layer} token {t} state", state_term, result.state[i, t], rtol=1e-4, atol=1e-6 * scale)
-            assert_close(f"layer {layer} token {t} window", window_term, result.window[i, t], rtol=1e-4,
+            # (the mean metric of both rows: the mean of the pairs' own terms)
+            assert_close(f"layer {layer} token {t} state", state_term, result.state[:, i, t].mean(0), rtol=1e-4,
+                         atol=1e-6 * scale)
+            assert_close(f"layer {layer} token {t} window", window_term, result.window[:, i, t].mean(0), rtol=1e-4,
                          atol=1e-6 * scale)
     assert result.memory.abs().max() > 0
 
@@ -84,7 +86,7 @@ def test_attribute_refuses_bad_arguments():
     ids = random_ids(2, T)
     with pytest.raises(rh.InvalidValue, match=r"attribute: clean_ids \(2, 13\) and corrupt_ids \(2, 12\) must have"):
         rh.attribute(model, ids, ids[:, 1:], metric)
-    with pytest.raises(rh.InvalidValue, match=r"attribute: metric\(logits\) must return a \[batch\] tensor"):
+    with pytest.raises(rh.InvalidValue, match=r"attribute: metric\(logits\) must return one value per pair, a \[2\] tensor"):
         rh.attribute(model, ids, ids, lambda logits: logits)
     with pytest.raises(rh.InvalidValue, match=r"attribute: no recurrent mixer at layers \[1\]"):
         rh.attribute(model, ids, ids, metric, layers=[1])

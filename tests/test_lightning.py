@@ -605,7 +605,7 @@ def test_a_sweep_of_the_whole_memory_is_a_sweep_of_the_state(model):
 def test_attribution_is_the_first_order_effect_of_patching_the_state(model):
     clean, corrupt = random_ids(1, 9, seed=1), random_ids(1, 9, seed=2)
     metric = lambda logits: logits[:, -1, 5] - logits[:, -1, 6]  # noqa: E731
-    result = rh.attribute(model, clean, corrupt, metric)
+    result = rh.attribute(model, clean[0], corrupt[0], metric)  # one pair, [seq]: [layers, seq]
     assert_close("no window", torch.zeros_like(result.window), result.window, rtol=0, atol=0)
     assert_close("the memory is the state", result.state, result.memory, rtol=0, atol=0)
     token, eps = 4, 1e-3

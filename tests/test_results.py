@@ -21,7 +21,7 @@ def _same(a, b):
 
 def test_results_save_and_load_with_weights_only(tmp_path):
     model = build("qwen3_5").requires_grad_(False)
-    clean, corrupt = random_ids(1, 7, seed=1), random_ids(1, 7, seed=2)
+    clean, corrupt = random_ids(1, 7, seed=1)[0], random_ids(1, 7, seed=2)[0]  # one pair: 0-d baselines
     metric = rh.metrics.log_prob(answer=5)
     sweep = rh.patching_sweep(model, clean, corrupt, metric, progress=False)
     result = rh.attribute(model, clean, corrupt, metric)

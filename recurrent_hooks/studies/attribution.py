@@ -1,18 +1,23 @@
 """Attribution patching in one backward: the linear estimate of what patching each layer's memory would do.
 
-    result = recurrent_hooks.attribute(model, clean_ids, corrupt_ids, metric)
+    result = recurrent_hooks.attribute(model, clean_ids, corrupt_ids, metric)   # one pair: [seq] each
     result.state[i, t]    # estimated change of metric if layer result.layers[i]'s state after token t
                           # of the corrupt run were the clean run's (its window unchanged)
     result.window[i, t]   # the same for the convolution window alone
     result.memory         # state + window: the estimate for patching the whole memory
+    many = recurrent_hooks.attribute(model, clean_pairs, corrupt_pairs, metric)  # [pairs, seq]: many.state[n, i, t]
 
 Glossary (code name, symbol, shape):
-    clean_ids, corrupt_ids  x, x'       [batch, seq]       two prompts of one length, row b paired with row b
-    metric                  m           logits -> [batch] or a scalar; its mean over rows is attributed
-    S_t, S'_t               state       [batch, *state]    the state after token t, clean and corrupt
-    W_t, W'_t               window      [batch, channels, kernel_size]
-    state                   (S_t - S'_t) . dm/dS'_t        [layers, seq], summed over rows and state axes
-    window                  (W_t - W'_t) . dm/dW'_t        [layers, seq]
+    clean_ids, corrupt_ids  x, x'       [seq] or [pairs, seq]   prompts of one length, row n paired with row n
+    metric                  m           logits -> [pairs]       one value per pair (a scalar for one pair)
+    S_t, S'_t               state       [pairs, *state]    the state after token t, clean and corrupt
+    W_t, W'_t               window      [pairs, channels, kernel_size]
+    state                   (S_t - S'_t) . dm/dS'_t        [pairs, layers, seq] ([layers, seq] for one pair),
+                                                           summed over the state axes
+    window                  (W_t - W'_t) . dm/dW'_t        the same shape
+
+The pairs run as one batch; each pair's terms are its own metric's (the rows of a batch do not interact), equal
+to attributing the pairs one at a time. A mean over pairs is `.mean(0)`.
 
 Two ways to the same numbers (`method`):
 - "chunks" (the default where every chosen mixer's kind has a prompt kernel that runs in pieces chaining its
@@ -64,21 +69,21 @@ class Attribution:
     """Per recurrent layer and token: the estimated change of the metric from patching clean into corrupt."""
 
     layers: tuple[int, ...]  # the decoder layer of each row
-    state: Float[Tensor, "layers seq"]
-    window: Float[Tensor, "layers seq"]
-    clean: Tensor  # the metric of the clean run (mean over rows), a 0-d tensor (as `Sweep.clean`)
-    corrupt: Tensor  # the metric of the corrupt run
+    state: Float[Tensor, "*pairs layers seq"]  # no pairs axis for one pair given as [seq]
+    window: Float[Tensor, "*pairs layers seq"]
+    clean: Float[Tensor, "*pairs"]  # the metric of the clean run, per pair (0-d for one pair, as `Sweep.clean`)
+    corrupt: Float[Tensor, "*pairs"]  # the metric of the corrupt run
 
     @property
-    def memory(self) -> Float[Tensor, "layers seq"]:
+    def memory(self) -> Float[Tensor, "*pairs layers seq"]:
         """The estimate for patching the whole memory (state and window) after each token."""
         return self.state + self.window
 
     def normalized(self) -> Tensor:
-        """`memory / (clean - corrupt)`: the estimated share of the clean metric each cell's patch restores, on
-        `Sweep.normalized()`'s scale (0: no effect, 1: the clean metric restored; inf or nan where the two
-        baselines are equal)."""
-        return self.memory / (self.clean - self.corrupt)
+        """`memory / (clean - corrupt)` (per pair): the estimated share of the clean metric each cell's patch
+        restores, on `Sweep.normalized()`'s scale (0: no effect, 1: the clean metric restored; inf or nan where the
+        two baselines are equal)."""
+        return self.memory / (self.clean - self.corrupt)[..., None, None]
 
     def to_dict(self) -> dict[str, Any]:
         """Tensors, ints and strings only: `torch.save(result.to_dict(), path)` loads back with
@@ -103,10 +108,11 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
     """Attribution patching of every recurrent layer x token, from one clean forward and one forward and
     backward of the corrupt run.
 
-        result = rh.attribute(model, clean, corrupt, lambda logits: logits[:, -1, answer] - logits[:, -1, wrong])
-        result.memory        # [layers, seq]: compare with rh.patching_sweep's exact effects
+        result = rh.attribute(model, clean, corrupt, rh.metrics.logit_difference(answer, wrong))
+        result.memory        # [layers, seq] for [seq] prompts: compare with rh.patching_sweep's exact effects
 
-    `metric(logits)` returns one value per row (or a scalar); the mean over rows is attributed. Extra
+    `clean_ids` and `corrupt_ids`: one pair, `[seq]` each, or N pairs, `[N, seq]` (results with a leading pairs
+    axis, also for N = 1). `metric(logits)` returns one value per pair (`[N]`; a scalar for one pair). Extra
     `forward_kwargs` go to both forwards (e.g. `use_cache=False`); `paths` sets how their calls run
     (`recurrent_hooks.Paths`, as for `watch`). The weights need not require grad. `method`: "chunks"
     (no state of every token is kept: the module docstring), "states" (every state kept, any kind), or
@@ -114,12 +120,15 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
     """
     where = "attribute"
     for name, ids in (("clean_ids", clean_ids), ("corrupt_ids", corrupt_ids)):
-        if not isinstance(ids, Tensor) or ids.dim() != 2:
-            raise InvalidValue(f"{where}: expected {name} as a [batch, seq] tensor of token ids,"
+        if not isinstance(ids, Tensor) or ids.dim() not in (1, 2):
+            raise InvalidValue(f"{where}: expected {name} as a [seq] (one pair) or [pairs, seq] tensor of token ids,"
                                f" got {type(ids).__name__}{'' if not isinstance(ids, Tensor) else tuple(ids.shape)}")
     if clean_ids.shape != corrupt_ids.shape:
         raise InvalidValue(f"{where}: clean_ids {tuple(clean_ids.shape)} and corrupt_ids {tuple(corrupt_ids.shape)}"
                            " must have the same shape (row b of one is patched into row b of the other)")
+    if clean_ids.dim() == 1:  # one pair: the results without the pairs axis
+        return _one_pair(attribute(model, clean_ids[None], corrupt_ids[None], metric, layers=layers,
+                                   forward_kwargs=forward_kwargs, paths=paths, method=method, chunk=chunk))
     if not callable(metric):
         raise InvalidValue(f"{where}: expected a callable metric(logits) -> [batch] or a scalar, got {metric!r}")
     if method not in METHODS:
@@ -138,27 +147,27 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
             return _attribute_in_chunks(model, clean_ids, corrupt_ids, metric, layers, kwargs, paths, chunk, where)
     keep = ("states", "windows")  # a memory a mixer's kind does not carry is not kept (normalize_keep)
     with torch.no_grad(), watch(model, keep=keep, paths=paths) as clean_watch:
-        clean_value = _mean(metric(model(clean_ids, **kwargs).logits), where)
+        clean_value = _per_row(metric(model(clean_ids, **kwargs).logits), clean_ids, where)
     with torch.enable_grad(), watch(model, keep=keep, paths=paths) as corrupt_watch:
-        corrupt_value = _mean(metric(model(corrupt_ids, **kwargs).logits), where)
+        corrupt_value = _per_row(metric(model(corrupt_ids, **kwargs).logits), corrupt_ids, where)
     chosen = _chosen(corrupt_watch.mixers, layers, where)
     pairs = [(clean_watch.mixer(m.layer), m) for m in chosen]
     # every part of every memory the kinds carry (a memory a kind lacks contributes zeros; see engine.parts)
     inputs = [leaf for _, m in pairs for memory in _MEMORIES if memory in m.MEMORIES
               for buffer in m.calls[0].differentiable(memory) for _, leaf in parts_of(buffer)]
-    grads = iter(torch.autograd.grad(corrupt_value, inputs, allow_unused=True))
+    grads = iter(torch.autograd.grad(corrupt_value.sum(), inputs, allow_unused=True))
     state_rows, window_rows = [], []
     for clean, corrupt in pairs:
         for memory, rows in zip(_MEMORIES, (state_rows, window_rows)):
             rows.append(_memory_row(clean, corrupt, memory, grads, clean_ids))
-    return Attribution(tuple(m.layer for m in chosen), torch.stack(state_rows), torch.stack(window_rows),
+    return Attribution(tuple(m.layer for m in chosen), torch.stack(state_rows, dim=1), torch.stack(window_rows, dim=1),
                        clean_value.detach().float(), corrupt_value.detach().float())
 
 
 def _memory_row(clean: RecurrentMixer, corrupt: RecurrentMixer, memory: str, grads: Iterable, ids: Tensor) -> Tensor:
     """sum over rows and memory axes of (clean - corrupt) * gradient, per token, from kept states (next(grads)
     per part of every buffer of `memory`, in `inputs`' order)."""
-    total = torch.zeros(ids.shape[1], dtype=torch.float32, device=ids.device)
+    total = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
     if memory not in corrupt.MEMORIES:
         return total
     buffers = corrupt.calls[0].differentiable(memory)
@@ -170,7 +179,7 @@ def _memory_row(clean: RecurrentMixer, corrupt: RecurrentMixer, memory: str, gra
             if grad is None:  # the metric does not depend on this memory
                 continue
             delta = clean_leaf.to(torch.float32) - leaf.detach().to(torch.float32)  # b t *memory
-            total = total + (delta * grad.to(torch.float32)).flatten(2).sum(-1).sum(0).to(total.device)  # t
+            total = total + (delta * grad.to(torch.float32)).flatten(2).sum(-1).to(total.device)  # b t
     return total
 
 
@@ -187,14 +196,14 @@ def _attribute_in_chunks(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tenso
         cleans = {m.layer: _CleanRunner(chunk, shared_conv) for m in clean_chosen}
         for m in clean_chosen:
             stack.enter_context(runners.running(m, cleans[m.layer]))
-        clean_value = _mean(metric(model(clean_ids, **kwargs).logits), where)
+        clean_value = _per_row(metric(model(clean_ids, **kwargs).logits), clean_ids, where)
     with torch.enable_grad(), watch(model, keep=keep, paths=paths) as corrupt_watch, \
             contextlib.ExitStack() as stack:
         chosen = _chosen(corrupt_watch.mixers, layers, where)
         corrupts = {m.layer: _CorruptRunner(cleans[m.layer], chunk, f"{m}") for m in chosen}
         for m in chosen:
             stack.enter_context(runners.running(m, corrupts[m.layer]))
-        corrupt_value = _mean(metric(model(corrupt_ids, **kwargs).logits), where)
+        corrupt_value = _per_row(metric(model(corrupt_ids, **kwargs).logits), corrupt_ids, where)
     for m in chosen:
         runner, clean = corrupts[m.layer], cleans[m.layer]
         if not runner.eps or len(runner.eps) != len(clean.records):
@@ -206,23 +215,23 @@ def _attribute_in_chunks(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tenso
                                       for buffer in m.calls[0].differentiable(CONV_MEMORY) for _, leaf in parts_of(buffer)]
     eps = [e for m in chosen for e in corrupts[m.layer].eps]
     shifts = [call.shift for m in chosen for call in corrupts[m.layer].convs]
-    grads = torch.autograd.grad(corrupt_value, [*eps, *shifts, *windows], allow_unused=True)
+    grads = torch.autograd.grad(corrupt_value.sum(), [*eps, *shifts, *windows], allow_unused=True)
     eps_grads, shift_grads = iter(grads[:len(eps)]), iter(grads[len(eps):len(eps) + len(shifts)])
     window_grads = iter(grads[len(eps) + len(shifts):])
     state_rows, window_rows = [], []
     for clean, corrupt in pairs:
-        total = torch.zeros(clean_ids.shape[1], dtype=torch.float32, device=clean_ids.device)
+        total = torch.zeros(clean_ids.shape, dtype=torch.float32, device=clean_ids.device)
         for _ in corrupts[corrupt.layer].eps:
             grad = next(eps_grads)
             if grad is not None:
-                total = total + grad.sum(0).to(total.device)
+                total = total + grad.to(total.device)
         state_rows.append(total)
         if shared_conv:
             window_rows.append(_window_row(cleans[corrupt.layer], corrupts[corrupt.layer], shift_grads, clean_ids,
                                            f"{where}: {corrupt}"))
         else:
             window_rows.append(_memory_row(clean, corrupt, CONV_MEMORY, window_grads, clean_ids))
-    return Attribution(tuple(m.layer for m in chosen), torch.stack(state_rows), torch.stack(window_rows),
+    return Attribution(tuple(m.layer for m in chosen), torch.stack(state_rows, dim=1), torch.stack(window_rows, dim=1),
                        clean_value.detach().float(), corrupt_value.detach().float())
 
 
@@ -255,7 +264,7 @@ def _conv_call(kernel: Kernel, args: tuple, kwargs: dict) -> dict[str, Any]:
 def _window_row(clean: "_CleanRunner", corrupt: "_CorruptRunner", grads: Iterable, ids: Tensor,
                 where: str) -> Tensor:
     """The window term per token, summed over rows, from each prompt convolution call's inputs and gradient."""
-    total = torch.zeros(ids.shape[1], dtype=torch.float32, device=ids.device)
+    total = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
     if len(clean.convs) != len(corrupt.convs):
         raise InvalidValue(f"{where}: its prompt convolution ran {len(corrupt.convs)} time(s) in the corrupt run and"
                            f" {len(clean.convs)} in the clean one: use method='states'")
@@ -268,7 +277,7 @@ def _window_row(clean: "_CleanRunner", corrupt: "_CorruptRunner", grads: Iterabl
                                f" and {tuple(before.inputs.shape)} in the clean one, for a {ids.shape[1]}-token"
                                " prompt (a cached prefix?): use method='states'")
         delta = before.inputs.to(torch.float32) - after.inputs.to(torch.float32)  # b c L
-        total = total + conv.window_terms(delta, grad, after.weight).sum(0).to(total.device)
+        total = total + conv.window_terms(delta, grad, after.weight).to(total.device)
     return total
 
 
@@ -580,11 +589,19 @@ def _backward_step(kernel: Kernel, pieces: Pieces, start: int, end: int, boundar
     return state_grad, eps_grad, dict(zip(leaves, grads[1:1 + len(leaves)]))
 
 
-def _mean(value: Any, where: str) -> Tensor:
-    if not isinstance(value, Tensor) or value.dim() > 1:
-        raise InvalidValue(f"{where}: metric(logits) must return a [batch] tensor or a scalar, got"
-                           f" {type(value).__name__}{tuple(value.shape) if isinstance(value, Tensor) else ''}")
-    return value.mean() if value.dim() == 1 else value
+def _per_row(value: Any, ids: Tensor, where: str) -> Tensor:
+    """The metric's value per pair, `[pairs]` (a scalar for one pair)."""
+    pairs = ids.shape[0]
+    if not isinstance(value, Tensor) or value.dim() > 1 or value.dim() == 1 and value.shape[0] != pairs \
+            or value.dim() == 0 and pairs != 1:
+        raise InvalidValue(f"{where}: metric(logits) must return one value per pair, a [{pairs}] tensor"
+                           f"{' (or a scalar)' if pairs == 1 else ''}, got {type(value).__name__}"
+                           f"{tuple(value.shape) if isinstance(value, Tensor) else ''}")
+    return value.reshape(pairs)
+
+
+def _one_pair(result: Attribution) -> Attribution:
+    return Attribution(result.layers, result.state[0], result.window[0], result.clean[0], result.corrupt[0])
 
 
 def _chosen(mixers: list[RecurrentMixer], layers: Iterable[int] | None, where: str) -> list[RecurrentMixer]:
