@@ -539,7 +539,7 @@ def test_a_patching_sweep_cell_is_one_write(model):
 def test_attribution_runs_without_a_state(model):
     """rh.attribute differentiates the corrupt run: with use_cache=False (transformers' backward fails with a
     state, see LIMITS), every layer x token gets an attribution."""
-    clean, corrupt = random_ids(1, 10, seed=1), random_ids(1, 10, seed=2)
+    clean, corrupt = random_ids(1, 10, seed=1)[0], random_ids(1, 10, seed=2)[0]  # one pair: [layers, seq]
 
     def metric(logits):
         return logits[:, -1, 5] - logits[:, -1, 7]

@@ -32,7 +32,7 @@ Memory: X (seq x state, kept by the user's request) plus, in the backward, one p
 
 import dataclasses
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -61,22 +61,14 @@ class _Spec:
     used: Tensor | None = None  # G, found by the hook on X
 
     def pieces(self, tensors: tuple[Tensor, ...]) -> Pieces:
-        args, kwargs = list(self.args), dict(self.kwargs)
-        for (i, key), tensor in zip(self.slots, tensors):
-            if key is None:
-                args[i] = tensor
-            else:
-                kwargs[key] = tensor
-        return Pieces(self.kernel, tuple(args), kwargs)
+        return with_tensors(self.kernel, self.args, self.kwargs, self.slots, tensors)
 
 
 def keep_every_state(kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict,
                      where: str = "") -> tuple[Any, Tensor, tuple[Tensor, ...]]:
     """Run a prompt call keeping every state with gradients: the kernel's result, X `[batch, seq, *state]`, and
     X_t for every t (the views the graph reads: `state_after(t)`). `where` names the mixer and call."""
-    slots = [(i, None) for i, a in enumerate(args) if isinstance(a, Tensor)]
-    slots += [(None, k) for k, v in kwargs.items() if isinstance(v, Tensor)]
-    tensors = tuple(args[i] if k is None else kwargs[k] for i, k in slots)
+    slots, tensors = tensor_slots(args, kwargs)
     spec = _Spec(kernel, original, args, kwargs, slots, where)
     anchor = torch.zeros((), device=tensors[0].device, requires_grad=True)  # X requires grad when no input does
     states = _States.apply(spec, anchor, *tensors)
@@ -197,10 +189,8 @@ class _Readout(torch.autograd.Function):
             end = min(start + PIECE, tokens)
             boundary = spec.boundaries[start // PIECE]
             with torch.enable_grad():
-                leading, named = pieces.call(start, end, None)
-                leaves = _leaves(leading, named, pieces.positional, set(slot_names), slot_names, needed)
-                state = None if boundary is None else boundary.detach().requires_grad_()
-                named[segments.state_in] = state
+                wanted = {name for name, need in zip(slot_names, needed) if need}
+                leading, named, leaves, state = piece_leaves(pieces, start, end, boundary, wanted)
                 out, final = run(*leading, **named)
                 piece_grad = None if grad_out is None else grad_out.narrow(segments.out_axis, start, end - start)
                 outputs = [o for o, g in ((out, piece_grad), (final, grad_state)) if g is not None]
@@ -208,7 +198,7 @@ class _Readout(torch.autograd.Function):
                 targets = list(leaves.values()) + ([state] if state is not None else [])
                 grads = torch.autograd.grad(outputs, targets, grads_in, allow_unused=True) \
                     if outputs and targets else (None,) * len(targets)
-            detached = _detached(leading, named, pieces.positional, leaves, boundary, segments.state_in)
+            plain = detached(pieces, leading, named, leaves)
             with torch.no_grad():
                 def visit(t: int, m: Tensor, start: int = start) -> None:
                     nonlocal mu
@@ -216,8 +206,7 @@ class _Readout(torch.autograd.Function):
                         mu = m.new_empty((m.shape[0], tokens, *m.shape[1:]))
                     mu[:, start + t].copy_(m)
 
-                segments.adjoint(*detached[0], grad_output=piece_grad, grad_final=grad_state, visit=visit,
-                                 **detached[1])
+                segments.adjoint(*plain[0], grad_output=piece_grad, grad_final=grad_state, visit=visit, **plain[1])
             for name, grad in zip(leaves, grads):
                 if name in per_token:
                     grad = torch.zeros_like(leaves[name]) if grad is None else grad
@@ -240,25 +229,50 @@ class _Readout(torch.autograd.Function):
         return (*result, *mu.unbind(1))
 
 
-def _leaves(leading: list[Any], named: dict[str, Any], positional: list[str], slot_names: set[str],
-            order: list[str], needed: tuple[bool, ...]) -> dict[str, Tensor]:
-    """Make the piece's tensors whose gradients are wanted leaves, in place in `leading` and `named`."""
-    wanted = {name for name, need in zip(order, needed) if need}
+def tensor_slots(args: tuple, kwargs: dict) -> tuple[list[tuple[int | None, str | None]], tuple[Tensor, ...]]:
+    """Where a kernel call's tensors are, `(args index, None)` or `(None, key)`, and the tensors (for a Function
+    that takes them as its inputs: `with_tensors` puts others in their place)."""
+    slots = [(i, None) for i, a in enumerate(args) if isinstance(a, Tensor)]
+    slots += [(None, k) for k, v in kwargs.items() if isinstance(v, Tensor)]
+    return slots, tuple(args[i] if k is None else kwargs[k] for i, k in slots)
+
+
+def with_tensors(kernel: Kernel, args: tuple, kwargs: dict, slots: list[tuple[int | None, str | None]],
+                 tensors: Iterable[Tensor]) -> Pieces:
+    """The call's `Pieces` with `tensors` in the places `slots` names."""
+    args, kwargs = list(args), dict(kwargs)
+    for (i, key), tensor in zip(slots, tensors):
+        if key is None:
+            args[i] = tensor
+        else:
+            kwargs[key] = tensor
+    return Pieces(kernel, tuple(args), kwargs)
+
+
+def piece_leaves(pieces: Pieces, start: int, end: int, boundary: Tensor | None,
+                 wanted: set[str]) -> tuple[list[Any], dict[str, Any], dict[str, Tensor], Tensor | None]:
+    """The arguments of tokens [start, end) from `boundary`, the `wanted` floating tensors as fresh leaves (and
+    the boundary state, as a leaf): `(leading, named, leaves by name, state)`. Call under `torch.enable_grad()`."""
+    leading, named = pieces.call(start, end, None)
     leaves: dict[str, Tensor] = {}
-    for i, name in enumerate(positional[:len(leading)]):
+    for i, name in enumerate(pieces.positional[:len(leading)]):
         if name in wanted and isinstance(leading[i], Tensor) and leading[i].is_floating_point():
             leading[i] = leaves[name] = leading[i].detach().requires_grad_()
     for name in list(named):
         if name in wanted and isinstance(named[name], Tensor) and named[name].is_floating_point():
             named[name] = leaves[name] = named[name].detach().requires_grad_()
-    return leaves
+    state = None if boundary is None else boundary.detach().requires_grad_()
+    named[pieces.segments.state_in] = state
+    return leading, named, leaves, state
 
 
-def _detached(leading: list[Any], named: dict[str, Any], positional: list[str], leaves: dict[str, Tensor],
-              boundary: Tensor | None, state_in: str) -> tuple[list[Any], dict[str, Any]]:
-    """The piece's arguments without their leaves' graphs, from `boundary`."""
-    names = positional[:len(leading)]
+def detached(pieces: Pieces, leading: list[Any], named: dict[str, Any],
+             leaves: dict[str, Tensor]) -> tuple[list[Any], dict[str, Any]]:
+    """`piece_leaves`' arguments without their graphs (the leaves and the state detached)."""
+    names = pieces.positional[:len(leading)]
     plain = [leaves[name].detach() if name in leaves else value for name, value in zip(names, leading)]
+    state_in = pieces.segments.state_in
     named = {name: (leaves[name].detach() if name in leaves else value) for name, value in named.items()}
-    named[state_in] = None if boundary is None else boundary.detach()
+    if isinstance(named.get(state_in), Tensor):
+        named[state_in] = named[state_in].detach()
     return plain, named

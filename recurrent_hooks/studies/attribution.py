@@ -52,7 +52,7 @@ from torch import Tensor, nn
 
 from ..engine.errors import InvalidValue
 from ..engine.arguments import as_index
-from ..engine import runners
+from ..engine import adjoint, runners
 from ..engine.kernels import CONV_MEMORY, STATE_MEMORY, Kernel, Pieces, Role
 from ..engine.mixer import RecurrentMixer
 from ..engine.parts import map_parts, parts_of
@@ -389,9 +389,7 @@ class _CorruptRunner:
         if pieces.tokens != clean.pieces.tokens:
             raise InvalidValue(f"attribute: {self.where}: prompt kernel call {index} covers {pieces.tokens} tokens"
                                f" in the corrupt run and {clean.pieces.tokens} in the clean one")
-        slots = [(i, None) for i, a in enumerate(args) if isinstance(a, Tensor)]
-        slots += [(None, k) for k, v in kwargs.items() if isinstance(v, Tensor)]
-        tensors = [args[i] if k is None else kwargs[k] for i, k in slots]
+        slots, tensors = adjoint.tensor_slots(args, kwargs)
         state = pieces.state
         batch = next(t for t in tensors if t.dim() > 0).shape[0] if state is None else state.shape[0]
         eps = torch.zeros(batch, pieces.tokens, dtype=torch.float32, device=tensors[0].device, requires_grad=True)
@@ -415,13 +413,7 @@ class _Spec:
     boundaries: list[Any] = dataclasses.field(default_factory=list)
 
     def pieces(self, tensors: Iterable[Tensor]) -> Pieces:
-        args, kwargs = list(self.args), dict(self.kwargs)
-        for (i, key), tensor in zip(self.slots, tensors):
-            if key is None:
-                args[i] = tensor
-            else:
-                kwargs[key] = tensor
-        return Pieces(self.kernel, tuple(args), kwargs)
+        return adjoint.with_tensors(self.kernel, self.args, self.kwargs, self.slots, tensors)
 
 
 class _Chunked(torch.autograd.Function):
@@ -517,17 +509,7 @@ def _backward_piece(spec: _Spec, pieces: Pieces, start: int, end: int, boundary:
     run = segments.kernel or spec.original
     piece_grad = None if grad_out is None else grad_out.narrow(segments.out_axis, start, end - start)
     with torch.enable_grad():
-        leading, named = pieces.call(start, end, None)
-        names = pieces.positional[:len(leading)]
-        leaves: dict[str, Tensor] = {}
-        for i, name in enumerate(names):
-            if name in wanted and isinstance(leading[i], Tensor):
-                leading[i] = leaves[name] = leading[i].detach().requires_grad_()
-        for name in list(named):
-            if name in wanted and isinstance(named[name], Tensor):
-                named[name] = leaves[name] = named[name].detach().requires_grad_()
-        state = None if boundary is None else boundary.detach().requires_grad_()
-        named[segments.state_in] = state
+        leading, named, leaves, state = adjoint.piece_leaves(pieces, start, end, boundary, wanted)
         out, final = run(*leading, **named)
         outputs, grads_in = [out], [torch.zeros_like(out) if piece_grad is None else piece_grad]
         if grad_state is not None:
@@ -535,11 +517,7 @@ def _backward_piece(spec: _Spec, pieces: Pieces, start: int, end: int, boundary:
             grads_in.append(grad_state)
         targets = [*leaves.values()] + ([state] if state is not None else [])
         grads = torch.autograd.grad(outputs, targets, grads_in, allow_unused=True) if targets else ()
-    detached = {name: tensor.detach() for name, tensor in leaves.items()}
-    leading = [detached.get(name, value) if isinstance(value, Tensor) else value
-               for name, value in zip(names, leading)]
-    named = {name: detached.get(name, value) for name, value in named.items()}
-    named[segments.state_in] = None if boundary is None else boundary.detach()
+    leading, named = adjoint.detached(pieces, leading, named, leaves)
     with torch.no_grad():
         delta = clean.sub_(_states(kernel, leading, named, buffer))  # i b *state   S_t - S'_t
         eps = delta.new_zeros(delta.shape[1], end - start)  # b i
@@ -559,17 +537,7 @@ def _backward_step(kernel: Kernel, pieces: Pieces, start: int, end: int, boundar
     gradients of the boundary state, of eps over these tokens, and of the wanted inputs' pieces."""
     segments = kernel.segments
     with torch.enable_grad():
-        leading, named = pieces.call(start, end, None)
-        names = pieces.positional[:len(leading)]
-        leaves: dict[str, Tensor] = {}
-        for i, name in enumerate(names):
-            if name in wanted and isinstance(leading[i], Tensor):
-                leading[i] = leaves[name] = leading[i].detach().requires_grad_()
-        for name in list(named):
-            if name in wanted and isinstance(named[name], Tensor):
-                named[name] = leaves[name] = named[name].detach().requires_grad_()
-        state = None if boundary is None else boundary.detach().requires_grad_()
-        named[segments.state_in] = state
+        leading, named, leaves, state = adjoint.piece_leaves(pieces, start, end, boundary, wanted)
         eps = torch.zeros(clean.shape[1], end - start, dtype=torch.float32, device=clean.device, requires_grad=True)
 
         def on_token(t: int, s: Tensor) -> Tensor:
