@@ -107,8 +107,8 @@ def memory_child(count: int, budget_mib: float | None) -> dict:
     kwargs = {}
     if "budget_bytes" in inspect.signature(rh.patching_sweep).parameters and budget_mib is not None:
         kwargs["budget_bytes"] = int(budget_mib * 2**20)
-    run = lambda positions: rh.patching_sweep(  # noqa: E731
-        model, clean, corrupt, lambda logits: logits[:, -1].log_softmax(-1)[:, 5], layers=[0], positions=positions,
+    run = lambda positions: rh.patching_sweep(  # noqa: E731  (one pair: [seq] prompts)
+        model, clean[0], corrupt[0], lambda logits: logits[:, -1].log_softmax(-1)[:, 5], layers=[0], positions=positions,
         progress=False, forward_kwargs={"logits_to_keep": 1}, **kwargs)
     run([1, 2])  # warm-up
     gc.collect()
@@ -172,7 +172,7 @@ def per_cell_rows(args: argparse.Namespace) -> int:
     runs = {"naive: one forward per cell, set_memory_after": naive}
     for batch in (None if b == "None" else int(b) for b in args.batch_sizes.split(",")):
         runs[f"patching_sweep(batch_size={batch})"] = lambda batch=batch: rh.patching_sweep(
-            model, clean, corrupt, metric, layers=[0], positions=positions, batch_size=batch, progress=False)
+            model, clean[0], corrupt[0], metric, layers=[0], positions=positions, batch_size=batch, progress=False)
     times: dict[str, list[float]] = {name: [] for name in runs}
     for round_ in range(args.repeats + 1):
         for name, fn in runs.items():
@@ -244,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             return out
 
         def batched() -> torch.Tensor:
-            return rh.patching_sweep(model, clean, corrupt, metric, batch_size=args.batch_size, progress=False).values
+            return rh.patching_sweep(model, clean[0], corrupt[0], metric, batch_size=args.batch_size,
+                                     progress=False).values
 
         def floor() -> None:
             """The same forwards without watch or patches: what batching alone gives on this model."""

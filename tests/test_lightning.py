@@ -588,11 +588,11 @@ def test_a_sweep_of_the_whole_memory_is_a_sweep_of_the_state(model):
     """The memory is the state alone: what="memory" patches the state, equal to one forward per cell."""
     clean, corrupt = random_ids(1, 9, seed=1), random_ids(1, 9, seed=2)
     metric = lambda logits: logits[:, -1, 5] - logits[:, -1, 6]  # noqa: E731
-    memory = rh.patching_sweep(model, clean, corrupt, metric, progress=False)
-    state = rh.patching_sweep(model, clean, corrupt, metric, what="state", progress=False)
+    memory = rh.patching_sweep(model, clean[0], corrupt[0], metric, progress=False)
+    state = rh.patching_sweep(model, clean[0], corrupt[0], metric, what="state", progress=False)
     assert_close("what=memory vs what=state", state.values, memory.values, rtol=0, atol=0)
     with pytest.raises(rh.Unavailable, match="no window"):
-        rh.patching_sweep(model, clean, corrupt, metric, what="window", progress=False)
+        rh.patching_sweep(model, clean[0], corrupt[0], metric, what="window", progress=False)
     with rh.watch(model, keep={"states": [4]}) as w, torch.no_grad():
         model(clean, use_cache=False)
     with rh.watch(model) as v, torch.no_grad():

@@ -49,7 +49,7 @@ def test_a_metric_drives_the_studies():
     model = build("qwen3_5").requires_grad_(False)
     clean, corrupt = random_ids(1, 6, seed=1), random_ids(1, 6, seed=2)
     metric = rh.metrics.logit_difference(answer=3, wrong=4)
-    sweep = rh.patching_sweep(model, clean, corrupt, metric, progress=False)
+    sweep = rh.patching_sweep(model, clean[0], corrupt[0], metric, progress=False)
     with torch.no_grad():
         logits = model(corrupt).logits
     assert_close("corrupt baseline", sweep.corrupt, logits[0, -1, 3] - logits[0, -1, 4], rtol=1e-6, atol=1e-6)

@@ -476,7 +476,7 @@ def test_a_patching_sweep_cell_is_the_memory_write_it_stands_for(model):
     corrupt = clean.clone()
     corrupt[0, 3] = (clean[0, 3] + 5) % 128
     metric = lambda logits: logits[:, -1, 7]  # noqa: E731
-    sweep = rh.patching_sweep(model, clean, corrupt, metric, progress=False, forward_kwargs={"use_cache": False})
+    sweep = rh.patching_sweep(model, clean[0], corrupt[0], metric, progress=False, forward_kwargs={"use_cache": False})
     assert sweep.values.shape == (2, 10)
     with rh.watch(model, keep=("states",)) as a, torch.no_grad():
         model(clean, use_cache=False)

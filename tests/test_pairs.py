@@ -39,3 +39,22 @@ def test_one_pair_as_a_batch_keeps_the_pairs_axis():
     assert_close("the same numbers", batch.memory[0], single.memory, rtol=0, atol=0)
     with pytest.raises(rh.InvalidValue, match=r"metric\(logits\) must return one value per pair, a \[3\] tensor"):
         rh.attribute(model, random_ids(3, TOKENS), random_ids(3, TOKENS), lambda logits: logits[:, -1, 3].sum())
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "mamba", "mamba2"])
+def test_patching_sweep_over_pairs_equals_one_sweep_per_pair(family):
+    model = build(family).requires_grad_(False)
+    clean, corrupt = random_ids(2, 8, seed=3), random_ids(2, 8, seed=4)
+    answers = torch.tensor([3, 6])
+    many = rh.patching_sweep(model, clean, corrupt, rh.metrics.logit_difference(answers, wrong=4), positions=[1, 5],
+                             progress=False)
+    assert many.values.shape[0] == many.clean.shape[0] == 2
+    for n in range(2):
+        one = rh.patching_sweep(model, clean[n], corrupt[n], rh.metrics.logit_difference(int(answers[n]), wrong=4),
+                                positions=[1, 5], progress=False)
+        assert one.values.dim() == 2 and one.clean.dim() == 0
+        assert_close(f"pair {n}", many.values[n], one.values, rtol=0, atol=0)
+        assert_close(f"pair {n} baselines", torch.stack([many.clean[n], many.corrupt[n]]),
+                     torch.stack([one.clean, one.corrupt]), rtol=0, atol=0)
+    assert_close("normalized per pair", many.normalized()[1],
+                 (many.values[1] - many.corrupt[1]) / (many.clean[1] - many.corrupt[1]), rtol=0, atol=0)

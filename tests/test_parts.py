@@ -180,7 +180,7 @@ def test_attribution_and_a_sweep_sum_over_the_parts(kind_of_qwen3_5, monkeypatch
         # method="states" for both: a state of parts takes it (the chunked method, whose window term runs through
         # another graph, serves one-tensor states; tests/test_attribution_at_scale.py checks it against "states")
         runs[kind] = (rh.attribute(model, clean, corrupt, metric, paths=loop, method="states"),
-                      rh.patching_sweep(model, clean[:1], corrupt[:1], metric, positions=[2, 5], progress=False,
+                      rh.patching_sweep(model, clean[0], corrupt[0], metric, positions=[2, 5], progress=False,
                                         paths=loop))
     (one, one_sweep), (split, split_sweep) = runs[GatedDeltaNet], runs[SplitDeltaNet]
     assert one.state.abs().max() > 0

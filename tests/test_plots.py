@@ -26,7 +26,7 @@ def rendered(figure, path):
 def test_the_sweep_heatmap_renders_with_and_without_token_labels(tmp_path):
     model = build("qwen3_5")
     clean, corrupt = random_ids(1, 8, seed=1), random_ids(1, 8, seed=2)
-    sweep = rh.patching_sweep(model, clean, corrupt, lambda logits: logits[:, -1, 5], progress=False)
+    sweep = rh.patching_sweep(model, clean[0], corrupt[0], lambda logits: logits[:, -1, 5], progress=False)
     tokens = [f"t{i}" for i in range(8)]
     rendered(plots.sweep_heatmap(sweep, tokens=tokens), tmp_path / "sweep.png")
     figure = plots.sweep_heatmap(sweep, normalized=True)

@@ -37,7 +37,7 @@ def _cases(task):
 def test_the_sweep_finds_the_binding_at_the_changed_value(toy):
     task, model = toy
     for clean, corrupt, metric, value, query in _cases(task):
-        sweep = rh.patching_sweep(model, clean, corrupt, metric, progress=False)
+        sweep = rh.patching_sweep(model, clean[0], corrupt[0], metric, progress=False)
         assert sweep.clean > sweep.corrupt, "the corrupt run should prefer the corrupt answer less than the clean run"
         effect = sweep.normalized()  # [layers, positions]: 0 no effect, 1 the clean answer restored
         assert effect[:, :value].abs().max() < 0.05, f"cells before the changed value (token {value}) matter:\n{effect}"
@@ -47,7 +47,7 @@ def test_the_sweep_finds_the_binding_at_the_changed_value(toy):
 def test_attribution_ranks_the_cells_as_the_exact_sweep(toy):
     task, model = toy
     for clean, corrupt, metric, value, query in _cases(task):
-        sweep = rh.patching_sweep(model, clean, corrupt, metric, progress=False)
+        sweep = rh.patching_sweep(model, clean[0], corrupt[0], metric, progress=False)
         estimate = rh.attribute(model, clean, corrupt, metric, forward_kwargs={"use_cache": False})
         assert estimate.layers == sweep.layers
         exact = (sweep.values - sweep.corrupt).flatten()

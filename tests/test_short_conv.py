@@ -281,9 +281,9 @@ def test_a_window_sweep_equals_one_forward_per_cell(model):
         layers = [mixer.layer for mixer in static(w)]
     if len(set(layers)) < len(layers):
         with pytest.raises(rh.Unavailable, match=r"patching_sweep: layers \[0, 1(, 2)?\] have several mixers each"):
-            rh.patching_sweep(model, clean, corrupt, metric, what="window", progress=False)
+            rh.patching_sweep(model, clean[0], corrupt[0], metric, what="window", progress=False)
         return
-    sweep = rh.patching_sweep(model, clean, corrupt, metric, what="window", progress=False)
+    sweep = rh.patching_sweep(model, clean[0], corrupt[0], metric, what="window", progress=False)
     with rh.watch(model, keep=("windows",)) as w, torch.no_grad():
         model(clean, use_cache=False)
     first = static(w)[0]
@@ -294,10 +294,10 @@ def test_a_window_sweep_equals_one_forward_per_cell(model):
         assert_close(f"cell (layer {first.layer}, position {position})", value[0],
                      sweep.values[sweep.layers.index(first.layer), position], rtol=1e-5, atol=1e-6)
     # "memory" patches every memory the kind carries: here the window alone
-    whole = rh.patching_sweep(model, clean, corrupt, metric, what="memory", progress=False)
+    whole = rh.patching_sweep(model, clean[0], corrupt[0], metric, what="memory", progress=False)
     assert_close("the memory sweep is the window sweep", sweep.values, whole.values, rtol=0, atol=0)
     with pytest.raises(rh.Unavailable, match="has no state; it carries only window"):
-        rh.patching_sweep(model, clean, corrupt, metric, what="state", progress=False)
+        rh.patching_sweep(model, clean[0], corrupt[0], metric, what="state", progress=False)
     # attribution patching estimates the same cells: no state rows, window rows that vary with the position
     estimate = rh.attribute(model, clean[:1], corrupt[:1], metric, forward_kwargs={"use_cache": False})
     assert_equal("no state to attribute", torch.zeros_like(estimate.state), estimate.state)

@@ -87,7 +87,7 @@ def test_the_batched_sweep_equals_the_loop_of_public_writes_bit_for_bit(family):
     try:
         for what in WHAT:
             expected, layers = loop_reference(model, clean, corrupt, what, batch_size=BATCH, paths=LOOP)
-            sweep = rh.patching_sweep(model, clean, corrupt, metric, what=what, batch_size=BATCH, progress=False,
+            sweep = rh.patching_sweep(model, clean[0], corrupt[0], metric, what=what, batch_size=BATCH, progress=False,
                                       paths=LOOP)
             assert sweep.layers == tuple(layers) and sweep.positions == tuple(range(T)) and sweep.what == what
             assert_equal(f"{family}, what={what}: batched sweep vs one forward per cell", expected, sweep.values)
@@ -102,7 +102,7 @@ def test_the_batched_sweep_matches_one_prompt_per_forward_with_the_default_kerne
     clean, corrupt = prompts()
     for what in WHAT:
         expected, _ = loop_reference(model, clean, corrupt, what)
-        sweep = rh.patching_sweep(model, clean, corrupt, metric, what=what, batch_size=BATCH, progress=False)
+        sweep = rh.patching_sweep(model, clean[0], corrupt[0], metric, what=what, batch_size=BATCH, progress=False)
         assert_close(f"{family}, what={what}: batched sweep vs one prompt per forward", expected, sweep.values,
                      rtol=1e-5, atol=1e-6)
         with torch.no_grad():
@@ -115,11 +115,11 @@ def test_the_batched_sweep_matches_one_prompt_per_forward_with_the_default_kerne
 def test_a_hybrid_sweeps_its_recurrent_layers_only_and_subsets_keep_their_order():
     model = build("qwen3_5")  # layers [linear, full, linear, full]
     clean, corrupt = prompts()
-    full = rh.patching_sweep(model, clean, corrupt, metric, batch_size=BATCH, progress=False)
+    full = rh.patching_sweep(model, clean[0], corrupt[0], metric, batch_size=BATCH, progress=False)
     assert full.layers == (0, 2) and full.values.shape == (2, T)
     with torch.no_grad():
         assert_equal("the clean baseline", metric(model(clean, use_cache=False).logits)[0], full.clean)
-    part = rh.patching_sweep(model, clean, corrupt, metric, layers=[2], positions=[6, -1, 3], batch_size=2,
+    part = rh.patching_sweep(model, clean[0], corrupt[0], metric, layers=[2], positions=[6, -1, 3], batch_size=2,
                              progress=False)
     assert part.layers == (2,) and part.positions == (6, T - 1, 3)
     assert_close("a subset of cells", full.values[1:, [6, T - 1, 3]], part.values, rtol=1e-5, atol=1e-6)
@@ -129,14 +129,14 @@ def test_a_hybrid_sweeps_its_recurrent_layers_only_and_subsets_keep_their_order(
 def test_the_progress_bar_can_be_shown(capsys):
     model = build("mamba")
     clean, corrupt = prompts()
-    rh.patching_sweep(model, clean, corrupt, metric, positions=[1, 2], batch_size=2, progress=True)
+    rh.patching_sweep(model, clean[0], corrupt[0], metric, positions=[1, 2], batch_size=2, progress=True)
     assert "patching_sweep" in capsys.readouterr().err
 
 
 def test_bad_arguments_raise_invalid_value_naming_what_was_expected_and_what_came():
     model = build("qwen3_5")
     clean, corrupt = prompts()
-    sweep = lambda **kw: rh.patching_sweep(model, kw.pop("clean", clean), kw.pop("corrupt", corrupt),
+    sweep = lambda **kw: rh.patching_sweep(model, kw.pop("clean", clean[0]), kw.pop("corrupt", corrupt[0]),
                                            kw.pop("metric", metric), progress=False, **kw)
     cases = [
         (dict(layers=[1]), r"patching_sweep: expected layers among the recurrent layers \[0, 2\] \(attention layers"
@@ -154,19 +154,21 @@ def test_bad_arguments_raise_invalid_value_naming_what_was_expected_and_what_cam
                                                                r" a tensor of shape \(1,\) for logits of shape"
                                                                r" \(1, 10, 128\), got shape \(\)"),
         (dict(metric="logit"), r"expected metric as a callable"),
-        (dict(corrupt=corrupt[:, :-1]), r"expected clean_ids and corrupt_ids of the same length \(positions are"
+        (dict(corrupt=corrupt[0, :-1]), r"expected clean_ids and corrupt_ids of the same length \(positions are"
                                         r" shared\), got shapes \(1, 10\) and \(1, 9\)"),
-        (dict(clean=clean.float()), r"expected clean_ids as an integer tensor of token ids, \[seq\] or \[1, seq\],"
-                                    r" got a torch.float32 tensor"),
-        (dict(clean=clean.expand(2, T)), r"expected clean_ids of shape \[seq\] or \[1, seq\] \(one prompt; the sweep"
-                                         r" makes the batch\), got shape \(2, 10\)"),
+        (dict(clean=clean.float()[0]), r"expected clean_ids as an integer tensor of token ids, \[seq\] \(one pair\)"
+                                       r" or \[pairs, seq\], got a torch.float32 tensor"),
+        (dict(clean=clean[None]), r"expected clean_ids of shape \[seq\] \(one pair\) or \[pairs, seq\] \(the sweep"
+                                  r" makes the batch\), got shape \(1, 1, 10\)"),
+        (dict(clean=clean.expand(2, T), corrupt=corrupt), r"expected clean_ids and corrupt_ids of one shape"
+                                                          r" \[pairs, seq\], got shapes \(2, 10\) and \(1, 10\)"),
         (dict(forward_kwargs=[("use_cache", False)]), r"expected forward_kwargs as a mapping"),
     ]
     for kwargs, message in cases:
         with pytest.raises(rh.InvalidValue, match=message):
             sweep(**kwargs)
     with pytest.raises(rh.InvalidValue, match=r"expected progress=True or progress=False, got progress='yes'"):
-        rh.patching_sweep(model, clean, corrupt, metric, progress="yes")
+        rh.patching_sweep(model, clean[0], corrupt[0], metric, progress="yes")
     with pytest.raises(rh.InvalidValue, match=r"expected a torch.nn.Module \(a transformers model\), got str"):
         rh.patching_sweep("model", clean, corrupt, metric)
 
@@ -214,7 +216,7 @@ def test_the_clean_memories_held_at_once_are_bounded_by_the_budget_whatever_the_
         per_cell = max(cell_bytes(model, clean).values())
         allowed = batch * per_cell if budget == 0 else 3 * batch * per_cell
         held = HeldMemories(monkeypatch)
-        sweep = rh.patching_sweep(model, clean, corrupt, metric, batch_size=batch, progress=False,
+        sweep = rh.patching_sweep(model, clean[0], corrupt[0], metric, batch_size=batch, progress=False,
                                   budget_bytes=0 if budget == 0 else allowed)
         assert sweep.values.shape == (2, tokens)
         assert 0 < held.peak <= allowed, (f"T={tokens}, budget {budget}: {held.peak} bytes of clean memories held at"
@@ -230,9 +232,9 @@ def test_a_sweep_in_rounds_equals_the_sweep_in_one_round_bit_for_bit():
     rh.route_kernels(model, "torch")
     try:
         for what in WHAT:
-            one = rh.patching_sweep(model, clean, corrupt, metric, what=what, batch_size=BATCH, progress=False,
+            one = rh.patching_sweep(model, clean[0], corrupt[0], metric, what=what, batch_size=BATCH, progress=False,
                                     paths=LOOP)
-            rounds = rh.patching_sweep(model, clean, corrupt, metric, what=what, batch_size=BATCH, progress=False,
+            rounds = rh.patching_sweep(model, clean[0], corrupt[0], metric, what=what, batch_size=BATCH, progress=False,
                                        paths=LOOP, budget_bytes=0)
             assert_equal(f"what={what}: one batch per clean forward vs all in one", one.values, rounds.values)
     finally:
@@ -255,6 +257,6 @@ def test_the_default_batch_is_the_budget_of_a_batch_over_the_bytes_of_a_cell(mon
     for batch_bytes, expected in ((sweep_module.BATCH_BYTES, 2 * T), (3 * per_cell, 3), (per_cell - 1, 1)):
         rows.clear()
         monkeypatch.setattr(sweep_module, "BATCH_BYTES", batch_bytes)
-        rh.patching_sweep(model, clean, corrupt, counting, progress=False)
+        rh.patching_sweep(model, clean[0], corrupt[0], counting, progress=False)
         assert rows[2:] == [expected] * (2 * T // expected) + [2 * T % expected] * bool(2 * T % expected), (
             f"BATCH_BYTES={batch_bytes}, {per_cell} bytes a cell: forwards of {rows[2:]} rows")

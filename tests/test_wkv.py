@@ -526,7 +526,7 @@ def test_a_patching_sweep_cell_is_one_write(model):
     def metric(logits):
         return logits[:, -1, 5] - logits[:, -1, 7]
 
-    sweep = rh.patching_sweep(model, clean, corrupt, metric, batch_size=4)
+    sweep = rh.patching_sweep(model, clean[0], corrupt[0], metric, batch_size=4)
     with rh.watch(model, keep=("states", "windows")) as a, torch.no_grad():
         model(clean, use_cache=False)
     for layer, token in ((0, 3), (1, 8)):

@@ -35,6 +35,12 @@ class _Metric:
         shown = ", ".join(f"{key}={_shown(value)}" for key, value in {**self.tokens, "position": self.position}.items())
         return f"rh.metrics.{self.name}({shown})"
 
+    def for_pair(self, pair: int) -> "_Metric":
+        """The metric of pair `pair` alone (its entry of each per-row tensor, for every row): what
+        `patching_sweep` measures that pair's cells with, whose rows are cells of one pair."""
+        pick = lambda value: value if isinstance(value, int) else int(value[pair])  # noqa: E731
+        return type(self)(self.name, {key: pick(value) for key, value in self.tokens.items()}, pick(self.position))
+
     def _rows(self, logits: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """The logits each row reads, `[batch, vocab]` float32, and the tokens, `[batch]` each."""
         where = repr(self)

@@ -37,8 +37,9 @@ class Sweep:
     """The result of `patching_sweep`.
 
     - `values[i, j]`: `metric` of the corrupt run with the clean `what` of layer `layers[i]` written after
-      token `positions[j]` (tokens `positions[j] + 1..` continue from it);
-    - `clean`, `corrupt`: `metric` of the clean and of the unpatched corrupt run (0-d tensors);
+      token `positions[j]` (tokens `positions[j] + 1..` continue from it); `[pairs, layers, positions]` for
+      `[pairs, seq]` prompts (`values[n, i, j]`: pair n's);
+    - `clean`, `corrupt`: `metric` of the clean and of the unpatched corrupt run (0-d tensors; `[pairs]`);
     - `layers`, `positions`, `what`: the sweep's axes and what it patched.
     """
 
@@ -50,9 +51,10 @@ class Sweep:
     what: str
 
     def normalized(self) -> Tensor:
-        """`(values - corrupt) / (clean - corrupt)`: 0 where patching changes nothing, 1 where it restores the
-        clean metric (inf or nan where the two baselines are equal)."""
-        return (self.values - self.corrupt) / (self.clean - self.corrupt)
+        """`(values - corrupt) / (clean - corrupt)` (per pair): 0 where patching changes nothing, 1 where it restores
+        the clean metric (inf or nan where the two baselines are equal)."""
+        clean, corrupt = self.clean[..., None, None], self.corrupt[..., None, None]
+        return (self.values - corrupt) / (clean - corrupt)
 
     def to_dict(self) -> dict[str, Any]:
         """Tensors, ints and strings only: `torch.save(sweep.to_dict(), path)` loads back with
@@ -69,15 +71,22 @@ class Sweep:
 
 
 def _as_prompt(ids: Any, name: str) -> Tensor:
+    """One pair's prompt `[seq]` as the `[1, seq]` batch its forwards take (`patching_sweep` splits `[pairs, seq]`)."""
     if not isinstance(ids, Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         got = f"a {ids.dtype} tensor" if isinstance(ids, Tensor) else type(ids).__name__
-        raise InvalidValue(f"{_WHERE}: expected {name} as an integer tensor of token ids, [seq] or [1, seq], got {got}")
-    if ids.dim() == 1:
-        ids = ids[None]
-    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
-        raise InvalidValue(f"{_WHERE}: expected {name} of shape [seq] or [1, seq] (one prompt; the sweep makes the"
+        raise InvalidValue(f"{_WHERE}: expected {name} as an integer tensor of token ids, [seq] (one pair) or"
+                           f" [pairs, seq], got {got}")
+    if ids.dim() != 1 or ids.shape[0] == 0:
+        raise InvalidValue(f"{_WHERE}: expected {name} of shape [seq] (one pair) or [pairs, seq] (the sweep makes the"
                            f" batch), got shape {tuple(ids.shape)}")
-    return ids
+    return ids[None]
+
+
+def _for_pair(metric: Callable[[Tensor], Tensor], pair: int) -> Callable[[Tensor], Tensor]:
+    """The metric pair `pair`'s cells are measured by: `metric.for_pair(pair)` where it has one (`rh.metrics`' do,
+    picking that pair's answer), else `metric` itself."""
+    for_pair = getattr(metric, "for_pair", None)
+    return for_pair(pair) if callable(for_pair) else metric
 
 
 def _as_int(value: Any, what: str) -> int:
@@ -286,7 +295,9 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
         sweep.values          # [layers, positions]
         sweep.normalized()    # 0: no effect, 1: the clean metric restored
 
-    - `clean_ids`, `corrupt_ids`: one prompt each, `[seq]` or `[1, seq]`, of the same length.
+    - `clean_ids`, `corrupt_ids`: one pair of prompts, `[seq]` each, of the same length; or N pairs, `[N, seq]`:
+      one sweep per pair (the metric of pair n is `metric.for_pair(n)` where it has that method, as `rh.metrics`'
+      do), stacked on a leading pairs axis of every result, also for N = 1.
     - `metric(logits) -> Tensor[batch]`: takes the logits of a batch of patched runs, `[batch, seq, vocab]`
       (`[batch, k, vocab]` with `forward_kwargs={"logits_to_keep": k}`), and returns one value per row.
       Rows are independent runs: a metric must not mix them.
@@ -312,6 +323,17 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
     forwards alike, so they must not hold per-row or per-token tensors (one prompt has no padding: no
     attention mask is needed).
     """
+    if isinstance(clean_ids, Tensor) and isinstance(corrupt_ids, Tensor) and clean_ids.dim() == 2:
+        if clean_ids.shape != corrupt_ids.shape or clean_ids.shape[0] == 0:
+            raise InvalidValue(f"{_WHERE}: expected clean_ids and corrupt_ids of one shape [pairs, seq], got shapes"
+                               f" {tuple(clean_ids.shape)} and {tuple(corrupt_ids.shape)}")
+        sweeps = [patching_sweep(model, clean_ids[n], corrupt_ids[n], _for_pair(metric, n), layers=layers,
+                                 positions=positions, what=what, batch_size=batch_size, budget_bytes=budget_bytes,
+                                 progress=progress, forward_kwargs=forward_kwargs, paths=paths)
+                  for n in range(clean_ids.shape[0])]
+        first = sweeps[0]
+        return Sweep(torch.stack([s.values for s in sweeps]), torch.stack([s.clean for s in sweeps]),
+                     torch.stack([s.corrupt for s in sweeps]), first.layers, first.positions, first.what)
     clean_ids, corrupt_ids, batch_size, budget = _checked(model, clean_ids, corrupt_ids, metric, what, batch_size,
                                                           budget_bytes, progress, forward_kwargs)
     kwargs = {"use_cache": False, **(forward_kwargs or {})}
