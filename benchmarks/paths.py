@@ -25,7 +25,6 @@ shared by several jobs, two threads contending for two cores made single timings
 import argparse
 import datetime
 import json
-import math
 import pathlib
 import statistics
 import sys
