@@ -138,13 +138,16 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
     kwargs = dict(forward_kwargs or {})
     if method != "states":
         with watch(model, paths=paths) as probe:
-            chunkable = all(_chunkable(type(m)) for m in _chosen(probe.mixers, layers, where))
+            kinds = [type(m) for m in _chosen(probe.mixers, layers, where)]
+        chunkable = all(_chunkable(kind) for kind in kinds)
         if method == "chunks" and not chunkable:
-            slow = sorted({type(m).__name__ for m in _chosen(probe.mixers, layers, where) if not _chunkable(type(m))})
+            slow = sorted({kind.__name__ for kind in kinds if not _chunkable(kind)})
             raise InvalidValue(f"{where}: method='chunks' needs a prompt kernel that runs in pieces from a state;"
                                f" {', '.join(slow)} has none: use method='states' (or 'auto')")
         if chunkable:
-            return _attribute_in_chunks(model, clean_ids, corrupt_ids, metric, layers, kwargs, paths, chunk, where)
+            shared_conv = all(_conv_kernel(kind) is not None for kind in kinds)
+            return _attribute_in_chunks(model, clean_ids, corrupt_ids, metric, layers, kwargs, paths, chunk,
+                                        shared_conv, where)
     keep = ("states", "windows")  # a memory a mixer's kind does not carry is not kept (normalize_keep)
     with torch.no_grad(), watch(model, keep=keep, paths=paths) as clean_watch:
         clean_value = _per_row(metric(model(clean_ids, **kwargs).logits), clean_ids, where)
@@ -165,8 +168,8 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
 
 
 def _memory_row(clean: RecurrentMixer, corrupt: RecurrentMixer, memory: str, grads: Iterable, ids: Tensor) -> Tensor:
-    """sum over rows and memory axes of (clean - corrupt) * gradient, per token, from kept states (next(grads)
-    per part of every buffer of `memory`, in `inputs`' order)."""
+    """`[pairs, seq]`: the sum over the memory axes of (clean - corrupt) * gradient, per pair and token, from kept
+    states (next(grads) per part of every buffer of `memory`, in `inputs`' order)."""
     total = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
     if memory not in corrupt.MEMORIES:
         return total
@@ -185,11 +188,10 @@ def _memory_row(clean: RecurrentMixer, corrupt: RecurrentMixer, memory: str, gra
 
 def _attribute_in_chunks(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: Metric,
                          layers: Iterable[int] | None, kwargs: dict[str, Any], paths: Paths | None, chunk: int,
-                         where: str) -> Attribution:
+                         shared_conv: bool, where: str) -> Attribution:
     """method="chunks": the state term through `_Chunked` calls, the window term from the convolution's inputs
-    and output gradients (`conv.window_terms`) where the kind's conv is the shared one, else from kept windows."""
-    with watch(model, paths=paths) as probe:
-        shared_conv = all(_conv_kernel(type(m)) is not None for m in _chosen(probe.mixers, layers, where))
+    and output gradients (`conv.window_terms`) where every chosen kind's conv is the shared one (`shared_conv`),
+    else from kept windows."""
     keep = () if shared_conv else ("windows",)  # the state kernels' calls (and the shared convs) go to the runners
     with torch.no_grad(), watch(model, keep=keep, paths=paths) as clean_watch, contextlib.ExitStack() as stack:
         clean_chosen = _chosen(clean_watch.mixers, layers, where)
@@ -263,7 +265,7 @@ def _conv_call(kernel: Kernel, args: tuple, kwargs: dict) -> dict[str, Any]:
 
 def _window_row(clean: "_CleanRunner", corrupt: "_CorruptRunner", grads: Iterable, ids: Tensor,
                 where: str) -> Tensor:
-    """The window term per token, summed over rows, from each prompt convolution call's inputs and gradient."""
+    """`[pairs, seq]`: the window term per pair and token, from each prompt convolution call's inputs and gradient."""
     total = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
     if len(clean.convs) != len(corrupt.convs):
         raise InvalidValue(f"{where}: its prompt convolution ran {len(corrupt.convs)} time(s) in the corrupt run and"
