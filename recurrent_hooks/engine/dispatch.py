@@ -301,6 +301,9 @@ class _Tap:
             result = _blocks.run_in_blocks(kernel, args, kwargs, on_token)
         elif fast is not None and kernel.segments is None:  # the loop computes fast between the stops itself
             result = kernel.loop(*args, on_token=on_token, stops=fast.stops, **extra, **kwargs)
+        elif fast is not None and fast.every_state and takers[0].differentiable:
+            # every state with gradients, no stop (`strategies.choose`): all-states forward, adjoint backward
+            result = _keep_every_state(kernel, original, args, kwargs, takers[0].storing)
         elif fast is not None:
             result = _run_in_segments(kernel, original, args, kwargs, fast.stops, fast.tails, on_token,
                                       [plan for plan in takers[0].storing if fast.every_state])
@@ -509,6 +512,19 @@ def _fast_path(kernel: Kernel, busy: list[Plan], tokens: int,
     return strategies.choose(kernel, busy, tokens, arguments, paths=paths)
 
 
+def _keep_every_state(kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict,
+                      keeping: list[Plan]) -> Any:
+    """A prompt call keeping every state with gradients (`engine.adjoint`): its states go to the `keeping`
+    plans, per token and stacked (the tensor `autograd.grad(metric, mix.states)` differentiates)."""
+    where = f"{keeping[0].mixer}, call {keeping[0].call}"
+    result, states, per_token = _adjoint.keep_every_state(kernel, original, args, kwargs, where)
+    states.retain_grad()  # (`loss.backward()` then fills `.states.grad`, as the token loop's leaf does)
+    for plan in keeping:
+        plan.kept.update(enumerate(per_token))
+        plan.stacked = states
+    return result
+
+
 def _run_in_segments(kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict, stops: list[int],
                      tails: tuple[tuple[int, int], ...], on_token: Callable[[int, Tensor], Tensor],
                      keeping_all: list[Plan]) -> Any:
@@ -521,15 +537,6 @@ def _run_in_segments(kernel: Kernel, original: Callable[..., Any], args: tuple, 
     `Segments.kernel`, when given, runs the pieces in place of `original` (which cannot start from a state).
     """
     segments = kernel.segments
-    if keeping_all and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        # every state with gradients, no stop (`strategies.choose`): all-states forward, adjoint backward
-        where = f"{keeping_all[0].mixer}, call {keeping_all[0].call}"
-        result, states, per_token = _adjoint.keep_every_state(kernel, original, args, kwargs, where)
-        states.retain_grad()  # (`loss.backward()` then fills `.states.grad`, as the token loop's leaf does)
-        for plan in keeping_all:
-            plan.kept.update(enumerate(per_token))
-            plan.stacked = states
-        return result
     run = segments.all_states if keeping_all else segments.kernel or original
     pieces = Pieces(kernel, args, kwargs)
     state = pieces.state
