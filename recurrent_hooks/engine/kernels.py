@@ -81,7 +81,9 @@ class Segments:
     - `tuple_without_final`: the kernel returns `(out, None)`, not `out`, when the last state is not asked for;
     - `all_states`: the library's chunk-wise version of the kernel (same signature) that returns
       `(result, states)`, every token's state too (token first: `states[t]`), or None. Used when every state is kept and
-      gradients are off (with gradients on, the token loop keeps the states the recurrence used);
+      gradients are off, or with gradients where `adjoint` is given too (`engine.adjoint`; else the token loop
+      keeps the states the recurrence used). A kind with an adjoint's `all_states` also takes a keyword `out`, the
+      float32 buffer `[seq, *state]` to write into (`loops.states_buffer`);
     - `blocks_below`: a hook on every token runs `all_states` a block at a time (`blocks`) when the call's state
       has at most this many elements (batch included), measured to be where that beats the token loop
       (`benchmarks/blocks.py`); 0: never.

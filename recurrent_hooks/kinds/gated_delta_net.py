@@ -22,6 +22,8 @@ computed as transformers and flash-linear-attention do: decay, read `kv_mem`, wr
 Module contents:
 - `chunk_gated_delta_rule`, `recurrent_gated_delta_rule`: token loops with the signatures of transformers'
   `torch_chunk_gated_delta_rule` and `torch_recurrent_gated_delta_rule`, plus a keyword-only `on_token`.
+- `chunk_gated_delta_rule_states`: the prompt kernel chunk-wise with every token's state (into `out` when given);
+  `chunk_gated_delta_rule_adjoint`: its adjoint recurrence, right to left (`Segments.adjoint`).
 - `GatedDeltaNet`: the mixer kind, its kernels and values declared as class constants.
 """
 

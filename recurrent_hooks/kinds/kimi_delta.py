@@ -28,6 +28,8 @@ gated DeltaNet ones with x * rsqrt(|x|^2 + 1e-6); the loop (`kimi=True`) rounds 
 Module contents:
 - `chunk_kimi_delta_attention`, `recurrent_kimi_delta_attention`: token loops with the signatures of
   transformers' kernels of the same names, plus a keyword-only `on_token`.
+- `chunk_kimi_delta_attention_states`, `chunk_kimi_delta_attention_adjoint`: the prompt kernel chunk-wise with every
+  token's state, and its adjoint recurrence (gated DeltaNet's, with the decay per key channel).
 - `KimiDeltaAttention`: the mixer kind, its kernels and values declared as class constants.
 """
 

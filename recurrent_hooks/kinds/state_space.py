@@ -43,7 +43,8 @@ state), h C and the skip in the model dtype; so in a bf16 model its output round
 Module contents:
 - `mamba2_chunk_scan`, `mamba2_selective_state_update`: token loops with the signatures and results of
   transformers' kernels of the same names, plus a keyword-only `on_token`.
-- `mamba2_chunk_scan_states`: the prompt kernel chunk-wise, with every token's state (when all are kept).
+- `mamba2_chunk_scan_states`: the prompt kernel chunk-wise, with every token's state (when all are kept; into
+  `out` when given); `mamba2_chunk_scan_adjoint`: its adjoint recurrence, right to left (`Segments.adjoint`).
 - `discretize`: Δ_t, exp(Δ_t a_h) and Δ_t x_t B_t^T of every token, from the prompt kernel's arguments.
 - `Mamba2StateSpace`: the mixer kind.
 """
