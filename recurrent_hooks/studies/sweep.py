@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
+from jaxtyping import Float
 from torch import Tensor, nn
 
 from ..engine.errors import InvalidValue
@@ -43,9 +44,9 @@ class Sweep:
     - `layers`, `positions`, `what`: the sweep's axes and what it patched.
     """
 
-    values: Tensor
-    clean: Tensor
-    corrupt: Tensor
+    values: Float[Tensor, "*pairs layers positions"]  # no pairs axis for one pair given as [seq]
+    clean: Float[Tensor, "*pairs"]
+    corrupt: Float[Tensor, "*pairs"]
     layers: tuple[int, ...]
     positions: tuple[int, ...]
     what: str
