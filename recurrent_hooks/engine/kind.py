@@ -32,7 +32,10 @@ from the class, never from a handle's per-call state (`call_state`). A kind decl
   (`state`, `window`; a short convolution has only `window`);
 - `FORWARD_INPUT`, `FORWARD_CACHE`: the mixer forward's argument whose axis 1 counts the call's
   tokens, and the names its cache may come under (`_parse_forward` reads them);
-- `LAYER_ATTRIBUTE`: the mixer module's attribute that holds its decoder layer index (`mixer.layer`).
+- `LAYER_ATTRIBUTE`: the mixer module's attribute that holds its decoder layer index (`mixer.layer`);
+- `HEADS`: axis 1 of the state (of every part of it) counts heads that run independently, each reading only its
+  own slice of the state (with `KERNEL_PER_HEAD`, the kernel calls of one forward are the heads); False: the
+  state has no heads, and the studies' `heads=True` refuses the kind.
 
 and may override the adapters (class methods, each with a default that fits most kinds):
 - `_parse_forward(module, arguments)`: a forward's token count, cache, freshness and input;
@@ -41,6 +44,8 @@ and may override the adapters (class methods, each with a default that fits most
 - `_kernel_arguments(module, kernel, arguments)`: a kernel call's arguments as `inputs` records them;
 - `_instances(module, model)`: the handles a watch makes for one module (one per pass of a looped module);
 - `_refusal(kernel)`, `_restart(kernel, forward)`: why a kernel call cannot serve hooks, or restarts its memory;
+- `_head_channels(head, heads, head_state, channels)`: the convolution window channels that feed head `head`
+  (a kind with `HEADS` and a window declares them; `patching_sweep(heads=True)` patches them with the head);
 - `_token_values(part)`: `values()` of one kernel call; `_effective_attention(calls, dtype)`: the kind's maths
   (this one reads the handle's records, so it is an instance method).
 """
@@ -78,6 +83,7 @@ class Kind:
     FORWARD_INPUT: ClassVar[str] = "hidden_states"
     FORWARD_CACHE: ClassVar[tuple[str, ...]] = ("cache", "cache_params")
     LAYER_ATTRIBUTE: ClassVar[str] = "layer_idx"
+    HEADS: ClassVar[bool] = False
 
     @classmethod
     def kernel_for(cls, role: "Role | str", memory: str | None = None) -> Kernel:
@@ -162,6 +168,12 @@ class Kind:
         one (None: it does not). Such a call runs as transformers runs it, its hooks, writes and kept states see
         the memory the model really started from, and one `RecurrentHooksWarning` per call says so."""
         return None
+
+    @classmethod
+    def _head_channels(cls, head: int, heads: int, head_state: tuple[int, ...], channels: int) -> range | list[int]:
+        """The window channels (of `channels`) that feed head `head` of `heads`, whose state is `head_state`
+        (one head's state without the batch and head axes). A kind with `HEADS` and a window overrides it."""
+        raise Unavailable(f"{cls.__name__} does not declare which window channels feed each head")
 
     @classmethod
     def _token_values(cls, part: KernelCall) -> dict[str, Tensor]:

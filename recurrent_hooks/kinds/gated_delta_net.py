@@ -309,6 +309,7 @@ class GatedDeltaNet(RecurrentMixer):
         *CONV_KERNELS,
     )
     STATE = "batch heads key_dim value_dim"
+    HEADS = True  # value heads; value head j reads query/key head j // (heads // key_heads)
     INPUTS = {
         "query": "batch seq key_heads key_dim",
         "key": "batch seq key_heads key_dim",
@@ -329,6 +330,21 @@ class GatedDeltaNet(RecurrentMixer):
     LIMITS = {
         "packed sequences": "cu_seqlens (packed batches) need flash-linear-attention; the token loop refuses them",
     }
+
+    @classmethod
+    def _head_channels(cls, head: int, heads: int, head_state: tuple[int, ...], channels: int) -> list[int]:
+        """The window's channels are `[q | k | v]`, each head-major (`q`, `k`: key_heads x key_dim, `v`: heads x
+        value_dim): value head j reads the q and k channels of its key head j // (heads // key_heads) (shared with
+        the other value heads of that group) and its own v channels."""
+        key_dim, value_dim = head_state
+        key_heads, rest = divmod(channels - heads * value_dim, 2 * key_dim)
+        if rest or key_heads < 1 or heads % key_heads:
+            raise Unavailable(f"{cls.__name__}: a window of {channels} channels is not [q | k | v] for {heads} heads"
+                              f" of key_dim {key_dim}, value_dim {value_dim}")
+        key_head = head // (heads // key_heads)
+        query = range(key_head * key_dim, (key_head + 1) * key_dim)
+        return [*query, *(c + key_heads * key_dim for c in query),
+                *range(2 * key_heads * key_dim + head * value_dim, 2 * key_heads * key_dim + (head + 1) * value_dim)]
 
     @classmethod
     def _token_values(cls, part: KernelCall) -> dict[str, Tensor]:

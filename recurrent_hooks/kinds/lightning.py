@@ -195,6 +195,7 @@ class LightningAttention(RecurrentMixer):
     REORDERED_BY_CACHE = False  # MiniMaxCache.reorder_cache reorders its attention layers only (see LIMITS)
     FORWARD_CACHE = ("cache", "past_key_values")
     STATE = "batch heads head_dim head_dim"
+    HEADS = True
     INPUTS = {
         "hidden_states": "batch seq hidden",
         "attention_mask": "batch seq",

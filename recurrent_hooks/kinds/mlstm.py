@@ -221,6 +221,7 @@ class MatrixLSTM(RecurrentMixer):
     )
     MEMORIES = ("state",)
     STATE = {"C": "batch heads key_dim value_dim", "n": "batch heads key_dim", "m": "batch heads one"}
+    HEADS = True  # axis 1 of C, n and m
     INPUTS = {
         "query": "batch heads seq key_dim",
         "key": "batch heads seq key_dim",

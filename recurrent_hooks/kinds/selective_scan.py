@@ -60,6 +60,7 @@ from torch import Tensor
 from .conv import CONV_KERNELS
 from .effective import EffectiveAttention, decayed
 from ..engine.calls import KernelCall
+from ..engine.errors import Unavailable
 from ..engine.kernels import STATE_MEMORY, Kernel, Layout, Role, Segments
 from ..engine.loops import OnToken, at_least_float32, refuse_packed, starting_state
 from ..engine.mixer import RecurrentMixer
@@ -575,6 +576,7 @@ class PerHeadSelectiveScan(SelectiveScan):
     """
 
     KERNEL_PER_HEAD = True
+    HEADS = True  # the kernel calls of one forward, one per mamba head
     STATE = "batch heads head_dim d_state"
     VALUES = {
         "x": "batch seq heads head_dim",
@@ -583,3 +585,13 @@ class PerHeadSelectiveScan(SelectiveScan):
         "C": "batch seq heads d_state",
         "y": "batch seq heads head_dim",
     }
+
+    @classmethod
+    def _head_channels(cls, head: int, heads: int, head_state: tuple[int, ...], channels: int) -> range:
+        """The window's channels are the heads' x channels, head-major (zamba splits the convolution's output into
+        heads of `head_dim` channels, and each head computes its dt, B and C from its own)."""
+        head_dim = channels // heads
+        if head_dim * heads != channels or head_dim != head_state[0]:
+            raise Unavailable(f"{cls.__name__}: a window of {channels} channels is not {heads} heads of head_dim"
+                              f" {head_state[0]}")
+        return range(head * head_dim, (head + 1) * head_dim)

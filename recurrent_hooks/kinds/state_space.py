@@ -60,6 +60,7 @@ from torch import Tensor
 from .conv import CONV_KERNELS
 from .effective import EffectiveAttention, decayed
 from ..engine.calls import KernelCall
+from ..engine.errors import Unavailable
 from ..engine.kernels import Kernel, Role, Segments
 from ..engine.mixer import RecurrentMixer
 from ..engine.strategies import Shape
@@ -345,6 +346,7 @@ class Mamba2StateSpace(RecurrentMixer):
     )
     FUSED = ("mamba2_split_conv1d_scan_combined",)
     STATE = "batch heads head_dim d_state"
+    HEADS = True  # head h reads B/C group h // (heads // groups)
     INPUTS = {
         "hidden_states": "batch seq heads head_dim",
         "dt": "batch seq heads",
@@ -368,6 +370,20 @@ class Mamba2StateSpace(RecurrentMixer):
         "dt_limit at decode steps": "transformers' decode kernel does not clamp dt to time_step_limit (its prompt"
         " kernel does); the library's loops do the same, so a non-default limit makes them disagree",
     }
+
+    @classmethod
+    def _head_channels(cls, head: int, heads: int, head_state: tuple[int, ...], channels: int) -> list[int]:
+        """The window's channels are `[x | B | C]` (`x`: heads x head_dim, `B`, `C`: groups x d_state): head h reads
+        its own x channels and the B and C channels of its group h // (heads // groups), which the other heads of
+        that group read too."""
+        head_dim, d_state = head_state
+        groups, rest = divmod(channels - heads * head_dim, 2 * d_state)
+        if rest or groups < 1 or heads % groups:
+            raise Unavailable(f"{cls.__name__}: a window of {channels} channels is not [x | B | C] for {heads} heads"
+                              f" of head_dim {head_dim}, d_state {d_state}")
+        group, start = head // (heads // groups), heads * head_dim
+        b = range(start + group * d_state, start + (group + 1) * d_state)
+        return [*range(head * head_dim, (head + 1) * head_dim), *b, *(c + groups * d_state for c in b)]
 
     @classmethod
     def _token_values(cls, part: KernelCall) -> dict[str, Tensor]:
