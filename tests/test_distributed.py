@@ -34,3 +34,16 @@ def test_tensor_parallel_watch_equals_one_process(tmp_path):
     for rank in (0, 1):
         assert f"rank {rank}/2 (cpu, gloo)" in result.stdout, f"rank {rank} did not report:\n{result.stdout}"
     assert result.stdout.count("equal the single-process run") == 2, result.stdout
+
+
+def test_a_sweep_split_across_two_processes_equals_one_process_and_resumes(tmp_path):
+    """scripts/sweep_ranks.py: the cells split across two gloo ranks, every rank gets the single-process result,
+    and a sweep stopped after its first round resumes from the ranks' checkpoint files."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "GLOO_SOCKET_IFNAME": "lo0" if sys.platform == "darwin" else "lo",
+           "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+               "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(ROOT / "scripts" / "sweep_ranks.py"),
+               "--dir", str(tmp_path)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 0, f"torchrun exited with {result.returncode}:\n{result.stdout}\n{result.stderr[-6000:]}"
+    assert result.stdout.count("equal the single-process run") == 2, result.stdout

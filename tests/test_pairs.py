@@ -53,8 +53,10 @@ def test_patching_sweep_over_pairs_equals_one_sweep_per_pair(family):
         one = rh.patching_sweep(model, clean[n], corrupt[n], rh.metrics.logit_difference(int(answers[n]), wrong=4),
                                 positions=[1, 5], progress=False)
         assert one.values.dim() == 2 and one.clean.dim() == 0
-        assert_close(f"pair {n}", many.values[n], one.values, rtol=0, atol=0)
+        # the pairs share batches (rows of both pairs, both clean prompts in one forward): CPU products round by
+        # batch size, so within float32 rounding
+        assert_close(f"pair {n}", many.values[n], one.values, rtol=1e-5, atol=1e-6)
         assert_close(f"pair {n} baselines", torch.stack([many.clean[n], many.corrupt[n]]),
-                     torch.stack([one.clean, one.corrupt]), rtol=0, atol=0)
+                     torch.stack([one.clean, one.corrupt]), rtol=1e-5, atol=1e-6)
     assert_close("normalized per pair", many.normalized()[1],
                  (many.values[1] - many.corrupt[1]) / (many.clean[1] - many.corrupt[1]), rtol=0, atol=0)

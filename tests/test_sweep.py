@@ -23,6 +23,7 @@ import transformers
 
 import recurrent_hooks as rh
 import recurrent_hooks.studies.sweep as sweep_module
+import recurrent_hooks.studies.sweep_cells as cells_module
 from _compare import assert_close, assert_equal
 from _models import _COMMON, _KDA, _MLA, _HYBRID_LAYERS, _make, build, random_ids
 
@@ -186,7 +187,7 @@ class HeldMemories:
 
     def __init__(self, monkeypatch):
         self.live = self.peak = 0
-        real = sweep_module.map_parts
+        real = cells_module.map_parts
 
         def spied(fn, *parts):
             out = real(fn, *parts)
@@ -194,7 +195,7 @@ class HeldMemories:
                 real(self._track, out)
             return out
 
-        monkeypatch.setattr(sweep_module, "map_parts", spied)
+        monkeypatch.setattr(cells_module, "map_parts", spied)
 
     def _track(self, part):
         self.live += part.nbytes

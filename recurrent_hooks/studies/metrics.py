@@ -41,6 +41,12 @@ class _Metric:
         pick = lambda value: value if isinstance(value, int) else int(value[pair])  # noqa: E731
         return type(self)(self.name, {key: pick(value) for key, value in self.tokens.items()}, pick(self.position))
 
+    def for_rows(self, pairs: Tensor) -> "_Metric":
+        """The metric of a batch whose row r belongs to pair `pairs[r]` (each per-row tensor's entries at `pairs`):
+        what `patching_sweep` measures a batch of several pairs' cells with."""
+        pick = lambda value: value if isinstance(value, int) else value[pairs.to(value.device)]  # noqa: E731
+        return type(self)(self.name, {key: pick(value) for key, value in self.tokens.items()}, pick(self.position))
+
     def _rows(self, logits: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """The logits each row reads, `[batch, vocab]` float32, and the tokens, `[batch]` each."""
         where = repr(self)

@@ -1,21 +1,24 @@
-"""Activation patching over every (layer, position) of a prompt, many cells per forward.
+"""Activation patching over every (layer, position) of a prompt, or (layer, head, position), many cells per forward.
 
 Module contents:
 - `patching_sweep(model, clean_ids, corrupt_ids, metric, ...)`: patch the clean run's memory (or only
-  its state, or only its conv window) after each chosen position of each chosen recurrent layer into
-  the corrupt run, and measure `metric` on each patched run's logits.
-- `Sweep`: what it returns: the `[layers, positions]` metric and the clean and corrupt baselines.
+  its state, or only its conv window; or one head's) after each chosen position of each chosen recurrent layer
+  into the corrupt run, and measure `metric` on each patched run's logits; over one prompt pair or many, in one
+  process or split across the ranks of a `torch.distributed` group, resuming from a checkpoint.
+- `Sweep`: what it returns: the `[layers, positions]` metric (`[pairs, layers, heads, positions]` at most) and the
+  clean and corrupt baselines.
 
-How a forward serves many cells: the corrupt prompt is repeated over a batch, and row r is assigned one
-cell (layer L_r, position p_r). For each layer, one state hook targets the positions assigned to that
-layer in the batch; at token t it replaces only the rows whose position is t (`index_copy` on the batch
-axis) with the clean memory after t. Every other row, and every other token, keeps what the corrupt
-run made. The library's writes (`set_state_after`) write one value for the whole batch; per-row
-writes are what the hooks add. docs/sweep.md has the long form, with the cost in time and memory.
+How a forward serves many cells: row r of a batch is cell r's pair's corrupt prompt, and is assigned that cell
+(layer L_r, position p_r, head h_r). For each layer, one state hook targets the positions assigned to that layer
+in the batch; at token t it replaces only the rows whose position is t (`index_copy` on the batch axis; with heads,
+only the row's head of the state, or the window channels that feed it) with the clean memory after t. Every other
+row, and every other token, keeps what the corrupt run made. `sweep_cells` holds that machinery, `ranks` the split
+across processes and the checkpoint. docs/sweep.md has the long form, with the cost in time and memory.
 """
 
 import dataclasses
 import operator
+import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -25,9 +28,9 @@ from torch import Tensor, nn
 
 from ..engine.errors import InvalidValue
 from ..engine.kernels import CONV_MEMORY, STATE_MEMORY
-from ..engine.parts import map_parts
 from ..engine.strategies import Paths
-from ..engine.watch import watch
+from .ranks import Checkpoint, Ranks, sweep_key
+from .sweep_cells import Cell, Plan, clean_memories, measure, patched, probe, rounds
 
 WHAT = {"memory": (STATE_MEMORY, CONV_MEMORY), "state": (STATE_MEMORY,), "window": (CONV_MEMORY,)}
 _WHERE = "patching_sweep"
@@ -39,55 +42,52 @@ class Sweep:
 
     - `values[i, j]`: `metric` of the corrupt run with the clean `what` of layer `layers[i]` written after
       token `positions[j]` (tokens `positions[j] + 1..` continue from it); `[pairs, layers, positions]` for
-      `[pairs, seq]` prompts (`values[n, i, j]`: pair n's);
+      `[pairs, seq]` prompts (`values[n, i, j]`: pair n's); with `heads`, `[..., layers, heads, positions]`
+      (`values[i, h, j]`: only head h of the layer patched);
     - `clean`, `corrupt`: `metric` of the clean and of the unpatched corrupt run (0-d tensors; `[pairs]`);
-    - `layers`, `positions`, `what`: the sweep's axes and what it patched.
+    - `layers`, `positions`, `what`: the sweep's axes and what it patched; `heads`: the number of heads of the
+      per-head sweep (None: whole layers).
     """
 
-    values: Float[Tensor, "*pairs layers positions"]  # no pairs axis for one pair given as [seq]
+    values: Float[Tensor, "*pairs layers positions"]  # no pairs axis for one pair given as [seq]; [.., heads, ..]
     clean: Float[Tensor, "*pairs"]
     corrupt: Float[Tensor, "*pairs"]
     layers: tuple[int, ...]
     positions: tuple[int, ...]
     what: str
+    heads: int | None = None
 
     def normalized(self) -> Tensor:
         """`(values - corrupt) / (clean - corrupt)` (per pair): 0 where patching changes nothing, 1 where it restores
         the clean metric (inf or nan where the two baselines are equal)."""
-        clean, corrupt = self.clean[..., None, None], self.corrupt[..., None, None]
+        cells = self.values.dim() - self.clean.dim()
+        clean, corrupt = (x.reshape(*x.shape, *[1] * cells) for x in (self.clean, self.corrupt))
         return (self.values - corrupt) / (clean - corrupt)
 
     def to_dict(self) -> dict[str, Any]:
         """Tensors, ints and strings only: `torch.save(sweep.to_dict(), path)` loads back with
         `Sweep.from_dict(torch.load(path, weights_only=True))`."""
         return {"values": self.values, "clean": self.clean, "corrupt": self.corrupt, "layers": list(self.layers),
-                "positions": list(self.positions), "what": self.what}
+                "positions": list(self.positions), "what": self.what, "heads": self.heads}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Sweep":
         """The result `to_dict` gave."""
         return cls(data["values"], torch.as_tensor(data["clean"]), torch.as_tensor(data["corrupt"]),
                    tuple(int(layer) for layer in data["layers"]), tuple(int(p) for p in data["positions"]),
-                   str(data["what"]))
+                   str(data["what"]), None if data.get("heads") is None else int(data["heads"]))
 
 
-def _as_prompt(ids: Any, name: str) -> Tensor:
-    """One pair's prompt `[seq]` as the `[1, seq]` batch its forwards take (`patching_sweep` splits `[pairs, seq]`)."""
+def _as_prompts(ids: Any, name: str) -> Tensor:
+    """The pairs' prompts as `[pairs, seq]`: one pair's `[seq]` as `[1, seq]`."""
     if not isinstance(ids, Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         got = f"a {ids.dtype} tensor" if isinstance(ids, Tensor) else type(ids).__name__
         raise InvalidValue(f"{_WHERE}: expected {name} as an integer tensor of token ids, [seq] (one pair) or"
                            f" [pairs, seq], got {got}")
-    if ids.dim() != 1 or ids.shape[0] == 0:
+    if ids.dim() not in (1, 2) or 0 in ids.shape:
         raise InvalidValue(f"{_WHERE}: expected {name} of shape [seq] (one pair) or [pairs, seq] (the sweep makes the"
                            f" batch), got shape {tuple(ids.shape)}")
-    return ids[None]
-
-
-def _for_pair(metric: Callable[[Tensor], Tensor], pair: int) -> Callable[[Tensor], Tensor]:
-    """The metric pair `pair`'s cells are measured by: `metric.for_pair(pair)` where it has one (`rh.metrics`' do,
-    picking that pair's answer), else `metric` itself."""
-    for_pair = getattr(metric, "for_pair", None)
-    return for_pair(pair) if callable(for_pair) else metric
+    return ids if ids.dim() == 2 else ids[None]
 
 
 def _as_int(value: Any, what: str) -> int:
@@ -137,21 +137,6 @@ def _layers(layers: Any, recurrent: list[int]) -> tuple[int, ...]:
     return tuple(items)
 
 
-def _measure(metric: Callable[[Tensor], Tensor], logits: Tensor, rows: int) -> Tensor:
-    value = metric(logits)
-    if not isinstance(value, Tensor) or tuple(value.shape) != (rows,):
-        got = f"shape {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
-        raise InvalidValue(f"{_WHERE}: expected metric(logits) to return one value per row, a tensor of shape"
-                           f" ({rows},) for logits of shape {tuple(logits.shape)}, got {got}")
-    return value.detach()
-
-
-def _carried(mixer: Any, memories: tuple[str, ...], what: str) -> tuple[str, ...]:
-    """The memories of `what` that the mixer's kind carries ("memory": all of them; "state" or "window" on a
-    kind without it: the hook's registration says so)."""
-    return tuple(m for m in memories if m in mixer.MEMORIES) if what == "memory" else memories
-
-
 # The default batch: rows per forward while one row's patched memory is small. Below it a row's token-loop step
 # in the patched layer is Python-bound, and more rows cost little; at Qwen3.5 dims (2 MiB a cell) a row's forward
 # is compute-bound, rows cost as much as forwards, and batch 1 was measured fastest (docs/sweep.md, "Cost").
@@ -162,109 +147,68 @@ MAX_BATCH = 32
 BUDGET_BYTES = 256 << 20
 
 
-def _keep_hooks(w: Any, cells: Mapping[int, Iterable[int]], memories: tuple[str, ...], what: str,
-                into: dict[tuple[str, int, int, int | None], Tensor]) -> None:
-    """Read hooks that clone the memory after the given positions of each layer into `into`."""
-    for layer, tokens in cells.items():
-        for memory in _carried(w.mixer(layer), memories, what):
-            def keep(mixer: Any, call: int, token: int, state: Tensor, layer: int = layer,
-                     memory: str = memory) -> None:
-                into[memory, layer, token, mixer.head] = map_parts(torch.clone, state)
-
-            w.mixer(layer).register_state_hook(keep, call=0, token=sorted(tokens), which=memory)
-
-
-def _probe(model: nn.Module, clean_ids: Tensor, layers: Any, memories: tuple[str, ...], what: str,
-           paths: Paths | None, kwargs: Mapping[str, Any]) -> tuple[tuple[int, ...], dict[int, int]]:
-    """The chosen layers and the bytes of one cell's memory per layer, read from a one-token clean forward."""
-    kept: dict[tuple[str, int, int, int | None], Tensor] = {}
-    with watch(model, paths=paths) as w, torch.no_grad():
-        w._one_mixer_per_layer("patching_sweep")  # cells are (layer, position): a layer must be one mixer
-        layers = _layers(layers, [mixer.layer for mixer in w.mixers])
-        _keep_hooks(w, {layer: [0] for layer in layers}, memories, what, kept)
-        model(clean_ids[:, :1], **kwargs)
-    sizes = dict.fromkeys(layers, 0)
-    for (_, layer, _, _), value in kept.items():
-        sizes[layer] += sum(part.nbytes for part in _parts(value))
-    return layers, sizes
-
-
-def _parts(value: Any) -> list[Tensor]:
-    parts: list[Tensor] = []
-    map_parts(lambda part: parts.append(part) or part, value)
-    return parts
-
-
 def _default_batch_size(cell_bytes: int) -> int:
     """The batch `patching_sweep(batch_size=None)` takes for cells of `cell_bytes` (the largest chosen layer's
     state and window at batch 1): `BATCH_BYTES // cell_bytes`, clamped to 1..`MAX_BATCH`."""
     return max(1, min(MAX_BATCH, BATCH_BYTES // max(1, cell_bytes)))
 
 
-def _rounds(cells: list[tuple[int, int]], batch_size: int, cost: Callable[[int], int],
-            budget: int) -> list[list[list[tuple[int, int]]]]:
-    """The batches of `cells` (in order, `batch_size` each), grouped into rounds of whole batches whose memories
-    (`cost(i)` bytes for a cell of layer i) fit `budget`; a round holds at least one batch."""
-    batches = [cells[start:start + batch_size] for start in range(0, len(cells), batch_size)]
-    rounds: list[list[list[tuple[int, int]]]] = []
-    held = 0
-    for batch in batches:
-        size = sum(cost(i) for i, _ in batch)
-        if rounds and held + size <= budget:
-            rounds[-1].append(batch)
-            held += size
+def _rows_metric(metric: Callable[[Tensor], Tensor], pairs: list[int] | None) -> Callable[[Tensor], Tensor]:
+    """The metric of a batch whose row r belongs to pair `pairs[r]` (None: the one pair of a `[seq]` call):
+    `metric.for_rows(pairs)` where it has that method (`rh.metrics`' do), else `metric.for_pair(n)` for rows of one
+    pair n, else `metric` itself (one metric for every pair)."""
+    if pairs is None:
+        return metric
+    for_rows, for_pair = getattr(metric, "for_rows", None), getattr(metric, "for_pair", None)
+    if callable(for_rows):
+        return for_rows(torch.tensor(pairs))
+    return for_pair(pairs[0]) if callable(for_pair) else metric
+
+
+def _mixes_pairs(metric: Callable[[Tensor], Tensor]) -> bool:
+    """Whether one batch may hold rows of several pairs: not for a metric that knows only `for_pair`."""
+    return callable(getattr(metric, "for_rows", None)) or not callable(getattr(metric, "for_pair", None))
+
+
+def _batches(cells: list[Cell], batch_size: int, mixed: bool) -> list[list[Cell]]:
+    """`cells` in order, `batch_size` a batch; a batch holds one pair's cells unless `mixed`."""
+    batches: list[list[Cell]] = []
+    for cell in cells:
+        if batches and len(batches[-1]) < batch_size and (mixed or batches[-1][-1].pair == cell.pair):
+            batches[-1].append(cell)
         else:
-            rounds.append([batch])
-            held = size
-    return rounds
+            batches.append([cell])
+    return batches
 
 
-def _clean_memories(model: nn.Module, clean_ids: Tensor, cells: Mapping[int, Iterable[int]],
-                    memories: tuple[str, ...], what: str, paths: Paths | None,
-                    kwargs: Mapping[str, Any]) -> dict[tuple[str, int, int, int | None], Tensor]:
-    """One clean forward keeping the memory after `cells[layer]` positions of each layer (per head for zamba):
-    `{(memory, layer, token, head): value}`."""
-    kept: dict[tuple[str, int, int, int | None], Tensor] = {}
-    with watch(model, paths=paths) as w, torch.no_grad():
-        _keep_hooks(w, cells, memories, what, kept)
-        model(clean_ids, **kwargs)
-    return kept
-
-
-def _patched(model: nn.Module, ids: Tensor, batch: list[tuple[int, int]],
-             cells: tuple[tuple[int, ...], tuple[int, ...]], clean: Mapping[tuple[str, int, int, int | None], Tensor], memories: tuple[str, ...], what: str,
-             paths: Paths | None, kwargs: Mapping[str, Any], metric: Callable[[Tensor], Tensor]) -> Tensor:
-    """The metric of one forward whose row r is the corrupt prompt patched at cell `batch[r]`."""
-    layers, positions = cells
-    with watch(model, paths=paths) as w, torch.no_grad():
-        for i in sorted({i for i, _ in batch}):
-            layer = layers[i]
-            rows: dict[int, list[int]] = {}  # token -> the rows patched after it
-            for row, (li, j) in enumerate(batch):
-                if li == i:
-                    rows.setdefault(positions[j], []).append(row)
-            at = {token: torch.tensor(r, device=ids.device) for token, r in rows.items()}
-            for memory in _carried(w.mixer(layer), memories, what):
-                def patch(mixer: Any, call: int, token: int, state: Tensor, layer: int = layer,
-                          memory: str = memory, at: dict[int, Tensor] = at) -> Tensor:
-                    value = clean[memory, layer, token, mixer.head]
-                    index = at[token]
-                    return map_parts(lambda s, v: s.index_copy(0, index, v.expand(len(index), *v.shape[1:])),
-                                     state, value)
-
-                w.mixer(layer).register_state_hook(patch, call=0, token=sorted(rows), which=memory)
-        return _measure(metric, model(ids.expand(len(batch), ids.shape[1]), **kwargs).logits, len(batch))
+def _baselines(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: Callable[[Tensor], Tensor],
+               one_pair: bool, kwargs: Mapping[str, Any]) -> tuple[Tensor, Tensor]:
+    """The metric of the clean and of the corrupt run of every pair, `[pairs]` each (all pairs in one batch where
+    the metric allows, else one forward per pair)."""
+    pairs = list(range(clean_ids.shape[0]))
+    groups = [pairs] if _mixes_pairs(metric) else [[n] for n in pairs]
+    out = []
+    with torch.no_grad():
+        for ids in (clean_ids, corrupt_ids):
+            out.append(torch.cat([measure(_rows_metric(metric, None if one_pair else group),
+                                          model(ids[group], **kwargs).logits, len(group)) for group in groups]))
+    return out[0], out[1]
 
 
 def _checked(model: Any, clean_ids: Any, corrupt_ids: Any, metric: Any, what: Any, batch_size: Any,
-             budget_bytes: Any, progress: Any, forward_kwargs: Any) -> tuple[Tensor, Tensor, int | None, int]:
-    """The arguments of `patching_sweep` checked: the two prompts, the batch size (None: by default) and the budget."""
+             budget_bytes: Any, flags: Mapping[str, Any], forward_kwargs: Any,
+             checkpoint: Any) -> tuple[Tensor, Tensor, int | None, int]:
+    """The arguments of `patching_sweep` checked: the prompts as `[pairs, seq]`, the batch size (None: by default)
+    and the budget."""
     if not isinstance(model, nn.Module):
         raise InvalidValue(f"{_WHERE}: expected a torch.nn.Module (a transformers model), got {type(model).__name__}")
-    clean_ids, corrupt_ids = _as_prompt(clean_ids, "clean_ids"), _as_prompt(corrupt_ids, "corrupt_ids")
-    if clean_ids.shape != corrupt_ids.shape:
-        raise InvalidValue(f"{_WHERE}: expected clean_ids and corrupt_ids of the same length (positions are shared),"
-                           f" got shapes {tuple(clean_ids.shape)} and {tuple(corrupt_ids.shape)}")
+    clean, corrupt = _as_prompts(clean_ids, "clean_ids"), _as_prompts(corrupt_ids, "corrupt_ids")
+    if clean.shape != corrupt.shape:
+        if clean_ids.dim() == corrupt_ids.dim() == 1:
+            raise InvalidValue(f"{_WHERE}: expected clean_ids and corrupt_ids of the same length (positions are"
+                               f" shared), got shapes {tuple(clean.shape)} and {tuple(corrupt.shape)}")
+        raise InvalidValue(f"{_WHERE}: expected clean_ids and corrupt_ids of one shape [pairs, seq], got shapes"
+                           f" {tuple(clean_ids.shape)} and {tuple(corrupt_ids.shape)}")
     if not callable(metric):
         raise InvalidValue(f"{_WHERE}: expected metric as a callable logits -> one value per row, got {metric!r}")
     if what not in WHAT:
@@ -277,19 +221,26 @@ def _checked(model: Any, clean_ids: Any, corrupt_ids: Any, metric: Any, what: An
     budget = BUDGET_BYTES if budget_bytes is None else _as_int(budget_bytes, "budget_bytes")
     if budget < 0:
         raise InvalidValue(f"{_WHERE}: expected budget_bytes >= 0 (or None: {BUDGET_BYTES}), got budget_bytes={budget}")
-    if not isinstance(progress, bool):
-        raise InvalidValue(f"{_WHERE}: expected progress=True or progress=False, got progress={progress!r}")
+    for name, value in flags.items():
+        allowed = (True, False, None) if name == "distributed" else (True, False)
+        if not any(value is a for a in allowed):
+            raise InvalidValue(f"{_WHERE}: expected {name}={' or '.join(f'{name}={a}' for a in allowed)[len(name) + 1:]},"
+                               f" got {name}={value!r}")
     if forward_kwargs is not None and not isinstance(forward_kwargs, Mapping):
         raise InvalidValue(f"{_WHERE}: expected forward_kwargs as a mapping of keyword arguments, got"
                            f" {type(forward_kwargs).__name__}")
-    return clean_ids, corrupt_ids, batch_size, budget
+    if checkpoint is not None and not isinstance(checkpoint, (str, os.PathLike)):
+        raise InvalidValue(f"{_WHERE}: expected checkpoint as a file path (str or os.PathLike) or None, got"
+                           f" {type(checkpoint).__name__}")
+    return clean, corrupt, batch_size, budget
 
 
 def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: Callable[[Tensor], Tensor], *,
                    layers: int | Iterable[int] | None = None, positions: int | Iterable[int] | None = None,
-                   what: str = "memory", batch_size: int | None = None, budget_bytes: int | None = None,
-                   progress: bool = True, forward_kwargs: Mapping[str, Any] | None = None,
-                   paths: Paths | None = None) -> Sweep:
+                   what: str = "memory", heads: bool = False, batch_size: int | None = None,
+                   budget_bytes: int | None = None, progress: bool = True,
+                   forward_kwargs: Mapping[str, Any] | None = None, paths: Paths | None = None,
+                   distributed: bool | None = None, checkpoint: str | os.PathLike | None = None) -> Sweep:
     """Patch the clean run into the corrupt run at every (layer, position); return `metric` per cell.
 
         sweep = rh.patching_sweep(model, clean_ids, corrupt_ids, lambda logits: logits[:, -1, answer])
@@ -297,71 +248,87 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
         sweep.normalized()    # 0: no effect, 1: the clean metric restored
 
     - `clean_ids`, `corrupt_ids`: one pair of prompts, `[seq]` each, of the same length; or N pairs, `[N, seq]`:
-      one sweep per pair (the metric of pair n is `metric.for_pair(n)` where it has that method, as `rh.metrics`'
-      do), stacked on a leading pairs axis of every result, also for N = 1.
+      every result gets a leading pairs axis, also for N = 1, equal to one sweep per pair stacked. Rows of several
+      pairs share a batch where the metric has `for_rows` (`rh.metrics`' do); the pairs' baselines are one batch.
     - `metric(logits) -> Tensor[batch]`: takes the logits of a batch of patched runs, `[batch, seq, vocab]`
       (`[batch, k, vocab]` with `forward_kwargs={"logits_to_keep": k}`), and returns one value per row.
-      Rows are independent runs: a metric must not mix them.
+      Rows are independent runs: a metric must not mix them. For N pairs, the metric of a batch whose row r is
+      pair n_r's is `metric.for_rows(n)` where it has that method, else `metric.for_pair(n)` (a batch then holds
+      one pair's cells), else `metric` itself (the same metric for every pair).
     - `layers`: decoder layer indices of recurrent mixers (default: all of them; attention layers are not
       patchable); `positions`: tokens of the prompt (default: all; negative counts from the end).
     - `what`: "memory" writes the state and the conv window after the position (`set_memory_after`), the
       whole of what the next token continues from; "state" only the recurrent state (`set_state_after`),
       "window" only the conv window (`set_window_after`).
-    - `batch_size`: cells per forward; each forward repeats the corrupt prompt `batch_size` times. None:
-      `BATCH_BYTES` (1 MiB) // the bytes of one cell's memory (its state and window at batch 1), clamped to
-      1..32: 1 at Qwen3.5 dims, 32 on tiny models.
+    - `heads`: one cell per (layer, head, position), `values` `[layers, heads, positions]`: a cell patches that
+      head's slice of the state and (for "memory", "window") the window channels that feed the head, as the kind
+      declares them (`_head_channels`; docs/sweep.md, "Heads"), and nothing else.
+    - `batch_size`: cells per forward. None: `BATCH_BYTES` (1 MiB) // the bytes of one cell's memory (its state
+      and window at batch 1), clamped to 1..32: 1 at Qwen3.5 dims, 32 on tiny models.
     - `budget_bytes`: the clean memories held at once (None: `BUDGET_BYTES`, 256 MiB). One clean forward
-      keeps the memories of as many whole batches as fit, at least one batch; the sweep holds no more,
-      whatever the number of positions.
-    - `progress`: a tqdm bar over the cells; `forward_kwargs`: passed to every forward, after
+      keeps the memories of as many whole batches as fit, at least one batch.
+    - `distributed`: under an initialized `torch.distributed` process group (None, the default: unless the model is
+      tensor-parallel), the cells are split across its ranks, and every rank, which must make the same call,
+      returns the whole result; False: this process runs every cell.
+    - `checkpoint`: a file path: the finished cells are saved there after each clean forward's batches, and a
+      sweep restarted with the same path (and prompts, layers, positions, what, heads) runs only the others.
+    - `progress`: a tqdm bar over the cells (rank 0's); `forward_kwargs`: passed to every forward, after
       `use_cache=False`; `paths`: how the watched calls run (`recurrent_hooks.Paths`, as for `watch`).
 
     Cell (L, p) equals one forward of the corrupt prompt with the clean `what` of layer L written after
     token p by the public writes: bit for bit where both take the same kernel path at the same batch
     shape, else within float32 rounding (a single write runs the chunked kernel in two segments, hooks at
     many positions the token loop; CPU matrix products round by batch size; docs/sweep.md). Runs under
-    `torch.no_grad()`. `forward_kwargs` go to the one-token probe, the batch-1 and the batch-`batch_size`
-    forwards alike, so they must not hold per-row or per-token tensors (one prompt has no padding: no
-    attention mask is needed).
+    `torch.no_grad()`. `forward_kwargs` go to the one-token probe and every forward alike, so they must not hold
+    per-row or per-token tensors (one prompt has no padding: no attention mask is needed).
     """
-    if isinstance(clean_ids, Tensor) and isinstance(corrupt_ids, Tensor) and clean_ids.dim() == 2:
-        if clean_ids.shape != corrupt_ids.shape or clean_ids.shape[0] == 0:
-            raise InvalidValue(f"{_WHERE}: expected clean_ids and corrupt_ids of one shape [pairs, seq], got shapes"
-                               f" {tuple(clean_ids.shape)} and {tuple(corrupt_ids.shape)}")
-        sweeps = [patching_sweep(model, clean_ids[n], corrupt_ids[n], _for_pair(metric, n), layers=layers,
-                                 positions=positions, what=what, batch_size=batch_size, budget_bytes=budget_bytes,
-                                 progress=progress, forward_kwargs=forward_kwargs, paths=paths)
-                  for n in range(clean_ids.shape[0])]
-        first = sweeps[0]
-        return Sweep(torch.stack([s.values for s in sweeps]), torch.stack([s.clean for s in sweeps]),
-                     torch.stack([s.corrupt for s in sweeps]), first.layers, first.positions, first.what)
+    flags = {"heads": heads, "progress": progress, "distributed": distributed}
+    one_pair = isinstance(clean_ids, Tensor) and clean_ids.dim() == 1
     clean_ids, corrupt_ids, batch_size, budget = _checked(model, clean_ids, corrupt_ids, metric, what, batch_size,
-                                                          budget_bytes, progress, forward_kwargs)
+                                                          budget_bytes, flags, forward_kwargs, checkpoint)
     kwargs = {"use_cache": False, **(forward_kwargs or {})}
-    positions = _positions(positions, clean_ids.shape[1])
-    memories = WHAT[what]
-    layers, sizes = _probe(model, clean_ids, layers, memories, what, paths, kwargs)
-    if batch_size is None:
-        batch_size = _default_batch_size(max(sizes.values()))
-    with torch.no_grad():
-        clean_metric = _measure(metric, model(clean_ids, **kwargs).logits, 1)[0]
-        corrupt_metric = _measure(metric, model(corrupt_ids, **kwargs).logits, 1)[0]
+    plan = Plan((), _positions(positions, clean_ids.shape[1]), WHAT[what], what, {})
+    plan = probe(model, clean_ids, lambda recurrent: _layers(layers, recurrent), plan, heads, paths, kwargs)
+    batch_size = batch_size or _default_batch_size(max(plan.sizes.values()))
+    clean_metric, corrupt_metric = _baselines(model, clean_ids, corrupt_ids, metric, one_pair, kwargs)
+    cells = plan.cells(clean_ids.shape[0])
+    shape = (clean_ids.shape[0], len(plan.layers), *([plan.heads] if heads else []), len(plan.positions))
+    values = torch.zeros(shape, dtype=clean_metric.dtype, device=clean_metric.device)
+    done = torch.zeros(shape, dtype=torch.bool, device=values.device)
+    ranks = Ranks.of(distributed, model)
+    saved = Checkpoint(checkpoint, ranks, sweep_key(clean_ids, corrupt_ids, layers=list(plan.layers),
+                                                    positions=list(plan.positions), what=what, heads=plan.heads))
+    saved.load(values, done)
+    todo = torch.nonzero(~done.flatten().cpu()).flatten()
+    mine = [cells[k] for k in ranks.mine(todo).tolist()]
+    show = progress and ranks.rank == 0
+    _measure_cells(model, (clean_ids, corrupt_ids), plan, mine, metric, one_pair, (batch_size, budget), paths, kwargs,
+                   show, (values, done), saved)
+    values = ranks.gathered(values, done)
+    saved.finish(values)
+    if one_pair:
+        return Sweep(values[0], clean_metric[0], corrupt_metric[0], plan.layers, plan.positions, what, plan.heads)
+    return Sweep(values, clean_metric, corrupt_metric, plan.layers, plan.positions, what, plan.heads)
+
+
+def _measure_cells(model: nn.Module, prompts: tuple[Tensor, Tensor], plan: Plan, cells: list[Cell],
+                   metric: Callable[[Tensor], Tensor], one_pair: bool, sizes: tuple[int, int], paths: Paths | None,
+                   kwargs: Mapping[str, Any], progress: bool, into: tuple[Tensor, Tensor], saved: Checkpoint) -> None:
+    """Measure `cells` into `into` (values, done), round after round (`sizes`: the batch size and the budget),
+    saving the finished cells after each round."""
+    (clean_ids, corrupt_ids), (batch_size, budget), (values, done) = prompts, sizes, into
 
     from tqdm.auto import tqdm  # a dependency of transformers
 
-    cells = [(i, j) for i in range(len(layers)) for j in range(len(positions))]  # layer-major: few layers per batch
-    values = torch.empty(len(layers), len(positions), dtype=clean_metric.dtype, device=clean_metric.device)
     with tqdm(total=len(cells), desc=_WHERE, unit="cell", disable=not progress) as bar:
-        for round_ in _rounds(cells, batch_size, lambda i: sizes[layers[i]], budget):
-            wanted: dict[int, list[int]] = {}
-            for i, j in (cell for batch in round_ for cell in batch):
-                wanted.setdefault(layers[i], []).append(positions[j])
-            clean = _clean_memories(model, clean_ids, wanted, memories, what, paths, kwargs)
+        for round_ in rounds(_batches(cells, batch_size, one_pair or _mixes_pairs(metric)), plan, budget):
+            clean = clean_memories(model, clean_ids, round_, plan, paths, kwargs)
             for batch in round_:
-                measured = _patched(model, corrupt_ids, batch, (layers, positions), clean, memories, what, paths,
-                                    kwargs, metric)
-                for row, (i, j) in enumerate(batch):
-                    values[i, j] = measured[row]
+                rows_metric = _rows_metric(metric, None if one_pair else [cell.pair for cell in batch])
+                measured = patched(model, corrupt_ids, batch, plan, clean, paths, kwargs, rows_metric)
+                for row, cell in enumerate(batch):
+                    index = (cell.pair, cell.layer, *([] if cell.head is None else [cell.head]), cell.position)
+                    values[index], done[index] = measured[row], True
                 bar.update(len(batch))
             del clean  # before the next round's clean forward: one round's memories at a time
-    return Sweep(values, clean_metric, corrupt_metric, layers, positions, what)
+            saved.save(values, done)

@@ -1,0 +1,128 @@
+"""A patching sweep split across processes: does every rank return the single-process result, and does a
+preempted sweep resume from its checkpoint?
+
+    torchrun --nproc_per_node=2 scripts/sweep_ranks.py --dir /tmp/sweep
+
+On each rank this builds the same tiny random-weight Qwen3_5ForCausalLM (`recurrent_hooks.demo.tiny_model`, the
+seed fixes the weights) and two prompt pairs, then checks:
+1. `patching_sweep(..., distributed=True)` (the cells split across the ranks, gathered on every rank) equals the
+   same sweep in one process (`distributed=False`) within float32 rounding (the ranks batch other cells together),
+   per layer and per head, and every rank holds the same bits;
+2. a sweep stopped on every rank after its first round (an exception from the metric, as a preempted job is
+   killed) leaves one checkpoint file per rank; the restarted sweep runs only the cells those files lack, gives
+   the same result, writes the whole result to the checkpoint path and removes the ranks' files.
+Any mismatch raises, and torchrun exits non-zero. Backend: nccl on CUDA with a GPU per process, else gloo.
+"""
+
+import argparse
+import os
+import pathlib
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # run from a clone without installing
+
+import recurrent_hooks as rh  # noqa: E402
+from recurrent_hooks.demo import tiny_model  # noqa: E402
+
+T = 9
+
+
+class Stopped(Exception):
+    """The preemption the metric simulates."""
+
+
+class Counting:
+    """`rh.metrics.logit_difference` that counts its forwards' rows and raises `Stopped` at forward `stop_at`."""
+
+    def __init__(self, inner, stop_at=None, counter=None):
+        self.inner, self.stop_at, self.counter = inner, stop_at, counter if counter is not None else {"calls": 0}
+
+    def for_rows(self, pairs):
+        return Counting(self.inner.for_rows(pairs), self.stop_at, self.counter)
+
+    def __call__(self, logits):
+        if self.counter["calls"] == self.stop_at:
+            raise Stopped
+        self.counter["calls"] += 1
+        return self.inner(logits)
+
+
+def setup() -> torch.device:
+    local_rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world:
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl")
+        return torch.device("cuda", local_rank)
+    torch.set_num_threads(1)  # one core per rank
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
+def same_on_every_rank(name: str, value: torch.Tensor) -> None:
+    gathered = [torch.empty_like(value) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, value.contiguous())
+    if not all(torch.equal(g, gathered[0]) for g in gathered):
+        raise AssertionError(f"rank {dist.get_rank()}: {name} differs between the ranks")
+
+
+def close(name: str, expected: torch.Tensor, got: torch.Tensor) -> None:
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6,
+                               msg=lambda m: f"rank {dist.get_rank()}: {name}: {m}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", required=True, help="a directory every rank can write (the checkpoints)")
+    directory = pathlib.Path(parser.parse_args().dir)
+    device = setup()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = tiny_model(seed=0).to(device)
+    generator = torch.Generator().manual_seed(0)
+    clean, corrupt = (torch.randint(3, 128, (2, T), generator=generator).to(device) for _ in range(2))
+    metric = rh.metrics.logit_difference(torch.tensor([5, 9]), wrong=4)
+    for heads in (False, True):
+        common = dict(heads=heads, progress=False)
+        alone = rh.patching_sweep(model, clean, corrupt, metric, distributed=False, **common)
+        split = rh.patching_sweep(model, clean, corrupt, metric, distributed=True, **common)
+        close(f"heads={heads}: the split sweep vs one process", alone.values, split.values)
+        same_on_every_rank(f"heads={heads}: the split sweep", split.values)
+
+    path = directory / "sweep.pt"
+    stopping = Counting(metric, stop_at=3)  # 2 baselines, one round (budget 0: a batch a round), then stopped
+    try:
+        rh.patching_sweep(model, clean, corrupt, stopping, distributed=True, batch_size=4, budget_bytes=0,
+                          progress=False, checkpoint=path)
+        raise AssertionError(f"rank {rank}: the sweep was not stopped")
+    except Stopped:
+        pass
+    dist.barrier()
+    own = path.with_name(f"{path.name}.rank{rank}")
+    if not own.is_file() or int(torch.load(own, weights_only=True)["done"].sum()) != 4:
+        raise AssertionError(f"rank {rank}: no checkpoint of its first round (4 cells) at {own}")
+    resumed = Counting(metric)
+    result = rh.patching_sweep(model, clean, corrupt, resumed, distributed=True, batch_size=4, budget_bytes=0,
+                               progress=False, checkpoint=path)
+    cells = clean.shape[0] * len(result.layers) * T
+    share = cells // world - 4  # this rank's share of the cells left (the split is even here)
+    if resumed.counter["calls"] != 2 + -(-share // 4):
+        raise AssertionError(f"rank {rank}: {resumed.counter['calls'] - 2} forwards after the restart, expected"
+                             f" {-(-share // 4)} for the {share} cells its share still had")
+    close("the resumed sweep vs one process", alone_values(model, clean, corrupt, metric), result.values)
+    dist.barrier()
+    if not path.is_file() or any(directory.glob("sweep.pt.rank*")):
+        raise AssertionError(f"rank {rank}: expected the whole result at {path} and no rank files, found"
+                             f" {sorted(p.name for p in directory.iterdir())}")
+    print(f"rank {rank}/{world} ({device.type}, {dist.get_backend()}): the split sweeps and the resumed one equal"
+          " the single-process run", flush=True)
+    dist.destroy_process_group()
+
+
+def alone_values(model, clean, corrupt, metric):
+    return rh.patching_sweep(model, clean, corrupt, metric, distributed=False, progress=False).values
+
+
+if __name__ == "__main__":
+    main()
