@@ -6,6 +6,7 @@
     python benchmarks/sweep.py --memory --library /work/main --budget-mib 256   # the same rows on another checkout
     python benchmarks/sweep.py --per-cell            # gdn_small, T = 512: seconds per cell by batch size vs naive
     python benchmarks/sweep.py --per-cell --dims qwen3_5 --cells 8 --batch-sizes None,1 --repeats 1
+    python benchmarks/sweep.py --pairs 16            # many pairs in shared batches vs one sweep per pair; heads
 
 The model is `recurrent_hooks.demo.tiny_model()` (Qwen3.5, 4 layers: gated DeltaNet at 0 and 2, attention
 at 1 and 3; hidden 64, random weights). Both sides patch the whole memory (state and conv window) and
@@ -29,6 +30,10 @@ of clean memories alive at once (every clone of the sweep's read hooks, counted 
 VmHWM during the sweep minus the VmRSS before it. `--library` measures another checkout (one without
 `budget_bytes` runs without it). `--per-cell`: the same model (`--dims qwen3_5`: Qwen3.5 layer dims), `--cells` positions of layer 0, seconds per cell of
 the loop of one forward per cell with `set_memory_after` and of `patching_sweep` at each `--batch-sizes`.
+`--pairs N`: `demo.tiny_model()`, N prompt pairs of `--tokens` tokens (default 64), every cell: the sweep over
+`[N, seq]` with an `rh.metrics` metric (the pairs' cells share batches, the baselines are one batch) against a
+loop of N single-pair sweeps, and the per-head sweep (`heads=True`, 4 value heads: 4 x the cells) against the
+per-layer one, per cell.
 `main(argv)` runs everything; importing this module does no work.
 """
 
@@ -77,7 +82,11 @@ def memory_child(count: int, budget_mib: float | None) -> dict:
     import torch
 
     import recurrent_hooks as rh
-    import recurrent_hooks.studies.sweep as module
+
+    try:  # where the sweep's read hooks clone (studies/sweep_cells.py since issue 20)
+        import recurrent_hooks.studies.sweep_cells as module
+    except ImportError:
+        import recurrent_hooks.studies.sweep as module
 
     torch.set_num_threads(1)
     model = _small_model()
@@ -189,6 +198,48 @@ def per_cell_rows(args: argparse.Namespace) -> int:
     return 0
 
 
+def pairs_rows(args: argparse.Namespace) -> int:
+    """`--pairs`: seconds of N pairs in one sweep vs N sweeps, and per cell of heads=True vs per layer."""
+    sys.path.insert(0, str(HERE.parent))
+    import torch
+
+    import recurrent_hooks as rh
+    from recurrent_hooks.demo import tiny_model
+
+    torch.set_num_threads(args.threads)
+    model = tiny_model()
+    generator = torch.Generator().manual_seed(0)
+    clean, corrupt = (torch.randint(3, 128, (args.pairs, args.tokens), generator=generator) for _ in range(2))
+    answers = clean[:, -1]
+    metric = rh.metrics.logit_difference(answers, wrong=4)
+    runs = {
+        "one sweep over [N, seq]": lambda: rh.patching_sweep(model, clean, corrupt, metric, progress=False).values,
+        "N sweeps, one per pair": lambda: torch.stack([
+            rh.patching_sweep(model, clean[n], corrupt[n], metric.for_pair(n), progress=False).values
+            for n in range(args.pairs)]),
+        "heads=True over [N, seq]": lambda: rh.patching_sweep(model, clean, corrupt, metric, heads=True,
+                                                              progress=False).values,
+    }
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    results = {}
+    for _ in range(args.repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            results[name] = run()
+            times[name].append(time.perf_counter() - start)
+    torch.testing.assert_close(results["one sweep over [N, seq]"], results["N sweeps, one per pair"], rtol=1e-5,
+                               atol=1e-6)
+    per_layer = statistics.median(times["one sweep over [N, seq]"])
+    cells = {name: results[name].numel() for name in runs}
+    print(f"{args.pairs} pairs x {args.tokens} tokens, demo.tiny_model, {args.threads} thread(s), median of"
+          f" {args.repeats}:")
+    for name, values in times.items():
+        median = statistics.median(values)
+        print(f"  {name:<28} {median:7.2f} s  {median / cells[name] * 1e3:6.2f} ms/cell"
+              f"  ({median / per_layer:.2f} x the one sweep; {cells[name]} cells)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=64)
@@ -204,8 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dims", choices=("gdn_small", "qwen3_5"), default="gdn_small",
                         help="--per-cell: the model's layer dims")
     parser.add_argument("--cells", type=int, default=16, help="--per-cell: positions of layer 0")
+    parser.add_argument("--pairs", type=int, default=None, help="N pairs in one sweep vs N sweeps; heads=True")
     parser.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.pairs is not None:
+        return pairs_rows(args)
     if args.memory_child is not None:
         print(json.dumps(memory_child(args.memory_child, args.budget_mib)))
         return 0
