@@ -1,10 +1,7 @@
 """`patching_sweep(heads=True)`: each (layer, head, position) cell equals one run with a hook that writes only that
 head, per kind; and the window channels each kind declares for a head are the ones that head reads.
 
-The channels that feed a head are written here from the models' layouts (transformers' modeling code, the papers):
-gated DeltaNet and Kimi delta attention convolve `[q | k | v]` (value head j reads key head j // (heads //
-key_heads)), Mamba-2 convolves `[x | B | C]` (head h reads B/C group h // (heads // groups)), zamba convolves the
-heads' x channels.
+The channels that feed a head come from tests/_heads.py, written from the models' layouts.
 """
 
 import pytest
@@ -12,30 +9,10 @@ import torch
 
 import recurrent_hooks as rh
 from _compare import assert_close
+from _heads import feeding
 from _models import build, random_ids
 
 T, POSITIONS = 8, [1, 4]
-
-
-def feeding(family, model, layer, head, state_shape, channels):
-    """The window channels head `head` reads, from the model's layout (not from the library's declaration)."""
-    heads = state_shape[1]
-    if family in ("qwen3_5", "kimi_linear"):
-        key_dim, value_dim = state_shape[2], state_shape[3]
-        key_heads = model.config.linear_num_key_heads if family == "qwen3_5" else heads
-        key_head = head // (heads // key_heads)
-        q = list(range(key_head * key_dim, (key_head + 1) * key_dim))
-        return q + [c + key_heads * key_dim for c in q] + list(
-            range(2 * key_heads * key_dim + head * value_dim, 2 * key_heads * key_dim + (head + 1) * value_dim))
-    if family == "mamba2":
-        head_dim, d_state, groups = state_shape[2], state_shape[3], model.config.n_groups
-        group, x = head // (heads // groups), heads * head_dim
-        b = list(range(x + group * d_state, x + (group + 1) * d_state))
-        return list(range(head * head_dim, (head + 1) * head_dim)) + b + [c + groups * d_state for c in b]
-    if family == "zamba":
-        head_dim = channels // heads
-        return list(range(head * head_dim, (head + 1) * head_dim))
-    raise AssertionError(f"no window layout for {family}")
 
 
 def metric(logits):
