@@ -6,6 +6,7 @@
     result.window[i, t]   # the same for the convolution window alone
     result.memory         # state + window: the estimate for patching the whole memory
     many = recurrent_hooks.attribute(model, clean_pairs, corrupt_pairs, metric)  # [pairs, seq]: many.state[n, i, t]
+    ig = recurrent_hooks.attribute(model, clean_ids, corrupt_ids, metric, steps=8)  # integrated gradients (below)
 
 Glossary (code name, symbol, shape):
     clean_ids, corrupt_ids  x, x'       [seq] or [pairs, seq]   prompts of one length, row n paired with row n
@@ -39,10 +40,21 @@ Two ways to the same numbers (`method`):
   with the token loop's whole graph. Every kind; the reference the other is tested against.
 Patching the memory after t makes tokens t+1.. continue from the clean memory; the window term matters most
 for the kernel_size - 1 tokens right after t, which read the window (docs/concepts.md, "Write semantics").
+
+Integrated gradients (`steps=k`, EAP-IG; docs/attribution.md): the gradient of each term is the mean of the
+gradients of k runs on the straight line between the two prompts' input embeddings, inputs_embeds(alpha) =
+E(x') + alpha (E(x) - E(x')), E = `model.get_input_embeddings()`, alpha = 0, 1/k, ..., (k-1)/k (the left
+points: alpha = 0 is the corrupt run, so steps=1 is the estimate above). The delta stays S_t - S'_t, the corrupt
+run's memory: a forward of the corrupt ids without grad keeps it as the clean one's is kept ("chunks": its calls'
+inputs and boundary states, `_CleanRunner`, given to each `_Chunked` call as its `reference`; "states": its kept
+states and windows), while the gradients come from the k runs, one after the other, each graph freed before the
+next; only the per-token terms add up.
 """
 
 import contextlib
 import dataclasses
+import functools
+import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -57,7 +69,7 @@ from ..engine.kernels import CONV_MEMORY, STATE_MEMORY, Kernel, Pieces, Role
 from ..engine.mixer import RecurrentMixer
 from ..engine.parts import map_parts, parts_of
 from ..engine.strategies import Paths
-from ..engine.watch import watch
+from ..engine.watch import Watch, watch
 from ..kinds import conv
 
 _MEMORIES = (STATE_MEMORY, CONV_MEMORY)  # the rows `state` and `window`
@@ -104,12 +116,13 @@ _STEP_BYTES = 32 * 2**20  # the states of the token loop's graph held at once in
 
 def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: Metric, *,
               layers: Iterable[int] | None = None, forward_kwargs: Mapping[str, Any] | None = None,
-              paths: Paths | None = None, method: str = "auto", chunk: int = 64) -> Attribution:
+              paths: Paths | None = None, method: str = "auto", chunk: int = 64, steps: int = 1) -> Attribution:
     """Attribution patching of every recurrent layer x token, from one clean forward and one forward and
-    backward of the corrupt run.
+    backward of the corrupt run (`steps` of them on the way from the corrupt input to the clean one).
 
         result = rh.attribute(model, clean, corrupt, rh.metrics.logit_difference(answer, wrong))
         result.memory        # [layers, seq] for [seq] prompts: compare with rh.patching_sweep's exact effects
+        result = rh.attribute(model, clean, corrupt, metric, steps=8)   # integrated gradients (EAP-IG)
 
     `clean_ids` and `corrupt_ids`: one pair, `[seq]` each, or N pairs, `[N, seq]` (results with a leading pairs
     axis, also for N = 1). `metric(logits)` returns one value per pair (`[N]`; a scalar for one pair). Extra
@@ -117,6 +130,12 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
     (`recurrent_hooks.Paths`, as for `watch`). The weights need not require grad. `method`: "chunks"
     (no state of every token is kept: the module docstring), "states" (every state kept, any kind), or
     "auto": "chunks" where every chosen mixer's kind has it; `chunk`: the piece length of "chunks".
+    `steps`: how many gradients each term averages (integrated gradients). steps=1 (the default): the gradient
+    of the corrupt run, from its ids. steps=k: the gradients of k runs of the input embeddings
+    E(corrupt) + alpha (E(clean) - E(corrupt)), alpha = 0, 1/k, ..., (k-1)/k (E = `model.get_input_embeddings()`;
+    the model's forward must take `inputs_embeds`), each term (clean - corrupt memory) . their mean, where the
+    corrupt memory is the corrupt run's (kept, as the clean run's, by a forward without grad). k forwards and
+    backwards one after the other, in the memory of one (docs/attribution.md).
     """
     where = "attribute"
     for name, ids in (("clean_ids", clean_ids), ("corrupt_ids", corrupt_ids)):
@@ -128,17 +147,23 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
                            " must have the same shape (row b of one is patched into row b of the other)")
     if clean_ids.dim() == 1:  # one pair: the results without the pairs axis
         return _one_pair(attribute(model, clean_ids[None], corrupt_ids[None], metric, layers=layers,
-                                   forward_kwargs=forward_kwargs, paths=paths, method=method, chunk=chunk))
+                                   forward_kwargs=forward_kwargs, paths=paths, method=method, chunk=chunk,
+                                   steps=steps))
     if not callable(metric):
         raise InvalidValue(f"{where}: expected a callable metric(logits) -> [batch] or a scalar, got {metric!r}")
     if method not in METHODS:
         raise InvalidValue(f"{where}: expected method in {METHODS}, got {method!r}")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise InvalidValue(f"{where}: expected chunk as a positive int (tokens per piece), got {chunk!r}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise InvalidValue(f"{where}: expected steps as a positive int (the gradients averaged on the way from the"
+                           f" corrupt to the clean input embeddings; 1: attribution patching), got {steps!r}")
     kwargs = dict(forward_kwargs or {})
+    runs = _Runs(model, metric, None if layers is None else tuple(layers), kwargs, paths, corrupt_ids, where)
+    inputs = _line(model, clean_ids, corrupt_ids, steps, kwargs, where)
     if method != "states":
         with watch(model, paths=paths) as probe:
-            kinds = [type(m) for m in _chosen(probe.mixers, layers, where)]
+            kinds = [type(m) for m in runs.chosen(probe)]
         chunkable = all(_chunkable(kind) for kind in kinds)
         if method == "chunks" and not chunkable:
             slow = sorted({kind.__name__ for kind in kinds if not _chunkable(kind)})
@@ -146,95 +171,238 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
                                f" {', '.join(slow)} has none: use method='states' (or 'auto')")
         if chunkable:
             shared_conv = all(_conv_kernel(kind) is not None for kind in kinds)
-            return _attribute_in_chunks(model, clean_ids, corrupt_ids, metric, layers, kwargs, paths, chunk,
-                                        shared_conv, where)
+            return _attribute_in_chunks(runs, clean_ids, corrupt_ids, chunk, shared_conv, inputs, steps)
+    return _attribute_with_states(runs, clean_ids, corrupt_ids, inputs, steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Runs:
+    """What every forward of one `attribute` call shares: the model, the metric, the chosen layers, the forward's
+    keyword arguments and paths; `ids` (any of the two prompts) gives the pairs for `_per_row`."""
+
+    model: nn.Module
+    metric: Metric
+    layers: tuple[int, ...] | None
+    kwargs: dict[str, Any]
+    paths: Paths | None
+    ids: Tensor
+    where: str
+
+    def value(self, *args: Any, **inputs: Any) -> Tensor:
+        """`[pairs]`: the metric of one forward of `args` (the ids) or `inputs` (inputs_embeds=)."""
+        return _per_row(self.metric(self.model(*args, **inputs, **self.kwargs).logits), self.ids, self.where)
+
+    def chosen(self, handle: Any) -> list[RecurrentMixer]:
+        return _chosen(handle.mixers, self.layers, self.where)
+
+
+Inputs = Callable[[int], tuple[tuple, dict[str, Tensor]]]  # step -> the positional and keyword inputs of its forward
+Terms = tuple[Tensor, tuple[int, ...], Tensor, Tensor]  # one gradient run's metric, layers, state and window terms
+
+
+def _line(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, steps: int, kwargs: Mapping[str, Any],
+          where: str) -> Inputs:
+    """The inputs of gradient run `step` (0..steps-1): the corrupt ids at steps=1; else the input embeddings at
+    alpha = step / steps on the straight line E(corrupt) + alpha (E(clean) - E(corrupt)), `[pairs, seq, hidden]`
+    (alpha = 0 first: the corrupt run's own embeddings)."""
+    if steps == 1:
+        return lambda step: ((corrupt_ids,), {})
+    embedding = _embedding(model, steps, kwargs, where)
+    with torch.no_grad():
+        start = embedding(corrupt_ids)
+        towards = embedding(clean_ids).float() - start.float()  # pairs seq hidden
+    return lambda step: ((), {"inputs_embeds": (start.float() + (step / steps) * towards).to(start.dtype)})
+
+
+def _embedding(model: nn.Module, steps: int, kwargs: Mapping[str, Any], where: str) -> nn.Module:
+    """The model's input embedding, once its forward is seen to take `inputs_embeds`."""
+    given = sorted({"input_ids", "inputs_embeds"} & set(kwargs))
+    if given:
+        raise InvalidValue(f"{where}: expected no {given[0]} in forward_kwargs (steps={steps} passes inputs_embeds"
+                           " made from clean_ids and corrupt_ids), got one")
+    try:
+        embedding = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        embedding = None
+    try:
+        takes = "inputs_embeds" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        takes = False
+    if not isinstance(embedding, nn.Module) or not takes:
+        missing = "no get_input_embeddings() module" if not isinstance(embedding, nn.Module) else \
+            "a forward without an inputs_embeds argument"
+        raise InvalidValue(f"{where}: steps={steps} runs the model on input embeddings (model(inputs_embeds=...)),"
+                           f" expected a model that takes them; {type(model).__name__} has {missing}: use steps=1")
+    return embedding
+
+
+def _averaged(gradient: Callable[[tuple, dict[str, Tensor]], Terms], inputs: Inputs, steps: int, clean_value: Tensor,
+              corrupt_value: Tensor | None, where: str) -> Attribution:
+    """The terms of the `steps` gradient runs, one run after the other, averaged (their sum / steps; at steps=1
+    the one run's terms as they are). `corrupt_value`: the corrupt run's metric (None at steps=1: the gradient
+    run is the corrupt run)."""
+    for step in range(steps):
+        args, named = inputs(step)
+        value, layers, state, window = gradient(args, named)
+        if step == 0:
+            corrupt_value = value if corrupt_value is None else _same_start(value, corrupt_value, steps, where)
+            state_sum, window_sum = state, window
+        else:
+            state_sum, window_sum = state_sum + state, window_sum + window
+    if steps > 1:
+        state_sum, window_sum = state_sum / steps, window_sum / steps
+    return Attribution(layers, state_sum, window_sum, clean_value.detach().float(), corrupt_value.detach().float())
+
+
+def _same_start(value: Tensor, corrupt: Tensor, steps: int, where: str) -> Tensor:
+    """The corrupt run's metric, once the run of alpha = 0, E(corrupt) as inputs_embeds, is seen to give it."""
+    if not torch.allclose(value.float(), corrupt.float(), rtol=1e-3, atol=1e-3, equal_nan=True):
+        raise InvalidValue(f"{where}: steps={steps}: expected model(inputs_embeds=E(corrupt_ids)) to be the forward of"
+                           f" corrupt_ids (E = model.get_input_embeddings()), got metrics {value.tolist()} from the"
+                           f" embeddings and {corrupt.tolist()} from the ids: use steps=1")
+    return corrupt
+
+
+def _attribute_with_states(runs: _Runs, clean_ids: Tensor, corrupt_ids: Tensor, inputs: Inputs,
+                           steps: int) -> Attribution:
+    """method="states": each gradient run keeps every state and window differentiably; the clean run (and, at
+    steps > 1, the corrupt one) keeps them without grad."""
     keep = ("states", "windows")  # a memory a mixer's kind does not carry is not kept (normalize_keep)
-    with torch.no_grad(), watch(model, keep=keep, paths=paths) as clean_watch:
-        clean_value = _per_row(metric(model(clean_ids, **kwargs).logits), clean_ids, where)
-    with torch.enable_grad(), watch(model, keep=keep, paths=paths) as corrupt_watch:
-        corrupt_value = _per_row(metric(model(corrupt_ids, **kwargs).logits), corrupt_ids, where)
-    chosen = _chosen(corrupt_watch.mixers, layers, where)
-    pairs = [(clean_watch.mixer(m.layer), m) for m in chosen]
+    clean_value, clean = _kept_run(runs, clean_ids, keep)
+    corrupt_value, reference = _kept_run(runs, corrupt_ids, keep) if steps > 1 else (None, None)
+    gradient = functools.partial(_gradient_with_states, runs, keep, clean, reference)
+    return _averaged(gradient, inputs, steps, clean_value, corrupt_value, runs.where)
+
+
+def _kept_run(runs: _Runs, ids: Tensor, keep: tuple[str, ...]) -> tuple[Tensor, Watch]:
+    """A forward of `ids` without grad keeping `keep`: its metric and its watch."""
+    with torch.no_grad(), watch(runs.model, keep=keep, paths=runs.paths) as kept:
+        value = runs.value(ids)
+    return value, kept
+
+
+def _gradient_with_states(runs: _Runs, keep: tuple[str, ...], clean: Watch, reference: Watch | None, args: tuple,
+                          named: dict[str, Tensor]) -> Terms:
+    """One gradient run of "states": its terms (clean - reference memory) . gradient, with the reference the
+    corrupt run's kept memory (None: the run's own)."""
+    with torch.enable_grad(), watch(runs.model, keep=keep, paths=runs.paths) as run:
+        value = runs.value(*args, **named)
+    chosen = runs.chosen(run)
     # every part of every memory the kinds carry (a memory a kind lacks contributes zeros; see engine.parts)
-    inputs = [leaf for _, m in pairs for memory in _MEMORIES if memory in m.MEMORIES
+    leaves = [leaf for m in chosen for memory in _MEMORIES if memory in m.MEMORIES
               for buffer in m.calls[0].differentiable(memory) for _, leaf in parts_of(buffer)]
-    grads = iter(torch.autograd.grad(corrupt_value.sum(), inputs, allow_unused=True))
-    state_rows, window_rows = [], []
-    for clean, corrupt in pairs:
-        for memory, rows in zip(_MEMORIES, (state_rows, window_rows)):
-            rows.append(_memory_row(clean, corrupt, memory, grads, clean_ids))
-    return Attribution(tuple(m.layer for m in chosen), torch.stack(state_rows, dim=1), torch.stack(window_rows, dim=1),
-                       clean_value.detach().float(), corrupt_value.detach().float())
+    grads = iter(torch.autograd.grad(value.sum(), leaves, allow_unused=True))
+    rows = [[_memory_row(clean.mixer(m.layer), m, memory, grads, runs.ids,
+                         None if reference is None else reference.mixer(m.layer)) for memory in _MEMORIES]
+            for m in chosen]  # in `leaves`' order: mixer by mixer, state then window
+    return (value.detach(), tuple(m.layer for m in chosen), torch.stack([state for state, _ in rows], dim=1),
+            torch.stack([window for _, window in rows], dim=1))
 
 
-def _memory_row(clean: RecurrentMixer, corrupt: RecurrentMixer, memory: str, grads: Iterable, ids: Tensor) -> Tensor:
+def _memory_row(clean: RecurrentMixer, corrupt: RecurrentMixer, memory: str, grads: Iterable, ids: Tensor,
+                reference: RecurrentMixer | None = None) -> Tensor:
     """`[pairs, seq]`: the sum over the memory axes of (clean - corrupt) * gradient, per pair and token, from kept
-    states (next(grads) per part of every buffer of `memory`, in `inputs`' order)."""
+    states (next(grads) per part of every buffer of `memory`, in the order of the gradient run's leaves); the
+    corrupt memory is `reference`'s kept one where given, else the gradient run's own."""
     total = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
     if memory not in corrupt.MEMORIES:
         return total
     buffers = corrupt.calls[0].differentiable(memory)
-    reference = clean.calls[0]._all(memory)
-    for head, buffer in enumerate(buffers):
-        clean_part = reference if len(buffers) == 1 else map_parts(lambda r: r[:, :, head], reference)
-        for (_, leaf), (_, clean_leaf) in zip(parts_of(buffer), parts_of(clean_part)):
+    cleans = _per_buffer(clean.calls[0]._all(memory), len(buffers))
+    minus = buffers if reference is None else _per_buffer(reference.calls[0]._all(memory), len(buffers))
+    for buffer, clean_part, minus_part in zip(buffers, cleans, minus):
+        for (_, leaf), (_, clean_leaf), (_, minus_leaf) in zip(parts_of(buffer), parts_of(clean_part),
+                                                                parts_of(minus_part)):
             grad = next(grads)
             if grad is None:  # the metric does not depend on this memory
                 continue
-            delta = clean_leaf.to(torch.float32) - leaf.detach().to(torch.float32)  # b t *memory
+            delta = clean_leaf.to(torch.float32) - minus_leaf.detach().to(torch.float32)  # b t *memory
             total = total + (delta * grad.to(torch.float32)).flatten(2).sum(-1).to(total.device)  # b t
     return total
 
 
-def _attribute_in_chunks(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: Metric,
-                         layers: Iterable[int] | None, kwargs: dict[str, Any], paths: Paths | None, chunk: int,
-                         shared_conv: bool, where: str) -> Attribution:
+def _per_buffer(kept: Any, buffers: int) -> list[Any]:
+    """A kept memory `[batch, seq, heads, ...]` cut as the differentiable buffers are: whole for one, else per head."""
+    return [kept] if buffers == 1 else [map_parts(lambda r, head=head: r[:, :, head], kept) for head in range(buffers)]
+
+
+@dataclasses.dataclass
+class _Recorded:
+    """A run of "chunks" without grad (the clean one; the corrupt one at steps > 1): its metric, its chosen
+    layers' call runners (their pieces' inputs and boundary states, the convolutions' inputs) and its watch
+    (its kept windows where the convolution is not the shared one)."""
+
+    value: Tensor
+    runners: dict[int, "_CleanRunner"]
+    watch: Watch
+
+
+def _attribute_in_chunks(runs: _Runs, clean_ids: Tensor, corrupt_ids: Tensor, chunk: int, shared_conv: bool,
+                         inputs: Inputs, steps: int) -> Attribution:
     """method="chunks": the state term through `_Chunked` calls, the window term from the convolution's inputs
     and output gradients (`conv.window_terms`) where every chosen kind's conv is the shared one (`shared_conv`),
     else from kept windows."""
     keep = () if shared_conv else ("windows",)  # the state kernels' calls (and the shared convs) go to the runners
-    with torch.no_grad(), watch(model, keep=keep, paths=paths) as clean_watch, contextlib.ExitStack() as stack:
-        clean_chosen = _chosen(clean_watch.mixers, layers, where)
-        cleans = {m.layer: _CleanRunner(chunk, shared_conv) for m in clean_chosen}
-        for m in clean_chosen:
-            stack.enter_context(runners.running(m, cleans[m.layer]))
-        clean_value = _per_row(metric(model(clean_ids, **kwargs).logits), clean_ids, where)
-    with torch.enable_grad(), watch(model, keep=keep, paths=paths) as corrupt_watch, \
+    clean = _recorded_run(runs, clean_ids, keep, chunk, shared_conv)
+    reference = _recorded_run(runs, corrupt_ids, keep, chunk, shared_conv) if steps > 1 else None
+    gradient = functools.partial(_gradient_in_chunks, runs, keep, chunk, shared_conv, clean, reference)
+    return _averaged(gradient, inputs, steps, clean.value, None if reference is None else reference.value,
+                     runs.where)
+
+
+def _recorded_run(runs: _Runs, ids: Tensor, keep: tuple[str, ...], chunk: int, shared_conv: bool) -> _Recorded:
+    """A forward of `ids` without grad, each chosen prompt call in pieces, recorded (`_CleanRunner`)."""
+    with torch.no_grad(), watch(runs.model, keep=keep, paths=runs.paths) as kept, contextlib.ExitStack() as stack:
+        recorders = {m.layer: _CleanRunner(chunk, shared_conv) for m in runs.chosen(kept)}
+        for m in runs.chosen(kept):
+            stack.enter_context(runners.running(m, recorders[m.layer]))
+        value = runs.value(ids)
+    return _Recorded(value, recorders, kept)
+
+
+def _gradient_in_chunks(runs: _Runs, keep: tuple[str, ...], chunk: int, shared_conv: bool, clean: _Recorded,
+                        reference: _Recorded | None, args: tuple, named: dict[str, Tensor]) -> Terms:
+    """One gradient run of "chunks": its terms (clean - reference memory) . gradient, with the reference the
+    corrupt run's recorded memory (None: the run's own)."""
+    where = runs.where
+    with torch.enable_grad(), watch(runs.model, keep=keep, paths=runs.paths) as run, \
             contextlib.ExitStack() as stack:
-        chosen = _chosen(corrupt_watch.mixers, layers, where)
-        corrupts = {m.layer: _CorruptRunner(cleans[m.layer], chunk, f"{m}") for m in chosen}
+        chosen = runs.chosen(run)
+        corrupts = {m.layer: _CorruptRunner(clean.runners[m.layer], chunk, f"{m}",
+                                            None if reference is None else reference.runners[m.layer])
+                    for m in chosen}
         for m in chosen:
             stack.enter_context(runners.running(m, corrupts[m.layer]))
-        corrupt_value = _per_row(metric(model(corrupt_ids, **kwargs).logits), corrupt_ids, where)
+        value = runs.value(*args, **named)
     for m in chosen:
-        runner, clean = corrupts[m.layer], cleans[m.layer]
-        if not runner.eps or len(runner.eps) != len(clean.records):
+        runner, recorded = corrupts[m.layer], clean.runners[m.layer]
+        if not runner.eps or len(runner.eps) != len(recorded.records):
             raise InvalidValue(f"{where}: {m}: its prompt kernel ran {len(runner.eps)} time(s) through the chunked"
-                               f" path in the corrupt run and {len(clean.records)} in the clean one (another handle"
-                               " watching it, or a path the study cannot see): use method='states'")
-    pairs = [(clean_watch.mixer(m.layer), m) for m in chosen]
-    windows = [] if shared_conv else [leaf for _, m in pairs if CONV_MEMORY in m.MEMORIES
+                               f" path in the corrupt run and {len(recorded.records)} in the clean one (another"
+                               " handle watching it, or a path the study cannot see): use method='states'")
+    windows = [] if shared_conv else [leaf for m in chosen if CONV_MEMORY in m.MEMORIES
                                       for buffer in m.calls[0].differentiable(CONV_MEMORY) for _, leaf in parts_of(buffer)]
     eps = [e for m in chosen for e in corrupts[m.layer].eps]
     shifts = [call.shift for m in chosen for call in corrupts[m.layer].convs]
-    grads = torch.autograd.grad(corrupt_value.sum(), [*eps, *shifts, *windows], allow_unused=True)
+    grads = torch.autograd.grad(value.sum(), [*eps, *shifts, *windows], allow_unused=True)
     eps_grads, shift_grads = iter(grads[:len(eps)]), iter(grads[len(eps):len(eps) + len(shifts)])
     window_grads = iter(grads[len(eps) + len(shifts):])
     state_rows, window_rows = [], []
-    for clean, corrupt in pairs:
-        total = torch.zeros(clean_ids.shape, dtype=torch.float32, device=clean_ids.device)
-        for _ in corrupts[corrupt.layer].eps:
+    for m in chosen:
+        total = torch.zeros(runs.ids.shape, dtype=torch.float32, device=runs.ids.device)
+        for _ in corrupts[m.layer].eps:
             grad = next(eps_grads)
             if grad is not None:
                 total = total + grad.to(total.device)
         state_rows.append(total)
         if shared_conv:
-            window_rows.append(_window_row(cleans[corrupt.layer], corrupts[corrupt.layer], shift_grads, clean_ids,
-                                           f"{where}: {corrupt}"))
+            window_rows.append(_window_row(clean.runners[m.layer], corrupts[m.layer], shift_grads, runs.ids,
+                                           f"{where}: {m}", None if reference is None else reference.runners[m.layer]))
         else:
-            window_rows.append(_memory_row(clean, corrupt, CONV_MEMORY, window_grads, clean_ids))
-    return Attribution(tuple(m.layer for m in chosen), torch.stack(state_rows, dim=1), torch.stack(window_rows, dim=1),
-                       clean_value.detach().float(), corrupt_value.detach().float())
+            window_rows.append(_memory_row(clean.watch.mixer(m.layer), m, CONV_MEMORY, window_grads, runs.ids,
+                                           None if reference is None else reference.watch.mixer(m.layer)))
+    layers = tuple(m.layer for m in chosen)
+    return value.detach(), layers, torch.stack(state_rows, dim=1), torch.stack(window_rows, dim=1)
 
 
 def _conv_kernel(kind: type[RecurrentMixer]) -> Kernel | None:
@@ -264,13 +432,15 @@ def _conv_call(kernel: Kernel, args: tuple, kwargs: dict) -> dict[str, Any]:
 
 
 def _window_row(clean: "_CleanRunner", corrupt: "_CorruptRunner", grads: Iterable, ids: Tensor,
-                where: str) -> Tensor:
-    """`[pairs, seq]`: the window term per pair and token, from each prompt convolution call's inputs and gradient."""
+                where: str, reference: "_CleanRunner | None" = None) -> Tensor:
+    """`[pairs, seq]`: the window term per pair and token, from each prompt convolution call's inputs and gradient;
+    the corrupt inputs are `reference`'s where given (the corrupt run's, at steps > 1), else the gradient run's."""
     total = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
-    if len(clean.convs) != len(corrupt.convs):
+    minus = corrupt.convs if reference is None else reference.convs
+    if len(clean.convs) != len(corrupt.convs) or len(minus) != len(corrupt.convs):
         raise InvalidValue(f"{where}: its prompt convolution ran {len(corrupt.convs)} time(s) in the corrupt run and"
                            f" {len(clean.convs)} in the clean one: use method='states'")
-    for before, after in zip(clean.convs, corrupt.convs):
+    for before, after, base in zip(clean.convs, corrupt.convs, minus):
         grad = next(grads)
         if grad is None:
             continue
@@ -278,7 +448,7 @@ def _window_row(clean: "_CleanRunner", corrupt: "_CorruptRunner", grads: Iterabl
             raise InvalidValue(f"{where}: its prompt convolution covers {tuple(after.inputs.shape)} in the corrupt run"
                                f" and {tuple(before.inputs.shape)} in the clean one, for a {ids.shape[1]}-token"
                                " prompt (a cached prefix?): use method='states'")
-        delta = before.inputs.to(torch.float32) - after.inputs.to(torch.float32)  # b c L
+        delta = before.inputs.to(torch.float32) - base.inputs.to(torch.float32)  # b c L
         total = total + conv.window_terms(delta, grad, after.weight).to(total.device)
     return total
 
@@ -367,8 +537,9 @@ class _CorruptRunner:
 
     path = "attribution: pieces (corrupt)"
 
-    def __init__(self, clean: _CleanRunner, chunk: int, where: str) -> None:
+    def __init__(self, clean: _CleanRunner, chunk: int, where: str, reference: _CleanRunner | None = None) -> None:
         self.clean, self.chunk, self.where = clean, chunk, where
+        self.reference = reference  # the corrupt run's records (steps > 1): the delta is clean minus them
         self.eps: list[Tensor] = []
         self.convs: list[_ConvCall] = []
 
@@ -387,6 +558,10 @@ class _CorruptRunner:
             raise InvalidValue(f"attribute: {self.where}: prompt kernel call {index} of the corrupt run has no clean"
                                f" counterpart (the clean run made {len(self.clean.records)})")
         clean = self.clean.records[index]
+        if self.reference is not None and index >= len(self.reference.records):
+            raise InvalidValue(f"attribute: {self.where}: prompt kernel call {index} of a gradient run has no"
+                               f" counterpart in the corrupt run (which made {len(self.reference.records)})")
+        reference = None if self.reference is None else self.reference.records[index]
         pieces = Pieces(kernel, args, kwargs)
         if pieces.tokens != clean.pieces.tokens:
             raise InvalidValue(f"attribute: {self.where}: prompt kernel call {index} covers {pieces.tokens} tokens"
@@ -396,7 +571,7 @@ class _CorruptRunner:
         batch = next(t for t in tensors if t.dim() > 0).shape[0] if state is None else state.shape[0]
         eps = torch.zeros(batch, pieces.tokens, dtype=torch.float32, device=tensors[0].device, requires_grad=True)
         self.eps.append(eps)
-        spec = _Spec(kernel, original, args, kwargs, slots, clean, self.chunk)
+        spec = _Spec(kernel, original, args, kwargs, slots, clean, self.chunk, reference)
         out, final = _Chunked.apply(spec, eps, *tensors)
         return pieces.result([out], final)
 
@@ -412,6 +587,7 @@ class _Spec:
     slots: list[tuple[int | None, str | None]]  # where each tensor input goes: (args index, None) or (None, key)
     clean: _CleanCall
     chunk: int
+    reference: _CleanCall | None = None  # the corrupt run's call (steps > 1); None: the delta is from the run's own
     boundaries: list[Any] = dataclasses.field(default_factory=list)
 
     def pieces(self, tensors: Iterable[Tensor]) -> Pieces:
@@ -426,10 +602,14 @@ class _Chunked(torch.autograd.Function):
     def forward(ctx: Any, spec: _Spec, eps: Tensor, *tensors: Tensor) -> tuple[Tensor, Tensor]:
         pieces = spec.pieces(tensors)
         outputs, spec.boundaries = _run_pieces(spec.kernel, spec.original, pieces, spec.chunk)
+        final = spec.boundaries[-1]
+        # the spec (on ctx) keeps no output of the Function: output -> graph -> ctx -> spec -> output is a cycle the
+        # garbage collector did not always free, and with it the call's inputs and boundary states
+        spec.boundaries[-1] = final.detach()
         ctx.spec = spec
         ctx.save_for_backward(*tensors)
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=spec.kernel.segments.out_axis)
-        return out, spec.boundaries[-1]
+        return out, final
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor | None, grad_final: Tensor | None) -> tuple[Any, ...]:
@@ -456,8 +636,10 @@ class _Chunked(torch.autograd.Function):
                 if not buffers:
                     buffers = [last.new_empty((spec.chunk, *last.shape), dtype=torch.float32) for _ in range(2)]
                 clean = spec.clean.states(kernel, index, start, end, buffers[0])  # i b *state
+                minus = None if spec.reference is None else spec.reference.states(kernel, index, start, end,
+                                                                                  buffers[1])
                 grad_state, eps_part, grads = _backward_piece(spec, pieces, start, end, spec.boundaries[index],
-                                                              clean, buffers[1], wanted, grad_out, grad_state)
+                                                              clean, buffers[1], wanted, grad_out, grad_state, minus)
                 eps_parts.append(eps_part)
                 for name, grad in grads.items():
                     if name in per_token:
@@ -466,6 +648,7 @@ class _Chunked(torch.autograd.Function):
                         summed[name] = grad if name not in summed else summed[name] + grad
                 continue
             clean = spec.clean.states(kernel, index, start, end)  # i b *state
+            minus = None if spec.reference is None else spec.reference.states(kernel, index, start, end)
             leading, named = pieces.call(start, end, spec.boundaries[index])
             with torch.no_grad():  # the corrupt states inside the piece: the boundaries of its steps
                 corrupt = _states(kernel, leading, named) if end - start > step_tokens else None
@@ -476,7 +659,7 @@ class _Chunked(torch.autograd.Function):
                 boundary = spec.boundaries[index] if first == 0 else corrupt[first - 1]
                 grad_state, eps_part, grads = _backward_step(
                     kernel, pieces, start + first, start + last, boundary, clean[first:last], wanted,
-                    grad_out, grad_state)
+                    grad_out, grad_state, None if minus is None else minus[first:last])
                 step_eps.append(eps_part)
                 for name, grad in grads.items():
                     if name in per_token:
@@ -500,12 +683,13 @@ class _Chunked(torch.autograd.Function):
 
 
 def _backward_piece(spec: _Spec, pieces: Pieces, start: int, end: int, boundary: Any, clean: Tensor,
-                    buffer: Tensor, wanted: set[str], grad_out: Tensor | None,
-                    grad_state: Tensor | None) -> tuple[Tensor | None, Tensor, dict[str, Tensor | None]]:
+                    buffer: Tensor, wanted: set[str], grad_out: Tensor | None, grad_state: Tensor | None,
+                    minus: Tensor | None = None) -> tuple[Tensor | None, Tensor, dict[str, Tensor | None]]:
     """Tokens [start, end) of the call by the kind's adjoint (`Segments.adjoint`): the inputs' and the boundary
     state's gradients from the piece's kernel recomputed under autograd (chunk-wise), the eps gradients
-    (S_t - S'_t) . mu_t from the adjoint recurrence, with the piece's corrupt states from `all_states` (into
-    `buffer`; `clean`, the clean states, becomes S_t - S'_t in place)."""
+    (S_t - S'_t) . mu_t from the adjoint recurrence, with the piece's corrupt states S'_t `minus` (the corrupt
+    run's, at steps > 1) or, for None, the run's own from `all_states` (into `buffer`; `clean`, the clean
+    states, becomes S_t - S'_t in place)."""
     kernel = spec.kernel
     segments = kernel.segments
     run = segments.kernel or spec.original
@@ -521,7 +705,7 @@ def _backward_piece(spec: _Spec, pieces: Pieces, start: int, end: int, boundary:
         grads = torch.autograd.grad(outputs, targets, grads_in, allow_unused=True) if targets else ()
     leading, named = adjoint.detached(pieces, leading, named, leaves)
     with torch.no_grad():
-        delta = clean.sub_(_states(kernel, leading, named, buffer))  # i b *state   S_t - S'_t
+        delta = clean.sub_(_states(kernel, leading, named, buffer) if minus is None else minus)  # i b *state
         eps = delta.new_zeros(delta.shape[1], end - start)  # b i
 
         def visit(t: int, mu: Tensor) -> None:  # (S_t - S'_t) . mu_t per row
@@ -533,9 +717,10 @@ def _backward_piece(spec: _Spec, pieces: Pieces, start: int, end: int, boundary:
 
 
 def _backward_step(kernel: Kernel, pieces: Pieces, start: int, end: int, boundary: Any, clean: Tensor,
-                   wanted: set[str], grad_out: Tensor | None,
-                   grad_state: Tensor | None) -> tuple[Tensor | None, Tensor, dict[str, Tensor | None]]:
-    """Tokens [start, end) of the call through the token loop, from `boundary`, with the eps replacement: the
+                   wanted: set[str], grad_out: Tensor | None, grad_state: Tensor | None,
+                   minus: Tensor | None = None) -> tuple[Tensor | None, Tensor, dict[str, Tensor | None]]:
+    """Tokens [start, end) of the call through the token loop, from `boundary`, with the eps replacement
+    s + eps_t (clean_t - S'_t), S'_t the run's own state or, where given, `minus[t]` (the corrupt run's): the
     gradients of the boundary state, of eps over these tokens, and of the wanted inputs' pieces."""
     segments = kernel.segments
     with torch.enable_grad():
@@ -544,7 +729,7 @@ def _backward_step(kernel: Kernel, pieces: Pieces, start: int, end: int, boundar
 
         def on_token(t: int, s: Tensor) -> Tensor:
             scale = eps[:, t].reshape(-1, *([1] * (s.dim() - 1))).to(s.dtype)
-            return s + scale * (clean[t].to(s.dtype) - s.detach())
+            return s + scale * (clean[t].to(s.dtype) - (s.detach() if minus is None else minus[t].to(s.dtype)))
 
         out, final = kernel.loop(*leading, on_token=on_token, **named)
         outputs, grads_in = [out], [torch.zeros_like(out) if grad_out is None
