@@ -174,7 +174,8 @@ def window_terms(
     delta: Float[Tensor, "batch channels length"],
     grad: Float[Tensor, "batch channels length"],
     weight: Float[Tensor, "channels kernel_size"],
-) -> Float[Tensor, "batch length"]:
+    shares: Float[Tensor, "channels groups"] | None = None,
+) -> Float[Tensor, "batch length"] | Float[Tensor, "batch length groups"]:
     """For every position p of a prompt call: sum over channels and columns of (W_p - W'_p) . d m / d W'_p, the
     first-order effect of writing the window after p, from the inputs and the convolution's gradients alone.
 
@@ -183,19 +184,24 @@ def window_terms(
     after p holds x_{p-K+1..p}; position s = p + d (d = 1..K-1) reads its columns j >= d through tap j - d, so
         d m / d W'_p[:, j] = sum_{d=1}^{j} w[:, j - d] grad_{p+d}
         term_p = sum_{d=1}^{K-1} sum_c grad_{p+d} . sum_{i=0}^{K-1-d} w[:, i] delta_{p+d-K+1+i}
-    (the partial convolution of delta at s over the taps that read positions <= p). No per-token step."""
+    (the partial convolution of delta at s over the taps that read positions <= p). No per-token step.
+    `shares[c, g]`: the share of channel c's term that goes to group g (a head): the terms per group,
+    `[batch, length, groups]`, which sum to the total where each channel's shares sum to 1."""
     batch, channels, length = delta.shape
     size = weight.shape[-1]
     delta, grad, weight = delta.float(), grad.float(), weight.float()
     padded = F.pad(delta, (size - 1, size - 1))  # b c L+2K-2   delta_u at column u + K - 1, zeros outside
-    terms = delta.new_zeros(batch, length)
+    terms = delta.new_zeros(batch, length) if shares is None else delta.new_zeros(batch, length, shares.shape[1])
     for d in range(1, size):
         reads = delta.new_zeros(batch, channels, length)  # at p: sum_i w_i delta_{p+d-K+1+i}, the taps i <= K-1-d
         for i in range(size - d):
             start = d + i  # column of delta_{p+d-K+1+i} at p = 0
             reads += weight[:, i, None] * padded[..., start:start + length]
         later = F.pad(grad[..., d:], (0, d))  # b c L   grad_{p+d}, 0 past the call's end
-        terms += (later * reads).sum(1)
+        if shares is None:
+            terms += (later * reads).sum(1)
+        else:
+            terms += torch.einsum("bcl,cg->blg", later * reads, shares.to(terms))
     return terms
 
 

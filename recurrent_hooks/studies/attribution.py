@@ -81,10 +81,11 @@ class Attribution:
     """Per recurrent layer and token: the estimated change of the metric from patching clean into corrupt."""
 
     layers: tuple[int, ...]  # the decoder layer of each row
-    state: Float[Tensor, "*pairs layers seq"]  # no pairs axis for one pair given as [seq]
+    state: Float[Tensor, "*pairs layers seq"]  # no pairs axis for one pair given as [seq]; heads=True: [.., heads, ..]
     window: Float[Tensor, "*pairs layers seq"]
     clean: Float[Tensor, "*pairs"]  # the metric of the clean run, per pair (0-d for one pair, as `Sweep.clean`)
     corrupt: Float[Tensor, "*pairs"]  # the metric of the corrupt run
+    heads: int | None = None  # heads=True: the heads of every layer (state, window: [*pairs, layers, heads, seq])
 
     @property
     def memory(self) -> Float[Tensor, "*pairs layers seq"]:
@@ -95,19 +96,21 @@ class Attribution:
         """`memory / (clean - corrupt)` (per pair): the estimated share of the clean metric each cell's patch
         restores, on `Sweep.normalized()`'s scale (0: no effect, 1: the clean metric restored; inf or nan where the
         two baselines are equal)."""
-        return self.memory / (self.clean - self.corrupt)[..., None, None]
+        gap = self.clean - self.corrupt
+        return self.memory / gap.reshape(*gap.shape, *[1] * (self.memory.dim() - gap.dim()))
 
     def to_dict(self) -> dict[str, Any]:
         """Tensors, ints and strings only: `torch.save(result.to_dict(), path)` loads back with
         `Attribution.from_dict(torch.load(path, weights_only=True))`."""
         return {"layers": list(self.layers), "state": self.state, "window": self.window, "clean": self.clean,
-                "corrupt": self.corrupt}
+                "corrupt": self.corrupt, "heads": self.heads}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Attribution":
         """The result `to_dict` gave."""
         return cls(tuple(int(layer) for layer in data["layers"]), data["state"], data["window"],
-                   torch.as_tensor(data["clean"]), torch.as_tensor(data["corrupt"]))
+                   torch.as_tensor(data["clean"]), torch.as_tensor(data["corrupt"]),
+                   None if data.get("heads") is None else int(data["heads"]))
 
 
 METHODS = ("auto", "chunks", "states")
@@ -116,7 +119,8 @@ _STEP_BYTES = 32 * 2**20  # the states of the token loop's graph held at once in
 
 def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: Metric, *,
               layers: Iterable[int] | None = None, forward_kwargs: Mapping[str, Any] | None = None,
-              paths: Paths | None = None, method: str = "auto", chunk: int = 64, steps: int = 1) -> Attribution:
+              paths: Paths | None = None, method: str = "auto", chunk: int = 64, steps: int = 1,
+              heads: bool = False) -> Attribution:
     """Attribution patching of every recurrent layer x token, from one clean forward and one forward and
     backward of the corrupt run (`steps` of them on the way from the corrupt input to the clean one).
 
@@ -136,6 +140,10 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
     the model's forward must take `inputs_embeds`), each term (clean - corrupt memory) . their mean, where the
     corrupt memory is the corrupt run's (kept, as the clean run's, by a forward without grad). k forwards and
     backwards one after the other, in the memory of one (docs/attribution.md).
+    `heads`: `state` and `window` per head, `[layers, heads, seq]` (after the pairs axis), summing over heads to
+    the per-layer result: a head's state term is over its slice of the state; its window term over the window
+    channels that feed it (the kind's declaration, as `patching_sweep(heads=True)` patches them), a channel that
+    feeds several heads (a key head's q and k, a Mamba-2 group's B and C) split equally among them.
     """
     where = "attribute"
     for name, ids in (("clean_ids", clean_ids), ("corrupt_ids", corrupt_ids)):
@@ -148,7 +156,7 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
     if clean_ids.dim() == 1:  # one pair: the results without the pairs axis
         return _one_pair(attribute(model, clean_ids[None], corrupt_ids[None], metric, layers=layers,
                                    forward_kwargs=forward_kwargs, paths=paths, method=method, chunk=chunk,
-                                   steps=steps))
+                                   steps=steps, heads=heads))
     if not callable(metric):
         raise InvalidValue(f"{where}: expected a callable metric(logits) -> [batch] or a scalar, got {metric!r}")
     if method not in METHODS:
@@ -158,12 +166,20 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise InvalidValue(f"{where}: expected steps as a positive int (the gradients averaged on the way from the"
                            f" corrupt to the clean input embeddings; 1: attribution patching), got {steps!r}")
+    if heads is not True and heads is not False:
+        raise InvalidValue(f"{where}: expected heads=True or heads=False, got heads={heads!r}")
     kwargs = dict(forward_kwargs or {})
-    runs = _Runs(model, metric, None if layers is None else tuple(layers), kwargs, paths, corrupt_ids, where)
+    runs = _Runs(model, metric, None if layers is None else tuple(layers), kwargs, paths, corrupt_ids, where, heads)
     inputs = _line(model, clean_ids, corrupt_ids, steps, kwargs, where)
+    with watch(model, paths=paths) as probe:
+        chosen = runs.chosen(probe)
+        kinds = [type(m) for m in chosen]
+        no_heads = next((f"{m}" for m in chosen if heads and not m.HEADS), None)
+    if no_heads is not None:
+        raise InvalidValue(f"{where}: heads=True needs a state with heads in every chosen layer; {no_heads} has a"
+                           f" state of axes {kinds[[f'{m}' for m in chosen].index(no_heads)].STATE!r} without heads"
+                           " (choose other layers, or heads=False)")
     if method != "states":
-        with watch(model, paths=paths) as probe:
-            kinds = [type(m) for m in runs.chosen(probe)]
         chunkable = all(_chunkable(kind) for kind in kinds)
         if method == "chunks" and not chunkable:
             slow = sorted({kind.__name__ for kind in kinds if not _chunkable(kind)})
@@ -187,6 +203,7 @@ class _Runs:
     paths: Paths | None
     ids: Tensor
     where: str
+    heads: bool = False  # the terms per head
 
     def value(self, *args: Any, **inputs: Any) -> Tensor:
         """`[pairs]`: the metric of one forward of `args` (the ids) or `inputs` (inputs_embeds=)."""
@@ -251,7 +268,9 @@ def _averaged(gradient: Callable[[tuple, dict[str, Tensor]], Terms], inputs: Inp
             state_sum, window_sum = state_sum + state, window_sum + window
     if steps > 1:
         state_sum, window_sum = state_sum / steps, window_sum / steps
-    return Attribution(layers, state_sum, window_sum, clean_value.detach().float(), corrupt_value.detach().float())
+    heads = state_sum.shape[2] if state_sum.dim() == 4 else None  # pairs layers heads seq
+    return Attribution(layers, state_sum, window_sum, clean_value.detach().float(), corrupt_value.detach().float(),
+                       heads)
 
 
 def _same_start(value: Tensor, corrupt: Tensor, steps: int, where: str) -> Tensor:
@@ -293,32 +312,81 @@ def _gradient_with_states(runs: _Runs, keep: tuple[str, ...], clean: Watch, refe
               for buffer in m.calls[0].differentiable(memory) for _, leaf in parts_of(buffer)]
     grads = iter(torch.autograd.grad(value.sum(), leaves, allow_unused=True))
     rows = [[_memory_row(clean.mixer(m.layer), m, memory, grads, runs.ids,
-                         None if reference is None else reference.mixer(m.layer)) for memory in _MEMORIES]
+                         None if reference is None else reference.mixer(m.layer),
+                         _kept_layout(m) if runs.heads else None) for memory in _MEMORIES]
             for m in chosen]  # in `leaves`' order: mixer by mixer, state then window
-    return (value.detach(), tuple(m.layer for m in chosen), torch.stack([state for state, _ in rows], dim=1),
-            torch.stack([window for _, window in rows], dim=1))
+    return (value.detach(), tuple(m.layer for m in chosen), _stacked([state for state, _ in rows], chosen, runs.where),
+            _stacked([window for _, window in rows], chosen, runs.where))
 
 
 def _memory_row(clean: RecurrentMixer, corrupt: RecurrentMixer, memory: str, grads: Iterable, ids: Tensor,
-                reference: RecurrentMixer | None = None) -> Tensor:
+                reference: RecurrentMixer | None = None, layout: "_Heads | None" = None) -> Tensor:
     """`[pairs, seq]`: the sum over the memory axes of (clean - corrupt) * gradient, per pair and token, from kept
     states (next(grads) per part of every buffer of `memory`, in the order of the gradient run's leaves); the
-    corrupt memory is `reference`'s kept one where given, else the gradient run's own."""
-    total = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+    corrupt memory is `reference`'s kept one where given, else the gradient run's own. With a `layout`, `[pairs,
+    heads, seq]`: the state's sum per head (axis 2 of a kept state; a buffer a head for per-head kernels), the
+    window's per channel, shared among the heads by `layout.shares`."""
+    total = torch.zeros(*ids.shape, *([] if layout is None else [layout.heads]), dtype=torch.float32,
+                        device=ids.device)  # b t (heads)
     if memory not in corrupt.MEMORIES:
-        return total
+        return total if layout is None else total.movedim(2, 1)
     buffers = corrupt.calls[0].differentiable(memory)
     cleans = _per_buffer(clean.calls[0]._all(memory), len(buffers))
     minus = buffers if reference is None else _per_buffer(reference.calls[0]._all(memory), len(buffers))
-    for buffer, clean_part, minus_part in zip(buffers, cleans, minus):
+    for head, (buffer, clean_part, minus_part) in enumerate(zip(buffers, cleans, minus)):
         for (_, leaf), (_, clean_leaf), (_, minus_leaf) in zip(parts_of(buffer), parts_of(clean_part),
                                                                 parts_of(minus_part)):
             grad = next(grads)
             if grad is None:  # the metric does not depend on this memory
                 continue
             delta = clean_leaf.to(torch.float32) - minus_leaf.detach().to(torch.float32)  # b t *memory
-            total = total + (delta * grad.to(torch.float32)).flatten(2).sum(-1).to(total.device)  # b t
-    return total
+            product = delta * grad.to(torch.float32)  # b t *memory
+            if layout is None:
+                total = total + product.flatten(2).sum(-1).to(total.device)  # b t
+            elif memory == CONV_MEMORY:  # b t channels kernel_size
+                total = total + (product.sum(-1) @ layout.shares.to(product)).to(total.device)  # b t heads
+            elif len(buffers) > 1:  # one kernel call per head: this buffer is head `head`'s state
+                total[..., head] += product.flatten(2).sum(-1).to(total.device)
+            else:  # b t heads *state
+                total = total + product.flatten(3).sum(-1).to(total.device)
+    return total if layout is None else total.movedim(2, 1)  # b (heads) t
+
+
+@dataclasses.dataclass(frozen=True)
+class _Heads:
+    """A layer's heads for the per-head terms: their number and `shares[c, h]`, the share of window channel c's
+    term that goes to head h (the channels that feed h, `Kind._head_channels`, each split equally among the heads
+    it feeds; None where the layer has no window)."""
+
+    heads: int
+    shares: Tensor | None
+
+
+def _layout(kind: type[RecurrentMixer], heads: int, head_state: tuple[int, ...], channels: int | None) -> _Heads:
+    if channels is None or CONV_MEMORY not in kind.MEMORIES:
+        return _Heads(heads, None)
+    feeds = torch.zeros(channels, heads)
+    for head in range(heads):
+        feeds[list(kind._head_channels(head, heads, head_state, channels)), head] = 1.0
+    count = feeds.sum(1, keepdim=True)  # the heads a channel feeds; one no head reads goes to all alike
+    return _Heads(heads, torch.where(count > 0, feeds / count.clamp(min=1), 1.0 / heads))
+
+
+def _kept_layout(mixer: RecurrentMixer) -> _Heads:
+    """The layout of a mixer whose states (and windows) were kept: `[batch, seq, heads, *head_state]`."""
+    state = parts_of(mixer.calls[0]._all(STATE_MEMORY))[0][1]
+    window = mixer.calls[0]._all(CONV_MEMORY) if CONV_MEMORY in mixer.MEMORIES else None
+    return _layout(type(mixer), state.shape[2], tuple(state.shape[3:]), None if window is None else window.shape[2])
+
+
+def _stacked(rows: list[Tensor], chosen: list[RecurrentMixer], where: str) -> Tensor:
+    """The layers' rows stacked on axis 1, once their shapes (their numbers of heads) are seen to agree."""
+    shapes = {f"{m}": tuple(row.shape[1:-1]) for m, row in zip(chosen, rows)}
+    if len(set(shapes.values())) > 1:
+        raise InvalidValue(f"{where}: heads=True needs one number of heads in every chosen layer, got"
+                           f" {', '.join(f'{m}: {shape[0]}' for m, shape in shapes.items())}; choose layers with"
+                           " `layers=`")
+    return torch.stack(rows, dim=1)
 
 
 def _per_buffer(kept: Any, buffers: int) -> list[Any]:
@@ -369,7 +437,8 @@ def _gradient_in_chunks(runs: _Runs, keep: tuple[str, ...], chunk: int, shared_c
             contextlib.ExitStack() as stack:
         chosen = runs.chosen(run)
         corrupts = {m.layer: _CorruptRunner(clean.runners[m.layer], chunk, f"{m}",
-                                            None if reference is None else reference.runners[m.layer])
+                                            None if reference is None else reference.runners[m.layer],
+                                            runs.heads and not m.KERNEL_PER_HEAD)
                     for m in chosen}
         for m in chosen:
             stack.enter_context(runners.running(m, corrupts[m.layer]))
@@ -389,20 +458,50 @@ def _gradient_in_chunks(runs: _Runs, keep: tuple[str, ...], chunk: int, shared_c
     window_grads = iter(grads[len(eps) + len(shifts):])
     state_rows, window_rows = [], []
     for m in chosen:
-        total = torch.zeros(runs.ids.shape, dtype=torch.float32, device=runs.ids.device)
-        for _ in corrupts[m.layer].eps:
-            grad = next(eps_grads)
-            if grad is not None:
-                total = total + grad.to(total.device)
-        state_rows.append(total)
+        layout = _recorded_layout(m, clean) if runs.heads else None
+        state_rows.append(_eps_row(m, [next(eps_grads) for _ in corrupts[m.layer].eps], runs.ids, layout))
         if shared_conv:
             window_rows.append(_window_row(clean.runners[m.layer], corrupts[m.layer], shift_grads, runs.ids,
-                                           f"{where}: {m}", None if reference is None else reference.runners[m.layer]))
+                                           f"{where}: {m}", None if reference is None else reference.runners[m.layer],
+                                           layout))
         else:
             window_rows.append(_memory_row(clean.watch.mixer(m.layer), m, CONV_MEMORY, window_grads, runs.ids,
-                                           None if reference is None else reference.watch.mixer(m.layer)))
+                                           None if reference is None else reference.watch.mixer(m.layer), layout))
     layers = tuple(m.layer for m in chosen)
-    return value.detach(), layers, torch.stack(state_rows, dim=1), torch.stack(window_rows, dim=1)
+    return value.detach(), layers, _stacked(state_rows, chosen, where), _stacked(window_rows, chosen, where)
+
+
+def _eps_row(mixer: RecurrentMixer, grads: list[Tensor | None], ids: Tensor, layout: "_Heads | None") -> Tensor:
+    """`[pairs, seq]` (`[pairs, heads, seq]` with a layout): the state term, the eps gradients of the layer's
+    prompt kernel calls summed (per head: each `[pairs, seq, heads]`, or one call a head for per-head kernels)."""
+    total = torch.zeros(*ids.shape, *([] if layout is None else [layout.heads]), dtype=torch.float32,
+                        device=ids.device)  # b t (heads)
+    for head, grad in enumerate(grads):
+        if grad is None:
+            continue
+        if layout is not None and mixer.KERNEL_PER_HEAD:
+            total[..., head] += grad.to(total.device)
+        else:
+            total = total + grad.to(total.device)
+    return total if layout is None else total.movedim(2, 1)
+
+
+def _recorded_layout(mixer: RecurrentMixer, clean: "_Recorded") -> "_Heads":
+    """The heads of a layer from its recorded clean calls: the boundary states `[batch, heads, *head_state]` (a call
+    a head for per-head kernels) and the convolution's channels."""
+    runner = clean.runners[mixer.layer]
+    state = runner.records[0].boundaries[-1]
+    if mixer.KERNEL_PER_HEAD:
+        heads, head_state = len(runner.records), tuple(state.shape[1:])
+    else:
+        heads, head_state = state.shape[1], tuple(state.shape[2:])
+    if runner.convs:
+        channels = runner.convs[0].inputs.shape[1]
+    elif CONV_MEMORY in mixer.MEMORIES:
+        channels = clean.watch.mixer(mixer.layer).calls[0]._all(CONV_MEMORY).shape[2]
+    else:
+        channels = None
+    return _layout(type(mixer), heads, head_state, channels)
 
 
 def _conv_kernel(kind: type[RecurrentMixer]) -> Kernel | None:
@@ -432,10 +531,13 @@ def _conv_call(kernel: Kernel, args: tuple, kwargs: dict) -> dict[str, Any]:
 
 
 def _window_row(clean: "_CleanRunner", corrupt: "_CorruptRunner", grads: Iterable, ids: Tensor,
-                where: str, reference: "_CleanRunner | None" = None) -> Tensor:
+                where: str, reference: "_CleanRunner | None" = None, layout: "_Heads | None" = None) -> Tensor:
     """`[pairs, seq]`: the window term per pair and token, from each prompt convolution call's inputs and gradient;
-    the corrupt inputs are `reference`'s where given (the corrupt run's, at steps > 1), else the gradient run's."""
-    total = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+    the corrupt inputs are `reference`'s where given (the corrupt run's, at steps > 1), else the gradient run's.
+    With a layout, `[pairs, heads, seq]`: each channel's term shared among the heads it feeds."""
+    shares = None if layout is None else layout.shares
+    total = torch.zeros(*ids.shape, *([] if layout is None else [layout.heads]), dtype=torch.float32,
+                        device=ids.device)  # b t (heads)
     minus = corrupt.convs if reference is None else reference.convs
     if len(clean.convs) != len(corrupt.convs) or len(minus) != len(corrupt.convs):
         raise InvalidValue(f"{where}: its prompt convolution ran {len(corrupt.convs)} time(s) in the corrupt run and"
@@ -449,8 +551,8 @@ def _window_row(clean: "_CleanRunner", corrupt: "_CorruptRunner", grads: Iterabl
                                f" and {tuple(before.inputs.shape)} in the clean one, for a {ids.shape[1]}-token"
                                " prompt (a cached prefix?): use method='states'")
         delta = before.inputs.to(torch.float32) - base.inputs.to(torch.float32)  # b c L
-        total = total + conv.window_terms(delta, grad, after.weight).to(total.device)
-    return total
+        total = total + conv.window_terms(delta, grad, after.weight, shares).to(total.device)
+    return total if layout is None else total.movedim(2, 1)
 
 
 def _chunkable(kind: type[RecurrentMixer]) -> bool:
@@ -537,8 +639,9 @@ class _CorruptRunner:
 
     path = "attribution: pieces (corrupt)"
 
-    def __init__(self, clean: _CleanRunner, chunk: int, where: str, reference: _CleanRunner | None = None) -> None:
-        self.clean, self.chunk, self.where = clean, chunk, where
+    def __init__(self, clean: _CleanRunner, chunk: int, where: str, reference: _CleanRunner | None = None,
+                 heads: bool = False) -> None:
+        self.clean, self.chunk, self.where, self.heads = clean, chunk, where, heads  # heads: an eps per head
         self.reference = reference  # the corrupt run's records (steps > 1): the delta is clean minus them
         self.eps: list[Tensor] = []
         self.convs: list[_ConvCall] = []
@@ -569,9 +672,11 @@ class _CorruptRunner:
         slots, tensors = adjoint.tensor_slots(args, kwargs)
         state = pieces.state
         batch = next(t for t in tensors if t.dim() > 0).shape[0] if state is None else state.shape[0]
-        eps = torch.zeros(batch, pieces.tokens, dtype=torch.float32, device=tensors[0].device, requires_grad=True)
+        per_head = [clean.boundaries[-1].shape[1]] if self.heads else []  # b i (heads)
+        eps = torch.zeros(batch, pieces.tokens, *per_head, dtype=torch.float32, device=tensors[0].device,
+                          requires_grad=True)
         self.eps.append(eps)
-        spec = _Spec(kernel, original, args, kwargs, slots, clean, self.chunk, reference)
+        spec = _Spec(kernel, original, args, kwargs, slots, clean, self.chunk, reference, heads=self.heads)
         out, final = _Chunked.apply(spec, eps, *tensors)
         return pieces.result([out], final)
 
@@ -589,6 +694,7 @@ class _Spec:
     chunk: int
     reference: _CleanCall | None = None  # the corrupt run's call (steps > 1); None: the delta is from the run's own
     boundaries: list[Any] = dataclasses.field(default_factory=list)
+    heads: bool = False  # eps per head: d metric / d eps_t is the term of each head (axis 1 of the state)
 
     def pieces(self, tensors: Iterable[Tensor]) -> Pieces:
         return adjoint.with_tensors(self.kernel, self.args, self.kwargs, self.slots, tensors)
@@ -659,7 +765,7 @@ class _Chunked(torch.autograd.Function):
                 boundary = spec.boundaries[index] if first == 0 else corrupt[first - 1]
                 grad_state, eps_part, grads = _backward_step(
                     kernel, pieces, start + first, start + last, boundary, clean[first:last], wanted,
-                    grad_out, grad_state, None if minus is None else minus[first:last])
+                    grad_out, grad_state, None if minus is None else minus[first:last], spec.heads)
                 step_eps.append(eps_part)
                 for name, grad in grads.items():
                     if name in per_token:
@@ -706,10 +812,13 @@ def _backward_piece(spec: _Spec, pieces: Pieces, start: int, end: int, boundary:
     leading, named = adjoint.detached(pieces, leading, named, leaves)
     with torch.no_grad():
         delta = clean.sub_(_states(kernel, leading, named, buffer) if minus is None else minus)  # i b *state
-        eps = delta.new_zeros(delta.shape[1], end - start)  # b i
+        eps = delta.new_zeros(delta.shape[1], end - start, *([delta.shape[2]] if spec.heads else []))  # b i (heads)
 
-        def visit(t: int, mu: Tensor) -> None:  # (S_t - S'_t) . mu_t per row
-            eps[:, t] = torch.linalg.vecdot(delta[t].flatten(1), mu.flatten(1))
+        def visit(t: int, mu: Tensor) -> None:  # (S_t - S'_t) . mu_t per row (and head)
+            if spec.heads:
+                eps[:, t] = (delta[t] * mu).flatten(2).sum(-1)
+            else:
+                eps[:, t] = torch.linalg.vecdot(delta[t].flatten(1), mu.flatten(1))
 
         initial = segments.adjoint(*leading, grad_output=piece_grad, grad_final=grad_state, visit=visit, **named)
     state_grad = None if state is None else (grads[-1] if grads[-1] is not None else initial)
@@ -718,17 +827,20 @@ def _backward_piece(spec: _Spec, pieces: Pieces, start: int, end: int, boundary:
 
 def _backward_step(kernel: Kernel, pieces: Pieces, start: int, end: int, boundary: Any, clean: Tensor,
                    wanted: set[str], grad_out: Tensor | None, grad_state: Tensor | None,
-                   minus: Tensor | None = None) -> tuple[Tensor | None, Tensor, dict[str, Tensor | None]]:
+                   minus: Tensor | None = None,
+                   heads: bool = False) -> tuple[Tensor | None, Tensor, dict[str, Tensor | None]]:
     """Tokens [start, end) of the call through the token loop, from `boundary`, with the eps replacement
     s + eps_t (clean_t - S'_t), S'_t the run's own state or, where given, `minus[t]` (the corrupt run's): the
     gradients of the boundary state, of eps over these tokens, and of the wanted inputs' pieces."""
     segments = kernel.segments
     with torch.enable_grad():
         leading, named, leaves, state = adjoint.piece_leaves(pieces, start, end, boundary, wanted)
-        eps = torch.zeros(clean.shape[1], end - start, dtype=torch.float32, device=clean.device, requires_grad=True)
+        per_head = [clean.shape[2]] if heads else []  # an eps per head: axis 1 of the state
+        eps = torch.zeros(clean.shape[1], end - start, *per_head, dtype=torch.float32, device=clean.device,
+                          requires_grad=True)
 
         def on_token(t: int, s: Tensor) -> Tensor:
-            scale = eps[:, t].reshape(-1, *([1] * (s.dim() - 1))).to(s.dtype)
+            scale = eps[:, t].reshape(s.shape[0], *per_head, *([1] * (s.dim() - 1 - len(per_head)))).to(s.dtype)
             return s + scale * (clean[t].to(s.dtype) - (s.detach() if minus is None else minus[t].to(s.dtype)))
 
         out, final = kernel.loop(*leading, on_token=on_token, **named)
@@ -756,7 +868,8 @@ def _per_row(value: Any, ids: Tensor, where: str) -> Tensor:
 
 
 def _one_pair(result: Attribution) -> Attribution:
-    return Attribution(result.layers, result.state[0], result.window[0], result.clean[0], result.corrupt[0])
+    return Attribution(result.layers, result.state[0], result.window[0], result.clean[0], result.corrupt[0],
+                       result.heads)
 
 
 def _chosen(mixers: list[RecurrentMixer], layers: Iterable[int] | None, where: str) -> list[RecurrentMixer]:
