@@ -275,3 +275,23 @@ def test_a_standalone_hook_counts_calls_from_each_prompt_under_compile():
     finally:
         handle.remove()
     assert seen == [(0, T - 1), (1, 0), (2, 0)] * 2
+
+
+def test_a_collected_mixers_clock_leaves_the_table_between_traces_not_during_one():
+    """The garbage collector may run while dynamo iterates the clocks' dict (`_CLOCKS[key]` in traced code): a
+    collected call state's clock is only retired then, and removed by the next registration, which is eager."""
+    import gc
+
+    import recurrent_hooks.engine.compiled as compiled
+
+    class State:  # any object the table can hold weakly, as it holds a CallState
+        pass
+
+    state = State()
+    key = compiled.register_state(state)
+    del state
+    gc.collect()
+    assert key in compiled._CLOCKS, "a clock left the table from a finalizer"
+    other = State()
+    compiled.register_state(other)
+    assert key not in compiled._CLOCKS, "a collected state's clock outlived the next registration"

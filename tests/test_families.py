@@ -196,12 +196,22 @@ def test_sparse_fast_path_equals_the_token_loop(model, monkeypatch):
     for a, b in zip(slow.mixers, fast.mixers):
         for call in range(4):
             for token in (2, 7, -1) if call == 0 else (0,):
-                assert_close(f"{a} call {call} state after {token}", a.state_after(token, call),
-                             b.state_after(token, call), rtol=1e-4, atol=1e-6)
+                expected = a.state_after(token, call)
+                assert_close(f"{a} call {call} state after {token}", expected, b.state_after(token, call), rtol=1e-4,
+                             atol=1e-6 * _scale(expected))
             if call:  # what the cache handed to the decode step
-                assert_close(f"{a} call {call} state in", state_in(a, call), state_in(b, call), rtol=1e-4, atol=1e-6)
-                assert_close(f"{a} call {call} window in", a.calls[call].conv.inputs["conv_state"],
-                             b.calls[call].conv.inputs["conv_state"], rtol=1e-4, atol=1e-6)
+                expected = state_in(a, call)
+                assert_close(f"{a} call {call} state in", expected, state_in(b, call), rtol=1e-4,
+                             atol=1e-6 * _scale(expected))
+                expected = a.calls[call].conv.inputs["conv_state"]
+                assert_close(f"{a} call {call} window in", expected, b.calls[call].conv.inputs["conv_state"],
+                             rtol=1e-4, atol=1e-6 * _scale(expected))
+
+
+def _scale(x):
+    """The largest magnitude of `x` (at least 1): float32 rounding in a sum of such values is relative to it, also
+    where the sum cancels to near 0 (falcon_h1's windows reach 100: an element near 0 was off by 2e-6)."""
+    return max(1.0, float(x.abs().max())) if isinstance(x, torch.Tensor) else 1.0
 
 
 def test_every_state_kept_chunkwise_equals_the_token_loop(model, monkeypatch):

@@ -60,14 +60,20 @@ _HOOKS: "weakref.WeakValueDictionary[int, _Hook]" = weakref.WeakValueDictionary(
 
 
 _CLOCKS: dict[int, Tensor] = {}  # mixer key -> its clock (here, not on the mixer: a watch holds no tensor)
+# The keys of collected states, whose clocks leave `_CLOCKS` at the next `register_state` (eager code), not when
+# the garbage collector runs: tracing reads `_CLOCKS[key]` by iterating the dict, and a finalizer that popped an
+# entry during that iteration failed the trace ("dictionary changed size during iteration").
+_RETIRED: list[int] = []
 
 
 def register_state(state: CallState) -> int:
     """A key by which the graph's ops find a mixer's `state` at run time; its clock is made with it."""
+    while _RETIRED:
+        _CLOCKS.pop(_RETIRED.pop(), None)
     key = next(_KEYS)
     _STATES[key] = state
     _CLOCKS[key] = torch.zeros((), dtype=torch.int64)
-    weakref.finalize(state, _CLOCKS.pop, key, None)
+    weakref.finalize(state, _RETIRED.append, key)
     return key
 
 
