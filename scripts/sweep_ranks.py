@@ -15,7 +15,6 @@ Any mismatch raises, and torchrun exits non-zero. Backend: nccl on CUDA with a G
 """
 
 import argparse
-import os
 import pathlib
 import sys
 
@@ -25,6 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # run from a clone without installing
 
 import recurrent_hooks as rh  # noqa: E402
+from _process_group import setup  # noqa: E402  (scripts/, the script's own folder, is on sys.path)
 from recurrent_hooks.demo import tiny_model  # noqa: E402
 
 T = 9
@@ -48,17 +48,6 @@ class Counting:
             raise Stopped
         self.counter["calls"] += 1
         return self.inner(logits)
-
-
-def setup() -> torch.device:
-    local_rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world:
-        torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl")
-        return torch.device("cuda", local_rank)
-    torch.set_num_threads(1)  # one core per rank
-    dist.init_process_group("gloo")
-    return torch.device("cpu")
 
 
 def same_on_every_rank(name: str, value: torch.Tensor) -> None:

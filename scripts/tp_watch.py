@@ -17,7 +17,6 @@ Backend: nccl on CUDA when there is a GPU per process, gloo on the CPU otherwise
 
 import argparse
 import math
-import os
 import pathlib
 import shutil
 import sys
@@ -32,6 +31,7 @@ from transformers.distributed import DistributedConfig
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # run from a clone without installing
 
 import recurrent_hooks as rh  # noqa: E402
+from _process_group import setup  # noqa: E402  (scripts/, the script's own folder, is on sys.path)
 import recurrent_hooks.engine.patching as patching  # noqa: E402
 from recurrent_hooks.demo import _CONFIG  # noqa: E402
 
@@ -42,18 +42,6 @@ T, NEW = 13, 5
 
 def close(name: str, expected: torch.Tensor, got: torch.Tensor) -> None:
     torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"rank {dist.get_rank()}: {name}: {m}")
-
-
-def setup() -> torch.device:
-    """Start the process group: nccl + cuda:LOCAL_RANK with a GPU per process, else gloo on the CPU."""
-    local_rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world:
-        torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl")
-        return torch.device("cuda", local_rank)
-    torch.set_num_threads(1)  # one core per rank
-    dist.init_process_group("gloo")
-    return torch.device("cpu")
 
 
 def save_model(directory: str | None) -> pathlib.Path:

@@ -5,7 +5,8 @@
 
 Module contents:
 - `Ranks`: this process's rank in the group that shares a sweep (`Ranks.of(distributed, model)`), which cells
-  are its own (`mine`) and the collective that gives every rank the whole result (`gathered`).
+  are its own (`mine`) and the collective that gives every rank the same cells (`gathered`: of the checkpoint
+  files each rank read before the split, so that all ranks split the same cells; of the result at the end).
 - `Checkpoint`: the finished cells of one sweep on disk, per rank, merged on load whatever the ranks were.
 
 A cell is one entry of the sweep's `values` (flattened). Rank r of W takes the r-th of W contiguous shares of the
@@ -54,19 +55,20 @@ class Ranks:
         bounds = [len(todo) * r // self.world for r in range(self.world + 1)]
         return todo[bounds[self.rank]:bounds[self.rank + 1]]
 
-    def gathered(self, values: Tensor, done: Tensor) -> Tensor:
-        """Every rank's cells in one tensor: `values` where each rank set `done`, from that rank."""
+    def gathered(self, values: Tensor, done: Tensor) -> tuple[Tensor, Tensor]:
+        """Every rank's cells in one tensor, the same on every rank: `values` where each rank set `done`, from that
+        rank, and the cells any rank has done."""
         if self.world == 1:
-            return values
-        flat, mask = values.flatten().contiguous(), done.flatten().to(values.device)
+            return values, done
+        flat, mask = values.flatten().contiguous(), done.flatten().to(values.device).contiguous()
         all_values = [torch.empty_like(flat) for _ in range(self.world)]
         all_done = [torch.empty_like(mask) for _ in range(self.world)]
         torch.distributed.all_gather(all_values, flat, group=self.group)
         torch.distributed.all_gather(all_done, mask, group=self.group)
-        out = flat.clone()
+        out, union = flat.clone(), torch.zeros_like(mask)
         for got, where in zip(all_values, all_done):
-            out = torch.where(where, got, out)
-        return out.reshape(values.shape)
+            out, union = torch.where(where, got, out), union | where
+        return out.reshape(values.shape), union.reshape(done.shape).to(done.device)
 
     def barrier(self) -> None:
         if self.world > 1:

@@ -299,12 +299,16 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
     saved = Checkpoint(checkpoint, ranks, sweep_key(clean_ids, corrupt_ids, layers=list(plan.layers),
                                                     positions=list(plan.positions), what=what, heads=plan.heads))
     saved.load(values, done)
+    # every rank splits the same cells: the union of what each one read (a rank ahead of another must not write
+    # its first round before the other has read the files)
+    if checkpoint is not None:
+        values, done = ranks.gathered(values, done)
     todo = torch.nonzero(~done.flatten().cpu()).flatten()
     mine = [cells[k] for k in ranks.mine(todo).tolist()]
     show = progress and ranks.rank == 0
     _measure_cells(model, (clean_ids, corrupt_ids), plan, mine, metric, one_pair, (batch_size, budget), paths, kwargs,
                    show, (values, done), saved)
-    values = ranks.gathered(values, done)
+    values, _ = ranks.gathered(values, done)
     saved.finish(values)
     if one_pair:
         return Sweep(values[0], clean_metric[0], corrupt_metric[0], plan.layers, plan.positions, what, plan.heads)
