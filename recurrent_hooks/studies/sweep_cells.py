@@ -190,28 +190,44 @@ class _Patch:
     def __init__(self, plan: Plan, layer: int, memory: str, at: Mapping[int, list[tuple[int, Cell]]],
                  clean: tuple[Mapping[tuple[str, int, int, int | None], Tensor], Mapping[int, int]],
                  device: torch.device) -> None:
-        self.memory, self.layer, self.at, (self.kept, self.row_of) = memory, layer, at, clean
-        self.by_head = plan.heads is not None
-        self.per_head_calls = plan.per_head_calls.get(layer, False)
-        self.channels = plan.channels.get(layer) if memory != STATE_MEMORY else None
-        self.device = device
+        self.memory, self.layer, (self.kept, row_of) = memory, layer, clean
+        by_head = plan.heads is not None
+        # a per-head kernel's state hook runs once per head (`mixer.head`) with that head's state: its cells are
+        # patched whole; otherwise a head's cell is its slice of the state, or its window channels
+        self.whole = not by_head or plan.per_head_calls.get(layer, False) and memory == STATE_MEMORY
+        self.split = split = by_head and self.whole  # the cells of each kernel call's head apart
+        channels = plan.channels.get(layer) if memory != STATE_MEMORY else None
+        self.index: dict[tuple[int, int | None], _Rows] = {}  # (token, head of the call or None) -> its rows
+        for token, cells in at.items():
+            for head in sorted({cell.head for _, cell in cells}) if split else [None]:
+                mine = [(row, cell) for row, cell in cells if head is None or cell.head == head]
+                tensor = lambda values: torch.tensor(values, device=device)  # noqa: E731
+                heads = tensor([cell.head for _, cell in mine]) if by_head else None
+                self.index[token, head] = _Rows(tensor([row for row, _ in mine]),
+                                                tensor([row_of[cell.pair] for _, cell in mine]), heads,
+                                                None if channels is None or heads is None else
+                                                channels.to(device)[heads])
 
     def __call__(self, mixer: Any, call: int, token: int, state: Any) -> Any:
-        cells = self.at[token]
-        if self.by_head and self.per_head_calls and self.memory == STATE_MEMORY:
-            cells = [(row, cell) for row, cell in cells if cell.head == mixer.head]  # this kernel call's head
-            if not cells:
-                return state
+        index = self.index.get((token, mixer.head if self.split else None))
+        if index is None:  # no cell of this kernel call's head after this token
+            return state
         value = self.kept[self.memory, self.layer, token, mixer.head]
-        pick = torch.tensor([self.row_of[cell.pair] for _, cell in cells], device=self.device)
-        rows = torch.tensor([row for row, _ in cells], device=self.device)
-        if not self.by_head or self.per_head_calls and self.memory == STATE_MEMORY:
+        rows, pick = index.rows, index.pick
+        if self.whole:
             return map_parts(lambda s, v: s.index_copy(0, rows, v.index_select(0, pick)), state, value)
-        heads = torch.tensor([cell.head for _, cell in cells], device=self.device)
-        if self.channels is None:  # the cell's head of the state, axis 1 of every part
-            return map_parts(lambda s, v: _assigned(s, (rows, heads), v[pick, heads]), state, value)
-        channels = self.channels.to(self.device)[heads]  # rows, channels per head
-        return _assigned(state, (rows[:, None], channels), value[pick[:, None], channels])
+        if index.channels is None:  # the cell's head of the state, axis 1 of every part
+            return map_parts(lambda s, v: _assigned(s, (rows, index.heads), v[pick, index.heads]), state, value)
+        return _assigned(state, (rows[:, None], index.channels), value[pick[:, None], index.channels])
+
+
+class _Rows(NamedTuple):
+    """The rows one hook call patches, made once per (token, head) when the hook is registered."""
+
+    rows: Tensor  # [rows] of the batch
+    pick: Tensor  # [rows]: each row's pair's row in the clean memories
+    heads: Tensor | None  # [rows]: each row's head (heads=True)
+    channels: Tensor | None  # [rows, channels per head]: the window channels of that head
 
 
 def _assigned(state: Tensor, index: tuple[Tensor, ...], values: Tensor) -> Tensor:
