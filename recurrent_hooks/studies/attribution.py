@@ -174,11 +174,10 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
     with watch(model, paths=paths) as probe:
         chosen = runs.chosen(probe)
         kinds = [type(m) for m in chosen]
-        no_heads = next((f"{m}" for m in chosen if heads and not m.HEADS), None)
-    if no_heads is not None:
-        raise InvalidValue(f"{where}: heads=True needs a state with heads in every chosen layer; {no_heads} has a"
-                           f" state of axes {kinds[[f'{m}' for m in chosen].index(no_heads)].STATE!r} without heads"
-                           " (choose other layers, or heads=False)")
+        headless = next((m for m in chosen if heads and not m.HEADS), None)
+        if headless is not None:
+            raise InvalidValue(f"{where}: heads=True needs a state with heads in every chosen layer; {headless} has a"
+                               f" state of axes {headless.STATE!r} without heads (choose other layers, or heads=False)")
     if method != "states":
         chunkable = all(_chunkable(kind) for kind in kinds)
         if method == "chunks" and not chunkable:

@@ -128,7 +128,7 @@ def sweep_key(clean_ids: Tensor, corrupt_ids: Tensor, **axes: Any) -> dict[str, 
     digest = hashlib.sha256()
     for ids in (clean_ids, corrupt_ids):
         digest.update(f"{tuple(ids.shape)} {ids.tolist()}".encode())
-    return {"prompts": digest.hexdigest(), **{name: value for name, value in axes.items()}}
+    return {"prompts": digest.hexdigest(), **axes}
 
 
 def _differs(saved: Any, key: dict[str, Any]) -> str:

@@ -224,8 +224,8 @@ def _checked(model: Any, clean_ids: Any, corrupt_ids: Any, metric: Any, what: An
     for name, value in flags.items():
         allowed = (True, False, None) if name == "distributed" else (True, False)
         if not any(value is a for a in allowed):
-            raise InvalidValue(f"{_WHERE}: expected {name}={' or '.join(f'{name}={a}' for a in allowed)[len(name) + 1:]},"
-                               f" got {name}={value!r}")
+            expected = " or ".join(f"{name}={a}" for a in allowed)
+            raise InvalidValue(f"{_WHERE}: expected {expected}, got {name}={value!r}")
     if forward_kwargs is not None and not isinstance(forward_kwargs, Mapping):
         raise InvalidValue(f"{_WHERE}: expected forward_kwargs as a mapping of keyword arguments, got"
                            f" {type(forward_kwargs).__name__}")
