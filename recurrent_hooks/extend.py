@@ -26,6 +26,7 @@ from .engine.kernels import Site as Site
 from .kinds.kimi_delta import KimiDeltaAttention as KimiDeltaAttention
 from .kinds.lightning import LightningAttention as LightningAttention
 from .engine.mixer import RecurrentMixer as RecurrentMixer
+from .engine.upstream import torch_kernel as torch_kernel
 from .kinds.rg_lru import RealGatedLinearRecurrence as RealGatedLinearRecurrence
 from .kinds.mlstm import MatrixLSTM as MatrixLSTM
 from .kinds.mlstm import MLSTMState as MLSTMState
@@ -76,6 +77,7 @@ __all__ = [
     "CompressedConvolutionalAttention",
     "MLSTMState",
     "WkvState",
+    "torch_kernel",
 ]
 
 

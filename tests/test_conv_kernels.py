@@ -1,18 +1,18 @@
 """The convolution token loops against transformers' own pure-torch kernels, and windows against their definition."""
 
-import importlib
 
 import pytest
 import torch
 
 from _compare import assert_close
+from _upstream import transformers_kernel
 from recurrent_hooks.kinds.conv import causal_conv1d_fn, causal_conv1d_update
 
 MODULES = ["qwen3_5", "kimi_linear", "mamba", "mamba2", "zamba"]
 
 
 def hf(family, name):
-    return getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), name).__wrapped__
+    return transformers_kernel(family, name)
 
 
 def inputs(batch=2, channels=6, length=9, size=4, seed=0):

@@ -18,7 +18,6 @@ when a window is replaced.
 """
 
 import contextlib
-import importlib
 
 import pytest
 import torch
@@ -30,6 +29,7 @@ from recurrent_hooks.registry import FAMILIES as REGISTERED, family_of
 from recurrent_hooks.demo import tiny_model
 from _compare import assert_close
 from _models import PAD, build, random_ids
+from _upstream import transformers_kernel
 
 # one family per kernel layout: gated DeltaNet, KDA, Mamba-1 (three modules), Mamba-1 per head, Mamba-2 (+ a hybrid)
 FAMILIES = ["qwen3_5", "kimi_linear", "mamba", "falcon_mamba", "jamba", "zamba", "mamba2", "bamba"]
@@ -324,7 +324,7 @@ def test_conv_windows_kept_hooked_or_written_leave_the_model_bit_identical(case,
 
 
 def _hf(family, name):
-    return getattr(importlib.import_module(REGISTERED[family].module_name), name).__wrapped__
+    return transformers_kernel(family, name)
 
 
 def _conv_inputs(dtype, length, layout, seed=0, batch=2, channels=40, size=4):

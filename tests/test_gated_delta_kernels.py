@@ -1,6 +1,5 @@
 """The gated DeltaNet token loops against transformers' own pure-torch kernels and the float64 reference."""
 
-import importlib
 
 import pytest
 import torch
@@ -9,6 +8,7 @@ from hypothesis import strategies as st
 
 from _compare import assert_close
 from _reference import gated_delta_rule_reference
+from _upstream import transformers_kernel
 from recurrent_hooks.kinds.gated_delta_net import (
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_states,
@@ -41,8 +41,8 @@ def inputs(batch, seq, key_heads, heads, key_dim, value_dim, with_state, seed=0)
 
 
 def hf_kernels(family):
-    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    return module.torch_chunk_gated_delta_rule.__wrapped__, module.torch_recurrent_gated_delta_rule.__wrapped__
+    return (transformers_kernel(family, "torch_chunk_gated_delta_rule"),
+            transformers_kernel(family, "torch_recurrent_gated_delta_rule"))
 
 
 @pytest.mark.parametrize("family", FAMILY_MODULES)

@@ -1,8 +1,8 @@
 """Kernel tests for Kimi delta attention: the library's token loops against transformers and the float64 reference.
 
 - The two loops (`chunk_kimi_delta_attention`, `recurrent_kimi_delta_attention`) against the kernels of
-  every KDA family's modeling module (the function under the module attribute's `__wrapped__`, i.e.
-  transformers' pure-torch kernel): outputs and final states, float32 and bf16 inputs.
+  every KDA family's modeling module (transformers' pure-torch kernel, behind its hub wrapper:
+  `recurrent_hooks.extend.torch_kernel`): outputs and final states, float32 and bf16 inputs.
 - The state handed to `on_token` at every token against `kimi_delta_rule_reference` (float64).
 - `on_token` replacement: a state replaced at token t changes nothing up to t, and tokens t+1.. (and the
   final state) continue from the replacement.
@@ -10,7 +10,6 @@
 Shapes: batch 2, heads 4, key_dim 8, value_dim 16; lengths 1, 37 and 70 (transformers' chunk size is 64).
 """
 
-import importlib
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 
 from _compare import assert_close
 from _reference import kimi_delta_rule_reference
+from _upstream import transformers_kernel
 from recurrent_hooks import FAMILIES, KimiDeltaAttention
 from recurrent_hooks.kinds.kimi_delta import (
     chunk_kimi_delta_attention,
@@ -54,11 +54,8 @@ def _inputs(seq: int, gate: str, seed: int = 0, normalized: bool = True) -> dict
 
 
 def _transformers_kernel(family: str, which: str):
-    """transformers' own torch kernel: the function under the hub-fallback wrapper of the module attribute."""
-    module = importlib.import_module(FAMILIES[family].module_name)
-    bound = getattr(module, KERNEL_NAMES[which])
-    assert not getattr(bound, "__recurrent_hooks__", False), f"{module.__name__}.{bound.__name__} is rebound"
-    return bound.__wrapped__
+    """transformers' own torch kernel, by the library's rule (`torch_kernel`)."""
+    return transformers_kernel(family, KERNEL_NAMES[which])
 
 
 def _call(fn, which: str, x: dict, **extra):

@@ -2,7 +2,7 @@
 
 Kernel level: `mamba_selective_scan_chunks` (a piece from a state) and `mamba_selective_scan_states` (every
 state too) equal the float64 recurrence of `_reference_ssm`, transformers' own `mamba_selective_scan` (the
-function under each family's module attribute `__wrapped__`) from zeros, and the library's token loop from
+pure-torch function behind each family's module attribute, `torch_kernel`) from zeros, and the library's token loop from
 a state; chunk boundaries anywhere (T not a multiple of the chunk, T = 1), state elements that decay too fast for the chunk-wise form (stepped on their own), steps of either sign, and bf16/fp16 inputs as the mixers pass them.
 Model level: sparse hooks, writes and kept states, and every state kept, on the tiny Mamba-1 models, run
 in segments by the chunk-wise scan (a spy checks that transformers' kernel, which cannot start from a state,
@@ -10,7 +10,6 @@ runs no piece) and equal the token loop: logits, kept states, hook inputs, cache
 """
 
 import dataclasses
-import importlib
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ import recurrent_hooks.engine.dispatch as rh_dispatch
 from _compare import assert_close
 from _models import PAD, build, random_ids
 from _reference_ssm import selective_scan_reference
+from _upstream import transformers_kernel
 from recurrent_hooks.kinds import selective_scan as s6
 
 MAMBA1_FAMILIES = ["mamba", "falcon_mamba", "jamba", "zamba"]
@@ -79,7 +79,7 @@ def loop_states(x: dict, initial_state=None) -> tuple[torch.Tensor, torch.Tensor
 
 def hf_kernel(family: str):
     """transformers' own pure-torch `mamba_selective_scan` of `family` (under the hub wrapper)."""
-    return importlib.import_module(f"transformers.models.{family}.modeling_{family}").mamba_selective_scan.__wrapped__
+    return transformers_kernel(family, "mamba_selective_scan")
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)

@@ -17,6 +17,7 @@ from _compare import assert_close, assert_equal
 from _contract import family_fixtures
 from _models import PAD, build, random_ids
 from _runs import greedy, logits_of
+from _upstream import transformers_kernel
 
 FAMILIES = [name for name, row in rh.FAMILIES.items() if issubclass(row.kind, rh.ShortConvolution)]
 KEEP = ("windows", "inputs", "outputs")
@@ -133,10 +134,9 @@ def test_windows_are_the_last_inputs_of_each_kernel_call(model):
 
 
 def test_the_loops_equal_transformers_kernels_on_the_recorded_calls(model, family):
-    """transformers' own kernels (`__wrapped__` of the module globals), on each call's recorded inputs, give the
+    """transformers' own kernels (behind the module globals' hub wrappers), on each call's recorded inputs, give the
     outputs the library's loops gave, and the decode kernel writes the window the library kept."""
-    module = rh.FAMILIES[family].module()
-    prompt, decode = module.causal_conv1d_fn.__wrapped__, module.causal_conv1d_update.__wrapped__
+    prompt, decode = transformers_kernel(family, "causal_conv1d_fn"), transformers_kernel(family, "causal_conv1d_update")
     with rh.watch(model, keep=KEEP) as w:
         greedy(model, random_ids(2, T), 3)
     for mixer in static(w):

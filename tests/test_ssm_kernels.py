@@ -1,14 +1,13 @@
 """The Mamba-1 and Mamba-2 token loops against transformers' pure-torch kernels and the float64 references.
 
-Kernel level only (no model): outputs and final states equal transformers' kernels (the functions under
-each module attribute's `__wrapped__`, in every family that has a copy), per-token states equal the
+Kernel level only (no model): outputs and final states equal transformers' kernels (the pure-torch
+functions behind each module attribute's hub wrapper, in every family that has a copy), per-token states equal the
 float64 recurrences of `_reference_ssm`, a decode call is one more prompt token, the decode loops write
 the state into the tensor they are given, a state returned by `on_token` at t changes only later tokens,
 and splitting a sequence (prompt + decode steps, or prompt + prompt from a state) changes nothing.
 """
 
 import dataclasses
-import importlib
 import math
 
 import pytest
@@ -17,6 +16,7 @@ from einops import rearrange
 
 from _compare import assert_close
 from _reference_ssm import selective_scan_reference, ssd_reference
+from _upstream import transformers_kernel
 from recurrent_hooks import RecurrentHooksError
 from recurrent_hooks.kinds import selective_scan as s6
 from recurrent_hooks.kinds import state_space as ssd
@@ -29,7 +29,7 @@ EXACT = dict(rtol=0, atol=0)
 
 def hf_kernel(family: str, name: str):
     """transformers' own pure-torch kernel `name` of `family` (under the hub wrapper)."""
-    return getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), name).__wrapped__
+    return transformers_kernel(family, name)
 
 
 def recorder():

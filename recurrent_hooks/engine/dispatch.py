@@ -37,6 +37,7 @@ from .errors import InvalidValue
 from .mixer import RecurrentMixer
 from .parts import State, is_parts, map_parts, parts_of, rebuild, stack_parts
 from .threads import THREAD, in_backward, user_code
+from .upstream import wraps_kernel
 
 
 def _forward_of(kind: type[RecurrentMixer], layout: Layout, module: nn.Module, args: tuple, kwargs: dict[str, Any],
@@ -604,7 +605,7 @@ def make_dispatcher(kind: type[RecurrentMixer]) -> Callable[[str, Any], Callable
     def make(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         if name in kind.FUSED:
 
-            @functools.wraps(original)
+            @wraps_kernel(original)
             def watched(*args: Any, **kwargs: Any) -> Any:
                 entry = running_entry()
                 return original(*args, **kwargs) if entry is None else _Tap.run_fused(entry, original, args, kwargs)
@@ -612,7 +613,7 @@ def make_dispatcher(kind: type[RecurrentMixer]) -> Callable[[str, Any], Callable
         else:
             kernel = kind.kernel(name)
 
-            @functools.wraps(original)
+            @wraps_kernel(original)
             def watched(*args: Any, **kwargs: Any) -> Any:
                 entry = running_entry()
                 if entry is None:  # a call from outside a watched forward of this thread

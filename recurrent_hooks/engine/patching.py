@@ -28,8 +28,9 @@ from types import ModuleType
 from typing import Any
 
 from .errors import RecurrentHooksError
+from .upstream import TESTED_RANGE, in_bound_form, installed_version
 
-_MISSING = object()
+MISSING = object()  # what `bound_original` returns for a name that is not bound
 
 
 class UndoStack:
@@ -48,8 +49,8 @@ class UndoStack:
 
     def setattr(self, owner: Any, name: str, value: Any) -> None:
         # Read class attributes through __dict__ so that descriptors come back unchanged.
-        old = owner.__dict__.get(name, _MISSING) if isinstance(owner, type) else getattr(owner, name, _MISSING)
-        if old is _MISSING:
+        old = owner.__dict__.get(name, MISSING) if isinstance(owner, type) else getattr(owner, name, MISSING)
+        if old is MISSING:
             raise AttributeError(f"{owner!r} has no attribute {name!r} to rebind")
         setattr(owner, name, value)
         self._records.append((owner, name, old))
@@ -57,7 +58,7 @@ class UndoStack:
     def set_instance_attribute(self, owner: Any, name: str, value: Any) -> None:
         """Set `owner.name` in the owner's own `__dict__` (shadowing what a class or base class defines);
         undo restores the entry that was there, or deletes it."""
-        old = owner.__dict__.get(name, _MISSING)
+        old = owner.__dict__.get(name, MISSING)
         setattr(owner, name, value)
         self._records.append((owner, name, old))
 
@@ -65,7 +66,7 @@ class UndoStack:
         """Restore every recorded attribute, last first. A second call does nothing."""
         while self._records:
             owner, name, old = self._records.pop()
-            if old is _MISSING:
+            if old is MISSING:
                 delattr(owner, name)
             else:
                 setattr(owner, name, old)
@@ -122,8 +123,8 @@ def _owner_key(owner: Any) -> str:
 def _current(owner: Any, name: str) -> Any:
     """What `owner.name` is bound to, as `UndoStack.setattr` will restore it (a class's own `__dict__` entry)."""
     if isinstance(owner, type):  # as the class holds it (or a base class): descriptors unbound
-        return inspect.getattr_static(owner, name, _MISSING)
-    return getattr(owner, name, _MISSING)
+        return inspect.getattr_static(owner, name, MISSING)
+    return getattr(owner, name, MISSING)
 
 
 # What each module or class bound before the library first touched it: route_kernels(..., "default")
@@ -200,15 +201,15 @@ def _acquire(owner: Any, name: str, make_dispatcher: Callable[[str, Any], Callab
     binding = _BINDINGS.get(key)
     if binding is None:
         original = _current(owner, name)
-        if original is _MISSING:
+        if original is MISSING:
             raise RecurrentHooksError(
-                f"{key[0]} has no kernel named {name!r}: expected the transformers version this library supports"
-                " (5.24); its mixer would never call a rebound kernel"
+                f"{key[0]} has no kernel named {name!r} under transformers {installed_version()} (tested:"
+                f" {TESTED_RANGE}); its mixer would never call a rebound kernel"
             )
         if isinstance(owner, (ModuleType, type)):
             import_default(owner, name)
         undo = UndoStack()
-        dispatcher = make_dispatcher(name, original)
+        dispatcher = in_bound_form(make_dispatcher(name, original), original)
         if not isinstance(owner, (ModuleType, type)):  # an object of the model's: copied and pickled with it
             dispatcher = Transient(dispatcher, original)
         # in the owner's own __dict__ (a method a base class defines is shadowed there; undo deletes it)

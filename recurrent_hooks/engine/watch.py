@@ -33,7 +33,9 @@ from . import strategies
 from .strategies import Paths
 from .kernels import KEEPABLE, KERNEL_IO, Kernel, Role, Site
 from .mixer import RecurrentMixer, StateHook
-from .patching import Transient, UndoStack, acquire_kernels, bound_original, import_default, rebind_process_wide
+from .patching import (MISSING, Transient, UndoStack, acquire_kernels, bound_original, import_default,
+                       rebind_process_wide)
+from .upstream import is_kernel_like, kernel_missing, warn_if_untested
 from .families import FAMILIES, MixerClass, mixer_of, resolve_family, unsupported_of
 
 
@@ -54,6 +56,7 @@ def _attach_with_kernels(mixer: RecurrentMixer, family: MixerClass, stack: conte
     the same kernels) is acquired too: each forward of an instance, watched or not, then tells the kernels whose
     forward is running (`dispatch.make_owner`)."""
     strategies.load_costs()  # the cost model's calibrations, read now rather than while torch.compile traces
+    warn_if_untested()
     module = family.module()
     classes = {type(mixer.module), *(cls for row in FAMILIES.values() if row.module_name == family.module_name
                                      for each in row.classes
@@ -61,12 +64,29 @@ def _attach_with_kernels(mixer: RecurrentMixer, family: MixerClass, stack: conte
     stack.callback(acquire_kernels([(cls, "__call__") for cls in sorted(classes, key=lambda c: c.__qualname__)],
                                    make_owner))
     stack.callback(attach(mixer))
-    targets = [family.target(kernel, mixer.module) for kernel in family.kind.KERNELS]
-    targets += [(module, name) for name in family.kind.FUSED if hasattr(module, name)]
+    targets = [_kernel_target(family, kernel, mixer.module) for kernel in family.kind.KERNELS]
+    targets += [(module, name) for name in family.kind.FUSED if is_kernel_like(getattr(module, name, None))]
     stack.callback(acquire_kernels(targets, make_dispatcher(family.kind)))
     for kernel in family.kind.KERNELS:
         if kernel.site is Site.CLASS:
             _acquire_bound_copies(mixer.module, kernel, family.target(kernel)[0], family.kind, stack)
+
+
+def _kernel_target(family: MixerClass, kernel: Kernel, mixer_module: nn.Module) -> tuple[Any, str]:
+    """Where `kernel` is bound for `mixer_module`, checked to be there and to hold a kernel (a transformers release
+    that moved or renamed it is named in the error, with the tested range, instead of failing deep in a forward)."""
+    owner = family.owner(kernel)
+    where = (family.module_name if kernel.site is Site.MODULE else f"{family.module_name}.{owner}"
+             if kernel.site is Site.CLASS else f"the mixer module {type(mixer_module).__name__}{'.' if owner else ''}"
+             f"{owner}")
+    try:
+        target = family.target(kernel, mixer_module)
+    except (AttributeError, ImportError):
+        raise kernel_missing(family.name, kernel.name, where, None) from None
+    found = bound_original(*target)
+    if not is_kernel_like(found):
+        raise kernel_missing(family.name, kernel.name, where, None if found is MISSING else found)
+    return target
 
 
 def _acquire_bound_copies(mixer_module: nn.Module, kernel: Kernel, owner: type, kind: type[RecurrentMixer],
