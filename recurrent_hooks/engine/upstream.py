@@ -2,7 +2,7 @@
 
 Module contents:
 - `TESTED_RANGE`, `TESTED_MINORS`: the transformers releases the suite has passed on (pyproject.toml declares the
-  same range); `installed_version()`, `is_tested(version)`, `version_line()`, `warn_if_untested()` (once per
+  same range); `installed_version()`, `is_tested(version)`, `is_at_least(major, minor)`, `version_line()`, `warn_if_untested()` (once per
   process, at the first watch);
 - `torch_kernel(bound)`: the pure-torch function behind what a modeling module binds to a kernel name, by one
   rule for every wrapper transformers puts around a kernel (below);
@@ -52,6 +52,13 @@ def is_tested(version: str | None = None) -> bool:
     """Whether `version` (default: the installed transformers) is a release the suite has passed on. A development
     or release-candidate build of a tested minor counts as tested (its kernels are that minor's)."""
     return _minor(installed_version() if version is None else version) in TESTED_MINORS
+
+
+def is_at_least(major: int, minor: int) -> bool:
+    """Whether the installed transformers is release `major.minor` or newer (for the facts a kind rests on that
+    changed between tested releases; each use says which fact)."""
+    installed = _minor(installed_version())
+    return installed is not None and installed >= (major, minor)
 
 
 def version_line(version: str | None = None) -> str:

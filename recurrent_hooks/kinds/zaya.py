@@ -55,6 +55,11 @@ from ..engine.errors import Unavailable
 from ..engine.kernels import CONV_MEMORY, STATE_MEMORY, Kernel, Role, Site
 from ..engine.loops import OnToken, handed_back_changed, version_of
 from ..engine.mixer import RecurrentMixer
+from ..engine.upstream import installed_version, is_at_least
+
+# transformers' own forward runs a cache that records its past (it takes the conv context from the cache) from 5.25
+# on; before, it raised at the second decode step, and a watched call with hooks refuses it by name.
+PAST_RECORDING_RUNS = is_at_least(5, 25)
 
 
 def _repeat_kv(x: Float[Tensor, "batch kv_heads seq head_dim"], groups: int) -> Float[Tensor, "batch heads seq head_dim"]:
@@ -149,17 +154,19 @@ def cca_forward(
     query_residual = (query_residual + key_residual) * 0.5  # b T H D
     key_residual = query_residual.view(*input_shape, -1, self.num_key_value_groups, self.head_dim).mean(dim=-2)
 
+    seq, size = input_shape[-1], self.conv_kernel_size
+    recording = cache is not None and cache.is_recording_past(self.layer_idx)
+    if recording and (on_token is not None or on_also is not None) and not PAST_RECORDING_RUNS:
+        raise Unavailable(f"ZayaCCAProjection (layer {self.layer_idx}): a cache recording its past (assisted"
+                          f" decoding): transformers {installed_version()}'s own forward cannot run it (it grows the"
+                          " window by whole windows and the q/k view raises; from 5.25 on it can)")
     qk_states = qk_states.transpose(1, 2)  # b c T
-    if cached_qk_states is not None:
-        qk_states = torch.cat([cached_qk_states, qk_states], dim=-1)  # b c K+T   the cached window first
-    else:
-        qk_states = F.pad(qk_states, (self.conv_kernel_size, 0))  # b c K+T   zeros first
-    if cache is not None:
-        new_conv_state = qk_states[..., -self.conv_kernel_size:]
-        new_conv_state = F.pad(new_conv_state, (self.conv_kernel_size - new_conv_state.shape[-1], 0))
-        cache.update_conv_state(new_conv_state, self.layer_idx)
-    context = qk_states
-    qk_states = _conv(self, qk_states).transpose(1, 2)  # b T c   ĉ
+    if cache is not None:  # the cached window (or, recording, every past column) first: b c K'+T
+        qk_states = cache.update_conv_state(qk_states, self.layer_idx, conv_kernel_size=size)
+    if cached_qk_states is None:
+        qk_states = F.pad(qk_states, (size, 0))  # b c K+T   zeros first
+    context = qk_states[..., -(size + seq):]  # b c K+T   the window before token 0, then the call's columns
+    qk_states = _conv(self, qk_states).transpose(1, 2)[:, -seq:]  # b T c   ĉ
 
     value_current = self.v_proj_current(hidden_states)  # b T d   W_vc x
     delayed_v_state = self.v_proj_delayed(hidden_states)  # b T d   W_vd x
@@ -170,15 +177,10 @@ def cca_forward(
     value_delayed = torch.cat([recurrent_v_state, delayed_v_state[:, :-1]], dim=1)  # b T d   delay_{t-1}
     last_delay = delayed_v_state[:, -1, :]
     if on_token is not None or on_also is not None:
-        if qk_states.shape[1] != input_shape[1]:
-            raise Unavailable(f"ZayaCCAProjection (layer {self.layer_idx}): the cached window has"
-                              f" {context.shape[-1] - input_shape[1]} columns, expected {self.conv_kernel_size}: a"
-                              " cache recording its past (assisted decoding) grows it, which transformers' forward"
-                              " cannot run either")
         window, last_delay = _slide(self, context, delayed_v_state, qk_states, value_delayed, on_token, on_also)
         cached = None if cache is None else cache.get_conv_state(self.layer_idx, state_idx=0)
         if cached is not None:
-            cached[..., -self.conv_kernel_size:].copy_(window)  # the window the next call continues from
+            cached[..., -size:].copy_(window)  # the window the next call continues from
     if cache is not None:
         cache.update_recurrent_state(last_delay, self.layer_idx)
 
@@ -235,10 +237,11 @@ class CompressedConvolutionalAttention(RecurrentMixer):
         "value": "batch seq kv_heads head_dim  (the forward's v at each token; its second half is the delay read)",
     }
     LIMITS = {
-        "past recording (assisted decoding)": "under cache.activate_past_recording() transformers' own forward"
-        " fails at the second decode step (the cache grows the window by whole windows, and the q/k view raises);"
-        " generate never records the past for zaya (_is_stateful blocks assisted decoding), and a watched call"
-        " with hooks refuses such a window by name (rh.Unavailable)",
+        **({} if PAST_RECORDING_RUNS else {"past recording (assisted decoding)": "under"
+            " cache.activate_past_recording() transformers' own forward (before 5.25) fails at the second decode step"
+            " (the cache grows the window by whole windows, and the q/k view raises); generate never records the"
+            " past for zaya (_is_stateful blocks assisted decoding), and a watched call with hooks refuses such a"
+            " window by name (rh.Unavailable)"}),
         "effective attention": "not provided: CCA projects the inputs of softmax attention; it is no linear"
         " recurrence over the values",
         "segments": "every call with hooks, writes or kept memories runs the token loop (a cheap shift per token;"
