@@ -61,7 +61,7 @@ def _family_row(mixer: Any) -> dict[str, Any]:
     kind = mixer.kind
     return {"family": mixer.name, "mixer_class": mixer.mixer_class, "kind": kind.__name__,
             "state": kind.STATE, "available": list(available_of(kind)),
-            "unavailable": dict(kind.LIMITS)}
+            "unavailable": {**kind.LIMITS, **mixer.family.limits}}
 
 
 def _model_support(path: pathlib.Path) -> list[Any]:

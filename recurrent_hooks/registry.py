@@ -22,6 +22,7 @@ from .engine.families import replace as replace
 from .engine.families import resolve_family as resolve_family
 from .engine.families import unregister as unregister
 from .engine.families import unsupported_of as unsupported_of
+from .engine.upstream import is_at_least
 from .kinds.dynamic_conv import DynamicShortConvolution, LoopedDynamicShortConvolution
 from .kinds.kimi_delta import KimiDeltaAttention
 from .kinds.gated_delta_net import GatedDeltaNet
@@ -34,6 +35,13 @@ from .kinds.state_space import Mamba2StateSpace
 from .kinds.wkv import WeightedKeyValue
 from .kinds.zaya import CompressedConvolutionalAttention
 
+
+# transformers 5.25's Inkling2LoopModel.forward deep-copies the cache layers of the looped passes, which by then hold
+# tensors; dynamo refuses that in a full graph, with or without a watch (5.24's layers held none yet).
+_INKLING2_LOOP_LIMITS = {"torch.compile(fullgraph=True)": "transformers 5.25's Inkling2LoopModel.forward deep-copies"
+                         " cache layers that hold tensors, which dynamo refuses in a full graph, watched or not;"
+                         " torch.compile without fullgraph breaks the graph there and runs watched"
+                         } if is_at_least(5, 25) else {}
 
 register(
     Family("qwen3_next", {"Qwen3NextGatedDeltaNet": GatedDeltaNet}),
@@ -68,7 +76,8 @@ register(
     Family("inkling2", {"Inkling2ShortConvolution": ShortConvolution,
                         "Inkling2DynamicShortConvolution": DynamicShortConvolution}),
     Family("inkling2_loop", {"Inkling2LoopShortConvolution": LoopedShortConvolution,
-                             "Inkling2LoopDynamicShortConvolution": LoopedDynamicShortConvolution}),
+                             "Inkling2LoopDynamicShortConvolution": LoopedDynamicShortConvolution},
+           limits=_INKLING2_LOOP_LIMITS),
     # the kernels are partials captured by each layer's backend object when the model is built
     Family("xlstm", {"xLSTMLayer": MatrixLSTM},
            owners={"_inference_fn": "mlstm_backend", "_train_fn": "mlstm_backend"}),

@@ -55,6 +55,8 @@ class Family:
       its `Site.INSTANCE` kernel (the dotted path of an object inside each mixer module), for every mixer class
       of the family; by default a class-attribute kernel is an attribute of the mixer class, an instance-attribute
       kernel one of the mixer module itself;
+    - `limits`: what the family's models cannot do whatever the library does (a bug of its transformers modeling
+      module), what -> why: listed with the kind's `LIMITS` by `support`;
     - `modeling`: the dotted name of the modeling module that defines the mixer classes and whose globals the
       kinds' module-global kernels are (default `transformers.models.<name>.modeling_<name>`). It is imported
       when a watch first needs it, not when the row is made.
@@ -64,6 +66,7 @@ class Family:
     mixers: Mapping[str, type[RecurrentMixer]]
     owners: Mapping[str, str] = dataclasses.field(default_factory=dict)
     modeling: str | None = None
+    limits: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -93,6 +96,7 @@ class Family:
             raise InvalidValue(f"{where}: expected modeling= as a module's dotted name, got {self.modeling!r}")
         object.__setattr__(self, "mixers", MappingProxyType(dict(self.mixers)))
         object.__setattr__(self, "owners", MappingProxyType(dict(self.owners)))
+        object.__setattr__(self, "limits", MappingProxyType(dict(self.limits)))
         object.__setattr__(self, "classes", tuple(MixerClass(self, cls, kind) for cls, kind in self.mixers.items()))
 
     classes: tuple["MixerClass", ...] = dataclasses.field(init=False, repr=False)  # one per mixer class, in order

@@ -555,7 +555,7 @@ def support(model: nn.Module) -> list[MixerSupport]:
         }
         if segments is not None or prompt.stops:
             notes["path choice"] = _path_rule(module, segments)
-        unavailable = dict(kind.LIMITS)
+        unavailable = {**kind.LIMITS, **family.family.limits}
         if not kind.REORDERED_BY_CACHE:  # the kind's own words if it has them (why the rows stay)
             unavailable.setdefault("beam search", _NOT_REORDERED)
         rows.append(MixerSupport(path, layer, name, family.name, kind.__name__, available, unavailable, notes))
