@@ -1,7 +1,8 @@
 """The command line: `python -m recurrent_hooks demo | support [FAMILY | PATH] [--json]`.
 
 - `demo`: read, patch and steer the states of a tiny model built from a config (no download).
-- `support`: the table of supported families (kind, what can be read and written, limits) and of the
+- `support`: a line with the installed transformers version and whether it is in the tested range (on stderr
+  with `--json`), then the table of supported families (kind, what can be read and written, limits) and of the
   recurrent mixers the library does not handle; with a family name, that family's row; with the path of
   a saved model directory or its config.json, what each mixer of that model offers, read from the config
   without loading weights (the model is built on the meta device).
@@ -35,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, LookupError) as error:
         print(f"python -m recurrent_hooks support: {error}", file=sys.stderr)
         return 2
+    from .engine.upstream import version_line
+
+    print(version_line(), file=sys.stderr if args.json else sys.stdout)  # --json: stdout is the rows alone
     print(json.dumps(rows, indent=2) if args.json else _table(rows))
     return 0
 

@@ -411,6 +411,7 @@ def test_a_watch_keeps_kernel_inputs_and_outputs_only_when_asked(model):
 
 def test_the_support_command_reads_families_and_saved_configs(tmp_path, capsys):
     from recurrent_hooks.__main__ import main
+    from recurrent_hooks.engine.upstream import version_line
 
     assert main(["support", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
@@ -423,7 +424,7 @@ def test_the_support_command_reads_families_and_saved_configs(tmp_path, capsys):
     assert any(row["mixer_class"] == "Inkling2DynamicShortConvolution" and row["kind"] == "DynamicShortConvolution"
                for row in rows)
     assert main(["support", "mamba2"]) == 0
-    assert capsys.readouterr().out.startswith("mamba2: Mamba2Mixer -> Mamba2StateSpace")
+    assert capsys.readouterr().out.startswith(f"{version_line()}\nmamba2: Mamba2Mixer -> Mamba2StateSpace")
     build("jamba").save_pretrained(tmp_path)
     assert main(["support", str(tmp_path / "config.json"), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
