@@ -43,7 +43,8 @@ def nothing_left_patched():
 # A test marked `one_per_kind` runs by default for the first family of each kind (in the registry's order) and for
 # every family with `--full`; a test marked `full` runs only with `--full`. A test left out is reported as skipped,
 # with the reason, in pytest's summary (`-ra`), never silently; `--only-full` runs just the tests the default
-# leaves out (`.ci/run` runs the default suite, then those).
+# leaves out (`.ci/run` runs the default suite, then those). `--one-family-per-kind` deselects the other families'
+# cases of every test over families (`.ci/run`'s quick run on the oldest supported transformers).
 
 FULL = "the full matrix: `pytest --full` runs it (README, Tests)"
 
@@ -51,6 +52,9 @@ FULL = "the full matrix: `pytest --full` runs it (README, Tests)"
 def pytest_addoption(parser):
     parser.addoption("--full", action="store_true", help="also run the slow matrices on every family")
     parser.addoption("--only-full", action="store_true", help="run only what the default suite leaves out")
+    parser.addoption("--one-family-per-kind", action="store_true",
+                     help="deselect every case of a test over families but those of the first family of each kind"
+                          " (.ci/run's quick run on the oldest supported transformers)")
 
 
 def pytest_configure(config):
@@ -76,7 +80,19 @@ def _left_out_by_default(item, representatives: set[str]) -> bool:
     return False
 
 
+def _another_family_of_its_kind(item, representatives: set[str]) -> bool:
+    params = getattr(item, "callspec", None)
+    family = params.params.get("family") if params is not None else None
+    return isinstance(family, str) and family in rh.FAMILIES and family not in representatives
+
+
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("--one-family-per-kind"):
+        representatives = _representatives()
+        others = [item for item in items if _another_family_of_its_kind(item, representatives)]
+        if others:  # reported by pytest as deselected
+            config.hook.pytest_deselected(items=others)
+            items[:] = [item for item in items if not _another_family_of_its_kind(item, representatives)]
     full, only_full = config.getoption("--full"), config.getoption("--only-full")
     if full and not only_full:
         return
