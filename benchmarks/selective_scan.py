@@ -24,6 +24,7 @@ import time
 import torch
 import transformers.models.mamba.modeling_mamba as modeling
 
+from recurrent_hooks.extend import torch_kernel
 from recurrent_hooks.kinds.selective_scan import (mamba_selective_scan, mamba_selective_scan_chunks,
                                              mamba_selective_scan_states)
 
@@ -63,7 +64,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     chunks = [None, *(int(c) for c in args.chunks.split(","))]  # None: the library's choice (`chunk_size`)
-    hf = modeling.mamba_selective_scan.__wrapped__
+    hf = torch_kernel(modeling.mamba_selective_scan)  # transformers' pure-torch scan, behind its hub wrapper
     identity = lambda t, s: s  # noqa: E731
     label = lambda c: "auto" if c is None else c  # noqa: E731
     names = ["hf", "loop", *(f"chunks {label(c)}" for c in chunks), *(f"states {label(c)}" for c in chunks)]
