@@ -92,6 +92,9 @@ class Family:
                                    f" kernel of {kinds} (those are: {', '.join(sorted(placed)) or 'none'})")
             if not isinstance(owner, str):
                 raise InvalidValue(f"{where}: expected the owner of {kernel!r} as a str, got {type(owner).__name__}")
+        if not isinstance(self.limits, Mapping) or not all(isinstance(x, str) for x in (*self.limits,
+                                                                                        *self.limits.values())):
+            raise InvalidValue(f"{where}: expected limits as {{what: why}} strings, got {self.limits!r}")
         if self.modeling is not None and (not isinstance(self.modeling, str) or not self.modeling):
             raise InvalidValue(f"{where}: expected modeling= as a module's dotted name, got {self.modeling!r}")
         object.__setattr__(self, "mixers", MappingProxyType(dict(self.mixers)))
