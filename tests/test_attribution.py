@@ -86,7 +86,9 @@ def test_attribute_refuses_bad_arguments():
     ids = random_ids(2, T)
     with pytest.raises(rh.InvalidValue, match=r"attribute: clean_ids \(2, 13\) and corrupt_ids \(2, 12\) must have"):
         rh.attribute(model, ids, ids[:, 1:], metric)
-    with pytest.raises(rh.InvalidValue, match=r"attribute: metric\(logits\) must return one value per pair, a \[2\] tensor"):
+    with pytest.raises(rh.InvalidValue, match=r"attribute: expected metric\(logits\) to return one value per row, a"
+                       r" tensor of shape \(2,\) \(or a 0-d tensor, the value of one row\) for logits of shape"
+                       r" \(2, 13, 128\), got a tensor of shape \(2, 13, 128\)"):
         rh.attribute(model, ids, ids, lambda logits: logits)
     with pytest.raises(rh.InvalidValue, match=r"attribute: no recurrent mixer at layers \[1\]"):
         rh.attribute(model, ids, ids, metric, layers=[1])

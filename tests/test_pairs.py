@@ -37,8 +37,11 @@ def test_one_pair_as_a_batch_keeps_the_pairs_axis():
     batch, single = rh.attribute(model, clean, corrupt, metric), rh.attribute(model, clean[0], corrupt[0], metric)
     assert batch.state.shape == (1, *single.state.shape) and batch.clean.shape == (1,)
     assert_close("the same numbers", batch.memory[0], single.memory, rtol=0, atol=0)
-    with pytest.raises(rh.InvalidValue, match=r"metric\(logits\) must return one value per pair, a \[3\] tensor"):
-        rh.attribute(model, random_ids(3, TOKENS), random_ids(3, TOKENS), lambda logits: logits[:, -1, 3].sum())
+    # a metric of one value for all rows is a metric of one row, called once per pair
+    clean, corrupt = random_ids(3, TOKENS, seed=3), random_ids(3, TOKENS, seed=4)
+    summed = rh.attribute(model, clean, corrupt, lambda logits: logits[:, -1, 3].sum())
+    rows = rh.attribute(model, clean, corrupt, lambda logits: logits[:, -1, 3])
+    assert_close("a 0-d metric, per pair", rows.memory, summed.memory, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "mamba", "mamba2"])

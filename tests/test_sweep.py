@@ -151,9 +151,10 @@ def test_bad_arguments_raise_invalid_value_naming_what_was_expected_and_what_cam
         (dict(batch_size=0), r"expected batch_size >= 1 \(or None: chosen from the shapes\), got batch_size=0"),
         (dict(budget_bytes=-1), r"expected budget_bytes >= 0 \(or None: 268435456\), got budget_bytes=-1"),
         (dict(budget_bytes=1.5), r"expected budget_bytes as an int, got float 1.5"),
-        (dict(metric=lambda logits: logits[:, -1, 5].sum()), r"expected metric\(logits\) to return one value per row,"
-                                                               r" a tensor of shape \(1,\) for logits of shape"
-                                                               r" \(1, 10, 128\), got shape \(\)"),
+        (dict(metric=lambda logits: logits[:, -1]), r"expected metric\(logits\) to return one value per row,"
+                                                     r" a tensor of shape \(1,\) \(or a 0-d tensor, the value of one"
+                                                     r" row\) for logits of shape \(1, 10, 128\), got a tensor of"
+                                                     r" shape \(1, 128\)"),
         (dict(metric="logit"), r"expected metric as a callable"),
         (dict(corrupt=corrupt[0, :-1]), r"expected clean_ids and corrupt_ids of the same length \(positions are"
                                         r" shared\), got shapes \(1, 10\) and \(1, 9\)"),

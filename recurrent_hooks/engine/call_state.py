@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from .calls import Call, KernelCall, _position
-from .errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable
+from .errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable, noted
 from .kernels import CONV_MEMORY, KEEP_NAMES, STATE_MEMORY, Kernel
 from .parts import State, axes_of, is_parts, map_parts, not_a_tensor, parts_of
 from .threads import user_code
@@ -393,7 +393,7 @@ class CallState:
         if hook.write:
             replacement = hook.fn(mixer, call, token, state)
         else:
-            with user_code():
+            with user_code(), noted(lambda: self._where(hook, call, token)):
                 replacement = hook.fn(mixer, call, token, state)
         if replacement is None or replacement is state:
             return state
@@ -405,6 +405,11 @@ class CallState:
         state = _checked(replacement, state, self, hook, call, token)
         self.note_replaced(hook, token)
         return state
+
+    def _where(self, hook: "_Hook", call: int | None, token: int) -> str:
+        """Where a user's hook was called, for the note on what it raised."""
+        head = "" if self.head is None else f", head {self.head}"
+        return f"raised in the {hook.origin} on {self.mixer}, at call {call}, token {token}{head}"
 
     def note_replaced(self, hook: "_Hook", token: int) -> None:
         record = self.current

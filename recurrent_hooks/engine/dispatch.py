@@ -33,7 +33,7 @@ from . import strategies
 from .calls import KernelCall
 from .kernels import CONV_MEMORY, FORWARD, Kernel, Layout, Pieces
 from .call_state import Plan, _Forward
-from .errors import InvalidValue
+from .errors import InvalidValue, noted
 from .mixer import RecurrentMixer
 from .parts import State, is_parts, map_parts, parts_of, rebuild, stack_parts
 from .threads import THREAD, in_backward, user_code
@@ -472,10 +472,10 @@ class _Reduction:
         chunk = stack_parts(states, dim=1)  # [batch, chunk, *state]
         del states
         plan = self.plan
-        with user_code():
+        where = f"{plan.mixer}, call {plan.call}, tokens {tokens[0]}..{tokens[-1]}: the reduction {_name(plan.reduce)}"
+        with user_code(), noted(lambda: f"raised in {where}"):
             reduced = plan.reduce(chunk)
         del chunk
-        where = f"{plan.mixer}, call {plan.call}, tokens {tokens[0]}..{tokens[-1]}: the reduction {_name(plan.reduce)}"
         for name, part in parts_of(reduced) if is_parts(reduced) else [("", reduced)]:
             if not isinstance(part, Tensor) or part.dim() < 2 or part.shape[1] != len(tokens):
                 got = f"a tensor of shape {tuple(part.shape)}" if isinstance(part, Tensor) else type(part).__name__

@@ -8,9 +8,13 @@ Module contents:
 - `RecurrentHooksWarning`: something the block asked for did not happen, but nothing went wrong
   (a write aimed at a decode step that a generation stopped before).
 - `RecurrentHooksDeprecationWarning`, `renamed`: a renamed name was used (it works for one more release).
+- `noted(where)`: an exception raised by a user's function (a hook, a reduction, a metric) goes on with its own
+  type and a note saying where it was called (PEP 678).
 """
 
+import contextlib
 import warnings
+from collections.abc import Callable, Iterator
 
 
 class RecurrentHooksError(Exception):
@@ -53,3 +57,32 @@ def renamed_attribute(module: str, name: str, renames: dict[str, str], namespace
     # and the import itself, so it may warn twice: the library reads no stack frames to tell them apart.)
     renamed(f"{module}.{name}", f"{module}.{renames[name]}", stacklevel=4)
     return namespace[renames[name]]
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """`error.add_note(note)` (PEP 678), once per note. On Python 3.10, which has no `add_note`, the note goes in
+    `__notes__` as well (3.10's traceback does not print it; `str(error)` is left alone either way)."""
+    notes = getattr(error, "__notes__", None)
+    if notes is not None and note in notes:
+        return
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:  # Python 3.10
+        try:
+            error.__notes__ = [*(notes or ()), note]
+        except (AttributeError, TypeError):  # an exception type that refuses new attributes
+            pass
+
+
+@contextlib.contextmanager
+def noted(where: Callable[[], str]) -> Iterator[None]:
+    """Run a user's function: an exception it raises keeps its type and gains the note `where()` (built only then).
+
+        with noted(lambda: f"in state hook {name} of {mixer}, call {call}, token {token}"):
+            replacement = fn(mixer, call, token, state)
+    """
+    try:
+        yield
+    except Exception as error:
+        add_note(error, where())
+        raise

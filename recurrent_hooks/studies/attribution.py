@@ -71,6 +71,7 @@ from ..engine.parts import map_parts, parts_of
 from ..engine.strategies import Paths
 from ..engine.watch import Watch, watch
 from ..kinds import conv
+from .metrics import per_row
 
 _MEMORIES = (STATE_MEMORY, CONV_MEMORY)  # the rows `state` and `window`
 Metric = Callable[[Tensor], Tensor]  # logits [batch, seq, vocab] -> [batch] or a scalar
@@ -158,7 +159,7 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
                                    forward_kwargs=forward_kwargs, paths=paths, method=method, chunk=chunk,
                                    steps=steps, heads=heads))
     if not callable(metric):
-        raise InvalidValue(f"{where}: expected a callable metric(logits) -> [batch] or a scalar, got {metric!r}")
+        raise InvalidValue(f"{where}: expected a callable metric(logits) -> [rows] or a 0-d tensor, got {metric!r}")
     if method not in METHODS:
         raise InvalidValue(f"{where}: expected method in {METHODS}, got {method!r}")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
@@ -193,7 +194,7 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
 @dataclasses.dataclass(frozen=True)
 class _Runs:
     """What every forward of one `attribute` call shares: the model, the metric, the chosen layers, the forward's
-    keyword arguments and paths; `ids` (any of the two prompts) gives the pairs for `_per_row`."""
+    keyword arguments and paths; `ids` (any of the two prompts) gives the pairs."""
 
     model: nn.Module
     metric: Metric
@@ -206,7 +207,7 @@ class _Runs:
 
     def value(self, *args: Any, **inputs: Any) -> Tensor:
         """`[pairs]`: the metric of one forward of `args` (the ids) or `inputs` (inputs_embeds=)."""
-        return _per_row(self.metric(self.model(*args, **inputs, **self.kwargs).logits), self.ids, self.where)
+        return per_row(self.metric, self.model(*args, **inputs, **self.kwargs).logits, self.where)
 
     def chosen(self, handle: Any) -> list[RecurrentMixer]:
         return _chosen(handle.mixers, self.layers, self.where)
@@ -853,17 +854,6 @@ def _backward_step(kernel: Kernel, pieces: Pieces, start: int, end: int, boundar
     eps_grad = grads[0] if grads[0] is not None else torch.zeros_like(eps)
     state_grad = grads[-1] if state is not None else None
     return state_grad, eps_grad, dict(zip(leaves, grads[1:1 + len(leaves)]))
-
-
-def _per_row(value: Any, ids: Tensor, where: str) -> Tensor:
-    """The metric's value per pair, `[pairs]` (a scalar for one pair)."""
-    pairs = ids.shape[0]
-    if not isinstance(value, Tensor) or value.dim() > 1 or value.dim() == 1 and value.shape[0] != pairs \
-            or value.dim() == 0 and pairs != 1:
-        raise InvalidValue(f"{where}: metric(logits) must return one value per pair, a [{pairs}] tensor"
-                           f"{' (or a scalar)' if pairs == 1 else ''}, got {type(value).__name__}"
-                           f"{tuple(value.shape) if isinstance(value, Tensor) else ''}")
-    return value.reshape(pairs)
 
 
 def _one_pair(result: Attribution) -> Attribution:

@@ -12,6 +12,14 @@ Glossary (code name, shape):
     wrong      int or [batch]        the token the answer is compared with
     position   int or [batch]        the position read (default -1, the last), for every row or per row
     (result)   [batch]               one value per row, float32
+
+The contract every study holds a metric to (`per_row`, one message for both studies): `metric(logits)` on logits
+of `rows` rows returns
+- a tensor of shape `[rows]`: one value per row, taken as it is;
+- a 0-d tensor: one value for logits of one row; for logits of several rows the metric is called once per row,
+  on `logits[r:r + 1]`, and the values stacked (so a metric written for one prompt serves a batch of them);
+- anything else (another shape, a Python number, a list) is refused, naming what was expected and what came.
+An exception the metric raises keeps its type and gains a note naming the study and the logits' shape.
 """
 
 from typing import Any
@@ -19,9 +27,31 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..engine.errors import InvalidValue
+from ..engine.errors import InvalidValue, noted
 
 __all__ = ["logit_difference", "log_prob"]
+
+
+def per_row(metric: Any, logits: Tensor, where: str) -> Tensor:
+    """`[rows]`: `metric(logits)` per row of `logits` (`[rows, seq, vocab]`), by the contract of the module
+    docstring; `where` names the study in a refusal and in the note on what the metric raised."""
+    rows = logits.shape[0]
+    name = getattr(metric, "__qualname__", None) or repr(metric)
+    with noted(lambda: f"raised in the metric {name} of {where}, on logits of shape {tuple(logits.shape)}"):
+        value = metric(logits)
+        if isinstance(value, Tensor) and value.dim() == 0 and rows > 1:
+            value = torch.stack([_checked_value(metric(logits[r:r + 1]), 1, logits[r:r + 1], where).reshape(())
+                                 for r in range(rows)])
+    return _checked_value(value, rows, logits, where)
+
+
+def _checked_value(value: Any, rows: int, logits: Tensor, where: str) -> Tensor:
+    if isinstance(value, Tensor) and (tuple(value.shape) == (rows,) or value.dim() == 0 and rows == 1):
+        return value.reshape(rows)
+    got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
+    raise InvalidValue(f"{where}: expected metric(logits) to return one value per row, a tensor of shape ({rows},)"
+                       f" (or a 0-d tensor, the value of one row) for logits of shape {tuple(logits.shape)}, got {got}"
+                       " (docs/api.md, 'Metrics')")
 
 
 class _Metric:

@@ -191,7 +191,7 @@ def _baselines(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric:
     with torch.no_grad():
         for ids in (clean_ids, corrupt_ids):
             out.append(torch.cat([measure(_rows_metric(metric, None if one_pair else group),
-                                          model(ids[group], **kwargs).logits, len(group)) for group in groups]))
+                                          model(ids[group], **kwargs).logits) for group in groups]))
     return out[0], out[1]
 
 

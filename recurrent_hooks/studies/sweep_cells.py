@@ -30,6 +30,7 @@ from ..engine.kernels import CONV_MEMORY, STATE_MEMORY
 from ..engine.parts import map_parts
 from ..engine.strategies import Paths
 from ..engine.watch import watch
+from .metrics import per_row
 
 _WHERE = "patching_sweep"
 
@@ -179,7 +180,7 @@ def patched(model: nn.Module, corrupt_ids: Tensor, batch: list[Cell], plan: Plan
             for memory in carried(w.mixer(layer), plan.memories, plan.what):
                 hook = _Patch(plan, layer, memory, at, clean, ids.device)
                 w.mixer(layer).register_state_hook(hook, call=0, token=sorted(at), which=memory)
-        return measure(metric, model(ids, **kwargs).logits, len(batch))
+        return measure(metric, model(ids, **kwargs).logits)
 
 
 class _Patch:
@@ -236,10 +237,6 @@ def _assigned(state: Tensor, index: tuple[Tensor, ...], values: Tensor) -> Tenso
     return out
 
 
-def measure(metric: Callable[[Tensor], Tensor], logits: Tensor, rows: int) -> Tensor:
-    value = metric(logits)
-    if not isinstance(value, Tensor) or tuple(value.shape) != (rows,):
-        got = f"shape {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
-        raise InvalidValue(f"{_WHERE}: expected metric(logits) to return one value per row, a tensor of shape"
-                           f" ({rows},) for logits of shape {tuple(logits.shape)}, got {got}")
-    return value.detach()
+def measure(metric: Callable[[Tensor], Tensor], logits: Tensor) -> Tensor:
+    """`[rows]`: the metric per row of `logits`, detached (`metrics.per_row`'s contract)."""
+    return per_row(metric, logits, _WHERE).detach()
