@@ -30,6 +30,27 @@ def as_index(value: Any, what: str, where: str) -> int:
         raise InvalidValue(f"{where}: {what} must be an int, got {type(value).__name__} {value!r}") from None
 
 
+def as_token_selection(value: Any, where: str, tokens: int | None) -> int | list[int]:
+    """What a reader or writer of the memory after some tokens takes: an int (one token, returned as it is), or
+    several, returned as a list: a list, tuple or range of ints, or a slice. `tokens` is the call's token count, by
+    which a slice is resolved (None, for a write registered before its call runs: a slice with both bounds given
+    and not negative, `slice(2, 5)`)."""
+    if isinstance(value, slice):
+        if tokens is not None:
+            return list(range(*value.indices(tokens)))
+        start, stop, step = value.start or 0, value.stop, 1 if value.step is None else value.step
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (start, stop, step)) or min(start, stop) < 0 \
+                or step < 1:
+            raise InvalidValue(f"{where}: expected a slice of tokens with a stop and no negative bound (the call's"
+                               f" length is not known when a write is registered; list the tokens instead), got {value}")
+        return list(range(start, stop, step))
+    if isinstance(value, (list, tuple, range)):
+        if len(value) == 0:
+            raise InvalidValue(f"{where}: expected at least one token, got an empty {type(value).__name__}")
+        return [as_index(item, "token", where) for item in value]
+    return as_index(value, "token", where)
+
+
 def _as_targets(value: Any, what: str, where: str) -> tuple[int, ...] | None:
     """Token positions: None (every token), an int, or a non-empty iterable of ints (negative: from the end)."""
     if value is None:

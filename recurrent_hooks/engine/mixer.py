@@ -51,13 +51,14 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from .errors import InvalidValue, RecurrentHooksError, Unavailable, renamed
-from .arguments import _as_targets, _describe_calls, _describe_token, _RowTokens, as_calls, as_index, normalize_keep
+from .arguments import (_as_targets, _describe_calls, _describe_token, _RowTokens, as_calls, as_index,
+                        as_token_selection, normalize_keep)
 from . import compiled as _compiled
 from .call_state import _SHOWN, CallState, _Forward
 from .calls import Call, Memory
 from .kernels import CONV_MEMORY, STATE_MEMORY, memory_name
 from .kind import Kind
-from .parts import State, describe, map_parts, not_a_tensor, parts_of
+from .parts import State, describe, is_parts, map_parts, not_a_tensor, parts_of, stack_parts
 from .strategies import DEFAULT as _DEFAULT_PATHS
 from .strategies import Paths
 
@@ -228,32 +229,44 @@ class RecurrentMixer(Kind):
         renamed("RecurrentMixer.conv_states", "RecurrentMixer.windows")
         return self.windows
 
-    def state_after(self, token: int, call: int | None = None) -> Float[Tensor, "batch *state"]:
+    def state_after(self, token: "int | Sequence[int] | slice", call: int | None = None
+                    ) -> Float[Tensor, "batch *state"] | Float[Tensor, "batch tokens *state"]:
         """The state after `token` (negative counts from the end) of call `call` (default: the last call).
+
+            mix.state_after(4)          # [batch, *state]
+            mix.state_after([3, 4])     # [batch, 2, *state]: several tokens, stacked on the seq axis
+            mix.state_after(slice(-3, None))   # the last three tokens' states, as mix.states[:, -3:]
 
         It is the state token+1 continues from: a write or hook at `token` is included. The tensor is
         the one the recurrence used, so `torch.autograd.grad(metric, mix.state_after(t))` works (for
         KERNEL_PER_HEAD kinds it is a stack of the heads' states; take gradients through a written leaf).
         """
-        where = f"{self}.state_after"
         self._has(STATE_MEMORY, "state_after")
-        return self._call(call, "state_after")._after(STATE_MEMORY, as_index(token, "token", where))
+        return self._after(STATE_MEMORY, token, call, "state_after")
 
-    def window_after(self, token: int, call: int | None = None) -> Float[Tensor, "batch channels kernel_size"]:
+    def window_after(self, token: "int | Sequence[int] | slice", call: int | None = None
+                     ) -> Float[Tensor, "batch channels kernel_size"] | Float[Tensor, "batch tokens channels kernel_size"]:
         """The convolution window after `token` of call `call`: the last kernel_size conv inputs, oldest
-        first, in the layout of transformers' cache; token+1 reads its last kernel_size-1 columns."""
-        where = f"{self}.window_after"
+        first, in the layout of transformers' cache; token+1 reads its last kernel_size-1 columns. Several
+        tokens (a list or a slice) are stacked on the seq axis, as for `state_after`."""
         self._has(CONV_MEMORY, "window_after")
-        return self._call(call, "window_after")._after(CONV_MEMORY, as_index(token, "token", where))
+        return self._after(CONV_MEMORY, token, call, "window_after")
+
+    def _after(self, memory: str, token: Any, call: int | None, method: str) -> State:
+        record = self._call(call, method)
+        selected = as_token_selection(token, f"{self}.{method}", record._ran.get(memory, record.tokens))
+        if isinstance(selected, int):
+            return record._after(memory, selected)
+        return stack_parts([record._after(memory, each) for each in selected], dim=1)
 
     def conv_state_after(self, token: int, call: int | None = None) -> Float[Tensor, "batch channels kernel_size"]:
         """The former name of `window_after`."""
         renamed("RecurrentMixer.conv_state_after", "RecurrentMixer.window_after")
         return self.window_after(token, call)
 
-    def memory_after(self, token: int, call: int | None = None) -> Memory:
+    def memory_after(self, token: "int | Sequence[int] | slice", call: int | None = None) -> Memory:
         """The whole memory after `token`: `Memory(state, window)` (needs both kept; a memory the kind
-        does not carry is None)."""
+        does not carry is None). Several tokens (a list or a slice): each memory stacked on the seq axis."""
         return Memory(*(getter(token, call) if memory in self.MEMORIES else None for memory, getter in
                         ((STATE_MEMORY, self.state_after), (CONV_MEMORY, self.window_after))))
 
@@ -333,13 +346,13 @@ class RecurrentMixer(Kind):
         `value` must have the state's shape, dtype and device (checked when the call runs). `call`
         takes what hooks take (several calls, a slice, None for every call).
         """
-        return self._add_hooks(_write(self, STATE_MEMORY, token, value, call, "set_state_after"))
+        return self._add_hooks(*_writes(self, STATE_MEMORY, token, value, call, "set_state_after"))
 
     def set_window_after(self, token: int, value: Tensor, call: "int | Iterable[int] | slice | None" = 0
                          ) -> RemovableHandle:
         """Replace the convolution window after `token` of call `call` by `value` (`[batch, channels,
         kernel_size]`, the cache's layout and dtype): tokens token+1.. read it, and so does the cache."""
-        return self._add_hooks(_write(self, CONV_MEMORY, token, value, call, "set_window_after"))
+        return self._add_hooks(*_writes(self, CONV_MEMORY, token, value, call, "set_window_after"))
 
     def set_conv_state_after(self, token: int, value: Tensor, call: "int | Iterable[int] | slice | None" = 0
                              ) -> RemovableHandle:
@@ -361,7 +374,8 @@ class RecurrentMixer(Kind):
             raise InvalidValue(f"{self}.set_memory_after({token!r}, call={call!r}): expected a Memory(state,"
                                f" window), got {type(memory).__name__}")
         parts = [(name, value) for name, value in zip((STATE_MEMORY, CONV_MEMORY), memory) if name in self.MEMORIES]
-        return self._add_hooks(*(_write(self, name, token, value, call, "set_memory_after") for name, value in parts))
+        return self._add_hooks(*(hook for name, value in parts
+                                 for hook in _writes(self, name, token, value, call, "set_memory_after")))
 
     def _add_hooks(self, *hooks: _Hook) -> RemovableHandle:
         if not self._live:
@@ -391,6 +405,24 @@ class RecurrentMixer(Kind):
     def unkept(self) -> list[str]:
         """Positions of `keep` outside every call this mixer saw, which kept nothing (reported when a watch ends)."""
         return self.call_state.unkept()
+
+
+def _writes(mixer: RecurrentMixer, memory: str, token: Any, value: Any, call: Any, method: str) -> list[_Hook]:
+    """The writes of `value` after `token`: one, or, for several tokens (a list, tuple, range or bounded slice),
+    one per token, of `value`'s slice on the seq axis (`[batch, tokens, *memory]`, as `state_after` reads them)."""
+    if not isinstance(token, (list, tuple, range, slice)):
+        return [_write(mixer, memory, token, value, call, method)]
+    where = f"{mixer}.{method}({token!r}, call={call!r})"
+    tokens = as_token_selection(token, where, None)
+    parts = parts_of(value) if isinstance(value, Tensor) or is_parts(value) else []
+    shapes = [tuple(part.shape) for _, part in parts if isinstance(part, Tensor)]
+    if not parts or len(shapes) != len(parts) or any(len(shape) < 2 or shape[1] != len(tokens) for shape in shapes):
+        got = f"shapes {shapes}" if shapes else type(value).__name__
+        raise InvalidValue(f"{where}: expected the {memory} after each of the {len(tokens)} tokens stacked on axis 1,"
+                           f" [batch, {len(tokens)}, ...] (as {method.removeprefix('set_')}({token!r}) reads them),"
+                           f" got {got}")
+    return [_write(mixer, memory, each, map_parts(lambda part, i=i: part[:, i], value), call, method)
+            for i, each in enumerate(tokens)]
 
 
 def _write(mixer: RecurrentMixer, memory: str, token: Any, value: Tensor, call: Any, method: str) -> _Hook:
