@@ -63,6 +63,39 @@ def test_deepcopy_inside_a_watch_is_the_plain_model(family):
         assert _library_objects(twin) == []
 
 
+def _mixer_module(model):
+    return next(module for module in model.modules() if rh.registry.mixer_of(module) is not None)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "xlstm", "recurrent_gemma"])
+def test_a_copy_of_a_model_with_a_standalone_hook_is_the_plain_model(family):
+    """A deep copy or a pickle of a model whose mixer has a standalone hook (no watch) is the plain model: its
+    forward runs none of the hooks, and it holds none of the library's objects, while the hook is live and after."""
+    model, ids = build(family), random_ids(2, 6)
+    with torch.no_grad():
+        plain = model(ids).logits
+        seen = []
+        handle = rh.register_state_hook(_mixer_module(model), lambda m, c, t, s: seen.append(t) or map_parts(
+            torch.zeros_like, s) if t == 2 else None)
+        try:
+            hooked = model(ids).logits
+            assert seen and (hooked - plain).abs().max() > 0, "the standalone hook did not run"
+            twin = copy.deepcopy(model)
+            saved = io.BytesIO()
+            torch.save(model, saved)
+            saved.seek(0)
+            loaded = torch.load(saved, weights_only=False)
+            calls = len(seen)
+            assert_close("the copy while the hook is live", plain, twin(ids).logits)
+            assert_close("the unpickled model while the hook is live", plain, loaded(ids).logits)
+            assert len(seen) == calls, "a copy ran the standalone hook"
+        finally:
+            handle.remove()
+        for name, copied in (("the copy", twin), ("the unpickled model", loaded)):
+            assert_close(f"{name} after the hook", plain, copied(ids).logits)
+            assert _library_objects(copied) == [], name
+
+
 @pytest.mark.parametrize("family", ["qwen3_5", "xlstm", "rwkv"])
 def test_pickled_watched_model_is_the_plain_model(family):
     model, ids = build(family), random_ids(2, 6)
