@@ -4,6 +4,8 @@ warnings when a release moved something."""
 
 import functools
 import importlib.metadata
+import pathlib
+import re
 import warnings
 
 import pytest
@@ -155,3 +157,27 @@ def test_the_support_command_prints_the_version_line(capsys):
     assert main(["support", "mamba", "--json"]) == 0
     captured = capsys.readouterr()
     assert captured.err.strip() == upstream.version_line() and captured.out.lstrip().startswith("[")
+
+
+# The torch APIs the package calls that a torch release introduced, with that release: the floor pyproject.toml
+# declares must be at least the newest of them. Found by reading the package (the test checks each is still used,
+# and that the installed torch has it); the suite itself runs on torch 2.13.
+TORCH_APIS = {
+    "torch.accelerator.synchronize": (2, 6),
+    "torch.library.custom_op": (2, 4),
+    "torch.compiler.is_compiling": (2, 3),
+    "torch.sym_ite": (2, 1),
+}
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "recurrent_hooks"
+
+
+def test_the_declared_torch_floor_has_every_api_the_package_calls():
+    source = "\n".join(path.read_text() for path in PACKAGE.rglob("*.py"))
+    for api, release in TORCH_APIS.items():
+        assert api in source, f"{api} is no longer used: drop it from TORCH_APIS"
+        owner, _, name = api.rpartition(".")
+        assert hasattr(functools.reduce(getattr, owner.split(".")[1:], torch), name), f"torch has no {api}"
+    requirement = next(r for r in importlib.metadata.requires("recurrent_hooks") if r.startswith("torch"))
+    floor = tuple(int(x) for x in re.search(r">=\s*(\d+)\.(\d+)", requirement).groups())
+    newest = max(TORCH_APIS.values())
+    assert floor >= newest, f"pyproject declares {requirement}; the package calls APIs of torch {newest[0]}.{newest[1]}"
