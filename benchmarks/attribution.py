@@ -3,6 +3,7 @@
     python benchmarks/attribution.py                      # gdn_small at T = 512
     python benchmarks/attribution.py --model qwen3_5      # Qwen3.5 layer dims, T = 512 (--tokens 2048)
     python benchmarks/attribution.py --model mamba2_130m  # mamba2-130m layer dims
+    python benchmarks/attribution.py --model qwen3_5_4 --tokens 64 --pairs 8 --no-states   # many pairs at once
     python benchmarks/attribution.py --device cuda        # the same rows on a GPU (fused kernels if installed)
     python benchmarks/attribution.py --quick              # tiny dims, a smoke run
 
@@ -49,6 +50,9 @@ MODELS = {  # name -> (label, builder)
     "qwen3_5": ("Qwen3.5 layer dims: hidden 2048, 16 key / 32 value heads of 128, MLP 6144;"
                 " one gated DeltaNet layer and one attention layer",
                 lambda: bench._gdn(2048, 16, 32, 128, 6144, bench.HYBRID)),
+    "qwen3_5_4": ("Qwen3.5 layer dims in Qwen3.5's layer pattern: hidden 2048, 16 key / 32 value heads of 128,"
+                  " MLP 6144; three gated DeltaNet layers and one attention layer",
+                  lambda: bench._gdn(2048, 16, 32, 128, 6144, ["linear_attention"] * 3 + ["full_attention"])),
     "mamba2_130m": ("mamba2-130m layer dims: hidden 768, 24 heads of 64, state 128, chunk 256; 2 layers",
                     lambda: bench._mamba2(768, 24, 64, 128, 256)),
     "quick": ("gated DeltaNet (quick dims)", lambda: bench._gdn(64, 2, 4, 16, 128, bench.LINEAR2)),
@@ -66,9 +70,9 @@ def setup(args: argparse.Namespace):
     model = build().eval().requires_grad_(False).to(device)
     tokens = 32 if args.quick else args.tokens
     gen = torch.Generator().manual_seed(0)
-    clean = torch.randint(3, bench.VOCAB, (1, tokens), generator=gen)
+    clean = torch.randint(3, bench.VOCAB, (args.pairs, tokens), generator=gen)
     corrupt = clean.clone()
-    corrupt[0, tokens // 2] = (corrupt[0, tokens // 2] + 1) % bench.VOCAB
+    corrupt[:, tokens // 2] = (corrupt[:, tokens // 2] + 1) % bench.VOCAB
     clean, corrupt = clean.to(device), corrupt.to(device)
 
     def reference() -> None:
@@ -87,7 +91,8 @@ def setup(args: argparse.Namespace):
         rows[f"rh.attribute(method={method!r})"] = (
             lambda method=method: rh.attribute(model, clean, corrupt, metric, method=method,
                                                forward_kwargs={"use_cache": False}))
-    rows["gradients to every kept state"] = every_state
+    if not args.no_gradients_row:
+        rows["gradients to every kept state"] = every_state
     return label, tokens, rows
 
 
@@ -132,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="gdn_small")
     parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--pairs", type=int, default=1, help="prompt pairs in one call (the reference: the same batch)")
+    parser.add_argument("--no-gradients-row", action="store_true", help="leave out 'gradients to every kept state'")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-states", action="store_true")
     parser.add_argument("--no-memory", action="store_true")
@@ -160,16 +167,16 @@ def main(argv: list[str] | None = None) -> int:
         memory = device_memory(args, rows)
     elif not args.no_memory:
         child = [sys.executable, os.path.abspath(__file__), "--memory-child", "--model", args.model, "--tokens",
-                 str(args.tokens), "--threads", str(args.threads)] + [f for f, on in (("--quick", args.quick),
-                                                                                     ("--no-states", args.no_states))
-                                                                      if on]
+                 str(args.tokens), "--threads", str(args.threads), "--pairs", str(args.pairs)]
+        child += [f for f, on in (("--quick", args.quick), ("--no-states", args.no_states),
+                                  ("--no-gradients-row", args.no_gradients_row)) if on]
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", MALLOC_ARENA_MAX="2")
         proc = subprocess.run(child, env=env, capture_output=True, text=True)
         if proc.returncode:
             print("memory child failed: " + " | ".join(proc.stderr.strip().splitlines()[-3:]))
         else:
             memory = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"{label}; T = {tokens}, batch 1, {device}, {args.threads} threads, {args.repeats} rounds (+1 warm-up)")
+    print(f"{label}; T = {tokens}, {args.pairs} pair{'s' if args.pairs > 1 else ''}, {device}, {args.threads} threads, {args.repeats} rounds (+1 warm-up)")
     reference = "plain forward + backward"
     for name in rows:
         ratios = [a / b for a, b in zip(seconds[name], seconds[reference])]

@@ -1,4 +1,5 @@
-"""Many prompt pairs at once (issue 20): `attribute` over `[N, seq]` equals N single-pair calls stacked, per kind."""
+"""Many prompt pairs at once: `attribute` over `[N, seq]` equals N single-pair calls stacked, per kind; and split into
+groups of pairs by a memory budget, the same result."""
 
 import pytest
 import torch
@@ -63,3 +64,52 @@ def test_patching_sweep_over_pairs_equals_one_sweep_per_pair(family):
                      torch.stack([one.clean, one.corrupt]), rtol=1e-5, atol=1e-6)
     assert_close("normalized per pair", many.normalized()[1],
                  (many.values[1] - many.corrupt[1]) / (many.clean[1] - many.corrupt[1]), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family, method", [("qwen3_5", "chunks"), ("mamba2", "chunks"), ("recurrent_gemma", "states")])
+def test_pairs_split_by_the_memory_budget_give_the_batch_result(family, method):
+    """A budget that holds one pair's states (or two) runs the pairs in groups, each with its metric's rows
+    (`for_rows`) and its rows of the per-pair forward_kwargs (a mask with left padding): the same terms as one
+    batch. A plain metric is one metric for every pair."""
+    model = build(family).requires_grad_(False)
+    clean, corrupt = random_ids(PAIRS, TOKENS, seed=5), random_ids(PAIRS, TOKENS, seed=6)
+    mask = torch.ones(PAIRS, TOKENS, dtype=torch.long)
+    mask[1, :3] = 0  # pair 1 is left-padded
+    kwargs = {"attention_mask": mask}
+    per_pair = rh.metrics.logit_difference(torch.tensor([3, 5, 7]), wrong=4)
+    whole = rh.attribute(model, clean, corrupt, per_pair, method=method, forward_kwargs=kwargs)
+    plain = lambda logits: logits[:, -1, 3] - logits[:, -1, 4]  # noqa: E731
+    whole_plain = rh.attribute(model, clean, corrupt, plain, method=method, forward_kwargs=kwargs)
+    for budget, group in ((1, 1), (2 * TOKENS * _one_row_bytes(model) * 2, 2)):  # groups of one pair, of two
+        for metric, expected in ((per_pair, whole), (plain, whole_plain)):
+            batches = []
+            handle = model.register_forward_pre_hook(
+                lambda module, args, kwargs: batches.append(kwargs["attention_mask"].shape[0]), with_kwargs=True)
+            try:
+                split = rh.attribute(model, clean, corrupt, metric, method=method, forward_kwargs=kwargs,
+                                     budget_bytes=budget)
+            finally:
+                handle.remove()
+            assert batches[0] == 1 and max(batches[1:]) == group, batches  # the probe's row, then the groups
+            scale = expected.memory.abs().max()
+            for name in ("state", "window"):
+                assert_close(f"{name}, budget {budget}", getattr(expected, name), getattr(split, name), rtol=1e-4,
+                             atol=1e-6 * scale)
+            assert_close(f"baselines, budget {budget}", torch.stack([expected.clean, expected.corrupt]),
+                         torch.stack([split.clean, split.corrupt]), rtol=1e-6, atol=1e-7)
+
+
+def _one_row_bytes(model) -> int:
+    """The float32 bytes of one row's memory in the largest recurrent layer (what attribute's budget counts)."""
+    with torch.no_grad(), rh.watch(model, keep={"states": [0], "windows": [0]}) as w:
+        model(random_ids(1, 1))
+    return max(4 * sum(part.numel() for value in m.memory_after(0) if value is not None
+                       for part in (value if isinstance(value, tuple) else (value,))) for m in w.mixers)
+
+
+def test_a_bad_budget_is_refused():
+    model = build("qwen3_5").requires_grad_(False)
+    ids = random_ids(2, TOKENS)
+    with pytest.raises(rh.InvalidValue, match=r"attribute: expected budget_bytes as an int >= 0 \(or None: 268435456\),"
+                       r" got budget_bytes=-1"):
+        rh.attribute(model, ids, ids, rh.metrics.log_prob(3), budget_bytes=-1)

@@ -71,7 +71,7 @@ from ..engine.parts import map_parts, parts_of
 from ..engine.strategies import Paths
 from ..engine.watch import Watch, watch
 from ..kinds import conv
-from .metrics import per_row
+from .metrics import for_rows, per_row
 
 _MEMORIES = (STATE_MEMORY, CONV_MEMORY)  # the rows `state` and `window`
 Metric = Callable[[Tensor], Tensor]  # logits [batch, seq, vocab] -> [batch] or a scalar
@@ -121,7 +121,7 @@ _STEP_BYTES = 32 * 2**20  # the states of the token loop's graph held at once in
 def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: Metric, *,
               layers: Iterable[int] | None = None, forward_kwargs: Mapping[str, Any] | None = None,
               paths: Paths | None = None, method: str = "auto", chunk: int = 64, steps: int = 1,
-              heads: bool = False) -> Attribution:
+              heads: bool = False, budget_bytes: int | None = None) -> Attribution:
     """Attribution patching of every recurrent layer x token, from one clean forward and one forward and
     backward of the corrupt run (`steps` of them on the way from the corrupt input to the clean one).
 
@@ -145,6 +145,12 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
     the per-layer result: a head's state term is over its slice of the state; its window term over the window
     channels that feed it (the kind's declaration, as `patching_sweep(heads=True)` patches them), a channel that
     feeds several heads (a key head's q and k, a Mamba-2 group's B and C) split equally among them.
+    `budget_bytes`: the states the backward holds at once for all the pairs of a batch (two pieces' states per
+    pair, clean and corrupt: 2 x chunk x state bytes; "states": of every token). Over more pairs than fit, the
+    pairs run in groups one after the other, each with its metric's rows (`metric.for_rows(pairs)` where it has
+    it, as `rh.metrics`' do; a plain metric is one metric for every pair, as `patching_sweep` takes it) and its
+    rows of the `forward_kwargs` tensors whose first axis has the pairs' length (a mask). None: `BUDGET_BYTES`,
+    256 MiB. The results are the same as in one batch (the rows of a batch do not interact; docs/attribution.md).
     """
     where = "attribute"
     for name, ids in (("clean_ids", clean_ids), ("corrupt_ids", corrupt_ids)):
@@ -157,7 +163,7 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
     if clean_ids.dim() == 1:  # one pair: the results without the pairs axis
         return _one_pair(attribute(model, clean_ids[None], corrupt_ids[None], metric, layers=layers,
                                    forward_kwargs=forward_kwargs, paths=paths, method=method, chunk=chunk,
-                                   steps=steps, heads=heads))
+                                   steps=steps, heads=heads, budget_bytes=budget_bytes))
     if not callable(metric):
         raise InvalidValue(f"{where}: expected a callable metric(logits) -> [rows] or a 0-d tensor, got {metric!r}")
     if method not in METHODS:
@@ -169,26 +175,65 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
                            f" corrupt to the clean input embeddings; 1: attribution patching), got {steps!r}")
     if heads is not True and heads is not False:
         raise InvalidValue(f"{where}: expected heads=True or heads=False, got heads={heads!r}")
+    budget = BUDGET_BYTES if budget_bytes is None else budget_bytes
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise InvalidValue(f"{where}: expected budget_bytes as an int >= 0 (or None: {BUDGET_BYTES}), got"
+                           f" budget_bytes={budget_bytes!r}")
     kwargs = dict(forward_kwargs or {})
-    runs = _Runs(model, metric, None if layers is None else tuple(layers), kwargs, paths, corrupt_ids, where, heads)
-    inputs = _line(model, clean_ids, corrupt_ids, steps, kwargs, where)
-    with watch(model, paths=paths) as probe:
-        chosen = runs.chosen(probe)
+    layers = None if layers is None else tuple(layers)
+    with torch.no_grad(), watch(model, keep={"states": [0], "windows": [0]}, paths=paths) as probe:
+        chosen = _chosen(probe.mixers, layers, where)
         kinds = [type(m) for m in chosen]
         headless = next((m for m in chosen if heads and not m.HEADS), None)
         if headless is not None:
             raise InvalidValue(f"{where}: heads=True needs a state with heads in every chosen layer; {headless} has a"
                                f" state of axes {headless.STATE!r} without heads (choose other layers, or heads=False)")
+        if clean_ids.shape[0] > 1:  # the memory of one row, for the pairs' groups
+            model(clean_ids[:1], **_rows_of(kwargs, [0], clean_ids.shape[0]))
     if method != "states":
         chunkable = all(_chunkable(kind) for kind in kinds)
         if method == "chunks" and not chunkable:
             slow = sorted({kind.__name__ for kind in kinds if not _chunkable(kind)})
             raise InvalidValue(f"{where}: method='chunks' needs a prompt kernel that runs in pieces from a state;"
                                f" {', '.join(slow)} has none: use method='states' (or 'auto')")
-        if chunkable:
-            shared_conv = all(_conv_kernel(kind) is not None for kind in kinds)
-            return _attribute_in_chunks(runs, clean_ids, corrupt_ids, chunk, shared_conv, inputs, steps)
-    return _attribute_with_states(runs, clean_ids, corrupt_ids, inputs, steps)
+        method = "chunks" if chunkable else "states"
+    held = min(chunk, clean_ids.shape[1]) if method == "chunks" else clean_ids.shape[1]
+    pair_bytes = 2 * held * max((_row_bytes(m) for m in chosen), default=0) if clean_ids.shape[0] > 1 else 0
+    group = clean_ids.shape[0] if pair_bytes == 0 else max(1, budget // pair_bytes)
+    shared_conv = all(_conv_kernel(kind) is not None for kind in kinds)
+    parts = []
+    for first in range(0, clean_ids.shape[0], group):
+        pairs = list(range(first, min(first + group, clean_ids.shape[0])))
+        rows = None if len(pairs) == clean_ids.shape[0] else pairs
+        mine = kwargs if rows is None else _rows_of(kwargs, rows, clean_ids.shape[0])
+        runs = _Runs(model, for_rows(metric, rows), layers, mine, paths, corrupt_ids[pairs], where, heads)
+        clean, corrupt = clean_ids[pairs], corrupt_ids[pairs]
+        inputs = _line(model, clean, corrupt, steps, mine, where)
+        parts.append(_attribute_in_chunks(runs, clean, corrupt, chunk, shared_conv, inputs, steps)
+                     if method == "chunks" else _attribute_with_states(runs, clean, corrupt, inputs, steps))
+    return parts[0] if len(parts) == 1 else _concatenated(parts)
+
+
+BUDGET_BYTES = 256 << 20  # attribute(budget_bytes=None): the states held at once for the pairs of a batch
+
+
+def _row_bytes(mixer: RecurrentMixer) -> int:
+    """The float32 bytes of one row's memory (state and window) of `mixer`, from the probe's token 0."""
+    memory = mixer.memory_after(0)
+    return 4 * sum(part.numel() for value in memory if value is not None for _, part in parts_of(value))
+
+
+def _rows_of(kwargs: Mapping[str, Any], rows: list[int], pairs: int) -> dict[str, Any]:
+    """`forward_kwargs` for the pairs `rows`: a tensor whose first axis has the pairs' length (an attention mask,
+    position ids) is taken as one row per pair, and indexed."""
+    return {name: value[rows] if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == pairs else value
+            for name, value in kwargs.items()}
+
+
+def _concatenated(parts: list[Attribution]) -> Attribution:
+    """The results of groups of pairs, in order, as one (on the pairs axis)."""
+    return Attribution(parts[0].layers, *(torch.cat([getattr(part, name) for part in parts])
+                                          for name in ("state", "window", "clean", "corrupt")), parts[0].heads)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,6 +54,23 @@ def _checked_value(value: Any, rows: int, logits: Tensor, where: str) -> Tensor:
                        " (docs/api.md, 'Metrics')")
 
 
+def for_rows(metric: Any, pairs: list[int] | None) -> Any:
+    """The metric of a batch whose row r belongs to pair `pairs[r]` (None: the batch is the pairs as given):
+    `metric.for_rows(pairs)` where it has that method (`rh.metrics`' do), else `metric.for_pair(n)` for rows of one
+    pair n, else `metric` itself (a plain callable is one metric for every pair)."""
+    if pairs is None:
+        return metric
+    rows, pair = getattr(metric, "for_rows", None), getattr(metric, "for_pair", None)
+    if callable(rows):
+        return rows(torch.tensor(pairs))
+    return pair(pairs[0]) if callable(pair) else metric
+
+
+def mixes_pairs(metric: Any) -> bool:
+    """Whether one batch may hold rows of several pairs: not for a metric that knows only `for_pair`."""
+    return callable(getattr(metric, "for_rows", None)) or not callable(getattr(metric, "for_pair", None))
+
+
 class _Metric:
     """A metric of the logits, with the tokens and position it reads (its repr names them)."""
 

@@ -30,6 +30,7 @@ from ..engine.errors import InvalidValue
 from ..engine.kernels import CONV_MEMORY, STATE_MEMORY
 from ..engine.strategies import Paths
 from .ranks import Checkpoint, Ranks, sweep_key
+from .metrics import for_rows, mixes_pairs
 from .sweep_cells import Cell, Plan, clean_memories, measure, patched, probe, rounds
 
 WHAT = {"memory": (STATE_MEMORY, CONV_MEMORY), "state": (STATE_MEMORY,), "window": (CONV_MEMORY,)}
@@ -153,23 +154,6 @@ def _default_batch_size(cell_bytes: int) -> int:
     return max(1, min(MAX_BATCH, BATCH_BYTES // max(1, cell_bytes)))
 
 
-def _rows_metric(metric: Callable[[Tensor], Tensor], pairs: list[int] | None) -> Callable[[Tensor], Tensor]:
-    """The metric of a batch whose row r belongs to pair `pairs[r]` (None: the one pair of a `[seq]` call):
-    `metric.for_rows(pairs)` where it has that method (`rh.metrics`' do), else `metric.for_pair(n)` for rows of one
-    pair n, else `metric` itself (one metric for every pair)."""
-    if pairs is None:
-        return metric
-    for_rows, for_pair = getattr(metric, "for_rows", None), getattr(metric, "for_pair", None)
-    if callable(for_rows):
-        return for_rows(torch.tensor(pairs))
-    return for_pair(pairs[0]) if callable(for_pair) else metric
-
-
-def _mixes_pairs(metric: Callable[[Tensor], Tensor]) -> bool:
-    """Whether one batch may hold rows of several pairs: not for a metric that knows only `for_pair`."""
-    return callable(getattr(metric, "for_rows", None)) or not callable(getattr(metric, "for_pair", None))
-
-
 def _batches(cells: list[Cell], batch_size: int, mixed: bool) -> list[list[Cell]]:
     """`cells` in order, `batch_size` a batch; a batch holds one pair's cells unless `mixed`."""
     batches: list[list[Cell]] = []
@@ -186,11 +170,11 @@ def _baselines(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric:
     """The metric of the clean and of the corrupt run of every pair, `[pairs]` each (all pairs in one batch where
     the metric allows, else one forward per pair)."""
     pairs = list(range(clean_ids.shape[0]))
-    groups = [pairs] if _mixes_pairs(metric) else [[n] for n in pairs]
+    groups = [pairs] if mixes_pairs(metric) else [[n] for n in pairs]
     out = []
     with torch.no_grad():
         for ids in (clean_ids, corrupt_ids):
-            out.append(torch.cat([measure(_rows_metric(metric, None if one_pair else group),
+            out.append(torch.cat([measure(for_rows(metric, None if one_pair else group),
                                           model(ids[group], **kwargs).logits) for group in groups]))
     return out[0], out[1]
 
@@ -325,10 +309,10 @@ def _measure_cells(model: nn.Module, prompts: tuple[Tensor, Tensor], plan: Plan,
     from tqdm.auto import tqdm  # a dependency of transformers
 
     with tqdm(total=len(cells), desc=_WHERE, unit="cell", disable=not progress) as bar:
-        for round_ in rounds(_batches(cells, batch_size, one_pair or _mixes_pairs(metric)), plan, budget):
+        for round_ in rounds(_batches(cells, batch_size, one_pair or mixes_pairs(metric)), plan, budget):
             clean = clean_memories(model, clean_ids, round_, plan, paths, kwargs)
             for batch in round_:
-                rows_metric = _rows_metric(metric, None if one_pair else [cell.pair for cell in batch])
+                rows_metric = for_rows(metric, None if one_pair else [cell.pair for cell in batch])
                 measured = patched(model, corrupt_ids, batch, plan, clean, paths, kwargs, rows_metric)
                 for row, cell in enumerate(batch):
                     index = (cell.pair, cell.layer, *([] if cell.head is None else [cell.head]), cell.position)
