@@ -90,7 +90,7 @@ def setup(args: argparse.Namespace):
     for method in ("chunks",) + (() if args.no_states else ("states",)):
         rows[f"rh.attribute(method={method!r})"] = (
             lambda method=method: rh.attribute(model, clean, corrupt, metric, method=method,
-                                               forward_kwargs={"use_cache": False}))
+                                               forward_kwargs={"use_cache": False}, budget_bytes=args.budget_bytes))
     if not args.no_gradients_row:
         rows["gradients to every kept state"] = every_state
     return label, tokens, rows
@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--pairs", type=int, default=1, help="prompt pairs in one call (the reference: the same batch)")
     parser.add_argument("--no-gradients-row", action="store_true", help="leave out 'gradients to every kept state'")
+    parser.add_argument("--budget-bytes", type=int, default=None, help="attribute's budget_bytes (default: its own)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-states", action="store_true")
     parser.add_argument("--no-memory", action="store_true")
@@ -168,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     elif not args.no_memory:
         child = [sys.executable, os.path.abspath(__file__), "--memory-child", "--model", args.model, "--tokens",
                  str(args.tokens), "--threads", str(args.threads), "--pairs", str(args.pairs)]
+        child += [] if args.budget_bytes is None else ["--budget-bytes", str(args.budget_bytes)]
         child += [f for f, on in (("--quick", args.quick), ("--no-states", args.no_states),
                                   ("--no-gradients-row", args.no_gradients_row)) if on]
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", MALLOC_ARENA_MAX="2")
