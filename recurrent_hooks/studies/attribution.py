@@ -166,30 +166,11 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
                                    steps=steps, heads=heads, budget_bytes=budget_bytes))
     if not callable(metric):
         raise InvalidValue(f"{where}: expected a callable metric(logits) -> [rows] or a 0-d tensor, got {metric!r}")
-    if method not in METHODS:
-        raise InvalidValue(f"{where}: expected method in {METHODS}, got {method!r}")
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise InvalidValue(f"{where}: expected chunk as a positive int (tokens per piece), got {chunk!r}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise InvalidValue(f"{where}: expected steps as a positive int (the gradients averaged on the way from the"
-                           f" corrupt to the clean input embeddings; 1: attribution patching), got {steps!r}")
-    if heads is not True and heads is not False:
-        raise InvalidValue(f"{where}: expected heads=True or heads=False, got heads={heads!r}")
-    budget = BUDGET_BYTES if budget_bytes is None else budget_bytes
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-        raise InvalidValue(f"{where}: expected budget_bytes as an int >= 0 (or None: {BUDGET_BYTES}), got"
-                           f" budget_bytes={budget_bytes!r}")
+    budget = _checked_options(method, chunk, steps, heads, budget_bytes, where)
     kwargs = dict(forward_kwargs or {})
     layers = None if layers is None else tuple(layers)
-    with torch.no_grad(), watch(model, keep={"states": [0], "windows": [0]}, paths=paths) as probe:
-        chosen = _chosen(probe.mixers, layers, where)
-        kinds = [type(m) for m in chosen]
-        headless = next((m for m in chosen if heads and not m.HEADS), None)
-        if headless is not None:
-            raise InvalidValue(f"{where}: heads=True needs a state with heads in every chosen layer; {headless} has a"
-                               f" state of axes {headless.STATE!r} without heads (choose other layers, or heads=False)")
-        if clean_ids.shape[0] > 1:  # the memory of one row, for the pairs' groups
-            model(clean_ids[:1], **_rows_of(kwargs, [0], clean_ids.shape[0]))
+    chosen = _probe(model, clean_ids, layers, heads, paths, kwargs, where)
+    kinds = [type(m) for m in chosen]
     if method != "states":
         chunkable = all(_chunkable(kind) for kind in kinds)
         if method == "chunks" and not chunkable:
@@ -212,6 +193,38 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
         parts.append(_attribute_in_chunks(runs, clean, corrupt, chunk, shared_conv, inputs, steps)
                      if method == "chunks" else _attribute_with_states(runs, clean, corrupt, inputs, steps))
     return parts[0] if len(parts) == 1 else _concatenated(parts)
+
+
+def _checked_options(method: Any, chunk: Any, steps: Any, heads: Any, budget_bytes: Any, where: str) -> int:
+    """Refuse a bad method, chunk, steps, heads or budget_bytes; return the budget."""
+    if method not in METHODS:
+        raise InvalidValue(f"{where}: expected method in {METHODS}, got {method!r}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise InvalidValue(f"{where}: expected chunk as a positive int (tokens per piece), got {chunk!r}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise InvalidValue(f"{where}: expected steps as a positive int (the gradients averaged on the way from the"
+                           f" corrupt to the clean input embeddings; 1: attribution patching), got {steps!r}")
+    if heads is not True and heads is not False:
+        raise InvalidValue(f"{where}: expected heads=True or heads=False, got heads={heads!r}")
+    budget = BUDGET_BYTES if budget_bytes is None else budget_bytes
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise InvalidValue(f"{where}: expected budget_bytes as an int >= 0 (or None: {BUDGET_BYTES}), got"
+                           f" budget_bytes={budget_bytes!r}")
+    return budget
+
+
+def _probe(model: nn.Module, clean_ids: Tensor, layers: tuple[int, ...] | None, heads: bool, paths: Paths | None,
+           kwargs: Mapping[str, Any], where: str) -> list[RecurrentMixer]:
+    """The chosen mixers, checked for heads; over several pairs, with one row's memory kept (`_row_bytes`)."""
+    with torch.no_grad(), watch(model, keep={"states": [0], "windows": [0]}, paths=paths) as probe:
+        chosen = _chosen(probe.mixers, layers, where)
+        headless = next((m for m in chosen if heads and not m.HEADS), None)
+        if headless is not None:
+            raise InvalidValue(f"{where}: heads=True needs a state with heads in every chosen layer; {headless} has a"
+                               f" state of axes {headless.STATE!r} without heads (choose other layers, or heads=False)")
+        if clean_ids.shape[0] > 1:
+            model(clean_ids[:1], **_rows_of(kwargs, [0], clean_ids.shape[0]))
+    return chosen
 
 
 BUDGET_BYTES = 256 << 20  # attribute(budget_bytes=None): the states held at once for the pairs of a batch
