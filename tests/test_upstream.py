@@ -91,6 +91,8 @@ def test_a_hub_module_is_rebound_in_its_own_class(monkeypatch):
     assert module.causal_conv1d_fn is hub
     assert w.mixers[0].windows.shape[1] == 6
     assert torch.equal(plain, watched)
+    notes = next(row for row in rh.support(model) if row.family).notes["idle calls run"]
+    assert "modeling_mamba2.causal_conv1d_fn (through a kernels hub module)" in notes, notes
 
 
 def test_a_kernel_that_vanished_is_named_with_the_version_and_the_range(monkeypatch):

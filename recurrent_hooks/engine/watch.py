@@ -35,7 +35,7 @@ from .kernels import KEEPABLE, KERNEL_IO, Kernel, Role, Site
 from .mixer import RecurrentMixer, StateHook
 from .patching import (MISSING, Transient, UndoStack, acquire_kernels, bound_original, import_default,
                        rebind_process_wide)
-from .upstream import is_kernel_like, kernel_missing, warn_if_untested
+from .upstream import hub_module, is_kernel_like, kernel_missing, torch_kernel, warn_if_untested
 from .families import FAMILIES, MixerClass, mixer_of, resolve_family, unsupported_of
 
 
@@ -511,6 +511,14 @@ def _path_rule(module: nn.Module, segments: Any) -> str:
     return f"the cost model, calibrated for {key}"
 
 
+def _described(bound: Any) -> str:
+    """What an idle call of a kernel name runs: the pure-torch function's dotted name, and the wrapper it goes
+    through if it is a kernels hub module."""
+    function = torch_kernel(bound) if is_kernel_like(bound) else bound
+    name = f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', repr(function))}"
+    return f"{name} (through a kernels hub module)" if hub_module(bound) else name
+
+
 _NOT_REORDERED = ("beam search's cache reorder does not move this kind's memory: each row continues its own row, not"
                   " its parent beam's, and call.reorder stays None")
 
@@ -540,8 +548,7 @@ def support(model: nn.Module) -> list[MixerSupport]:
         prompt = kind.kernel_for(Role.PROMPT)
         segments = prompt.segments
         notes = {
-            "idle calls run": ", ".join(
-                f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}" for fn in bound.values()),
+            "idle calls run": ", ".join(_described(fn) for fn in bound.values()),
             "a few tokens of a prompt": (f"the library's chunk-wise {prompt.name} in segments between them"
                                          if segments.kernel is not None else
                                          f"{prompt.name} in segments between them, or the token loop, by cost")
