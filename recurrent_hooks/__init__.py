@@ -22,6 +22,7 @@ Imports run downwards only: the engine imports no kind, no study and not the reg
 """
 
 from .studies import metrics as metrics
+from .studies.probes import probe as probe
 from .studies.attribution import Attribution as Attribution
 from .studies.attribution import attribute as attribute
 from .studies.effective_attention import EffectiveAttention as EffectiveAttention
@@ -73,6 +74,7 @@ __all__ = [
     "attribute",
     "Attribution",
     "metrics",
+    "probe",
     "Call",
     "KernelCall",
     "Memory",

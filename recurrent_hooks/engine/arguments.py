@@ -194,10 +194,27 @@ def normalize_reduce(reduce: Any, memories: Mapping[str, Any], where: str = "wat
         if KEEPABLE[name] not in memories:
             raise InvalidValue(f"{where}: reduce={{{name!r}: ...}}, but keep does not keep {name!r}: add it to keep"
                                f" (keep=({name!r},), or a mapping of the positions to reduce)")
-        if not callable(fn):
-            raise InvalidValue(f"{where}: reduce[{name!r}] must be a function of a [batch, chunk, *state] tensor,"
-                               f" got {type(fn).__name__} {fn!r}")
+        if isinstance(fn, Mapping):  # one function per layer ({layer: rh.probe(...)})
+            if not fn or any(isinstance(layer, bool) or not isinstance(layer, int) or not callable(each)
+                             for layer, each in fn.items()):
+                raise InvalidValue(f"{where}: reduce[{name!r}] as a mapping must map layers (ints) to functions of a"
+                                   f" [batch, chunk, *state] tensor, got {fn!r}")
+            fn = dict(fn)
+        elif not callable(fn):
+            raise InvalidValue(f"{where}: reduce[{name!r}] must be a function of a [batch, chunk, *state] tensor (or"
+                               f" a mapping of layers to such functions), got {type(fn).__name__} {fn!r}")
         out[KEEPABLE[name]] = fn
+    return out
+
+
+def reduce_of_layer(reduce: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
+    """A mixer's reductions, memory -> function: `reduce`'s function of each memory, or its function for `layer`
+    where it gives one per layer (a layer it does not name keeps that memory unreduced)."""
+    out = {}
+    for memory, fn in reduce.items():
+        fn = fn.get(layer) if isinstance(fn, dict) else fn
+        if fn is not None:
+            out[memory] = fn
     return out
 
 

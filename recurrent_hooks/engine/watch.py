@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from .errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable, renamed
-from .arguments import as_index, as_keep_device, normalize_keep, normalize_reduce, renamed_keep
+from .arguments import as_index, as_keep_device, normalize_keep, normalize_reduce, reduce_of_layer, renamed_keep
 from .calls import Memory
 from .dispatch import attach, make_dispatcher, make_owner
 from . import strategies
@@ -304,7 +304,8 @@ class Watch:
         mixers = [mixer for mixer, _ in rows]
         paths = {path: next(mixer for mixer in mixers if mixer.module is m) for path, m, _ in found}
         for mixer in mixers:
-            mixer.paths, mixer.keep_device, mixer.reduce = self.paths, self.keep_device, self.reduce
+            mixer.paths, mixer.keep_device = self.paths, self.keep_device
+            mixer.reduce = reduce_of_layer(self.reduce, mixer.layer)
         stack = contextlib.ExitStack()
         try:  # all or nothing: a failure releases what was acquired so far
             for mixer, row in rows:

@@ -1,0 +1,79 @@
+"""`rh.probe(a, b)`: rank-r linear readouts of every token's state per head, kept as a reduction, equal to the
+float64 einsum over the token loop's states, per kind; one probe per layer; bad factors and states refused."""
+
+import pytest
+import torch
+
+import recurrent_hooks as rh
+from _compare import assert_close
+from _models import build, random_ids
+
+T = 9
+FAMILIES = ["qwen3_5", "kimi_linear", "mamba2", "mamba"]  # gated DeltaNet, KDA, Mamba-2, Mamba-1 (no heads axis)
+
+
+def _states(model, ids, paths=None):
+    with torch.no_grad(), rh.watch(model, keep=("states",), paths=paths) as w:
+        model(ids)
+    return {m.layer: m.states for m in w.mixers}
+
+
+def _factors(state, rank, seed):
+    """Factors for a state `[batch, seq, (heads,) rows, cols]` (a state without heads is one head)."""
+    heads, rows, cols = (1, *state.shape[2:]) if state.dim() == 4 else tuple(state.shape[2:])
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(heads, rank, rows, generator=gen), torch.randn(heads, rank, cols, generator=gen)
+
+
+def _reference(state, a, b):
+    state = state.double().unsqueeze(2) if state.dim() == 4 else state.double()
+    return torch.einsum("bthij,hki,hkj->bthk", state, a.double(), b.double())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_probe_equals_the_einsum_over_the_token_loops_states(family):
+    model, ids = build(family), random_ids(2, T)
+    loop = _states(model, ids, paths=rh.Paths(rule="loop"))
+    probes = {layer: rh.probe(*_factors(state, rank=3, seed=layer)) for layer, state in loop.items()}
+    for paths in (rh.Paths(rule="loop"), None):  # the token loop; the default path (chunk-wise where the kind has it)
+        with torch.no_grad(), rh.watch(model, keep=("states",), reduce={"states": probes}, paths=paths) as w:
+            model(ids)
+        for mixer in w.mixers:
+            expected = _reference(loop[mixer.layer], probes[mixer.layer].a, probes[mixer.layer].b)
+            got = mixer.states
+            assert got.shape == expected.shape and got.dtype == torch.float32
+            scale = expected.abs().max()
+            assert_close(f"{mixer} probe ({'loop' if paths else 'default path'})", expected, got.double(),
+                         rtol=1e-5, atol=1e-6 * scale)
+
+
+def test_one_probe_per_layer_and_layers_without_one_keep_their_states():
+    model, ids = build("qwen3_5"), random_ids(1, T)
+    states = _states(model, ids)
+    first, *others = sorted(states)
+    a, b = _factors(states[first], rank=2, seed=0)
+    with torch.no_grad(), rh.watch(model, keep=("states",), reduce={"states": {first: rh.probe(a, b)}}) as w:
+        model(ids)
+    assert_close("the probed layer", _reference(states[first], a, b), w.mixer(first).states.double(), rtol=1e-5,
+                 atol=1e-7)
+    for layer in others:
+        assert w.mixer(layer).states.shape == states[layer].shape
+        assert_close(f"layer {layer} kept its states", states[layer], w.mixer(layer).states, rtol=1e-5, atol=1e-8)
+
+
+def test_bad_factors_and_states_are_refused():
+    with pytest.raises(rh.InvalidValue, match=r"rh.probe: expected a as a float tensor \[heads, r, rows\], got a"
+                       r" torch.int64 tensor of shape \(2, 3\)"):
+        rh.probe(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, 4))
+    with pytest.raises(rh.InvalidValue, match=r"with the same heads and rank, got a \(4, 2, 8\) and b \(4, 3, 8\)"):
+        rh.probe(torch.ones(4, 2, 8), torch.ones(4, 3, 8))
+    model, ids = build("qwen3_5"), random_ids(1, T)
+    wrong = rh.probe(torch.ones(4, 2, 5), torch.ones(4, 2, 8))
+    with pytest.raises(rh.InvalidValue, match=r"rh.probe\(a \[4, 2, 5\], b \[4, 2, 8\]\): expected states \[batch,"
+                       r" chunk, 4, 5, 8\] \(heads, rows, cols of the factors\), got \(1, 9, 4, 8, 8\)") as error:
+        with torch.no_grad(), rh.watch(model, keep=("states",), reduce={"states": wrong}):
+            model(ids)
+    assert any("the reduction" in note for note in getattr(error.value, "__notes__", [])), error.value
+    with pytest.raises(rh.InvalidValue, match=r"reduce\['states'\] as a mapping must map layers \(ints\) to"
+                       r" functions"):
+        rh.watch(model, keep=("states",), reduce={"states": {"0": wrong}})
