@@ -59,29 +59,34 @@ def _slide(
     mask: Bool[Tensor, "batch seq kernel_size"] | None,
     out: Float[Tensor, "batch seq channels"],
     on_token: OnToken,
-) -> Float[Tensor, "batch channels kernel_size"]:
+) -> tuple[Float[Tensor, "batch channels kernel_size"], Float[Tensor, "batch seq channels"]]:
     """Slide the window over the call's tokens (the last `seq` columns of `context`, which may start with the
     cached window), handing `on_token` the window after each; a position that reads a window `on_token`
-    replaced or changed is recomputed into `out`. Returns the last window."""
+    replaced or changed is recomputed. Returns the last window and `out` with those positions replaced (a new
+    tensor, stacked once: nothing is written a token at a time, so that the backward stays linear in T)."""
     batch, seq, channels = out.shape
     size = self.conv_kernel_size
     context = F.pad(context, (size, 0))[..., -(seq + size):]  # b c K+T   the window before token 0, then x
     window = context[..., :size]  # b c K   zeros for a prompt, the cached window over a cache
+    columns = context[..., size:].unbind(-1)  # T x (b c): one unbind (a slice a token: a quadratic backward)
+    recomputed: dict[int, Tensor] = {}  # position -> its output recomputed from a written window
     dirty = 0  # how many more positions read a written window
     for t in range(seq):
-        window = torch.cat([window[..., 1:], context[..., size + t, None]], dim=-1)  # b c K   shift in x_t
+        window = torch.cat([window[..., 1:], columns[t][..., None]], dim=-1)  # b c K   shift in x_t
         if dirty:
             lags = window.flip(-1).reshape(batch, self.num_heads, -1, size)  # b H c/H K   lags[..., j] = x_{t-j}
             if mask is not None:
                 lags = lags * mask[:, t, None, None, :]  # b H c/H K   packed sequences: other sequences' inputs out
-            out[:, t] = (lags * weights[:, t]).sum(-1).reshape(batch, channels)  # b c   sum_j w_j x_{t-j}
+            recomputed[t] = (lags * weights[:, t]).sum(-1).reshape(batch, channels)  # b c   sum_j w_j x_{t-j}
             dirty -= 1
         version = version_of(window)
         written = on_token(t, window)  # b c K   what token t+1 shifts its input into
         if handed_back_changed(window, version, written):
             dirty = size - 1  # positions t+1 .. t+K-1 read a column of it
         window = written
-    return window
+    if recomputed:
+        out = torch.stack([recomputed.get(t, column) for t, column in enumerate(out.unbind(1))], dim=1)  # b T c
+    return window, out
 
 
 def dynamic_conv_forward(
@@ -134,7 +139,7 @@ def dynamic_conv_forward(
         windows = windows * mask[:, :, None, None, :]
     hidden_states = (windows * weights).sum(-1).reshape(batch_size, seq_len, hidden_size)  # b T c
     if on_token is not None:
-        last = _slide(self, full, weights, mask, hidden_states, on_token)  # b c K
+        last, hidden_states = _slide(self, full, weights, mask, hidden_states, on_token)  # b c K, b T c
         cached = None if cache is None else cache.get_conv_state(layer, state_idx=self.conv_idx)
         if cached is not None:
             cached[..., -size:].copy_(last)  # the window the next call continues from, written or hooked

@@ -85,10 +85,12 @@ def _per_token(self: nn.Module, query: Tensor, key: Tensor, value: Tensor, state
     """Tokens start..end-1 one at a time, with the operations of transformers' per-token branch."""
     ratio = torch.exp(-self.slope_rate)  # h 1 1   λ_h = exp(-s_h)
     outputs = []
-    for t in range(start, end):
-        written = torch.matmul(key[:, :, t:t + 1].transpose(-1, -2), value[:, :, t:t + 1])  # b h d d   k_t^T v_t
+    # one split of each input into its tokens (a slice a token would make the backward quadratic)
+    steps = zip(*(x[:, :, start:end].split(1, dim=2) for x in (query, key, value)))  # b h 1 d each, per token
+    for t, (q, k, v) in zip(range(start, end), steps):
+        written = torch.matmul(k.transpose(-1, -2), v)  # b h d d   k_t^T v_t
         state = ratio * state + written  # b h d d   S_t = λ S_{t-1} + k_t^T v_t
-        outputs.append(torch.matmul(query[:, :, t:t + 1], state))  # b h 1 d   o_t = q_t S_t
+        outputs.append(torch.matmul(q, state))  # b h 1 d   o_t = q_t S_t
         if on_token is not None:
             state = on_token(t, state)  # b h d d   what token t+1 continues from
     return outputs, state

@@ -93,9 +93,10 @@ def _mlstm(
     C, n, m = (x.to(dtype=dtype_state) for x in state)
     scaled = query * (dhqk ** (-0.5))  # b h t k   q̂ = q / √d_qk, elementwise: the step kernel's values, once
     outputs = []
-    for t in range(query.shape[2]):
-        q_scaled, k, v = scaled[:, :, t], key[:, :, t], value[:, :, t]  # b h k, b h k, b h v
-        i_pre, f_pre = igate[:, :, t, None], fgate[:, :, t, None]  # b h 1   ĩ_t, f̃_t
+    # one unbind of each input along the tokens (a slice a token would make the backward quadratic)
+    steps = zip(scaled.unbind(2), key.unbind(2), value.unbind(2), igate[..., None].unbind(2),
+                fgate[..., None].unbind(2))
+    for t, (q_scaled, k, v, i_pre, f_pre) in enumerate(steps):  # b h k, b h k, b h v, b h 1 (ĩ_t), b h 1 (f̃_t)
         f_log = F.logsigmoid(f_pre)  # b h 1   log σ(f̃_t)
         m_new = torch.max(f_log + m, i_pre)  # b h 1   m_t = max(log σ(f̃_t) + m_{t-1}, ĩ_t)
         f_act = torch.exp(f_log + m - m_new)  # b h 1   f'_t

@@ -84,9 +84,12 @@ def rnn_scan(
     else:
         state = recurrent_states.to(a.device)  # b D   the module's h, from the previous call
     outputs = []
+    # one unbind of each input (a slice a token would make the backward quadratic in the tokens); the casts are
+    # elementwise, so casting first gives each token's values
+    gates, inputs = a.type(acc_dtype).unbind(1), hidden_states.type(acc_dtype).unbind(1)  # T x (b D) each
     for t in range(seq):
-        state = a[:, t].type(acc_dtype) * state  # b D   a_t h_{t-1}
-        state = state + hidden_states[:, t].type(acc_dtype)  # b D   + sqrt(1 - a_t^2) (i_t * x_t)
+        state = gates[t] * state  # b D   a_t h_{t-1}
+        state = state + inputs[t]  # b D   + sqrt(1 - a_t^2) (i_t * x_t)
         # b D   y_t = h_t, in the input's dtype: a tensor of its own (in float32 `.type` would return h_t itself,
         # and a hook that edits the state in place would edit token t's output too; a write is for tokens > t)
         outputs.append(state.to(hidden_states.dtype, copy=True))
@@ -111,10 +114,12 @@ def _conv_prompt(
     out = conv(x)[..., :length]  # b D T   transformers' call: padding K-1, the first T positions
     window = x.new_zeros(x.shape[0], channels, block.conv1d_width - 1)  # b D K-1   zeros: a prefill starts empty
     dirty = 0  # how many more positions read a written window
+    columns = x.unbind(-1)  # T x (b D)   one unbind: a slice a token would make the backward quadratic
+    recomputed: dict[int, Tensor] = {}  # the positions that read a written window, put in once after the loop
     for t in range(length):
-        full = torch.cat([window, x[..., t, None]], dim=-1)  # b D K   the inputs position t reads
+        full = torch.cat([window, columns[t][..., None]], dim=-1)  # b D K   the inputs position t reads
         if dirty:
-            out[..., t, None] = F.conv1d(full, conv.weight, conv.bias, groups=channels)  # b D 1
+            recomputed[t] = F.conv1d(full, conv.weight, conv.bias, groups=channels)[..., 0]  # b D
             dirty -= dirty > 0
         window = full[..., 1:]  # b D K-1   the window after token t
         version = version_of(window)
@@ -122,6 +127,8 @@ def _conv_prompt(
         if handed_back_changed(window, version, written):
             dirty = block.conv1d_width - 1  # positions t+1 .. t+K-1 read a column of it
         window = written
+    if recomputed:  # one stack: transformers' columns where nothing was written, the recomputed ones elsewhere
+        out = torch.stack([recomputed.get(t, column) for t, column in enumerate(out.unbind(-1))], dim=-1)
     return out, window
 
 

@@ -91,7 +91,7 @@ def rwkv_linear_attention(
     `rwkv_linear_attention_cpu`, in its order.
     """
     _, seq, _ = key.shape
-    output = torch.zeros_like(key)  # b t c
+    outputs = []  # wkv_t, stacked once after the loop (a write a token would make the backward quadratic)
     if state is None:
         num = torch.zeros_like(key[:, 0], dtype=torch.float32)  # b c
         den = torch.zeros_like(key[:, 0], dtype=torch.float32)  # b c
@@ -99,13 +99,14 @@ def rwkv_linear_attention(
     else:
         num, den, p = state  # b c   each
     decay = -torch.exp(time_decay)  # c   -w
+    keys, values = key.float().unbind(1), value.unbind(1)  # T x (b c) each: one unbind (the cast is elementwise)
     for t in range(seq):
-        k = key[:, t].float()  # b c   k_t
-        v = value[:, t]  # b c   v_t
+        k = keys[t]  # b c   k_t
+        v = values[t]  # b c   v_t
         q = torch.maximum(p, k + time_first)  # b c   the scale of wkv_t
         e1 = torch.exp(p - q)  # b c   weight of the past
         e2 = torch.exp(k + time_first - q)  # b c   weight of the current token, e^{u + k_t}
-        output[:, t] = ((e1 * num + e2 * v) / (e1 * den + e2)).to(output.dtype)  # b c   wkv_t
+        outputs.append(((e1 * num + e2 * v) / (e1 * den + e2)).to(key.dtype))  # b c   wkv_t
         scale = torch.maximum(p + decay, k)  # b c   p_t
         e1 = torch.exp(p + decay - scale)  # b c   e^{-w}, rescaled
         e2 = torch.exp(k - scale)  # b c   e^{k_t}, rescaled
@@ -114,6 +115,7 @@ def rwkv_linear_attention(
         p = scale  # b c   p_t
         if on_token is not None:
             num, den, p = on_token(t, WkvState(num, den, p))  # b c   each: what token t+1 continues from
+    output = torch.stack(outputs, dim=1) if outputs else torch.zeros_like(key)  # b t c
     if return_state or state is not None:
         return output, [num, den, p]
     return output, None
@@ -140,9 +142,10 @@ def extract_key_value(
     cached = state[1][:, :, self.layer_id] if state is not None else None  # b h   x'_{-1}
     previous = cached if cached is not None else hidden.new_zeros(batch, size)  # b h   what token 0 mixes with
     columns = []
+    inputs = hidden.unbind(1)  # T x (b h): one unbind (a slice a token would make the backward quadratic)
     for t in range(seq):
         columns.append(previous)  # b h   x'_{t-1}
-        previous = hidden[:, t].clone()  # b h   x'_t
+        previous = inputs[t].clone()  # b h   x'_t
         if on_token is not None:
             previous = on_token(t, previous)  # b h   what token t+1 mixes with
     if seq == 1 and state is not None:

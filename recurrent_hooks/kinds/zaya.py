@@ -83,19 +83,25 @@ def _slide(
     value_delayed: Float[Tensor, "batch seq delay_channels"],
     on_token: OnToken | None,
     on_also: OnToken | None,
-) -> tuple[Float[Tensor, "batch channels kernel_size"], Float[Tensor, "batch delay_channels"]]:
+) -> tuple[Float[Tensor, "batch channels kernel_size"], Float[Tensor, "batch delay_channels"],
+           Float[Tensor, "batch seq channels"], Float[Tensor, "batch seq delay_channels"]]:
     """Slide both memories over the call's tokens (the last `seq` columns of `context`, after the K columns of the
     window it started from), handing each hook its memory after each token. A position that reads a window
-    `on_token` replaced or changed is recomputed into `conv`; a delay `on_also` replaced is the next token's
-    delayed value in `value_delayed`. Returns the window and the delay after the last token."""
+    `on_token` replaced or changed is recomputed in `conv`; a delay `on_also` replaced is the next token's
+    delayed value in `value_delayed`. Returns the window and the delay after the last token, and `conv` and
+    `value_delayed` with those positions replaced (new tensors, stacked once: the inputs are unbound once and
+    nothing is written a token at a time, so that the backward stays linear in the tokens)."""
     seq, size = conv.shape[1], self.conv_kernel_size
     window = context[..., :size]  # b c K   the window before token 0 (zeros for a prompt)
     delay = value_delayed[:, 0]  # b d   the delay before token 0
+    columns, delays = context[..., size:].unbind(-1), delayed.unbind(1)  # T x (b c), T x (b d)
+    recomputed: dict[int, Tensor] = {}  # position -> ĉ_t recomputed from a written window
+    taken: dict[int, Tensor] = {}  # position -> the delayed value a written delay gives it
     dirty = 0  # how many more positions read a written window
     for t in range(seq):
-        column = context[..., size + t, None]  # b c 1   c_t
+        column = columns[t][..., None]  # b c 1   c_t
         if dirty:
-            conv[:, t] = _conv(self, torch.cat([window, column], dim=-1))[..., 0]  # b c   ĉ_t from its K + 1 columns
+            recomputed[t] = _conv(self, torch.cat([window, column], dim=-1))[..., 0]  # b c   ĉ_t from K + 1 columns
             dirty -= 1
         window = torch.cat([window[..., 1:], column], dim=-1)  # b c K   shift in c_t
         if on_token is not None:
@@ -104,14 +110,18 @@ def _slide(
             if handed_back_changed(window, version, written):
                 dirty = size  # positions t+1 .. t+K read a column of it
             window = written
-        delay = delayed[:, t]  # b d   W_vd x_t
+        delay = delays[t]  # b d   W_vd x_t
         if on_also is not None:
             version = version_of(delay)
             written = on_also(t, delay)  # b d   what token t+1 takes as its delayed value
             if t + 1 < seq and handed_back_changed(delay, version, written):
-                value_delayed[:, t + 1] = written
+                taken[t + 1] = written
             delay = written
-    return window, delay
+    if recomputed:
+        conv = torch.stack([recomputed.get(t, c) for t, c in enumerate(conv.unbind(1))], dim=1)  # b T c
+    if taken:
+        value_delayed = torch.stack([taken.get(t, v) for t, v in enumerate(value_delayed.unbind(1))], dim=1)
+    return window, delay, conv, value_delayed
 
 
 def cca_forward(
@@ -177,7 +187,8 @@ def cca_forward(
     value_delayed = torch.cat([recurrent_v_state, delayed_v_state[:, :-1]], dim=1)  # b T d   delay_{t-1}
     last_delay = delayed_v_state[:, -1, :]
     if on_token is not None or on_also is not None:
-        window, last_delay = _slide(self, context, delayed_v_state, qk_states, value_delayed, on_token, on_also)
+        window, last_delay, qk_states, value_delayed = _slide(self, context, delayed_v_state, qk_states,
+                                                              value_delayed, on_token, on_also)
         cached = None if cache is None else cache.get_conv_state(self.layer_idx, state_idx=0)
         if cached is not None:
             cached[..., -size:].copy_(window)  # the window the next call continues from
