@@ -63,6 +63,14 @@ def test_deepcopy_inside_a_watch_is_the_plain_model(family):
         assert _library_objects(twin) == []
 
 
+def _pickled(model):
+    """`model` through `torch.save` and `torch.load` (a pickle of the whole model)."""
+    saved = io.BytesIO()
+    torch.save(model, saved)
+    saved.seek(0)
+    return torch.load(saved, weights_only=False)
+
+
 def _mixer_module(model):
     return next(module for module in model.modules() if rh.registry.mixer_of(module) is not None)
 
@@ -80,11 +88,7 @@ def test_a_copy_of_a_model_with_a_standalone_hook_is_the_plain_model(family):
         try:
             hooked = model(ids).logits
             assert seen and (hooked - plain).abs().max() > 0, "the standalone hook did not run"
-            twin = copy.deepcopy(model)
-            saved = io.BytesIO()
-            torch.save(model, saved)
-            saved.seek(0)
-            loaded = torch.load(saved, weights_only=False)
+            twin, loaded = copy.deepcopy(model), _pickled(model)
             calls = len(seen)
             assert_close("the copy while the hook is live", plain, twin(ids).logits)
             assert_close("the unpickled model while the hook is live", plain, loaded(ids).logits)
@@ -103,10 +107,7 @@ def test_pickled_watched_model_is_the_plain_model(family):
         plain = model(ids).logits
         w, seen, _ = _watched_with_write(model, ids)
         try:
-            saved = io.BytesIO()
-            torch.save(model, saved)
-            saved.seek(0)
-            loaded = torch.load(saved, weights_only=False)
+            loaded = _pickled(model)
             hooked = len(seen)
             assert_close("the unpickled model inside the block", plain, loaded(ids).logits)
             assert len(seen) == hooked, "the unpickled model ran the watch's hooks"
