@@ -15,6 +15,7 @@ from torch import nn
 import recurrent_hooks as rh
 from recurrent_hooks.engine import upstream
 from recurrent_hooks.extend import torch_kernel
+from _compare import assert_close
 from _models import build, random_ids
 
 
@@ -48,7 +49,7 @@ def test_the_rule_unwraps_every_form_transformers_binds():
     assert torch_kernel(_hub_module(_pure)) is _pure
     partial = functools.partial(_pure, y=2.0)
     assert torch_kernel(partial) is partial  # a partial is a kernel of its own (xlstm's), not unwrapped
-    assert upstream.is_kernel_like(hub) and not upstream.is_kernel_like(nn.Linear(2, 2))
+    assert upstream.is_kernel_like(hub) and upstream.is_kernel_like(partial) and not upstream.is_kernel_like(nn.Linear)
     with pytest.raises(rh.Unavailable, match=r"expected a kernels hub module made from a function .* got the module"
                        r" Linear"):
         torch_kernel(nn.Linear(2, 2))
@@ -93,6 +94,34 @@ def test_a_hub_module_is_rebound_in_its_own_class(monkeypatch):
     assert torch.equal(plain, watched)
     notes = next(row for row in rh.support(model) if row.family).notes["idle calls run"]
     assert "modeling_mamba2.causal_conv1d_fn (through a kernels hub module)" in notes, notes
+
+
+def test_a_module_of_another_layout_still_runs_watched(monkeypatch):
+    """A kernel bound as a module the rule does not know (a future kernels layout): a watch still runs it, as a
+    module of its class where the class can be made again, and only `torch_kernel` says it cannot see through."""
+    module = rh.FAMILIES["mamba2"].module()
+    scan = torch_kernel(module.mamba2_chunk_scan)
+
+    class Wrapper(nn.Module):  # no closure named `func`: the function is an attribute
+        def __init__(self):
+            super().__init__()
+            self.function = scan
+
+        def forward(self, *args, **kwargs):
+            return self.function(*args, **kwargs)
+
+    monkeypatch.setattr(module, "mamba2_chunk_scan", Wrapper())
+    model, ids = build("mamba2"), random_ids(1, 6)
+    with torch.no_grad():
+        plain = model(ids).logits
+        with rh.watch(model, keep=("states",)) as w:
+            assert type(module.mamba2_chunk_scan) is Wrapper and module.mamba2_chunk_scan.__recurrent_hooks__
+            watched = model(ids).logits
+    assert_close("watched logits (states kept: the library's chunk-wise states)", plain, watched, rtol=1e-5,
+                 atol=1e-6)
+    assert w.mixers[0].states.shape[1] == 6
+    with pytest.raises(rh.Unavailable, match="got the module .*Wrapper"):
+        torch_kernel(module.mamba2_chunk_scan)
 
 
 def test_a_kernel_that_vanished_is_named_with_the_version_and_the_range(monkeypatch):

@@ -126,8 +126,13 @@ def wraps_kernel(original: Any) -> Callable[[Callable[..., Any]], Callable[..., 
     docstring (a hub module has none of its own), and `__wrapped__` = `original`, what was bound before."""
 
     def wrap(dispatcher: Callable[..., Any]) -> Callable[..., Any]:
-        named = torch_kernel(original) if isinstance(original, nn.Module) else original
-        functools.update_wrapper(dispatcher, named)
+        named = original
+        if isinstance(original, nn.Module):  # its function's name; a module of another layout: its class's
+            try:
+                named = torch_kernel(original)
+            except Unavailable:
+                named = type(original)
+        functools.update_wrapper(dispatcher, named, updated=() if isinstance(named, type) else ("__dict__",))
         dispatcher.__wrapped__ = original
         return dispatcher
 
@@ -138,9 +143,12 @@ def in_bound_form(dispatcher: Callable[..., Any], original: Any) -> Any:
     """`dispatcher` as what to bind in place of `original`: itself, or, where `original` is a kernels hub module, a
     new module of the same class whose `forward` is `dispatcher` (kernels rebuilds a pickled model's own hub modules
     as `type(modeling_module.<name>)()`: inside a watch that must still be the hub module's class)."""
-    if not hub_module(original):
+    if not isinstance(original, nn.Module):
         return dispatcher
-    module = type(original)()
+    try:
+        module = type(original)()
+    except Exception:  # a module of another layout, which cannot be made again from nothing: the function
+        return dispatcher
     module.forward = dispatcher
     module.__wrapped__ = original
     module.__recurrent_hooks__ = True
@@ -148,8 +156,9 @@ def in_bound_form(dispatcher: Callable[..., Any], original: Any) -> Any:
 
 
 def is_kernel_like(bound: Any) -> bool:
-    """Whether `bound` can be the kernel a mixer calls: callable, and not a class or a tensor."""
-    return callable(bound) and not isinstance(bound, type) and (not isinstance(bound, nn.Module) or hub_module(bound))
+    """Whether `bound` can be the kernel a mixer calls: callable, and not a class (a module of a layout this
+    module does not know is callable: a watch runs it; only `torch_kernel` needs its function)."""
+    return callable(bound) and not isinstance(bound, type)
 
 
 def kernel_missing(family: str, kernel: str, where: str, found: Any) -> Unavailable:

@@ -515,7 +515,7 @@ def _path_rule(module: nn.Module, segments: Any) -> str:
 def _described(bound: Any) -> str:
     """What an idle call of a kernel name runs: the pure-torch function's dotted name, and the wrapper it goes
     through if it is a kernels hub module."""
-    function = torch_kernel(bound) if is_kernel_like(bound) else bound
+    function = torch_kernel(bound) if hub_module(bound) or not isinstance(bound, nn.Module) else type(bound)
     name = f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', repr(function))}"
     return f"{name} (through a kernels hub module)" if hub_module(bound) else name
 
