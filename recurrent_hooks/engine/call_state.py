@@ -137,6 +137,13 @@ class Plan:
         return self.owner.run_hook(hook, self.call, token, state)
 
 
+# why a second kernel call of one memory in one forward is refused where something is wanted
+_SPLIT = ("the forward split its tokens over several kernel calls (transformers 5.25 runs a call's last tokens as"
+          " one-token steps when the cache records its past with recurrent_states_to_keep, as assisted decoding"
+          " does), and the library counts a call's tokens per kernel call, so hooks, writes and kept states would get"
+          " wrong positions; run this call without hooks or kept values, or without past recording")
+
+
 class CallState:
     """The eager per-call state machine of one handle (see the module docstring for its interface)."""
 
@@ -278,13 +285,8 @@ class CallState:
         if (reason := self.kind._refusal(kernel)) is not None:
             raise Unavailable(f"{self.mixer}, call {shown} ({kernel.name}): {reason}")
         if part > 0 and not self.kind.KERNEL_PER_HEAD:
-            raise Unavailable(
-                f"{self.mixer}, call {shown} ({kernel.name}): kernel call {part + 1} of the {kernel.memory} in one"
-                " forward: the forward split its tokens over several kernel calls (transformers 5.25 runs a call's"
-                " last tokens as one-token steps when the cache records its past with recurrent_states_to_keep, as"
-                " assisted decoding does), and the library counts a call's tokens per kernel call, so hooks, writes"
-                " and kept states would get wrong positions; run this call without hooks or kept values, or without"
-                " past recording")
+            raise Unavailable(f"{self.mixer}, call {shown} ({kernel.name}): kernel call {part + 1} of the"
+                              f" {kernel.memory} in one forward: {_SPLIT}")
         return self.kind._restart(kernel, self.forward) if part == 0 else None
 
     def plan(self, kernel: Kernel, tokens: int) -> Plan:
