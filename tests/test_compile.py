@@ -154,6 +154,7 @@ def test_a_compiled_forward_with_a_few_hooked_tokens_runs_in_segments_as_eagerly
     _compare_runs(eager, compiled, memory, atol=1e-6, hooked=2)
 
 
+@pytest.mark.full  # about 8 s: inductor's code generation (run by .ci/run's full matrices)
 def test_inductor_compiles_a_watched_mamba_once_with_eager_results():
     """Inductor reuses a buffer once its last reader has run: what the ops hand Python and take back are copies."""
     model, ids = build("mamba"), random_ids(1, T)
