@@ -1,4 +1,4 @@
-"""`rh.attribute(method="chunks")`: attribution without keeping every state (issue 19, item 1).
+"""`rh.attribute(method="chunks")`: attribution without keeping every state.
 
 The chunked path must give today's values (method="states", the reference: every state kept) for every kind
 it serves, with pieces and backward steps of several sizes, and the first-order estimate that finite

@@ -1,5 +1,5 @@
 """A copy of a watched model is the plain model; what a watch kept is freed without the garbage collector and
-held once (issue 17, items 4 and 6)."""
+held once."""
 
 import copy
 import gc

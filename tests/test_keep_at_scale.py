@@ -1,4 +1,4 @@
-"""Kept states at real sizes (issue 19, item 4): `watch(reduce=...)` keeps fn(states) a chunk at a time, and
+"""Kept states at real sizes: `watch(reduce=...)` keeps fn(states) a chunk at a time, and
 `watch(keep_device=...)` moves kept values as they are kept."""
 
 import pytest

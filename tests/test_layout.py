@@ -79,7 +79,7 @@ def _too_long(path: pathlib.Path, root: pathlib.Path = PACKAGE.parent) -> list[s
 
 
 def test_no_class_over_300_lines_and_no_function_over_80():
-    """Issue 18: a class holds one role and a function one step; long ones are split, not waived."""
+    """A class holds one role and a function one step; long ones are split, not waived."""
     assert SOURCES, "no sources found under recurrent_hooks/"
     offenders = [line for path in SOURCES for line in _too_long(path)]
     assert not offenders, "too long:\n" + "\n".join(offenders)

@@ -1,4 +1,4 @@
-"""Issue 18, item 8: the renamed names. Each former name still works for one release, warns exactly once with a
+"""The renamed names. Each former name still works for one release, warns exactly once with a
 `RecurrentHooksDeprecationWarning` that names the new name, and gives what the new name gives; a mixer is
 reachable by its module path as well as by its layer.
 

@@ -1,4 +1,4 @@
-"""Which mixer a kernel call belongs to, decided without stack frames (issue 18, item 3).
+"""Which mixer a kernel call belongs to, decided without stack frames.
 
 While a watch or a standalone hook is active, the `__call__` of each watched mixer class pushes a per-thread entry
 for every instance, watched or not, and pops it in a `finally`: a kernel call belongs to the innermost entry. These

@@ -487,7 +487,7 @@ def test_quick_paths_benchmark_runs(capsys):
     assert "Traceback" not in out
 
 
-# -- the policy: an argument of watch and register_state_hook (issue 18, items 4 and 5) ---------------------------
+# -- the policy: an argument of watch and register_state_hook ---------------------------------------------------------
 
 
 def _kept_and_written(model, ids, paths, value=None):
@@ -584,7 +584,7 @@ def test_watch_refuses_paths_that_are_not_a_policy():
 
 
 def test_the_suite_runs_the_shipped_path_choice():
-    """No fixture or switch changes the path policy for the whole suite (issue 17): a watch and a standalone hook
+    """No fixture or switch changes the path policy for the whole suite: a watch and a standalone hook
     get the default `rh.Paths()`, the cost model, unless a test passes its own."""
     model = build("qwen3_5")
     assert rh.Paths() == rh.Paths(rule="cost", force=None, tails=False)

@@ -1,4 +1,4 @@
-"""Every state kept with gradients on, chunk-wise (issue 19, item 2: `engine.adjoint`).
+"""Every state kept with gradients on, chunk-wise (`engine.adjoint`).
 
 Where the kind declares an adjoint recurrence (gated DeltaNet, Kimi delta attention, Mamba-2), a call that keeps
 every state with gradients on runs the all-states kernel forward and the adjoint backward, not the token loop.

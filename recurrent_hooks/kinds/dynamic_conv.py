@@ -7,7 +7,7 @@ as for MiniMax): an idle call runs transformers' forward, unchanged; a call with
 runs `dynamic_conv_forward` below, the same forward, operation for operation, which hands the window to
 `on_token(t, window)` after each token and recomputes only the positions that read a written window.
 
-Glossary (code name, symbol in more-families.md "Inkling2 dynamic", shape):
+Glossary (code name, symbol, shape):
     batch          b                                   batch size
     seq            t (a position), T                   tokens of one forward
     channels       c                                   kv_heads * head_dim: the k (or v) projection's width

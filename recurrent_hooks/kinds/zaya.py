@@ -8,7 +8,7 @@ call runs transformers' forward, unchanged; a call with hooks, writes or kept me
 below, the same forward, operation for operation, which hands the window to `on_token(t, window)` and the
 delay to `on_also(t, delay)` after each token (one kernel that updates two memories, `Kernel.also`).
 
-Glossary (code name, symbol in more-families.md "Zaya CCA", shape):
+Glossary (code name, symbol, shape):
     batch          b                                   batch size
     seq            t (a position), T                   tokens of one forward
     heads, kv_heads  H, Hkv                            query and key/value heads (`num_attention_heads`, ...)
