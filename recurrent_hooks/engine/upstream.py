@@ -75,7 +75,7 @@ def warn_if_untested() -> None:
     if not is_tested():
         warnings.warn(f"recurrent_hooks is tested on transformers {TESTED_RANGE}; the installed"
                       f" {installed_version()} is not in that range: a kernel the library rebinds may have moved or"
-                      " changed (python -m recurrent_hooks support checks every family's kernels)",
+                      " changed (a kernel that is gone is named when a watch enters; one that changed is not seen)",
                       RecurrentHooksWarning, stacklevel=3)
 
 
