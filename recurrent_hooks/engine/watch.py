@@ -201,7 +201,8 @@ class Watch:
 
     def __init__(self, model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (),
                  record: bool = False, paths: Paths | None = None, keep_device: "str | torch.device | None" = None,
-                 reduce: "Mapping[str, Callable[[Any], Any]] | Callable[[Any], Any] | None" = None) -> None:
+                 reduce: "Mapping[str, Callable[[Any], Any]] | Callable[[Any], Any] | None" = None,
+                 layers: Iterable[int] | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise InvalidValue(f"watch: expected a torch.nn.Module (a transformers model), got {type(model).__name__}")
         self.paths = _checked_paths(paths, "watch")
@@ -216,6 +217,7 @@ class Watch:
         memories, _ = normalize_keep(keep)  # checked here, before anything is acquired
         self.keep_device = as_keep_device(keep_device)
         self.reduce = normalize_reduce(reduce, memories)
+        self.layers = _checked_layers(layers)
         keep = (keep,) if isinstance(keep, str) else dict(keep) if isinstance(keep, Mapping) else tuple(keep)
         self.model = model
         self.keep = keep
@@ -231,6 +233,19 @@ class Watch:
         state = "active" if self._stack is not None else "inactive"
         mixers = ", ".join(f"layer {m.layer}: {len(m.calls)} calls" for m in self.mixers)
         return f"Watch({type(self.model).__name__}, {state}, keep={self.keep}, mixers=[{mixers}])"
+
+    def _kept_by(self, layer: int | None) -> Any:
+        """What the mixer of decoder layer `layer` keeps: `keep`, or nothing if `layers` leaves it out."""
+        return self._kept if self.layers is None or layer in self.layers else ()
+
+    def _check_layers(self, found: list) -> None:
+        if self.layers is None:
+            return
+        recurrent = sorted({layer for layer in (_layer_in_path(path) for path, _, _ in found) if layer is not None})
+        unknown = sorted(self.layers - set(recurrent))
+        if unknown:
+            raise Unavailable(f"watch: layers={sorted(self.layers)}, but layers {unknown} have no recurrent mixer;"
+                              f" recurrent layers: {recurrent}")
 
     def mixer(self, layer: int | str) -> RecurrentMixer:
         """The mixer of decoder layer `layer` (the transformers `layer_idx`; the first one, in module order,
@@ -297,8 +312,9 @@ class Watch:
         if not found:
             raise Unavailable(_no_mixer_message(self.model))
         thread = threading.get_ident()
-        rows = sorted(((row.kind(m, row.name, keep=self._kept, thread=thread, layer=_layer_in_path(path),
-                                 cache_index=index), row)
+        self._check_layers(found)
+        rows = sorted(((row.kind(m, row.name, keep=self._kept_by(_layer_in_path(path)), thread=thread,
+                                 layer=_layer_in_path(path), cache_index=index), row)
                        for path, m, row in found for index in row.kind._instances(m, self.model)),
                       key=lambda pair: (pair[0].layer is None, pair[0].layer or 0))
         mixers = [mixer for mixer, _ in rows]
@@ -346,6 +362,14 @@ class Watch:
 _WRITES_SHOWN = 2  # writes named in the warning about writes that never ran
 
 
+def _checked_layers(layers: Any) -> frozenset[int] | None:
+    if layers is None:
+        return None
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
+        raise InvalidValue(f"watch: expected layers= decoder layer indices (as [0, 2]) or None, got {layers!r}")
+    return frozenset(as_index(layer, "layers", "watch") for layer in layers)
+
+
 def _checked_paths(paths: Any, where: str) -> Paths:
     if paths is None:
         return strategies.DEFAULT
@@ -357,7 +381,8 @@ def _checked_paths(paths: Any, where: str) -> Paths:
 
 def watch(model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (),
           record: bool = False, paths: Paths | None = None, keep_device: "str | torch.device | None" = None,
-          reduce: "Mapping[str, Callable[[Any], Any]] | Callable[[Any], Any] | None" = None) -> Watch:
+          reduce: "Mapping[str, Callable[[Any], Any]] | Callable[[Any], Any] | None" = None,
+          layers: Iterable[int] | None = None) -> Watch:
     """Watch every supported recurrent mixer of `model` for the duration of a `with` block.
 
         with recurrent_hooks.watch(model, keep=("states",)) as w:
@@ -369,7 +394,7 @@ def watch(model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | N
     See `Watch` for what happens on entry and exit and for `paths` (how busy calls run: `Paths`), and
     docs/concepts.md for calls, tokens and writes.
     """
-    return Watch(model, keep, record, paths, keep_device, reduce)
+    return Watch(model, keep, record, paths, keep_device, reduce, layers)
 
 
 _STANDALONE: "weakref.WeakKeyDictionary[nn.Module, RecurrentMixer]" = weakref.WeakKeyDictionary()
