@@ -12,7 +12,7 @@ The public names are listed in `__all__`. The names for adding a mixer kind or a
 
 The package is three layers and the registry between two of them (docs/architecture.md has the picture):
 
-    studies/    sweep, attribution, effective attention, plots          imports the engine (and the kinds' data)
+    studies/    sweep, attribution, effective attention, probes, harvest         imports the engine (and the kinds' data)
     registry.py the families: transformers modules and mixer classes -> kinds
     kinds/      one module per mixer kind: its kernels, loops, costs     imports the engine
     engine/     watch, the mixer handle, calls, dispatch, patching, compile support, path strategies
@@ -23,6 +23,9 @@ Imports run downwards only: the engine imports no kind, no study and not the reg
 
 from .studies import metrics as metrics
 from .studies.probes import probe as probe
+from .studies.harvest import Harvest as Harvest
+from .studies.harvest import harvest as harvest
+from .studies.harvested import HarvestDataset as HarvestDataset
 from .studies.attribution import Attribution as Attribution
 from .studies.attribution import attribute as attribute
 from .studies.effective_attention import EffectiveAttention as EffectiveAttention
@@ -75,6 +78,9 @@ __all__ = [
     "Attribution",
     "metrics",
     "probe",
+    "harvest",
+    "Harvest",
+    "HarvestDataset",
     "Call",
     "KernelCall",
     "Memory",

@@ -38,13 +38,13 @@ class Ranks:
     group: Any = None
 
     @classmethod
-    def of(cls, distributed: bool | None, model: nn.Module) -> "Ranks":
+    def of(cls, distributed: bool | None, model: nn.Module, where: str = _WHERE) -> "Ranks":
         """The default process group's ranks when `distributed` is True, or None and a group is initialized and
         the model is not tensor-parallel (its ranks run every forward together); else this process alone."""
         dist = torch.distributed
         ready = dist.is_available() and dist.is_initialized()
         if distributed is True and not ready:
-            raise InvalidValue(f"{_WHERE}: distributed=True needs an initialized torch.distributed process group"
+            raise InvalidValue(f"{where}: distributed=True needs an initialized torch.distributed process group"
                                " (torchrun, then torch.distributed.init_process_group()), and none is")
         if distributed is False or not ready or distributed is None and getattr(model, "tp_size", None):
             return cls()

@@ -1,0 +1,427 @@
+"""Every state of a dataset: `rh.harvest` streams per-token values of every batch to shards on disk.
+
+    batches = [{"input_ids": ids, "attention_mask": mask}, ...]        # or id tensors without padding
+    rh.harvest(model, batches, "harvest/", keep=("states",), reduce={"states": rh.probe(a, b)})
+    data = rh.HarvestDataset("harvest/", layer=0)       # one item per non-pad token: {"doc", "position", "value"}
+
+What is kept per token and layer: a memory ("states", "windows"), its reduction (`reduce=`, as `watch` takes it:
+a norm, `rh.probe(a, b)`, any function of a chunk of states), or a value of the kernel call named in the mixer's
+`VALUES` ("key", "value", "beta", "dt", "output", ...). Only non-pad tokens are kept. Document ids are the rows'
+running numbers over the batches (batch 0's rows are docs 0..B-1, batch 1's the next ones); a token's position is
+its index among its row's non-pad tokens.
+
+The directory (docs/harvest.md):
+
+    out/request.json                 what is harvested: the model (class, config and weights digests), keep, reduce,
+                                     layers, dtype; written before anything else
+    out/shards/000000.safetensors    batch 0: `doc`, `position` [tokens] and `<mixer>/<what>` [tokens, ...]
+    out/shards/000000.json           its record: docs, tokens, bytes, the file's SHA-256, the batch's input digest
+    out/manifest.json                written last, when every batch is on disk: the request, the model config, the
+                                     mixers, each value's dtype and per-token shape, the shards, the totals
+
+Each file is written to a temporary name and renamed (`shards`): a killed harvest leaves complete shards and no
+partial one. Called again with the same arguments, it skips the batches on disk (it checks that each is the same
+batch: its input digest) and writes the others; `out` holding another model's or another request's harvest is
+refused. Under an initialized `torch.distributed` group, batch i is rank i % world's; each rank writes its own
+shards and rank 0 the manifest once all are on disk.
+
+Module contents: `harvest`, `Harvest` (what a harvest directory holds, read from its manifest).
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..engine.arguments import normalize_reduce
+from ..engine.errors import InvalidValue, RecurrentHooksError, Unavailable
+from ..engine.kernels import KEEPABLE, KERNEL_IO
+from ..engine.parts import parts_of
+from ..engine.strategies import Paths
+from ..engine.watch import watch
+from .probes import Probe
+from .ranks import Ranks
+from .shards import PARTIAL, file_digest, read_header, write_json, write_shard
+
+__all__ = ["harvest", "Harvest"]
+
+_WHERE = "harvest"
+FORMAT = "recurrent_hooks harvest 1"
+_SAMPLED = 1024  # values per weight tensor in the weights digest
+
+
+@dataclasses.dataclass(frozen=True)
+class Harvest:
+    """What a harvest directory holds (its `manifest.json`); `rh.harvest` returns it.
+
+        h = rh.harvest(model, batches, "out/", keep=("states",), reduce={"states": norm})
+        h.tokens, h.docs                 # non-pad tokens and documents harvested
+        h.values                         # {"0/states": ("float32", (...)), ...}: dtype and per-token shape
+        h.dataset(0, "states")           # rh.HarvestDataset("out/", layer=0, what="states")
+    """
+
+    out: pathlib.Path
+    tokens: int
+    docs: int
+    batches: int
+    mixers: dict[str, dict[str, Any]]  # mixer name ("0", or a module path) -> {"layer", "path", "kind"}
+    values: dict[str, tuple[str, tuple[int, ...]]]  # "<mixer>/<what>" -> (dtype, per-token shape)
+    bytes: int  # of the shards
+    written: int = 0  # bytes this call wrote (0 when everything was on disk)
+    skipped: int = 0  # batches this call found on disk
+
+    @classmethod
+    def open(cls, out: str | os.PathLike, **run: int) -> "Harvest":
+        manifest = read_manifest(pathlib.Path(out))
+        return cls(pathlib.Path(out), manifest["tokens"], manifest["docs"], manifest["batches"], manifest["mixers"],
+                   {key: (v["dtype"], tuple(v["shape"])) for key, v in manifest["values"].items()},
+                   sum(shard["bytes"] for shard in manifest["shards"]), **run)
+
+    def dataset(self, layer: int | str, what: str = "states") -> Any:
+        from .harvested import HarvestDataset
+        return HarvestDataset(self.out, layer=layer, what=what)
+
+
+def read_manifest(out: pathlib.Path) -> dict[str, Any]:
+    path = out / "manifest.json"
+    if not path.is_file():
+        shards = len(list((out / "shards").glob("*.json"))) if (out / "shards").is_dir() else 0
+        raise Unavailable(f"{out}: no manifest.json, so no complete harvest ({shards} batches on disk): an interrupted"
+                          " rh.harvest finishes when called again with the same arguments")
+    manifest = json.loads(path.read_text())
+    if manifest.get("request", {}).get("format") != FORMAT:
+        raise InvalidValue(f"{path}: expected a {FORMAT!r} manifest, got format"
+                           f" {manifest.get('request', {}).get('format')!r}")
+    return manifest
+
+
+def harvest(model: nn.Module, batches: Iterable[Any], out: str | os.PathLike, *,
+            keep: str | Iterable[str] = ("states",), reduce: Any = None, layers: Iterable[int] | None = None,
+            dtype: torch.dtype | None = None, progress: bool = True, forward_kwargs: Mapping[str, Any] | None = None,
+            distributed: bool | None = None, paths: Paths | None = None) -> Harvest:
+    """Run `model` on every batch and write what `keep` names, per layer and non-pad token, to shards in `out`.
+
+        batches = ({"input_ids": ids, "attention_mask": mask} for ids, mask in loader)
+        h = rh.harvest(model, batches, "out/", keep=("states", "key"), reduce={"states": rh.probe(a, b)},
+                       layers=[0, 4], dtype=torch.bfloat16)
+        rh.HarvestDataset("out/", layer=4, what="key")[0]   # {"doc": 0, "position": 0, "value": [key_heads, key_dim]}
+
+    - `batches`: dicts with `input_ids` `[batch, seq]` and `attention_mask` (0 at pad tokens; other keys are
+      ignored), or id tensors without padding (one holding `config.pad_token_id` is refused: pass a mask). The
+      same batches in the same order on every call and every rank: a harvest resumes by batch number.
+    - `keep`: "states", "windows", and names of the mixers' per-token values (`RecurrentMixer.VALUES`: "key",
+      "value", "beta", "dt", "output", ...); `reduce`: as `watch` takes it (`{"states": fn}`, `{"states": {layer:
+      fn}}`, `rh.probe(a, b)`), keeping fn's result instead of the memory. `layers`: decoder layers (default: all
+      the recurrent ones). `dtype`: what floating values are stored as (default: as computed; float32 states).
+    - `forward_kwargs`: passed to every forward; `paths`: the watch's (`rh.Paths`); `distributed`: split the
+      batches across the ranks of the initialized `torch.distributed` group (None: when there is one and the model
+      is not tensor-parallel); `progress`: a tqdm bar in tokens/s and bytes written (rank 0's).
+
+    Returns the `Harvest` on disk. A full disk (any error writing) loses no shard already written: call again with
+    the same arguments to go on. The module docstring says what the directory holds.
+    """
+    out = pathlib.Path(out)
+    ranks = Ranks.of(distributed, model, _WHERE)
+    job = _Job(model, out, ranks, _checked_keep(keep), reduce, layers, dtype, forward_kwargs, paths)
+    from tqdm.auto import tqdm  # a dependency of transformers
+
+    written = skipped = count = docs = 0
+    with tqdm(desc=_WHERE, unit="tok", unit_scale=True, disable=not progress or ranks.rank != 0) as bar:
+        for batch in batches:
+            ids, mask, digest = _as_batch(batch, count, job.pad_id)
+            if count % ranks.world == ranks.rank:
+                done = job.batch(count, ids, mask, digest, docs)
+                written += done.written
+                skipped += done.written == 0
+                bar.update(done.tokens)
+                bar.set_postfix_str(f"{_size(written)} written, {skipped} batches on disk")
+            docs += ids.shape[0]
+            count += 1
+    ranks.barrier()
+    if ranks.rank == 0:
+        job.finish(count)
+    ranks.barrier()
+    return Harvest.open(out, written=written, skipped=skipped)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Done:
+    tokens: int
+    written: int  # bytes; 0: the batch was on disk
+
+
+class _Job:
+    """One harvest: its request, its mixers' names and what each keeps, and the batches' shards."""
+
+    def __init__(self, model: nn.Module, out: pathlib.Path, ranks: Ranks, keep: tuple[str, ...], reduce: Any,
+                 layers: Iterable[int] | None, dtype: torch.dtype | None, forward_kwargs: Mapping[str, Any] | None,
+                 paths: Paths | None) -> None:
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise InvalidValue(f"{_WHERE}: expected dtype= a floating torch.dtype (as torch.bfloat16) or None, got"
+                               f" {dtype!r}")
+        if forward_kwargs is not None and not isinstance(forward_kwargs, Mapping):
+            raise InvalidValue(f"{_WHERE}: expected forward_kwargs= a mapping, got {type(forward_kwargs).__name__}")
+        self.model, self.out, self.ranks, self.keep, self.dtype = model, out, ranks, keep, dtype
+        self.forward_kwargs = dict(forward_kwargs or {})
+        memories = {name for name in keep if name in KEEPABLE}
+        watch_keep = (*memories, *(KERNEL_IO if set(keep) - memories else ()))
+        self.reduce = normalize_reduce(reduce, {KEEPABLE[name]: None for name in memories}, _WHERE)
+        self.watch = dict(keep=watch_keep, reduce=reduce, layers=layers, paths=paths, keep_device="cpu")
+        with watch(model, **self.watch) as w:  # (entered without a forward: the mixers, and errors before any work)
+            named = _mixer_names(model, w.mixers, w.layers)
+            for mixer in named:
+                _check_keep(mixer, keep)
+            self.mixers = {name: {"layer": mixer.layer, "path": path, "kind": type(mixer).__name__}
+                           for mixer, (name, path) in named.items()}
+        self.pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
+        self.request = _request(model, keep, self.reduce, self.mixers, dtype)
+        self.key = hashlib.sha256(json.dumps(self.request, sort_keys=True).encode()).hexdigest()
+        (out / "shards").mkdir(parents=True, exist_ok=True)
+        _claim(out, self.request, ranks.rank)
+        for leftover in (out / "shards").glob(f".*.rank{ranks.rank}{PARTIAL}"):  # this rank's, from a killed run
+            leftover.unlink()
+
+    def shard(self, index: int) -> pathlib.Path:
+        return self.out / "shards" / f"{index:06d}.safetensors"
+
+    def batch(self, index: int, ids: Tensor, mask: Tensor | None, digest: str, first_doc: int) -> _Done:
+        """Batch `index` on disk: found there (the same batch), adopted (a shard whose record a kill prevented), or
+        run and written."""
+        shard, record = self.shard(index), self.shard(index).with_suffix(".json")
+        if record.is_file():
+            saved = json.loads(record.read_text())
+            _same_batch(saved.get("inputs"), digest, index, record)
+            return _Done(saved["tokens"], 0)
+        if shard.is_file():
+            _, metadata = read_header(shard)
+            if metadata.get("request") == self.key:
+                _same_batch(metadata.get("inputs"), digest, index, shard)
+                self._record(index, int(metadata["tokens"]), first_doc, ids.shape[0], digest)
+                return _Done(int(metadata["tokens"]), 0)
+        tensors = self._run(ids, mask, first_doc)
+        tokens = tensors["doc"].shape[0]
+        metadata = {"request": self.key, "batch": str(index), "inputs": digest, "tokens": str(tokens)}
+        try:
+            size, sha256 = write_shard(shard, tensors, metadata, self.ranks.rank)
+        except OSError as error:
+            error.add_note(f"{_WHERE}: writing batch {index}'s shard {shard} failed; the shards written before it are"
+                           " complete on disk: call rh.harvest again with the same arguments to go on")
+            raise
+        return _Done(tokens, self._record(index, tokens, first_doc, ids.shape[0], digest, size, sha256))
+
+    def _record(self, index: int, tokens: int, first_doc: int, docs: int, digest: str, size: int | None = None,
+                sha256: str | None = None) -> int:
+        """The shard's record, which marks it complete (its size and SHA-256 read from the file if not given)."""
+        shard = self.shard(index)
+        size = shard.stat().st_size if size is None else size
+        write_json(shard.with_suffix(".json"), {
+            "batch": index, "file": f"shards/{shard.name}", "docs": [first_doc, docs], "tokens": tokens,
+            "bytes": size, "sha256": file_digest(shard) if sha256 is None else sha256, "inputs": digest},
+            self.ranks.rank)
+        return size
+
+    def _run(self, ids: Tensor, mask: Tensor | None, first_doc: int) -> dict[str, Tensor]:
+        """The batch's forward under a watch: each mixer's kept values at its non-pad tokens, by name."""
+        device = _device(self.model)
+        inputs = {"input_ids": ids.to(device)} | ({} if mask is None else {"attention_mask": mask.to(device)})
+        with torch.no_grad(), watch(self.model, **self.watch) as w:
+            self.model(**inputs, **self.forward_kwargs)
+        real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()  # [batch, seq]
+        rows, _ = real.nonzero(as_tuple=True)
+        positions = (real.long().cumsum(1) - 1)[real]
+        tensors = {"doc": rows + first_doc, "position": positions}
+        for mixer, (name, _) in _mixer_names(self.model, w.mixers, w.layers).items():
+            if len(mixer.calls) != 1:
+                raise Unavailable(f"{_WHERE}: {mixer} ran {len(mixer.calls)} calls in one forward; a harvest keeps the"
+                                  " values of one call per mixer and forward")
+            values = None
+            for what in self.keep:
+                if what in KEEPABLE:
+                    value = getattr(mixer, what)
+                else:
+                    values = mixer.values() if values is None else values
+                    value = values[what]
+                for part, tensor in parts_of(value):
+                    if tuple(tensor.shape[:2]) != tuple(ids.shape):
+                        raise Unavailable(f"{_WHERE}: {mixer}'s {what} is {tuple(tensor.shape)}, not [batch, seq, ...]"
+                                          f" for a batch of {tuple(ids.shape)}")
+                    tensor = tensor[real.to(tensor.device)]
+                    if self.dtype is not None and tensor.is_floating_point():
+                        tensor = tensor.to(self.dtype)
+                    tensors[f"{name}/{what}" + (f".{part}" if part else "")] = tensor.detach().cpu().contiguous()
+        return tensors
+
+    def finish(self, batches: int) -> None:
+        """The manifest, once every batch is on disk (rank 0, after the others are done)."""
+        records = []
+        for index in range(batches):
+            record = self.shard(index).with_suffix(".json")
+            if not record.is_file():
+                raise RecurrentHooksError(f"{_WHERE}: batch {index} has no shard in {self.out / 'shards'} (a rank"
+                                          " stopped?): call rh.harvest again with the same arguments to finish")
+            records.append(json.loads(record.read_text()))
+        values: dict[str, Any] = {}
+        if records:  # (every shard holds every value: the first one's header says their dtypes and shapes)
+            tensors, _ = read_header(self.shard(0))
+            values = {name: {"dtype": str(dtype).removeprefix("torch."), "shape": shape[1:]}
+                      for name, (dtype, shape) in tensors.items() if name not in ("doc", "position")}
+        config = getattr(self.model, "config", None)
+        write_json(self.out / "manifest.json", {
+            "request": self.request, "model_config": None if config is None else json.loads(config.to_json_string()),
+            "mixers": self.mixers, "values": values,
+            "shards": records, "batches": batches, "tokens": sum(r["tokens"] for r in records),
+            "docs": sum(r["docs"][1] for r in records)})
+        for leftover in (self.out / "shards").glob(f".*{PARTIAL}"):
+            leftover.unlink(missing_ok=True)
+
+
+def _checked_keep(keep: Any) -> tuple[str, ...]:
+    names = (keep,) if isinstance(keep, str) else tuple(keep) if isinstance(keep, Iterable) else None
+    if not names or not all(isinstance(name, str) for name in names) or len(set(names)) != len(names):
+        raise InvalidValue(f"{_WHERE}: expected keep= distinct names (as ('states',) or ('states', 'key')), got"
+                           f" {keep!r}")
+    io = [name for name in names if name in KERNEL_IO]
+    if io:
+        raise InvalidValue(f"{_WHERE}: keep={io[0]!r} is not a per-token value: name the values to keep (as 'key',"
+                           " 'beta', 'output': the mixer's VALUES)")
+    return names
+
+
+def _check_keep(mixer: Any, keep: tuple[str, ...]) -> None:
+    memories = [name for name, memory in KEEPABLE.items() if memory in mixer.MEMORIES]
+    for name in keep:
+        if name not in memories and name not in mixer.VALUES:
+            raise InvalidValue(f"{_WHERE}: keep={name!r}, but {mixer} has no such memory or value: it keeps"
+                               f" {tuple(memories)} and the values {tuple(mixer.VALUES)}")
+
+
+def _mixer_names(model: nn.Module, mixers: list[Any], layers: frozenset[int] | None) -> dict[Any, tuple[str, str]]:
+    """The harvested mixers (those of `layers`), each with its name in the files and its module path: its decoder
+    layer ("3") where that layer has one mixer, else its module path (with "#k" for the k-th mixer of a module)."""
+    path_of = {id(module): path for path, module in model.named_modules()}
+    chosen = [m for m in mixers if layers is None or m.layer in layers]
+    per_layer = [m.layer for m in chosen]
+    names: dict[Any, tuple[str, str]] = {}
+    for mixer in chosen:
+        path = path_of.get(id(mixer.module), "")
+        same_module = [m for m in chosen if m.module is mixer.module]
+        if mixer.layer is not None and per_layer.count(mixer.layer) == 1:
+            names[mixer] = (str(mixer.layer), path)
+        else:
+            names[mixer] = (path + (f"#{same_module.index(mixer)}" if len(same_module) > 1 else ""), path)
+    return names
+
+
+def _describe(fn: Any) -> str:
+    """What identifies a reduction in a request: its qualified name (a probe: its factors' digest too)."""
+    if isinstance(fn, Probe):
+        digest = hashlib.sha256()
+        for factor in (fn.a, fn.b):
+            digest.update(factor.detach().cpu().contiguous().numpy().tobytes())
+        return f"{fn!r} sha256:{digest.hexdigest()[:16]}"
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+
+
+def _request(model: nn.Module, keep: tuple[str, ...], reduce: Mapping[str, Any], mixers: Mapping[str, Any],
+             dtype: torch.dtype | None) -> dict[str, Any]:
+    """What identifies a harvest: the model (its class, config and weights digests) and what is kept."""
+    config = getattr(model, "config", None)
+    config_json = "" if config is None else config.to_json_string()
+    described = {memory: ({str(k): _describe(f) for k, f in fn.items()} if isinstance(fn, Mapping) else _describe(fn))
+                 for memory, fn in reduce.items()}
+    return {"format": FORMAT,
+            "model": {"class": type(model).__name__, "config_sha256": hashlib.sha256(config_json.encode()).hexdigest(),
+                      "weights_sha256": weights_digest(model)},
+            "keep": list(keep), "reduce": described, "mixers": sorted(mixers),
+            "dtype": None if dtype is None else str(dtype).removeprefix("torch.")}
+
+
+def weights_digest(model: nn.Module) -> str:
+    """A digest of the model's weights: every tensor's name, dtype and shape and up to 1,024 of its values, evenly
+    spaced (reading every byte of a large model would cost more than a short harvest; a fine-tune changes them all).
+    """
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
+        if tensor.device.type == "meta" or tensor.numel() == 0:
+            continue
+        flat = tensor.detach().reshape(-1)
+        picked = flat[torch.linspace(0, flat.numel() - 1, min(flat.numel(), _SAMPLED), device=flat.device).long()]
+        digest.update(picked.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _claim(out: pathlib.Path, request: dict[str, Any], rank: int) -> None:
+    """`out` for this request: its request.json written, or found equal (another request's is refused)."""
+    path = out / "request.json"
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved != request:
+            differ = [f"model {k}" for k in sorted(request["model"])
+                      if not isinstance(saved.get("model"), dict) or saved["model"].get(k) != request["model"][k]]
+            differ += [k for k in sorted(set(saved) | set(request)) if k != "model" and saved.get(k) != request.get(k)]
+            raise InvalidValue(f"{_WHERE}: {out} holds another harvest (its {', '.join(differ)} differ from this"
+                               " call's): pass another out, or remove it")
+        return
+    write_json(path, request, rank)
+
+
+def _same_batch(saved: Any, digest: str, index: int, where: pathlib.Path) -> None:
+    if saved != digest:
+        raise InvalidValue(f"{_WHERE}: batch {index} is not the batch harvested into {where} (its input ids or mask"
+                           " differ): a harvest resumes by batch number, so pass the same batches in the same order,"
+                           " or another out")
+
+
+def _as_batch(batch: Any, index: int, pad_id: int | None) -> tuple[Tensor, Tensor | None, str]:
+    """A batch's ids `[batch, seq]`, its mask (None: no padding) and their digest; bad batches refused."""
+    if isinstance(batch, Mapping):
+        if "input_ids" not in batch:
+            raise InvalidValue(f"{_WHERE}: batch {index}: expected a dict with 'input_ids' (and 'attention_mask'),"
+                               f" got keys {sorted(map(str, batch))}")
+        ids, mask = batch["input_ids"], batch.get("attention_mask")
+    else:
+        ids, mask = batch, None
+    if not isinstance(ids, Tensor) or ids.dim() not in (1, 2) or ids.is_floating_point() or ids.is_complex():
+        got = f"a {ids.dtype} tensor of shape {tuple(ids.shape)}" if isinstance(ids, Tensor) else type(ids).__name__
+        raise InvalidValue(f"{_WHERE}: batch {index}: expected input ids as an integer tensor [batch, seq] (or a dict"
+                           f" with input_ids and attention_mask), got {got}")
+    ids = ids.reshape(1, -1) if ids.dim() == 1 else ids
+    if mask is not None:
+        if not isinstance(mask, Tensor) or tuple(mask.shape) != tuple(ids.shape) or \
+                not bool(((mask == 0) | (mask == 1)).all()):
+            got = f"shape {tuple(mask.shape)}" if isinstance(mask, Tensor) else type(mask).__name__
+            raise InvalidValue(f"{_WHERE}: batch {index}: expected attention_mask as 0/1 of the ids' shape"
+                               f" {tuple(ids.shape)}, got {got}")
+        mask = mask.cpu()
+    elif pad_id is not None and bool((ids == pad_id).any()):
+        row, position = (ids == pad_id).nonzero()[0].tolist()
+        raise InvalidValue(f"{_WHERE}: batch {index} holds the pad token id {pad_id} (config.pad_token_id) at row"
+                           f" {row}, position {position}, and no attention_mask: pass {{'input_ids': ids,"
+                           " 'attention_mask': mask}} (0 at pad tokens; ones where the id is a real token)")
+    ids = ids.cpu()
+    digest = hashlib.sha256(f"{tuple(ids.shape)}".encode() + ids.to(torch.int64).numpy().tobytes())
+    if mask is not None:
+        digest.update(mask.to(torch.int8).numpy().tobytes())
+    return ids, mask, digest.hexdigest()
+
+
+def _device(model: nn.Module) -> torch.device:
+    device = getattr(model, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def _size(count: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if count < 1000:
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1000
+    return f"{count:.1f} TB"

@@ -1,0 +1,148 @@
+"""The files of a harvest: safetensors shards, written atomically, read back mem-mapped.
+
+A shard is a safetensors file: an 8-byte little-endian header length, a JSON header (each tensor's dtype, shape
+and byte range; `__metadata__`, a mapping of strings), then the tensors' bytes. Why safetensors and not Arrow:
+transformers depends on safetensors already (no new dependency, where Arrow would add pyarrow and, for an HF
+datasets directory, datasets), each value is a fixed-shape tensor with its exact dtype (bfloat16 included), and the
+file maps into memory as it is, so a tensor is a view of the mapped bytes (no copy, no parse per item).
+
+Module contents:
+- `write_shard(path, tensors, metadata)`: the tensors in one file, via a temporary file renamed into place (a
+  reader sees the whole shard or none), flushed to the disk before the rename; returns its size and SHA-256. The
+  bytes depend on the tensors and metadata only (the header's keys sorted, the tensors in a fixed order), so the
+  same batch gives the same file: a resumed harvest's files are an uninterrupted one's.
+- `write_json(path, value)`: a JSON file, atomically in the same way.
+- `MappedShard(path)`: a shard mapped into memory; `shard[name]` is a view of that tensor's bytes.
+- `read_header(path)`: a shard's tensors, `{name: (dtype, shape)}`, and its `__metadata__` (the header only).
+- `file_digest(path)`: the SHA-256 of a file's bytes.
+- `partial_name(path, rank)`: the temporary file a rank writes `path` through.
+"""
+
+import hashlib
+import json
+import os
+import pathlib
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["write_shard", "write_json", "MappedShard", "read_header", "file_digest", "partial_name"]
+
+# safetensors' dtype names
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+PARTIAL = ".partial"  # the suffix of a file being written
+
+
+def partial_name(path: pathlib.Path, rank: int = 0) -> pathlib.Path:
+    """The temporary file `path` is written through by rank `rank` (each rank its own: ranks never share one)."""
+    return path.with_name(f".{path.name}.rank{rank}{PARTIAL}")
+
+
+def write_shard(path: pathlib.Path, tensors: Mapping[str, Tensor], metadata: Mapping[str, str],
+                rank: int = 0) -> tuple[int, str]:
+    """`tensors` (on the CPU) and `metadata` in the shard `path`, all or nothing: on an error (a full disk) the
+    temporary file is removed and `path` is untouched. Returns the file's size and SHA-256."""
+    partial = partial_name(path, rank)
+    # the tensors by element size, largest first, so that each starts at a multiple of its element size
+    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name in order:
+        size = tensors[name].numel() * tensors[name].element_size()
+        header[name] = {"dtype": _NAMES[tensors[name].dtype], "shape": list(tensors[name].shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # (the tensors' bytes start 8-aligned)
+    digest = hashlib.sha256()
+    try:
+        with open(partial, "wb") as file:
+            for chunk in (struct.pack("<Q", len(encoded)), encoded,
+                          *(_bytes_of(tensors[name]) for name in order)):
+                file.write(chunk)
+                digest.update(chunk)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    return 8 + len(encoded) + offset, digest.hexdigest()
+
+
+def _bytes_of(tensor: Tensor) -> memoryview:
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def write_json(path: pathlib.Path, value: Any, rank: int = 0) -> None:
+    """`value` as JSON in `path`, all or nothing (as `write_shard`); keys sorted, so equal values give equal files."""
+    partial = partial_name(path, rank)
+    try:
+        with open(partial, "w") as file:
+            file.write(json.dumps(value, indent=1, sort_keys=True) + "\n")
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
+def _header(path: pathlib.Path) -> tuple[dict[str, Any], int]:
+    """A shard's JSON header and where its tensors' bytes start."""
+    with open(path, "rb") as file:
+        (length,) = struct.unpack("<Q", file.read(8))
+        return json.loads(file.read(length)), 8 + length
+
+
+def read_header(path: pathlib.Path) -> tuple[dict[str, tuple[torch.dtype, list[int]]], dict[str, str]]:
+    header, _ = _header(path)
+    metadata = header.pop("__metadata__", None) or {}
+    return {name: (_DTYPES[entry["dtype"]], entry["shape"]) for name, entry in header.items()}, metadata
+
+
+def file_digest(path: pathlib.Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class MappedShard:
+    """A shard mapped into memory (read-only: the mapping is private, nothing is written back to the file).
+
+        shard = MappedShard(path)
+        shard["doc"]                 # int64 [tokens], a view of the mapped bytes
+    """
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.path = path
+        header, self.start = _header(path)
+        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        self.header: dict[str, dict[str, Any]] = header
+        size = path.stat().st_size
+        self._bytes = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8) if size else \
+            torch.empty(0, dtype=torch.uint8)
+        self._tensors: dict[str, Tensor] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.header
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name not in self._tensors:
+            entry = self.header[name]
+            begin, end = entry["data_offsets"]
+            dtype = _DTYPES[entry["dtype"]]
+            raw = self._bytes[self.start + begin:self.start + end]
+            if (self.start + begin) % dtype.itemsize:  # (safetensors aligns its tensors; a file that does not is copied)
+                raw = raw.clone()
+            self._tensors[name] = raw.view(dtype).view(entry["shape"])
+        return self._tensors[name]
