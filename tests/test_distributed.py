@@ -47,3 +47,16 @@ def test_a_sweep_split_across_two_processes_equals_one_process_and_resumes(tmp_p
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert result.returncode == 0, f"torchrun exited with {result.returncode}:\n{result.stdout}\n{result.stderr[-6000:]}"
     assert result.stdout.count("equal the single-process run") == 2, result.stdout
+
+
+def test_a_harvest_split_across_two_processes_writes_one_process_files_and_resumes(tmp_path):
+    """scripts/harvest_ranks.py: the batches split across two gloo ranks give the files one process writes, byte
+    for byte, and a harvest stopped on both ranks resumes from the shards each wrote."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "GLOO_SOCKET_IFNAME": "lo0" if sys.platform == "darwin" else "lo",
+           "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+               "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(ROOT / "scripts" / "harvest_ranks.py"),
+               "--dir", str(tmp_path)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 0, f"torchrun exited with {result.returncode}:\n{result.stdout}\n{result.stderr[-6000:]}"
+    assert result.stdout.count("equal the single-process run") == 2, result.stdout
