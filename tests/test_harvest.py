@@ -201,3 +201,18 @@ def test_the_dataset_pickles_loads_in_batches_and_shuffles_by_seed(tmp_path):
     assert all(len(set(shard_of[i:i + 20])) == 2 for i in range(0, 40, 20))
     with pytest.raises(IndexError, match="index 50 is out of range for 50 tokens"):
         data[50]
+
+
+def test_a_watch_of_some_layers_keeps_nothing_at_the_others():
+    model, ids = build("qwen3_5"), random_ids(1, 6)
+    with torch.no_grad(), rh.watch(model, keep=("states",), layers=[2]) as w:
+        model(ids)
+    assert w.mixer(2).states.shape[:2] == (1, 6)
+    with pytest.raises(rh.Unavailable, match="kept no states"):
+        w.mixer(0).states
+    with pytest.raises(rh.Unavailable, match=r"layers=\[1\], but layers \[1\] have no recurrent mixer; recurrent"
+                       r" layers: \[0, 2\]"):
+        with rh.watch(model, keep=("states",), layers=[1]):
+            pass
+    with pytest.raises(rh.InvalidValue, match=r"expected layers= decoder layer indices"):
+        rh.watch(model, layers="0")
