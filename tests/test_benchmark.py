@@ -40,3 +40,15 @@ def test_the_calibration_fit_is_non_negative_least_squares():
     assert (x >= 0).all() and (x == 0).any(), f"x = {x}"
     assert (gradient <= 1e-9).all(), f"a variable could still lower the residual: gradient {gradient}"
     assert_close("gradient on the free variables", torch.zeros_like(gradient[x > 0]), gradient[x > 0], atol=1e-8)
+
+
+def test_quick_harvest_benchmark_runs_every_row(capsys):
+    spec = importlib.util.spec_from_file_location("benchmark_harvest", ROOT / "benchmarks" / "harvest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    assert module.main(["--quick", "--models", "gdn", "--repeats", "1", "--batches", "1"]) == 0
+    assert torch.get_num_threads() == threads
+    out = capsys.readouterr().out
+    for row in ("forward", "norm", "probe (rank 8)", "writes (key, value, beta)", "states", "x the forward"):
+        assert row in out, f"the harvest benchmark printed no {row!r} row:\n{out}"

@@ -119,7 +119,7 @@ def harvest(model: nn.Module, batches: Iterable[Any], out: str | os.PathLike, *,
       "value", "beta", "dt", "output", ...); `reduce`: as `watch` takes it (`{"states": fn}`, `{"states": {layer:
       fn}}`, `rh.probe(a, b)`), keeping fn's result instead of the memory. `layers`: decoder layers (default: all
       the recurrent ones). `dtype`: what floating values are stored as (default: as computed; float32 states).
-    - `forward_kwargs`: passed to every forward; `paths`: the watch's (`rh.Paths`); `distributed`: split the
+    - `forward_kwargs`: passed to every forward (after `use_cache=False`, which it may override); `paths`: the watch's (`rh.Paths`); `distributed`: split the
       batches across the ranks of the initialized `torch.distributed` group (None: when there is one and the model
       is not tensor-parallel); `progress`: a tqdm bar in tokens/s and bytes written (rank 0's).
 
@@ -168,7 +168,8 @@ class _Job:
         if forward_kwargs is not None and not isinstance(forward_kwargs, Mapping):
             raise InvalidValue(f"{_WHERE}: expected forward_kwargs= a mapping, got {type(forward_kwargs).__name__}")
         self.model, self.out, self.ranks, self.keep, self.dtype = model, out, ranks, keep, dtype
-        self.forward_kwargs = dict(forward_kwargs or {})
+        # no cache by default: a harvest runs prompts only (and all-linear qwen3_5 models cannot build one in 5.24-5.25)
+        self.forward_kwargs = {"use_cache": False, **(forward_kwargs or {})}
         memories = {name for name in keep if name in KEEPABLE}
         watch_keep = (*memories, *(KERNEL_IO if set(keep) - memories else ()))
         self.reduce = normalize_reduce(reduce, {KEEPABLE[name]: None for name in memories}, _WHERE)
