@@ -10,9 +10,10 @@ whose per-token work reads or writes a slice of a whole-sequence tensor has a ba
 slice's gradient is a whole-sequence tensor); one that unbinds its inputs once and stacks its outputs once is
 linear. Printed: seconds per row and the ratio of each T's time to the previous T's (4x the tokens: 4 when
 linear). Kinds: RG-LRU's scan (recurrent_gemma, width `--width`), RWKV-4's WKV (channels `--width`), the mLSTM
-(xlstm, 4 heads of `--width` / 4), lightning attention's per-token branch (minimax, 4 heads of `--width` / 16).
-The convolution windows' loops (short, dynamic and zaya's) unbind and stack the same way; a window kept with
-gradients recomputes the positions after it into a list stacked once.
+(xlstm, 4 heads of `--width` / 4), lightning attention's per-token branch (minimax, 4 heads of `--width` / 16),
+the short convolution's window loop (`--width` channels, kernel 4; a window kept with gradients recomputes every
+position from its window into a list stacked once). The dynamic convolution's and zaya's window loops unbind and
+stack the same way.
 """
 
 import argparse
@@ -26,7 +27,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # this checkout's package
 import types  # noqa: E402
 
-from recurrent_hooks.kinds import lightning, mlstm, rg_lru, wkv  # noqa: E402
+from recurrent_hooks.kinds import conv, lightning, mlstm, rg_lru, wkv  # noqa: E402
 
 
 def _identity(t, state):
@@ -62,8 +63,14 @@ def _lightning(tokens: int, width: int):
     return [q, k, v], lambda: torch.cat(lightning._per_token(module, q, k, v, state, 0, tokens, _identity)[0], dim=2)
 
 
+def _conv(tokens: int, width: int):
+    x = torch.randn(1, width, tokens, requires_grad=True)
+    weight, bias = torch.randn(width, 4, requires_grad=True), torch.randn(width, requires_grad=True)
+    return [x, weight], lambda: conv.causal_conv1d_fn(x, weight, bias, "silu", on_token=_identity)
+
+
 KINDS = {"rg_lru (recurrent_gemma)": _rg_lru, "wkv (rwkv)": _wkv, "mlstm (xlstm)": _mlstm,
-         "lightning (minimax, per token)": _lightning}
+         "lightning (minimax, per token)": _lightning, "short conv window (causal_conv1d_fn, kernel 4)": _conv}
 
 
 def main(argv: list[str] | None = None) -> int:
