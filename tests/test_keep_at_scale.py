@@ -106,14 +106,15 @@ def _at_keepdim(states, token):
     return states[:, index]
 
 
-def test_the_blocks_path_reduces_every_state_a_block_at_a_time():
-    """gated DeltaNet without gradients: every state reduced runs in blocks (not the chunk-wise kernel over the
-    whole call, which holds every state), at any state size (also above the blocks' limit for hooks)."""
+def test_every_state_reduced_runs_chunk_wise_reductions_or_blocks_never_the_states():
+    """gated DeltaNet without gradients: every state reduced runs the chunk-wise reductions (the all-states kernel
+    handing its chunks to the reduction), or forced, in blocks at any state size (also above the blocks' limit for
+    hooks); never the chunk-wise states over the whole call, which hold every state."""
     model = model_of("qwen3_5")
-    with torch.no_grad(), rh.watch(model, keep=("states",), reduce={"states": per_token_norm},
-                                   paths=rh.Paths(blocks_below=0)) as w:
-        model(random_ids(1, TOKENS), use_cache=False)
-    assert {part.path for m in w.mixers for part in m.calls[0].kernel_calls} == {"blocks"}
+    for paths, path in ((None, "chunk-wise reductions"), (rh.Paths(force="blocks", blocks_below=0), "blocks")):
+        with torch.no_grad(), rh.watch(model, keep=("states",), reduce={"states": per_token_norm}, paths=paths) as w:
+            model(random_ids(1, TOKENS), use_cache=False)
+        assert {part.path for m in w.mixers for part in m.calls[0].kernel_calls} == {path}
     with torch.no_grad(), rh.watch(model, keep=("states",)) as w:
         model(random_ids(1, TOKENS), use_cache=False)
     assert {part.path for m in w.mixers for part in m.calls[0].kernel_calls} == {"chunk-wise states"}

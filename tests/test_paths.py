@@ -566,7 +566,7 @@ def test_a_device_without_calibration_takes_the_fixed_rule_and_support_says_so()
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"rule": "fast"}, r"expected rule= one of 'cost', 'fixed', 'loop', got rule='fast'"),
-    ({"force": "loop"}, r"expected force= None or one of 'segments', 'states', 'blocks' \(the token loop is"
+    ({"force": "loop"}, r"expected force= None or one of 'segments', 'states', 'blocks', 'chunks' \(the token loop is"
                         r" rule='loop'\), got force='loop'"),
     ({"rule": "loop", "force": "segments"}, r"forces no other path"),
     ({"tails": 1}, r"expected tails=True or tails=False, got tails=1"),

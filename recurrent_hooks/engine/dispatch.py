@@ -11,8 +11,9 @@ Module contents:
   call takes the path `strategies.choose` picks under its handles' policy (`_fast_path`, `strategies.Paths`): the bound kernel in
   segments between the stops (`_run_in_segments`, a piece maybe ending in a token loop from its last chunk
   boundary), or the library's loop with `stops` for a kernel that computes fast between stops itself
-  (`Kernel.stops`); every state kept without gradients can run the chunk-wise kernel, and a hook on every token
-  the chunk-wise kernel a block at a time (`blocks.run_in_blocks`); otherwise the token loop runs, calling
+  (`Kernel.stops`); every state kept without gradients can run the chunk-wise kernel, a hook on every token
+  the chunk-wise kernel a block at a time (`blocks.run_in_blocks`), and reductions of every state alone the
+  chunk-wise kernel handing them its chunks (`_reduce_in_chunks`); otherwise the token loop runs, calling
   the plans after each token. The path taken is recorded (`KernelCall.path`).
 """
 
@@ -297,7 +298,9 @@ class _Tap:
             extra["on_also"] = takers[1].on_token
         if "original" in kernel.layout.named:  # a loop that reads settings the kernel captured
             extra["original"] = original
-        if fast is not None and fast.path is strategies.Strategy.BLOCKS:  # the states chunk-wise, a block at a time
+        if fast is not None and fast.path is strategies.Strategy.CHUNKS:  # the all-states kernel's chunks, reduced
+            result = _reduce_in_chunks(kernel, args, kwargs, takers[0])
+        elif fast is not None and fast.path is strategies.Strategy.BLOCKS:  # the states chunk-wise, a block at a time
             takers[0].borrowed = True
             result = _blocks.run_in_blocks(kernel, args, kwargs, on_token)
         elif fast is not None and kernel.segments is None:  # the loop computes fast between the stops itself
@@ -449,7 +452,8 @@ class _Taker:
 class _Reduction:
     """A reducing plan's kept states of one kernel call, `CHUNK` tokens at a time: each full chunk
     `[batch, chunk, *state]` goes through the plan's `reduce` function, and the plan keeps, per token, its
-    slice of the result (`[batch, ...]`). At most one chunk of states is held (O(chunk x state))."""
+    slice of the result (`[batch, ...]`). At most one chunk of states is held (O(chunk x state)). On the
+    chunk-wise reductions' path (`_reduce_in_chunks`) the kernel's own chunks go to `reduce` directly."""
 
     CHUNK = _blocks.BLOCK
 
@@ -470,7 +474,13 @@ class _Reduction:
         tokens, states = self.tokens, self.states
         self.tokens, self.states = [], []
         chunk = stack_parts(states, dim=1)  # [batch, chunk, *state]
-        del states
+        del states  # (the stacked copy is all `reduce` needs: the chunk's states are held once)
+        self.reduce(tokens, chunk, taker)
+
+    def reduce(self, tokens: "list[int] | range", chunk: State, taker: "_Taker", buffer: Tensor | None = None) -> None:
+        """Keep, per token of `tokens`, its slice of the plan's `reduce(chunk)` (`chunk`: those tokens' states,
+        `[batch, chunk, *state]`). `buffer`: the tensor `chunk` is a view of, which the kernel overwrites with the
+        next chunk (`Segments.on_chunk`): a result in its memory (the chunk itself, or a view of it) is copied."""
         plan = self.plan
         where = f"{plan.mixer}, call {plan.call}, tokens {tokens[0]}..{tokens[-1]}: the reduction {_name(plan.reduce)}"
         with user_code(), noted(lambda: f"raised in {where}"):
@@ -482,9 +492,12 @@ class _Reduction:
                 raise InvalidValue(f"{where} returned {got}{f' in part {name!r}' if name else ''}; expected a tensor"
                                    f" [batch, chunk, ...] with chunk = {len(tokens)} (a result per token of the"
                                    " chunk of states [batch, chunk, *state] it was given)")
+        if buffer is not None:
+            memory = buffer.untyped_storage().data_ptr()
+            reduced = map_parts(lambda r: r.clone() if r.untyped_storage().data_ptr() == memory else r, reduced)
         reduced = taker._moved(plan, tokens[0], reduced, graph=True)
-        for i, token in enumerate(tokens):
-            plan.kept[token] = map_parts(lambda r, i=i: r[:, i], reduced)
+        per_token = zip(*(part.unbind(1) for _, part in parts_of(reduced)))  # one view per token of each part
+        plan.kept.update((token, rebuild(reduced, parts)) for token, parts in zip(tokens, per_token))
 
 
 def _name(fn: Any) -> str:
@@ -511,6 +524,24 @@ def _fast_path(kernel: Kernel, busy: list[Plan], tokens: int,
         if plan.mixer.paths is not paths and plan.mixer.paths != paths:
             return None
     return strategies.choose(kernel, busy, tokens, arguments, paths=paths)
+
+
+def _reduce_in_chunks(kernel: Kernel, args: tuple, kwargs: dict, taker: _Taker) -> Any:
+    """A prompt call whose busy plans only reduce every state, without gradients (`strategies.Strategy.CHUNKS`):
+    the kernel's `all_states` runs once over the call and hands each of its chunks' states to `on_chunk`
+    (`Segments.on_chunk`), which the reductions take as `[batch, chunk, *state]`, a view of the kernel's one
+    chunk buffer (`fn` must not keep it: the next chunk overwrites it; a result in its memory is copied).
+    Nothing holds more than one chunk of states, and no state is copied on the way to `fn`."""
+
+    def on_chunk(start: int, states: Tensor) -> None:  # states: [size, batch, *state], the kernel's buffer
+        chunk = states.movedim(0, 1)  # batch size *state   a view: no copy
+        for reduction in taker.reducing:
+            reduction.reduce(range(start, start + states.shape[0]), chunk, taker, buffer=states)
+
+    pieces = Pieces(kernel, args, kwargs)
+    leading, named = pieces.call(0, pieces.tokens, pieces.state)
+    (out, last), _ = kernel.segments.all_states(*leading, **named, on_chunk=on_chunk)
+    return pieces.result([out], last)
 
 
 def _keep_every_state(kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict,

@@ -84,6 +84,11 @@ class Segments:
       gradients are off, or with gradients where `adjoint` is given too (`engine.adjoint`; else the token loop
       keeps the states the recurrence used). A kind with an adjoint's `all_states` also takes a keyword `out`, the
       float32 buffer `[seq, *state]` to write into (`loops.states_buffer`);
+    - `on_chunk`: `all_states` also takes a keyword `on_chunk(start, states)`; given one, it hands it the states of
+      each of its chunks in order, `states` `[size, batch, *state]` (token first) for the tokens `start ..
+      start + size - 1`, a view of one buffer of one chunk that the next chunk overwrites, and returns None in place
+      of every state (it never holds them all). A reduction of every state without gradients runs on it
+      (`strategies.Strategy.CHUNKS`); False: `all_states` takes no such keyword.
     - `blocks_below`: a hook on every token runs `all_states` a block at a time (`blocks`) when the call's state
       has at most this many elements (batch included), measured to be where that beats the token loop
       (`benchmarks/blocks.py`); 0: never.
@@ -105,6 +110,7 @@ class Segments:
     out_axis: int
     tuple_without_final: bool
     all_states: Callable[..., Any] | None = None
+    on_chunk: bool = False
     blocks_below: int = 0
     shape: Callable[[dict[str, Any]], Any] | None = None
     kernel: Callable[..., Any] | None = None

@@ -5,6 +5,10 @@ Module contents:
 - `OnToken`: `on_token(t, state) -> state`, the library's keyword-only argument of every token loop:
   called after token t's update with the state token t+1 would continue from; it returns the state
   token t+1 continues from (the same one, or a hook's or write's replacement).
+- `OnChunk`: `on_chunk(start, states) -> None`, what an all-states kernel that declares `Segments.on_chunk` hands
+  each chunk's states to, `[size, batch, *state]` for tokens `start .. start + size - 1`: a view of the kernel's one
+  chunk buffer, which the next chunk overwrites (read it, do not keep it); `chunked(on_chunk, tokens)`, an
+  `on_token` that gathers a token loop's states into such a buffer and hands it over when full.
 - `Visit`: `visit(t, mu) -> None | Tensor`, what a kind's adjoint recurrence (`kernels.Segments.adjoint`) calls right
   to left with mu_t, the gradient of the state after token t through the later tokens (a temporary the walk
   goes on changing in place: read or copy it, do not keep it); a tensor it returns replaces mu_t and is then
@@ -16,7 +20,9 @@ Module contents:
 - `refuse_packed(kwargs, names, needs)`: packed sequences are refused, naming the package that runs them.
 - `states_buffer(out, shape)`: a caller's buffer for a chunk-wise all-states kernel, checked (its first tokens);
 - `causal_decay(cum)`: within a chunk, exp(c_i - c_j) for j <= i and 0 above the diagonal; `flushed_exp(x)`:
-  exp with the subnormal range flushed to 0 (what the chunk-wise kernels take decays with).
+  exp with the subnormal range flushed to 0 (what the chunk-wise kernels take decays with);
+  `rank_one_steps(states, state, decay, left, right)`: a chunk's states S_i = decay_i S_{i-1} + left_i right_i^T,
+  token by token into a buffer (how the chunk-wise kernels form the states they hand to `on_chunk`).
 - `version_of(window)`, `handed_back_changed(window, version, written)`: whether `on_token` replaced a
   convolution window or changed it in place (then the next positions that read it are recomputed).
 """
@@ -31,6 +37,7 @@ from .errors import RecurrentHooksError
 from .parts import State
 
 OnToken = Callable[[int, State], State]
+OnChunk = Callable[[int, Tensor], None]
 Visit = Callable[[int, Tensor], "Tensor | None"]
 
 
@@ -38,6 +45,24 @@ def visited(visit: Visit, t: int, mu: Tensor) -> Tensor:
     """`visit(t, mu)`, and what the adjoint continues from: its returned tensor, or mu."""
     replaced = visit(t, mu)
     return mu if replaced is None else replaced
+
+
+def chunked(on_chunk: OnChunk, tokens: int, chunk: int = 16) -> OnToken:
+    """An `on_token` for a token loop of `tokens` tokens that copies each state into one buffer of `chunk` tokens
+    (`[chunk, *state]`, made at the first token) and hands it to `on_chunk` when it is full and at the last token;
+    it returns the state unchanged."""
+    buffer: list[Tensor] = []
+
+    def on_token(t: int, state: Tensor) -> Tensor:
+        if not buffer:
+            buffer.append(state.new_empty(min(chunk, tokens), *state.shape))
+        i = t % chunk
+        buffer[0][i].copy_(state)
+        if i == chunk - 1 or t == tokens - 1:
+            on_chunk(t - i, buffer[0][:i + 1])  # i b ..   the states of tokens t - i .. t
+        return state
+
+    return on_token
 
 
 def starting_state(initial: Tensor | None, zeros: Callable[[], Tensor], dtype: torch.dtype = torch.float32) -> Tensor:
@@ -94,6 +119,24 @@ def causal_decay(cum: Tensor) -> Tensor:
     causal = torch.ones(size, size, dtype=torch.bool, device=cum.device).tril()
     causal = causal.view(size, size, *(1,) * (cum.dim() - 1))
     return flushed_exp((cum[:, None] - cum[None, :]).masked_fill(~causal, -torch.inf))
+
+
+def rank_one_steps(states: Tensor, state: Tensor, decay: Tensor, left: Tensor, right: Tensor) -> None:
+    """Write S_i = decay_i S_{i-1} + left_i right_i^T into `states[i]` for each token i of a chunk, from S_{-1} =
+    `state`: `states` `[chunk, *lead, rows, cols]` (not holding `state`), decay `[chunk, *lead, rows or 1]` (a
+    decay per row, or one per state), left `[chunk, *lead, rows]`, right `[chunk, *lead, cols]`.
+
+    Two passes over a state per token (a scaled copy, then a rank-one update in place), each reading the state the
+    step before just wrote. Where every state is kept, the chunk-wise kernels form a chunk's states at once instead,
+    by a product of inner size chunk (a batched gemm CPUs run far below their speed) and a pass adding the decayed
+    start: measured 3x (Qwen3.5 dims) and 4x (Mamba-2's) slower per chunk (docs/performance.md, "Keeping a per-token
+    reduction")."""
+    # per token from one unbind each: a Python index per token and operand costs as much as a Mamba-2 step
+    steps = zip(states.unbind(0), decay[..., None].unbind(0), left[..., None].unbind(0), right[..., None, :].unbind(0))
+    for into, decay_i, left_i, right_i in steps:
+        torch.mul(state, decay_i, out=into)  # *lead rows cols   decay_i S_{i-1}
+        into.addcmul_(left_i, right_i)  # *lead rows cols   + left_i right_i^T
+        state = into
 
 
 FLUSH_BELOW = -60.0  # exp(-60) = 8.7e-27: a decay below it contributes nothing a float32 sum of unit terms can hold

@@ -32,6 +32,8 @@ inside a user's hook, `THREAD.in_hook`). Each attached mixer says what it wants 
   chaining the state, and `Plan.apply` runs at each stop (a kernel declared with `Kernel.stops` gets
   the stops and computes between them itself);
 - every state is kept, without gradients: the kind's chunk-wise `Segments.all_states` kernel runs;
+- every state is reduced (`watch(reduce=...)`) and nothing else is wanted, without gradients: that kernel runs
+  once and hands its chunks of states to the reductions as it forms them (`Segments.on_chunk`);
 - otherwise the library's token loop runs and calls `Plan.apply` after each token's update.
 In grad mode, kept states are read through one zero leaf per kernel call (`Call.differentiable`).
 A forward that autograd recomputes (gradient checkpointing) is matched to the call it repeats by the

@@ -12,6 +12,10 @@ A call with hooks, writes or kept states ("busy") can run in several ways (`disp
 - `Strategy.BLOCKS`: a hook at every token, gradients off, with the states computed a block at a time by the
   all-states kernel (`blocks`; estimated like STATES, and available only where `blocks.blocks_apply` says
   blocks were measured to beat the token loop: a state of at most `Segments.blocks_below` elements);
+- `Strategy.CHUNKS`: every busy plan reduces every state (`watch(reduce=...)`) and nothing else (no hook, no write,
+  no state kept as it is), gradients off, not compiling: the all-states kernel runs once over the call and hands
+  each of its chunks' states to the reductions (`Segments.on_chunk`), never writing every state. Taken wherever it
+  is available, without an estimate (measured: the cheapest way to see every state, docs/performance.md);
 - `Strategy.LOOP`: the library's token loop (`Kernel.loop`), one Python step per token.
 
 The model. Each prompt kernel with `Segments.shape` declares its call's cost-relevant shape (`Shape`: batch,
@@ -25,10 +29,10 @@ filed under). Each of three computations costs a sum of terms, each term a count
 (`kernel_terms`, `loop_terms`, `states_terms`; a head is one batch row's head, work = batch * heads). SEGMENTS
 is the sum over its pieces, each piece kernel(piece) or, with `Paths(tails=True)`, the cheaper of that and kernel(its whole
 chunks) + loop(rest);
-STATES the sum of states(piece); BLOCKS states(T); LOOP loop(T). The constants are seconds, fitted by
+STATES the sum of states(piece); BLOCKS and CHUNKS states(T); LOOP loop(T). The constants are seconds, fitted by
 `benchmarks/paths.py --calibrate --write` per device type and dtype, and read from the data file `costs.json`
 next to this module (keyed "cpu/float32": the package ships the CPU one), once, at the first watch or standalone
-hook (`costs_for`). Grad mode decides what is available (no BLOCKS with gradients; STATES only where the kind
+hook (`costs_for`). Grad mode decides what is available (no BLOCKS or CHUNKS with gradients; STATES only where the kind
 declares an adjoint recurrence, `Segments.adjoint`, and no hook or write stops the call) and is not modelled
 otherwise: every state kept with gradients takes STATES where it can (measured faster than the token loop under
 autograd, docs/performance.md).
@@ -76,6 +80,7 @@ class Strategy(enum.Enum):
     SEGMENTS = "segments"
     STATES = "chunk-wise states"
     BLOCKS = "blocks"
+    CHUNKS = "chunk-wise reductions"
     LOOP = "token loop"
 
 
@@ -145,7 +150,8 @@ def costs_for(device: torch.device | str, dtype: torch.dtype) -> dict[str, Const
     return _COSTS.get(calibration_key(device, dtype))
 
 
-_FORCED = {"segments": Strategy.SEGMENTS, "states": Strategy.STATES, "blocks": Strategy.BLOCKS}
+_FORCED = {"segments": Strategy.SEGMENTS, "states": Strategy.STATES, "blocks": Strategy.BLOCKS,
+           "chunks": Strategy.CHUNKS}
 RULES = ("cost", "fixed", "loop")
 
 
@@ -162,8 +168,9 @@ class Paths:
       type and dtype; a device without calibration takes the fixed rule), "fixed" (segments for at most
       max(8, T / 32) stops, the chunk-wise states when every state is kept, else the token loop), or "loop"
       (every busy call runs the library's token loop: the reference the other paths are checked against);
-    - `force`: "segments", "states" (the chunk-wise all-states kernel) or "blocks": taken wherever the call can
-      take it (benchmarks, tests of a path), the rule deciding elsewhere;
+    - `force`: "segments", "states" (the chunk-wise all-states kernel), "blocks" or "chunks" (the all-states kernel's
+      chunks handed to the reductions): taken wherever the call can take it (benchmarks, tests of a path), the rule
+      deciding elsewhere;
     - `tails`: with the cost model, a piece of segments may end in a token loop from its last chunk boundary
       where the estimate says it pays (off: measured no gain above the noise, docs/performance.md);
     - `blocks_below`: the largest state (elements, batch included) a hook on every token runs in blocks at
@@ -310,6 +317,7 @@ def _estimates(constants: Constants, shape: Shape, tokens: int, stops: Iterable[
     return {Strategy.SEGMENTS: lambda: segments_cost(constants, shape, tokens, stops, tails)[0],
             Strategy.STATES: lambda: sum(states_cost(constants, shape, end - start) for start, end in pieces(stops, tokens)),
             Strategy.BLOCKS: lambda: states_cost(constants, shape, tokens),
+            Strategy.CHUNKS: lambda: states_cost(constants, shape, tokens),
             Strategy.LOOP: lambda: loop_cost(constants, shape, tokens)}
 
 
@@ -349,6 +357,11 @@ def _constants_of(shape: Shape, arguments: dict[str, Any], paths: Paths) -> Cons
     return None
 
 
+def _reduces_every_state(plan: Any, tokens: int) -> bool:
+    """Whether `plan` keeps a reduction (`watch(reduce=...)`) of every state of a call of `tokens` > 1 tokens."""
+    return bool(plan.keep) and getattr(plan, "reduce", None) is not None and len(plan.keep) == tokens > 1
+
+
 def choose(kernel: Kernel, busy: list[Any], tokens: int, arguments: dict[str, Any] | None = None,
            grad: bool | None = None, paths: Paths = DEFAULT) -> Choice | None:
     """The path of a busy call (its plans `busy`, each with `hooks` and `keep`) under the policy `paths`: a
@@ -363,9 +376,9 @@ def choose(kernel: Kernel, busy: list[Any], tokens: int, arguments: dict[str, An
     states_with_grad = all_states and segments.adjoint is not None and not torch.compiler.is_compiling()
     stops: set[int] = set()
     every_state = every_token = False
-    reducing = False  # a reduction of every state: handed over token by token (blocks or the loop), never all at once
+    reducing = False  # a reduction of every state: handed over by chunks, blocks or tokens, never all at once
     for plan in busy:
-        reduces_all = bool(plan.keep) and getattr(plan, "reduce", None) is not None and len(plan.keep) == tokens > 1
+        reduces_all = _reduces_every_state(plan, tokens)
         reducing |= reduces_all
         every_token |= reduces_all
         if any(positions is None for _, positions in plan.hooks):
@@ -389,8 +402,11 @@ def choose(kernel: Kernel, busy: list[Any], tokens: int, arguments: dict[str, An
     blocks = every_token and all_states and not grad and arguments is not None \
         and _blocks.blocks_apply(kernel, type(busy[0].mixer), arguments, grad,
                                  sys.maxsize if only_reducing else paths.blocks_below)
+    # only reductions of every state, no gradients: the all-states kernel hands them its chunks (`Segments.on_chunk`)
+    chunks = all_states and segments.on_chunk and not grad and not torch.compiler.is_compiling() \
+        and all(_reduces_every_state(plan, tokens) and not plan.hooks for plan in busy)
     if every_token:
-        available = [Strategy.LOOP] + ([Strategy.BLOCKS] if blocks else [])
+        available = [Strategy.LOOP] + ([Strategy.BLOCKS] if blocks else []) + ([Strategy.CHUNKS] if chunks else [])
     else:
         available = [Strategy.LOOP, Strategy.STATES if every_state else Strategy.SEGMENTS]
     constants = shape = None
@@ -401,6 +417,8 @@ def choose(kernel: Kernel, busy: list[Any], tokens: int, arguments: dict[str, An
         path = paths.force
     elif every_state and grad:  # measured: the adjoint's backward beats the token loop's (docs/performance.md)
         path = Strategy.STATES
+    elif chunks:  # measured: the reductions' cheapest path (docs/performance.md, "Keeping a per-token reduction")
+        path = Strategy.CHUNKS
     elif only_reducing and blocks:  # measured: half the token loop's time at Qwen3.5 dims (docs/performance.md)
         path = Strategy.BLOCKS
     elif constants is None:  # no cost model for this call: the fixed rule
@@ -411,6 +429,8 @@ def choose(kernel: Kernel, busy: list[Any], tokens: int, arguments: dict[str, An
         return None
     if path is Strategy.BLOCKS:
         return Choice(path, list(range(tokens)), False)
+    if path is Strategy.CHUNKS:
+        return Choice(path, [], False)
     if path is Strategy.STATES:
         return Choice(path, sorted(stops), True)
     tails = () if constants is None else segments_cost(constants, shape, tokens, stops, paths.tails)[1]

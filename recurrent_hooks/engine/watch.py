@@ -183,7 +183,9 @@ class Watch:
     graph), and `reduce={"states": fn}` keeps `fn(states)` instead of the states, `fn` taking a chunk of kept
     tokens' states `[batch, chunk, *state]` and returning `[batch, chunk, ...]` (a per-token norm:
     `lambda s: s.flatten(2).norm(dim=-1)`): `mix.states` is then the stacked reductions, `state_after(t)`
-    the reduction at t, and at most one chunk of states is held at a time.
+    the reduction at t, and at most one chunk of states is held at a time. The chunk may be a view of the kernel's
+    buffer, which its next chunk overwrites: `fn` reads it and must not keep it, or a view of it (a result that is
+    the chunk, or a view of it, is copied).
 
     The block sees the forwards of the thread that entered it; a model run inside a hook, or a model
     that is not watched, runs its kernels untouched. Writes aimed at calls that never ran (a generation
@@ -583,6 +585,9 @@ def support(model: nn.Module) -> list[MixerSupport]:
             else "the token loop (the prompt kernel does not run in segments: see the limits)",
             "every state of a prompt": "chunk-wise without gradients, the token loop with them"
             if segments is not None and segments.all_states is not None else "the token loop",
+            "a reduction of every state": "the chunk-wise kernel's chunks, reduced as it forms them, without"
+            " gradients; the token loop's with them" if segments is not None and segments.on_chunk
+            else "the token loop's states, a chunk at a time",
             "a hook on every token": "chunk-wise blocks for a small state without gradients, else the token loop"
             if segments is not None and segments.blocks_below else "the token loop",
         }

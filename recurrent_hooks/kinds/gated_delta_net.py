@@ -22,8 +22,9 @@ computed as transformers and flash-linear-attention do: decay, read `kv_mem`, wr
 Module contents:
 - `chunk_gated_delta_rule`, `recurrent_gated_delta_rule`: token loops with the signatures of transformers'
   `torch_chunk_gated_delta_rule` and `torch_recurrent_gated_delta_rule`, plus a keyword-only `on_token`.
-- `chunk_gated_delta_rule_states`: the prompt kernel chunk-wise with every token's state (into `out` when given);
-  `chunk_gated_delta_rule_adjoint`: its adjoint recurrence, right to left (`Segments.adjoint`).
+- `chunk_gated_delta_rule_states`: the prompt kernel chunk-wise with every token's state (into `out` when given, or
+  a chunk at a time to `on_chunk`); `chunk_gated_delta_rule_adjoint`: its adjoint recurrence, right to left
+  (`Segments.adjoint`).
 - `GatedDeltaNet`: the mixer kind, its kernels and values declared as class constants.
 """
 
@@ -39,8 +40,8 @@ from .effective import EffectiveAttention, cat, decayed
 from ..engine.calls import KernelCall
 from ..engine.kernels import Kernel, Role, Segments
 from ..engine.errors import Unavailable
-from ..engine.loops import (OnToken, Visit, causal_decay, flushed_exp, refuse_packed, starting_state, states_buffer,
-                            visited)
+from ..engine.loops import (OnChunk, OnToken, Visit, causal_decay, flushed_exp, rank_one_steps, refuse_packed,
+                            starting_state, states_buffer, visited)
 from ..engine.mixer import RecurrentMixer
 from ..engine.strategies import Shape
 
@@ -114,11 +115,21 @@ def _gated_delta_rule(
     return out.to(query.dtype), (state if output_final_state else None)
 
 
+def _decayed_products(left: Tensor, right: Tensor, decay: Tensor) -> Float[Tensor, "i j batch heads"]:
+    """left_i^T D_ij right_j for every pair of a chunk's tokens: left `[i, batch, heads, key_dim]`, right `[j, batch,
+    heads, key_dim]`, decay D_ij `[i, j, batch, heads, d]`. With one decay per head (d = 1) it scales the products
+    of one batched matmul (measured a third faster than the elementwise form at Qwen3.5 dims); with one per key
+    channel (d = key_dim), the elementwise products are summed."""
+    if decay.shape[-1] == 1:
+        return torch.einsum("ibhk,jbhk->ijbh", left, right) * decay[..., 0]
+    return (left[:, None] * decay * right[None]).sum(-1)
+
+
 def _gated_delta_rule_states(
     query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
     output_final_state: bool, use_qk_l2norm_in_kernel: bool, kwargs: dict[str, Any], chunk: int = 16,
-    kimi: bool = False, out: Tensor | None = None,
-) -> tuple[tuple[Tensor, Tensor | None], Float[Tensor, "seq batch heads key_dim value_dim"]]:
+    kimi: bool = False, out: Tensor | None = None, on_chunk: OnChunk | None = None,
+) -> tuple[tuple[Tensor, Tensor | None], Float[Tensor, "seq batch heads key_dim value_dim"] | None]:
     """The same recurrence, chunk by chunk, vectorized inside each chunk, returning every token's state too.
 
     Inside a chunk starting from S_0, with c_i the cumulative log decay from the chunk start to token i
@@ -130,32 +141,53 @@ def _gated_delta_rule_states(
     token loop. The states are written once, into one token-first buffer (`out`, float32, when given: a
     buffer reused across calls is not paged in again, which a fresh one of this size is on CPU); costs
     chunk^2 * key_dim * value_dim per chunk and head: for when every state is kept.
+
+    With `on_chunk`, each chunk's states go to `on_chunk(start, states)` instead, in one buffer of one chunk reused
+    by the next (`Segments.on_chunk`), and None is returned for them: a reduction of every state holds one chunk of
+    states, whatever the length. The states are then formed token by token from the corrections,
+    S_i = diag(a_i) S_{i-1} + k_i u_i^T (`loops.rank_one_steps`), and the outputs from the chunk's attention form,
+        o_i = S_0^T diag(exp(c_i)) q_i + sum_{j<=i} (q_i^T D_ij k_j) u_j
+    which reads no state: 3x faster on CPU than the product above and a pass reading every state (measured,
+    docs/performance.md, "Keeping a per-token reduction"; the product stays where every state is kept, the
+    path the cost model's constants were fitted to).
     """
     q, k, v, b, log_a, state = _prepare(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel, kwargs,
                                         kimi=kimi, recurrent=False)
     q, k, v, b, log_a = (x.movedim(1, 0) for x in (q, k, v, b, log_a))  # token first: t b h ..
     shape = (*q.shape[:3], q.shape[-1], v.shape[-1])
-    every = q.new_empty(shape) if out is None else states_buffer(out, shape)  # t b h k v
+    if on_chunk is not None:
+        every = q.new_empty(min(chunk, shape[0]), *shape[1:])  # i b h k v   one chunk's, reused
+    else:
+        every = q.new_empty(shape) if out is None else states_buffer(out, shape)  # t b h k v
     out = v.new_empty(v.shape)  # t b h v
     for start in range(0, q.shape[0], chunk):
         qc, kc, vc, bc, gc = (x[start:start + chunk] for x in (q, k, v, b, log_a))  # i b h ..
         size = qc.shape[0]
         cum = gc.cumsum(0)  # i b h d   c_i, d = 1 or key_dim
         decay = causal_decay(cum)  # i j b h d   D_ij
-        decayed_keys = decay * kc[None]  # i j b h k   D_ij k_j
-        interaction = (kc[:, None] * decayed_keys).sum(-1) * bc[:, None]  # i j b h   b_i k_i^T D_ij k_j
+        interaction = _decayed_products(kc, kc, decay) * bc[:, None]  # i j b h   b_i k_i^T D_ij k_j
         system = torch.eye(size, device=q.device) + interaction.permute(2, 3, 0, 1).tril(-1)  # b h i j
         # (b h batches: broadcasting S_0 over the chunk's tokens would copy it once per token)
         reads = ((kc * flushed_exp(cum)).permute(1, 2, 0, 3) @ state).permute(2, 0, 1, 3)  # i b h v   S_0^T diag(exp(c_i)) k_i
         rhs = (bc[..., None] * (vc - reads)).permute(1, 2, 0, 3)  # b h i v
         u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # b h j v
-        states = every[start:start + size]  # i b h k v
-        torch.matmul(decayed_keys.permute(0, 2, 3, 4, 1), u, out=states)  # sum_j D_ij k_j u_j^T
-        states.addcmul_(flushed_exp(cum)[..., None], state)  # + diag(exp(c_i)) S_0
-        out[start:start + size] = (qc[..., None, :] @ states).squeeze(-2)  # i b h v   o_i = S_i^T q_i
-        state = states[-1]
+        if on_chunk is None:
+            states = every[start:start + size]  # i b h k v
+            decayed_keys = decay * kc[None]  # i j b h k   D_ij k_j
+            torch.matmul(decayed_keys.permute(0, 2, 3, 4, 1), u, out=states)  # sum_j D_ij k_j u_j^T
+            states.addcmul_(flushed_exp(cum)[..., None], state)  # + diag(exp(c_i)) S_0
+            out[start:start + size] = (qc[..., None, :] @ states).squeeze(-2)  # i b h v   o_i = S_i^T q_i
+            state = states[-1]  # b h k v
+            continue
+        states = every[:size]  # i b h k v
+        rank_one_steps(states, state, flushed_exp(gc), kc, u.permute(2, 0, 1, 3))  # S_i = diag(a_i) S_{i-1} + k_i u_i^T
+        scores = _decayed_products(qc, kc, decay).permute(2, 3, 0, 1)  # b h i j   q_i^T D_ij k_j
+        from_start = (qc * flushed_exp(cum)).permute(1, 2, 0, 3) @ state  # b h i v   S_0^T diag(exp(c_i)) q_i
+        out[start:start + size] = (scores @ u + from_start).permute(2, 0, 1, 3)  # i b h v   o_i = S_i^T q_i
+        state = states[-1].clone()  # b h k v   (the next chunk overwrites the buffer)
+        on_chunk(start, states)
     result = (out.movedim(0, 1).to(query.dtype), state if output_final_state else None)
-    return result, every
+    return result, (every if on_chunk is None else None)
 
 
 def _gated_delta_rule_adjoint(
@@ -220,13 +252,14 @@ def chunk_gated_delta_rule_states(
     use_qk_l2norm_in_kernel: bool = False,
     *,
     out: Tensor | None = None,
+    on_chunk: OnChunk | None = None,
     **kwargs: Any,
-) -> tuple[tuple[Tensor, Tensor | None], Tensor]:
+) -> tuple[tuple[Tensor, Tensor | None], Tensor | None]:
     """`chunk_gated_delta_rule`'s results and every token's state, token first: `[seq, batch, heads, key_dim,
-    value_dim]`, computed chunk-wise (no per-token Python loop), into `out` when given; `chunk_size` is accepted
-    and ignored."""
+    value_dim]`, computed chunk-wise (no per-token Python loop), into `out` when given, or handed to `on_chunk` a
+    chunk of 16 tokens at a time (then None: `Segments.on_chunk`); `chunk_size` is accepted and ignored."""
     return _gated_delta_rule_states(query, key, value, g[..., None], beta, initial_state, output_final_state,
-                                    use_qk_l2norm_in_kernel, kwargs, out=out)
+                                    use_qk_l2norm_in_kernel, kwargs, out=out, on_chunk=on_chunk)
 
 
 def chunk_gated_delta_rule_adjoint(
@@ -296,7 +329,7 @@ class GatedDeltaNet(RecurrentMixer):
                segments=Segments(per_token={name: 1 for name in ("query", "key", "value", "g", "beta")},
                                  state_in="initial_state", final_flag="output_final_state", out_axis=1,
                                  tuple_without_final=True, all_states=chunk_gated_delta_rule_states,
-                                 adjoint=chunk_gated_delta_rule_adjoint,
+                                 on_chunk=True, adjoint=chunk_gated_delta_rule_adjoint,
                                  blocks_below=2048,  # 4 heads of 16 x 16 at batch 2 (docs/performance.md)
                                  shape=_cost_shape)),
         # a decode step with a hook or write runs transformers' kernel, then the hook on the state it returns

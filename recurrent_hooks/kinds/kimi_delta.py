@@ -42,7 +42,7 @@ from .conv import CONV_KERNELS
 from ..engine.kernels import Role
 from .gated_delta_net import (GatedDeltaNet, _cost_shape as _gated_cost_shape, _gated_delta_rule,
                               _gated_delta_rule_adjoint, _gated_delta_rule_states)
-from ..engine.loops import OnToken, Visit
+from ..engine.loops import OnChunk, OnToken, Visit
 from ..engine.strategies import Shape
 
 
@@ -81,11 +81,13 @@ def chunk_kimi_delta_attention_states(
     use_qk_l2norm_in_kernel: bool = False,
     *,
     out: Tensor | None = None,
+    on_chunk: OnChunk | None = None,
     **kwargs: Any,
-) -> tuple[tuple[Tensor, Tensor | None], Tensor]:
-    """`chunk_kimi_delta_attention`'s results and every token's state, computed chunk-wise (into `out`)."""
+) -> tuple[tuple[Tensor, Tensor | None], Tensor | None]:
+    """`chunk_kimi_delta_attention`'s results and every token's state, computed chunk-wise (into `out`, or handed to
+    `on_chunk` a chunk at a time: `Segments.on_chunk`)."""
     return _gated_delta_rule_states(query, key, value, g, beta, initial_state, output_final_state,
-                                    use_qk_l2norm_in_kernel, kwargs, kimi=True, out=out)
+                                    use_qk_l2norm_in_kernel, kwargs, kimi=True, out=out, on_chunk=on_chunk)
 
 
 def chunk_kimi_delta_attention_adjoint(

@@ -62,7 +62,7 @@ from .effective import EffectiveAttention, decayed
 from ..engine.calls import KernelCall
 from ..engine.errors import Unavailable
 from ..engine.kernels import STATE_MEMORY, Kernel, Layout, Role, Segments
-from ..engine.loops import OnToken, at_least_float32, refuse_packed, starting_state
+from ..engine.loops import OnChunk, OnToken, at_least_float32, chunked, refuse_packed, starting_state
 from ..engine.mixer import RecurrentMixer
 
 
@@ -231,6 +231,7 @@ def _scan_chunks(
     initial_state: Float[Tensor, "batch d_inner d_state"] | None,
     chunk: int | None,
     every: Float[Tensor, "seq batch d_inner d_state"] | None,
+    on_chunk: OnChunk | None = None,
 ) -> tuple[Float[Tensor, "seq batch d_inner"], Float[Tensor, "batch d_inner d_state"]]:
     """C_t . h_t of every token (in C's dtype) and the last state, a chunk of tokens at a time; token-first.
 
@@ -241,7 +242,8 @@ def _scan_chunks(
     decay does, so this form holds only for the state elements whose |c_i| stays within 60 over the chunk
     (1 / e^-60 ~ 1e26, far from float32's 3e38); the others (the fast-decaying channels, often a few
     percent) are gathered and stepped token by token through the chunk. With `every`, each token's state is
-    written into it (else only a chunk's states are held).
+    written into it (else only a chunk's states are held); with `on_chunk`, each chunk's states are handed to
+    `on_chunk(start, states)`, in one buffer of one chunk reused by the next (`Segments.on_chunk`).
     """
     seq, batch, d_inner = x.shape
     d_state = A.shape[-1]
@@ -249,12 +251,17 @@ def _scan_chunks(
     state = x.new_zeros(batch, d_inner, d_state) if initial_state is None else initial_state.to(x.dtype)
     rates = A.abs()  # d n   |c_i| = |s_i| |A|
     causal = torch.ones(chunk, chunk, dtype=x.dtype, device=x.device).tril()  # i j   1 where j <= i
+    # i b d n   one chunk's states, reused by the next chunk when they are handed over (else each chunk's own)
+    reused = x.new_empty(min(chunk, seq), batch, d_inner, d_state) if on_chunk is not None else None
     outputs = []
     for start in range(0, seq, chunk):
         stop = min(start + chunk, seq)
         size = stop - start
         dc, xc, Bc = dt[start:stop], x[start:stop], B[start:stop]  # i b d, i b d, i b n
-        states = every[start:stop] if every is not None else x.new_empty(size, batch, d_inner, d_state)
+        if every is not None:
+            states = every[start:stop]  # i b d n
+        else:
+            states = reused[:size] if reused is not None else x.new_empty(size, batch, d_inner, d_state)  # i b d n
         drive = (dc * xc)[..., None] * Bc[..., None, :]  # j b d n   Δ_j B_j x_j
         steps = dc.cumsum(0)  # i b d   s_i
         running = torch.mul(steps[..., None], A).clamp_(-_LOG_RANGE, _LOG_RANGE).exp_()  # i b d n   P_i
@@ -269,7 +276,11 @@ def _scan_chunks(
             _step_through(fast, dc, xc, Bc, A, state, states)
         if every is None:
             outputs.append((states.to(C.dtype) @ C[start:stop, :, :, None])[..., 0])  # i b d   C_i . h_i
-        state = states[-1]
+        if reused is None:
+            state = states[-1]  # b d n
+        else:
+            state = states[-1].clone()  # b d n   (the next chunk overwrites the buffer)
+            on_chunk(start, states)
     if every is not None:
         y = (every.to(C.dtype) @ C[..., None])[..., 0]  # t b d
     else:
@@ -303,8 +314,10 @@ def _step_through(
     states.view(size, -1)[:, fast] = torch.stack(out)
 
 
-def _chunked(hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus, initial_state, chunk, keep_every):
-    """`mamba_selective_scan_chunks`' work: the result, the last state and every state (or None)."""
+def _chunked(hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus, initial_state, chunk, keep_every,
+             on_chunk=None):
+    """`mamba_selective_scan_chunks`' work: the result, the last state and every state (or None; with `on_chunk`,
+    each chunk's states are handed to it)."""
     # token-first and contiguous, so that every per-chunk tensor is too (a chunk is a slice of the first axis)
     seq_first = lambda v: rearrange(v, "b c t -> t b c").contiguous()  # noqa: E731
     wide = at_least_float32(hidden_states.dtype)
@@ -314,7 +327,7 @@ def _chunked(hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus, initi
     C_t = seq_first(C.to(hidden_states.dtype))  # transformers reads C.h in x's dtype
     seq, batch, d_inner = x.shape
     every = x.new_empty(seq, batch, d_inner, A.shape[-1]) if keep_every else None
-    y, state = _scan_chunks(x, delta, A.to(wide), B_t, C_t, initial_state, chunk, every)
+    y, state = _scan_chunks(x, delta, A.to(wide), B_t, C_t, initial_state, chunk, every, on_chunk)
     return _prompt_result(rearrange(y, "t b d -> b d t"), hidden_states, C, D, z), state, every
 
 
@@ -362,11 +375,14 @@ def mamba_selective_scan_states(
     *,
     initial_state: Tensor | None = None,
     chunk: int | None = None,
+    on_chunk: OnChunk | None = None,
     **kwargs: Any,
-) -> tuple[Tensor | tuple[Tensor, Tensor], Float[Tensor, "seq batch d_inner d_state"]]:
-    """`mamba_selective_scan_chunks`' results and every token's state, token first (when all are kept)."""
+) -> tuple[Tensor | tuple[Tensor, Tensor], Float[Tensor, "seq batch d_inner d_state"] | None]:
+    """`mamba_selective_scan_chunks`' results and every token's state, token first (when all are kept), or with
+    `on_chunk` each chunk's states handed to it and None (`Segments.on_chunk`)."""
     refuse_mamba_packed(kwargs)
-    y, state, every = _chunked(hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus, initial_state, chunk, True)
+    y, state, every = _chunked(hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus, initial_state, chunk,
+                               on_chunk is None, on_chunk)
     return ((y, state) if return_last_state else y), every
 
 
@@ -423,13 +439,18 @@ def mamba_selective_scan_piece(*args: Any, **kwargs: Any) -> Tensor | tuple[Tens
 
 
 def mamba_selective_scan_piece_states(
-    *args: Any, **kwargs: Any,
-) -> tuple[Tensor | tuple[Tensor, Tensor], Float[Tensor, "seq batch d_inner d_state"]]:
+    *args: Any, on_chunk: OnChunk | None = None, **kwargs: Any,
+) -> tuple[Tensor | tuple[Tensor, Tensor], Float[Tensor, "seq batch d_inner d_state"] | None]:
     """`mamba_selective_scan_piece` with every token's state, token first (`Segments.all_states`):
-    `mamba_selective_scan_states`, or the token loop keeping the state of each token."""
+    `mamba_selective_scan_states`, or the token loop keeping the state of each token. With `on_chunk`, the states
+    are handed to it a chunk at a time instead, and None returned for them (`Segments.on_chunk`: the token loop
+    gathers them into a buffer of 16 tokens, `loops.chunked`)."""
     bound = _PIECE.bind(args, kwargs)
     if _chunk_wise(bound["hidden_states"], bound["A"]):
-        return mamba_selective_scan_states(*args, **kwargs)
+        return mamba_selective_scan_states(*args, on_chunk=on_chunk, **kwargs)
+    if on_chunk is not None:
+        tokens = bound["hidden_states"].shape[2]
+        return mamba_selective_scan(*args, on_token=chunked(on_chunk, tokens), **kwargs), None
     seen: list[Tensor] = []
     result = mamba_selective_scan(*args, on_token=lambda t, state: seen.append(state) or state, **kwargs)
     every = torch.stack(seen) if seen else bound["hidden_states"].new_zeros(0, *bound["hidden_states"].shape[:2],
@@ -477,7 +498,7 @@ class SelectiveScan(RecurrentMixer):
                segments=Segments(per_token={name: 2 for name in ("hidden_states", "dt", "B", "C", "z")},
                                  state_in="initial_state", final_flag="return_last_state", out_axis=2,
                                  tuple_without_final=False, kernel=mamba_selective_scan_piece,
-                                 all_states=mamba_selective_scan_piece_states)),
+                                 all_states=mamba_selective_scan_piece_states, on_chunk=True)),
         # one token over the cached state, which it updates in place
         Kernel(name="mamba_selective_state_update", role=Role.DECODE, loop=mamba_selective_state_update,
                state_in="state", results=("output",), in_place=True),

@@ -20,8 +20,9 @@ Glossary (code name, symbol, shape):
     b         b_hk    [heads, r, cols]                   the right factors
     (result)  -       [batch, chunk, heads, r]            float32
 
-Today the probe runs on each chunk of kept states (the general path of `reduce`: the states of a chunk are formed,
-reduced, and dropped). docs/api.md, "rh.probe", says what it costs.
+The probe runs on each chunk of kept states (the general path of `reduce`: the states of a chunk are formed,
+reduced, and dropped; without gradients, where the kind's all-states kernel hands its chunks over, on the chunks as
+the kernel forms them, `Segments.on_chunk`). docs/api.md, "rh.probe", says what it costs.
 """
 
 import torch
