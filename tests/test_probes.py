@@ -77,3 +77,48 @@ def test_bad_factors_and_states_are_refused():
     with pytest.raises(rh.InvalidValue, match=r"reduce\['states'\] as a mapping must map layers \(ints\) to"
                        r" functions"):
         rh.watch(model, keep=("states",), reduce={"states": {"0": wrong}})
+
+
+def _wide(family):
+    """The family's test model with heads wide enough that a rank-2 probe's readouts cost less than the states
+    (rank x 16 < 2 value_dim: `Segments.readouts`)."""
+    import transformers
+    import _models
+
+    torch.manual_seed(0)
+    if family == "qwen3_5":
+        model = _models._lengthen_memory(_models._make(
+            transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, **_models._COMMON, **_models._ATTENTION,
+            **{**_models._GDN, "linear_value_head_dim": 24}, intermediate_size=64,
+            layer_types=list(_models._HYBRID_LAYERS)))
+    else:
+        model = _models._make(
+            transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM, **_models._COMMON, **_models._MLA,
+            **_models._KDA_MOE, **{**_models._KDA, "linear_head_dim": 24}, intermediate_size=64,
+            layer_types=list(_models._HYBRID_LAYERS), mlp_layer_types=["dense", "sparse"] * 2, q_lora_rank=None,
+            qk_rope_head_dim=8, num_local_experts=4)
+    return model.float().eval()
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear"])
+def test_the_delta_rules_form_a_probes_readouts_without_the_states(family, monkeypatch):
+    """Without gradients, the delta rules' chunk-wise kernel forms a low-rank probe's readouts itself
+    (`Segments.readouts`): the probe is never called on states, and the readouts equal the float64 einsum over the
+    token loop's states. A probe of higher rank runs on the states."""
+    model, ids = _wide(family), random_ids(2, 37)  # (37: two full 16-token chunks and a partial one)
+    loop = _states(model, ids, paths=rh.Paths(rule="loop"))
+    low = {layer: rh.probe(*_factors(state, rank=2, seed=layer)) for layer, state in loop.items()}
+    called = []
+    monkeypatch.setattr(rh.studies.probes.Probe, "__call__", lambda self, states: called.append(self) or
+                        _reference(states, self.a, self.b).float())
+    with torch.no_grad(), rh.watch(model, keep=("states",), reduce={"states": low}) as w:
+        model(ids)
+    assert not called
+    for mixer in w.mixers:
+        assert mixer.calls[0].kernel_calls[0].path == "chunk-wise reductions"
+        expected = _reference(loop[mixer.layer], low[mixer.layer].a, low[mixer.layer].b)
+        assert_close(f"{mixer} readouts", expected, mixer.states.double(), rtol=1e-4, atol=1e-5 * expected.abs().max())
+    high = {layer: rh.probe(*_factors(state, rank=3, seed=layer)) for layer, state in loop.items()}  # 3 x 16 >= 48
+    with torch.no_grad(), rh.watch(model, keep=("states",), reduce={"states": high}) as w:
+        model(ids)
+    assert len(called) == 2 * 3  # per layer, one call per 16-token chunk

@@ -103,8 +103,14 @@ def run_in_blocks(kernel: Kernel, args: tuple, kwargs: dict, on_token: OnToken, 
 
 
 def state_size(kind: Any, kernel: Kernel, arguments: dict[str, Any]) -> int | None:
-    """The number of elements of a call's state, batch included, from the sizes of the axes of the kind's
-    `STATE` in the kernel's arguments (as `INPUTS` declares them); None if an axis is in none of them."""
+    """The number of elements of a call's state, batch included (`state_shape`'s product)."""
+    shape = state_shape(kind, kernel, arguments)
+    return None if shape is None else math.prod(shape)
+
+
+def state_shape(kind: Any, kernel: Kernel, arguments: dict[str, Any]) -> tuple[int, ...] | None:
+    """A call's state shape, batch included, from the sizes of the axes of the kind's `STATE` in the kernel's
+    arguments (as `INPUTS` declares them); None if an axis is in none of them."""
     sizes: dict[str, int] = {}
     for name, axes in kind.INPUTS.items():
         value = arguments.get(name)
@@ -113,7 +119,7 @@ def state_size(kind: Any, kernel: Kernel, arguments: dict[str, Any]) -> int | No
     declared = kind.STATE if isinstance(kind.STATE, str) else None
     if declared is None or any(axis not in sizes for axis in declared.split()):
         return None
-    return math.prod(sizes[axis] for axis in declared.split())
+    return tuple(sizes[axis] for axis in declared.split())
 
 
 def blocks_apply(kernel: Kernel, kind: Any, arguments: dict[str, Any], grad: bool | None = None,

@@ -299,7 +299,7 @@ class _Tap:
         if "original" in kernel.layout.named:  # a loop that reads settings the kernel captured
             extra["original"] = original
         if fast is not None and fast.path is strategies.Strategy.CHUNKS:  # the all-states kernel's chunks, reduced
-            result = _reduce_in_chunks(kernel, args, kwargs, takers[0])
+            result = _reduce_in_chunks(kernel, args, kwargs, takers[0], type(busy[0][0].mixer), arguments)
         elif fast is not None and fast.path is strategies.Strategy.BLOCKS:  # the states chunk-wise, a block at a time
             takers[0].borrowed = True
             result = _blocks.run_in_blocks(kernel, args, kwargs, on_token)
@@ -495,6 +495,11 @@ class _Reduction:
         if buffer is not None:
             memory = buffer.untyped_storage().data_ptr()
             reduced = map_parts(lambda r: r.clone() if r.untyped_storage().data_ptr() == memory else r, reduced)
+        self.keep(tokens, reduced, taker)
+
+    def keep(self, tokens: "list[int] | range", reduced: State, taker: "_Taker") -> None:
+        """Keep, per token of `tokens`, its slice of `reduced` (`[batch, chunk, ...]`, the chunk's results)."""
+        plan = self.plan
         reduced = taker._moved(plan, tokens[0], reduced, graph=True)
         per_token = zip(*(part.unbind(1) for _, part in parts_of(reduced)))  # one view per token of each part
         plan.kept.update((token, rebuild(reduced, parts)) for token, parts in zip(tokens, per_token))
@@ -526,22 +531,50 @@ def _fast_path(kernel: Kernel, busy: list[Plan], tokens: int,
     return strategies.choose(kernel, busy, tokens, arguments, paths=paths)
 
 
-def _reduce_in_chunks(kernel: Kernel, args: tuple, kwargs: dict, taker: _Taker) -> Any:
+def _reduce_in_chunks(kernel: Kernel, args: tuple, kwargs: dict, taker: _Taker, kind: type,
+                      arguments: dict[str, Any]) -> Any:
     """A prompt call whose busy plans only reduce every state, without gradients (`strategies.Strategy.CHUNKS`):
     the kernel's `all_states` runs once over the call and hands each of its chunks' states to `on_chunk`
     (`Segments.on_chunk`), which the reductions take as `[batch, chunk, *state]`, a view of the kernel's one
     chunk buffer (`fn` must not keep it: the next chunk overwrites it; a result in its memory is copied).
-    Nothing holds more than one chunk of states, and no state is copied on the way to `fn`."""
+    Nothing holds more than one chunk of states, and no state is copied on the way to `fn`. A linear reduction
+    (`_linear_factors`) gets its readouts from the kernel instead, which forms no state (`Segments.readouts`)."""
+    factors = _linear_factors(kernel, kind, arguments, taker)
 
     def on_chunk(start: int, states: Tensor) -> None:  # states: [size, batch, *state], the kernel's buffer
-        chunk = states.movedim(0, 1)  # batch size *state   a view: no copy
+        chunk = states.movedim(0, 1)  # batch size *state   a view: no copy (readouts: batch size heads r)
+        tokens = range(start, start + states.shape[0])
         for reduction in taker.reducing:
-            reduction.reduce(range(start, start + states.shape[0]), chunk, taker, buffer=states)
+            if factors is None:
+                reduction.reduce(tokens, chunk, taker, buffer=states)
+            else:
+                reduction.keep(tokens, chunk, taker)
 
     pieces = Pieces(kernel, args, kwargs)
     leading, named = pieces.call(0, pieces.tokens, pieces.state)
-    (out, last), _ = kernel.segments.all_states(*leading, **named, on_chunk=on_chunk)
+    extra = {} if factors is None else {"factors": factors}
+    (out, last), _ = kernel.segments.all_states(*leading, **named, on_chunk=on_chunk, **extra)
     return pieces.result([out], last)
+
+
+def _linear_factors(kernel: Kernel, kind: type, arguments: dict[str, Any], taker: _Taker) -> tuple | None:
+    """The factors (a, b) of the one reduction of a call when it declares itself linear, sum_ij a S b per head and
+    rank (`linear_factors`, as `rh.probe`'s), the kernel forms readouts (`Segments.readouts`), the factors fit
+    the call's state `[batch, heads, rows, cols]` and their rank is low enough that readouts cost less; else None (the reduction is called on the states, which raises
+    what does not fit)."""
+    if not kernel.segments.readouts or len(taker.reducing) != 1:
+        return None
+    factors = getattr(taker.reducing[0].plan.reduce, "linear_factors", None)
+    shape = _blocks.state_shape(kind, kernel, arguments)
+    if factors is None or shape is None or len(shape) != 4:
+        return None
+    a, b = factors
+    if a.dim() != 3 or b.dim() != 3 or (a.shape[0], a.shape[2], b.shape[2]) != shape[1:] or a.shape[:2] != b.shape[:2]:
+        return None
+    if a.shape[1] * kernel.segments.readouts >= 2 * b.shape[2]:  # a high rank: forming the states costs less
+        return None
+    device = next(value.device for value in arguments.values() if isinstance(value, Tensor))
+    return a.to(device, torch.float32), b.to(device, torch.float32)
 
 
 def _keep_every_state(kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict,

@@ -88,7 +88,13 @@ class Segments:
       each of its chunks in order, `states` `[size, batch, *state]` (token first) for the tokens `start ..
       start + size - 1`, a view of one buffer of one chunk that the next chunk overwrites, and returns None in place
       of every state (it never holds them all). A reduction of every state without gradients runs on it
-      (`strategies.Strategy.CHUNKS`); False: `all_states` takes no such keyword.
+      (`strategies.Strategy.CHUNKS`); False: `all_states` takes no such keyword;
+    - `readouts`: 0, or the chunk length C of an `all_states` that also takes `factors=(a, b)` with `on_chunk`, a
+      `[heads, r, rows]` and b `[heads, r, cols]` for a state `[batch, heads, rows, cols]`, and then hands `on_chunk`
+      each chunk's linear readouts `[size, batch, heads, r]`, sum_ij a[h, r, i] S_t[h, i, j] b[h, r, j], formed
+      without the states: the path of a reduction that declares itself linear (`linear_factors`, as `rh.probe`'s
+      does). The readouts cost about C r rows multiply-adds a token and head, forming the states 2 rows cols: they
+      are taken where r C < 2 cols (counted, not measured).
     - `blocks_below`: a hook on every token runs `all_states` a block at a time (`blocks`) when the call's state
       has at most this many elements (batch included), measured to be where that beats the token loop
       (`benchmarks/blocks.py`); 0: never.
@@ -111,6 +117,7 @@ class Segments:
     tuple_without_final: bool
     all_states: Callable[..., Any] | None = None
     on_chunk: bool = False
+    readouts: int = 0
     blocks_below: int = 0
     shape: Callable[[dict[str, Any]], Any] | None = None
     kernel: Callable[..., Any] | None = None

@@ -129,6 +129,7 @@ def _gated_delta_rule_states(
     query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
     output_final_state: bool, use_qk_l2norm_in_kernel: bool, kwargs: dict[str, Any], chunk: int = 16,
     kimi: bool = False, out: Tensor | None = None, on_chunk: OnChunk | None = None,
+    factors: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[tuple[Tensor, Tensor | None], Float[Tensor, "seq batch heads key_dim value_dim"] | None]:
     """The same recurrence, chunk by chunk, vectorized inside each chunk, returning every token's state too.
 
@@ -149,14 +150,15 @@ def _gated_delta_rule_states(
         o_i = S_0^T diag(exp(c_i)) q_i + sum_{j<=i} (q_i^T D_ij k_j) u_j
     which reads no state: 3x faster on CPU than the product above and a pass reading every state (measured,
     docs/performance.md, "Keeping a per-token reduction"; the product stays where every state is kept, the
-    path the cost model's constants were fitted to).
+    path the cost model's constants were fitted to). With `factors` (a, b) too, `on_chunk` gets each chunk's linear
+    readouts `[size, batch, heads, r]` instead, formed without the states (`_chunk_readouts`).
     """
     q, k, v, b, log_a, state = _prepare(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel, kwargs,
                                         kimi=kimi, recurrent=False)
     q, k, v, b, log_a = (x.movedim(1, 0) for x in (q, k, v, b, log_a))  # token first: t b h ..
     shape = (*q.shape[:3], q.shape[-1], v.shape[-1])
-    if on_chunk is not None:
-        every = q.new_empty(min(chunk, shape[0]), *shape[1:])  # i b h k v   one chunk's, reused
+    if on_chunk is not None:  # one chunk's, reused (none for readouts)
+        every = q.new_empty(0 if factors is not None else min(chunk, shape[0]), *shape[1:])  # i b h k v
     else:
         every = q.new_empty(shape) if out is None else states_buffer(out, shape)  # t b h k v
     out = v.new_empty(v.shape)  # t b h v
@@ -179,15 +181,43 @@ def _gated_delta_rule_states(
             out[start:start + size] = (qc[..., None, :] @ states).squeeze(-2)  # i b h v   o_i = S_i^T q_i
             state = states[-1]  # b h k v
             continue
-        states = every[:size]  # i b h k v
-        rank_one_steps(states, state, flushed_exp(gc), kc, u.permute(2, 0, 1, 3))  # S_i = diag(a_i) S_{i-1} + k_i u_i^T
         scores = _decayed_products(qc, kc, decay).permute(2, 3, 0, 1)  # b h i j   q_i^T D_ij k_j
         from_start = (qc * flushed_exp(cum)).permute(1, 2, 0, 3) @ state  # b h i v   S_0^T diag(exp(c_i)) q_i
         out[start:start + size] = (scores @ u + from_start).permute(2, 0, 1, 3)  # i b h v   o_i = S_i^T q_i
+        if factors is not None:
+            readouts, state = _chunk_readouts(factors, state, cum, decay, kc, u)  # i b h r, b h k v
+            on_chunk(start, readouts)
+            continue
+        states = every[:size]  # i b h k v
+        rank_one_steps(states, state, flushed_exp(gc), kc, u.permute(2, 0, 1, 3))  # S_i = diag(a_i) S_{i-1} + k_i u_i^T
         state = states[-1].clone()  # b h k v   (the next chunk overwrites the buffer)
         on_chunk(start, states)
     result = (out.movedim(0, 1).to(query.dtype), state if output_final_state else None)
     return result, (every if on_chunk is None else None)
+
+
+def _chunk_readouts(factors: tuple[Tensor, Tensor], state: Tensor, cum: Tensor, decay: Tensor, keys: Tensor,
+                    u: Tensor) -> tuple[Float[Tensor, "i batch heads r"], Float[Tensor, "batch heads key_dim value_dim"]]:
+    """A chunk's rank-r linear readouts sum_r a_r^T S_i b_r per head, and its last state, without forming the
+    states S_0 .. S_{size-1} in between (the probe `rh.probe(a, b)` at the cost of a query):
+        a^T S_i b = (a * exp(c_i))^T S_0 b + sum_{j<=i} (a^T D_ij k_j) (u_j^T b)
+        S_last = diag(exp(c_last)) S_0 + sum_j D_last,j k_j u_j^T
+    a `[heads, r, key_dim]`, b `[heads, r, value_dim]`; S_0 `state` `[batch, heads, key_dim, value_dim]`; c `cum`
+    `[i, batch, heads, d]`, D `decay` `[i, j, batch, heads, d]` (d = 1 or key_dim); k `keys` `[j, batch, heads,
+    key_dim]`; u `[batch, heads, j, value_dim]`. Costs chunk^2 r key_dim + chunk r value_dim per chunk and head, and
+    key_dim value_dim per token for the last state (forming every state costs 2 key_dim value_dim per token)."""
+    a, b = factors
+    grow = flushed_exp(cum).expand(*cum.shape[:3], keys.shape[-1])  # i b h k   exp(c_i)
+    start_b = torch.einsum("bhkv,hrv->bhkr", state, b)  # b h k r   S_0 b_r
+    readouts = torch.einsum("ibhk,hrk,bhkr->ibhr", grow, a, start_b)  # i b h r   (a exp(c_i))^T S_0 b
+    written = torch.einsum("bhjv,hrv->jbhr", u, b)  # j b h r   u_j^T b_r
+    if decay.shape[-1] == 1:  # one decay per head: it scales the products
+        reads = torch.einsum("hrk,jbhk->jbhr", a, keys)[None] * decay  # i j b h r   a_r^T D_ij k_j
+    else:
+        reads = torch.einsum("hrk,ijbhk,jbhk->ijbhr", a, decay, keys)  # i j b h r
+    readouts = readouts + (reads * written[None]).sum(1)  # i b h r
+    last = grow[-1][..., None] * state + torch.einsum("jbhk,bhjv->bhkv", decay[-1] * keys, u)  # b h k v
+    return readouts, last
 
 
 def _gated_delta_rule_adjoint(
@@ -253,13 +283,15 @@ def chunk_gated_delta_rule_states(
     *,
     out: Tensor | None = None,
     on_chunk: OnChunk | None = None,
+    factors: tuple[Tensor, Tensor] | None = None,
     **kwargs: Any,
 ) -> tuple[tuple[Tensor, Tensor | None], Tensor | None]:
     """`chunk_gated_delta_rule`'s results and every token's state, token first: `[seq, batch, heads, key_dim,
     value_dim]`, computed chunk-wise (no per-token Python loop), into `out` when given, or handed to `on_chunk` a
     chunk of 16 tokens at a time (then None: `Segments.on_chunk`); `chunk_size` is accepted and ignored."""
     return _gated_delta_rule_states(query, key, value, g[..., None], beta, initial_state, output_final_state,
-                                    use_qk_l2norm_in_kernel, kwargs, out=out, on_chunk=on_chunk)
+                                    use_qk_l2norm_in_kernel, kwargs, out=out, on_chunk=on_chunk,
+                                    factors=factors)
 
 
 def chunk_gated_delta_rule_adjoint(
@@ -329,7 +361,7 @@ class GatedDeltaNet(RecurrentMixer):
                segments=Segments(per_token={name: 1 for name in ("query", "key", "value", "g", "beta")},
                                  state_in="initial_state", final_flag="output_final_state", out_axis=1,
                                  tuple_without_final=True, all_states=chunk_gated_delta_rule_states,
-                                 on_chunk=True, adjoint=chunk_gated_delta_rule_adjoint,
+                                 on_chunk=True, readouts=16, adjoint=chunk_gated_delta_rule_adjoint,
                                  blocks_below=2048,  # 4 heads of 16 x 16 at batch 2 (docs/performance.md)
                                  shape=_cost_shape)),
         # a decode step with a hook or write runs transformers' kernel, then the hook on the state it returns

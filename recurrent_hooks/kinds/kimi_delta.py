@@ -82,12 +82,14 @@ def chunk_kimi_delta_attention_states(
     *,
     out: Tensor | None = None,
     on_chunk: OnChunk | None = None,
+    factors: tuple[Tensor, Tensor] | None = None,
     **kwargs: Any,
 ) -> tuple[tuple[Tensor, Tensor | None], Tensor | None]:
     """`chunk_kimi_delta_attention`'s results and every token's state, computed chunk-wise (into `out`, or handed to
     `on_chunk` a chunk at a time: `Segments.on_chunk`)."""
     return _gated_delta_rule_states(query, key, value, g, beta, initial_state, output_final_state,
-                                    use_qk_l2norm_in_kernel, kwargs, kimi=True, out=out, on_chunk=on_chunk)
+                                    use_qk_l2norm_in_kernel, kwargs, kimi=True, out=out, on_chunk=on_chunk,
+                                    factors=factors)
 
 
 def chunk_kimi_delta_attention_adjoint(

@@ -22,7 +22,8 @@ Glossary (code name, symbol, shape):
 
 The probe runs on each chunk of kept states (the general path of `reduce`: the states of a chunk are formed,
 reduced, and dropped; without gradients, where the kind's all-states kernel hands its chunks over, on the chunks as
-the kernel forms them, `Segments.on_chunk`). docs/api.md, "rh.probe", says what it costs.
+the kernel forms them, `Segments.on_chunk`; and for the delta rules, whose chunk-wise kernel forms the readouts
+itself, `Segments.readouts`, without forming the states at all). docs/api.md, "rh.probe", says what it costs.
 """
 
 import torch
@@ -49,6 +50,12 @@ class Probe:
             raise InvalidValue(f"rh.probe: expected a [heads, r, rows] and b [heads, r, cols] with the same heads and"
                                f" rank, got a {tuple(a.shape)} and b {tuple(b.shape)}")
         self.a, self.b = a.detach().float(), b.detach().float()
+
+    @property
+    def linear_factors(self) -> tuple[Tensor, Tensor]:
+        """(a, b): what tells the engine this reduction is linear in the state, sum_ij a S b per head and rank, so
+        that a kind whose chunk-wise kernel forms such readouts itself (`Segments.readouts`) never forms the states."""
+        return self.a, self.b
 
     def __repr__(self) -> str:
         heads, rank, rows = self.a.shape
