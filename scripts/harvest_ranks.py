@@ -2,6 +2,7 @@
 on every rank resume?
 
     torchrun --nproc_per_node=2 scripts/harvest_ranks.py --dir /tmp/harvest
+    torchrun --nproc_per_node=2 scripts/harvest_ranks.py --dir /tmp/ranks --sweep   # scripts/sweep_ranks.py's too
 
 On each rank this builds the same tiny random-weight Qwen3_5ForCausalLM (`recurrent_hooks.demo.tiny_model`) and
 five batches (two with padding and a mask), then checks:
@@ -11,7 +12,8 @@ five batches (two with padding and a mask), then checks:
    the shards of the batches each rank ran;
 3. called again, each rank skips its batches on disk and writes the rest; rank 0 writes the manifest: `split/`
    holds the same bytes as `alone/`, file for file, and `rh.HarvestDataset` reads the same items from both.
-Any mismatch raises, and torchrun exits non-zero. Backend: nccl on CUDA with a GPU per process, else gloo.
+With `--sweep`, the same processes then run scripts/sweep_ranks.py's checks in `--dir`/sweep (one start of the
+processes for both: tests/test_distributed.py). Any mismatch raises, and torchrun exits non-zero. Backend: nccl on CUDA with a GPU per process, else gloo.
 """
 
 import argparse
@@ -61,8 +63,20 @@ def files(directory: pathlib.Path) -> dict[str, bytes]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", required=True, help="a directory every rank can write")
-    directory = pathlib.Path(parser.parse_args().dir)
+    parser.add_argument("--sweep", action="store_true", help="also run scripts/sweep_ranks.py's checks")
+    args = parser.parse_args()
+    directory = pathlib.Path(args.dir)
     device = setup()
+    check(directory, device)
+    if args.sweep:
+        import sweep_ranks  # (scripts/, this script's folder, is on sys.path)
+        sweep_ranks.check(directory / "sweep", device)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def check(directory: pathlib.Path, device: torch.device) -> None:
+    """The checks of the module docstring, on this rank (the process group started)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = tiny_model(seed=0).to(device)
     data = batches()
@@ -97,8 +111,6 @@ def main() -> None:
                 raise AssertionError(f"rank {rank}: layer {layer} {what}: the items differ")
     print(f"rank {rank}/{world} ({device.type}, {dist.get_backend()}): the split harvest and the resumed one equal"
           " the single-process run", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

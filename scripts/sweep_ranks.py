@@ -67,6 +67,13 @@ def main() -> None:
     parser.add_argument("--dir", required=True, help="a directory every rank can write (the checkpoints)")
     directory = pathlib.Path(parser.parse_args().dir)
     device = setup()
+    check(directory, device)
+    dist.destroy_process_group()
+
+
+def check(directory: pathlib.Path, device: torch.device) -> None:
+    """The checks of the module docstring, on this rank (the process group started)."""
+    directory.mkdir(parents=True, exist_ok=True)
     rank, world = dist.get_rank(), dist.get_world_size()
     model = tiny_model(seed=0).to(device)
     generator = torch.Generator().manual_seed(0)
@@ -106,7 +113,6 @@ def main() -> None:
                              f" {sorted(p.name for p in directory.iterdir())}")
     print(f"rank {rank}/{world} ({device.type}, {dist.get_backend()}): the split sweeps and the resumed one equal"
           " the single-process run", flush=True)
-    dist.destroy_process_group()
 
 
 def alone_values(model, clean, corrupt, metric):

@@ -36,27 +36,18 @@ def test_tensor_parallel_watch_equals_one_process(tmp_path):
     assert result.stdout.count("equal the single-process run") == 2, result.stdout
 
 
-def test_a_sweep_split_across_two_processes_equals_one_process_and_resumes(tmp_path):
-    """scripts/sweep_ranks.py: the cells split across two gloo ranks, every rank gets the single-process result,
-    and a sweep stopped after its first round resumes from the ranks' checkpoint files."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "GLOO_SOCKET_IFNAME": "lo0" if sys.platform == "darwin" else "lo",
-           "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-               "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(ROOT / "scripts" / "sweep_ranks.py"),
-               "--dir", str(tmp_path)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert result.returncode == 0, f"torchrun exited with {result.returncode}:\n{result.stdout}\n{result.stderr[-6000:]}"
-    assert result.stdout.count("equal the single-process run") == 2, result.stdout
-
-
-def test_a_harvest_split_across_two_processes_writes_one_process_files_and_resumes(tmp_path):
-    """scripts/harvest_ranks.py: the batches split across two gloo ranks give the files one process writes, byte
-    for byte, and a harvest stopped on both ranks resumes from the shards each wrote."""
+def test_a_sweep_and_a_harvest_split_across_two_processes_equal_one_process_and_resume(tmp_path):
+    """scripts/harvest_ranks.py --sweep, one start of two gloo processes for both: the batches of a harvest split
+    across the ranks give the files one process writes, byte for byte, and a harvest stopped on both ranks resumes
+    from the shards each wrote; then scripts/sweep_ranks.py's checks: the cells split across the ranks, every rank
+    gets the single-process result, and a sweep stopped after its first round resumes from the ranks' checkpoint
+    files."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "GLOO_SOCKET_IFNAME": "lo0" if sys.platform == "darwin" else "lo",
            "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
                "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(ROOT / "scripts" / "harvest_ranks.py"),
-               "--dir", str(tmp_path)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+               "--dir", str(tmp_path), "--sweep"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert result.returncode == 0, f"torchrun exited with {result.returncode}:\n{result.stdout}\n{result.stderr[-6000:]}"
-    assert result.stdout.count("equal the single-process run") == 2, result.stdout
+    assert result.stdout.count("the split harvest and the resumed one equal the single-process run") == 2, result.stdout
+    assert result.stdout.count("the split sweeps and the resumed one equal the single-process run") == 2, result.stdout
