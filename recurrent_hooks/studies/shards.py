@@ -19,11 +19,12 @@ Module contents:
 """
 
 import hashlib
+import itertools
 import json
 import os
 import pathlib
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -48,7 +49,6 @@ def write_shard(path: pathlib.Path, tensors: Mapping[str, Tensor], metadata: Map
                 rank: int = 0) -> tuple[int, str]:
     """`tensors` (on the CPU) and `metadata` in the shard `path`, all or nothing: on an error (a full disk) the
     temporary file is removed and `path` is untouched. Returns the file's size and SHA-256."""
-    partial = partial_name(path, rank)
     # the tensors by element size, largest first, so that each starts at a multiple of its element size
     order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
@@ -60,20 +60,28 @@ def write_shard(path: pathlib.Path, tensors: Mapping[str, Tensor], metadata: Map
         offset += size
     encoded = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # (the tensors' bytes start 8-aligned)
-    digest = hashlib.sha256()
+    chunks = itertools.chain((struct.pack("<Q", len(encoded)), encoded), (_bytes_of(tensors[name]) for name in order))
+    return _write_atomically(path, chunks, rank)
+
+
+def _write_atomically(path: pathlib.Path, chunks: Iterable[bytes | memoryview], rank: int) -> tuple[int, str]:
+    """`chunks` in `path` through this rank's temporary file, flushed to the disk, then renamed (all or nothing: on
+    an error the temporary file is removed and `path` is untouched); returns the size and SHA-256 written."""
+    partial = partial_name(path, rank)
+    digest, size = hashlib.sha256(), 0
     try:
         with open(partial, "wb") as file:
-            for chunk in (struct.pack("<Q", len(encoded)), encoded,
-                          *(_bytes_of(tensors[name]) for name in order)):
+            for chunk in chunks:  # (a generator: each tensor's bytes are made when written)
                 file.write(chunk)
                 digest.update(chunk)
+                size += len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
             file.flush()
             os.fsync(file.fileno())
         os.replace(partial, path)
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
-    return 8 + len(encoded) + offset, digest.hexdigest()
+    return size, digest.hexdigest()
 
 
 def _bytes_of(tensor: Tensor) -> memoryview:
@@ -83,16 +91,7 @@ def _bytes_of(tensor: Tensor) -> memoryview:
 
 def write_json(path: pathlib.Path, value: Any, rank: int = 0) -> None:
     """`value` as JSON in `path`, all or nothing (as `write_shard`); keys sorted, so equal values give equal files."""
-    partial = partial_name(path, rank)
-    try:
-        with open(partial, "w") as file:
-            file.write(json.dumps(value, indent=1, sort_keys=True) + "\n")
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(partial, path)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
+    _write_atomically(path, [(json.dumps(value, indent=1, sort_keys=True) + "\n").encode()], rank)
 
 
 def _header(path: pathlib.Path) -> tuple[dict[str, Any], int]:
