@@ -80,8 +80,8 @@ def test_bad_factors_and_states_are_refused():
 
 
 def _wide(family):
-    """The family's test model with heads wide enough that a rank-2 probe's readouts cost less than the states
-    (rank x 16 < 2 value_dim: `Segments.readouts`)."""
+    """The family's test model with states wide enough that a rank-2 probe's readouts cost less than the states
+    (rank x 16 < 2 cols: `Segments.readouts`; cols = value_dim, or Mamba-2's d_state)."""
     import transformers
     import _models
 
@@ -91,6 +91,10 @@ def _wide(family):
             transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, **_models._COMMON, **_models._ATTENTION,
             **{**_models._GDN, "linear_value_head_dim": 24}, intermediate_size=64,
             layer_types=list(_models._HYBRID_LAYERS)))
+    elif family == "mamba2":
+        model = _models._make(transformers.Mamba2Config, transformers.Mamba2ForCausalLM, **_models._TWO_LAYERS,
+                              num_heads=4, head_dim=16, expand=2, state_size=24, n_groups=2, conv_kernel=4,
+                              chunk_size=8)
     else:
         model = _models._make(
             transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM, **_models._COMMON, **_models._MLA,
@@ -100,9 +104,9 @@ def _wide(family):
     return model.float().eval()
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear"])
-def test_the_delta_rules_form_a_probes_readouts_without_the_states(family, monkeypatch):
-    """Without gradients, the delta rules' chunk-wise kernel forms a low-rank probe's readouts itself
+@pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear", "mamba2"])
+def test_the_chunk_wise_kernels_form_a_probes_readouts_without_the_states(family, monkeypatch):
+    """Without gradients, the delta rules' and SSD's chunk-wise kernels form a low-rank probe's readouts itself
     (`Segments.readouts`): the probe is never called on states, and the readouts equal the float64 einsum over the
     token loop's states. A probe of higher rank runs on the states."""
     model, ids = _wide(family), random_ids(2, 37)  # (37: two full 16-token chunks and a partial one)

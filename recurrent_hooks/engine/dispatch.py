@@ -560,8 +560,8 @@ def _reduce_in_chunks(kernel: Kernel, args: tuple, kwargs: dict, taker: _Taker, 
 def _linear_factors(kernel: Kernel, kind: type, arguments: dict[str, Any], taker: _Taker) -> tuple | None:
     """The factors (a, b) of the one reduction of a call when it declares itself linear, sum_ij a S b per head and
     rank (`linear_factors`, as `rh.probe`'s), the kernel forms readouts (`Segments.readouts`), the factors fit
-    the call's state `[batch, heads, rows, cols]` and their rank is low enough that readouts cost less; else None (the reduction is called on the states, which raises
-    what does not fit)."""
+    the call's state `[batch, heads, rows, cols]` and their rank is low enough that readouts cost less; else None
+    (the reduction is called on the states, which raises what does not fit)."""
     if not kernel.segments.readouts or len(taker.reducing) != 1:
         return None
     factors = getattr(taker.reducing[0].plan.reduce, "linear_factors", None)

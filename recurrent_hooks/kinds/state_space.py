@@ -184,6 +184,7 @@ def mamba2_chunk_scan_states(
     chunk: int = 16,
     out: Tensor | None = None,
     on_chunk: OnChunk | None = None,
+    factors: tuple[Tensor, Tensor] | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor | tuple[Tensor, Tensor], Float[Tensor, "seq batch heads head_dim d_state"] | None]:
     """`mamba2_chunk_scan`'s results and every token's state, token first, chunk by chunk (no per-token loop).
@@ -200,7 +201,7 @@ def mamba2_chunk_scan_states(
     h_i = exp(Δ_i a_h) h_{i-1} + Δ_i x_i B_i^T (`loops.rank_one_steps`), and y from the chunk's attention form,
     y_i = exp(c_i) h_0 C_i + sum_{j<=i} w_ij (C_i . B_j) Δ_j x_j + D_h x_i, which reads no state: the states 4x
     faster on CPU than by the product above, and no pass reading them for y (docs/performance.md, "Keeping a
-    per-token reduction").
+    per-token reduction"). With `factors` too, it gets linear readouts, without the states (`_chunk_readouts`).
     """
     refuse_mamba_packed(kwargs)
     batch, seq, heads, head_dim = hidden_states.shape
@@ -211,11 +212,9 @@ def mamba2_chunk_scan_states(
     d_state = B_h.shape[-1]
     state = x.new_zeros(batch, heads, head_dim, d_state) if initial_states is None else initial_states.float()
     shape = (seq, batch, heads, head_dim, d_state)
-    if on_chunk is not None:
-        every = x.new_empty(min(chunk, seq), *shape[1:])  # i b h p n   one chunk's, reused
-        y = x.new_empty(seq, batch, heads, head_dim)  # t b h p
-    else:
-        every = x.new_empty(shape) if out is None else states_buffer(out, shape)  # t b h p n
+    every = (x.new_empty(0 if factors is not None else min(chunk, seq), *shape[1:]) if on_chunk is not None  # reused
+             else x.new_empty(shape) if out is None else states_buffer(out, shape))  # i b h p n (none: readouts), t b h p n
+    y = x.new_empty(x.shape)  # t b h p   (with on_chunk: y from the attention form, chunk by chunk)
     for start in range(0, seq, chunk):
         xc, dc, Bc, Cc, lc = (v[start:start + chunk] for v in (x, delta, B_h, C_h, log_decay))  # i b h ..
         size = xc.shape[0]
@@ -229,14 +228,17 @@ def mamba2_chunk_scan_states(
             states.addcmul_(flushed_exp(cum)[..., None, None], state)  # + exp(c_i) h_0
             state = states[-1]  # b h p n
             continue
-        states = every[:size]  # i b h p n
         stepped = dc[..., None] * xc  # i b h p   Δ_i x_i
+        scores = weights * torch.einsum("ibhn,jbhn->ijbh", Cc, Bc)  # i j b h   w_ij C_i . B_j
+        from_start = torch.einsum("bhpn,ibhn,ibh->ibhp", state, Cc, flushed_exp(cum))  # i b h p   exp(c_i) h_0 C_i
+        y[start:start + size] = torch.einsum("ijbh,jbhp->ibhp", scores, stepped) + from_start  # i b h p   h_i C_i
+        if factors is not None:
+            readouts, state = _chunk_readouts(factors, state, cum, weights, stepped, Bc)  # i b h r, b h p n
+            on_chunk(start, readouts)
+            continue
+        states = every[:size]  # i b h p n
         decay = flushed_exp(lc)[..., None]  # i b h 1   exp(Δ_i a_h)
         rank_one_steps(states, state, decay, stepped, Bc)  # h_i = exp(Δ_i a_h) h_{i-1} + Δ_i x_i B_i^T
-        scores = weights * torch.einsum("ibhn,jbhn->ijbh", Cc, Bc)  # i j b h   w_ij C_i . B_j
-        from_start = torch.einsum("bhpn,ibhn->ibhp", state, Cc)  # i b h p   h_0 C_i
-        from_start *= flushed_exp(cum)[..., None]  # i b h p   exp(c_i) h_0 C_i
-        y[start:start + size] = torch.einsum("ijbh,jbhp->ibhp", scores, stepped) + from_start  # i b h p   h_i C_i
         state = states[-1].clone()  # b h p n   (the next chunk overwrites the buffer)
         on_chunk(start, states)
     if on_chunk is None:
@@ -245,6 +247,24 @@ def mamba2_chunk_scan_states(
         y = y + D[:, None] * x
     y = y.movedim(0, 1)
     return ((y, state) if return_final_states else y), (every if on_chunk is None else None)
+
+
+def _chunk_readouts(
+    factors: tuple[Tensor, Tensor], state: Tensor, cum: Tensor, weights: Tensor, stepped: Tensor, B: Tensor,
+) -> tuple[Float[Tensor, "i batch heads r"], Float[Tensor, "batch heads head_dim d_state"]]:
+    """A chunk's rank-r linear readouts sum_r a_r^T h_i b_r per head, and its last state, without forming the states
+    in between (the probe `rh.probe(a, b)` at the cost of a query):
+        a^T h_i b = exp(c_i) a^T h_0 b + sum_{j<=i} w_ij (a . Δ_j x_j) (B_j . b)
+        h_last = exp(c_last) h_0 + sum_j w_last,j Δ_j x_j B_j^T
+    a `[heads, r, head_dim]`, b `[heads, r, d_state]`; h_0 `state` `[batch, heads, head_dim, d_state]`; c `cum`
+    `[i, batch, heads]`, w `weights` `[i, j, batch, heads]`, Δ x `stepped` `[j, batch, heads, head_dim]`, B `[j,
+    batch, heads, d_state]`."""
+    a, b = factors
+    start = torch.einsum("bhpn,hrp,hrn->bhr", state, a, b)  # b h r   a^T h_0 b
+    written = torch.einsum("jbhp,hrp->jbhr", stepped, a) * torch.einsum("jbhn,hrn->jbhr", B, b)  # j b h r
+    readouts = flushed_exp(cum)[..., None] * start + torch.einsum("ijbh,jbhr->ibhr", weights, written)  # i b h r
+    last = flushed_exp(cum[-1])[..., None, None] * state + torch.einsum("jbh,jbhp,jbhn->bhpn", weights[-1], stepped, B)
+    return readouts, last  # (b h p n: the state after the chunk)
 
 
 def mamba2_chunk_scan_adjoint(
@@ -363,7 +383,7 @@ class Mamba2StateSpace(RecurrentMixer):
                segments=Segments(per_token={name: 1 for name in ("hidden_states", "dt", "B", "C")},
                                  state_in="initial_states", final_flag="return_final_states", out_axis=1,
                                  tuple_without_final=False, all_states=mamba2_chunk_scan_states,
-                                 on_chunk=True, adjoint=mamba2_chunk_scan_adjoint,
+                                 on_chunk=True, readouts=16, adjoint=mamba2_chunk_scan_adjoint,
                                  blocks_below=24576,  # 24 heads of 64 x 16 at batch 1 (docs/performance.md)
                                  shape=_cost_shape)),
         # one token over the cached state, which it updates in place

@@ -22,8 +22,8 @@ Glossary (code name, symbol, shape):
 
 The probe runs on each chunk of kept states (the general path of `reduce`: the states of a chunk are formed,
 reduced, and dropped; without gradients, where the kind's all-states kernel hands its chunks over, on the chunks as
-the kernel forms them, `Segments.on_chunk`; and for the delta rules, whose chunk-wise kernel forms the readouts
-itself, `Segments.readouts`, without forming the states at all). docs/api.md, "rh.probe", says what it costs.
+the kernel forms them, `Segments.on_chunk`; and for the delta rules and Mamba-2, whose chunk-wise kernels form the
+readouts themselves, `Segments.readouts`, without forming the states at all). docs/api.md, "rh.probe", says what it costs.
 """
 
 import torch
