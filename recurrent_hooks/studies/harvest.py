@@ -119,9 +119,10 @@ def harvest(model: nn.Module, batches: Iterable[Any], out: str | os.PathLike, *,
       "value", "beta", "dt", "output", ...); `reduce`: as `watch` takes it (`{"states": fn}`, `{"states": {layer:
       fn}}`, `rh.probe(a, b)`), keeping fn's result instead of the memory. `layers`: decoder layers (default: all
       the recurrent ones). `dtype`: what floating values are stored as (default: as computed; float32 states).
-    - `forward_kwargs`: passed to every forward (after `use_cache=False`, which it may override); `paths`: the watch's (`rh.Paths`); `distributed`: split the
-      batches across the ranks of the initialized `torch.distributed` group (None: when there is one and the model
-      is not tensor-parallel); `progress`: a tqdm bar in tokens/s and bytes written (rank 0's).
+    - `forward_kwargs`: passed to every forward (after `use_cache=False`, which it may override); `paths`: the
+      watch's (`rh.Paths`); `distributed`: split the batches across the ranks of the initialized `torch.distributed`
+      group (None: when there is one and the model is not tensor-parallel); `progress`: a tqdm bar in tokens/s and
+      bytes written (rank 0's).
 
     Returns the `Harvest` on disk. A full disk (any error writing) loses no shard already written: call again with
     the same arguments to go on. The module docstring says what the directory holds.
@@ -252,7 +253,8 @@ class _Job:
                     if tuple(tensor.shape[:2]) != tuple(ids.shape):
                         raise Unavailable(f"{_WHERE}: {mixer}'s {what} is {tuple(tensor.shape)}, not [batch, seq, ...]"
                                           f" for a batch of {tuple(ids.shape)}")
-                    tensor = tensor[real.to(tensor.device)]
+                    # [tokens, ...]: without padding a view of every token, else a copy of the real ones
+                    tensor = tensor.flatten(0, 1) if mask is None else tensor[real.to(tensor.device)]
                     if self.dtype is not None and tensor.is_floating_point():
                         tensor = tensor.to(self.dtype)
                     tensors[f"{name}/{what}" + (f".{part}" if part else "")] = tensor.detach().cpu().contiguous()

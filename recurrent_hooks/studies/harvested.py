@@ -15,6 +15,7 @@ Module contents: `HarvestDataset`, `ShardShuffle` (the seeded sampler `HarvestDa
 """
 
 import bisect
+import operator
 import os
 import pathlib
 from collections.abc import Iterator, Sequence
@@ -92,14 +93,16 @@ class HarvestDataset(Dataset):
 
     def _doc_positions(self) -> tuple[Tensor, Tensor]:
         if self._index is None:
-            self._index = (torch.cat([shard["doc"] for shard in self.shards]) if self.shards else torch.zeros(0).long(),
-                           torch.cat([shard["position"] for shard in self.shards]) if self.shards else
-                           torch.zeros(0).long())
+            empty = torch.zeros(0, dtype=torch.long)
+            docs, positions = (torch.cat([empty, *(shard[name] for shard in self.shards)]) for name in ("doc", "position"))
+            self._index = docs, positions
         return self._index
 
-    def _locate(self, index: int) -> tuple[int, int]:
-        if not isinstance(index, int) or isinstance(index, bool):
-            raise InvalidValue(f"HarvestDataset: expected an int index, got {type(index).__name__}")
+    def _locate(self, index: Any) -> tuple[int, int]:
+        try:
+            index = operator.index(index)  # (an int, a numpy integer, a one-element integer tensor)
+        except TypeError:
+            raise InvalidValue(f"HarvestDataset: expected an integer index, got {type(index).__name__}") from None
         if not -len(self) <= index < len(self):
             raise IndexError(f"HarvestDataset: index {index} is out of range for {len(self)} tokens")
         index %= len(self)
@@ -112,7 +115,7 @@ class HarvestDataset(Dataset):
         return {part: shard[name][rows] for part, name in zip(self._parts, self._names)}
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        shard, row = self._locate(int(index) if isinstance(index, Tensor) else index)
+        shard, row = self._locate(index)
         mapped = self.shards[shard]
         return {"doc": int(mapped["doc"][row]), "position": int(mapped["position"][row]),
                 "value": self._value(mapped, row)}

@@ -141,7 +141,7 @@ class MappedShard:
             begin, end = entry["data_offsets"]
             dtype = _DTYPES[entry["dtype"]]
             raw = self._bytes[self.start + begin:self.start + end]
-            if (self.start + begin) % dtype.itemsize:  # (safetensors aligns its tensors; a file that does not is copied)
+            if (self.start + begin) % dtype.itemsize:  # (safetensors aligns its tensors; one that does not: copied)
                 raw = raw.clone()
             self._tensors[name] = raw.view(dtype).view(entry["shape"])
         return self._tensors[name]
