@@ -508,10 +508,14 @@ def test_packed_sequences_are_refused(packed):
 
 @pytest.mark.parametrize("seq", [1, 13, 37], ids=lambda t: f"T{t}")
 @pytest.mark.parametrize("with_state", [False, True], ids=["fresh", "from-state"])
-def test_mamba2_chunkwise_states_equal_float64_reference(seq, with_state):
-    """The chunk-wise all-states path of the Mamba-2 prompt kernel (used when every state is kept)."""
+@pytest.mark.parametrize("row_steps_from", [10**9, 0], ids=["product", "row-steps"])
+def test_mamba2_chunkwise_states_equal_float64_reference(seq, with_state, row_steps_from, monkeypatch):
+    """The chunk-wise all-states path of the Mamba-2 prompt kernel (used when every state is kept), with a chunk's
+    states formed at once (small states) and token by token (`ROW_STEPS_FROM`: large states)."""
+    from recurrent_hooks.kinds import state_space
     from recurrent_hooks.kinds.state_space import mamba2_chunk_scan_states
 
+    monkeypatch.setattr(state_space, "ROW_STEPS_FROM", row_steps_from)
     gen = torch.Generator().manual_seed(seq)
     batch, heads, head_dim, groups, d_state = 2, 4, 8, 2, 6
     x = torch.randn(batch, seq, heads, head_dim, generator=gen)

@@ -28,6 +28,7 @@ Module contents:
 - `GatedDeltaNet`: the mixer kind, its kernels and values declared as class constants.
 """
 
+import math
 from typing import Any
 
 import torch
@@ -115,6 +116,10 @@ def _gated_delta_rule(
     return out.to(query.dtype), (state if output_final_state else None)
 
 
+ROW_STEPS_FROM = 65_536  # state elements from which a chunk's states are formed token by token (measured, CPU:
+# at 65,536 the steps take 0.81-0.95x the product's time, at 32,768 1.0-1.5x, at 524,288 (Qwen3.5) 0.48-0.60x)
+
+
 def _decayed_products(left: Tensor, right: Tensor, decay: Tensor) -> Float[Tensor, "i j batch heads"]:
     """left_i^T D_ij right_j for every pair of a chunk's tokens: left `[i, batch, heads, key_dim]`, right `[j, batch,
     heads, key_dim]`, decay D_ij `[i, j, batch, heads, d]`. With one decay per head (d = 1) it scales the products
@@ -131,27 +136,27 @@ def _gated_delta_rule_states(
     kimi: bool = False, out: Tensor | None = None, on_chunk: OnChunk | None = None,
     factors: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[tuple[Tensor, Tensor | None], Float[Tensor, "seq batch heads key_dim value_dim"] | None]:
-    """The same recurrence, chunk by chunk, vectorized inside each chunk, returning every token's state too.
+    """The same recurrence, chunk by chunk, returning every token's state too.
 
     Inside a chunk starting from S_0, with c_i the cumulative log decay from the chunk start to token i
-    and D_ij = diag(exp(c_i - c_j)) for j <= i (the decay from token j to token i, at most 1):
-        u_i + b_i sum_{j<i} (k_i^T D_ij k_j) u_j = b_i (v_i - S_0^T diag(exp(c_i)) k_i)   (solved for U)
-        S_i = diag(exp(c_i)) S_0 + sum_{j<=i} D_ij k_j u_j^T
-        o_i = S_i^T q_i
-    u_i is the correction token i writes (b_i (v_i - what the decayed state stores under k_i)), as in the
-    token loop. The states are written once, into one token-first buffer (`out`, float32, when given: a
-    buffer reused across calls is not paged in again, which a fresh one of this size is on CPU); costs
-    chunk^2 * key_dim * value_dim per chunk and head: for when every state is kept.
-
-    With `on_chunk`, each chunk's states go to `on_chunk(start, states)` instead, in one buffer of one chunk reused
-    by the next (`Segments.on_chunk`), and None is returned for them: a reduction of every state holds one chunk of
-    states, whatever the length. The states are then formed token by token from the corrections,
-    S_i = diag(a_i) S_{i-1} + k_i u_i^T (`loops.rank_one_steps`), and the outputs from the chunk's attention form,
+    and D_ij = diag(exp(c_i - c_j)) for j <= i (the decay from token j to token i, at most 1), the corrections
+    u_i each token writes (b_i (v_i - what the decayed state stores under k_i), as in the token loop) solve
+        u_i + b_i sum_{j<i} (k_i^T D_ij k_j) u_j = b_i (v_i - S_0^T diag(exp(c_i)) k_i)
+    the outputs come from the chunk's attention form, which reads no state,
         o_i = S_0^T diag(exp(c_i)) q_i + sum_{j<=i} (q_i^T D_ij k_j) u_j
-    which reads no state: 3x faster on CPU than the product above and a pass reading every state (measured,
-    docs/performance.md, "Keeping a per-token reduction"; the product stays where every state is kept, the
-    path the cost model's constants were fitted to). With `factors` (a, b) too, `on_chunk` gets each chunk's linear
-    readouts `[size, batch, heads, r]` instead, formed without the states (`_chunk_readouts`).
+    and the states are formed token by token from the corrections, S_i = diag(a_i) S_{i-1} + k_i u_i^T
+    (`loops.rank_one_steps`: two passes over a state a token, each written once where it is kept). Below
+    `ROW_STEPS_FROM` state elements (batch included) and without `on_chunk`, a chunk's states are formed at once
+    instead, S_i = diag(exp(c_i)) S_0 + sum_{j<=i} D_ij k_j u_j^T (a product of inner size chunk), and read for
+    the outputs, o_i = S_i^T q_i: there the per-token steps' Python calls cost more than the product, which CPUs
+    run far below their speed on large states (docs/performance.md, "Every state kept").
+
+    The states go into one token-first buffer (`out`, float32, when given: a buffer reused across calls is not paged
+    in again, which a fresh one of this size is on CPU). With `on_chunk`, each chunk's states go to
+    `on_chunk(start, states)` instead, in one buffer of one chunk reused by the next (`Segments.on_chunk`), and None
+    is returned for them: a reduction of every state holds one chunk of states, whatever the length. With `factors`
+    (a, b) too, `on_chunk` gets each chunk's linear readouts `[size, batch, heads, r]` instead, formed without the
+    states (`_chunk_readouts`).
     """
     q, k, v, b, log_a, state = _prepare(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel, kwargs,
                                         kimi=kimi, recurrent=False)
@@ -162,6 +167,7 @@ def _gated_delta_rule_states(
     else:
         every = q.new_empty(shape) if out is None else states_buffer(out, shape)  # t b h k v
     out = v.new_empty(v.shape)  # t b h v
+    row_steps = on_chunk is not None or math.prod(shape[1:]) >= ROW_STEPS_FROM
     for start in range(0, q.shape[0], chunk):
         qc, kc, vc, bc, gc = (x[start:start + chunk] for x in (q, k, v, b, log_a))  # i b h ..
         size = qc.shape[0]
@@ -173,7 +179,7 @@ def _gated_delta_rule_states(
         reads = ((kc * flushed_exp(cum)).permute(1, 2, 0, 3) @ state).permute(2, 0, 1, 3)  # i b h v   S_0^T diag(exp(c_i)) k_i
         rhs = (bc[..., None] * (vc - reads)).permute(1, 2, 0, 3)  # b h i v
         u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # b h j v
-        if on_chunk is None:
+        if not row_steps:
             states = every[start:start + size]  # i b h k v
             decayed_keys = decay * kc[None]  # i j b h k   D_ij k_j
             torch.matmul(decayed_keys.permute(0, 2, 3, 4, 1), u, out=states)  # sum_j D_ij k_j u_j^T
@@ -188,8 +194,11 @@ def _gated_delta_rule_states(
             readouts, state = _chunk_readouts(factors, state, cum, decay, kc, u)  # i b h r, b h k v
             on_chunk(start, readouts)
             continue
-        states = every[:size]  # i b h k v
+        states = every[start:start + size] if on_chunk is None else every[:size]  # i b h k v
         rank_one_steps(states, state, flushed_exp(gc), kc, u.permute(2, 0, 1, 3))  # S_i = diag(a_i) S_{i-1} + k_i u_i^T
+        if on_chunk is None:
+            state = states[-1]  # b h k v
+            continue
         state = states[-1].clone()  # b h k v   (the next chunk overwrites the buffer)
         on_chunk(start, states)
     result = (out.movedim(0, 1).to(query.dtype), state if output_final_state else None)

@@ -50,6 +50,7 @@ Module contents:
 - `Mamba2StateSpace`: the mixer kind.
 """
 
+import math
 from typing import Any
 
 import torch
@@ -167,6 +168,10 @@ def mamba2_chunk_scan(
     return (y, state) if return_final_states else y
 
 
+ROW_STEPS_FROM = 16_384  # state elements from which a chunk's states are formed token by token (measured, CPU: at
+# 24,576 the steps take 0.59-0.78x the product's time, at 8,192 0.95-1.15x, at 196,608 (mamba2-130m) 0.24x)
+
+
 def mamba2_chunk_scan_states(
     hidden_states: Tensor,
     dt: Tensor,
@@ -190,18 +195,20 @@ def mamba2_chunk_scan_states(
     """`mamba2_chunk_scan`'s results and every token's state, token first, chunk by chunk (no per-token loop).
 
     Inside a chunk starting from h_0, with c_i the cumulative log decay (sum of Δ a_h) from the chunk
-    start to token i, and w_ij = exp(c_i - c_j) for j <= i (the decay from token j to i, at most 1):
-        h_i = exp(c_i) h_0 + sum_{j<=i} w_ij Δ_j x_j B_j^T,    y_i = h_i C_i + D_h x_i
-    one (i x j) @ (j x head_dim*d_state) product per head and chunk. `chunk_size` is accepted and ignored.
-    The states go into `out` (float32, at least seq tokens) when given: a buffer reused across calls is not
+    start to token i, and w_ij = exp(c_i - c_j) for j <= i (the decay from token j to i, at most 1), y comes from
+    the chunk's attention form, which reads no state,
+        y_i = exp(c_i) h_0 C_i + sum_{j<=i} w_ij (C_i . B_j) Δ_j x_j + D_h x_i
+    and the states are formed token by token, h_i = exp(Δ_i a_h) h_{i-1} + Δ_i x_i B_i^T (`loops.rank_one_steps`:
+    two passes over a state a token, each written once where it is kept). Below `ROW_STEPS_FROM` state elements
+    (batch included) and without `on_chunk`, a chunk's states are formed at once instead,
+    h_i = exp(c_i) h_0 + sum_{j<=i} w_ij Δ_j x_j B_j^T (one product of inner size chunk per head), and read for
+    y_i = h_i C_i + D_h x_i: there the steps' Python calls cost more than the product, which is 4x slower on large
+    states (docs/performance.md, "Every state kept"). `chunk_size` is accepted and ignored. The states go into `out` (float32, at least seq tokens) when given: a buffer reused across calls is not
     paged in again, which a fresh one of this size is on CPU.
 
     With `on_chunk`, each chunk's states go to `on_chunk(start, states)` instead, in one buffer of one chunk reused
-    by the next (`Segments.on_chunk`), and None is returned for them. They are then formed token by token,
-    h_i = exp(Δ_i a_h) h_{i-1} + Δ_i x_i B_i^T (`loops.rank_one_steps`), and y from the chunk's attention form,
-    y_i = exp(c_i) h_0 C_i + sum_{j<=i} w_ij (C_i . B_j) Δ_j x_j + D_h x_i, which reads no state: the states 4x
-    faster on CPU than by the product above, and no pass reading them for y (docs/performance.md, "Keeping a
-    per-token reduction"). With `factors` too, it gets linear readouts, without the states (`_chunk_readouts`).
+    by the next (`Segments.on_chunk`), and None is returned for them. With `factors` too, it gets linear readouts,
+    without the states (`_chunk_readouts`).
     """
     refuse_mamba_packed(kwargs)
     batch, seq, heads, head_dim = hidden_states.shape
@@ -214,18 +221,20 @@ def mamba2_chunk_scan_states(
     shape = (seq, batch, heads, head_dim, d_state)
     every = (x.new_empty(0 if factors is not None else min(chunk, seq), *shape[1:]) if on_chunk is not None  # reused
              else x.new_empty(shape) if out is None else states_buffer(out, shape))  # i b h p n (none: readouts), t b h p n
-    y = x.new_empty(x.shape)  # t b h p   (with on_chunk: y from the attention form, chunk by chunk)
+    y = x.new_empty(x.shape)  # t b h p
+    row_steps = on_chunk is not None or math.prod(shape[1:]) >= ROW_STEPS_FROM
     for start in range(0, seq, chunk):
         xc, dc, Bc, Cc, lc = (v[start:start + chunk] for v in (x, delta, B_h, C_h, log_decay))  # i b h ..
         size = xc.shape[0]
         cum = lc.cumsum(0)  # i b h   c_i
         weights = causal_decay(cum)  # i j b h   w_ij
-        if on_chunk is None:
+        if not row_steps:
             drive = (dc[..., None] * xc)[..., None] * Bc[..., None, :]  # j b h p n   Δ_j x_j B_j^T
             mixed = weights.permute(2, 3, 0, 1) @ drive.permute(1, 2, 0, 3, 4).flatten(3)  # b h i (p n)
             states = every[start:start + size]  # i b h p n
             states.copy_(mixed.unflatten(-1, (head_dim, d_state)).permute(2, 0, 1, 3, 4))
             states.addcmul_(flushed_exp(cum)[..., None, None], state)  # + exp(c_i) h_0
+            y[start:start + size] = (states @ Cc[..., None]).squeeze(-1)  # i b h p   h_i C_i
             state = states[-1]  # b h p n
             continue
         stepped = dc[..., None] * xc  # i b h p   Δ_i x_i
@@ -236,13 +245,14 @@ def mamba2_chunk_scan_states(
             readouts, state = _chunk_readouts(factors, state, cum, weights, stepped, Bc)  # i b h r, b h p n
             on_chunk(start, readouts)
             continue
-        states = every[:size]  # i b h p n
+        states = every[start:start + size] if on_chunk is None else every[:size]  # i b h p n
         decay = flushed_exp(lc)[..., None]  # i b h 1   exp(Δ_i a_h)
         rank_one_steps(states, state, decay, stepped, Bc)  # h_i = exp(Δ_i a_h) h_{i-1} + Δ_i x_i B_i^T
+        if on_chunk is None:
+            state = states[-1]  # b h p n
+            continue
         state = states[-1].clone()  # b h p n   (the next chunk overwrites the buffer)
         on_chunk(start, states)
-    if on_chunk is None:
-        y = (every @ C_h[..., None]).squeeze(-1)  # t b h p   h_t C_t
     if D is not None:
         y = y + D[:, None] * x
     y = y.movedim(0, 1)
