@@ -37,7 +37,7 @@ from .call_state import Plan, _Forward
 from .errors import InvalidValue, noted
 from .mixer import RecurrentMixer
 from .parts import State, is_parts, map_parts, parts_of, rebuild, stack_parts
-from .threads import THREAD, in_backward, user_code
+from .threads import THREAD, in_backward, loop_threads, threads_for, user_code
 from .upstream import wraps_kernel
 
 
@@ -304,7 +304,8 @@ class _Tap:
             takers[0].borrowed = True
             result = _blocks.run_in_blocks(kernel, args, kwargs, on_token)
         elif fast is not None and kernel.segments is None:  # the loop computes fast between the stops itself
-            result = kernel.loop(*args, on_token=on_token, stops=fast.stops, **extra, **kwargs)
+            with _loop_threads(kernel, busy[0][0].mixer, arguments):
+                result = kernel.loop(*args, on_token=on_token, stops=fast.stops, **extra, **kwargs)
         elif fast is not None and fast.every_state and takers[0].differentiable:
             # every state with gradients, no stop (`strategies.choose`): all-states forward, adjoint backward
             result = _keep_every_state(kernel, original, args, kwargs, takers[0].storing)
@@ -312,7 +313,8 @@ class _Tap:
             result = _run_in_segments(kernel, original, args, kwargs, fast.stops, fast.tails, on_token,
                                       [plan for plan in takers[0].storing if fast.every_state])
         else:
-            result = kernel.loop(*args, on_token=on_token, **extra, **kwargs)
+            with _loop_threads(kernel, busy[0][0].mixer, arguments):
+                result = kernel.loop(*args, on_token=on_token, **extra, **kwargs)
         if kernel.memory == CONV_MEMORY and kernel.role == "prompt" and takers[0].last:
             self._sync_conv_cache(type(entry.mixers[0]), entry.forward, takers[0].last[0])
         for taker in takers:
@@ -518,6 +520,15 @@ def _own(state: Tensor) -> Tensor:
 
 
 BOUND_KERNEL = "bound kernel"  # `KernelCall.path` of a call nothing was asked of: the kernel bound before the watch
+
+
+def _loop_threads(kernel: Kernel, mixer: RecurrentMixer, arguments: dict[str, Any]) -> Any:
+    """The intra-op threads setting a token loop of this call runs under (`threads.loop_threads`), on the device of
+    its first tensor argument."""
+    device = next((value.device for value in arguments.values() if isinstance(value, Tensor)), torch.device("cpu"))
+    setting = mixer.paths.loop_threads
+    size = _blocks.state_size(type(mixer), kernel, arguments) if setting == "auto" else None
+    return loop_threads(threads_for(setting, size), device)
 
 
 def _fast_path(kernel: Kernel, busy: list[Plan], tokens: int,

@@ -176,7 +176,11 @@ class Paths:
     - `blocks_below`: the largest state (elements, batch included) a hook on every token runs in blocks at
       (None: each kernel's measured `Segments.blocks_below`);
     - `costs`: constants by kernel key ("delta rule", "ssd", "kimi delta") to use instead of the device's
-      calibration (`Constants`, or a mapping with "kernel", "loop" and "states" lists as `costs.json` has them).
+      calibration (`Constants`, or a mapping with "kernel", "loop" and "states" lists as `costs.json` has them);
+    - `loop_threads`: torch's intra-op threads while a token loop runs on a CPU: "auto" (the default: one thread
+      for a state below `threads.ONE_THREAD_BELOW` elements, batch included, whose per-token ops cost less than
+      splitting them; torch's setting for larger or undeclared states), a number, or None (torch's setting). The
+      hooks the loop calls run at that setting too (`Paths(loop_threads=None)` for a hook that does heavy work).
 
     Every path gives the token loop's results (within float rounding); only the time differs. Several handles
     busy in one call (a watch and a standalone hook on one module) take the path their policies agree on; if
@@ -188,6 +192,7 @@ class Paths:
     tails: bool = False
     blocks_below: int | None = None
     costs: "Mapping[str, Any] | None" = None
+    loop_threads: int | str | None = "auto"
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
@@ -209,10 +214,14 @@ class Paths:
                                f" blocks_below={self.blocks_below!r}")
         if self.costs is not None:
             object.__setattr__(self, "costs", _as_constants(self.costs))
+        threads = self.loop_threads
+        if threads not in (None, "auto") and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise InvalidValue(f"Paths: expected loop_threads= 'auto', None or a number of threads >= 1, got"
+                               f" loop_threads={threads!r}")
 
     def __hash__(self) -> int:  # (costs is a dict)
         return hash((self.rule, self.force, self.tails, self.blocks_below,
-                     None if self.costs is None else tuple(sorted(self.costs.items()))))
+                     None if self.costs is None else tuple(sorted(self.costs.items())), self.loop_threads))
 
 
 def _as_constants(costs: Any) -> dict[str, Constants]:

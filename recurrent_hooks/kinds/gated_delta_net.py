@@ -41,8 +41,8 @@ from .effective import EffectiveAttention, cat, decayed
 from ..engine.calls import KernelCall
 from ..engine.kernels import Kernel, Role, Segments
 from ..engine.errors import Unavailable
-from ..engine.loops import (OnChunk, OnToken, Visit, causal_decay, flushed_exp, rank_one_steps, refuse_packed,
-                            starting_state, states_buffer, visited)
+from ..engine.loops import (OnChunk, OnToken, Visit, causal_decay, flushed_exp, plus, rank_one_steps, refuse_packed,
+                            scratch_like, starting_state, states_buffer, times, visited)
 from ..engine.mixer import RecurrentMixer
 from ..engine.strategies import Shape
 
@@ -103,13 +103,16 @@ def _gated_delta_rule(
                                         kimi=kimi)
     a = log_a.exp()
     outputs = []
-    # per token from one unbind each: under autograd a slice's backward is a gradient of the whole tensor, per token
-    for t, (q_t, k_t, v_t, b_t, a_t) in enumerate(zip(*(x.unbind(1) for x in (q, k, v, b, a)))):
-        state = state * a_t[..., None]  # b h k v   decay: diag(a_t) S_{t-1}, a_t [b h (1|k)]
-        kv_mem = (state * k_t[..., None]).sum(-2)  # b h v   what S stores under k_t
-        delta = (v_t - kv_mem) * b_t[..., None]  # b h v   b_t (v_t - S^T k_t)
-        state = state + k_t[..., None] * delta[:, :, None, :]  # b h k v   S + k_t delta^T
-        outputs.append((state * q_t[..., None]).sum(-2))  # b h v   o_t = S_t^T q_t
+    scratch = scratch_like(state)  # b h k v   each token's products (None with gradients)
+    # per token from one unbind each (under autograd a slice's backward is a gradient of the whole tensor, per
+    # token), with the axes the products broadcast over added once: q, k [b h k 1], b [b h 1], a [b h (1|k) 1]
+    steps = zip(*(x.unbind(1) for x in (q[..., None], k[..., None], v, b[..., None], a[..., None])))
+    for t, (q_t, k_t, v_t, b_t, a_t) in enumerate(steps):
+        state = state * a_t  # b h k v   decay: diag(a_t) S_{t-1} (a new tensor)
+        kv_mem = times(state, k_t, scratch).sum(-2)  # b h v   what S stores under k_t
+        delta = (v_t - kv_mem) * b_t  # b h v   b_t (v_t - S^T k_t)
+        state = plus(state, times(k_t, delta[:, :, None, :], scratch), scratch is not None)  # b h k v   S + k_t delta^T
+        outputs.append(times(state, q_t, scratch).sum(-2))  # b h v   o_t = S_t^T q_t
         if on_token is not None:
             state = on_token(t, state)  # b h k v   what token t+1 continues from
     out = torch.stack(outputs, dim=1) if outputs else v.new_zeros(*v.shape)

@@ -62,7 +62,8 @@ from .effective import EffectiveAttention, decayed
 from ..engine.calls import KernelCall
 from ..engine.errors import Unavailable
 from ..engine.kernels import STATE_MEMORY, Kernel, Layout, Role, Segments
-from ..engine.loops import OnChunk, OnToken, at_least_float32, chunked, refuse_packed, starting_state
+from ..engine.loops import (OnChunk, OnToken, at_least_float32, chunked, plus, refuse_packed, scratch_like, starting_state,
+                            times)
 from ..engine.mixer import RecurrentMixer
 
 
@@ -144,10 +145,11 @@ def _selective_scan(
     # a copy: the decode kernel's state is the cache tensor, written only at the end
     state = starting_state(initial_state, lambda: x.new_zeros(batch, d_inner, A.shape[-1]), x.dtype)
     outputs = []
+    scratch = scratch_like(state)  # b d n   each token's drive (None with gradients)
     # per token from one unbind each: under autograd a slice's backward is a gradient of the whole tensor, per token
     for t, (dt_t, B_t, C_t, x_t) in enumerate(zip(*(v.unbind(1) for v in (dt, B, C, x)))):
-        decay, drive = discrete_step(dt_t, A, B_t, x_t)  # b d n   exp(Δ_t A), Δ_t B_t x_t
-        state = decay * state + drive  # b d n   h_t
+        state = torch.exp(dt_t[..., None] * A) * state  # b d n   exp(Δ_t A) h_{t-1} (a new tensor)
+        state = plus(state, times((dt_t * x_t)[..., None], B_t[..., None, :], scratch), scratch is not None)  # + Δ_t B_t x_t
         outputs.append(torch.matmul(state.to(C.dtype), C_t[:, :, None])[..., 0])  # b d   C_t . h_t
         if on_token is not None:
             state = on_token(t, state)  # b d n   what token t+1 continues from

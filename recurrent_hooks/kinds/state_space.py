@@ -66,8 +66,8 @@ from ..engine.errors import Unavailable
 from ..engine.kernels import Kernel, Role, Segments
 from ..engine.mixer import RecurrentMixer
 from ..engine.strategies import Shape
-from ..engine.loops import (OnChunk, OnToken, Visit, causal_decay, flushed_exp, rank_one_steps, starting_state,
-                            states_buffer, visited)
+from ..engine.loops import (OnChunk, OnToken, Visit, causal_decay, flushed_exp, plus, rank_one_steps, scratch_like,
+                            starting_state, states_buffer, times, visited)
 from .selective_scan import discrete_step, refuse_mamba_packed, step_size
 
 
@@ -119,10 +119,11 @@ def _ssd(
     # a copy: the decode kernel's state is the cache tensor, written only at the end
     state = starting_state(initial_state, lambda: x.new_zeros(batch, heads, head_dim, B.shape[-1]))
     outputs = []
+    scratch = scratch_like(state)  # b h p n   each token's drive (None with gradients)
     # per token from one unbind each: under autograd a slice's backward is a gradient of the whole tensor, per token
     for t, (dt_t, B_t, C_t, x_t) in enumerate(zip(*(v.unbind(1) for v in (dt, B, C, x)))):
-        decay, drive = discrete_step(dt_t, A, B_t, x_t)  # b h q m, b h p n   exp(Δ_t a_h), Δ_t x_t B_t^T
-        state = decay * state + drive  # b h p n   h_t
+        state = torch.exp(dt_t[..., None] * A) * state  # b h p n   exp(Δ_t a_h) h_{t-1} (a new tensor; q m: 1 or p n)
+        state = plus(state, times((dt_t * x_t)[..., None], B_t[..., None, :], scratch), scratch is not None)  # + Δ_t x_t B_t^T
         outputs.append(einsum(state, C_t, "b h p n, b h n -> b h p"))  # b h p   h_t C_t
         if on_token is not None:
             state = on_token(t, state)  # b h p n   what token t+1 continues from
@@ -203,8 +204,8 @@ def mamba2_chunk_scan_states(
     (batch included) and without `on_chunk`, a chunk's states are formed at once instead,
     h_i = exp(c_i) h_0 + sum_{j<=i} w_ij Δ_j x_j B_j^T (one product of inner size chunk per head), and read for
     y_i = h_i C_i + D_h x_i: there the steps' Python calls cost more than the product, which is 4x slower on large
-    states (docs/performance.md, "Every state kept"). `chunk_size` is accepted and ignored. The states go into `out` (float32, at least seq tokens) when given: a buffer reused across calls is not
-    paged in again, which a fresh one of this size is on CPU.
+    states (docs/performance.md, "Every state kept"). `chunk_size` is accepted and ignored. The states go into
+    `out` (float32, at least seq tokens) when given: a reused buffer is not paged in again, as a fresh one is.
 
     With `on_chunk`, each chunk's states go to `on_chunk(start, states)` instead, in one buffer of one chunk reused
     by the next (`Segments.on_chunk`), and None is returned for them. With `factors` too, it gets linear readouts,
@@ -228,16 +229,11 @@ def mamba2_chunk_scan_states(
         size = xc.shape[0]
         cum = lc.cumsum(0)  # i b h   c_i
         weights = causal_decay(cum)  # i j b h   w_ij
-        if not row_steps:
-            drive = (dc[..., None] * xc)[..., None] * Bc[..., None, :]  # j b h p n   Δ_j x_j B_j^T
-            mixed = weights.permute(2, 3, 0, 1) @ drive.permute(1, 2, 0, 3, 4).flatten(3)  # b h i (p n)
-            states = every[start:start + size]  # i b h p n
-            states.copy_(mixed.unflatten(-1, (head_dim, d_state)).permute(2, 0, 1, 3, 4))
-            states.addcmul_(flushed_exp(cum)[..., None, None], state)  # + exp(c_i) h_0
-            y[start:start + size] = (states @ Cc[..., None]).squeeze(-1)  # i b h p   h_i C_i
-            state = states[-1]  # b h p n
-            continue
         stepped = dc[..., None] * xc  # i b h p   Δ_i x_i
+        if not row_steps:
+            y[start:start + size] = _states_at_once(every[start:start + size], state, cum, weights, stepped, Bc, Cc)
+            state = every[start + size - 1]  # b h p n
+            continue
         scores = weights * torch.einsum("ibhn,jbhn->ijbh", Cc, Bc)  # i j b h   w_ij C_i . B_j
         from_start = torch.einsum("bhpn,ibhn,ibh->ibhp", state, Cc, flushed_exp(cum))  # i b h p   exp(c_i) h_0 C_i
         y[start:start + size] = torch.einsum("ijbh,jbhp->ibhp", scores, stepped) + from_start  # i b h p   h_i C_i
@@ -257,6 +253,18 @@ def mamba2_chunk_scan_states(
         y = y + D[:, None] * x
     y = y.movedim(0, 1)
     return ((y, state) if return_final_states else y), (every if on_chunk is None else None)
+
+
+def _states_at_once(states: Tensor, state: Tensor, cum: Tensor, weights: Tensor, stepped: Tensor, B: Tensor,
+                    C: Tensor) -> Float[Tensor, "i batch heads head_dim"]:
+    """A chunk's states into `states` `[i, batch, heads, head_dim, d_state]` by one product per head, h_i = exp(c_i)
+    h_0 + sum_{j<=i} w_ij Δ_j x_j B_j^T, and y_i = h_i C_i read from them (for small states: `ROW_STEPS_FROM`).
+    h_0 `state`, c `cum` `[i, b, h]`, w `weights` `[i, j, b, h]`, Δ x `stepped` `[j, b, h, p]`, B and C `[., b, h, n]`."""
+    drive = stepped[..., None] * B[..., None, :]  # j b h p n   Δ_j x_j B_j^T
+    mixed = weights.permute(2, 3, 0, 1) @ drive.permute(1, 2, 0, 3, 4).flatten(3)  # b h i (p n)
+    states.copy_(mixed.unflatten(-1, states.shape[-2:]).permute(2, 0, 1, 3, 4))
+    states.addcmul_(flushed_exp(cum)[..., None, None], state)  # + exp(c_i) h_0
+    return (states @ C[..., None]).squeeze(-1)  # i b h p   h_i C_i
 
 
 def _chunk_readouts(
