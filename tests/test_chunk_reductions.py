@@ -24,7 +24,9 @@ import torch
 
 import recurrent_hooks as rh
 import recurrent_hooks.engine.strategies as rh_paths
+import recurrent_hooks.kinds.gated_delta_net as gated_delta_net
 import recurrent_hooks.kinds.selective_scan as selective_scan
+import recurrent_hooks.kinds.state_space as state_space
 from recurrent_hooks.engine.kernels import Pieces
 from recurrent_hooks.engine.strategies import Strategy
 from recurrent_hooks.kinds.gated_delta_net import GatedDeltaNet
@@ -33,9 +35,14 @@ from _models import build, random_ids
 
 T, BATCH = 37, 2
 CHUNKS = Strategy.CHUNKS.value  # "chunk-wise reductions"
-# family -> Mamba-1's `CHUNKWISE_UP_TO` for the case (None: as shipped); 0 makes Mamba-1's all-states kernel run its
-# token loop, which gathers the states into a chunk buffer (`loops.chunked`)
-CASES = {"qwen3_5": None, "kimi_linear": None, "mamba2": None, "mamba": None, "mamba-token-loop": 0}
+# case -> (module, constant, value) set for it (None: as shipped). The test models' states are small: the delta rules
+# and Mamba-2 form a chunk's states by one product; "row-steps" forms them token by token, as at real dims
+# (`ROW_STEPS_FROM`). Mamba-1's `CHUNKWISE_UP_TO` at 0 makes its all-states kernel run its token loop, which gathers
+# the states into a chunk buffer (`loops.chunked`)
+CASES = {"qwen3_5": None, "qwen3_5-row-steps": (gated_delta_net, "ROW_STEPS_FROM", 0), "kimi_linear": None,
+         "kimi_linear-row-steps": (gated_delta_net, "ROW_STEPS_FROM", 0), "mamba2": None,
+         "mamba2-row-steps": (state_space, "ROW_STEPS_FROM", 0), "mamba": None,
+         "mamba-token-loop": (selective_scan, "CHUNKWISE_UP_TO", 0)}
 TOLERANCE = dict(rtol=1e-4, atol=1e-6)
 
 _MODELS: dict = {}
@@ -47,7 +54,7 @@ def case(request, monkeypatch):
     """(family, model, ids, the token loop's states by layer) for a case of `CASES`."""
     name = request.param
     if CASES[name] is not None:
-        monkeypatch.setattr(selective_scan, "CHUNKWISE_UP_TO", CASES[name])
+        monkeypatch.setattr(*CASES[name])
     family = name.split("-")[0]
     if family not in _MODELS:
         _MODELS[family] = build(family)

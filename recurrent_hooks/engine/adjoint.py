@@ -252,7 +252,8 @@ def with_tensors(kernel: Kernel, args: tuple, kwargs: dict, slots: list[tuple[in
 def piece_leaves(pieces: Pieces, start: int, end: int, boundary: Tensor | None,
                  wanted: set[str]) -> tuple[list[Any], dict[str, Any], dict[str, Tensor], Tensor | None]:
     """The arguments of tokens [start, end) from `boundary`, the `wanted` floating tensors as fresh leaves (and
-    the boundary state, as a leaf): `(leading, named, leaves by name, state)`. Call under `torch.enable_grad()`."""
+    the boundary state, as a leaf), chunks no longer than the piece (`Segments.chunk_argument`): `(leading, named,
+    leaves by name, state)`. Call under `torch.enable_grad()`."""
     leading, named = pieces.call(start, end, None)
     leaves: dict[str, Tensor] = {}
     for i, name in enumerate(pieces.positional[:len(leading)]):
@@ -263,6 +264,9 @@ def piece_leaves(pieces: Pieces, start: int, end: int, boundary: Tensor | None,
             named[name] = leaves[name] = named[name].detach().requires_grad_()
     state = None if boundary is None else boundary.detach().requires_grad_()
     named[pieces.segments.state_in] = state
+    chunk = pieces.segments.chunk_argument
+    if chunk is not None and isinstance(named.get(chunk), int):  # (not padded to the call's chunk length)
+        named[chunk] = min(named[chunk], end - start)
     return leading, named, leaves, state
 
 

@@ -108,6 +108,9 @@ class Segments:
       state a write at t replaces; mu_{T-1} = grad_final), and returns the initial state's gradient. With it, the
       gradients of every state of a piece cost one state-sized Python step a token without autograd
       (`engine.adjoint`: kept states in grad mode; attribution's chunks); None: the token loop under autograd.
+    - `chunk_argument`: the bound kernel's chunk-length argument (Mamba-2's `chunk_size`), or None. A piece that a
+      backward recomputes under autograd (`adjoint.piece_leaves`) runs with chunks no longer than itself: a 64-token
+      piece through a kernel of chunk 256 pads it to 256 tokens (same maths, other rounding).
     """
 
     per_token: dict[str, int]
@@ -122,6 +125,7 @@ class Segments:
     shape: Callable[[dict[str, Any]], Any] | None = None
     kernel: Callable[..., Any] | None = None
     adjoint: Callable[..., Any] | None = None
+    chunk_argument: str | None = None
 
 
 class Pieces:

@@ -149,8 +149,8 @@ def _gated_delta_rule_states(
         o_i = S_0^T diag(exp(c_i)) q_i + sum_{j<=i} (q_i^T D_ij k_j) u_j
     and the states are formed token by token from the corrections, S_i = diag(a_i) S_{i-1} + k_i u_i^T
     (`loops.rank_one_steps`: two passes over a state a token, each written once where it is kept). Below
-    `ROW_STEPS_FROM` state elements (batch included) and without `on_chunk`, a chunk's states are formed at once
-    instead, S_i = diag(exp(c_i)) S_0 + sum_{j<=i} D_ij k_j u_j^T (a product of inner size chunk), and read for
+    `ROW_STEPS_FROM` state elements (batch included), a chunk's states are formed at once instead
+    (`_states_at_once`), S_i = diag(exp(c_i)) S_0 + sum_{j<=i} D_ij k_j u_j^T (a product of inner size chunk), and read for
     the outputs, o_i = S_i^T q_i: there the per-token steps' Python calls cost more than the product, which CPUs
     run far below their speed on large states (docs/performance.md, "Every state kept").
 
@@ -170,7 +170,7 @@ def _gated_delta_rule_states(
     else:
         every = q.new_empty(shape) if out is None else states_buffer(out, shape)  # t b h k v
     out = v.new_empty(v.shape)  # t b h v
-    row_steps = on_chunk is not None or math.prod(shape[1:]) >= ROW_STEPS_FROM
+    row_steps = factors is not None or math.prod(shape[1:]) >= ROW_STEPS_FROM
     for start in range(0, q.shape[0], chunk):
         qc, kc, vc, bc, gc = (x[start:start + chunk] for x in (q, k, v, b, log_a))  # i b h ..
         size = qc.shape[0]
@@ -182,23 +182,18 @@ def _gated_delta_rule_states(
         reads = ((kc * flushed_exp(cum)).permute(1, 2, 0, 3) @ state).permute(2, 0, 1, 3)  # i b h v   S_0^T diag(exp(c_i)) k_i
         rhs = (bc[..., None] * (vc - reads)).permute(1, 2, 0, 3)  # b h i v
         u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # b h j v
-        if not row_steps:
-            states = every[start:start + size]  # i b h k v
-            decayed_keys = decay * kc[None]  # i j b h k   D_ij k_j
-            torch.matmul(decayed_keys.permute(0, 2, 3, 4, 1), u, out=states)  # sum_j D_ij k_j u_j^T
-            states.addcmul_(flushed_exp(cum)[..., None], state)  # + diag(exp(c_i)) S_0
-            out[start:start + size] = (qc[..., None, :] @ states).squeeze(-2)  # i b h v   o_i = S_i^T q_i
-            state = states[-1]  # b h k v
-            continue
-        scores = _decayed_products(qc, kc, decay).permute(2, 3, 0, 1)  # b h i j   q_i^T D_ij k_j
-        from_start = (qc * flushed_exp(cum)).permute(1, 2, 0, 3) @ state  # b h i v   S_0^T diag(exp(c_i)) q_i
-        out[start:start + size] = (scores @ u + from_start).permute(2, 0, 1, 3)  # i b h v   o_i = S_i^T q_i
-        if factors is not None:
-            readouts, state = _chunk_readouts(factors, state, cum, decay, kc, u)  # i b h r, b h k v
-            on_chunk(start, readouts)
-            continue
-        states = every[start:start + size] if on_chunk is None else every[:size]  # i b h k v
-        rank_one_steps(states, state, flushed_exp(gc), kc, u.permute(2, 0, 1, 3))  # S_i = diag(a_i) S_{i-1} + k_i u_i^T
+        states = every[start:start + size] if on_chunk is None else every[:size]  # i b h k v   (readouts: none)
+        if row_steps:
+            scores = _decayed_products(qc, kc, decay).permute(2, 3, 0, 1)  # b h i j   q_i^T D_ij k_j
+            from_start = (qc * flushed_exp(cum)).permute(1, 2, 0, 3) @ state  # b h i v   S_0^T diag(exp(c_i)) q_i
+            out[start:start + size] = (scores @ u + from_start).permute(2, 0, 1, 3)  # i b h v   o_i = S_i^T q_i
+            if factors is not None:
+                readouts, state = _chunk_readouts(factors, state, cum, decay, kc, u)  # i b h r, b h k v
+                on_chunk(start, readouts)
+                continue
+            rank_one_steps(states, state, flushed_exp(gc), kc, u.permute(2, 0, 1, 3))  # S_i = diag(a_i) S_{i-1} + k_i u_i^T
+        else:
+            out[start:start + size] = _states_at_once(states, state, cum, decay, kc, u, qc)  # i b h v
         if on_chunk is None:
             state = states[-1]  # b h k v
             continue
@@ -206,6 +201,18 @@ def _gated_delta_rule_states(
         on_chunk(start, states)
     result = (out.movedim(0, 1).to(query.dtype), state if output_final_state else None)
     return result, (every if on_chunk is None else None)
+
+
+def _states_at_once(states: Tensor, state: Tensor, cum: Tensor, decay: Tensor, keys: Tensor, u: Tensor,
+                    queries: Tensor) -> Float[Tensor, "i batch heads value_dim"]:
+    """A chunk's states into `states` `[i, batch, heads, key_dim, value_dim]` by one product, S_i = diag(exp(c_i)) S_0
+    + sum_{j<=i} D_ij k_j u_j^T, and the outputs o_i = S_i^T q_i read from them (small states: `ROW_STEPS_FROM`).
+    S_0 `state`, c `cum` `[i, b, h, d]`, D `decay` `[i, j, b, h, d]`, k `keys` and q `queries` `[., b, h, key_dim]`,
+    u `[b, h, j, value_dim]`."""
+    decayed_keys = decay * keys[None]  # i j b h k   D_ij k_j
+    torch.matmul(decayed_keys.permute(0, 2, 3, 4, 1), u, out=states)  # sum_j D_ij k_j u_j^T
+    states.addcmul_(flushed_exp(cum)[..., None], state)  # + diag(exp(c_i)) S_0
+    return (queries[..., None, :] @ states).squeeze(-2)  # i b h v   o_i = S_i^T q_i
 
 
 def _chunk_readouts(factors: tuple[Tensor, Tensor], state: Tensor, cum: Tensor, decay: Tensor, keys: Tensor,

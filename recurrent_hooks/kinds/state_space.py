@@ -201,7 +201,7 @@ def mamba2_chunk_scan_states(
         y_i = exp(c_i) h_0 C_i + sum_{j<=i} w_ij (C_i . B_j) Δ_j x_j + D_h x_i
     and the states are formed token by token, h_i = exp(Δ_i a_h) h_{i-1} + Δ_i x_i B_i^T (`loops.rank_one_steps`:
     two passes over a state a token, each written once where it is kept). Below `ROW_STEPS_FROM` state elements
-    (batch included) and without `on_chunk`, a chunk's states are formed at once instead,
+    (batch included), a chunk's states are formed at once instead (`_states_at_once`),
     h_i = exp(c_i) h_0 + sum_{j<=i} w_ij Δ_j x_j B_j^T (one product of inner size chunk per head), and read for
     y_i = h_i C_i + D_h x_i: there the steps' Python calls cost more than the product, which is 4x slower on large
     states (docs/performance.md, "Every state kept"). `chunk_size` is accepted and ignored. The states go into
@@ -223,27 +223,26 @@ def mamba2_chunk_scan_states(
     every = (x.new_empty(0 if factors is not None else min(chunk, seq), *shape[1:]) if on_chunk is not None  # reused
              else x.new_empty(shape) if out is None else states_buffer(out, shape))  # i b h p n (none: readouts), t b h p n
     y = x.new_empty(x.shape)  # t b h p
-    row_steps = on_chunk is not None or math.prod(shape[1:]) >= ROW_STEPS_FROM
+    row_steps = factors is not None or math.prod(shape[1:]) >= ROW_STEPS_FROM
     for start in range(0, seq, chunk):
         xc, dc, Bc, Cc, lc = (v[start:start + chunk] for v in (x, delta, B_h, C_h, log_decay))  # i b h ..
         size = xc.shape[0]
         cum = lc.cumsum(0)  # i b h   c_i
         weights = causal_decay(cum)  # i j b h   w_ij
         stepped = dc[..., None] * xc  # i b h p   Δ_i x_i
-        if not row_steps:
-            y[start:start + size] = _states_at_once(every[start:start + size], state, cum, weights, stepped, Bc, Cc)
-            state = every[start + size - 1]  # b h p n
-            continue
-        scores = weights * torch.einsum("ibhn,jbhn->ijbh", Cc, Bc)  # i j b h   w_ij C_i . B_j
-        from_start = torch.einsum("bhpn,ibhn,ibh->ibhp", state, Cc, flushed_exp(cum))  # i b h p   exp(c_i) h_0 C_i
-        y[start:start + size] = torch.einsum("ijbh,jbhp->ibhp", scores, stepped) + from_start  # i b h p   h_i C_i
-        if factors is not None:
-            readouts, state = _chunk_readouts(factors, state, cum, weights, stepped, Bc)  # i b h r, b h p n
-            on_chunk(start, readouts)
-            continue
-        states = every[start:start + size] if on_chunk is None else every[:size]  # i b h p n
-        decay = flushed_exp(lc)[..., None]  # i b h 1   exp(Δ_i a_h)
-        rank_one_steps(states, state, decay, stepped, Bc)  # h_i = exp(Δ_i a_h) h_{i-1} + Δ_i x_i B_i^T
+        states = every[start:start + size] if on_chunk is None else every[:size]  # i b h p n   (readouts: none)
+        if row_steps:
+            scores = weights * torch.einsum("ibhn,jbhn->ijbh", Cc, Bc)  # i j b h   w_ij C_i . B_j
+            from_start = torch.einsum("bhpn,ibhn,ibh->ibhp", state, Cc, flushed_exp(cum))  # i b h p   exp(c_i) h_0 C_i
+            y[start:start + size] = torch.einsum("ijbh,jbhp->ibhp", scores, stepped) + from_start  # i b h p   h_i C_i
+            if factors is not None:
+                readouts, state = _chunk_readouts(factors, state, cum, weights, stepped, Bc)  # i b h r, b h p n
+                on_chunk(start, readouts)
+                continue
+            decay = flushed_exp(lc)[..., None]  # i b h 1   exp(Δ_i a_h)
+            rank_one_steps(states, state, decay, stepped, Bc)  # h_i = exp(Δ_i a_h) h_{i-1} + Δ_i x_i B_i^T
+        else:
+            y[start:start + size] = _states_at_once(states, state, cum, weights, stepped, Bc, Cc)  # i b h p
         if on_chunk is None:
             state = states[-1]  # b h p n
             continue
@@ -403,7 +402,7 @@ class Mamba2StateSpace(RecurrentMixer):
                                  tuple_without_final=False, all_states=mamba2_chunk_scan_states,
                                  on_chunk=True, readouts=16, adjoint=mamba2_chunk_scan_adjoint,
                                  blocks_below=24576,  # 24 heads of 64 x 16 at batch 1 (docs/performance.md)
-                                 shape=_cost_shape)),
+                                 shape=_cost_shape, chunk_argument="chunk_size")),
         # one token over the cached state, which it updates in place
         Kernel(name="mamba2_selective_state_update", role=Role.DECODE, loop=mamba2_selective_state_update,
                state_in="state", results=("output",), in_place=True),
