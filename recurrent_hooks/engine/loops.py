@@ -125,7 +125,7 @@ def scratch_like(state: Tensor) -> Tensor | None:
     """One state-sized buffer a token loop reuses for each token's temporary products, or None with gradients on
     (autograd keeps each product for the backward). A fresh tensor per product costs an allocation of a state's
     size per op, which the allocator can hand back to the system and fault in again: at Qwen3.5 dims the
-    gated delta rule's loop ran 2.4x faster with one buffer (docs/performance.md, "Threads of the token loop")."""
+    gated delta rule's loop ran 5x faster with one buffer (docs/performance.md, "Performance, third round")."""
     return None if torch.is_grad_enabled() else torch.empty_like(state)
 
 

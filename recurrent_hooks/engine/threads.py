@@ -66,8 +66,8 @@ def loop_threads(count: int | None, device: torch.device) -> Iterator[None]:
     """Run a token loop on `device` at `count` intra-op threads (`threads_for`; None: torch's setting).
 
     A loop's ops are one token's: on a small state each op's fork and join over several threads costs more than its
-    share of the work, and a thread another process holds stalls every op (docs/performance.md, "Threads of the
-    token loop"). The hooks the loop calls run at that setting too (a hook's ops are one token's as well). Changed
+    share of the work, and a thread another process holds stalls every op (docs/performance.md, "Performance,
+    third round"). The hooks the loop calls run at that setting too (a hook's ops are one token's as well). Changed
     only on a CPU, with OpenMP's threads (per calling thread), outside a compiled graph."""
     if count is None or device.type != "cpu" or torch.compiler.is_compiling() or not _threads_per_caller():
         yield

@@ -152,7 +152,7 @@ def _gated_delta_rule_states(
     `ROW_STEPS_FROM` state elements (batch included), a chunk's states are formed at once instead
     (`_states_at_once`), S_i = diag(exp(c_i)) S_0 + sum_{j<=i} D_ij k_j u_j^T (a product of inner size chunk), and read for
     the outputs, o_i = S_i^T q_i: there the per-token steps' Python calls cost more than the product, which CPUs
-    run far below their speed on large states (docs/performance.md, "Every state kept").
+    run far below their speed on large states (docs/performance.md, "Performance, third round").
 
     The states go into one token-first buffer (`out`, float32, when given: a buffer reused across calls is not paged
     in again, which a fresh one of this size is on CPU). With `on_chunk`, each chunk's states go to

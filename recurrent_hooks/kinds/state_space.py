@@ -204,7 +204,7 @@ def mamba2_chunk_scan_states(
     (batch included), a chunk's states are formed at once instead (`_states_at_once`),
     h_i = exp(c_i) h_0 + sum_{j<=i} w_ij Δ_j x_j B_j^T (one product of inner size chunk per head), and read for
     y_i = h_i C_i + D_h x_i: there the steps' Python calls cost more than the product, which is 4x slower on large
-    states (docs/performance.md, "Every state kept"). `chunk_size` is accepted and ignored. The states go into
+    states (docs/performance.md, "Performance, third round"). `chunk_size` is accepted and ignored. The states go into
     `out` (float32, at least seq tokens) when given: a reused buffer is not paged in again, as a fresh one is.
 
     With `on_chunk`, each chunk's states go to `on_chunk(start, states)` instead, in one buffer of one chunk reused
