@@ -304,7 +304,7 @@ class _Tap:
             takers[0].borrowed = True
             result = _blocks.run_in_blocks(kernel, args, kwargs, on_token)
         elif fast is not None and kernel.segments is None:  # the loop computes fast between the stops itself
-            with _loop_threads(kernel, busy[0][0].mixer, arguments):
+            with _loop_threads(kernel, busy, arguments):
                 result = kernel.loop(*args, on_token=on_token, stops=fast.stops, **extra, **kwargs)
         elif fast is not None and fast.every_state and takers[0].differentiable:
             # every state with gradients, no stop (`strategies.choose`): all-states forward, adjoint backward
@@ -313,7 +313,7 @@ class _Tap:
             result = _run_in_segments(kernel, original, args, kwargs, fast.stops, fast.tails, on_token,
                                       [plan for plan in takers[0].storing if fast.every_state])
         else:
-            with _loop_threads(kernel, busy[0][0].mixer, arguments):
+            with _loop_threads(kernel, busy, arguments):
                 result = kernel.loop(*args, on_token=on_token, **extra, **kwargs)
         if kernel.memory == CONV_MEMORY and kernel.role == "prompt" and takers[0].last:
             self._sync_conv_cache(type(entry.mixers[0]), entry.forward, takers[0].last[0])
@@ -522,9 +522,10 @@ def _own(state: Tensor) -> Tensor:
 BOUND_KERNEL = "bound kernel"  # `KernelCall.path` of a call nothing was asked of: the kernel bound before the watch
 
 
-def _loop_threads(kernel: Kernel, mixer: RecurrentMixer, arguments: dict[str, Any]) -> Any:
-    """The intra-op threads setting a token loop of this call runs under (`threads.loop_threads`), on the device of
-    its first tensor argument."""
+def _loop_threads(kernel: Kernel, busy: list[list[Plan]], arguments: dict[str, Any]) -> Any:
+    """The intra-op threads setting a token loop of this call runs under (`threads.loop_threads`, by the policy of
+    its first busy plan), on the device of its first tensor argument."""
+    mixer = next(plan.mixer for per_memory in busy for plan in per_memory)
     device = next((value.device for value in arguments.values() if isinstance(value, Tensor)), torch.device("cpu"))
     setting = mixer.paths.loop_threads
     size = _blocks.state_size(type(mixer), kernel, arguments) if setting == "auto" else None
