@@ -73,7 +73,7 @@ def keep_every_state(kernel: Kernel, original: Callable[..., Any], args: tuple, 
     anchor = torch.zeros((), device=tensors[0].device, requires_grad=True)  # X requires grad when no input does
     states = _States.apply(spec, anchor, *tensors)
     states.register_hook(lambda grad: _through_uses(spec, tensors, grad))
-    per_token = states.unbind(1)
+    per_token = _PerToken.apply(spec, states)
     out, final = _Readout.apply(spec, *tensors, *per_token)
     return spec.pieces(tensors).result([out], final), states, per_token
 
@@ -126,7 +126,7 @@ class _States(torch.autograd.Function):
         ctx.spec = spec
         ctx.save_for_backward(*tensors)
         ctx.set_materialize_grads(False)
-        return every.movedim(0, 1).contiguous()
+        return every.movedim(0, 1)  # (a view: a contiguous copy would be a second seq x state tensor)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor | None) -> tuple[Any, ...]:
@@ -155,6 +155,29 @@ def _through_the_loop(spec: _Spec, saved: tuple[Tensor, ...], needed: tuple[bool
         wanted = [leaf for leaf in leaves if leaf.requires_grad]
         grads = iter(torch.autograd.grad(torch.stack(total).sum(), wanted, allow_unused=True) if wanted else ())
     return [next(grads) if leaf.requires_grad else None for leaf in leaves]
+
+
+class _PerToken(torch.autograd.Function):
+    """X -> X_0 .. X_{T-1}, the views `state_after(t)` returns. Its backward hands back `_Readout`'s gradient
+    buffer itself when the views' gradients are its own views, unchanged (nothing else used the states): an
+    unbind's backward would stack them into a second seq x state tensor."""
+
+    @staticmethod
+    def forward(ctx: Any, spec: _Spec, states: Tensor) -> tuple[Tensor, ...]:
+        ctx.spec = spec
+        ctx.set_materialize_grads(False)
+        return states.unbind(1)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
+        mu = ctx.spec.mu
+        if mu is not None and all(g is not None and g.data_ptr() == m.data_ptr() and g.stride() == m.stride()
+                                  for g, m in zip(grads, mu.unbind(1))):
+            return None, mu
+        first = next((g for g in grads if g is not None), None)
+        if first is None:
+            return None, None
+        return None, torch.stack([torch.zeros_like(first) if g is None else g for g in grads], dim=1)
 
 
 class _Readout(torch.autograd.Function):
