@@ -4,6 +4,7 @@
     python benchmarks/attribution.py --model qwen3_5      # Qwen3.5 layer dims, T = 512 (--tokens 2048)
     python benchmarks/attribution.py --model mamba2_130m  # mamba2-130m layer dims
     python benchmarks/attribution.py --model qwen3_5_4 --tokens 64 --pairs 8 --no-states   # many pairs at once
+    python benchmarks/attribution.py --model mamba2_130m_full --tokens 256 --no-states   # full depth (24 layers)
     python benchmarks/attribution.py --device cuda        # the same rows on a GPU (fused kernels if installed)
     python benchmarks/attribution.py --quick              # tiny dims, a smoke run
 
@@ -59,6 +60,12 @@ MODELS = {  # name -> (label, builder)
                   lambda: bench._gdn(2048, 16, 32, 128, 6144, ["linear_attention"] * 3 + ["full_attention"])),
     "mamba2_130m": ("mamba2-130m layer dims: hidden 768, 24 heads of 64, state 128, chunk 256; 2 layers",
                     lambda: bench._mamba2(768, 24, 64, 128, 256)),
+    "mamba2_130m_full": ("mamba2-130m at full depth: hidden 768, 24 heads of 64, state 128, chunk 256; 24 layers",
+                         lambda: bench._mamba2(768, 24, 64, 128, 256, layers=24)),
+    "qwen3_5_slice": ("a Qwen3.5 slice at its layer dims and 3:1 pattern: hidden 2048, 16 key / 32 value heads of 128,"
+                      " MLP 6144; 8 layers (6 gated DeltaNet, 2 attention)",
+                      lambda: bench._gdn(2048, 16, 32, 128, 6144,
+                                         (["linear_attention"] * 3 + ["full_attention"]) * 2)),
     "quick": ("gated DeltaNet (quick dims)", lambda: bench._gdn(64, 2, 4, 16, 128, bench.LINEAR2)),
 }
 

@@ -79,12 +79,13 @@ def _gdn(hidden: int, key_heads: int, value_heads: int, head_dim: int, intermedi
     return transformers.Qwen3_5ForCausalLM(config)
 
 
-def _mamba2(hidden: int, heads: int, head_dim: int, state: int, chunk: int) -> Any:
+def _mamba2(hidden: int, heads: int, head_dim: int, state: int, chunk: int, layers: int = 2) -> Any:
     import transformers
 
     config = transformers.Mamba2Config(
         vocab_size=VOCAB, hidden_size=hidden, num_heads=heads, head_dim=head_dim, expand=2, state_size=state,
-        n_groups=1, chunk_size=chunk, conv_kernel=4, num_hidden_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        n_groups=1, chunk_size=chunk, conv_kernel=4, num_hidden_layers=layers, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2,
     )
     return transformers.Mamba2ForCausalLM(config)
 

@@ -6,6 +6,7 @@
     python benchmarks/sweep.py --memory --library /work/main --budget-mib 256   # the same rows on another checkout
     python benchmarks/sweep.py --per-cell            # gdn_small, T = 512: seconds per cell by batch size vs naive
     python benchmarks/sweep.py --per-cell --dims qwen3_5 --cells 8 --batch-sizes None,1 --repeats 1
+    python benchmarks/sweep.py --per-cell --dims mamba2_130m_full --seq 256 --cells 8 --batch-sizes None --repeats 1
     python benchmarks/sweep.py --pairs 16            # many pairs in shared batches vs one sweep per pair; heads
 
 The model is `recurrent_hooks.demo.tiny_model()` (Qwen3.5, 4 layers: gated DeltaNet at 0 and 2, attention
@@ -28,8 +29,10 @@ same); the script exits non-zero when they do not, or when the ratio misses the 
 runs in its own child process (MALLOC_MMAP_THRESHOLD_=65536, as benchmarks/run.py): `held` is the most bytes
 of clean memories alive at once (every clone of the sweep's read hooks, counted until freed), `peak+` the
 VmHWM during the sweep minus the VmRSS before it. `--library` measures another checkout (one without
-`budget_bytes` runs without it). `--per-cell`: the same model (`--dims qwen3_5`: Qwen3.5 layer dims), `--cells` positions of layer 0, seconds per cell of
-the loop of one forward per cell with `set_memory_after` and of `patching_sweep` at each `--batch-sizes`.
+`budget_bytes` runs without it). `--per-cell`: the same model (`--dims qwen3_5`: Qwen3.5 layer dims; `qwen3_5_slice`:
+8 layers of them in Qwen3.5's 3:1 pattern; `mamba2_130m_full`: mamba2-130m's 24 layers), `--seq` tokens, `--cells`
+positions of layer 0, seconds per cell of the loop of one forward per cell with `set_memory_after` and of
+`patching_sweep` at each `--batch-sizes`, and per cell in plain forwards of the corrupt prompt.
 `--pairs N`: `demo.tiny_model()`, N prompt pairs of `--tokens` tokens (default 64), every cell: the sweep over
 `[N, seq]` with an `rh.metrics` metric (the pairs' cells share batches, the baselines are one batch) against a
 loop of N single-pair sweeps, and the per-head sweep (`heads=True`, 4 value heads: 4 x the cells) against the
@@ -62,6 +65,10 @@ def _small_model(dims: str = "gdn_small") -> object:
     torch.manual_seed(0)
     if dims == "qwen3_5":
         return bench._gdn(2048, 16, 32, 128, 6144, bench.HYBRID).eval()
+    if dims == "qwen3_5_slice":  # Qwen3.5's 3:1 pattern, 8 layers
+        return bench._gdn(2048, 16, 32, 128, 6144, (["linear_attention"] * 3 + ["full_attention"]) * 2).eval()
+    if dims == "mamba2_130m_full":  # 24 layers
+        return bench._mamba2(768, 24, 64, 128, 256, layers=24).eval()
     return bench._gdn(256, 4, 8, 64, 512, bench.LINEAR2).eval()
 
 
@@ -165,8 +172,8 @@ def per_cell_rows(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     model = _small_model(args.dims)
     gen = torch.Generator().manual_seed(0)
-    clean, corrupt = (torch.randint(3, 1024, (1, SMALL_TOKENS), generator=gen) for _ in range(2))
-    positions = _spread(args.cells, SMALL_TOKENS)
+    clean, corrupt = (torch.randint(3, 1024, (1, args.seq), generator=gen) for _ in range(2))
+    positions = _spread(args.cells, args.seq)
     cells = len(positions)
     metric = lambda logits: logits[:, -1].log_softmax(-1)[:, 5]  # noqa: E731
 
@@ -178,7 +185,11 @@ def per_cell_rows(args: argparse.Namespace) -> int:
                 w.mixer(0).set_memory_after(position, a.mixer(0).memory_after(position))
                 metric(model(corrupt, use_cache=False).logits)
 
-    runs = {"naive: one forward per cell, set_memory_after": naive}
+    def plain() -> None:
+        with torch.no_grad():
+            metric(model(corrupt, use_cache=False).logits)
+
+    runs = {"naive: one forward per cell, set_memory_after": naive, "one plain forward": plain}
     for batch in (None if b == "None" else int(b) for b in args.batch_sizes.split(",")):
         runs[f"patching_sweep(batch_size={batch})"] = lambda batch=batch: rh.patching_sweep(
             model, clean[0], corrupt[0], metric, layers=[0], positions=positions, batch_size=batch, progress=False)
@@ -189,12 +200,16 @@ def per_cell_rows(args: argparse.Namespace) -> int:
             fn()
             if round_:
                 times[name].append(time.perf_counter() - start)
-    print(f"patching sweep per cell, {args.dims}, T={SMALL_TOKENS}, {cells} positions of layer 0,"
+    print(f"patching sweep per cell, {args.dims}, T={args.seq}, {cells} positions of layer 0,"
           f" {args.threads} thread(s), median of {args.repeats} interleaved rounds")
-    naive_s = statistics.median(times[next(iter(runs))])
+    naive_s, forward_s = statistics.median(times[next(iter(runs))]), statistics.median(times["one plain forward"])
     for name, values in times.items():
         median = statistics.median(values)
-        print(f"  {name:<48} {median / cells:.3f} s/cell ({median / naive_s:.2f} x naive)")
+        if name == "one plain forward":
+            print(f"  {name:<48} {median:.3f} s")
+            continue
+        print(f"  {name:<48} {median / cells:.3f} s/cell ({median / naive_s:.2f} x naive,"
+              f" {median / cells / forward_s:.2f} forwards per cell)")
     return 0
 
 
@@ -252,8 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--library", default=None, help="--memory: the checkout to measure (default: this one)")
     parser.add_argument("--per-cell", action="store_true", help="gdn_small: seconds per cell by batch size")
     parser.add_argument("--batch-sizes", default="1,2,7,32", help="--per-cell: batch sizes (None: the default)")
-    parser.add_argument("--dims", choices=("gdn_small", "qwen3_5"), default="gdn_small",
-                        help="--per-cell: the model's layer dims")
+    parser.add_argument("--dims", choices=("gdn_small", "qwen3_5", "qwen3_5_slice", "mamba2_130m_full"),
+                        default="gdn_small", help="--per-cell: the model (the last two at full depth or 8 layers)")
+    parser.add_argument("--seq", type=int, default=SMALL_TOKENS, help="--per-cell: the prompts' tokens")
     parser.add_argument("--cells", type=int, default=16, help="--per-cell: positions of layer 0")
     parser.add_argument("--pairs", type=int, default=None, help="N pairs in one sweep vs N sweeps; heads=True")
     parser.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
