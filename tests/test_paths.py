@@ -572,7 +572,7 @@ def test_a_device_without_calibration_takes_the_fixed_rule_and_support_says_so()
     ({"tails": 1}, r"expected tails=True or tails=False, got tails=1"),
     ({"blocks_below": -1}, r"blocks_below= None or a number of state elements >= 0, got blocks_below=-1"),
     ({"costs": {"ssd": (1, 2)}}, r"costs\['ssd'\]: expected Constants"),
-    ({"loop_threads": 0}, r"expected loop_threads= 'auto', None or a number of threads >= 1, got loop_threads=0"),
+    ({"loop_threads": 0}, r"expected loop_threads= None or a number of threads >= 1, got loop_threads=0"),
     ({"loop_threads": "one"}, r"got loop_threads='one'"),
 ])
 def test_bad_paths_are_refused_with_what_was_expected(kwargs, message):
@@ -580,17 +580,18 @@ def test_bad_paths_are_refused_with_what_was_expected(kwargs, message):
         rh.Paths(**kwargs)
 
 
-@pytest.mark.parametrize(("setting", "inside"), [("auto", 1), (None, 2), (2, 2)], ids=["auto", "torch", "two"])
+@pytest.mark.parametrize(("setting", "inside"), [({}, 1), ({"loop_threads": None}, 2), ({"loop_threads": 2}, 2)],
+                         ids=["default", "torch", "two"])
 def test_the_token_loop_runs_at_its_threads_and_restores_them(setting, inside):
-    """`Paths(loop_threads=...)`: a token loop over a small state (the test model's) runs its ops, hooks included, on
-    one intra-op thread by default; the caller's setting comes back after the call, and after a hook that raised."""
+    """`Paths(loop_threads=...)`: a token loop runs its ops, hooks included, on one intra-op thread by default; the
+    caller's setting comes back after the call, and after a hook that raised."""
     if "OpenMP" not in torch.__config__.parallel_info():
         pytest.fail("this torch has no OpenMP threads: the test needs the per-thread setting the library changes")
     model, ids, seen = build("qwen3_5"), random_ids(1, 6), []
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        with rh.watch(model, paths=rh.Paths(rule="loop", loop_threads=setting)) as w, torch.no_grad():
+        with rh.watch(model, paths=rh.Paths(rule="loop", **setting)) as w, torch.no_grad():
             w.mixers[0].register_state_hook(lambda m, c, t, s: seen.append(torch.get_num_threads()))
             model(ids)
             assert torch.get_num_threads() == 2

@@ -37,7 +37,7 @@ from .call_state import Plan, _Forward
 from .errors import InvalidValue, noted
 from .mixer import RecurrentMixer
 from .parts import State, is_parts, map_parts, parts_of, rebuild, stack_parts
-from .threads import THREAD, in_backward, loop_threads, threads_for, user_code
+from .threads import THREAD, in_backward, loop_threads, user_code
 from .upstream import wraps_kernel
 
 
@@ -299,12 +299,13 @@ class _Tap:
         if "original" in kernel.layout.named:  # a loop that reads settings the kernel captured
             extra["original"] = original
         if fast is not None and fast.path is strategies.Strategy.CHUNKS:  # the all-states kernel's chunks, reduced
-            result = _reduce_in_chunks(kernel, args, kwargs, takers[0], type(busy[0][0].mixer), arguments)
+            with _loop_threads(busy, arguments):  # (its states formed token by token, then fn per chunk)
+                result = _reduce_in_chunks(kernel, args, kwargs, takers[0], type(busy[0][0].mixer), arguments)
         elif fast is not None and fast.path is strategies.Strategy.BLOCKS:  # the states chunk-wise, a block at a time
             takers[0].borrowed = True
             result = _blocks.run_in_blocks(kernel, args, kwargs, on_token)
         elif fast is not None and kernel.segments is None:  # the loop computes fast between the stops itself
-            with _loop_threads(kernel, busy, arguments):
+            with _loop_threads(busy, arguments):
                 result = kernel.loop(*args, on_token=on_token, stops=fast.stops, **extra, **kwargs)
         elif fast is not None and fast.every_state and takers[0].differentiable:
             # every state with gradients, no stop (`strategies.choose`): all-states forward, adjoint backward
@@ -313,7 +314,7 @@ class _Tap:
             result = _run_in_segments(kernel, original, args, kwargs, fast.stops, fast.tails, on_token,
                                       [plan for plan in takers[0].storing if fast.every_state])
         else:
-            with _loop_threads(kernel, busy, arguments):
+            with _loop_threads(busy, arguments):
                 result = kernel.loop(*args, on_token=on_token, **extra, **kwargs)
         if kernel.memory == CONV_MEMORY and kernel.role == "prompt" and takers[0].last:
             self._sync_conv_cache(type(entry.mixers[0]), entry.forward, takers[0].last[0])
@@ -522,14 +523,12 @@ def _own(state: Tensor) -> Tensor:
 BOUND_KERNEL = "bound kernel"  # `KernelCall.path` of a call nothing was asked of: the kernel bound before the watch
 
 
-def _loop_threads(kernel: Kernel, busy: list[list[Plan]], arguments: dict[str, Any]) -> Any:
-    """The intra-op threads setting a token loop of this call runs under (`threads.loop_threads`, by the policy of
-    its first busy plan), on the device of its first tensor argument."""
+def _loop_threads(busy: list[list[Plan]], arguments: dict[str, Any]) -> Any:
+    """`threads.loop_threads` for a call's path with per-token steps, by the policy of its first busy plan, on the
+    device of its first tensor argument."""
     mixer = next(plan.mixer for per_memory in busy for plan in per_memory)
     device = next((value.device for value in arguments.values() if isinstance(value, Tensor)), torch.device("cpu"))
-    setting = mixer.paths.loop_threads
-    size = _blocks.state_size(type(mixer), kernel, arguments) if setting == "auto" else None
-    return loop_threads(threads_for(setting, size), device)
+    return loop_threads(mixer.paths.loop_threads, device)
 
 
 def _fast_path(kernel: Kernel, busy: list[Plan], tokens: int,

@@ -177,10 +177,10 @@ class Paths:
       (None: each kernel's measured `Segments.blocks_below`);
     - `costs`: constants by kernel key ("delta rule", "ssd", "kimi delta") to use instead of the device's
       calibration (`Constants`, or a mapping with "kernel", "loop" and "states" lists as `costs.json` has them);
-    - `loop_threads`: torch's intra-op threads while a token loop runs on a CPU: "auto" (the default: one thread
-      for a state below `threads.ONE_THREAD_BELOW` elements, batch included, whose per-token ops cost less than
-      splitting them; torch's setting for larger or undeclared states), a number, or None (torch's setting). The
-      hooks the loop calls run at that setting too (`Paths(loop_threads=None)` for a hook that does heavy work).
+    - `loop_threads`: torch's intra-op threads while the paths with per-token steps (the token loop, and the
+      chunk-wise reductions, which form large states token by token) run on a CPU, the loop's hooks included:
+      1 (the default: each step's ops are too small to split; on a shared machine a thread another process holds
+      stalls every one of them), a number, or None (torch's setting).
 
     Every path gives the token loop's results (within float rounding); only the time differs. Several handles
     busy in one call (a watch and a standalone hook on one module) take the path their policies agree on; if
@@ -192,7 +192,7 @@ class Paths:
     tails: bool = False
     blocks_below: int | None = None
     costs: "Mapping[str, Any] | None" = None
-    loop_threads: int | str | None = "auto"
+    loop_threads: int | None = 1
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
@@ -215,8 +215,8 @@ class Paths:
         if self.costs is not None:
             object.__setattr__(self, "costs", _as_constants(self.costs))
         threads = self.loop_threads
-        if threads not in (None, "auto") and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-            raise InvalidValue(f"Paths: expected loop_threads= 'auto', None or a number of threads >= 1, got"
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise InvalidValue(f"Paths: expected loop_threads= None or a number of threads >= 1, got"
                                f" loop_threads={threads!r}")
 
     def __hash__(self) -> int:  # (costs is a dict)

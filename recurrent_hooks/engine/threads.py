@@ -49,26 +49,16 @@ def _threads_per_caller() -> bool:
     return "OpenMP" in torch.__config__.parallel_info()
 
 
-ONE_THREAD_BELOW = 65_536  # state elements below which a token loop's ops run faster on one thread (measured, CPU, 2
-# threads against 1: gated DeltaNet's loop 1.34x slower on 2 at 32,768 elements, 0.79x at 65,536; Mamba-2's 1.52x at
-# 24,576, 1.11x at 49,152, 0.98x at 98,304)
-
-
-def threads_for(setting: int | str | None, state_elements: int | None) -> int | None:
-    """The intra-op threads a token loop runs at (`Paths.loop_threads`; None: torch's setting)."""
-    if setting != "auto":
-        return setting  # type: ignore[return-value]
-    return 1 if state_elements is not None and state_elements < ONE_THREAD_BELOW else None
-
-
 @contextlib.contextmanager
 def loop_threads(count: int | None, device: torch.device) -> Iterator[None]:
-    """Run a token loop on `device` at `count` intra-op threads (`threads_for`; None: torch's setting).
+    """Run a path with per-token steps on `device` at `count` intra-op threads (`Paths.loop_threads`; None:
+    torch's setting).
 
-    A loop's ops are one token's: on a small state each op's fork and join over several threads costs more than its
-    share of the work, and a thread another process holds stalls every op (docs/performance.md, "Performance,
-    third round"). The hooks the loop calls run at that setting too (a hook's ops are one token's as well). Changed
-    only on a CPU, with OpenMP's threads (per calling thread), outside a compiled graph."""
+    Each step's ops are one token's: split over several threads, each op's fork and join costs about what it
+    saves, and a thread another process holds stalls every op (measured, docs/performance.md, "Performance, third
+    round": a token loop 3-4x slower than on one thread with two other processes on the two cores). The hooks the
+    loop calls run at that setting too. Changed only on a CPU, with OpenMP's threads (per calling thread), outside a
+    compiled graph; the caller's setting is back on the way out."""
     if count is None or device.type != "cpu" or torch.compiler.is_compiling() or not _threads_per_caller():
         yield
         return
