@@ -95,7 +95,7 @@ def wkv_memory(out, mixer, memory):
 
 
 def rg_lru_memory(out, mixer, memory):
-    """RecurrentGemma keeps its memory on the block (more-families.md, bug 4)."""
+    """RecurrentGemma keeps its memory on the block, not in the cache (`rg_lru.recurrent_states`, `conv1d_state`)."""
     module = mixer.module
     return {"the module": module.rg_lru.recurrent_states if memory == "state" else module.conv1d_state}
 
@@ -138,7 +138,7 @@ class Adapter:
     carried: Callable | None = cache_state  # (out, mixer, memory) -> {where: the value the model carries on}
     window_in: Callable | None = conv_input  # the window a call started from; None: read it off the shift
     state_in: Callable = state_in  # the state a call started from
-    batch: int = 2  # of every generate (rwkv decodes right with batch 1 only, more-families.md bug 1)
+    batch: int = 2  # of every generate (rwkv decodes right with batch 1 only, a transformers bug)
     early: dict = dataclasses.field(default_factory=lambda: dict(rtol=1e-5, atol=1e-5))  # logits at tokens <= t
     decode_early: dict | None = None  # logits of calls <= k after a decode write (default: `early`)
     later: float = 1e-6  # how much a write must move the logits after it

@@ -68,9 +68,9 @@ Effect at default init -> as built, with per-token decay exp(dt A) and rms |B|, 
 RWKV-4 (rwkv: 2 layers, all time mixing, no attention, no Cache; same check, the WKV state of one
 layer after token 4 replaced by the empty one): effect 0.35 .. 0.71 at default init (time_decay spans
 [-5, 3], so per-token decays e^{-w} from 0.99 to 2e-9 over the channels); left as it is.
-xlstm (Table 3 of more-families.md, hidden 64): xLSTM's init gives the mLSTM gates zero weights and
-an input gate bias of -10, so the gates are constant per head and the memory is tiny (C, n ~ 1e-3, the
-denominator e^(-m) wins). ``_gate_the_mlstm`` draws gate weights ~ N(0, 0.25^2) and zeroes the input
+xlstm (hidden 64: transformers' cache rounds head dims up to multiples of 64): xLSTM's init gives the mLSTM
+gates zero weights and an input gate bias of -10, so the gates are constant per head and the memory is tiny
+(C, n ~ 1e-3, the denominator e^(-m) wins). ``_gate_the_mlstm`` draws gate weights ~ N(0, 0.25^2) and zeroes the input
 gate bias: gates depend on the input (preactivations std ~2), C and n are O(1), and zeroing both layers'
 states after token 4 moves the last logits by 1.3 .. 1.8 (seeds 0-2). Cached decoding matches the full forward within 8e-6
 (the chunk-wise prompt kernel against the step kernel).
@@ -473,7 +473,8 @@ def _zamba2():
 
 def _recurrent_gemma():
     # Griffin: two recurrent blocks (RG-LRU) and a local-attention block. lru_width = hidden_size, as
-    # transformers sizes a fresh conv window with hidden_size (more-families.md, bug 3).
+    # transformers 5.24 sizes a fresh conv window with hidden_size channels, not lru_width (a first cached
+    # one-token forward with lru_width != hidden_size raises a size mismatch).
     common = {k: v for k, v in _COMMON.items() if k != "num_hidden_layers"}
     return _make(
         transformers.RecurrentGemmaConfig, transformers.RecurrentGemmaForCausalLM,
@@ -512,8 +513,8 @@ def _gate_the_mlstm(model: transformers.PreTrainedModel) -> transformers.PreTrai
 
 
 def _xlstm():
-    # Table 3 of more-families.md: hidden 64, since the cache rounds head dims up to multiples of 64 and
-    # xLSTMLayer does not (hidden * factor must be a multiple of 64, transformers bug 6); chunk_size 8 so
+    # hidden 64, since transformers' cache rounds head dims up to multiples of 64 and xLSTMLayer does not
+    # (hidden * factor must be a multiple of 64, or the cache's shapes mismatch); chunk_size 8 so
     # that a 13-token prompt runs the chunk-wise kernel on 8 tokens and the sequence kernel on 5.
     return _gate_the_mlstm(_make(
         transformers.xLSTMConfig, transformers.xLSTMForCausalLM,

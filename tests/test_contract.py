@@ -35,7 +35,7 @@ T = 13  # not a multiple of anything
 
 # Per-family quirks, as data; a family without a row takes DEFAULTS.
 # - batch: the batch of every generate and one-token forward (rwkv decodes right with batch 1 only: with a state,
-#   transformers' token shift broadcasts a one-token batch to [batch, batch, hidden], more-families.md bug 1);
+#   transformers' token shift broadcasts a one-token batch to [batch, batch, hidden], a bug of transformers 5.24);
 # - loop_atol: how far the token loops may round from transformers' kernels (0: they make its operations in its
 #   order, bit for bit);
 # - backward_use_cache: the use_cache of a forward that is differentiated (False: transformers' own backward

@@ -1,7 +1,7 @@
 """The dynamic short-convolution kinds (`DynamicShortConvolution`, `LoopedDynamicShortConvolution`): the bar of
 tests/test_families.py for inkling2's and inkling2_loop's dynamic k/v convolutions, whose forward the library owns.
 
-The float64 reference is the equation (more-families.md, "Inkling2 dynamic"), from the module's own inputs:
+The float64 reference is the equation of transformers' inkling2 dynamic convolution, from the module's own inputs:
 y_t = (x_t + sum_{j<K} (W_s[j] + (W_p u_t)_{head,j}) x_{t-j}) / sqrt(2K + 1); the window after token t is the last
 K inputs x_{t-K+1..t}, oldest first.
 """

@@ -26,7 +26,10 @@ T = 13  # chunk_size 8: 8 tokens chunk-wise, 5 token by token
 
 
 def mlstm_reference(query, key, value, igate, fgate, c_initial=None, n_initial=None, m_initial=None, eps=1e-6):
-    """The mLSTM equations (more-families.md, "mLSTM") in float64, one head and token at a time.
+    """The mLSTM equations (xLSTM, Beck et al. 2024, as transformers' xlstm writes them) in float64, one head and
+    token at a time: m_t = max(log sigmoid(f_t) + m_{t-1}, i_t), i' = exp(i_t - m_t), f' = exp(log sigmoid(f_t) +
+    m_{t-1} - m_t), C_t = f' C_{t-1} + i' k_t v_t^T, n_t = f' n_{t-1} + i' k_t, h_t = C_t^T q / (max(|n_t^T q|,
+    exp(-m_t)) + eps), q scaled by 1/sqrt(d_qk).
 
     Returns the outputs `[batch, heads, seq, value_dim]` and the states after every token, an MLSTMState of
     `[batch, seq, heads, ...]` stacks.

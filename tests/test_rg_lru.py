@@ -8,8 +8,9 @@ so it has its own test file with the checks of tests/test_families.py, parametri
 - writes (prompt, decode, conv window), an in-place hook edit as a replacement, the whole-memory identity,
   gradients, support (parity, generate, the call counter, standalone hooks, the input gradient and bindings
   are tests/test_contract.py's);
-- transformers' own quirks (more-families.md, bugs 3-5) and its beam search, which leaves the module-held
-  memory in place, reproduced watched and unwatched.
+- transformers' own quirks (a fresh conv window sized with hidden_size; the module-held memory surviving across
+  calls; a multi-token forward with a state recomputing the conv from zeros) and its beam search, which leaves the
+  module-held memory in place, reproduced watched and unwatched.
 """
 
 import copy
@@ -441,7 +442,7 @@ def test_values_are_the_recurrence_inputs(model):
         assert_close("output", mixer.calls[call].states, values["output"], **EXACT)
 
 
-# -- transformers' own quirks (more-families.md, bugs 3-5) -------------------------------------------------------
+# -- transformers' own quirks (window sized with hidden_size, memory kept across calls, conv from zeros) -----------
 
 
 def test_multi_token_continuation_restarts_the_window_and_continues_the_state(model):

@@ -2,7 +2,7 @@
 is the conv window (lfm2, lfm2_moe, lfm3, inkling, inkling2), on tiny random-weight models. The kind-agnostic
 part of the bar (parity, generate, the call counter, standalone hooks, bindings) is tests/test_contract.py.
 
-Each family's float64 reference is its mixer's equation (more-families.md, "Equations"), from the mixer module's
+Each family's float64 reference is its mixer's equation (as transformers' modules compute it), from the mixer module's
 own input: LFM2 y = W_out(C ⊙ DWConv_K(B ⊙ x̃)) with [B; C; x̃] = W_in h; inkling y = x + DWConv_K(x); inkling2
 (static) y = (x + DWConv_K(x)) / sqrt(K + 1). The window after token t is the last K convolution inputs.
 """

@@ -1,7 +1,7 @@
 """zaya's CCA projection (`CompressedConvolutionalAttention`): the family bar for a forward the library owns that
 updates two memories, the q/k conv window (`conv_state`) and the one-token value delay (`state`).
 
-The float64 reference is the equation (more-families.md, "Zaya CCA"), from the module's own inputs x:
+The float64 reference is the equation of transformers' zaya CCA, from the module's own inputs x:
 c_t = [W_q x_t; W_k x_t]; ĉ = GroupConv_{t1}(DWConv_{t0}(c)) over the K window columns before each token and the
 token's own; q = ĉ_q + (q~ + rep(k~)) / 2, k = ĉ_k + its group mean; v_t = [W_vc x_t ; delay_{t-1}], delay_t =
 W_vd x_t (delay_{-1} = W_vd 0). The window after token t is c_{t-K+1..t}, oldest first.
