@@ -583,7 +583,9 @@ def support(model: nn.Module) -> list[MixerSupport]:
             if segments is not None
             else f"the library's {prompt.name}, with its fast computation between them" if prompt.stops
             else "the token loop (the prompt kernel does not run in segments: see the limits)",
-            "every state of a prompt": "chunk-wise without gradients, the token loop with them"
+            "every state of a prompt": ("chunk-wise, with gradients too (their backward by the adjoint recurrence)"
+                                        if segments.adjoint is not None else
+                                        "chunk-wise without gradients, the token loop with them")
             if segments is not None and segments.all_states is not None else "the token loop",
             "a reduction of every state": "the chunk-wise kernel's chunks, reduced as it forms them, without"
             " gradients; the token loop's with them" if segments is not None and segments.on_chunk
