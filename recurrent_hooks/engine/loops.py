@@ -121,6 +121,16 @@ def causal_decay(cum: Tensor) -> Tensor:
     return flushed_exp((cum[:, None] - cum[None, :]).masked_fill(~causal, -torch.inf))
 
 
+def chunk_formed(states: Tensor, start: int, on_chunk: OnChunk | None) -> Tensor:
+    """A chunk's states are formed (`[size, *state]`, from token `start`): hand them to `on_chunk` if given (they are
+    then in the one chunk buffer it reuses) and return the state the next chunk starts from, its own copy there."""
+    if on_chunk is None:
+        return states[-1]
+    last = states[-1].clone()  # (the next chunk overwrites the buffer)
+    on_chunk(start, states)
+    return last
+
+
 def scratch_like(state: Tensor) -> Tensor | None:
     """One state-sized buffer a token loop reuses for each token's temporary products, or None with gradients on
     (autograd keeps each product for the backward). A fresh tensor per product costs an allocation of a state's

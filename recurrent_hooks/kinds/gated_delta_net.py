@@ -41,8 +41,8 @@ from .effective import EffectiveAttention, cat, decayed
 from ..engine.calls import KernelCall
 from ..engine.kernels import Kernel, Role, Segments
 from ..engine.errors import Unavailable
-from ..engine.loops import (OnChunk, OnToken, Visit, causal_decay, flushed_exp, plus, rank_one_steps, refuse_packed,
-                            scratch_like, starting_state, states_buffer, times, visited)
+from ..engine.loops import (OnChunk, OnToken, Visit, causal_decay, chunk_formed, flushed_exp, plus, rank_one_steps,
+                            refuse_packed, scratch_like, starting_state, states_buffer, times, visited)
 from ..engine.mixer import RecurrentMixer
 from ..engine.strategies import Shape
 
@@ -194,11 +194,7 @@ def _gated_delta_rule_states(
             rank_one_steps(states, state, flushed_exp(gc), kc, u.permute(2, 0, 1, 3))  # S_i = diag(a_i) S_{i-1} + k_i u_i^T
         else:
             out[start:start + size] = _states_at_once(states, state, cum, decay, kc, u, qc)  # i b h v
-        if on_chunk is None:
-            state = states[-1]  # b h k v
-            continue
-        state = states[-1].clone()  # b h k v   (the next chunk overwrites the buffer)
-        on_chunk(start, states)
+        state = chunk_formed(states, start, on_chunk)  # b h k v
     result = (out.movedim(0, 1).to(query.dtype), state if output_final_state else None)
     return result, (every if on_chunk is None else None)
 

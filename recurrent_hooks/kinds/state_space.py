@@ -66,8 +66,8 @@ from ..engine.errors import Unavailable
 from ..engine.kernels import Kernel, Role, Segments
 from ..engine.mixer import RecurrentMixer
 from ..engine.strategies import Shape
-from ..engine.loops import (OnChunk, OnToken, Visit, causal_decay, flushed_exp, plus, rank_one_steps, scratch_like,
-                            starting_state, states_buffer, times, visited)
+from ..engine.loops import (OnChunk, OnToken, Visit, causal_decay, chunk_formed, flushed_exp, plus, rank_one_steps,
+                            scratch_like, starting_state, states_buffer, times, visited)
 from .selective_scan import discrete_step, refuse_mamba_packed, step_size
 
 
@@ -243,11 +243,7 @@ def mamba2_chunk_scan_states(
             rank_one_steps(states, state, decay, stepped, Bc)  # h_i = exp(Δ_i a_h) h_{i-1} + Δ_i x_i B_i^T
         else:
             y[start:start + size] = _states_at_once(states, state, cum, weights, stepped, Bc, Cc)  # i b h p
-        if on_chunk is None:
-            state = states[-1]  # b h p n
-            continue
-        state = states[-1].clone()  # b h p n   (the next chunk overwrites the buffer)
-        on_chunk(start, states)
+        state = chunk_formed(states, start, on_chunk)  # b h p n
     if D is not None:
         y = y + D[:, None] * x
     y = y.movedim(0, 1)
