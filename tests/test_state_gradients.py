@@ -53,6 +53,7 @@ def test_state_and_input_gradients_equal_the_token_loop(family, frozen):
         got[name] = torch.autograd.grad(metric, targets, materialize_grads=True)  # (the loop: the last state unused)
         kernel = {call.path for m in mixers for call in m.calls[0].kernel_calls}
         assert ("chunk-wise states" in kernel) == (name == "chunk-wise"), kernel
+        assert all(m.states.is_contiguous() for m in mixers), f"{name}: .states of 2 rows is not contiguous"
     for i, (chunk_wise, loop) in enumerate(zip(got["chunk-wise"], got["loop"])):
         assert_close(f"gradient {i}", chunk_wise, loop, rtol=1e-4, atol=1e-6 * loop.abs().max())
 

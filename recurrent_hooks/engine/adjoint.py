@@ -126,7 +126,7 @@ class _States(torch.autograd.Function):
         ctx.spec = spec
         ctx.save_for_backward(*tensors)
         ctx.set_materialize_grads(False)
-        return every.movedim(0, 1)  # (a view: a contiguous copy would be a second seq x state tensor)
+        return every.movedim(0, 1).contiguous()  # (at batch 1 the view itself: no copy)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor | None) -> tuple[Any, ...]:
