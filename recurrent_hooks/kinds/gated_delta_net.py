@@ -150,9 +150,9 @@ def _gated_delta_rule_states(
     and the states are formed token by token from the corrections, S_i = diag(a_i) S_{i-1} + k_i u_i^T
     (`loops.rank_one_steps`: two passes over a state a token, each written once where it is kept). Below
     `ROW_STEPS_FROM` state elements (batch included), a chunk's states are formed at once instead
-    (`_states_at_once`), S_i = diag(exp(c_i)) S_0 + sum_{j<=i} D_ij k_j u_j^T (a product of inner size chunk), and read for
-    the outputs, o_i = S_i^T q_i: there the per-token steps' Python calls cost more than the product, which CPUs
-    run far below their speed on large states (docs/performance.md, "Performance, third round").
+    (`_states_at_once`), S_i = diag(exp(c_i)) S_0 + sum_{j<=i} D_ij k_j u_j^T (a product of inner size chunk), and
+    read for the outputs, o_i = S_i^T q_i: there the per-token steps' Python calls cost more than the product, which
+    CPUs run far below their speed on large states (docs/performance.md, "Performance, third round").
 
     The states go into one token-first buffer (`out`, float32, when given: a buffer reused across calls is not paged
     in again, which a fresh one of this size is on CPU). With `on_chunk`, each chunk's states go to
@@ -191,7 +191,8 @@ def _gated_delta_rule_states(
                 readouts, state = _chunk_readouts(factors, state, cum, decay, kc, u)  # i b h r, b h k v
                 on_chunk(start, readouts)
                 continue
-            rank_one_steps(states, state, flushed_exp(gc), kc, u.permute(2, 0, 1, 3))  # S_i = diag(a_i) S_{i-1} + k_i u_i^T
+            # S_i = diag(a_i) S_{i-1} + k_i u_i^T
+            rank_one_steps(states, state, flushed_exp(gc), kc, u.permute(2, 0, 1, 3))  # i b h k v
         else:
             out[start:start + size] = _states_at_once(states, state, cum, decay, kc, u, qc)  # i b h v
         state = chunk_formed(states, start, on_chunk)  # b h k v

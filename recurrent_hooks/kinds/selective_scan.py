@@ -62,8 +62,8 @@ from .effective import EffectiveAttention, decayed
 from ..engine.calls import KernelCall
 from ..engine.errors import Unavailable
 from ..engine.kernels import STATE_MEMORY, Kernel, Layout, Role, Segments
-from ..engine.loops import (OnChunk, OnToken, at_least_float32, chunked, plus, refuse_packed, scratch_like, starting_state,
-                            times)
+from ..engine.loops import (OnChunk, OnToken, at_least_float32, chunked, plus, refuse_packed, scratch_like,
+                            starting_state, times)
 from ..engine.mixer import RecurrentMixer
 
 
@@ -94,13 +94,15 @@ def discrete_step(
     A: Float[Tensor, "channels d_state"],
     B: Float[Tensor, "*lead d_state"],
     x: Float[Tensor, "*lead channels"],
+    out: Tensor | None = None,
 ) -> tuple[Float[Tensor, "*lead channels d_state"], Float[Tensor, "*lead channels d_state"]]:
-    """exp(Δ A) (zero-order hold) and Δ x B (Euler), any leading axes; shared by Mamba-1 and Mamba-2.
+    """exp(Δ A) (zero-order hold) and Δ x B (Euler), any leading axes; shared by Mamba-1 and Mamba-2. The drive goes
+    into `out` when given (a token loop's reused buffer, `loops.scratch_like`).
 
     Mamba-1: channels is d_inner and A is `[d_inner, d_state]`. Mamba-2 calls it with a trailing head_dim
     axis (dt `[..., heads, 1 | head_dim]`, A `[heads, 1 | head_dim, 1 | d_state]`, B `[..., heads, d_state]`).
     """
-    return torch.exp(dt[..., None] * A), (dt * x)[..., None] * B[..., None, :]
+    return torch.exp(dt[..., None] * A), times((dt * x)[..., None], B[..., None, :], out)
 
 
 def discretize(
@@ -148,8 +150,8 @@ def _selective_scan(
     scratch = scratch_like(state)  # b d n   each token's drive (None with gradients)
     # per token from one unbind each: under autograd a slice's backward is a gradient of the whole tensor, per token
     for t, (dt_t, B_t, C_t, x_t) in enumerate(zip(*(v.unbind(1) for v in (dt, B, C, x)))):
-        state = torch.exp(dt_t[..., None] * A) * state  # b d n   exp(Δ_t A) h_{t-1} (a new tensor)
-        state = plus(state, times((dt_t * x_t)[..., None], B_t[..., None, :], scratch), scratch is not None)  # + Δ_t B_t x_t
+        decay, drive = discrete_step(dt_t, A, B_t, x_t, scratch)  # b d n   exp(Δ_t A), Δ_t B_t x_t
+        state = plus(decay * state, drive, scratch is not None)  # b d n   h_t (a new tensor)
         outputs.append(torch.matmul(state.to(C.dtype), C_t[:, :, None])[..., 0])  # b d   C_t . h_t
         if on_token is not None:
             state = on_token(t, state)  # b d n   what token t+1 continues from

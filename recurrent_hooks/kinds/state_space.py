@@ -67,7 +67,7 @@ from ..engine.kernels import Kernel, Role, Segments
 from ..engine.mixer import RecurrentMixer
 from ..engine.strategies import Shape
 from ..engine.loops import (OnChunk, OnToken, Visit, causal_decay, chunk_formed, flushed_exp, plus, rank_one_steps,
-                            scratch_like, starting_state, states_buffer, times, visited)
+                            scratch_like, starting_state, states_buffer, visited)
 from .selective_scan import discrete_step, refuse_mamba_packed, step_size
 
 
@@ -122,8 +122,8 @@ def _ssd(
     scratch = scratch_like(state)  # b h p n   each token's drive (None with gradients)
     # per token from one unbind each: under autograd a slice's backward is a gradient of the whole tensor, per token
     for t, (dt_t, B_t, C_t, x_t) in enumerate(zip(*(v.unbind(1) for v in (dt, B, C, x)))):
-        state = torch.exp(dt_t[..., None] * A) * state  # b h p n   exp(Δ_t a_h) h_{t-1} (a new tensor; q m: 1 or p n)
-        state = plus(state, times((dt_t * x_t)[..., None], B_t[..., None, :], scratch), scratch is not None)  # + Δ_t x_t B_t^T
+        decay, drive = discrete_step(dt_t, A, B_t, x_t, scratch)  # b h q m, b h p n   exp(Δ_t a_h), Δ_t x_t B_t^T
+        state = plus(decay * state, drive, scratch is not None)  # b h p n   h_t (a new tensor)
         outputs.append(einsum(state, C_t, "b h p n, b h n -> b h p"))  # b h p   h_t C_t
         if on_token is not None:
             state = on_token(t, state)  # b h p n   what token t+1 continues from
@@ -193,7 +193,7 @@ def mamba2_chunk_scan_states(
     factors: tuple[Tensor, Tensor] | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor | tuple[Tensor, Tensor], Float[Tensor, "seq batch heads head_dim d_state"] | None]:
-    """`mamba2_chunk_scan`'s results and every token's state, token first, chunk by chunk (no per-token loop).
+    """`mamba2_chunk_scan`'s results and every token's state, token first, chunk by chunk.
 
     Inside a chunk starting from h_0, with c_i the cumulative log decay (sum of Δ a_h) from the chunk
     start to token i, and w_ij = exp(c_i - c_j) for j <= i (the decay from token j to i, at most 1), y comes from
@@ -254,7 +254,8 @@ def _states_at_once(states: Tensor, state: Tensor, cum: Tensor, weights: Tensor,
                     C: Tensor) -> Float[Tensor, "i batch heads head_dim"]:
     """A chunk's states into `states` `[i, batch, heads, head_dim, d_state]` by one product per head, h_i = exp(c_i)
     h_0 + sum_{j<=i} w_ij Δ_j x_j B_j^T, and y_i = h_i C_i read from them (for small states: `ROW_STEPS_FROM`).
-    h_0 `state`, c `cum` `[i, b, h]`, w `weights` `[i, j, b, h]`, Δ x `stepped` `[j, b, h, p]`, B and C `[., b, h, n]`."""
+    h_0 `state`, c `cum` `[i, b, h]`, w `weights` `[i, j, b, h]`, Δ x `stepped` `[j, b, h, p]`, B and C
+    `[., b, h, n]`."""
     drive = stepped[..., None] * B[..., None, :]  # j b h p n   Δ_j x_j B_j^T
     mixed = weights.permute(2, 3, 0, 1) @ drive.permute(1, 2, 0, 3, 4).flatten(3)  # b h i (p n)
     states.copy_(mixed.unflatten(-1, states.shape[-2:]).permute(2, 0, 1, 3, 4))
