@@ -36,11 +36,16 @@ from the class, never from a handle's per-call state (`call_state`). A kind decl
 - `HEADS`: axis 1 of the state (of every part of it) counts heads that run independently, each reading only its
   own slice of the state (with `KERNEL_PER_HEAD`, the kernel calls of one forward are the heads); False: the
   state has no heads, and the studies' `heads=True` refuses the kind.
+- `CONTINUES_CACHE`: a prompt call of several tokens over a cached memory continues from it in transformers'
+  modeling code (the cached state goes into the prompt kernel, the cached window before the call's inputs), and
+  the memories are the cache's tensors `_cached_memory` names: `patching_sweep` then runs the corrupt prompt once
+  up to a position and each cell from that cache (False: Mamba-1, whose prompt scan takes no initial state, and
+  the kinds whose memory is not in a transformers `Cache`).
 
 and may override the adapters (class methods, each with a default that fits most kinds):
 - `_parse_forward(module, arguments)`: a forward's token count, cache, freshness and input;
-- `_cache_index(module, arguments)`, `_cached(cache, where)`, `_cached_window(cache, where)`: where a
-  forward's memory is in the cache, and reading it there;
+- `_cache_index(module, arguments)`, `_cached(cache, where)`, `_cached_window(cache, where)`,
+  `_cached_memory(cache, where, memory)`: where a forward's memory is in the cache, and reading it there;
 - `_kernel_arguments(module, kernel, arguments)`: a kernel call's arguments as `inputs` records them;
 - `_instances(module, model)`: the handles a watch makes for one module (one per pass of a looped module);
 - `_refusal(kernel)`, `_restart(kernel, forward)`: why a kernel call cannot serve hooks, or restarts its memory;
@@ -84,6 +89,7 @@ class Kind:
     FORWARD_CACHE: ClassVar[tuple[str, ...]] = ("cache", "cache_params")
     LAYER_ATTRIBUTE: ClassVar[str] = "layer_idx"
     HEADS: ClassVar[bool] = False
+    CONTINUES_CACHE: ClassVar[bool] = False
 
     @classmethod
     def kernel_for(cls, role: "Role | str", memory: str | None = None) -> Kernel:
@@ -136,6 +142,14 @@ class Kind:
     def _cached_window(cls, cache: Any, where: Any) -> Tensor | None:
         """The cache's convolution window at `where` (`_cache_index`; None: nothing cached yet)."""
         return cache.get_conv_state(where)
+
+    @classmethod
+    def _cached_memory(cls, cache: Any, where: Any, memory: str) -> Tensor | None:
+        """The cache's tensor of `memory` at `where` (`_cache_index`; None: nothing cached yet), the tensor itself:
+        writing into it changes what the next call over the cache continues from."""
+        if memory == CONV_MEMORY:
+            return cls._cached_window(cache, where)
+        return cls._cached(cache, where) if cls.MEMORIES[0] == STATE_MEMORY else cache.get_recurrent_state(where)
 
     @classmethod
     def _pop_cache(cls, arguments: dict[str, Any]) -> Any:

@@ -391,6 +391,7 @@ class GatedDeltaNet(RecurrentMixer):
     )
     STATE = "batch heads key_dim value_dim"
     HEADS = True  # value heads; value head j reads query/key head j // (heads // key_heads)
+    CONTINUES_CACHE = True  # the chunked rule takes the cached state, the conv the cached window
     INPUTS = {
         "query": "batch seq key_heads key_dim",
         "key": "batch seq key_heads key_dim",

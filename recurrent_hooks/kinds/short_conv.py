@@ -76,6 +76,7 @@ class ShortConvolution(RecurrentMixer):
 
     KERNELS = CONV_KERNELS
     MEMORIES = (CONV_MEMORY,)
+    CONTINUES_CACHE = True  # the cached window comes before the call's inputs
     STATE = ""  # no recurrent state
     CONV_STATE = "batch channels kernel_size"
     INPUTS = {

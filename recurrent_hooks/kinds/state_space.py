@@ -408,6 +408,7 @@ class Mamba2StateSpace(RecurrentMixer):
     FUSED = ("mamba2_split_conv1d_scan_combined",)
     STATE = "batch heads head_dim d_state"
     HEADS = True  # head h reads B/C group h // (heads // groups)
+    CONTINUES_CACHE = True  # the chunk scan takes the cached state as `initial_states`
     INPUTS = {
         "hidden_states": "batch seq heads head_dim",
         "dt": "batch seq heads",

@@ -228,6 +228,7 @@ class CompressedConvolutionalAttention(RecurrentMixer):
                site=Site.CLASS),
     )
     MEMORIES = (CONV_MEMORY, STATE_MEMORY)
+    CONTINUES_CACHE = True  # both memories are the cache layer's conv and recurrent states
     STATE = "batch delay_channels"
     CONV_STATE = "batch channels kernel_size"
     FORWARD_CACHE = ("cache", "past_key_values")
