@@ -88,9 +88,9 @@ def check(directory: pathlib.Path, device: torch.device) -> None:
 
     path = directory / "sweep.pt"
     stopping = Counting(metric, stop_at=3)  # 2 baselines, one round (budget 0: a batch a round), then stopped
-    try:
+    try:  # rounds of clean memories are the per-cell path's (reuse_prefix=False)
         rh.patching_sweep(model, clean, corrupt, stopping, distributed=True, batch_size=4, budget_bytes=0,
-                          progress=False, checkpoint=path)
+                          progress=False, checkpoint=path, reuse_prefix=False)
         raise AssertionError(f"rank {rank}: the sweep was not stopped")
     except Stopped:
         pass
@@ -100,7 +100,7 @@ def check(directory: pathlib.Path, device: torch.device) -> None:
         raise AssertionError(f"rank {rank}: no checkpoint of its first round (4 cells) at {own}")
     resumed = Counting(metric)
     result = rh.patching_sweep(model, clean, corrupt, resumed, distributed=True, batch_size=4, budget_bytes=0,
-                               progress=False, checkpoint=path)
+                               progress=False, checkpoint=path, reuse_prefix=False)
     cells = clean.shape[0] * len(result.layers) * T
     share = cells // world - 4  # this rank's share of the cells left (the split is even here)
     if resumed.counter["calls"] != 2 + -(-share // 4):

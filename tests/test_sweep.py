@@ -13,6 +13,10 @@ Two references, both a loop of one forward per cell that writes the clean memory
   tokens by expert across rows, so a row's bits also depend on the other rows: the kimi_linear model of
   this check has dense MLPs.
 - within float32 rounding: the default kernels, one prompt (batch 1) per forward, as a user would write it.
+
+The sweeps that test the batches of cells, the rounds of clean memories and the bits ask for one forward per cell
+(`reuse_prefix=False`); where the kinds continue a cache, the default runs each cell from the corrupt run's cache
+(tests/test_sweep_from_cache.py), and the comparisons within float32 rounding here test that default.
 """
 
 import weakref
@@ -89,7 +93,7 @@ def test_the_batched_sweep_equals_the_loop_of_public_writes_bit_for_bit(family):
         for what in WHAT:
             expected, layers = loop_reference(model, clean, corrupt, what, batch_size=BATCH, paths=LOOP)
             sweep = rh.patching_sweep(model, clean[0], corrupt[0], metric, what=what, batch_size=BATCH, progress=False,
-                                      paths=LOOP)
+                                      paths=LOOP, reuse_prefix=False)
             assert sweep.layers == tuple(layers) and sweep.positions == tuple(range(T)) and sweep.what == what
             assert_equal(f"{family}, what={what}: batched sweep vs one forward per cell", expected, sweep.values)
             assert (sweep.values - sweep.corrupt).abs().max() > 1e-4, f"{family}, what={what}: patching changed nothing"
@@ -219,7 +223,7 @@ def test_the_clean_memories_held_at_once_are_bounded_by_the_budget_whatever_the_
         allowed = batch * per_cell if budget == 0 else 3 * batch * per_cell
         held = HeldMemories(monkeypatch)
         sweep = rh.patching_sweep(model, clean[0], corrupt[0], metric, batch_size=batch, progress=False,
-                                  budget_bytes=0 if budget == 0 else allowed)
+                                  budget_bytes=0 if budget == 0 else allowed, reuse_prefix=False)
         assert sweep.values.shape == (2, tokens)
         assert 0 < held.peak <= allowed, (f"T={tokens}, budget {budget}: {held.peak} bytes of clean memories held at"
                                           f" once, allowed {allowed} ({per_cell} a cell)")
@@ -235,9 +239,9 @@ def test_a_sweep_in_rounds_equals_the_sweep_in_one_round_bit_for_bit():
     try:
         for what in WHAT:
             one = rh.patching_sweep(model, clean[0], corrupt[0], metric, what=what, batch_size=BATCH, progress=False,
-                                    paths=LOOP)
+                                    paths=LOOP, reuse_prefix=False)
             rounds = rh.patching_sweep(model, clean[0], corrupt[0], metric, what=what, batch_size=BATCH, progress=False,
-                                       paths=LOOP, budget_bytes=0)
+                                       paths=LOOP, budget_bytes=0, reuse_prefix=False)
             assert_equal(f"what={what}: one batch per clean forward vs all in one", one.values, rounds.values)
     finally:
         rh.route_kernels(model, "default")
@@ -259,6 +263,6 @@ def test_the_default_batch_is_the_budget_of_a_batch_over_the_bytes_of_a_cell(mon
     for batch_bytes, expected in ((sweep_module.BATCH_BYTES, 2 * T), (3 * per_cell, 3), (per_cell - 1, 1)):
         rows.clear()
         monkeypatch.setattr(sweep_module, "BATCH_BYTES", batch_bytes)
-        rh.patching_sweep(model, clean[0], corrupt[0], counting, progress=False)
+        rh.patching_sweep(model, clean[0], corrupt[0], counting, progress=False, reuse_prefix=False)
         assert rows[2:] == [expected] * (2 * T // expected) + [2 * T % expected] * bool(2 * T % expected), (
             f"BATCH_BYTES={batch_bytes}, {per_cell} bytes a cell: forwards of {rows[2:]} rows")

@@ -44,8 +44,8 @@ def test_pairs_share_batches_where_the_metric_picks_per_row():
     model = build("qwen3_5")
     clean, corrupt = pairs()
     shared, alone = Counting(METRIC), Counting(METRIC, pair_only=True)
-    a = rh.patching_sweep(model, clean, corrupt, shared, batch_size=32, progress=False)
-    b = rh.patching_sweep(model, clean, corrupt, alone, batch_size=32, progress=False)
+    a = rh.patching_sweep(model, clean, corrupt, shared, batch_size=32, progress=False, reuse_prefix=False)
+    b = rh.patching_sweep(model, clean, corrupt, alone, batch_size=32, progress=False, reuse_prefix=False)
     cells = 2 * 2 * T  # pairs x layers x positions
     assert shared.rows == [2, 2, 32], f"baselines of both pairs, then the {cells} cells in one batch: {shared.rows}"
     assert alone.rows == [1, 1, 1, 1, 16, 16], f"for_pair only: a pair a forward: {alone.rows}"
@@ -60,11 +60,12 @@ def test_a_stopped_sweep_resumes_from_its_checkpoint(tmp_path):
     stopping = Counting(METRIC, stop_at=2 + 3)  # the baselines, three rounds of one batch, then stopped
     with pytest.raises(Stopped):
         rh.patching_sweep(model, clean, corrupt, stopping, batch_size=4, budget_bytes=0, progress=False,
-                          checkpoint=path)
+                          checkpoint=path, reuse_prefix=False)
     saved = torch.load(path, weights_only=True)
     assert int(saved["done"].sum()) == 12 and saved["done"].flatten()[:12].all(), "the first three rounds' cells"
     resumed = Counting(METRIC)
-    result = rh.patching_sweep(model, clean, corrupt, resumed, batch_size=4, progress=False, checkpoint=path)
+    result = rh.patching_sweep(model, clean, corrupt, resumed, batch_size=4, progress=False, checkpoint=path,
+                               reuse_prefix=False)
     cells = 2 * len(whole.layers) * T
     assert resumed.rows[2:] == [4] * ((cells - 12) // 4), f"only the cells left run: {resumed.rows[2:]}"
     assert_close("the resumed sweep vs one run", whole.values, result.values, rtol=1e-5, atol=1e-6)

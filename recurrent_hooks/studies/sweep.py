@@ -14,6 +14,10 @@ in the batch; at token t it replaces only the rows whose position is t (`index_c
 only the row's head of the state, or the window channels that feed it) with the clean memory after t. Every other
 row, and every other token, keeps what the corrupt run made. `sweep_cells` holds that machinery, `ranks` the split
 across processes and the checkpoint. docs/sweep.md has the long form, with the cost in time and memory.
+
+Where every chosen layer's kind continues a cached memory in transformers (`CONTINUES_CACHE`), the cells run from the
+corrupt run's cache instead (`sweep_prefix`): the prompts run once in pieces up to each position, and a cell at
+position p runs only tokens p + 1.. from a copy of the corrupt cache with its layer's clean memory in its row.
 """
 
 import dataclasses
@@ -31,6 +35,7 @@ from ..engine.kernels import CONV_MEMORY, STATE_MEMORY
 from ..engine.strategies import Paths
 from .ranks import Checkpoint, Ranks, sweep_key
 from .metrics import for_rows, mixes_pairs
+from . import sweep_prefix
 from .sweep_cells import Cell, Plan, clean_memories, measure, patched, probe, rounds
 
 WHAT = {"memory": (STATE_MEMORY, CONV_MEMORY), "state": (STATE_MEMORY,), "window": (CONV_MEMORY,)}
@@ -165,6 +170,21 @@ def _batches(cells: list[Cell], batch_size: int, mixed: bool) -> list[list[Cell]
     return batches
 
 
+def _by_position(cells: list[Cell], batch_size: int, mixed: bool
+                 ) -> list[tuple[list[int], dict[int, list[list[Cell]]]]]:
+    """The cells as (a group of pairs, position index -> that position's batches of the group's cells): groups of
+    `batch_size` pairs (one pair unless `mixed`), whose prompts run once for all their cells."""
+    pairs = sorted({cell.pair for cell in cells})
+    out = []
+    for group in [pairs[k:k + batch_size] for k in range(0, len(pairs), batch_size if mixed else 1)]:
+        at: dict[int, list[Cell]] = {}
+        for cell in cells:
+            if cell.pair in group:
+                at.setdefault(cell.position, []).append(cell)
+        out.append((group, {j: _batches(mine, batch_size, mixed) for j, mine in at.items()}))
+    return out
+
+
 def _baselines(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: Callable[[Tensor], Tensor],
                one_pair: bool, kwargs: Mapping[str, Any]) -> tuple[Tensor, Tensor]:
     """The metric of the clean and of the corrupt run of every pair, `[pairs]` each (all pairs in one batch where
@@ -177,6 +197,21 @@ def _baselines(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric:
             out.append(torch.cat([measure(for_rows(metric, None if one_pair else group),
                                           model(ids[group], **kwargs).logits) for group in groups]))
     return out[0], out[1]
+
+
+def _plan(model: nn.Module, clean_ids: Tensor, chosen: tuple[Any, Any, str, bool], paths: Paths | None,
+          kwargs: Mapping[str, Any], reuse_prefix: bool | None) -> Plan:
+    """The sweep's plan from the probe (`chosen`: the layers, positions, what and heads asked for); `reuse_prefix=True`
+    refused where the cells cannot run from the corrupt run's cache."""
+    layers, positions, what, heads = chosen
+    plan = Plan((), _positions(positions, clean_ids.shape[1]), WHAT[what], what, {})
+    plan = probe(model, clean_ids, lambda recurrent: _layers(layers, recurrent), plan, heads, paths, kwargs,
+                 check=sweep_prefix.refusal if reuse_prefix is not False else lambda *_, **__: "reuse_prefix=False")
+    if reuse_prefix and plan.refusal is not None:
+        raise InvalidValue(f"{_WHERE}: reuse_prefix=True runs each cell from the corrupt run's cache, which needs"
+                           f" transformers to continue every chosen layer's memory from a cache; here: {plan.refusal}"
+                           " (reuse_prefix=None takes one forward per cell then)")
+    return plan
 
 
 def _checked(model: Any, clean_ids: Any, corrupt_ids: Any, metric: Any, what: Any, batch_size: Any,
@@ -206,7 +241,7 @@ def _checked(model: Any, clean_ids: Any, corrupt_ids: Any, metric: Any, what: An
     if budget < 0:
         raise InvalidValue(f"{_WHERE}: expected budget_bytes >= 0 (or None: {BUDGET_BYTES}), got budget_bytes={budget}")
     for name, value in flags.items():
-        allowed = (True, False, None) if name == "distributed" else (True, False)
+        allowed = (True, False, None) if name in ("distributed", "reuse_prefix") else (True, False)
         if not any(value is a for a in allowed):
             expected = " or ".join(f"{name}={a}" for a in allowed)
             raise InvalidValue(f"{_WHERE}: expected {expected}, got {name}={value!r}")
@@ -224,7 +259,8 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
                    what: str = "memory", heads: bool = False, batch_size: int | None = None,
                    budget_bytes: int | None = None, progress: bool = True,
                    forward_kwargs: Mapping[str, Any] | None = None, paths: Paths | None = None,
-                   distributed: bool | None = None, checkpoint: str | os.PathLike | None = None) -> Sweep:
+                   distributed: bool | None = None, checkpoint: str | os.PathLike | None = None,
+                   reuse_prefix: bool | None = None) -> Sweep:
     """Patch the clean run into the corrupt run at every (layer, position); return `metric` per cell.
 
         sweep = rh.patching_sweep(model, clean_ids, corrupt_ids, lambda logits: logits[:, -1, answer])
@@ -249,36 +285,38 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
       declares them (`_head_channels`; docs/sweep.md, "Heads"), and nothing else.
     - `batch_size`: cells per forward. None: `BATCH_BYTES` (1 MiB) // the bytes of one cell's memory (its state
       and window at batch 1), clamped to 1..32: 1 at Qwen3.5 dims, 32 on tiny models.
-    - `budget_bytes`: the clean memories held at once (None: `BUDGET_BYTES`, 256 MiB). One clean forward
-      keeps the memories of as many whole batches as fit, at least one batch.
+    - `budget_bytes`: with one forward per cell, the clean memories held at once (None: `BUDGET_BYTES`, 256 MiB):
+      one clean forward keeps the memories of as many whole batches as fit, at least one batch.
+    - `reuse_prefix`: None: where the chosen layers' kinds continue a cache (`CONTINUES_CACHE`), without `heads`,
+      the prompts run once in pieces and a cell at p runs tokens p + 1.. from the corrupt run's cache holding its
+      layer's clean memory (`sweep_prefix`), else one forward per cell; True: the cache or an error; False: not.
     - `distributed`: under an initialized `torch.distributed` process group (None, the default: unless the model is
       tensor-parallel), the cells are split across its ranks, and every rank, which must make the same call,
       returns the whole result; False: this process runs every cell.
-    - `checkpoint`: a file path: the finished cells are saved there after each clean forward's batches, and a
+    - `checkpoint`: a file path: the finished cells are saved there after each round (or position), and a
       sweep restarted with the same path (and prompts, layers, positions, what, heads) runs only the others.
     - `progress`: a tqdm bar over the cells (rank 0's); `forward_kwargs`: passed to every forward, after
       `use_cache=False`; `paths`: how the watched calls run (`recurrent_hooks.Paths`, as for `watch`).
 
     Cell (L, p) equals one forward of the corrupt prompt with the clean `what` of layer L written after
-    token p by the public writes: bit for bit where both take the same kernel path at the same batch
+    token p by the public writes: from the cache, within float32 rounding (other kernels, the prompt in pieces);
+    one forward per cell, bit for bit where both take the same kernel path at the same batch
     shape, else within float32 rounding (a single write runs the chunked kernel in two segments, hooks at
     many positions the token loop; CPU matrix products round by batch size; docs/sweep.md). Runs under
     `torch.no_grad()`. `forward_kwargs` go to the one-token probe and every forward alike, so they must not hold
     per-row or per-token tensors (one prompt has no padding: no attention mask is needed).
     """
-    flags = {"heads": heads, "progress": progress, "distributed": distributed}
+    flags = {"heads": heads, "progress": progress, "distributed": distributed, "reuse_prefix": reuse_prefix}
     one_pair = isinstance(clean_ids, Tensor) and clean_ids.dim() == 1
     clean_ids, corrupt_ids, batch_size, budget = _checked(model, clean_ids, corrupt_ids, metric, what, batch_size,
                                                           budget_bytes, flags, forward_kwargs, checkpoint)
     kwargs = {"use_cache": False, **(forward_kwargs or {})}
-    plan = Plan((), _positions(positions, clean_ids.shape[1]), WHAT[what], what, {})
-    plan = probe(model, clean_ids, lambda recurrent: _layers(layers, recurrent), plan, heads, paths, kwargs)
+    plan = _plan(model, clean_ids, (layers, positions, what, heads), paths, kwargs, reuse_prefix)
     batch_size = batch_size or _default_batch_size(max(plan.sizes.values()))
     clean_metric, corrupt_metric = _baselines(model, clean_ids, corrupt_ids, metric, one_pair, kwargs)
     cells = plan.cells(clean_ids.shape[0])
     shape = (clean_ids.shape[0], len(plan.layers), *([plan.heads] if heads else []), len(plan.positions))
-    values = torch.zeros(shape, dtype=clean_metric.dtype, device=clean_metric.device)
-    done = torch.zeros(shape, dtype=torch.bool, device=values.device)
+    values, done = (torch.zeros(shape, dtype=t, device=clean_metric.device) for t in (clean_metric.dtype, torch.bool))
     ranks = Ranks.of(distributed, model)
     saved = Checkpoint(checkpoint, ranks, sweep_key(clean_ids, corrupt_ids, layers=list(plan.layers),
                                                     positions=list(plan.positions), what=what, heads=plan.heads))
@@ -287,11 +325,9 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
     # its first round before the other has read the files)
     if checkpoint is not None:
         values, done = ranks.gathered(values, done)
-    todo = torch.nonzero(~done.flatten().cpu()).flatten()
-    mine = [cells[k] for k in ranks.mine(todo).tolist()]
-    show = progress and ranks.rank == 0
+    mine = [cells[k] for k in ranks.mine(torch.nonzero(~done.flatten().cpu()).flatten()).tolist()]
     _measure_cells(model, (clean_ids, corrupt_ids), plan, mine, metric, one_pair, (batch_size, budget), paths, kwargs,
-                   show, (values, done), saved)
+                   progress and ranks.rank == 0, (values, done), saved)
     values, _ = ranks.gathered(values, done)
     saved.finish(values)
     if one_pair:
@@ -308,15 +344,29 @@ def _measure_cells(model: nn.Module, prompts: tuple[Tensor, Tensor], plan: Plan,
 
     from tqdm.auto import tqdm  # a dependency of transformers
 
+    def record(batch: list[Cell], measured: Tensor) -> None:
+        for row, cell in enumerate(batch):
+            index = (cell.pair, cell.layer, *([] if cell.head is None else [cell.head]), cell.position)
+            values[index], done[index] = measured[row], True
+        bar.update(len(batch))
+
+    mixed = one_pair or mixes_pairs(metric)
+    metric_of = lambda batch: for_rows(metric, None if one_pair else [cell.pair for cell in batch])  # noqa: E731
     with tqdm(total=len(cells), desc=_WHERE, unit="cell", disable=not progress) as bar:
-        for round_ in rounds(_batches(cells, batch_size, one_pair or mixes_pairs(metric)), plan, budget):
+        if plan.refusal is None:  # every cell from the corrupt run's cache
+            for group, batches in _by_position(cells, batch_size, mixed):
+                last = None
+                for j, batch, measured in sweep_prefix.measured(model, prompts, group, batches, plan, kwargs,
+                                                                metric_of):
+                    if last is not None and j != last:  # a position done
+                        saved.save(values, done)
+                    record(batch, measured)
+                    last = j
+                saved.save(values, done)
+            return
+        for round_ in rounds(_batches(cells, batch_size, mixed), plan, budget):
             clean = clean_memories(model, clean_ids, round_, plan, paths, kwargs)
             for batch in round_:
-                rows_metric = for_rows(metric, None if one_pair else [cell.pair for cell in batch])
-                measured = patched(model, corrupt_ids, batch, plan, clean, paths, kwargs, rows_metric)
-                for row, cell in enumerate(batch):
-                    index = (cell.pair, cell.layer, *([] if cell.head is None else [cell.head]), cell.position)
-                    values[index], done[index] = measured[row], True
-                bar.update(len(batch))
+                record(batch, patched(model, corrupt_ids, batch, plan, clean, paths, kwargs, metric_of(batch)))
             del clean  # before the next round's clean forward: one round's memories at a time
             saved.save(values, done)

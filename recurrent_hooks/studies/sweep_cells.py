@@ -54,6 +54,13 @@ class Plan:
     heads: int | None = None  # heads=True: the heads of every chosen layer
     channels: dict[int, Tensor] = dataclasses.field(default_factory=dict)  # layer -> [heads, channels per head]
     per_head_calls: dict[int, bool] = dataclasses.field(default_factory=dict)  # layer -> KERNEL_PER_HEAD
+    # the cells run from the corrupt run's cache (`sweep_prefix`) unless `refusal` says why not
+    refusal: str | None = "not probed"
+    cache_name: str = ""  # the forward's cache keyword
+    kinds: dict[int, type] = dataclasses.field(default_factory=dict)  # layer -> its mixer's kind
+    cache_at: dict[int, Any] = dataclasses.field(default_factory=dict)  # layer -> its memory's `_cache_index`
+    carried: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # layer -> memories patched
+    chunked: list[tuple[nn.Module, str]] = dataclasses.field(default_factory=list)  # chunk lengths to clamp
 
     def cells(self, pairs: int) -> list[Cell]:
         """Every cell, pair-major then layer-major (few layers per batch, few pairs per round)."""
@@ -81,13 +88,14 @@ def keep_hooks(w: Any, cells: Mapping[int, Iterable[int]], memories: tuple[str, 
 
 
 def probe(model: nn.Module, clean_ids: Tensor, choose: Callable[[list[int]], tuple[int, ...]], plan: Plan,
-          heads: bool, paths: Paths | None, kwargs: Mapping[str, Any]) -> Plan:
+          heads: bool, paths: Paths | None, kwargs: Mapping[str, Any], check: Callable[..., str | None]) -> Plan:
     """`plan` with its layers (`choose(recurrent layers)`), their cell bytes and, for `heads`, their heads, from a
-    one-token clean forward."""
+    one-token clean forward; `plan.refusal` from `check(model, clean_ids, plan, mixers, heads, kwargs,
+    every=the model's mixers)`."""
     kept: dict[tuple[str, int, int, int | None], Tensor] = {}
     with watch(model, paths=paths) as w, torch.no_grad():
         w._one_mixer_per_layer(_WHERE)  # cells are (layer, position): a layer must be one mixer
-        plan.layers = choose([mixer.layer for mixer in w.mixers])
+        plan.layers, every = choose([mixer.layer for mixer in w.mixers]), list(w.mixers)
         mixers = {layer: w.mixer(layer) for layer in plan.layers}
         # heads are counted on the state, also where only windows are patched
         memories = (STATE_MEMORY, CONV_MEMORY) if heads else plan.memories
@@ -98,6 +106,7 @@ def probe(model: nn.Module, clean_ids: Tensor, choose: Callable[[list[int]], tup
         plan.sizes[layer] += sum(part.nbytes for part in parts(value)) if memory in plan.memories else 0
     if heads:
         _find_heads(plan, mixers, kept)
+    plan.refusal = check(model, clean_ids, plan, mixers, heads, kwargs, every=every)
     return plan
 
 
