@@ -7,6 +7,7 @@
     python benchmarks/sweep.py --per-cell            # gdn_small, T = 512: seconds per cell by batch size vs naive
     python benchmarks/sweep.py --per-cell --dims qwen3_5 --cells 8 --batch-sizes None,1 --repeats 1
     python benchmarks/sweep.py --per-cell --dims mamba2_130m_full --seq 256 --cells 8 --batch-sizes None --repeats 1
+    python benchmarks/sweep.py --per-cell --dims qwen3_5_slice --seq 256 --cells 8 --all-layers --reuse-prefix None
     python benchmarks/sweep.py --pairs 16            # many pairs in shared batches vs one sweep per pair; heads
 
 The model is `recurrent_hooks.demo.tiny_model()` (Qwen3.5, 4 layers: gated DeltaNet at 0 and 2, attention
@@ -31,8 +32,10 @@ of clean memories alive at once (every clone of the sweep's read hooks, counted 
 VmHWM during the sweep minus the VmRSS before it. `--library` measures another checkout (one without
 `budget_bytes` runs without it). `--per-cell`: the same model (`--dims qwen3_5`: Qwen3.5 layer dims; `qwen3_5_slice`:
 8 layers of them in Qwen3.5's 3:1 pattern; `mamba2_130m_full`: mamba2-130m's 24 layers), `--seq` tokens, `--cells`
-positions of layer 0, seconds per cell of the loop of one forward per cell with `set_memory_after` and of
-`patching_sweep` at each `--batch-sizes`, and per cell in plain forwards of the corrupt prompt.
+positions of layer 0 (`--all-layers`: of every layer, without the loop), seconds per cell of the loop of one forward
+per cell with `set_memory_after` and of `patching_sweep` at each `--batch-sizes`, from the corrupt run's cache and with
+one forward per cell (`--reuse-prefix both`, the default; `None` or `False` for one of them; `--keep-last`: every
+forward with `logits_to_keep=1`), and per cell in plain forwards of the corrupt prompt.
 `--pairs N`: `demo.tiny_model()`, N prompt pairs of `--tokens` tokens (default 64), every cell: the sweep over
 `[N, seq]` with an `rh.metrics` metric (the pairs' cells share batches, the baselines are one batch) against a
 loop of N single-pair sweeps, and the per-head sweep (`heads=True`, 4 value heads: 4 x the cells) against the
@@ -176,6 +179,7 @@ def per_cell_rows(args: argparse.Namespace) -> int:
     positions = _spread(args.cells, args.seq)
     cells = len(positions)
     metric = lambda logits: logits[:, -1].log_softmax(-1)[:, 5]  # noqa: E731
+    keep = {"logits_to_keep": 1} if args.keep_last else None
 
     def naive() -> None:
         with rh.watch(model, keep={"states": positions, "windows": positions}) as a, torch.no_grad():
@@ -187,12 +191,17 @@ def per_cell_rows(args: argparse.Namespace) -> int:
 
     def plain() -> None:
         with torch.no_grad():
-            metric(model(corrupt, use_cache=False).logits)
+            metric(model(corrupt, use_cache=False, **(keep or {})).logits)
 
+    layers = None if args.all_layers else [0]
     runs = {"naive: one forward per cell, set_memory_after": naive, "one plain forward": plain}
+    if args.all_layers:  # the naive loop above patches layer 0 only: its time per cell is the same
+        del runs["naive: one forward per cell, set_memory_after"]
     for batch in (None if b == "None" else int(b) for b in args.batch_sizes.split(",")):
-        runs[f"patching_sweep(batch_size={batch})"] = lambda batch=batch: rh.patching_sweep(
-            model, clean[0], corrupt[0], metric, layers=[0], positions=positions, batch_size=batch, progress=False)
+        for reuse in {"both": (None, False), "None": (None,), "False": (False,)}[args.reuse_prefix]:
+            runs[f"patching_sweep(batch_size={batch}, reuse_prefix={reuse})"] = lambda b=batch, r=reuse: (
+                rh.patching_sweep(model, clean[0], corrupt[0], metric, layers=layers, positions=positions,
+                                  batch_size=b, progress=False, reuse_prefix=r, forward_kwargs=keep))
     times: dict[str, list[float]] = {name: [] for name in runs}
     for round_ in range(args.repeats + 1):
         for name, fn in runs.items():
@@ -200,9 +209,13 @@ def per_cell_rows(args: argparse.Namespace) -> int:
             fn()
             if round_:
                 times[name].append(time.perf_counter() - start)
-    print(f"patching sweep per cell, {args.dims}, T={args.seq}, {cells} positions of layer 0,"
+    with rh.watch(model) as w:
+        cells *= len(w.mixers) if args.all_layers else 1
+    print(f"patching sweep per cell, {args.dims}, T={args.seq}, {cells} cells ({len(positions)} positions,"
+          f" {'every layer' if args.all_layers else 'layer 0'}), logits_to_keep={1 if args.keep_last else None},"
           f" {args.threads} thread(s), median of {args.repeats} interleaved rounds")
-    naive_s, forward_s = statistics.median(times[next(iter(runs))]), statistics.median(times["one plain forward"])
+    naive_s = statistics.median(times.get("naive: one forward per cell, set_memory_after", [float("nan")]))
+    forward_s = statistics.median(times["one plain forward"])
     for name, values in times.items():
         median = statistics.median(values)
         if name == "one plain forward":
@@ -271,6 +284,10 @@ def main(argv: list[str] | None = None) -> int:
                         default="gdn_small", help="--per-cell: the model (the last two at full depth or 8 layers)")
     parser.add_argument("--seq", type=int, default=SMALL_TOKENS, help="--per-cell: the prompts' tokens")
     parser.add_argument("--cells", type=int, default=16, help="--per-cell: positions of layer 0")
+    parser.add_argument("--all-layers", action="store_true", help="--per-cell: sweep every layer at those positions")
+    parser.add_argument("--reuse-prefix", choices=("both", "None", "False"), default="both",
+                        help="--per-cell: the sweep's reuse_prefix (both: each batch size with None and False)")
+    parser.add_argument("--keep-last", action="store_true", help="--per-cell: forward_kwargs={'logits_to_keep': 1}")
     parser.add_argument("--pairs", type=int, default=None, help="N pairs in one sweep vs N sweeps; heads=True")
     parser.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
