@@ -24,7 +24,7 @@ import torch
 
 import recurrent_hooks as rh
 import recurrent_hooks.engine.strategies as rh_paths
-import recurrent_hooks.kinds.gated_delta_net as gated_delta_net
+import recurrent_hooks.kinds.delta_rule as delta_rule
 import recurrent_hooks.kinds.selective_scan as selective_scan
 import recurrent_hooks.kinds.state_space as state_space
 from recurrent_hooks.engine.kernels import Pieces
@@ -39,8 +39,8 @@ CHUNKS = Strategy.CHUNKS.value  # "chunk-wise reductions"
 # and Mamba-2 form a chunk's states by one product; "row-steps" forms them token by token, as at real dims
 # (`ROW_STEPS_FROM`). Mamba-1's `CHUNKWISE_UP_TO` at 0 makes its all-states kernel run its token loop, which gathers
 # the states into a chunk buffer (`loops.chunked`)
-CASES = {"qwen3_5": None, "qwen3_5-row-steps": (gated_delta_net, "ROW_STEPS_FROM", 0), "kimi_linear": None,
-         "kimi_linear-row-steps": (gated_delta_net, "ROW_STEPS_FROM", 0), "mamba2": None,
+CASES = {"qwen3_5": None, "qwen3_5-row-steps": (delta_rule, "ROW_STEPS_FROM", 0), "kimi_linear": None,
+         "kimi_linear-row-steps": (delta_rule, "ROW_STEPS_FROM", 0), "mamba2": None,
          "mamba2-row-steps": (state_space, "ROW_STEPS_FROM", 0), "mamba": None,
          "mamba-token-loop": (selective_scan, "CHUNKWISE_UP_TO", 0)}
 TOLERANCE = dict(rtol=1e-4, atol=1e-6)

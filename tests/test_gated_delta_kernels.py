@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from _compare import assert_close
 from _reference import gated_delta_rule_reference
 from _upstream import transformers_kernel
-from recurrent_hooks.kinds import gated_delta_net
+from recurrent_hooks.kinds import delta_rule
 from recurrent_hooks.kinds.gated_delta_net import (
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_states,
@@ -129,7 +129,7 @@ def test_any_shape_matches_the_float64_reference(batch, seq, key_heads, group, k
 def test_chunkwise_states_equal_float64_reference(case, strong_decay, row_steps_from, monkeypatch):
     """The chunk-wise all-states path (used when every state is kept) against the float64 recurrence, with a
     chunk's states formed at once (small states) and token by token (`ROW_STEPS_FROM`: large states)."""
-    monkeypatch.setattr(gated_delta_net, "ROW_STEPS_FROM", row_steps_from)
+    monkeypatch.setattr(delta_rule, "ROW_STEPS_FROM", row_steps_from)
     x = inputs(*case)
     if strong_decay:
         x["g"] = x["g"] * 8

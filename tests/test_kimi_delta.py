@@ -19,7 +19,7 @@ from _compare import assert_close
 from _reference import kimi_delta_rule_reference
 from _upstream import transformers_kernel
 from recurrent_hooks import FAMILIES, KimiDeltaAttention
-from recurrent_hooks.kinds import gated_delta_net
+from recurrent_hooks.kinds import delta_rule
 from recurrent_hooks.kinds.kimi_delta import (
     chunk_kimi_delta_attention,
     chunk_kimi_delta_attention_states,
@@ -171,7 +171,7 @@ def test_recurrent_single_token_replacement_is_the_final_state():
 def test_chunkwise_states_match_reference(seq, gate, row_steps_from, monkeypatch):
     """The chunk-wise all-states path (every state kept, per-channel decay) against the float64 recurrence, with a
     chunk's states formed at once and token by token (`ROW_STEPS_FROM`)."""
-    monkeypatch.setattr(gated_delta_net, "ROW_STEPS_FROM", row_steps_from)
+    monkeypatch.setattr(delta_rule, "ROW_STEPS_FROM", row_steps_from)
     x = _inputs(seq, gate, seed=2)
     want_out, want_states = kimi_delta_rule_reference(
         x["query"], x["key"], x["value"], x["g"], x["beta"], initial_state=x["initial_state"], normalize_qk=True

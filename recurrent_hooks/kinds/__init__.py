@@ -12,7 +12,9 @@ token loops (and chunk-wise kernels where it has them), its cost shapes and its 
     dynamic_conv      DynamicShortConvolution, LoopedDynamicShortConvolution   inkling2, inkling2_loop
     mlstm             MatrixLSTM                  xlstm
     zaya              CompressedConvolutionalAttention   zaya
-Shared by several kinds: `conv` (the short causal convolution's window kernels), `effective` (the result of an
-effective attention and its decayed products). A kind imports the engine, never a study. Which transformers
-families use which kind is the registry's business (`recurrent_hooks.registry`).
+Shared by several kinds: `conv` (the short causal convolution's window kernels and its attribution maths),
+`delta_rule` (the gated delta rule's maths: gated DeltaNet, Kimi delta attention), `ssm` (the discretisation of
+Mamba-1 and Mamba-2). A kind imports the engine (the effective-attention result is `engine.effective`) and other
+kinds' public names, never a study or another kind's private helper. Which transformers families use which kind is
+the registry's business (`recurrent_hooks.registry`).
 """

@@ -1,7 +1,7 @@
 """Kimi delta attention (KDA): the `KimiDeltaAttention` mixer kind and its token loops.
 
 KDA is the gated delta rule of `gated_delta_net` with a decay per key channel instead of per head,
-and without grouped value heads. The token loop is the gated DeltaNet one (`_gated_delta_rule`), fed
+and without grouped value heads. The token loop is the gated DeltaNet one (`delta_rule.gated_delta_rule`), fed
 the per-channel decay.
 
 Glossary (code name, symbol in Kimi Team, "Kimi Linear: An Expressive, Efficient Attention
@@ -40,8 +40,8 @@ from torch import Tensor
 
 from .conv import CONV_KERNELS
 from ..engine.kernels import Role
-from .gated_delta_net import (GatedDeltaNet, _cost_shape as _gated_cost_shape, _gated_delta_rule,
-                              _gated_delta_rule_adjoint, _gated_delta_rule_states)
+from .delta_rule import cost_shape, gated_delta_rule, gated_delta_rule_adjoint, gated_delta_rule_states
+from .gated_delta_net import GatedDeltaNet
 from ..engine.loops import OnChunk, OnToken, Visit
 from ..engine.strategies import Shape
 
@@ -65,8 +65,8 @@ def chunk_kimi_delta_attention(
     `chunk_size` is accepted and ignored; `on_token(t, state)` is called after each token's state update
     and returns the state token t+1 continues from. Other unknown keyword arguments are ignored.
     """
-    return _gated_delta_rule(query, key, value, g, beta, initial_state, output_final_state,
-                             use_qk_l2norm_in_kernel, on_token, kwargs, kimi=True)
+    return gated_delta_rule(query, key, value, g, beta, initial_state, output_final_state,
+                            use_qk_l2norm_in_kernel, on_token, kwargs, kimi=True)
 
 
 def chunk_kimi_delta_attention_states(
@@ -87,9 +87,9 @@ def chunk_kimi_delta_attention_states(
 ) -> tuple[tuple[Tensor, Tensor | None], Tensor | None]:
     """`chunk_kimi_delta_attention`'s results and every token's state, computed chunk-wise (into `out`, or handed to
     `on_chunk` a chunk at a time: `Segments.on_chunk`)."""
-    return _gated_delta_rule_states(query, key, value, g, beta, initial_state, output_final_state,
-                                    use_qk_l2norm_in_kernel, kwargs, kimi=True, out=out, on_chunk=on_chunk,
-                                    factors=factors)
+    return gated_delta_rule_states(query, key, value, g, beta, initial_state, output_final_state,
+                                   use_qk_l2norm_in_kernel, kwargs, kimi=True, out=out, on_chunk=on_chunk,
+                                   factors=factors)
 
 
 def chunk_kimi_delta_attention_adjoint(
@@ -109,8 +109,8 @@ def chunk_kimi_delta_attention_adjoint(
     **kwargs: Any,
 ) -> Tensor:
     """The prompt kernel's adjoint recurrence (`Segments.adjoint`), the decay per key channel."""
-    return _gated_delta_rule_adjoint(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel,
-                                     grad_output, grad_final, visit, kwargs, kimi=True)
+    return gated_delta_rule_adjoint(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel,
+                                    grad_output, grad_final, visit, kwargs, kimi=True)
 
 
 def recurrent_kimi_delta_attention(
@@ -127,14 +127,14 @@ def recurrent_kimi_delta_attention(
     **kwargs: Any,
 ) -> tuple[Tensor, Tensor | None]:
     """The decode kernel: same arguments and results as transformers' `recurrent_kimi_delta_attention`, plus `on_token`."""
-    return _gated_delta_rule(query, key, value, g, beta, initial_state, output_final_state,
-                             use_qk_l2norm_in_kernel, on_token, kwargs, kimi=True)
+    return gated_delta_rule(query, key, value, g, beta, initial_state, output_final_state,
+                            use_qk_l2norm_in_kernel, on_token, kwargs, kimi=True)
 
 
 def _cost_shape(arguments: dict[str, Any]) -> Shape:
     """As gated DeltaNet's, timed by Kimi's constants: transformers' kernel inverts each chunk's system by a
     Python loop over its rows, a larger cost per call."""
-    return dataclasses.replace(_gated_cost_shape(arguments), constants="kimi delta")
+    return dataclasses.replace(cost_shape(arguments), constants="kimi delta")
 
 
 class KimiDeltaAttention(GatedDeltaNet):

@@ -44,7 +44,7 @@ Module contents:
   in segments (`Segments.kernel`) and keeps every state (`Segments.all_states`): the chunk-wise scan for
   small states, the token loop for large ones (`CHUNKWISE_UP_TO`, measured).
 - `discretize`: Δ_t, exp(Δ_t A) and Δ_t B_t x_t of every token, from the prompt kernel's arguments.
-- `step_size`, `discrete_step`, `refuse_mamba_packed`: shared with the Mamba-2 loops in `state_space`.
+- the discretisation (`step_size`, `discrete_step`, `refuse_mamba_packed`) is `ssm`'s, shared with Mamba-2.
 - `SelectiveScan`, `PerHeadSelectiveScan`: the mixer kinds (zamba runs its kernels once per head).
 """
 
@@ -58,51 +58,14 @@ from jaxtyping import Float
 from torch import Tensor
 
 from .conv import CONV_KERNELS
-from .effective import EffectiveAttention, decayed
+from ..engine.effective import EffectiveAttention, decayed
 from ..engine.calls import KernelCall
 from ..engine.errors import Unavailable
 from ..engine.kernels import STATE_MEMORY, Kernel, Layout, Role, Segments
-from ..engine.loops import (OnChunk, OnToken, at_least_float32, chunked, plus, refuse_packed, scratch_like,
-                            starting_state, times)
+from ..engine.loops import OnChunk, OnToken, at_least_float32, chunked, plus, scratch_like, starting_state
 from ..engine.mixer import RecurrentMixer
+from .ssm import discrete_step, refuse_mamba_packed, step_size
 
-
-
-def step_size(dt: Tensor, bias: Tensor | None, softplus: bool, limit: tuple[float, float] | None = None,
-              dtype: torch.dtype = torch.float32) -> Tensor:
-    """Δ from a kernel's `dt`, in `dtype` (float32; Mamba-1's prompt: at least float32, see `at_least_float32`):
-    bias added and softplus taken in dt's dtype, as transformers does.
-
-    `limit` clamps Δ after the softplus; only Mamba-2's prompt kernel has one (its decode kernel does not).
-    """
-    if bias is not None:
-        dt = dt + bias.to(dt.dtype)
-    if softplus:
-        dt = F.softplus(dt)
-    if limit is not None:
-        dt = dt.clamp(limit[0], limit[1])
-    return dt.to(dtype)
-
-
-def refuse_mamba_packed(kwargs: dict[str, Any]) -> None:
-    """Raise for packed sequences: transformers' own pure-torch kernels refuse them too."""
-    refuse_packed(kwargs, ("cu_seqlens", "seq_idx"), "mamba_ssm")
-
-
-def discrete_step(
-    dt: Float[Tensor, "*lead channels"],
-    A: Float[Tensor, "channels d_state"],
-    B: Float[Tensor, "*lead d_state"],
-    x: Float[Tensor, "*lead channels"],
-    out: Tensor | None = None,
-) -> tuple[Float[Tensor, "*lead channels d_state"], Float[Tensor, "*lead channels d_state"]]:
-    """exp(Δ A) (zero-order hold) and Δ x B (Euler), any leading axes; shared by Mamba-1 and Mamba-2. The drive goes
-    into `out` when given (a token loop's reused buffer, `loops.scratch_like`).
-
-    Mamba-1: channels is d_inner and A is `[d_inner, d_state]`. Mamba-2 calls it with a trailing head_dim
-    axis (dt `[..., heads, 1 | head_dim]`, A `[heads, 1 | head_dim, 1 | d_state]`, B `[..., heads, d_state]`).
-    """
-    return torch.exp(dt[..., None] * A), times((dt * x)[..., None], B[..., None, :], out)
 
 
 def discretize(

@@ -60,7 +60,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from .conv import CONV_KERNELS
-from .effective import EffectiveAttention, decayed
+from ..engine.effective import EffectiveAttention, decayed
 from ..engine.calls import KernelCall
 from ..engine.errors import Unavailable
 from ..engine.kernels import Kernel, Role, Segments
@@ -68,7 +68,7 @@ from ..engine.mixer import RecurrentMixer
 from ..engine.strategies import Shape
 from ..engine.loops import (OnChunk, OnToken, Visit, causal_decay, chunk_formed, flushed_exp, plus, rank_one_steps,
                             scratch_like, starting_state, states_buffer, visited)
-from .selective_scan import discrete_step, refuse_mamba_packed, step_size
+from .ssm import discrete_step, refuse_mamba_packed, step_size
 
 
 def _per_head(v: Float[Tensor, "*lead groups d_state"], heads: int) -> Float[Tensor, "*lead heads d_state"]:

@@ -38,7 +38,7 @@ Per kind (heads axis, value v_s):
 
 Module contents: `effective_attention` (the history of a call, then the kind's own maths:
 `RecurrentMixer._effective_attention` in each kind's module); `EffectiveAttention`, the result, and the
-decayed inner products are in `effective`.
+decayed inner products are in `engine.effective`.
 """
 
 import torch
@@ -46,7 +46,7 @@ from torch import Tensor
 
 from ..engine.arguments import as_index
 from ..engine.calls import Call
-from ..kinds.effective import EffectiveAttention
+from ..engine.effective import EffectiveAttention
 from ..engine.errors import InvalidValue, Unavailable
 from ..engine.kernels import STATE_MEMORY
 from ..engine.mixer import RecurrentMixer
