@@ -1,5 +1,7 @@
 """The package's layers import one way: the engine imports no kind, no study and not the registry; a kind imports
-no study (docs/architecture.md). Read from the source, so an import inside a function counts too."""
+no study; a study imports no kind (it reaches a kind through a mixer and the kind's declarations); a kind imports no
+other kind's private helper (shared maths live in their own modules: `delta_rule`, `ssm`, `conv`)
+(docs/architecture.md). Read from the source, so an import inside a function counts too."""
 
 import ast
 import pathlib
@@ -35,7 +37,8 @@ def _layer(module: str) -> str:
 
 
 FORBIDDEN = {"engine": {"kinds", "studies", "registry", "toys", "extend", "demo", "plots"},
-             "kinds": {"studies", "registry", "toys", "extend", "demo", "plots"}}
+             "kinds": {"studies", "registry", "toys", "extend", "demo", "plots"},
+             "studies": {"kinds", "registry", "toys", "extend", "demo"}}
 FILES = sorted(p for layer in FORBIDDEN for p in (PACKAGE / layer).rglob("*.py"))
 
 
@@ -53,6 +56,26 @@ def test_the_layers_are_there_and_the_check_sees_imports():
     assert "engine.kernels" in _imports(PACKAGE / "kinds" / "gated_delta_net.py")
     assert "engine.mixer" in _imports(PACKAGE / "studies" / "effective_attention.py")
     assert {"kinds.gated_delta_net", "engine.families"} <= _imports(PACKAGE / "registry.py")
+
+
+def _private_names_from_siblings(path: pathlib.Path) -> list[str]:
+    """`module.name` for every underscore name the file imports from another module of its own package."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+            found += [f"{node.module}.{alias.name}" for alias in node.names if alias.name.startswith("_")]
+    return found
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "kinds").glob("*.py")), ids=lambda p: p.name)
+def test_a_kind_imports_no_private_helper_of_another_kind(path):
+    wrong = _private_names_from_siblings(path)
+    assert not wrong, f"recurrent_hooks/kinds/{path.name} imports private helpers of other kinds: {wrong}"
+
+
+def test_the_private_import_check_sees_one(tmp_path):
+    (tmp_path / "k.py").write_text("from .other import _helper as helper, public\n")
+    assert _private_names_from_siblings(tmp_path / "k.py") == ["other._helper"]
 
 
 MAX_CLASS_LINES = 300

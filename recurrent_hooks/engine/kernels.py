@@ -162,6 +162,20 @@ class Pieces:
         return (out, None) if self.segments.tuple_without_final else out
 
 
+@dataclasses.dataclass(frozen=True)
+class WindowTerms:
+    """Attribution patching's maths of a prompt convolution (`Kernel.window_terms`), so that studies need no kind:
+
+    - `shifted(hidden_states, weight, bias, activation, shift=)`: the kernel's output with `shift` added before its
+      activation (a zero leaf whose gradient is d metric / d the convolution's output);
+    - `terms(delta, grad, weight, shares)`: the window term of every position from the inputs' change and that
+      gradient, without a per-token step.
+    """
+
+    shifted: Callable[..., Any]
+    terms: Callable[..., Any]
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Kernel:
     """One kernel of a mixer kind, as data (keyword-only fields).
@@ -188,7 +202,9 @@ class Kernel:
       or path of a class or instance attribute, `Family.owners`);
     - `stops`: the loop also takes a keyword-only `stops`, the sorted tokens at which it must call `on_token`
       (None: every token), and runs a faster computation between them (a whole forward whose own block
-      loop can start from a state: lightning attention). Used like `segments`, for kernels without them.
+      loop can start from a state: lightning attention). Used like `segments`, for kernels without them;
+    - `window_terms`: a prompt convolution's attribution maths (`WindowTerms`; None: `rh.attribute` takes its
+      windows token by token).
     """
 
     name: str
@@ -203,6 +219,7 @@ class Kernel:
     segments: Segments | None = None
     site: Site = Site.MODULE
     stops: bool = False
+    window_terms: WindowTerms | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))

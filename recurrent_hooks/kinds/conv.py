@@ -37,7 +37,7 @@ from jaxtyping import Float
 from torch import Tensor
 from transformers.activations import ACT2FN
 
-from ..engine.kernels import CONV_MEMORY, FORWARD, Kernel, Role
+from ..engine.kernels import CONV_MEMORY, FORWARD, Kernel, Role, WindowTerms
 from ..engine.loops import OnToken, handed_back_changed, version_of
 
 
@@ -207,7 +207,7 @@ def window_terms(
 
 CONV_KERNELS = (
     Kernel(name="causal_conv1d_fn", role=Role.PROMPT, loop=causal_conv1d_fn, memory=CONV_MEMORY, state_in=None,
-           results=("output",), seq=FORWARD),
+           results=("output",), seq=FORWARD, window_terms=WindowTerms(causal_conv1d_shifted, window_terms)),
     Kernel(name="causal_conv1d_update", role=Role.DECODE, loop=causal_conv1d_update, memory=CONV_MEMORY,
            state_in="conv_state", results=("output",), seq=("hidden_states", 2), in_place=True),
 )

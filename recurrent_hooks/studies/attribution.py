@@ -70,7 +70,6 @@ from ..engine.mixer import RecurrentMixer
 from ..engine.parts import map_parts, parts_of
 from ..engine.strategies import Paths
 from ..engine.watch import Watch, watch
-from ..kinds import conv
 from .metrics import for_rows, per_row
 
 _MEMORIES = (STATE_MEMORY, CONV_MEMORY)  # the rows `state` and `window`
@@ -466,7 +465,7 @@ class _Recorded:
 def _attribute_in_chunks(runs: _Runs, clean_ids: Tensor, corrupt_ids: Tensor, chunk: int, shared_conv: bool,
                          inputs: Inputs, steps: int) -> Attribution:
     """method="chunks": the state term through `_Chunked` calls, the window term from the convolution's inputs
-    and output gradients (`conv.window_terms`) where every chosen kind's conv is the shared one (`shared_conv`),
+    and output gradients (`Kernel.window_terms`) where every chosen kind's conv is the shared one (`shared_conv`),
     else from kept windows."""
     keep = () if shared_conv else ("windows",)  # the state kernels' calls (and the shared convs) go to the runners
     clean = _recorded_run(runs, clean_ids, keep, chunk, shared_conv)
@@ -563,13 +562,13 @@ def _recorded_layout(mixer: RecurrentMixer, clean: "_Recorded") -> "_Heads":
 
 
 def _conv_kernel(kind: type[RecurrentMixer]) -> Kernel | None:
-    """The kind's prompt convolution when it is the shared one (`kinds.conv`), whose window term
-    `conv.window_terms` computes without a per-token step; None otherwise."""
+    """The kind's prompt convolution when it declares its window term (`Kernel.window_terms`: the shared one),
+    computed without a per-token step; None otherwise."""
     return next((kernel for kernel in kind.KERNELS if _conv_takes(kernel)), None)
 
 
 def _conv_takes(kernel: Kernel) -> bool:
-    return kernel.role is Role.PROMPT and kernel.memory == CONV_MEMORY and kernel.loop is conv.causal_conv1d_fn
+    return kernel.role is Role.PROMPT and kernel.memory == CONV_MEMORY and kernel.window_terms is not None
 
 
 @dataclasses.dataclass
@@ -579,6 +578,7 @@ class _ConvCall:
 
     inputs: Tensor  # b c L
     weight: Tensor  # c K
+    terms: Callable[..., Tensor]  # the kernel's `WindowTerms.terms`
     shift: Tensor | None = None  # b c L, the corrupt run's
 
 
@@ -609,7 +609,7 @@ def _window_row(clean: "_CleanRunner", corrupt: "_CorruptRunner", grads: Iterabl
                                f" and {tuple(before.inputs.shape)} in the clean one, for a {ids.shape[1]}-token"
                                " prompt (a cached prefix?): use method='states'")
         delta = before.inputs.to(torch.float32) - base.inputs.to(torch.float32)  # b c L
-        total = total + conv.window_terms(delta, grad, after.weight, shares).to(total.device)
+        total = total + after.terms(delta, grad, after.weight, shares).to(total.device)
     return total if layout is None else total.movedim(2, 1)
 
 
@@ -682,7 +682,8 @@ class _CleanRunner:
     def run(self, kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         if kernel.memory == CONV_MEMORY:  # the shared prompt convolution: its inputs
             bound = _conv_call(kernel, args, kwargs)
-            self.convs.append(_ConvCall(bound["hidden_states"].detach(), bound["weight"].detach()))
+            self.convs.append(_ConvCall(bound["hidden_states"].detach(), bound["weight"].detach(),
+                                        kernel.window_terms.terms))
             return original(*args, **kwargs)
         pieces = Pieces(kernel, args, kwargs)
         if isinstance(pieces.state, Tensor):  # a cache's tensor, updated in place later
@@ -712,8 +713,8 @@ class _CorruptRunner:
             bound = _conv_call(kernel, args, kwargs)
             x, weight = bound["hidden_states"], bound["weight"]
             shift = torch.zeros(x.shape, dtype=torch.float32, device=x.device, requires_grad=True)
-            self.convs.append(_ConvCall(x.detach(), weight.detach(), shift))
-            return conv.causal_conv1d_shifted(x, weight, bound.get("bias"), bound.get("activation"), shift=shift)
+            self.convs.append(_ConvCall(x.detach(), weight.detach(), kernel.window_terms.terms, shift))
+            return kernel.window_terms.shifted(x, weight, bound.get("bias"), bound.get("activation"), shift=shift)
         index = len(self.eps)
         if index >= len(self.clean.records):
             raise InvalidValue(f"attribute: {self.where}: prompt kernel call {index} of the corrupt run has no clean"
