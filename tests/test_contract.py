@@ -76,6 +76,18 @@ def test_every_family_has_a_tiny_model():
     assert sorted(FAMILIES) == sorted(BUILDERS), "a registered family has no builder in tests/_models.py"
 
 
+def test_every_kind_of_the_registry_has_a_contract_adapter():
+    """The memory contract runs on every (family, mixer class): a kind without an adapter fails here by name (and its
+    cases fail where they read it), instead of being left out."""
+    missing = []
+    for case in cases():
+        try:
+            case.adapter
+        except KeyError:
+            missing.append(f"{case.id} ({case.kind.__name__})")
+    assert not missing, f"no contract adapter in tests/_contract.py ADAPTERS for {missing}"
+
+
 def keep_all(family):
     """Every memory the kind carries, and the kernels' arguments and results."""
     return tuple(STACK[memory] for memory in rh.FAMILIES[family].kind.MEMORIES) + ("inputs", "outputs")
