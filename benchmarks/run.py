@@ -3,6 +3,7 @@
     python benchmarks/run.py                 # full run (CPU, a few minutes)
     python benchmarks/run.py --quick         # smoke run, tiny dims, a few seconds
     python benchmarks/run.py --repeats 5 --models gdn,mamba1
+    python benchmarks/run.py --models mamba2_full,qwen3_5_slice --repeats 1   # full depth, T = 256 (slow)
 
 Every model is built from a config with random weights (nothing is downloaded). Times are the median
 over interleaved rounds (each round runs every row of a model once, round-robin) of the row's time
@@ -61,6 +62,7 @@ class Spec:
     build_gen: Callable[[], Any] | None = None  # the generate model if it differs (None: the same)
     gen_note: str = ""
     all_states: bool = False  # also time keep=("states",) (every token)
+    layers: int = 2  # decoder layers of the forward model (the report's header)
 
 
 VOCAB = 1024  # small on purpose: a big LM head would dilute the ratios (and is not what the hooks touch)
@@ -102,6 +104,7 @@ def _mamba1(hidden: int, state: int) -> Any:
 
 LINEAR2 = ["linear_attention", "linear_attention"]
 HYBRID = ["linear_attention", "full_attention"]
+QWEN3_5_SLICE = (["linear_attention"] * 3 + ["full_attention"]) * 2
 GDN_GEN_NOTE = ("generate: layers [linear, full] (transformers 5.24 fails to generate with a cache when every"
                 " layer is linear), so it has 1 recurrent layer")
 
@@ -130,6 +133,12 @@ def specs(quick: bool) -> list[Spec]:
         Spec("gdn_small", "small gated DeltaNet: hidden 256, 4 key / 8 value heads of 64, MLP 512", 512, 32,
              lambda: _gdn(256, 4, 8, 64, 512, LINEAR2), lambda: _gdn(256, 4, 8, 64, 512, HYBRID), GDN_GEN_NOTE,
              all_states=True),
+        # full depth (not in the default --models): the 2-layer rows above understate what a real model costs
+        Spec("mamba2_full", "Mamba-2 at mamba2-130m's full depth: 24 layers of the mamba2 row's dims", 256, 8,
+             lambda: _mamba2(768, 24, 64, 128, 256, layers=24), layers=24),
+        Spec("qwen3_5_slice", "a Qwen3.5 slice: 8 layers of the gdn row's dims in Qwen3.5's 3:1 pattern (6 gated"
+             " DeltaNet, 2 attention)", 256, 8, lambda: _gdn(2048, 16, 32, 128, 6144, QWEN3_5_SLICE),
+             layers=len(QWEN3_5_SLICE)),
     ]
 
 
@@ -480,7 +489,7 @@ def report(results: list[tuple[Spec, list[Row]]], memory: dict | None, header: l
     cols = (f"{'row':<64} {'ratio':>6} {'range':>11} {'/floor':>6} {'target':>8} {'met':>4} {'median s':>8}"
             f" {'peak+ MB':>8} {'kept+ MB':>8} {'states MB':>9}")
     for spec, rows in results:
-        lines += ["", f"== {spec.key}: {spec.label}; T = {spec.tokens}, batch 1, 2 layers", cols]
+        lines += ["", f"== {spec.key}: {spec.label}; T = {spec.tokens}, batch 1, {spec.layers} layers", cols]
         mem = (memory or {}).get(spec.key, {})
         for row in rows:
             r = ratio(rows, row)
