@@ -1,4 +1,4 @@
-"""Reductions formed where the states are formed (`strategies.Strategy.CHUNKS`, `dispatch._reduce_in_chunks`).
+"""Reductions formed where the states are formed (`strategies.Strategy.CHUNKS`, `busy.reduce_in_chunks`).
 
 A watch whose busy plans only reduce every state (`reduce=`), without gradients, runs the kind's all-states kernel
 once over the call, which hands each of its chunks' states, a view of one reused buffer, to the reductions

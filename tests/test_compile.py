@@ -19,7 +19,7 @@ import torch
 from transformers import CompileConfig
 
 import recurrent_hooks as rh
-import recurrent_hooks.engine.dispatch as rh_dispatch
+import recurrent_hooks.engine.busy as rh_busy
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
 from recurrent_hooks.engine.parts import map_parts, parts_of
@@ -143,12 +143,12 @@ def test_a_compiled_forward_with_a_few_hooked_tokens_runs_in_segments_as_eagerly
     (the path is chosen as eagerly; the spy is on the eager run: a list it appended to would be a guard)."""
     model, ids = build(family), random_ids(1, T)
     memory, zero = _written(model, ids)
-    segmented, real = [], rh_dispatch._run_in_segments
-    monkeypatch.setattr(rh_dispatch, "_run_in_segments", lambda *a: segmented.append(1) or real(*a))
+    segmented, real = [], rh_busy.run_in_segments
+    monkeypatch.setattr(rh_busy, "run_in_segments", lambda *a: segmented.append(1) or real(*a))
     fixed = rh.Paths(rule="fixed")  # segments: the cost model picks the token loop at these tiny dims
     eager = _watched_calls(model, model, ids, memory, zero, hooked=[0, -1], paths=fixed)
     assert segmented, "the eager run did not take segments"
-    monkeypatch.setattr(rh_dispatch, "_run_in_segments", real)
+    monkeypatch.setattr(rh_busy, "run_in_segments", real)
     compiled = _watched_calls(model, torch.compile(model, fullgraph=True, backend="aot_eager"), ids, memory, zero,
                               hooked=[0, -1], paths=fixed)
     _compare_runs(eager, compiled, memory, atol=1e-6, hooked=2)

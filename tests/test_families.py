@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import recurrent_hooks as rh
-import recurrent_hooks.engine.dispatch as rh_dispatch
+import recurrent_hooks.engine.busy as rh_busy
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
 from _runs import greedy, logits_of
@@ -162,8 +162,8 @@ def _sparse_run(model, ids, fast, monkeypatch):
     the fixed rule, segments; the cost model picks the token loop at these tiny dims. Else the token loop)."""
     paths = rh.Paths(rule="fixed") if fast else rh.Paths(rule="loop")
     segmented = []
-    real = rh_dispatch._run_in_segments
-    monkeypatch.setattr(rh_dispatch, "_run_in_segments", lambda *a: segmented.append(1) or real(*a))
+    real = rh_busy.run_in_segments
+    monkeypatch.setattr(rh_busy, "run_in_segments", lambda *a: segmented.append(1) or real(*a))
     seen = []
     with rh.watch(model, keep={"states": [2, 7, -1], "windows": [7], "inputs": None}, paths=paths) as w, \
             torch.no_grad():
@@ -219,8 +219,8 @@ def test_every_state_kept_chunkwise_equals_the_token_loop(model, monkeypatch):
     token, in segments around it): same outputs, states, hook inputs and cache as the token loop."""
     ids = random_ids(2, 70)
     chunkwise = []
-    real = rh_dispatch._run_in_segments
-    monkeypatch.setattr(rh_dispatch, "_run_in_segments", lambda *a: chunkwise.append(bool(a[-1])) or real(*a))
+    real = rh_busy.run_in_segments
+    monkeypatch.setattr(rh_busy, "run_in_segments", lambda *a: chunkwise.append(bool(a[-1])) or real(*a))
     runs = {}
     for fast in (True, False):  # the fixed rule: chunk-wise (the cost model may pick the token loop at tiny dims)
         seen = []

@@ -39,6 +39,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 import recurrent_hooks as rh
+import recurrent_hooks.engine.busy as rh_busy
 import recurrent_hooks.engine.dispatch as rh_dispatch
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
@@ -200,7 +201,7 @@ class Run:
 def run(case: Case, kind: Kind, values: list[rh.Memory], fast: bool) -> Run:
     model, _, _ = model_of(kind.family)
     seen, segmented = {}, []
-    real = rh_dispatch._run_in_segments
+    real = rh_busy.run_in_segments
 
     def spy(*args):
         if args[0].role == "prompt":  # (decode steps run in one segment too: their kernel, then the hooks)
@@ -221,7 +222,7 @@ def run(case: Case, kind: Kind, values: list[rh.Memory], fast: bool) -> Run:
     # the fixed rule for the fast run: property 2 checks the path it takes, segments or chunk-wise, which the cost
     # model rarely picks at these tiny dims; the token loop for the slow run
     paths = rh.Paths(rule="fixed") if fast else rh.Paths(rule="loop")
-    with patched(rh_dispatch, _run_in_segments=spy), rh.watch(model, keep=keep, paths=paths) as w:
+    with patched(rh_busy, run_in_segments=spy), rh.watch(model, keep=keep, paths=paths) as w:
         assert len(w.mixers) == kind.mixers
         for i, (edit, value) in enumerate(zip(case.edits, values)):
             mixer = w.mixers[edit.mixer]

@@ -129,3 +129,15 @@ def test_the_per_call_state_branches_on_compiling_in_one_place():
                              for node in ast.walk(fn) if isinstance(node, ast.Attribute)
                              and node.attr in ("is_compiling", "compiling"))
     assert found == {"mixer.py": [], "call_state.py": ["now"], "kind.py": []}, found
+
+
+def test_every_path_is_one_runner_and_dispatch_branches_on_none():
+    """Paths as a table (docs/architecture.md): each `Strategy` has its runner in `engine/busy.py`, and the busy call
+    looks it up; dispatch names no path but the token loop it falls back to."""
+    from recurrent_hooks.engine import busy, strategies
+
+    assert set(busy.RUNNERS) == set(strategies.Strategy), sorted(map(str, busy.RUNNERS))
+    tree = ast.parse((PACKAGE / "engine" / "dispatch.py").read_text())
+    named = sorted({node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                    and isinstance(node.value, ast.Attribute) and node.value.attr == "Strategy"})
+    assert named == ["LOOP"], f"engine/dispatch.py branches on the paths {named}: give the path a runner in busy.py"

@@ -5,7 +5,7 @@
   kernel, a token-loop tail for a Mamba-2 stop just past a chunk boundary, the fixed rule when told;
 - the policy (`rh.Paths`, an argument of `watch` and `register_state_hook`): the path it asks for is the one each
   call records, with the token loop's results; a device without calibration takes the fixed rule; bad policies;
-- segments with tails (`_dispatch._run_in_segments`) equal the token loop: outputs, final state, what the
+- segments with tails (`busy.run_in_segments`) equal the token loop: outputs, final state, what the
   stops are handed, at the kernel and through a watched model (outputs, kept states, hook inputs, writes,
   cache contents, decode steps);
 - the cost model (the shipped default) end to end gives what the token loop gives;
@@ -24,7 +24,7 @@ import torch
 
 import recurrent_hooks as rh
 import recurrent_hooks.engine.watch as watch_impl
-import recurrent_hooks.engine.dispatch as rh_dispatch
+import recurrent_hooks.engine.busy as rh_busy
 import recurrent_hooks.engine.strategies as rh_paths
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
@@ -137,8 +137,8 @@ def test_a_hooked_decode_step_runs_transformers_kernel_then_the_hooks(family, mo
     model, ids = build(family), random_ids(2, 7)
     runs = {}
     for fast in (True, False):
-        segmented, real = [], rh_dispatch._run_in_segments
-        monkeypatch.setattr(rh_dispatch, "_run_in_segments",
+        segmented, real = [], rh_busy.run_in_segments
+        monkeypatch.setattr(rh_busy, "run_in_segments",
                             lambda *a: segmented.append(a[0].role) or real(*a))
         seen = []
         with rh.watch(model, paths=None if fast else LOOP) as w, torch.no_grad():
@@ -147,7 +147,7 @@ def test_a_hooked_decode_step_runs_transformers_kernel_then_the_hooks(family, mo
             first.register_state_hook(lambda m, c, t, s: s * 0.5, call=2)
             out = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=PAD,
                                  output_logits=True, return_dict_in_generate=True)
-        monkeypatch.setattr(rh_dispatch, "_run_in_segments", real)
+        monkeypatch.setattr(rh_busy, "run_in_segments", real)
         runs[fast] = (out, seen, segmented)
     (fast_out, fast_seen, segmented), (slow_out, slow_seen, _) = runs[True], runs[False]
     assert segmented.count("decode") == 3, segmented  # the hooked mixer's decode steps 1-3
@@ -241,7 +241,7 @@ def test_tails_at_the_kernel_equal_the_token_loop():
             return state
 
         if fast:
-            out = rh_dispatch._run_in_segments(SSD, modeling.mamba2_chunk_scan, args, kwargs, stops, tails, on_token, [])
+            out = rh_busy.run_in_segments(SSD, modeling.mamba2_chunk_scan, args, kwargs, stops, tails, on_token, [])
         else:
             out = SSD.loop(*args, on_token=on_token, **kwargs)
         return out, seen
@@ -271,8 +271,8 @@ def test_tails_through_a_watch_equal_the_token_loop(family, monkeypatch):
         model(ids, use_cache=False)
     value = w.mixers[0].state_after(10) * 0.5
     taken = []
-    real = rh_dispatch._run_in_segments
-    monkeypatch.setattr(rh_dispatch, "_run_in_segments", lambda *a: taken.append(a[5]) or real(*a))
+    real = rh_busy.run_in_segments
+    monkeypatch.setattr(rh_busy, "run_in_segments", lambda *a: taken.append(a[5]) or real(*a))
     runs = {}
     for fast in (True, False):
         seen = []
@@ -405,20 +405,20 @@ def test_fullgraph_compile_traces_the_cost_models_segments(family, monkeypatch):
     dear): hooks, a write and a kept state in the graph, as eagerly; the spy is on the eager run only."""
     model, ids = build(family), random_ids(2, COMPILED_T)
     value = _value(model, ids)
-    taken, real = [], rh_dispatch._run_in_segments
-    monkeypatch.setattr(rh_dispatch, "_run_in_segments", lambda *a: taken.append(bool(a[-1])) or real(*a))
+    taken, real = [], rh_busy.run_in_segments
+    monkeypatch.setattr(rh_busy, "run_in_segments", lambda *a: taken.append(bool(a[-1])) or real(*a))
     eager = _watched_calls(model, model, ids, "all", value, paths=CHEAP_SEGMENTS)
     assert False in taken, "the cost model did not pick segments"
-    monkeypatch.setattr(rh_dispatch, "_run_in_segments", real)
+    monkeypatch.setattr(rh_busy, "run_in_segments", real)
     compiled = _watched_calls(model, torch.compile(model, fullgraph=True, backend="aot_eager"), ids, "all", value,
                               paths=CHEAP_SEGMENTS)
     _compare_watched("all", eager, compiled)
     taken.clear()
-    monkeypatch.setattr(rh_dispatch, "_run_in_segments", lambda *a: taken.append(bool(a[-1])) or real(*a))
+    monkeypatch.setattr(rh_busy, "run_in_segments", lambda *a: taken.append(bool(a[-1])) or real(*a))
     with rh.watch(model, keep=("states",), paths=CHEAP_SEGMENTS) as w, torch.no_grad():  # every state: chunk-wise
         logits, eager_states = model(ids).logits, [m.states for m in w.mixers]
     assert taken and all(taken), "every state kept: the cost model did not pick the chunk-wise states"
-    monkeypatch.setattr(rh_dispatch, "_run_in_segments", real)
+    monkeypatch.setattr(rh_busy, "run_in_segments", real)
     with rh.watch(model, keep=("states",), paths=CHEAP_SEGMENTS) as w, torch.no_grad():
         compiled_logits = torch.compile(model, fullgraph=True, backend="aot_eager")(ids).logits
         compiled_states = [m.states for m in w.mixers]

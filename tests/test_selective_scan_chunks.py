@@ -16,7 +16,7 @@ import torch
 from einops import rearrange
 
 import recurrent_hooks as rh
-import recurrent_hooks.engine.dispatch as rh_dispatch
+import recurrent_hooks.engine.busy as rh_busy
 from _compare import assert_close
 from _models import PAD, build, random_ids
 from _reference_ssm import selective_scan_reference
@@ -225,11 +225,11 @@ ALL = ("states", "windows", "inputs", "outputs")
 
 
 def _spy(monkeypatch) -> list:
-    """Record each `_run_in_segments` call (whether it keeps every state) and each chunk-wise scan (its name),
-    and hand `_run_in_segments` an `original` that fails: transformers' kernel cannot start from a state, so
+    """Record each `busy.run_in_segments` call (whether it keeps every state) and each chunk-wise scan (its name),
+    and hand `run_in_segments` an `original` that fails: transformers' kernel cannot start from a state, so
     the library's must run every piece."""
     runs = []
-    real = rh_dispatch._run_in_segments
+    real = rh_busy.run_in_segments
 
     def refuse(*args, **kwargs):
         raise AssertionError("transformers' mamba_selective_scan ran a piece")
@@ -238,7 +238,7 @@ def _spy(monkeypatch) -> list:
         runs.append(bool(rest[-1]))
         return real(kernel, refuse, *rest)
 
-    monkeypatch.setattr(rh_dispatch, "_run_in_segments", spy)
+    monkeypatch.setattr(rh_busy, "run_in_segments", spy)
     for name in ("mamba_selective_scan_chunks", "mamba_selective_scan_states"):  # the tiny models' states are small
         real_scan = getattr(s6, name)
         monkeypatch.setattr(s6, name, lambda *a, _real=real_scan, _name=name, **k: runs.append(_name) or _real(*a, **k))

@@ -8,13 +8,9 @@ Module contents:
   forward's entry in).
 - `make_dispatcher(kind)`: for `patching.acquire_kernels`, the function bound in place of each kernel.
 - `_Tap.run_kernel`: the plans of the attached mixers decide: nothing wanted runs the bound kernel; a busy
-  call takes the path `strategies.choose` picks under its handles' policy (`_fast_path`, `strategies.Paths`): the bound kernel in
-  segments between the stops (`_run_in_segments`, a piece maybe ending in a token loop from its last chunk
-  boundary), or the library's loop with `stops` for a kernel that computes fast between stops itself
-  (`Kernel.stops`); every state kept without gradients can run the chunk-wise kernel, a hook on every token
-  the chunk-wise kernel a block at a time (`blocks.run_in_blocks`), and reductions of every state alone the
-  chunk-wise kernel handing them its chunks (`_reduce_in_chunks`); otherwise the token loop runs, calling
-  the plans after each token. The path taken is recorded (`KernelCall.path`).
+  call takes the path `strategies.choose` picks under its handles' policy (`_fast_path`, `strategies.Paths`) and
+  runs by that path's runner (`busy.RUNNERS`: the token loop, segments, every state chunk-wise, blocks, chunks).
+  The path taken is recorded (`KernelCall.path`).
 """
 
 import dataclasses
@@ -27,17 +23,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import adjoint as _adjoint
 from . import blocks as _blocks
+from . import busy as _busy
 from . import runners as _runners
 from . import strategies
 from .calls import KernelCall
-from .kernels import CONV_MEMORY, FORWARD, Kernel, Layout, Pieces
+from .kernels import CONV_MEMORY, FORWARD, Kernel, Layout
 from .call_state import Plan, _Forward
 from .errors import InvalidValue, noted
 from .mixer import RecurrentMixer
 from .parts import State, is_parts, map_parts, parts_of, rebuild, stack_parts
-from .threads import THREAD, in_backward, loop_threads, user_code
+from .threads import THREAD, in_backward, user_code
 from .upstream import wraps_kernel
 
 
@@ -291,36 +287,19 @@ class _Tap:
         by the path its handles' policy picks, calling the plans at their tokens; returns its result and path."""
         takers = [_Taker(per_memory, tokens) for per_memory in busy]
         fast = _fast_path(kernel, busy[0], tokens, arguments) if len(busy) == 1 else None
-        path = strategies.Strategy.LOOP.value if fast is None else fast.path.value
-        on_token = takers[0].on_token
+        strategy = strategies.Strategy.LOOP if fast is None else fast.path
         extra = {"tokens": tokens} if kernel.seq == FORWARD else {}
         if len(busy) > 1:  # the second memory's hooks, writes and kept values (`Kernel.also`)
             extra["on_also"] = takers[1].on_token
         if "original" in kernel.layout.named:  # a loop that reads settings the kernel captured
             extra["original"] = original
-        if fast is not None and fast.path is strategies.Strategy.CHUNKS:  # the all-states kernel's chunks, reduced
-            with _loop_threads(busy, arguments):  # (its states formed token by token, then fn per chunk)
-                result = _reduce_in_chunks(kernel, args, kwargs, takers[0], type(busy[0][0].mixer), arguments)
-        elif fast is not None and fast.path is strategies.Strategy.BLOCKS:  # the states chunk-wise, a block at a time
-            takers[0].borrowed = True
-            result = _blocks.run_in_blocks(kernel, args, kwargs, on_token)
-        elif fast is not None and kernel.segments is None:  # the loop computes fast between the stops itself
-            with _loop_threads(busy, arguments):
-                result = kernel.loop(*args, on_token=on_token, stops=fast.stops, **extra, **kwargs)
-        elif fast is not None and fast.every_state and takers[0].differentiable:
-            # every state with gradients, no stop (`strategies.choose`): all-states forward, adjoint backward
-            result = _keep_every_state(kernel, original, args, kwargs, takers[0].storing)
-        elif fast is not None:
-            result = _run_in_segments(kernel, original, args, kwargs, fast.stops, fast.tails, on_token,
-                                      [plan for plan in takers[0].storing if fast.every_state])
-        else:
-            with _loop_threads(busy, arguments):
-                result = kernel.loop(*args, on_token=on_token, **extra, **kwargs)
+        call = _busy.BusyCall(kernel, original, args, kwargs, busy, takers, arguments, fast, extra)
+        result = _busy.RUNNERS[strategy](call)
         if kernel.memory == CONV_MEMORY and kernel.role == "prompt" and takers[0].last:
             self._sync_conv_cache(type(entry.mixers[0]), entry.forward, takers[0].last[0])
         for taker in takers:
             taker.finish()
-        return result, path
+        return result, strategy.value
 
     @staticmethod
     def _sync_conv_cache(kind: type[RecurrentMixer], forward: _Forward, window: Tensor) -> None:
@@ -523,14 +502,6 @@ def _own(state: Tensor) -> Tensor:
 BOUND_KERNEL = "bound kernel"  # `KernelCall.path` of a call nothing was asked of: the kernel bound before the watch
 
 
-def _loop_threads(busy: list[list[Plan]], arguments: dict[str, Any]) -> Any:
-    """`threads.loop_threads` for a call's path with per-token steps, by the policy of its first busy plan, on the
-    device of its first tensor argument."""
-    mixer = next(plan.mixer for per_memory in busy for plan in per_memory)
-    device = next((value.device for value in arguments.values() if isinstance(value, Tensor)), torch.device("cpu"))
-    return loop_threads(mixer.paths.loop_threads, device)
-
-
 def _fast_path(kernel: Kernel, busy: list[Plan], tokens: int,
                arguments: dict[str, Any] | None = None) -> strategies.Choice | None:
     """How a busy call runs (`strategies.choose` under the policy of its handles, `strategies.Paths`); None: the
@@ -541,101 +512,6 @@ def _fast_path(kernel: Kernel, busy: list[Plan], tokens: int,
             return None
     return strategies.choose(kernel, busy, tokens, arguments, paths=paths)
 
-
-def _reduce_in_chunks(kernel: Kernel, args: tuple, kwargs: dict, taker: _Taker, kind: type,
-                      arguments: dict[str, Any]) -> Any:
-    """A prompt call whose busy plans only reduce every state, without gradients (`strategies.Strategy.CHUNKS`):
-    the kernel's `all_states` runs once over the call and hands each of its chunks' states to `on_chunk`
-    (`Segments.on_chunk`), which the reductions take as `[batch, chunk, *state]`, a view of the kernel's one
-    chunk buffer (`fn` must not keep it: the next chunk overwrites it; a result in its memory is copied).
-    Nothing holds more than one chunk of states, and no state is copied on the way to `fn`. A linear reduction
-    (`_linear_factors`) gets its readouts from the kernel instead, which forms no state (`Segments.readouts`)."""
-    factors = _linear_factors(kernel, kind, arguments, taker)
-
-    def on_chunk(start: int, states: Tensor) -> None:  # states: [size, batch, *state], the kernel's buffer
-        chunk = states.movedim(0, 1)  # batch size *state   a view: no copy (readouts: batch size heads r)
-        tokens = range(start, start + states.shape[0])
-        for reduction in taker.reducing:
-            if factors is None:
-                reduction.reduce(tokens, chunk, taker, buffer=states)
-            else:
-                reduction.keep(tokens, chunk, taker)
-
-    pieces = Pieces(kernel, args, kwargs)
-    leading, named = pieces.call(0, pieces.tokens, pieces.state)
-    extra = {} if factors is None else {"factors": factors}
-    (out, last), _ = kernel.segments.all_states(*leading, **named, on_chunk=on_chunk, **extra)
-    return pieces.result([out], last)
-
-
-def _linear_factors(kernel: Kernel, kind: type, arguments: dict[str, Any], taker: _Taker) -> tuple | None:
-    """The factors (a, b) of the one reduction of a call when it declares itself linear, sum_ij a S b per head and
-    rank (`linear_factors`, as `rh.probe`'s), the kernel forms readouts (`Segments.readouts`), the factors fit
-    the call's state `[batch, heads, rows, cols]` and their rank is low enough that readouts cost less; else None
-    (the reduction is called on the states, which raises what does not fit)."""
-    if not kernel.segments.readouts or len(taker.reducing) != 1:
-        return None
-    factors = getattr(taker.reducing[0].plan.reduce, "linear_factors", None)
-    shape = _blocks.state_shape(kind, kernel, arguments)
-    if factors is None or shape is None or len(shape) != 4:
-        return None
-    a, b = factors
-    if a.dim() != 3 or b.dim() != 3 or (a.shape[0], a.shape[2], b.shape[2]) != shape[1:] or a.shape[:2] != b.shape[:2]:
-        return None
-    if a.shape[1] * kernel.segments.readouts >= 2 * b.shape[2]:  # a high rank: forming the states costs less
-        return None
-    device = next(value.device for value in arguments.values() if isinstance(value, Tensor))
-    return a.to(device, torch.float32), b.to(device, torch.float32)
-
-
-def _keep_every_state(kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict,
-                      keeping: list[Plan]) -> Any:
-    """A prompt call keeping every state with gradients (`engine.adjoint`): its states go to the `keeping`
-    plans, per token and stacked (the tensor `autograd.grad(metric, mix.states)` differentiates)."""
-    where = f"{keeping[0].mixer}, call {keeping[0].call}"
-    result, states, per_token = _adjoint.keep_every_state(kernel, original, args, kwargs, where)
-    states.retain_grad()  # (`loss.backward()` then fills `.states.grad`, as the token loop's leaf does)
-    for plan in keeping:
-        plan.kept.update(enumerate(per_token))
-        plan.stacked = states
-    return result
-
-
-def _run_in_segments(kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict, stops: list[int],
-                     tails: tuple[tuple[int, int], ...], on_token: Callable[[int, Tensor], Tensor],
-                     keeping_all: list[Plan]) -> Any:
-    """Run `original` on the tokens between the stops, chaining the state through `on_token` at each stop.
-
-    The token ranges `tails` (`[start, end)`, each inside one piece and ending it) run through the library's
-    token loop instead, from the piece's last chunk boundary to its stop (`strategies.Choice.tails`). With
-    `keeping_all`, the pieces run through the kernel's chunk-wise `all_states` version instead, and the
-    states of the tokens between the stops go to those plans (`_Taker.finish` moves them to their keep device).
-    `Segments.kernel`, when given, runs the pieces in place of `original` (which cannot start from a state).
-    """
-    segments = kernel.segments
-    run = segments.all_states if keeping_all else segments.kernel or original
-    pieces = Pieces(kernel, args, kwargs)
-    state = pieces.state
-    looped = dict(tails)  # start -> end of each range the token loop runs
-    outputs = []
-    start = 0
-    for end in sorted({*(stop + 1 for stop in stops), *looped, pieces.tokens}):
-        if end <= start:
-            continue
-        leading, named = pieces.call(start, end, state)
-        if keeping_all:
-            (out, state), states = run(*leading, **named)
-            for plan in keeping_all:
-                plan.kept.update((start + i, states[i]) for i in range(end - start))
-        elif looped.get(start) == end:
-            out, state = kernel.loop(*leading, **named)
-        else:
-            out, state = run(*leading, **named)
-        outputs.append(out)
-        if end - 1 in stops:
-            state = on_token(end - 1, state)  # the state after the stop, as the token loop would hand it over
-        start = end
-    return pieces.result(outputs, state)
 
 
 _TAPS: "weakref.WeakKeyDictionary[nn.Module, _Tap]" = weakref.WeakKeyDictionary()

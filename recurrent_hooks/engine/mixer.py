@@ -28,7 +28,7 @@ model run inside a watched forward has its own entries, and calls its own kernel
 inside a user's hook, `THREAD.in_hook`). Each attached mixer says what it wants of this kernel call (a
 `call_state.Plan`). Then:
 - nothing is wanted: the kernel bound before the watch runs unchanged;
-- only a few tokens are wanted: that kernel runs in segments between them (`_run_in_segments`),
+- only a few tokens are wanted: that kernel runs in segments between them (`busy.run_in_segments`),
   chaining the state, and `Plan.apply` runs at each stop (a kernel declared with `Kernel.stops` gets
   the stops and computes between them itself);
 - every state is kept, without gradients: the kind's chunk-wise `Segments.all_states` kernel runs;

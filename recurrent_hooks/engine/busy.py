@@ -1,0 +1,189 @@
+"""How a busy kernel call runs: one runner per `strategies.Strategy`, all with one signature (`RUNNERS`).
+
+A kernel call that some plan wants something of (hooks, writes, kept states: "busy") gets its path from
+`strategies.choose` under its handles' policy (`dispatch._fast_path`); `dispatch._Tap` then looks its runner up here
+and calls it with the call (`BusyCall`):
+
+| path (`Strategy`) | runner | what runs |
+| --- | --- | --- |
+| `LOOP` | `run_loop` | the library's token loop, the plans called after each token (on `Paths.loop_threads`) |
+| `SEGMENTS` | `run_segments` | the bound kernel between the stops, chaining the state (`run_in_segments`); a kernel without `Segments` computes fast between its stops itself (`Kernel.stops`) |
+| `STATES` | `run_states` | every state chunk-wise between the stops; with gradients, the all-states forward and the adjoint backward (`keep_every_state`, `engine.adjoint`) |
+| `BLOCKS` | `run_blocks` | the chunk-wise kernel a block at a time, each state handed to the hooks (`blocks.run_in_blocks`) |
+| `CHUNKS` | `run_chunks` | the all-states kernel's chunks handed to the reductions, or their exact readouts (`reduce_in_chunks`) |
+
+Every runner gives the token loop's results (within float rounding); the tests check each against it.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import adjoint as _adjoint
+from . import blocks as _blocks
+from .call_state import Plan
+from .kernels import Kernel, Pieces
+from .strategies import Choice, Strategy
+from .threads import loop_threads
+
+
+@dataclasses.dataclass
+class BusyCall:
+    """One busy kernel call, as every runner takes it."""
+
+    kernel: Kernel
+    original: Callable[..., Any]  # the kernel bound before the watch
+    args: tuple
+    kwargs: dict
+    busy: list[list[Plan]]  # per memory the kernel updates, its busy plans
+    takers: list[Any]  # per memory, the `dispatch._Taker` that calls the plans and keeps what they keep
+    arguments: dict[str, Any]  # the call's bound arguments
+    choice: Choice | None  # `strategies.choose`'s (None: the token loop)
+    extra: dict[str, Any]  # the loop's extra keywords (`tokens`, `on_also`, `original`)
+
+    def loop(self, **more: Any) -> Any:
+        """The library's token loop over the call, on the policy's threads."""
+        with threads_of(self.busy, self.arguments):
+            return self.kernel.loop(*self.args, on_token=self.takers[0].on_token, **more, **self.extra, **self.kwargs)
+
+
+def run_loop(call: BusyCall) -> Any:
+    return call.loop()
+
+
+def run_segments(call: BusyCall) -> Any:
+    if call.kernel.segments is None:  # the loop computes fast between the stops itself (`Kernel.stops`)
+        return call.loop(stops=call.choice.stops)
+    return run_in_segments(call.kernel, call.original, call.args, call.kwargs, call.choice.stops, call.choice.tails,
+                           call.takers[0].on_token, [])
+
+
+def run_states(call: BusyCall) -> Any:
+    if call.takers[0].differentiable:  # every state with gradients, no stop: all-states forward, adjoint backward
+        return keep_every_state(call.kernel, call.original, call.args, call.kwargs, call.takers[0].storing)
+    return run_in_segments(call.kernel, call.original, call.args, call.kwargs, call.choice.stops, call.choice.tails,
+                           call.takers[0].on_token, call.takers[0].storing)
+
+
+def run_blocks(call: BusyCall) -> Any:
+    call.takers[0].borrowed = True  # the hooks get views of a block's states
+    return _blocks.run_in_blocks(call.kernel, call.args, call.kwargs, call.takers[0].on_token)
+
+
+def run_chunks(call: BusyCall) -> Any:
+    with threads_of(call.busy, call.arguments):  # (its states formed token by token, then fn per chunk)
+        return reduce_in_chunks(call.kernel, call.args, call.kwargs, call.takers[0], type(call.busy[0][0].mixer),
+                                call.arguments)
+
+
+RUNNERS: dict[Strategy, Callable[[BusyCall], Any]] = {
+    Strategy.LOOP: run_loop, Strategy.SEGMENTS: run_segments, Strategy.STATES: run_states,
+    Strategy.BLOCKS: run_blocks, Strategy.CHUNKS: run_chunks,
+}
+
+
+def threads_of(busy: list[list[Plan]], arguments: dict[str, Any]) -> Any:
+    """`threads.loop_threads` for a call's path with per-token steps, by the policy of its first busy plan, on the
+    device of its first tensor argument."""
+    mixer = next(plan.mixer for per_memory in busy for plan in per_memory)
+    device = next((value.device for value in arguments.values() if isinstance(value, Tensor)), torch.device("cpu"))
+    return loop_threads(mixer.paths.loop_threads, device)
+
+
+def reduce_in_chunks(kernel: Kernel, args: tuple, kwargs: dict, taker: Any, kind: type,
+                      arguments: dict[str, Any]) -> Any:
+    """A prompt call whose busy plans only reduce every state, without gradients (`strategies.Strategy.CHUNKS`):
+    the kernel's `all_states` runs once over the call and hands each of its chunks' states to `on_chunk`
+    (`Segments.on_chunk`), which the reductions take as `[batch, chunk, *state]`, a view of the kernel's one
+    chunk buffer (`fn` must not keep it: the next chunk overwrites it; a result in its memory is copied).
+    Nothing holds more than one chunk of states, and no state is copied on the way to `fn`. A linear reduction
+    (`linear_factors`) gets its readouts from the kernel instead, which forms no state (`Segments.readouts`)."""
+    factors = linear_factors(kernel, kind, arguments, taker)
+
+    def on_chunk(start: int, states: Tensor) -> None:  # states: [size, batch, *state], the kernel's buffer
+        chunk = states.movedim(0, 1)  # batch size *state   a view: no copy (readouts: batch size heads r)
+        tokens = range(start, start + states.shape[0])
+        for reduction in taker.reducing:
+            if factors is None:
+                reduction.reduce(tokens, chunk, taker, buffer=states)
+            else:
+                reduction.keep(tokens, chunk, taker)
+
+    pieces = Pieces(kernel, args, kwargs)
+    leading, named = pieces.call(0, pieces.tokens, pieces.state)
+    extra = {} if factors is None else {"factors": factors}
+    (out, last), _ = kernel.segments.all_states(*leading, **named, on_chunk=on_chunk, **extra)
+    return pieces.result([out], last)
+
+
+def linear_factors(kernel: Kernel, kind: type, arguments: dict[str, Any], taker: Any) -> tuple | None:
+    """The factors (a, b) of the one reduction of a call when it declares itself linear, sum_ij a S b per head and
+    rank (`linear_factors`, as `rh.probe`'s), the kernel forms readouts (`Segments.readouts`), the factors fit
+    the call's state `[batch, heads, rows, cols]` and their rank is low enough that readouts cost less; else None
+    (the reduction is called on the states, which raises what does not fit)."""
+    if not kernel.segments.readouts or len(taker.reducing) != 1:
+        return None
+    factors = getattr(taker.reducing[0].plan.reduce, "linear_factors", None)
+    shape = _blocks.state_shape(kind, kernel, arguments)
+    if factors is None or shape is None or len(shape) != 4:
+        return None
+    a, b = factors
+    if a.dim() != 3 or b.dim() != 3 or (a.shape[0], a.shape[2], b.shape[2]) != shape[1:] or a.shape[:2] != b.shape[:2]:
+        return None
+    if a.shape[1] * kernel.segments.readouts >= 2 * b.shape[2]:  # a high rank: forming the states costs less
+        return None
+    device = next(value.device for value in arguments.values() if isinstance(value, Tensor))
+    return a.to(device, torch.float32), b.to(device, torch.float32)
+
+
+def keep_every_state(kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict,
+                      keeping: list[Plan]) -> Any:
+    """A prompt call keeping every state with gradients (`engine.adjoint`): its states go to the `keeping`
+    plans, per token and stacked (the tensor `autograd.grad(metric, mix.states)` differentiates)."""
+    where = f"{keeping[0].mixer}, call {keeping[0].call}"
+    result, states, per_token = _adjoint.keep_every_state(kernel, original, args, kwargs, where)
+    states.retain_grad()  # (`loss.backward()` then fills `.states.grad`, as the token loop's leaf does)
+    for plan in keeping:
+        plan.kept.update(enumerate(per_token))
+        plan.stacked = states
+    return result
+
+
+def run_in_segments(kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict, stops: list[int],
+                     tails: tuple[tuple[int, int], ...], on_token: Callable[[int, Tensor], Tensor],
+                     keeping_all: list[Plan]) -> Any:
+    """Run `original` on the tokens between the stops, chaining the state through `on_token` at each stop.
+
+    The token ranges `tails` (`[start, end)`, each inside one piece and ending it) run through the library's
+    token loop instead, from the piece's last chunk boundary to its stop (`strategies.Choice.tails`). With
+    `keeping_all`, the pieces run through the kernel's chunk-wise `all_states` version instead, and the
+    states of the tokens between the stops go to those plans (`_Taker.finish` moves them to their keep device).
+    `Segments.kernel`, when given, runs the pieces in place of `original` (which cannot start from a state).
+    """
+    segments = kernel.segments
+    run = segments.all_states if keeping_all else segments.kernel or original
+    pieces = Pieces(kernel, args, kwargs)
+    state = pieces.state
+    looped = dict(tails)  # start -> end of each range the token loop runs
+    outputs = []
+    start = 0
+    for end in sorted({*(stop + 1 for stop in stops), *looped, pieces.tokens}):
+        if end <= start:
+            continue
+        leading, named = pieces.call(start, end, state)
+        if keeping_all:
+            (out, state), states = run(*leading, **named)
+            for plan in keeping_all:
+                plan.kept.update((start + i, states[i]) for i in range(end - start))
+        elif looped.get(start) == end:
+            out, state = kernel.loop(*leading, **named)
+        else:
+            out, state = run(*leading, **named)
+        outputs.append(out)
+        if end - 1 in stops:
+            state = on_token(end - 1, state)  # the state after the stop, as the token loop would hand it over
+        start = end
+    return pieces.result(outputs, state)
