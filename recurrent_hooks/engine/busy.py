@@ -4,13 +4,15 @@ A kernel call that some plan wants something of (hooks, writes, kept states: "bu
 `strategies.choose` under its handles' policy (`dispatch._fast_path`); `dispatch._Tap` then looks its runner up here
 and calls it with the call (`BusyCall`):
 
-| path (`Strategy`) | runner | what runs |
-| --- | --- | --- |
-| `LOOP` | `run_loop` | the library's token loop, the plans called after each token (on `Paths.loop_threads`) |
-| `SEGMENTS` | `run_segments` | the bound kernel between the stops, chaining the state (`run_in_segments`); a kernel without `Segments` computes fast between its stops itself (`Kernel.stops`) |
-| `STATES` | `run_states` | every state chunk-wise between the stops; with gradients, the all-states forward and the adjoint backward (`keep_every_state`, `engine.adjoint`) |
-| `BLOCKS` | `run_blocks` | the chunk-wise kernel a block at a time, each state handed to the hooks (`blocks.run_in_blocks`) |
-| `CHUNKS` | `run_chunks` | the all-states kernel's chunks handed to the reductions, or their exact readouts (`reduce_in_chunks`) |
+- `LOOP`, `run_loop`: the library's token loop, the plans called after each token (on `Paths.loop_threads`);
+- `SEGMENTS`, `run_segments`: the bound kernel between the stops, chaining the state (`run_in_segments`); a kernel
+  without `Segments` computes fast between its stops itself (`Kernel.stops`);
+- `STATES`, `run_states`: every state chunk-wise between the stops; with gradients, the all-states forward and the
+  adjoint backward (`keep_every_state`, `engine.adjoint`);
+- `BLOCKS`, `run_blocks`: the chunk-wise kernel a block at a time, each state handed to the hooks
+  (`blocks.run_in_blocks`);
+- `CHUNKS`, `run_chunks`: the all-states kernel's chunks handed to the reductions, or their exact readouts
+  (`reduce_in_chunks`).
 
 Every runner gives the token loop's results (within float rounding); the tests check each against it.
 """
