@@ -5,12 +5,12 @@ import pytest
 import torch
 
 import recurrent_hooks as rh
-from recurrent_hooks.engine import dispatch
+from recurrent_hooks.engine import taking
 from recurrent_hooks.engine.parts import is_parts
 from _compare import assert_close
 from _models import build, random_ids
 
-TOKENS = 150  # more than two chunks of the reduction (dispatch._Reduction.CHUNK = 64)
+TOKENS = 150  # more than two chunks of the reduction (taking.Reduction.CHUNK = 64)
 # one family per kind: the memory it keeps ("states", or a convolution window only)
 KINDS = {"qwen3_5": "states", "kimi_linear": "states", "mamba": "states", "zamba": "states", "mamba2": "states",
          "recurrent_gemma": "states", "rwkv": "states", "minimax": "states", "lfm2": "windows",
@@ -70,7 +70,7 @@ def test_a_reduction_is_fn_of_the_kept_states(family, grad):
     with torch.set_grad_enabled(grad):
         with rh.watch(model, keep=(name,), reduce={name: reduce}) as reduced:
             model(ids, use_cache=False)
-    assert seen and max(seen) <= dispatch._Reduction.CHUNK, seen  # never more than a chunk of states at once
+    assert seen and max(seen) <= taking.Reduction.CHUNK, seen  # never more than a chunk of states at once
     for whole, mixer in zip(full.mixers, reduced.mixers):
         expected = fn(_full(whole, name))
         got = _full(mixer, name)

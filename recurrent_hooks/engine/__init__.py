@@ -5,10 +5,14 @@
   of the kinds; `kind` (`Kind`): the declaration a kind fills in, class constants and class adapters, which
   `RecurrentMixer` inherits; `call_state` (`CallState`, `Plan`): the per-call state a handle owns (the call
   counter, the running call's record, what each kernel call wants), driven by dispatch;
+- `hooks` (`Hook`): a registered state hook or write, as the per-call state runs it;
 - `calls` (`Call`, `KernelCall`, `Memory`): the record of each call, and what was kept;
-- `dispatch`: which mixer a kernel call belongs to, and how the call runs (the bound kernel, segments, blocks,
-  the token loop); `strategies` and `blocks`: the path a busy call takes, by cost; `adjoint`: every state kept
-  with gradients on, chunk-wise forward and the kind's adjoint recurrence backward;
+- `running`: the per-thread stack of running mixer forwards (which forward a kernel call belongs to);
+- `dispatch`: the module tap and the dispatcher bound in place of each kernel: nothing wanted runs the bound
+  kernel, a busy call its path's runner; `strategies`: the path a busy call takes, by cost; `busy`: one runner per
+  path (`RUNNERS`), with `blocks` and `adjoint` (every state kept with gradients on: chunk-wise forward, the
+  kind's adjoint recurrence backward); `taking` (`Taker`): what a busy call keeps and hands over per memory;
+- `effective` (`EffectiveAttention`): the effective-attention result the kinds build;
 - `patching`: the undo stack that rebinds kernel names and restores them; `threads`: per-thread state;
 - `compiled`: torch.compile support (the custom ops a graph runs, and `TracedCallState`, the per-call state's
   interface as tracing implements it);

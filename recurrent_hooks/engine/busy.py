@@ -41,7 +41,7 @@ class BusyCall:
     args: tuple
     kwargs: dict
     busy: list[list[Plan]]  # per memory the kernel updates, its busy plans
-    takers: list[Any]  # per memory, the `dispatch._Taker` that calls the plans and keeps what they keep
+    takers: list[Any]  # per memory, the `taking.Taker` that calls the plans and keeps what they keep
     arguments: dict[str, Any]  # the call's bound arguments
     choice: Choice | None  # `strategies.choose`'s (None: the token loop)
     extra: dict[str, Any]  # the loop's extra keywords (`tokens`, `on_also`, `original`)
@@ -162,7 +162,7 @@ def run_in_segments(kernel: Kernel, original: Callable[..., Any], args: tuple, k
     The token ranges `tails` (`[start, end)`, each inside one piece and ending it) run through the library's
     token loop instead, from the piece's last chunk boundary to its stop (`strategies.Choice.tails`). With
     `keeping_all`, the pieces run through the kernel's chunk-wise `all_states` version instead, and the
-    states of the tokens between the stops go to those plans (`_Taker.finish` moves them to their keep device).
+    states of the tokens between the stops go to those plans (`taking.Taker.finish` moves them to their keep device).
     `Segments.kernel`, when given, runs the pieces in place of `original` (which cannot start from a state).
     """
     segments = kernel.segments

@@ -39,7 +39,8 @@ from .parts import State, axes_of, is_parts, map_parts, not_a_tensor, parts_of
 from .threads import user_code
 
 if TYPE_CHECKING:
-    from .mixer import RecurrentMixer, _Hook
+    from .hooks import Hook
+    from .mixer import RecurrentMixer
 
 _SHOWN = 3  # calls named in a message about calls that never ran; the rest are counted
 _REPLAY_MATCH = 1e-5  # relative fingerprint distance under which a recompute is the same forward
@@ -98,7 +99,7 @@ def _replayed(replays: Iterable[_Replay], forward: _Forward) -> tuple[int | None
     return replay.index, replay.record
 
 
-Hooked = list[tuple["_Hook", frozenset[int] | None]]  # hooks in registration order, with absolute positions
+Hooked = list[tuple["Hook", frozenset[int] | None]]  # hooks in registration order, with absolute positions
 
 
 class Plan:
@@ -133,7 +134,7 @@ class Plan:
                 state = self._run(hook, token, state)
         return state
 
-    def _run(self, hook: "_Hook", token: int, state: State) -> State:
+    def _run(self, hook: "Hook", token: int, state: State) -> State:
         return self.owner.run_hook(hook, self.call, token, state)
 
 
@@ -147,7 +148,7 @@ _SPLIT = ("the forward split its tokens over several kernel calls (transformers 
 class CallState:
     """The eager per-call state machine of one handle (see the module docstring for its interface)."""
 
-    def __init__(self, mixer: "RecurrentMixer", hooks: "dict[int, tuple[_Hook, ...]]", *, history: bool,
+    def __init__(self, mixer: "RecurrentMixer", hooks: "dict[int, tuple[Hook, ...]]", *, history: bool,
                  restart_on_prompt: bool) -> None:
         self._mixer = weakref.ref(mixer)  # the handle owns this object: no cycle
         self.kind = type(mixer)
@@ -187,7 +188,7 @@ class CallState:
         """The calls counted since the last restart (a watch: since it began)."""
         return self.begun - self.offset
 
-    def all_hooks(self) -> Iterable["_Hook"]:
+    def all_hooks(self) -> Iterable["Hook"]:
         return (hook for hooks in self.hooks.values() for hook in hooks)
 
     def wants(self, index: int | None) -> bool:
@@ -307,8 +308,8 @@ class CallState:
                 lengths.append((index, tokens))
         return Plan(self, index, hooks, keep, kernel.memory)
 
-    def hooked(self, kernel: Kernel, tokens: int, targets: Callable[["_Hook"], bool],
-                outside: Callable[["_Hook", int, int, str], None]) -> Hooked:
+    def hooked(self, kernel: Kernel, tokens: int, targets: Callable[["Hook"], bool],
+                outside: Callable[["Hook", int, int, str], None]) -> Hooked:
         """The hooks of the kernel's memory that `targets` picks, with their positions in this kernel call
         (`outside` is told of a hook that names calls and a token outside this one)."""
         hooks: Hooked = []
@@ -335,7 +336,7 @@ class CallState:
             return frozenset(range(tokens))
         return frozenset(p for t in wanted if (p := _position(t, tokens)) is not None)
 
-    def refuse_outside(self, hook: "_Hook", token: int, tokens: int, kernel: str) -> None:
+    def refuse_outside(self, hook: "Hook", token: int, tokens: int, kernel: str) -> None:
         raise InvalidValue(
             f"{self.mixer}: {hook.origin} targets token {token}, but call {self.index} ({kernel}) has {tokens}"
             f" token{'s' if tokens != 1 else ''} (valid: 0..{tokens - 1} or -{tokens}..-1)"
@@ -397,7 +398,7 @@ class CallState:
 
     # -- a hook at a token ----------------------------------------------------------------------------------------
 
-    def run_hook(self, hook: "_Hook", call: int | None, token: int, state: State, *, replaces: bool = True) -> State:
+    def run_hook(self, hook: "Hook", call: int | None, token: int, state: State, *, replaces: bool = True) -> State:
         """Call hook or write `hook` at `token`; returns the state token+1 continues from (checked)."""
         mixer = self.mixer
         if hook.write:
@@ -416,12 +417,12 @@ class CallState:
         self.note_replaced(hook, token)
         return state
 
-    def _where(self, hook: "_Hook", call: int | None, token: int) -> str:
+    def _where(self, hook: "Hook", call: int | None, token: int) -> str:
         """Where a user's hook was called, for the note on what it raised."""
         head = "" if self.head is None else f", head {self.head}"
         return f"raised in the {hook.origin} on {self.mixer}, at call {call}, token {token}{head}"
 
-    def note_replaced(self, hook: "_Hook", token: int) -> None:
+    def note_replaced(self, hook: "Hook", token: int) -> None:
         record = self.current
         if record is not None and not self.recomputing:
             record._replaced.setdefault(hook.memory, set()).add(token)
@@ -449,7 +450,7 @@ def _requires_grad(state: State) -> bool:
     return any(part.requires_grad for _, part in parts_of(state))
 
 
-def _checked(replacement: Any, state: State, owner: CallState, hook: "_Hook", call: int, token: int) -> State:
+def _checked(replacement: Any, state: State, owner: CallState, hook: "Hook", call: int, token: int) -> State:
     kind = owner.kind
     where = f"{owner.mixer}, call {call}, token {token}: {hook.origin}"
     if owner.head is not None:

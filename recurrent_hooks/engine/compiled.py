@@ -52,11 +52,11 @@ from .kernels import STATE_MEMORY, Kernel
 from .parts import is_parts, map_parts, parts_of, rebuild
 
 if TYPE_CHECKING:
-    from .mixer import _Hook
+    from .hooks import Hook
 
 _KEYS = itertools.count(1)
 _STATES: "weakref.WeakValueDictionary[int, CallState]" = weakref.WeakValueDictionary()
-_HOOKS: "weakref.WeakValueDictionary[int, _Hook]" = weakref.WeakValueDictionary()
+_HOOKS: "weakref.WeakValueDictionary[int, Hook]" = weakref.WeakValueDictionary()
 
 
 _CLOCKS: dict[int, Tensor] = {}  # mixer key -> its clock (here, not on the mixer: a watch holds no tensor)
@@ -77,7 +77,7 @@ def register_state(state: CallState) -> int:
     return key
 
 
-def register_hook(hook: "_Hook") -> int:
+def register_hook(hook: "Hook") -> int:
     """A key by which the graph's ops find `hook` at run time."""
     key = next(_KEYS)
     _HOOKS[key] = hook
@@ -189,7 +189,7 @@ class TracedPlan(Plan):
 
     __slots__ = ()
 
-    def _run(self, hook: "_Hook", token: int, state: Any) -> Any:
+    def _run(self, hook: "Hook", token: int, state: Any) -> Any:
         return _run_hook(self.owner.traced, hook, token, state)
 
 
@@ -204,7 +204,7 @@ def _begin(traced: TracedCallState, fresh: bool, tokens: int) -> None:
     _event(_CLOCKS[key], key, "begin", [tokens, fresh], "None", [])
 
 
-def _run_hook(traced: TracedCallState, hook: "_Hook", token: int, state: Any) -> Any:
+def _run_hook(traced: TracedCallState, hook: "Hook", token: int, state: Any) -> Any:
     """Hook or write `hook` at `token`, called when the graph runs; returns what the graph continues from."""
     owner, key = traced.state, traced.key
     head = -1 if owner.head is None else owner.head
@@ -223,7 +223,7 @@ def _run_hook(traced: TracedCallState, hook: "_Hook", token: int, state: Any) ->
     return map_parts(lambda w, s: torch.where(targeted.to(s.device), w, s), written, state)
 
 
-def _outside(traced: TracedCallState, hook: "_Hook", token: int, tokens: int, kernel: str) -> None:
+def _outside(traced: TracedCallState, hook: "Hook", token: int, tokens: int, kernel: str) -> None:
     """A hook that names calls has token `token` outside this call of `tokens` tokens: an error if it
     targets this call (told when the graph runs)."""
     _event(_CLOCKS[traced.key], traced.key, "outside", [hook._key, token, tokens], repr(kernel), [])

@@ -16,11 +16,11 @@ Where this module sits: the package's layers are drawn in docs/architecture.md (
 `recurrent_hooks/__init__.py`); the engine's modules in `recurrent_hooks/engine/__init__.py`. A mixer has three
 roles, each in its own place:
 - the kind's declaration: class constants and class adapters (`kind.Kind`, the protocol a kind fills in);
-- the user's handle: `RecurrentMixer` here, with its readings, hooks and writes (`_Hook`);
+- the user's handle: `RecurrentMixer` here, with its readings, hooks and writes (each registered as a `hooks.Hook`);
 - the per-call state: the call counter, the running call's record, replays, what each kernel call wants
   (`call_state.CallState`, owned by the handle as `call_state`; `compiled.TracedCallState` while tracing).
 
-How a kernel call is handled: the mixer class's `__call__`, rebound for the watch, pushes a `_Running` entry
+How a kernel call is handled: the mixer class's `__call__`, rebound for the watch, pushes a `running.Running` entry
 on the running thread's stack (`THREAD.running`) for every forward of an instance, watched or not, and pops it
 in a `finally`; the module's forward pre-hook fills it in and starts a call on every attached `RecurrentMixer`
 that sees that thread. The dispatcher bound in place of the kernel takes the innermost entry (an unwatched
@@ -40,8 +40,6 @@ A forward that autograd recomputes (gradient checkpointing) is matched to the ca
 fingerprint of its input (`call_state._Replay`) and runs that call's plan again, keeping nothing new.
 """
 
-import itertools
-import sys
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -58,6 +56,7 @@ from .arguments import (_as_targets, _describe_calls, _describe_token, _RowToken
 from . import compiled as _compiled
 from .call_state import _SHOWN, CallState, _Forward
 from .calls import Call, Memory
+from .hooks import Hook, StateHook
 from .kernels import CONV_MEMORY, STATE_MEMORY, memory_name
 from .kind import Kind
 from .parts import State, describe, is_parts, map_parts, not_a_tensor, parts_of, stack_parts
@@ -66,43 +65,6 @@ from .strategies import Paths
 
 
 # A state hook: fn(mixer, call, token, state) -> None (keep the state) or a replacement tensor.
-StateHook = Callable[["RecurrentMixer", int, int, Tensor], Tensor | None]
-
-
-class _Hook:
-    """A registered state hook or write: the memory, calls and tokens it targets.
-
-    `calls` is None (every call), a frozenset, or a `range` (a slice of calls, open-ended up to
-    `sys.maxsize`); `tokens` is None (every token) or a tuple of positions. `write` tells a write
-    (`set_state_after`, ...) from a user's hook: a write whose call never ran is reported on exit.
-    """
-
-    def __init__(self, fn: StateHook, memory: str, calls: "frozenset[int] | range | None",
-                 tokens: tuple[int, ...] | None, origin: str, *, write: bool = False):
-        self.fn, self.memory, self.calls, self.tokens, self.origin = fn, memory, calls, tokens, origin
-        self.write = write
-        self._key = _compiled.register_hook(self)  # how a compiled graph's ops find it
-
-    def targets(self, call: int | None) -> bool:
-        return call is not None and (self.calls is None or call in self.calls)
-
-    @property
-    def targets_some(self) -> bool:
-        """It targets some call (what a compiled graph, traced for every call, must provide for)."""
-        return self.calls is None or len(self.calls) > 0
-
-    @property
-    def explicit(self) -> bool:
-        """It names finitely many calls: a token outside such a call is an error, not a skip."""
-        return isinstance(self.calls, frozenset) or (isinstance(self.calls, range) and self.calls.stop < sys.maxsize)
-
-    def missed(self, seen: int) -> list[int]:
-        """The first few calls it targets that a mixer which saw `seen` calls never reached (open ranges:
-        none): at most `_SHOWN + 1`, so that a message can say there are more."""
-        if not self.explicit:
-            return []
-        targeted = self.calls if isinstance(self.calls, range) else sorted(self.calls)
-        return list(itertools.islice((c for c in targeted if c >= seen), _SHOWN + 1))
 
 
 # how a memory is read and written, for messages
@@ -163,7 +125,7 @@ class RecurrentMixer(Kind):
         # None: every forward of the module). A module run several times per model forward, each time on its
         # own cache layer, has one handle per run (`_instances`)
         self.cache_index = cache_index
-        self._hooks: OrderedDict[int, tuple[_Hook, ...]] = OrderedDict()  # weakly referenced by the handles
+        self._hooks: OrderedDict[int, tuple[Hook, ...]] = OrderedDict()  # weakly referenced by the handles
         self._on_empty: Callable[[], None] | None = None
         self._live = False  # attached to its module's tap
         # `history` False: a standalone hook's handle, which records no calls
@@ -335,7 +297,7 @@ class RecurrentMixer(Kind):
         self._has(which, "register_state_hook")
         calls = as_calls(call, where)
         name = getattr(fn, "__qualname__", repr(fn))
-        return self._add_hooks(_Hook(fn, which, calls, _as_targets(token, "token", where), f"{which} hook {name}"))
+        return self._add_hooks(Hook(fn, which, calls, _as_targets(token, "token", where), f"{which} hook {name}"))
 
     def set_state_after(self, token: int, value: Tensor, call: "int | Iterable[int] | slice | None" = 0
                         ) -> RemovableHandle:
@@ -379,7 +341,7 @@ class RecurrentMixer(Kind):
         return self._add_hooks(*(hook for name, value in parts
                                  for hook in _writes(self, name, token, value, call, "set_memory_after")))
 
-    def _add_hooks(self, *hooks: _Hook) -> RemovableHandle:
+    def _add_hooks(self, *hooks: Hook) -> RemovableHandle:
         if not self._live:
             raise RecurrentHooksError(f"{self} is detached (its watch has ended): register hooks inside the with block")
         handle = _Handle(self._hooks, self)
@@ -409,7 +371,7 @@ class RecurrentMixer(Kind):
         return self.call_state.unkept()
 
 
-def _writes(mixer: RecurrentMixer, memory: str, token: Any, value: Any, call: Any, method: str) -> list[_Hook]:
+def _writes(mixer: RecurrentMixer, memory: str, token: Any, value: Any, call: Any, method: str) -> list[Hook]:
     """The writes of `value` after `token`: one, or, for several tokens (a list, tuple, range or bounded slice),
     one per token, of `value`'s slice on the seq axis (`[batch, tokens, *memory]`, as `state_after` reads them)."""
     if not isinstance(token, (list, tuple, range, slice)):
@@ -427,7 +389,7 @@ def _writes(mixer: RecurrentMixer, memory: str, token: Any, value: Any, call: An
             for i, each in enumerate(tokens)]
 
 
-def _write(mixer: RecurrentMixer, memory: str, token: Any, value: Tensor, call: Any, method: str) -> _Hook:
+def _write(mixer: RecurrentMixer, memory: str, token: Any, value: Tensor, call: Any, method: str) -> Hook:
     """The hook a write (`set_state_after`, ...) registers: `value` after `token` of the calls `call`; a tensor of
     tokens (`_RowTokens`) writes each row after its own token."""
     where = f"{mixer}.{method}({_describe_token(token)}, call={call!r})"
@@ -454,4 +416,4 @@ def _write(mixer: RecurrentMixer, memory: str, token: Any, value: Tensor, call: 
                          written, state)
 
     origin = f"{method}({_describe_token(token)}, call={_describe_calls(calls)})"
-    return _Hook(write, memory, calls, tokens, origin, write=True)
+    return Hook(write, memory, calls, tokens, origin, write=True)

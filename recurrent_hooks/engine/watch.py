@@ -28,7 +28,8 @@ from torch.utils.hooks import RemovableHandle
 from .errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable, renamed
 from .arguments import as_index, as_keep_device, normalize_keep, normalize_reduce, reduce_of_layer, renamed_keep
 from .calls import Memory
-from .dispatch import attach, make_dispatcher, make_owner
+from .dispatch import attach, make_dispatcher
+from .running import make_owner
 from . import strategies
 from .strategies import Paths
 from .kernels import KEEPABLE, KERNEL_IO, Kernel, Role, Site
@@ -54,7 +55,7 @@ def _attach_with_kernels(mixer: RecurrentMixer, family: MixerClass, stack: conte
 
     The `__call__` of its mixer class (and of the other mixer classes of its modeling module, which may call
     the same kernels) is acquired too: each forward of an instance, watched or not, then tells the kernels whose
-    forward is running (`dispatch.make_owner`)."""
+    forward is running (`running.make_owner`)."""
     strategies.load_costs()  # the cost model's calibrations, read now rather than while torch.compile traces
     warn_if_untested()
     module = family.module()
