@@ -119,6 +119,12 @@ def test_the_length_check_sees_a_long_function(tmp_path):
 
 
 
+def test_only_the_tracing_module_asks_whether_torch_compile_traces():
+    """Compile awareness has one switch: `engine/tracing.py` asks torch (`compiling()`), everything else asks it."""
+    asking = sorted(str(path.relative_to(PACKAGE)) for path in SOURCES if "is_compiling" in path.read_text())
+    assert asking == ["engine/tracing.py"], f"modules that ask torch.compiler.is_compiling themselves: {asking}"
+
+
 def test_the_per_call_state_branches_on_compiling_in_one_place():
     """The handle does not branch on torch.compile: its per-call state picks the traced implementation once
     (`CallState.now`), and compile support (`compiled.TracedCallState`) implements the same interface."""
@@ -126,8 +132,9 @@ def test_the_per_call_state_branches_on_compiling_in_one_place():
     for name in ("mixer.py", "call_state.py", "kind.py"):
         tree = ast.parse((PACKAGE / "engine" / name).read_text())
         found[name] = sorted(f"{fn.name}" for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef)
-                             for node in ast.walk(fn) if isinstance(node, ast.Attribute)
-                             and node.attr in ("is_compiling", "compiling"))
+                             for node in ast.walk(fn)
+                             if isinstance(node, ast.Attribute) and node.attr in ("is_compiling", "compiling")
+                             or isinstance(node, ast.Name) and node.id in ("is_compiling", "compiling"))
     assert found == {"mixer.py": [], "call_state.py": ["now"], "kind.py": []}, found
 
 

@@ -52,6 +52,7 @@ from torch import Tensor
 
 from .kernels import Kernel, Pieces
 from .loops import OnToken
+from .tracing import compiling
 
 BLOCK = 64  # tokens per chunk-wise call (see the module docstring)
 
@@ -131,7 +132,7 @@ def blocks_apply(kernel: Kernel, kind: Any, arguments: dict[str, Any], grad: boo
     memory costs more than the token loop's per-token Python steps, which find the state in the cache; measured on
     a CPU: `limit`, from `Paths(blocks_below=...)`, overrides it)."""
     segments = kernel.segments
-    if torch.compiler.is_compiling() or segments is None or segments.all_states is None \
+    if compiling() or segments is None or segments.all_states is None \
             or (torch.is_grad_enabled() if grad is None else grad) or torch.is_inference_mode_enabled():
         return False  # (a compiled graph has no version counters, and would unroll every block)
     limit = segments.blocks_below if limit is None else limit

@@ -37,6 +37,7 @@ from .errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Un
 from .kernels import CONV_MEMORY, KEEP_NAMES, STATE_MEMORY, Kernel
 from .parts import State, axes_of, is_parts, map_parts, not_a_tensor, parts_of
 from .threads import user_code
+from .tracing import compiling
 
 if TYPE_CHECKING:
     from .hooks import Hook
@@ -181,7 +182,7 @@ class CallState:
 
     def now(self) -> "CallState":
         """The implementation that serves the running forward: the traced one while torch.compile traces it."""
-        return self.traced if torch.compiler.is_compiling() else self
+        return self.traced if compiling() else self
 
     @property
     def seen(self) -> int:

@@ -32,6 +32,7 @@ from .running import Running, drop_left, pop, running_entry
 from .taking import Taker
 from .threads import THREAD, in_backward
 from .upstream import wraps_kernel
+from .tracing import compiling
 
 
 def _forward_of(kind: type[RecurrentMixer], layout: Layout, module: nn.Module, args: tuple, kwargs: dict[str, Any],
@@ -115,9 +116,9 @@ class _Tap:
         entry.tap = self
         if any(other.by_hook and other.module is module for other in running[:-1]):
             drop_left(running, module)
-        compiling = torch.compiler.is_compiling()
+        traced = compiling()
         recompute = in_backward()
-        ident = None if compiling else threading.get_ident()
+        ident = None if traced else threading.get_ident()
         mixers = [mixer for mixer in self.mixers if mixer._sees(ident, recompute)]
         if not mixers or any(other.module is module for other in running[:-1]):
             return  # unwatched here, or re-entered

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from .errors import RecurrentHooksError
 from .parts import State
+from .tracing import compiling
 
 OnToken = Callable[[int, State], State]
 OnChunk = Callable[[int, Tensor], None]
@@ -96,7 +97,7 @@ def refuse_packed(kwargs: dict[str, Any], names: Iterable[str], needs: str) -> N
 def version_of(window: Tensor) -> "int | Tensor":
     """What tells an in-place change of the window later: its version counter, or for an inference tensor
     (`torch.inference_mode()`, which has none) a copy of its values."""
-    if torch.compiler.is_compiling():
+    if compiling():
         return 0  # unused: `handed_back_changed` tells a change by identity in a graph
     return window.clone() if window.is_inference() else window._version
 
@@ -104,7 +105,7 @@ def version_of(window: Tensor) -> "int | Tensor":
 def handed_back_changed(window: Tensor, version: "int | Tensor", written: Tensor) -> bool:
     """Whether `on_token` changed the window it was handed (`version`: `version_of` it before the call), in place
     or by returning another tensor; the same values in the same memory and layout count as unchanged."""
-    if torch.compiler.is_compiling():  # no version counters in a graph; a hook's result is a new tensor there
+    if compiling():  # no version counters in a graph; a hook's result is a new tensor there
         return written is not window
     if window._version != version if isinstance(version, int) else not torch.equal(window, version):
         return True

@@ -72,6 +72,7 @@ from torch import Tensor
 from . import blocks as _blocks
 from .errors import InvalidValue
 from .kernels import Kernel
+from .tracing import compiling
 
 
 class Strategy(enum.Enum):
@@ -382,7 +383,7 @@ def choose(kernel: Kernel, busy: list[Any], tokens: int, arguments: dict[str, An
         return None
     all_states = segments is not None and segments.all_states is not None
     # every state kept with gradients: chunk-wise where the kind has an adjoint (`adjoint`), outside compile
-    states_with_grad = all_states and segments.adjoint is not None and not torch.compiler.is_compiling()
+    states_with_grad = all_states and segments.adjoint is not None and not compiling()
     stops: set[int] = set()
     every_state = every_token = False
     reducing = False  # a reduction of every state: handed over by chunks, blocks or tokens, never all at once
@@ -412,7 +413,7 @@ def choose(kernel: Kernel, busy: list[Any], tokens: int, arguments: dict[str, An
         and _blocks.blocks_apply(kernel, type(busy[0].mixer), arguments, grad,
                                  sys.maxsize if only_reducing else paths.blocks_below)
     # only reductions of every state, no gradients: the all-states kernel hands them its chunks (`Segments.on_chunk`)
-    chunks = all_states and segments.on_chunk and not grad and not torch.compiler.is_compiling() \
+    chunks = all_states and segments.on_chunk and not grad and not compiling() \
         and all(_reduces_every_state(plan, tokens) and not plan.hooks for plan in busy)
     if every_token:
         available = [Strategy.LOOP] + ([Strategy.BLOCKS] if blocks else []) + ([Strategy.CHUNKS] if chunks else [])

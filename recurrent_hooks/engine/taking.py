@@ -15,6 +15,7 @@ from .call_state import Plan
 from .errors import InvalidValue, noted
 from .parts import State, is_parts, map_parts, parts_of, rebuild, stack_parts
 from .threads import user_code
+from .tracing import compiling
 
 
 class Taker:
@@ -29,7 +30,7 @@ class Taker:
         self.kept_at = sorted(frozenset().union(*(plan.keep for plan in self.storing)))
         self.slot = {token: i for i, token in enumerate(self.kept_at)}
         # (under torch.compile, kept states are values: `compiled`)
-        self.differentiable = torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        self.differentiable = torch.is_grad_enabled() and not compiling()
         # the states handed over are views of a block's buffer, which nothing changes later (`blocks`): a
         # reduction may hold them until its chunk is full
         self.borrowed = False
@@ -177,6 +178,6 @@ def _name(fn: Any) -> str:
 def own(state: Tensor) -> Tensor:
     """A kept state of its own: a slice of a kernel's larger tensor is copied (a compiled graph copies always:
     it cannot ask for the storage)."""
-    if torch.compiler.is_compiling() or state.untyped_storage().nbytes() > state.nbytes:
+    if compiling() or state.untyped_storage().nbytes() > state.nbytes:
         return state.clone()
     return state

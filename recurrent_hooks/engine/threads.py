@@ -13,10 +13,12 @@ from typing import Any
 
 import torch
 
+from .tracing import compiling
+
 
 def in_backward() -> bool:
     """Whether this thread runs inside an autograd backward pass (where checkpointing recomputes forwards)."""
-    if torch.compiler.is_compiling():
+    if compiling():
         return False
     return torch._C._current_graph_task_id() != -1
 
@@ -59,7 +61,7 @@ def loop_threads(count: int | None, device: torch.device) -> Iterator[None]:
     round": a token loop 3-4x slower than on one thread with two other processes on the two cores). The hooks the
     loop calls run at that setting too. Changed only on a CPU, with OpenMP's threads (per calling thread), outside a
     compiled graph; the caller's setting is back on the way out."""
-    if count is None or device.type != "cpu" or torch.compiler.is_compiling() or not _threads_per_caller():
+    if count is None or device.type != "cpu" or compiling() or not _threads_per_caller():
         yield
         return
     outer = torch.get_num_threads()

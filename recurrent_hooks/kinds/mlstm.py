@@ -54,6 +54,7 @@ from ..engine.calls import KernelCall
 from ..engine.errors import RecurrentHooksError
 from ..engine.kernels import Kernel, Role, Site
 from ..engine.mixer import RecurrentMixer
+from ..engine.tracing import compiling
 
 
 class MLSTMState(NamedTuple):
@@ -280,7 +281,7 @@ class MatrixLSTM(RecurrentMixer):
             fresh = True
         else:  # under torch.compile, a value of the graph (see `compiled.begin`)
             zeros = torch.stack([part.detach().any() for part in state]).any().logical_not()
-            fresh = zeros if torch.compiler.is_compiling() else bool(zeros)
+            fresh = zeros if compiling() else bool(zeros)
         return hidden.shape[1], None, fresh, hidden
 
     @classmethod

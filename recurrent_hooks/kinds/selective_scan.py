@@ -65,6 +65,7 @@ from ..engine.kernels import STATE_MEMORY, Kernel, Layout, Role, Segments
 from ..engine.loops import OnChunk, OnToken, at_least_float32, chunked, plus, scratch_like, starting_state
 from ..engine.mixer import RecurrentMixer
 from .ssm import discrete_step, refuse_mamba_packed, step_size
+from ..engine.tracing import compiling
 
 
 
@@ -392,7 +393,7 @@ def _chunk_wise(hidden_states: Tensor, A: Tensor) -> bool:
     same on their own, and with the fast-decaying elements a real model has, the chunk-wise scan is slower.
     Never inside torch.compile (which elements decay fast is data, and a graph cannot branch on it), nor with
     gradients on (the chunk-wise scan writes into its buffers in place)."""
-    if torch.compiler.is_compiling() or torch.is_grad_enabled():
+    if compiling() or torch.is_grad_enabled():
         return False
     return hidden_states.shape[0] * hidden_states.shape[1] * A.shape[-1] <= CHUNKWISE_UP_TO
 
