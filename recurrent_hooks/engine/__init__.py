@@ -15,7 +15,7 @@
 - `effective` (`EffectiveAttention`): the effective-attention result the kinds build;
 - `patching`: the undo stack that rebinds kernel names and restores them; `threads`: per-thread state;
 - `compiled`: torch.compile support (the custom ops a graph runs, and `TracedCallState`, the per-call state's
-  interface as tracing implements it);
+  interface as tracing implements it); `tracing.compiling()`: the one place that asks whether torch.compile traces;
 - `families` (`Family`, `MixerClass`, `Unsupported`, `REGISTRY`): the row type of a family and the registry that
   holds the rows `recurrent_hooks/registry.py` adds, with lookups built lazily (so rows added at run time count);
 - `kernels` (`Kernel`, `Role`, `Site`, `Segments`), `parts`, `loops`, `arguments`, `errors`: the declarations and
