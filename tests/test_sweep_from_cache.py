@@ -54,8 +54,8 @@ def test_a_family_sweeps_from_the_corrupt_cache_where_its_kind_continues_one(fam
         assert_equal(f"{family}: the baselines", expected.corrupt, got.corrupt)
     else:
         with pytest.raises(rh.InvalidValue, match=r"reuse_prefix=True runs each cell from the corrupt run's cache,"
-                                                  r" which needs transformers to continue every chosen layer's"
-                                                  r" memory from a cache; here: .*CONTINUES_CACHE"):
+                                                  r" which needs transformers to continue every layer's memory"
+                                                  r" from a cache; here: .*CONTINUES_CACHE"):
             rh.patching_sweep(model, clean, corrupt, metric, progress=False, reuse_prefix=True)
         by_default = rh.patching_sweep(model, clean, corrupt, metric, progress=False)
         assert_equal(f"{family}: the default takes one forward per cell", expected.values, by_default.values)
@@ -182,3 +182,14 @@ def test_what_the_path_needs_is_said_when_it_is_asked_for(monkeypatch):
     with pytest.raises(rh.InvalidValue, match=r"here: GatedDeltaNet\(qwen3_5, layer 0\): its state is not the cache's"
                                               r" tensor at 0"):
         sweep(reuse_prefix=True)
+
+
+def test_a_layer_that_is_not_swept_must_continue_the_cache_too(monkeypatch):
+    """Every layer runs the cells' tokens from the corrupt cache, so one whose kind does not continue a cached memory
+    refuses the path even when only other layers are swept (here: Mamba-2 declared not to, in a two-layer model)."""
+    model = build("mamba2")
+    clean, corrupt = prompts()
+    monkeypatch.setattr(rh.Mamba2StateSpace, "CONTINUES_CACHE", False)
+    with pytest.raises(rh.InvalidValue, match=r"Mamba2StateSpace\(mamba2, layer 0\): transformers' prompt calls of"
+                                              r" Mamba2StateSpace do not continue a cached memory"):
+        rh.patching_sweep(model, clean, corrupt, metric, layers=[1], progress=False, reuse_prefix=True)

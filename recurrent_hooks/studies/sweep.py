@@ -15,7 +15,7 @@ only the row's head of the state, or the window channels that feed it) with the 
 row, and every other token, keeps what the corrupt run made. `sweep_cells` holds that machinery, `ranks` the split
 across processes and the checkpoint. docs/sweep.md has the long form, with the cost in time and memory.
 
-Where every chosen layer's kind continues a cached memory in transformers (`CONTINUES_CACHE`), the cells run from the
+Where every recurrent layer's kind continues a cached memory in transformers (`CONTINUES_CACHE`), the cells run from the
 corrupt run's cache instead (`sweep_prefix`): the prompts run once in pieces up to each position, and a cell at
 position p runs only tokens p + 1.. from a copy of the corrupt cache with its layer's clean memory in its row.
 """
@@ -209,7 +209,7 @@ def _plan(model: nn.Module, clean_ids: Tensor, chosen: tuple[Any, Any, str, bool
                  check=sweep_prefix.refusal if reuse_prefix is not False else lambda *_, **__: "reuse_prefix=False")
     if reuse_prefix and plan.refusal is not None:
         raise InvalidValue(f"{_WHERE}: reuse_prefix=True runs each cell from the corrupt run's cache, which needs"
-                           f" transformers to continue every chosen layer's memory from a cache; here: {plan.refusal}"
+                           f" transformers to continue every layer's memory from a cache; here: {plan.refusal}"
                            " (reuse_prefix=None takes one forward per cell then)")
     return plan
 
@@ -287,7 +287,7 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
       and window at batch 1), clamped to 1..32: 1 at Qwen3.5 dims, 32 on tiny models.
     - `budget_bytes`: with one forward per cell, the clean memories held at once (None: `BUDGET_BYTES`, 256 MiB):
       one clean forward keeps the memories of as many whole batches as fit, at least one batch.
-    - `reuse_prefix`: None: where the chosen layers' kinds continue a cache (`CONTINUES_CACHE`), without `heads`,
+    - `reuse_prefix`: None: where all the mixers' kinds continue a cache (`CONTINUES_CACHE`), without `heads`,
       the prompts run once in pieces and a cell at p runs tokens p + 1.. from the corrupt run's cache holding its
       layer's clean memory (`sweep_prefix`), else one forward per cell; True: the cache or an error; False: not.
     - `distributed`: under an initialized `torch.distributed` process group (None, the default: unless the model is

@@ -55,8 +55,8 @@ def refusal(model: nn.Module, clean_ids: Tensor, plan: Plan, mixers: Mapping[int
     """Why the cells cannot run from the corrupt run's cache (None: they can), recording in `plan.cache_at`
     where each chosen layer's memories are in the model's cache. One clean token runs watched with a cache,
     keeping each chosen memory after it: each must be, bit for bit, the cache's tensor `_cached_memory` names.
-    `every`: the model's mixers, whose chunk lengths (`Segments.chunk_argument`, a module attribute of that
-    name) the pieces clamp."""
+    `every`: the model's mixers, chosen or not, which must all continue a cache (`CONTINUES_CACHE`), and whose
+    chunk lengths (`Segments.chunk_argument`, a module attribute of that name) the pieces clamp."""
     if heads:
         return "heads=True patches a head's slice of a memory, which runs one forward per cell"
     given = [name for name in CACHE_ARGUMENTS if name in kwargs]
@@ -65,7 +65,7 @@ def refusal(model: nn.Module, clean_ids: Tensor, plan: Plan, mixers: Mapping[int
     keep = kwargs.get("logits_to_keep")
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int)):
         return f"forward_kwargs' logits_to_keep is {type(keep).__name__}, not an int"
-    for layer, mixer in mixers.items():
+    for mixer in [*every, *mixers.values()]:  # every layer runs the cells' tokens from the cache, chosen or not
         if not type(mixer).CONTINUES_CACHE:
             return (f"{mixer}: transformers' prompt calls of {type(mixer).__name__} do not continue a cached memory"
                     " (the kind's CONTINUES_CACHE)")
