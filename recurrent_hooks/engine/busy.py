@@ -96,7 +96,7 @@ def threads_of(busy: list[list[Plan]], arguments: dict[str, Any]) -> Any:
 
 
 def reduce_in_chunks(kernel: Kernel, args: tuple, kwargs: dict, taker: Any, kind: type,
-                      arguments: dict[str, Any]) -> Any:
+                     arguments: dict[str, Any]) -> Any:
     """A prompt call whose busy plans only reduce every state, without gradients (`strategies.Strategy.CHUNKS`):
     the kernel's `all_states` runs once over the call and hands each of its chunks' states to `on_chunk`
     (`Segments.on_chunk`), which the reductions take as `[batch, chunk, *state]`, a view of the kernel's one
@@ -142,7 +142,7 @@ def linear_factors(kernel: Kernel, kind: type, arguments: dict[str, Any], taker:
 
 
 def keep_every_state(kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict,
-                      keeping: list[Plan]) -> Any:
+                     keeping: list[Plan]) -> Any:
     """A prompt call keeping every state with gradients (`engine.adjoint`): its states go to the `keeping`
     plans, per token and stacked (the tensor `autograd.grad(metric, mix.states)` differentiates)."""
     where = f"{keeping[0].mixer}, call {keeping[0].call}"
@@ -155,8 +155,8 @@ def keep_every_state(kernel: Kernel, original: Callable[..., Any], args: tuple, 
 
 
 def run_in_segments(kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict, stops: list[int],
-                     tails: tuple[tuple[int, int], ...], on_token: Callable[[int, Tensor], Tensor],
-                     keeping_all: list[Plan]) -> Any:
+                    tails: tuple[tuple[int, int], ...], on_token: Callable[[int, Tensor], Tensor],
+                    keeping_all: list[Plan]) -> Any:
     """Run `original` on the tokens between the stops, chaining the state through `on_token` at each stop.
 
     The token ranges `tails` (`[start, end)`, each inside one piece and ending it) run through the library's
