@@ -16,7 +16,7 @@ import recurrent_hooks as rh
 import recurrent_hooks.engine.busy as rh_busy
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
-from _runs import greedy, logits_of
+from _runs import greedy, left_padded
 from _reference import gated_delta_rule_reference, kimi_delta_rule_reference
 from _reference_ssm import selective_scan_reference, ssd_reference
 
@@ -107,17 +107,9 @@ def test_states_equal_float64_reference_at_prompt_and_decode_steps(model):
 
 def test_left_padded_batch(model):
     """A left-padded row computes the same states and logits as the same tokens alone."""
-    pads = 4
-    short = random_ids(1, T - pads, seed=3)
-    full = random_ids(1, T, seed=4)
-    ids = torch.cat([torch.cat([torch.full((1, pads), PAD), short], dim=1), full])
-    mask = (ids != PAD).long()
-    mask[1] = 1
-    with rh.watch(model, keep=ALL) as w:
-        padded = logits_of(model, ids, attention_mask=mask)
-    with rh.watch(model, keep=ALL) as alone:
-        single = logits_of(model, short)
-    for mixer, ref in zip(w.mixers, alone.mixers):
+    run = left_padded(model, ALL, T)
+    ids, mask, pads, padded, single = run.ids, run.mask, run.pads, run.padded, run.single
+    for mixer, ref in zip(run.batch.mixers, run.alone.mixers):
         assert_close(f"{mixer} padded row states", ref.states[0], mixer.states[0, pads:], rtol=1e-4, atol=1e-6)
     assert_close("padded row logits", single[0], padded[0, pads:], rtol=1e-4, atol=1e-5)
     plain = greedy(model, ids, 4, attention_mask=mask)

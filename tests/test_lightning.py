@@ -16,7 +16,7 @@ import recurrent_hooks as rh
 from _compare import assert_close, assert_equal
 from _contract import family_fixtures
 from _models import PAD, _minimax, build, random_ids
-from _runs import greedy, logits_of
+from _runs import greedy, left_padded, logits_of
 import recurrent_hooks.kinds.lightning as rh_lightning
 from recurrent_hooks.kinds.lightning import lightning_attention_forward
 from recurrent_hooks.engine.patching import import_default
@@ -386,17 +386,9 @@ def test_replacing_hooks_on_the_first_and_last_mixer_equal_writes_in_a_generate(
 
 def test_left_padded_batch(model):
     """A left-padded row computes the same states and logits as the same tokens alone (full attention first)."""
-    pads = 4
-    short = random_ids(1, T - pads, seed=3)
-    full = random_ids(1, T, seed=4)
-    ids = torch.cat([torch.cat([torch.full((1, pads), PAD), short], dim=1), full])
-    mask = (ids != PAD).long()
-    mask[1] = 1
-    with rh.watch(model, keep=ALL) as w:
-        padded = logits_of(model, ids, attention_mask=mask)
-    with rh.watch(model, keep=ALL) as alone:
-        single = logits_of(model, short)
-    for mixer, ref in zip(w.mixers, alone.mixers):
+    run = left_padded(model, ALL, T)
+    ids, mask, pads, padded, single = run.ids, run.mask, run.pads, run.padded, run.single
+    for mixer, ref in zip(run.batch.mixers, run.alone.mixers):
         assert_close(f"{mixer} padded row states", ref.states[0], mixer.states[0, pads:], **F64)
         assert_close(f"{mixer} padding leaves the state at zero", torch.zeros_like(mixer.states[0, :pads]),
                      mixer.states[0, :pads], rtol=0, atol=0)

@@ -15,8 +15,8 @@ import torch
 import recurrent_hooks as rh
 from _compare import assert_close, assert_equal
 from _contract import family_fixtures
-from _models import PAD, build, random_ids
-from _runs import greedy, logits_of
+from _models import build, random_ids
+from _runs import greedy, left_padded, logits_of
 from _upstream import transformers_kernel
 
 FAMILIES = [name for name, row in rh.FAMILIES.items() if issubclass(row.kind, rh.ShortConvolution)]
@@ -204,17 +204,9 @@ def test_every_kept_window_is_differentiable_as_one_tensor_with_frozen_weights(m
 def test_left_padded_batch(model):
     """The mixers zero their inputs at padded positions (the recurrent attention mask): a left-padded row's
     windows after pads + t are the row's own windows after t, and so are its logits and greedy tokens."""
-    pads = 4
-    short = random_ids(1, T - pads, seed=3)
-    full = random_ids(1, T, seed=4)
-    ids = torch.cat([torch.cat([torch.full((1, pads), PAD), short], dim=1), full])
-    mask = (ids != PAD).long()
-    mask[1] = 1
-    with rh.watch(model, keep=KEEP) as w:
-        padded = logits_of(model, ids, attention_mask=mask)
-    with rh.watch(model, keep=KEEP) as alone:
-        single = logits_of(model, short)
-    for mixer, ref in zip(static(w), static(alone)):
+    run = left_padded(model, KEEP, T)
+    ids, mask, pads, padded, single = run.ids, run.mask, run.pads, run.padded, run.single
+    for mixer, ref in zip(static(run.batch), static(run.alone)):
         assert_close(f"{mixer} padded row windows", ref.windows[0], mixer.windows[0, pads:],
                      rtol=1e-4, atol=1e-6)
         assert mixer.windows[0, :pads].abs().max() == 0, "padding entered the window"
