@@ -18,7 +18,8 @@ cache whose memory tensors are the library's memories (`_cached_memory`), checke
 Glossary (code name, shape):
     group       [pairs]                       the pairs whose clean and corrupt prompts run as one batch
     cache       the model's Cache             rows: the group's clean prompts, then its corrupt prompts
-    tail        [pairs, kept, vocab]          the corrupt logits of the kept positions before the next piece
+    tail        [pairs, kept, vocab]          the corrupt logits of the positions the metric sees, filled piece by
+                                              piece (`filled` of them so far)
     rows        [cells]                       a batch's cells, one row each in the copied cache
 """
 
@@ -146,7 +147,7 @@ def measured(model: nn.Module, prompts: tuple[Tensor, Tensor], pairs: list[int],
     keep = kwargs.get("logits_to_keep") or tokens
     first_kept = tokens - min(keep, tokens)  # the first position whose logits the metric sees
     passed, ids = _passed(kwargs), torch.cat([clean_ids[pairs], corrupt_ids[pairs]])
-    cache, done, tail = None, 0, []
+    cache, done, tail, filled = None, 0, None, 0
     with torch.no_grad():
         for j in sorted(batches, key=lambda j: plan.positions[j]):
             p = plan.positions[j]
@@ -156,8 +157,11 @@ def measured(model: nn.Module, prompts: tuple[Tensor, Tensor], pairs: list[int],
                             logits_to_keep=max(1, seen))
             cache, done = cache_of(out), p + 1
             if seen > 0:
-                tail.append(out.logits[group:, -seen:])
-            kept = torch.cat(tail, dim=1) if tail else None  # [pairs, positions first_kept..p, vocab]
+                if tail is None:  # written once per piece, not concatenated again at every position
+                    tail = out.logits.new_empty(group, tokens - first_kept, out.logits.shape[-1])
+                tail[:, filled:filled + seen] = out.logits[group:, -seen:]
+                filled += seen
+            kept = None if tail is None else tail[:, :filled]  # [pairs, positions first_kept..p, vocab]
             for batch in batches[j]:
                 logits = _continued(model, corrupt_ids, batch, plan, cache, (row_of, group), kept, passed,
                                     (p, tokens, keep))
