@@ -9,6 +9,6 @@ taken (their Python-side bookkeeping does not trace).
 import torch
 
 
-def compiling() -> bool:
-    """True while torch.compile (dynamo) traces the caller; a constant in the traced graph."""
-    return torch.compiler.is_compiling()
+# True while torch.compile (dynamo) traces the caller; a constant in the traced graph. torch's own function, not a
+# wrapper: the token loops ask it per token, and a wrapper would add a Python call there.
+compiling = torch.compiler.is_compiling
