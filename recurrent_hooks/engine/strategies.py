@@ -43,6 +43,12 @@ A call takes it when its kernel declares no shape (lightning attention's `Kernel
 `shape`), when its device and dtype have no calibration (a GPU: `support()` says which rule a model gets), or
 when `Paths(rule="fixed")` asks for it.
 
+Memory: each path's bytes beyond the bound kernel's are bounded by `held_bytes` from the same shape and the kind's
+declared footprint (`Shape.graph`, `Shape.loop_graph`): the token loop's graph under autograd, the pieces' graphs
+padded to whole chunks, a block of states, every state of a call bound for another device. Paths over the budget
+(`Paths.memory_budget`; default `DEFAULT_BUDGET_SHARE` of the device's memory) are passed over where one within it
+is available, before the rule or the cost model picks; where none is, the one holding least is taken.
+
 The policy is the user's (`Paths`, an argument of `watch` and `register_state_hook`, carried by each handle to
 its calls): the cost model or the fixed rule, the token loop for every busy call (a check), a path forced where
 the call can take it, the token-loop tails, the blocks' size limit, constants of one's own.
@@ -53,6 +59,7 @@ Module contents:
 - `Paths`: the policy (public: `recurrent_hooks.Paths`); `DEFAULT`, the shipped one; `LOOP`, the token loop;
 - `Shape`, `Constants`: the model's inputs and its constants; `costs_for(device, dtype)`: the calibration of a
   device type and dtype (None: none), from `costs.json`; `calibration_key(device, dtype)`: its key there;
+- `held_bytes(shape, tokens, stops, grad, ...)`: each path's bytes; `budget_of(paths, device)`, `device_memory`;
 - `costs(shape, tokens, stops, constants)`: each path's estimate; `choose(kernel, busy, tokens, arguments,
   paths=...)`: the choice.
 """
@@ -61,6 +68,7 @@ import dataclasses
 import enum
 import json
 import math
+import os
 import pathlib
 import sys
 from collections.abc import Callable, Iterable, Mapping
@@ -107,6 +115,11 @@ class Shape:
     key_dim: int  # rows of one head's state (gated DeltaNet: key_dim; Mamba-2: head_dim)
     value_dim: int  # its columns (gated DeltaNet: value_dim; Mamba-2: d_state)
     chunk: int  # the bound kernel's chunk size: each call is padded up to a multiple of it
+    # its memory footprint (`held_bytes`), measured at real dims (tests/test_path_memory.py): the bound kernel's
+    # autograd graph per chunk, in units of batch * heads * (chunk^2 + chunk (k + v) + k v) float32 elements, and
+    # the token loop's graph per token under autograd, in states
+    graph: float = 0.0
+    loop_graph: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +191,12 @@ class Paths:
       (None: each kernel's measured `Segments.blocks_below`);
     - `costs`: constants by kernel key ("delta rule", "ssd", "kimi delta") to use instead of the device's
       calibration (`Constants`, or a mapping with "kernel", "loop" and "states" lists as `costs.json` has them);
+    - `memory_budget`: the bytes a busy call's path may hold on the call's device beyond what the kernel bound
+      before the watch holds (`held_bytes`: the token loop's graph under autograd, the graphs of pieces padded to
+      whole chunks, a block of states, the states of the chunk-wise states path before they go to `keep_device`); a
+      path over it is not taken where one within it is available (the one holding least where none is). None (the
+      default): a quarter of the device's memory (`DEFAULT_BUDGET_SHARE`; CUDA's `total_memory`, the host's
+      physical memory for a CPU), `math.inf`: no limit. Forced paths (`force=`) and `rule="loop"` ignore it;
     - `loop_threads`: torch's intra-op threads while the paths with per-token steps (the token loop, and the
       chunk-wise reductions, which form large states token by token) run on a CPU, the loop's hooks included:
       1 (the default: each step's ops are too small to split; on a shared machine a thread another process holds
@@ -194,6 +213,7 @@ class Paths:
     blocks_below: int | None = None
     costs: "Mapping[str, Any] | None" = None
     loop_threads: int | None = 1
+    memory_budget: float | None = None
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
@@ -219,10 +239,16 @@ class Paths:
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise InvalidValue(f"Paths: expected loop_threads= None or a number of threads >= 1, got"
                                f" loop_threads={threads!r}")
+        budget = self.memory_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                                   or not budget >= 0):
+            raise InvalidValue(f"Paths: expected memory_budget= None (a quarter of the device's memory), a number of"
+                               f" bytes >= 0 or math.inf (no limit), got memory_budget={budget!r}")
 
     def __hash__(self) -> int:  # (costs is a dict)
         return hash((self.rule, self.force, self.tails, self.blocks_below,
-                     None if self.costs is None else tuple(sorted(self.costs.items())), self.loop_threads))
+                     None if self.costs is None else tuple(sorted(self.costs.items())), self.loop_threads,
+                     self.memory_budget))
 
 
 def _as_constants(costs: Any) -> dict[str, Constants]:
@@ -331,6 +357,98 @@ def _estimates(constants: Constants, shape: Shape, tokens: int, stops: Iterable[
             Strategy.LOOP: lambda: loop_cost(constants, shape, tokens)}
 
 
+# -- memory ------------------------------------------------------------------------------------------------------
+
+DEFAULT_BUDGET_SHARE = 0.25  # `Paths(memory_budget=None)`: this share of the device's memory
+_DEVICE_MEMORY: dict[str, float] = {}  # device ("cuda:0", "cpu:None") -> its bytes, read once (`note_device`)
+
+
+def device_memory(device: torch.device | str) -> float:
+    """The memory of a device in bytes: CUDA's (or XPU's) `total_memory`, MPS's recommended maximum, the host's
+    physical memory for a CPU; `math.inf` where it cannot be read."""
+    device = torch.device(device)
+    try:
+        if device.type == "cpu":
+            return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        if device.type == "mps":
+            return float(torch.mps.recommended_max_memory())
+        return float(getattr(torch, device.type).get_device_properties(device).total_memory)
+    except (AttributeError, ValueError, OSError, RuntimeError):
+        return math.inf
+
+
+def note_device(device: torch.device | str) -> None:
+    """Read a device's memory once (a watch does as it attaches, rather than while torch.compile traces)."""
+    device = torch.device(device)
+    key = f"{device.type}:{device.index}"
+    if key not in _DEVICE_MEMORY:
+        _DEVICE_MEMORY[key] = device_memory(device)
+
+
+def budget_of(paths: Paths, device: torch.device | None) -> float:
+    """The bytes a path of a call on `device` may hold (`Paths.memory_budget`; None: `DEFAULT_BUDGET_SHARE` of
+    the device's memory; a device not read yet, inside a compiled trace: no limit)."""
+    if paths.memory_budget is not None:
+        return float(paths.memory_budget)
+    if device is None:
+        return math.inf
+    if not compiling():
+        note_device(device)
+    return DEFAULT_BUDGET_SHARE * _DEVICE_MEMORY.get(f"{device.type}:{device.index}", math.inf)
+
+
+def graph_bytes(shape: Shape, tokens: int) -> float:
+    """The bound kernel's autograd graph on `tokens` tokens, padded to whole chunks (`Shape.graph`)."""
+    k, v, chunk = shape.key_dim, shape.value_dim, shape.chunk
+    per_chunk = shape.batch * shape.heads * (chunk**2 + chunk * (k + v) + k * v)
+    return 4.0 * shape.graph * math.ceil(tokens / chunk) * per_chunk if tokens > 0 else 0.0
+
+
+def held_bytes(shape: Shape, tokens: int, stops: Iterable[int], grad: bool, kept: int = 0,
+               elsewhere: bool = False, reducing: bool = False) -> dict[Strategy, float]:
+    """At most the bytes each path holds on the call's device beyond what the bound kernel holds on the same call
+    (measured at real dims, tests/test_path_memory.py), S being one state of the call (batch included, float32):
+        token loop        gradients: (Shape.loop_graph T + kept + 2) S, its graph and a copy of each kept state,
+                          less the bound kernel's graph, which it replaces (at least 2 S);
+                          else 2 S (+ 2 x 64 S: a chunk of states a reduction of every state stacks);
+        segments          gradients: the graphs of the pieces, each padded to whole chunks, less the call's,
+                          + one S a piece; else one chunk's graph + 2 S;
+        chunk-wise states 16 S (its chunk), + T S without gradients where the states go to another device
+                          (`elsewhere`: they reach `keep_device` when the call is over);
+        blocks            1.5 x 64 S (a block and its inputs) (+ the reduction's chunk);
+        chunk-wise reductions  2 x 16 S.
+    `kept`: the states kept as they are; `reducing`: a reduction of every state."""
+    state = 4.0 * shape.batch * shape.heads * shape.key_dim * shape.value_dim
+    reduction = 2 * _blocks.BLOCK * state if reducing else 0.0
+    if grad:
+        parts = pieces(stops, tokens)
+        loop = max(2 * state, (shape.loop_graph * tokens + kept + 2) * state - graph_bytes(shape, tokens))
+        segments = sum(graph_bytes(shape, end - start) for start, end in parts) - graph_bytes(shape, tokens) \
+            + len(parts) * state
+        states = STATES_CHUNK * state
+    else:
+        loop = 2 * state + reduction
+        segments = graph_bytes(shape, shape.chunk) + 2 * state
+        states = STATES_CHUNK * state + (tokens * state if elsewhere else 0.0)
+    return {Strategy.SEGMENTS: segments, Strategy.STATES: states,
+            Strategy.BLOCKS: 1.5 * _blocks.BLOCK * state + reduction, Strategy.CHUNKS: 2 * STATES_CHUNK * state,
+            Strategy.LOOP: loop}
+
+
+def _within(available: list[Strategy], held: dict[Strategy, float] | None, budget: float) -> list[Strategy]:
+    """The available paths that hold at most `budget` bytes; none: the one that holds least."""
+    if held is None:
+        return available
+    fitting = [path for path in available if held[path] <= budget]
+    if fitting:
+        return fitting
+    least = available[0]
+    for path in available[1:]:
+        if held[path] < held[least]:
+            least = path
+    return [least]
+
+
 def _cheapest(available: list[Strategy], estimate: dict[Strategy, Callable[[], float]]) -> Strategy:
     """The available path of the lowest estimate (the first of equal ones). A plain loop, not `min(key=...)`:
     `choose` runs while torch.compile traces a forward, and dynamo cannot trace `min` with a key."""
@@ -365,6 +483,31 @@ def _constants_of(shape: Shape, arguments: dict[str, Any], paths: Paths) -> Cons
             table = costs_for(value.device, value.dtype)
             return None if table is None else table.get(shape.constants)
     return None
+
+
+def _device_of(arguments: dict[str, Any] | None) -> torch.device | None:
+    """The device of a call's first floating-point tensor argument."""
+    for value in (arguments or {}).values():
+        if isinstance(value, Tensor) and value.is_floating_point():
+            return value.device
+    return None
+
+
+def _held(shape: Shape, busy: list[Any], tokens: int, stops: set[int], grad: bool,
+          arguments: dict[str, Any] | None) -> dict[Strategy, float]:
+    """`held_bytes` for a busy call: the states its plans keep as they are, whether they go to another device,
+    whether one reduces every state."""
+    device = _device_of(arguments)
+    kept, elsewhere, reducing = 0, False, False
+    for plan in busy:
+        if _reduces_every_state(plan, tokens):
+            reducing = True
+        elif plan.keep:
+            kept += len(plan.keep)
+            target = getattr(plan, "device", None)
+            elsewhere |= target is not None and device is not None and not (
+                target.type == device.type and target.index in (None, device.index))
+    return held_bytes(shape, tokens, stops, grad, kept, elsewhere, reducing)
 
 
 def _reduces_every_state(plan: Any, tokens: int) -> bool:
@@ -420,21 +563,26 @@ def choose(kernel: Kernel, busy: list[Any], tokens: int, arguments: dict[str, An
     else:
         available = [Strategy.LOOP, Strategy.STATES if every_state else Strategy.SEGMENTS]
     constants = shape = None
-    if paths.rule == "cost" and segments is not None and segments.shape is not None and arguments is not None:
+    if segments is not None and segments.shape is not None and arguments is not None:
         shape = segments.shape(arguments)
-        constants = None if shape is None else _constants_of(shape, arguments, paths)
+        if paths.rule == "cost" and shape is not None:
+            constants = _constants_of(shape, arguments, paths)
+    # the paths within the memory budget (`held_bytes`; all of them for a kernel that declares no shape)
+    fitting = available if shape is None else _within(available, _held(shape, busy, tokens, stops, grad, arguments),
+                                                       budget_of(paths, _device_of(arguments)))
     if paths.force in available:
         path = paths.force
-    elif every_state and grad:  # measured: the adjoint's backward beats the token loop's (docs/performance.md)
+    elif every_state and grad and Strategy.STATES in fitting:  # measured: the adjoint's backward beats the loop's
         path = Strategy.STATES
-    elif chunks:  # measured: the reductions' cheapest path (docs/performance.md, "Keeping a per-token reduction")
+    elif chunks and Strategy.CHUNKS in fitting:  # measured: the reductions' cheapest path (docs/performance.md)
         path = Strategy.CHUNKS
-    elif only_reducing and blocks:  # measured: half the token loop's time at Qwen3.5 dims (docs/performance.md)
+    elif only_reducing and Strategy.BLOCKS in fitting:  # measured: half the loop's time at Qwen3.5 dims
         path = Strategy.BLOCKS
-    elif constants is None:  # no cost model for this call: the fixed rule
+    elif constants is None:  # no cost model for this call: the fixed rule, within the budget
         path = available[-1] if every_token else _fixed_rule(stops, every_state, tokens)
+        path = path if path in fitting else fitting[0]
     else:
-        path = _cheapest(available, _estimates(constants, shape, tokens, stops, paths.tails))
+        path = _cheapest(fitting, _estimates(constants, shape, tokens, stops, paths.tails))
     if path is Strategy.LOOP:
         return None
     if path is Strategy.BLOCKS:

@@ -57,6 +57,8 @@ def _attach_with_kernels(mixer: RecurrentMixer, family: MixerClass, stack: conte
     the same kernels) is acquired too: each forward of an instance, watched or not, then tells the kernels whose
     forward is running (`running.make_owner`)."""
     strategies.load_costs()  # the cost model's calibrations, read now rather than while torch.compile traces
+    for device in {parameter.device for parameter in mixer.module.parameters()}:
+        strategies.note_device(device)  # (and the memory its default budget is a share of)
     warn_if_untested()
     module = family.module()
     classes = {type(mixer.module), *(cls for row in FAMILIES.values() if row.module_name == family.module_name

@@ -133,8 +133,9 @@ def recurrent_kimi_delta_attention(
 
 def _cost_shape(arguments: dict[str, Any]) -> Shape:
     """As gated DeltaNet's, timed by Kimi's constants: transformers' kernel inverts each chunk's system by a
-    Python loop over its rows, a larger cost per call."""
-    return dataclasses.replace(cost_shape(arguments), constants="kimi delta")
+    Python loop over its rows, a larger cost per call, and a graph under autograd about 20 x gated DeltaNet's per
+    chunk (measured at Kimi-Linear dims, tests/test_path_memory.py)."""
+    return dataclasses.replace(cost_shape(arguments), constants="kimi delta", graph=50.0, loop_graph=1.8)
 
 
 class KimiDeltaAttention(GatedDeltaNet):
