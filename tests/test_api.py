@@ -443,3 +443,21 @@ def test_route_kernels_speaks_each_kinds_words():
     assert bindings()[KERNELS[0]] is rh_patching.import_default(MODULE, KERNELS[0])
     with pytest.raises(rh.InvalidValue, match=r"expected to= one of 'torch', 'default' for mamba \(SelectiveScan\)"):
         rh.route_kernels("mamba", "recurrent")
+
+
+def test_a_call_reads_its_memories_by_name_and_says_where_they_were_replaced():
+    """`Call.kept(memory)`, `after(memory, token)`, `ran(memory)` and `replaced(memory)`: the record's own readers,
+    by the memory's name, as the mixer's `states`, `windows` and `state_after` read them."""
+    model = build("qwen3_5")
+    with rh.watch(model, keep=("states", "windows")) as w:
+        mix = w.mixers[0]
+        mix.register_state_hook(lambda mixer, call, token, state: state * 0.5 if token == 3 else None)
+        model(random_ids(1, 8))
+    call = mix.calls[0]
+    assert call.kept("state") is call.states and call.kept("window") is call.windows
+    assert_close("state after 2", mix.state_after(2), call.after("state", 2), rtol=0, atol=0)
+    assert_close("window after -1", mix.window_after(-1), call.after("window", -1), rtol=0, atol=0)
+    assert call.ran("state") == call.ran("window") == call.tokens == 8
+    assert call.replaced() == frozenset({3}) and call.replaced("window") == frozenset()
+    with pytest.raises(rh.InvalidValue, match="expected a memory, one of 'state', 'window', got 'states'"):
+        call.kept("states")

@@ -1,7 +1,9 @@
 """The package's layers import one way: the engine imports no kind, no study and not the registry; a kind imports
 no study; a study imports no kind (it reaches a kind through a mixer and the kind's declarations); a kind imports no
-other kind's private helper (shared maths live in their own modules: `delta_rule`, `ssm`, `conv`)
-(docs/architecture.md). Read from the source, so an import inside a function counts too."""
+other kind's private helper (shared maths live in their own modules: `delta_rule`, `ssm`, `conv`); no module uses
+another module's underscore names but the kinds' adapters (`Kind.ADAPTERS`); only `engine/tracing.py` asks whether
+torch.compile traces; every path is one runner; no class over 300 lines, no function over 80 (docs/architecture.md).
+Read from the source, so an import inside a function counts too."""
 
 import ast
 import pathlib
@@ -76,6 +78,68 @@ def test_a_kind_imports_no_private_helper_of_another_kind(path):
 def test_the_private_import_check_sees_one(tmp_path):
     (tmp_path / "k.py").write_text("from .other import _helper as helper, public\n")
     assert _private_names_from_siblings(tmp_path / "k.py") == ["other._helper"]
+
+
+def _private_uses(path: pathlib.Path, defined: dict[str, set[str]]) -> list[str]:
+    """`name (line)` for every underscore name of another module of the package that the file uses: imported, or
+    read as an attribute of anything but self and cls, where the name is defined in another module (`defined`:
+    name -> the files that define it)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            found += [f"{alias.name} (line {node.lineno})" for alias in node.names if _private(alias.name)]
+        elif isinstance(node, ast.Attribute) and _private(node.attr) \
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")) \
+                and defined.get(node.attr) and str(path) not in defined[node.attr]:
+            found.append(f"{node.attr} (line {node.lineno})")
+    return found
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _defined(paths: list[pathlib.Path]) -> dict[str, set[str]]:
+    """Underscore name -> the files that define it (a function, a class, an attribute assigned, a module name)."""
+    defined: dict[str, set[str]] = {}
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
+                names = [node.name]
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names = [node.attr]
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = [target.id for target in targets if isinstance(target, ast.Name)]
+            for name in names:
+                if _private(name):
+                    defined.setdefault(name, set()).add(str(path))
+    return defined
+
+
+def test_no_module_uses_another_modules_private_names_but_the_kinds_adapters():
+    """A module of the package reads no single-underscore name of another: what a sibling needs is public in its
+    module (the package's public namespace is `recurrent_hooks/__init__.py`; the modules below are its
+    implementation). The one exception, with its reason: a kind's adapters (`Kind.ADAPTERS`), which the engine and
+    the studies call and each kind overrides, and which keep their underscore to stay off the handle a researcher
+    holds (`w.mixers[i]`)."""
+    from recurrent_hooks.engine.kind import Kind
+    from recurrent_hooks.engine.mixer import RecurrentMixer
+
+    assert all(callable(getattr(RecurrentMixer, name, None)) for name in Kind.ADAPTERS), Kind.ADAPTERS
+    sources = sorted(PACKAGE.rglob("*.py"))
+    defined = _defined(sources)
+    wrong = {str(path.relative_to(PACKAGE)): uses for path in sources
+             if (uses := [use for use in _private_uses(path, defined) if use.split()[0] not in Kind.ADAPTERS])}
+    assert not wrong, f"underscore names of other modules used (make them public in their module): {wrong}"
+
+
+def test_the_private_use_check_sees_one(tmp_path):
+    (tmp_path / "a.py").write_text("def _helper():\n    pass\n")
+    (tmp_path / "b.py").write_text("from . import a\n\ndef f(x):\n    return a._helper(), x._cached_memory\n")
+    defined = _defined([tmp_path / "a.py", tmp_path / "b.py"])
+    assert _private_uses(tmp_path / "b.py", defined) == ["_helper (line 4)"]
 
 
 MAX_CLASS_LINES = 300

@@ -51,7 +51,7 @@ def as_token_selection(value: Any, where: str, tokens: int | None) -> int | list
     return as_index(value, "token", where)
 
 
-def _as_targets(value: Any, what: str, where: str) -> tuple[int, ...] | None:
+def as_targets(value: Any, what: str, where: str) -> tuple[int, ...] | None:
     """Token positions: None (every token), an int, or a non-empty iterable of ints (negative: from the end)."""
     if value is None:
         return None
@@ -80,13 +80,13 @@ def as_calls(value: Any, where: str) -> "frozenset[int] | range | None":
         if stop <= start:
             raise InvalidValue(f"{where}: call={value!r} targets no call")
         return range(start, stop, step)
-    calls = _as_targets(value, "call", where)
+    calls = as_targets(value, "call", where)
     if any(c < 0 for c in calls):
         raise InvalidValue(f"{where}: calls count from 0, got call={value!r}")
     return frozenset(calls)
 
 
-def _describe_calls(calls: "frozenset[int] | range | None") -> str:
+def describe_calls(calls: "frozenset[int] | range | None") -> str:
     if calls is None:
         return "None"
     if isinstance(calls, range):
@@ -95,14 +95,14 @@ def _describe_calls(calls: "frozenset[int] | range | None") -> str:
     return str(next(iter(calls))) if len(calls) == 1 else str(sorted(calls))
 
 
-def _describe_token(token: Any) -> str:
+def describe_token(token: Any) -> str:
     if isinstance(token, Tensor) and token.dim() > 0:
         return f"<{'mask' if token.dtype == torch.bool else 'tokens'} {tuple(token.shape)}>"
     return repr(token)
 
 
 @dataclasses.dataclass(frozen=True)
-class _RowTokens:
+class RowTokens:
     """A write at a different token in each batch row: one token per row (negative: from the end), or a
     `[batch, seq]` mask of the tokens written in each row."""
 
@@ -111,7 +111,7 @@ class _RowTokens:
     tokens: tuple[int, ...]  # the tokens at which some row is written (what the write's hook targets)
 
     @classmethod
-    def of(cls, token: Tensor, where: str) -> "_RowTokens":
+    def of(cls, token: Tensor, where: str) -> "RowTokens":
         if token.dtype == torch.bool:
             if token.dim() != 2:
                 raise InvalidValue(f"{where}: a mask of tokens must be [batch, seq], got shape {tuple(token.shape)}")
@@ -169,7 +169,7 @@ def normalize_keep(
         if KEEPABLE[name] is None:
             kernel_io.add(name)
         else:
-            memories[KEEPABLE[name]] = _as_targets(positions, f"keep[{name!r}]", "watch")
+            memories[KEEPABLE[name]] = as_targets(positions, f"keep[{name!r}]", "watch")
     return memories, frozenset(kernel_io)
 
 

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import Tensor
 
-from .calls import Call, KernelCall, _position
+from . import calls as _calls
+from .calls import Call, KernelCall, position_of
 from .errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable, noted
 from .kernels import CONV_MEMORY, KEEP_NAMES, STATE_MEMORY, Kernel
 from .parts import State, axes_of, is_parts, map_parts, not_a_tensor, parts_of
@@ -43,13 +44,13 @@ if TYPE_CHECKING:
     from .hooks import Hook
     from .mixer import RecurrentMixer
 
-_SHOWN = 3  # calls named in a message about calls that never ran; the rest are counted
+SHOWN = 3  # calls named in a message about calls that never ran; the rest are counted
 _REPLAY_MATCH = 1e-5  # relative fingerprint distance under which a recompute is the same forward
 _REPLAYS_KEPT = 256  # recomputable calls remembered per mixer
 
 
 @dataclasses.dataclass
-class _Forward:
+class Forward:
     """What the library needs to know of one forward of a mixer module."""
 
     tokens: int  # hidden_states.shape[1]
@@ -86,7 +87,7 @@ class _Replay:
         return abs(total - other_total) / math.sqrt(n * scale) + abs(squares - other_squares) / scale
 
 
-def _replayed(replays: Iterable[_Replay], forward: _Forward) -> tuple[int | None, "Call | None"]:
+def _replayed(replays: Iterable[_Replay], forward: Forward) -> tuple[int | None, "Call | None"]:
     """The call that a recomputed forward repeats: the remembered call whose input it matches."""
     replays = list(replays)
     if forward.hidden is None or not replays:
@@ -161,7 +162,7 @@ class CallState:
         self.begun = 0  # forwards begun since the mixer was attached
         self.offset = 0  # begun count at the last prompt (hooks registered outside a watch count from it)
         self.index: int | None = 0  # the running call's index (None: a recompute of a call that wanted nothing)
-        self.forward: _Forward | None = None
+        self.forward: Forward | None = None
         self.current: Call | None = None
         self.kernel_calls: dict[str, int] = {}  # memory -> kernel calls in the running forward
         self.tokens = 0  # tokens of the running kernel call
@@ -207,14 +208,14 @@ class CallState:
 
     # -- a forward begins and ends ------------------------------------------------------------------------------
 
-    def start(self, forward: _Forward) -> None:
+    def start(self, forward: Forward) -> None:
         """What every implementation does when a forward begins: the running forward's scratch."""
         self.forward = forward
         self.kernel_calls = {}
         self.head = None
         self.recomputing = forward.recompute
 
-    def begin(self, forward: _Forward) -> None:
+    def begin(self, forward: Forward) -> None:
         self.start(forward)
         if forward.recompute:
             self.index, self.current = _replayed(self.replays, forward)
@@ -303,9 +304,9 @@ class CallState:
         wanted = self.keep.get(kernel.memory)
         if wanted is not None:
             self.keep_reached.setdefault(kernel.memory, set()).update(
-                t for t in wanted if _position(t, tokens) is not None)
+                t for t in wanted if position_of(t, tokens) is not None)
             lengths = self.keep_lengths.setdefault(kernel.memory, [])
-            if len(lengths) <= _SHOWN and (not lengths or lengths[-1][0] != index):
+            if len(lengths) <= SHOWN and (not lengths or lengths[-1][0] != index):
                 lengths.append((index, tokens))
         return Plan(self, index, hooks, keep, kernel.memory)
 
@@ -320,10 +321,10 @@ class CallState:
             if hook.tokens is None:
                 hooks.append((hook, None))
                 continue
-            missing = [t for t in hook.tokens if _position(t, tokens) is None]
+            missing = [t for t in hook.tokens if position_of(t, tokens) is None]
             if missing and hook.explicit:
                 outside(hook, missing[0], tokens, kernel.name)
-            positions = frozenset(p for t in hook.tokens if (p := _position(t, tokens)) is not None)
+            positions = frozenset(p for t in hook.tokens if (p := position_of(t, tokens)) is not None)
             if positions:
                 hooks.append((hook, positions))
         return hooks
@@ -335,7 +336,7 @@ class CallState:
         wanted = self.keep[memory]
         if wanted is None:
             return frozenset(range(tokens))
-        return frozenset(p for t in wanted if (p := _position(t, tokens)) is not None)
+        return frozenset(p for t in wanted if (p := position_of(t, tokens)) is not None)
 
     def refuse_outside(self, hook: "Hook", token: int, tokens: int, kernel: str) -> None:
         raise InvalidValue(
@@ -358,7 +359,7 @@ class CallState:
             return
         # the positions the kernel ran over, per memory: the forward's input's, except where transformers' own
         # bug makes them differ (rwkv's batched decode); the call's tokens are its first memory's
-        record._ran[kernel.memory] = tokens
+        _calls.note_ran(record, kernel.memory, tokens)
         if kernel.memory == self.kind.MEMORIES[0]:
             record.tokens = tokens
         self.file(kernel.memory, kernel.name, plan.kept, inputs, output, plan.stacked, path=part.path)
@@ -375,27 +376,20 @@ class CallState:
         else:
             record.kernel_calls.append(part)
         if kept is not None:
-            record._kept.setdefault(memory, []).append(kept)
-            record._buffers.setdefault(memory, []).append(stacked)
-            record._positions[memory] = self.keep[memory]
-            record._stacked.pop(memory, None)
-            if memory in self.mixer.reduce:
-                record._reduced.add(memory)
+            _calls.file_kept(record, memory, kept, stacked, self.keep[memory], memory in self.mixer.reduce)
 
     def _store_recomputed(self, plan: Plan, kernel: Kernel, record: Call) -> None:
         """A recompute keeps nothing new, except where the call's own forward ran without gradients
         (reentrant checkpointing): its kept states are then replaced by the recomputed, differentiable
         ones, whose `.grad` is retained for `loss.backward()`."""
-        kept = record._kept.get(kernel.memory)
+        kept = _calls.kept_by_kernel_call(record, kernel.memory)
         part = self.kernel_calls[kernel.memory] - 1
         if plan.kept is None or plan.reduce is not None or kept is None or part >= len(kept):
             return  # (reductions: the first forward's stand)
         for token, state in plan.kept.items():
             if _requires_grad(state) and token in kept[part] and not _requires_grad(kept[part][token]):
                 map_parts(lambda s: s.retain_grad(), state)
-                kept[part][token] = state
-                record._buffers[kernel.memory][part] = None  # the recomputed states are read one by one
-        record._stacked.pop(kernel.memory, None)
+                _calls.refile_recomputed(record, kernel.memory, part, token, state)
 
     # -- a hook at a token ----------------------------------------------------------------------------------------
 
@@ -426,7 +420,7 @@ class CallState:
     def note_replaced(self, hook: "Hook", token: int) -> None:
         record = self.current
         if record is not None and not self.recomputing:
-            record._replaced.setdefault(hook.memory, set()).add(token)
+            _calls.note_replaced(record, hook.memory, token)
 
     # -- on exit ----------------------------------------------------------------------------------------------
 
@@ -440,7 +434,7 @@ class CallState:
                 continue
             name = KEEP_NAMES[memory]
             shown = "; ".join(f"call {call}: {tokens} token{'s' if tokens != 1 else ''}"
-                              for call, tokens in lengths[:_SHOWN]) + ("; ..." if len(lengths) > _SHOWN else "")
+                              for call, tokens in lengths[:SHOWN]) + ("; ..." if len(lengths) > SHOWN else "")
             at = ", ".join(f"token {t}" for t in missed)
             problems.append(f"keep={{{name!r}: {list(wanted)}}} kept nothing at {at} on {self.mixer}: outside every"
                             f" call it saw ({shown})")

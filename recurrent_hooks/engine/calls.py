@@ -5,7 +5,7 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from .errors import Unavailable, renamed
+from .errors import InvalidValue, Unavailable, renamed
 from .kernels import CONV_MEMORY, KEEP_NAMES, STATE_MEMORY, memory_name
 from .parts import map_parts, stack_parts
 
@@ -56,7 +56,7 @@ class KernelCall:
                 f" output={brief(self.output)})")
 
 
-def _position(token: int, tokens: int) -> int | None:
+def position_of(token: int, tokens: int) -> int | None:
     return token % tokens if -tokens <= token < tokens else None
 
 
@@ -139,19 +139,13 @@ class Call:
     def inputs(self) -> dict[str, Any]:
         """The recurrence kernel's arguments by name (kernel once per head: `kernel_calls[h].inputs`; a convolution
         window only: `conv.inputs`)."""
-        return self._recorded(self._single("inputs").inputs, "inputs")
+        return recorded(self, self._single("inputs").inputs, "inputs")
 
     @property
     def output(self) -> dict[str, Any]:
         """The recurrence kernel's results by name (kernel once per head: `kernel_calls[h].output`; a convolution
         window only: `conv.output`)."""
-        return self._recorded(self._single("output").output, "outputs")
-
-    def _recorded(self, values: dict[str, Any] | None, name: str) -> dict[str, Any]:
-        if values is None:
-            raise Unavailable(f"{self.where}: the kernel {name} of call {self.index} were not kept:"
-                              " pass keep=('inputs', 'outputs') to watch")
-        return values
+        return recorded(self, self._single("output").output, "outputs")
 
     @property
     def states(self) -> Tensor:
@@ -162,12 +156,12 @@ class Call:
         tensor the forward read every state through:
         `torch.autograd.grad(metric, call.states)` gives the effect of a write at each token, also when
         the weights are frozen (for a kernel run once per head, see `differentiable`)."""
-        return self._all(STATE_MEMORY)
+        return self.kept(STATE_MEMORY)
 
     @property
     def windows(self) -> Tensor:
         """The convolution window after every token of this call, `[batch, seq, channels, kernel_size]`."""
-        return self._all(CONV_MEMORY)
+        return self.kept(CONV_MEMORY)
 
     @property
     def conv_states(self) -> Tensor:
@@ -176,12 +170,18 @@ class Call:
         return self.windows
 
     def _kept_parts(self, memory: str) -> list[dict[int, Tensor]]:
+        if memory not in KEEP_NAMES:
+            raise InvalidValue(f"{self.where}: expected a memory, one of {', '.join(map(repr, KEEP_NAMES))}, got"
+                               f" {memory!r}")
         if memory not in self._kept:
             name = KEEP_NAMES[memory]
             raise Unavailable(f"{self.where}: call {self.index} kept no {name}; pass keep=({name!r},) to watch")
         return self._kept[memory]
 
-    def _all(self, memory: str) -> Tensor:
+    def kept(self, memory: str) -> Tensor:
+        """The memory `memory` ("state" or "window") after every token of this call, stacked on a `seq` axis after
+        `batch`: `states` and `windows` by name."""
+        memory = memory_name(memory, "Call.kept")
         parts = self._kept_parts(memory)
         if self._positions[memory] is not None:
             raise Unavailable(f"{self.where}: call {self.index} kept its {memory} at tokens"
@@ -229,10 +229,22 @@ class Call:
                               " (keep=('states',) or 'windows') and run the forward with gradients enabled")
         return list(buffers)
 
-    def _after(self, memory: str, token: int) -> Tensor:
+    def ran(self, memory: str) -> int | None:
+        """The positions the kernel of `memory` ran over: the call's `tokens`, except where transformers' own bug
+        makes them differ (rwkv's batched decode, docs/concepts.md)."""
+        return self._ran.get(memory_name(memory, "Call.ran"), self.tokens)
+
+    def replaced(self, memory: str = STATE_MEMORY) -> frozenset[int]:
+        """The tokens at which a hook or write replaced `memory` in this call (its outputs are then no longer a
+        function of its inputs and starting memory alone)."""
+        return frozenset(self._replaced.get(memory_name(memory, "Call.replaced"), ()))
+
+    def after(self, memory: str, token: int) -> Tensor:
+        """The kept `memory` ("state" or "window") after `token` (an int, negative from the end) of this call."""
+        memory = memory_name(memory, "Call.after")
         parts = self._kept_parts(memory)
-        tokens = self._ran.get(memory, self.tokens)
-        position = _position(token, tokens)
+        tokens = self.ran(memory)
+        position = position_of(token, tokens)
         if position is None:
             raise Unavailable(f"{self.where}: token {token} is outside call {self.index}, which has {tokens}"
                               f" tokens (valid: 0..{tokens - 1} or -{tokens}..-1)")
@@ -244,3 +256,47 @@ class Call:
         return stack_parts([kept[position] for kept in parts], dim=1)
 
 
+# -- the engine's writes to a record (the dispatcher's `CallState` files each kernel call through these) ------------
+
+
+def recorded(call: Call, values: dict[str, Any] | None, name: str) -> dict[str, Any]:
+    """`values`, a kernel call's kept inputs or outputs (`name`); an `Unavailable` where they were not kept."""
+    if values is None:
+        raise Unavailable(f"{call.where}: the kernel {name} of call {call.index} were not kept:"
+                          " pass keep=('inputs', 'outputs') to watch")
+    return values
+
+
+def note_ran(call: Call, memory: str, tokens: int) -> None:
+    """The kernel of `memory` ran over `tokens` positions in `call`."""
+    call._ran[memory] = tokens
+
+
+def file_kept(call: Call, memory: str, kept: dict[int, Any], stacked: Any, positions: tuple[int, ...] | None,
+              reduced: bool) -> None:
+    """One kernel call's kept values of `memory` (token -> value; `stacked`: the leaf they were read through in grad
+    mode, or None), kept at `positions` (None: every token), as reductions if `reduced`."""
+    call._kept.setdefault(memory, []).append(kept)
+    call._buffers.setdefault(memory, []).append(stacked)
+    call._positions[memory] = positions
+    call._stacked.pop(memory, None)
+    if reduced:
+        call._reduced.add(memory)
+
+
+def kept_by_kernel_call(call: Call, memory: str) -> list[dict[int, Any]] | None:
+    """The kept values of `memory`, one {token: value} per kernel call (None: none kept)."""
+    return call._kept.get(memory)
+
+
+def refile_recomputed(call: Call, memory: str, part: int, token: int, value: Any) -> None:
+    """A recompute (reentrant checkpointing) replaced kernel call `part`'s kept value at `token` by a differentiable
+    one: the call's states are read one by one from now on."""
+    call._kept[memory][part][token] = value
+    call._buffers[memory][part] = None
+    call._stacked.pop(memory, None)
+
+
+def note_replaced(call: Call, memory: str, token: int) -> None:
+    """A hook or write replaced `memory` at `token` of `call`."""
+    call._replaced.setdefault(memory, set()).add(token)

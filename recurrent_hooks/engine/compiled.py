@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from .call_state import CallState, Plan, _Forward
+from .call_state import CallState, Forward, Plan
 from .calls import KernelCall
 from .kernels import STATE_MEMORY, Kernel
 from .parts import is_parts, map_parts, parts_of, rebuild
@@ -148,7 +148,7 @@ class TracedCallState:
         """A graph serves every call: whether some call has hooks, writes or kept values."""
         return self.state.wants_some()
 
-    def begin(self, forward: _Forward) -> None:
+    def begin(self, forward: Forward) -> None:
         """A forward begins: counted, and its record opened, when the graph runs. A compiled beam search reports
         no `reorder` (a compiled forward cannot wrap the cache's method), and a compiled backward recomputes no
         forward of ours."""
@@ -209,10 +209,10 @@ def _run_hook(traced: TracedCallState, hook: "Hook", token: int, state: Any) -> 
     owner, key = traced.state, traced.key
     head = -1 if owner.head is None else owner.head
     if not torch.is_grad_enabled():
-        parts = _hook(_CLOCKS[key], key, hook._key, token, owner.tokens, head, [part for _, part in parts_of(state)])
+        parts = _hook(_CLOCKS[key], key, hook.key, token, owner.tokens, head, [part for _, part in parts_of(state)])
         return rebuild(state, parts)
     # gradients on: a hook reads a detached copy at run time; a write is traced, masked by the call counter
-    _event(_CLOCKS[key], key, "look", [hook._key, token, owner.tokens, head], "None",
+    _event(_CLOCKS[key], key, "look", [hook.key, token, owner.tokens, head], "None",
            [part.detach() for _, part in parts_of(state)])
     if not hook.write:
         return state
@@ -226,7 +226,7 @@ def _run_hook(traced: TracedCallState, hook: "Hook", token: int, state: Any) -> 
 def _outside(traced: TracedCallState, hook: "Hook", token: int, tokens: int, kernel: str) -> None:
     """A hook that names calls has token `token` outside this call of `tokens` tokens: an error if it
     targets this call (told when the graph runs)."""
-    _event(_CLOCKS[traced.key], traced.key, "outside", [hook._key, token, tokens], repr(kernel), [])
+    _event(_CLOCKS[traced.key], traced.key, "outside", [hook.key, token, tokens], repr(kernel), [])
 
 
 def _targeted(calls: Any, clock: Tensor) -> Tensor | None:

@@ -26,8 +26,8 @@ from . import runners as _runners
 from . import strategies
 from .calls import KernelCall
 from .kernels import CONV_MEMORY, FORWARD, Kernel, Layout
-from .call_state import Plan, _Forward
-from .mixer import RecurrentMixer
+from .call_state import Forward, Plan
+from .mixer import RecurrentMixer, sees
 from .running import Running, drop_left, pop, running_entry
 from .taking import Taker
 from .threads import THREAD, in_backward
@@ -36,11 +36,11 @@ from .tracing import compiling
 
 
 def _forward_of(kind: type[RecurrentMixer], layout: Layout, module: nn.Module, args: tuple, kwargs: dict[str, Any],
-                recompute: bool) -> _Forward:
+                recompute: bool) -> Forward:
     """Tokens, cache and freshness of a mixer forward, from its arguments."""
     arguments = layout.bind(args, kwargs)
     tokens, cache, fresh, hidden = kind._parse_forward(module, arguments)
-    return _Forward(tokens=tokens, cache=cache, fresh=fresh, hidden=hidden, recompute=recompute,
+    return Forward(tokens=tokens, cache=cache, fresh=fresh, hidden=hidden, recompute=recompute,
                     cache_index=kind._cache_index(module, arguments))
 
 
@@ -119,7 +119,7 @@ class _Tap:
         traced = compiling()
         recompute = in_backward()
         ident = None if traced else threading.get_ident()
-        mixers = [mixer for mixer in self.mixers if mixer._sees(ident, recompute)]
+        mixers = [mixer for mixer in self.mixers if sees(mixer, ident, recompute)]
         if not mixers or any(other.module is module for other in running[:-1]):
             return  # unwatched here, or re-entered
         forward = _forward_of(type(mixers[0]), self._layout, module, args, kwargs, recompute)
@@ -222,7 +222,7 @@ class _Tap:
         return result, strategy.value
 
     @staticmethod
-    def _sync_conv_cache(kind: type[RecurrentMixer], forward: _Forward, window: Tensor) -> None:
+    def _sync_conv_cache(kind: type[RecurrentMixer], forward: Forward, window: Tensor) -> None:
         """The prompt path caches the raw last inputs before its conv kernel runs: cache the window as continued."""
         cache = forward.cache
         if cache is None or forward.cache_index is None:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 
 from . import compiled as _compiled
-from .call_state import _SHOWN
+from .call_state import SHOWN
 
 if TYPE_CHECKING:
     from .mixer import RecurrentMixer
@@ -34,7 +34,7 @@ class Hook:
                  tokens: tuple[int, ...] | None, origin: str, *, write: bool = False):
         self.fn, self.memory, self.calls, self.tokens, self.origin = fn, memory, calls, tokens, origin
         self.write = write
-        self._key = _compiled.register_hook(self)  # how a compiled graph's ops find it
+        self.key = _compiled.register_hook(self)  # how a compiled graph's ops find it
 
     def targets(self, call: int | None) -> bool:
         return call is not None and (self.calls is None or call in self.calls)
@@ -51,8 +51,8 @@ class Hook:
 
     def missed(self, seen: int) -> list[int]:
         """The first few calls it targets that a mixer which saw `seen` calls never reached (open ranges:
-        none): at most `_SHOWN + 1`, so that a message can say there are more."""
+        none): at most `SHOWN + 1`, so that a message can say there are more."""
         if not self.explicit:
             return []
         targeted = self.calls if isinstance(self.calls, range) else sorted(self.calls)
-        return list(itertools.islice((c for c in targeted if c >= seen), _SHOWN + 1))
+        return list(itertools.islice((c for c in targeted if c >= seen), SHOWN + 1))

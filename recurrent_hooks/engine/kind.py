@@ -65,7 +65,7 @@ from .errors import Unavailable
 from .kernels import CONV_MEMORY, STATE_MEMORY, Kernel, Role
 
 if TYPE_CHECKING:
-    from .call_state import _Forward
+    from .call_state import Forward
 
 
 class Kind:
@@ -90,6 +90,13 @@ class Kind:
     LAYER_ATTRIBUTE: ClassVar[str] = "layer_idx"
     HEADS: ClassVar[bool] = False
     CONTINUES_CACHE: ClassVar[bool] = False
+    # the adapters: what the engine and the studies call on a kind, each kind overriding what it must; their names
+    # begin with an underscore so that they stay off the researcher's handle (`w.mixers[i]`), and they are the only
+    # underscore names one module of the package uses of another (tests/test_layout.py)
+    ADAPTERS: ClassVar[tuple[str, ...]] = (
+        "_parse_forward", "_cache_index", "_cached", "_cached_window", "_cached_memory", "_pop_cache",
+        "_kernel_arguments", "_instances", "_refusal", "_restart", "_head_channels", "_token_values",
+        "_effective_attention", "_serves")
 
     @classmethod
     def kernel_for(cls, role: "Role | str", memory: str | None = None) -> Kernel:
@@ -177,7 +184,7 @@ class Kind:
         return None
 
     @classmethod
-    def _restart(cls, kernel: Kernel, forward: "_Forward") -> str | None:
+    def _restart(cls, kernel: Kernel, forward: "Forward") -> str | None:
         """Why this kernel call of `forward` starts its memory from zeros although the forward continues a cached
         one (None: it does not). Such a call runs as transformers runs it, its hooks, writes and kept states see
         the memory the model really started from, and one `RecurrentHooksWarning` per call says so."""

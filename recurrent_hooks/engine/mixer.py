@@ -51,11 +51,11 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from .errors import InvalidValue, RecurrentHooksError, Unavailable, renamed
-from .arguments import (_as_targets, _describe_calls, _describe_token, _RowTokens, as_calls, as_index,
-                        as_token_selection, normalize_keep)
+from .arguments import (RowTokens, as_calls, as_index, as_targets, as_token_selection, describe_calls,
+                        describe_token, normalize_keep)
 from . import compiled as _compiled
-from .call_state import _SHOWN, CallState, _Forward
-from .calls import Call, Memory
+from .call_state import SHOWN, CallState, Forward
+from .calls import Call, Memory, recorded
 from .hooks import Hook, StateHook
 from .kernels import CONV_MEMORY, STATE_MEMORY, memory_name
 from .kind import Kind
@@ -82,7 +82,7 @@ class _Handle(RemovableHandle):
         super().remove()
         mixer = self._mixer_ref()
         if mixer is not None:
-            mixer._hook_removed()
+            hook_removed(mixer)
 
 
 class RecurrentMixer(Kind):
@@ -157,14 +157,9 @@ class RecurrentMixer(Kind):
             raise Unavailable(f"{self}.{method}: a {type(self).__name__} mixer has no {memory}; it carries only"
                               f" {carried} ({', '.join(_ACCESSORS[m] for m in self.MEMORIES)})")
 
-    def _serves(self, forward: _Forward) -> bool:
+    def _serves(self, forward: Forward) -> bool:
         """Whether this handle takes part in `forward` (its memory is at this handle's cache index)."""
         return self.cache_index is None or forward.cache_index == self.cache_index
-
-    def _sees(self, thread: int | None, recompute: bool) -> bool:
-        """Whether this handle takes part in a forward running in `thread` (a recompute runs where autograd runs
-        it; None: a compiled forward, whose thread cannot be told)."""
-        return recompute or thread is None or self._thread is None or self._thread == thread
 
     # -- reading -----------------------------------------------------------------------------------------
 
@@ -218,10 +213,10 @@ class RecurrentMixer(Kind):
 
     def _after(self, memory: str, token: Any, call: int | None, method: str) -> State:
         record = self._call(call, method)
-        selected = as_token_selection(token, f"{self}.{method}", record._ran.get(memory, record.tokens))
+        selected = as_token_selection(token, f"{self}.{method}", record.ran(memory))
         if isinstance(selected, int):
-            return record._after(memory, selected)
-        return stack_parts([record._after(memory, each) for each in selected], dim=1)
+            return record.after(memory, selected)
+        return stack_parts([record.after(memory, each) for each in selected], dim=1)
 
     def conv_state_after(self, token: int, call: int | None = None) -> Float[Tensor, "batch channels kernel_size"]:
         """The former name of `window_after`."""
@@ -246,24 +241,14 @@ class RecurrentMixer(Kind):
         if not record.kernel_calls:
             raise Unavailable(f"{self}: call {record.index} made no recurrence kernel call")
         for part in record.kernel_calls:
-            record._recorded(part.inputs, "inputs"), record._recorded(part.output, "outputs")
+            recorded(record, part.inputs, "inputs"), recorded(record, part.output, "outputs")
         per_part = [self._token_values(part) for part in record.kernel_calls]
         if len(per_part) == 1:
             return per_part[0]
         return {name: torch.stack([values[name] for values in per_part], dim=2) for name in per_part[0]}
 
     def _call(self, call: Any, method: str) -> Call:
-        if call is not None:
-            call = as_index(call, "call", f"{self}.{method}")
-        if not self.call_state.history:
-            raise Unavailable(f"{self} records nothing: hooks registered outside a watch keep no values; use watch()")
-        if not self.calls:
-            raise Unavailable(f"{self} has not been called inside this watch yet")
-        if call is None:
-            return self.calls[-1]
-        if not -len(self.calls) <= call < len(self.calls):
-            raise Unavailable(f"{self}: no call {call}; this watch saw {len(self.calls)} calls (0..{len(self.calls) - 1})")
-        return self.calls[call]
+        return record_of(self, call, method)
 
     # -- hooks and writes --------------------------------------------------------------------------------
 
@@ -297,7 +282,7 @@ class RecurrentMixer(Kind):
         self._has(which, "register_state_hook")
         calls = as_calls(call, where)
         name = getattr(fn, "__qualname__", repr(fn))
-        return self._add_hooks(Hook(fn, which, calls, _as_targets(token, "token", where), f"{which} hook {name}"))
+        return self._add_hooks(Hook(fn, which, calls, as_targets(token, "token", where), f"{which} hook {name}"))
 
     def set_state_after(self, token: int, value: Tensor, call: "int | Iterable[int] | slice | None" = 0
                         ) -> RemovableHandle:
@@ -348,13 +333,6 @@ class RecurrentMixer(Kind):
         self._hooks[handle.id] = hooks
         return handle
 
-    def _detached(self) -> None:
-        self._live = False
-
-    def _hook_removed(self) -> None:
-        if not self._hooks and self._on_empty is not None:
-            self._on_empty()
-
     def unapplied(self) -> list[str]:
         """Writes aimed at calls this mixer never reached (reported when a watch ends; hooks are not)."""
         seen = self.call_state.seen
@@ -362,7 +340,7 @@ class RecurrentMixer(Kind):
         for hook in self.call_state.all_hooks():
             missed = hook.missed(seen) if hook.write else []
             if missed:
-                shown = ", ".join(map(str, missed[:_SHOWN])) + (", ..." if len(missed) > _SHOWN else "")
+                shown = ", ".join(map(str, missed[:SHOWN])) + (", ..." if len(missed) > SHOWN else "")
                 problems.append(f"{hook.origin} on {self} (call {shown}; it saw {seen} call{'s' if seen != 1 else ''})")
         return problems
 
@@ -391,8 +369,8 @@ def _writes(mixer: RecurrentMixer, memory: str, token: Any, value: Any, call: An
 
 def _write(mixer: RecurrentMixer, memory: str, token: Any, value: Tensor, call: Any, method: str) -> Hook:
     """The hook a write (`set_state_after`, ...) registers: `value` after `token` of the calls `call`; a tensor of
-    tokens (`_RowTokens`) writes each row after its own token."""
-    where = f"{mixer}.{method}({_describe_token(token)}, call={call!r})"
+    tokens (`RowTokens`) writes each row after its own token."""
+    where = f"{mixer}.{method}({describe_token(token)}, call={call!r})"
     mixer._has(memory, method)
     declared = mixer.STATE if memory == STATE_MEMORY else mixer.CONV_STATE
     calls = as_calls(call, where)
@@ -402,7 +380,7 @@ def _write(mixer: RecurrentMixer, memory: str, token: Any, value: Tensor, call: 
                            f" {type(value).__name__}")
     if (wrong := not_a_tensor(value, declared)) is not None:
         raise InvalidValue(f"{where}: {wrong}")
-    rows = _RowTokens.of(token, where) if isinstance(token, Tensor) and token.dim() > 0 else None
+    rows = RowTokens.of(token, where) if isinstance(token, Tensor) and token.dim() > 0 else None
     tokens = rows.tokens if rows is not None else (as_index(token, "token", where),)
 
     def write(mixer: RecurrentMixer, call: int, token: int, state: State) -> State:
@@ -415,5 +393,37 @@ def _write(mixer: RecurrentMixer, memory: str, token: Any, value: Tensor, call: 
         return map_parts(lambda w, s: torch.where(at.to(s.device).view(-1, *(1,) * (s.dim() - 1)), w, s),
                          written, state)
 
-    origin = f"{method}({_describe_token(token)}, call={_describe_calls(calls)})"
+    origin = f"{method}({describe_token(token)}, call={describe_calls(calls)})"
     return Hook(write, memory, calls, tokens, origin, write=True)
+
+
+def sees(mixer: RecurrentMixer, thread: int | None, recompute: bool) -> bool:
+    """Whether a handle takes part in a forward running in `thread` (a recompute runs where autograd runs it; None:
+    a compiled forward, whose thread cannot be told)."""
+    return recompute or thread is None or mixer._thread is None or mixer._thread == thread
+
+
+def detach(mixer: RecurrentMixer) -> None:
+    """The handle's watch ended (or its standalone hooks were released): it takes part in no forward from now on."""
+    mixer._live = False
+
+
+def hook_removed(mixer: RecurrentMixer) -> None:
+    """A hook of the handle was removed: the last one releases its standalone kernels."""
+    if not mixer._hooks and mixer._on_empty is not None:
+        mixer._on_empty()
+
+
+def record_of(mixer: RecurrentMixer, call: Any, method: str) -> Call:
+    """The record of call `call` of a watched mixer (None: the last), for `method` (named in the errors)."""
+    if call is not None:
+        call = as_index(call, "call", f"{mixer}.{method}")
+    if not mixer.call_state.history:
+        raise Unavailable(f"{mixer} records nothing: hooks registered outside a watch keep no values; use watch()")
+    if not mixer.calls:
+        raise Unavailable(f"{mixer} has not been called inside this watch yet")
+    if call is None:
+        return mixer.calls[-1]
+    if not -len(mixer.calls) <= call < len(mixer.calls):
+        raise Unavailable(f"{mixer}: no call {call}; this watch saw {len(mixer.calls)} calls (0..{len(mixer.calls) - 1})")
+    return mixer.calls[call]

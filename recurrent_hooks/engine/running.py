@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from .call_state import _Forward
+from .call_state import Forward
 from .mixer import RecurrentMixer
 from .threads import THREAD
 
@@ -27,7 +27,7 @@ class Running:
 
     module: nn.Module
     tap: Any  # the tap that filled it in; None: the module has none (an unwatched instance)
-    forward: _Forward | None  # None: a forward the library does not watch (re-entered, or no handle sees it)
+    forward: Forward | None  # None: a forward the library does not watch (re-entered, or no handle sees it)
     mixers: list[RecurrentMixer]
     failed: bool = False  # a kernel call of this forward raised: its end is not checked
     by_hook: bool = False  # pushed by the tap's pre-forward hook: a forward that did not go through `__call__`

@@ -33,7 +33,7 @@ from .running import make_owner
 from . import strategies
 from .strategies import Paths
 from .kernels import KEEPABLE, KERNEL_IO, Kernel, Role, Site
-from .mixer import RecurrentMixer, StateHook
+from .mixer import RecurrentMixer, StateHook, detach, hook_removed
 from .patching import (MISSING, Transient, UndoStack, acquire_kernels, bound_original, import_default,
                        rebind_process_wide)
 from .upstream import hub_module, is_kernel_like, kernel_missing, torch_kernel, warn_if_untested
@@ -278,17 +278,8 @@ class Watch:
         A model with several mixers per layer (inkling's four windows) has no memory per layer: use
         `w.mixers[i].memory_after` there.
         """
-        self._one_mixer_per_layer("Watch.memory_after")
+        one_mixer_per_layer(self.mixers, "Watch.memory_after")
         return {mixer.layer: mixer.memory_after(token, call) for mixer in self.mixers}
-
-    def _one_mixer_per_layer(self, method: str) -> None:
-        layers = [mixer.layer for mixer in self.mixers]
-        shared = sorted({layer for layer in layers if layers.count(layer) > 1})
-        if shared:
-            raise Unavailable(f"{method}: layers {shared} have several mixers each"
-                              f" ({', '.join(str(m) for m in self.mixers if m.layer == shared[0])}), so a memory per"
-                              " layer would be ambiguous; read and write each mixer's own (w.mixers[i].memory_after,"
-                              " w.mixers[i].set_memory_after)")
 
     def set_memory_after(self, token: int, memories: Mapping[int, Memory], call: int = 0
                          ) -> list[RemovableHandle]:
@@ -303,7 +294,7 @@ class Watch:
         if not isinstance(memories, Mapping):
             raise InvalidValue(f"Watch.set_memory_after: expected a mapping of layer -> Memory (as memory_after"
                                f" returns), got {type(memories).__name__}")
-        self._one_mixer_per_layer("Watch.set_memory_after")
+        one_mixer_per_layer(self.mixers, "Watch.set_memory_after")
         unknown = sorted(set(memories) - {mixer.layer for mixer in self.mixers})
         if unknown:
             raise Unavailable(f"set_memory_after: no recurrent mixer at layers {unknown};"
@@ -331,7 +322,7 @@ class Watch:
         try:  # all or nothing: a failure releases what was acquired so far
             for mixer, row in rows:
                 _attach_with_kernels(mixer, row, stack)
-                stack.callback(mixer._detached)
+                stack.callback(detach, mixer)
         except BaseException:
             stack.close()
             raise
@@ -382,6 +373,17 @@ def _checked_paths(paths: Any, where: str) -> Paths:
         raise InvalidValue(f"{where}: expected paths= a recurrent_hooks.Paths (as Paths(rule='loop')) or None, got"
                            f" {type(paths).__name__} {paths!r}")
     return paths
+
+
+def one_mixer_per_layer(mixers: Sequence[RecurrentMixer], method: str) -> None:
+    """Refuse, for `method`, a model whose layers hold several watched mixers (a memory per layer is ambiguous)."""
+    layers = [mixer.layer for mixer in mixers]
+    shared = sorted({layer for layer in layers if layers.count(layer) > 1})
+    if shared:
+        raise Unavailable(f"{method}: layers {shared} have several mixers each"
+                          f" ({', '.join(str(m) for m in mixers if m.layer == shared[0])}), so a memory per"
+                          " layer would be ambiguous; read and write each mixer's own (w.mixers[i].memory_after,"
+                          " w.mixers[i].set_memory_after)")
 
 
 def watch(model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (),
@@ -441,7 +443,7 @@ def register_state_hook(module: nn.Module, fn: StateHook, *, call: int | Iterabl
         stack = contextlib.ExitStack()
         with stack:  # released again if attaching fails
             _attach_with_kernels(mixer, row, stack)
-            stack.callback(mixer._detached)
+            stack.callback(detach, mixer)
             releases = stack.pop_all()
         owner = weakref.ref(module)
         finalizer = weakref.finalize(module, releases.close)  # the module died with hooks on it
@@ -459,7 +461,7 @@ def register_state_hook(module: nn.Module, fn: StateHook, *, call: int | Iterabl
     try:
         return mixer.register_state_hook(fn, call=call, token=token)
     except BaseException:
-        mixer._hook_removed()  # releases the kernels if this was to be the first hook
+        hook_removed(mixer)  # releases the kernels if this was to be the first hook
         raise
 
 

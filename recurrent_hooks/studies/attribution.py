@@ -388,8 +388,8 @@ def _memory_row(clean: RecurrentMixer, corrupt: RecurrentMixer, memory: str, gra
     if memory not in corrupt.MEMORIES:
         return total if layout is None else total.movedim(2, 1)
     buffers = corrupt.calls[0].differentiable(memory)
-    cleans = _per_buffer(clean.calls[0]._all(memory), len(buffers))
-    minus = buffers if reference is None else _per_buffer(reference.calls[0]._all(memory), len(buffers))
+    cleans = _per_buffer(clean.calls[0].kept(memory), len(buffers))
+    minus = buffers if reference is None else _per_buffer(reference.calls[0].kept(memory), len(buffers))
     for head, (buffer, clean_part, minus_part) in enumerate(zip(buffers, cleans, minus)):
         for (_, leaf), (_, clean_leaf), (_, minus_leaf) in zip(parts_of(buffer), parts_of(clean_part),
                                                                 parts_of(minus_part)):
@@ -431,8 +431,8 @@ def _layout(kind: type[RecurrentMixer], heads: int, head_state: tuple[int, ...],
 
 def _kept_layout(mixer: RecurrentMixer) -> _Heads:
     """The layout of a mixer whose states (and windows) were kept: `[batch, seq, heads, *head_state]`."""
-    state = parts_of(mixer.calls[0]._all(STATE_MEMORY))[0][1]
-    window = mixer.calls[0]._all(CONV_MEMORY) if CONV_MEMORY in mixer.MEMORIES else None
+    state = parts_of(mixer.calls[0].kept(STATE_MEMORY))[0][1]
+    window = mixer.calls[0].kept(CONV_MEMORY) if CONV_MEMORY in mixer.MEMORIES else None
     return _layout(type(mixer), state.shape[2], tuple(state.shape[3:]), None if window is None else window.shape[2])
 
 
@@ -555,7 +555,7 @@ def _recorded_layout(mixer: RecurrentMixer, clean: "_Recorded") -> "_Heads":
     if runner.convs:
         channels = runner.convs[0].inputs.shape[1]
     elif CONV_MEMORY in mixer.MEMORIES:
-        channels = clean.watch.mixer(mixer.layer).calls[0]._all(CONV_MEMORY).shape[2]
+        channels = clean.watch.mixer(mixer.layer).calls[0].kept(CONV_MEMORY).shape[2]
     else:
         channels = None
     return _layout(type(mixer), heads, head_state, channels)

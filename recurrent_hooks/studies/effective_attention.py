@@ -45,11 +45,11 @@ import torch
 from torch import Tensor
 
 from ..engine.arguments import as_index
-from ..engine.calls import Call
+from ..engine.calls import Call, recorded
 from ..engine.effective import EffectiveAttention
 from ..engine.errors import InvalidValue, Unavailable
 from ..engine.kernels import STATE_MEMORY
-from ..engine.mixer import RecurrentMixer
+from ..engine.mixer import RecurrentMixer, record_of
 
 # -- the history ------------------------------------------------------------------------------------------
 
@@ -60,7 +60,8 @@ def _state_in(mixer: RecurrentMixer, record: Call) -> list[Tensor | None]:
 
 def _continues(mixer: RecurrentMixer, before: Call, record: Call) -> bool:
     """Whether `record` started from exactly the state `before` ended with (same rows, no write since)."""
-    if record.reorder is not None or before._replaced.get(STATE_MEMORY) or len(before.kernel_calls) != len(record.kernel_calls):
+    if record.reorder is not None or before.replaced(STATE_MEMORY) \
+            or len(before.kernel_calls) != len(record.kernel_calls):
         return False
     for start, part in zip(_state_in(mixer, record), before.kernel_calls):
         final = (part.output or {}).get("final_state")
@@ -72,25 +73,25 @@ def _continues(mixer: RecurrentMixer, before: Call, record: Call) -> bool:
 
 def _history(mixer: RecurrentMixer, call: int | None) -> range:
     """The calls whose tokens the source axis covers: back from `call` while each continues the one before."""
-    record = mixer._call(call, "effective_attention")
+    record = record_of(mixer, call, "effective_attention")
     where = f"{mixer}.effective_attention, call {record.index}"
     if not record.kernel_calls:
         raise Unavailable(f"{where}: the call made no recurrence kernel call")
-    if record._replaced.get(STATE_MEMORY):
+    if record.replaced(STATE_MEMORY):
         raise Unavailable(
-            f"{where}: a hook or write replaced the state at token(s) {sorted(record._replaced[STATE_MEMORY])};"
+            f"{where}: a hook or write replaced the state at token(s) {sorted(record.replaced(STATE_MEMORY))};"
             " the call's output is then not a linear map of its values (run it again without replacing hooks)")
     first = record.index
     while first > 0:
         before = mixer.calls[first - 1]
         for part in (*before.kernel_calls, *mixer.calls[first].kernel_calls):
-            record._recorded(part.inputs, "inputs"), record._recorded(part.output, "outputs")
+            recorded(record, part.inputs, "inputs"), recorded(record, part.output, "outputs")
         if not _continues(mixer, before, mixer.calls[first]):
             break
         first -= 1
     for index in range(first, record.index + 1):
         for part in mixer.calls[index].kernel_calls:
-            record._recorded(part.inputs, "inputs"), record._recorded(part.output, "outputs")
+            recorded(record, part.inputs, "inputs"), recorded(record, part.output, "outputs")
     return range(first, record.index + 1)
 
 

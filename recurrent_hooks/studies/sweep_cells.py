@@ -29,7 +29,7 @@ from ..engine.errors import InvalidValue
 from ..engine.kernels import CONV_MEMORY, STATE_MEMORY
 from ..engine.parts import map_parts
 from ..engine.strategies import Paths
-from ..engine.watch import watch
+from ..engine.watch import one_mixer_per_layer, watch
 from .metrics import per_row
 
 _WHERE = "patching_sweep"
@@ -94,7 +94,7 @@ def probe(model: nn.Module, clean_ids: Tensor, choose: Callable[[list[int]], tup
     every=the model's mixers)`."""
     kept: dict[tuple[str, int, int, int | None], Tensor] = {}
     with watch(model, paths=paths) as w, torch.no_grad():
-        w._one_mixer_per_layer(_WHERE)  # cells are (layer, position): a layer must be one mixer
+        one_mixer_per_layer(w.mixers, _WHERE)  # cells are (layer, position): a layer must be one mixer
         plan.layers, every = choose([mixer.layer for mixer in w.mixers]), list(w.mixers)
         mixers = {layer: w.mixer(layer) for layer in plan.layers}
         # heads are counted on the state, also where only windows are patched
