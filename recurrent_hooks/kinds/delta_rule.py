@@ -10,11 +10,13 @@ Module contents:
 - `gated_delta_rule_states`: every token's state chunk-wise (into `out`, or a chunk at a time to `on_chunk`; exact
   linear readouts from `factors`), `ROW_STEPS_FROM` choosing how a chunk's states are formed.
 - `gated_delta_rule_adjoint`: the adjoint recurrence, right to left (`Segments.adjoint`).
+- `kernels`: a delta-rule kind's four kernels with transformers' signatures, written once (`KernelSet`).
 - `cost_shape`: a prompt call's shape for the cost model.
 """
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from einops import repeat
@@ -239,6 +241,73 @@ def gated_delta_rule_adjoint(
         read = k[:, t, :, None, :] @ mu  # b h 1 v   k_t^T mu
         mu.addcmul_(written[:, t], read, value=-1).mul_(a[:, t, :, :, None])  # b h k v   D_t (I - b_t k_t k_t^T) mu
     return mu
+
+
+class KernelSet(NamedTuple):
+    """A delta-rule kind's four kernels with transformers' signatures (`kernels`)."""
+
+    prompt: Callable[..., Any]  # the prompt kernel token by token (`Kernel.loop`)
+    states: Callable[..., Any]  # its chunk-wise all-states version (`Segments.all_states`)
+    adjoint: Callable[..., Any]  # its adjoint recurrence (`Segments.adjoint`)
+    decode: Callable[..., Any]  # the decode kernel, plus `on_token`
+
+
+def kernels(prompt_name: str, decode_name: str, module: str, kimi: bool = False) -> KernelSet:
+    """A delta-rule kind's kernels, their signatures written once: the prompt kernel's is transformers' chunked
+    kernel's (`prompt_name`; `chunk_size` accepted and ignored), the decode kernel's its recurrent kernel's
+    (`decode_name`), each with keyword-only extras (`on_token(t, state)`, called after each token's state update and
+    returning the state token t+1 continues from; the all-states version's `out`, `on_chunk` and `factors`; the
+    adjoint's `grad_output`, `grad_final` and `visit`). Unknown keyword arguments are ignored. The decay g is per
+    head (`[batch, seq, heads]`: gated DeltaNet) or, with `kimi`, per key channel (`[batch, seq, heads, key_dim]`).
+    The functions are named as the kind's module exports them (`module`)."""
+
+    def decay(g: Tensor) -> Tensor:
+        return g if kimi else g[..., None]
+
+    def prompt(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, chunk_size: int = 64,
+               initial_state: Tensor | None = None, output_final_state: bool = False,
+               use_qk_l2norm_in_kernel: bool = False, *, on_token: OnToken | None = None,
+               **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        return gated_delta_rule(query, key, value, decay(g), beta, initial_state, output_final_state,
+                                use_qk_l2norm_in_kernel, on_token, kwargs, kimi=kimi)
+
+    def states(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, chunk_size: int = 64,
+               initial_state: Tensor | None = None, output_final_state: bool = False,
+               use_qk_l2norm_in_kernel: bool = False, *, out: Tensor | None = None, on_chunk: OnChunk | None = None,
+               factors: tuple[Tensor, Tensor] | None = None,
+               **kwargs: Any) -> tuple[tuple[Tensor, Tensor | None], Tensor | None]:
+        return gated_delta_rule_states(query, key, value, decay(g), beta, initial_state, output_final_state,
+                                       use_qk_l2norm_in_kernel, kwargs, kimi=kimi, out=out, on_chunk=on_chunk,
+                                       factors=factors)
+
+    def adjoint(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, chunk_size: int = 64,
+                initial_state: Tensor | None = None, output_final_state: bool = False,
+                use_qk_l2norm_in_kernel: bool = False, *, grad_output: Tensor | None, grad_final: Tensor | None,
+                visit: Visit, **kwargs: Any) -> Tensor:
+        return gated_delta_rule_adjoint(query, key, value, decay(g), beta, initial_state, use_qk_l2norm_in_kernel,
+                                        grad_output, grad_final, visit, kwargs, kimi=kimi)
+
+    def decode(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor,
+               initial_state: Tensor | None = None, output_final_state: bool = False,
+               use_qk_l2norm_in_kernel: bool = False, *, on_token: OnToken | None = None,
+               **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        return gated_delta_rule(query, key, value, decay(g), beta, initial_state, output_final_state,
+                                use_qk_l2norm_in_kernel, on_token, kwargs, kimi=kimi)
+
+    docs = {prompt: "The prompt kernel, token by token: same arguments and results as transformers' chunked kernel,"
+                    " plus `on_token` (`delta_rule.kernels`).",
+            states: f"`{prompt_name}`'s results and every token's state, token first `[seq, batch, heads, key_dim,"
+                    " value_dim]`, chunk-wise: into `out`, or a chunk of 16 tokens at a time to `on_chunk` (then"
+                    " None: `Segments.on_chunk`).",
+            adjoint: f"`{prompt_name}`'s adjoint recurrence (`gated_delta_rule_adjoint`), with its arguments.",
+            decode: "The decode kernel: same arguments and results as transformers' recurrent kernel, plus"
+                    " `on_token`."}
+    names = {prompt: prompt_name, states: f"{prompt_name}_states", adjoint: f"{prompt_name}_adjoint",
+             decode: decode_name}
+    for fn, name in names.items():
+        fn.__name__ = fn.__qualname__ = name
+        fn.__module__, fn.__doc__ = module, docs[fn]
+    return KernelSet(prompt, states, adjoint, decode)
 
 
 def cost_shape(arguments: dict[str, Any]) -> Shape:

@@ -30,105 +30,20 @@ Module contents:
 The maths (the token loop, the chunk-wise states, the adjoint), shared with Kimi delta attention, are `delta_rule`'s.
 """
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
 from .conv import CONV_KERNELS
-from .delta_rule import (cost_shape, gated_delta_rule, gated_delta_rule_adjoint, gated_delta_rule_states,
-                         prepare)
+from .delta_rule import cost_shape, kernels, prepare
 from ..engine.effective import EffectiveAttention, cat, decayed
 from ..engine.calls import KernelCall
 from ..engine.kernels import Kernel, Role, Segments
 from ..engine.errors import Unavailable
-from ..engine.loops import OnChunk, OnToken, Visit
 from ..engine.mixer import RecurrentMixer
 
-def chunk_gated_delta_rule(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    chunk_size: int = 64,
-    initial_state: Tensor | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    *,
-    on_token: OnToken | None = None,
-    **kwargs: Any,
-) -> tuple[Tensor, Tensor | None]:
-    """The prompt kernel, token by token: same arguments and results as `torch_chunk_gated_delta_rule`.
-
-    `chunk_size` is accepted and ignored; `on_token(t, state)` is called after each token's state update
-    and returns the state token t+1 continues from. Other unknown keyword arguments are ignored.
-    """
-    return gated_delta_rule(query, key, value, g[..., None], beta, initial_state, output_final_state,
-                            use_qk_l2norm_in_kernel, on_token, kwargs)
-
-
-def chunk_gated_delta_rule_states(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    chunk_size: int = 64,
-    initial_state: Tensor | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    *,
-    out: Tensor | None = None,
-    on_chunk: OnChunk | None = None,
-    factors: tuple[Tensor, Tensor] | None = None,
-    **kwargs: Any,
-) -> tuple[tuple[Tensor, Tensor | None], Tensor | None]:
-    """`chunk_gated_delta_rule`'s results and every token's state, token first: `[seq, batch, heads, key_dim,
-    value_dim]`, computed chunk-wise (no per-token Python loop), into `out` when given, or handed to `on_chunk` a
-    chunk of 16 tokens at a time (then None: `Segments.on_chunk`); `chunk_size` is accepted and ignored."""
-    return gated_delta_rule_states(query, key, value, g[..., None], beta, initial_state, output_final_state,
-                                   use_qk_l2norm_in_kernel, kwargs, out=out, on_chunk=on_chunk,
-                                   factors=factors)
-
-
-def chunk_gated_delta_rule_adjoint(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    chunk_size: int = 64,
-    initial_state: Tensor | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    *,
-    grad_output: Tensor | None,
-    grad_final: Tensor | None,
-    visit: Visit,
-    **kwargs: Any,
-) -> Tensor:
-    """The prompt kernel's adjoint recurrence (`gated_delta_rule_adjoint`), with the kernel's arguments."""
-    return gated_delta_rule_adjoint(query, key, value, g[..., None], beta, initial_state, use_qk_l2norm_in_kernel,
-                                    grad_output, grad_final, visit, kwargs)
-
-
-def recurrent_gated_delta_rule(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    initial_state: Tensor | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    *,
-    on_token: OnToken | None = None,
-    **kwargs: Any,
-) -> tuple[Tensor, Tensor | None]:
-    """The decode kernel: same arguments and results as `torch_recurrent_gated_delta_rule`, plus `on_token`."""
-    return gated_delta_rule(query, key, value, g[..., None], beta, initial_state, output_final_state,
-                            use_qk_l2norm_in_kernel, on_token, kwargs)
+# the token loops and the chunk-wise kernels, with transformers' signatures (written once: `delta_rule.kernels`)
+(chunk_gated_delta_rule, chunk_gated_delta_rule_states, chunk_gated_delta_rule_adjoint,
+ recurrent_gated_delta_rule) = kernels("chunk_gated_delta_rule", "recurrent_gated_delta_rule", __name__)
 
 
 class GatedDeltaNet(RecurrentMixer):

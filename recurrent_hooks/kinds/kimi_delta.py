@@ -36,99 +36,16 @@ Module contents:
 import dataclasses
 from typing import Any
 
-from torch import Tensor
-
 from .conv import CONV_KERNELS
 from ..engine.kernels import Role
-from .delta_rule import cost_shape, gated_delta_rule, gated_delta_rule_adjoint, gated_delta_rule_states
+from .delta_rule import cost_shape, kernels
 from .gated_delta_net import GatedDeltaNet
-from ..engine.loops import OnChunk, OnToken, Visit
 from ..engine.strategies import Shape
 
-
-def chunk_kimi_delta_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    chunk_size: int = 64,
-    initial_state: Tensor | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    *,
-    on_token: OnToken | None = None,
-    **kwargs: Any,
-) -> tuple[Tensor, Tensor | None]:
-    """The prompt kernel, token by token: same arguments and results as transformers' `chunk_kimi_delta_attention`.
-
-    `chunk_size` is accepted and ignored; `on_token(t, state)` is called after each token's state update
-    and returns the state token t+1 continues from. Other unknown keyword arguments are ignored.
-    """
-    return gated_delta_rule(query, key, value, g, beta, initial_state, output_final_state,
-                            use_qk_l2norm_in_kernel, on_token, kwargs, kimi=True)
-
-
-def chunk_kimi_delta_attention_states(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    chunk_size: int = 64,
-    initial_state: Tensor | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    *,
-    out: Tensor | None = None,
-    on_chunk: OnChunk | None = None,
-    factors: tuple[Tensor, Tensor] | None = None,
-    **kwargs: Any,
-) -> tuple[tuple[Tensor, Tensor | None], Tensor | None]:
-    """`chunk_kimi_delta_attention`'s results and every token's state, computed chunk-wise (into `out`, or handed to
-    `on_chunk` a chunk at a time: `Segments.on_chunk`)."""
-    return gated_delta_rule_states(query, key, value, g, beta, initial_state, output_final_state,
-                                   use_qk_l2norm_in_kernel, kwargs, kimi=True, out=out, on_chunk=on_chunk,
-                                   factors=factors)
-
-
-def chunk_kimi_delta_attention_adjoint(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    chunk_size: int = 64,
-    initial_state: Tensor | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    *,
-    grad_output: Tensor | None,
-    grad_final: Tensor | None,
-    visit: Visit,
-    **kwargs: Any,
-) -> Tensor:
-    """The prompt kernel's adjoint recurrence (`Segments.adjoint`), the decay per key channel."""
-    return gated_delta_rule_adjoint(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel,
-                                    grad_output, grad_final, visit, kwargs, kimi=True)
-
-
-def recurrent_kimi_delta_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    initial_state: Tensor | None,
-    output_final_state: bool,
-    use_qk_l2norm_in_kernel: bool = False,
-    *,
-    on_token: OnToken | None = None,
-    **kwargs: Any,
-) -> tuple[Tensor, Tensor | None]:
-    """The decode kernel: same arguments and results as transformers' `recurrent_kimi_delta_attention`, plus `on_token`."""
-    return gated_delta_rule(query, key, value, g, beta, initial_state, output_final_state,
-                            use_qk_l2norm_in_kernel, on_token, kwargs, kimi=True)
+# the token loops and the chunk-wise kernels, with transformers' signatures (written once: `delta_rule.kernels`)
+(chunk_kimi_delta_attention, chunk_kimi_delta_attention_states, chunk_kimi_delta_attention_adjoint,
+ recurrent_kimi_delta_attention) = kernels("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", __name__,
+                                           kimi=True)
 
 
 def _cost_shape(arguments: dict[str, Any]) -> Shape:
