@@ -8,6 +8,7 @@ declaration may end with a comment after two spaces; a tuple of tensors is decla
 The kernel rows themselves are checked too: roles, sites and the arguments they name.
 """
 
+import importlib
 import inspect
 
 import pytest
@@ -18,6 +19,7 @@ from recurrent_hooks.engine.kernels import CONV_MEMORY, FORWARD, STATE_MEMORY, R
 from recurrent_hooks.engine.parts import map_parts, parts_of
 from _models import FAMILIES as BUILDERS
 from _models import PAD, build, random_ids
+from _upstream import transformers_kernel
 
 T = 7
 KINDS = sorted({kind for row in rh.FAMILIES.values() for kind in row.mixers.values()}, key=lambda kind: kind.__name__)
@@ -151,3 +153,27 @@ def test_a_kernel_row_is_checked_when_declared():
         rh.Kernel(name="k", role="sideways", loop=lambda: None, state_in=None, results=())
     with pytest.raises(KeyError, match="declares no decode kernel for its nothing"):
         rh.GatedDeltaNet.kernel_for("decode", "nothing")
+
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _positional(fn) -> list[str]:
+    return [p.name for p in inspect.signature(fn).parameters.values() if p.kind in _POSITIONAL]
+
+
+def test_every_module_kernels_loop_takes_transformers_arguments_in_their_order():
+    """A loop is called as the modeling code calls transformers' kernel, and the engine binds the call's arguments
+    by the loop's signature: its positional parameters begin with those of the pure-torch kernel it stands in for
+    (read from transformers, every module-level kernel of every family: the one declaration the loops are checked
+    against)."""
+    checked, wrong = 0, []
+    for family, row in rh.FAMILIES.items():
+        module = importlib.import_module(row.module_name)
+        for kernel in {k.name: k for mixer in row.classes for k in mixer.kind.KERNELS
+                       if k.site is Site.MODULE and hasattr(module, k.name)}.values():
+            upstream, ours = _positional(transformers_kernel(family, kernel.name)), _positional(kernel.loop)
+            checked += 1
+            if ours[:len(upstream)] != upstream:
+                wrong.append(f"{family}: {kernel.name}: transformers {upstream}, the loop {ours}")
+    assert checked > 50 and not wrong, wrong or f"only {checked} kernels checked"
