@@ -294,7 +294,7 @@ def _taken(model: Any, ids: torch.Tensor, keep: Any, policy: paths.Paths) -> set
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         choice = real(*args, **kwargs)
-        seen.add("token loop" if choice is None else choice.path.value if choice.path is not paths.Strategy.SEGMENTS
+        seen.add("token loop" if choice is None else choice.path.label if choice.path is not paths.Strategy.SEGMENTS
                  else "segments" if choice.tails else "segments, whole")
         return choice
 

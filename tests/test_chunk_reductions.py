@@ -34,7 +34,7 @@ from _compare import assert_close
 from _models import build, random_ids
 
 T, BATCH = 37, 2
-CHUNKS = Strategy.CHUNKS.value  # "chunk-wise reductions"
+CHUNKS = Strategy.CHUNKS.label  # "chunk-wise reductions"
 # case -> (module, constant, value) set for it (None: as shipped). The test models' states are small: the delta rules
 # and Mamba-2 form a chunk's states by one product; "row-steps" forms them token by token, as at real dims
 # (`ROW_STEPS_FROM`). Mamba-1's `CHUNKWISE_UP_TO` at 0 makes its all-states kernel run its token loop, which gathers

@@ -166,7 +166,7 @@ def test_each_path_holds_at_most_what_the_model_says(layer, case):
     force = rh.Paths(rule="loop") if path is Strategy.LOOP else rh.Paths(force=path, blocks_below=1 << 40)
     plain, _ = _peak(model, ids, grad)
     peak, taken = _peak(model, ids, grad, paths=force, **asked(tokens))
-    assert taken == path.value, f"{name}, {case}: the forced path was not taken: {taken!r}"
+    assert taken == path.label, f"{name}, {case}: the forced path was not taken: {taken!r}"
     modelled = _held(model, ids, grad, list(stops(tokens)), kept=kept(tokens), reducing=reducing)[path]
     measured = peak - plain - kept(tokens) * state
     where = (f"{name}, {case}: measured {measured / 2**20:.1f} MiB ({measured / state:.1f} states) beyond the"
@@ -262,6 +262,6 @@ def test_a_watched_forward_takes_the_path_within_its_budget():
             path = w.mixers[0].calls[0].kernel_calls[0].path
         logits.square().mean().backward()
         results[name] = (path, logits.detach(), torch.stack(seen), model.model.embed_tokens.weight.grad.clone())
-    assert (results["no limit"][0], results["0 bytes"][0]) == (Strategy.SEGMENTS.value, Strategy.LOOP.value)
+    assert (results["no limit"][0], results["0 bytes"][0]) == (Strategy.SEGMENTS.label, Strategy.LOOP.label)
     for what, expected, got in zip(("logits", "hook inputs", "gradient"), results["no limit"][1:], results["0 bytes"][1:]):
         assert_close(what, expected, got, rtol=1e-5, atol=1e-6)

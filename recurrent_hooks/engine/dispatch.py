@@ -219,7 +219,7 @@ class _Tap:
             self._sync_conv_cache(type(entry.mixers[0]), entry.forward, takers[0].last[0])
         for taker in takers:
             taker.finish()
-        return result, strategy.value
+        return result, strategy.label
 
     @staticmethod
     def _sync_conv_cache(kind: type[RecurrentMixer], forward: Forward, window: Tensor) -> None:

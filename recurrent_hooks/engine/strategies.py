@@ -84,13 +84,24 @@ from .tracing import compiling
 
 
 class Strategy(enum.Enum):
-    """How a busy kernel call runs (its value is the `KernelCall.path` the call records); `Paths` picks one."""
+    """How a busy kernel call runs; `Paths` picks one. Its value is the word `Paths(force=...)` takes (the token
+    loop's, "loop", is `Paths(rule="loop")`), its `label` the `KernelCall.path` a call records."""
 
     SEGMENTS = "segments"
-    STATES = "chunk-wise states"
+    STATES = "states"
     BLOCKS = "blocks"
-    CHUNKS = "chunk-wise reductions"
-    LOOP = "token loop"
+    CHUNKS = "chunks"
+    LOOP = "loop"
+
+    @property
+    def label(self) -> str:
+        """The path as a call records it (`KernelCall.path`): "segments", "chunk-wise states", "blocks",
+        "chunk-wise reductions" or "token loop"."""
+        return LABELS[self.value]
+
+
+LABELS = {"segments": "segments", "states": "chunk-wise states", "blocks": "blocks", "chunks": "chunk-wise reductions",
+          "loop": "token loop"}  # a strategy's value -> its label
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,8 +175,7 @@ def costs_for(device: torch.device | str, dtype: torch.dtype) -> dict[str, Const
     return _COSTS.get(calibration_key(device, dtype))
 
 
-_FORCED = {"segments": Strategy.SEGMENTS, "states": Strategy.STATES, "blocks": Strategy.BLOCKS,
-           "chunks": Strategy.CHUNKS}
+_FORCED = tuple(strategy.value for strategy in Strategy if strategy is not Strategy.LOOP)  # `Paths(force=...)`
 RULES = ("cost", "fixed", "loop")
 
 
@@ -220,7 +230,7 @@ class Paths:
             raise InvalidValue(f"Paths: expected rule= one of {', '.join(map(repr, RULES))}, got rule={self.rule!r}")
         force = self.force
         if isinstance(force, str) and force in _FORCED:
-            object.__setattr__(self, "force", _FORCED[force])
+            object.__setattr__(self, "force", Strategy(force))
         elif force is not None and not (isinstance(force, Strategy) and force is not Strategy.LOOP):
             raise InvalidValue(f"Paths: expected force= None or one of {', '.join(map(repr, _FORCED))} (the token"
                                f" loop is rule='loop'), got force={force!r}")
