@@ -4,14 +4,15 @@
 ``|got - expected| <= atol + rtol * |expected|`` and requires non-finite values
 (NaN, +inf, -inf) to match exactly in position and kind. ``assert_equal``
 requires bitwise equality (use it for token ids). Both raise AssertionError with
-a diagnostic message and never print.
+a diagnostic message and never print. ``assert_close_per_call`` runs ``assert_close``
+on each call of two sequences (as the per-call logits of two generates).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["assert_close", "assert_equal"]
+__all__ = ["assert_close", "assert_close_per_call", "assert_equal"]
 
 
 def _index(flat_index: int, shape: torch.Size) -> tuple[int, ...]:
@@ -21,6 +22,28 @@ def _index(flat_index: int, shape: torch.Size) -> tuple[int, ...]:
         index.append(flat_index % size)
         flat_index //= size
     return tuple(reversed(index))
+
+
+def _first(mask: torch.Tensor) -> tuple[int, ...]:
+    """The multi-index of the first True element of ``mask``."""
+    return _index(int(mask.flatten().nonzero()[0]), mask.shape)
+
+
+def _largest_difference(
+    expected: torch.Tensor, got: torch.Tensor, diff: torch.Tensor, finite_expected: torch.Tensor
+) -> tuple[str, float, float]:
+    """Describe the largest ``diff`` (``|got - expected|``, 0 where not finite): where it is and both values there;
+    with the relative RMS error ``||got-expected||/||expected||`` and ``||expected||`` (its finite elements)."""
+    flat = int(diff.flatten().argmax())
+    where = _index(flat, expected.shape)
+    ref_norm = float(torch.linalg.vector_norm(finite_expected))
+    err_norm = float(torch.linalg.vector_norm(diff))
+    rel_rms = err_norm / ref_norm if ref_norm > 0 else float("inf")
+    largest = (
+        f"max abs diff {diff.flatten()[flat].item():.6g} at index {where}: "
+        f"expected {expected[where].item()!r}, got {got[where].item()!r}"
+    )
+    return largest, rel_rms, ref_norm
 
 
 def _check_shapes(name: str, expected: torch.Tensor, got: torch.Tensor) -> None:
@@ -65,7 +88,7 @@ def assert_close(
     nonfinite_mismatch = (e_nan != g_nan) | (e_inf != g_inf) | (e_inf & g_inf & (e != g))
     if bool(nonfinite_mismatch.any()):
         count = int(nonfinite_mismatch.sum())
-        first = _index(int(nonfinite_mismatch.flatten().nonzero()[0]), e.shape)
+        first = _first(nonfinite_mismatch)
         raise AssertionError(
             f"{name}: non-finite mismatch at {count}/{e.numel()} elements; first at index {first}: "
             f"expected {e[first].item()!r}, got {g[first].item()!r} "
@@ -83,20 +106,20 @@ def assert_close(
     if not bool(bad.any()):
         return
 
-    flat = int(diff.flatten().argmax())
-    where = _index(flat, e.shape)
-    ref_norm = float(torch.linalg.vector_norm(e_f))
-    err_norm = float(torch.linalg.vector_norm(g_f - e_f))
-    rel_rms = err_norm / ref_norm if ref_norm > 0 else float("inf")
-    first_bad = _index(int(bad.flatten().nonzero()[0]), e.shape)
+    largest, rel_rms, ref_norm = _largest_difference(e, g, diff, e_f)
     raise AssertionError(
         f"{name}: {int(bad.sum())}/{e.numel()} elements exceed |got-expected| <= atol + rtol*|expected| "
-        f"(rtol={rtol:g}, atol={atol:g}; {dtypes}, shape {tuple(e.shape)})\n"
-        f"  max abs diff {diff.flatten()[flat].item():.6g} at index {where}: "
-        f"expected {e[where].item()!r}, got {g[where].item()!r}\n"
+        f"(rtol={rtol:g}, atol={atol:g}; {dtypes}, shape {tuple(e.shape)})\n  {largest}\n"
         f"  relative RMS error ||got-expected||/||expected|| = {rel_rms:.6g} "
-        f"(||expected|| = {ref_norm:.6g}); first violation at index {first_bad}"
+        f"(||expected|| = {ref_norm:.6g}); first violation at index {_first(bad)}"
     )
+
+
+def assert_close_per_call(name: str, expected, got, *, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """``assert_close`` on each pair of ``zip(expected, got)`` (the per-call logits of two generates, say), the i-th
+    named ``f"{name} of call {i}"``; ``zip`` stops at the shorter."""
+    for i, (e, g) in enumerate(zip(expected, got)):
+        assert_close(f"{name} of call {i}", e, g, rtol=rtol, atol=atol)
 
 
 def assert_equal(name: str, expected: torch.Tensor, got: torch.Tensor) -> None:
@@ -129,7 +152,7 @@ def assert_equal(name: str, expected: torch.Tensor, got: torch.Tensor) -> None:
     if not bool(differs.any()):
         return
 
-    where = _index(int(differs.flatten().nonzero()[0]), e.shape)
+    where = _first(differs)
     message = (
         f"{name}: {int(differs.sum())}/{e.numel()} elements differ (bitwise; dtype {e.dtype}, "
         f"shape {tuple(e.shape)})\n"
@@ -140,14 +163,6 @@ def assert_equal(name: str, expected: torch.Tensor, got: torch.Tensor) -> None:
         e64, g64 = e.to(wide), g.to(wide)
         finite = torch.isfinite(e64) & torch.isfinite(g64)
         diff = torch.where(finite, (g64 - e64).abs(), torch.zeros((), dtype=torch.float64))
-        flat = int(diff.flatten().argmax())
-        big = _index(flat, e.shape)
-        ref_norm = float(torch.linalg.vector_norm(torch.where(finite, e64, torch.zeros((), dtype=wide))))
-        err_norm = float(torch.linalg.vector_norm(diff))
-        rel_rms = err_norm / ref_norm if ref_norm > 0 else float("inf")
-        message += (
-            f"\n  max abs diff {diff.flatten()[flat].item():.6g} at index {big}: "
-            f"expected {e[big].item()!r}, got {g[big].item()!r}; "
-            f"relative RMS error {rel_rms:.6g}"
-        )
+        largest, rel_rms, _ = _largest_difference(e, g, diff, torch.where(finite, e64, torch.zeros((), dtype=wide)))
+        message += f"\n  {largest}; relative RMS error {rel_rms:.6g}"
     raise AssertionError(message)

@@ -1,11 +1,15 @@
-"""Running a test model without gradients: its logits, its greedy generate, and the left-padding check's runs."""
+"""Running a test model without gradients: its logits, its greedy generate (also under a watch), the left-padding
+check's runs, the sparse-path check's generate, a forward under a halving hook, and the calls a model's modules
+receive."""
 
+import copy
 import dataclasses
 from typing import Any
 
 import torch
 
-from _models import PAD
+import recurrent_hooks as rh
+from _models import PAD, random_ids
 
 
 def logits_of(model, ids, **kwargs):
@@ -33,12 +37,21 @@ class LeftPadded:
     alone: Any
     single: torch.Tensor  # the short row's logits
 
+    def generates(self, model, keep, n: int = 4):
+        """`n` greedy tokens after the batch (with its mask): unwatched, in a watch keeping `keep`, and in a watch
+        with a no-op hook on every mixer."""
+        plain = greedy(model, self.ids, n, attention_mask=self.mask)
+        with rh.watch(model, keep=keep):
+            kept = greedy(model, self.ids, n, attention_mask=self.mask)
+        with rh.watch(model) as w:
+            for mixer in w.mixers:
+                mixer.register_state_hook(lambda m, c, t, s: None)
+            hooked = greedy(model, self.ids, n, attention_mask=self.mask)
+        return plain, kept, hooked
+
 
 def left_padded(model, keep, tokens: int, pads: int = 4) -> LeftPadded:
     """The left-padding check's two runs (the short row and the full row: `random_ids` seeds 3 and 4)."""
-    import recurrent_hooks as rh
-    from _models import random_ids
-
     short = random_ids(1, tokens - pads, seed=3)
     full = random_ids(1, tokens, seed=4)
     ids = torch.cat([torch.cat([torch.full((1, pads), PAD), short], dim=1), full])
@@ -49,3 +62,86 @@ def left_padded(model, keep, tokens: int, pads: int = 4) -> LeftPadded:
     with rh.watch(model, keep=keep) as alone:
         single = logits_of(model, short)
     return LeftPadded(ids, mask, pads, batch, padded, alone, single)
+
+
+def sparse_generate(model, ids, keep, paths, state, window=None):
+    """The sparse-path check's generate (4 tokens, with their logits) in a watch keeping `keep` through `paths`: it
+    writes `state` (and `window`) to the first mixer after token 7 of the prompt and `state` at decode call 2, and a
+    hook on the last mixer at prompt tokens 3 and -2 records the state's norm and scales it by 0.9. Returns the watch,
+    the generate's output and the norms."""
+    seen = []
+    with rh.watch(model, keep=keep, paths=paths) as w, torch.no_grad():
+        w.mixers[0].set_state_after(7, state)
+        if window is not None:
+            w.mixers[0].set_window_after(7, window)
+        w.mixers[-1].register_state_hook(lambda m, c, t, s: seen.append(float(s.norm())) or s * 0.9, token=[3, -2])
+        w.mixers[0].set_state_after(0, state, call=2)
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=PAD, output_logits=True,
+                             return_dict_in_generate=True)
+    return w, out, seen
+
+
+def watched_logits(model, ids, keep):
+    """The logits of `ids` unwatched, in an idle watch and in a watch keeping `keep`; and that last watch."""
+    plain = logits_of(model, ids)
+    with rh.watch(model):
+        idle = logits_of(model, ids)
+    with rh.watch(model, keep=keep) as w:
+        kept = logits_of(model, ids)
+    return plain, idle, kept, w
+
+
+def watched_greedy(model, keep, tokens: int, n: int):
+    """The watch (keeping `keep`) of `n` greedily generated tokens after `random_ids(2, tokens)`."""
+    with rh.watch(model, keep=keep) as w:
+        greedy(model, random_ids(2, tokens), n)
+    return w
+
+
+def greedy_under_replacing_hooks(model, ids, n, mixers_of, **kwargs):
+    """`greedy` in a watch whose hook replaces every state of the mixers `mixers_of(watch)` by a copy of it."""
+    with rh.watch(model) as w:
+        for mixer in mixers_of(w):
+            mixer.register_state_hook(lambda m, c, t, s: s.clone())
+        return greedy(model, ids, n, **kwargs)
+
+
+def halved(model, ids):
+    """The logits of one forward over `ids` whose first mixer's states a hook halves, and its watch (keeping the
+    states)."""
+    with rh.watch(model, keep=("states",)) as w, torch.no_grad():
+        w.mixers[0].register_state_hook(lambda m, c, t, s: s * 0.5)
+        return model(ids).logits, w
+
+
+def halved_around(a, b, ids, projection):
+    """`halved(a, ids)` while a torch hook on `projection` (a module inside A's mixer) runs model B over `ids`: A's
+    watch and the logits of B's runs."""
+    inner = []
+    handle = projection.register_forward_hook(lambda mod, args, out: inner.append(b(ids).logits))
+    try:
+        _, w = halved(a, ids)
+    finally:
+        handle.remove()
+    return w, inner
+
+
+def calls_of(modules, run):
+    """Every call of `modules` during `run()`: (module, args, kwargs), copied as they came (tensors cloned, the
+    cache, by position or as `cache=`, deep-copied)."""
+    seen = []
+
+    def pre(m, args, kwargs):
+        args = tuple(a.clone() if isinstance(a, torch.Tensor) else copy.deepcopy(a) for a in args)
+        kwargs = dict(kwargs)
+        if kwargs.get("cache") is not None:
+            kwargs["cache"] = copy.deepcopy(kwargs["cache"])
+        seen.append((m, args, kwargs))
+
+    handles = [module.register_forward_pre_hook(pre, with_kwargs=True) for module in modules]
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen

@@ -1,6 +1,7 @@
 """A copy of a watched model is the plain model; what a watch kept is freed without the garbage collector and
 held once."""
 
+import contextlib
 import copy
 import gc
 import io
@@ -30,17 +31,20 @@ def _library_objects(model: torch.nn.Module) -> list[str]:
     return found
 
 
+@contextlib.contextmanager
 def _watched_with_write(model, ids):
-    """Enter a watch of `model` that keeps states, counts its hook's calls and writes ones after token 2 of every
-    call; return the watch, the hook's counter and the model's logits under the write."""
+    """Inside a watch of `model` that keeps states, counts its hook's calls and writes ones after token 2 of every
+    call: the watch, the hook's counter and the model's logits under the write (the watch is left on the way out)."""
     w = rh.watch(model, keep=("states",)).__enter__()
-    seen = []
-    mix = w.mixers[0]
-    mix.register_state_hook(lambda m, call, token, state: seen.append(call))
-    model(ids)
-    mix.set_state_after(2, map_parts(torch.ones_like, mix.state_after(2)), call=None)
-    written = model(ids).logits
-    return w, seen, written
+    try:
+        seen = []
+        mix = w.mixers[0]
+        mix.register_state_hook(lambda m, call, token, state: seen.append(call))
+        model(ids)
+        mix.set_state_after(2, map_parts(torch.ones_like, mix.state_after(2)), call=None)
+        yield w, seen, model(ids).logits
+    finally:
+        w.__exit__(None, None, None)
 
 
 @pytest.mark.parametrize("family", COPIED)
@@ -48,16 +52,13 @@ def test_deepcopy_inside_a_watch_is_the_plain_model(family):
     model, ids = build(family), random_ids(2, 6)
     with torch.no_grad():
         plain = model(ids).logits
-        w, seen, written = _watched_with_write(model, ids)
-        try:
+        with _watched_with_write(model, ids) as (w, seen, written):
             assert (written - plain).abs().max() > 1e-3, "the write should change the watched model's logits"
             twin = copy.deepcopy(model)
             assert _library_objects(twin) == []
             calls, hooked = len(w.mixers[0].calls), len(seen)
             assert_close("the copy inside the block", plain, twin(ids).logits)
             assert (len(w.mixers[0].calls), len(seen)) == (calls, hooked), "the copy ran the watch's hooks"
-        finally:
-            w.__exit__(None, None, None)
         assert_close("the model after the block", plain, model(ids).logits)
         assert_close("the copy after the block", plain, twin(ids).logits)
         assert _library_objects(twin) == []
@@ -105,14 +106,11 @@ def test_pickled_watched_model_is_the_plain_model(family):
     model, ids = build(family), random_ids(2, 6)
     with torch.no_grad():
         plain = model(ids).logits
-        w, seen, _ = _watched_with_write(model, ids)
-        try:
+        with _watched_with_write(model, ids) as (_, seen, _):
             loaded = _pickled(model)
             hooked = len(seen)
             assert_close("the unpickled model inside the block", plain, loaded(ids).logits)
             assert len(seen) == hooked, "the unpickled model ran the watch's hooks"
-        finally:
-            w.__exit__(None, None, None)
         assert _library_objects(loaded) == []  # its inert hooks went at its first forward
         assert_close("the unpickled model after the block", plain, loaded(ids).logits)
 

@@ -16,7 +16,7 @@ import recurrent_hooks as rh
 from _compare import assert_close, assert_equal
 from _contract import family_fixtures
 from _models import PAD, build, random_ids
-from _runs import greedy, logits_of
+from _runs import calls_of, greedy, greedy_under_replacing_hooks, logits_of, watched_greedy, watched_logits
 from recurrent_hooks.kinds.dynamic_conv import dynamic_conv_forward
 from recurrent_hooks.engine.patching import import_default
 
@@ -81,8 +81,7 @@ def _equation(module, x, u, window=None, written=None):
 
 def test_windows_and_outputs_equal_the_float64_equation_at_prompt_and_decode_steps(model):
     """Prompt and 3 decode steps of generate: every kept window is the last K inputs, every output the equation's."""
-    with rh.watch(model, keep=KEEP) as w:
-        greedy(model, random_ids(2, T), 4)
+    w = watched_greedy(model, KEEP, T, 4)
     mixers = dynamic(w)
     assert mixers
     for mixer in mixers:
@@ -104,26 +103,6 @@ def test_windows_and_outputs_equal_the_float64_equation_at_prompt_and_decode_ste
 # -- the forward against transformers' ------------------------------------------------------------------------------
 
 
-def _calls_of(model, family, run):
-    """Every call of the dynamic modules during `run()`: (module, args, kwargs with a deep copy of the cache)."""
-    seen, handles = [], []
-
-    def pre(m, args, kwargs):
-        kwargs = dict(kwargs)
-        if kwargs.get("cache") is not None:
-            kwargs["cache"] = copy.deepcopy(kwargs["cache"])
-        seen.append((m, tuple(a.clone() for a in args), kwargs))
-
-    for module in _modules(model, family):
-        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-    try:
-        run()
-    finally:
-        for handle in handles:
-            handle.remove()
-    return seen
-
-
 def test_the_forward_equals_transformers_bit_for_bit(model, family):
     """On the recorded calls of a prompt, decode steps and a multi-token continuation: the library's forward, with
     and without `on_token`, gives transformers' output and cache window bit for bit (float32, no writes)."""
@@ -136,7 +115,7 @@ def test_the_forward_equals_transformers_bit_for_bit(model, family):
             model(ids[:, 8:], cache=out.past_key_values, use_cache=True)
             model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=PAD)
 
-    calls = _calls_of(model, family, run)
+    calls = calls_of(_modules(model, family), run)
     assert {args[0].shape[1] for _, args, _ in calls} == {8, T - 8, T, 1}
     windows = []
     for module, args, kwargs in calls:
@@ -158,12 +137,11 @@ def test_the_forward_equals_transformers_bit_for_bit(model, family):
 
 @pytest.mark.parametrize("seq", [1, 3, T])
 def test_watched_logits_equal_unwatched(model, seq):
+    """An idle watch, and one keeping the windows (the token loop), give the plain logits bit for bit."""
     ids = random_ids(2, seq)
-    expected = logits_of(model, ids)
-    with rh.watch(model):
-        assert_equal("idle watch", expected, logits_of(model, ids))
-    with rh.watch(model, keep=("windows",)) as w:
-        assert_equal("token loop", expected, logits_of(model, ids))
+    expected, idle, kept, w = watched_logits(model, ids, ("windows",))
+    assert_equal("idle watch", expected, idle)
+    assert_equal("token loop", expected, kept)
     assert dynamic(w)[0].windows.shape[:2] == (2, seq)
 
 
@@ -393,10 +371,7 @@ def test_bf16_windows_stay_float32_and_the_logits_bit_identical(family):
     with rh.watch(model, keep=KEEP) as w:
         assert_equal("keep windows", plain, logits_of(model, ids))
     assert all(mixer.windows.dtype == torch.float32 for mixer in dynamic(w))
-    with rh.watch(model) as w:
-        for mixer in dynamic(w):
-            mixer.register_state_hook(lambda m, c, t, s: s.clone())
-        again = greedy(model, ids, 3, **kwargs)
+    again = greedy_under_replacing_hooks(model, ids, 3, dynamic, **kwargs)
     assert_equal("greedy, a replacing hook on every token", plain_gen.sequences, again.sequences)
     for step, (a, b) in enumerate(zip(plain_gen.logits, again.logits)):
         assert_equal(f"logits of call {step}", a, b)

@@ -14,9 +14,9 @@ import torch
 
 import recurrent_hooks as rh
 import recurrent_hooks.engine.busy as rh_busy
-from _compare import assert_close, assert_equal
-from _models import PAD, build, random_ids
-from _runs import greedy, left_padded
+from _compare import assert_close, assert_close_per_call, assert_equal
+from _models import build, random_ids
+from _runs import left_padded, sparse_generate, watched_greedy
 from _reference import gated_delta_rule_reference, kimi_delta_rule_reference
 from _reference_ssm import selective_scan_reference, ssd_reference
 
@@ -96,8 +96,7 @@ def model(shared_model):
 
 def test_states_equal_float64_reference_at_prompt_and_decode_steps(model):
     """The kept state after every token equals the float64 recurrence over the call's own kernel inputs."""
-    with rh.watch(model, keep=ALL) as w:
-        greedy(model, random_ids(2, T), 4)
+    w = watched_greedy(model, ALL, T, 4)
     for mixer in w.mixers:
         assert [c.tokens for c in mixer.calls] == [T, 1, 1, 1]
         for call in range(4):
@@ -108,17 +107,13 @@ def test_states_equal_float64_reference_at_prompt_and_decode_steps(model):
 def test_left_padded_batch(model):
     """A left-padded row computes the same states and logits as the same tokens alone."""
     run = left_padded(model, ALL, T)
-    ids, mask, pads, padded, single = run.ids, run.mask, run.pads, run.padded, run.single
+    pads, padded, single = run.pads, run.padded, run.single
     for mixer, ref in zip(run.batch.mixers, run.alone.mixers):
         assert_close(f"{mixer} padded row states", ref.states[0], mixer.states[0, pads:], rtol=1e-4, atol=1e-6)
     assert_close("padded row logits", single[0], padded[0, pads:], rtol=1e-4, atol=1e-5)
-    plain = greedy(model, ids, 4, attention_mask=mask)
-    with rh.watch(model, keep=ALL):
-        assert_equal("padded greedy generate, keep states", plain, greedy(model, ids, 4, attention_mask=mask))
-    with rh.watch(model) as w:
-        for mixer in w.mixers:
-            mixer.register_state_hook(lambda m, c, t, s: None)
-        assert_equal("padded greedy generate, hooks", plain, greedy(model, ids, 4, attention_mask=mask))
+    plain, kept, hooked = run.generates(model, ALL)
+    assert_equal("padded greedy generate, keep states", plain, kept)
+    assert_equal("padded greedy generate, hooks", plain, hooked)
 
 
 # -- the convolution window and the whole memory ---------------------------------------------------------------
@@ -138,8 +133,7 @@ def conv_window_reference(mixer: rh.RecurrentMixer, call: int) -> torch.Tensor:
 
 
 def test_conv_windows_are_the_last_inputs_at_prompt_and_decode_steps(model):
-    with rh.watch(model, keep=ALL) as w:
-        greedy(model, random_ids(2, T), 3)
+    w = watched_greedy(model, ALL, T, 3)
     for mixer in w.mixers:
         for call in range(3):
             assert_close(f"{mixer} call {call} conv windows", conv_window_reference(mixer, call),
@@ -156,22 +150,13 @@ def _sparse_run(model, ids, fast, monkeypatch):
     segmented = []
     real = rh_busy.run_in_segments
     monkeypatch.setattr(rh_busy, "run_in_segments", lambda *a: segmented.append(1) or real(*a))
-    seen = []
-    with rh.watch(model, keep={"states": [2, 7, -1], "windows": [7], "inputs": None}, paths=paths) as w, \
-            torch.no_grad():
+    keep = {"states": [2, 7, -1], "windows": [7], "inputs": None}
+    with rh.watch(model, keep=keep, paths=paths) as w, torch.no_grad():
         mixer = w.mixers[0]
         model(ids)
         value = mixer.state_after(7) * 0.5
         window = mixer.window_after(7) * 2
-    with rh.watch(model, keep={"states": [2, 7, -1], "windows": [7], "inputs": None}, paths=paths) as w, \
-            torch.no_grad():
-        w.mixers[0].set_state_after(7, value)
-        w.mixers[0].set_window_after(7, window)
-        w.mixers[-1].register_state_hook(lambda m, c, t, s: seen.append(float(s.norm())) or s * 0.9, token=[3, -2])
-        w.mixers[0].set_state_after(0, value, call=2)
-        out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=PAD, output_logits=True,
-                             return_dict_in_generate=True)
-    return w, out, seen, segmented
+    return (*sparse_generate(model, ids, keep, paths, value, window), segmented)
 
 
 def test_sparse_fast_path_equals_the_token_loop(model, monkeypatch):
@@ -182,8 +167,7 @@ def test_sparse_fast_path_equals_the_token_loop(model, monkeypatch):
     assert not unsegmented
     if type(fast.mixers[0]).kernel_for("prompt").segments is not None:
         assert segmented, "the sparse call did not take the fast path"
-    for step, (a, b) in enumerate(zip(slow_out.logits, fast_out.logits)):
-        assert_close(f"logits of call {step}", a, b, rtol=1e-4, atol=1e-5)
+    assert_close_per_call("logits", slow_out.logits, fast_out.logits, rtol=1e-4, atol=1e-5)
     assert_close("hook inputs", torch.tensor(slow_seen), torch.tensor(fast_seen), rtol=1e-4, atol=1e-7)
     for a, b in zip(slow.mixers, fast.mixers):
         for call in range(4):

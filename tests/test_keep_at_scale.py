@@ -53,6 +53,13 @@ def model_of(family):
     return _MODELS[family]
 
 
+def kept_whole(model, ids, name="states"):
+    """The watch of one forward over `ids` without gradients, keeping every `name` (states or windows) whole."""
+    with torch.no_grad(), rh.watch(model, keep=(name,)) as full:
+        model(ids, use_cache=False)
+    return full
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 @pytest.mark.parametrize("family", sorted(KINDS))
 def test_a_reduction_is_fn_of_the_kept_states(family, grad):
@@ -64,9 +71,7 @@ def test_a_reduction_is_fn_of_the_kept_states(family, grad):
         seen.append((states[0] if is_parts(states) else states).shape[1])
         return fn(states)
 
-    with torch.no_grad():
-        with rh.watch(model, keep=(name,)) as full:
-            model(ids, use_cache=False)
+    full = kept_whole(model, ids, name)
     with torch.set_grad_enabled(grad):
         with rh.watch(model, keep=(name,), reduce={name: reduce}) as reduced:
             model(ids, use_cache=False)
@@ -85,11 +90,9 @@ def test_a_reduction_at_some_positions(family):
     model, name, fn = model_of(family), KINDS[family], reduction_for(family)
     ids = random_ids(2, TOKENS, seed=4)
     positions = [3, 70, -1]
-    with torch.no_grad():
-        with rh.watch(model, keep=(name,)) as full:
-            model(ids, use_cache=False)
-        with rh.watch(model, keep={name: positions}, reduce={name: fn}) as reduced:
-            model(ids, use_cache=False)
+    full = kept_whole(model, ids, name)
+    with torch.no_grad(), rh.watch(model, keep={name: positions}, reduce={name: fn}) as reduced:
+        model(ids, use_cache=False)
     for whole, mixer in zip(full.mixers, reduced.mixers):
         for token in positions:
             expected = fn(_at_keepdim(_full(whole, name), token))[:, 0]
@@ -144,11 +147,9 @@ def test_what_a_reduction_holds_does_not_grow_like_the_states(family):
     held = {}
     for tokens in (64, 256):
         ids = random_ids(1, tokens, seed=5)
-        with torch.no_grad():
-            with rh.watch(model, keep=("states",)) as full:
-                model(ids, use_cache=False)
-            with rh.watch(model, keep=("states",), reduce={"states": per_token_norm}) as reduced:
-                model(ids, use_cache=False)
+        full = kept_whole(model, ids)
+        with torch.no_grad(), rh.watch(model, keep=("states",), reduce={"states": per_token_norm}) as reduced:
+            model(ids, use_cache=False)
         held[tokens] = (_kept_bytes(full), _kept_bytes(reduced))
         state = full.mixers[0].states[0, 0].numel()
         # a float per token per row, per mixer: the stacked chunks' results
@@ -233,11 +234,9 @@ def test_bad_reductions_are_refused_clearly():
 def test_a_bare_callable_reduces_the_states():
     model = model_of("qwen3_5")
     ids = random_ids(1, 10)
-    with torch.no_grad():
-        with rh.watch(model, keep=("states",)) as full:
-            model(ids, use_cache=False)
-        with rh.watch(model, keep=("states",), reduce=per_token_norm) as reduced:
-            model(ids, use_cache=False)
+    full = kept_whole(model, ids)
+    with torch.no_grad(), rh.watch(model, keep=("states",), reduce=per_token_norm) as reduced:
+        model(ids, use_cache=False)
     assert_close("bare callable", per_token_norm(full.mixers[0].states), reduced.mixers[0].states)
 
 
@@ -283,9 +282,8 @@ def test_the_former_keep_name_in_reduce_warns_and_reduces_the_windows():
     """`reduce={"conv_states": fn}` is the former spelling of `reduce={"windows": fn}` (docs/api.md, "Renamed")."""
     model = model_of("lfm2")
     ids = random_ids(1, 10)
+    full = kept_whole(model, ids, "windows")
     with torch.no_grad():
-        with rh.watch(model, keep=("windows",)) as full:
-            model(ids, use_cache=False)
         with pytest.warns(rh.RecurrentHooksDeprecationWarning, match=r"watch: reduce=\{'conv_states': ...\} is"
                                                                       r" renamed reduce=\{'windows': ...\}"):
             reduced = rh.watch(model, keep=("windows",), reduce={"conv_states": per_token_norm})
@@ -298,9 +296,8 @@ def test_a_reduction_inside_a_compiled_forward():
     """A graph traced by torch.compile keeps the reductions as the eager forward does (`TracedCallState.plan`)."""
     model = model_of("qwen3_5")
     ids = random_ids(1, 12, seed=6)
+    full = kept_whole(model, ids)
     with torch.no_grad():
-        with rh.watch(model, keep=("states",)) as full:
-            model(ids, use_cache=False)
         compiled = torch.compile(model, backend="eager")
         with rh.watch(model, keep=("states",), reduce={"states": per_token_norm}) as reduced:
             compiled(ids, use_cache=False)
@@ -315,8 +312,7 @@ def test_a_checkpointed_recompute_keeps_the_first_forwards_reductions(reentrant)
     eager forward's, and the call is counted once (reentrant: the first forward ran without gradients)."""
     model = model_of("qwen3_5")
     ids = random_ids(1, 12, seed=7)
-    with torch.no_grad(), rh.watch(model, keep=("states",)) as full:
-        model(ids, use_cache=False)
+    full = kept_whole(model, ids)
     model.train()
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
     try:

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 import recurrent_hooks as rh
-from _compare import assert_close, assert_equal
+from _compare import assert_close, assert_close_per_call, assert_equal
 from _contract import family_fixtures
 from _models import PAD, _minimax, build, random_ids
-from _runs import greedy, left_padded, logits_of
+from _runs import greedy, left_padded, logits_of, sparse_generate, watched_greedy
 import recurrent_hooks.kinds.lightning as rh_lightning
 from recurrent_hooks.kinds.lightning import lightning_attention_forward
 from recurrent_hooks.engine.patching import import_default
@@ -320,8 +320,7 @@ def test_stops_over_a_cached_state_run_token_by_token(family):
 
 
 def test_states_equal_float64_reference_at_prompt_and_decode_steps(model):
-    with rh.watch(model, keep=ALL) as w:
-        greedy(model, random_ids(2, T), 4)
+    w = watched_greedy(model, ALL, T, 4)
     for mixer in w.mixers:
         assert [c.tokens for c in mixer.calls] == [T, 1, 1, 1]
         assert mixer.calls[0].inputs["initial_state"] is None
@@ -378,8 +377,7 @@ def test_replacing_hooks_on_the_first_and_last_mixer_equal_writes_in_a_generate(
         v.mixers[-1].set_state_after(0, last, call=2)
         written = greedy(model, ids, 4, **kwargs)
     assert len(hooked.logits) == len(written.logits) == 4
-    for step, (a, b) in enumerate(zip(hooked.logits, written.logits)):
-        assert_close(f"logits of call {step}", a, b, rtol=0, atol=0)
+    assert_close_per_call("logits", hooked.logits, written.logits, rtol=0, atol=0)
     assert_close("call 3 of the last mixer started from the hooked state", last,
                  v.mixers[-1].calls[3].inputs["initial_state"], rtol=0, atol=0)
 
@@ -387,19 +385,15 @@ def test_replacing_hooks_on_the_first_and_last_mixer_equal_writes_in_a_generate(
 def test_left_padded_batch(model):
     """A left-padded row computes the same states and logits as the same tokens alone (full attention first)."""
     run = left_padded(model, ALL, T)
-    ids, mask, pads, padded, single = run.ids, run.mask, run.pads, run.padded, run.single
+    pads, padded, single = run.pads, run.padded, run.single
     for mixer, ref in zip(run.batch.mixers, run.alone.mixers):
         assert_close(f"{mixer} padded row states", ref.states[0], mixer.states[0, pads:], **F64)
         assert_close(f"{mixer} padding leaves the state at zero", torch.zeros_like(mixer.states[0, :pads]),
                      mixer.states[0, :pads], rtol=0, atol=0)
     assert_close("padded row logits", single[0], padded[0, pads:], rtol=1e-4, atol=1e-5)
-    plain = greedy(model, ids, 4, attention_mask=mask)
-    with rh.watch(model, keep=ALL):
-        assert_equal("padded greedy generate, keep states", plain, greedy(model, ids, 4, attention_mask=mask))
-    with rh.watch(model) as w:
-        for mixer in w.mixers:
-            mixer.register_state_hook(lambda m, c, t, s: None)
-        assert_equal("padded greedy generate, hooks", plain, greedy(model, ids, 4, attention_mask=mask))
+    plain, kept, hooked = run.generates(model, ALL)
+    assert_equal("padded greedy generate, keep states", plain, kept)
+    assert_equal("padded greedy generate, hooks", plain, hooked)
 
 
 def _sparse_run(model, ids, fast, monkeypatch):
@@ -408,19 +402,12 @@ def _sparse_run(model, ids, fast, monkeypatch):
     blocks = []
     real = rh_lightning._chunks
     monkeypatch.setattr(rh_lightning, "_chunks", lambda *a: blocks.append(a[-2:]) or real(*a))
-    seen = []
     keep = {"states": [2, 7, -1], "inputs": None}
     with rh.watch(model, keep=keep, paths=paths) as w, torch.no_grad():
         model(ids)
         value = w.mixers[0].state_after(7) * 0.5
     blocks.clear()
-    with rh.watch(model, keep=keep, paths=paths) as w, torch.no_grad():
-        w.mixers[0].set_state_after(7, value)
-        w.mixers[-1].register_state_hook(lambda m, c, t, s: seen.append(float(s.norm())) or s * 0.9, token=[3, -2])
-        w.mixers[0].set_state_after(0, value, call=2)
-        out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=PAD, output_logits=True,
-                             return_dict_in_generate=True)
-    return w, out, seen, blocks
+    return (*sparse_generate(model, ids, keep, paths, value), blocks)
 
 
 def test_sparse_fast_path_equals_the_token_loop(model, monkeypatch):
@@ -432,8 +419,7 @@ def test_sparse_fast_path_equals_the_token_loop(model, monkeypatch):
     assert not no_blocks
     # prompt spans: the first mixer stops at 2, 7, 12; the last at 2, 3, 7, 11, 12 (kept states and its hook)
     assert blocks[:3] == [(0, 3), (3, 8), (8, 13)] and blocks[3:] == [(0, 3), (3, 4), (4, 8), (8, 12), (12, 13)]
-    for step, (a, b) in enumerate(zip(slow_out.logits, fast_out.logits)):
-        assert_close(f"logits of call {step}", a, b, rtol=1e-5, atol=1e-5)
+    assert_close_per_call("logits", slow_out.logits, fast_out.logits, rtol=1e-5, atol=1e-5)
     assert_close("hook inputs", torch.tensor(slow_seen), torch.tensor(fast_seen), rtol=1e-5, atol=1e-7)
     for a, b in zip(slow.mixers, fast.mixers):
         for call in range(4):
@@ -729,8 +715,7 @@ def test_offloaded_models_are_watched_through_the_bound_forward_accelerate_keeps
         runs.append((w, out))
     (w0, out0), (w1, out1) = runs
     assert_equal("greedy generate", out0.sequences, out1.sequences)
-    for step, (a, b) in enumerate(zip(out0.logits, out1.logits)):
-        assert_close(f"logits of call {step}", a, b, rtol=1e-5, atol=1e-6)
+    assert_close_per_call("logits", out0.logits, out1.logits, rtol=1e-5, atol=1e-6)
     for a, b in zip(w0.mixers, w1.mixers):
         assert len(b.calls) == 4
         for call in range(4):

@@ -19,7 +19,7 @@ from _compare import assert_close, assert_equal
 from _contract import family_fixtures
 from _models import FAMILIES as BUILDERS
 from _models import build, random_ids
-from _runs import greedy, logits_of
+from _runs import greedy, logits_of, watched_greedy
 
 FAMILIES = [name for name, row in rh.FAMILIES.items() if row.kind is MatrixLSTM and name in BUILDERS]
 T = 13  # chunk_size 8: 8 tokens chunk-wise, 5 token by token
@@ -236,8 +236,7 @@ family, model = family_fixtures(FAMILIES)
 
 
 def test_states_equal_float64_reference_at_prompt_and_decode_steps(model):
-    with rh.watch(model, keep=ALL) as w:
-        greedy(model, random_ids(2, T), 4)
+    w = watched_greedy(model, ALL, T, 4)
     for mixer in w.mixers:
         assert [c.tokens for c in mixer.calls] == [T, 1, 1, 1]
         for call in range(4):

@@ -20,6 +20,7 @@ import recurrent_hooks.engine.threads as rh_threads
 import recurrent_hooks.registry as rh_registry
 from _compare import assert_close, assert_equal
 from _models import build, random_ids
+from _runs import halved, halved_around
 
 T = 11
 
@@ -28,13 +29,6 @@ def _plain_states(model, ids):
     with rh.watch(model, keep=("states",)) as w, torch.no_grad():
         model(ids)
     return {m.layer: m.states for m in w.mixers}
-
-
-def _halved_states(model, ids):
-    with rh.watch(model, keep=("states",)) as w, torch.no_grad():
-        w.mixers[0].register_state_hook(lambda m, c, t, s: s * 0.5)
-        model(ids)
-    return w.mixers[0].states
 
 
 # recurrent_gemma's scan `_rnn_scan` is a method of RecurrentGemmaRglru, a submodule of the mixer
@@ -47,17 +41,10 @@ def test_an_unwatched_model_inside_a_watched_forward_runs_its_own_kernels_whoeve
     ids = random_ids(2, T)
     with torch.no_grad():
         plain_b = b(ids).logits
-    want_a = _halved_states(a, ids)
+    want_a = halved(a, ids)[1].mixers[0].states
     first = next(m for m in a.modules() if rh_registry.family_of(m) is not None)
     projection = next(m for m in first.modules() if isinstance(m, nn.Linear))  # runs inside the mixer's forward
-    inner = []
-    handle = projection.register_forward_hook(lambda mod, args, out: inner.append(b(ids).logits))
-    try:
-        with rh.watch(a, keep=("states",)) as w, torch.no_grad():
-            w.mixers[0].register_state_hook(lambda m, c, t, s: s * 0.5)
-            a(ids)
-    finally:
-        handle.remove()
+    w, inner = halved_around(a, b, ids, projection)
     assert len(inner) == 1
     assert_equal(f"{family}: B's logits inside A's forward", plain_b, inner[0])
     assert [len(m.calls) for m in w.mixers] == [1] * len(w.mixers)
@@ -68,7 +55,7 @@ def test_a_watched_model_inside_an_unwatched_forward_of_its_family_is_watched():
     """The other way round: A is watched, and runs from a torch hook inside an unwatched model B's mixer."""
     a, b = build("recurrent_gemma", seed=0), build("recurrent_gemma", seed=1)
     ids = random_ids(2, T)
-    want_a = _halved_states(a, ids)
+    want_a = halved(a, ids)[1].mixers[0].states
     with torch.no_grad():
         plain_b = b(ids).logits
     first = next(m for m in b.modules() if rh_registry.family_of(m) is not None)
@@ -99,26 +86,27 @@ def test_an_interrupt_after_the_kernels_leaves_no_entry_behind(how):
 
     handle = rh.register_state_hook(mixer_module, lambda m, c, t, s: seen.append(c), token=-1) \
         if how == "standalone hook" else None
-    projection = mixer_module.register_forward_hook(interrupt, prepend=True)
-    try:
-        with pytest.raises(KeyboardInterrupt), torch.no_grad():
+
+    def run():
+        """A forward with the hook: the standalone one, or one registered in a watch."""
+        with torch.no_grad():
             if handle is None:
                 with rh.watch(model) as w:
                     w.mixers[0].register_state_hook(lambda m, c, t, s: seen.append(c), token=-1)
                     model(ids)
             else:
                 model(ids)
+
+    projection = mixer_module.register_forward_hook(interrupt, prepend=True)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run()
         assert rh_threads.THREAD.running == []  # at once, not at the next forward
     finally:
         projection.remove()
-    with torch.no_grad():
-        if handle is None:
-            with rh.watch(model) as w:
-                w.mixers[0].register_state_hook(lambda m, c, t, s: seen.append(c), token=-1)
-                model(ids)
-        else:
-            model(ids)
-            handle.remove()
+    run()
+    if handle is not None:
+        handle.remove()
     assert rh_threads.THREAD.running == [] and seen == [0, 0]
 
 

@@ -20,6 +20,7 @@ import recurrent_hooks.engine.watch as watch_impl
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
 from _reachable import tensor_bytes_reachable
+from _runs import halved, halved_around
 
 T = 13
 ONE_PER_KIND = ["qwen3_5", "kimi_linear", "mamba", "zamba", "mamba2"]
@@ -93,20 +94,13 @@ def test_an_unwatched_model_run_inside_a_watched_forward_runs_its_own_kernels(tw
     ids = random_ids(2, T)
     _, plain_a = states_of(a, ids)
     plain_b = b(ids).logits.detach()
-    inner = []
     first = next(m for m in a.modules() if rh_registry.family_of(m) is not None)
     projection = next(m for m in first.children() if isinstance(m, nn.Linear))  # runs inside the mixer's forward
-    handle = projection.register_forward_hook(lambda mod, args, out: inner.append(b(ids).logits.detach()))
-    try:
-        with rh.watch(a, keep=("states",)) as w, torch.no_grad():
-            w.mixers[0].register_state_hook(lambda m, c, t, s: s * 0.5)
-            a(ids)
-    finally:
-        handle.remove()
+    w, inner = halved_around(a, b, ids, projection)  # B inside A's no_grad forward: its logits have no graph
     assert len(inner) == 1
     assert_equal("B's logits", plain_b, inner[0])
     assert len(w.mixers[0].calls) == 1 and w.mixers[0].states.shape[1] == T
-    assert_close("A's states with the hook", _halved(a, ids)[1].mixers[0].states, w.mixers[0].states, rtol=0, atol=0)
+    assert_close("A's states with the hook", halved(a, ids)[1].mixers[0].states, w.mixers[0].states, rtol=0, atol=0)
 
 
 def test_two_threads_each_watching_their_own_model_get_their_own_states(two_models):
@@ -114,7 +108,7 @@ def test_two_threads_each_watching_their_own_model_get_their_own_states(two_mode
     ids = {"a": random_ids(2, 70, seed=3), "b": random_ids(2, 70, seed=4)}
     models = {"a": a, "b": b}
     expected = {name: states_of(models[name], ids[name]) for name in models}
-    halved_logits, _ = _halved(a, ids["a"])
+    halved_logits, _ = halved(a, ids["a"])
     rounds, barrier, failures = 12, threading.Barrier(2), []
     results = {name: [] for name in models}
 
@@ -147,12 +141,6 @@ def test_two_threads_each_watching_their_own_model_get_their_own_states(two_mode
             if name == "b":
                 for layer, state in states.items():
                     assert_close(f"round {i} of b: layer {layer}", state, got_states[layer], rtol=1e-5, atol=1e-6)
-
-
-def _halved(model, ids):
-    with rh.watch(model, keep=("states",)) as w, torch.no_grad():
-        w.mixers[0].register_state_hook(lambda m, c, t, s: s * 0.5)
-        return model(ids).logits, w
 
 
 def test_an_unwatched_thread_runs_the_original_kernels(two_models):

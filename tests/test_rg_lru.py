@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from _compare import assert_close, assert_equal
 from _contract import family_fixtures, perturbation
 from _models import PAD, build, random_ids
-from _runs import greedy, logits_of
+from _runs import greedy, logits_of, watched_greedy
 
 import recurrent_hooks as rh
 from recurrent_hooks.engine.patching import import_default
@@ -260,8 +260,7 @@ def test_states_and_windows_equal_float64_references_at_prompt_and_decode_steps(
     inputs; at the prompt and at every decode step."""
     capture = Captured(model)
     try:
-        with rh.watch(model, keep=ALL) as w:
-            greedy(model, random_ids(2, T), 4)
+        w = watched_greedy(model, ALL, T, 4)
     finally:
         capture.remove()
     for mixer in w.mixers:
@@ -427,8 +426,7 @@ def test_support_lists_the_values_and_limits(model):
 
 
 def test_values_are_the_recurrence_inputs(model):
-    with rh.watch(model, keep=ALL) as w:
-        greedy(model, random_ids(2, T), 2)
+    w = watched_greedy(model, ALL, T, 2)
     mixer = w.mixers[0]
     for call in range(2):
         values = mixer.values(call=call)

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import recurrent_hooks as rh
-from _compare import assert_close, assert_equal
+from _compare import assert_close, assert_close_per_call, assert_equal
 from _contract import family_fixtures
 from _models import build, random_ids
-from _runs import greedy, left_padded, logits_of
+from _runs import greedy, greedy_under_replacing_hooks, left_padded, logits_of, watched_greedy
 from _upstream import transformers_kernel
 
 FAMILIES = [name for name, row in rh.FAMILIES.items() if issubclass(row.kind, rh.ShortConvolution)]
@@ -104,8 +104,7 @@ def test_windows_and_outputs_equal_the_float64_equation_at_prompt_and_decode_ste
     with rh.watch(model) as w:
         records = [_record_module(mixer) for mixer in static(w)]
     try:
-        with rh.watch(model, keep=KEEP) as w:
-            greedy(model, random_ids(2, T), 4)
+        w = watched_greedy(model, KEEP, T, 4)
     finally:
         for _, handle in records:
             handle.remove()
@@ -121,8 +120,7 @@ def test_windows_and_outputs_equal_the_float64_equation_at_prompt_and_decode_ste
 
 def test_windows_are_the_last_inputs_of_each_kernel_call(model):
     """The window after every token is the last K inputs the kernel received (decode: after the cached window)."""
-    with rh.watch(model, keep=KEEP) as w:
-        greedy(model, random_ids(2, T), 3)
+    w = watched_greedy(model, KEEP, T, 3)
     for mixer in static(w):
         for record in mixer.calls:
             x = record.conv.inputs["hidden_states"]
@@ -137,8 +135,7 @@ def test_the_loops_equal_transformers_kernels_on_the_recorded_calls(model, famil
     """transformers' own kernels (behind the module globals' hub wrappers), on each call's recorded inputs, give the
     outputs the library's loops gave, and the decode kernel writes the window the library kept."""
     prompt, decode = transformers_kernel(family, "causal_conv1d_fn"), transformers_kernel(family, "causal_conv1d_update")
-    with rh.watch(model, keep=KEEP) as w:
-        greedy(model, random_ids(2, T), 3)
+    w = watched_greedy(model, KEEP, T, 3)
     for mixer in static(w):
         for record in mixer.calls:
             x = dict(record.conv.inputs)
@@ -400,13 +397,9 @@ def test_half_precision_windows_leave_the_logits_bit_identical(name, dtype):
         assert_close("keep windows", plain, logits_of(model, ids), rtol=0, atol=0)
     expected = torch.float32 if name == "inkling" else dtype
     assert all(mixer.windows.dtype == expected for mixer in static(w))
-    with rh.watch(model) as w:
-        for mixer in static(w):
-            mixer.register_state_hook(lambda m, c, t, s: s.clone())
-        again = greedy(model, ids, 3, **kwargs)
+    again = greedy_under_replacing_hooks(model, ids, 3, static, **kwargs)
     assert_equal("greedy, a replacing hook on every token", plain_gen.sequences, again.sequences)
-    for step, (a, b) in enumerate(zip(plain_gen.logits, again.logits)):
-        assert_close(f"logits of call {step}", a, b, rtol=0, atol=0)
+    assert_close_per_call("logits", plain_gen.logits, again.logits, rtol=0, atol=0)
 
 
 def test_the_support_command_lists_what_the_kind_offers(capsys, family):

@@ -32,6 +32,13 @@ def _run(model, ids, paths, use_state=None):
     return embeds, w, metric
 
 
+def _through_each_path(model, ids):
+    """`_run` through the chunk-wise path, then through the token loop: (path name, embeds, watch, metric), one run at
+    a time."""
+    for name, paths in PATHS.items():
+        yield (name, *_run(model, ids, paths))
+
+
 @pytest.fixture(scope="module", params=ADJOINT_FAMILIES)
 def family(request):
     return request.param
@@ -46,8 +53,7 @@ def frozen(family):
 def test_state_and_input_gradients_equal_the_token_loop(family, frozen):
     ids = random_ids(2, TOKENS, seed=1)
     got = {}
-    for name, paths in PATHS.items():
-        embeds, w, metric = _run(frozen, ids, paths)
+    for name, embeds, w, metric in _through_each_path(frozen, ids):
         mixers = w.mixers
         targets = [embeds, *(m.states for m in mixers), *(m.state_after(t) for m in mixers for t in (0, 40, TOKENS - 1))]
         got[name] = torch.autograd.grad(metric, targets, materialize_grads=True)  # (the loop: the last state unused)
@@ -62,8 +68,7 @@ def test_state_and_input_gradients_equal_the_token_loop(family, frozen):
 def test_backward_fills_states_grad(family, frozen):
     ids = random_ids(1, TOKENS, seed=2)
     grads = {}
-    for name, paths in PATHS.items():
-        _, w, metric = _run(frozen, ids, paths)
+    for name, _, w, metric in _through_each_path(frozen, ids):
         metric.backward()
         grads[name] = w.mixers[0].states.grad
     assert grads["chunk-wise"] is not None

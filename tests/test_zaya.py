@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import recurrent_hooks as rh
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
-from _runs import greedy, logits_of
+from _runs import calls_of, greedy, logits_of, watched_greedy, watched_logits
 from recurrent_hooks.engine.patching import import_default
 from recurrent_hooks.kinds.zaya import PAST_RECORDING_RUNS, CompressedConvolutionalAttention, cca_forward
 
@@ -99,8 +99,7 @@ def _check_outputs(name, expected, part, rtol=1e-5, atol=1e-6):
 def test_windows_delays_and_outputs_equal_the_float64_equation_at_prompt_and_decode_steps(model):
     """Prompt and 3 decode steps of generate: every kept window is the last K conv inputs, every kept delay
     W_vd x_t, and q, k, v the equation's."""
-    with rh.watch(model, keep=KEEP) as w:
-        greedy(model, random_ids(2, T), 4)
+    w = watched_greedy(model, KEEP, T, 4)
     assert len(w.mixers) == 2
     for mixer in w.mixers:
         assert [c.tokens for c in mixer.calls] == [T, 1, 1, 1]
@@ -120,31 +119,6 @@ def test_windows_delays_and_outputs_equal_the_float64_equation_at_prompt_and_dec
 # -- the forward against transformers' ------------------------------------------------------------------------------
 
 
-def _calls_of(model, run):
-    """Every CCA call during `run()`: (module, args, kwargs with a deep copy of the cache)."""
-    seen, handles = [], []
-
-    def pre(m, args, kwargs):
-        args, kwargs = list(args), dict(kwargs)
-        for i, value in enumerate(args):
-            if isinstance(value, torch.Tensor):
-                args[i] = value.clone()
-            elif value is not None:  # the cache, passed by position
-                args[i] = copy.deepcopy(value)
-        if kwargs.get("cache") is not None:
-            kwargs["cache"] = copy.deepcopy(kwargs["cache"])
-        seen.append((m, args, kwargs))
-
-    for module in _modules(model):
-        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-    try:
-        run()
-    finally:
-        for handle in handles:
-            handle.remove()
-    return seen
-
-
 def test_the_forward_equals_transformers_bit_for_bit(model):
     """On the recorded calls of a prompt, a multi-token continuation, decode steps and a left-padded batch: the
     library's forward, with and without hooks on both memories, gives transformers' q, k, v and cache (window and
@@ -161,7 +135,7 @@ def test_the_forward_equals_transformers_bit_for_bit(model):
             model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=PAD)
             model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=PAD)
 
-    calls = _calls_of(model, run)
+    calls = calls_of(_modules(model), run)
     assert {args[0].shape[1] for _, args, _ in calls} == {8, T - 8, T, 1}
     for module, args, kwargs in calls:
         cache_at = 1 if len(args) > 1 else None
@@ -196,12 +170,11 @@ def test_the_forward_equals_transformers_bit_for_bit(model):
 
 @pytest.mark.parametrize("seq", [1, 3, T])
 def test_watched_logits_equal_unwatched(model, seq):
+    """An idle watch, one keeping both memories and one with no-op hooks on both give the plain logits bit for bit."""
     ids = random_ids(2, seq)
-    expected = logits_of(model, ids)
-    with rh.watch(model):
-        assert_equal("idle watch", expected, logits_of(model, ids))
-    with rh.watch(model, keep=KEEP) as w:
-        assert_equal("keep both memories", expected, logits_of(model, ids))
+    expected, idle, kept, w = watched_logits(model, ids, KEEP)
+    assert_equal("idle watch", expected, idle)
+    assert_equal("keep both memories", expected, kept)
     assert w.mixers[0].windows.shape == (2, seq, 48, 2) and w.mixers[0].states.shape == (2, seq, 8)
     with rh.watch(model) as w:
         for mixer in w.mixers:
