@@ -164,7 +164,7 @@ class CallState:
         self.index: int | None = 0  # the running call's index (None: a recompute of a call that wanted nothing)
         self.forward: Forward | None = None
         self.current: Call | None = None
-        self.kernel_calls: dict[str, int] = {}  # memory -> kernel calls in the running forward
+        self.kernel_call_counts: dict[str, int] = {}  # memory -> kernel calls in the running forward
         self.tokens = 0  # tokens of the running kernel call
         self.head: int | None = None  # the head of the running recurrence kernel call (KERNEL_PER_HEAD kinds)
         self.recomputing = False  # the running forward is a checkpointed forward being recomputed
@@ -211,7 +211,7 @@ class CallState:
     def start(self, forward: Forward) -> None:
         """What every implementation does when a forward begins: the running forward's scratch."""
         self.forward = forward
-        self.kernel_calls = {}
+        self.kernel_call_counts = {}
         self.head = None
         self.recomputing = forward.recompute
 
@@ -263,7 +263,7 @@ class CallState:
         if forward is None or recompute:
             return
         primary = self.kind.MEMORIES[0]
-        if checked and self.kernel_calls.get(primary, 0) == 0 and wants():
+        if checked and self.kernel_call_counts.get(primary, 0) == 0 and wants():
             raise RecurrentHooksError(
                 f"{self.mixer}: call {shown} finished without calling a watched kernel"
                 f" ({', '.join(k.name for k in self.kind.KERNELS if k.memory == primary)}) although hooks or kept"
@@ -273,31 +273,31 @@ class CallState:
 
     # -- a kernel call ------------------------------------------------------------------------------------------
 
-    def next_part(self, kernel: Kernel, tokens: int) -> int:
+    def next_kernel_call(self, kernel: Kernel, tokens: int) -> int:
         """Count a kernel call of the running forward; its number among those of its memory (the head, for a
         kernel run once per head)."""
         self.tokens = tokens
-        part = self.kernel_calls.get(kernel.memory, 0)
-        self.kernel_calls[kernel.memory] = part + 1
-        self.head = part if self.kind.KERNEL_PER_HEAD and kernel.memory == STATE_MEMORY else None
-        return part
+        nth = self.kernel_call_counts.get(kernel.memory, 0)
+        self.kernel_call_counts[kernel.memory] = nth + 1
+        self.head = nth if self.kind.KERNEL_PER_HEAD and kernel.memory == STATE_MEMORY else None
+        return nth
 
-    def checks(self, kernel: Kernel, part: int, shown: Any) -> str | None:
+    def checks(self, kernel: Kernel, nth: int, shown: Any) -> str | None:
         """For a kernel call that something wants: refuse it if it cannot serve that, and return why it restarts
         its memory (None: it continues it). `shown`: the call's index as the message shows it."""
         if (reason := self.kind._refusal(kernel)) is not None:
             raise Unavailable(f"{self.mixer}, call {shown} ({kernel.name}): {reason}")
-        if part > 0 and not self.kind.KERNEL_PER_HEAD:
-            raise Unavailable(f"{self.mixer}, call {shown} ({kernel.name}): kernel call {part + 1} of the"
+        if nth > 0 and not self.kind.KERNEL_PER_HEAD:
+            raise Unavailable(f"{self.mixer}, call {shown} ({kernel.name}): kernel call {nth + 1} of the"
                               f" {kernel.memory} in one forward: {_SPLIT}")
-        return self.kind._restart(kernel, self.forward) if part == 0 else None
+        return self.kind._restart(kernel, self.forward) if nth == 0 else None
 
     def plan(self, kernel: Kernel, tokens: int) -> Plan:
-        part = self.next_part(kernel, tokens)
+        nth = self.next_kernel_call(kernel, tokens)
         index = self.index
         if index is None:
             return Plan(self, index, [], None)
-        if self.wants(index) and (reason := self.checks(kernel, part, index)) is not None:
+        if self.wants(index) and (reason := self.checks(kernel, nth, index)) is not None:
             self.warn_restart(index, kernel.name, reason)
         hooks = self.hooked(kernel, tokens, lambda hook: hook.targets(index), self.refuse_outside)
         keep = self.keep_at(kernel.memory, tokens)
@@ -348,9 +348,9 @@ class CallState:
         """Say once, for call `index` (it has hooks, writes or kept values), that the model restarted its memory."""
         warnings.warn(f"{self.mixer}, call {index} ({kernel}): {reason}", RecurrentHooksWarning, stacklevel=2)
 
-    def store(self, plan: Plan, kernel: Kernel, part: KernelCall, tokens: int) -> None:
-        inputs = part.inputs if "inputs" in self.kernel_io else None
-        output = part.output if "outputs" in self.kernel_io else None
+    def store(self, plan: Plan, kernel: Kernel, kernel_call: KernelCall, tokens: int) -> None:
+        inputs = kernel_call.inputs if "inputs" in self.kernel_io else None
+        output = kernel_call.output if "outputs" in self.kernel_io else None
         record = self.current
         if record is None:
             return
@@ -362,7 +362,7 @@ class CallState:
         _calls.note_ran(record, kernel.memory, tokens)
         if kernel.memory == self.kind.MEMORIES[0]:
             record.tokens = tokens
-        self.file(kernel.memory, kernel.name, plan.kept, inputs, output, plan.stacked, path=part.path)
+        self.file(kernel.memory, kernel.name, plan.kept, inputs, output, plan.stacked, path=kernel_call.path)
 
     def file(self, memory: str, kernel: str, kept: "dict[int, State] | None", inputs: dict[str, Any] | None,
              output: dict[str, Any] | None, stacked: State | None = None, path: str = "bound kernel") -> None:
@@ -370,11 +370,11 @@ class CallState:
         record = self.current
         if record is None:
             return
-        part = KernelCall(kernel, inputs, output, path)
+        kernel_call = KernelCall(kernel, inputs, output, path)
         if memory == CONV_MEMORY:
-            record.conv = part
+            record.conv = kernel_call
         else:
-            record.kernel_calls.append(part)
+            record.kernel_calls.append(kernel_call)
         if kept is not None:
             _calls.file_kept(record, memory, kept, stacked, self.keep[memory], memory in self.mixer.reduce)
 
@@ -383,13 +383,13 @@ class CallState:
         (reentrant checkpointing): its kept states are then replaced by the recomputed, differentiable
         ones, whose `.grad` is retained for `loss.backward()`."""
         kept = _calls.kept_by_kernel_call(record, kernel.memory)
-        part = self.kernel_calls[kernel.memory] - 1
-        if plan.kept is None or plan.reduce is not None or kept is None or part >= len(kept):
+        nth = self.kernel_call_counts[kernel.memory] - 1
+        if plan.kept is None or plan.reduce is not None or kept is None or nth >= len(kept):
             return  # (reductions: the first forward's stand)
         for token, state in plan.kept.items():
-            if _requires_grad(state) and token in kept[part] and not _requires_grad(kept[part][token]):
+            if _requires_grad(state) and token in kept[nth] and not _requires_grad(kept[nth][token]):
                 map_parts(lambda s: s.retain_grad(), state)
-                _calls.refile_recomputed(record, kernel.memory, part, token, state)
+                _calls.refile_recomputed(record, kernel.memory, nth, token, state)
 
     # -- a hook at a token ----------------------------------------------------------------------------------------
 

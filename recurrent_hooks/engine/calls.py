@@ -104,8 +104,8 @@ class Call:
 
     def __repr__(self) -> str:
         kept = {memory + (" (reduced)" if memory in self._reduced else ""):
-                "every token" if self._positions.get(memory) is None else sorted(parts[0])
-                for memory, parts in self._kept.items()}
+                "every token" if self._positions.get(memory) is None else sorted(by_kernel_call[0])
+                for memory, by_kernel_call in self._kept.items()}
         return (f"Call(index={self.index}, where={self.where!r}, tokens={self.tokens}, kernel={self.kernel!r},"
                 f" reorder={brief(self.reorder)}, kernel_calls={brief(self.kernel_calls)}, conv={brief(self.conv)}, kept={kept})")
 
@@ -169,7 +169,7 @@ class Call:
         renamed("Call.conv_states", "Call.windows")
         return self.windows
 
-    def _kept_parts(self, memory: str) -> list[dict[int, Tensor]]:
+    def _kept_by_kernel_call(self, memory: str) -> list[dict[int, Tensor]]:
         if memory not in KEEP_NAMES:
             raise InvalidValue(f"{self.where}: expected a memory, one of {', '.join(map(repr, KEEP_NAMES))}, got"
                                f" {memory!r}")
@@ -182,34 +182,34 @@ class Call:
         """The memory `memory` ("state" or "window") after every token of this call, stacked on a `seq` axis after
         `batch`: `states` and `windows` by name."""
         memory = memory_name(memory, "Call.kept")
-        parts = self._kept_parts(memory)
+        by_kernel_call = self._kept_by_kernel_call(memory)
         if self._positions[memory] is not None:
             raise Unavailable(f"{self.where}: call {self.index} kept its {memory} at tokens"
-                              f" {sorted(parts[0])} only; read them with {memory}_after(token)")
+                              f" {sorted(by_kernel_call[0])} only; read them with {memory}_after(token)")
         if memory not in self._stacked:
-            buffers = self._buffers.get(memory) or [None] * len(parts)
+            buffers = self._buffers.get(memory) or [None] * len(by_kernel_call)
             if all(buffer is None for buffer in buffers):
-                self._stacked[memory] = self._stack_once(parts)
+                self._stacked[memory] = self._stack_once(by_kernel_call)
             else:
                 per_part = [buffer if buffer is not None else stack_parts([kept[t] for t in sorted(kept)], dim=1)
-                            for kept, buffer in zip(parts, buffers)]
+                            for kept, buffer in zip(by_kernel_call, buffers)]
                 self._stacked[memory] = per_part[0] if len(per_part) == 1 else stack_parts(per_part, dim=2)
         return self._stacked[memory]
 
     @staticmethod
-    def _stack_once(parts: list[dict[int, Tensor]]) -> Tensor:
+    def _stack_once(by_kernel_call: list[dict[int, Tensor]]) -> Tensor:
         """Stack the kept states of every token (and head: axis 2) into one tensor, and keep views of it in place
         of the per-token tensors: the record holds one copy of them, not two (`state_after(t)` is `states[:, t]`).
         Not for states kept in grad mode, which are the tensors the forward read (`_buffers`)."""
-        tokens = sorted(parts[0])
-        if len(parts) == 1:
-            stacked = stack_parts([parts[0][t] for t in tokens], dim=1)
+        tokens = sorted(by_kernel_call[0])
+        if len(by_kernel_call) == 1:
+            stacked = stack_parts([by_kernel_call[0][t] for t in tokens], dim=1)
             for i, t in enumerate(tokens):
-                parts[0][t] = map_parts(lambda s, i=i: s[:, i], stacked)
+                by_kernel_call[0][t] = map_parts(lambda s, i=i: s[:, i], stacked)
             return stacked
-        stacked = stack_parts([stack_parts([kept[t] for kept in parts], dim=1) for t in tokens], dim=1)
+        stacked = stack_parts([stack_parts([kept[t] for kept in by_kernel_call], dim=1) for t in tokens], dim=1)
         for i, t in enumerate(tokens):
-            for head, kept in enumerate(parts):
+            for head, kept in enumerate(by_kernel_call):
                 kept[t] = map_parts(lambda s, i=i, head=head: s[:, i, head], stacked)
         return stacked
 
@@ -218,8 +218,8 @@ class Call:
         forward read them through: `torch.autograd.grad(metric, ...)` works on each (grad mode, every token).
         `memory` is "state" or "window"."""
         memory = memory_name(memory, "Call.differentiable")
-        parts = self._kept_parts(memory)
-        buffers = self._buffers.get(memory) or [None] * len(parts)
+        by_kernel_call = self._kept_by_kernel_call(memory)
+        buffers = self._buffers.get(memory) or [None] * len(by_kernel_call)
         if memory in self._reduced:
             raise Unavailable(f"{self.where}: call {self.index} kept reductions of its {memory}s (watch(reduce=...)),"
                               " which the forward did not read: they have no gradient of a metric. Keep the states"
@@ -242,18 +242,18 @@ class Call:
     def after(self, memory: str, token: int) -> Tensor:
         """The kept `memory` ("state" or "window") after `token` (an int, negative from the end) of this call."""
         memory = memory_name(memory, "Call.after")
-        parts = self._kept_parts(memory)
+        by_kernel_call = self._kept_by_kernel_call(memory)
         tokens = self.ran(memory)
         position = position_of(token, tokens)
         if position is None:
             raise Unavailable(f"{self.where}: token {token} is outside call {self.index}, which has {tokens}"
                               f" tokens (valid: 0..{tokens - 1} or -{tokens}..-1)")
-        if position not in parts[0]:
+        if position not in by_kernel_call[0]:
             raise Unavailable(f"{self.where}: the {memory} after token {token} of call {self.index} was not kept"
-                              f" (kept: tokens {sorted(parts[0])})")
-        if len(parts) == 1:
-            return parts[0][position]
-        return stack_parts([kept[position] for kept in parts], dim=1)
+                              f" (kept: tokens {sorted(by_kernel_call[0])})")
+        if len(by_kernel_call) == 1:
+            return by_kernel_call[0][position]
+        return stack_parts([kept[position] for kept in by_kernel_call], dim=1)
 
 
 # -- the engine's writes to a record (the dispatcher's `CallState` files each kernel call through these) ------------
@@ -289,11 +289,11 @@ def kept_by_kernel_call(call: Call, memory: str) -> list[dict[int, Any]] | None:
     return call._kept.get(memory)
 
 
-def refile_recomputed(call: Call, memory: str, part: int, token: int, value: Any) -> None:
-    """A recompute (reentrant checkpointing) replaced kernel call `part`'s kept value at `token` by a differentiable
+def refile_recomputed(call: Call, memory: str, nth: int, token: int, value: Any) -> None:
+    """A recompute (reentrant checkpointing) replaced kernel call `nth`'s kept value at `token` by a differentiable
     one: the call's states are read one by one from now on."""
-    call._kept[memory][part][token] = value
-    call._buffers[memory][part] = None
+    call._kept[memory][nth][token] = value
+    call._buffers[memory][nth] = None
     call._stacked.pop(memory, None)
 
 

@@ -161,22 +161,22 @@ class TracedCallState:
         """What the handle wants of a kernel call of any call the graph serves; which calls are targeted is told
         when it runs (a restart is warned then, and a token outside a call a hook names is refused then)."""
         state = self.state
-        part = state.next_part(kernel, tokens)
-        if state.wants_some() and (reason := state.checks(kernel, part, "?")) is not None:
+        nth = state.next_kernel_call(kernel, tokens)
+        if state.wants_some() and (reason := state.checks(kernel, nth, "?")) is not None:
             _event(_CLOCKS[self.key], self.key, "restart", [], repr((kernel.name, reason)), [])
         hooks = state.hooked(kernel, tokens, lambda hook: hook.targets_some, functools.partial(_outside, self))
         return TracedPlan(state, None, hooks, state.keep_at(kernel.memory, tokens), kernel.memory)
 
-    def store(self, plan: Plan, kernel: Kernel, part: KernelCall, tokens: int) -> None:
+    def store(self, plan: Plan, kernel: Kernel, kernel_call: KernelCall, tokens: int) -> None:
         """File a kernel call's kept states, records and path in the running call's record, when the graph runs."""
         state = self.state
         if not state.history:
             return
-        inputs = part.inputs if "inputs" in state.kernel_io else None
-        output = part.output if "outputs" in state.kernel_io else None
+        inputs = kernel_call.inputs if "inputs" in state.kernel_io else None
+        output = kernel_call.output if "outputs" in state.kernel_io else None
         tensors: list[Tensor] = []
         spec = (kernel.memory, kernel.name, _encode(plan.kept, tensors), _encode(inputs, tensors),
-                _encode(output, tensors), part.path)
+                _encode(output, tensors), kernel_call.path)
         _event(_CLOCKS[self.key], self.key, "store", [], repr(spec), tensors)
 
     def end(self, checked: bool = True) -> None:

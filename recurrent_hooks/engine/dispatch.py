@@ -195,10 +195,10 @@ class _Tap:
         output = kernel.name_results(result) if "outputs" in records else {}
         if kernel.in_place and isinstance(live_state, Tensor) and "outputs" in records:
             output["final_state"] = live_state.clone()
-        part = KernelCall(kernel.name, arguments if "inputs" in records else None, output, path)
+        kernel_call = KernelCall(kernel.name, arguments if "inputs" in records else None, output, path)
         for row, per_memory in zip(served, plans):
             for state, plan in zip(states, per_memory):
-                state.store(plan, row, part, tokens)
+                state.store(plan, row, kernel_call, tokens)
         return result
 
     def _run_busy(self, entry: Running, kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict,

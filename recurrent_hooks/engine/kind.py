@@ -6,8 +6,8 @@
         VALUES = {"beta": "batch seq heads"}
 
         @classmethod
-        def _token_values(cls, part):      # values() of one kernel call, from its kept inputs and outputs
-            return {"beta": part.inputs["beta"]}
+        def _token_values(cls, kernel_call):   # values() of one kernel call, from its kept inputs and outputs
+            return {"beta": kernel_call.inputs["beta"]}
 
 `Kind` is the base of `RecurrentMixer` (the user's handle, `mixer`): what a kind declares is read by the engine
 from the class, never from a handle's per-call state (`call_state`). A kind declares constants:
@@ -51,7 +51,7 @@ and may override the adapters (class methods, each with a default that fits most
 - `_refusal(kernel)`, `_restart(kernel, forward)`: why a kernel call cannot serve hooks, or restarts its memory;
 - `_head_channels(head, heads, head_state, channels)`: the convolution window channels that feed head `head`
   (a kind with `HEADS` and a window declares them; `patching_sweep(heads=True)` patches them with the head);
-- `_token_values(part)`: `values()` of one kernel call; `_effective_attention(calls, dtype)`: the kind's maths
+- `_token_values(kernel_call)`: `values()` of one kernel call; `_effective_attention(calls, dtype)`: the kind's maths
   (this one reads the handle's records, so it is an instance method).
 """
 
@@ -197,7 +197,7 @@ class Kind:
         raise Unavailable(f"{cls.__name__} does not declare which window channels feed each head")
 
     @classmethod
-    def _token_values(cls, part: KernelCall) -> dict[str, Tensor]:
+    def _token_values(cls, kernel_call: KernelCall) -> dict[str, Tensor]:
         """`values()` of one kernel call; each kind derives them from its kernel's arguments."""
         raise NotImplementedError
 

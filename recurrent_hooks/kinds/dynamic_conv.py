@@ -200,8 +200,8 @@ class DynamicShortConvolution(ShortConvolution):
         return arguments
 
     @classmethod
-    def _token_values(cls, part: KernelCall, tokens: int | None = None) -> dict[str, Tensor]:
-        inputs, output = part.inputs, part.output
+    def _token_values(cls, kernel_call: KernelCall, tokens: int | None = None) -> dict[str, Tensor]:
+        inputs, output = kernel_call.inputs, kernel_call.output
         if inputs is None or output is None:
             raise Unavailable(f"{cls.__name__}.values: the kernel {'inputs' if inputs is None else 'outputs'}"
                               " were not kept: pass keep=('inputs', 'outputs') to watch")

@@ -120,24 +120,25 @@ class GatedDeltaNet(RecurrentMixer):
                 *range(2 * key_heads * key_dim + head * value_dim, 2 * key_heads * key_dim + (head + 1) * value_dim)]
 
     @classmethod
-    def _token_values(cls, part: KernelCall) -> dict[str, Tensor]:
+    def _token_values(cls, kernel_call: KernelCall) -> dict[str, Tensor]:
         # the kernel's own arguments are token-major already (before the kernel's l2norm and scaling)
-        return {**{name: part.inputs[name] for name in ("query", "key", "value", "g", "beta")},
-                "output": part.output["output"]}
+        return {**{name: kernel_call.inputs[name] for name in ("query", "key", "value", "g", "beta")},
+                "output": kernel_call.output["output"]}
 
     def _effective_attention(self, calls: range, dtype: torch.dtype) -> EffectiveAttention:
         """The delta rule's exact map (the UT transform; see `recurrent_hooks.studies.effective_attention`)."""
         kind, kimi = type(self), self.DECAY_PER_KEY_CHANNEL
         per_call = []
         for index in calls:
-            part = self.calls[index].kernel_calls[0]
-            x = part.inputs
+            kernel_call = self.calls[index].kernel_calls[0]
+            x = kernel_call.inputs
             if x.get("cu_seqlens") is not None:
                 raise Unavailable(f"{self}, call {index}: packed sequences (cu_seqlens) have no per-row"
                                   " effective attention")
             g = x["g"] if kimi else x["g"][..., None]
             prepared = prepare(x["query"], x["key"], x["value"], g, x["beta"], x["initial_state"],
-                                x["use_qk_l2norm_in_kernel"], {}, kimi=kimi, recurrent=kind.kernel(part.kernel).role is Role.DECODE)
+                                x["use_qk_l2norm_in_kernel"], {}, kimi=kimi,
+                                recurrent=kind.kernel(kernel_call.kernel).role is Role.DECODE)
             per_call.append([v.transpose(1, 2) for v in prepared[:5]] + [prepared[5]])  # b h t ..
         q, k, v, b, log_a = (cat([c[i] for c in per_call], dtype) for i in range(5))
         state = per_call[0][5].to(dtype)  # b h k v   S_0 of the history

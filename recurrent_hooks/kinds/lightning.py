@@ -234,10 +234,10 @@ class LightningAttention(RecurrentMixer):
         arguments[cls.kernel("forward").state_in] = None if cache is None else _cached_state(cache, module.layer_idx)
         return arguments
 
-    def _token_values(self, part: KernelCall) -> dict[str, Tensor]:
+    def _token_values(self, kernel_call: KernelCall) -> dict[str, Tensor]:
         """q, k, v and the gate, recomputed from the recorded input with the module's projections (the
         weights as they are now), and the forward's output."""
-        x = part.inputs
+        x = kernel_call.inputs
         module = self.module
         if module.qkv_proj.weight.device.type == "meta":
             raise Unavailable(f"{self}.values(): q, k, v and the gate are recomputed with the module's projections,"
@@ -247,4 +247,4 @@ class LightningAttention(RecurrentMixer):
             query, key, value = (v.transpose(1, 2) for v in _qkv(module, x["hidden_states"], x["attention_mask"]))
             gate = F.sigmoid(module.output_gate(x["hidden_states"]))  # b t (h d)
         gate = gate.unflatten(-1, (module.num_attention_heads, module.head_dim))  # b t h d
-        return {"query": query, "key": key, "value": value, "gate": gate, "output": part.output["output"]}
+        return {"query": query, "key": key, "value": value, "gate": gate, "output": kernel_call.output["output"]}

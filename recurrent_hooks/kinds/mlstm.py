@@ -285,7 +285,7 @@ class MatrixLSTM(RecurrentMixer):
         return hidden.shape[1], None, fresh, hidden
 
     @classmethod
-    def _token_values(cls, part: KernelCall) -> dict[str, Tensor]:
-        x = part.inputs
+    def _token_values(cls, kernel_call: KernelCall) -> dict[str, Tensor]:
+        x = kernel_call.inputs
         token_major = {name: x[name].transpose(1, 2) for name in ("query", "key", "value", "igate", "fgate")}
-        return {**token_major, "output": part.output["output"].transpose(1, 2)}
+        return {**token_major, "output": kernel_call.output["output"].transpose(1, 2)}

@@ -295,9 +295,9 @@ class RealGatedLinearRecurrence(RecurrentMixer):
         return None
 
     @classmethod
-    def _token_values(cls, part: KernelCall) -> dict[str, Tensor]:
-        x = part.inputs
+    def _token_values(cls, kernel_call: KernelCall) -> dict[str, Tensor]:
+        x = kernel_call.inputs
         rows = x["hidden_states"].shape[0]
         reset = x["reset"].expand(rows, -1, -1)  # b t 1   one row per batch row (the kernel may get a shared one)
         return {"a": x["recurrent_gate"] * ~reset, "x": x["hidden_states"], "reset": reset[..., 0],
-                "output": part.output["output"]}
+                "output": kernel_call.output["output"]}

@@ -500,24 +500,24 @@ class SelectiveScan(RecurrentMixer):
         return _RESTARTED if continuing and kernel.memory == STATE_MEMORY and kernel.role == "prompt" else None
 
     @classmethod
-    def _token_values(cls, part: KernelCall) -> dict[str, Tensor]:
-        x = part.inputs
-        if part.kernel == cls.kernel_for(Role.PROMPT).name:
+    def _token_values(cls, kernel_call: KernelCall) -> dict[str, Tensor]:
+        x = kernel_call.inputs
+        if kernel_call.kernel == cls.kernel_for(Role.PROMPT).name:
             token_major = lambda v: rearrange(v, "b c t -> b t c")  # noqa: E731
             dt = step_size(token_major(x["dt"]), x["delta_bias"], x["delta_softplus"])
             return {"x": token_major(x["hidden_states"]), "dt": dt, "B": token_major(x["B"]),
-                    "C": token_major(x["C"]), "y": token_major(part.output["output"])}
+                    "C": token_major(x["C"]), "y": token_major(kernel_call.output["output"])}
         dt = step_size(x["dt"], x["dt_bias"], x["dt_softplus"])
         return {"x": x["hidden_states"][:, None], "dt": dt[:, None], "B": x["B"][:, None], "C": x["C"][:, None],
-                "y": part.output["output"][:, None]}
+                "y": kernel_call.output["output"][:, None]}
 
     def _effective_attention_of_head(self, calls: range, head: int, dtype: torch.dtype) -> EffectiveAttention:
         """Mamba-1's exact map over one kernel call per head (zamba: one per mamba head)."""
         kind = type(self)
         xs, steps, Bs, Cs = [], [], [], []
         for index in calls:
-            part = self.calls[index].kernel_calls[head]
-            values = self._token_values(part)  # token-major x, Δ, B, C
+            kernel_call = self.calls[index].kernel_calls[head]
+            values = self._token_values(kernel_call)  # token-major x, Δ, B, C
             xs.append(values["x"]), steps.append(values["dt"]), Bs.append(values["B"]), Cs.append(values["C"])
         last = self.calls[calls[-1]].kernel_calls[head]
         first = self.calls[calls[0]].kernel_calls[head]

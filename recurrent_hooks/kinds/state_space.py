@@ -451,16 +451,16 @@ class Mamba2StateSpace(RecurrentMixer):
         return [*range(head * head_dim, (head + 1) * head_dim), *b, *(c + groups * d_state for c in b)]
 
     @classmethod
-    def _token_values(cls, part: KernelCall) -> dict[str, Tensor]:
-        x = part.inputs
-        if part.kernel == cls.kernel_for(Role.PROMPT).name:
+    def _token_values(cls, kernel_call: KernelCall) -> dict[str, Tensor]:
+        x = kernel_call.inputs
+        if kernel_call.kernel == cls.kernel_for(Role.PROMPT).name:
             dt = step_size(x["dt"], x["dt_bias"], x["dt_softplus"], x["dt_limit"])
             return {"x": x["hidden_states"], "dt": dt, "decay": torch.exp(dt * x["A"].float()), "B": x["B"],
-                    "C": x["C"], "y": part.output["output"]}
+                    "C": x["C"], "y": kernel_call.output["output"]}
         # the decode kernel gets the per-head parameters expanded over head_dim: channel 0 is the head's
         dt = step_size(x["dt"][..., 0], None if x["dt_bias"] is None else x["dt_bias"][..., 0], x["dt_softplus"])
         return {"x": x["hidden_states"][:, None], "dt": dt[:, None], "decay": torch.exp(dt * x["A"][:, 0, 0].float())[:, None],
-                "B": x["B"][:, None], "C": x["C"][:, None], "y": part.output["output"][:, None]}
+                "B": x["B"][:, None], "C": x["C"][:, None], "y": kernel_call.output["output"][:, None]}
 
     def _effective_attention(self, calls: range, dtype: torch.dtype) -> EffectiveAttention:
         """Mamba-2's exact map (SSD: a scalar decay per head)."""

@@ -231,8 +231,9 @@ class WeightedKeyValue(RecurrentMixer):
         return hidden.shape[1], None, state is None or _empty(state, module.layer_id), hidden
 
     @classmethod
-    def _token_values(cls, part: KernelCall) -> dict[str, Tensor]:
-        return {"key": part.inputs["key"], "value": part.inputs["value"], "wkv": part.output["output"]}
+    def _token_values(cls, kernel_call: KernelCall) -> dict[str, Tensor]:
+        inputs = kernel_call.inputs
+        return {"key": inputs["key"], "value": inputs["value"], "wkv": kernel_call.output["output"]}
 
 
 def _empty(state: list[Tensor], layer: int) -> bool:

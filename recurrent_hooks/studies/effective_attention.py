@@ -55,7 +55,7 @@ from ..engine.mixer import RecurrentMixer, record_of
 
 def _state_in(mixer: RecurrentMixer, record: Call) -> list[Tensor | None]:
     name = type(mixer).kernel(record.kernel).state_in
-    return [None if name is None else part.inputs.get(name) for part in record.kernel_calls]
+    return [None if name is None else kernel_call.inputs.get(name) for kernel_call in record.kernel_calls]
 
 
 def _continues(mixer: RecurrentMixer, before: Call, record: Call) -> bool:
@@ -63,8 +63,8 @@ def _continues(mixer: RecurrentMixer, before: Call, record: Call) -> bool:
     if record.reorder is not None or before.replaced(STATE_MEMORY) \
             or len(before.kernel_calls) != len(record.kernel_calls):
         return False
-    for start, part in zip(_state_in(mixer, record), before.kernel_calls):
-        final = (part.output or {}).get("final_state")
+    for start, kernel_call in zip(_state_in(mixer, record), before.kernel_calls):
+        final = (kernel_call.output or {}).get("final_state")
         if start is None or final is None or start.shape != final.shape \
                 or not torch.equal(start.to(torch.float32), final.to(torch.float32)):
             return False
@@ -84,14 +84,14 @@ def _history(mixer: RecurrentMixer, call: int | None) -> range:
     first = record.index
     while first > 0:
         before = mixer.calls[first - 1]
-        for part in (*before.kernel_calls, *mixer.calls[first].kernel_calls):
-            recorded(record, part.inputs, "inputs"), recorded(record, part.output, "outputs")
+        for kernel_call in (*before.kernel_calls, *mixer.calls[first].kernel_calls):
+            recorded(record, kernel_call.inputs, "inputs"), recorded(record, kernel_call.output, "outputs")
         if not _continues(mixer, before, mixer.calls[first]):
             break
         first -= 1
     for index in range(first, record.index + 1):
-        for part in mixer.calls[index].kernel_calls:
-            recorded(record, part.inputs, "inputs"), recorded(record, part.output, "outputs")
+        for kernel_call in mixer.calls[index].kernel_calls:
+            recorded(record, kernel_call.inputs, "inputs"), recorded(record, kernel_call.output, "outputs")
     return range(first, record.index + 1)
 
 
