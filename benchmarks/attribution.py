@@ -12,7 +12,7 @@ Reference: "plain forward + backward": the corrupt ids' forward with gradients o
 metric (log-sum-exp of the last token's logits) to the input embeddings (a leaf; the weights are frozen, as
 in a study, so without it nothing would require grad). Rows, timed in interleaved rounds, each divided by the
 reference of the same round (median over rounds):
-- `rh.attribute(method="chunks")`: the default where the kind has it (nothing of size seq x state kept);
+- `rh.attribute(method="pieces")`: the default where the kind has it (nothing of size seq x state kept);
 - `rh.attribute(method="states")`: every state and window kept differentiably (the reference path);
   skipped with --no-states (at Qwen3.5 dims it needs about 11 GB at T = 512);
 - "gradients to every kept state": `watch(keep=("states",))` with gradients on, then one
@@ -106,7 +106,7 @@ def setup(args: argparse.Namespace):
         write_states()
 
     rows = {"plain forward + backward": reference, FLOOR: floor}
-    for method in ("chunks",) + (() if args.no_states else ("states",)):
+    for method in ("pieces",) + (() if args.no_states else ("states",)):
         rows[f"rh.attribute(method={method!r})"] = (
             lambda method=method: rh.attribute(model, clean, corrupt, metric, method=method,
                                                forward_kwargs={"use_cache": False}, budget_bytes=args.budget_bytes))

@@ -55,7 +55,7 @@ def sweeps(task: MQAR, model, n: int, seed: int, held: torch.Tensor) -> None:
 
     later = carried & (tokens[None, :] > value[:, None])               # from the token after the value to the query
     for what in ("state", "window"):
-        part = rh.patching_sweep(model, clean_ids, corrupt_ids, metric, what=what, progress=False).normalized()
+        part = rh.patching_sweep(model, clean_ids, corrupt_ids, metric, memory=what, progress=False).normalized()
         for layer in (0, 1):
             print(f"    {what:>6} only, layer {layer}: at the value {spread(part[rows, layer, value])};"
                   f" later, max |{what} - 0| {part[:, layer][later].abs().max():.3f},"

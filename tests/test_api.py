@@ -461,3 +461,21 @@ def test_a_call_reads_its_memories_by_name_and_says_where_they_were_replaced():
     assert call.replaced() == frozenset({3}) and call.replaced("window") == frozenset()
     with pytest.raises(rh.InvalidValue, match="expected a memory, one of 'state', 'window', got 'states'"):
         call.kept("states")
+    assert_close("mix.after", mix.state_after([1, 2]), mix.after("state", [1, 2]), rtol=0, atol=0)
+    with pytest.raises(rh.InvalidValue, match="expected memory='state' or memory='window', got 'states'"):
+        mix.after("states", 2)
+
+
+def test_set_after_writes_the_memory_it_names():
+    """`mix.set_after(memory, token, value)` is `set_state_after` / `set_window_after` by the memory's name."""
+    model, ids = build("qwen3_5"), random_ids(1, 8)
+    with rh.watch(model, keep=("states", "windows")) as w, torch.no_grad():
+        model(ids)
+    state, window = w.mixers[0].state_after(2) * 0.5, w.mixers[0].window_after(2) * 0.5
+    runs = {}
+    for name, write in {"generic": lambda mix: (mix.set_after("state", 2, state), mix.set_after("window", 2, window)),
+                        "named": lambda mix: (mix.set_state_after(2, state), mix.set_window_after(2, window))}.items():
+        with rh.watch(model) as v, torch.no_grad():
+            write(v.mixers[0])
+            runs[name] = model(ids).logits
+    assert_close("set_after vs set_state_after and set_window_after", runs["named"], runs["generic"], rtol=0, atol=0)

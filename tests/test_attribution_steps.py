@@ -51,10 +51,10 @@ def frozen(request):
     return build(request.param).requires_grad_(False)
 
 
-@pytest.mark.parametrize("method", ["chunks", "states"])
+@pytest.mark.parametrize("method", ["pieces", "states"])
 def test_steps_average_the_gradients_on_the_line_between_the_embeddings(frozen, method):
     clean, corrupt = random_ids(2, T, seed=1), random_ids(2, T, seed=2)
-    result = rh.attribute(frozen, clean, corrupt, metric, method=method, chunk=4, steps=3)
+    result = rh.attribute(frozen, clean, corrupt, metric, method=method, piece=4, steps=3)
     state, window = integrated_reference(frozen, clean, corrupt, metric, 3)
     scale = (state + window).abs().max()
     for n in range(2):  # per pair
@@ -63,15 +63,15 @@ def test_steps_average_the_gradients_on_the_line_between_the_embeddings(frozen, 
     with torch.no_grad():  # the baselines stay the clean and the corrupt runs'
         baselines = torch.stack([metric(frozen(clean).logits), metric(frozen(corrupt).logits)])
     assert_close("baselines", baselines, torch.stack([result.clean, result.corrupt]), rtol=1e-5, atol=1e-6)
-    first = rh.attribute(frozen, clean, corrupt, metric, method=method, chunk=4)
+    first = rh.attribute(frozen, clean, corrupt, metric, method=method, piece=4)
     assert (result.memory - first.memory).abs().max() > 1e-3 * scale  # the average is not the first-order term
 
 
-@pytest.mark.parametrize("method", ["chunks", "states"])
+@pytest.mark.parametrize("method", ["pieces", "states"])
 def test_one_step_is_first_order_attribution_patching(frozen, method):
     clean, corrupt = random_ids(2, T, seed=3), random_ids(2, T, seed=4)
-    default = rh.attribute(frozen, clean, corrupt, metric, method=method, chunk=4)
-    one = rh.attribute(frozen, clean, corrupt, metric, method=method, chunk=4, steps=1)
+    default = rh.attribute(frozen, clean, corrupt, metric, method=method, piece=4)
+    one = rh.attribute(frozen, clean, corrupt, metric, method=method, piece=4, steps=1)
     for name in ("state", "window", "clean", "corrupt"):
         assert_equal(name, getattr(default, name), getattr(one, name))
     state, window = integrated_reference(frozen, clean, corrupt, metric, 1)
@@ -152,6 +152,6 @@ def test_the_gradient_runs_free_their_calls():
     from recurrent_hooks.studies import attribution
 
     model = build("mamba2").requires_grad_(False)
-    rh.attribute(model, random_ids(2, T, seed=1), random_ids(2, T, seed=2), metric, method="chunks", chunk=4, steps=3)
+    rh.attribute(model, random_ids(2, T, seed=1), random_ids(2, T, seed=2), metric, method="pieces", piece=4, steps=3)
     gc.collect()
     assert not [o for o in gc.get_objects() if type(o) is attribution._Spec]

@@ -97,7 +97,7 @@ def hook_every_mixer(w, fn=NOOP, memories=None):
     """`fn` on every token of every mixer, for each of `memories` (default: the kind's first memory)."""
     for mixer in w.mixers:
         for memory in memories or type(mixer).MEMORIES[:1]:
-            mixer.register_state_hook(fn, which=memory)
+            mixer.register_state_hook(fn, memory=memory)
 
 
 def norm(state):
@@ -187,7 +187,7 @@ def hooked_generate(shared_model, family):
         for memory in seen:
             w.mixers[-1].register_state_hook(
                 lambda m, c, t, s, memory=memory: seen[memory].append((c, t)) if m.head in (None, 0) else None,
-                which=memory)
+                memory=memory)
         greedy(shared_model, random_ids(quirk(family, "batch"), T), N)
     return w, norms, seen, tensor_bytes_reachable(w)
 
@@ -347,7 +347,7 @@ def test_bindings_restored_after_exit_after_a_raising_hook_and_when_nested(model
 
     for memory in rh.FAMILIES[family].kind.MEMORIES:
         with pytest.raises(KeyError, match="boom"), rh.watch(model) as w:
-            w.mixers[0].register_state_hook(boom, token=3, which=memory)
+            w.mixers[0].register_state_hook(boom, token=3, memory=memory)
             logits_of(model, ids)
         unchanged(f"after a raising {memory} hook")
     first = next(m for m in model.modules() if family_of(m) is not None)
@@ -542,9 +542,9 @@ def test_a_replacing_hook_is_a_write(case, memory):
 
     with rh.watch(model, keep=keep_every(case)) as w:
         first = case.first(w)
-        first.register_state_hook(lambda m, c, t, s: head_of(value, m.head), call=0, token=4, which=memory)
+        first.register_state_hook(lambda m, c, t, s: head_of(value, m.head), call=0, token=4, memory=memory)
         first.register_state_hook(lambda m, c, t, s: seen.append((m.head, map_parts(torch.clone, s))), call=0,
-                                  token=4, which=memory)
+                                  token=4, memory=memory)
         hooked = logits_of(model, ids)
     assert_close("hook vs write", written, hooked, rtol=0, atol=0)
     assert seen, "the second hook did not run"
@@ -688,8 +688,8 @@ def _checkpointed(case, checkpointing):
             with rh.watch(model, keep={STACK[memory]: [5, -1]}) as w:
                 first, last = case.first(w), case.mixers(w)[-1]
                 getattr(first, WRITE[memory])(3, write)
-                last.register_state_hook(lambda m, c, t, s: adapter.scale(s), token=4, which=memory)
-                last.register_state_hook(lambda m, c, t, s: seen.append((c, t, m.recomputing)), token=6, which=memory)
+                last.register_state_hook(lambda m, c, t, s: adapter.scale(s), token=4, memory=memory)
+                last.register_state_hook(lambda m, c, t, s: seen.append((c, t, m.recomputing)), token=6, memory=memory)
                 loss = model(ids, use_cache=False).logits.square().mean()
                 for _, part in parts_of(getattr(first, READ[memory])(5)):
                     if part.requires_grad:

@@ -299,7 +299,7 @@ def test_conv_windows_kept_hooked_or_written_leave_the_model_bit_identical(case,
             kept_after_prompt = [m.window_after(T - 1) for m in w.mixers]
         with rh.watch(model, keep=()) as w:
             for mixer in w.mixers:
-                mixer.register_state_hook(lambda m, c, t, s: None, which="window")
+                mixer.register_state_hook(lambda m, c, t, s: None, memory="window")
             logits["prompt, windows hooked"] = _prompt(model, prompt)
             logits["generate, windows hooked"], _ = _generate(model, ids)
         kept = [{t: windows[:, t] for t in WRITTEN} for windows in prompt_windows]

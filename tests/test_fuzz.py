@@ -234,7 +234,7 @@ def run(case: Case, kind: Kind, values: list[rh.Memory], fast: bool) -> Run:
                 mixer.set_memory_after(edit.token, value, call=edit.call)
             else:
                 mixer.register_state_hook(hook_of(i, edit), call=edit.call, token=edit.token,
-                                          which=HOOKS[edit.method])
+                                          memory=HOOKS[edit.method])
         out = model.generate(random_ids(case.batch, case.prompt, seed=case.seed), max_new_tokens=n,
                              min_new_tokens=n, do_sample=False, pad_token_id=PAD, output_logits=True,
                              return_dict_in_generate=True)

@@ -49,7 +49,7 @@ def one_head_written(model, family, clean, corrupt, layer, head, position, what)
                     if isinstance(s, torch.Tensor):
                         return one(s, state)
                     return type(s)(*(one(p, c) for p, c in zip(s, state)))
-            mixer.register_state_hook(write, call=0, token=position, which=memory)
+            mixer.register_state_hook(write, call=0, token=position, memory=memory)
         return metric(model(corrupt, use_cache=False).logits)[0]
 
 
@@ -62,7 +62,7 @@ CASES = [("qwen3_5", "memory"), ("qwen3_5", "state"), ("qwen3_5", "window"), ("k
 def test_a_head_cell_equals_one_run_writing_only_that_head(family, what):
     model = build(family).requires_grad_(False)
     clean, corrupt = random_ids(1, T, seed=1), random_ids(1, T, seed=2)
-    sweep = rh.patching_sweep(model, clean[0], corrupt[0], metric, what=what, heads=True, positions=POSITIONS,
+    sweep = rh.patching_sweep(model, clean[0], corrupt[0], metric, memory=None if what == "memory" else what, heads=True, positions=POSITIONS,
                               progress=False)
     assert sweep.values.shape == (len(sweep.layers), sweep.heads, len(POSITIONS)) and sweep.heads >= 2
     expected = torch.empty_like(sweep.values)
@@ -95,7 +95,7 @@ def test_the_declared_channels_are_the_ones_a_head_reads(family):
                     out = s.clone()
                     out[:, channels] = window[:, channels]
                     return out
-                w.mixers[0].register_state_hook(write, call=0, token=position, which="window")
+                w.mixers[0].register_state_hook(write, call=0, token=position, memory="window")
             model(corrupt, use_cache=False)
         return w.mixers[0].values()[output][0]  # seq heads ...
 

@@ -538,7 +538,7 @@ def test_the_memory_is_the_state_alone(model):
         mixer = w.mixers[0]
         for attempt in (lambda: mixer.window_after(0), lambda: mixer.windows,
                         lambda: mixer.set_window_after(0, torch.zeros(1)),
-                        lambda: mixer.register_state_hook(lambda *a: None, which="window")):
+                        lambda: mixer.register_state_hook(lambda *a: None, memory="window")):
             with pytest.raises(rh.Unavailable, match=r"LightningAttention mixer has no window; it carries only state \(state_after, set_state_after\)"):
                 attempt()
     row = rh.support(model)[0]
@@ -563,14 +563,14 @@ def test_values(model):
 
 
 def test_a_sweep_of_the_whole_memory_is_a_sweep_of_the_state(model):
-    """The memory is the state alone: what="memory" patches the state, equal to one forward per cell."""
+    """The memory is the state alone: the whole memory's sweep (memory=None) is the state's."""
     clean, corrupt = random_ids(1, 9, seed=1), random_ids(1, 9, seed=2)
     metric = lambda logits: logits[:, -1, 5] - logits[:, -1, 6]  # noqa: E731
     memory = rh.patching_sweep(model, clean[0], corrupt[0], metric, progress=False)
-    state = rh.patching_sweep(model, clean[0], corrupt[0], metric, what="state", progress=False)
-    assert_close("what=memory vs what=state", state.values, memory.values, rtol=0, atol=0)
+    state = rh.patching_sweep(model, clean[0], corrupt[0], metric, memory="state", progress=False)
+    assert_close("the whole memory vs the state", state.values, memory.values, rtol=0, atol=0)
     with pytest.raises(rh.Unavailable, match="no window"):
-        rh.patching_sweep(model, clean[0], corrupt[0], metric, what="window", progress=False)
+        rh.patching_sweep(model, clean[0], corrupt[0], metric, memory="window", progress=False)
     with rh.watch(model, keep={"states": [4]}) as w, torch.no_grad():
         model(clean, use_cache=False)
     with rh.watch(model) as v, torch.no_grad():

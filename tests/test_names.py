@@ -91,14 +91,53 @@ def test_which_conv_state_is_which_window(model):
     ids = random_ids(2, T)
     seen = {"window": [], "conv_state": []}
     with rh.watch(model, keep=("windows",)) as w, torch.no_grad():
-        w.mixers[0].register_state_hook(lambda m, c, t, s: seen["window"].append(s.clone()), which="window")
+        w.mixers[0].register_state_hook(lambda m, c, t, s: seen["window"].append(s.clone()), memory="window")
         warns_once("'window'", lambda: w.mixers[0].register_state_hook(
-            lambda m, c, t, s: seen["conv_state"].append(s.clone()), which="conv_state"))
+            lambda m, c, t, s: seen["conv_state"].append(s.clone()), memory="conv_state"))
         model(ids)
     assert len(seen["window"]) == T
     for t, (a, b) in enumerate(zip(seen["window"], seen["conv_state"], strict=True)):
         assert_equal(f"the window hooked at token {t}", a, b)
         assert_equal(f"the window hooked at token {t} is the kept one", w.mixers[0].window_after(t), a)
+
+
+def test_which_is_memory(model):
+    """`register_state_hook(which=...)` is the former name of `memory=`: it warns and hooks the same memory; both
+    at once are refused."""
+    ids = random_ids(2, T)
+    seen = {"memory": [], "which": []}
+    with rh.watch(model) as w, torch.no_grad():
+        w.mixers[0].register_state_hook(lambda m, c, t, s: seen["memory"].append(s.clone()), memory="window")
+        warns_once("memory=", lambda: w.mixers[0].register_state_hook(
+            lambda m, c, t, s: seen["which"].append(s.clone()), which="window"))
+        with pytest.raises(rh.InvalidValue, match="`which` is the former name of `memory`"):
+            w.mixers[0].register_state_hook(lambda *args: None, memory="state", which="state")
+        model(ids)
+    assert len(seen["memory"]) == T
+    for t, (a, b) in enumerate(zip(seen["memory"], seen["which"], strict=True)):
+        assert_equal(f"the window hooked at token {t}", a, b)
+
+
+def test_a_sweeps_what_is_memory(model):
+    """`patching_sweep(what=...)` is the former name of `memory=` ("memory": the whole memory, now None)."""
+    clean, corrupt = random_ids(1, 8, seed=1)[0], random_ids(1, 8, seed=2)[0]
+    metric = lambda logits: logits[:, -1, 3]  # noqa: E731
+    for what, memory in (("state", "state"), ("memory", None)):
+        new = rh.patching_sweep(model, clean, corrupt, metric, memory=memory, layers=[0], progress=False)
+        old = warns_once("memory=", lambda: rh.patching_sweep(model, clean, corrupt, metric, what=what, layers=[0],
+                                                              progress=False))
+        assert old.what == new.what == what
+        assert_equal(f"what={what!r}", new.values, old.values)
+
+
+def test_attributes_chunks_are_pieces(model):
+    """`attribute(method="chunks", chunk=...)` are the former names of `method="pieces", piece=...`."""
+    frozen = build("qwen3_5").requires_grad_(False)
+    clean, corrupt = random_ids(1, 7, seed=1), random_ids(1, 7, seed=2)
+    metric = lambda logits: logits[:, -1, 3]  # noqa: E731
+    new = rh.attribute(frozen, clean, corrupt, metric, method="pieces", piece=4)
+    old = warns_once("piece", lambda: rh.attribute(frozen, clean, corrupt, metric, method="chunks", chunk=4), most=2)
+    assert_equal("state terms", new.state, old.state)
 
 
 def test_differentiable_conv_state_is_window(model):

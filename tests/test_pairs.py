@@ -8,7 +8,7 @@ import recurrent_hooks as rh
 from _compare import assert_close
 from _models import build, random_ids
 
-FAMILIES = ["qwen3_5", "kimi_linear", "mamba", "zamba", "mamba2", "recurrent_gemma"]  # chunks x 5 kinds, "states"
+FAMILIES = ["qwen3_5", "kimi_linear", "mamba", "zamba", "mamba2", "recurrent_gemma"]  # "pieces" x 5 kinds, "states"
 PAIRS, TOKENS = 3, 11
 
 
@@ -66,7 +66,7 @@ def test_patching_sweep_over_pairs_equals_one_sweep_per_pair(family):
                  (many.values[1] - many.corrupt[1]) / (many.clean[1] - many.corrupt[1]), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("family, method", [("qwen3_5", "chunks"), ("mamba2", "chunks"), ("recurrent_gemma", "states")])
+@pytest.mark.parametrize("family, method", [("qwen3_5", "pieces"), ("mamba2", "pieces"), ("recurrent_gemma", "states")])
 def test_pairs_split_by_the_memory_budget_give_the_batch_result(family, method):
     """A budget that holds one pair's states (or two) runs the pairs in groups, each with its metric's rows
     (`for_rows`) and its rows of the per-pair forward_kwargs (a mask with left padding): the same terms as one

@@ -222,7 +222,7 @@ def test_the_state_is_unavailable_with_a_clear_message(model):
         carries = r"has no state; it carries only window \(window_after, set_window_after\)"
         for read in (lambda: mixer.state_after(0), lambda: mixer.states,
                      lambda: mixer.set_state_after(0, torch.zeros(1)),
-                     lambda: mixer.register_state_hook(lambda m, c, t, s: None, which="state")):
+                     lambda: mixer.register_state_hook(lambda m, c, t, s: None, memory="state")):
             kind = type(mixer).__name__
             with pytest.raises(rh.Unavailable, match=rf"{kind}\({mixer.family}, layer 0\)\.\w+: a {kind} mixer"
                                                       rf" {carries}"):
@@ -240,7 +240,7 @@ def test_support_rows(model, family):
     for row in rows:
         assert (row.family, row.kind) == (family, rh.FAMILIES[family].kind.__name__)
         assert row.available == ("windows", "inputs", "outputs", "values", "writes", "hooks")
-        assert "state" in row.unavailable and "patching_sweep(what='memory' | 'window')" in " ".join(row.unavailable.values())
+        assert "state" in row.unavailable and "patching_sweep(memory=None | 'window')" in " ".join(row.unavailable.values())
 
 
 def test_a_memory_per_layer_is_refused_where_a_layer_has_several_mixers(model):
@@ -259,7 +259,7 @@ def test_a_memory_per_layer_is_refused_where_a_layer_has_several_mixers(model):
 
 
 def test_a_window_sweep_equals_one_forward_per_cell(model):
-    """patching_sweep(what="window") patches the clean window (here the whole memory) into the corrupt run, one
+    """patching_sweep(memory="window") patches the clean window (here the whole memory) into the corrupt run, one
     cell per layer x position, equal to a forward with set_window_after; "memory" and "state" ask for a
     recurrent state and raise. Where a layer has several mixers (inkling), a cell per layer is refused."""
     clean = random_ids(1, 8, seed=1)
@@ -270,9 +270,9 @@ def test_a_window_sweep_equals_one_forward_per_cell(model):
         layers = [mixer.layer for mixer in static(w)]
     if len(set(layers)) < len(layers):
         with pytest.raises(rh.Unavailable, match=r"patching_sweep: layers \[0, 1(, 2)?\] have several mixers each"):
-            rh.patching_sweep(model, clean[0], corrupt[0], metric, what="window", progress=False)
+            rh.patching_sweep(model, clean[0], corrupt[0], metric, memory="window", progress=False)
         return
-    sweep = rh.patching_sweep(model, clean[0], corrupt[0], metric, what="window", progress=False)
+    sweep = rh.patching_sweep(model, clean[0], corrupt[0], metric, memory="window", progress=False)
     with rh.watch(model, keep=("windows",)) as w, torch.no_grad():
         model(clean, use_cache=False)
     first = static(w)[0]
@@ -283,10 +283,10 @@ def test_a_window_sweep_equals_one_forward_per_cell(model):
         assert_close(f"cell (layer {first.layer}, position {position})", value[0],
                      sweep.values[sweep.layers.index(first.layer), position], rtol=1e-5, atol=1e-6)
     # "memory" patches every memory the kind carries: here the window alone
-    whole = rh.patching_sweep(model, clean[0], corrupt[0], metric, what="memory", progress=False)
+    whole = rh.patching_sweep(model, clean[0], corrupt[0], metric, progress=False)
     assert_close("the memory sweep is the window sweep", sweep.values, whole.values, rtol=0, atol=0)
     with pytest.raises(rh.Unavailable, match="has no state; it carries only window"):
-        rh.patching_sweep(model, clean[0], corrupt[0], metric, what="state", progress=False)
+        rh.patching_sweep(model, clean[0], corrupt[0], metric, memory="state", progress=False)
     # attribution patching estimates the same cells: no state rows, window rows that vary with the position
     estimate = rh.attribute(model, clean[:1], corrupt[:1], metric, forward_kwargs={"use_cache": False})
     assert_equal("no state to attribute", torch.zeros_like(estimate.state), estimate.state)

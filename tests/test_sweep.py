@@ -32,7 +32,8 @@ from _compare import assert_close, assert_equal
 from _models import _COMMON, _KDA, _MLA, _HYBRID_LAYERS, _make, build, random_ids
 
 T, BATCH = 10, 7  # 7 cells per forward: batches mix two layers and the last one is short
-WHAT = ("memory", "state", "window")
+WHAT = ("memory", "state", "window")  # what a sweep patches, as its result's `what` says
+MEMORY = {"memory": None, "state": "state", "window": "window"}  # ... and the `memory=` that asks for it
 
 
 def kimi_linear_dense():
@@ -92,7 +93,7 @@ def test_the_batched_sweep_equals_the_loop_of_public_writes_bit_for_bit(family):
     try:
         for what in WHAT:
             expected, layers = loop_reference(model, clean, corrupt, what, batch_size=BATCH, paths=LOOP)
-            sweep = rh.patching_sweep(model, clean[0], corrupt[0], metric, what=what, batch_size=BATCH, progress=False,
+            sweep = rh.patching_sweep(model, clean[0], corrupt[0], metric, memory=MEMORY[what], batch_size=BATCH, progress=False,
                                       paths=LOOP, reuse_prefix=False)
             assert sweep.layers == tuple(layers) and sweep.positions == tuple(range(T)) and sweep.what == what
             assert_equal(f"{family}, what={what}: batched sweep vs one forward per cell", expected, sweep.values)
@@ -107,7 +108,7 @@ def test_the_batched_sweep_matches_one_prompt_per_forward_with_the_default_kerne
     clean, corrupt = prompts()
     for what in WHAT:
         expected, _ = loop_reference(model, clean, corrupt, what)
-        sweep = rh.patching_sweep(model, clean[0], corrupt[0], metric, what=what, batch_size=BATCH, progress=False)
+        sweep = rh.patching_sweep(model, clean[0], corrupt[0], metric, memory=MEMORY[what], batch_size=BATCH, progress=False)
         assert_close(f"{family}, what={what}: batched sweep vs one prompt per forward", expected, sweep.values,
                      rtol=1e-5, atol=1e-6)
         with torch.no_grad():
@@ -151,7 +152,9 @@ def test_bad_arguments_raise_invalid_value_naming_what_was_expected_and_what_cam
         (dict(positions=[T]), rf"expected positions in 0..{T - 1} \(or -{T}..-1\) of the {T}-token prompt, got position {T}"),
         (dict(positions=[3, -7]), r"expected each position once, got position 3 twice"),
         (dict(positions=[]), r"expected positions as an int or a non-empty list of ints, got \[\]"),
-        (dict(what="states"), r"expected what in \('memory', 'state', 'window'\), got what='states'"),
+        (dict(memory="states"), r"expected memory= None \(the whole memory\), 'state' or 'window', got memory='states'"),
+        (dict(memory="memory"), r"expected memory= None \(the whole memory\), 'state' or 'window', got memory='memory'"),
+        (dict(memory="state", what="state"), r"`what` is the former name of `memory`"),
         (dict(batch_size=0), r"expected batch_size >= 1 \(or None: chosen from the shapes\), got batch_size=0"),
         (dict(budget_bytes=-1), r"expected budget_bytes >= 0 \(or None: 268435456\), got budget_bytes=-1"),
         (dict(budget_bytes=1.5), r"expected budget_bytes as an int, got float 1.5"),
@@ -238,9 +241,9 @@ def test_a_sweep_in_rounds_equals_the_sweep_in_one_round_bit_for_bit():
     rh.route_kernels(model, "torch")
     try:
         for what in WHAT:
-            one = rh.patching_sweep(model, clean[0], corrupt[0], metric, what=what, batch_size=BATCH, progress=False,
+            one = rh.patching_sweep(model, clean[0], corrupt[0], metric, memory=MEMORY[what], batch_size=BATCH, progress=False,
                                     paths=LOOP, reuse_prefix=False)
-            rounds = rh.patching_sweep(model, clean[0], corrupt[0], metric, what=what, batch_size=BATCH, progress=False,
+            rounds = rh.patching_sweep(model, clean[0], corrupt[0], metric, memory=MEMORY[what], batch_size=BATCH, progress=False,
                                        paths=LOOP, budget_bytes=0, reuse_prefix=False)
             assert_equal(f"what={what}: one batch per clean forward vs all in one", one.values, rounds.values)
     finally:

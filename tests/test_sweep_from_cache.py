@@ -67,8 +67,8 @@ def test_a_family_sweeps_from_the_corrupt_cache_where_its_kind_continues_one(fam
 def test_a_state_or_a_window_alone_is_patched_in_the_cache(family, what):
     model = build(family)
     clean, corrupt = prompts()
-    expected = rh.patching_sweep(model, clean, corrupt, metric, what=what, progress=False, reuse_prefix=False)
-    got = rh.patching_sweep(model, clean, corrupt, metric, what=what, progress=False, reuse_prefix=True)
+    expected = rh.patching_sweep(model, clean, corrupt, metric, memory=what, progress=False, reuse_prefix=False)
+    got = rh.patching_sweep(model, clean, corrupt, metric, memory=what, progress=False, reuse_prefix=True)
     assert_close(f"{family}, what={what}", expected.values, got.values, **TOLERANCE)
 
 

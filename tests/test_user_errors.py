@@ -41,7 +41,7 @@ def test_an_error_in_a_hook_at_a_prompt_token_says_where(model):
 
 def test_an_error_in_a_hook_at_a_decode_step_says_where(model):
     with rh.watch(model) as w:
-        w.mixers[0].register_state_hook(_bad_hook, call=2, which="window")
+        w.mixers[0].register_state_hook(_bad_hook, call=2, memory="window")
         with pytest.raises(AttributeError) as error:
             model.generate(random_ids(1, T), max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert _notes(error) == ["raised in the window hook _bad_hook on GatedDeltaNet(qwen3_5, layer 0), at call 2,"

@@ -252,7 +252,7 @@ def test_half_precision_is_bit_identical(family, dtype):
     with rh.watch(model) as w:
         for mixer in w.mixers:
             mixer.register_state_hook(lambda m, c, t, s: None)
-            mixer.register_state_hook(lambda m, c, t, s: None, which="window")
+            mixer.register_state_hook(lambda m, c, t, s: None, memory="window")
         assert_equal("prompt logits, hooked", plain, logits_of(model, ids))
 
 

@@ -178,8 +178,8 @@ def test_watched_logits_equal_unwatched(model, seq):
     assert w.mixers[0].windows.shape == (2, seq, 48, 2) and w.mixers[0].states.shape == (2, seq, 8)
     with rh.watch(model) as w:
         for mixer in w.mixers:
-            mixer.register_state_hook(lambda m, c, t, s: None, which="window")
-            mixer.register_state_hook(lambda m, c, t, s: None, which="state")
+            mixer.register_state_hook(lambda m, c, t, s: None, memory="window")
+            mixer.register_state_hook(lambda m, c, t, s: None, memory="state")
         assert_equal("no-op hooks on both memories", expected, logits_of(model, ids))
 
 
@@ -193,7 +193,7 @@ def test_greedy_generate_and_hooks_at_prompt_tokens_and_decode_steps(model):
         mixer = w.mixers[1]
         for which in seen:
             mixer.register_state_hook(lambda m, c, t, s, which=which: seen[which].append((c, t, s.clone())),
-                                      which=which)
+                                      memory=which)
         assert_equal("generate", expected, greedy(model, ids, 5))
     order = [(0, t) for t in range(T)] + [(k, 0) for k in range(1, 5)]
     for which, getter in (("window", mixer.window_after), ("state", mixer.state_after)):
@@ -274,8 +274,8 @@ def test_a_replacing_hook_is_a_write(model):
         w.mixers[0].set_state_after(4, delay)
         written = logits_of(model, ids)
     with rh.watch(model) as w:
-        w.mixers[0].register_state_hook(lambda m, c, t, s: window, call=0, token=4, which="window")
-        w.mixers[0].register_state_hook(lambda m, c, t, s: delay, call=0, token=4, which="state")
+        w.mixers[0].register_state_hook(lambda m, c, t, s: window, call=0, token=4, memory="window")
+        w.mixers[0].register_state_hook(lambda m, c, t, s: delay, call=0, token=4, memory="state")
         hooked = logits_of(model, ids)
     assert_equal("a replacing hook is a write", written, hooked)
 
@@ -347,7 +347,7 @@ def test_bindings_restored_after_exit_after_a_raising_hook_and_when_nested(model
     with rh.watch(model):
         assert getattr(owner.__dict__["forward"], "__recurrent_hooks__", False)
         with rh.watch(model) as inner:
-            inner.mixers[0].register_state_hook(lambda m, c, t, s: None, which="state")
+            inner.mixers[0].register_state_hook(lambda m, c, t, s: None, memory="state")
             logits_of(model, ids)
         assert getattr(owner.__dict__["forward"], "__recurrent_hooks__", False)
     assert owner.__dict__["forward"] is before
@@ -358,7 +358,7 @@ def test_bindings_restored_after_exit_after_a_raising_hook_and_when_nested(model
     for which in ("window", "state"):
         with pytest.raises(KeyError, match="boom"):
             with rh.watch(model) as w:
-                w.mixers[0].register_state_hook(boom, token=3, which=which)
+                w.mixers[0].register_state_hook(boom, token=3, memory=which)
                 logits_of(model, ids)
         assert owner.__dict__["forward"] is before
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
@@ -407,7 +407,7 @@ def test_past_recording_fails_in_transformers_and_is_refused_by_name_when_watche
     with pytest.raises(rh.Unavailable, match=r"ZayaCCAProjection \(layer 0\): a cache recording its past \(assisted"
                        r" decoding\): transformers 5\.24\.\d+'s own forward cannot run it"):
         with rh.watch(model) as w:
-            w.mixers[0].register_state_hook(lambda m, c, t, s: None, which="state")
+            w.mixers[0].register_state_hook(lambda m, c, t, s: None, memory="state")
             _decode_twice_recording_the_past(model, ids)
 
 
@@ -420,8 +420,8 @@ def test_past_recording_runs_in_transformers_and_when_watched(model):
     expected = _decode_twice_recording_the_past(model, ids)
     seen = []
     with rh.watch(model, keep=("windows",)) as w:
-        w.mixers[0].register_state_hook(lambda m, c, t, s: seen.append((c, t, s.clone())), which="window")
-        w.mixers[0].register_state_hook(lambda m, c, t, s: None, which="state")
+        w.mixers[0].register_state_hook(lambda m, c, t, s: seen.append((c, t, s.clone())), memory="window")
+        w.mixers[0].register_state_hook(lambda m, c, t, s: None, memory="state")
         got = _decode_twice_recording_the_past(model, ids)
     assert_equal("logits with a recording cache", expected, got)
     assert [(c, t) for c, t, _ in seen] == [(0, t) for t in range(5)] + [(1, 0), (2, 0)]

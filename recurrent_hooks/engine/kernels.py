@@ -30,7 +30,7 @@ KEEPABLE = {"inputs": None, "outputs": None, "states": STATE_MEMORY, "windows": 
 KEEP_NAMES = {memory: name for name, memory in KEEPABLE.items() if memory is not None}  # memory -> keep name
 KERNEL_IO = ("inputs", "outputs")  # the keep names of the kernel's arguments and results
 RENAMED_KEEP = {"conv_states": "windows"}  # former keep names (docs/api.md, "Renamed"): they warn
-RENAMED_MEMORY = {"conv_state": CONV_MEMORY}  # former memory names (`which=`, `differentiable`): they warn
+RENAMED_MEMORY = {"conv_state": CONV_MEMORY}  # former memory names (`memory=`, `differentiable`): they warn
 
 
 def memory_name(memory: object, where: str) -> object:

@@ -188,6 +188,17 @@ class RecurrentMixer(Kind):
         renamed("RecurrentMixer.conv_states", "RecurrentMixer.windows")
         return self.windows
 
+    def after(self, memory: str, token: "int | Sequence[int] | slice", call: int | None = None) -> State:
+        """The kept `memory` ("state" or "window") after `token` of call `call`: `state_after` or `window_after` by
+        the memory's name (the memory-generic reader, as `register_state_hook(memory=...)` takes it).
+
+            mix.after("window", 4)      # mix.window_after(4)
+        """
+        memory = memory_name(memory, f"{self}.after")
+        if memory not in (STATE_MEMORY, CONV_MEMORY):
+            raise InvalidValue(f"{self}.after: expected memory='state' or memory='window', got {memory!r}")
+        return (self.state_after if memory == STATE_MEMORY else self.window_after)(token, call)
+
     def state_after(self, token: "int | Sequence[int] | slice", call: int | None = None
                     ) -> Float[Tensor, "batch *state"] | Float[Tensor, "batch tokens *state"]:
         """The state after `token` (negative counts from the end) of call `call` (default: the last call).
@@ -240,12 +251,12 @@ class RecurrentMixer(Kind):
         record = self._call(call, "values")
         if not record.kernel_calls:
             raise Unavailable(f"{self}: call {record.index} made no recurrence kernel call")
-        for part in record.kernel_calls:
-            recorded(record, part.inputs, "inputs"), recorded(record, part.output, "outputs")
-        per_part = [self._token_values(part) for part in record.kernel_calls]
-        if len(per_part) == 1:
-            return per_part[0]
-        return {name: torch.stack([values[name] for values in per_part], dim=2) for name in per_part[0]}
+        for kernel_call in record.kernel_calls:
+            recorded(record, kernel_call.inputs, "inputs"), recorded(record, kernel_call.output, "outputs")
+        per_kernel_call = [self._token_values(kernel_call) for kernel_call in record.kernel_calls]
+        if len(per_kernel_call) == 1:
+            return per_kernel_call[0]
+        return {name: torch.stack([values[name] for values in per_kernel_call], dim=2) for name in per_kernel_call[0]}
 
     def _call(self, call: Any, method: str) -> Call:
         return record_of(self, call, method)
@@ -253,7 +264,8 @@ class RecurrentMixer(Kind):
     # -- hooks and writes --------------------------------------------------------------------------------
 
     def register_state_hook(self, fn: StateHook, *, call: "int | Iterable[int] | slice | None" = None,
-                            token: int | Iterable[int] | None = None, which: str | None = None) -> RemovableHandle:
+                            token: int | Iterable[int] | None = None, memory: str | None = None,
+                            which: str | None = None) -> RemovableHandle:
         """Call `fn(mixer, call, token, state)` after the state update of each targeted token.
 
             h = mix.register_state_hook(lambda m, c, t, s: s * 0.5, call=0, token=[3, 4])
@@ -269,20 +281,39 @@ class RecurrentMixer(Kind):
         outside one of them raises; with `call=None` or an open slice, calls without the token are
         skipped. Calls that never run (a generation that stopped early) are not an error for hooks.
         A model that `fn` runs is not watched: its kernels run untouched.
-        `which="window"` hooks the convolution window instead (`[batch, channels, kernel_size]`).
+        `memory="window"` hooks the convolution window instead (`[batch, channels, kernel_size]`; `which=` is its
+        former name).
         The default is the kind's first memory (`MEMORIES[0]`): the state, or the window of a kind that
         carries only a window (a short convolution).
         """
         where = f"{self}.register_state_hook"
-        which = self.MEMORIES[0] if which is None else memory_name(which, where)
+        if which is not None:
+            if memory is not None:
+                raise InvalidValue(f"{where}: memory={memory!r} and which={which!r}: `which` is the former name of"
+                                   " `memory`; pass memory= alone")
+            renamed(f"{where}(which=...)", f"{where}(memory=...)")
+            memory = which
+        which = self.MEMORIES[0] if memory is None else memory_name(memory, where)
         if not callable(fn):
             raise InvalidValue(f"{where}: expected a callable fn(mixer, call, token, state), got {fn!r}")
         if which not in (STATE_MEMORY, CONV_MEMORY):
-            raise InvalidValue(f"{where}: expected which='state' or which='window', got {which!r}")
+            raise InvalidValue(f"{where}: expected memory='state' or memory='window', got {which!r}")
         self._has(which, "register_state_hook")
         calls = as_calls(call, where)
         name = getattr(fn, "__qualname__", repr(fn))
         return self._add_hooks(Hook(fn, which, calls, as_targets(token, "token", where), f"{which} hook {name}"))
+
+    def set_after(self, memory: str, token: int, value: Tensor, call: "int | Iterable[int] | slice | None" = 0
+                  ) -> RemovableHandle:
+        """Replace the `memory` ("state" or "window") after `token` of call `call` by `value`: `set_state_after` or
+        `set_window_after` by the memory's name.
+
+            mix.set_after("state", 4, patched_state)     # mix.set_state_after(4, patched_state)
+        """
+        memory = memory_name(memory, f"{self}.set_after")
+        if memory not in (STATE_MEMORY, CONV_MEMORY):
+            raise InvalidValue(f"{self}.set_after: expected memory='state' or memory='window', got {memory!r}")
+        return (self.set_state_after if memory == STATE_MEMORY else self.set_window_after)(token, value, call)
 
     def set_state_after(self, token: int, value: Tensor, call: "int | Iterable[int] | slice | None" = 0
                         ) -> RemovableHandle:

@@ -66,7 +66,7 @@ class ShortConvolution(RecurrentMixer):
         mix.set_window_after(4, window)      # (in a new watch) tokens 5.. and the cache read `window`
 
     There is no recurrent state: `state_after`, `states` and `set_state_after` raise `Unavailable`, and
-    `register_state_hook` hooks the window (`which="window"`, the default for this kind). The window
+    `register_state_hook` hooks the window (`memory="window"`, the default for this kind). The window
     after token t is what tokens t+1..t+K-1 read, so writing it after t makes the convolution's outputs
     after t those of the run it came from: for a short convolution the window is the whole memory.
 
@@ -92,8 +92,8 @@ class ShortConvolution(RecurrentMixer):
     }
     LIMITS = {
         "state": "a short convolution carries no recurrent state: its whole memory is the window (windows)",
-        "research tools": "effective_attention and patching_sweep(what='state') need a recurrent state and raise"
-        " Unavailable; patching_sweep(what='memory' | 'window') patches the windows (the whole memory here), and"
+        "research tools": "effective_attention and patching_sweep(memory='state') need a recurrent state and raise"
+        " Unavailable; patching_sweep(memory=None | 'window') patches the windows (the whole memory here), and"
         " attribute estimates them (its state rows are zero)",
         "a memory per layer (inkling, inkling2, inkling2_loop)": "these run four convolutions per decoder layer"
         " (and inkling2_loop a mixer per pass of a looped layer), each its own mixer sharing `layer_idx`:"
@@ -133,8 +133,8 @@ class ShortConvolution(RecurrentMixer):
         return self._token_values(record.conv, record.tokens)
 
     @classmethod
-    def _token_values(cls, part: KernelCall, tokens: int | None = None) -> dict[str, Tensor]:
-        inputs, output = part.inputs, part.output
+    def _token_values(cls, kernel_call: KernelCall, tokens: int | None = None) -> dict[str, Tensor]:
+        inputs, output = kernel_call.inputs, kernel_call.output
         if inputs is None or output is None:
             raise Unavailable(f"{cls.__name__}.values: the kernel {'inputs' if inputs is None else 'outputs'}"
                               " were not kept: pass keep=('inputs', 'outputs') to watch")

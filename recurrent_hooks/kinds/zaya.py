@@ -216,7 +216,7 @@ class CompressedConvolutionalAttention(RecurrentMixer):
     dtype), and the value delay, the mixer's `state` (`[batch, Hkv * D / 2]`): the previous token's
     `v_proj_delayed` output, which transformers caches as the layer's recurrent state. Both are computed
     inline in the module's forward, which the library owns (a `Site.CLASS` kernel that updates both memories);
-    hooks on the window are the default (`MEMORIES[0]`), `which="state"` hooks the delay. `inputs` are the
+    hooks on the window are the default (`MEMORIES[0]`), `memory="state"` hooks the delay. `inputs` are the
     forward's arguments, with the cache replaced by the window and the delay it held (None for a prompt);
     `outputs` are its results, `query`, `key`, `value` (before zaya's q/k norm and rotary embedding).
     """
@@ -283,8 +283,8 @@ class CompressedConvolutionalAttention(RecurrentMixer):
         return self._token_values(record.conv)
 
     @classmethod
-    def _token_values(cls, part: KernelCall, tokens: int | None = None) -> dict[str, Tensor]:
-        if part.output is None or part.inputs is None:
-            raise Unavailable(f"{cls.__name__}.values: the kernel {'inputs' if part.inputs is None else 'outputs'}"
+    def _token_values(cls, kernel_call: KernelCall, tokens: int | None = None) -> dict[str, Tensor]:
+        if kernel_call.output is None or kernel_call.inputs is None:
+            raise Unavailable(f"{cls.__name__}.values: the kernel {'inputs' if kernel_call.inputs is None else 'outputs'}"
                               " were not kept: pass keep=('inputs', 'outputs') to watch")
-        return {name: part.output[name] for name in cls.VALUES}
+        return {name: kernel_call.output[name] for name in cls.VALUES}

@@ -21,18 +21,18 @@ The pairs run as one batch; each pair's terms are its own metric's (the rows of 
 to attributing the pairs one at a time. A mean over pairs is `.mean(0)`.
 
 Two ways to the same numbers (`method`):
-- "chunks" (the default where every chosen mixer's kind has a prompt kernel that runs in pieces chaining its
+- "pieces" (the default where every chosen mixer's kind has a prompt kernel that runs in pieces chaining its
   state, `Segments`: gated DeltaNet, Kimi delta attention, Mamba-2, Mamba-1): no state is kept. Each prompt
   call of a chosen mixer runs through a call runner (`engine.runners`): in the clean run, the bound kernel
-  in pieces of `chunk` tokens, keeping the states at the piece boundaries and the call's inputs; in the
-  corrupt run, one `torch.autograd.Function` (`_Chunked`) doing the same forward, whose backward walks the
+  in pieces of `piece` tokens, keeping the states at the piece boundaries and the call's inputs; in the
+  corrupt run, one `torch.autograd.Function` (`_InPieces`) doing the same forward, whose backward walks the
   pieces right to left, recomputes each from its boundary with the kind's token loop, in which the state
   after token t is replaced by S'_t + eps_t (S_t - S'_t) with eps a zero leaf [batch, seq] (the values do
   not change), and returns the gradients of the call's inputs, its initial state and eps.
   d metric / d eps_t is exactly the `state` term at t. The clean states of a piece are recomputed from its
   clean boundary (the kind's chunk-wise `all_states`, no grad). Memory per chosen layer: the inputs
-  (O(seq x width)), seq / chunk boundary states of each run, and in the backward 2 x chunk states plus
-  the token loop's graph over min(chunk, 32 MiB / state bytes) tokens (about 5 state-sized tensors a
+  (O(seq x width)), seq / piece boundary states of each run, and in the backward 2 x piece states plus
+  the token loop's graph over min(piece, 32 MiB / state bytes) tokens (about 5 state-sized tensors a
   token; the piece's corrupt states are recomputed first, without grad, when a piece has more tokens);
   nothing of size seq x state. Windows are kept as in "states" (K columns a token).
 - "states": one backward through the corrupt run with every state and window kept (kept states are read
@@ -45,8 +45,8 @@ Integrated gradients (`steps=k`, EAP-IG; docs/attribution.md): the gradient of e
 gradients of k runs on the straight line between the two prompts' input embeddings, inputs_embeds(alpha) =
 E(x') + alpha (E(x) - E(x')), E = `model.get_input_embeddings()`, alpha = 0, 1/k, ..., (k-1)/k (the left
 points: alpha = 0 is the corrupt run, so steps=1 is the estimate above). The delta stays S_t - S'_t, the corrupt
-run's memory: a forward of the corrupt ids without grad keeps it as the clean one's is kept ("chunks": its calls'
-inputs and boundary states, `_CleanRunner`, given to each `_Chunked` call as its `reference`; "states": its kept
+run's memory: a forward of the corrupt ids without grad keeps it as the clean one's is kept ("pieces": its calls'
+inputs and boundary states, `_CleanRunner`, given to each `_InPieces` call as its `reference`; "states": its kept
 states and windows), while the gradients come from the k runs, one after the other, each graph freed before the
 next; only the per-token terms add up.
 """
@@ -62,7 +62,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from ..engine.errors import InvalidValue
+from ..engine.errors import InvalidValue, renamed
 from ..engine.arguments import as_index
 from ..engine import adjoint, runners
 from ..engine.kernels import CONV_MEMORY, STATE_MEMORY, Kernel, Pieces, Role
@@ -113,14 +113,14 @@ class Attribution:
                    None if data.get("heads") is None else int(data["heads"]))
 
 
-METHODS = ("auto", "chunks", "states")
-_STEP_BYTES = 32 * 2**20  # the states of the token loop's graph held at once in the backward of "chunks"
+METHODS = ("auto", "pieces", "states")
+_STEP_BYTES = 32 * 2**20  # the states of the token loop's graph held at once in the backward of "pieces"
 
 
 def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: Metric, *,
               layers: Iterable[int] | None = None, forward_kwargs: Mapping[str, Any] | None = None,
-              paths: Paths | None = None, method: str = "auto", chunk: int = 64, steps: int = 1,
-              heads: bool = False, budget_bytes: int | None = None) -> Attribution:
+              paths: Paths | None = None, method: str = "auto", piece: int = 64, steps: int = 1,
+              heads: bool = False, budget_bytes: int | None = None, chunk: int | None = None) -> Attribution:
     """Attribution patching of every recurrent layer x token, from one clean forward and one forward and
     backward of the corrupt run (`steps` of them on the way from the corrupt input to the clean one).
 
@@ -131,9 +131,10 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
     `clean_ids` and `corrupt_ids`: one pair, `[seq]` each, or N pairs, `[N, seq]` (results with a leading pairs
     axis, also for N = 1). `metric(logits)` returns one value per pair (`[N]`; a scalar for one pair). Extra
     `forward_kwargs` go to both forwards (e.g. `use_cache=False`); `paths` sets how their calls run
-    (`recurrent_hooks.Paths`, as for `watch`). The weights need not require grad. `method`: "chunks"
+    (`recurrent_hooks.Paths`, as for `watch`). The weights need not require grad. `method`: "pieces"
     (no state of every token is kept: the module docstring), "states" (every state kept, any kind), or
-    "auto": "chunks" where every chosen mixer's kind has it; `chunk`: the piece length of "chunks".
+    "auto": "pieces" where every chosen mixer's kind has it; `piece`: the piece length of "pieces" (`method="chunks"`
+    and `chunk=` are their former names).
     `steps`: how many gradients each term averages (integrated gradients). steps=1 (the default): the gradient
     of the corrupt run, from its ids. steps=k: the gradients of k runs of the input embeddings
     E(corrupt) + alpha (E(clean) - E(corrupt)), alpha = 0, 1/k, ..., (k-1)/k (E = `model.get_input_embeddings()`;
@@ -145,13 +146,14 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
     channels that feed it (the kind's declaration, as `patching_sweep(heads=True)` patches them), a channel that
     feeds several heads (a key head's q and k, a Mamba-2 group's B and C) split equally among them.
     `budget_bytes`: the states the backward holds at once for all the pairs of a batch (two pieces' states per
-    pair, clean and corrupt: 2 x chunk x state bytes; "states": of every token). Over more pairs than fit, the
+    pair, clean and corrupt: 2 x piece x state bytes; "states": of every token). Over more pairs than fit, the
     pairs run in groups one after the other, each with its metric's rows (`metric.for_rows(pairs)` where it has
     it, as `rh.metrics`' do; a plain metric is one metric for every pair, as `patching_sweep` takes it) and its
     rows of the `forward_kwargs` tensors whose first axis has the pairs' length (a mask). None: `BUDGET_BYTES`,
     256 MiB. The results are the same as in one batch (the rows of a batch do not interact; docs/attribution.md).
     """
     where = "attribute"
+    method, piece = _renamed(method, piece, chunk, where)
     for name, ids in (("clean_ids", clean_ids), ("corrupt_ids", corrupt_ids)):
         if not isinstance(ids, Tensor) or ids.dim() not in (1, 2):
             raise InvalidValue(f"{where}: expected {name} as a [seq] (one pair) or [pairs, seq] tensor of token ids,"
@@ -161,23 +163,23 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
                            " must have the same shape (row b of one is patched into row b of the other)")
     if clean_ids.dim() == 1:  # one pair: the results without the pairs axis
         return _one_pair(attribute(model, clean_ids[None], corrupt_ids[None], metric, layers=layers,
-                                   forward_kwargs=forward_kwargs, paths=paths, method=method, chunk=chunk,
+                                   forward_kwargs=forward_kwargs, paths=paths, method=method, piece=piece,
                                    steps=steps, heads=heads, budget_bytes=budget_bytes))
     if not callable(metric):
         raise InvalidValue(f"{where}: expected a callable metric(logits) -> [rows] or a 0-d tensor, got {metric!r}")
-    budget = _checked_options(method, chunk, steps, heads, budget_bytes, where)
+    budget = _checked_options(method, piece, steps, heads, budget_bytes, where)
     kwargs = dict(forward_kwargs or {})
     layers = None if layers is None else tuple(layers)
     chosen = _probe(model, clean_ids, layers, heads, paths, kwargs, where)
     kinds = [type(m) for m in chosen]
     if method != "states":
-        chunkable = all(_chunkable(kind) for kind in kinds)
-        if method == "chunks" and not chunkable:
-            slow = sorted({kind.__name__ for kind in kinds if not _chunkable(kind)})
-            raise InvalidValue(f"{where}: method='chunks' needs a prompt kernel that runs in pieces from a state;"
+        in_pieces = all(_runs_in_pieces(kind) for kind in kinds)
+        if method == "pieces" and not in_pieces:
+            slow = sorted({kind.__name__ for kind in kinds if not _runs_in_pieces(kind)})
+            raise InvalidValue(f"{where}: method='pieces' needs a prompt kernel that runs in pieces from a state;"
                                f" {', '.join(slow)} has none: use method='states' (or 'auto')")
-        method = "chunks" if chunkable else "states"
-    held = min(chunk, clean_ids.shape[1]) if method == "chunks" else clean_ids.shape[1]
+        method = "pieces" if in_pieces else "states"
+    held = min(piece, clean_ids.shape[1]) if method == "pieces" else clean_ids.shape[1]
     pair_bytes = 2 * held * max((_row_bytes(m) for m in chosen), default=0) if clean_ids.shape[0] > 1 else 0
     group = clean_ids.shape[0] if pair_bytes == 0 else max(1, budget // pair_bytes)
     shared_conv = all(_conv_kernel(kind) is not None for kind in kinds)
@@ -189,17 +191,28 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
         runs = _Runs(model, for_rows(metric, rows), layers, mine, paths, corrupt_ids[pairs], where, heads)
         clean, corrupt = clean_ids[pairs], corrupt_ids[pairs]
         inputs = _line(model, clean, corrupt, steps, mine, where)
-        parts.append(_attribute_in_chunks(runs, clean, corrupt, chunk, shared_conv, inputs, steps)
-                     if method == "chunks" else _attribute_with_states(runs, clean, corrupt, inputs, steps))
+        parts.append(_attribute_in_pieces(runs, clean, corrupt, piece, shared_conv, inputs, steps)
+                     if method == "pieces" else _attribute_with_states(runs, clean, corrupt, inputs, steps))
     return parts[0] if len(parts) == 1 else _concatenated(parts)
 
 
-def _checked_options(method: Any, chunk: Any, steps: Any, heads: Any, budget_bytes: Any, where: str) -> int:
-    """Refuse a bad method, chunk, steps, heads or budget_bytes; return the budget."""
+def _renamed(method: Any, piece: Any, chunk: Any, where: str) -> tuple[Any, Any]:
+    """`method` and `piece` from their former names, which warn: method="chunks" (now "pieces"), `chunk=`."""
+    if method == "chunks":
+        renamed(f"{where}(method='chunks')", f"{where}(method='pieces')", stacklevel=4)
+        method = "pieces"
+    if chunk is not None:
+        renamed(f"{where}(chunk=...)", f"{where}(piece=...)", stacklevel=4)
+        piece = chunk
+    return method, piece
+
+
+def _checked_options(method: Any, piece: Any, steps: Any, heads: Any, budget_bytes: Any, where: str) -> int:
+    """Refuse a bad method, piece, steps, heads or budget_bytes; return the budget."""
     if method not in METHODS:
         raise InvalidValue(f"{where}: expected method in {METHODS}, got {method!r}")
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise InvalidValue(f"{where}: expected chunk as a positive int (tokens per piece), got {chunk!r}")
+    if isinstance(piece, bool) or not isinstance(piece, int) or piece < 1:
+        raise InvalidValue(f"{where}: expected piece as a positive int (tokens per piece), got {piece!r}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise InvalidValue(f"{where}: expected steps as a positive int (the gradients averaged on the way from the"
                            f" corrupt to the clean input embeddings; 1: attribution patching), got {steps!r}")
@@ -453,7 +466,7 @@ def _per_buffer(kept: Any, buffers: int) -> list[Any]:
 
 @dataclasses.dataclass
 class _Recorded:
-    """A run of "chunks" without grad (the clean one; the corrupt one at steps > 1): its metric, its chosen
+    """A run of "pieces" without grad (the clean one; the corrupt one at steps > 1): its metric, its chosen
     layers' call runners (their pieces' inputs and boundary states, the convolutions' inputs) and its watch
     (its kept windows where the convolution is not the shared one)."""
 
@@ -462,38 +475,38 @@ class _Recorded:
     watch: Watch
 
 
-def _attribute_in_chunks(runs: _Runs, clean_ids: Tensor, corrupt_ids: Tensor, chunk: int, shared_conv: bool,
+def _attribute_in_pieces(runs: _Runs, clean_ids: Tensor, corrupt_ids: Tensor, piece: int, shared_conv: bool,
                          inputs: Inputs, steps: int) -> Attribution:
-    """method="chunks": the state term through `_Chunked` calls, the window term from the convolution's inputs
+    """method="pieces": the state term through `_InPieces` calls, the window term from the convolution's inputs
     and output gradients (`Kernel.window_terms`) where every chosen kind's conv is the shared one (`shared_conv`),
     else from kept windows."""
     keep = () if shared_conv else ("windows",)  # the state kernels' calls (and the shared convs) go to the runners
-    clean = _recorded_run(runs, clean_ids, keep, chunk, shared_conv)
-    reference = _recorded_run(runs, corrupt_ids, keep, chunk, shared_conv) if steps > 1 else None
-    gradient = functools.partial(_gradient_in_chunks, runs, keep, chunk, shared_conv, clean, reference)
+    clean = _recorded_run(runs, clean_ids, keep, piece, shared_conv)
+    reference = _recorded_run(runs, corrupt_ids, keep, piece, shared_conv) if steps > 1 else None
+    gradient = functools.partial(_gradient_in_pieces, runs, keep, piece, shared_conv, clean, reference)
     return _averaged(gradient, inputs, steps, clean.value, None if reference is None else reference.value,
                      runs.where)
 
 
-def _recorded_run(runs: _Runs, ids: Tensor, keep: tuple[str, ...], chunk: int, shared_conv: bool) -> _Recorded:
+def _recorded_run(runs: _Runs, ids: Tensor, keep: tuple[str, ...], piece: int, shared_conv: bool) -> _Recorded:
     """A forward of `ids` without grad, each chosen prompt call in pieces, recorded (`_CleanRunner`)."""
     with torch.no_grad(), watch(runs.model, keep=keep, paths=runs.paths) as kept, contextlib.ExitStack() as stack:
-        recorders = {m.layer: _CleanRunner(chunk, shared_conv) for m in runs.chosen(kept)}
+        recorders = {m.layer: _CleanRunner(piece, shared_conv) for m in runs.chosen(kept)}
         for m in runs.chosen(kept):
             stack.enter_context(runners.running(m, recorders[m.layer]))
         value = runs.value(ids)
     return _Recorded(value, recorders, kept)
 
 
-def _gradient_in_chunks(runs: _Runs, keep: tuple[str, ...], chunk: int, shared_conv: bool, clean: _Recorded,
+def _gradient_in_pieces(runs: _Runs, keep: tuple[str, ...], piece: int, shared_conv: bool, clean: _Recorded,
                         reference: _Recorded | None, args: tuple, named: dict[str, Tensor]) -> Terms:
-    """One gradient run of "chunks": its terms (clean - reference memory) . gradient, with the reference the
+    """One gradient run of "pieces": its terms (clean - reference memory) . gradient, with the reference the
     corrupt run's recorded memory (None: the run's own)."""
     where = runs.where
     with torch.enable_grad(), watch(runs.model, keep=keep, paths=runs.paths) as run, \
             contextlib.ExitStack() as stack:
         chosen = runs.chosen(run)
-        corrupts = {m.layer: _CorruptRunner(clean.runners[m.layer], chunk, f"{m}",
+        corrupts = {m.layer: _CorruptRunner(clean.runners[m.layer], piece, f"{m}",
                                             None if reference is None else reference.runners[m.layer],
                                             runs.heads and not m.KERNEL_PER_HEAD)
                     for m in chosen}
@@ -503,7 +516,7 @@ def _gradient_in_chunks(runs: _Runs, keep: tuple[str, ...], chunk: int, shared_c
     for m in chosen:
         runner, recorded = corrupts[m.layer], clean.runners[m.layer]
         if not runner.eps or len(runner.eps) != len(recorded.records):
-            raise InvalidValue(f"{where}: {m}: its prompt kernel ran {len(runner.eps)} time(s) through the chunked"
+            raise InvalidValue(f"{where}: {m}: its prompt kernel ran {len(runner.eps)} time(s) through the pieces"
                                f" path in the corrupt run and {len(recorded.records)} in the clean one (another"
                                " handle watching it, or a path the study cannot see): use method='states'")
     windows = [] if shared_conv else [leaf for m in chosen if CONV_MEMORY in m.MEMORIES
@@ -613,7 +626,7 @@ def _window_row(clean: "_CleanRunner", corrupt: "_CorruptRunner", grads: Iterabl
     return total if layout is None else total.movedim(2, 1)
 
 
-def _chunkable(kind: type[RecurrentMixer]) -> bool:
+def _runs_in_pieces(kind: type[RecurrentMixer]) -> bool:
     """Whether the kind's state kernel of prompts runs in pieces from a state (a state of one tensor)."""
     return kind.STATE_TYPE is None and any(_takes(kernel) for kernel in kind.KERNELS)
 
@@ -622,18 +635,18 @@ def _takes(kernel: Kernel) -> bool:
     return kernel.role is Role.PROMPT and kernel.memory == STATE_MEMORY and kernel.segments is not None
 
 
-def _ranges(tokens: int, chunk: int) -> list[tuple[int, int]]:
-    return [(start, min(start + chunk, tokens)) for start in range(0, tokens, chunk)]
+def _ranges(tokens: int, piece: int) -> list[tuple[int, int]]:
+    return [(start, min(start + piece, tokens)) for start in range(0, tokens, piece)]
 
 
 def _run_pieces(kernel: Kernel, original: Callable[..., Any], pieces: Pieces,
-                chunk: int) -> tuple[list[Any], list[Any]]:
-    """The bound kernel (or `Segments.kernel`) on pieces of `chunk` tokens: their outputs, and the states at
+                piece: int) -> tuple[list[Any], list[Any]]:
+    """The bound kernel (or `Segments.kernel`) on pieces of `piece` tokens: their outputs, and the states at
     the boundaries (the call's initial state first, the last state last)."""
     run = kernel.segments.kernel or original
     state = pieces.state
     boundaries, outputs = [state], []
-    for start, end in _ranges(pieces.tokens, chunk):
+    for start, end in _ranges(pieces.tokens, piece):
         leading, named = pieces.call(start, end, state)
         out, state = run(*leading, **named)
         outputs.append(out)
@@ -671,8 +684,8 @@ class _CleanRunner:
 
     path = "attribution: pieces (clean)"
 
-    def __init__(self, chunk: int, convs: bool = False) -> None:
-        self.chunk, self.taking_convs = chunk, convs
+    def __init__(self, piece: int, convs: bool = False) -> None:
+        self.piece, self.taking_convs = piece, convs
         self.records: list[_CleanCall] = []
         self.convs: list[_ConvCall] = []
 
@@ -688,19 +701,19 @@ class _CleanRunner:
         pieces = Pieces(kernel, args, kwargs)
         if isinstance(pieces.state, Tensor):  # a cache's tensor, updated in place later
             pieces.state = pieces.state.clone()
-        outputs, boundaries = _run_pieces(kernel, original, pieces, self.chunk)
+        outputs, boundaries = _run_pieces(kernel, original, pieces, self.piece)
         self.records.append(_CleanCall(pieces, boundaries))
         return pieces.result(outputs, boundaries[-1])
 
 
 class _CorruptRunner:
-    """The corrupt run's call runner: each prompt call as one `_Chunked` Function, with its zero leaf eps."""
+    """The corrupt run's call runner: each prompt call as one `_InPieces` Function, with its zero leaf eps."""
 
     path = "attribution: pieces (corrupt)"
 
-    def __init__(self, clean: _CleanRunner, chunk: int, where: str, reference: _CleanRunner | None = None,
+    def __init__(self, clean: _CleanRunner, piece: int, where: str, reference: _CleanRunner | None = None,
                  heads: bool = False) -> None:
-        self.clean, self.chunk, self.where, self.heads = clean, chunk, where, heads  # heads: an eps per head
+        self.clean, self.piece, self.where, self.heads = clean, piece, where, heads  # heads: an eps per head
         self.reference = reference  # the corrupt run's records (steps > 1): the delta is clean minus them
         self.eps: list[Tensor] = []
         self.convs: list[_ConvCall] = []
@@ -735,14 +748,14 @@ class _CorruptRunner:
         eps = torch.zeros(batch, pieces.tokens, *per_head, dtype=torch.float32, device=tensors[0].device,
                           requires_grad=True)
         self.eps.append(eps)
-        spec = _Spec(kernel, original, args, kwargs, slots, clean, self.chunk, reference, heads=self.heads)
-        out, final = _Chunked.apply(spec, eps, *tensors)
+        spec = _Spec(kernel, original, args, kwargs, slots, clean, self.piece, reference, heads=self.heads)
+        out, final = _InPieces.apply(spec, eps, *tensors)
         return pieces.result([out], final)
 
 
 @dataclasses.dataclass
 class _Spec:
-    """The non-tensor side of one `_Chunked` call."""
+    """The non-tensor side of one `_InPieces` call."""
 
     kernel: Kernel
     original: Callable[..., Any]
@@ -750,7 +763,7 @@ class _Spec:
     kwargs: dict
     slots: list[tuple[int | None, str | None]]  # where each tensor input goes: (args index, None) or (None, key)
     clean: _CleanCall
-    chunk: int
+    piece: int
     reference: _CleanCall | None = None  # the corrupt run's call (steps > 1); None: the delta is from the run's own
     boundaries: list[Any] = dataclasses.field(default_factory=list)
     heads: bool = False  # eps per head: d metric / d eps_t is the term of each head (axis 1 of the state)
@@ -759,14 +772,14 @@ class _Spec:
         return adjoint.with_tensors(self.kernel, self.args, self.kwargs, self.slots, tensors)
 
 
-class _Chunked(torch.autograd.Function):
+class _InPieces(torch.autograd.Function):
     """One prompt kernel call of the corrupt run: the bound kernel in pieces forward; backward from the piece
     boundaries with the token loop, the state after each token t replaced by S'_t + eps_t (S_t - S'_t)."""
 
     @staticmethod
     def forward(ctx: Any, spec: _Spec, eps: Tensor, *tensors: Tensor) -> tuple[Tensor, Tensor]:
         pieces = spec.pieces(tensors)
-        outputs, spec.boundaries = _run_pieces(spec.kernel, spec.original, pieces, spec.chunk)
+        outputs, spec.boundaries = _run_pieces(spec.kernel, spec.original, pieces, spec.piece)
         final = spec.boundaries[-1]
         # the spec (on ctx) keeps no output of the Function: output -> graph -> ctx -> spec -> output is a cycle the
         # garbage collector did not always free, and with it the call's inputs and boundary states
@@ -789,9 +802,9 @@ class _Chunked(torch.autograd.Function):
         per_token: dict[str, list[tuple[int, int, Tensor | None]]] = {
             name: [] for name in wanted if name in segments.per_token}
         summed: dict[str, Tensor] = {}
-        ranges = _ranges(pieces.tokens, spec.chunk)
+        ranges = _ranges(pieces.tokens, spec.piece)
         last = spec.boundaries[-1]  # steps of the token loop: as many tokens as _STEP_BYTES of states
-        step_tokens = min(spec.chunk, max(1, _STEP_BYTES // (last.numel() * last.element_size())))
+        step_tokens = min(spec.piece, max(1, _STEP_BYTES // (last.numel() * last.element_size())))
         eps_parts: list[Tensor] = []
         grad_state = grad_final
         buffers: list[Tensor] = []  # the adjoint's: a piece's clean and corrupt states, reused piece after piece
@@ -799,7 +812,7 @@ class _Chunked(torch.autograd.Function):
             start, end = ranges[index]
             if segments.adjoint is not None:  # the kind's adjoint recurrence: no token loop under autograd
                 if not buffers:
-                    buffers = [last.new_empty((spec.chunk, *last.shape), dtype=torch.float32) for _ in range(2)]
+                    buffers = [last.new_empty((spec.piece, *last.shape), dtype=torch.float32) for _ in range(2)]
                 clean = spec.clean.states(kernel, index, start, end, buffers[0])  # i b *state
                 minus = None if spec.reference is None else spec.reference.states(kernel, index, start, end,
                                                                                   buffers[1])

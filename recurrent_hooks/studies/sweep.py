@@ -30,7 +30,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from ..engine.errors import InvalidValue
+from ..engine.errors import InvalidValue, renamed
 from ..engine.kernels import CONV_MEMORY, STATE_MEMORY
 from ..engine.strategies import Paths
 from .ranks import Checkpoint, Ranks, sweep_key
@@ -214,7 +214,24 @@ def _plan(model: nn.Module, clean_ids: Tensor, chosen: tuple[Any, Any, str, bool
     return plan
 
 
-def _checked(model: Any, clean_ids: Any, corrupt_ids: Any, metric: Any, what: Any, batch_size: Any,
+def _what(memory: Any, what: Any) -> str:
+    """The memories a sweep patches ("memory": the whole memory; "state"; "window") from `memory=` or its former
+    name `what=` (which warns)."""
+    if what is not None:
+        if memory is not None:
+            raise InvalidValue(f"{_WHERE}: memory={memory!r} and what={what!r}: `what` is the former name of"
+                               " `memory`; pass memory= alone")
+        renamed(f"{_WHERE}(what=...)", f"{_WHERE}(memory=...)", stacklevel=4)
+        if what not in WHAT:
+            raise InvalidValue(f"{_WHERE}: expected what in {tuple(WHAT)}, got what={what!r}")
+        return what
+    if memory is not None and (memory not in WHAT or memory == "memory"):
+        raise InvalidValue(f"{_WHERE}: expected memory= None (the whole memory), 'state' or 'window', got"
+                           f" memory={memory!r}")
+    return "memory" if memory is None else memory
+
+
+def _checked(model: Any, clean_ids: Any, corrupt_ids: Any, metric: Any, batch_size: Any,
              budget_bytes: Any, flags: Mapping[str, Any], forward_kwargs: Any,
              checkpoint: Any) -> tuple[Tensor, Tensor, int | None, int]:
     """The arguments of `patching_sweep` checked: the prompts as `[pairs, seq]`, the batch size (None: by default)
@@ -230,8 +247,6 @@ def _checked(model: Any, clean_ids: Any, corrupt_ids: Any, metric: Any, what: An
                            f" {tuple(clean_ids.shape)} and {tuple(corrupt_ids.shape)}")
     if not callable(metric):
         raise InvalidValue(f"{_WHERE}: expected metric as a callable logits -> one value per row, got {metric!r}")
-    if what not in WHAT:
-        raise InvalidValue(f"{_WHERE}: expected what in {tuple(WHAT)}, got what={what!r}")
     if batch_size is not None:
         batch_size = _as_int(batch_size, "batch_size")
         if batch_size < 1:
@@ -256,11 +271,11 @@ def _checked(model: Any, clean_ids: Any, corrupt_ids: Any, metric: Any, what: An
 
 def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: Callable[[Tensor], Tensor], *,
                    layers: int | Iterable[int] | None = None, positions: int | Iterable[int] | None = None,
-                   what: str = "memory", heads: bool = False, batch_size: int | None = None,
+                   memory: str | None = None, heads: bool = False, batch_size: int | None = None,
                    budget_bytes: int | None = None, progress: bool = True,
                    forward_kwargs: Mapping[str, Any] | None = None, paths: Paths | None = None,
                    distributed: bool | None = None, checkpoint: str | os.PathLike | None = None,
-                   reuse_prefix: bool | None = None) -> Sweep:
+                   reuse_prefix: bool | None = None, what: str | None = None) -> Sweep:
     """Patch the clean run into the corrupt run at every (layer, position); return `metric` per cell.
 
         sweep = rh.patching_sweep(model, clean_ids, corrupt_ids, lambda logits: logits[:, -1, answer])
@@ -277,9 +292,9 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
       one pair's cells), else `metric` itself (the same metric for every pair).
     - `layers`: decoder layer indices of recurrent mixers (default: all of them; attention layers are not
       patchable); `positions`: tokens of the prompt (default: all; negative counts from the end).
-    - `what`: "memory" writes the state and the conv window after the position (`set_memory_after`), the
-      whole of what the next token continues from; "state" only the recurrent state (`set_state_after`),
-      "window" only the conv window (`set_window_after`).
+    - `memory`: None writes the state and the conv window after the position (`set_memory_after`), the whole of
+      what the next token continues from; "state" the state only, "window" the window only. The result's `what`
+      says which ("memory", "state", "window"); `what=` is the former name of `memory` ("memory" for None).
     - `heads`: one cell per (layer, head, position), `values` `[layers, heads, positions]`: a cell patches that
       head's slice of the state and (for "memory", "window") the window channels that feed the head, as the kind
       declares them (`_head_channels`; docs/sweep.md, "Heads"), and nothing else.
@@ -306,9 +321,10 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
     `torch.no_grad()`. `forward_kwargs` go to the one-token probe and every forward alike, so they must not hold
     per-row or per-token tensors (one prompt has no padding: no attention mask is needed).
     """
+    what = _what(memory, what)
     flags = {"heads": heads, "progress": progress, "distributed": distributed, "reuse_prefix": reuse_prefix}
     one_pair = isinstance(clean_ids, Tensor) and clean_ids.dim() == 1
-    clean_ids, corrupt_ids, batch_size, budget = _checked(model, clean_ids, corrupt_ids, metric, what, batch_size,
+    clean_ids, corrupt_ids, batch_size, budget = _checked(model, clean_ids, corrupt_ids, metric, batch_size,
                                                           budget_bytes, flags, forward_kwargs, checkpoint)
     kwargs = {"use_cache": False, **(forward_kwargs or {})}
     plan = _plan(model, clean_ids, (layers, positions, what, heads), paths, kwargs, reuse_prefix)

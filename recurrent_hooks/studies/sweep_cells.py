@@ -84,7 +84,7 @@ def keep_hooks(w: Any, cells: Mapping[int, Iterable[int]], memories: tuple[str, 
                      memory: str = memory) -> None:
                 into[memory, layer, token, mixer.head] = map_parts(torch.clone, state)
 
-            w.mixer(layer).register_state_hook(keep, call=0, token=sorted(tokens), which=memory)
+            w.mixer(layer).register_state_hook(keep, call=0, token=sorted(tokens), memory=memory)
 
 
 def probe(model: nn.Module, clean_ids: Tensor, choose: Callable[[list[int]], tuple[int, ...]], plan: Plan,
@@ -188,7 +188,7 @@ def patched(model: nn.Module, corrupt_ids: Tensor, batch: list[Cell], plan: Plan
                     at.setdefault(plan.positions[cell.position], []).append((row, cell))
             for memory in carried(w.mixer(layer), plan.memories, plan.what):
                 hook = _Patch(plan, layer, memory, at, clean, ids.device)
-                w.mixer(layer).register_state_hook(hook, call=0, token=sorted(at), which=memory)
+                w.mixer(layer).register_state_hook(hook, call=0, token=sorted(at), memory=memory)
         return measure(metric, model(ids, **kwargs).logits)
 
 
