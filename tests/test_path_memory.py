@@ -1,9 +1,9 @@
 """The bytes each busy path holds, measured at real layer dims against the model the path choice uses
 (`strategies.held_bytes`, `rh.Paths(memory_budget=...)`).
 
-One layer of each kind whose prompt kernel declares a cost shape (gated DeltaNet at Qwen3.5 dims; with `--full`,
-Kimi delta attention at Kimi-Linear dims and Mamba-2 at mamba2-130m dims), watched with the path forced (by default
-the three cases under autograd, whose bytes grow with the call; every path with `--full`). What a
+One layer of each kind whose prompt kernel declares a cost shape (gated DeltaNet at Qwen3.5 dims, Kimi delta
+attention at Kimi-Linear dims and Mamba-2 at mamba2-130m dims), watched with the path forced (with `--full`:
+.ci/run runs them after the default suite). What a
 path holds is measured as the peak of the live bytes of every storage allocated during the forward (a
 `TorchDispatchMode`, so on any device) less the unwatched forward's peak and the kept states; it must stay within
 the model, and where the model grows with the call (the token loop's and the pieces' graphs under autograd) within
@@ -86,8 +86,7 @@ MODELS = {"gated DeltaNet, Qwen3.5 dims": (_qwen3_5, 32 * 128 * 128, 64),
           "Mamba-2, mamba2-130m dims": (_mamba2, 24 * 64 * 128, 256)}
 
 
-@pytest.fixture(scope="module", params=[name if "DeltaNet" in name else pytest.param(name, marks=pytest.mark.full)
-                                        for name in MODELS])
+@pytest.fixture(scope="module", params=list(MODELS))
 def layer(request):
     build, elements, tokens = MODELS[request.param]
     torch.manual_seed(0)
@@ -157,8 +156,8 @@ GROWS = {"token loop, every state kept, gradients", "token loop, a hook at 16 to
          "segments, a hook at 16 tokens, gradients"}  # the model grows with the call: checked to be tight too
 
 
-@pytest.mark.parametrize("case", [case if case in GROWS else pytest.param(case, marks=pytest.mark.full)
-                                  for case in CASES])
+@pytest.mark.full  # (about 1 s a case at these dims: run with --full, which .ci/run runs after the default suite)
+@pytest.mark.parametrize("case", list(CASES))
 def test_each_path_holds_at_most_what_the_model_says(layer, case):
     name, model, state, tokens = layer
     path, grad, asked, kept, stops, reducing = CASES[case]
