@@ -306,7 +306,7 @@ def test_a_collected_mixers_clock_leaves_the_table_between_traces_not_during_one
 
     import recurrent_hooks.engine.compiled as compiled
 
-    class State:  # any object the table can hold weakly, as it holds a CallState
+    class State:  # any object the table can hold weakly, as it holds a CallTracker
         pass
 
     state = State()

@@ -293,7 +293,7 @@ def test_the_former_keep_name_in_reduce_warns_and_reduces_the_windows():
 
 
 def test_a_reduction_inside_a_compiled_forward():
-    """A graph traced by torch.compile keeps the reductions as the eager forward does (`TracedCallState.plan`)."""
+    """A graph traced by torch.compile keeps the reductions as the eager forward does (`TracedCallTracker.plan`)."""
     model = model_of("qwen3_5")
     ids = random_ids(1, 12, seed=6)
     full = kept_whole(model, ids)

@@ -191,15 +191,15 @@ def test_only_the_tracing_module_asks_whether_torch_compile_traces():
 
 def test_the_per_call_state_branches_on_compiling_in_one_place():
     """The handle does not branch on torch.compile: its per-call state picks the traced implementation once
-    (`CallState.now`), and compile support (`compiled.TracedCallState`) implements the same interface."""
+    (`CallTracker.now`), and compile support (`compiled.TracedCallTracker`) implements the same interface."""
     found = {}
-    for name in ("mixer.py", "call_state.py", "kind.py"):
+    for name in ("mixer.py", "tracker.py", "kind.py"):
         tree = ast.parse((PACKAGE / "engine" / name).read_text())
         found[name] = sorted(f"{fn.name}" for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef)
                              for node in ast.walk(fn)
                              if isinstance(node, ast.Attribute) and node.attr in ("is_compiling", "compiling")
                              or isinstance(node, ast.Name) and node.id in ("is_compiling", "compiling"))
-    assert found == {"mixer.py": [], "call_state.py": ["now"], "kind.py": []}, found
+    assert found == {"mixer.py": [], "tracker.py": ["now"], "kind.py": []}, found
 
 
 def test_every_path_is_one_runner_and_dispatch_branches_on_none():

@@ -140,6 +140,10 @@ def test_attributes_chunks_are_pieces(model):
     assert_equal("state terms", new.state, old.state)
 
 
+def test_a_handles_call_state_is_its_tracker(kept):
+    assert warns_once("RecurrentMixer.tracker", lambda: kept.mixers[0].call_state) is kept.mixers[0].tracker
+
+
 def test_differentiable_conv_state_is_window(model):
     with rh.watch(model, keep=("windows",)) as w:
         model(random_ids(2, T))

@@ -3,7 +3,7 @@
 - `watch` (`Watch`, `watch`, `register_state_hook`, `support`): the context managers a researcher types;
 - `mixer` (`RecurrentMixer`): the user's handle on one mixer (its readings, hooks and writes), and the base class
   of the kinds; `kind` (`Kind`): the declaration a kind fills in, class constants and class adapters, which
-  `RecurrentMixer` inherits; `call_state` (`CallState`, `Plan`): the per-call state a handle owns (the call
+  `RecurrentMixer` inherits; `tracker` (`CallTracker`, `Plan`): the per-call state a handle owns (the call
   counter, the running call's record, what each kernel call wants), driven by dispatch;
 - `hooks` (`Hook`): a registered state hook or write, as the per-call state runs it;
 - `calls` (`Call`, `KernelCall`, `Memory`): the record of each call, and what was kept;
@@ -14,7 +14,7 @@
   kind's adjoint recurrence backward); `taking` (`Taker`): what a busy call keeps and hands over per memory;
 - `effective` (`EffectiveAttention`): the effective-attention result the kinds build;
 - `patching`: the undo stack that rebinds kernel names and restores them; `threads`: per-thread state;
-- `compiled`: torch.compile support (the custom ops a graph runs, and `TracedCallState`, the per-call state's
+- `compiled`: torch.compile support (the custom ops a graph runs, and `TracedCallTracker`, the per-call state's
   interface as tracing implements it); `tracing.compiling()`: the one place that asks whether torch.compile traces;
 - `families` (`Family`, `MixerClass`, `Unsupported`, `REGISTRY`): the row type of a family and the registry that
   holds the rows `recurrent_hooks/registry.py` adds, with lookups built lazily (so rows added at run time count);

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from . import adjoint as _adjoint
 from . import blocks as _blocks
-from .call_state import Plan
+from .tracker import Plan
 from .kernels import Kernel, Pieces
 from .strategies import Choice, Strategy
 from .threads import loop_threads

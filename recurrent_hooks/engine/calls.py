@@ -256,7 +256,7 @@ class Call:
         return stack_parts([kept[position] for kept in by_kernel_call], dim=1)
 
 
-# -- the engine's writes to a record (the dispatcher's `CallState` files each kernel call through these) ------------
+# -- the engine's writes to a record (the dispatcher's `CallTracker` files each kernel call through these) ------------
 
 
 def recorded(call: Call, values: dict[str, Any] | None, name: str) -> dict[str, Any]:

@@ -23,12 +23,12 @@ and the bookkeeping runs in Python when the graph runs:
 
 `clock` is the mixer's clock (`_CLOCKS`), a 0-d int64 tensor holding the running call's index. Every op declares
 that it mutates it, which orders the ops of a mixer as they were traced and keeps them in the graph when
-their results are not used. The ops name the mixer (its `CallState`) and the hook by a key (`register_state`,
+their results are not used. The ops name the mixer (its `CallTracker`) and the hook by a key (`register_state`,
 `register_hook`), fixed when they are made: a constant of the graph.
 
-`TracedCallState` is the per-call interface of `call_state` (begin, plan, store, end, wants_call) as tracing
+`TracedCallTracker` is the per-call interface of `tracker` (begin, plan, store, end, wants_call) as tracing
 implements it: it puts these ops into the graph, and `TracedPlan` runs hooks through them; the mixer's
-`CallState` hands it out while torch.compile traces (`CallState.now`), and the ops call that `CallState` when
+`CallTracker` hands it out while torch.compile traces (`CallTracker.now`), and the ops call that `CallTracker` when
 the graph runs.
 
 The ops hand Python copies of the graph's tensors and take copies back (the compiled graph reuses its
@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from .call_state import CallState, Forward, Plan
+from .tracker import CallTracker, Forward, Plan
 from .calls import KernelCall
 from .kernels import STATE_MEMORY, Kernel
 from .parts import is_parts, map_parts, parts_of, rebuild
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from .hooks import Hook
 
 _KEYS = itertools.count(1)
-_STATES: "weakref.WeakValueDictionary[int, CallState]" = weakref.WeakValueDictionary()
+_STATES: "weakref.WeakValueDictionary[int, CallTracker]" = weakref.WeakValueDictionary()
 _HOOKS: "weakref.WeakValueDictionary[int, Hook]" = weakref.WeakValueDictionary()
 
 
@@ -66,7 +66,7 @@ _CLOCKS: dict[int, Tensor] = {}  # mixer key -> its clock (here, not on the mixe
 _RETIRED: list[int] = []
 
 
-def register_state(state: CallState) -> int:
+def register_state(state: CallTracker) -> int:
     """A key by which the graph's ops find a mixer's `state` at run time; its clock is made with it."""
     while _RETIRED:
         _CLOCKS.pop(_RETIRED.pop(), None)
@@ -121,27 +121,27 @@ if _register_effectful is not None:
     _register_effectful(_hook._opoverload, torch.library.EffectType.ORDERED)
 
 
-def _rebuild(owner: CallState, memory: str, parts: list[Tensor]) -> Any:
+def _rebuild(owner: CallTracker, memory: str, parts: list[Tensor]) -> Any:
     state_type = owner.kind.STATE_TYPE if memory == STATE_MEMORY else None
     return state_type(*parts) if state_type is not None else parts[0]
 
 
 # -- what the engine calls while tracing ------------------------------------------------------------------------
 
-class TracedCallState:
+class TracedCallTracker:
     """The per-call interface while torch.compile traces a forward (see the module docstring): what changes
     from call to call is told when the graph runs, through the ops; the running forward's scratch (its kernel
-    calls, head and tokens) is the `CallState`'s, as eagerly."""
+    calls, head and tokens) is the `CallTracker`'s, as eagerly."""
 
-    def __init__(self, state: CallState) -> None:
+    def __init__(self, state: CallTracker) -> None:
         self._state = weakref.ref(state)  # the state owns this object: no cycle
         self.key = register_state(state)
 
     @property
-    def state(self) -> CallState:
+    def state(self) -> CallTracker:
         return self._state()
 
-    def now(self) -> "TracedCallState":
+    def now(self) -> "TracedCallTracker":
         return self
 
     def wants_call(self) -> bool:
@@ -193,7 +193,7 @@ class TracedPlan(Plan):
         return _run_hook(self.owner.traced, hook, token, state)
 
 
-def _begin(traced: TracedCallState, fresh: bool, tokens: int) -> None:
+def _begin(traced: TracedCallTracker, fresh: bool, tokens: int) -> None:
     key = traced.key
     # `fresh` may be read from the memory's values (all zeros: a prompt): a symbol or a tensor of the graph,
     # which tracing must not branch on
@@ -204,7 +204,7 @@ def _begin(traced: TracedCallState, fresh: bool, tokens: int) -> None:
     _event(_CLOCKS[key], key, "begin", [tokens, fresh], "None", [])
 
 
-def _run_hook(traced: TracedCallState, hook: "Hook", token: int, state: Any) -> Any:
+def _run_hook(traced: TracedCallTracker, hook: "Hook", token: int, state: Any) -> Any:
     """Hook or write `hook` at `token`, called when the graph runs; returns what the graph continues from."""
     owner, key = traced.state, traced.key
     head = -1 if owner.head is None else owner.head
@@ -223,7 +223,7 @@ def _run_hook(traced: TracedCallState, hook: "Hook", token: int, state: Any) -> 
     return map_parts(lambda w, s: torch.where(targeted.to(s.device), w, s), written, state)
 
 
-def _outside(traced: TracedCallState, hook: "Hook", token: int, tokens: int, kernel: str) -> None:
+def _outside(traced: TracedCallTracker, hook: "Hook", token: int, tokens: int, kernel: str) -> None:
     """A hook that names calls has token `token` outside this call of `tokens` tokens: an error if it
     targets this call (told when the graph runs)."""
     _event(_CLOCKS[traced.key], traced.key, "outside", [hook.key, token, tokens], repr(kernel), [])
@@ -274,26 +274,26 @@ def _decode(spec: Any, tensors: "Any", state_type: type | None) -> Any:
 
 # -- what runs when the graph runs -------------------------------------------------------------------------------
 
-def _on_begin(owner: CallState, clock: Tensor, ints: list[int], fresh: bool, tensors: list[Tensor]) -> None:
+def _on_begin(owner: CallTracker, clock: Tensor, ints: list[int], fresh: bool, tensors: list[Tensor]) -> None:
     fresh = bool(tensors[0]) if ints[1] < 0 else bool(ints[1])
     owner.count(fresh, ints[0], reorder=None)
     clock.fill_(owner.index)
 
 
-def _on_store(owner: CallState, clock: Tensor, ints: list[int], spec: Any, tensors: list[Tensor]) -> None:
+def _on_store(owner: CallTracker, clock: Tensor, ints: list[int], spec: Any, tensors: list[Tensor]) -> None:
     memory, kernel, kept, inputs, output, path = spec
     values = iter(tensors)
     decoded = [_decode(item, values, owner.kind.STATE_TYPE) for item in (kept, inputs, output)]
     owner.file(memory, kernel, *decoded, path=path)
 
 
-def _on_outside(owner: CallState, clock: Tensor, ints: list[int], kernel: str, tensors: list[Tensor]) -> None:
+def _on_outside(owner: CallTracker, clock: Tensor, ints: list[int], kernel: str, tensors: list[Tensor]) -> None:
     hook, token, tokens = _HOOKS[ints[0]], ints[1], ints[2]
     if hook.targets(owner.index):
         owner.refuse_outside(hook, token, tokens, kernel)
 
 
-def _on_look(owner: CallState, clock: Tensor, ints: list[int], spec: Any, tensors: list[Tensor]) -> None:
+def _on_look(owner: CallTracker, clock: Tensor, ints: list[int], spec: Any, tensors: list[Tensor]) -> None:
     hook, token = _HOOKS[ints[0]], ints[1]
     owner.tokens, owner.head = ints[2], None if ints[3] < 0 else ints[3]
     if not hook.targets(owner.index):
@@ -305,7 +305,7 @@ def _on_look(owner: CallState, clock: Tensor, ints: list[int], spec: Any, tensor
     owner.run_hook(hook, owner.index, token, state, replaces=False)
 
 
-def _on_restart(owner: CallState, clock: Tensor, ints: list[int], spec: Any, tensors: list[Tensor]) -> None:
+def _on_restart(owner: CallTracker, clock: Tensor, ints: list[int], spec: Any, tensors: list[Tensor]) -> None:
     if owner.wants(owner.index):
         owner.warn_restart(owner.index, *spec)
 

@@ -26,7 +26,7 @@ from . import runners as _runners
 from . import strategies
 from .calls import KernelCall
 from .kernels import CONV_MEMORY, FORWARD, Kernel, Layout
-from .call_state import Forward, Plan
+from .tracker import Forward, Plan
 from .mixer import RecurrentMixer, sees
 from .running import Running, drop_left, pop, running_entry
 from .taking import Taker
@@ -128,7 +128,7 @@ class _Tap:
             return
         entry.forward, entry.mixers = forward, mixers
         for mixer in mixers:
-            mixer.call_state.now().begin(forward)
+            mixer.tracker.now().begin(forward)
         forward.hidden = None  # read by begin; a forward's record must not hold its input
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -176,7 +176,7 @@ class _Tap:
         arguments = type(entry.mixers[0])._kernel_arguments(entry.module, kernel, kernel.bind(args, kwargs))
         tokens = kernel.tokens(arguments, entry.forward.tokens)
         served = [kernel.serving(memory) for memory in kernel.memories]  # one row per memory the kernel updates
-        states = [mixer.call_state.now() for mixer in entry.mixers]  # traced ones while torch.compile traces
+        states = [mixer.tracker.now() for mixer in entry.mixers]  # traced ones while torch.compile traces
         plans = [[state.plan(row, tokens) for state in states] for row in served]
         recompute = entry.forward.recompute
         records = set() if recompute else {name for mixer in entry.mixers for name in mixer.kernel_io}
@@ -235,7 +235,7 @@ class _Tap:
     def run_fused(entry: Running, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """A fused whole-forward kernel: skipped (None, as without mamba_ssm) when a mixer wants this call."""
         # (a compiled graph serves every call: fused is skipped there if any call is wanted)
-        if any(mixer.call_state.now().wants_call() for mixer in entry.mixers):
+        if any(mixer.tracker.now().wants_call() for mixer in entry.mixers):
             return None
         return original(*args, **kwargs)
 

@@ -1,7 +1,7 @@
 """A registered state hook or write, as the engine keeps it: what a handle registers and the per-call state runs.
 
 `RecurrentMixer.register_state_hook` and the writers (`set_state_after`, ...) make one; the per-call state
-(`call_state.CallState.hooked`, `run_hook`) asks each which calls and tokens it targets, and a compiled graph finds
+(`tracker.CallTracker.hooked`, `run_hook`) asks each which calls and tokens it targets, and a compiled graph finds
 it by its key (`compiled.register_hook`). It lives below the handle so that the modules under it need not import
 the handle to name it.
 """
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 
 from . import compiled as _compiled
-from .call_state import SHOWN
+from .tracker import SHOWN
 
 if TYPE_CHECKING:
     from .mixer import RecurrentMixer

@@ -10,7 +10,7 @@
             return {"beta": kernel_call.inputs["beta"]}
 
 `Kind` is the base of `RecurrentMixer` (the user's handle, `mixer`): what a kind declares is read by the engine
-from the class, never from a handle's per-call state (`call_state`). A kind declares constants:
+from the class, never from a handle's per-call state (`tracker`). A kind declares constants:
 - `KERNELS`: the `Kernel`s its modeling modules call (recurrence and convolution, prompt and decode);
 - `STATE`: the axes of the state, as a jaxtyping shape string (e.g. "batch heads key_dim value_dim"),
   or, for a state of several parts, a mapping part name -> axes, with `STATE_TYPE` the `NamedTuple`
@@ -65,7 +65,7 @@ from .errors import Unavailable
 from .kernels import CONV_MEMORY, STATE_MEMORY, Kernel, Role
 
 if TYPE_CHECKING:
-    from .call_state import Forward
+    from .tracker import Forward
 
 
 class Kind:

@@ -18,7 +18,7 @@ roles, each in its own place:
 - the kind's declaration: class constants and class adapters (`kind.Kind`, the protocol a kind fills in);
 - the user's handle: `RecurrentMixer` here, with its readings, hooks and writes (each registered as a `hooks.Hook`);
 - the per-call state: the call counter, the running call's record, replays, what each kernel call wants
-  (`call_state.CallState`, owned by the handle as `call_state`; `compiled.TracedCallState` while tracing).
+  (`tracker.CallTracker`, owned by the handle as `tracker`; `compiled.TracedCallTracker` while tracing).
 
 How a kernel call is handled: the mixer class's `__call__`, rebound for the watch, pushes a `running.Running` entry
 on the running thread's stack (`THREAD.running`) for every forward of an instance, watched or not, and pops it
@@ -26,7 +26,7 @@ in a `finally`; the module's forward pre-hook fills it in and starts a call on e
 that sees that thread. The dispatcher bound in place of the kernel takes the innermost entry (an unwatched
 model run inside a watched forward has its own entries, and calls its own kernels untouched; so does code
 inside a user's hook, `THREAD.in_hook`). Each attached mixer says what it wants of this kernel call (a
-`call_state.Plan`). Then:
+`tracker.Plan`). Then:
 - nothing is wanted: the kernel bound before the watch runs unchanged;
 - only a few tokens are wanted: that kernel runs in segments between them (`busy.run_in_segments`),
   chaining the state, and `Plan.apply` runs at each stop (a kernel declared with `Kernel.stops` gets
@@ -37,7 +37,7 @@ inside a user's hook, `THREAD.in_hook`). Each attached mixer says what it wants 
 - otherwise the library's token loop runs and calls `Plan.apply` after each token's update.
 In grad mode, kept states are read through one zero leaf per kernel call (`Call.differentiable`).
 A forward that autograd recomputes (gradient checkpointing) is matched to the call it repeats by the
-fingerprint of its input (`call_state._Replay`) and runs that call's plan again, keeping nothing new.
+fingerprint of its input (`tracker._Replay`) and runs that call's plan again, keeping nothing new.
 """
 
 import weakref
@@ -54,7 +54,7 @@ from .errors import InvalidValue, RecurrentHooksError, Unavailable, renamed
 from .arguments import (RowTokens, as_calls, as_index, as_targets, as_token_selection, describe_calls,
                         describe_token, normalize_keep)
 from . import compiled as _compiled
-from .call_state import SHOWN, CallState, Forward
+from .tracker import SHOWN, CallTracker, Forward
 from .calls import Call, Memory, recorded
 from .hooks import Hook, StateHook
 from .kernels import CONV_MEMORY, STATE_MEMORY, memory_name
@@ -96,7 +96,7 @@ class RecurrentMixer(Kind):
 
     What a subclass (a kind) declares, its class constants and adapters, is the protocol of `kind.Kind`. The
     handle keeps what a user registers (hooks, writes) and reads what the calls left (`calls`); the per-call
-    state machine that the tap's module hooks drive is `call_state` (`call_state.CallState`).
+    state machine that the tap's module hooks drive is `tracker` (`tracker.CallTracker`).
 
     `recomputing` is True while autograd recomputes a checkpointed forward of this mixer (gradient
     checkpointing): hooks run again then, with the call index of the forward being recomputed. `head` is
@@ -129,9 +129,9 @@ class RecurrentMixer(Kind):
         self._on_empty: Callable[[], None] | None = None
         self._live = False  # attached to its module's tap
         # `history` False: a standalone hook's handle, which records no calls
-        self.call_state = CallState(self, self._hooks, history=history, restart_on_prompt=restart_on_prompt)
-        self.call_state.traced = _compiled.TracedCallState(self.call_state)
-        self.calls: list[Call] = self.call_state.calls
+        self.tracker = CallTracker(self, self._hooks, history=history, restart_on_prompt=restart_on_prompt)
+        self.tracker.traced = _compiled.TracedCallTracker(self.tracker)
+        self.calls: list[Call] = self.tracker.calls
 
     @property
     def module(self) -> nn.Module:
@@ -144,12 +144,12 @@ class RecurrentMixer(Kind):
     @property
     def head(self) -> int | None:
         """The head of the running recurrence kernel call (KERNEL_PER_HEAD kinds; else None)."""
-        return self.call_state.head
+        return self.tracker.head
 
     @property
     def recomputing(self) -> bool:
         """The running forward is a checkpointed forward being recomputed."""
-        return self.call_state.recomputing
+        return self.tracker.recomputing
 
     def _has(self, memory: str, method: str) -> None:
         if memory not in self.MEMORIES:
@@ -181,6 +181,12 @@ class RecurrentMixer(Kind):
         """The convolution window after every token of the last call (needs keep=("windows",))."""
         self._has(CONV_MEMORY, "windows")
         return self._call(None, "windows").windows
+
+    @property
+    def call_state(self) -> CallTracker:
+        """The former name of `tracker` (the handle's per-call bookkeeping: "state" is the recurrent state)."""
+        renamed("RecurrentMixer.call_state", "RecurrentMixer.tracker")
+        return self.tracker
 
     @property
     def conv_states(self) -> Float[Tensor, "batch seq channels kernel_size"]:
@@ -366,9 +372,9 @@ class RecurrentMixer(Kind):
 
     def unapplied(self) -> list[str]:
         """Writes aimed at calls this mixer never reached (reported when a watch ends; hooks are not)."""
-        seen = self.call_state.seen
+        seen = self.tracker.seen
         problems = []
-        for hook in self.call_state.all_hooks():
+        for hook in self.tracker.all_hooks():
             missed = hook.missed(seen) if hook.write else []
             if missed:
                 shown = ", ".join(map(str, missed[:SHOWN])) + (", ..." if len(missed) > SHOWN else "")
@@ -377,7 +383,7 @@ class RecurrentMixer(Kind):
 
     def unkept(self) -> list[str]:
         """Positions of `keep` outside every call this mixer saw, which kept nothing (reported when a watch ends)."""
-        return self.call_state.unkept()
+        return self.tracker.unkept()
 
 
 def _writes(mixer: RecurrentMixer, memory: str, token: Any, value: Any, call: Any, method: str) -> list[Hook]:
@@ -420,7 +426,7 @@ def _write(mixer: RecurrentMixer, memory: str, token: Any, value: Tensor, call: 
                                for (_, w), (_, s) in zip(parts_of(written), parts_of(state))):
             return written  # a write of the whole batch, or a value the check will refuse with its message
         batch = parts_of(state)[0][1].shape[0]
-        at = rows.at(token, mixer.call_state.tokens, batch, f"{mixer}, call {call}, token {token}: {method}")
+        at = rows.at(token, mixer.tracker.tokens, batch, f"{mixer}, call {call}, token {token}: {method}")
         return map_parts(lambda w, s: torch.where(at.to(s.device).view(-1, *(1,) * (s.dim() - 1)), w, s),
                          written, state)
 
@@ -449,7 +455,7 @@ def record_of(mixer: RecurrentMixer, call: Any, method: str) -> Call:
     """The record of call `call` of a watched mixer (None: the last), for `method` (named in the errors)."""
     if call is not None:
         call = as_index(call, "call", f"{mixer}.{method}")
-    if not mixer.call_state.history:
+    if not mixer.tracker.history:
         raise Unavailable(f"{mixer} records nothing: hooks registered outside a watch keep no values; use watch()")
     if not mixer.calls:
         raise Unavailable(f"{mixer} has not been called inside this watch yet")

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from .call_state import Forward
+from .tracker import Forward
 from .mixer import RecurrentMixer
 from .threads import THREAD
 
@@ -36,7 +36,7 @@ class Running:
 def end(entry: Running, checked: bool) -> None:
     mixers, entry.mixers, entry.forward = entry.mixers, [], None
     for mixer in mixers:
-        mixer.call_state.now().end(checked=checked)
+        mixer.tracker.now().end(checked=checked)
 
 
 def pop(running: list[Running], i: int, checked: bool) -> None:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from . import blocks as _blocks
-from .call_state import Plan
+from .tracker import Plan
 from .errors import InvalidValue, noted
 from .parts import State, is_parts, map_parts, parts_of, rebuild, stack_parts
 from .threads import user_code

@@ -144,7 +144,7 @@ def _reorder_recorder(mixers: list[RecurrentMixer], patches: UndoStack) -> Calla
         @functools.wraps(reorder)
         def reorder_cache(beam_idx: Tensor, *args: object, **kwargs: object) -> object:
             for mixer in mixers:
-                mixer.call_state.reordered(beam_idx)
+                mixer.tracker.reordered(beam_idx)
             return reorder(beam_idx, *args, **kwargs)
 
         patches.set_instance_attribute(cache, "reorder_cache", Transient(reorder_cache, reorder))
@@ -154,7 +154,7 @@ def _reorder_recorder(mixers: list[RecurrentMixer], patches: UndoStack) -> Calla
 
 def _forget_cache_recorder(mixers: list[RecurrentMixer]) -> None:
     for mixer in mixers:
-        mixer.call_state.saw_cache = None
+        mixer.tracker.saw_cache = None
 
 
 class Watch:
@@ -330,7 +330,7 @@ class Watch:
         stack.callback(instance_patches.undo)
         saw_cache = _reorder_recorder(mixers, instance_patches)
         for mixer in mixers:
-            mixer.call_state.saw_cache = saw_cache
+            mixer.tracker.saw_cache = saw_cache
         stack.callback(_forget_cache_recorder, mixers)  # it refers to the mixers: a cycle once the block is over
         self.mixers, self._stack, self._by_path = mixers, stack, paths
         return self

@@ -1,11 +1,11 @@
 """The per-call state of one handle: the call counter, the running call and its record, what each kernel call wants.
 
     with recurrent_hooks.watch(model, keep=("states",)) as w:
-        model(ids)                      # the tap's module hooks drive w.mixers[0].call_state:
+        model(ids)                      # the tap's module hooks drive w.mixers[0].tracker:
     w.mixers[0].calls[0]                # begin (count call 0, open this record), plan and store per kernel
-    w.mixers[0].call_state.index        # call, end: 0, the call that ran last
+    w.mixers[0].tracker.index        # call, end: 0, the call that ran last
 
-A `RecurrentMixer` (the user's handle) owns one `CallState`; dispatch drives it through a small interface, the
+A `RecurrentMixer` (the user's handle) owns one `CallTracker`; dispatch drives it through a small interface, the
 same in both implementations:
 
 - `begin(forward)`: a forward of the mixer begins: count it and open its record (a forward that autograd
@@ -15,8 +15,8 @@ same in both implementations:
 - `end(checked)`: the forward is over (checked: it called a watched kernel if something targeted it);
 - `wants_call()`: whether the running call has hooks, writes or kept values (a fused kernel is skipped then).
 
-`CallState` implements it eagerly. While torch.compile traces a forward, `now()` hands out the traced
-implementation instead (`compiled.TracedCallState`): a graph serves every call, so what changes from call to
+`CallTracker` implements it eagerly. While torch.compile traces a forward, `now()` hands out the traced
+implementation instead (`compiled.TracedCallTracker`): a graph serves every call, so what changes from call to
 call is not read while tracing but put into the graph as ops, which call this object's run-time methods
 (`count`, `file`, `run_hook`, `refuse_outside`, `warn_restart`, `note_replaced`) when the graph runs.
 """
@@ -109,7 +109,7 @@ class Plan:
 
     __slots__ = ("owner", "call", "hooks", "keep", "kept", "stacked", "reduce", "device")
 
-    def __init__(self, owner: "CallState", call: int | None, hooks: Hooked, keep: frozenset[int] | None,
+    def __init__(self, owner: "CallTracker", call: int | None, hooks: Hooked, keep: frozenset[int] | None,
                  memory: str | None = None):
         self.owner, self.call, self.hooks, self.keep = owner, call, hooks, keep
         self.kept: dict[int, Tensor] | None = None if keep is None else {}
@@ -147,7 +147,7 @@ _SPLIT = ("the forward split its tokens over several kernel calls (transformers 
           " wrong positions; run this call without hooks or kept values, or without past recording")
 
 
-class CallState:
+class CallTracker:
     """The eager per-call state machine of one handle (see the module docstring for its interface)."""
 
     def __init__(self, mixer: "RecurrentMixer", hooks: "dict[int, tuple[Hook, ...]]", *, history: bool,
@@ -175,13 +175,13 @@ class CallState:
         # the warning on exit about positions outside every call, `unkept`)
         self.keep_reached: dict[str, set[int]] = {}
         self.keep_lengths: dict[str, list[tuple[int, int]]] = {}
-        self.traced: Any = None  # the implementation a compiled graph's tracing uses (`compiled.TracedCallState`)
+        self.traced: Any = None  # the implementation a compiled graph's tracing uses (`compiled.TracedCallTracker`)
 
     @property
     def mixer(self) -> "RecurrentMixer":
         return self._mixer()
 
-    def now(self) -> "CallState":
+    def now(self) -> "CallTracker":
         """The implementation that serves the running forward: the traced one while torch.compile traces it."""
         return self.traced if compiling() else self
 
@@ -445,7 +445,7 @@ def _requires_grad(state: State) -> bool:
     return any(part.requires_grad for _, part in parts_of(state))
 
 
-def _checked(replacement: Any, state: State, owner: CallState, hook: "Hook", call: int, token: int) -> State:
+def _checked(replacement: Any, state: State, owner: CallTracker, hook: "Hook", call: int, token: int) -> State:
     kind = owner.kind
     where = f"{owner.mixer}, call {call}, token {token}: {hook.origin}"
     if owner.head is not None:
