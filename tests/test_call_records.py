@@ -1,4 +1,4 @@
-"""Smaller defects, one test (or a few) each.
+"""What a call's record says at its edges, one test (or a few) each.
 
 - kept positions that lie outside every call the mixer saw give a `RecurrentHooksWarning` on exit (they kept
   nothing), as writes whose call never ran do; negative positions keep working;
