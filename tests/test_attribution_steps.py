@@ -146,7 +146,7 @@ def test_bad_steps_and_models_without_embeddings_are_refused():
 
 
 def test_the_gradient_runs_free_their_calls():
-    """Nothing of a gradient run outlives it: no `_Chunked` call's spec (its inputs, its boundary states)."""
+    """Nothing of a gradient run outlives it: no `_InPieces` call's spec (its inputs, its boundary states)."""
     import gc
 
     from recurrent_hooks.studies import attribution

@@ -19,9 +19,9 @@ the call's inputs (and so every earlier layer) through its output, its last stat
   adds P - G (the kind's adjoint with G as sources), and `_States`' backward sends the inputs the gradient of
   sum_t <G_t, S_t> through the kind's token loop under autograd (the slow path, only then);
 - `_Readout` (inputs, X_0..X_{T-1} -> output, last state): hands out the output the forward computed. Its
-  backward recomputes the call under autograd `PIECE` tokens at a time from saved boundary states (the
-  inputs' and the initial state's gradients, chunk-wise, as a plain backward) and runs the kind's adjoint over
-  each piece: d / d X_t = mu_t.
+  backward is the engine's reverse sweep over pieces of `PIECE` tokens (`backward.sweep`): each recomputed under
+  autograd from its saved boundary state (the inputs' and the initial state's gradients, chunk-wise, as a plain
+  backward: `backward.recompute`), then the kind's adjoint over it: d / d X_t = mu_t.
 Known limit: where the value differentiated uses kept states themselves (G not zero), the gradient taken with
 respect to `state_after(t)` (X_t, read before the hook on X) lacks P_t - G_t, and so does the one with respect to
 `.states` when the same `autograd.grad` call also asks for an input's gradient (PyTorch takes a tensor's
@@ -32,12 +32,13 @@ Memory: X (seq x state, kept by the user's request) plus, in the backward, one p
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from .backward import input_gradients, recompute, slot_names, sweep, tensor_slots, with_tensors
 from .errors import RecurrentHooksWarning
 from .kernels import Kernel, Pieces
 
@@ -202,104 +203,24 @@ class _Readout(torch.autograd.Function):
         pieces = spec.pieces(saved)
         run = segments.kernel or spec.original
         tokens = pieces.tokens
-        names = [name for name in pieces.bound if name != "kwargs"]
-        slot_names = [names[i] if key is None else key for i, key in spec.slots]
-        mu: Tensor | None = None  # d / d X_t, [batch, seq, *state], filled piece by piece
-        sums: dict[str, Tensor] = {}
-        per_token: dict[str, list[Tensor]] = {name: [] for name in segments.per_token}
-        grad_state = grad_final
-        for start in reversed(range(0, tokens, PIECE)):
-            end = min(start + PIECE, tokens)
-            boundary = spec.boundaries[start // PIECE]
-            with torch.enable_grad():
-                wanted = {name for name, need in zip(slot_names, needed) if need}
-                leading, named, leaves, state = piece_leaves(pieces, start, end, boundary, wanted)
-                out, final = run(*leading, **named)
-                piece_grad = None if grad_out is None else grad_out.narrow(segments.out_axis, start, end - start)
-                outputs = [o for o, g in ((out, piece_grad), (final, grad_state)) if g is not None]
-                grads_in = [g for g in (piece_grad, grad_state) if g is not None]
-                targets = list(leaves.values()) + ([state] if state is not None else [])
-                grads = torch.autograd.grad(outputs, targets, grads_in, allow_unused=True) \
-                    if outputs and targets else (None,) * len(targets)
-            plain = detached(pieces, leading, named, leaves)
+        wanted = {name for name, need in zip(slot_names(pieces, spec.slots), needed) if need}
+        mu: list[Tensor] = []  # d / d X_t, [batch, seq, *state], made at the first visit and filled piece by piece
+
+        def backward_one(index: int, start: int, end: int, grad_state: Tensor | None) -> tuple[Any, Any]:
+            piece_grad = None if grad_out is None else grad_out.narrow(segments.out_axis, start, end - start)
+            grads, state_grad, (leading, named) = recompute(pieces, run, start, end, spec.boundaries[index], wanted,
+                                                            piece_grad, grad_state)
+
+            def visit(t: int, m: Tensor) -> None:
+                if not mu:
+                    mu.append(m.new_empty((m.shape[0], tokens, *m.shape[1:])))
+                mu[0][:, start + t].copy_(m)
+
             with torch.no_grad():
-                def visit(t: int, m: Tensor, start: int = start) -> None:
-                    nonlocal mu
-                    if mu is None:
-                        mu = m.new_empty((m.shape[0], tokens, *m.shape[1:]))
-                    mu[:, start + t].copy_(m)
+                segments.adjoint(*leading, grad_output=piece_grad, grad_final=grad_state, visit=visit, **named)
+            return state_grad, grads
 
-                segments.adjoint(*plain[0], grad_output=piece_grad, grad_final=grad_state, visit=visit, **plain[1])
-            for name, grad in zip(leaves, grads):
-                if name in per_token:
-                    grad = torch.zeros_like(leaves[name]) if grad is None else grad
-                    per_token[name].insert(0, grad)
-                else:
-                    if grad is not None:
-                        sums[name] = grad if name not in sums else sums[name] + grad
-            grad_state = grads[-1] if state is not None else None
-        spec.mu = mu
-        result: list[Any] = [None]
-        for name, tensor, need in zip(slot_names, saved, needed):
-            if not need or not tensor.is_floating_point():
-                result.append(None)
-            elif name == segments.state_in:
-                result.append(grad_state)
-            elif name in per_token:
-                result.append(torch.cat(per_token[name], dim=segments.per_token[name]))
-            else:
-                result.append(sums.get(name))
-        return (*result, *mu.unbind(1))
-
-
-def tensor_slots(args: tuple, kwargs: dict) -> tuple[list[tuple[int | None, str | None]], tuple[Tensor, ...]]:
-    """Where a kernel call's tensors are, `(args index, None)` or `(None, key)`, and the tensors (for a Function
-    that takes them as its inputs: `with_tensors` puts others in their place)."""
-    slots = [(i, None) for i, a in enumerate(args) if isinstance(a, Tensor)]
-    slots += [(None, k) for k, v in kwargs.items() if isinstance(v, Tensor)]
-    return slots, tuple(args[i] if k is None else kwargs[k] for i, k in slots)
-
-
-def with_tensors(kernel: Kernel, args: tuple, kwargs: dict, slots: list[tuple[int | None, str | None]],
-                 tensors: Iterable[Tensor]) -> Pieces:
-    """The call's `Pieces` with `tensors` in the places `slots` names."""
-    args, kwargs = list(args), dict(kwargs)
-    for (i, key), tensor in zip(slots, tensors):
-        if key is None:
-            args[i] = tensor
-        else:
-            kwargs[key] = tensor
-    return Pieces(kernel, tuple(args), kwargs)
-
-
-def piece_leaves(pieces: Pieces, start: int, end: int, boundary: Tensor | None,
-                 wanted: set[str]) -> tuple[list[Any], dict[str, Any], dict[str, Tensor], Tensor | None]:
-    """The arguments of tokens [start, end) from `boundary`, the `wanted` floating tensors as fresh leaves (and
-    the boundary state, as a leaf), chunks no longer than the piece (`Segments.chunk_argument`): `(leading, named,
-    leaves by name, state)`. Call under `torch.enable_grad()`."""
-    leading, named = pieces.call(start, end, None)
-    leaves: dict[str, Tensor] = {}
-    for i, name in enumerate(pieces.positional[:len(leading)]):
-        if name in wanted and isinstance(leading[i], Tensor) and leading[i].is_floating_point():
-            leading[i] = leaves[name] = leading[i].detach().requires_grad_()
-    for name in list(named):
-        if name in wanted and isinstance(named[name], Tensor) and named[name].is_floating_point():
-            named[name] = leaves[name] = named[name].detach().requires_grad_()
-    state = None if boundary is None else boundary.detach().requires_grad_()
-    named[pieces.segments.state_in] = state
-    chunk = pieces.segments.chunk_argument
-    if chunk is not None and isinstance(named.get(chunk), int):  # (not padded to the call's chunk length)
-        named[chunk] = min(named[chunk], end - start)
-    return leading, named, leaves, state
-
-
-def detached(pieces: Pieces, leading: list[Any], named: dict[str, Any],
-             leaves: dict[str, Tensor]) -> tuple[list[Any], dict[str, Any]]:
-    """`piece_leaves`' arguments without their graphs (the leaves and the state detached)."""
-    names = pieces.positional[:len(leading)]
-    plain = [leaves[name].detach() if name in leaves else value for name, value in zip(names, leading)]
-    state_in = pieces.segments.state_in
-    named = {name: (leaves[name].detach() if name in leaves else value) for name, value in named.items()}
-    if isinstance(named.get(state_in), Tensor):
-        named[state_in] = named[state_in].detach()
-    return plain, named
+        ranges = [(start, min(start + PIECE, tokens)) for start in range(0, tokens, PIECE)]
+        grad_state, collected = sweep(ranges, backward_one, grad_final)
+        spec.mu = mu[0]
+        return (None, *input_gradients(pieces, spec.slots, saved, needed, grad_state, collected), *spec.mu.unbind(1))

@@ -109,7 +109,7 @@ class Segments:
       gradients of every state of a piece cost one state-sized Python step a token without autograd
       (`engine.adjoint`: kept states in grad mode; attribution's chunks); None: the token loop under autograd.
     - `chunk_argument`: the bound kernel's chunk-length argument (Mamba-2's `chunk_size`), or None. A piece that a
-      backward recomputes under autograd (`adjoint.piece_leaves`) runs with chunks no longer than itself: a 64-token
+      backward recomputes under autograd (`backward.piece_leaves`) runs with chunks no longer than itself: a 64-token
       piece through a kernel of chunk 256 pads it to 256 tokens (same maths, other rounding).
     """
 
@@ -153,6 +153,19 @@ class Pieces:
         piece[self.segments.state_in], piece[self.segments.final_flag] = state, True
         leading = [piece.pop(name) for name in self.positional]
         return leading, {**piece, **self.extra}
+
+    def run(self, run: Callable[..., Any], length: int) -> tuple[list[Any], list[Any]]:
+        """The call by `run` (the bound kernel, or `Segments.kernel`) in pieces of `length` tokens, each from the
+        state the previous one ended with: their outputs, and the states at the boundaries (the call's initial
+        state first, its last state last). A backward recomputes each piece from them (`engine.backward`)."""
+        state = self.state
+        boundaries, outputs = [state], []
+        for start in range(0, self.tokens, length):
+            leading, named = self.call(start, min(start + length, self.tokens), state)
+            out, state = run(*leading, **named)
+            outputs.append(out)
+            boundaries.append(state)
+        return outputs, boundaries
 
     def result(self, outputs: list[Any], state: Any) -> Any:
         """The pieces' outputs and the last state, as the kernel returns them."""

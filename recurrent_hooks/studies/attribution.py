@@ -25,11 +25,13 @@ Two ways to the same numbers (`method`):
   state, `Segments`: gated DeltaNet, Kimi delta attention, Mamba-2, Mamba-1): no state is kept. Each prompt
   call of a chosen mixer runs through a call runner (`engine.runners`): in the clean run, the bound kernel
   in pieces of `piece` tokens, keeping the states at the piece boundaries and the call's inputs; in the
-  corrupt run, one `torch.autograd.Function` (`_InPieces`) doing the same forward, whose backward walks the
-  pieces right to left, recomputes each from its boundary with the kind's token loop, in which the state
-  after token t is replaced by S'_t + eps_t (S_t - S'_t) with eps a zero leaf [batch, seq] (the values do
-  not change), and returns the gradients of the call's inputs, its initial state and eps.
-  d metric / d eps_t is exactly the `state` term at t. The clean states of a piece are recomputed from its
+  corrupt run, one `torch.autograd.Function` (`_InPieces`) doing the same forward, whose backward is the
+  engine's reverse sweep over pieces (`backward.sweep`, as for every state kept with gradients): each piece is
+  recomputed from its boundary under autograd for the inputs' gradients, and the kind's adjoint gives
+  mu_t = d metric / d S'_t, the `state` term at t being (S_t - S'_t) . mu_t (`_AdjointPiece`); Mamba-1, which
+  has no adjoint, runs its token loop under autograd with the state after token t replaced by
+  S'_t + eps_t (S_t - S'_t), eps a zero leaf [batch, seq] (the values do not change), d metric / d eps_t being
+  the term (`_LoopSteps`). The clean states of a piece are recomputed from its
   clean boundary (the kind's chunk-wise `all_states`, no grad). Memory per chosen layer: the inputs
   (O(seq x width)), seq / piece boundary states of each run, and in the backward 2 x piece states plus
   the token loop's graph over min(piece, 32 MiB / state bytes) tokens (about 5 state-sized tensors a
@@ -64,7 +66,9 @@ from torch import Tensor, nn
 
 from ..engine.errors import InvalidValue, renamed
 from ..engine.arguments import as_index
-from ..engine import adjoint, runners
+from ..engine import runners
+from ..engine.backward import (input_gradients, piece_leaves, recompute, slot_names, sweep, tensor_slots,
+                               with_tensors)
 from ..engine.kernels import CONV_MEMORY, STATE_MEMORY, Kernel, Pieces, Role
 from ..engine.mixer import RecurrentMixer
 from ..engine.parts import map_parts, parts_of
@@ -639,21 +643,6 @@ def _ranges(tokens: int, piece: int) -> list[tuple[int, int]]:
     return [(start, min(start + piece, tokens)) for start in range(0, tokens, piece)]
 
 
-def _run_pieces(kernel: Kernel, original: Callable[..., Any], pieces: Pieces,
-                piece: int) -> tuple[list[Any], list[Any]]:
-    """The bound kernel (or `Segments.kernel`) on pieces of `piece` tokens: their outputs, and the states at
-    the boundaries (the call's initial state first, the last state last)."""
-    run = kernel.segments.kernel or original
-    state = pieces.state
-    boundaries, outputs = [state], []
-    for start, end in _ranges(pieces.tokens, piece):
-        leading, named = pieces.call(start, end, state)
-        out, state = run(*leading, **named)
-        outputs.append(out)
-        boundaries.append(state)
-    return outputs, boundaries
-
-
 @dataclasses.dataclass
 class _CleanCall:
     """What the backward needs of one clean prompt call: its pieces (inputs) and boundary states."""
@@ -701,7 +690,7 @@ class _CleanRunner:
         pieces = Pieces(kernel, args, kwargs)
         if isinstance(pieces.state, Tensor):  # a cache's tensor, updated in place later
             pieces.state = pieces.state.clone()
-        outputs, boundaries = _run_pieces(kernel, original, pieces, self.piece)
+        outputs, boundaries = pieces.run(kernel.segments.kernel or original, self.piece)
         self.records.append(_CleanCall(pieces, boundaries))
         return pieces.result(outputs, boundaries[-1])
 
@@ -741,7 +730,7 @@ class _CorruptRunner:
         if pieces.tokens != clean.pieces.tokens:
             raise InvalidValue(f"attribute: {self.where}: prompt kernel call {index} covers {pieces.tokens} tokens"
                                f" in the corrupt run and {clean.pieces.tokens} in the clean one")
-        slots, tensors = adjoint.tensor_slots(args, kwargs)
+        slots, tensors = tensor_slots(args, kwargs)
         state = pieces.state
         batch = next(t for t in tensors if t.dim() > 0).shape[0] if state is None else state.shape[0]
         per_head = [clean.boundaries[-1].shape[1]] if self.heads else []  # b i (heads)
@@ -769,7 +758,7 @@ class _Spec:
     heads: bool = False  # eps per head: d metric / d eps_t is the term of each head (axis 1 of the state)
 
     def pieces(self, tensors: Iterable[Tensor]) -> Pieces:
-        return adjoint.with_tensors(self.kernel, self.args, self.kwargs, self.slots, tensors)
+        return with_tensors(self.kernel, self.args, self.kwargs, self.slots, tensors)
 
 
 class _InPieces(torch.autograd.Function):
@@ -779,7 +768,7 @@ class _InPieces(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, spec: _Spec, eps: Tensor, *tensors: Tensor) -> tuple[Tensor, Tensor]:
         pieces = spec.pieces(tensors)
-        outputs, spec.boundaries = _run_pieces(spec.kernel, spec.original, pieces, spec.piece)
+        outputs, spec.boundaries = pieces.run(spec.kernel.segments.kernel or spec.original, spec.piece)
         final = spec.boundaries[-1]
         # the spec (on ctx) keeps no output of the Function: output -> graph -> ctx -> spec -> output is a cycle the
         # garbage collector did not always free, and with it the call's inputs and boundary states
@@ -792,109 +781,107 @@ class _InPieces(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor | None, grad_final: Tensor | None) -> tuple[Any, ...]:
         spec = ctx.spec
-        kernel, segments = spec.kernel, spec.kernel.segments
-        saved = [t.detach() for t in ctx.saved_tensors]
+        saved = tuple(t.detach() for t in ctx.saved_tensors)
+        needed = ctx.needs_input_grad[2:]
         pieces = spec.pieces(saved)
-        names = [name for name in pieces.bound if name != "kwargs"]
-        slot_names = [names[i] if key is None else key for i, key in spec.slots]
-        wanted = {name for name, needed, tensor in zip(slot_names, ctx.needs_input_grad[2:], saved)
-                  if needed and tensor.is_floating_point() and name != segments.state_in}
-        per_token: dict[str, list[tuple[int, int, Tensor | None]]] = {
-            name: [] for name in wanted if name in segments.per_token}
-        summed: dict[str, Tensor] = {}
-        ranges = _ranges(pieces.tokens, spec.piece)
-        last = spec.boundaries[-1]  # steps of the token loop: as many tokens as _STEP_BYTES of states
-        step_tokens = min(spec.piece, max(1, _STEP_BYTES // (last.numel() * last.element_size())))
-        eps_parts: list[Tensor] = []
-        grad_state = grad_final
-        buffers: list[Tensor] = []  # the adjoint's: a piece's clean and corrupt states, reused piece after piece
-        for index in reversed(range(len(ranges))):
-            start, end = ranges[index]
-            if segments.adjoint is not None:  # the kind's adjoint recurrence: no token loop under autograd
-                if not buffers:
-                    buffers = [last.new_empty((spec.piece, *last.shape), dtype=torch.float32) for _ in range(2)]
-                clean = spec.clean.states(kernel, index, start, end, buffers[0])  # i b *state
-                minus = None if spec.reference is None else spec.reference.states(kernel, index, start, end,
-                                                                                  buffers[1])
-                grad_state, eps_part, grads = _backward_piece(spec, pieces, start, end, spec.boundaries[index],
-                                                              clean, buffers[1], wanted, grad_out, grad_state, minus)
-                eps_parts.append(eps_part)
-                for name, grad in grads.items():
-                    if name in per_token:
-                        per_token[name].append((start, end, grad))
-                    elif grad is not None:
-                        summed[name] = grad if name not in summed else summed[name] + grad
-                continue
+        state_in = spec.kernel.segments.state_in
+        wanted = {name for name, need, tensor in zip(slot_names(pieces, spec.slots), needed, saved)
+                  if need and tensor.is_floating_point() and name != state_in}
+        eps_parts: list[Tensor] = []  # right to left
+        if spec.kernel.segments.adjoint is not None:  # the kind's adjoint recurrence: no token loop under autograd
+            ranges, backward_one = _ranges(pieces.tokens, spec.piece), _AdjointPiece(spec, pieces, wanted, grad_out,
+                                                                                    eps_parts)
+        else:  # the token loop under autograd, in steps of as many tokens as _STEP_BYTES of states
+            loop = _LoopSteps(spec, pieces, wanted, grad_out, eps_parts)
+            ranges, backward_one = loop.ranges, loop
+        grad_state, collected = sweep(ranges, backward_one, grad_final)
+        eps_grad = torch.cat(list(reversed(eps_parts)), dim=1)
+        return (None, eps_grad, *input_gradients(pieces, spec.slots, saved, needed, grad_state, collected))
+
+
+class _AdjointPiece:
+    """A piece's backward by the kind's adjoint (`backward.sweep`'s `backward_one`): the inputs' and the boundary
+    state's gradients from the piece's kernel recomputed under autograd (chunk-wise, `backward.recompute`), the eps
+    gradients (S_t - S'_t) . mu_t from the adjoint recurrence, S_t the clean states (recomputed from the clean
+    boundary), S'_t the corrupt run's (steps > 1: the reference's) or, for none, the run's own from `all_states`.
+    Two state buffers of a piece each, reused piece after piece."""
+
+    def __init__(self, spec: _Spec, pieces: Pieces, wanted: set[str], grad_out: Tensor | None,
+                 eps_parts: list[Tensor]) -> None:
+        self.spec, self.pieces, self.wanted, self.grad_out, self.eps_parts = spec, pieces, wanted, grad_out, eps_parts
+        self.buffers: list[Tensor] = []
+
+    def __call__(self, index: int, start: int, end: int, grad_state: Tensor | None) -> tuple[Any, Any]:
+        spec, pieces = self.spec, self.pieces
+        kernel, segments = spec.kernel, spec.kernel.segments
+        if not self.buffers:
+            last = spec.boundaries[-1]
+            self.buffers = [last.new_empty((spec.piece, *last.shape), dtype=torch.float32) for _ in range(2)]
+        clean = spec.clean.states(kernel, index, start, end, self.buffers[0])  # i b *state
+        minus = None if spec.reference is None else spec.reference.states(kernel, index, start, end, self.buffers[1])
+        piece_grad = None if self.grad_out is None else self.grad_out.narrow(segments.out_axis, start, end - start)
+        grads, state_grad, (leading, named) = recompute(pieces, segments.kernel or spec.original, start, end,
+                                                        spec.boundaries[index], self.wanted, piece_grad, grad_state)
+        with torch.no_grad():
+            delta = clean.sub_(_states(kernel, leading, named, self.buffers[1]) if minus is None else minus)  # i b *s
+            eps = delta.new_zeros(delta.shape[1], end - start, *([delta.shape[2]] if spec.heads else []))  # b i (h)
+
+            def visit(t: int, mu: Tensor) -> None:  # (S_t - S'_t) . mu_t per row (and head)
+                if spec.heads:
+                    eps[:, t] = (delta[t] * mu).flatten(2).sum(-1)
+                else:
+                    eps[:, t] = torch.linalg.vecdot(delta[t].flatten(1), mu.flatten(1))
+
+            initial = segments.adjoint(*leading, grad_output=piece_grad, grad_final=grad_state, visit=visit, **named)
+        self.eps_parts.append(eps)
+        has_state = spec.boundaries[index] is not None
+        return (state_grad if state_grad is not None else initial) if has_state else None, grads
+
+
+class _LoopSteps:
+    """A piece's backward through the kind's token loop under autograd (Mamba-1: no adjoint), in steps of at most
+    `_STEP_BYTES` of states (`backward.sweep`'s `backward_one`, over the steps of every piece): in each, the state
+    after token t is replaced by s + eps_t (S_t - S'_t), S'_t the run's own state or the reference's, which leaves
+    the values as they are and makes d m / d eps_t the term. A piece's corrupt states at its steps' boundaries are
+    recomputed first, without grad, when it has more than one step."""
+
+    def __init__(self, spec: _Spec, pieces: Pieces, wanted: set[str], grad_out: Tensor | None,
+                 eps_parts: list[Tensor]) -> None:
+        self.spec, self.pieces, self.wanted, self.grad_out, self.eps_parts = spec, pieces, wanted, grad_out, eps_parts
+        last = spec.boundaries[-1]
+        self.step = min(spec.piece, max(1, _STEP_BYTES // (last.numel() * last.element_size())))
+        self.ranges: list[tuple[int, int]] = []
+        self.piece_of: list[tuple[int, int]] = []  # per step: its piece, and its first token within the piece
+        for index, (start, end) in enumerate(_ranges(pieces.tokens, spec.piece)):
+            for first, last_token in _ranges(end - start, self.step):
+                self.ranges.append((start + first, start + last_token))
+                self.piece_of.append((index, first))
+        self.cached: tuple[int, Tensor, Tensor | None, Tensor | None] | None = None  # a piece's states
+
+    def _piece_states(self, index: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """The piece's clean states, the reference's (or None) and its corrupt states at its steps (or None)."""
+        if self.cached is None or self.cached[0] != index:
+            spec, kernel = self.spec, self.spec.kernel
+            start, end = _ranges(self.pieces.tokens, spec.piece)[index]
             clean = spec.clean.states(kernel, index, start, end)  # i b *state
             minus = None if spec.reference is None else spec.reference.states(kernel, index, start, end)
-            leading, named = pieces.call(start, end, spec.boundaries[index])
-            with torch.no_grad():  # the corrupt states inside the piece: the boundaries of its steps
-                corrupt = _states(kernel, leading, named) if end - start > step_tokens else None
-            steps = _ranges(end - start, step_tokens)
-            step_eps: list[Tensor] = []
-            for step in reversed(range(len(steps))):
-                first, last = steps[step]
-                boundary = spec.boundaries[index] if first == 0 else corrupt[first - 1]
-                grad_state, eps_part, grads = _backward_step(
-                    kernel, pieces, start + first, start + last, boundary, clean[first:last], wanted,
-                    grad_out, grad_state, None if minus is None else minus[first:last], spec.heads)
-                step_eps.append(eps_part)
-                for name, grad in grads.items():
-                    if name in per_token:
-                        per_token[name].append((start + first, start + last, grad))
-                    elif grad is not None:
-                        summed[name] = grad if name not in summed else summed[name] + grad
-            eps_parts.extend(step_eps)
-        eps_grad = torch.cat(list(reversed(eps_parts)), dim=1)
-        result: list[Any] = [None, eps_grad]
-        for name, tensor in zip(slot_names, saved):
-            if name == segments.state_in:  # the call's initial state: the gradient at the first boundary
-                result.append(grad_state if ctx.needs_input_grad[2 + slot_names.index(name)] else None)
-            elif name in per_token:
-                axis = segments.per_token[name]
-                chunks = [g if g is not None else torch.zeros_like(tensor.narrow(axis, first, last - first))
-                          for first, last, g in reversed(per_token[name])]
-                result.append(torch.cat(chunks, dim=axis))
-            else:
-                result.append(summed.get(name))
-        return tuple(result)
+            with torch.no_grad():
+                leading, named = self.pieces.call(start, end, spec.boundaries[index])
+                corrupt = _states(kernel, leading, named) if end - start > self.step else None
+            self.cached = (index, clean, minus, corrupt)
+        return self.cached[1:]
 
-
-def _backward_piece(spec: _Spec, pieces: Pieces, start: int, end: int, boundary: Any, clean: Tensor,
-                    buffer: Tensor, wanted: set[str], grad_out: Tensor | None, grad_state: Tensor | None,
-                    minus: Tensor | None = None) -> tuple[Tensor | None, Tensor, dict[str, Tensor | None]]:
-    """Tokens [start, end) of the call by the kind's adjoint (`Segments.adjoint`): the inputs' and the boundary
-    state's gradients from the piece's kernel recomputed under autograd (chunk-wise), the eps gradients
-    (S_t - S'_t) . mu_t from the adjoint recurrence, with the piece's corrupt states S'_t `minus` (the corrupt
-    run's, at steps > 1) or, for None, the run's own from `all_states` (into `buffer`; `clean`, the clean
-    states, becomes S_t - S'_t in place)."""
-    kernel = spec.kernel
-    segments = kernel.segments
-    run = segments.kernel or spec.original
-    piece_grad = None if grad_out is None else grad_out.narrow(segments.out_axis, start, end - start)
-    with torch.enable_grad():
-        leading, named, leaves, state = adjoint.piece_leaves(pieces, start, end, boundary, wanted)
-        out, final = run(*leading, **named)
-        outputs, grads_in = [out], [torch.zeros_like(out) if piece_grad is None else piece_grad]
-        if grad_state is not None:
-            outputs.append(final)
-            grads_in.append(grad_state)
-        targets = [*leaves.values()] + ([state] if state is not None else [])
-        grads = torch.autograd.grad(outputs, targets, grads_in, allow_unused=True) if targets else ()
-    leading, named = adjoint.detached(pieces, leading, named, leaves)
-    with torch.no_grad():
-        delta = clean.sub_(_states(kernel, leading, named, buffer) if minus is None else minus)  # i b *state
-        eps = delta.new_zeros(delta.shape[1], end - start, *([delta.shape[2]] if spec.heads else []))  # b i (heads)
-
-        def visit(t: int, mu: Tensor) -> None:  # (S_t - S'_t) . mu_t per row (and head)
-            if spec.heads:
-                eps[:, t] = (delta[t] * mu).flatten(2).sum(-1)
-            else:
-                eps[:, t] = torch.linalg.vecdot(delta[t].flatten(1), mu.flatten(1))
-
-        initial = segments.adjoint(*leading, grad_output=piece_grad, grad_final=grad_state, visit=visit, **named)
-    state_grad = None if state is None else (grads[-1] if grads[-1] is not None else initial)
-    return state_grad, eps, dict(zip(leaves, grads[:len(leaves)]))
+    def __call__(self, step: int, start: int, end: int, grad_state: Tensor | None) -> tuple[Any, Any]:
+        spec = self.spec
+        index, first = self.piece_of[step]
+        clean, minus, corrupt = self._piece_states(index)
+        boundary = spec.boundaries[index] if first == 0 else corrupt[first - 1]
+        last = first + end - start
+        grad_state, eps_part, grads = _backward_step(
+            spec.kernel, self.pieces, start, end, boundary, clean[first:last], self.wanted, self.grad_out,
+            grad_state, None if minus is None else minus[first:last], spec.heads)
+        self.eps_parts.append(eps_part)
+        return grad_state, grads
 
 
 def _backward_step(kernel: Kernel, pieces: Pieces, start: int, end: int, boundary: Any, clean: Tensor,
@@ -906,7 +893,7 @@ def _backward_step(kernel: Kernel, pieces: Pieces, start: int, end: int, boundar
     gradients of the boundary state, of eps over these tokens, and of the wanted inputs' pieces."""
     segments = kernel.segments
     with torch.enable_grad():
-        leading, named, leaves, state = adjoint.piece_leaves(pieces, start, end, boundary, wanted)
+        leading, named, leaves, state = piece_leaves(pieces, start, end, boundary, wanted)
         per_head = [clean.shape[2]] if heads else []  # an eps per head: axis 1 of the state
         eps = torch.zeros(clean.shape[1], end - start, *per_head, dtype=torch.float32, device=clean.device,
                           requires_grad=True)
