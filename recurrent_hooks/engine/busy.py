@@ -90,9 +90,9 @@ RUNNERS: dict[Strategy, Callable[[BusyCall], Any]] = {
 def threads_of(busy: list[list[Plan]], arguments: dict[str, Any]) -> Any:
     """`threads.loop_threads` for a call's path with per-token steps, by the policy of its first busy plan, on the
     device of its first tensor argument."""
-    mixer = next(plan.mixer for per_memory in busy for plan in per_memory)
+    policy = next(plan.owner.policy for per_memory in busy for plan in per_memory)
     device = next((value.device for value in arguments.values() if isinstance(value, Tensor)), torch.device("cpu"))
-    return loop_threads(mixer.paths.loop_threads, device)
+    return loop_threads(policy.paths.loop_threads, device)
 
 
 def reduce_in_chunks(kernel: Kernel, args: tuple, kwargs: dict, taker: Any, kind: type,

@@ -261,9 +261,9 @@ def _fast_path(kernel: Kernel, busy: list[Plan], tokens: int,
                arguments: dict[str, Any] | None = None) -> strategies.Choice | None:
     """How a busy call runs (`strategies.choose` under the policy of its handles, `strategies.Paths`); None: the
     token loop. Handles whose policies differ (a watch and a standalone hook on one module) get the token loop."""
-    paths = busy[0].mixer.paths
+    paths = busy[0].owner.policy.paths
     for plan in busy[1:]:
-        if plan.mixer.paths is not paths and plan.mixer.paths != paths:
+        if plan.owner.policy.paths is not paths and plan.owner.policy.paths != paths:
             return None
     return strategies.choose(kernel, busy, tokens, arguments, paths=paths)
 

@@ -60,8 +60,6 @@ from .hooks import Hook, StateHook
 from .kernels import CONV_MEMORY, STATE_MEMORY, memory_name
 from .kind import Kind
 from .parts import State, describe, is_parts, map_parts, not_a_tensor, parts_of, stack_parts
-from .strategies import DEFAULT as _DEFAULT_PATHS
-from .strategies import Paths
 
 
 # A state hook: fn(mixer, call, token, state) -> None (keep the state) or a replacement tensor.
@@ -85,6 +83,11 @@ class _Handle(RemovableHandle):
             hook_removed(mixer)
 
 
+def _policy_field(name: str, doc: str) -> property:
+    """A handle's read-only view of one field of its tracker's `Policy`."""
+    return property(lambda mixer: getattr(mixer.tracker.policy, name), doc=doc)
+
+
 class RecurrentMixer(Kind):
     """The library's handle on one recurrent mixer module; subclasses declare kernels and values.
 
@@ -103,12 +106,10 @@ class RecurrentMixer(Kind):
     the head of the running recurrence kernel call, for a kind that runs its kernel once per head.
     """
 
-    # how this handle's busy calls pick their path (`Paths`; `watch(model, paths=...)`, `register_state_hook`)
-    paths: Paths = _DEFAULT_PATHS
-    # where kept values go as they are kept (None: where the model computes them; `watch(keep_device=...)`), and
-    # memory -> the function kept in place of its states, applied to chunks of them (`watch(reduce=...)`)
-    keep_device: "torch.device | None" = None
-    reduce: "dict[str, Callable[[Any], Any]]" = {}  # (assigned per handle, never changed in place)
+    # the policy its calls run by (`tracker.Policy`, set by its watch or standalone hooks), read-only here
+    paths = _policy_field("paths", "How this handle's busy calls pick their path (a `Paths`).")
+    keep_device = _policy_field("keep_device", "Where kept values go as they are kept (None: where computed).")
+    reduce = _policy_field("reduce", "Memory -> the function kept in place of its states (`watch(reduce=...)`).")
 
     def __init__(self, module: nn.Module, family: str, *,
                  keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (), history: bool = True,

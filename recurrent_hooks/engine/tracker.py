@@ -37,6 +37,7 @@ from .calls import Call, KernelCall, position_of
 from .errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable, noted
 from .kernels import CONV_MEMORY, KEEP_NAMES, STATE_MEMORY, Kernel
 from .parts import State, axes_of, is_parts, map_parts, not_a_tensor, parts_of
+from .strategies import DEFAULT as _DEFAULT_PATHS, Paths
 from .threads import user_code
 from .tracing import compiling
 
@@ -104,6 +105,20 @@ def _replayed(replays: Iterable[_Replay], forward: Forward) -> tuple[int | None,
 Hooked = list[tuple["Hook", frozenset[int] | None]]  # hooks in registration order, with absolute positions
 
 
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """How a handle's busy calls run and what they keep, as its watch (or its standalone hooks) set it: a value
+    the tracker holds and hands to each call's plans, never read back through the handle.
+
+    - `paths`: how a busy call picks its path (`Paths`);
+    - `keep_device`: where kept values go as they are kept (None: where the model computes them);
+    - `reduce`: memory -> the function kept in place of its states, applied to chunks of them."""
+
+    paths: Paths = _DEFAULT_PATHS
+    keep_device: "torch.device | None" = None
+    reduce: "dict[str, Callable[[Any], Any]]" = dataclasses.field(default_factory=dict)
+
+
 class Plan:
     """What one attached mixer wants of one kernel call: its hooks (in registration order) and kept tokens."""
 
@@ -119,8 +134,8 @@ class Plan:
         self.reduce: Callable[[Any], Any] | None = None
         self.device: torch.device | None = None
         if keep is not None and memory is not None:
-            mixer = owner.mixer
-            self.reduce, self.device = mixer.reduce.get(memory), mixer.keep_device
+            policy = owner.policy
+            self.reduce, self.device = policy.reduce.get(memory), policy.keep_device
 
     @property
     def mixer(self) -> "RecurrentMixer":
@@ -176,6 +191,7 @@ class CallTracker:
         self.keep_reached: dict[str, set[int]] = {}
         self.keep_lengths: dict[str, list[tuple[int, int]]] = {}
         self.traced: Any = None  # the implementation a compiled graph's tracing uses (`compiled.TracedCallTracker`)
+        self.policy = Policy()  # how its calls run and keep: set by the watch or the standalone hooks
 
     @property
     def mixer(self) -> "RecurrentMixer":
@@ -376,7 +392,7 @@ class CallTracker:
         else:
             record.kernel_calls.append(kernel_call)
         if kept is not None:
-            _calls.file_kept(record, memory, kept, stacked, self.keep[memory], memory in self.mixer.reduce)
+            _calls.file_kept(record, memory, kept, stacked, self.keep[memory], memory in self.policy.reduce)
 
     def _store_recomputed(self, plan: Plan, kernel: Kernel, record: Call) -> None:
         """A recompute keeps nothing new, except where the call's own forward ran without gradients

@@ -34,6 +34,7 @@ from . import strategies
 from .strategies import Paths
 from .kernels import KEEPABLE, KERNEL_IO, Kernel, Role, Site
 from .mixer import RecurrentMixer, StateHook, detach, hook_removed
+from .tracker import Policy
 from .patching import (MISSING, Transient, UndoStack, acquire_kernels, bound_original, import_default,
                        rebind_process_wide)
 from .upstream import hub_module, is_kernel_like, kernel_missing, torch_kernel, warn_if_untested
@@ -315,9 +316,8 @@ class Watch:
                       key=lambda pair: (pair[0].layer is None, pair[0].layer or 0))
         mixers = [mixer for mixer, _ in rows]
         paths = {path: next(mixer for mixer in mixers if mixer.module is m) for path, m, _ in found}
-        for mixer in mixers:
-            mixer.paths, mixer.keep_device = self.paths, self.keep_device
-            mixer.reduce = reduce_of_layer(self.reduce, mixer.layer)
+        for mixer in mixers:  # the policy its calls run by, a value the tracker hands down
+            mixer.tracker.policy = Policy(self.paths, self.keep_device, reduce_of_layer(self.reduce, mixer.layer))
         stack = contextlib.ExitStack()
         try:  # all or nothing: a failure releases what was acquired so far
             for mixer, row in rows:
@@ -439,7 +439,7 @@ def register_state_hook(module: nn.Module, fn: StateHook, *, call: int | Iterabl
                            f" paths={given}. Remove them first, or pass the same paths (or none)")
     if mixer is None:
         mixer = row.kind(module, row.name, history=False, restart_on_prompt=True)
-        mixer.paths = strategies.DEFAULT if given is None else given
+        mixer.tracker.policy = Policy(strategies.DEFAULT if given is None else given)
         stack = contextlib.ExitStack()
         with stack:  # released again if attaching fails
             _attach_with_kernels(mixer, row, stack)
