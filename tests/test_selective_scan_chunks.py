@@ -23,7 +23,7 @@ from _reference_ssm import selective_scan_reference
 from _upstream import transformers_kernel
 from recurrent_hooks.kinds import selective_scan as s6
 
-MAMBA1_FAMILIES = ["mamba", "falcon_mamba", "jamba", "zamba"]
+MAMBA1_FAMILIES = [name for name, row in rh.FAMILIES.items() if issubclass(row.kind, rh.SelectiveScan)]
 # float32 against float64: the chunk-wise form divides by the running decay P_j and multiplies by P_i, so a
 # term's rounding is about eps * |c| (c the log decay over the chunk, up to 60): a few 1e-6 on O(1) values
 TOL = dict(rtol=1e-5, atol=1e-5)

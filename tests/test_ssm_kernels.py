@@ -17,12 +17,14 @@ from einops import rearrange
 from _compare import assert_close
 from _reference_ssm import selective_scan_reference, ssd_reference
 from _upstream import transformers_kernel
+import recurrent_hooks as rh
 from recurrent_hooks import RecurrentHooksError
 from recurrent_hooks.kinds import selective_scan as s6
 from recurrent_hooks.kinds import state_space as ssd
 
-MAMBA1_FAMILIES = ["mamba", "falcon_mamba", "jamba", "zamba"]
-MAMBA2_FAMILIES = ["mamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2"]
+# the families of each kind, from the registry (zamba's per-head scan is a Mamba-1 kind)
+MAMBA1_FAMILIES = [name for name, row in rh.FAMILIES.items() if issubclass(row.kind, rh.SelectiveScan)]
+MAMBA2_FAMILIES = [name for name, row in rh.FAMILIES.items() if issubclass(row.kind, rh.Mamba2StateSpace)]
 TOL = dict(rtol=1e-5, atol=1e-6)
 EXACT = dict(rtol=0, atol=0)
 

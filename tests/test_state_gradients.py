@@ -14,10 +14,13 @@ import torch
 
 import recurrent_hooks as rh
 from _compare import assert_close
+from _models import FAMILIES as BUILDERS
 from _models import build, random_ids
 
-ADJOINT_FAMILIES = ["qwen3_5", "qwen3_next", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "mamba2", "bamba",
-                    "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2"]
+# every family whose kind declares an adjoint recurrence (the chunk-wise path of every state kept with gradients)
+ADJOINT_FAMILIES = [name for name, row in rh.FAMILIES.items() if name in BUILDERS
+                    and (segments := row.kind.kernel_for("prompt").segments) is not None
+                    and segments.adjoint is not None]
 PATHS = {"chunk-wise": rh.Paths(force="states"), "loop": rh.Paths(rule="loop")}
 TOKENS = 70  # two backward pieces (engine.adjoint.PIECE = 64)
 
