@@ -382,8 +382,9 @@ def fresh_dynamo():
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
-@pytest.mark.parametrize("family", ["qwen3_5", "mamba2"])
-# a hook by default (the crash was the same for each); a write and a kept state with --full, for the suite's time
+@pytest.mark.parametrize("family", ["qwen3_5", pytest.param("mamba2", marks=pytest.mark.full)])
+# a hook by default (the crash was the same for each); a write and a kept state, and Mamba-2, with --full, for the
+# suite's time
 @pytest.mark.parametrize("what", ["hook", pytest.param("write", marks=pytest.mark.full),
                                   pytest.param("kept", marks=pytest.mark.full)])
 def test_fullgraph_compile_traces_the_cost_models_choice(family, what):
