@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import recurrent_hooks as rh
-from recurrent_hooks.studies import attribution
+from recurrent_hooks.studies import attribution_pieces
 from _compare import assert_close
 from _models import build, random_ids
 
@@ -32,7 +32,7 @@ def test_pieces_equal_kept_states(frozen, tokens, piece, steps_of, monkeypatch):
         with rh.watch(frozen, keep=("states",)) as w, torch.no_grad():
             frozen(random_ids(2, 2))
         state = w.mixers[0].state_after(0)
-        monkeypatch.setattr(attribution, "_STEP_BYTES", steps_of * state.numel() * state.element_size())
+        monkeypatch.setattr(attribution_pieces, "STEP_BYTES", steps_of * state.numel() * state.element_size())
     clean, corrupt = random_ids(2, tokens, seed=1), random_ids(2, tokens, seed=2)
     reference = rh.attribute(frozen, clean, corrupt, metric, method="states")
     result = rh.attribute(frozen, clean, corrupt, metric, method="pieces", piece=piece)
