@@ -138,7 +138,8 @@ def test_a_compiled_forward_in_a_watch_is_eager_and_compiles_once(family):
     _compare_runs(eager, compiled, memory, atol=1e-6)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "mamba"])  # the bound kernel's pieces; the library's (Mamba-1)
+# the bound kernel's pieces; the library's (Mamba-1), with --full for the suite's time
+@pytest.mark.parametrize("family", ["qwen3_5", pytest.param("mamba", marks=pytest.mark.full)])
 def test_a_compiled_forward_with_a_few_hooked_tokens_runs_in_segments_as_eagerly(family, monkeypatch):
     """A few hooked, kept and written tokens: the bound kernel runs in segments between them, in the graph too
     (the path is chosen as eagerly; the spy is on the eager run: a list it appended to would be a guard)."""
