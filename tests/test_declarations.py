@@ -162,18 +162,30 @@ def _positional(fn) -> list[str]:
     return [p.name for p in inspect.signature(fn).parameters.values() if p.kind in _POSITIONAL]
 
 
-def test_every_module_kernels_loop_takes_transformers_arguments_in_their_order():
+def _upstream_kernels(family: str, row) -> list[tuple[rh.Kernel, object]]:
+    """Each kernel of the family that transformers defines as a module global or a class attribute (`Site.CLASS`,
+    on its row's owner), with transformers' function."""
+    module = importlib.import_module(row.module_name)
+    found = {}
+    for mixer in row.classes:
+        for kernel in mixer.kind.KERNELS:
+            if kernel.site is Site.MODULE and hasattr(module, kernel.name):
+                found[kernel.name] = (kernel, transformers_kernel(family, kernel.name))
+            elif kernel.site is Site.CLASS and hasattr(owner := getattr(module, mixer.owner(kernel)), kernel.name):
+                found[f"{owner.__name__}.{kernel.name}"] = (kernel, getattr(owner, kernel.name))
+    return list(found.values())
+
+
+def test_every_kernels_loop_takes_transformers_arguments_in_their_order():
     """A loop is called as the modeling code calls transformers' kernel, and the engine binds the call's arguments
     by the loop's signature: its positional parameters begin with those of the pure-torch kernel it stands in for
-    (read from transformers, every module-level kernel of every family: the one declaration the loops are checked
-    against)."""
+    (read from transformers, every module-level and class-attribute kernel of every family: the one declaration the
+    loops are checked against; a class attribute's loop takes `self` as the method does)."""
     checked, wrong = 0, []
     for family, row in rh.FAMILIES.items():
-        module = importlib.import_module(row.module_name)
-        for kernel in {k.name: k for mixer in row.classes for k in mixer.kind.KERNELS
-                       if k.site is Site.MODULE and hasattr(module, k.name)}.values():
-            upstream, ours = _positional(transformers_kernel(family, kernel.name)), _positional(kernel.loop)
+        for kernel, function in _upstream_kernels(family, row):
+            upstream, ours = _positional(function), _positional(kernel.loop)
             checked += 1
             if ours[:len(upstream)] != upstream:
                 wrong.append(f"{family}: {kernel.name}: transformers {upstream}, the loop {ours}")
-    assert checked > 50 and not wrong, wrong or f"only {checked} kernels checked"
+    assert checked > 60 and not wrong, wrong or f"only {checked} kernels checked"
