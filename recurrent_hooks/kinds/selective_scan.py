@@ -64,7 +64,7 @@ from ..engine.errors import Unavailable
 from ..engine.kernels import STATE_MEMORY, Kernel, Layout, Role, Segments
 from ..engine.loops import OnChunk, OnToken, at_least_float32, chunked, plus, scratch_like, starting_state
 from ..engine.mixer import RecurrentMixer
-from .ssm import discrete_step, refuse_mamba_packed, step_size
+from .ssm import discrete_step, refuse_mamba_packed, state_update_kernel, step_size
 from ..engine.tracing import compiling
 
 
@@ -354,33 +354,22 @@ def mamba_selective_scan_states(
     return ((y, state) if return_last_state else y), every
 
 
-def mamba_selective_state_update(
-    state: Tensor,
-    hidden_states: Tensor,
-    dt: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor | None = None,
-    dt_bias: Tensor | None = None,
-    dt_softplus: bool = False,
-    z: Tensor | None = None,
-    *,
-    on_token: OnToken | None = None,
-    **kwargs: Any,
-) -> Tensor:
-    """The decode kernel (one token): same arguments and result as transformers' `mamba_selective_state_update`.
-
-    Returns y `[batch, d_inner]` in hidden_states' dtype and, like transformers, writes the new state
-    into `state` in place (`copy_`): the mixer never writes it back to the cache. With `on_token` (called
-    once, t=0) the state written is the one it returns. Unknown keyword arguments are ignored.
-    """
-    refuse_mamba_packed(kwargs)
+def _update_step(state: Tensor, hidden_states: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None,
+                 dt_bias: Tensor | None, dt_softplus: bool, z: Tensor | None, on_token: OnToken | None) -> Tensor:
+    """`mamba_selective_state_update`'s step (the signature is `ssm.state_update_kernel`'s)."""
     x = hidden_states.float()[:, None]  # b 1 d
     delta = step_size(dt, dt_bias, dt_softplus)[:, None]  # b 1 d
     y, new_state = _selective_scan(x, delta, A.float(), B.float()[:, None], C[:, None], state, on_token)
     state.copy_(new_state)
     return _skip_and_gate(y[:, 0], hidden_states, D, z).to(hidden_states.dtype)
+
+
+mamba_selective_state_update = state_update_kernel("mamba_selective_state_update", __name__, _update_step, """\
+The decode kernel (one token): same arguments and result as transformers' `mamba_selective_state_update`.
+
+Returns y `[batch, d_inner]` in hidden_states' dtype and, like transformers, writes the new state
+into `state` in place (`copy_`): the mixer never writes it back to the cache. With `on_token` (called
+once, t=0) the state written is the one it returns. Unknown keyword arguments are ignored.""")
 
 
 CHUNKWISE_UP_TO = 4096  # state elements per token (batch * d_inner * d_state) up to which pieces run chunk-wise

@@ -5,8 +5,10 @@ Glossary (Gu & Dao, "Mamba", 2023; Dao & Gu, "Transformers are SSMs", 2024):
     A    A     the state matrix (Mamba-1: `[d_inner, d_state]`; Mamba-2: a scalar a_h per head)
     B    B_t   the input projection of token t; x: the token's input
 Per token: h_t = exp(Δ_t A) h_{t-1} + Δ_t x_t B_t (zero-order hold for A, Euler for B: `discrete_step`).
+Both kinds' decode kernels take transformers' `selective_state_update` signature (`state_update_kernel`).
 """
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,7 +16,7 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
-from ..engine.loops import refuse_packed, times
+from ..engine.loops import OnToken, refuse_packed, times
 
 
 def step_size(dt: Tensor, bias: Tensor | None, softplus: bool, limit: tuple[float, float] | None = None,
@@ -36,6 +38,26 @@ def step_size(dt: Tensor, bias: Tensor | None, softplus: bool, limit: tuple[floa
 def refuse_mamba_packed(kwargs: dict[str, Any]) -> None:
     """Raise for packed sequences: transformers' own pure-torch kernels refuse them too."""
     refuse_packed(kwargs, ("cu_seqlens", "seq_idx"), "mamba_ssm")
+
+
+Step = Callable[..., Tensor]  # (state, hidden_states, dt, A, B, C, D, dt_bias, dt_softplus, z, on_token) -> y
+
+
+def state_update_kernel(name: str, module: str, step: Step, doc: str) -> Callable[..., Tensor]:
+    """A decode kernel with the signature of transformers' `selective_state_update` kernels (Mamba-1's and
+    Mamba-2's share it), written once: packed sequences refused, unknown keyword arguments ignored, the one-token
+    step `step(state, hidden_states, dt, A, B, C, D, dt_bias, dt_softplus, z, on_token)` the kind's. Named `name`
+    in `module`, with the docstring `doc`."""
+
+    def kernel(state: Tensor, hidden_states: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+               D: Tensor | None = None, dt_bias: Tensor | None = None, dt_softplus: bool = False,
+               z: Tensor | None = None, *, on_token: OnToken | None = None, **kwargs: Any) -> Tensor:
+        refuse_mamba_packed(kwargs)
+        return step(state, hidden_states, dt, A, B, C, D, dt_bias, dt_softplus, z, on_token)
+
+    kernel.__name__ = kernel.__qualname__ = name
+    kernel.__module__, kernel.__doc__ = module, doc
+    return kernel
 
 
 def discrete_step(

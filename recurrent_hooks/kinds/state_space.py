@@ -68,7 +68,7 @@ from ..engine.mixer import RecurrentMixer
 from ..engine.strategies import Shape
 from ..engine.loops import (OnChunk, OnToken, Visit, causal_decay, chunk_formed, flushed_exp, plus, rank_one_steps,
                             scratch_like, starting_state, states_buffer, visited)
-from .ssm import discrete_step, refuse_mamba_packed, step_size
+from .ssm import discrete_step, refuse_mamba_packed, state_update_kernel, step_size
 
 
 def _per_head(v: Float[Tensor, "*lead groups d_state"], heads: int) -> Float[Tensor, "*lead heads d_state"]:
@@ -322,29 +322,9 @@ def mamba2_chunk_scan_adjoint(
     return mu
 
 
-def mamba2_selective_state_update(
-    state: Tensor,
-    hidden_states: Tensor,
-    dt: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor | None = None,
-    dt_bias: Tensor | None = None,
-    dt_softplus: bool = False,
-    z: Tensor | None = None,
-    *,
-    on_token: OnToken | None = None,
-    **kwargs: Any,
-) -> Tensor:
-    """The decode kernel (one token): same arguments and result as transformers' `mamba2_selective_state_update`.
-
-    Returns y `[batch, heads, head_dim]` in hidden_states' dtype (D skip and silu(z) gate applied) and,
-    like transformers, writes the new state into `state` in place (`copy_`): the mixer never writes it
-    back to the cache. With `on_token` (called once, t=0) the state written is the one it returns.
-    No `dt_limit` clamp, as in transformers. Unknown keyword arguments are ignored.
-    """
-    refuse_mamba_packed(kwargs)
+def _update_step(state: Tensor, hidden_states: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None,
+                 dt_bias: Tensor | None, dt_softplus: bool, z: Tensor | None, on_token: OnToken | None) -> Tensor:
+    """`mamba2_selective_state_update`'s step (the signature is `ssm.state_update_kernel`'s)."""
     heads = hidden_states.shape[1]
     # in the dtypes and order of transformers' kernel: Δ in dt's dtype, exp(Δ A) in float32, Δ B x in the
     # promotion of dt, B and x (the model dtype), the state float32, h C and the skip in C's and x's dtypes
@@ -366,6 +346,15 @@ def mamba2_selective_state_update(
     if z is not None:
         y = y * F.silu(z)
     return y.to(hidden_states.dtype)
+
+
+mamba2_selective_state_update = state_update_kernel("mamba2_selective_state_update", __name__, _update_step, """\
+The decode kernel (one token): same arguments and result as transformers' `mamba2_selective_state_update`.
+
+Returns y `[batch, heads, head_dim]` in hidden_states' dtype (D skip and silu(z) gate applied) and,
+like transformers, writes the new state into `state` in place (`copy_`): the mixer never writes it
+back to the cache. With `on_token` (called once, t=0) the state written is the one it returns.
+No `dt_limit` clamp, as in transformers. Unknown keyword arguments are ignored.""")
 
 
 def _cost_shape(arguments: dict[str, Any]) -> Shape:
