@@ -229,6 +229,7 @@ def test_compiled_generate_with_hooks_equals_eager_and_does_not_recompile(family
 
 # -- gradients, records, errors, standalone hooks ---------------------------------------------------------------
 
+@pytest.mark.full  # (11 s: .ci/run runs it after the default suite)
 def test_with_gradients_on_writes_are_traced_and_hooks_read():
     """A write's value gets its gradient through the compiled graph as eagerly; a hook reads a detached copy; a
     hook that replaces the state raises, naming itself."""

@@ -11,6 +11,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "tp_watch.py"
 
@@ -21,6 +23,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.full  # (7 s, two processes: .ci/run runs it after the default suite)
 def test_tensor_parallel_watch_equals_one_process(tmp_path):
     env = {**os.environ,
            "CUDA_VISIBLE_DEVICES": "",  # the CPU path (gloo), whatever the machine has

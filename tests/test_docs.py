@@ -21,7 +21,9 @@ def python_blocks(path: pathlib.Path) -> list[str]:
     return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
 
 
-@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+# harvest.md's blocks write and read a dataset's shards (9 s; tests/test_harvest.py covers them): with --full
+@pytest.mark.parametrize("path", [pytest.param(path, marks=pytest.mark.full) if path.name == "harvest.md" else path
+                                  for path in DOCS], ids=lambda p: p.name)
 def test_code_blocks_run(path):
     """A page's python blocks run in order, in one namespace, as a reader would paste them."""
     blocks = python_blocks(path)
