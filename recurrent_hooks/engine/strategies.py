@@ -390,9 +390,12 @@ def device_memory(device: torch.device | str) -> float:
 def note_device(device: torch.device | str) -> None:
     """Read a device's memory once (a watch does as it attaches, rather than while torch.compile traces)."""
     device = torch.device(device)
-    key = f"{device.type}:{device.index}"
-    if key not in _DEVICE_MEMORY:
-        _DEVICE_MEMORY[key] = device_memory(device)
+    if _device_key(device) not in _DEVICE_MEMORY:
+        _DEVICE_MEMORY[_device_key(device)] = device_memory(device)
+
+
+def _device_key(device: torch.device) -> str:
+    return f"{device.type}:{device.index}"
 
 
 def budget_of(paths: Paths, device: torch.device | None) -> float:
@@ -404,7 +407,7 @@ def budget_of(paths: Paths, device: torch.device | None) -> float:
         return math.inf
     if not compiling():
         note_device(device)
-    return DEFAULT_BUDGET_SHARE * _DEVICE_MEMORY.get(f"{device.type}:{device.index}", math.inf)
+    return DEFAULT_BUDGET_SHARE * _DEVICE_MEMORY.get(_device_key(device), math.inf)
 
 
 def graph_bytes(shape: Shape, tokens: int) -> float:
@@ -488,19 +491,22 @@ def _constants_of(shape: Shape, arguments: dict[str, Any], paths: Paths) -> Cons
     device type and dtype of the call's first floating-point tensor argument."""
     if paths.costs is not None:
         return paths.costs.get(shape.constants)
-    for value in arguments.values():
+    first = _first_float(arguments)
+    table = None if first is None else costs_for(first.device, first.dtype)
+    return None if table is None else table.get(shape.constants)
+
+
+def _first_float(arguments: dict[str, Any] | None) -> Tensor | None:
+    """A call's first floating-point tensor argument (its device and dtype are the call's)."""
+    for value in (arguments or {}).values():
         if isinstance(value, Tensor) and value.is_floating_point():
-            table = costs_for(value.device, value.dtype)
-            return None if table is None else table.get(shape.constants)
+            return value
     return None
 
 
 def _device_of(arguments: dict[str, Any] | None) -> torch.device | None:
-    """The device of a call's first floating-point tensor argument."""
-    for value in (arguments or {}).values():
-        if isinstance(value, Tensor) and value.is_floating_point():
-            return value.device
-    return None
+    first = _first_float(arguments)
+    return None if first is None else first.device
 
 
 def _held(shape: Shape, busy: list[Any], tokens: int, stops: set[int], grad: bool,
