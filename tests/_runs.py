@@ -26,16 +26,22 @@ def greedy(model, ids, n, **kwargs):
 
 @dataclasses.dataclass
 class LeftPadded:
-    """A batch of a left-padded row (`pads` pad tokens, then the short row) and a full row, and the short row alone,
-    each run once in its own watch (`batch`, `alone`) keeping what was asked, with their logits."""
+    """A batch of a left-padded row (`pads` pad tokens, then the short row) and, where `rows` is 2, a full row,
+    generated from once in a watch (`batch`) and once as the short row alone (`alone`), each keeping what was asked,
+    with each decode step's logits (`padded`, `single`); and the batch's plain forward (no position ids: `forward`,
+    its logits `logits`; the short row's alone: `short_logits`)."""
 
-    ids: torch.Tensor  # [2, tokens]
-    mask: torch.Tensor  # [2, tokens]: 0 at the pads
+    ids: torch.Tensor  # [rows, tokens]
+    mask: torch.Tensor  # [rows, tokens]: 0 at the pads
     pads: int
+    steps: int  # the calls of each generate: the prompt and steps - 1 decode steps
     batch: Any
-    padded: torch.Tensor  # the batch's logits
+    padded: tuple  # the batch's logits, a step each
     alone: Any
-    single: torch.Tensor  # the short row's logits
+    single: tuple  # the short row's logits, a step each
+    forward: Any
+    logits: torch.Tensor  # the batch's plain forward's logits
+    short_logits: torch.Tensor  # the short row's plain forward's logits
 
     def generates(self, model, keep, n: int = 4):
         """`n` greedy tokens after the batch (with its mask): unwatched, in a watch keeping `keep`, and in a watch
@@ -50,18 +56,22 @@ class LeftPadded:
         return plain, kept, hooked
 
 
-def left_padded(model, keep, tokens: int, pads: int = 4) -> LeftPadded:
-    """The left-padding check's two runs (the short row and the full row: `random_ids` seeds 3 and 4)."""
+def left_padded(model, keep, tokens: int, pads: int = 4, rows: int = 2, steps: int = 3) -> LeftPadded:
+    """The left-padding check's runs (the short row and the full row: `random_ids` seeds 3 and 4): a generate of
+    `steps` calls from the batch and from the short row alone, and the batch's plain forward."""
     short = random_ids(1, tokens - pads, seed=3)
     full = random_ids(1, tokens, seed=4)
-    ids = torch.cat([torch.cat([torch.full((1, pads), PAD), short], dim=1), full])
+    ids = torch.cat([torch.cat([torch.full((1, pads), PAD), short], dim=1), full])[:rows]
     mask = (ids != PAD).long()
-    mask[1] = 1
+    mask[1:] = 1
+    steps_of = dict(output_logits=True, return_dict_in_generate=True)
     with rh.watch(model, keep=keep) as batch:
-        padded = logits_of(model, ids, attention_mask=mask)
+        padded = greedy(model, ids, steps, attention_mask=mask, **steps_of).logits
     with rh.watch(model, keep=keep) as alone:
-        single = logits_of(model, short)
-    return LeftPadded(ids, mask, pads, batch, padded, alone, single)
+        single = greedy(model, short, steps, **steps_of).logits
+    with rh.watch(model, keep=keep) as forward:
+        logits = logits_of(model, ids, attention_mask=mask)
+    return LeftPadded(ids, mask, pads, steps, batch, padded, alone, single, forward, logits, logits_of(model, short))
 
 
 def sparse_generate(model, ids, keep, paths, state, window=None):

@@ -22,10 +22,11 @@ from _models import FAMILIES as BUILDERS
 from _contract import READ, STACK, WRITE, cases, whole_memory_model
 from _models import build, random_ids
 from _reachable import tensor_bytes_reachable
-from _runs import greedy, logits_of
+from _runs import greedy, left_padded, logits_of
 
 import recurrent_hooks as rh
 from recurrent_hooks.engine.kernels import Site
+from recurrent_hooks.engine.kind import PADDING
 from recurrent_hooks.engine.parts import map_parts, parts_of
 from recurrent_hooks.engine.patching import bound_original, import_default
 from recurrent_hooks.registry import family_of
@@ -606,6 +607,62 @@ def test_writing_the_whole_memory_makes_a_layer_continue_as_in_the_other_run(cas
         size = mixer_a.windows.shape[-1]
         assert (out_b[:, token + 1: token + size] - out_a[:, token + 1: token + size]).abs().max() > adapter.later
         assert_close("B after t+K-1, unwritten", out_a[:, token + size:], out_b[:, token + size:], rtol=0, atol=0)
+
+
+# -- left padding: what each kind declares (`LEFT_PADDING`), checked ----------------------------------------------
+
+
+def padded_row_differences(case, run):
+    """The padded row's memories after its pads against the row alone's, as (name, expected, got, in generate): at
+    every call of the generate, and in the plain forward (against the alone row's prompt); and its memories at the
+    pads, in the generate's prompt and in the plain forward, as (name, values)."""
+    compared, at_pads = [], []
+    for mixer, ref, plain in zip(case.mixers(run.batch), case.mixers(run.alone), case.mixers(run.forward)):
+        for memory in case.kind.MEMORIES:
+            runs = [(f"call {call}", ref.calls[call], mixer.calls[call], run.pads if call == 0 else 0, True)
+                    for call in range(min(len(ref.calls), len(mixer.calls)))]  # pads that enter may change tokens
+            runs.append(("a plain forward", ref.calls[0], plain.calls[0], run.pads, False))
+            for where, alone, padded, skip, in_generate in runs:
+                for (part, a), (_, b) in zip(parts_of(getattr(alone, STACK[memory])),
+                                             parts_of(getattr(padded, STACK[memory]))):
+                    name = f"{mixer} {memory}{f' {part}' if part else ''}"
+                    compared.append((f"{name}, padded row, {where}", a[0], b[0, skip:], in_generate))
+                    if skip:
+                        at_pads.append((f"{name} at the pads, {where}", b[0, :skip]))
+    return compared, at_pads
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
+def test_a_left_padded_row_is_the_row_alone_as_the_kind_declares(case):
+    """A left-padded row in a batch, at the prompt and at decode steps, against the same tokens alone, as the kind's
+    `LEFT_PADDING` says: "masked" and "positions" (in generate, which gives the first real token position 0): its
+    memories after the pads and its logits are the row's alone ("masked": the pads leave every memory at zero, in
+    generate and in a plain forward too); "enters": the pads move them, and `support` says so. Under any
+    declaration, a watch (keeping every memory, or hooking every mixer) generates what the unwatched model does."""
+    model, how = model_of(case), case.kind.LEFT_PADDING
+    assert how in PADDING, f"{case.kind.__name__}.LEFT_PADDING = {how!r}: expected one of {tuple(PADDING)}"
+    run = left_padded(model, keep_every(case), T, rows=case.adapter.batch)
+    compared, at_pads = padded_row_differences(case, run)
+    if how == "enters":
+        moved = max(float((a - b).abs().max()) for _, a, b, _ in compared)
+        assert moved > 1e-3, f"{case.kind.__name__} declares that pads enter the memory, but they moved it {moved:.1e}"
+        assert "left padding" in rh.support(model)[[row.kind for row in rh.support(model)].index(
+            case.kind.__name__)].unavailable
+    else:
+        for name, expected, got, in_generate in compared:
+            if in_generate or how == "masked":
+                assert_close(name, expected, got, rtol=1e-4, atol=1e-6)
+        assert len(run.single) == len(run.padded) == run.steps
+        for step, (alone, padded) in enumerate(zip(run.single, run.padded)):
+            assert_close(f"padded row logits, call {step}", alone[0], padded[0], rtol=1e-4, atol=1e-5)
+    if how == "masked":
+        for name, values in at_pads:
+            assert_close(name, torch.zeros_like(values), values, rtol=0, atol=0)
+        assert_close("padded row logits, a plain forward", run.short_logits[0], run.logits[0, run.pads:],
+                     rtol=1e-4, atol=1e-5)
+    plain, kept, hooked = run.generates(model, keep_every(case))
+    assert_equal("padded greedy generate, every memory kept", plain, kept)
+    assert_equal("padded greedy generate, a hook on every mixer", plain, hooked)
 
 
 GRADIENTS = [(case, memory) for case, memory in STEERS if case.adapter.grad_parts is None]

@@ -2,9 +2,9 @@
 kernels: one parametrized matrix, tiny random-weight models.
 
 Each test builds its family's tiny model (tests/_models.py) and checks what is particular to these kinds: states
-equal to the float64 reference, conv windows as the kernel's last inputs, left padding and the fast paths. The
+equal to the float64 reference, conv windows as the kernel's last inputs and the fast paths. The
 contract every family meets (parity, generate, hooks, writes, the whole memory, gradients, checkpointing,
-bindings) is written once in tests/test_contract.py.
+left padding, bindings) is written once in tests/test_contract.py.
 """
 
 import math
@@ -14,9 +14,9 @@ import torch
 
 import recurrent_hooks as rh
 import recurrent_hooks.engine.busy as rh_busy
-from _compare import assert_close, assert_close_per_call, assert_equal
+from _compare import assert_close, assert_close_per_call
 from _models import build, random_ids
-from _runs import left_padded, sparse_generate, watched_greedy
+from _runs import sparse_generate, watched_greedy
 from _reference import gated_delta_rule_reference, kimi_delta_rule_reference
 from _reference_ssm import selective_scan_reference, ssd_reference
 
@@ -102,18 +102,6 @@ def test_states_equal_float64_reference_at_prompt_and_decode_steps(model):
         for call in range(4):
             assert_close(f"{mixer} call {call}", reference_states(mixer, call), mixer.calls[call].states,
                          rtol=1e-4, atol=1e-6)
-
-
-def test_left_padded_batch(model):
-    """A left-padded row computes the same states and logits as the same tokens alone."""
-    run = left_padded(model, ALL, T)
-    pads, padded, single = run.pads, run.padded, run.single
-    for mixer, ref in zip(run.batch.mixers, run.alone.mixers):
-        assert_close(f"{mixer} padded row states", ref.states[0], mixer.states[0, pads:], rtol=1e-4, atol=1e-6)
-    assert_close("padded row logits", single[0], padded[0, pads:], rtol=1e-4, atol=1e-5)
-    plain, kept, hooked = run.generates(model, ALL)
-    assert_equal("padded greedy generate, keep states", plain, kept)
-    assert_equal("padded greedy generate, hooks", plain, hooked)
 
 
 # -- the convolution window and the whole memory ---------------------------------------------------------------

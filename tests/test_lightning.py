@@ -16,7 +16,7 @@ import recurrent_hooks as rh
 from _compare import assert_close, assert_close_per_call, assert_equal
 from _contract import family_fixtures
 from _models import PAD, _minimax, build, random_ids
-from _runs import greedy, left_padded, logits_of, sparse_generate, watched_greedy
+from _runs import greedy, logits_of, sparse_generate, watched_greedy
 import recurrent_hooks.kinds.lightning as rh_lightning
 from recurrent_hooks.kinds.lightning import lightning_attention_forward
 from recurrent_hooks.engine.patching import import_default
@@ -380,20 +380,6 @@ def test_replacing_hooks_on_the_first_and_last_mixer_equal_writes_in_a_generate(
     assert_close_per_call("logits", hooked.logits, written.logits, rtol=0, atol=0)
     assert_close("call 3 of the last mixer started from the hooked state", last,
                  v.mixers[-1].calls[3].inputs["initial_state"], rtol=0, atol=0)
-
-
-def test_left_padded_batch(model):
-    """A left-padded row computes the same states and logits as the same tokens alone (full attention first)."""
-    run = left_padded(model, ALL, T)
-    pads, padded, single = run.pads, run.padded, run.single
-    for mixer, ref in zip(run.batch.mixers, run.alone.mixers):
-        assert_close(f"{mixer} padded row states", ref.states[0], mixer.states[0, pads:], **F64)
-        assert_close(f"{mixer} padding leaves the state at zero", torch.zeros_like(mixer.states[0, :pads]),
-                     mixer.states[0, :pads], rtol=0, atol=0)
-    assert_close("padded row logits", single[0], padded[0, pads:], rtol=1e-4, atol=1e-5)
-    plain, kept, hooked = run.generates(model, ALL)
-    assert_equal("padded greedy generate, keep states", plain, kept)
-    assert_equal("padded greedy generate, hooks", plain, hooked)
 
 
 def _sparse_run(model, ids, fast, monkeypatch):

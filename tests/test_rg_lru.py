@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from _compare import assert_close, assert_equal
 from _contract import family_fixtures, perturbation
-from _models import PAD, build, random_ids
+from _models import build, random_ids
 from _runs import greedy, logits_of, watched_greedy
 
 import recurrent_hooks as rh
@@ -557,38 +557,6 @@ def test_support_reads_beam_search_from_the_kinds_reordered_by_cache(model, monk
 
 
 # -- padding, checkpointing, routing -----------------------------------------------------------------------------
-
-
-def test_left_padded_generate(model):
-    """In generate, position_ids come from the attention mask: the first real token of a left-padded row is
-    position 0, where the RG-LRU resets. Row b's states after pads_b + t then equal the row's alone. (The block
-    does not mask its conv input: the pads' W_x u enter the first windows; they are zero here because this
-    init's pad embedding and biases are zero. A plain forward without position_ids counts from the first
-    column, so it does not reset at the first real token.)"""
-    pads = 4
-    short, full = random_ids(1, T - pads, seed=3), random_ids(1, T, seed=4)
-    ids = torch.cat([torch.cat([torch.full((1, pads), PAD), short], dim=1), full])
-    mask = (ids != PAD).long()
-    mask[1] = 1
-    kwargs = dict(output_logits=True, return_dict_in_generate=True)
-    with rh.watch(model, keep=ALL) as w:
-        padded = greedy(model, ids, 3, attention_mask=mask, **kwargs)
-    with rh.watch(model, keep=ALL) as alone:
-        single = greedy(model, short, 3, **kwargs)
-    for mixer, ref in zip(w.mixers, alone.mixers):
-        for call in range(3):
-            skip = pads if call == 0 else 0
-            for what in ("states", "windows"):
-                assert_close(f"{mixer} call {call} padded row {what}", getattr(ref.calls[call], what)[0],
-                             getattr(mixer.calls[call], what)[0, skip:], rtol=1e-4, atol=1e-6)
-    for step in range(3):
-        assert_close(f"padded row logits, call {step}", single.logits[step][0], padded.logits[step][0],
-                     rtol=1e-4, atol=1e-5)
-    plain = greedy(model, ids, 4, attention_mask=mask)
-    with rh.watch(model) as w:
-        for mixer in w.mixers:
-            mixer.register_state_hook(lambda m, c, t, s: None)
-        assert_equal("padded generate under a watch", plain, greedy(model, ids, 4, attention_mask=mask))
 
 
 def test_route_kernels_binds_the_loops_and_back(model, family):

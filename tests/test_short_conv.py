@@ -16,7 +16,7 @@ import recurrent_hooks as rh
 from _compare import assert_close, assert_close_per_call, assert_equal
 from _contract import family_fixtures
 from _models import build, random_ids
-from _runs import greedy, greedy_under_replacing_hooks, left_padded, logits_of, watched_greedy
+from _runs import greedy, greedy_under_replacing_hooks, logits_of, watched_greedy
 from _upstream import transformers_kernel
 
 FAMILIES = [name for name, row in rh.FAMILIES.items() if issubclass(row.kind, rh.ShortConvolution)]
@@ -196,23 +196,6 @@ def test_every_kept_window_is_differentiable_as_one_tensor_with_frozen_weights(m
 
 
 # -- padding, errors and support ----------------------------------------------------------------------------------------
-
-
-def test_left_padded_batch(model):
-    """The mixers zero their inputs at padded positions (the recurrent attention mask): a left-padded row's
-    windows after pads + t are the row's own windows after t, and so are its logits and greedy tokens."""
-    run = left_padded(model, KEEP, T)
-    ids, mask, pads, padded, single = run.ids, run.mask, run.pads, run.padded, run.single
-    for mixer, ref in zip(static(run.batch), static(run.alone)):
-        assert_close(f"{mixer} padded row windows", ref.windows[0], mixer.windows[0, pads:],
-                     rtol=1e-4, atol=1e-6)
-        assert mixer.windows[0, :pads].abs().max() == 0, "padding entered the window"
-    assert_close("padded row logits", single[0], padded[0, pads:], rtol=1e-4, atol=1e-5)
-    plain = greedy(model, ids, 4, attention_mask=mask)
-    with rh.watch(model, keep=KEEP) as w:
-        for mixer in static(w):
-            mixer.register_state_hook(lambda m, c, t, s: None)
-        assert_equal("padded greedy generate under a watch", plain, greedy(model, ids, 4, attention_mask=mask))
 
 
 def test_the_state_is_unavailable_with_a_clear_message(model):

@@ -11,7 +11,7 @@ Kernels:
 Family (parametrized by every family of the kind): the bar of tests/test_families.py, adapted to a model
 without a Cache (the memory is the `state=` list) and to transformers' bugs: decoding with a state is
 right for batch 1 only (bug 1), so every generate runs batch 1 and prompts run batch 2; attention_mask is
-ignored (bug 2), so there is no left-padding test. All comparisons are eval against eval (eval mode
+ignored (bug 2): the kind declares that pads enter its state (`LEFT_PADDING`, checked by the contract). All comparisons are eval against eval (eval mode
 rescales weights in place; a no-op for the tiny 2-layer model, whose rescale factor is 2^0). The kind-agnostic
 part of the bar (parity, generate, the call counter, standalone hooks, the input gradient, bindings) is
 tests/test_contract.py's.
@@ -493,7 +493,7 @@ def test_support_lists_the_kinds_values_and_limits(model, family):
     rows = rh.support(model)
     assert [(r.layer, r.family, r.kind) for r in rows] == [(0, family, "WeightedKeyValue"),
                                                           (1, family, "WeightedKeyValue")]
-    for limit in ("batched decode", "attention_mask", "eval rescaling", "gradients with a state",
+    for limit in ("batched decode", "left padding", "eval rescaling", "gradients with a state",
                   "feed-forward shift"):
         assert limit in rows[0].unavailable
     assert "states" in rows[0].available and "windows" in rows[0].available

@@ -41,6 +41,12 @@ from the class, never from a handle's per-call state (`tracker`). A kind declare
   the memories are the cache's tensors `_cached_memory` names: `patching_sweep` then runs the corrupt prompt once
   up to a position and each cell from that cache (False: Mamba-1, whose prompt scan takes no initial state, and
   the kinds whose memory is not in a transformers `Cache`).
+- `LEFT_PADDING`: what the pads of a left-padded row do to its memories, one of `PADDING` (the keys): "masked"
+  (the default: the modeling code zeroes the mixer's inputs at pads, so a row's memories after pads + t are the
+  row's own after t, in any forward), "positions" (the memory restarts at the position id 0 that generate gives
+  the row's first real token; a forward without position ids lets the pads in), "enters" (the model passes no mask
+  to the mixer: the pads enter the memory, watched or not). `support` lists "left padding" as unavailable for the
+  last two, in the kind's `LIMITS["left padding"]` words if it has them.
 
 and may override the adapters (class methods, each with a default that fits most kinds):
 - `_parse_forward(module, arguments)`: a forward's token count, cache, freshness and input;
@@ -68,6 +74,17 @@ if TYPE_CHECKING:
     from .tracker import Forward
 
 
+# what the pads of a left-padded row do to a kind's memories (`Kind.LEFT_PADDING`), in support's general words
+PADDING = {
+    "masked": "the pads leave the memory at zero: a left-padded row's memories after pads + t are the row's own"
+              " after t",
+    "positions": "the memory restarts at the row's first real token only where the forward gets position ids from"
+                 " the mask (generate does); a forward without them lets the pads in",
+    "enters": "the model passes no mask to the mixer: the pads of a left-padded row enter its memory, watched or"
+              " not (pad on the right, or run rows of one length)",
+}
+
+
 class Kind:
     """The declaration every mixer kind fills in (see the module docstring); `RecurrentMixer` is its handle."""
 
@@ -90,6 +107,7 @@ class Kind:
     LAYER_ATTRIBUTE: ClassVar[str] = "layer_idx"
     HEADS: ClassVar[bool] = False
     CONTINUES_CACHE: ClassVar[bool] = False
+    LEFT_PADDING: ClassVar[str] = "masked"  # a key of PADDING
     # the adapters: what the engine and the studies call on a kind, each kind overriding what it must; their names
     # begin with an underscore so that they stay off the researcher's handle (`w.mixers[i]`), and they are the only
     # underscore names one module of the package uses of another (tests/test_layout.py)

@@ -28,6 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from .errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable, renamed
 from .arguments import as_index, as_keep_device, normalize_keep, normalize_reduce, reduce_of_layer, renamed_keep
 from .calls import Memory
+from .kind import PADDING
 from .dispatch import attach, make_dispatcher
 from .running import make_owner
 from . import strategies
@@ -603,5 +604,7 @@ def support(model: nn.Module) -> list[MixerSupport]:
         unavailable = {**kind.LIMITS, **family.family.limits}
         if not kind.REORDERED_BY_CACHE:  # the kind's own words if it has them (why the rows stay)
             unavailable.setdefault("beam search", _NOT_REORDERED)
+        if kind.LEFT_PADDING != "masked":
+            unavailable.setdefault("left padding", PADDING[kind.LEFT_PADDING])
         rows.append(MixerSupport(path, layer, name, family.name, kind.__name__, available, unavailable, notes))
     return rows

@@ -222,6 +222,7 @@ class MatrixLSTM(RecurrentMixer):
                results=("output", "final_state"), seq=("value", 2)),
     )
     MEMORIES = ("state",)
+    LEFT_PADDING = "enters"  # xLSTM's forward takes no attention mask (LIMITS)
     STATE = {"C": "batch heads key_dim value_dim", "n": "batch heads key_dim", "m": "batch heads one"}
     HEADS = True  # axis 1 of C, n and m
     INPUTS = {
@@ -263,8 +264,8 @@ class MatrixLSTM(RecurrentMixer):
         "backward with a cache": "transformers 5.24 raises in a backward through a prompt of >= chunk_size"
         " tokens run with use_cache=True (its chunk-wise kernel saves the cache's state tensor, which the model"
         " then copy_s into); an idle watched call runs that kernel too: train with use_cache=False",
-        "attention_mask": "xLSTM's forward takes no attention mask: pad tokens of a left-padded batch enter"
-        " the state, watched or not (a padded row's states differ from the row alone)",
+        "left padding": "xLSTM's forward takes no attention mask: the pads of a left-padded row enter its state,"
+        " watched or not (a padded row's states differ from the row alone; pad on the right)",
         "beam search": "transformers refuses it for xLSTM (the xLSTMCache cannot be reordered)",
         "route_kernels": "the kernels are captured by each module when the model is built: there is nothing"
         " process-wide to reroute (route_kernels refuses); a watch rebinds them per module",

@@ -252,6 +252,7 @@ class RealGatedLinearRecurrence(RecurrentMixer):
     CONV_STATE = "batch lru_width window"
     FORWARD_INPUT = "input_states"
     REORDERED_BY_CACHE = False  # the memory is on the modules, which beam search's Cache reorder leaves (LIMITS)
+    LEFT_PADDING = "positions"  # h_t resets at position id 0 (LIMITS["left padding"])
     INPUTS = {
         "hidden_states": "batch seq lru_width",
         "recurrent_gate": "batch seq lru_width",

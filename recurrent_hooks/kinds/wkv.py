@@ -189,6 +189,7 @@ class WeightedKeyValue(RecurrentMixer):
                results=("receptance", "key", "value", "model_state"), seq=("hidden", 1), site=Site.CLASS),
     )
     STATE_TYPE = WkvState
+    LEFT_PADDING = "enters"  # RwkvModel ignores attention_mask (LIMITS)
     STATE = {"num": "batch channels", "den": "batch channels", "max": "batch channels"}
     CONV_STATE = "batch hidden"
     INPUTS = {
@@ -206,7 +207,8 @@ class WeightedKeyValue(RecurrentMixer):
         " decoding is right for batch 1 only, watched or not; prompts are right for any batch. Such a step's WKV kernel"
         " runs over batch positions, and the record says so: call.tokens and the kept states have batch positions,"
         " the windows (the shift saw one input) one",
-        "attention_mask": "RwkvModel ignores attention_mask: left padding enters the state (the model's behaviour)",
+        "left padding": "RwkvModel ignores attention_mask: the pads of a left-padded row enter its state, watched or"
+        " not (the model's behaviour; pad on the right)",
         "eval rescaling": "in eval mode RwkvModel divides attention.output and feed_forward.value weights in place by"
         " 2^(layer // rescale_every) (and back in train mode): compare runs in the same mode",
         "gradients with a state": "with use_cache=True transformers' forward overwrites its state list in place after"
