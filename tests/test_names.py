@@ -126,8 +126,20 @@ def test_a_sweeps_what_is_memory(model):
         new = rh.patching_sweep(model, clean, corrupt, metric, memory=memory, layers=[0], progress=False)
         old = warns_once("memory=", lambda: rh.patching_sweep(model, clean, corrupt, metric, what=what, layers=[0],
                                                               progress=False))
-        assert old.what == new.what == what
+        assert old.memory == new.memory == what
         assert_equal(f"what={what!r}", new.values, old.values)
+
+
+def test_a_sweep_results_what_is_memory():
+    """`Sweep.what` is the former name of `Sweep.memory`; a dict saved with the former key "what" loads."""
+    sweep = rh.Sweep(torch.zeros(2, 3), torch.tensor(1.0), torch.tensor(0.0), (0, 2), (0, 1, 2), "state")
+    assert warns_once("Sweep.memory", lambda: sweep.what) == sweep.memory == "state"
+    saved = sweep.to_dict()
+    assert "memory" in saved and "what" not in saved
+    saved["what"] = saved.pop("memory")  # as a sweep saved before the rename
+    loaded = rh.Sweep.from_dict(saved)
+    assert loaded.memory == "state" and (loaded.layers, loaded.positions, loaded.heads) == ((0, 2), (0, 1, 2), None)
+    assert_equal("the loaded values", sweep.values, loaded.values)
 
 
 def test_attributes_chunks_are_pieces(model):

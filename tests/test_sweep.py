@@ -32,7 +32,7 @@ from _compare import assert_close, assert_equal
 from _models import _COMMON, _KDA, _MLA, _HYBRID_LAYERS, _make, build, random_ids
 
 T, BATCH = 10, 7  # 7 cells per forward: batches mix two layers and the last one is short
-WHAT = ("memory", "state", "window")  # what a sweep patches, as its result's `what` says
+WHAT = ("memory", "state", "window")  # what a sweep patches, as its result's `memory` says
 MEMORY = {"memory": None, "state": "state", "window": "window"}  # ... and the `memory=` that asks for it
 
 
@@ -95,7 +95,7 @@ def test_the_batched_sweep_equals_the_loop_of_public_writes_bit_for_bit(family):
             expected, layers = loop_reference(model, clean, corrupt, what, batch_size=BATCH, paths=LOOP)
             sweep = rh.patching_sweep(model, clean[0], corrupt[0], metric, memory=MEMORY[what], batch_size=BATCH, progress=False,
                                       paths=LOOP, reuse_prefix=False)
-            assert sweep.layers == tuple(layers) and sweep.positions == tuple(range(T)) and sweep.what == what
+            assert sweep.layers == tuple(layers) and sweep.positions == tuple(range(T)) and sweep.memory == what
             assert_equal(f"{family}, what={what}: batched sweep vs one forward per cell", expected, sweep.values)
             assert (sweep.values - sweep.corrupt).abs().max() > 1e-4, f"{family}, what={what}: patching changed nothing"
     finally:

@@ -63,6 +63,8 @@ def test_a_stopped_sweep_resumes_from_its_checkpoint(tmp_path):
                           checkpoint=path, reuse_prefix=False)
     saved = torch.load(path, weights_only=True)
     assert int(saved["done"].sum()) == 12 and saved["done"].flatten()[:12].all(), "the first three rounds' cells"
+    saved["key"]["what"] = saved["key"].pop("memory")  # as written before the sweep's "what" became "memory"
+    torch.save(saved, path)
     resumed = Counting(METRIC)
     result = rh.patching_sweep(model, clean, corrupt, resumed, batch_size=4, progress=False, checkpoint=path,
                                reuse_prefix=False)

@@ -90,8 +90,8 @@ def sweep_heatmap(sweep: Any, tokens: Sequence[str] | None = None, *, normalized
     _ticks(ax, "y", [str(layer) for layer in layers], rotate=False)
     ax.set_xlabel("position patched after")
     ax.set_ylabel("layer")
-    what = getattr(sweep, "what", None)
-    ax.set_title(title if title is not None else f"patching sweep{f' ({what})' if what else ''}")
+    memory = getattr(sweep, "memory", None)  # an rh.Sweep's: "memory", "state" or "window"
+    ax.set_title(title if title is not None else f"patching sweep{f' ({memory})' if isinstance(memory, str) else ''}")
     return figure
 
 

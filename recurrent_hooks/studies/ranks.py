@@ -79,7 +79,7 @@ class Checkpoint:
     """The finished cells of one sweep: `path` for a single process, `path.rank<r>` for rank r of several, written
     after each round (a temporary file, then renamed: a killed job leaves the last complete one). On load, every
     such file whose sweep is this one is merged, whatever the number of ranks that wrote it; one made by another
-    sweep (other prompts, layers, positions, what or heads) raises. The metric is not checked."""
+    sweep (other prompts, layers, positions, memory or heads) raises. The metric is not checked."""
 
     def __init__(self, path: str | os.PathLike | None, ranks: Ranks, key: dict[str, Any]) -> None:
         self.path = None if path is None else pathlib.Path(path)
@@ -95,6 +95,8 @@ class Checkpoint:
             if not file.is_file():
                 continue
             saved = torch.load(file, weights_only=True)
+            if isinstance(saved.get("key"), dict) and "what" in saved["key"]:  # written before "what" became "memory"
+                saved["key"]["memory"] = saved["key"].pop("what")
             if saved.get("key") != self.key:
                 raise InvalidValue(f"{_WHERE}: checkpoint {file} holds another sweep's cells ({_differs(saved.get('key'), self.key)});"
                                    " remove it or pass another checkpoint path")

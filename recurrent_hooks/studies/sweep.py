@@ -46,13 +46,13 @@ _WHERE = "patching_sweep"
 class Sweep:
     """The result of `patching_sweep`.
 
-    - `values[i, j]`: `metric` of the corrupt run with the clean `what` of layer `layers[i]` written after
+    - `values[i, j]`: `metric` of the corrupt run with the clean `memory` of layer `layers[i]` written after
       token `positions[j]` (tokens `positions[j] + 1..` continue from it); `[pairs, layers, positions]` for
       `[pairs, seq]` prompts (`values[n, i, j]`: pair n's); with `heads`, `[..., layers, heads, positions]`
       (`values[i, h, j]`: only head h of the layer patched);
     - `clean`, `corrupt`: `metric` of the clean and of the unpatched corrupt run (0-d tensors; `[pairs]`);
-    - `layers`, `positions`, `what`: the sweep's axes and what it patched; `heads`: the number of heads of the
-      per-head sweep (None: whole layers).
+    - `layers`, `positions`, `memory`: the sweep's axes and what it patched ("memory": the whole memory, "state",
+      "window"); `heads`: the number of heads of the per-head sweep (None: whole layers).
     """
 
     values: Float[Tensor, "*pairs layers positions"]  # no pairs axis for one pair given as [seq]; [.., heads, ..]
@@ -60,8 +60,14 @@ class Sweep:
     corrupt: Float[Tensor, "*pairs"]
     layers: tuple[int, ...]
     positions: tuple[int, ...]
-    what: str
+    memory: str
     heads: int | None = None
+
+    @property
+    def what(self) -> str:
+        """The former name of `memory`."""
+        renamed("Sweep.what", "Sweep.memory")
+        return self.memory
 
     def normalized(self) -> Tensor:
         """`(values - corrupt) / (clean - corrupt)` (per pair): 0 where patching changes nothing, 1 where it restores
@@ -74,14 +80,15 @@ class Sweep:
         """Tensors, ints and strings only: `torch.save(sweep.to_dict(), path)` loads back with
         `Sweep.from_dict(torch.load(path, weights_only=True))`."""
         return {"values": self.values, "clean": self.clean, "corrupt": self.corrupt, "layers": list(self.layers),
-                "positions": list(self.positions), "what": self.what, "heads": self.heads}
+                "positions": list(self.positions), "memory": self.memory, "heads": self.heads}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Sweep":
-        """The result `to_dict` gave."""
+        """The result `to_dict` gave; one saved before the rename holds "what" where it now holds "memory"."""
+        memory = data["memory"] if "memory" in data else data["what"]
         return cls(data["values"], torch.as_tensor(data["clean"]), torch.as_tensor(data["corrupt"]),
                    tuple(int(layer) for layer in data["layers"]), tuple(int(p) for p in data["positions"]),
-                   str(data["what"]), None if data.get("heads") is None else int(data["heads"]))
+                   str(memory), None if data.get("heads") is None else int(data["heads"]))
 
 
 def _as_prompts(ids: Any, name: str) -> Tensor:
@@ -201,10 +208,10 @@ def _baselines(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric:
 
 def _plan(model: nn.Module, clean_ids: Tensor, chosen: tuple[Any, Any, str, bool], paths: Paths | None,
           kwargs: Mapping[str, Any], reuse_prefix: bool | None) -> Plan:
-    """The sweep's plan from the probe (`chosen`: the layers, positions, what and heads asked for); `reuse_prefix=True`
-    refused where the cells cannot run from the corrupt run's cache."""
-    layers, positions, what, heads = chosen
-    plan = Plan((), _positions(positions, clean_ids.shape[1]), WHAT[what], what, {})
+    """The sweep's plan from the probe (`chosen`: the layers, positions, memory and heads asked for);
+    `reuse_prefix=True` refused where the cells cannot run from the corrupt run's cache."""
+    layers, positions, memory, heads = chosen
+    plan = Plan((), _positions(positions, clean_ids.shape[1]), WHAT[memory], memory, {})
     plan = probe(model, clean_ids, lambda recurrent: _layers(layers, recurrent), plan, heads, paths, kwargs,
                  check=sweep_prefix.refusal if reuse_prefix is not False else lambda *_, **__: "reuse_prefix=False")
     if reuse_prefix and plan.refusal is not None:
@@ -293,7 +300,7 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
     - `layers`: decoder layer indices of recurrent mixers (default: all of them; attention layers are not
       patchable); `positions`: tokens of the prompt (default: all; negative counts from the end).
     - `memory`: None writes the state and the conv window after the position (`set_memory_after`), the whole of
-      what the next token continues from; "state" the state only, "window" the window only. The result's `what`
+      what the next token continues from; "state" the state only, "window" the window only. The result's `memory`
       says which ("memory", "state", "window"); `what=` is the former name of `memory` ("memory" for None).
     - `heads`: one cell per (layer, head, position), `values` `[layers, heads, positions]`: a cell patches that
       head's slice of the state and (for "memory", "window") the window channels that feed the head, as the kind
@@ -309,11 +316,11 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
       tensor-parallel), the cells are split across its ranks, and every rank, which must make the same call,
       returns the whole result; False: this process runs every cell.
     - `checkpoint`: a file path: the finished cells are saved there after each round (or position), and a
-      sweep restarted with the same path (and prompts, layers, positions, what, heads) runs only the others.
+      sweep restarted with the same path (and prompts, layers, positions, memory, heads) runs only the others.
     - `progress`: a tqdm bar over the cells (rank 0's); `forward_kwargs`: passed to every forward, after
       `use_cache=False`; `paths`: how the watched calls run (`recurrent_hooks.Paths`, as for `watch`).
 
-    Cell (L, p) equals one forward of the corrupt prompt with the clean `what` of layer L written after
+    Cell (L, p) equals one forward of the corrupt prompt with the clean `memory` of layer L written after
     token p by the public writes: from the cache, within float32 rounding (other kernels, the prompt in pieces);
     one forward per cell, bit for bit where both take the same kernel path at the same batch
     shape, else within float32 rounding (a single write runs the chunked kernel in two segments, hooks at
@@ -321,13 +328,13 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
     `torch.no_grad()`. `forward_kwargs` go to the one-token probe and every forward alike, so they must not hold
     per-row or per-token tensors (one prompt has no padding: no attention mask is needed).
     """
-    what = _what(memory, what)
+    memory = _what(memory, what)
     flags = {"heads": heads, "progress": progress, "distributed": distributed, "reuse_prefix": reuse_prefix}
     one_pair = isinstance(clean_ids, Tensor) and clean_ids.dim() == 1
     clean_ids, corrupt_ids, batch_size, budget = _checked(model, clean_ids, corrupt_ids, metric, batch_size,
                                                           budget_bytes, flags, forward_kwargs, checkpoint)
     kwargs = {"use_cache": False, **(forward_kwargs or {})}
-    plan = _plan(model, clean_ids, (layers, positions, what, heads), paths, kwargs, reuse_prefix)
+    plan = _plan(model, clean_ids, (layers, positions, memory, heads), paths, kwargs, reuse_prefix)
     batch_size = batch_size or _default_batch_size(max(plan.sizes.values()))
     clean_metric, corrupt_metric = _baselines(model, clean_ids, corrupt_ids, metric, one_pair, kwargs)
     cells = plan.cells(clean_ids.shape[0])
@@ -335,7 +342,7 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
     values, done = (torch.zeros(shape, dtype=t, device=clean_metric.device) for t in (clean_metric.dtype, torch.bool))
     ranks = Ranks.of(distributed, model)
     saved = Checkpoint(checkpoint, ranks, sweep_key(clean_ids, corrupt_ids, layers=list(plan.layers),
-                                                    positions=list(plan.positions), what=what, heads=plan.heads))
+                                                    positions=list(plan.positions), memory=memory, heads=plan.heads))
     saved.load(values, done)
     # every rank splits the same cells: the union of what each one read (a rank ahead of another must not write
     # its first round before the other has read the files)
@@ -347,8 +354,8 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
     values, _ = ranks.gathered(values, done)
     saved.finish(values)
     if one_pair:
-        return Sweep(values[0], clean_metric[0], corrupt_metric[0], plan.layers, plan.positions, what, plan.heads)
-    return Sweep(values, clean_metric, corrupt_metric, plan.layers, plan.positions, what, plan.heads)
+        return Sweep(values[0], clean_metric[0], corrupt_metric[0], plan.layers, plan.positions, memory, plan.heads)
+    return Sweep(values, clean_metric, corrupt_metric, plan.layers, plan.positions, memory, plan.heads)
 
 
 def _measure_cells(model: nn.Module, prompts: tuple[Tensor, Tensor], plan: Plan, cells: list[Cell],

@@ -48,8 +48,8 @@ class Plan:
 
     layers: tuple[int, ...]
     positions: tuple[int, ...]
-    memories: tuple[str, ...]  # the memories `what` names
-    what: str
+    memories: tuple[str, ...]  # the memories patched (STATE_MEMORY, CONV_MEMORY or both)
+    memory: str  # as the result names them: "memory" (the whole memory), "state" or "window"
     sizes: dict[int, int]  # layer -> the bytes of one cell's memory at batch 1
     heads: int | None = None  # heads=True: the heads of every chosen layer
     channels: dict[int, Tensor] = dataclasses.field(default_factory=dict)  # layer -> [heads, channels per head]
@@ -99,7 +99,7 @@ def probe(model: nn.Module, clean_ids: Tensor, choose: Callable[[list[int]], tup
         mixers = {layer: w.mixer(layer) for layer in plan.layers}
         # heads are counted on the state, also where only windows are patched
         memories = (STATE_MEMORY, CONV_MEMORY) if heads else plan.memories
-        keep_hooks(w, {layer: [0] for layer in plan.layers}, memories, "memory" if heads else plan.what, kept)
+        keep_hooks(w, {layer: [0] for layer in plan.layers}, memories, "memory" if heads else plan.memory, kept)
         model(clean_ids[:1, :1], **kwargs)
     plan.sizes = dict.fromkeys(plan.layers, 0)
     for (memory, layer, _, _), value in kept.items():
@@ -169,7 +169,7 @@ def clean_memories(model: nn.Module, clean_ids: Tensor, round_: list[list[Cell]]
         wanted.setdefault(plan.layers[c.layer], set()).add(plan.positions[c.position])
     kept: dict[tuple[str, int, int, int | None], Tensor] = {}
     with watch(model, paths=paths) as w, torch.no_grad():
-        keep_hooks(w, wanted, plan.memories, plan.what, kept)
+        keep_hooks(w, wanted, plan.memories, plan.memory, kept)
         model(clean_ids[pairs], **kwargs)
     return kept, {pair: row for row, pair in enumerate(pairs)}
 
@@ -186,7 +186,7 @@ def patched(model: nn.Module, corrupt_ids: Tensor, batch: list[Cell], plan: Plan
             for row, cell in enumerate(batch):
                 if cell.layer == i:
                     at.setdefault(plan.positions[cell.position], []).append((row, cell))
-            for memory in carried(w.mixer(layer), plan.memories, plan.what):
+            for memory in carried(w.mixer(layer), plan.memories, plan.memory):
                 hook = _Patch(plan, layer, memory, at, clean, ids.device)
                 w.mixer(layer).register_state_hook(hook, call=0, token=sorted(at), memory=memory)
         return measure(metric, model(ids, **kwargs).logits)

@@ -76,7 +76,7 @@ def refusal(model: nn.Module, clean_ids: Tensor, plan: Plan, mixers: Mapping[int
     kept: dict[tuple[str, int, int, int | None], Tensor] = {}
     try:
         with watch(model) as w, torch.no_grad():
-            keep_hooks(w, {layer: [0] for layer in mixers}, plan.memories, plan.what, kept)
+            keep_hooks(w, {layer: [0] for layer in mixers}, plan.memories, plan.memory, kept)
             cache = cache_of(model(clean_ids[:1, :1], **_passed(kwargs), use_cache=True, logits_to_keep=1))
     except Exception as error:  # noqa: BLE001 -- e.g. transformers' all-linear Qwen3.5 cannot mask over its cache
         return f"{type(model).__name__} cannot run over a cache: {type(error).__name__}: {error}"
@@ -88,7 +88,7 @@ def refusal(model: nn.Module, clean_ids: Tensor, plan: Plan, mixers: Mapping[int
     for layer, mixer in mixers.items():
         kind = plan.kinds[layer] = type(mixer)
         where = plan.cache_at[layer] = kind._cache_index(mixer.module, {})
-        plan.carried[layer] = carried(mixer, plan.memories, plan.what)
+        plan.carried[layer] = carried(mixer, plan.memories, plan.memory)
         for memory in plan.carried[layer]:
             found = kind._cached_memory(cache, where, memory) if where is not None else None
             mine = kept[memory, layer, 0, None]
