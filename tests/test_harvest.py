@@ -17,12 +17,13 @@ from _compare import assert_close
 from _models import build, random_ids
 
 
-def _batches(pad_id=0):
-    """Two batches: left-padded rows with a mask, then ids without padding."""
+def _batches(pad_id=0, left=True):
+    """Two batches: padded rows with a mask (on the left, or on the right), then ids without padding."""
     ids = random_ids(2, 9)
     mask = torch.ones(2, 9, dtype=torch.long)
-    mask[1, :3] = 0
-    ids[1, :3] = pad_id
+    pads = slice(0, 3) if left else slice(6, 9)
+    mask[1, pads] = 0
+    ids[1, pads] = pad_id
     return [{"input_ids": ids, "attention_mask": mask, "labels": ids}, random_ids(3, 5, seed=1)]
 
 
@@ -50,10 +51,11 @@ def _files(out):
 @pytest.mark.parametrize("family, keep", [("qwen3_5", ("states", "key", "beta")), ("mamba2", ("states", "windows")),
                                           ("mamba", ("states", "dt")), ("xlstm", ("states",))])
 def test_the_harvested_values_are_the_watchs_at_every_non_pad_token(family, keep, tmp_path):
-    model, batches = build(family), _batches()
-    pad = model.config.pad_token_id
-    if family == "xlstm" or pad is None:  # (a config without a pad id: the batch without padding is not checked)
-        batches[0]["input_ids"][1, :3] = 5
+    model = build(family)
+    masked = "left padding" not in rh.support(model)[0].unavailable
+    batches = _batches(left=masked)  # xLSTM lets pads into its state: its batches are padded on the right
+    if model.config.pad_token_id is None:  # (a config without a pad id: the batch without padding is not checked)
+        batches[0]["input_ids"][1, 6:] = 5
     harvested = rh.harvest(model, batches, tmp_path, keep=keep, progress=False)
     assert (harvested.tokens, harvested.docs, harvested.batches) == (9 + 6 + 15, 5, 2)
     expected = [_watched(model, batch, keep) for batch in batches]
@@ -179,6 +181,18 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path):
     with pytest.raises(rh.InvalidValue, match=r"expected states \[batch, chunk, 4, 5, 8\]"):
         rh.harvest(model, [random_ids(1, 4)], tmp_path / "f", keep=("states",), reduce=wrong, progress=False)
     assert not list((tmp_path / "f" / "shards").iterdir())
+
+
+def test_a_left_padded_row_is_refused_where_pads_enter_the_memory(tmp_path):
+    """RWKV passes no mask to its mixers: a pad before a real token would be in the row's states, so harvest refuses
+    the batch, naming the doc, the position and the mixer, and takes the same rows padded on the right."""
+    model = build("rwkv")
+    with pytest.raises(rh.Unavailable, match=r"harvest: doc 1 has a pad at position 0 before a real token, and"
+                       r" WeightedKeyValue\(rwkv, layer 0\) does not mask pads \(RwkvModel ignores attention_mask.*"
+                       r"pad its batches on the right"):
+        rh.harvest(model, _batches(), tmp_path / "left", keep=("states",), progress=False)
+    harvested = rh.harvest(model, _batches(left=False), tmp_path / "right", keep=("states",), progress=False)
+    assert (harvested.tokens, harvested.docs) == (9 + 6 + 15, 5)
 
 
 def test_the_dataset_pickles_loads_in_batches_and_shuffles_by_seed(tmp_path):

@@ -33,7 +33,7 @@ import hashlib
 import json
 import os
 import pathlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from ..engine.arguments import normalize_reduce
 from ..engine.errors import InvalidValue, RecurrentHooksError, Unavailable
 from ..engine.kernels import KEEPABLE, KERNEL_IO
+from ..engine.kind import PADDING
 from ..engine.parts import parts_of
 from ..engine.strategies import Paths
 from ..engine.watch import watch
@@ -233,6 +234,7 @@ class _Job:
         device = _device(self.model)
         inputs = {"input_ids": ids.to(device)} | ({} if mask is None else {"attention_mask": mask.to(device)})
         with torch.no_grad(), watch(self.model, **self.watch) as w:
+            _refuse_left_padding(w.mixers, mask, first_doc)
             self.model(**inputs, **self.forward_kwargs)
         real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()  # [batch, seq]
         rows, _ = real.nonzero(as_tuple=True)
@@ -380,6 +382,23 @@ def _same_batch(saved: Any, digest: str, index: int, where: pathlib.Path) -> Non
         raise InvalidValue(f"{_WHERE}: batch {index} is not the batch harvested into {where} (its input ids or mask"
                            " differ): a harvest resumes by batch number, so pass the same batches in the same order,"
                            " or another out")
+
+
+def _refuse_left_padding(mixers: Sequence[Any], mask: Tensor | None, first_doc: int) -> None:
+    """Refuse a row with a pad before a real token where a mixer's kind lets the pads into its memory
+    (`LEFT_PADDING` other than "masked"): the row's values would not be the row's own."""
+    if mask is None:
+        return
+    before = (mask == 0) & (mask.flip(1).cumsum(1).flip(1) > 0)  # a pad with a real token after it
+    if not bool(before.any()):
+        return
+    for mixer in mixers:
+        how = type(mixer).LEFT_PADDING
+        if how != "masked":
+            row, position = before.nonzero()[0].tolist()
+            why = type(mixer).LIMITS.get("left padding", PADDING[how])
+            raise Unavailable(f"{_WHERE}: doc {first_doc + row} has a pad at position {position} before a real token,"
+                              f" and {mixer} does not mask pads ({why}): pad its batches on the right")
 
 
 def _as_batch(batch: Any, index: int, pad_id: int | None) -> tuple[Tensor, Tensor | None, str]:
