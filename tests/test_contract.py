@@ -5,21 +5,23 @@ Each test builds the family's tiny model (tests/_models.py) and checks a promise
 what the kind's memory is or where its kernels are bound: parity of a watch with the unwatched model,
 greedy generate under hooks, that a hook-only watch keeps no tensor, the call counter, standalone hooks,
 the gradient to the inputs, and bindings restored. What differs between families is read from the kind's
-declarations (`MEMORIES`, `KERNELS`, `kernel_for`, `Kernel.target`) or given as data in `QUIRKS` and
-`STATE_SHAPES` below. The memory contract (split invariance, writes of every memory at prompt tokens, after the
+declarations (`MEMORIES`, `KERNELS`, `kernel_for`, `Kernel.target`), its quirks from its adapter (below), and
+`STATE_SHAPES` pins a few families' shapes. The memory contract (split invariance, writes of every memory at prompt tokens, after the
 prompt and at a decode step, a replacing hook as a write, the whole-memory identity, the gradient to a kept
-memory, gradient checkpointing) reads each kind through its adapter in tests/_contract.py (how to make a write
-value, where the model carries a memory, tolerances, quirks). What is particular to a kind (float64 references,
+memory, gradient checkpointing, left padding) reads each kind through its adapter (tests/_contract.py's `Adapter`:
+how to make a write value, where the model carries a memory, tolerances, quirks), which the kind's own test file
+declares where the defaults do not fit (`CONTRACT`). What is particular to a kind (float64 references,
 kernels against transformers', its quirks) is in tests/test_families.py and tests/test_<kind>.py.
 """
 
+import importlib
 import inspect
 
 import pytest
 import torch
 from _compare import assert_close, assert_equal
 from _models import FAMILIES as BUILDERS
-from _contract import READ, STACK, WRITE, cases, whole_memory_model
+from _contract import READ, STACK, TESTS, WRITE, adapter_of, cases, whole_memory_model
 from _models import build, random_ids
 from _reachable import tensor_bytes_reachable
 from _runs import greedy, left_padded, logits_of
@@ -34,28 +36,6 @@ from recurrent_hooks.registry import family_of
 FAMILIES = list(rh.FAMILIES)
 T = 13  # not a multiple of anything
 
-# Per-family quirks, as data; a family without a row takes DEFAULTS.
-# - batch: the batch of every generate and one-token forward (rwkv decodes right with batch 1 only: with a state,
-#   transformers' token shift broadcasts a one-token batch to [batch, batch, hidden], a bug of transformers 5.24);
-# - loop_atol: how far the token loops may round from transformers' kernels (0: they make its operations in its
-#   order, bit for bit);
-# - backward_use_cache: the use_cache of a forward that is differentiated (False: transformers' own backward
-#   through a cached forward fails, see the kind's LIMITS);
-# - input_grad: (rtol, atol) of the input gradient through the token loops against the plain backward;
-# - grad_parity: the lengths at which the logits of a grad-mode forward that keeps every memory are checked in
-#   the parity test (every family's are at T, in the input-gradient test); every length where grad mode takes
-#   a path of its own (a short convolution recomputes every position from its kept window).
-DEFAULTS = dict(batch=2, loop_atol=1e-5, backward_use_cache=None, input_grad=(1e-4, 1e-7), grad_parity=())
-_EXACT_LOOPS = dict(loop_atol=0.0)
-_SHORT_CONV = dict(grad_parity=(1, 13, 70), **_EXACT_LOOPS)
-QUIRKS = {
-    "rwkv": dict(batch=1, backward_use_cache=False, **_EXACT_LOOPS),
-    # a backward through a cached prompt >= chunk_size fails (5.24); the loop against transformers' chunk-wise
-    # kernel: an mLSTM output divides by max(|n_t q|, e^(-m_t)), which can be small
-    "xlstm": dict(backward_use_cache=False, input_grad=(1e-3, 1e-6)),
-    **{name: _SHORT_CONV for name, row in rh.FAMILIES.items() if issubclass(row.kind, rh.ShortConvolution)},
-    "zaya": dict(grad_parity=(13,), **_EXACT_LOOPS),  # its forward, operation for operation; grad mode recomputes
-}
 # The per-token shape after (batch, seq) of each memory (every part of a state of several parts), where pinned.
 STATE_SHAPES = {
     "minimax": {"state": (2, 16, 16)},
@@ -70,23 +50,24 @@ def NOOP(mixer, call, token, state):  # a read-only hook that does nothing
 
 
 def quirk(family, name):
-    return QUIRKS.get(family, {}).get(name, DEFAULTS[name])
+    """The adapter's `name` for the family's (first) kind: its quirks (tests/_contract.py's Adapter)."""
+    return getattr(adapter_of(rh.FAMILIES[family].kind), name)
 
 
 def test_every_family_has_a_tiny_model():
     assert sorted(FAMILIES) == sorted(BUILDERS), "a registered family has no builder in tests/_models.py"
 
 
-def test_every_kind_of_the_registry_has_a_contract_adapter():
-    """The memory contract runs on every (family, mixer class): a kind without an adapter fails here by name (and its
-    cases fail where they read it), instead of being left out."""
-    missing = []
-    for case in cases():
-        try:
-            case.adapter
-        except KeyError:
-            missing.append(f"{case.id} ({case.kind.__name__})")
-    assert not missing, f"no contract adapter in tests/_contract.py ADAPTERS for {missing}"
+def test_every_contract_adapter_is_found_where_its_kind_is():
+    """A kind's test file declares how the contract reads it (`CONTRACT`, in tests/test_<the kind's module>.py;
+    tests/_contract.py looks it up by that name): an adapter anywhere else, or for a kind of another module, would
+    be passed over silently, so each is checked to be the one its kind gets."""
+    declared = [path.stem for path in sorted(TESTS.glob("test_*.py")) if "\nCONTRACT = " in path.read_text()]
+    assert declared, "no test file declares a CONTRACT"
+    for module in declared:
+        for kind, adapter in importlib.import_module(module).CONTRACT.items():
+            assert adapter_of(kind) is adapter, f"{module}.py declares the contract of {kind.__name__}, which is" \
+                f" read from test_{kind.__module__.rsplit('.', 1)[-1]}.py"
 
 
 def keep_all(family):
@@ -255,7 +236,7 @@ def test_gradient_flows_to_inputs_through_the_token_loops(model, family):
     """Keeping every memory in grad mode runs the token loops: the logits are the plain ones (within the loop
     tolerance) and the input embeddings get the plain gradient."""
     ids = random_ids(1, T)
-    cached = quirk(family, "backward_use_cache")
+    cached = quirk(family, "grad_use_cache")
     use_cache = {} if cached is None else {"use_cache": cached}
     embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
     logits = model(inputs_embeds=embeds, **use_cache).logits
@@ -719,7 +700,7 @@ def test_gradient_checkpointing_gives_the_gradients_of_the_plain_backward(family
     without; a read-only hook runs again in the recompute, with the same call and `recomputing` set. For every
     mixer class of the family (inkling2's static and dynamic convolutions)."""
     family_cases = [case for case in CASES if case.family == family]
-    assert family_cases, f"{family} has no contract adapter (tests/_contract.py)"
+    assert family_cases, f"{family} has no (family, mixer class) case"
     for case in family_cases:
         _checkpointed(case, checkpointing)
 

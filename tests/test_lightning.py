@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import recurrent_hooks as rh
 from _compare import assert_close, assert_close_per_call, assert_equal
-from _contract import family_fixtures
+from _contract import Adapter, family_fixtures
 from _models import PAD, _minimax, build, random_ids
 from _runs import greedy, logits_of, sparse_generate, watched_greedy
 import recurrent_hooks.kinds.lightning as rh_lightning
@@ -25,6 +25,22 @@ from recurrent_hooks.registry import family_of
 LIGHTNING = [name for name, row in rh.FAMILIES.items() if row.kind is rh.LightningAttention]
 ALL = ("states", "inputs", "outputs")  # the kind has no conv window to keep
 T = 13  # two chunks of 8 (block_size) in transformers' chunk loop, the second one partial
+
+# -- how the contract reads this kind (tests/test_contract.py, tests/_contract.py's Adapter) --------------------------
+
+
+def lightning_state(out, mixer, memory):
+    """MiniMax's cache holds the linear state (`get_linear_cache`); the forward returns it too (`final_state`)."""
+    cached = out.cache.get_linear_cache(mixer.layer)
+    return {"the cache": cached, "the forward's final_state": mixer.calls[-1].output["final_state"]}
+
+
+CONTRACT = {rh.LightningAttention: Adapter(
+    carried=lightning_state, window_in=None, recomputes_once=True,
+    whole_memory_model=lambda: _minimax(linear_first=True),
+    whole_memory_tol=dict(rtol=1e-4, atol=1e-6), whole_memory_early=dict(rtol=0, atol=0))}
+
+
 FP32 = dict(rtol=1e-5, atol=1e-6)  # float32 against float32 (the chunk loop against the token loop)
 F64 = dict(rtol=1e-4, atol=1e-6)  # float32 against the float64 reference
 

@@ -16,13 +16,35 @@ import recurrent_hooks as rh
 from recurrent_hooks.extend import MatrixLSTM, MLSTMState
 from recurrent_hooks.kinds.mlstm import mlstm_inference, mlstm_train
 from _compare import assert_close, assert_equal
-from _contract import family_fixtures
+from _contract import Adapter, family_fixtures
 from _models import FAMILIES as BUILDERS
 from _models import build, random_ids
 from _runs import greedy, logits_of, watched_greedy
 
 FAMILIES = [name for name, row in rh.FAMILIES.items() if row.kind is MatrixLSTM and name in BUILDERS]
 T = 13  # chunk_size 8: 8 tokens chunk-wise, 5 token by token
+
+# -- how the contract reads this kind (tests/test_contract.py, tests/_contract.py's Adapter) --------------------------
+
+
+def mlstm_state(out, mixer, memory):
+    """xLSTM's cache holds (C, n, m) per layer in `rnn_state`."""
+    return {"the cache": MLSTMState(*out.cache.rnn_state[mixer.layer])}
+
+
+def halve_mlstm(state):
+    """C and n halved, the stabiliser m (a log scale) kept."""
+    return MLSTMState(state.C * 0.5, state.n * 0.5, state.m)
+
+
+# the loop against transformers' chunk-wise kernel: an mLSTM output divides by max(|n_t q|, e^(-m_t)), which can be
+# small (input_grad); a backward through a cached prompt >= chunk_size fails in transformers (grad_use_cache)
+CONTRACT = {MatrixLSTM: Adapter(
+    input_grad=(1e-3, 1e-6), carried=mlstm_state, window_in=None, scale=halve_mlstm, later=1e-3, grad_use_cache=False, grad_parts=("C",),
+    recomputes_once=True, whole_memory_tol=dict(rtol=1e-5, atol=1e-6), finite_difference=(),
+    split_tol=dict(rtol=1e-5, atol=1e-5, relative=True))}
+
+
 
 
 def mlstm_reference(query, key, value, igate, fgate, c_initial=None, n_initial=None, m_initial=None, eps=1e-6):

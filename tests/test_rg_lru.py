@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _compare import assert_close, assert_equal
-from _contract import family_fixtures, perturbation
+from _contract import Adapter, family_fixtures, perturbation
 from _models import build, random_ids
 from _runs import greedy, logits_of, watched_greedy
 
@@ -31,6 +31,21 @@ RG_LRU_FAMILIES = [name for name, row in rh.FAMILIES.items() if row.kind is rh.R
 ALL = ("states", "windows", "inputs", "outputs")
 T = 13
 EXACT = dict(rtol=0, atol=0)
+
+# -- how the contract reads this kind (tests/test_contract.py, tests/_contract.py's Adapter) --------------------------
+
+
+def rg_lru_memory(out, mixer, memory):
+    """RecurrentGemma keeps its memory on the block, not in the cache (`rg_lru.recurrent_states`, `conv1d_state`)."""
+    module = mixer.module
+    return {"the module": module.rg_lru.recurrent_states if memory == "state" else module.conv1d_state}
+
+
+CONTRACT = {rh.RealGatedLinearRecurrence: Adapter(
+    carried=rg_lru_memory, window_in=None, window_reach="every", recomputes_once=True,
+    finite_difference=("state", "window"), whole_memory_tol=dict(rtol=1e-5, atol=1e-6))}
+
+
 
 
 def classes(family):

@@ -26,7 +26,7 @@ import torch
 import recurrent_hooks as rh
 import recurrent_hooks.engine.patching as patching
 from _compare import assert_close, assert_equal
-from _contract import family_fixtures
+from _contract import Adapter, family_fixtures, perturbation
 from _models import FAMILIES as BUILDERS
 from _models import build, random_ids
 from _runs import greedy, logits_of
@@ -37,6 +37,38 @@ from recurrent_hooks.extend import WkvState
 FAMILIES = [name for name, row in rh.FAMILIES.items() if row.kind is rh.WeightedKeyValue]
 ALL = ("states", "windows", "inputs", "outputs")
 T = 13
+
+# -- how the contract reads this kind (tests/test_contract.py, tests/_contract.py's Adapter) --------------------------
+
+
+def perturbed_wkv(state, seed=1):
+    """A different valid WKV state: num and den scaled per channel (den stays positive), max shifted (the token
+    shift, a tensor: `perturbation`)."""
+    if not isinstance(state, WkvState):
+        return perturbation(state, seed)
+    gen = torch.Generator().manual_seed(seed)
+    scale = torch.rand(state.num.shape, generator=gen) * 3 + 0.2
+    return WkvState(state.num * scale, state.den * scale, state.max + torch.randn(state.max.shape, generator=gen))
+
+
+def wkv_memory(out, mixer, memory):
+    """RWKV has no Cache: the model's `state` list ([1] the shifts, [2:5] num, den, max), layers on axis 2."""
+    if memory == "state":
+        return {"the model's state": WkvState(*(s[:, :, mixer.layer] for s in out.state[2:5]))}
+    return {"the model's state": out.state[1][:, :, mixer.layer]}
+
+
+def wkv_shift_in(mixer, call):
+    """The token shift a call started from: the `state=` list's [1] it received."""
+    return mixer.calls[call].conv.inputs["state"][1][:, :, mixer.layer]
+
+
+CONTRACT = {rh.WeightedKeyValue: Adapter(
+    perturb=perturbed_wkv, carried=wkv_memory, window_in=wkv_shift_in, batch=1, grad_use_cache=False, loop_atol=0.0,
+    window_tokens=(5, T - 1), split_tol=dict(rtol=1e-5, atol=1e-6), recomputes_once=True,
+    finite_difference=("state", "window"), whole_memory_tol=dict(rtol=1e-5, atol=1e-6))}
+
+
 BATCH, CHANNELS = 2, 16
 
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import recurrent_hooks as rh
 from _compare import assert_close, assert_equal
+from _contract import Adapter
 from _models import PAD, build, random_ids
 from _runs import calls_of, greedy, logits_of, watched_greedy, watched_logits
 from recurrent_hooks.engine.patching import import_default
@@ -22,6 +23,16 @@ from recurrent_hooks.kinds.zaya import PAST_RECORDING_RUNS, CompressedConvolutio
 
 KEEP = ("windows", "states", "inputs", "outputs")
 T = 13
+
+# -- how the contract reads this kind (tests/test_contract.py, tests/_contract.py's Adapter) --------------------------
+
+
+# one forward updates both memories, the q/k window and the one-token value delay (the state): a call's state
+# input is the delay the forward received; its forward, operation for operation (loop_atol); grad mode recomputes
+CONTRACT = {rh.CompressedConvolutionalAttention: Adapter(
+    state_in=lambda mixer, call: mixer.calls[call].conv.inputs["delay"], loop_atol=0.0, grad_parity=(13,))}
+
+
 
 
 @pytest.fixture(scope="module")
