@@ -1,10 +1,12 @@
 """The README, the docs, the examples and the demo run as written, and name every supported family."""
 
+import importlib.util
 import pathlib
 import re
 import runpy
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -96,6 +98,39 @@ def test_the_family_tables_are_the_registry():
             assert named in wants, f"{page}: the row {row[0]!r} lists {sorted(named)}, the registry {sorted(wants[0])}"
             checked += 1
     assert checked >= len(by_kind), "the kind tables were not found"
+    assert not (pages := TABLES.stale()), f"{pages}: the family tables are not the registry's: run" \
+        " python scripts/doc_tables.py"
+
+
+def _script(name: str) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TABLES = _script("doc_tables")  # the generator of the family tables
+
+
+def test_a_new_family_and_a_new_kind_reach_the_tables_without_a_hand_edit(monkeypatch):
+    """scripts/doc_tables.py puts a new family in api.md's table and in its kind's rows, and gives a new kind a
+    row of its own from its declaration."""
+
+    class Hypothetical(rh.RecurrentMixer):
+        """A recurrence of the tests' own."""
+
+        STATE = "batch heads key_dim value_dim"
+
+    row = types.SimpleNamespace
+    rows = TABLES.registry_rows() + [row(name="my_qwen", mixer_class="MyQwenGatedDeltaNet", kind=rh.GatedDeltaNet),
+                                        row(name="my_model", mixer_class="MyMixer", kind=Hypothetical)]
+    monkeypatch.setattr(TABLES, "registry_rows", lambda: rows)
+    api, readme, concepts = (TABLES.generated()[page] for page in ("docs/api.md", "README.md", "docs/concepts.md"))
+    assert "| my_qwen | `MyQwenGatedDeltaNet` | `GatedDeltaNet` |" in api
+    assert "| my_model | `MyMixer` | `Hypothetical` |" in api
+    assert re.search(r"\| gated DeltaNet \(`GatedDeltaNet`\) \| qwen3_next, .*lara_mini, my_qwen \|", readme)
+    assert "| a recurrence of the tests' own (`Hypothetical`) | my_model |" in readme
+    assert "| `Hypothetical` (a recurrence of the tests' own) | my_model | | `batch heads key_dim value_dim` |" in concepts
 
 
 def test_ci_runs_the_readme_test_command_in_a_fresh_environment():
