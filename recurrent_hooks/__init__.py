@@ -35,6 +35,7 @@ from .engine.errors import RecurrentHooksDeprecationWarning as RecurrentHooksDep
 from .engine.errors import RecurrentHooksError as RecurrentHooksError
 from .engine.errors import RecurrentHooksWarning as RecurrentHooksWarning
 from .engine.errors import Unavailable as Unavailable
+from .engine.errors import former_names as _former_names
 from .kinds.kimi_delta import KimiDeltaAttention as KimiDeltaAttention
 from .kinds.lightning import LightningAttention as LightningAttention
 from .kinds.gated_delta_net import GatedDeltaNet as GatedDeltaNet
@@ -95,11 +96,5 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    """The former names of the kinds (docs/api.md, "Renamed"): they work for one release, with a warning."""
-    from .engine.errors import renamed_attribute
-
-    return renamed_attribute(__name__, name, _RENAMED, globals())
-
-
-_RENAMED = {"StateSpace": "Mamba2StateSpace", "LinearAttention": "GatedDeltaNet"}  # former name -> new name
+# the former names of the kinds (docs/api.md, "Renamed"): they work for one release, with a warning
+__getattr__ = _former_names(__name__, {"StateSpace": "Mamba2StateSpace", "LinearAttention": "GatedDeltaNet"}, globals())

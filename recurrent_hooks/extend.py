@@ -27,6 +27,7 @@ from .kinds.kimi_delta import KimiDeltaAttention as KimiDeltaAttention
 from .kinds.lightning import LightningAttention as LightningAttention
 from .engine.mixer import RecurrentMixer as RecurrentMixer
 from .engine.upstream import torch_kernel as torch_kernel
+from .engine.errors import former_names as _former_names
 from .kinds.rg_lru import RealGatedLinearRecurrence as RealGatedLinearRecurrence
 from .kinds.mlstm import MatrixLSTM as MatrixLSTM
 from .kinds.mlstm import MLSTMState as MLSTMState
@@ -81,11 +82,5 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    """The former names of the kinds (docs/api.md, "Renamed"): they work for one release, with a warning."""
-    from .engine.errors import renamed_attribute
-
-    return renamed_attribute(__name__, name, _RENAMED, globals())
-
-
-_RENAMED = {"StateSpace": "Mamba2StateSpace", "LinearAttention": "GatedDeltaNet"}  # former name -> new name
+# the former names of the kinds (docs/api.md, "Renamed"): they work for one release, with a warning
+__getattr__ = _former_names(__name__, {"StateSpace": "Mamba2StateSpace", "LinearAttention": "GatedDeltaNet"}, globals())

@@ -183,6 +183,10 @@ def test_record_true_is_keep_inputs_and_outputs(model):
 @pytest.mark.parametrize(("old", "new"), [("StateSpace", "Mamba2StateSpace"), ("LinearAttention", "GatedDeltaNet")])
 def test_the_kinds_former_names(namespace, old, new):
     assert warns_once(f"{namespace.__name__}.{new}", lambda: getattr(namespace, old)) is getattr(namespace, new)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        getattr(namespace, old)
+    assert [w.filename for w in caught] == [__file__], "the warning points at the line that reads the former name"
     assert old not in namespace.__all__
     with pytest.raises(AttributeError, match="has no attribute 'NoSuchKind'"):
         namespace.NoSuchKind

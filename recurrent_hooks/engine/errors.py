@@ -49,14 +49,22 @@ def renamed(old: str, new: str, stacklevel: int = 3) -> None:
                   RecurrentHooksDeprecationWarning, stacklevel=stacklevel)
 
 
-def renamed_attribute(module: str, name: str, renames: dict[str, str], namespace: dict[str, object]) -> object:
-    """A module's `__getattr__` for its former names: the object under the new name, with a warning."""
-    if name not in renames:
-        raise AttributeError(f"module {module!r} has no attribute {name!r}")
-    # (`from recurrent_hooks import StateSpace` looks the name up twice, importlib's `hasattr` check of the package
-    # and the import itself, so it may warn twice: the library reads no stack frames to tell them apart.)
-    renamed(f"{module}.{name}", f"{module}.{renames[name]}", stacklevel=4)
-    return namespace[renames[name]]
+def former_names(module: str, renames: dict[str, str], namespace: dict[str, object]) -> Callable[[str], object]:
+    """A module's `__getattr__` for its former names (`renames`: former name -> new name): the object under the new
+    name, with a warning.
+
+        __getattr__ = former_names(__name__, {"StateSpace": "Mamba2StateSpace"}, globals())
+    """
+
+    def __getattr__(name: str) -> object:
+        if name not in renames:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        # (`from recurrent_hooks import StateSpace` looks the name up twice, importlib's `hasattr` check of the
+        # package and the import itself, so it may warn twice: the library reads no stack frames to tell them apart.)
+        renamed(f"{module}.{name}", f"{module}.{renames[name]}", stacklevel=3)
+        return namespace[renames[name]]
+
+    return __getattr__
 
 
 def add_note(error: BaseException, note: str) -> None:
