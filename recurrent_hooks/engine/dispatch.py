@@ -41,7 +41,7 @@ def _forward_of(kind: type[RecurrentMixer], layout: Layout, module: nn.Module, a
     arguments = layout.bind(args, kwargs)
     tokens, cache, fresh, hidden = kind._parse_forward(module, arguments)
     return Forward(tokens=tokens, cache=cache, fresh=fresh, hidden=hidden, recompute=recompute,
-                    cache_index=kind._cache_index(module, arguments))
+                    cache_index=kind._cache_index(module, arguments), training=module.training)
 
 
 def _keep_memory_arguments(kernel: Kernel, arguments: dict[str, Any]) -> None:

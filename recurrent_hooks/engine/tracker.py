@@ -60,6 +60,7 @@ class Forward:
     hidden: Tensor | None = None  # the forward's input, read only to match a recompute to its call
     cache_index: Any = None  # where its memory is in the cache (the kind's `_cache_index`: by default the layer)
     recompute: bool = False  # autograd is recomputing a checkpointed forward (this is not a new call)
+    training: bool = False  # the module is in train mode (gradient checkpointing may recompute it)
 
 
 def _fingerprint(hidden: Tensor) -> Tensor:
@@ -242,7 +243,7 @@ class CallTracker:
         self.count(forward.fresh, forward.tokens, reorder)
         if self.history and forward.cache is not None and self.saw_cache is not None:
             self.saw_cache(forward.cache)
-        if forward.hidden is not None and (torch.is_grad_enabled() or self.mixer.module.training) \
+        if forward.hidden is not None and (torch.is_grad_enabled() or forward.training) \
                 and self.wants(self.index):
             # Autograd may recompute this forward (gradient checkpointing): remember how to recognize it.
             self.replays.append(_Replay(self.index, self.current, tuple(forward.hidden.shape),
