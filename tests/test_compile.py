@@ -2,7 +2,7 @@
 
 The engine's per-call bookkeeping runs when the graph runs, in custom ops (`recurrent_hooks.engine.compiled`), so
 a compiled model is traced once and its later calls replay the graph: `error_on_recompile` holds from the
-second call on. One family per kind (six kinds in the default suite, the rest with --full), compiled with the
+second call on. Families holding every kind between them (four kinds in the default suite, the rest with --full), compiled with the
 "aot_eager" backend (dynamo and functionalization, what decides graphs and guards, without inductor's code
 generation, which would take minutes per family);
 one test compiles Mamba-1 with inductor, whose buffer reuse is what the ops' copies guard against.
@@ -24,9 +24,26 @@ from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
 from recurrent_hooks.engine.parts import map_parts, parts_of
 
-# one family per kind (inkling2 has a short and a dynamic convolution; inkling2_loop their looped kinds)
-ONE_PER_KIND = ["qwen3_5", "kimi_linear", "mamba", "zamba", "mamba2", "recurrent_gemma", "rwkv", "minimax",
-                "inkling2", "inkling2_loop", "xlstm"]
+# the default suite compiles four of the kinds (gated DeltaNet, both Mamba scans, RWKV); the others (about 50 s:
+# the looped convolutions with transformers 5.25's full-graph limit alone 18 s; Kimi delta attention, gated
+# DeltaNet's maths with a decay per key channel, 5 s) with --full, which .ci/run runs after the default suite, for
+# the suite's time
+DEFAULT_COMPILED = ("qwen3_5", "mamba", "mamba2", "rwkv")
+
+
+def _covering_every_kind() -> list[str]:
+    """Families that hold every mixer kind of the registry between them: DEFAULT_COMPILED, then, in the registry's
+    order, each family that holds a kind not held yet (inkling2: a short and a dynamic convolution)."""
+    chosen, held = [], set()
+    for name in [*DEFAULT_COMPILED, *rh.FAMILIES]:
+        kinds = {mixer.kind for mixer in rh.FAMILIES[name].classes}
+        if name not in chosen and kinds - held:
+            chosen.append(name)
+            held |= kinds
+    return chosen
+
+
+ONE_PER_KIND = _covering_every_kind()
 STACK = {"state": "states", "window": "windows"}  # memory -> its keep name
 CALLS = 3
 T = 5
@@ -117,13 +134,6 @@ def _full_graph_refused_by_transformers(family, model, ids) -> bool:
         torch.compile(model, fullgraph=True, backend="aot_eager")(ids)
     torch._dynamo.reset()
     return True
-
-
-# the default suite compiles four of the eleven kinds (gated DeltaNet, both Mamba scans, RWKV); the other seven
-# (about 50 s: the looped convolutions with transformers 5.25's full-graph limit alone 18 s; Kimi delta attention,
-# gated DeltaNet's maths with a decay per key channel, 5 s) with --full, which .ci/run runs after the default suite,
-# for the suite's time
-DEFAULT_COMPILED = ("qwen3_5", "mamba", "mamba2", "rwkv")
 
 
 @pytest.mark.parametrize("family", [family if family in DEFAULT_COMPILED else
