@@ -177,6 +177,28 @@ def cases(covered=lambda case: True) -> list[Case]:
     return [case for case in (Case(*row) for row in rows) if covered(case)]
 
 
+# the family that stands for its kind in the tests that run one family per kind (gated DeltaNet: qwen3_5, the
+# library's first target, not the registry's first row)
+STANDS_FOR_ITS_KIND = ("qwen3_5",)
+
+
+def one_family_per_kind(holds: Callable[[type], bool] = lambda kind: True) -> list[str]:
+    """One family for each kind of the registry (a family's first mixer class's) where `holds(kind)`, in the
+    registry's order: `STANDS_FOR_ITS_KIND`'s, or the first family of the kind."""
+    chosen: dict[type, str] = {}
+    for name in [*STANDS_FOR_ITS_KIND, *rh.FAMILIES]:
+        kind = rh.FAMILIES[name].kind
+        if holds(kind):
+            chosen.setdefault(kind, name)
+    order = list(rh.FAMILIES)
+    return sorted(chosen.values(), key=order.index)
+
+
+def in_segments(kind) -> bool:
+    """The kind's prompt kernel runs in segments (chunk-wise maths): gated DeltaNet, Kimi, Mamba-1, Mamba-2."""
+    return kind.kernel_for("prompt").segments is not None
+
+
 def norm(value) -> float:
     return sum(float(part.detach().norm()) ** 2 for _, part in parts_of(value)) ** 0.5
 

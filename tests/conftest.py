@@ -8,6 +8,7 @@ import recurrent_hooks.engine.dispatch as dispatch_impl
 import recurrent_hooks.engine.patching as patching
 import recurrent_hooks.engine.threads as threads_impl
 import recurrent_hooks.engine.watch as watch_impl
+from _contract import one_family_per_kind
 
 
 # The test models are tiny: one thread is several times faster than two threads contending for two cores.
@@ -40,8 +41,8 @@ def nothing_left_patched():
 
 # -- the full matrices: one family per kind by default, every family with `pytest --full` ------------------------
 #
-# A test marked `one_per_kind` runs by default for the first family of each kind (in the registry's order) and for
-# every family with `--full`; a test marked `full` runs only with `--full`. A test left out is reported as skipped,
+# A test marked `one_per_kind` runs by default for one family of each kind (`_contract.one_family_per_kind`: the
+# registry's first of the kind, but qwen3_5 for gated DeltaNet) and for every family with `--full`; a test marked `full` runs only with `--full`. A test left out is reported as skipped,
 # with the reason, in pytest's summary (`-ra`), never silently; `--only-full` runs just the tests the default
 # leaves out (`.ci/run` runs the default suite, then those). `--one-family-per-kind` deselects the other families'
 # cases of every test over families (`.ci/run`'s quick run on the oldest supported transformers).
@@ -53,7 +54,7 @@ def pytest_addoption(parser):
     parser.addoption("--full", action="store_true", help="also run the slow matrices on every family")
     parser.addoption("--only-full", action="store_true", help="run only what the default suite leaves out")
     parser.addoption("--one-family-per-kind", action="store_true",
-                     help="deselect every case of a test over families but those of the first family of each kind"
+                     help="deselect every case of a test over families but those of one family of each kind"
                           " (.ci/run's quick run on the oldest supported transformers)")
 
 
@@ -63,10 +64,7 @@ def pytest_configure(config):
 
 
 def _representatives() -> set[str]:
-    first: dict[type, str] = {}
-    for name, family in rh.FAMILIES.items():
-        first.setdefault(family.kind, name)
-    return set(first.values())
+    return set(one_family_per_kind())
 
 
 def _left_out_by_default(item, representatives: set[str]) -> bool:

@@ -12,8 +12,9 @@ import recurrent_hooks as rh
 from recurrent_hooks.studies import attribution_pieces
 from _compare import assert_close
 from _models import build, random_ids
+from _contract import in_segments, one_family_per_kind
 
-CHUNKED = ["qwen3_5", "kimi_linear", "mamba", "zamba", "mamba2"]  # gated DeltaNet, KDA, Mamba-1 (2 ways), Mamba-2
+CHUNKED = one_family_per_kind(in_segments)  # gated DeltaNet, KDA, Mamba-1 (2 ways), Mamba-2
 
 
 def metric(logits):

@@ -6,9 +6,12 @@ import torch
 
 from _compare import assert_close
 from _upstream import transformers_kernel
+from _contract import one_family_per_kind
 from recurrent_hooks.kinds.conv import causal_conv1d_fn, causal_conv1d_update
+from recurrent_hooks.extend import CONV_KERNELS
 
-MODULES = ["qwen3_5", "kimi_linear", "mamba", "mamba2", "zamba"]
+# one module per kind whose modules call the shared conv kernels
+MODULES = one_family_per_kind(lambda kind: {k.name for k in CONV_KERNELS} <= {k.name for k in kind.KERNELS})
 
 
 def hf(family, name):

@@ -15,8 +15,10 @@ import torch
 import recurrent_hooks as rh
 from _compare import assert_close
 from _models import build, random_ids
+from _contract import one_family_per_kind
 
-FAMILIES = ["qwen3_5", "kimi_linear", "mamba", "zamba", "mamba2"]  # one per kind (zamba: a kernel call per head)
+# one per kind that has the maths (zamba: a kernel call per head)
+FAMILIES = one_family_per_kind(lambda kind: kind._effective_attention is not rh.RecurrentMixer._effective_attention)
 KEEP = ("inputs", "outputs")
 T, NEW = 13, 3  # prompt tokens, generated tokens: calls 0 (prompt), 1, 2 (decode steps)
 F64 = torch.float64

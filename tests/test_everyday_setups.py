@@ -21,9 +21,10 @@ from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
 from _reachable import tensor_bytes_reachable
 from _runs import halved, halved_around
+from _contract import in_segments, one_family_per_kind
 
 T = 13
-ONE_PER_KIND = ["qwen3_5", "kimi_linear", "mamba", "zamba", "mamba2"]
+ONE_PER_KIND = one_family_per_kind(in_segments)  # the kinds with chunk-wise maths
 
 
 def greedy(model, ids, n, **kwargs):

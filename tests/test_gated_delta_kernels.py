@@ -6,6 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import recurrent_hooks as rh
+
 from _compare import assert_close
 from _reference import gated_delta_rule_reference
 from _upstream import transformers_kernel
@@ -16,7 +18,7 @@ from recurrent_hooks.kinds.gated_delta_net import (
     recurrent_gated_delta_rule,
 )
 
-FAMILY_MODULES = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "qwen4_exp", "lara_mini"]
+FAMILY_MODULES = [name for name, row in rh.FAMILIES.items() if row.kind is rh.GatedDeltaNet]
 
 # (batch, seq, key_heads, heads, key_dim, value_dim, with an initial state)
 CASES = [
