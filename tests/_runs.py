@@ -64,11 +64,11 @@ def left_padded(model, keep, tokens: int, pads: int = 4, rows: int = 2, steps: i
     ids = torch.cat([torch.cat([torch.full((1, pads), PAD), short], dim=1), full])[:rows]
     mask = (ids != PAD).long()
     mask[1:] = 1
-    steps_of = dict(output_logits=True, return_dict_in_generate=True)
+    per_step = dict(output_logits=True, return_dict_in_generate=True)
     with rh.watch(model, keep=keep) as batch:
-        padded = greedy(model, ids, steps, attention_mask=mask, **steps_of).logits
+        padded = greedy(model, ids, steps, attention_mask=mask, **per_step).logits
     with rh.watch(model, keep=keep) as alone:
-        single = greedy(model, short, steps, **steps_of).logits
+        single = greedy(model, short, steps, **per_step).logits
     with rh.watch(model, keep=keep) as forward:
         logits = logits_of(model, ids, attention_mask=mask)
     return LeftPadded(ids, mask, pads, steps, batch, padded, alone, single, forward, logits, logits_of(model, short))
