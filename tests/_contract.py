@@ -11,7 +11,7 @@ whose memory is in transformers' Cache), which a kind's own test file declares w
 - where the model carries a memory after a forward (`carried`: the Cache, a module attribute, the `state=` list);
 - what a call started from (`window_in`; the state's is read from the kernel's declared `state_in`);
 - tolerances and thresholds (`later`: how much the later logits must move; `early`: how close the earlier ones
-  stay) and quirks (`batch`, `grad_use_cache`, `per_token_windows`, `whole_memory_model`, ...).
+  stay) and quirks (`batch`, `grad_use_cache`, `window_tokens`, `whole_memory_model`, ...).
 
 A `Case` is one (family, mixer class): its kind, its adapter and which mixers of a watch are its. Adding a kind
 touches no line here.
@@ -102,7 +102,7 @@ class Adapter:
     carried: Callable | None = cache_state  # (out, mixer, memory) -> {where: the value the model carries on}
     window_in: Callable | None = conv_input  # the window a call started from; None: read it off the shift
     state_in: Callable = state_in  # the state a call started from
-    batch: int = 2  # of every generate and one-token forward (rwkv decodes right with batch 1 only, a transformers bug)
+    batch: int = 2  # of every generate and one-token forward (rwkv decodes right with batch 1 only: transformers')
     loop_atol: float = 1e-5  # how far the token loops may round from transformers' kernels (0: bit for bit)
     input_grad: tuple = (1e-4, 1e-7)  # (rtol, atol) of the input gradient through the token loops vs plain backward
     # the lengths at which the logits of a grad-mode forward that keeps every memory are checked in the parity test
