@@ -42,10 +42,11 @@ def nothing_left_patched():
 # -- the full matrices: one family per kind by default, every family with `pytest --full` ------------------------
 #
 # A test marked `one_per_kind` runs by default for one family of each kind (`_contract.one_family_per_kind`: the
-# registry's first of the kind, but qwen3_5 for gated DeltaNet) and for every family with `--full`; a test marked `full` runs only with `--full`. A test left out is reported as skipped,
-# with the reason, in pytest's summary (`-ra`), never silently; `--only-full` runs just the tests the default
-# leaves out (`.ci/run` runs the default suite, then those). `--one-family-per-kind` deselects the other families'
-# cases of every test over families (`.ci/run`'s quick run on the oldest supported transformers).
+# registry's first of the kind, but qwen3_5 for gated DeltaNet) and for every family with `--full`; a test marked
+# `full` runs only with `--full`. A test left out is reported as skipped, with the reason, in pytest's summary
+# (`-ra`), never silently; `--only-full` runs just the tests the default leaves out (`.ci/run` runs the default
+# suite, then those). `--one-family-per-kind` deselects the other families' cases of every test over families
+# (`.ci/run`'s quick run on the oldest supported transformers).
 
 FULL = "the full matrix: `pytest --full` runs it (README, Tests)"
 

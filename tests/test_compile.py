@@ -2,9 +2,9 @@
 
 The engine's per-call bookkeeping runs when the graph runs, in custom ops (`recurrent_hooks.engine.compiled`), so
 a compiled model is traced once and its later calls replay the graph: `error_on_recompile` holds from the
-second call on. Families holding every kind between them (four kinds in the default suite, the rest with --full), compiled with the
-"aot_eager" backend (dynamo and functionalization, what decides graphs and guards, without inductor's code
-generation, which would take minutes per family);
+second call on. Families holding every kind between them (four kinds in the default suite, the rest with
+--full), compiled with the "aot_eager" backend (dynamo and functionalization, what decides graphs and guards,
+without inductor's code generation, which would take minutes per family);
 one test compiles Mamba-1 with inductor, whose buffer reuse is what the ops' copies guard against.
 
 What is checked against the same run made eagerly: the logits of every call, every hook call (call index,
@@ -43,7 +43,7 @@ def _covering_every_kind() -> list[str]:
     return chosen
 
 
-ONE_PER_KIND = _covering_every_kind()
+EVERY_KIND = _covering_every_kind()
 STACK = {"state": "states", "window": "windows"}  # memory -> its keep name
 CALLS = 3
 T = 5
@@ -137,7 +137,7 @@ def _full_graph_refused_by_transformers(family, model, ids) -> bool:
 
 
 @pytest.mark.parametrize("family", [family if family in DEFAULT_COMPILED else
-                                    pytest.param(family, marks=pytest.mark.full) for family in ONE_PER_KIND])
+                                    pytest.param(family, marks=pytest.mark.full) for family in EVERY_KIND])
 def test_a_compiled_forward_in_a_watch_is_eager_and_compiles_once(family):
     """In a full graph; where transformers' own forward cannot compile in one (the family's limits say so, and the
     plain model fails the same way), with graph breaks, still once."""
