@@ -150,10 +150,12 @@ def test_a_shard_whose_record_a_kill_prevented_is_adopted_not_rewritten(tmp_path
 def test_another_request_or_other_batches_are_refused(tmp_path):
     model, batches = build("qwen3_5"), _batches()
     rh.harvest(model, batches, tmp_path, keep=("states",), progress=False)
-    with pytest.raises(rh.InvalidValue, match=r"holds another harvest \(its keep differ from this call's\)"):
+    with pytest.raises(rh.InvalidValue, match=r"holds another harvest, whose request differs from this call's in:"
+                       r" keep \("):
         rh.harvest(model, batches, tmp_path, keep=("states", "key"), progress=False)
     other = build("qwen3_5", seed=1)
-    with pytest.raises(rh.InvalidValue, match=r"holds another harvest \(its model weights_sha256 differ"):
+    with pytest.raises(rh.InvalidValue, match=r"holds another harvest, whose request differs from this call's in:"
+                       r" model weights_sha256 \("):
         rh.harvest(other, batches, tmp_path, keep=("states",), progress=False)
     with pytest.raises(rh.InvalidValue, match=r"batch 1 is not the batch harvested into .*000001.json"):
         rh.harvest(model, [batches[0], random_ids(3, 5, seed=9)], tmp_path, keep=("states",), progress=False)
@@ -166,7 +168,7 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path):
     with pytest.raises(rh.InvalidValue, match=r"batch 1 holds the pad token id 0 \(config.pad_token_id\) at row 0,"
                        r" position 4, and no attention_mask"):
         rh.harvest(model, [random_ids(1, 4), padded], tmp_path / "a", keep=("states",), progress=False)
-    with pytest.raises(rh.InvalidValue, match=r"batch 0: expected attention_mask as 0/1 of the ids' shape \(2, 6\),"
+    with pytest.raises(rh.InvalidValue, match=r"batch 0: expected attention_mask of the ids' shape \(2, 6\),"
                        r" got shape \(2, 5\)"):
         rh.harvest(model, [{"input_ids": padded, "attention_mask": torch.ones(2, 5)}], tmp_path / "b",
                    keep=("states",), progress=False)

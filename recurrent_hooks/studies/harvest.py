@@ -13,19 +13,24 @@ its index among its row's non-pad tokens.
 The directory (docs/harvest.md):
 
     out/request.json                 what is harvested: the model (class, config and weights digests), keep, reduce,
-                                     layers, dtype; written before anything else
+                                     layers, dtype; written with the first shard (a call refused before leaves none)
     out/shards/000000.safetensors    batch 0: `doc`, `position` [tokens] and `<mixer>/<what>` [tokens, ...]
     out/shards/000000.json           its record: docs, tokens, bytes, the file's SHA-256, the batch's input digest
     out/manifest.json                written last, when every batch is on disk: the request, the model config, the
                                      mixers, each value's dtype and per-token shape, the shards, the totals
+    out/.lock.rank0                  while a harvest runs: its lock (`lock.DirectoryLock`), removed at the end
 
-Each file is written to a temporary name and renamed (`shards`): a killed harvest leaves complete shards and no
-partial one. Called again with the same arguments, it skips the batches on disk (it checks that each is the same
-batch: its input digest) and writes the others; `out` holding another model's or another request's harvest is
-refused. Under an initialized `torch.distributed` group, batch i is rank i % world's; each rank writes its own
-shards and rank 0 the manifest once all are on disk.
+One request owns a directory. Everything a call can check before running a batch is checked before it writes
+anything; a second harvest into a directory that one is writing is refused by the lock (never deleting the other's
+files), and the lock of a killed one is taken over. Each file is written to a temporary name and renamed
+(`shards`): a killed harvest leaves complete shards and no partial one. Called again with the same arguments, it
+skips the batches on disk (it checks that each is the same batch, its input digest, and that its shard is whole,
+its size and SHA-256 against its record: a damaged shard is named in a warning and written anew) and writes the
+others; `out` holding another request's harvest, or more batches than the call passes, is refused. Under an
+initialized `torch.distributed` group, batch i is rank i % world's; each rank writes its own shards, under its own
+lock, and rank 0 the manifest once all are on disk.
 
-Module contents: `harvest`, `Harvest` (what a harvest directory holds, read from its manifest).
+Module contents: `harvest`, `Harvest` (what a harvest directory holds, read from its manifest; `verify`).
 """
 
 import dataclasses
@@ -33,6 +38,7 @@ import hashlib
 import json
 import os
 import pathlib
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -40,15 +46,16 @@ import torch
 from torch import Tensor, nn
 
 from ..engine.arguments import normalize_reduce
-from ..engine.errors import InvalidValue, RecurrentHooksError, Unavailable
+from ..engine.errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable, add_note
 from ..engine.kernels import KEEPABLE, KERNEL_IO
 from ..engine.kind import PADDING
 from ..engine.parts import parts_of
 from ..engine.strategies import Paths
 from ..engine.watch import watch
 from .probes import Probe
+from .lock import DirectoryLock, holders
 from .ranks import Ranks
-from .shards import PARTIAL, file_digest, read_header, write_json, write_shard
+from .shards import PARTIAL, file_digest, read_header, shard_problem, write_json, write_shard
 
 __all__ = ["harvest", "Harvest"]
 
@@ -65,6 +72,7 @@ class Harvest:
         h.tokens, h.docs                 # non-pad tokens and documents harvested
         h.values                         # {"0/states": ("float32", (...)), ...}: dtype and per-token shape
         h.dataset(0, "states")           # rh.HarvestDataset("out/", layer=0, what="states")
+        rh.Harvest.open("out/").verify() # every shard's bytes against the manifest's SHA-256
     """
 
     out: pathlib.Path
@@ -84,6 +92,16 @@ class Harvest:
                    {key: (v["dtype"], tuple(v["shape"])) for key, v in manifest["values"].items()},
                    sum(shard["bytes"] for shard in manifest["shards"]), **run)
 
+    def verify(self) -> "Harvest":
+        """Check every shard against the manifest's record of it (its size and SHA-256: every byte is read); raises
+        `InvalidValue` naming each damaged shard, which `rh.harvest` called again with the same arguments writes
+        anew (it checks the shards it skips in the same way).
+
+            rh.Harvest.open("harvest/").verify()
+        """
+        verify(self.out)
+        return self
+
     def dataset(self, layer: int | str, what: str = "states") -> Any:
         from .harvested import HarvestDataset
         return HarvestDataset(self.out, layer=layer, what=what)
@@ -93,9 +111,19 @@ def read_manifest(out: pathlib.Path) -> dict[str, Any]:
     path = out / "manifest.json"
     if not path.is_file():
         shards = len(list((out / "shards").glob("*.json"))) if (out / "shards").is_dir() else 0
+        running = holders(out)
+        if running:
+            who = running[0]
+            raise Unavailable(f"{out}: no manifest.json yet ({shards} batches on disk): a harvest is writing it now"
+                              f" (process {who.get('pid', '?')} on {who.get('host', '?')}, since"
+                              f" {who.get('since', '?')}); its manifest is written when every batch is on disk")
         raise Unavailable(f"{out}: no manifest.json, so no complete harvest ({shards} batches on disk): an interrupted"
                           " rh.harvest finishes when called again with the same arguments")
-    manifest = json.loads(path.read_text())
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as error:
+        raise InvalidValue(f"{path}: expected a harvest's manifest (JSON), got a file that does not parse ({error})"
+                           ) from None
     if manifest.get("request", {}).get("format") != FORMAT:
         raise InvalidValue(f"{path}: expected a {FORMAT!r} manifest, got format"
                            f" {manifest.get('request', {}).get('format')!r}")
@@ -129,26 +157,30 @@ def harvest(model: nn.Module, batches: Iterable[Any], out: str | os.PathLike, *,
     the same arguments to go on. The module docstring says what the directory holds.
     """
     out = pathlib.Path(out)
+    _check_batches(batches)
     ranks = Ranks.of(distributed, model, _WHERE)
     job = _Job(model, out, ranks, _checked_keep(keep), reduce, layers, dtype, forward_kwargs, paths)
     from tqdm.auto import tqdm  # a dependency of transformers
 
     written = skipped = count = docs = 0
-    with tqdm(desc=_WHERE, unit="tok", unit_scale=True, disable=not progress or ranks.rank != 0) as bar:
-        for batch in batches:
-            ids, mask, digest = _as_batch(batch, count, job.pad_id)
-            if count % ranks.world == ranks.rank:
-                done = job.batch(count, ids, mask, digest, docs)
-                written += done.written
-                skipped += done.written == 0
-                bar.update(done.tokens)
-                bar.set_postfix_str(f"{_size(written)} written, {skipped} batches on disk")
-            docs += ids.shape[0]
-            count += 1
-    ranks.barrier()
-    if ranks.rank == 0:
-        job.finish(count)
-    ranks.barrier()
+    with DirectoryLock(out, ranks.rank, _WHERE):  # (nothing is written before: the request is checked by then)
+        job.open()
+        with tqdm(desc=_WHERE, unit="tok", unit_scale=True, disable=not progress or ranks.rank != 0) as bar:
+            for batch in batches:
+                ids, mask, digest = _as_batch(batch, count, job.pad_id, job.vocab)
+                if count % ranks.world == ranks.rank:
+                    done = job.batch(count, ids, mask, digest, docs)
+                    written += done.written
+                    skipped += done.written == 0
+                    bar.update(done.tokens)
+                    bar.set_postfix_str(f"{_size(written)} written, {skipped} batches on disk")
+                docs += ids.shape[0]
+                count += 1
+        ranks.barrier()
+        records = job.records(count)  # (every rank: a refusal here is every rank's, none waits for rank 0)
+        if ranks.rank == 0:
+            job.finish(count, records)
+    ranks.barrier()  # (every rank's lock released: the directory holds the harvest's files only)
     return Harvest.open(out, written=written, skipped=skipped)
 
 
@@ -183,12 +215,24 @@ class _Job:
             self.mixers = {name: {"layer": mixer.layer, "path": path, "kind": type(mixer).__name__}
                            for mixer, (name, path) in named.items()}
         self.pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
+        self.vocab = _vocabulary(model)
         self.request = _request(model, keep, self.reduce, self.mixers, dtype)
         self.key = hashlib.sha256(json.dumps(self.request, sort_keys=True).encode()).hexdigest()
-        (out / "shards").mkdir(parents=True, exist_ok=True)
-        _claim(out, self.request, ranks.rank)
-        for leftover in (out / "shards").glob(f".*.rank{ranks.rank}{PARTIAL}"):  # this rank's, from a killed run
+        self.claimed = False  # request.json is this request's on disk
+
+    def open(self) -> None:
+        """Under this rank's lock: `out` checked against this request (another's refused, unless it wrote nothing
+        but its request.json), this rank's temporary files of a killed run removed."""
+        self.claimed = _claim(self.out, self.request)
+        (self.out / "shards").mkdir(parents=True, exist_ok=True)
+        for leftover in (self.out / "shards").glob(f".*.rank{self.ranks.rank}{PARTIAL}"):  # from a killed run
             leftover.unlink()
+
+    def _claim_once(self) -> None:
+        """request.json written, before this call's first file (a call refused before writing leaves none)."""
+        if not self.claimed:
+            write_json(self.out / "request.json", self.request, self.ranks.rank)
+            self.claimed = True
 
     def shard(self, index: int) -> pathlib.Path:
         return self.out / "shards" / f"{index:06d}.safetensors"
@@ -197,24 +241,31 @@ class _Job:
         """Batch `index` on disk: found there (the same batch), adopted (a shard whose record a kill prevented), or
         run and written."""
         shard, record = self.shard(index), self.shard(index).with_suffix(".json")
-        if record.is_file():
-            saved = json.loads(record.read_text())
+        saved = _read_record(record)
+        if saved is not None:
             _same_batch(saved.get("inputs"), digest, index, record)
-            return _Done(saved["tokens"], 0)
-        if shard.is_file():
+            problem = _record_problem(shard, saved)
+            if problem is None:
+                return _Done(saved["tokens"], 0)
+            warnings.warn(f"{_WHERE}: batch {index}'s shard {shard} {problem}: running batch {index} again and"
+                          " writing its shard anew", RecurrentHooksWarning, stacklevel=3)
+            record.unlink()
+        elif shard.is_file() and shard_problem(shard) is None:
             _, metadata = read_header(shard)
             if metadata.get("request") == self.key:
                 _same_batch(metadata.get("inputs"), digest, index, shard)
+                self._claim_once()
                 self._record(index, int(metadata["tokens"]), first_doc, ids.shape[0], digest)
                 return _Done(int(metadata["tokens"]), 0)
         tensors = self._run(ids, mask, first_doc)
         tokens = tensors["doc"].shape[0]
         metadata = {"request": self.key, "batch": str(index), "inputs": digest, "tokens": str(tokens)}
+        self._claim_once()
         try:
             size, sha256 = write_shard(shard, tensors, metadata, self.ranks.rank)
         except OSError as error:
-            error.add_note(f"{_WHERE}: writing batch {index}'s shard {shard} failed; the shards written before it are"
-                           " complete on disk: call rh.harvest again with the same arguments to go on")
+            add_note(error, f"{_WHERE}: writing batch {index}'s shard {shard} failed; the shards written before it are"
+                            " complete on disk: call rh.harvest again with the same arguments to go on")
             raise
         return _Done(tokens, self._record(index, tokens, first_doc, ids.shape[0], digest, size, sha256))
 
@@ -262,15 +313,28 @@ class _Job:
                     tensors[f"{name}/{what}" + (f".{part}" if part else "")] = tensor.detach().cpu().contiguous()
         return tensors
 
-    def finish(self, batches: int) -> None:
-        """The manifest, once every batch is on disk (rank 0, after the others are done)."""
+    def records(self, batches: int) -> list[dict[str, Any]]:
+        """The records of batches 0..batches-1, once every rank is done; refused: a batch without one (a rank
+        stopped), or batches on disk past the last one this call passed (a shorter request than the harvest's)."""
+        shards = self.out / "shards"
+        beyond = sorted(int(path.stem) for path in shards.glob("*.json") if path.stem.isdigit()
+                        and int(path.stem) >= batches)
+        if beyond:
+            raise InvalidValue(f"{_WHERE}: {self.out} holds batches up to {beyond[-1]} (shards {beyond[0]:06d} to"
+                               f" {beyond[-1]:06d} on disk), but this call passed {batches}: pass every batch of the"
+                               " harvest (it resumes with the same batches in the same order), or another out")
         records = []
         for index in range(batches):
-            record = self.shard(index).with_suffix(".json")
-            if not record.is_file():
-                raise RecurrentHooksError(f"{_WHERE}: batch {index} has no shard in {self.out / 'shards'} (a rank"
-                                          " stopped?): call rh.harvest again with the same arguments to finish")
-            records.append(json.loads(record.read_text()))
+            saved = _read_record(self.shard(index).with_suffix(".json"))
+            if saved is None:
+                raise RecurrentHooksError(f"{_WHERE}: batch {index} has no shard in {shards} (a rank stopped?): call"
+                                          " rh.harvest again with the same arguments to finish")
+            records.append(saved)
+        return records
+
+    def finish(self, batches: int, records: list[dict[str, Any]]) -> None:
+        """The manifest, once every batch is on disk (rank 0, after the others are done)."""
+        self._claim_once()
         values: dict[str, Any] = {}
         if records:  # (every shard holds every value: the first one's header says their dtypes and shapes)
             tensors, _ = read_header(self.shard(0))
@@ -282,7 +346,7 @@ class _Job:
             "mixers": self.mixers, "values": values,
             "shards": records, "batches": batches, "tokens": sum(r["tokens"] for r in records),
             "docs": sum(r["docs"][1] for r in records)})
-        for leftover in (self.out / "shards").glob(f".*{PARTIAL}"):
+        for leftover in (self.out / "shards").glob(f".*.rank{self.ranks.rank}{PARTIAL}"):
             leftover.unlink(missing_ok=True)
 
 
@@ -357,24 +421,79 @@ def weights_digest(model: nn.Module) -> str:
         if tensor.device.type == "meta" or tensor.numel() == 0:
             continue
         flat = tensor.detach().reshape(-1)
-        picked = flat[torch.linspace(0, flat.numel() - 1, min(flat.numel(), _SAMPLED), device=flat.device).long()]
+        picked = flat[sample_indices(flat.numel(), _SAMPLED).to(flat.device)]
         digest.update(picked.cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
-def _claim(out: pathlib.Path, request: dict[str, Any], rank: int) -> None:
-    """`out` for this request: its request.json written, or found equal (another request's is refused)."""
+def sample_indices(count: int, samples: int) -> Tensor:
+    """`min(count, samples)` indices evenly spaced over `range(count)`, from 0 to `count - 1`: int64 `i * (count - 1)
+    // (n - 1)`, exact at any size (float32 indices, as `torch.linspace` gives, round past the end above 2^24)."""
+    n = min(count, samples)
+    if n <= 1:
+        return torch.zeros(n, dtype=torch.long)
+    return torch.arange(n, dtype=torch.long) * (count - 1) // (n - 1)
+
+
+def _claim(out: pathlib.Path, request: dict[str, Any]) -> bool:
+    """Whether `out`'s request.json is this request's (False: there is none yet, or another request's that wrote no
+    file besides it, which this one replaces); another request with files on disk is refused."""
     path = out / "request.json"
-    if path.is_file():
+    if not path.is_file():
+        return False
+    try:
         saved = json.loads(path.read_text())
-        if saved != request:
-            differ = [f"model {k}" for k in sorted(request["model"])
-                      if not isinstance(saved.get("model"), dict) or saved["model"].get(k) != request["model"][k]]
-            differ += [k for k in sorted(set(saved) | set(request)) if k != "model" and saved.get(k) != request.get(k)]
-            raise InvalidValue(f"{_WHERE}: {out} holds another harvest (its {', '.join(differ)} differ from this"
-                               " call's): pass another out, or remove it")
-        return
-    write_json(path, request, rank)
+    except ValueError:
+        saved = {}
+    if saved == request:
+        return True
+    shards = out / "shards"
+    files = sorted(shards.glob("*.json")) + sorted(shards.glob("*.safetensors")) if shards.is_dir() else []
+    if not files and not (out / "manifest.json").exists():
+        return False  # (a call refused after writing its request, by an earlier release: nothing of it to keep)
+    differ = [f"model {k}" for k in sorted(request["model"])
+              if not isinstance(saved.get("model"), dict) or saved["model"].get(k) != request["model"][k]]
+    differ += [k for k in sorted(set(saved) | set(request)) if k != "model" and saved.get(k) != request.get(k)]
+    raise InvalidValue(f"{_WHERE}: {out} holds another harvest, whose request differs from this call's in:"
+                       f" {', '.join(differ)} ({path}; {len(files)} files in shards/): pass another out, or remove it")
+
+
+def _read_record(path: pathlib.Path) -> dict[str, Any] | None:
+    """A shard's record, or None where there is none (or one that does not parse: its shard is written anew)."""
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+    except ValueError:
+        return None
+    fields = {"batch", "file", "docs", "tokens", "bytes", "sha256", "inputs"}
+    return saved if isinstance(saved, dict) and fields <= set(saved) else None
+
+
+def _record_problem(shard: pathlib.Path, record: Mapping[str, Any]) -> str | None:
+    """What is wrong with a shard its record describes (missing, another size, other bytes), or None."""
+    if not shard.is_file():
+        return "is missing"
+    size = shard.stat().st_size
+    if size != record["bytes"]:
+        return f"has {size} bytes where its record says {record['bytes']}"
+    if file_digest(shard) != record["sha256"]:
+        return "does not match its record's SHA-256 (its bytes changed on disk)"
+    return None
+
+
+def verify(out: pathlib.Path) -> None:
+    """Every shard of the finished harvest in `out` checked against its manifest (`Harvest.verify`)."""
+    manifest = read_manifest(out)
+    bad = []
+    for record in manifest["shards"]:
+        shard = out / record["file"]
+        problem = _record_problem(shard, record)
+        if problem is not None:
+            bad.append(f"batch {record['batch']}'s shard {shard} {problem}")
+    if bad:
+        raise InvalidValue(f"verify: {len(bad)} of {len(manifest['shards'])} shards in {out} are damaged: "
+                           + "; ".join(bad) + ". Call rh.harvest again with the same arguments to write them anew")
 
 
 def _same_batch(saved: Any, digest: str, index: int, where: pathlib.Path) -> None:
@@ -401,7 +520,29 @@ def _refuse_left_padding(mixers: Sequence[Any], mask: Tensor | None, first_doc: 
                               f" and {mixer} does not mask pads ({why}): pad its batches on the right")
 
 
-def _as_batch(batch: Any, index: int, pad_id: int | None) -> tuple[Tensor, Tensor | None, str]:
+def _check_batches(batches: Any) -> None:
+    """`batches` is an iterable of batches, not one batch (a tokenizer's `BatchEncoding`, a dict, a tensor)."""
+    if isinstance(batches, Mapping):
+        raise InvalidValue(f"{_WHERE}: expected batches= an iterable of batches, got one batch (a"
+                           f" {type(batches).__name__} with keys {sorted(map(str, batches))}): wrap it in a list,"
+                           " [batch]")
+    if isinstance(batches, Tensor):
+        raise InvalidValue(f"{_WHERE}: expected batches= an iterable of batches, got one tensor of shape"
+                           f" {tuple(batches.shape)}: pass [ids] for one batch, or ids.split(batch_size)")
+    if not isinstance(batches, Iterable) or isinstance(batches, (str, bytes)):
+        raise InvalidValue(f"{_WHERE}: expected batches= an iterable of batches (dicts with input_ids and"
+                           f" attention_mask, or id tensors), got {type(batches).__name__}")
+
+
+def _vocabulary(model: nn.Module) -> int | None:
+    """How many token ids the model's input embedding takes (None where it has none to ask)."""
+    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    count = getattr(embeddings, "num_embeddings", None)
+    return count if isinstance(count, int) else getattr(getattr(model, "config", None), "vocab_size", None)
+
+
+def _as_batch(batch: Any, index: int, pad_id: int | None, vocab: int | None = None
+              ) -> tuple[Tensor, Tensor | None, str]:
     """A batch's ids `[batch, seq]`, its mask (None: no padding) and their digest; bad batches refused."""
     if isinstance(batch, Mapping):
         if "input_ids" not in batch:
@@ -410,24 +551,38 @@ def _as_batch(batch: Any, index: int, pad_id: int | None) -> tuple[Tensor, Tenso
         ids, mask = batch["input_ids"], batch.get("attention_mask")
     else:
         ids, mask = batch, None
-    if not isinstance(ids, Tensor) or ids.dim() not in (1, 2) or ids.is_floating_point() or ids.is_complex():
+    if not isinstance(ids, Tensor) or ids.dim() not in (1, 2) or ids.is_floating_point() or ids.is_complex() or \
+            ids.dtype == torch.bool:
         got = f"a {ids.dtype} tensor of shape {tuple(ids.shape)}" if isinstance(ids, Tensor) else type(ids).__name__
         raise InvalidValue(f"{_WHERE}: batch {index}: expected input ids as an integer tensor [batch, seq] (or a dict"
                            f" with input_ids and attention_mask), got {got}")
+    if ids.numel() == 0:
+        raise InvalidValue(f"{_WHERE}: batch {index}: expected at least one token, got input ids of shape"
+                           f" {tuple(ids.shape)}")
+    if isinstance(mask, Tensor) and mask.dim() == 1 and ids.dim() == 1:
+        mask = mask.reshape(1, -1)
     ids = ids.reshape(1, -1) if ids.dim() == 1 else ids
+    ids = ids.cpu()
+    if vocab is not None and not bool(((ids >= 0) & (ids < vocab)).all()):
+        row, position = ((ids < 0) | (ids >= vocab)).nonzero()[0].tolist()
+        raise InvalidValue(f"{_WHERE}: batch {index}: expected token ids in [0, {vocab}) (the model's vocabulary),"
+                           f" got {int(ids[row, position])} at row {row}, position {position}")
     if mask is not None:
-        if not isinstance(mask, Tensor) or tuple(mask.shape) != tuple(ids.shape) or \
-                not bool(((mask == 0) | (mask == 1)).all()):
+        if not isinstance(mask, Tensor) or tuple(mask.shape) != tuple(ids.shape):
             got = f"shape {tuple(mask.shape)}" if isinstance(mask, Tensor) else type(mask).__name__
-            raise InvalidValue(f"{_WHERE}: batch {index}: expected attention_mask as 0/1 of the ids' shape"
+            raise InvalidValue(f"{_WHERE}: batch {index}: expected attention_mask of the ids' shape"
                                f" {tuple(ids.shape)}, got {got}")
         mask = mask.cpu()
+        other = (mask != 0) & (mask != 1)
+        if bool(other.any()):
+            row, position = other.nonzero()[0].tolist()
+            raise InvalidValue(f"{_WHERE}: batch {index}: expected attention_mask of 0s (pads) and 1s, got"
+                               f" {mask[row, position].item()} at row {row}, position {position}")
     elif pad_id is not None and bool((ids == pad_id).any()):
         row, position = (ids == pad_id).nonzero()[0].tolist()
         raise InvalidValue(f"{_WHERE}: batch {index} holds the pad token id {pad_id} (config.pad_token_id) at row"
                            f" {row}, position {position}, and no attention_mask: pass {{'input_ids': ids,"
                            " 'attention_mask': mask}} (0 at pad tokens; ones where the id is a real token)")
-    ids = ids.cpu()
     digest = hashlib.sha256(f"{tuple(ids.shape)}".encode() + ids.to(torch.int64).numpy().tobytes())
     if mask is not None:
         digest.update(mask.to(torch.int8).numpy().tobytes())

@@ -15,6 +15,7 @@ Module contents:
 - `MappedShard(path)`: a shard mapped into memory; `shard[name]` is a view of that tensor's bytes.
 - `read_header(path)`: a shard's tensors, `{name: (dtype, shape)}`, and its `__metadata__` (the header only).
 - `file_digest(path)`: the SHA-256 of a file's bytes.
+- `shard_problem(path)`: what makes a file not a whole shard (an unreadable header, bytes missing), or None.
 - `partial_name(path, rank)`: the temporary file a rank writes `path` through.
 """
 
@@ -30,7 +31,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["write_shard", "write_json", "MappedShard", "read_header", "file_digest", "partial_name"]
+from ..engine.errors import add_note
+
+__all__ = ["write_shard", "write_json", "MappedShard", "read_header", "file_digest", "partial_name", "shard_problem"]
 
 # safetensors' dtype names
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -78,8 +81,10 @@ def _write_atomically(path: pathlib.Path, chunks: Iterable[bytes | memoryview], 
             file.flush()
             os.fsync(file.fileno())
         os.replace(partial, path)
-    except BaseException:
+    except BaseException as error:
         partial.unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            add_note(error, f"writing {path} (through {partial.name}) failed: {path} is as it was")
         raise
     return size, digest.hexdigest()
 
@@ -145,3 +150,21 @@ class MappedShard:
                 raw = raw.clone()
             self._tensors[name] = raw.view(dtype).view(entry["shape"])
         return self._tensors[name]
+
+
+def shard_problem(path: pathlib.Path) -> str | None:
+    """What makes `path` not a whole shard (its header unreadable, its size not the header's), or None (its bytes
+    are not read: `file_digest` against a record says whether they changed)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as file:
+            (length,) = struct.unpack("<Q", file.read(8))
+        if length > size - 8:
+            return f"has {size} bytes, fewer than its header's length says ({length} after the first 8)"
+        header, start = _header(path)
+        ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+    except (OSError, ValueError, struct.error, KeyError, TypeError, IndexError) as error:
+        return f"has no readable safetensors header ({type(error).__name__}: {error})"
+    if start + max(ends, default=0) != size:
+        return f"has {size} bytes where its header says {start + max(ends, default=0)} (truncated or extended)"
+    return None
