@@ -82,6 +82,19 @@ def test_weights_digest_reads_the_last_value_past_2_24(shape, dtype):
     assert weights_digest(model) != first
 
 
+def test_weights_digest_reads_views_and_scalars_as_they_are():
+    """A transposed weight (a tied or transposed view) is sampled in its logical order without a copy of it, and a
+    0-d buffer is one value: each digest changes with the value it samples last."""
+    model = _Weights(torch.arange(12.0).reshape(3, 4).t())
+    model.register_buffer("scale", torch.tensor(2.0))
+    first = weights_digest(model)
+    with torch.no_grad():
+        model.weight[-1, -1] = -1.0  # (logically last: the transposed view's, not the storage's)
+    second = weights_digest(model)
+    model.scale.fill_(3.0)
+    assert len({first, second, weights_digest(model)}) == 3
+
+
 # -- shard offsets past 4 GiB ---------------------------------------------------------------------------------
 
 def _write_header_only(path, tensors, monkeypatch):

@@ -420,9 +420,9 @@ def weights_digest(model: nn.Module) -> str:
         digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
         if tensor.device.type == "meta" or tensor.numel() == 0:
             continue
-        flat = tensor.detach().reshape(-1)
-        picked = flat[sample_indices(flat.numel(), _SAMPLED).to(flat.device)]
-        digest.update(picked.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        flat = sample_indices(tensor.numel(), _SAMPLED).to(tensor.device)
+        picked = tensor.detach()[torch.unravel_index(flat, tensor.shape)]  # (no copy of a non-contiguous tensor)
+        digest.update(picked.reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
