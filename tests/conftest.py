@@ -8,6 +8,7 @@ import recurrent_hooks.engine.dispatch as dispatch_impl
 import recurrent_hooks.engine.patching as patching
 import recurrent_hooks.engine.threads as threads_impl
 import recurrent_hooks.engine.watch as watch_impl
+from recurrent_hooks.engine.mixer import hook_removed
 from _contract import one_family_per_kind
 
 
@@ -23,20 +24,42 @@ torch.set_num_threads(1)
 def nothing_left_patched():
     """Fail the test if it leaves bindings, taps or running mixers behind (and clean up for the next test)."""
     yield
-    leaks = {
+    leaks = _leaks_and_cleanup()
+    assert not any(leaks.values()), f"the test left state behind: {leaks}"
+
+
+def _leaks_and_cleanup() -> dict[str, object]:
+    """What a test left behind, measured before anything is cleaned; then every cleanup step, each one run even if
+    one before it raised (those errors are reported under "cleanup errors", so the leak's diagnostic still fails the
+    test, and the next test starts clean)."""
+    leaks: dict[str, object] = {
         "bindings": sorted(patching._BINDINGS),
         "taps": len(dispatch_impl._TAPS),
         "running": len(threads_impl.THREAD.running),
         "inside a hook": threads_impl.THREAD.in_hook,
         "standalone hooks": len(watch_impl._STANDALONE),
     }
+    errors: list[str] = []
+
+    def attempt(step, *args) -> None:
+        try:
+            step(*args)
+        except Exception as error:  # noqa: BLE001 -- reported with the leaks, after the other steps ran
+            errors.append(f"{getattr(step, '__name__', step)}: {type(error).__name__}: {error}")
+
     for mixer in list(watch_impl._STANDALONE.values()):
-        for key in list(mixer._hooks):
-            del mixer._hooks[key]
-        mixer._hook_removed()
-    threads_impl.THREAD.running.clear()
-    threads_impl.THREAD.in_hook = 0
-    assert not any(leaks.values()), f"the test left state behind: {leaks}"
+        attempt(_remove_standalone_hooks, mixer)
+    attempt(threads_impl.THREAD.running.clear)
+    attempt(setattr, threads_impl.THREAD, "in_hook", 0)
+    if errors:
+        leaks["cleanup errors"] = errors
+    return leaks
+
+
+def _remove_standalone_hooks(mixer) -> None:
+    """Drop every standalone hook of `mixer`; the last one removed releases its kernels (`hook_removed`)."""
+    mixer._hooks.clear()
+    hook_removed(mixer)
 
 
 # -- the full matrices: one family per kind by default, every family with `pytest --full` ------------------------
