@@ -6,11 +6,16 @@ preempted sweep resume from its checkpoint?
 On each rank this builds the same tiny random-weight Qwen3_5ForCausalLM (`recurrent_hooks.demo.tiny_model`, the
 seed fixes the weights) and two prompt pairs, then checks:
 1. `patching_sweep(..., distributed=True)` (the cells split across the ranks, gathered on every rank) equals the
-   same sweep in one process (`distributed=False`) within float32 rounding (the ranks batch other cells together),
-   per layer and per head, and every rank holds the same bits;
-2. a sweep stopped on every rank after its first round (an exception from the metric, as a preempted job is
-   killed) leaves one checkpoint file per rank; the restarted sweep runs only the cells those files lack, gives
-   the same result, writes the whole result to the checkpoint path and removes the ranks' files.
+   same sweep in one process (`distributed=False`) within float32 rounding (per head, the ranks batch other cells
+   together; per layer, from the corrupt run's cache, a rank runs the prompts in other pieces), per layer and per
+   head, and every rank holds the same bits; from the cache, each rank runs fewer forwards than one process (only
+   the pieces and cells of its own positions: it prints both counts);
+2. a sweep with one forward per cell stopped on every rank after its first round (an exception from the metric, as
+   a preempted job is killed) leaves one checkpoint file per rank; the restarted sweep runs only the cells those
+   files lack, gives the same result, writes the whole result to the checkpoint path and removes the ranks' files;
+3. the same from the cache, stopped on every rank after its first position: each rank's file holds that whole
+   position, and on the restart the ranks run every cell left once between them, each rank the pieces and cells
+   of its share of the positions left only.
 Any mismatch raises, and torchrun exits non-zero. Backend: nccl on CUDA with a GPU per process, else gloo.
 """
 
@@ -35,10 +40,11 @@ class Stopped(Exception):
 
 
 class Counting:
-    """`rh.metrics.logit_difference` that counts its forwards' rows and raises `Stopped` at forward `stop_at`."""
+    """`rh.metrics.logit_difference` that counts its calls and their rows and raises `Stopped` at call `stop_at`."""
 
     def __init__(self, inner, stop_at=None, counter=None):
-        self.inner, self.stop_at, self.counter = inner, stop_at, counter if counter is not None else {"calls": 0}
+        self.inner, self.stop_at = inner, stop_at
+        self.counter = counter if counter is not None else {"calls": 0, "rows": 0}
 
     def for_rows(self, pairs):
         return Counting(self.inner.for_rows(pairs), self.stop_at, self.counter)
@@ -47,7 +53,22 @@ class Counting:
         if self.counter["calls"] == self.stop_at:
             raise Stopped
         self.counter["calls"] += 1
+        self.counter["rows"] += logits.shape[0]
         return self.inner(logits)
+
+
+class Forwards:
+    """The model's forwards while the `with` block runs (`count`), from a forward pre-hook."""
+
+    def __init__(self, model):
+        self.model, self.count = model, 0
+
+    def __enter__(self):
+        self.handle = self.model.register_forward_pre_hook(lambda module, args: setattr(self, "count", self.count + 1))
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
 
 
 def same_on_every_rank(name: str, value: torch.Tensor) -> None:
@@ -81,10 +102,19 @@ def check(directory: pathlib.Path, device: torch.device) -> None:
     metric = rh.metrics.logit_difference(torch.tensor([5, 9]), wrong=4)
     for heads in (False, True):
         common = dict(heads=heads, progress=False)
-        alone = rh.patching_sweep(model, clean, corrupt, metric, distributed=False, **common)
-        split = rh.patching_sweep(model, clean, corrupt, metric, distributed=True, **common)
+        with Forwards(model) as one:
+            alone = rh.patching_sweep(model, clean, corrupt, metric, distributed=False, **common)
+        with Forwards(model) as mine:
+            split = rh.patching_sweep(model, clean, corrupt, metric, distributed=True, **common)
         close(f"heads={heads}: the split sweep vs one process", alone.values, split.values)
         same_on_every_rank(f"heads={heads}: the split sweep", split.values)
+        if not heads:  # from the corrupt run's cache: the pieces and cells of the rank's own positions only
+            print(f"rank {rank}/{world}: from the cache, {mine.count} forwards split, {one.count} in one process",
+                  flush=True)
+            if mine.count >= one.count:
+                raise AssertionError(f"rank {rank}: {mine.count} forwards in the split sweep from the cache, not fewer"
+                                     f" than one process's {one.count}")
+            from_cache = alone.values  # one process's, also the reference of the resumed sweeps
 
     path = directory / "sweep.pt"
     stopping = Counting(metric, stop_at=3)  # 2 baselines, one round (budget 0: a batch a round), then stopped
@@ -106,17 +136,51 @@ def check(directory: pathlib.Path, device: torch.device) -> None:
     if resumed.counter["calls"] != 2 + -(-share // 4):
         raise AssertionError(f"rank {rank}: {resumed.counter['calls'] - 2} forwards after the restart, expected"
                              f" {-(-share // 4)} for the {share} cells its share still had")
-    close("the resumed sweep vs one process", alone_values(model, clean, corrupt, metric), result.values)
+    close("the resumed sweep vs one process", from_cache, result.values)
     dist.barrier()
     if not path.is_file() or any(directory.glob("sweep.pt.rank*")):
         raise AssertionError(f"rank {rank}: expected the whole result at {path} and no rank files, found"
                              f" {sorted(p.name for p in directory.iterdir())}")
+    resumed_from_cache(model, (clean, corrupt), metric, directory / "from_cache.pt", from_cache)
     print(f"rank {rank}/{world} ({device.type}, {dist.get_backend()}): the split sweeps and the resumed one equal"
           " the single-process run", flush=True)
 
 
-def alone_values(model, clean, corrupt, metric):
-    return rh.patching_sweep(model, clean, corrupt, metric, distributed=False, progress=False).values
+def resumed_from_cache(model, prompts, metric, path, expected):
+    """Check 3 of the module docstring: a sweep from the cache (default batch: a position's cells are one batch)
+    stopped on every rank after its first position, then restarted."""
+    (clean, corrupt), rank, world = prompts, dist.get_rank(), dist.get_world_size()
+    try:  # 2 baselines, the rank's first position, its second (the first saved), stopped at its third
+        rh.patching_sweep(model, clean, corrupt, Counting(metric, stop_at=4), distributed=True, progress=False,
+                          checkpoint=path, reuse_prefix=True)
+        raise AssertionError(f"rank {rank}: the sweep from the cache was not stopped")
+    except Stopped:
+        pass
+    dist.barrier()
+    done = torch.load(path.with_name(f"{path.name}.rank{rank}"), weights_only=True)["done"]
+    whole = done.flatten(0, -2).all(0)  # [positions]: the positions done for every pair and layer
+    if int(whole.sum()) != 1 or not torch.equal(done, whole.expand_as(done)):
+        raise AssertionError(f"rank {rank}: its checkpoint holds {int(done.sum())} cells, not one whole position's")
+    resumed = Counting(metric)
+    with Forwards(model) as mine:
+        result = rh.patching_sweep(model, clean, corrupt, resumed, distributed=True, progress=False, checkpoint=path,
+                                   reuse_prefix=True)
+    rows = torch.tensor([resumed.counter["rows"] - 2 * clean.shape[0]], device=clean.device)  # but the baselines
+    dist.all_reduce(rows)
+    left, positions_left = done.numel() - world * int(done.sum()), T - world
+    if int(rows) != left:
+        raise AssertionError(f"rank {rank}: the ranks ran {int(rows)} cells after the restart, expected the {left}"
+                             " left, each once")
+    # the probe and the baselines (2 + 2), then a piece and at most one batch per position of its share
+    most = 4 + 2 * -(-positions_left // world)
+    print(f"rank {rank}/{world}: from the cache, resumed, {mine.count} forwards (at most {most})", flush=True)
+    if mine.count > most:
+        raise AssertionError(f"rank {rank}: {mine.count} forwards after the restart, more than the {most} of its"
+                             f" share of the {positions_left} positions left")
+    close("the sweep from the cache resumed vs one process", expected, result.values)
+    dist.barrier()
+    if not path.is_file() or any(path.parent.glob(f"{path.name}.rank*")):
+        raise AssertionError(f"rank {rank}: expected the whole result at {path} and no rank files")
 
 
 if __name__ == "__main__":

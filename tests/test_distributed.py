@@ -7,6 +7,7 @@ non-zero on a mismatch. The processes talk over 127.0.0.1 only, on a port that w
 
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -44,7 +45,8 @@ def test_a_sweep_and_a_harvest_split_across_two_processes_equal_one_process_and_
     across the ranks give the files one process writes, byte for byte, and a harvest stopped on both ranks resumes
     from the shards each wrote; then scripts/sweep_ranks.py's checks: the cells split across the ranks, every rank
     gets the single-process result, and a sweep stopped after its first round resumes from the ranks' checkpoint
-    files."""
+    files; from the corrupt run's cache, each rank runs fewer forwards than one process (the pieces and cells of its
+    own positions only), also when it resumes."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "GLOO_SOCKET_IFNAME": "lo0" if sys.platform == "darwin" else "lo",
            "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
@@ -54,3 +56,7 @@ def test_a_sweep_and_a_harvest_split_across_two_processes_equal_one_process_and_
     assert result.returncode == 0, f"torchrun exited with {result.returncode}:\n{result.stdout}\n{result.stderr[-6000:]}"
     assert result.stdout.count("the split harvest and the resumed one equal the single-process run") == 2, result.stdout
     assert result.stdout.count("the split sweeps and the resumed one equal the single-process run") == 2, result.stdout
+    counts = re.findall(r"rank (\d)/2: from the cache, (\d+) forwards split, (\d+) in one process", result.stdout)
+    assert sorted(rank for rank, _, _ in counts) == ["0", "1"], result.stdout
+    for rank, split, alone in counts:
+        assert int(split) < int(alone), f"rank {rank}: {split} forwards from the cache, one process {alone}"

@@ -7,10 +7,14 @@ written into its row. Reference: one forward per cell (`reuse_prefix=False`, its
 writes in tests/test_sweep.py); the two take other kernel paths, so they agree within float32 rounding.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 import recurrent_hooks as rh
+import recurrent_hooks.studies.sweep as sweep_module
+from recurrent_hooks.studies.ranks import Ranks
 from _compare import assert_close, assert_equal
 from _models import FAMILIES, build, random_ids
 
@@ -193,3 +197,49 @@ def test_a_layer_that_is_not_swept_must_continue_the_cache_too(monkeypatch):
     with pytest.raises(rh.InvalidValue, match=r"Mamba2StateSpace\(mamba2, layer 0\): transformers' prompt calls of"
                                               r" Mamba2StateSpace do not continue a cached memory"):
         rh.patching_sweep(model, clean, corrupt, metric, layers=[1], progress=False, reuse_prefix=True)
+
+
+class OneRankOfTwo(Ranks):
+    """Rank `rank` of two without a process group: `gathered` keeps this rank's own cells (the others stay 0)."""
+
+    def gathered(self, values, done):
+        return values, done
+
+    def barrier(self):
+        pass
+
+
+@pytest.mark.parametrize("positions", [None, [3]], ids=["every position", "fewer positions than ranks"])
+def test_ranks_take_whole_positions_and_run_the_pieces_of_their_own_only(monkeypatch, positions):
+    """Under torchrun, the ranks of a sweep from the cache split it by position (scripts/sweep_ranks.py runs it in two
+    gloo processes, tests/test_distributed.py): here each rank of two in turn, in this process. Every cell of a
+    position is one rank's (but for fewer positions than ranks: then the position's batches are shared out), and a
+    rank runs its prompts up to its first position in one forward, then one piece to each next position of its own,
+    and the batches of its cells."""
+    model = build("mamba2")  # 2 layers; batch_size=1: a batch a cell, 2 a position
+    clean, corrupt = prompts()
+    forwards = []
+    handle = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    sweep = lambda: rh.patching_sweep(model, clean, corrupt, metric, positions=positions, batch_size=1,  # noqa: E731
+                                      progress=False, reuse_prefix=True)
+    try:
+        alone = sweep()
+        one_process, shares = len(forwards), []
+        for rank in (0, 1):
+            one_rank = SimpleNamespace(of=lambda *args, rank=rank: OneRankOfTwo(rank, 2))
+            monkeypatch.setattr(sweep_module, "Ranks", one_rank)
+            forwards.clear()
+            got = sweep()
+            mine = got.values != 0  # [layers, positions]: this rank's cells
+            if positions is None:
+                assert torch.equal(mine, mine.all(0).expand_as(mine)), f"rank {rank} took part of a position: {mine}"
+            tails = mine[:, [p != T - 1 for p in got.positions]]  # a cell at the last position runs no forward
+            expected = 2 + 2 + int(mine.any(0).sum()) + int(tails.sum())  # probe, baselines, pieces, batches
+            assert len(forwards) == expected < one_process, \
+                f"rank {rank}: {len(forwards)} forwards, one process {one_process}, expected {expected}"
+            shares.append(got.values)
+    finally:
+        handle.remove()
+    assert torch.equal((shares[0] != 0) ^ (shares[1] != 0), torch.ones_like(alone.values, dtype=torch.bool)), \
+        "the ranks' cells overlap or miss some"
+    assert_close("the ranks' cells vs one process", alone.values, shares[0] + shares[1], **TOLERANCE)

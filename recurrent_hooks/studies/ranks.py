@@ -5,14 +5,19 @@
 
 Module contents:
 - `Ranks`: this process's rank in the group that shares a sweep (`Ranks.of(distributed, model)`), which cells
-  are its own (`mine`) and the collective that gives every rank the same cells (`gathered`: of the checkpoint
-  files each rank read before the split, so that all ranks split the same cells; of the result at the end).
+  are its own (`mine`, or `dealt` units of cells) and the collective that gives every rank the same cells
+  (`gathered`: of the checkpoint files each rank read before the split, so that all ranks split the same cells; of
+  the result at the end).
 - `Checkpoint`: the finished cells of one sweep on disk, per rank, merged on load whatever the ranks were.
 
-A cell is one entry of the sweep's `values` (flattened). Rank r of W takes the r-th of W contiguous shares of the
-cells still to run (contiguous: a share's cells are few layers and pairs, as one process's are). Every rank
-computes the baselines itself; the cells' values are exchanged with `all_gather`, so each rank's result is the
-one a single process makes of the same batches, bit for bit.
+A cell is one entry of the sweep's `values` (flattened). With one forward per cell, rank r of W takes the r-th of
+W contiguous shares of the cells still to run (contiguous: a share's cells are few layers and pairs, as one
+process's are). From the corrupt run's cache, the ranks share whole positions instead (`sweep._dealt`): every
+cell of a position of a group of pairs on one rank (but for fewer positions than ranks), which runs the prompts in
+pieces up to its own positions only. Every rank computes the baselines itself; the cells' values are exchanged
+with `all_gather`, so each rank's result is the one a single process makes of the same batches, bit for bit, but
+for the pieces: from the cache, a rank that skips positions runs the prompts in longer pieces than one process,
+which rounds otherwise (float32 rounding; the same holds for a resumed sweep).
 """
 
 import dataclasses
@@ -54,6 +59,12 @@ class Ranks:
         """The indices of this rank's share of `todo` (flat cell indices, in order)."""
         bounds = [len(todo) * r // self.world for r in range(self.world + 1)]
         return todo[bounds[self.rank]:bounds[self.rank + 1]]
+
+    def dealt(self, count: int) -> list[int]:
+        """The indices of this rank's units among `count` units dealt snake-wise, in order: ranks 0..W-1, then
+        W-1..0, and again (of units whose cost falls along the list, each rank gets nearly the same total)."""
+        turn = lambda k: k % self.world if k // self.world % 2 == 0 else self.world - 1 - k % self.world  # noqa: E731
+        return [k for k in range(count) if turn(k) == self.rank]
 
     def gathered(self, values: Tensor, done: Tensor) -> tuple[Tensor, Tensor]:
         """Every rank's cells in one tensor, the same on every rank: `values` where each rank set `done`, from that

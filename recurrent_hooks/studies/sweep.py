@@ -13,7 +13,8 @@ How a forward serves many cells: row r of a batch is cell r's pair's corrupt pro
 in the batch; at token t it replaces only the rows whose position is t (`index_copy` on the batch axis; with heads,
 only the row's head of the state, or the window channels that feed it) with the clean memory after t. Every other
 row, and every other token, keeps what the corrupt run made. `sweep_cells` holds that machinery, `ranks` the split
-across processes and the checkpoint. docs/sweep.md has the long form, with the cost in time and memory.
+across processes (from the cache: by position, `_dealt`) and the checkpoint. docs/sweep.md has the long form,
+with the cost in time and memory.
 
 Where every recurrent layer's kind continues a cached memory in transformers (`CONTINUES_CACHE`), the cells run from the
 corrupt run's cache instead (`sweep_prefix`): the prompts run once in pieces up to each position, and a cell at
@@ -313,8 +314,9 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
       the prompts run once in pieces and a cell at p runs tokens p + 1.. from the corrupt run's cache holding its
       layer's clean memory (`sweep_prefix`), else one forward per cell; True: the cache or an error; False: not.
     - `distributed`: under an initialized `torch.distributed` process group (None, the default: unless the model is
-      tensor-parallel), the cells are split across its ranks, and every rank, which must make the same call,
-      returns the whole result; False: this process runs every cell.
+      tensor-parallel), the cells are split across its ranks (from the cache, by position: a rank runs the prompts
+      up to its own positions only), and every rank, which must make the same call, returns the whole result;
+      False: this process runs every cell.
     - `checkpoint`: a file path: the finished cells are saved there after each round (or position), and a
       sweep restarted with the same path (and prompts, layers, positions, memory, heads) runs only the others.
     - `progress`: a tqdm bar over the cells (rank 0's); `forward_kwargs`: passed to every forward, after
@@ -348,9 +350,9 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
     # its first round before the other has read the files)
     if checkpoint is not None:
         values, done = ranks.gathered(values, done)
-    mine = [cells[k] for k in ranks.mine(torch.nonzero(~done.flatten().cpu()).flatten()).tolist()]
-    _measure_cells(model, (clean_ids, corrupt_ids), plan, mine, metric, one_pair, (batch_size, budget), paths, kwargs,
-                   progress and ranks.rank == 0, (values, done), saved)
+    todo = [cells[k] for k in torch.nonzero(~done.flatten().cpu()).flatten().tolist()]
+    _measure_cells(model, (clean_ids, corrupt_ids), plan, (todo, ranks), metric, one_pair, (batch_size, budget),
+                   paths, kwargs, progress and ranks.rank == 0, (values, done), saved)
     values, _ = ranks.gathered(values, done)
     saved.finish(values)
     if one_pair:
@@ -358,12 +360,13 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
     return Sweep(values, clean_metric, corrupt_metric, plan.layers, plan.positions, memory, plan.heads)
 
 
-def _measure_cells(model: nn.Module, prompts: tuple[Tensor, Tensor], plan: Plan, cells: list[Cell],
+def _measure_cells(model: nn.Module, prompts: tuple[Tensor, Tensor], plan: Plan, share: tuple[list[Cell], Ranks],
                    metric: Callable[[Tensor], Tensor], one_pair: bool, sizes: tuple[int, int], paths: Paths | None,
                    kwargs: Mapping[str, Any], progress: bool, into: tuple[Tensor, Tensor], saved: Checkpoint) -> None:
-    """Measure `cells` into `into` (values, done), round after round (`sizes`: the batch size and the budget),
-    saving the finished cells after each round."""
-    (clean_ids, corrupt_ids), (batch_size, budget), (values, done) = prompts, sizes, into
+    """Measure this rank's cells of `share` (the cells still to run, and the ranks that split them) into `into`
+    (values, done), round after round (`sizes`: the batch size and the budget), saving the finished cells after
+    each round."""
+    (clean_ids, corrupt_ids), (batch_size, budget), (values, done), (todo, ranks) = prompts, sizes, into, share
 
     from tqdm.auto import tqdm  # a dependency of transformers
 
@@ -375,9 +378,11 @@ def _measure_cells(model: nn.Module, prompts: tuple[Tensor, Tensor], plan: Plan,
 
     mixed = one_pair or mixes_pairs(metric)
     metric_of = lambda batch: for_rows(metric, None if one_pair else [cell.pair for cell in batch])  # noqa: E731
-    with tqdm(total=len(cells), desc=_WHERE, unit="cell", disable=not progress) as bar:
-        if plan.refusal is None:  # every cell from the corrupt run's cache
-            for group, batches in _by_position(cells, batch_size, mixed):
+    if plan.refusal is None:  # every cell from the corrupt run's cache
+        groups = _dealt(_by_position(todo, batch_size, mixed), plan, ranks)
+        total = sum(len(batch) for _, at in groups for batches in at.values() for batch in batches)
+        with tqdm(total=total, desc=_WHERE, unit="cell", disable=not progress) as bar:
+            for group, batches in groups:
                 last = None
                 for j, batch, measured in sweep_prefix.measured(model, prompts, group, batches, plan, kwargs,
                                                                 metric_of):
@@ -386,10 +391,44 @@ def _measure_cells(model: nn.Module, prompts: tuple[Tensor, Tensor], plan: Plan,
                     record(batch, measured)
                     last = j
                 saved.save(values, done)
-            return
-        for round_ in rounds(_batches(cells, batch_size, mixed), plan, budget):
+        return
+    mine = [todo[k] for k in ranks.mine(torch.arange(len(todo))).tolist()]
+    with tqdm(total=len(mine), desc=_WHERE, unit="cell", disable=not progress) as bar:
+        for round_ in rounds(_batches(mine, batch_size, mixed), plan, budget):
             clean = clean_memories(model, clean_ids, round_, plan, paths, kwargs)
             for batch in round_:
                 record(batch, patched(model, corrupt_ids, batch, plan, clean, paths, kwargs, metric_of(batch)))
             del clean  # before the next round's clean forward: one round's memories at a time
             saved.save(values, done)
+
+
+def _dealt(groups: list[tuple[list[int], dict[int, list[list[Cell]]]]], plan: Plan, ranks: Ranks
+           ) -> list[tuple[list[int], dict[int, list[list[Cell]]]]]:
+    """This rank's share of `_by_position`'s groups, for the cells run from the cache: whole (group, position)
+    units, so that a rank runs a group's prompts in pieces up to its own positions only (one forward up to the first,
+    then a piece to each next one), and each unit's batches are the ones a single process makes.
+
+    The units are dealt in prompt order (group by group), snake-wise (`Ranks.dealt`): a cell at position p runs
+    T - p - 1 tokens, so the units cost less and less along the prompt, and each run of 2W units gives every rank
+    one unit of its first half and the mirror unit of its second; the ranks' tail tokens come out nearly equal, and
+    their numbers of units (a piece and its batches each) differ by one at most. Each rank's pieces then reach about
+    the end of the prompt: two rows a pair, about one clean and one corrupt forward in all. A contiguous split would
+    spare the first ranks the late pieces, but to balance the tail tokens it gives the last ranks many more units,
+    so many more forwards. With fewer units than ranks (a few positions over many layers), each unit's batches are
+    cut into as many contiguous parts as it takes for every rank to get one, rather than leave ranks idle: a part
+    costs its own piece, one forward of two rows a pair.
+
+    A rank runs the prompts in other pieces than one process (tokens 0..p in one forward where one process stops at
+    every swept position before p), which rounds otherwise: its cells equal one process's within float32 rounding."""
+    units = [(g, j, batches) for g, (_, at) in enumerate(groups)
+             for j, batches in sorted(at.items(), key=lambda unit: plan.positions[unit[0]])]
+    if 0 < len(units) < ranks.world:
+        parts = -(-ranks.world // len(units))
+        units = [(g, j, batches[k * len(batches) // parts:(k + 1) * len(batches) // parts])
+                 for g, j, batches in units for k in range(parts)]
+        units = [unit for unit in units if unit[2]]
+    mine: dict[int, dict[int, list[list[Cell]]]] = {}  # group index -> position index -> this rank's batches
+    for k in ranks.dealt(len(units)):
+        g, j, batches = units[k]
+        mine.setdefault(g, {}).setdefault(j, []).extend(batches)
+    return [(groups[g][0], at) for g, at in sorted(mine.items())]

@@ -9,7 +9,8 @@ layer written into its row, and runs only tokens p + 1.. from there. Logits befo
 kept from the pieces (only the last `logits_to_keep` positions when the forward keyword asks for fewer).
 
 A forward over p + 1 - q tokens costs about that share of a forward: a full sweep costs one clean and one
-corrupt forward in pieces, and each cell about (T - p - 1) / T of a forward (docs/sweep.md, "Cost").
+corrupt forward in pieces, and each cell about (T - p - 1) / T of a forward (docs/sweep.md, "Cost"). Split across
+ranks, a rank is given the batches of its own positions only (`sweep._dealt`), and runs the pieces up to those.
 
 It needs transformers' multi-token continuation over a cache, which the kinds declare (`CONTINUES_CACHE`), and a
 cache whose memory tensors are the library's memories (`_cached_memory`), checked on a one-token forward by
