@@ -346,8 +346,7 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
     saved = Checkpoint(checkpoint, ranks, sweep_key(clean_ids, corrupt_ids, layers=list(plan.layers),
                                                     positions=list(plan.positions), memory=memory, heads=plan.heads))
     saved.load(values, done)
-    # every rank splits the same cells: the union of what each one read (a rank ahead of another must not write
-    # its first round before the other has read the files)
+    # every rank splits the same cells: the union of what each read (none writes before every rank has read)
     if checkpoint is not None:
         values, done = ranks.gathered(values, done)
     todo = [cells[k] for k in torch.nonzero(~done.flatten().cpu()).flatten().tolist()]
