@@ -143,6 +143,12 @@ def test_a_damaged_shard_is_named_by_verify_and_written_anew_by_a_resume(model, 
         with pytest.raises(rh.InvalidValue, match=rf"verify: 1 of 4 shards in .* are damaged: batch 2's shard"
                            rf" {shard} {why}.*Call rh.harvest again with the same arguments"):
             rh.Harvest.open(tmp_path).verify()
+        with pytest.raises(rh.InvalidValue, match=rf"batch 2's shard {shard} {why}"):
+            rh.HarvestDataset(tmp_path, layer=0, verify=True)
+        if how == "truncated":  # (unverified: refused when first read, naming the file)
+            with pytest.raises(rh.InvalidValue, match=rf"{shard} has \d+ bytes where its header says \d+ \(truncated"
+                               r" or extended\): not a whole shard"):
+                rh.HarvestDataset(tmp_path, layer=0).take(range(20))
     (tmp_path / "manifest.json").unlink()  # (a resume need not start from a finished harvest)
     with pytest.warns(rh.RecurrentHooksWarning, match=r"batch 2's shard .*000002.safetensors .*: running batch 2"
                       r" again") if how != "record" else _no_warning():

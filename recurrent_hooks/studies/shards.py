@@ -4,7 +4,8 @@ A shard is a safetensors file: an 8-byte little-endian header length, a JSON hea
 and byte range; `__metadata__`, a mapping of strings), then the tensors' bytes. Why safetensors and not Arrow:
 transformers depends on safetensors already (no new dependency, where Arrow would add pyarrow and, for an HF
 datasets directory, datasets), each value is a fixed-shape tensor with its exact dtype (bfloat16 included), and the
-file maps into memory as it is, so a tensor is a view of the mapped bytes (no copy, no parse per item).
+file maps into memory as it is, so a tensor is a view of the mapped bytes (no parse per item; a reader gathers
+its rows out of it).
 
 Module contents:
 - `write_shard(path, tensors, metadata)`: the tensors in one file, via a temporary file renamed into place (a
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..engine.errors import add_note
+from ..engine.errors import InvalidValue, add_note
 
 __all__ = ["write_shard", "write_json", "MappedShard", "read_header", "file_digest", "partial_name", "shard_problem"]
 
@@ -121,14 +122,23 @@ def file_digest(path: pathlib.Path) -> str:
 
 
 class MappedShard:
-    """A shard mapped into memory (read-only: the mapping is private, nothing is written back to the file).
+    """A shard mapped into memory, privately: nothing is ever written back to the file.
 
         shard = MappedShard(path)
         shard["doc"]                 # int64 [tokens], a view of the mapped bytes
+        shard["doc"].index_select(0, rows)   # a copy of some rows (HarvestDataset hands out only copies)
+
+    A view is for reading in this process only. Written to, it changes this process's copy of the page (and every
+    later read of it here), not the file; sent to another process (a `DataLoader` worker's queue), it fails, as
+    torch cannot share the storage of a file mapping. Copy what leaves the reader.
     """
 
     def __init__(self, path: pathlib.Path) -> None:
         self.path = path
+        problem = shard_problem(path)
+        if problem is not None:
+            raise InvalidValue(f"{path} {problem}: not a whole shard (Harvest.verify() checks every shard;"
+                               " rh.harvest called again with the same arguments writes a damaged one anew)")
         header, self.start = _header(path)
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
         self.header: dict[str, dict[str, Any]] = header
