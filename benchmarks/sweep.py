@@ -93,8 +93,8 @@ def memory_child(count: int, budget_mib: float | None) -> dict:
 
     import recurrent_hooks as rh
 
-    try:  # where the sweep's read hooks clone (studies/sweep_cells.py since issue 20)
-        import recurrent_hooks.studies.sweep_cells as module
+    try:  # where the sweep's read hooks clone (studies/sweep/cells.py)
+        import recurrent_hooks.studies.sweep.cells as module
     except ImportError:
         import recurrent_hooks.studies.sweep as module
 

@@ -25,7 +25,7 @@ from .studies import metrics as metrics
 from .studies.probes import probe as probe
 from .studies.harvest import Harvest as Harvest
 from .studies.harvest import harvest as harvest
-from .studies.harvested import HarvestDataset as HarvestDataset
+from .studies.harvest import HarvestDataset as HarvestDataset
 from .studies.attribution import Attribution as Attribution
 from .studies.attribution import attribute as attribute
 from .studies.effective_attention import EffectiveAttention as EffectiveAttention

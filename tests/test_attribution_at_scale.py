@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import recurrent_hooks as rh
-from recurrent_hooks.studies import attribution_pieces
+from recurrent_hooks.studies.attribution import pieces as attribution_pieces
 from _compare import assert_close
 from _models import build, random_ids
 from _contract import in_segments, one_family_per_kind

@@ -149,7 +149,7 @@ def test_the_gradient_runs_free_their_calls():
     """Nothing of a gradient run outlives it: no `_InPieces` call's spec (its inputs, its boundary states)."""
     import gc
 
-    from recurrent_hooks.studies import attribution_pieces
+    from recurrent_hooks.studies.attribution import pieces as attribution_pieces
 
     model = build("mamba2").requires_grad_(False)
     rh.attribute(model, random_ids(2, T, seed=1), random_ids(2, T, seed=2), metric, method="pieces", piece=4, steps=3)

@@ -12,7 +12,7 @@ import torch
 
 import recurrent_hooks as rh
 from recurrent_hooks.engine.parts import map_parts
-from recurrent_hooks.studies import shards
+from recurrent_hooks.studies.harvest import shards
 from _compare import assert_close
 from _models import build, random_ids
 

@@ -15,7 +15,7 @@ import torch
 import transformers
 
 import recurrent_hooks as rh
-from recurrent_hooks.studies import lock as lock_impl
+from recurrent_hooks.studies.harvest import lock as lock_impl
 from _models import build, random_ids
 
 

@@ -29,9 +29,10 @@ import torch
 from torch import nn
 
 from recurrent_hooks.engine import strategies
-from recurrent_hooks.studies import shards
-from recurrent_hooks.studies.harvest import FORMAT, sample_indices, weights_digest
-from recurrent_hooks.studies.harvested import HarvestDataset
+from recurrent_hooks.studies.harvest import shards
+from recurrent_hooks.studies.harvest import sample_indices, weights_digest
+from recurrent_hooks.studies.harvest.shards import FORMAT
+from recurrent_hooks.studies.harvest.dataset import HarvestDataset
 from recurrent_hooks.studies.ranks import Ranks
 
 SAMPLED = 1024  # the weights digest's values per tensor

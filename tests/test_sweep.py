@@ -27,7 +27,7 @@ import transformers
 
 import recurrent_hooks as rh
 import recurrent_hooks.studies.sweep as sweep_module
-import recurrent_hooks.studies.sweep_cells as cells_module
+import recurrent_hooks.studies.sweep.cells as cells_module
 from _compare import assert_close, assert_equal
 from _models import _COMMON, _KDA, _MLA, _HYBRID_LAYERS, _make, build, random_ids
 

@@ -1,4 +1,4 @@
-"""`patching_sweep` from the corrupt run's cache (`reuse_prefix`, studies/sweep_prefix.py).
+"""`patching_sweep` from the corrupt run's cache (`reuse_prefix`, studies/sweep/prefix.py).
 
 Cells at position p share the corrupt run up to p. Where every chosen layer's kind continues a cached memory in a
 multi-token call (`CONTINUES_CACHE`) and its memories are the cache's tensors, the clean and corrupt prompts run once

@@ -30,7 +30,9 @@ others; `out` holding another request's harvest, or more batches than the call p
 initialized `torch.distributed` group, batch i is rank i % world's; each rank writes its own shards, under its own
 lock, and rank 0 the manifest once all are on disk.
 
-Module contents: `harvest`, `Harvest` (what a harvest directory holds, read from its manifest; `verify`).
+The package: this module (`harvest`, `Harvest`: what a harvest directory holds, read from its manifest), `dataset`
+(`HarvestDataset`, the reader), `shards` (the files: shards written atomically, read mapped; the manifest read and
+every shard checked against it) and `lock` (one writer per directory and rank).
 """
 
 import dataclasses
@@ -45,22 +47,23 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..engine.arguments import normalize_reduce
-from ..engine.errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable, add_note
-from ..engine.kernels import KEEPABLE, KERNEL_IO
-from ..engine.kind import PADDING
-from ..engine.parts import parts_of
-from ..engine.strategies import Paths
-from ..engine.watch import watch
-from .probes import Probe
-from .lock import DirectoryLock, holders
-from .ranks import Ranks
-from .shards import PARTIAL, file_digest, read_header, shard_problem, write_json, write_shard
+from ...engine.arguments import normalize_reduce
+from ...engine.errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable, add_note
+from ...engine.kernels import KEEPABLE, KERNEL_IO
+from ...engine.kind import PADDING
+from ...engine.parts import parts_of
+from ...engine.strategies import Paths
+from ...engine.watch import watch
+from ..probes import Probe
+from .dataset import HarvestDataset
+from .lock import DirectoryLock
+from ..ranks import Ranks
+from .shards import (FORMAT, PARTIAL, check_shards, file_digest, read_header, read_manifest, record_problem,
+                     shard_problem, write_json, write_shard)
 
 __all__ = ["harvest", "Harvest"]
 
 _WHERE = "harvest"
-FORMAT = "recurrent_hooks harvest 1"
 _SAMPLED = 1024  # values per weight tensor in the weights digest
 
 
@@ -99,35 +102,11 @@ class Harvest:
 
             rh.Harvest.open("harvest/").verify()
         """
-        verify(self.out)
+        check_shards(self.out)
         return self
 
     def dataset(self, layer: int | str, what: str = "states") -> Any:
-        from .harvested import HarvestDataset
         return HarvestDataset(self.out, layer=layer, what=what)
-
-
-def read_manifest(out: pathlib.Path) -> dict[str, Any]:
-    path = out / "manifest.json"
-    if not path.is_file():
-        shards = len(list((out / "shards").glob("*.json"))) if (out / "shards").is_dir() else 0
-        running = holders(out)
-        if running:
-            who = running[0]
-            raise Unavailable(f"{out}: no manifest.json yet ({shards} batches on disk): a harvest is writing it now"
-                              f" (process {who.get('pid', '?')} on {who.get('host', '?')}, since"
-                              f" {who.get('since', '?')}); its manifest is written when every batch is on disk")
-        raise Unavailable(f"{out}: no manifest.json, so no complete harvest ({shards} batches on disk): an interrupted"
-                          " rh.harvest finishes when called again with the same arguments")
-    try:
-        manifest = json.loads(path.read_text())
-    except ValueError as error:
-        raise InvalidValue(f"{path}: expected a harvest's manifest (JSON), got a file that does not parse ({error})"
-                           ) from None
-    if manifest.get("request", {}).get("format") != FORMAT:
-        raise InvalidValue(f"{path}: expected a {FORMAT!r} manifest, got format"
-                           f" {manifest.get('request', {}).get('format')!r}")
-    return manifest
 
 
 def harvest(model: nn.Module, batches: Iterable[Any], out: str | os.PathLike, *,
@@ -244,7 +223,7 @@ class _Job:
         saved = _read_record(record)
         if saved is not None:
             _same_batch(saved.get("inputs"), digest, index, record)
-            problem = _record_problem(shard, saved)
+            problem = record_problem(shard, saved)
             if problem is None:
                 return _Done(saved["tokens"], 0)
             warnings.warn(f"{_WHERE}: batch {index}'s shard {shard} {problem}: running batch {index} again and"
@@ -468,32 +447,6 @@ def _read_record(path: pathlib.Path) -> dict[str, Any] | None:
         return None
     fields = {"batch", "file", "docs", "tokens", "bytes", "sha256", "inputs"}
     return saved if isinstance(saved, dict) and fields <= set(saved) else None
-
-
-def _record_problem(shard: pathlib.Path, record: Mapping[str, Any]) -> str | None:
-    """What is wrong with a shard its record describes (missing, another size, other bytes), or None."""
-    if not shard.is_file():
-        return "is missing"
-    size = shard.stat().st_size
-    if size != record["bytes"]:
-        return f"has {size} bytes where its record says {record['bytes']}"
-    if file_digest(shard) != record["sha256"]:
-        return "does not match its record's SHA-256 (its bytes changed on disk)"
-    return None
-
-
-def verify(out: pathlib.Path) -> None:
-    """Every shard of the finished harvest in `out` checked against its manifest (`Harvest.verify`)."""
-    manifest = read_manifest(out)
-    bad = []
-    for record in manifest["shards"]:
-        shard = out / record["file"]
-        problem = _record_problem(shard, record)
-        if problem is not None:
-            bad.append(f"batch {record['batch']}'s shard {shard} {problem}")
-    if bad:
-        raise InvalidValue(f"verify: {len(bad)} of {len(manifest['shards'])} shards in {out} are damaged: "
-                           + "; ".join(bad) + ". Call rh.harvest again with the same arguments to write them anew")
 
 
 def _same_batch(saved: Any, digest: str, index: int, where: pathlib.Path) -> None:

@@ -24,7 +24,7 @@ import socket
 import time
 from typing import Any
 
-from ..engine.errors import Unavailable, add_note
+from ...engine.errors import Unavailable, add_note
 
 try:
     import fcntl

@@ -25,12 +25,12 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from ..engine.errors import InvalidValue
-from ..engine.kernels import CONV_MEMORY, STATE_MEMORY
-from ..engine.parts import map_parts
-from ..engine.strategies import Paths
-from ..engine.watch import one_mixer_per_layer, watch
-from .metrics import per_row
+from ...engine.errors import InvalidValue
+from ...engine.kernels import CONV_MEMORY, STATE_MEMORY
+from ...engine.parts import map_parts
+from ...engine.strategies import Paths
+from ...engine.watch import one_mixer_per_layer, watch
+from ..metrics import per_row
 
 _WHERE = "patching_sweep"
 
@@ -54,7 +54,7 @@ class Plan:
     heads: int | None = None  # heads=True: the heads of every chosen layer
     channels: dict[int, Tensor] = dataclasses.field(default_factory=dict)  # layer -> [heads, channels per head]
     per_head_calls: dict[int, bool] = dataclasses.field(default_factory=dict)  # layer -> KERNEL_PER_HEAD
-    # the cells run from the corrupt run's cache (`sweep_prefix`) unless `refusal` says why not
+    # the cells run from the corrupt run's cache (`prefix`) unless `refusal` says why not
     refusal: str | None = "not probed"
     cache_name: str = ""  # the forward's cache keyword
     kinds: dict[int, type] = dataclasses.field(default_factory=dict)  # layer -> its mixer's kind

@@ -31,10 +31,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, Sampler
 
-from ..engine.errors import InvalidValue, Unavailable
-from .harvest import read_manifest
-from .harvest import verify as check_shards
-from .shards import MappedShard
+from ...engine.errors import InvalidValue, Unavailable
+from .shards import MappedShard, check_shards, read_manifest
 
 __all__ = ["HarvestDataset", "ShardShuffle"]
 

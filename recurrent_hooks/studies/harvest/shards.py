@@ -18,6 +18,8 @@ Module contents:
 - `file_digest(path)`: the SHA-256 of a file's bytes.
 - `shard_problem(path)`: what makes a file not a whole shard (an unreadable header, bytes missing), or None.
 - `partial_name(path, rank)`: the temporary file a rank writes `path` through.
+- `read_manifest(out)`: a finished harvest's manifest (`FORMAT`); `record_problem(shard, record)`: what is wrong with
+  a shard its record describes; `check_shards(out)`: every shard of a finished harvest against its manifest.
 """
 
 import hashlib
@@ -32,9 +34,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..engine.errors import InvalidValue, add_note
+from ...engine.errors import InvalidValue, Unavailable, add_note
+from .lock import holders
 
-__all__ = ["write_shard", "write_json", "MappedShard", "read_header", "file_digest", "partial_name", "shard_problem"]
+__all__ = ["write_shard", "write_json", "MappedShard", "read_header", "file_digest", "partial_name", "shard_problem",
+           "read_manifest", "record_problem", "check_shards", "FORMAT"]
 
 # safetensors' dtype names
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -42,6 +46,7 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
            "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 PARTIAL = ".partial"  # the suffix of a file being written
+FORMAT = "recurrent_hooks harvest 1"  # a manifest's request["format"]
 
 
 def partial_name(path: pathlib.Path, rank: int = 0) -> pathlib.Path:
@@ -178,3 +183,52 @@ def shard_problem(path: pathlib.Path) -> str | None:
     if start + max(ends, default=0) != size:
         return f"has {size} bytes where its header says {start + max(ends, default=0)} (truncated or extended)"
     return None
+
+
+def read_manifest(out: pathlib.Path) -> dict[str, Any]:
+    path = out / "manifest.json"
+    if not path.is_file():
+        shards = len(list((out / "shards").glob("*.json"))) if (out / "shards").is_dir() else 0
+        running = holders(out)
+        if running:
+            who = running[0]
+            raise Unavailable(f"{out}: no manifest.json yet ({shards} batches on disk): a harvest is writing it now"
+                              f" (process {who.get('pid', '?')} on {who.get('host', '?')}, since"
+                              f" {who.get('since', '?')}); its manifest is written when every batch is on disk")
+        raise Unavailable(f"{out}: no manifest.json, so no complete harvest ({shards} batches on disk): an interrupted"
+                          " rh.harvest finishes when called again with the same arguments")
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as error:
+        raise InvalidValue(f"{path}: expected a harvest's manifest (JSON), got a file that does not parse ({error})"
+                           ) from None
+    if manifest.get("request", {}).get("format") != FORMAT:
+        raise InvalidValue(f"{path}: expected a {FORMAT!r} manifest, got format"
+                           f" {manifest.get('request', {}).get('format')!r}")
+    return manifest
+
+
+def record_problem(shard: pathlib.Path, record: Mapping[str, Any]) -> str | None:
+    """What is wrong with a shard its record describes (missing, another size, other bytes), or None."""
+    if not shard.is_file():
+        return "is missing"
+    size = shard.stat().st_size
+    if size != record["bytes"]:
+        return f"has {size} bytes where its record says {record['bytes']}"
+    if file_digest(shard) != record["sha256"]:
+        return "does not match its record's SHA-256 (its bytes changed on disk)"
+    return None
+
+
+def check_shards(out: pathlib.Path) -> None:
+    """Every shard of the finished harvest in `out` checked against its manifest (`Harvest.verify`)."""
+    manifest = read_manifest(out)
+    bad = []
+    for record in manifest["shards"]:
+        shard = out / record["file"]
+        problem = record_problem(shard, record)
+        if problem is not None:
+            bad.append(f"batch {record['batch']}'s shard {shard} {problem}")
+    if bad:
+        raise InvalidValue(f"verify: {len(bad)} of {len(manifest['shards'])} shards in {out} are damaged: "
+                           + "; ".join(bad) + ". Call rh.harvest again with the same arguments to write them anew")

@@ -14,7 +14,7 @@ ranks, a rank is given the batches of its own positions only (`sweep._dealt`), a
 
 It needs transformers' multi-token continuation over a cache, which the kinds declare (`CONTINUES_CACHE`), and a
 cache whose memory tensors are the library's memories (`_cached_memory`), checked on a one-token forward by
-`refusal`; `patching_sweep` takes the per-cell forwards of `sweep_cells` otherwise, and with `reuse_prefix=False`.
+`refusal`; `patching_sweep` takes the per-cell forwards of `cells` otherwise, and with `reuse_prefix=False`.
 
 Glossary (code name, shape):
     group       [pairs]                       the pairs whose clean and corrupt prompts run as one batch
@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..engine.watch import watch
-from .sweep_cells import Cell, Plan, carried, keep_hooks, measure
+from ...engine.watch import watch
+from .cells import Cell, Plan, carried, keep_hooks, measure
 
 # the names transformers' forwards take a cache under, the newest first
 CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")

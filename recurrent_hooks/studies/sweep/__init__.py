@@ -12,12 +12,12 @@ How a forward serves many cells: row r of a batch is cell r's pair's corrupt pro
 (layer L_r, position p_r, head h_r). For each layer, one state hook targets the positions assigned to that layer
 in the batch; at token t it replaces only the rows whose position is t (`index_copy` on the batch axis; with heads,
 only the row's head of the state, or the window channels that feed it) with the clean memory after t. Every other
-row, and every other token, keeps what the corrupt run made. `sweep_cells` holds that machinery, `ranks` the split
+row, and every other token, keeps what the corrupt run made. `cells` holds that machinery, `ranks` the split
 across processes (from the cache: by position, `_dealt`) and the checkpoint. docs/sweep.md has the long form,
 with the cost in time and memory.
 
 Where every recurrent layer's kind continues a cached memory in transformers (`CONTINUES_CACHE`), the cells run from the
-corrupt run's cache instead (`sweep_prefix`): the prompts run once in pieces up to each position, and a cell at
+corrupt run's cache instead (`prefix`): the prompts run once in pieces up to each position, and a cell at
 position p runs only tokens p + 1.. from a copy of the corrupt cache with its layer's clean memory in its row.
 """
 
@@ -31,13 +31,13 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from ..engine.errors import InvalidValue, renamed
-from ..engine.kernels import CONV_MEMORY, STATE_MEMORY
-from ..engine.strategies import Paths
-from .ranks import Checkpoint, Ranks, sweep_key
-from .metrics import for_rows, mixes_pairs
-from . import sweep_prefix
-from .sweep_cells import Cell, Plan, clean_memories, measure, patched, probe, rounds
+from ...engine.errors import InvalidValue, renamed
+from ...engine.kernels import CONV_MEMORY, STATE_MEMORY
+from ...engine.strategies import Paths
+from ..ranks import Checkpoint, Ranks, sweep_key
+from ..metrics import for_rows, mixes_pairs
+from . import prefix
+from .cells import Cell, Plan, clean_memories, measure, patched, probe, rounds
 
 WHAT = {"memory": (STATE_MEMORY, CONV_MEMORY), "state": (STATE_MEMORY,), "window": (CONV_MEMORY,)}
 _WHERE = "patching_sweep"
@@ -214,7 +214,7 @@ def _plan(model: nn.Module, clean_ids: Tensor, chosen: tuple[Any, Any, str, bool
     layers, positions, memory, heads = chosen
     plan = Plan((), _positions(positions, clean_ids.shape[1]), WHAT[memory], memory, {})
     plan = probe(model, clean_ids, lambda recurrent: _layers(layers, recurrent), plan, heads, paths, kwargs,
-                 check=sweep_prefix.refusal if reuse_prefix is not False else lambda *_, **__: "reuse_prefix=False")
+                 check=prefix.refusal if reuse_prefix is not False else lambda *_, **__: "reuse_prefix=False")
     if reuse_prefix and plan.refusal is not None:
         raise InvalidValue(f"{_WHERE}: reuse_prefix=True runs each cell from the corrupt run's cache, which needs"
                            f" transformers to continue every layer's memory from a cache; here: {plan.refusal}"
@@ -312,7 +312,7 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
       one clean forward keeps the memories of as many whole batches as fit, at least one batch.
     - `reuse_prefix`: None: where all the mixers' kinds continue a cache (`CONTINUES_CACHE`), without `heads`,
       the prompts run once in pieces and a cell at p runs tokens p + 1.. from the corrupt run's cache holding its
-      layer's clean memory (`sweep_prefix`), else one forward per cell; True: the cache or an error; False: not.
+      layer's clean memory (`prefix`), else one forward per cell; True: the cache or an error; False: not.
     - `distributed`: under an initialized `torch.distributed` process group (None, the default: unless the model is
       tensor-parallel), the cells are split across its ranks (from the cache, by position: a rank runs the prompts
       up to its own positions only), and every rank, which must make the same call, returns the whole result;
@@ -383,7 +383,7 @@ def _measure_cells(model: nn.Module, prompts: tuple[Tensor, Tensor], plan: Plan,
         with tqdm(total=total, desc=_WHERE, unit="cell", disable=not progress) as bar:
             for group, batches in groups:
                 last = None
-                for j, batch, measured in sweep_prefix.measured(model, prompts, group, batches, plan, kwargs,
+                for j, batch, measured in prefix.measured(model, prompts, group, batches, plan, kwargs,
                                                                 metric_of):
                     if last is not None and j != last:  # a position done
                         saved.save(values, done)

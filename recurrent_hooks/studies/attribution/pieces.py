@@ -7,7 +7,7 @@
 kind's adjoint (`AdjointPiece`: the state term (S_t - S'_t) . mu_t), or, for Mamba-1, its token loop under
 autograd in steps with a zero leaf eps in the state (`LoopSteps`, `backward_step`). The prompt convolution's
 window term comes from its inputs and the gradient of a zero leaf added before its activation (`ConvCall`,
-`window_row`, the conv kernel's `Kernel.window_terms`). studies/attribution.py has the study (`attribute`) and
+`window_row`, the conv kernel's `Kernel.window_terms`). The package's `__init__` has the study (`attribute`) and
 its module docstring the maths.
 """
 
@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..engine.backward import (input_gradients, piece_leaves, recompute, slot_names, sweep, tensor_slots,
+from ...engine.backward import (input_gradients, piece_leaves, recompute, slot_names, sweep, tensor_slots,
                                with_tensors)
-from ..engine.errors import InvalidValue
-from ..engine.kernels import CONV_MEMORY, STATE_MEMORY, Kernel, Pieces, Role
-from ..engine.mixer import RecurrentMixer
+from ...engine.errors import InvalidValue
+from ...engine.kernels import CONV_MEMORY, STATE_MEMORY, Kernel, Pieces, Role
+from ...engine.mixer import RecurrentMixer
 
 STEP_BYTES = 32 * 2**20  # the states of the token loop's graph held at once in the backward of "pieces"
 

@@ -25,7 +25,7 @@ Two ways to the same numbers (`method`):
   state, `Segments`: gated DeltaNet, Kimi delta attention, Mamba-2, Mamba-1): no state is kept. Each prompt
   call of a chosen mixer runs through a call runner (`engine.runners`): in the clean run, the bound kernel
   in pieces of `piece` tokens, keeping the states at the piece boundaries and the call's inputs; in the
-  corrupt run, one `torch.autograd.Function` (`attribution_pieces.InPieces`) doing the same forward, whose
+  corrupt run, one `torch.autograd.Function` (`pieces.InPieces`) doing the same forward, whose
   backward is the engine's reverse sweep over pieces (`backward.sweep`, as for every state kept with gradients):
   each piece is recomputed from its boundary under autograd for the inputs' gradients, and the kind's adjoint
   gives mu_t = d metric / d S'_t, the `state` term at t being (S_t - S'_t) . mu_t (`AdjointPiece`); Mamba-1,
@@ -64,16 +64,16 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from ..engine.errors import InvalidValue, renamed
-from ..engine.arguments import as_index
-from ..engine import runners
-from ..engine.kernels import CONV_MEMORY, STATE_MEMORY
-from ..engine.mixer import RecurrentMixer
-from ..engine.parts import map_parts, parts_of
-from ..engine.strategies import Paths
-from ..engine.watch import Watch, watch
-from .attribution_pieces import CleanRunner, CorruptRunner, conv_kernel, runs_in_pieces, window_row
-from .metrics import for_rows, per_row
+from ...engine.errors import InvalidValue, renamed
+from ...engine.arguments import as_index
+from ...engine import runners
+from ...engine.kernels import CONV_MEMORY, STATE_MEMORY
+from ...engine.mixer import RecurrentMixer
+from ...engine.parts import map_parts, parts_of
+from ...engine.strategies import Paths
+from ...engine.watch import Watch, watch
+from .pieces import CleanRunner, CorruptRunner, conv_kernel, runs_in_pieces, window_row
+from ..metrics import for_rows, per_row
 
 _MEMORIES = (STATE_MEMORY, CONV_MEMORY)  # the rows `state` and `window`
 Metric = Callable[[Tensor], Tensor]  # logits [batch, seq, vocab] -> [batch] or a scalar
