@@ -93,3 +93,30 @@ def test_attribute_refuses_bad_arguments():
         rh.attribute(model, ids, ids, lambda logits: logits)
     with pytest.raises(rh.InvalidValue, match=r"attribute: no recurrent mixer at layers \[1\]"):
         rh.attribute(model, ids, ids, metric, layers=[1])
+
+
+def test_a_layer_of_several_mixers_is_attributed_as_all_its_memories_at_once():
+    """inkling2's full-attention layers hold several convolution windows (mixers): each layer's row is the first-
+    order estimate of patching every memory of the layer together, each mixer paired with itself in the clean run
+    (the layer's first mixer was paired with all of them: a size mismatch, or another mixer's values)."""
+    model = build("inkling2").requires_grad_(False)
+    clean, corrupt = random_ids(1, T, seed=1), random_ids(1, T, seed=2)
+    result = rh.attribute(model, clean, corrupt, metric)
+    with rh.watch(model, keep=("windows",)) as c, torch.no_grad():
+        model(clean)
+    with rh.watch(model, keep=("windows",)) as r, torch.no_grad():
+        model(corrupt)
+    several = [layer for layer in result.layers if sum(m.layer == layer for m in c.mixers) > 1]
+    assert several and result.layers == tuple(dict.fromkeys(m.layer for m in c.mixers))
+    t = 5
+    for i, layer in enumerate(result.layers):
+        places = [k for k, m in enumerate(c.mixers) if m.layer == layer]
+        leaves = [r.mixers[k].memory_after(t).window.clone().requires_grad_() for k in places]
+        with rh.watch(model) as w:
+            for k, leaf in zip(places, leaves):
+                w.mixers[k].set_memory_after(t, rh.Memory(None, leaf))
+            metric(model(corrupt).logits).sum().backward()
+        term = sum(((c.mixers[k].memory_after(t).window - leaf.detach()) * leaf.grad).sum()
+                   for k, leaf in zip(places, leaves))
+        assert_close(f"layer {layer} ({len(places)} mixers) token {t}", term, result.memory[0, i, t], rtol=1e-4,
+                     atol=1e-6 * result.memory.abs().max())

@@ -89,7 +89,8 @@ def test_the_pieces_state_term_is_the_derivative_of_a_partial_write():
 def test_pieces_refuses_kinds_without_pieces_and_auto_falls_back():
     model = build("recurrent_gemma").requires_grad_(False)  # RG-LRU: no prompt kernel in pieces
     ids, other = random_ids(1, 7, seed=1), random_ids(1, 7, seed=2)
-    with pytest.raises(rh.InvalidValue, match=r"attribute: method='pieces' needs a prompt kernel .* use method='states'"):
+    with pytest.raises(rh.InvalidValue, match=r"attribute: method='pieces' needs one mixer a layer and a prompt"
+                       r" kernel .* RealGatedLinearRecurrence has none: use method='states'"):
         rh.attribute(model, ids, other, metric, method="pieces")
     auto = rh.attribute(model, ids, other, metric)
     states = rh.attribute(model, ids, other, metric, method="states")

@@ -339,14 +339,8 @@ def _pair(model, runs):
     return runs.ids[0], prompt(model, seed=1)[0], _layers(runs), metric(model)
 
 
-SWEEP_RESTARTS_POSITIONS = {"bamba": (
-    "library bug: patching_sweep's default path (reuse_prefix, studies/sweep/prefix.py) runs tokens p + 1.. from the"
-    " corrupt run's cache without position_ids, and BambaModel then numbers them from 0 (its rotary positions restart): a cell is 0.06 off one"
-    " forward per cell at real size (1e-5 on the tiny model, inside tests/test_sweep_from_cache.py's rtol)")}
-
-
 @pytest.mark.one_per_kind
-def test_a_patching_sweep_runs_and_its_cell_is_the_patched_forward(family, model, runs, request):
+def test_a_patching_sweep_runs_and_its_cell_is_the_patched_forward(family, model, runs):
     """A sweep over 2 recurrent layers x 2 positions: finite values of shape [layers, positions]; its cell (first
     layer, token 3) is a forward of the corrupt prompt with the clean run's memory written there (`set_memory_after`).
     Models with several mixers a layer refuse it, as documented."""
@@ -356,9 +350,6 @@ def test_a_patching_sweep_runs_and_its_cell_is_the_patched_forward(family, model
         with pytest.raises(rh.Unavailable, match=r"patching_sweep: layers \[.*\] have several mixers each"):
             rh.patching_sweep(model, clean, corrupt, score, layers=layers, positions=positions, progress=False)
         return
-    if family in SWEEP_RESTARTS_POSITIONS:
-        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError,
-                                              reason=SWEEP_RESTARTS_POSITIONS[family]))
     sweep = rh.patching_sweep(model, clean, corrupt, score, layers=layers, positions=positions, progress=False)
     assert sweep.values.shape == (len(layers), len(positions)) and torch.isfinite(sweep.values).all()
     mixer = next(m for m in runs.watched.mixers if m.layer == layers[0])
@@ -369,20 +360,11 @@ def test_a_patching_sweep_runs_and_its_cell_is_the_patched_forward(family, model
                  rtol=1e-4, atol=1e-4)
 
 
-ATTRIBUTE_PAIRS_THE_LAYERS_FIRST_MIXER = (
-    "library bug: rh.attribute pairs every mixer of the gradient run with the clean run's `mixer(layer)`, the layer's"
-    " first mixer (studies/attribution/__init__.py, _gradient_with_states: `clean.mixer(m.layer)`), so a layer of several mixers of other widths"
-    " raises a size mismatch (equal widths would give the first mixer's delta)")
-
-
 @pytest.mark.one_per_kind
-def test_attribution_runs(family, model, runs, request):
+def test_attribution_runs(family, model, runs):
     """`rh.attribute` over the first two recurrent layers: finite terms of shape [layers, tokens] and finite
     baselines. A kind whose transformers backward fails through a cached forward (`support` says so) attributes
     without a cache."""
-    if family in SEVERAL_MIXERS_A_LAYER:
-        request.applymarker(pytest.mark.xfail(strict=True, raises=RuntimeError,
-                                              reason=ATTRIBUTE_PAIRS_THE_LAYERS_FIRST_MIXER))
     clean, corrupt, layers, score = _pair(model, runs)
     cached = not {"gradients with a state", "backward with a cache"} & set(rh.support(model)[0].unavailable)
     result = rh.attribute(model, clean, corrupt, score, layers=layers,

@@ -243,3 +243,14 @@ def test_ranks_take_whole_positions_and_run_the_pieces_of_their_own_only(monkeyp
     assert torch.equal((shares[0] != 0) ^ (shares[1] != 0), torch.ones_like(alone.values, dtype=torch.bool)), \
         "the ranks' cells overlap or miss some"
     assert_close("the ranks' cells vs one process", alone.values, shares[0] + shares[1], **TOLERANCE)
+
+
+def test_the_pieces_carry_their_positions():
+    """BambaModel numbers a forward's tokens from 0 when it is given no position ids, over a cache too: each piece
+    and each cell's tail gets its own (it was 1e-5 off here, 0.06 at bamba's real size, tests/test_real_size.py)."""
+    model = build("bamba")
+    clean, corrupt = prompts()
+    expected = rh.patching_sweep(model, clean, corrupt, metric, progress=False, reuse_prefix=False)
+    got = rh.patching_sweep(model, clean, corrupt, metric, progress=False, reuse_prefix=True)
+    assert_close("bamba: from the corrupt cache vs one forward per cell", expected.values, got.values, rtol=0,
+                 atol=2e-6)

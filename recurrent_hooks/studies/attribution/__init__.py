@@ -175,11 +175,11 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
     chosen = _probe(model, clean_ids, layers, heads, paths, kwargs, where)
     kinds = [type(m) for m in chosen]
     if method != "states":
-        in_pieces = all(runs_in_pieces(kind) for kind in kinds)
+        in_pieces = all(runs_in_pieces(kind) for kind in kinds) and len(_layers(chosen)) == len(chosen)
         if method == "pieces" and not in_pieces:
-            slow = sorted({kind.__name__ for kind in kinds if not runs_in_pieces(kind)})
-            raise InvalidValue(f"{where}: method='pieces' needs a prompt kernel that runs in pieces from a state;"
-                               f" {', '.join(slow)} has none: use method='states' (or 'auto')")
+            slow = sorted({kind.__name__ for kind in kinds if not runs_in_pieces(kind)}) or ["a layer of several"]
+            raise InvalidValue(f"{where}: method='pieces' needs one mixer a layer and a prompt kernel that runs in"
+                               f" pieces from a state; {', '.join(slow)} has none: use method='states' (or 'auto')")
         method = "pieces" if in_pieces else "states"
     held = min(piece, clean_ids.shape[1]) if method == "pieces" else clean_ids.shape[1]
     pair_bytes = 2 * held * max((_row_bytes(m) for m in chosen), default=0) if clean_ids.shape[0] > 1 else 0
@@ -383,11 +383,12 @@ def _gradient_with_states(runs: _Runs, keep: tuple[str, ...], clean: Watch, refe
     leaves = [leaf for m in chosen for memory in _MEMORIES if memory in m.MEMORIES
               for buffer in m.calls[0].differentiable(memory) for _, leaf in parts_of(buffer)]
     grads = iter(torch.autograd.grad(value.sum(), leaves, allow_unused=True))
-    rows = [[_memory_row(clean.mixer(m.layer), m, memory, grads, runs.ids,
-                         None if reference is None else reference.mixer(m.layer),
+    same = {id(m): k for k, m in enumerate(run.mixers)}  # the same mixer in the other runs' watches: by its place
+    rows = [[_memory_row(clean.mixers[same[id(m)]], m, memory, grads, runs.ids,
+                         None if reference is None else reference.mixers[same[id(m)]],
                          _kept_layout(m) if runs.heads else None) for memory in _MEMORIES]
             for m in chosen]  # in `leaves`' order: mixer by mixer, state then window
-    return (value.detach(), tuple(m.layer for m in chosen), _stacked([state for state, _ in rows], chosen, runs.where),
+    return (value.detach(), _layers(chosen), _stacked([state for state, _ in rows], chosen, runs.where),
             _stacked([window for _, window in rows], chosen, runs.where))
 
 
@@ -451,8 +452,24 @@ def _kept_layout(mixer: RecurrentMixer) -> _Heads:
     return _layout(type(mixer), state.shape[2], tuple(state.shape[3:]), None if window is None else window.shape[2])
 
 
+def _layers(chosen: list[RecurrentMixer]) -> tuple[int, ...]:
+    """The decoder layers of the chosen mixers, each once, in order (a layer may have several mixers)."""
+    return tuple(dict.fromkeys(m.layer for m in chosen))
+
+
 def _stacked(rows: list[Tensor], chosen: list[RecurrentMixer], where: str) -> Tensor:
-    """The layers' rows stacked on axis 1, once their shapes (their numbers of heads) are seen to agree."""
+    """The layers' rows stacked on axis 1, once their shapes (their numbers of heads) are seen to agree. The rows
+    of a layer's several mixers (inkling's convolution windows) are summed: the linear estimate of patching every
+    memory of the layer, as a layer's cell is (per head, their heads need not match: refused)."""
+    by_layer: dict[int, list[tuple[RecurrentMixer, Tensor]]] = {}
+    for m, row in zip(chosen, rows):
+        by_layer.setdefault(m.layer, []).append((m, row))
+    several = [pairs for pairs in by_layer.values() if len(pairs) > 1]
+    if several and rows[0].dim() > 2:
+        raise InvalidValue(f"{where}: heads=True needs one mixer a layer; layer {several[0][0][0].layer} has"
+                           f" {', '.join(f'{m}' for m, _ in several[0])}: attribute without heads (each layer's"
+                           " mixers summed)")
+    chosen, rows = [pairs[0][0] for pairs in by_layer.values()], [sum(r for _, r in pairs) for pairs in by_layer.values()]
     shapes = {f"{m}": tuple(row.shape[1:-1]) for m, row in zip(chosen, rows)}
     if len(set(shapes.values())) > 1:
         raise InvalidValue(f"{where}: heads=True needs one number of heads in every chosen layer, got"
@@ -540,8 +557,7 @@ def _gradient_in_pieces(runs: _Runs, keep: tuple[str, ...], piece: int, shared_c
         else:
             window_rows.append(_memory_row(clean.watch.mixer(m.layer), m, CONV_MEMORY, window_grads, runs.ids,
                                            None if reference is None else reference.watch.mixer(m.layer), layout))
-    layers = tuple(m.layer for m in chosen)
-    return value.detach(), layers, _stacked(state_rows, chosen, where), _stacked(window_rows, chosen, where)
+    return value.detach(), _layers(chosen), _stacked(state_rows, chosen, where), _stacked(window_rows, chosen, where)
 
 
 def _eps_row(mixer: RecurrentMixer, grads: list[Tensor | None], ids: Tensor, layout: "_Heads | None") -> Tensor:
@@ -586,8 +602,8 @@ def _chosen(mixers: list[RecurrentMixer], layers: Iterable[int] | None, where: s
     if layers is None:
         return list(mixers)
     wanted = [as_index(layer, "layer", where) for layer in layers]
-    known = {m.layer: m for m in mixers}
+    known = {m.layer for m in mixers}
     missing = [layer for layer in wanted if layer not in known]
     if missing:
         raise InvalidValue(f"{where}: no recurrent mixer at layers {missing}; recurrent layers: {sorted(known)}")
-    return [known[layer] for layer in wanted]
+    return [m for layer in dict.fromkeys(wanted) for m in mixers if m.layer == layer]  # (every mixer of a layer)

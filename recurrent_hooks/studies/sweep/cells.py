@@ -61,6 +61,7 @@ class Plan:
     cache_at: dict[int, Any] = dataclasses.field(default_factory=dict)  # layer -> its memory's `_cache_index`
     carried: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # layer -> memories patched
     chunked: list[tuple[nn.Module, str]] = dataclasses.field(default_factory=list)  # chunk lengths to clamp
+    positioned: bool = False  # the forward takes position_ids: each piece gets its own (bamba restarts at 0 otherwise)
 
     def cells(self, pairs: int) -> list[Cell]:
         """Every cell, pair-major then layer-major (few layers per batch, few pairs per round)."""

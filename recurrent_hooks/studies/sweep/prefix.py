@@ -84,6 +84,7 @@ def refusal(model: nn.Module, clean_ids: Tensor, plan: Plan, mixers: Mapping[int
     if cache is None or not callable(getattr(cache, "reorder_cache", None)):
         return f"{type(model).__name__} returned no cache whose rows can be copied (reorder_cache)"
     plan.cache_name = name
+    plan.positioned = "position_ids" in inspect.signature(model.forward).parameters
     plan.chunked = [(mixer.module, chunk) for mixer in every if (chunk := _chunk_argument(type(mixer))) is not None
                     and isinstance(getattr(mixer.module, chunk, None), int)]
     for layer, mixer in mixers.items():
@@ -130,6 +131,14 @@ def _chunks_within(chunked: Iterable[tuple[nn.Module, str]], tokens: int) -> Ite
             setattr(module, name, original)
 
 
+def _positions(plan: Plan, ids: Tensor, start: int, end: int) -> dict[str, Tensor]:
+    """The position ids of tokens start..end-1 of every row, where the forward takes them: transformers' forwards
+    count positions from the cache's length when none are given, but some (bamba) restart at 0 over a cache."""
+    if not plan.positioned:
+        return {}
+    return {"position_ids": torch.arange(start, end, device=ids.device).expand(ids.shape[0], -1)}
+
+
 def _passed(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The forward keywords every piece gets: the sweep's, but for the cache and the logits kept."""
     return {k: v for k, v in kwargs.items() if k not in ("use_cache", "logits_to_keep")}
@@ -155,7 +164,7 @@ def measured(model: nn.Module, prompts: tuple[Tensor, Tensor], pairs: list[int],
             seen = p + 1 - max(done, first_kept)  # the piece's positions the metric sees
             with _chunks_within(plan.chunked, p + 1 - done):
                 out = model(ids[:, done:p + 1], **{plan.cache_name: cache}, **passed, use_cache=True,
-                            logits_to_keep=max(1, seen))
+                            logits_to_keep=max(1, seen), **_positions(plan, ids, done, p + 1))
             cache, done = cache_of(out), p + 1
             if seen > 0:
                 if tail is None:  # written once per piece, not concatenated again at every position
@@ -192,7 +201,7 @@ def _continued(model: nn.Module, corrupt_ids: Tensor, batch: list[Cell], plan: P
     ids = corrupt_ids[[cell.pair for cell in batch], p + 1:]
     with _chunks_within(plan.chunked, after):
         logits = model(ids, **{plan.cache_name: cells}, **passed, use_cache=True,
-                       logits_to_keep=min(keep, after)).logits
+                       logits_to_keep=min(keep, after), **_positions(plan, ids, p + 1, tokens)).logits
     if after >= keep:
         return logits
     return torch.cat([kept.index_select(0, pick - group), logits], dim=1)
