@@ -27,7 +27,8 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # this checkout's package
 import types  # noqa: E402
 
-from recurrent_hooks.kinds import conv, lightning, mlstm, rg_lru, wkv  # noqa: E402
+from recurrent_hooks.kinds import lightning, mlstm, rg_lru, wkv  # noqa: E402
+from recurrent_hooks.kinds.shared import conv  # noqa: E402
 
 
 def _identity(t, state):

@@ -1,4 +1,4 @@
-"""Benchmark and calibration of the cost model that chooses a busy call's path (`recurrent_hooks/engine/strategies.py`).
+"""Benchmark and calibration of the cost model that chooses a busy call's path (`recurrent_hooks/engine/choose.py`, `costs.py`).
 
     python benchmarks/paths.py               # the rows: each path's time, forced, and the one chosen
     python benchmarks/paths.py --quick       # a smoke run, a few seconds (run by the tests)
@@ -16,7 +16,7 @@ when one does).
 
 Calibration: each path of each kernel alone (the bound transformers kernel on a whole call, the library's
 token loop with an identity `on_token`, the library's all-states kernel), best of 5 per shape; the
-constants of each path come from a non-negative least-squares fit of its terms (`strategies.kernel_terms` ...)
+constants of each path come from a non-negative least-squares fit of its terms (`costs.kernel_terms` ...)
 to the times, weighted by 1/time (a fit on relative error), and each fit's worst relative error on its own timings
 is printed and written with the constants (how far the model is off). One torch thread by default: on this machine,
 shared by several jobs, two threads contending for two cores made single timings vary by 100x.
@@ -36,7 +36,9 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # this checkout's package
 import recurrent_hooks as rh  # noqa: E402
-import recurrent_hooks.engine.strategies as paths  # noqa: E402
+import recurrent_hooks.engine.choose as rh_choose  # noqa: E402
+import recurrent_hooks.engine.costs as rh_costs  # noqa: E402
+import recurrent_hooks.engine.policy as rh_policy  # noqa: E402
 from recurrent_hooks.kinds.gated_delta_net import GatedDeltaNet  # noqa: E402
 from recurrent_hooks.kinds.state_space import Mamba2StateSpace  # noqa: E402
 
@@ -112,7 +114,7 @@ def _best(fn: Callable[[], Any], reps: int = 5) -> float:
     return min(times)
 
 
-TERMS = {"kernel": paths.kernel_terms, "loop": paths.loop_terms, "states": paths.states_terms}
+TERMS = {"kernel": rh_costs.kernel_terms, "loop": rh_costs.loop_terms, "states": rh_costs.states_terms}
 
 
 def nnls(a: torch.Tensor, b: torch.Tensor, iterations: int = 300) -> torch.Tensor:
@@ -164,7 +166,7 @@ def _timed(fn: Callable[[], Any], device: str) -> float:
     return _best(lambda: (fn(), sync()))
 
 
-def calibrate(quick: bool, device: str = "cpu") -> tuple[dict[str, paths.Constants], dict[str, dict[str, float]]]:
+def calibrate(quick: bool, device: str = "cpu") -> tuple[dict[str, rh_policy.Constants], dict[str, dict[str, float]]]:
     """Time each path of each kernel over the grid on `device` (float32), fit the constants, print them and each
     fit's worst relative error; return both (kernel key -> Constants, kernel key -> path -> worst error)."""
     fitted, errors = {}, {}
@@ -200,15 +202,15 @@ def calibrate(quick: bool, device: str = "cpu") -> tuple[dict[str, paths.Constan
             worst = max(abs(float(t @ solution) / float(s) - 1) for t, s in zip(terms, times))
             errors[name][path] = worst
             print(f"  {name} {path}: fit {', '.join(f'{c:.2e}' for c in solution)}; worst relative error {worst:.0%}")
-        fitted[name] = paths.Constants(**{path: tuple(float(c) for c in coefficients[path]) for path in TERMS})
+        fitted[name] = rh_policy.Constants(**{path: tuple(float(c) for c in coefficients[path]) for path in TERMS})
     for name, c in fitted.items():
         fields = ", ".join(f"{path}=({', '.join(f'{x:.2g}' for x in getattr(c, path))})" for path in TERMS)
         print(f"    {name!r}: Constants({fields}),")
     return fitted, errors
 
 
-def write(key: str, fitted: dict[str, paths.Constants], errors: dict[str, dict[str, float]],
-          file: pathlib.Path = paths.COSTS_FILE) -> None:
+def write(key: str, fitted: dict[str, rh_policy.Constants], errors: dict[str, dict[str, float]],
+          file: pathlib.Path = rh_costs.COSTS_FILE) -> None:
     """Write one calibration into the costs file under `key` ("cpu/float32"), keeping the others and each kernel's
     "about" line."""
     data = json.loads(file.read_text()) if file.exists() else {}
@@ -278,36 +280,36 @@ ROWS = [
 QUICK_ROWS = [("gdn_tiny", 4, 25, 1), ("gdn_tiny", 4, 25, 12), ("gdn_tiny", 4, 25, "all"), ("mamba2_tiny", 4, 40, 3)]
 
 UNHOOKED = ("unhooked", None, True)  # the forward without a watch: what the issue's ratios divide by
-VARIANTS = [("segments", paths.Strategy.SEGMENTS, True), ("segments, whole", paths.Strategy.SEGMENTS, False),
-            ("chunk-wise states", paths.Strategy.STATES, True), ("token loop", paths.Strategy.LOOP, True)]
+VARIANTS = [("segments", rh_policy.Strategy.SEGMENTS, True), ("segments, whole", rh_policy.Strategy.SEGMENTS, False),
+            ("chunk-wise states", rh_policy.Strategy.STATES, True), ("token loop", rh_policy.Strategy.LOOP, True)]
 
 
-def _forward(model: Any, ids: torch.Tensor, keep: Any, policy: paths.Paths = paths.DEFAULT) -> None:
+def _forward(model: Any, ids: torch.Tensor, keep: Any, policy: rh_policy.Paths = rh_policy.DEFAULT) -> None:
     with rh.watch(model, keep={"states": keep}, paths=policy):
         model(ids, use_cache=False)
 
 
-def _taken(model: Any, ids: torch.Tensor, keep: Any, policy: paths.Paths) -> set[str]:
-    """The paths the calls of one forward take under `policy` (from `strategies.choose`)."""
+def _taken(model: Any, ids: torch.Tensor, keep: Any, policy: rh_policy.Paths) -> set[str]:
+    """The paths the calls of one forward take under `policy` (from `choose.choose`)."""
     seen: set[str] = set()
-    real = paths.choose
+    real = rh_choose.choose
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         choice = real(*args, **kwargs)
-        seen.add("token loop" if choice is None else choice.path.label if choice.path is not paths.Strategy.SEGMENTS
+        seen.add("token loop" if choice is None else choice.path.label if choice.path is not rh_policy.Strategy.SEGMENTS
                  else "segments" if choice.tails else "segments, whole")
         return choice
 
-    paths.choose = spy
+    rh_choose.choose = spy
     try:
         _forward(model, ids, keep, policy)
     finally:
-        paths.choose = real
+        rh_choose.choose = real
     return seen
 
 
-def _policy(force: paths.Strategy | None, tails: bool) -> paths.Paths:
-    return paths.LOOP if force is paths.Strategy.LOOP else paths.Paths(force=force, tails=tails)
+def _policy(force: rh_policy.Strategy | None, tails: bool) -> rh_policy.Paths:
+    return rh_policy.LOOP if force is rh_policy.Strategy.LOOP else rh_policy.Paths(force=force, tails=tails)
 
 
 def run_row(model: Any, batch: int, tokens: int, count: Any, repeats: int) -> tuple[dict[str, float | None], str]:
@@ -322,7 +324,7 @@ def run_row(model: Any, batch: int, tokens: int, count: Any, repeats: int) -> tu
                   }.get(name, {name})
         if taken <= wanted:
             runnable.append((name, force, tails))
-    chosen = _taken(model, ids, keep, paths.DEFAULT)
+    chosen = _taken(model, ids, keep, rh_policy.DEFAULT)
     times: dict[str, list[float]] = {name: [] for name, _, _ in [UNHOOKED, *runnable]}
     for _ in range(repeats + 1):  # the first round warms up
         start = time.perf_counter()
@@ -381,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.calibrate:
                 fitted, errors = calibrate(args.quick, args.device)
                 if args.write:
-                    write(paths.calibration_key(args.device, torch.float32), fitted, errors)
+                    write(rh_costs.calibration_key(args.device, torch.float32), fitted, errors)
                 return 0
         misses = rows(args.quick, 1 if args.quick else args.repeats)
         print(f"rows where the chosen path is more than 10% slower than the fastest: {misses}")

@@ -15,7 +15,7 @@ The package is three layers and the registry between two of them (docs/architect
     studies/    sweep, attribution, effective attention, probes, harvest         imports the engine (and the kinds' data)
     registry.py the families: transformers modules and mixer classes -> kinds
     kinds/      one module per mixer kind: its kernels, loops, costs     imports the engine
-    engine/     watch, the mixer handle, calls, dispatch, patching, compile support, path strategies
+    engine/     watch, the mixer handle, calls, dispatch, patching, compile support, the paths and their choice
 
 Imports run downwards only: the engine imports no kind, no study and not the registry; a kind imports no study
 (tests/test_layout.py).
@@ -55,12 +55,12 @@ from .kinds.dynamic_conv import LoopedDynamicShortConvolution as LoopedDynamicSh
 from .kinds.state_space import Mamba2StateSpace as Mamba2StateSpace
 from .studies.sweep import Sweep as Sweep
 from .studies.sweep import patching_sweep as patching_sweep
-from .engine.strategies import Paths as Paths
-from .engine.watch import MixerSupport as MixerSupport
+from .engine.policy import Paths as Paths
+from .engine.support import MixerSupport as MixerSupport
 from .engine.watch import Watch as Watch
-from .engine.watch import register_state_hook as register_state_hook
-from .engine.watch import route_kernels as route_kernels
-from .engine.watch import support as support
+from .engine.standalone import register_state_hook as register_state_hook
+from .engine.support import route_kernels as route_kernels
+from .engine.support import support as support
 from .engine.watch import watch as watch
 from .kinds.wkv import WeightedKeyValue as WeightedKeyValue
 from .kinds.zaya import CompressedConvolutionalAttention as CompressedConvolutionalAttention

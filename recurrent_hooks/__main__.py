@@ -60,7 +60,7 @@ def _support_rows(target: str | None) -> list[dict[str, Any]]:
 
 def _family_row(mixer: Any) -> dict[str, Any]:
     """One mixer class of a family (a `MixerClass`): its kind, what it offers and its limits."""
-    from .engine.watch import available_of
+    from .engine.support import available_of
 
     kind = mixer.kind
     return {"family": mixer.name, "mixer_class": mixer.mixer_class, "kind": kind.__name__,
@@ -71,7 +71,7 @@ def _family_row(mixer: Any) -> dict[str, Any]:
 def _model_support(path: pathlib.Path) -> list[Any]:
     import torch
 
-    from .engine.watch import support
+    from .engine.support import support
 
     config = transformers.AutoConfig.from_pretrained(str(path.parent if path.is_file() else path))
     with torch.device("meta"):

@@ -14,7 +14,7 @@ through both.
 Users who read and write states need none of this: `recurrent_hooks` itself has their names.
 """
 
-from .kinds.conv import CONV_KERNELS as CONV_KERNELS
+from .kinds.shared.conv import CONV_KERNELS as CONV_KERNELS
 from .kinds.gated_delta_net import GatedDeltaNet as GatedDeltaNet
 from .engine.kernels import CONV_MEMORY as CONV_MEMORY
 from .engine.kernels import FORWARD as FORWARD

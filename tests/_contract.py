@@ -43,8 +43,8 @@ STACK = {"state": "states", "window": "windows"}  # memory -> its keep name and 
 def perturbation(value, seed=1):
     """value + noise of the value's scale (a tensor, or every part of a state of several parts, one generator)."""
     gen = torch.Generator().manual_seed(seed)
-    return map_parts(lambda part: part + torch.randn(part.shape, generator=gen, dtype=torch.float32).to(part.dtype)
-                     * (part.abs().max() + 1), value)
+    return map_parts(lambda part: part + torch.randn(part.shape, generator=gen, dtype=torch.float32)
+                     .to(part.device, part.dtype) * (part.abs().max() + 1), value)
 
 
 def halve(value):

@@ -6,6 +6,9 @@ vocab 128 (pad 0 / bos 1 / eos 2), hidden 32, 4 decoder layers (2 for mamba,
 falcon_mamba, mamba2 and falcon_h1).
 ``build(family, seed)`` seeds torch and builds; ``FAMILIES`` maps a family name
 to its zero-argument builder (unseeded: prefer ``build``).
+``build`` and ``random_ids`` put the model and the ids on ``DEVICE`` (the CPU unless
+``pytest --device`` names another: tests/conftest.py sets it); the weights and the ids
+are drawn on the CPU first, so they are the same numbers on every device.
 
 Recurrent memory at init (checked with transformers 5.24.0, seeds 0-3, batch 2,
 12 tokens; "effect" = max |logits[:, 11]| change when one gated DeltaNet layer's
@@ -92,6 +95,10 @@ import transformers
 
 VOCAB = 128
 PAD, BOS, EOS = 0, 1, 2
+
+# Where `build` puts a model and `random_ids` its ids: set once, from `pytest --device`, by tests/conftest.py
+# (`torch.empty(0, device=...).device`, so "cuda" reads "cuda:0" and compares equal to a tensor's device).
+DEVICE = torch.device("cpu")
 
 _COMMON = dict(
     vocab_size=VOCAB,
@@ -648,15 +655,16 @@ FAMILIES: dict[str, Callable[[], transformers.PreTrainedModel]] = {
 
 
 def build(family: str, seed: int = 0) -> transformers.PreTrainedModel:
-    """Seed torch, build ``family``'s tiny CausalLM in float32 and return it in eval mode."""
+    """Seed torch, build ``family``'s tiny CausalLM in float32 on the CPU, move it to ``DEVICE`` and return it in
+    eval mode."""
     if family not in FAMILIES:
         raise KeyError(f"unknown family {family!r}; known: {sorted(FAMILIES)}")
     torch.manual_seed(seed)
     model = FAMILIES[family]()
-    return model.to(torch.float32).eval()
+    return model.to(DEVICE, torch.float32).eval()
 
 
 def random_ids(batch: int, seq: int, seed: int = 0) -> torch.LongTensor:
-    """Token ids in [3, VOCAB) (never pad/bos/eos), from a private generator."""
+    """Token ids in [3, VOCAB) (never pad/bos/eos), from a private generator, on ``DEVICE``."""
     generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (batch, seq), generator=generator, dtype=torch.long)
+    return torch.randint(3, VOCAB, (batch, seq), generator=generator, dtype=torch.long).to(DEVICE)

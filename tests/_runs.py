@@ -61,7 +61,7 @@ def left_padded(model, keep, tokens: int, pads: int = 4, rows: int = 2, steps: i
     `steps` calls from the batch and from the short row alone, and the batch's plain forward."""
     short = random_ids(1, tokens - pads, seed=3)
     full = random_ids(1, tokens, seed=4)
-    ids = torch.cat([torch.cat([torch.full((1, pads), PAD), short], dim=1), full])[:rows]
+    ids = torch.cat([torch.cat([torch.full((1, pads), PAD, device=short.device), short], dim=1), full])[:rows]
     mask = (ids != PAD).long()
     mask[1:] = 1
     per_step = dict(output_logits=True, return_dict_in_generate=True)

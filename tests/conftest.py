@@ -7,9 +7,13 @@ import recurrent_hooks as rh
 import recurrent_hooks.engine.dispatch as dispatch_impl
 import recurrent_hooks.engine.patching as patching
 import recurrent_hooks.engine.threads as threads_impl
-import recurrent_hooks.engine.watch as watch_impl
-from recurrent_hooks.engine.mixer import hook_removed
+import recurrent_hooks.engine.standalone as standalone_impl
+from recurrent_hooks.engine.mixer import RecurrentMixer
 from _contract import one_family_per_kind
+import _device
+import _models
+
+hook_removed = RecurrentMixer.hook_removed  # the last hook removed releases the kernels (test_leak_fixture patches it)
 
 
 # The test models are tiny: one thread is several times faster than two threads contending for two cores.
@@ -37,7 +41,7 @@ def _leaks_and_cleanup() -> dict[str, object]:
         "taps": len(dispatch_impl._TAPS),
         "running": len(threads_impl.THREAD.running),
         "inside a hook": threads_impl.THREAD.in_hook,
-        "standalone hooks": len(watch_impl._STANDALONE),
+        "standalone hooks": len(standalone_impl._STANDALONE),
     }
     errors: list[str] = []
 
@@ -47,7 +51,7 @@ def _leaks_and_cleanup() -> dict[str, object]:
         except Exception as error:  # noqa: BLE001 -- reported with the leaks, after the other steps ran
             errors.append(f"{getattr(step, '__name__', step)}: {type(error).__name__}: {error}")
 
-    for mixer in list(watch_impl._STANDALONE.values()):
+    for mixer in list(standalone_impl._STANDALONE.values()):
         attempt(_remove_standalone_hooks, mixer)
     attempt(threads_impl.THREAD.running.clear)
     attempt(setattr, threads_impl.THREAD, "in_hook", 0)
@@ -60,6 +64,13 @@ def _remove_standalone_hooks(mixer) -> None:
     """Drop every standalone hook of `mixer`; the last one removed releases its kernels (`hook_removed`)."""
     mixer._hooks.clear()
     hook_removed(mixer)
+
+
+# -- the device: `pytest --device cuda` (default cpu) --------------------------------------------------------------
+#
+# tests/_models.py's `build` and `random_ids` put models and ids on `_models.DEVICE`, set from the option in
+# `pytest_configure` (a device this machine lacks is refused there, by name); a test marked
+# `cpu_only(reason=...)` is skipped off the CPU with its reason (tests/_device.py).
 
 
 # -- the full matrices: one family per kind by default, every family with `pytest --full` ------------------------
@@ -80,11 +91,16 @@ def pytest_addoption(parser):
     parser.addoption("--one-family-per-kind", action="store_true",
                      help="deselect every case of a test over families but those of one family of each kind"
                           " (.ci/run's quick run on the oldest supported transformers)")
+    parser.addoption("--device", default="cpu",
+                     help="where tests/_models.py's build() and random_ids() put models and ids (default cpu;"
+                          " cuda on a GPU machine): references stay float64 on the CPU, tests marked cpu_only skip")
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "full: a slow case, run only with --full")
     config.addinivalue_line("markers", "one_per_kind: a matrix over families, one family per kind without --full")
+    config.addinivalue_line("markers", _device.CPU_ONLY)
+    _models.DEVICE = _device.resolve(config.getoption("--device"))
 
 
 def _representatives() -> set[str]:
@@ -109,6 +125,7 @@ def _another_family_of_its_kind(item, representatives: set[str]) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    _device.skip_cpu_only(items, _models.DEVICE)
     if config.getoption("--one-family-per-kind"):
         representatives = _representatives()
         others = [item for item in items if _another_family_of_its_kind(item, representatives)]

@@ -1,4 +1,4 @@
-"""Reductions formed where the states are formed (`strategies.Strategy.CHUNKS`, `busy.reduce_in_chunks`).
+"""Reductions formed where the states are formed (`policy.Strategy.CHUNKS`, `busy.reduce_in_chunks`).
 
 A watch whose busy plans only reduce every state (`reduce=`), without gradients, runs the kind's all-states kernel
 once over the call, which hands each of its chunks' states, a view of one reused buffer, to the reductions
@@ -13,7 +13,7 @@ its token loop), at T = 37 (chunks of 16: [0, 16) [16, 32) [32, 37)) and batch 2
   run, with the same results;
 - the kernels: `all_states(on_chunk=...)` hands over consecutive chunks in one buffer of one chunk, returns no
   states, and the same output and last state as without it;
-- `strategies.choose` offers the path only where it applies, and `Paths(force="chunks")` names it.
+- `choose.choose` offers the path only where it applies, and `Paths(force="chunks")` names it.
 """
 
 import dataclasses
@@ -23,12 +23,13 @@ import pytest
 import torch
 
 import recurrent_hooks as rh
-import recurrent_hooks.engine.strategies as rh_paths
-import recurrent_hooks.kinds.delta_rule as delta_rule
+import recurrent_hooks.engine.choose as rh_choose
+import recurrent_hooks.engine.policy as rh_policy
+import recurrent_hooks.kinds.shared.delta_rule as delta_rule
 import recurrent_hooks.kinds.selective_scan as selective_scan
 import recurrent_hooks.kinds.state_space as state_space
 from recurrent_hooks.engine.kernels import Pieces
-from recurrent_hooks.engine.strategies import Strategy
+from recurrent_hooks.engine.policy import Strategy
 from recurrent_hooks.kinds.gated_delta_net import GatedDeltaNet
 from _compare import assert_close
 from _models import build, random_ids
@@ -218,7 +219,7 @@ def test_all_states_hands_over_its_chunks_in_one_buffer(case):
 
 def _plan(tokens, reduce=norm, hooks=()):
     return SimpleNamespace(hooks=list(hooks), keep=frozenset(range(tokens)), reduce=reduce,
-                           mixer=object.__new__(GatedDeltaNet))
+                           kind=GatedDeltaNet)
 
 
 def test_choose_offers_the_chunks_path_only_where_it_applies():
@@ -227,8 +228,8 @@ def test_choose_offers_the_chunks_path_only_where_it_applies():
                  "value": torch.zeros(()).expand(1, 64, 32, 128), "g": torch.zeros(()).expand(1, 64, 32),
                  "beta": torch.zeros(()).expand(1, 64, 32)}
 
-    def path(busy, tokens=64, grad=False, paths=rh_paths.DEFAULT, of=kernel):
-        choice = rh_paths.choose(of, busy, tokens, arguments, grad=grad, paths=paths)
+    def path(busy, tokens=64, grad=False, paths=rh_policy.DEFAULT, of=kernel):
+        choice = rh_choose.choose(of, busy, tokens, arguments, grad=grad, paths=paths)
         return Strategy.LOOP if choice is None else choice.path
 
     assert path([_plan(64)]) is Strategy.CHUNKS

@@ -315,19 +315,19 @@ def test_a_standalone_hook_counts_calls_from_each_prompt_under_compile():
 
 def test_a_collected_mixers_clock_leaves_the_table_between_traces_not_during_one():
     """The garbage collector may run while dynamo iterates the clocks' dict (`_CLOCKS[key]` in traced code): a
-    collected call state's clock is only retired then, and removed by the next registration, which is eager."""
+    collected tracker's clock is only retired then, and removed by the next registration, which is eager."""
     import gc
 
     import recurrent_hooks.engine.compiled as compiled
 
-    class State:  # any object the table can hold weakly, as it holds a CallTracker
+    class Tracker:  # any object the table can hold weakly, as it holds a CallTracker
         pass
 
-    state = State()
-    key = compiled.register_state(state)
-    del state
+    tracker = Tracker()
+    key = compiled.register_tracker(tracker)
+    del tracker
     gc.collect()
     assert key in compiled._CLOCKS, "a clock left the table from a finalizer"
-    other = State()
-    compiled.register_state(other)
-    assert key not in compiled._CLOCKS, "a collected state's clock outlived the next registration"
+    other = Tracker()
+    compiled.register_tracker(other)
+    assert key not in compiled._CLOCKS, "a collected tracker's clock outlived the next registration"

@@ -7,7 +7,7 @@ import torch
 from _compare import assert_close
 from _upstream import transformers_kernel
 from _contract import one_family_per_kind
-from recurrent_hooks.kinds.conv import causal_conv1d_fn, causal_conv1d_update
+from recurrent_hooks.kinds.shared.conv import causal_conv1d_fn, causal_conv1d_update
 from recurrent_hooks.extend import CONV_KERNELS
 
 # one module per kind whose modules call the shared conv kernels
@@ -70,7 +70,7 @@ def test_decode_replacement_is_written_into_the_cache_tensor():
 def test_window_terms_equal_the_effect_of_writing_each_window():
     """conv.window_terms(x - x', g, w)[p]: sum over the later positions s of g_s times the change of the
     convolution's output at s when the window after p is x's instead of x''s (linear: the exact change)."""
-    from recurrent_hooks.kinds.conv import window_terms
+    from recurrent_hooks.kinds.shared.conv import window_terms
     gen = torch.Generator().manual_seed(5)
     batch, channels, length, size = 2, 3, 9, 4
     x, x_other = torch.randn(2, batch, channels, length, generator=gen, dtype=torch.float64)

@@ -156,7 +156,7 @@ def test_a_removed_standalone_hook_is_freed_without_the_garbage_collector(no_gc)
     hook = Hook()
     module = model.model.layers[0].linear_attn
     handle = rh.register_state_hook(module, hook)
-    dead = [weakref.ref(hook), weakref.ref(rh.engine.watch._STANDALONE[module])]
+    dead = [weakref.ref(hook), weakref.ref(rh.engine.standalone._STANDALONE[module])]
     with torch.no_grad():
         model(ids)
     handle.remove()

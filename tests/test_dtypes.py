@@ -24,7 +24,7 @@ import torch
 import transformers
 
 import recurrent_hooks as rh
-from recurrent_hooks.kinds.conv import CONV_KERNELS, causal_conv1d_fn, causal_conv1d_update
+from recurrent_hooks.kinds.shared.conv import CONV_KERNELS, causal_conv1d_fn, causal_conv1d_update
 from recurrent_hooks.registry import FAMILIES as REGISTERED, family_of
 from recurrent_hooks.demo import tiny_model
 from _compare import assert_close

@@ -46,7 +46,7 @@ def dynamic(w):
 
 def perturbation(window, seed=1):
     gen = torch.Generator().manual_seed(seed)
-    return window + torch.randn(window.shape, generator=gen) * (window.abs().max() + 1)
+    return window + torch.randn(window.shape, generator=gen).to(window.device) * (window.abs().max() + 1)
 
 
 def _build(family):
@@ -234,6 +234,7 @@ def test_writing_the_window_makes_the_mixer_continue_as_in_the_other_run(model, 
     xb, ub = xa.clone(), ua.clone()
     t = 6
     xb[:, :t + 1], ub[:, :t + 1] = torch.randn(2, t + 1, channels, generator=gen), torch.randn(2, t + 1, size, generator=gen)
+    xa, ua, xb, ub = (x.to(module.static_weight.device) for x in (xa, ua, xb, ub))  # the model's (pytest --device)
     with torch.no_grad(), rh.watch(model, keep=("windows",)) as w:
         ya = module(xa, ua)
         mixer = next(m for m in dynamic(w) if m.module is module)

@@ -16,7 +16,7 @@ import recurrent_hooks as rh
 import recurrent_hooks.engine.threads as rh_threads
 import recurrent_hooks.engine.patching as rh_patching
 import recurrent_hooks.registry as rh_registry
-import recurrent_hooks.engine.watch as watch_impl
+import recurrent_hooks.engine.standalone as standalone_impl
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
 from _reachable import tensor_bytes_reachable
@@ -401,5 +401,5 @@ def test_a_dropped_standalone_handle_keeps_its_hook_until_the_module_dies():
     assert seen == [0] and ("transformers.models.qwen3_5.modeling_qwen3_5", "torch_chunk_gated_delta_rule") in rh_patching._BINDINGS
     del model
     gc.collect()
-    assert not rh_patching._BINDINGS and not watch_impl._STANDALONE
+    assert not rh_patching._BINDINGS and not standalone_impl._STANDALONE
     assert not getattr(module.torch_chunk_gated_delta_rule, "__recurrent_hooks__", False)

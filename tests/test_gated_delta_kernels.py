@@ -11,7 +11,7 @@ import recurrent_hooks as rh
 from _compare import assert_close
 from _reference import gated_delta_rule_reference
 from _upstream import transformers_kernel
-from recurrent_hooks.kinds import delta_rule
+from recurrent_hooks.kinds.shared import delta_rule
 from recurrent_hooks.kinds.gated_delta_net import (
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_states,

@@ -8,7 +8,7 @@ import recurrent_hooks as rh
 from recurrent_hooks.engine import taking
 from recurrent_hooks.engine.parts import is_parts
 from _compare import assert_close
-from _models import build, random_ids
+from _models import DEVICE, build, random_ids
 
 TOKENS = 150  # more than two chunks of the reduction (taking.Reduction.CHUNK = 64)
 # one family per kind: the memory it keeps ("states", or a convolution window only)
@@ -192,7 +192,7 @@ def test_keep_device_with_gradients_refuses_states_and_keeps_the_graph_of_reduct
     model = model_of("qwen3_5")
     ids = random_ids(1, 12)
     with pytest.raises(rh.InvalidValue, match=r"call 0, token 0: keep_device='meta' with gradients on: a state"
-                                              r" kept in grad mode is the tensor the forward read \(on cpu\)"):
+                                              rf" kept in grad mode is the tensor the forward read \(on {DEVICE}\)"):
         with rh.watch(model, keep=("states",), keep_device="meta"):
             model(ids, use_cache=False)
     embeddings = model.get_input_embeddings()(ids).detach().requires_grad_(True)

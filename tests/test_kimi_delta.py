@@ -19,7 +19,7 @@ from _compare import assert_close
 from _reference import kimi_delta_rule_reference
 from _upstream import transformers_kernel
 from recurrent_hooks import FAMILIES, KimiDeltaAttention
-from recurrent_hooks.kinds import delta_rule
+from recurrent_hooks.kinds.shared import delta_rule
 from recurrent_hooks.kinds.kimi_delta import (
     chunk_kimi_delta_attention,
     chunk_kimi_delta_attention_states,

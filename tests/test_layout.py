@@ -1,6 +1,7 @@
 """The package's layers import one way: the engine imports no kind, no study and not the registry; a kind imports
 no study; a study imports no kind (it reaches a kind through a mixer and the kind's declarations); a kind imports no
-other kind's private helper (shared maths live in their own modules: `delta_rule`, `ssm`, `conv`); no module uses
+other kind's private helper (the maths several kinds share live in `kinds/shared/`: `delta_rule`, `ssm`, `conv`,
+which a kind imports by their public names, and which are not kinds); no module uses
 another module's underscore names but the kinds' adapters (`Kind.ADAPTERS`); only `engine/tracing.py` asks whether
 torch.compile traces; every path is one runner; no class over 300 lines, no function over 80 (docs/architecture.md).
 Read from the source, so an import inside a function counts too."""
@@ -61,23 +62,46 @@ def test_the_layers_are_there_and_the_check_sees_imports():
 
 
 def _private_names_from_siblings(path: pathlib.Path) -> list[str]:
-    """`module.name` for every underscore name the file imports from another module of its own package."""
+    """`module.name` for every underscore name the file imports from another module of the package by a relative
+    import (a sibling kind, a shared module, the engine)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+        if isinstance(node, ast.ImportFrom) and node.level and node.module:
             found += [f"{node.module}.{alias.name}" for alias in node.names if alias.name.startswith("_")]
     return found
 
 
-@pytest.mark.parametrize("path", sorted((PACKAGE / "kinds").glob("*.py")), ids=lambda p: p.name)
+KINDS = sorted(p for p in (PACKAGE / "kinds").glob("*.py") if p.name != "__init__.py")  # one module per kind
+SHARED = sorted(p for p in (PACKAGE / "kinds" / "shared").glob("*.py") if p.name != "__init__.py")  # not kinds
+
+
+@pytest.mark.parametrize("path", KINDS + SHARED, ids=lambda p: str(p.relative_to(PACKAGE / "kinds")))
 def test_a_kind_imports_no_private_helper_of_another_kind(path):
     wrong = _private_names_from_siblings(path)
-    assert not wrong, f"recurrent_hooks/kinds/{path.name} imports private helpers of other kinds: {wrong}"
+    assert not wrong, f"recurrent_hooks/{path.relative_to(PACKAGE)} imports private helpers of other modules: {wrong}"
 
 
 def test_the_private_import_check_sees_one(tmp_path):
-    (tmp_path / "k.py").write_text("from .other import _helper as helper, public\n")
-    assert _private_names_from_siblings(tmp_path / "k.py") == ["other._helper"]
+    (tmp_path / "k.py").write_text("from .other import _helper as helper, public\nfrom ..shared.ssm import _step\n")
+    assert _private_names_from_siblings(tmp_path / "k.py") == ["other._helper", "shared.ssm._step"]
+
+
+def test_the_kinds_are_the_modules_of_kinds_and_the_shared_maths_are_none():
+    """Every mixer kind is declared in a module of `kinds/` (its tests are tests/test_<module>.py, where
+    tests/_contract.py `adapter_of` finds its adapter by that name); `kinds/shared/` declares none and imports no
+    kind: it holds the maths several kinds share."""
+    import recurrent_hooks as rh
+
+    def subclasses(cls):
+        return [cls, *(sub for child in cls.__subclasses__() for sub in subclasses(child))]
+
+    kinds = {p.stem for p in KINDS}
+    declared = {kind.__module__ for kind in subclasses(rh.RecurrentMixer)
+                if kind.__module__.startswith("recurrent_hooks.kinds.")}
+    assert {module.split(".", 2)[2] for module in declared} == kinds, sorted(declared)
+    wrong = {str(path.relative_to(PACKAGE)): found for path in SHARED
+             if (found := sorted(m for m in _imports(path) if m.split(".")[:2][-1] in kinds))}
+    assert SHARED and not wrong, f"the shared maths import kinds: {wrong}"
 
 
 def _private_uses(path: pathlib.Path, defined: dict[str, set[str]]) -> list[str]:
@@ -100,18 +124,23 @@ def _private(name: str) -> bool:
 
 
 def _defined(paths: list[pathlib.Path]) -> dict[str, set[str]]:
-    """Underscore name -> the files that define it (a function, a class, an attribute assigned, a module name)."""
+    """Underscore name -> the files that define it: a function, a class, a name assigned in a module's or a class's
+    body, an attribute stored on `self` or `cls`. A store on any other object (`mixer._live = True`) defines nothing:
+    it writes another object's private field, and counts as a use (`_private_uses`)."""
     defined: dict[str, set[str]] = {}
     for path in paths:
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        bodies = [tree.body, *(node.body for node in ast.walk(tree) if isinstance(node, ast.ClassDef))]
+        for node in [*ast.walk(tree), *(statement for body in bodies for statement in body)]:
             names = []
             if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
                 names = [node.name]
-            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                    and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
                 names = [node.attr]
-            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)) and any(node in body for body in bodies):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                names = [target.id for target in targets if isinstance(target, ast.Name)]
+                names = [name.id for target in targets for name in ast.walk(target) if isinstance(name, ast.Name)]
             for name in names:
                 if _private(name):
                     defined.setdefault(name, set()).add(str(path))
@@ -136,10 +165,13 @@ def test_no_module_uses_another_modules_private_names_but_the_kinds_adapters():
 
 
 def test_the_private_use_check_sees_one(tmp_path):
-    (tmp_path / "a.py").write_text("def _helper():\n    pass\n")
-    (tmp_path / "b.py").write_text("from . import a\n\ndef f(x):\n    return a._helper(), x._cached_memory\n")
+    (tmp_path / "a.py").write_text("def _helper():\n    pass\n\nclass A:\n    def __init__(self):\n"
+                                   "        self._live = False\n")
+    (tmp_path / "b.py").write_text("from . import a\n\ndef f(x):\n    x._live = True\n"
+                                   "    return a._helper(), x._cached_memory\n")
     defined = _defined([tmp_path / "a.py", tmp_path / "b.py"])
-    assert _private_uses(tmp_path / "b.py", defined) == ["_helper (line 4)"]
+    assert defined["_live"] == {str(tmp_path / "a.py")}, "a store on another object defined the name"
+    assert sorted(_private_uses(tmp_path / "b.py", defined)) == ["_helper (line 5)", "_live (line 4)"]
 
 
 MAX_CLASS_LINES = 300
@@ -189,8 +221,8 @@ def test_only_the_tracing_module_asks_whether_torch_compile_traces():
     assert asking == ["engine/tracing.py"], f"modules that ask torch.compiler.is_compiling themselves: {asking}"
 
 
-def test_the_per_call_state_branches_on_compiling_in_one_place():
-    """The handle does not branch on torch.compile: its per-call state picks the traced implementation once
+def test_the_per_call_tracker_branches_on_compiling_in_one_place():
+    """The handle does not branch on torch.compile: its per-call tracker picks the traced implementation once
     (`CallTracker.now`), and compile support (`compiled.TracedCallTracker`) implements the same interface."""
     found = {}
     for name in ("mixer.py", "tracker.py", "kind.py"):
@@ -205,10 +237,26 @@ def test_the_per_call_state_branches_on_compiling_in_one_place():
 def test_every_path_is_one_runner_and_dispatch_branches_on_none():
     """Paths as a table (docs/architecture.md): each `Strategy` has its runner in `engine/busy.py`, and the busy call
     looks it up; dispatch names no path but the token loop it falls back to."""
-    from recurrent_hooks.engine import busy, strategies
+    from recurrent_hooks.engine import busy, policy
 
-    assert set(busy.RUNNERS) == set(strategies.Strategy), sorted(map(str, busy.RUNNERS))
+    assert set(busy.RUNNERS) == set(policy.Strategy), sorted(map(str, busy.RUNNERS))
     tree = ast.parse((PACKAGE / "engine" / "dispatch.py").read_text())
     named = sorted({node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
-                    and isinstance(node.value, ast.Attribute) and node.value.attr == "Strategy"})
+                    and "Strategy" in (getattr(node.value, "attr", None), getattr(node.value, "id", None))})
     assert named == ["LOOP"], f"engine/dispatch.py branches on the paths {named}: give the path a runner in busy.py"
+
+
+# the handle (`mixer`) and the modules it is built on import one way: the handle's tracker, its hooks, its kind's
+# declaration and the compiled ops never import the handle, and the declaration imports no tracker
+BELOW_THE_HANDLE = {"tracker": {"mixer", "compiled"}, "hooks": {"mixer", "tracker", "compiled"},
+                    "kind": {"mixer", "tracker", "compiled", "hooks"}, "compiled": {"mixer"},
+                    "calls": {"mixer", "tracker", "kind", "compiled", "hooks"}, "policy": {"mixer", "tracker"}}
+
+
+@pytest.mark.parametrize("module", sorted(BELOW_THE_HANDLE))
+def test_the_handle_is_above_what_it_is_built_on(module):
+    """One-way handle: a watch hands the handle's tracker what it asks (`policy.Request`) when the handle is made,
+    and the tracker holds the kind and where the mixer is, never the handle (type-checking imports count too)."""
+    found = {name.split(".")[-1] for name in _imports(PACKAGE / "engine" / f"{module}.py")}
+    wrong = sorted(found & BELOW_THE_HANDLE[module])
+    assert not wrong, f"recurrent_hooks/engine/{module}.py imports {wrong}"

@@ -9,7 +9,7 @@ import conftest
 import recurrent_hooks as rh
 import recurrent_hooks.engine.patching as patching
 import recurrent_hooks.engine.threads as threads_impl
-import recurrent_hooks.engine.watch as watch_impl
+import recurrent_hooks.engine.standalone as standalone_impl
 from _models import build, random_ids
 
 
@@ -18,7 +18,7 @@ def test_a_leaked_standalone_hook_is_reported_then_released():
     seen = []
     handle = rh.register_state_hook(model.model.layers[0].linear_attn, lambda mixer, call, token, state:
                                     seen.append(token), token=0)  # never removed by the test: a leak
-    assert watch_impl._STANDALONE and patching._BINDINGS, "the standalone hook bound no kernel"
+    assert standalone_impl._STANDALONE and patching._BINDINGS, "the standalone hook bound no kernel"
     leaks = conftest._leaks_and_cleanup()
     assert leaks["standalone hooks"] == 1 and leaks["bindings"], f"the leak was not reported: {leaks}"
     assert "cleanup errors" not in leaks, leaks
@@ -26,7 +26,7 @@ def test_a_leaked_standalone_hook_is_reported_then_released():
     model(random_ids(1, 4))
     assert seen == [], "the released hook still ran"
     handle.remove()  # a handle of a released hook: a no-op
-    assert not watch_impl._STANDALONE and not patching._BINDINGS
+    assert not standalone_impl._STANDALONE and not patching._BINDINGS
 
 
 def test_every_cleanup_step_runs_when_one_raises(monkeypatch):
@@ -49,7 +49,7 @@ def test_every_cleanup_step_runs_when_one_raises(monkeypatch):
         leaks = conftest._leaks_and_cleanup()
     assert leaks["standalone hooks"] == 2 and leaks["inside a hook"] == 1, f"the leaks were not reported: {leaks}"
     assert leaks["cleanup errors"] == ["_remove_standalone_hooks: RuntimeError: a cleanup step that fails"], leaks
-    assert len(calls) == 2 and len(watch_impl._STANDALONE) == 1, "the step after the failing one did not run"
+    assert len(calls) == 2 and len(standalone_impl._STANDALONE) == 1, "the step after the failing one did not run"
     assert threads_impl.THREAD.in_hook == 0, "the steps after the standalone hooks did not run"
     again = conftest._leaks_and_cleanup()  # the mixer whose step failed: still reported, and released now
     assert again["standalone hooks"] == 1 and "cleanup errors" not in again, again

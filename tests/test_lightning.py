@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import recurrent_hooks as rh
 from _compare import assert_close, assert_close_per_call, assert_equal
 from _contract import Adapter, family_fixtures
-from _models import PAD, _minimax, build, random_ids
+from _models import DEVICE, PAD, _minimax, build, random_ids
 from _runs import greedy, logits_of, sparse_generate, watched_greedy
 import recurrent_hooks.kinds.lightning as rh_lightning
 from recurrent_hooks.kinds.lightning import lightning_attention_forward
@@ -68,7 +68,7 @@ def slopes(heads: int, layer: int, layers: int) -> torch.Tensor:
 def lightning_reference(module, hidden_states, attention_mask=None, initial_state=None):
     """The mixer's output and the state after every token, `[batch, seq, heads, d, d]`, in float64."""
     assert module.act_fn.__class__.__name__ == "SiLUActivation" or module.act_fn is F.silu
-    f64 = lambda t: t.detach().to(torch.float64)  # noqa: E731
+    f64 = lambda t: t.detach().to("cpu", torch.float64)  # noqa: E731  (the reference stays on the CPU)
     x = f64(hidden_states)
     batch, seq, _ = x.shape
     heads, d = module.num_attention_heads, module.head_dim
@@ -119,7 +119,12 @@ def _cache_with(layer, state):
 
 
 def _hidden(seq, seed=0):
-    return torch.randn(2, seq, 32, generator=torch.Generator().manual_seed(seed))
+    return torch.randn(2, seq, 32, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+def _state(seed, scale=1.0):
+    """A [2, 2, 16, 16] state of N(0, scale^2) entries, on the model's device."""
+    return (torch.randn(2, 2, 16, 16, generator=torch.Generator().manual_seed(seed)) * scale).to(DEVICE)
 
 
 @pytest.mark.parametrize("cached", [False, True], ids=["prompt", "cached"])
@@ -131,7 +136,7 @@ def test_forward_matches_transformers(family, seq, cached):
     original = import_default(mixer_class(family), "forward")
     assert not getattr(original, "__recurrent_hooks__", False)
     for module in mixers_of(model):
-        start = torch.randn(2, 2, 16, 16, generator=torch.Generator().manual_seed(9)) * 0.3 if cached else None
+        start = _state(9, 0.3) if cached else None
         x, mask = _hidden(seq, seed=module.layer_idx), None
         caches = [_cache_with(module.layer_idx, start), _cache_with(module.layer_idx, start)]
         with torch.no_grad():
@@ -150,7 +155,7 @@ def test_forward_without_a_cache_and_with_padding(family):
     original = import_default(mixer_class(family), "forward")
     module = mixers_of(model)[0]
     x = _hidden(T, seed=3)
-    mask = torch.ones(2, T, dtype=torch.long)
+    mask = torch.ones(2, T, dtype=torch.long, device=DEVICE)
     mask[0, :4] = 0
     with torch.no_grad():
         want_out, want_state = original(module, x, None, mask)
@@ -167,7 +172,7 @@ def test_a_prompt_is_transformers_per_token_branch_from_a_zero_state(family, dty
     original = import_default(mixer_class(family), "forward")
     for module in mixers_of(model):
         x = _hidden(T, seed=8).to(dtype)
-        zero = torch.zeros(2, module.num_attention_heads, module.head_dim, module.head_dim, dtype=dtype)
+        zero = torch.zeros(2, module.num_attention_heads, module.head_dim, module.head_dim, dtype=dtype, device=DEVICE)
         with torch.no_grad():
             want_out, want_state = original(module, x, None, None, cache=_cache_with(module.layer_idx, zero))
             out, state = lightning_attention_forward(module, x, None, None)
@@ -197,7 +202,7 @@ def test_half_precision_logits_stay_within_transformers_own_prompt_versus_decode
 def test_per_token_states_match_the_float64_reference(family, cached):
     model = build(family)
     for module in mixers_of(model):
-        start = torch.randn(2, 2, 16, 16, generator=torch.Generator().manual_seed(4)) * 0.3 if cached else None
+        start = _state(4, 0.3) if cached else None
         x = _hidden(37, seed=5)
         states = []
 
@@ -220,7 +225,7 @@ def test_on_token_replacement_changes_only_later_tokens_and_the_cache(family, to
     model = build(family)
     module = mixers_of(model)[0]
     x = _hidden(37, seed=6)
-    replacement = torch.randn(2, 2, 16, 16, generator=torch.Generator().manual_seed(7))
+    replacement = _state(7)
     cache = _cache_with(module.layer_idx, None)
     with torch.no_grad():
         plain, _ = lightning_attention_forward(module, x, None, None)
@@ -264,7 +269,7 @@ def test_stops_run_blocks_between_them(family, stops):
                 want_out, want_state = original(module, x, None, None)
             assert_equal("one stop at the end: transformers' chunk loop", want_out, out)
             assert_equal("one stop at the end: its state", want_state, final)
-        replacement = torch.randn(final.shape, generator=torch.Generator().manual_seed(11))
+        replacement = torch.randn(final.shape, generator=torch.Generator().manual_seed(11)).to(final.device)
         at = stops[0]
         with torch.no_grad():
             replaced, _ = lightning_attention_forward(module, x, None, None, stops=stops,
@@ -283,11 +288,12 @@ def test_fuzz_stops_against_the_token_loop_and_the_reference(family, seed):
     model = build(family)
     module = mixers_of(model)[seed % len(mixers_of(model))]
     seq = int(torch.randint(1, 45, (), generator=gen))
-    x = torch.randn(2, seq, 32, generator=gen)
-    mask = torch.ones(2, seq, dtype=torch.long)
+    x = torch.randn(2, seq, 32, generator=gen).to(DEVICE)
+    mask = torch.ones(2, seq, dtype=torch.long, device=DEVICE)
     mask[1, : int(torch.randint(0, seq, (), generator=gen))] = 0
     stops = sorted({int(t) for t in torch.randint(0, seq, (int(torch.randint(1, 5, (), generator=gen)),), generator=gen)})
-    replaced = {t: torch.randn(2, 2, 16, 16, generator=gen) * 0.3 for t in stops if torch.rand((), generator=gen) < 0.5}
+    replaced = {t: (torch.randn(2, 2, 16, 16, generator=gen) * 0.3).to(DEVICE) for t in stops
+                if torch.rand((), generator=gen) < 0.5}
     runs = {}
     for name, arguments in (("blocks", dict(stops=stops)), ("token loop", {})):
         seen = {}
@@ -322,7 +328,7 @@ def test_stops_over_a_cached_state_run_token_by_token(family):
     model = build(family)
     original = import_default(mixer_class(family), "forward")
     module = mixers_of(model)[0]
-    start = torch.randn(2, 2, 16, 16, generator=torch.Generator().manual_seed(12)) * 0.3
+    start = _state(12, 0.3)
     x = _hidden(9, seed=13)
     with torch.no_grad():
         want_out, want_state = original(module, x, None, None, cache=_cache_with(module.layer_idx, start))
@@ -701,6 +707,7 @@ def offloaded(request, family, tmp_path):
     return plain, model
 
 
+@pytest.mark.cpu_only(reason="the execution device here is the CPU (accelerate offloads to the CPU and the disk): on a GPU the execution device would be the GPU, which these tests do not build")
 def test_offloaded_models_are_watched_through_the_bound_forward_accelerate_keeps(offloaded):
     """accelerate replaces each offloaded module's `forward` by a wrapper that calls the original method it
     stored on the instance (`_old_forward`): the watch rebinds that too, and only for the block."""

@@ -1,5 +1,5 @@
 """The bytes each busy path holds, measured at real layer dims against the model the path choice uses
-(`strategies.held_bytes`, `rh.Paths(memory_budget=...)`).
+(`memory.held_bytes`, `rh.Paths(memory_budget=...)`).
 
 One layer of each kind whose prompt kernel declares a cost shape (gated DeltaNet at Qwen3.5 dims, Kimi delta
 attention at Kimi-Linear dims and Mamba-2 at mamba2-130m dims), watched with the path forced (with `--full`:
@@ -25,10 +25,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import recurrent_hooks as rh
-import recurrent_hooks.engine.strategies as rh_paths
+import recurrent_hooks.engine.choose as rh_choose
+import recurrent_hooks.engine.memory as rh_memory
 from _compare import assert_close
 from _models import VOCAB, build, random_ids
-from recurrent_hooks.engine.strategies import Strategy
+from recurrent_hooks.engine.policy import Strategy
 from recurrent_hooks.kinds.gated_delta_net import GatedDeltaNet
 
 STOPS = 16
@@ -118,7 +119,7 @@ def _held(model, ids, grad: bool, stops: list[int], **kept) -> dict[Strategy, fl
         model(ids, use_cache=False)
     mixer, call = w.mixers[0], w.mixers[0].calls[0]
     shape = type(mixer).kernel_for("prompt").segments.shape(call.inputs)
-    return rh_paths.held_bytes(shape, ids.shape[1], stops, grad, **kept)
+    return rh_memory.held_bytes(shape, ids.shape[1], stops, grad, **kept)
 
 
 def _spread(tokens: int) -> list[int]:
@@ -190,14 +191,14 @@ def _gdn_arguments(batch: int, tokens: int) -> dict:
 
 
 def _plan(hooks=(), keep=None, device=None):
-    return SimpleNamespace(hooks=list(hooks), keep=keep, mixer=object.__new__(GatedDeltaNet), device=device)
+    return SimpleNamespace(hooks=list(hooks), keep=keep, kind=GatedDeltaNet, device=device)
 
 
 GDN = GatedDeltaNet.kernel_for("prompt")
 
 
 def _choose(plan, tokens: int, grad: bool, **paths) -> Strategy:
-    choice = rh_paths.choose(GDN, [plan], tokens, _gdn_arguments(1, tokens), grad=grad, paths=rh.Paths(**paths))
+    choice = rh_choose.choose(GDN, [plan], tokens, _gdn_arguments(1, tokens), grad=grad, paths=rh.Paths(**paths))
     return Strategy.LOOP if choice is None else choice.path
 
 
@@ -207,7 +208,7 @@ def test_over_the_budget_the_token_loop_gives_way_to_segments_with_gradients():
     tokens, stops = 2048, frozenset(range(8, 2048, 16))
     plan = _plan(hooks=[(None, stops)])
     shape = GDN.segments.shape(_gdn_arguments(1, tokens))
-    held = rh_paths.held_bytes(shape, tokens, stops, grad=True)
+    held = rh_memory.held_bytes(shape, tokens, stops, grad=True)
     assert held[Strategy.SEGMENTS] < 2**31 < held[Strategy.LOOP], held
     assert _choose(plan, tokens, True, memory_budget=math.inf) is Strategy.LOOP
     assert _choose(plan, tokens, True, memory_budget=2**31) is Strategy.SEGMENTS
@@ -233,9 +234,9 @@ def test_a_forced_path_ignores_the_budget():
 
 def test_the_default_budget_is_a_quarter_of_the_devices_memory():
     cpu = torch.device("cpu")
-    assert rh_paths.budget_of(rh.Paths(), cpu) == rh_paths.DEFAULT_BUDGET_SHARE * rh_paths.device_memory(cpu)
-    assert 0 < rh_paths.device_memory(cpu) < math.inf
-    assert rh_paths.budget_of(rh.Paths(memory_budget=5), cpu) == 5
+    assert rh_memory.budget_of(rh.Paths(), cpu) == rh_memory.DEFAULT_BUDGET_SHARE * rh_memory.device_memory(cpu)
+    assert 0 < rh_memory.device_memory(cpu) < math.inf
+    assert rh_memory.budget_of(rh.Paths(memory_budget=5), cpu) == 5
 
 
 @pytest.mark.parametrize("bad", [-1, "1GB", True, float("nan")])

@@ -1,4 +1,4 @@
-"""The cost model that chooses a busy call's path (`recurrent_hooks/engine/strategies.py`), and the token-loop tails of segments.
+"""The cost model that chooses a busy call's path (`recurrent_hooks/engine/choose.py`, `costs.py`), and the token-loop tails of segments.
 
 - `choose` on declared shapes: the token loop at tiny dims with a large batch and short prompts, segments at
   real dims with 8 stops, never the chunk-wise states with gradients on, never blocks without an all-states
@@ -23,13 +23,15 @@ import pytest
 import torch
 
 import recurrent_hooks as rh
-import recurrent_hooks.engine.watch as watch_impl
+import recurrent_hooks.engine.standalone as standalone_impl
 import recurrent_hooks.engine.busy as rh_busy
-import recurrent_hooks.engine.strategies as rh_paths
+import recurrent_hooks.engine.choose as rh_choose
+import recurrent_hooks.engine.costs as rh_costs
+import recurrent_hooks.engine.policy as rh_policy
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
 from recurrent_hooks.kinds.gated_delta_net import GatedDeltaNet
-from recurrent_hooks.engine.strategies import Strategy
+from recurrent_hooks.engine.policy import Strategy
 from recurrent_hooks.registry import family_of
 from recurrent_hooks.kinds.state_space import Mamba2StateSpace
 
@@ -55,19 +57,19 @@ def ssd_arguments(batch: int, tokens: int, heads: int, head_dim: int, d_state: i
 
 
 def keeping(*tokens: int, kind: type = GatedDeltaNet) -> SimpleNamespace:
-    return SimpleNamespace(hooks=[], keep=frozenset(tokens), mixer=object.__new__(kind))
+    return SimpleNamespace(hooks=[], keep=frozenset(tokens), kind=kind)
 
 
 def hooked(tokens: frozenset[int] | None, kind: type = GatedDeltaNet) -> SimpleNamespace:
     """A plan with one hook at `tokens` (None: every token), of a mixer of `kind` (only its type is read)."""
-    return SimpleNamespace(hooks=[(None, tokens)], keep=None, mixer=object.__new__(kind))
+    return SimpleNamespace(hooks=[(None, tokens)], keep=None, kind=kind)
 
 
 def spread(count: int, tokens: int) -> list[int]:
     return sorted({min(tokens - 1, int((i + 0.5) * tokens / count)) for i in range(count)})
 
 
-def path_of(choice: rh_paths.Choice | None) -> Strategy:
+def path_of(choice: rh_policy.Choice | None) -> Strategy:
     return Strategy.LOOP if choice is None else choice.path
 
 
@@ -78,16 +80,16 @@ def path_of(choice: rh_paths.Choice | None) -> Strategy:
 def test_tiny_heads_large_batch_short_prompt_take_the_token_loop(kept):
     """The issue's case: 4 value heads of 16, batch 64, T = 25: transformers' chunked kernel costs far more."""
     arguments = gdn_arguments(64, 25, 2, 4, 16)
-    choice = rh_paths.choose(GDN, [keeping(*spread(kept, 25))], 25, arguments, grad=False)
+    choice = rh_choose.choose(GDN, [keeping(*spread(kept, 25))], 25, arguments, grad=False)
     assert path_of(choice) is Strategy.LOOP
 
 
 def test_real_dims_with_8_stops_take_segments():
     """Qwen3.5 dims (16 key / 32 value heads of 128), T = 2048, 8 kept positions: segments; Mamba-2 too."""
-    choice = rh_paths.choose(GDN, [keeping(*spread(8, 2048))], 2048, gdn_arguments(1, 2048, 16, 32, 128), grad=False)
+    choice = rh_choose.choose(GDN, [keeping(*spread(8, 2048))], 2048, gdn_arguments(1, 2048, 16, 32, 128), grad=False)
     assert path_of(choice) is Strategy.SEGMENTS
     assert choice.stops == spread(8, 2048) and not choice.every_state
-    choice = rh_paths.choose(SSD, [keeping(*spread(8, 2048))], 2048, ssd_arguments(1, 2048, 24, 64, 128, 256),
+    choice = rh_choose.choose(SSD, [keeping(*spread(8, 2048))], 2048, ssd_arguments(1, 2048, 24, 64, 128, 256),
                              grad=False)
     assert path_of(choice) is Strategy.SEGMENTS
 
@@ -98,17 +100,17 @@ def test_chunkwise_states_with_gradients_where_the_kind_has_an_adjoint():
     paths = rh.Paths(force=Strategy.STATES)
     for batch, heads, dim in ((1, 32, 128), (64, 4, 16)):
         every = keeping(*range(64))
-        choice = rh_paths.choose(GDN, [every], 64, gdn_arguments(batch, 64, heads, heads, dim), grad=True, paths=paths)
+        choice = rh_choose.choose(GDN, [every], 64, gdn_arguments(batch, 64, heads, heads, dim), grad=True, paths=paths)
         assert path_of(choice) is Strategy.STATES and choice.every_state and choice.stops == []
-        hooked_too = SimpleNamespace(hooks=[(None, [5])], keep=frozenset(range(64)), mixer=every.mixer)
-        choice = rh_paths.choose(GDN, [hooked_too], 64, gdn_arguments(batch, 64, heads, heads, dim), grad=True,
+        hooked_too = SimpleNamespace(hooks=[(None, [5])], keep=frozenset(range(64)), kind=every.kind)
+        choice = rh_choose.choose(GDN, [hooked_too], 64, gdn_arguments(batch, 64, heads, heads, dim), grad=True,
                                  paths=paths)
         assert path_of(choice) is not Strategy.STATES and (choice is None or not choice.every_state)
     no_adjoint = dataclasses.replace(GDN, segments=dataclasses.replace(GDN.segments, adjoint=None))
-    choice = rh_paths.choose(no_adjoint, [keeping(*range(64))], 64, gdn_arguments(1, 64, 4, 4, 16), grad=True,
+    choice = rh_choose.choose(no_adjoint, [keeping(*range(64))], 64, gdn_arguments(1, 64, 4, 4, 16), grad=True,
                              paths=paths)
     assert path_of(choice) is not Strategy.STATES and (choice is None or not choice.every_state)
-    choice = rh_paths.choose(no_adjoint, [keeping(*range(64))], 64, gdn_arguments(1, 64, 4, 4, 16), grad=False,
+    choice = rh_choose.choose(no_adjoint, [keeping(*range(64))], 64, gdn_arguments(1, 64, 4, 4, 16), grad=False,
                              paths=paths)
     assert path_of(choice) is Strategy.STATES  # without gradients it can
 
@@ -119,12 +121,12 @@ def test_never_blocks_without_all_states(force):
     every_token = hooked(None)
     without = dataclasses.replace(GDN, segments=dataclasses.replace(GDN.segments, all_states=None))
     arguments = gdn_arguments(1, 512, 16, 32, 128)
-    assert path_of(rh_paths.choose(without, [every_token], 512, arguments, grad=False, paths=paths)) is Strategy.LOOP
-    assert path_of(rh_paths.choose(GDN, [every_token], 512, arguments, grad=True, paths=paths)) is Strategy.LOOP
+    assert path_of(rh_choose.choose(without, [every_token], 512, arguments, grad=False, paths=paths)) is Strategy.LOOP
+    assert path_of(rh_choose.choose(GDN, [every_token], 512, arguments, grad=True, paths=paths)) is Strategy.LOOP
     # at real dims blocks were measured slower than the loop (`Segments.blocks_below`): not available, even forced
-    assert path_of(rh_paths.choose(GDN, [every_token], 512, arguments, grad=False, paths=paths)) is Strategy.LOOP
+    assert path_of(rh_choose.choose(GDN, [every_token], 512, arguments, grad=False, paths=paths)) is Strategy.LOOP
     small = gdn_arguments(1, 512, 2, 4, 16)  # 4 heads of 16 x 16: under the delta rules' blocks_below
-    blocks = rh_paths.choose(GDN, [every_token], 512, small, grad=False, paths=paths)
+    blocks = rh_choose.choose(GDN, [every_token], 512, small, grad=False, paths=paths)
     assert path_of(blocks) in ((Strategy.BLOCKS,) if force else (Strategy.BLOCKS, Strategy.LOOP))
 
 
@@ -133,7 +135,7 @@ def test_a_hooked_decode_step_runs_transformers_kernel_then_the_hooks(family, mo
     """A decode step is one token: a hook on it (at every token, or at -1) or a write is a stop at token 0, so the
     bound kernel runs and the hooks see the state it returns; the same logits, hook inputs and cache as the loop."""
     decode = type_of(family).kernel_for("decode")
-    assert rh_paths.choose(decode, [hooked(None)], 1, None, grad=False) == rh_paths.Choice(Strategy.SEGMENTS, [0], False)
+    assert rh_choose.choose(decode, [hooked(None)], 1, None, grad=False) == rh_policy.Choice(Strategy.SEGMENTS, [0], False)
     model, ids = build(family), random_ids(2, 7)
     runs = {}
     for fast in (True, False):
@@ -170,42 +172,42 @@ def test_a_stop_just_past_a_chunk_boundary_ends_with_a_token_loop():
     """Mamba-2 at mamba2-130m dims, chunk 256, tails on: a stop at token 300 runs the kernel on [0, 256) and the
     token loop on [256, 301), rather than the kernel on a piece padded to 512 tokens. Off (the default), not."""
     arguments = ssd_arguments(1, 1024, 24, 64, 128, 256)
-    assert rh_paths.choose(SSD, [keeping(300)], 1024, arguments, grad=False) == rh_paths.Choice(Strategy.SEGMENTS, [300],
+    assert rh_choose.choose(SSD, [keeping(300)], 1024, arguments, grad=False) == rh_policy.Choice(Strategy.SEGMENTS, [300],
                                                                                                 False, ())
-    choice = rh_paths.choose(SSD, [keeping(300)], 1024, arguments, grad=False, paths=rh.Paths(tails=True))
+    choice = rh_choose.choose(SSD, [keeping(300)], 1024, arguments, grad=False, paths=rh.Paths(tails=True))
     assert path_of(choice) is Strategy.SEGMENTS
     assert (256, 301) in choice.tails
     assert all(start % 256 == 0 or start in (0, 301) for start, _ in choice.tails)
 
 
-def _cpu(key: str) -> rh_paths.Constants:
-    return rh_paths.costs_for("cpu", torch.float32)[key]
+def _cpu(key: str) -> rh_policy.Constants:
+    return rh_costs.costs_for("cpu", torch.float32)[key]
 
 
 def test_tails_are_only_taken_when_cheaper():
-    shape, constants = rh_paths.Shape("ssd", 1, 24, 64, 128, 256), _cpu("ssd")
-    for start, end in rh_paths.pieces([300, 700], 1024):
-        cost, tail = rh_paths._piece(constants, shape, start, end, True)
-        assert cost <= rh_paths.kernel_cost(constants, shape, end - start)
-        assert tail is None or cost < rh_paths.kernel_cost(constants, shape, end - start)
-    assert rh_paths.segments_cost(constants, shape, 1024, [300], tails=False)[1] == ()
+    shape, constants = rh_costs.Shape("ssd", 1, 24, 64, 128, 256), _cpu("ssd")
+    for start, end in rh_costs.pieces([300, 700], 1024):
+        cost, tail = rh_costs._piece(constants, shape, start, end, True)
+        assert cost <= rh_costs.kernel_cost(constants, shape, end - start)
+        assert tail is None or cost < rh_costs.kernel_cost(constants, shape, end - start)
+    assert rh_costs.segments_cost(constants, shape, 1024, [300], tails=False)[1] == ()
 
 
 def test_the_fixed_rule_when_told():
     arguments, fixed = gdn_arguments(64, 25, 2, 4, 16), rh.Paths(rule="fixed")
-    choice = rh_paths.choose(GDN, [keeping(3)], 25, arguments, grad=False, paths=fixed)
-    assert choice == rh_paths.Choice(Strategy.SEGMENTS, [3], False)
-    assert rh_paths.choose(GDN, [keeping(*range(0, 25, 2))], 25, arguments, grad=False, paths=fixed) is None  # > 8
-    assert rh_paths.choose(GDN, [keeping(*range(25))], 25, arguments, grad=False, paths=fixed).path is Strategy.STATES
+    choice = rh_choose.choose(GDN, [keeping(3)], 25, arguments, grad=False, paths=fixed)
+    assert choice == rh_policy.Choice(Strategy.SEGMENTS, [3], False)
+    assert rh_choose.choose(GDN, [keeping(*range(0, 25, 2))], 25, arguments, grad=False, paths=fixed) is None  # > 8
+    assert rh_choose.choose(GDN, [keeping(*range(25))], 25, arguments, grad=False, paths=fixed).path is Strategy.STATES
 
 
 def test_estimates_grow_with_what_they_count():
-    small, large = rh_paths.Shape("delta rule", 1, 4, 16, 16, 64), rh_paths.Shape("delta rule", 64, 4, 16, 16, 64)
+    small, large = rh_costs.Shape("delta rule", 1, 4, 16, 16, 64), rh_costs.Shape("delta rule", 64, 4, 16, 16, 64)
     constants = _cpu("delta rule")
-    for cost in (rh_paths.kernel_cost, rh_paths.loop_cost, rh_paths.states_cost):
+    for cost in (rh_costs.kernel_cost, rh_costs.loop_cost, rh_costs.states_cost):
         assert 0 < cost(constants, small, 25) <= cost(constants, small, 200)
         assert cost(constants, small, 25) <= cost(constants, large, 25)
-    assert rh_paths.kernel_cost(constants, small, 1) == rh_paths.kernel_cost(constants, small, 64)  # one chunk
+    assert rh_costs.kernel_cost(constants, small, 1) == rh_costs.kernel_cost(constants, small, 64)  # one chunk
 
 
 # -- segments with token-loop tails equal the token loop -----------------------------------------------------------
@@ -256,7 +258,7 @@ def test_tails_at_the_kernel_equal_the_token_loop():
 
 
 # Constants that make every tail cheaper than a chunk: segments end in token loops wherever they can.
-CHEAP_TAILS = rh_paths.Constants(kernel=(0.0, 1.0, 0.0, 0.0, 0.0), loop=(0.0, 1e-3, 0.0, 0.0),
+CHEAP_TAILS = rh_policy.Constants(kernel=(0.0, 1.0, 0.0, 0.0, 0.0), loop=(0.0, 1e-3, 0.0, 0.0),
                                  states=(0.0, 1.0, 0.0, 0.0, 0.0))
 TAILS_EVERYWHERE = rh.Paths(force="segments", tails=True, costs={"ssd": CHEAP_TAILS, "delta rule": CHEAP_TAILS})
 
@@ -328,7 +330,7 @@ COMPILED_T, KEPT, WRITTEN = 6, 2, 3
 
 
 # Constants under which the cost model picks segments (or the chunk-wise states) over the token loop.
-CHEAP = rh_paths.Constants(kernel=(1e-6, 0.0, 0.0, 0.0, 0.0), loop=(1.0, 1.0, 0.0, 0.0),
+CHEAP = rh_policy.Constants(kernel=(1e-6, 0.0, 0.0, 0.0, 0.0), loop=(1.0, 1.0, 0.0, 0.0),
                            states=(1e-6, 0.0, 0.0, 0.0, 0.0))
 CHEAP_SEGMENTS = rh.Paths(costs={"ssd": CHEAP, "delta rule": CHEAP})
 
@@ -548,15 +550,17 @@ def test_standalone_hooks_take_their_paths_and_disagreeing_handles_the_token_loo
         handle.remove()
 
 
+@pytest.mark.cpu_only(reason="costs.json ships cpu/float32 only: a model on another device takes the fixed rule, and"
+                             " support() says so in other words")
 def test_a_device_without_calibration_takes_the_fixed_rule_and_support_says_so():
     """The constants are data keyed by device type and dtype (`costs.json`, "cpu/float32" shipped); a call on a
     device or dtype without calibration takes the fixed rule, and `support()` names the rule a model gets."""
-    assert rh_paths.costs_for("cpu", torch.float32) is not None
-    assert rh_paths.costs_for("cuda", torch.bfloat16) is None and rh_paths.costs_for("cpu", torch.bfloat16) is None
+    assert rh_costs.costs_for("cpu", torch.float32) is not None
+    assert rh_costs.costs_for("cuda", torch.bfloat16) is None and rh_costs.costs_for("cpu", torch.bfloat16) is None
     tiny = gdn_arguments(64, 25, 2, 4, 16)  # the cost model's token loop on cpu/float32
-    assert rh_paths.choose(GDN, [keeping(3)], 25, tiny, grad=False) is None
+    assert rh_choose.choose(GDN, [keeping(3)], 25, tiny, grad=False) is None
     uncalibrated = {name: value.to(torch.bfloat16) for name, value in tiny.items()}
-    assert rh_paths.choose(GDN, [keeping(3)], 25, uncalibrated, grad=False) == rh_paths.Choice(Strategy.SEGMENTS, [3],
+    assert rh_choose.choose(GDN, [keeping(3)], 25, uncalibrated, grad=False) == rh_policy.Choice(Strategy.SEGMENTS, [3],
                                                                                                False)
     model = build("qwen3_5")
     (row,) = [r for r in rh.support(model) if r.family][:1]
@@ -620,6 +624,6 @@ def test_the_suite_runs_the_shipped_path_choice():
     module = w.mixers[0].module
     handle = rh.register_state_hook(module, lambda m, c, t, s: None)
     try:
-        assert watch_impl._STANDALONE[module].paths == rh.Paths()
+        assert standalone_impl._STANDALONE[module].paths == rh.Paths()
     finally:
         handle.remove()

@@ -13,7 +13,7 @@ mamba2-130m's embedding, 50,288 x 768 = 38,621,184 values, it asked for index 38
   layer, 48 layers). `write_shard`'s header is checked with meta tensors, so no data is written. A shard whose second
   layer starts past 4 GiB is read back through `MappedShard` and `HarvestDataset` from a sparse file, which maps
   only the pages it reads.
-- `strategies.held_bytes` (the path model's memory budget) at that state size. These are exact Python numbers,
+- `memory.held_bytes` (the path model's memory budget) at that state size. These are exact Python numbers,
   so the chunk-wise states path of 2,048 tokens bound for another device counts 2^32 + 16 states' bytes, which
   does not wrap past 4 GiB.
 - `Ranks.mine`: the ranks' shares of 2^31 + 3 sweep cells (the cells are a strided view, so nothing is
@@ -28,7 +28,9 @@ import pytest
 import torch
 from torch import nn
 
-from recurrent_hooks.engine import strategies
+import recurrent_hooks.engine.costs as rh_costs
+import recurrent_hooks.engine.memory as rh_memory
+import recurrent_hooks.engine.policy as rh_policy
 from recurrent_hooks.studies.harvest import shards
 from recurrent_hooks.studies.harvest import sample_indices, weights_digest
 from recurrent_hooks.studies.harvest.shards import FORMAT
@@ -193,15 +195,15 @@ def test_harvest_dataset_reads_a_layer_past_4_gib(tmp_path, monkeypatch):
 def test_held_bytes_at_a_real_state_size():
     """A gated DeltaNet call of 32 heads of 128 x 128 (a 2 MiB float32 state) on 2,048 tokens: the chunk-wise states
     bound for another device hold 2,048 + 16 states, 4 GiB and 32 MiB, exactly (`held_bytes`' docstring)."""
-    shape = strategies.Shape("delta rule", 1, 32, 128, 128, 64, graph=2.0, loop_graph=1.0)
+    shape = rh_costs.Shape("delta rule", 1, 32, 128, 128, 64, graph=2.0, loop_graph=1.0)
     state = 2**21
-    held = strategies.held_bytes(shape, TOKENS, [], grad=False, elsewhere=True, reducing=True)
-    assert held[strategies.Strategy.STATES] == (TOKENS + strategies.STATES_CHUNK) * state == 2**32 + 2**25
-    assert held[strategies.Strategy.CHUNKS] == 2 * strategies.STATES_CHUNK * state
-    with_grad = strategies.held_bytes(shape, TOKENS, [], grad=True, kept=TOKENS)[strategies.Strategy.LOOP]
+    held = rh_memory.held_bytes(shape, TOKENS, [], grad=False, elsewhere=True, reducing=True)
+    assert held[rh_policy.Strategy.STATES] == (TOKENS + rh_costs.STATES_CHUNK) * state == 2**32 + 2**25
+    assert held[rh_policy.Strategy.CHUNKS] == 2 * rh_costs.STATES_CHUNK * state
+    with_grad = rh_memory.held_bytes(shape, TOKENS, [], grad=True, kept=TOKENS)[rh_policy.Strategy.LOOP]
     assert with_grad == int(with_grad) > 2**32  # a copy of every kept state: past 4 GiB, exact
-    assert strategies.held_bytes(shape, TOKENS, [], grad=False)[strategies.Strategy.STATES] < 2**32 <= held[
-        strategies.Strategy.STATES]
+    assert rh_memory.held_bytes(shape, TOKENS, [], grad=False)[rh_policy.Strategy.STATES] < 2**32 <= held[
+        rh_policy.Strategy.STATES]
 
 
 # -- a sweep's cells across ranks -----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from _compare import assert_close, assert_equal
 from _contract import Adapter, family_fixtures, perturbation
-from _models import build, random_ids
+from _models import DEVICE, build, random_ids
 from _runs import greedy, logits_of, watched_greedy
 
 import recurrent_hooks as rh
@@ -145,8 +145,8 @@ def _scan_inputs(seq, dtype, state, seed=0):
     if seq > 3:
         position_ids[1] -= 3  # row 1 starts a new sequence at token 3
     reset = (position_ids == 0)[:, :, None]
-    h0 = None if state is None else torch.randn(2, 16, generator=gen)
-    return x, a, reset, h0
+    h0 = None if state is None else torch.randn(2, 16, generator=gen).to(DEVICE)
+    return x.to(DEVICE), a.to(DEVICE), reset.to(DEVICE), h0
 
 
 @pytest.mark.parametrize("family_", RG_LRU_FAMILIES)
@@ -173,7 +173,7 @@ def test_scan_loop_continues_from_what_on_token_returns(family):
     original = import_default(rglru_cls, "_rnn_scan")
     module = build(family).model.layers[0].temporal_block.rg_lru
     x, a, reset, h0 = _scan_inputs(9, torch.float32, True)
-    value = torch.randn(2, 16)
+    value = torch.randn(2, 16).to(DEVICE)
     out, last = rnn_scan(module, x, a, reset, h0, on_token=lambda t, s: value if t == 4 else s)
     head, _ = original(module, x[:, :5], a[:, :5], reset[:, :5], h0)
     tail, tail_last = original(module, x[:, 5:], a[:, 5:], reset[:, 5:], value)
@@ -196,8 +196,8 @@ def _run_block(forward, block, steps, on_token=None):
 
 def _block_steps(seed=0):
     gen = torch.Generator().manual_seed(seed)
-    u = lambda n: torch.randn(2, n, 32, generator=gen)
-    pos = lambda a, b: torch.arange(a, b)[None]
+    u = lambda n: torch.randn(2, n, 32, generator=gen).to(DEVICE)
+    pos = lambda a, b: torch.arange(a, b, device=DEVICE)[None]
     return [
         (u(9), pos(0, 9), True),  # a prompt
         (u(1), pos(9, 10), True), (u(1), pos(10, 11), True),  # decode steps
@@ -244,9 +244,9 @@ def test_block_forward_window_write_feeds_the_next_positions(family):
     """A window written after token t is what positions t+1..t+K-1 convolve over, and the next call too."""
     block = build(family).model.layers[0].temporal_block
     size = block.conv1d_width - 1
-    u = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(3))
-    pos = torch.arange(9)[None]
-    written = torch.randn(2, 32, size, generator=torch.Generator().manual_seed(4))
+    u = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    pos = torch.arange(9, device=DEVICE)[None]
+    written = torch.randn(2, 32, size, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     seen = []
     with torch.no_grad():
         capture = Captured(torch.nn.ModuleDict({"b": block}))
@@ -254,7 +254,7 @@ def test_block_forward_window_write_feeds_the_next_positions(family):
                                 on_token=lambda t, w: (seen.append(w.clone()), written if t == 3 else w)[1])
         capture.remove()
     x = block.linear_x(u).transpose(1, 2)
-    before = [torch.zeros(2, 32, size), *seen[:-1]]  # the window each position reads, before its own input
+    before = [torch.zeros(2, 32, size, device=DEVICE), *seen[:-1]]  # the window each position reads, before its own input
     before[4] = written
     for t in range(5, 9):
         before[t] = torch.cat([before[t - 1][..., 1:], x[..., t - 1, None]], dim=-1)
@@ -465,7 +465,7 @@ def test_multi_token_continuation_restarts_the_window_and_continues_the_state(mo
     from transformers import DynamicCache
 
     ids = random_ids(2, 12)
-    position_ids = torch.arange(8, 12)[None]
+    position_ids = torch.arange(8, 12, device=DEVICE)[None]
 
     def run(watched):
         cache = DynamicCache(config=model.config)

@@ -37,7 +37,7 @@ CONTRACT = {rh.ShortConvolution: Adapter(
 
 def perturbation(window, seed=1):
     gen = torch.Generator().manual_seed(seed)
-    return window + torch.randn(window.shape, generator=gen, dtype=torch.float32).to(window.dtype) * (
+    return window + torch.randn(window.shape, generator=gen, dtype=torch.float32).to(window.device, window.dtype) * (
         window.abs().max() + 1)
 
 

@@ -47,8 +47,9 @@ def perturbed_wkv(state, seed=1):
     if not isinstance(state, WkvState):
         return perturbation(state, seed)
     gen = torch.Generator().manual_seed(seed)
-    scale = torch.rand(state.num.shape, generator=gen) * 3 + 0.2
-    return WkvState(state.num * scale, state.den * scale, state.max + torch.randn(state.max.shape, generator=gen))
+    scale = (torch.rand(state.num.shape, generator=gen) * 3 + 0.2).to(state.num.device)
+    shift = torch.randn(state.max.shape, generator=gen).to(state.max.device)
+    return WkvState(state.num * scale, state.den * scale, state.max + shift)
 
 
 def wkv_memory(out, mixer, memory):
@@ -198,11 +199,12 @@ def test_a_replaced_wkv_state_changes_only_later_tokens(token):
 def _shift_inputs(model, seq, batch, with_state):
     module = model.rwkv.blocks[1].attention
     gen = torch.Generator().manual_seed(seq + batch)
-    hidden = torch.randn(batch, seq, module.config.hidden_size, generator=gen)
+    device = module.key.weight.device  # the model's (pytest --device)
+    hidden = torch.randn(batch, seq, module.config.hidden_size, generator=gen).to(device)
     state = None
     if with_state:
         shape = (batch, module.config.hidden_size, module.config.num_hidden_layers)
-        state = [torch.randn(shape, generator=gen) for _ in range(5)]
+        state = [torch.randn(shape, generator=gen).to(device) for _ in range(5)]
     return module, hidden, state
 
 
@@ -234,7 +236,7 @@ def test_token_shift_equals_transformers_method(family, seq, batch, with_state):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_replaced_shift_changes_only_the_next_token(family):
     module, hidden, state = _shift_inputs(build(family), 9, 2, True)
-    token, replacement = 4, torch.randn(2, hidden.shape[-1])
+    token, replacement = 4, torch.randn(2, hidden.shape[-1]).to(hidden.device)
     with torch.no_grad():
         _, plain, _, _ = extract_key_value(module, hidden, [s.clone() for s in state])
         _, key, _, _ = extract_key_value(module, hidden, [s.clone() for s in state],
@@ -248,7 +250,7 @@ def test_a_replaced_shift_changes_only_the_next_token(family):
 
 def perturbation(state, seed=1):
     gen = torch.Generator().manual_seed(seed)
-    return state + torch.randn(state.shape, generator=gen) * (state.abs().max() + 1)
+    return state + torch.randn(state.shape, generator=gen).to(state.device) * (state.abs().max() + 1)
 
 
 family, model = family_fixtures(FAMILIES)

@@ -25,14 +25,12 @@ replacement. Only without gradients (the kept states must be the tensors the rec
 `torch.inference_mode()` (inference tensors have no version counter); `blocks_apply` checks both.
 
 When: `blocks_apply`, a call whose state has at most `Segments.blocks_below` elements (batch included; the
-size is read off the kind's `STATE` and `INPUTS` declarations). Measured (`benchmarks/blocks.py`,
-docs/performance.md): at small states blocks beat the token loop (2.2 x at 4 Mamba-2 heads of 32 x 16), at
-larger ones they lose (2 x slower at gdn_small's 8 heads of 64 x 64 and at Mamba-2's 24 x 64 x 128), since
-`all_states` writes every state through memory and computes each from its chunk's start, while the loop finds
-the state it just computed in the cache.
+size is read off the kind's `STATE` and `INPUTS` declarations). Measured (`benchmarks/blocks.py`;
+docs/performance.md, "The blocks path", has the numbers): at small states blocks beat the token loop, at larger
+ones they lose, since `all_states` writes every state through memory and computes each from its chunk's start,
+while the loop finds the state it just computed in the cache.
 
-`BLOCK` = 64, by measurement (1 thread): within the noise of 128 and better than 32 at small states. The
-per-block Python cost (one chunk-wise call: binding, `narrow`s, the buffer) is spread over 64 tokens, a block
+`BLOCK` = 64, by measurement (the same section). The per-block Python cost (one chunk-wise call: binding, `narrow`s, the buffer) is spread over 64 tokens, a block
 is a few of the chunk-wise kernels' own 16-token chunks, a replacement recomputes at most one block, and the
 buffer stays small (64 states of 4 heads x 16 x 16 are 256 KB).
 
@@ -50,7 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .kernels import Kernel, Pieces
+from .kernels import Kernel, Pieces, state_shape
 from .loops import OnToken
 from .tracing import compiling
 
@@ -107,20 +105,6 @@ def state_size(kind: Any, kernel: Kernel, arguments: dict[str, Any]) -> int | No
     """The number of elements of a call's state, batch included (`state_shape`'s product)."""
     shape = state_shape(kind, kernel, arguments)
     return None if shape is None else math.prod(shape)
-
-
-def state_shape(kind: Any, kernel: Kernel, arguments: dict[str, Any]) -> tuple[int, ...] | None:
-    """A call's state shape, batch included, from the sizes of the axes of the kind's `STATE` in the kernel's
-    arguments (as `INPUTS` declares them); None if an axis is in none of them."""
-    sizes: dict[str, int] = {}
-    for name, axes in kind.INPUTS.items():
-        value = arguments.get(name)
-        if name not in kernel.state_arguments and isinstance(value, Tensor) and len(axes.split()) == value.dim():
-            sizes.update(zip(axes.split(), value.shape))
-    declared = kind.STATE if isinstance(kind.STATE, str) else None
-    if declared is None or any(axis not in sizes for axis in declared.split()):
-        return None
-    return tuple(sizes[axis] for axis in declared.split())
 
 
 def blocks_apply(kernel: Kernel, kind: Any, arguments: dict[str, Any], grad: bool | None = None,

@@ -1,20 +1,11 @@
-"""How a busy kernel call runs: one runner per `strategies.Strategy`, all with one signature (`RUNNERS`).
+"""How a busy kernel call runs: one runner per path (`policy.Strategy`, where the paths are described), all with one
+signature (`RUNNERS`).
 
 A kernel call that some plan wants something of (hooks, writes, kept states: "busy") gets its path from
-`strategies.choose` under its handles' policy (`dispatch._fast_path`); `dispatch._Tap` then looks its runner up here
-and calls it with the call (`BusyCall`):
-
-- `LOOP`, `run_loop`: the library's token loop, the plans called after each token (on `Paths.loop_threads`);
-- `SEGMENTS`, `run_segments`: the bound kernel between the stops, chaining the state (`run_in_segments`); a kernel
-  without `Segments` computes fast between its stops itself (`Kernel.stops`);
-- `STATES`, `run_states`: every state chunk-wise between the stops; with gradients, the all-states forward and the
-  adjoint backward (`keep_every_state`, `engine.adjoint`);
-- `BLOCKS`, `run_blocks`: the chunk-wise kernel a block at a time, each state handed to the hooks
-  (`blocks.run_in_blocks`);
-- `CHUNKS`, `run_chunks`: the all-states kernel's chunks handed to the reductions, or their exact readouts
-  (`reduce_in_chunks`).
-
-Every runner gives the token loop's results (within float rounding); the tests check each against it.
+`choose.choose` under its handles' policy (`dispatch._fast_path`); `dispatch._Tap` then looks its runner up here
+and calls it with the call (`BusyCall`): `run_loop` (on `Paths.loop_threads`), `run_segments` (`run_in_segments`),
+`run_states` (with gradients: `keep_every_state`, `engine.adjoint`), `run_blocks` (`blocks.run_in_blocks`),
+`run_chunks` (`reduce_in_chunks`). The tests check each against the token loop.
 """
 
 import dataclasses
@@ -26,10 +17,10 @@ from torch import Tensor
 
 from . import adjoint as _adjoint
 from . import blocks as _blocks
-from .tracker import Plan
-from .kernels import Kernel, Pieces
-from .strategies import Choice, Strategy
+from .kernels import Kernel, Pieces, state_shape
+from .policy import Choice, Strategy
 from .threads import loop_threads
+from .tracker import Plan
 
 
 @dataclasses.dataclass
@@ -43,7 +34,7 @@ class BusyCall:
     busy: list[list[Plan]]  # per memory the kernel updates, its busy plans
     takers: list[Any]  # per memory, the `taking.Taker` that calls the plans and keeps what they keep
     arguments: dict[str, Any]  # the call's bound arguments
-    choice: Choice | None  # `strategies.choose`'s (None: the token loop)
+    choice: Choice | None  # `choose.choose`'s (None: the token loop)
     extra: dict[str, Any]  # the loop's extra keywords (`tokens`, `on_also`, `original`)
 
     def loop(self, **more: Any) -> Any:
@@ -77,7 +68,7 @@ def run_blocks(call: BusyCall) -> Any:
 
 def run_chunks(call: BusyCall) -> Any:
     with threads_of(call.busy, call.arguments):  # (its states formed token by token, then fn per chunk)
-        return reduce_in_chunks(call.kernel, call.args, call.kwargs, call.takers[0], type(call.busy[0][0].mixer),
+        return reduce_in_chunks(call.kernel, call.args, call.kwargs, call.takers[0], call.busy[0][0].kind,
                                 call.arguments)
 
 
@@ -97,7 +88,7 @@ def threads_of(busy: list[list[Plan]], arguments: dict[str, Any]) -> Any:
 
 def reduce_in_chunks(kernel: Kernel, args: tuple, kwargs: dict, taker: Any, kind: type,
                      arguments: dict[str, Any]) -> Any:
-    """A prompt call whose busy plans only reduce every state, without gradients (`strategies.Strategy.CHUNKS`):
+    """A prompt call whose busy plans only reduce every state, without gradients (`policy.Strategy.CHUNKS`):
     the kernel's `all_states` runs once over the call and hands each of its chunks' states to `on_chunk`
     (`Segments.on_chunk`), which the reductions take as `[batch, chunk, *state]`, a view of the kernel's one
     chunk buffer (`fn` must not keep it: the next chunk overwrites it; a result in its memory is copied).
@@ -129,7 +120,7 @@ def linear_factors(kernel: Kernel, kind: type, arguments: dict[str, Any], taker:
     if not kernel.segments.readouts or len(taker.reducing) != 1:
         return None
     factors = getattr(taker.reducing[0].plan.reduce, "linear_factors", None)
-    shape = _blocks.state_shape(kind, kernel, arguments)
+    shape = state_shape(kind, kernel, arguments)
     if factors is None or shape is None or len(shape) != 4:
         return None
     a, b = factors
@@ -145,7 +136,7 @@ def keep_every_state(kernel: Kernel, original: Callable[..., Any], args: tuple, 
                      keeping: list[Plan]) -> Any:
     """A prompt call keeping every state with gradients (`engine.adjoint`): its states go to the `keeping`
     plans, per token and stacked (the tensor `autograd.grad(metric, mix.states)` differentiates)."""
-    where = f"{keeping[0].mixer}, call {keeping[0].call}"
+    where = f"{keeping[0].where}, call {keeping[0].call}"
     result, states, per_token = _adjoint.keep_every_state(kernel, original, args, kwargs, where)
     states.retain_grad()  # (`loss.backward()` then fills `.states.grad`, as the token loop's leaf does)
     for plan in keeping:
@@ -160,7 +151,7 @@ def run_in_segments(kernel: Kernel, original: Callable[..., Any], args: tuple, k
     """Run `original` on the tokens between the stops, chaining the state through `on_token` at each stop.
 
     The token ranges `tails` (`[start, end)`, each inside one piece and ending it) run through the library's
-    token loop instead, from the piece's last chunk boundary to its stop (`strategies.Choice.tails`). With
+    token loop instead, from the piece's last chunk boundary to its stop (`policy.Choice.tails`). With
     `keeping_all`, the pieces run through the kernel's chunk-wise `all_states` version instead, and the
     states of the tokens between the stops go to those plans (`taking.Taker.finish` moves them to their keep device).
     `Segments.kernel`, when given, runs the pieces in place of `original` (which cannot start from a state).

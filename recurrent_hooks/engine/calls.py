@@ -1,4 +1,5 @@
-"""What a call left behind: `Call` (one forward of a mixer), `KernelCall` (one kernel call), `Memory`."""
+"""What a call left behind: `Call` (one forward of a mixer), `KernelCall` (one kernel call), `Memory`; and what the
+library reads of a forward as it begins (`Forward`)."""
 
 import dataclasses
 from typing import Any, NamedTuple
@@ -8,6 +9,19 @@ from torch import Tensor
 from .errors import InvalidValue, Unavailable, renamed
 from .kernels import CONV_MEMORY, KEEP_NAMES, STATE_MEMORY, memory_name
 from .parts import map_parts, stack_parts
+
+
+@dataclasses.dataclass
+class Forward:
+    """What the library needs to know of one forward of a mixer module."""
+
+    tokens: int  # hidden_states.shape[1]
+    cache: Any  # the transformers Cache, or None
+    fresh: bool  # no cached state for this layer: the call starts from zeros (a prompt)
+    hidden: Tensor | None = None  # the forward's input, read only to match a recompute to its call
+    cache_index: Any = None  # where its memory is in the cache (the kind's `_cache_index`: by default the layer)
+    recompute: bool = False  # autograd is recomputing a checkpointed forward (this is not a new call)
+    training: bool = False  # the module is in train mode (gradient checkpointing may recompute it)
 
 
 def brief(value: Any) -> str:
@@ -43,8 +57,8 @@ class Memory(NamedTuple):
 @dataclasses.dataclass(eq=False)
 class KernelCall:
     """One kernel call: its name, its arguments and its results by name (None: not kept), and the path it ran
-    by: "bound kernel" (nothing was asked of it), "segments", "chunk-wise states", "blocks" or "token loop"
-    (`recurrent_hooks.Paths` chooses; docs/performance.md)."""
+    by: "bound kernel" (nothing was asked of it), or a path's label (`policy.Strategy` lists them;
+    `recurrent_hooks.Paths` chooses)."""
 
     kernel: str
     inputs: dict[str, Any] | None

@@ -23,8 +23,8 @@ and the bookkeeping runs in Python when the graph runs:
 
 `clock` is the mixer's clock (`_CLOCKS`), a 0-d int64 tensor holding the running call's index. Every op declares
 that it mutates it, which orders the ops of a mixer as they were traced and keeps them in the graph when
-their results are not used. The ops name the mixer (its `CallTracker`) and the hook by a key (`register_state`,
-`register_hook`), fixed when they are made: a constant of the graph.
+their results are not used. The ops name the mixer (its `CallTracker`) and the hook by a key (`register_tracker`,
+`hooks.Hook.key`), fixed when they are made: a constant of the graph.
 
 `TracedCallTracker` is the per-call interface of `tracker` (begin, plan, store, end, wants_call) as tracing
 implements it: it puts these ops into the graph, and `TracedPlan` runs hooks through them; the mixer's
@@ -41,46 +41,36 @@ import functools
 import itertools
 import weakref
 from ast import literal_eval
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from .tracker import CallTracker, Forward, Plan
-from .calls import KernelCall
+from .calls import Forward, KernelCall
+from .hooks import Hook, hook_of
 from .kernels import STATE_MEMORY, Kernel
 from .parts import is_parts, map_parts, parts_of, rebuild
-
-if TYPE_CHECKING:
-    from .hooks import Hook
+from .tracker import CallTracker, Plan
 
 _KEYS = itertools.count(1)
-_STATES: "weakref.WeakValueDictionary[int, CallTracker]" = weakref.WeakValueDictionary()
-_HOOKS: "weakref.WeakValueDictionary[int, Hook]" = weakref.WeakValueDictionary()
+_TRACKERS: "weakref.WeakValueDictionary[int, CallTracker]" = weakref.WeakValueDictionary()
 
 
 _CLOCKS: dict[int, Tensor] = {}  # mixer key -> its clock (here, not on the mixer: a watch holds no tensor)
-# The keys of collected states, whose clocks leave `_CLOCKS` at the next `register_state` (eager code), not when
+# The keys of collected trackers, whose clocks leave `_CLOCKS` at the next `register_tracker` (eager code), not when
 # the garbage collector runs: tracing reads `_CLOCKS[key]` by iterating the dict, and a finalizer that popped an
 # entry during that iteration failed the trace ("dictionary changed size during iteration").
 _RETIRED: list[int] = []
 
 
-def register_state(state: CallTracker) -> int:
-    """A key by which the graph's ops find a mixer's `state` at run time; its clock is made with it."""
+def register_tracker(tracker: CallTracker) -> int:
+    """A key by which the graph's ops find a mixer's `tracker` at run time; its clock is made with it."""
     while _RETIRED:
         _CLOCKS.pop(_RETIRED.pop(), None)
     key = next(_KEYS)
-    _STATES[key] = state
+    _TRACKERS[key] = tracker
     _CLOCKS[key] = torch.zeros((), dtype=torch.int64)
-    weakref.finalize(state, _RETIRED.append, key)
-    return key
-
-
-def register_hook(hook: "Hook") -> int:
-    """A key by which the graph's ops find `hook` at run time."""
-    key = next(_KEYS)
-    _HOOKS[key] = hook
+    weakref.finalize(tracker, _RETIRED.append, key)
     return key
 
 
@@ -88,7 +78,7 @@ def register_hook(hook: "Hook") -> int:
 
 @torch.library.custom_op("recurrent_hooks::event", mutates_args=("clock",))
 def _event(clock: Tensor, mixer: int, what: str, ints: list[int], spec: str, tensors: list[Tensor]) -> None:
-    _EVENTS[what](_STATES[mixer], clock, ints, literal_eval(spec), [t.clone() for t in tensors])
+    _EVENTS[what](_TRACKERS[mixer], clock, ints, literal_eval(spec), [t.clone() for t in tensors])
 
 
 @_event.register_fake
@@ -99,7 +89,7 @@ def _(clock: Tensor, mixer: int, what: str, ints: list[int], spec: str, tensors:
 @torch.library.custom_op("recurrent_hooks::hook", mutates_args=())
 def _hook(clock: Tensor, mixer: int, hook: int, token: int, tokens: int, head: int, parts: list[Tensor]
           ) -> list[Tensor]:
-    owner, fn = _STATES[mixer], _HOOKS[hook]
+    owner, fn = _TRACKERS[mixer], hook_of(hook)
     owner.tokens, owner.head = tokens, None if head < 0 else head
     if not fn.targets(owner.index):
         return [part.clone() for part in parts]
@@ -133,55 +123,55 @@ class TracedCallTracker:
     from call to call is told when the graph runs, through the ops; the running forward's scratch (its kernel
     calls, head and tokens) is the `CallTracker`'s, as eagerly."""
 
-    def __init__(self, state: CallTracker) -> None:
-        self._state = weakref.ref(state)  # the state owns this object: no cycle
-        self.key = register_state(state)
+    def __init__(self, tracker: CallTracker) -> None:
+        self._tracker = weakref.ref(tracker)  # the tracker owns this object: no cycle
+        self.key = register_tracker(tracker)
 
     @property
-    def state(self) -> CallTracker:
-        return self._state()
+    def tracker(self) -> CallTracker:
+        return self._tracker()
 
     def now(self) -> "TracedCallTracker":
         return self
 
     def wants_call(self) -> bool:
         """A graph serves every call: whether some call has hooks, writes or kept values."""
-        return self.state.wants_some()
+        return self.tracker.wants_some()
 
     def begin(self, forward: Forward) -> None:
         """A forward begins: counted, and its record opened, when the graph runs. A compiled beam search reports
         no `reorder` (a compiled forward cannot wrap the cache's method), and a compiled backward recomputes no
         forward of ours."""
-        state = self.state
-        state.start(forward)
-        state.recomputing = False
+        tracker = self.tracker
+        tracker.start(forward)
+        tracker.recomputing = False
         _begin(self, forward.fresh, forward.tokens)
 
     def plan(self, kernel: Kernel, tokens: int) -> Plan:
         """What the handle wants of a kernel call of any call the graph serves; which calls are targeted is told
         when it runs (a restart is warned then, and a token outside a call a hook names is refused then)."""
-        state = self.state
-        nth = state.next_kernel_call(kernel, tokens)
-        if state.wants_some() and (reason := state.checks(kernel, nth, "?")) is not None:
+        tracker = self.tracker
+        nth = tracker.next_kernel_call(kernel, tokens)
+        if tracker.wants_some() and (reason := tracker.checks(kernel, nth, "?")) is not None:
             _event(_CLOCKS[self.key], self.key, "restart", [], repr((kernel.name, reason)), [])
-        hooks = state.hooked(kernel, tokens, lambda hook: hook.targets_some, functools.partial(_outside, self))
-        return TracedPlan(state, None, hooks, state.keep_at(kernel.memory, tokens), kernel.memory)
+        hooks = tracker.hooked(kernel, tokens, lambda hook: hook.targets_some, functools.partial(_outside, self))
+        return TracedPlan(tracker, None, hooks, tracker.keep_at(kernel.memory, tokens), kernel.memory)
 
     def store(self, plan: Plan, kernel: Kernel, kernel_call: KernelCall, tokens: int) -> None:
         """File a kernel call's kept states, records and path in the running call's record, when the graph runs."""
-        state = self.state
-        if not state.history:
+        tracker = self.tracker
+        if not tracker.history:
             return
-        inputs = kernel_call.inputs if "inputs" in state.kernel_io else None
-        output = kernel_call.output if "outputs" in state.kernel_io else None
+        inputs = kernel_call.inputs if "inputs" in tracker.kernel_io else None
+        output = kernel_call.output if "outputs" in tracker.kernel_io else None
         tensors: list[Tensor] = []
         spec = (kernel.memory, kernel.name, _encode(plan.kept, tensors), _encode(inputs, tensors),
                 _encode(output, tensors), kernel_call.path)
         _event(_CLOCKS[self.key], self.key, "store", [], repr(spec), tensors)
 
     def end(self, checked: bool = True) -> None:
-        state = self.state
-        state.finish(checked, state.wants_some, "?")
+        tracker = self.tracker
+        tracker.finish(checked, tracker.wants_some, "?")
 
 
 class TracedPlan(Plan):
@@ -206,7 +196,7 @@ def _begin(traced: TracedCallTracker, fresh: bool, tokens: int) -> None:
 
 def _run_hook(traced: TracedCallTracker, hook: "Hook", token: int, state: Any) -> Any:
     """Hook or write `hook` at `token`, called when the graph runs; returns what the graph continues from."""
-    owner, key = traced.state, traced.key
+    owner, key = traced.tracker, traced.key
     head = -1 if owner.head is None else owner.head
     if not torch.is_grad_enabled():
         parts = _hook(_CLOCKS[key], key, hook.key, token, owner.tokens, head, [part for _, part in parts_of(state)])
@@ -216,7 +206,7 @@ def _run_hook(traced: TracedCallTracker, hook: "Hook", token: int, state: Any) -
            [part.detach() for _, part in parts_of(state)])
     if not hook.write:
         return state
-    written = hook.fn(owner.mixer, None, token, state)
+    written = hook.run(None, token, state)
     targeted = _targeted(hook.calls, _CLOCKS[key])
     if targeted is None:
         return written
@@ -288,13 +278,13 @@ def _on_store(owner: CallTracker, clock: Tensor, ints: list[int], spec: Any, ten
 
 
 def _on_outside(owner: CallTracker, clock: Tensor, ints: list[int], kernel: str, tensors: list[Tensor]) -> None:
-    hook, token, tokens = _HOOKS[ints[0]], ints[1], ints[2]
+    hook, token, tokens = hook_of(ints[0]), ints[1], ints[2]
     if hook.targets(owner.index):
         owner.refuse_outside(hook, token, tokens, kernel)
 
 
 def _on_look(owner: CallTracker, clock: Tensor, ints: list[int], spec: Any, tensors: list[Tensor]) -> None:
-    hook, token = _HOOKS[ints[0]], ints[1]
+    hook, token = hook_of(ints[0]), ints[1]
     owner.tokens, owner.head = ints[2], None if ints[3] < 0 else ints[3]
     if not hook.targets(owner.index):
         return

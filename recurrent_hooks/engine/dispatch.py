@@ -8,9 +8,9 @@ Module contents:
   forward's entry in).
 - `make_dispatcher(kind)`: for `patching.acquire_kernels`, the function bound in place of each kernel.
 - `_Tap.run_kernel`: the plans of the attached mixers decide: nothing wanted runs the bound kernel; a busy
-  call takes the path `strategies.choose` picks under its handles' policy (`_fast_path`, `strategies.Paths`) and
-  runs by that path's runner (`busy.RUNNERS`: the token loop, segments, every state chunk-wise, blocks, chunks).
-  The path taken is recorded (`KernelCall.path`).
+  call takes the path `choose.choose` picks under its handles' policy (`_fast_path`, `policy.Paths`) and runs by
+  that path's runner (`busy.RUNNERS`; the paths are listed in `policy.Strategy`). The path taken is recorded
+  (`KernelCall.path`).
 """
 
 import threading
@@ -23,16 +23,17 @@ from torch import Tensor, nn
 
 from . import busy as _busy
 from . import runners as _runners
-from . import strategies
-from .calls import KernelCall
+from .calls import Forward, KernelCall
+from .choose import choose
 from .kernels import CONV_MEMORY, FORWARD, Kernel, Layout
-from .tracker import Forward, Plan
 from .mixer import RecurrentMixer, sees
+from .policy import Choice, Strategy
 from .running import Running, drop_left, pop, running_entry
 from .taking import Taker
 from .threads import THREAD, in_backward
-from .upstream import wraps_kernel
 from .tracing import compiling
+from .tracker import Plan
+from .upstream import wraps_kernel
 
 
 def _forward_of(kind: type[RecurrentMixer], layout: Layout, module: nn.Module, args: tuple, kwargs: dict[str, Any],
@@ -176,8 +177,8 @@ class _Tap:
         arguments = type(entry.mixers[0])._kernel_arguments(entry.module, kernel, kernel.bind(args, kwargs))
         tokens = kernel.tokens(arguments, entry.forward.tokens)
         served = [kernel.serving(memory) for memory in kernel.memories]  # one row per memory the kernel updates
-        states = [mixer.tracker.now() for mixer in entry.mixers]  # traced ones while torch.compile traces
-        plans = [[state.plan(row, tokens) for state in states] for row in served]
+        trackers = [mixer.tracker.now() for mixer in entry.mixers]  # traced ones while torch.compile traces
+        plans = [[tracker.plan(row, tokens) for tracker in trackers] for row in served]
         recompute = entry.forward.recompute
         records = set() if recompute else {name for mixer in entry.mixers for name in mixer.kernel_io}
         live_state = arguments.get(kernel.state_in) if isinstance(kernel.state_in, str) else None
@@ -197,8 +198,8 @@ class _Tap:
             output["final_state"] = live_state.clone()
         kernel_call = KernelCall(kernel.name, arguments if "inputs" in records else None, output, path)
         for row, per_memory in zip(served, plans):
-            for state, plan in zip(states, per_memory):
-                state.store(plan, row, kernel_call, tokens)
+            for tracker, plan in zip(trackers, per_memory):
+                tracker.store(plan, row, kernel_call, tokens)
         return result
 
     def _run_busy(self, entry: Running, kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict,
@@ -207,19 +208,19 @@ class _Tap:
         by the path its handles' policy picks, calling the plans at their tokens; returns its result and path."""
         takers = [Taker(per_memory, tokens) for per_memory in busy]
         fast = _fast_path(kernel, busy[0], tokens, arguments) if len(busy) == 1 else None
-        strategy = strategies.Strategy.LOOP if fast is None else fast.path
+        path = Strategy.LOOP if fast is None else fast.path
         extra = {"tokens": tokens} if kernel.seq == FORWARD else {}
         if len(busy) > 1:  # the second memory's hooks, writes and kept values (`Kernel.also`)
             extra["on_also"] = takers[1].on_token
         if "original" in kernel.layout.named:  # a loop that reads settings the kernel captured
             extra["original"] = original
         call = _busy.BusyCall(kernel, original, args, kwargs, busy, takers, arguments, fast, extra)
-        result = _busy.RUNNERS[strategy](call)
+        result = _busy.RUNNERS[path](call)
         if kernel.memory == CONV_MEMORY and kernel.role == "prompt" and takers[0].last:
             self._sync_conv_cache(type(entry.mixers[0]), entry.forward, takers[0].last[0])
         for taker in takers:
             taker.finish()
-        return result, strategy.label
+        return result, path.label
 
     @staticmethod
     def _sync_conv_cache(kind: type[RecurrentMixer], forward: Forward, window: Tensor) -> None:
@@ -258,14 +259,14 @@ BOUND_KERNEL = "bound kernel"  # `KernelCall.path` of a call nothing was asked o
 
 
 def _fast_path(kernel: Kernel, busy: list[Plan], tokens: int,
-               arguments: dict[str, Any] | None = None) -> strategies.Choice | None:
-    """How a busy call runs (`strategies.choose` under the policy of its handles, `strategies.Paths`); None: the
-    token loop. Handles whose policies differ (a watch and a standalone hook on one module) get the token loop."""
+               arguments: dict[str, Any] | None = None) -> Choice | None:
+    """How a busy call runs (`choose.choose` under the policy of its handles, `policy.Paths`); None: the token loop.
+    Handles whose policies differ (a watch and a standalone hook on one module) get the token loop."""
     paths = busy[0].owner.policy.paths
     for plan in busy[1:]:
         if plan.owner.policy.paths is not paths and plan.owner.policy.paths != paths:
             return None
-    return strategies.choose(kernel, busy, tokens, arguments, paths=paths)
+    return choose(kernel, busy, tokens, arguments, paths=paths)
 
 
 
@@ -281,7 +282,7 @@ def attach(mixer: RecurrentMixer) -> Callable[[], None]:
         if tap is None:
             tap = _TAPS[module] = _Tap(module)
         tap.mixers = [*tap.mixers, mixer]  # a new list: a forward in another thread may be reading the old one
-        mixer._live = True
+        mixer.mark_attached()
 
     def detach() -> None:
         with _LOCK:
@@ -289,7 +290,7 @@ def attach(mixer: RecurrentMixer) -> Callable[[], None]:
                 tap.mixers = [m for m in tap.mixers if m is not mixer]
                 if not tap.mixers:
                     tap.remove()
-                    owner = mixer._module()
+                    owner = tap._module()
                     if owner is not None and _TAPS.get(owner) is tap:
                         del _TAPS[owner]
 

@@ -333,3 +333,9 @@ mixer_of = REGISTRY.mixer_of
 family_of = REGISTRY.family_of
 unsupported_of = REGISTRY.unsupported_of
 resolve_family = REGISTRY.resolve_family
+
+
+def layer_in_path(path: str) -> int | None:
+    """The decoder layer a module's path names: its last integer part ("model.layers.3.temporal_block" -> 3)."""
+    numbers = [int(part) for part in path.split(".") if part.isdigit()]
+    return numbers[-1] if numbers else None

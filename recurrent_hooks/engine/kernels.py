@@ -11,6 +11,7 @@ Module contents:
   results are called, where its tokens are counted, how it can run in segments).
 - `Segments`: how a prompt kernel can run on consecutive pieces of its tokens, chaining the state;
   `Pieces`: one call cut into such pieces (its arguments per piece, its result from the pieces').
+- `state_shape(kind, kernel, arguments)`: a call's state shape, read off the kind's `STATE` and `INPUTS`.
 """
 
 import dataclasses
@@ -88,7 +89,7 @@ class Segments:
       each of its chunks in order, `states` `[size, batch, *state]` (token first) for the tokens `start ..
       start + size - 1`, a view of one buffer of one chunk that the next chunk overwrites, and returns None in place
       of every state (it never holds them all). A reduction of every state without gradients runs on it
-      (`strategies.Strategy.CHUNKS`); False: `all_states` takes no such keyword;
+      (`policy.Strategy.CHUNKS`); False: `all_states` takes no such keyword;
     - `readouts`: 0, or the chunk length C of an `all_states` that also takes `factors=(a, b)` with `on_chunk`, a
       `[heads, r, rows]` and b `[heads, r, cols]` for a state `[batch, heads, rows, cols]`, and then hands `on_chunk`
       each chunk's linear readouts `[size, batch, heads, r]`, sum_ij a[h, r, i] S_t[h, i, j] b[h, r, j], formed
@@ -98,8 +99,8 @@ class Segments:
     - `blocks_below`: a hook on every token runs `all_states` a block at a time (`blocks`) when the call's state
       has at most this many elements (batch included), measured to be where that beats the token loop
       (`benchmarks/blocks.py`); 0: never.
-    - `shape`: the call's cost-relevant shape (`strategies.Shape`) from its bound arguments, by which `strategies`
-      chooses the cheapest path; None: the fixed rule (segments for at most max(8, T / 32) stops).
+    - `shape`: the call's cost-relevant shape (`costs.Shape`) from its bound arguments, by which `choose` picks the
+      cheapest path; None: the fixed rule (`choose`).
     - `kernel`: the library's function (same signature) that runs a piece, for a kernel bound before the watch
       that cannot start from a state (Mamba-1's scan); None: the bound kernel runs the pieces.
     - `adjoint`: the kernel's adjoint recurrence (same arguments, plus keyword-only `grad_output`, the gradient of
@@ -339,6 +340,20 @@ class Layout:
 
 _LAYOUTS: dict[Callable, Layout] = {}
 _SERVING: dict[tuple[int, str], tuple[Kernel, Kernel]] = {}  # Kernel.serving's rows, made once
+
+
+def state_shape(kind: Any, kernel: "Kernel", arguments: dict[str, Any]) -> tuple[int, ...] | None:
+    """A call's state shape, batch included, from the sizes of the axes of the kind's `STATE` in the kernel's
+    arguments (as `INPUTS` declares them); None if an axis is in none of them."""
+    sizes: dict[str, int] = {}
+    for name, axes in kind.INPUTS.items():
+        value = arguments.get(name)
+        if name not in kernel.state_arguments and isinstance(value, torch.Tensor) and len(axes.split()) == value.dim():
+            sizes.update(zip(axes.split(), value.shape))
+    declared = kind.STATE if isinstance(kind.STATE, str) else None
+    if declared is None or any(axis not in sizes for axis in declared.split()):
+        return None
+    return tuple(sizes[axis] for axis in declared.split())
 
 
 def layout_of(fn: Callable) -> Layout:

@@ -10,7 +10,7 @@
             return {"beta": kernel_call.inputs["beta"]}
 
 `Kind` is the base of `RecurrentMixer` (the user's handle, `mixer`): what a kind declares is read by the engine
-from the class, never from a handle's per-call state (`tracker`). A kind declares constants:
+from the class, never from a handle's per-call bookkeeping (`tracker`). A kind declares constants:
 - `KERNELS`: the `Kernel`s its modeling modules call (recurrence and convolution, prompt and decode);
 - `STATE`: the axes of the state, as a jaxtyping shape string (e.g. "batch heads key_dim value_dim"),
   or, for a state of several parts, a mapping part name -> axes, with `STATE_TYPE` the `NamedTuple`
@@ -61,17 +61,14 @@ and may override the adapters (class methods, each with a default that fits most
   (this one reads the handle's records, so it is an instance method).
 """
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from .calls import KernelCall
+from .calls import Forward, KernelCall
 from .errors import Unavailable
 from .kernels import CONV_MEMORY, STATE_MEMORY, Kernel, Role
-
-if TYPE_CHECKING:
-    from .tracker import Forward
 
 
 # what the pads of a left-padded row do to a kind's memories (`Kind.LEFT_PADDING`), in support's general words

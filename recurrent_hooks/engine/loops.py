@@ -135,8 +135,8 @@ def chunk_formed(states: Tensor, start: int, on_chunk: OnChunk | None) -> Tensor
 def scratch_like(state: Tensor) -> Tensor | None:
     """One state-sized buffer a token loop reuses for each token's temporary products, or None with gradients on
     (autograd keeps each product for the backward). A fresh tensor per product costs an allocation of a state's
-    size per op, which the allocator can hand back to the system and fault in again: at Qwen3.5 dims the
-    gated delta rule's loop ran 5x faster with one buffer (docs/performance.md, "Performance, third round")."""
+    size per op, which the allocator can hand back to the system and fault in again (measured: docs/performance.md,
+    "Performance, third round")."""
     return None if torch.is_grad_enabled() else torch.empty_like(state)
 
 
@@ -159,8 +159,7 @@ def rank_one_steps(states: Tensor, state: Tensor, decay: Tensor, left: Tensor, r
     Two passes over a state per token (a scaled copy, then a rank-one update in place), each reading the state the
     step before just wrote. Where every state is kept, the chunk-wise kernels form a chunk's states at once instead,
     by a product of inner size chunk (a batched gemm CPUs run far below their speed) and a pass adding the decayed
-    start: measured 3x (Qwen3.5 dims) and 4x (Mamba-2's) slower per chunk (docs/performance.md, "Keeping a per-token
-    reduction")."""
+    start, measured slower per chunk (docs/performance.md, "Keeping a per-token reduction")."""
     # per token from one unbind each: a Python index per token and operand costs as much as a Mamba-2 step
     steps = zip(states.unbind(0), decay[..., None].unbind(0), left[..., None].unbind(0), right[..., None, :].unbind(0))
     for into, decay_i, left_i, right_i in steps:
@@ -174,7 +173,8 @@ FLUSH_BELOW = -60.0  # exp(-60) = 8.7e-27: a decay below it contributes nothing 
 
 def flushed_exp(x: Tensor) -> Tensor:
     """exp(x), 0 where x < `FLUSH_BELOW`. A decay that small times a key or state lands in the subnormal floats,
-    which CPUs multiply 3x slower (measured on the chunk-wise gated delta rule at strong decay); what it drops is
+    which CPUs multiply several times slower (measured: docs/performance.md, "The studies at real layer dims"); what
+    it drops is
     below 1e-26 of the sum's unit-sized terms (the current token's decay is 1), 19 orders under float32's
     resolution."""
     return x.masked_fill(x < FLUSH_BELOW, -torch.inf).exp()

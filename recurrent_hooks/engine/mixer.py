@@ -17,8 +17,9 @@ Where this module sits: the package's layers are drawn in docs/architecture.md (
 roles, each in its own place:
 - the kind's declaration: class constants and class adapters (`kind.Kind`, the protocol a kind fills in);
 - the user's handle: `RecurrentMixer` here, with its readings, hooks and writes (each registered as a `hooks.Hook`);
-- the per-call state: the call counter, the running call's record, replays, what each kernel call wants
-  (`tracker.CallTracker`, owned by the handle as `tracker`; `compiled.TracedCallTracker` while tracing).
+- the per-call bookkeeping: the call counter, the running call's record, replays, what each kernel call wants
+  (`tracker.CallTracker`, owned by the handle as `tracker` and made with what its watch asks, a `policy.Request`;
+  `compiled.TracedCallTracker` while tracing). The tracker never holds the handle.
 
 How a kernel call is handled: the mixer class's `__call__`, rebound for the watch, pushes a `running.Running` entry
 on the running thread's stack (`THREAD.running`) for every forward of an instance, watched or not, and pops it
@@ -26,16 +27,9 @@ in a `finally`; the module's forward pre-hook fills it in and starts a call on e
 that sees that thread. The dispatcher bound in place of the kernel takes the innermost entry (an unwatched
 model run inside a watched forward has its own entries, and calls its own kernels untouched; so does code
 inside a user's hook, `THREAD.in_hook`). Each attached mixer says what it wants of this kernel call (a
-`tracker.Plan`). Then:
-- nothing is wanted: the kernel bound before the watch runs unchanged;
-- only a few tokens are wanted: that kernel runs in segments between them (`busy.run_in_segments`),
-  chaining the state, and `Plan.apply` runs at each stop (a kernel declared with `Kernel.stops` gets
-  the stops and computes between them itself);
-- every state is kept, without gradients: the kind's chunk-wise `Segments.all_states` kernel runs;
-- every state is reduced (`watch(reduce=...)`) and nothing else is wanted, without gradients: that kernel runs
-  once and hands its chunks of states to the reductions as it forms them (`Segments.on_chunk`);
-- otherwise the library's token loop runs and calls `Plan.apply` after each token's update.
-In grad mode, kept states are read through one zero leaf per kernel call (`Call.differentiable`).
+`tracker.Plan`). Nothing wanted: the kernel bound before the watch runs unchanged; else the call runs by one of
+the paths (`policy.Strategy` lists them), which call `Plan.apply` at the tokens the plans name. In grad mode, kept
+states are read through one zero leaf per kernel call (`Call.differentiable`).
 A forward that autograd recomputes (gradient checkpointing) is matched to the call it repeats by the
 fingerprint of its input (`tracker._Replay`) and runs that call's plan again, keeping nothing new.
 """
@@ -50,19 +44,20 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from .errors import InvalidValue, RecurrentHooksError, Unavailable, renamed
 from .arguments import (RowTokens, as_calls, as_index, as_targets, as_token_selection, describe_calls,
                         describe_token, normalize_keep)
-from . import compiled as _compiled
-from .tracker import SHOWN, CallTracker, Forward
-from .calls import Call, Memory, recorded
-from .hooks import Hook, StateHook
+from .calls import Call, Forward, Memory, recorded
+from .compiled import TracedCallTracker
+from .errors import InvalidValue, RecurrentHooksError, Unavailable, renamed
+from .hooks import SHOWN, Hook
 from .kernels import CONV_MEMORY, STATE_MEMORY, memory_name
 from .kind import Kind
 from .parts import State, describe, is_parts, map_parts, not_a_tensor, parts_of, stack_parts
-
+from .policy import Policy, Request
+from .tracker import CallTracker
 
 # A state hook: fn(mixer, call, token, state) -> None (keep the state) or a replacement tensor.
+StateHook = Callable[["RecurrentMixer", int, int, Tensor], Tensor | None]
 
 
 # how a memory is read and written, for messages
@@ -80,12 +75,27 @@ class _Handle(RemovableHandle):
         super().remove()
         mixer = self._mixer_ref()
         if mixer is not None:
-            hook_removed(mixer)
+            mixer.hook_removed()
 
 
 def _policy_field(name: str, doc: str) -> property:
-    """A handle's read-only view of one field of its tracker's `Policy`."""
+    """A handle's read-only view of one field of the `Policy` it was made with."""
     return property(lambda mixer: getattr(mixer.tracker.policy, name), doc=doc)
+
+
+def _tracker_field(name: str, doc: str) -> property:
+    """A handle's read-only view of one attribute of its tracker."""
+    return property(lambda mixer: getattr(mixer.tracker, name), doc=doc)
+
+
+def _former(old: str, new: str) -> property:
+    """A former name of a handle's attribute or method: the new one, with a warning."""
+
+    def former(mixer: "RecurrentMixer") -> Any:
+        renamed(f"RecurrentMixer.{old}", f"RecurrentMixer.{new}")
+        return getattr(mixer, new)
+
+    return property(former, doc=f"The former name of `{new}`.")
 
 
 class RecurrentMixer(Kind):
@@ -99,14 +109,14 @@ class RecurrentMixer(Kind):
 
     What a subclass (a kind) declares, its class constants and adapters, is the protocol of `kind.Kind`. The
     handle keeps what a user registers (hooks, writes) and reads what the calls left (`calls`); the per-call
-    state machine that the tap's module hooks drive is `tracker` (`tracker.CallTracker`).
+    bookkeeping that the tap's module hooks drive is `tracker` (`tracker.CallTracker`).
 
     `recomputing` is True while autograd recomputes a checkpointed forward of this mixer (gradient
     checkpointing): hooks run again then, with the call index of the forward being recomputed. `head` is
     the head of the running recurrence kernel call, for a kind that runs its kernel once per head.
     """
 
-    # the policy its calls run by (`tracker.Policy`, set by its watch or standalone hooks), read-only here
+    # the policy its calls run by (`policy.Policy`, given by its watch or standalone hooks), read-only here
     paths = _policy_field("paths", "How this handle's busy calls pick their path (a `Paths`).")
     keep_device = _policy_field("keep_device", "Where kept values go as they are kept (None: where computed).")
     reduce = _policy_field("reduce", "Memory -> the function kept in place of its states (`watch(reduce=...)`).")
@@ -114,13 +124,12 @@ class RecurrentMixer(Kind):
     def __init__(self, module: nn.Module, family: str, *,
                  keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (), history: bool = True,
                  restart_on_prompt: bool = False, thread: int | None = None, layer: int | None = None,
-                 cache_index: Any = None) -> None:
+                 cache_index: Any = None, policy: Policy | None = None) -> None:
         self._module = weakref.ref(module)  # a standalone hook must not keep its module alive
         self.family = family
         # the module's own layer_idx; else `layer`, the watch's reading of the module's path (a mixer module
         # that does not store its index, e.g. "model.layers.3.temporal_block")
         self.layer: int | None = getattr(module, self.LAYER_ATTRIBUTE, layer)
-        self.keep, self.kernel_io = normalize_keep(keep)
         self._thread = thread  # the thread whose forwards this handle sees (None: every thread)
         # the forwards this handle takes part in: those whose memory is at this cache index (`_cache_index`;
         # None: every forward of the module). A module run several times per model forward, each time on its
@@ -129,9 +138,12 @@ class RecurrentMixer(Kind):
         self._hooks: OrderedDict[int, tuple[Hook, ...]] = OrderedDict()  # weakly referenced by the handles
         self._on_empty: Callable[[], None] | None = None
         self._live = False  # attached to its module's tap
-        # `history` False: a standalone hook's handle, which records no calls
-        self.tracker = CallTracker(self, self._hooks, history=history, restart_on_prompt=restart_on_prompt)
-        self.tracker.traced = _compiled.TracedCallTracker(self.tracker)
+        # what its watch (or its standalone hooks) asks of its calls, handed to its tracker once (`history` False: a
+        # standalone hook's handle, which records no calls)
+        memories, kernel_io = normalize_keep(keep)
+        request = Request(memories, kernel_io, policy or Policy(), history, restart_on_prompt)
+        self.tracker = CallTracker(request, type(self), repr(self), self._hooks)
+        self.tracker.traced = TracedCallTracker(self.tracker)
         self.calls: list[Call] = self.tracker.calls
 
     @property
@@ -142,15 +154,15 @@ class RecurrentMixer(Kind):
             raise RecurrentHooksError(f"{self}: its module has been garbage-collected")
         return module
 
-    @property
-    def head(self) -> int | None:
-        """The head of the running recurrence kernel call (KERNEL_PER_HEAD kinds; else None)."""
-        return self.tracker.head
-
-    @property
-    def recomputing(self) -> bool:
-        """The running forward is a checkpointed forward being recomputed."""
-        return self.tracker.recomputing
+    head = _tracker_field("head", "The head of the running recurrence kernel call (KERNEL_PER_HEAD kinds, else None).")
+    recomputing = _tracker_field("recomputing", "The running forward is a checkpointed forward being recomputed.")
+    keep = _tracker_field("keep", "What it keeps of every call: memory -> token positions (None: every token).")
+    kernel_io = _tracker_field("kernel_io", 'Which of the kernels\' "inputs" and "outputs" it keeps.')
+    # former names (docs/api.md, "Renamed"): they warn
+    call_state = _former("call_state", "tracker")  # "state" is the recurrent state, never the bookkeeping
+    conv_states = _former("conv_states", "windows")
+    conv_state_after = _former("conv_state_after", "window_after")
+    set_conv_state_after = _former("set_conv_state_after", "set_window_after")
 
     def _has(self, memory: str, method: str) -> None:
         if memory not in self.MEMORIES:
@@ -182,18 +194,6 @@ class RecurrentMixer(Kind):
         """The convolution window after every token of the last call (needs keep=("windows",))."""
         self._has(CONV_MEMORY, "windows")
         return self._call(None, "windows").windows
-
-    @property
-    def call_state(self) -> CallTracker:
-        """The former name of `tracker` (the handle's per-call bookkeeping: "state" is the recurrent state)."""
-        renamed("RecurrentMixer.call_state", "RecurrentMixer.tracker")
-        return self.tracker
-
-    @property
-    def conv_states(self) -> Float[Tensor, "batch seq channels kernel_size"]:
-        """The former name of `windows`."""
-        renamed("RecurrentMixer.conv_states", "RecurrentMixer.windows")
-        return self.windows
 
     def after(self, memory: str, token: "int | Sequence[int] | slice", call: int | None = None) -> State:
         """The kept `memory` ("state" or "window") after `token` of call `call`: `state_after` or `window_after` by
@@ -235,11 +235,6 @@ class RecurrentMixer(Kind):
         if isinstance(selected, int):
             return record.after(memory, selected)
         return stack_parts([record.after(memory, each) for each in selected], dim=1)
-
-    def conv_state_after(self, token: int, call: int | None = None) -> Float[Tensor, "batch channels kernel_size"]:
-        """The former name of `window_after`."""
-        renamed("RecurrentMixer.conv_state_after", "RecurrentMixer.window_after")
-        return self.window_after(token, call)
 
     def memory_after(self, token: "int | Sequence[int] | slice", call: int | None = None) -> Memory:
         """The whole memory after `token`: `Memory(state, window)` (needs both kept; a memory the kind
@@ -308,7 +303,7 @@ class RecurrentMixer(Kind):
         self._has(which, "register_state_hook")
         calls = as_calls(call, where)
         name = getattr(fn, "__qualname__", repr(fn))
-        return self._add_hooks(Hook(fn, which, calls, as_targets(token, "token", where), f"{which} hook {name}"))
+        return self._add_hooks(Hook(self, fn, which, calls, as_targets(token, "token", where), f"{which} hook {name}"))
 
     def set_after(self, memory: str, token: int, value: Tensor, call: "int | Iterable[int] | slice | None" = 0
                   ) -> RemovableHandle:
@@ -341,12 +336,6 @@ class RecurrentMixer(Kind):
         kernel_size]`, the cache's layout and dtype): tokens token+1.. read it, and so does the cache."""
         return self._add_hooks(*_writes(self, CONV_MEMORY, token, value, call, "set_window_after"))
 
-    def set_conv_state_after(self, token: int, value: Tensor, call: "int | Iterable[int] | slice | None" = 0
-                             ) -> RemovableHandle:
-        """The former name of `set_window_after`."""
-        renamed("RecurrentMixer.set_conv_state_after", "RecurrentMixer.set_window_after")
-        return self.set_window_after(token, value, call)
-
     def set_memory_after(self, token: int, memory: Memory, call: "int | Iterable[int] | slice | None" = 0
                          ) -> RemovableHandle:
         """Write the whole memory after `token` (state and conv window), e.g. kept in another run.
@@ -370,6 +359,25 @@ class RecurrentMixer(Kind):
         handle = _Handle(self._hooks, self)
         self._hooks[handle.id] = hooks
         return handle
+
+    # -- its lifecycle: its watch (or its standalone hooks) and its module's tap drive it ------------------------
+
+    def mark_attached(self) -> None:
+        """It was attached to its module's tap (`dispatch.attach`): hooks and writes may be registered."""
+        self._live = True
+
+    def mark_detached(self) -> None:
+        """Its watch ended (or its standalone hooks were released): it takes part in no forward from now on."""
+        self._live = False
+
+    def release_when_empty(self, release: Callable[[], None] | None) -> None:
+        """Run `release` when its last hook is removed (its standalone hooks' kernels); None: nothing."""
+        self._on_empty = release
+
+    def hook_removed(self) -> None:
+        """One of its hooks was removed: the last one runs what `release_when_empty` set."""
+        if not self._hooks and self._on_empty is not None:
+            self._on_empty()
 
     def unapplied(self) -> list[str]:
         """Writes aimed at calls this mixer never reached (reported when a watch ends; hooks are not)."""
@@ -432,24 +440,13 @@ def _write(mixer: RecurrentMixer, memory: str, token: Any, value: Tensor, call: 
                          written, state)
 
     origin = f"{method}({describe_token(token)}, call={describe_calls(calls)})"
-    return Hook(write, memory, calls, tokens, origin, write=True)
+    return Hook(mixer, write, memory, calls, tokens, origin, write=True)
 
 
 def sees(mixer: RecurrentMixer, thread: int | None, recompute: bool) -> bool:
     """Whether a handle takes part in a forward running in `thread` (a recompute runs where autograd runs it; None:
     a compiled forward, whose thread cannot be told)."""
     return recompute or thread is None or mixer._thread is None or mixer._thread == thread
-
-
-def detach(mixer: RecurrentMixer) -> None:
-    """The handle's watch ended (or its standalone hooks were released): it takes part in no forward from now on."""
-    mixer._live = False
-
-
-def hook_removed(mixer: RecurrentMixer) -> None:
-    """A hook of the handle was removed: the last one releases its standalone kernels."""
-    if not mixer._hooks and mixer._on_empty is not None:
-        mixer._on_empty()
 
 
 def record_of(mixer: RecurrentMixer, call: Any, method: str) -> Call:

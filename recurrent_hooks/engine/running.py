@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from .tracker import Forward
+from .calls import Forward
 from .mixer import RecurrentMixer
 from .threads import THREAD
 

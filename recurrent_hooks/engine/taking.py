@@ -87,7 +87,7 @@ class Taker:
             return value
         if self.differentiable and not graph:
             raise InvalidValue(
-                f"{plan.mixer}, call {plan.call}, token {token}: keep_device={str(device)!r} with gradients on: a"
+                f"{plan.where}, call {plan.call}, token {token}: keep_device={str(device)!r} with gradients on: a"
                 f" state kept in grad mode is the tensor the forward read (on {source}), which a copy on another"
                 " device is not. Run the forward under torch.no_grad(), keep on the model's device (keep_device="
                 "None), or keep a reduction (reduce=...), whose copy keeps its graph")
@@ -148,7 +148,7 @@ class Reduction:
         `[batch, chunk, *state]`). `buffer`: the tensor `chunk` is a view of, which the kernel overwrites with the
         next chunk (`Segments.on_chunk`): a result in its memory (the chunk itself, or a view of it) is copied."""
         plan = self.plan
-        where = f"{plan.mixer}, call {plan.call}, tokens {tokens[0]}..{tokens[-1]}: the reduction {_name(plan.reduce)}"
+        where = f"{plan.where}, call {plan.call}, tokens {tokens[0]}..{tokens[-1]}: the reduction {_name(plan.reduce)}"
         with user_code(), noted(lambda: f"raised in {where}"):
             reduced = plan.reduce(chunk)
         del chunk

@@ -57,8 +57,8 @@ def loop_threads(count: int | None, device: torch.device) -> Iterator[None]:
     torch's setting).
 
     Each step's ops are one token's: split over several threads, each op's fork and join costs about what it
-    saves, and a thread another process holds stalls every op (measured, docs/performance.md, "Performance, third
-    round": a token loop 3-4x slower than on one thread with two other processes on the two cores). The hooks the
+    saves, and a thread another process holds stalls every op (measured: docs/performance.md, "Performance, third
+    round"). The hooks the
     loop calls run at that setting too. Changed only on a CPU, with OpenMP's threads (per calling thread), outside a
     compiled graph; the caller's setting is back on the way out."""
     if count is None or device.type != "cpu" or compiling() or not _threads_per_caller():

@@ -1,6 +1,6 @@
 """Whether torch.compile is tracing the running code: the package's one place that asks (tests/test_layout.py pins it).
 
-What differs while tracing, each where it happens: the per-call state hands out its traced implementation
+What differs while tracing, each where it happens: the per-call tracker hands out its traced implementation
 (`tracker.CallTracker.now`), kept states are copied (no storage queries), a hook's result is a new tensor (no
 version counters), the token loop keeps torch's threads, and the adjoint, blocks and chunk-wise reductions are not
 taken (their Python-side bookkeeping does not trace).

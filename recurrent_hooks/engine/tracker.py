@@ -1,17 +1,20 @@
-"""The per-call state of one handle: the call counter, the running call and its record, what each kernel call wants.
+"""The per-call bookkeeping of one handle: the call counter, the running call and its record, what each kernel call
+wants.
 
     with recurrent_hooks.watch(model, keep=("states",)) as w:
         model(ids)                      # the tap's module hooks drive w.mixers[0].tracker:
     w.mixers[0].calls[0]                # begin (count call 0, open this record), plan and store per kernel
-    w.mixers[0].tracker.index        # call, end: 0, the call that ran last
+    w.mixers[0].tracker.index           # call, end: 0, the call that ran last
 
-A `RecurrentMixer` (the user's handle) owns one `CallTracker`; dispatch drives it through a small interface, the
-same in both implementations:
+A `RecurrentMixer` (the user's handle) owns one `CallTracker`, made with what its watch asks (a `policy.Request`:
+what to keep, the policy) and with the kind and where the mixer is (for messages); the tracker never holds the
+handle. Dispatch drives it through a small interface, the same in both implementations:
 
 - `begin(forward)`: a forward of the mixer begins: count it and open its record (a forward that autograd
   recomputes, gradient checkpointing, is matched to the call it repeats instead, `_Replay`);
 - `plan(kernel, tokens) -> Plan`: what the handle wants of one kernel call (its hooks and kept tokens);
-- `store(plan, kernel, part, tokens)`: file the kernel call in the call's record, with the states it kept;
+- `store(plan, kernel, kernel_call, tokens)`: file the kernel call (`calls.KernelCall`: its arguments, results and
+  path) in the call's record, with the states it kept;
 - `end(checked)`: the forward is over (checked: it called a watched kernel if something targeted it);
 - `wants_call()`: whether the running call has hooks, writes or kept values (a fused kernel is skipped then).
 
@@ -25,42 +28,23 @@ import collections
 import dataclasses
 import math
 import warnings
-import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
 from . import calls as _calls
-from .calls import Call, KernelCall, position_of
+from .calls import Call, Forward, KernelCall, position_of
 from .errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable, noted
+from .hooks import SHOWN, Hook
 from .kernels import CONV_MEMORY, KEEP_NAMES, STATE_MEMORY, Kernel
 from .parts import State, axes_of, is_parts, map_parts, not_a_tensor, parts_of
-from .strategies import DEFAULT as _DEFAULT_PATHS, Paths
 from .threads import user_code
 from .tracing import compiling
-
-if TYPE_CHECKING:
-    from .hooks import Hook
-    from .mixer import RecurrentMixer
-
-SHOWN = 3  # calls named in a message about calls that never ran; the rest are counted
+from .policy import Request
 _REPLAY_MATCH = 1e-5  # relative fingerprint distance under which a recompute is the same forward
 _REPLAYS_KEPT = 256  # recomputable calls remembered per mixer
-
-
-@dataclasses.dataclass
-class Forward:
-    """What the library needs to know of one forward of a mixer module."""
-
-    tokens: int  # hidden_states.shape[1]
-    cache: Any  # the transformers Cache, or None
-    fresh: bool  # no cached state for this layer: the call starts from zeros (a prompt)
-    hidden: Tensor | None = None  # the forward's input, read only to match a recompute to its call
-    cache_index: Any = None  # where its memory is in the cache (the kind's `_cache_index`: by default the layer)
-    recompute: bool = False  # autograd is recomputing a checkpointed forward (this is not a new call)
-    training: bool = False  # the module is in train mode (gradient checkpointing may recompute it)
 
 
 def _fingerprint(hidden: Tensor) -> Tensor:
@@ -106,20 +90,6 @@ def _replayed(replays: Iterable[_Replay], forward: Forward) -> tuple[int | None,
 Hooked = list[tuple["Hook", frozenset[int] | None]]  # hooks in registration order, with absolute positions
 
 
-@dataclasses.dataclass(frozen=True)
-class Policy:
-    """How a handle's busy calls run and what they keep, as its watch (or its standalone hooks) set it: a value
-    the tracker holds and hands to each call's plans, never read back through the handle.
-
-    - `paths`: how a busy call picks its path (`Paths`);
-    - `keep_device`: where kept values go as they are kept (None: where the model computes them);
-    - `reduce`: memory -> the function kept in place of its states, applied to chunks of them."""
-
-    paths: Paths = _DEFAULT_PATHS
-    keep_device: "torch.device | None" = None
-    reduce: "dict[str, Callable[[Any], Any]]" = dataclasses.field(default_factory=dict)
-
-
 class Plan:
     """What one attached mixer wants of one kernel call: its hooks (in registration order) and kept tokens."""
 
@@ -139,8 +109,14 @@ class Plan:
             self.reduce, self.device = policy.reduce.get(memory), policy.keep_device
 
     @property
-    def mixer(self) -> "RecurrentMixer":
-        return self.owner.mixer
+    def kind(self) -> type:
+        """The kind of the handle this plan is of (its class: `kind.Kind`'s declarations)."""
+        return self.owner.kind
+
+    @property
+    def where(self) -> str:
+        """The handle this plan is of, for messages."""
+        return self.owner.where
 
     @property
     def idle(self) -> bool:
@@ -164,16 +140,17 @@ _SPLIT = ("the forward split its tokens over several kernel calls (transformers 
 
 
 class CallTracker:
-    """The eager per-call state machine of one handle (see the module docstring for its interface)."""
+    """The eager per-call bookkeeping of one handle (see the module docstring for its interface)."""
 
-    def __init__(self, mixer: "RecurrentMixer", hooks: "dict[int, tuple[Hook, ...]]", *, history: bool,
-                 restart_on_prompt: bool) -> None:
-        self._mixer = weakref.ref(mixer)  # the handle owns this object: no cycle
-        self.kind = type(mixer)
+    def __init__(self, request: Request, kind: type, where: str, hooks: "dict[int, tuple[Hook, ...]]") -> None:
+        self.request = request  # what the handle's watch (or standalone hooks) asks, read from here only
+        self.kind = kind  # the handle's class: its declarations (`kind.Kind`)
+        self.where = where  # the handle as messages and records name it ("GatedDeltaNet(qwen3_5, layer 0)")
         self.hooks = hooks  # the handle's registrations (handle id -> its hooks), the same dict
-        self.keep, self.kernel_io = mixer.keep, mixer.kernel_io
-        self.history = history  # False: a standalone hook's handle, which records no calls
-        self.restart_on_prompt = restart_on_prompt
+        self.keep, self.kernel_io = request.keep, request.kernel_io
+        self.policy = request.policy  # how its calls run and keep
+        self.history = request.history  # False: a standalone hook's handle, which records no calls
+        self.restart_on_prompt = request.restart_on_prompt
         self.calls: list[Call] = []  # the handle's `calls`
         self.begun = 0  # forwards begun since the mixer was attached
         self.offset = 0  # begun count at the last prompt (hooks registered outside a watch count from it)
@@ -192,11 +169,6 @@ class CallTracker:
         self.keep_reached: dict[str, set[int]] = {}
         self.keep_lengths: dict[str, list[tuple[int, int]]] = {}
         self.traced: Any = None  # the implementation a compiled graph's tracing uses (`compiled.TracedCallTracker`)
-        self.policy = Policy()  # how its calls run and keep: set by the watch or the standalone hooks
-
-    @property
-    def mixer(self) -> "RecurrentMixer":
-        return self._mixer()
 
     def now(self) -> "CallTracker":
         """The implementation that serves the running forward: the traced one while torch.compile traces it."""
@@ -258,7 +230,7 @@ class CallTracker:
         self.current = None
         if self.history:
             # one counter: a watch's handle never restarts, so call k is calls[k]
-            self.current = Call(index=self.index, where=repr(self.mixer), tokens=tokens, reorder=reorder)
+            self.current = Call(index=self.index, where=self.where, tokens=tokens, reorder=reorder)
             self.calls.append(self.current)
 
     def reordered(self, beam_idx: Tensor) -> None:
@@ -282,7 +254,7 @@ class CallTracker:
         primary = self.kind.MEMORIES[0]
         if checked and self.kernel_call_counts.get(primary, 0) == 0 and wants():
             raise RecurrentHooksError(
-                f"{self.mixer}: call {shown} finished without calling a watched kernel"
+                f"{self.where}: call {shown} finished without calling a watched kernel"
                 f" ({', '.join(k.name for k in self.kind.KERNELS if k.memory == primary)}) although hooks or kept"
                 " values target it; the mixer took a path the library cannot see (a fused kernel, or a forward"
                 " this transformers version changed)"
@@ -303,9 +275,9 @@ class CallTracker:
         """For a kernel call that something wants: refuse it if it cannot serve that, and return why it restarts
         its memory (None: it continues it). `shown`: the call's index as the message shows it."""
         if (reason := self.kind._refusal(kernel)) is not None:
-            raise Unavailable(f"{self.mixer}, call {shown} ({kernel.name}): {reason}")
+            raise Unavailable(f"{self.where}, call {shown} ({kernel.name}): {reason}")
         if nth > 0 and not self.kind.KERNEL_PER_HEAD:
-            raise Unavailable(f"{self.mixer}, call {shown} ({kernel.name}): kernel call {nth + 1} of the"
+            raise Unavailable(f"{self.where}, call {shown} ({kernel.name}): kernel call {nth + 1} of the"
                               f" {kernel.memory} in one forward: {_SPLIT}")
         return self.kind._restart(kernel, self.forward) if nth == 0 else None
 
@@ -357,13 +329,13 @@ class CallTracker:
 
     def refuse_outside(self, hook: "Hook", token: int, tokens: int, kernel: str) -> None:
         raise InvalidValue(
-            f"{self.mixer}: {hook.origin} targets token {token}, but call {self.index} ({kernel}) has {tokens}"
+            f"{self.where}: {hook.origin} targets token {token}, but call {self.index} ({kernel}) has {tokens}"
             f" token{'s' if tokens != 1 else ''} (valid: 0..{tokens - 1} or -{tokens}..-1)"
         )
 
     def warn_restart(self, index: int | None, kernel: str, reason: str) -> None:
         """Say once, for call `index` (it has hooks, writes or kept values), that the model restarted its memory."""
-        warnings.warn(f"{self.mixer}, call {index} ({kernel}): {reason}", RecurrentHooksWarning, stacklevel=2)
+        warnings.warn(f"{self.where}, call {index} ({kernel}): {reason}", RecurrentHooksWarning, stacklevel=2)
 
     def store(self, plan: Plan, kernel: Kernel, kernel_call: KernelCall, tokens: int) -> None:
         inputs = kernel_call.inputs if "inputs" in self.kernel_io else None
@@ -412,17 +384,16 @@ class CallTracker:
 
     def run_hook(self, hook: "Hook", call: int | None, token: int, state: State, *, replaces: bool = True) -> State:
         """Call hook or write `hook` at `token`; returns the state token+1 continues from (checked)."""
-        mixer = self.mixer
         if hook.write:
-            replacement = hook.fn(mixer, call, token, state)
+            replacement = hook.run(call, token, state)
         else:
             with user_code(), noted(lambda: self._where(hook, call, token)):
-                replacement = hook.fn(mixer, call, token, state)
+                replacement = hook.run(call, token, state)
         if replacement is None or replacement is state:
             return state
         if not replaces:
             raise RecurrentHooksError(
-                f"{mixer}, call {call}, token {token}: {hook.origin} returned a replacement inside a compiled graph"
+                f"{self.where}, call {call}, token {token}: {hook.origin} returned a replacement inside a compiled graph"
                 " with gradients on, where hooks can only read (a replacement would cut the gradient); under"
                 " torch.no_grad() a hook may replace, and a write (set_state_after) works either way")
         state = _checked(replacement, state, self, hook, call, token)
@@ -432,7 +403,7 @@ class CallTracker:
     def _where(self, hook: "Hook", call: int | None, token: int) -> str:
         """Where a user's hook was called, for the note on what it raised."""
         head = "" if self.head is None else f", head {self.head}"
-        return f"raised in the {hook.origin} on {self.mixer}, at call {call}, token {token}{head}"
+        return f"raised in the {hook.origin} on {self.where}, at call {call}, token {token}{head}"
 
     def note_replaced(self, hook: "Hook", token: int) -> None:
         record = self.current
@@ -453,7 +424,7 @@ class CallTracker:
             shown = "; ".join(f"call {call}: {tokens} token{'s' if tokens != 1 else ''}"
                               for call, tokens in lengths[:SHOWN]) + ("; ..." if len(lengths) > SHOWN else "")
             at = ", ".join(f"token {t}" for t in missed)
-            problems.append(f"keep={{{name!r}: {list(wanted)}}} kept nothing at {at} on {self.mixer}: outside every"
+            problems.append(f"keep={{{name!r}: {list(wanted)}}} kept nothing at {at} on {self.where}: outside every"
                             f" call it saw ({shown})")
         return problems
 
@@ -464,7 +435,7 @@ def _requires_grad(state: State) -> bool:
 
 def _checked(replacement: Any, state: State, owner: CallTracker, hook: "Hook", call: int, token: int) -> State:
     kind = owner.kind
-    where = f"{owner.mixer}, call {call}, token {token}: {hook.origin}"
+    where = f"{owner.where}, call {call}, token {token}: {hook.origin}"
     if owner.head is not None:
         where += f" (head {owner.head} of a kernel run once per head)"
     wanted = type(state) if is_parts(state) else Tensor

@@ -52,43 +52,6 @@ from ..engine.loops import OnToken, handed_back_changed, version_of
 from .short_conv import LoopedShortConvolution, ShortConvolution
 
 
-def _slide(
-    self: nn.Module,
-    context: Float[Tensor, "batch channels length"],
-    weights: Float[Tensor, "batch seq heads per_head kernel_size"],
-    mask: Bool[Tensor, "batch seq kernel_size"] | None,
-    out: Float[Tensor, "batch seq channels"],
-    on_token: OnToken,
-) -> tuple[Float[Tensor, "batch channels kernel_size"], Float[Tensor, "batch seq channels"]]:
-    """Slide the window over the call's tokens (the last `seq` columns of `context`, which may start with the
-    cached window), handing `on_token` the window after each; a position that reads a window `on_token`
-    replaced or changed is recomputed. Returns the last window and `out` with those positions replaced (a new
-    tensor, stacked once: nothing is written a token at a time, so that the backward stays linear in T)."""
-    batch, seq, channels = out.shape
-    size = self.conv_kernel_size
-    context = F.pad(context, (size, 0))[..., -(seq + size):]  # b c K+T   the window before token 0, then x
-    window = context[..., :size]  # b c K   zeros for a prompt, the cached window over a cache
-    columns = context[..., size:].unbind(-1)  # T x (b c): one unbind (a slice a token: a quadratic backward)
-    recomputed: dict[int, Tensor] = {}  # position -> its output recomputed from a written window
-    dirty = 0  # how many more positions read a written window
-    for t in range(seq):
-        window = torch.cat([window[..., 1:], columns[t][..., None]], dim=-1)  # b c K   shift in x_t
-        if dirty:
-            lags = window.flip(-1).reshape(batch, self.num_heads, -1, size)  # b H c/H K   lags[..., j] = x_{t-j}
-            if mask is not None:
-                lags = lags * mask[:, t, None, None, :]  # b H c/H K   packed sequences: other sequences' inputs out
-            recomputed[t] = (lags * weights[:, t]).sum(-1).reshape(batch, channels)  # b c   sum_j w_j x_{t-j}
-            dirty -= 1
-        version = version_of(window)
-        written = on_token(t, window)  # b c K   what token t+1 shifts its input into
-        if handed_back_changed(window, version, written):
-            dirty = size - 1  # positions t+1 .. t+K-1 read a column of it
-        window = written
-    if recomputed:
-        out = torch.stack([recomputed.get(t, column) for t, column in enumerate(out.unbind(1))], dim=1)  # b T c
-    return window, out
-
-
 def dynamic_conv_forward(
     self: nn.Module,
     hidden_states: Float[Tensor, "batch seq channels"],
@@ -220,3 +183,40 @@ class LoopedDynamicShortConvolution(DynamicShortConvolution, LoopedShortConvolut
     LIMITS = {**DynamicShortConvolution.LIMITS,
               "hooks without a watch on a looped module": LoopedShortConvolution.LIMITS[
                   "hooks without a watch on a looped module"]}
+
+
+def _slide(
+    self: nn.Module,
+    context: Float[Tensor, "batch channels length"],
+    weights: Float[Tensor, "batch seq heads per_head kernel_size"],
+    mask: Bool[Tensor, "batch seq kernel_size"] | None,
+    out: Float[Tensor, "batch seq channels"],
+    on_token: OnToken,
+) -> tuple[Float[Tensor, "batch channels kernel_size"], Float[Tensor, "batch seq channels"]]:
+    """Slide the window over the call's tokens (the last `seq` columns of `context`, which may start with the
+    cached window), handing `on_token` the window after each; a position that reads a window `on_token`
+    replaced or changed is recomputed. Returns the last window and `out` with those positions replaced (a new
+    tensor, stacked once: nothing is written a token at a time, so that the backward stays linear in T)."""
+    batch, seq, channels = out.shape
+    size = self.conv_kernel_size
+    context = F.pad(context, (size, 0))[..., -(seq + size):]  # b c K+T   the window before token 0, then x
+    window = context[..., :size]  # b c K   zeros for a prompt, the cached window over a cache
+    columns = context[..., size:].unbind(-1)  # T x (b c): one unbind (a slice a token: a quadratic backward)
+    recomputed: dict[int, Tensor] = {}  # position -> its output recomputed from a written window
+    dirty = 0  # how many more positions read a written window
+    for t in range(seq):
+        window = torch.cat([window[..., 1:], columns[t][..., None]], dim=-1)  # b c K   shift in x_t
+        if dirty:
+            lags = window.flip(-1).reshape(batch, self.num_heads, -1, size)  # b H c/H K   lags[..., j] = x_{t-j}
+            if mask is not None:
+                lags = lags * mask[:, t, None, None, :]  # b H c/H K   packed sequences: other sequences' inputs out
+            recomputed[t] = (lags * weights[:, t]).sum(-1).reshape(batch, channels)  # b c   sum_j w_j x_{t-j}
+            dirty -= 1
+        version = version_of(window)
+        written = on_token(t, window)  # b c K   what token t+1 shifts its input into
+        if handed_back_changed(window, version, written):
+            dirty = size - 1  # positions t+1 .. t+K-1 read a column of it
+        window = written
+    if recomputed:
+        out = torch.stack([recomputed.get(t, column) for t, column in enumerate(out.unbind(1))], dim=1)  # b T c
+    return window, out

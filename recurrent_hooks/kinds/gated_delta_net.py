@@ -33,8 +33,8 @@ The maths (the token loop, the chunk-wise states, the adjoint), shared with Kimi
 import torch
 from torch import Tensor
 
-from .conv import CONV_KERNELS
-from .delta_rule import cost_shape, kernels, prepare
+from .shared.conv import CONV_KERNELS
+from .shared.delta_rule import cost_shape, kernels, prepare
 from ..engine.effective import EffectiveAttention, cat, decayed
 from ..engine.calls import KernelCall
 from ..engine.kernels import Kernel, Role, Segments

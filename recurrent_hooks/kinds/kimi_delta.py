@@ -36,9 +36,9 @@ Module contents:
 import dataclasses
 from typing import Any
 
-from .conv import CONV_KERNELS
+from .shared.conv import CONV_KERNELS
 from ..engine.kernels import Role
-from .delta_rule import cost_shape, kernels
+from .shared.delta_rule import cost_shape, kernels
 from .gated_delta_net import GatedDeltaNet
 from ..engine.strategies import Shape
 
@@ -50,8 +50,8 @@ from ..engine.strategies import Shape
 
 def _cost_shape(arguments: dict[str, Any]) -> Shape:
     """As gated DeltaNet's, timed by Kimi's constants: transformers' kernel inverts each chunk's system by a
-    Python loop over its rows, a larger cost per call, and a graph under autograd about 20 x gated DeltaNet's per
-    chunk (measured at Kimi-Linear dims, tests/test_path_memory.py)."""
+    Python loop over its rows, a larger cost per call, and a graph under autograd many times gated DeltaNet's per
+    chunk (measured at Kimi-Linear dims, tests/test_path_memory.py: docs/performance.md, "Paths chosen by memory")."""
     return dataclasses.replace(cost_shape(arguments), constants="kimi delta", graph=50.0, loop_graph=1.8)
 
 

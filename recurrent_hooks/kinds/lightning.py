@@ -61,60 +61,6 @@ from ..engine.loops import OnToken
 from ..engine.mixer import RecurrentMixer
 
 
-
-def _cached_state(cache: Any, layer: int) -> Tensor | None:
-    """The state `cache` holds for `layer` (None: nothing cached, the forward starts from zeros)."""
-    get = getattr(cache, "get_linear_cache", None)
-    state = get(layer) if get is not None else None
-    return state if isinstance(state, Tensor) else None
-
-
-def _qkv(module: nn.Module, hidden_states: Tensor, attention_mask: Tensor | None
-         ) -> tuple[Float[Tensor, "batch heads seq head_dim"], ...]:
-    """q, k, v as transformers' forward forms them: SiLU(W_qkv x), zeroed at padding, split per head."""
-    batch, seq, _ = hidden_states.shape
-    qkv = module.act_fn(module.qkv_proj(hidden_states))  # b t (h 3d)
-    if attention_mask is not None:  # transformers' apply_mask_to_padding_states (a 2D mask, 1 = a real token)
-        qkv = (qkv * attention_mask[:, :, None]).to(qkv.dtype)
-    qkv = qkv.reshape(batch, seq, module.num_attention_heads, 3 * module.head_dim)  # b t h 3d
-    return tuple(x.transpose(1, 2) for x in torch.split(qkv, module.head_dim, dim=3))  # b h t d each
-
-
-def _per_token(self: nn.Module, query: Tensor, key: Tensor, value: Tensor, state: Tensor, start: int, end: int,
-               on_token: OnToken | None) -> tuple[list[Tensor], Tensor]:
-    """Tokens start..end-1 one at a time, with the operations of transformers' per-token branch."""
-    ratio = torch.exp(-self.slope_rate)  # h 1 1   λ_h = exp(-s_h)
-    outputs = []
-    # one split of each input into its tokens (a slice a token would make the backward quadratic)
-    steps = zip(*(x[:, :, start:end].split(1, dim=2) for x in (query, key, value)))  # b h 1 d each, per token
-    for t, (q, k, v) in zip(range(start, end), steps):
-        written = torch.matmul(k.transpose(-1, -2), v)  # b h d d   k_t^T v_t
-        state = ratio * state + written  # b h d d   S_t = λ S_{t-1} + k_t^T v_t
-        outputs.append(torch.matmul(q, state))  # b h 1 d   o_t = q_t S_t
-        if on_token is not None:
-            state = on_token(t, state)  # b h d d   what token t+1 continues from
-    return outputs, state
-
-
-def _chunks(self: nn.Module, query: Tensor, key: Tensor, value: Tensor, state: Tensor, start: int, end: int
-            ) -> tuple[list[Tensor], Tensor]:
-    """Tokens start..end-1 chunk by chunk from `state`, with the operations of transformers' chunk loop
-    (chunks of `block_size` counted from `start`; from start = 0 and a zero state, bit for bit its loop).
-    Within a chunk of n tokens i, j = 1..n: o_i = λ^i q_i S + sum_{j<=i} λ^(i-j) (q_i . k_j) v_j and
-    S <- λ^n S + sum_j λ^(n-j) k_j^T v_j."""
-    outputs = []
-    for first in range(start, end, self.block_size):
-        last = min(first + self.block_size, end)
-        n = last - first
-        q, k, v = (x[:, :, first:last] for x in (query, key, value))  # b h n d each
-        intra = torch.matmul(torch.matmul(q, k.transpose(-1, -2)) * self.diagonal_decay[:, :, :n, :n], v)  # b h n d
-        inter = torch.matmul(q * self.query_decay[:, :n], state)  # b h n d   λ^i q_i S
-        outputs.append(inter + intra)  # b h n d
-        written = torch.matmul((k * self.key_decay[:, -n:]).transpose(-1, -2), v)  # b h d d   sum_j λ^(n-j) k_j^T v_j
-        state = state * torch.exp(-self.slope_rate * n) + written  # b h d d   λ^n S + ...
-    return outputs, state
-
-
 def lightning_attention_forward(
     self: nn.Module,
     hidden_states: Float[Tensor, "batch seq hidden"],
@@ -248,3 +194,56 @@ class LightningAttention(RecurrentMixer):
             gate = F.sigmoid(module.output_gate(x["hidden_states"]))  # b t (h d)
         gate = gate.unflatten(-1, (module.num_attention_heads, module.head_dim))  # b t h d
         return {"query": query, "key": key, "value": value, "gate": gate, "output": kernel_call.output["output"]}
+
+
+def _cached_state(cache: Any, layer: int) -> Tensor | None:
+    """The state `cache` holds for `layer` (None: nothing cached, the forward starts from zeros)."""
+    get = getattr(cache, "get_linear_cache", None)
+    state = get(layer) if get is not None else None
+    return state if isinstance(state, Tensor) else None
+
+
+def _qkv(module: nn.Module, hidden_states: Tensor, attention_mask: Tensor | None
+         ) -> tuple[Float[Tensor, "batch heads seq head_dim"], ...]:
+    """q, k, v as transformers' forward forms them: SiLU(W_qkv x), zeroed at padding, split per head."""
+    batch, seq, _ = hidden_states.shape
+    qkv = module.act_fn(module.qkv_proj(hidden_states))  # b t (h 3d)
+    if attention_mask is not None:  # transformers' apply_mask_to_padding_states (a 2D mask, 1 = a real token)
+        qkv = (qkv * attention_mask[:, :, None]).to(qkv.dtype)
+    qkv = qkv.reshape(batch, seq, module.num_attention_heads, 3 * module.head_dim)  # b t h 3d
+    return tuple(x.transpose(1, 2) for x in torch.split(qkv, module.head_dim, dim=3))  # b h t d each
+
+
+def _per_token(self: nn.Module, query: Tensor, key: Tensor, value: Tensor, state: Tensor, start: int, end: int,
+               on_token: OnToken | None) -> tuple[list[Tensor], Tensor]:
+    """Tokens start..end-1 one at a time, with the operations of transformers' per-token branch."""
+    ratio = torch.exp(-self.slope_rate)  # h 1 1   λ_h = exp(-s_h)
+    outputs = []
+    # one split of each input into its tokens (a slice a token would make the backward quadratic)
+    steps = zip(*(x[:, :, start:end].split(1, dim=2) for x in (query, key, value)))  # b h 1 d each, per token
+    for t, (q, k, v) in zip(range(start, end), steps):
+        written = torch.matmul(k.transpose(-1, -2), v)  # b h d d   k_t^T v_t
+        state = ratio * state + written  # b h d d   S_t = λ S_{t-1} + k_t^T v_t
+        outputs.append(torch.matmul(q, state))  # b h 1 d   o_t = q_t S_t
+        if on_token is not None:
+            state = on_token(t, state)  # b h d d   what token t+1 continues from
+    return outputs, state
+
+
+def _chunks(self: nn.Module, query: Tensor, key: Tensor, value: Tensor, state: Tensor, start: int, end: int
+            ) -> tuple[list[Tensor], Tensor]:
+    """Tokens start..end-1 chunk by chunk from `state`, with the operations of transformers' chunk loop
+    (chunks of `block_size` counted from `start`; from start = 0 and a zero state, bit for bit its loop).
+    Within a chunk of n tokens i, j = 1..n: o_i = λ^i q_i S + sum_{j<=i} λ^(i-j) (q_i . k_j) v_j and
+    S <- λ^n S + sum_j λ^(n-j) k_j^T v_j."""
+    outputs = []
+    for first in range(start, end, self.block_size):
+        last = min(first + self.block_size, end)
+        n = last - first
+        q, k, v = (x[:, :, first:last] for x in (query, key, value))  # b h n d each
+        intra = torch.matmul(torch.matmul(q, k.transpose(-1, -2)) * self.diagonal_decay[:, :, :n, :n], v)  # b h n d
+        inter = torch.matmul(q * self.query_decay[:, :n], state)  # b h n d   λ^i q_i S
+        outputs.append(inter + intra)  # b h n d
+        written = torch.matmul((k * self.key_decay[:, -n:]).transpose(-1, -2), v)  # b h d d   sum_j λ^(n-j) k_j^T v_j
+        state = state * torch.exp(-self.slope_rate * n) + written  # b h d d   λ^n S + ...
+    return outputs, state

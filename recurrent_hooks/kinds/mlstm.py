@@ -68,70 +68,6 @@ class MLSTMState(NamedTuple):
 OnToken = Callable[[int, MLSTMState], MLSTMState]  # `loops.OnToken`, for this state type
 
 
-def _settings(original: Any) -> tuple[float, torch.dtype]:
-    """ε and the state dtype that transformers' partial captured (defaults: xLSTMConfig's, 1e-6 and float32)."""
-    keywords = getattr(original, "keywords", None) or {}
-    eps = keywords.get("eps", 1e-6)
-    step = keywords.get("mlstm_step_kernel")
-    dtype_state = (getattr(step, "keywords", None) or {}).get("dtype_state", torch.float32)
-    return eps, dtype_state
-
-
-def _mlstm(
-    query: Float[Tensor, "batch heads seq key_dim"],
-    key: Float[Tensor, "batch heads seq key_dim"],
-    value: Float[Tensor, "batch heads seq value_dim"],
-    igate: Float[Tensor, "batch heads seq"],
-    fgate: Float[Tensor, "batch heads seq"],
-    state: MLSTMState,
-    eps: float,
-    dtype_state: torch.dtype,
-    on_token: OnToken | None,
-) -> tuple[Float[Tensor, "batch heads seq value_dim"], MLSTMState]:
-    """The recurrence token by token: `mlstm_recurrent_step_native`'s operations, in its order and dtypes."""
-    dtype_qkv = query.dtype
-    dhqk = query.shape[-1]
-    C, n, m = (x.to(dtype=dtype_state) for x in state)
-    scaled = query * (dhqk ** (-0.5))  # b h t k   q̂ = q / √d_qk, elementwise: the step kernel's values, once
-    outputs = []
-    # one unbind of each input along the tokens (a slice a token would make the backward quadratic)
-    steps = zip(scaled.unbind(2), key.unbind(2), value.unbind(2), igate[..., None].unbind(2),
-                fgate[..., None].unbind(2))
-    for t, (q_scaled, k, v, i_pre, f_pre) in enumerate(steps):  # b h k, b h k, b h v, b h 1 (ĩ_t), b h 1 (f̃_t)
-        f_log = F.logsigmoid(f_pre)  # b h 1   log σ(f̃_t)
-        m_new = torch.max(f_log + m, i_pre)  # b h 1   m_t = max(log σ(f̃_t) + m_{t-1}, ĩ_t)
-        f_act = torch.exp(f_log + m - m_new)  # b h 1   f'_t
-        i_act = torch.exp(i_pre - m_new)  # b h 1   i'_t
-        # (the clones are the step kernel's: the product must not save the cache's tensor, which the model
-        # copies the new state into, for the backward)
-        C = f_act[:, :, :, None] * C.clone() + i_act[:, :, :, None] * (k[:, :, :, None] @ v[:, :, None, :])  # b h k v
-        n = f_act * n.clone() + i_act * k  # b h k   n_t = f'_t n_{t-1} + i'_t k_t
-        m = m_new  # b h 1
-        h_num = (q_scaled[:, :, None, :] @ C.to(dtype=dtype_qkv)).squeeze(2).to(dtype=dtype_state)  # b h v  C_tᵀq̂
-        qn = (q_scaled[:, :, None, :] @ n[:, :, :, None].to(dtype=dtype_qkv)).squeeze(2)  # b h 1   n_tᵀ q̂_t
-        h_denom = (torch.maximum(qn.abs(), torch.exp(-m)) + eps).to(dtype=dtype_state)  # b h 1
-        outputs.append((h_num / h_denom).to(dtype=dtype_qkv))  # b h v   h̃_t
-        C, n, m = (C.to(dtype=dtype_state), n.to(dtype=dtype_state), m.to(dtype=dtype_state))  # as the step returns
-        if on_token is not None:
-            C, n, m = on_token(t, MLSTMState(C, n, m))  # what token t+1 continues from (checked by the engine)
-    return torch.stack(outputs, dim=2), MLSTMState(C, n, m)
-
-
-def _initial(query: Tensor, value: Tensor, c_initial: Tensor | None, n_initial: Tensor | None,
-             m_initial: Tensor | None) -> MLSTMState:
-    """The state a call starts from: the given one, or zeros in float32, as `wrap_chunkwise_arbitrary_sequence_length`."""
-    batch, heads, _, dhqk = query.shape
-    dhv = value.shape[-1]
-    given = [c_initial is not None, n_initial is not None, m_initial is not None]
-    if any(given) and not all(given):
-        raise RecurrentHooksError("mLSTM: c_initial, n_initial and m_initial must be given together"
-                                  f" (got C {given[0]}, n {given[1]}, m {given[2]})")
-    if all(given):
-        return MLSTMState(c_initial, n_initial, m_initial)
-    zeros = lambda *shape: torch.zeros(*shape, device=query.device, dtype=torch.float32)  # noqa: E731
-    return MLSTMState(zeros(batch, heads, dhqk, dhv), zeros(batch, heads, dhqk), zeros(batch, heads, 1))
-
-
 def mlstm_inference(
     *,
     query: Float[Tensor, "batch heads seq key_dim"],
@@ -290,3 +226,67 @@ class MatrixLSTM(RecurrentMixer):
         x = kernel_call.inputs
         token_major = {name: x[name].transpose(1, 2) for name in ("query", "key", "value", "igate", "fgate")}
         return {**token_major, "output": kernel_call.output["output"].transpose(1, 2)}
+
+
+def _settings(original: Any) -> tuple[float, torch.dtype]:
+    """ε and the state dtype that transformers' partial captured (defaults: xLSTMConfig's, 1e-6 and float32)."""
+    keywords = getattr(original, "keywords", None) or {}
+    eps = keywords.get("eps", 1e-6)
+    step = keywords.get("mlstm_step_kernel")
+    dtype_state = (getattr(step, "keywords", None) or {}).get("dtype_state", torch.float32)
+    return eps, dtype_state
+
+
+def _mlstm(
+    query: Float[Tensor, "batch heads seq key_dim"],
+    key: Float[Tensor, "batch heads seq key_dim"],
+    value: Float[Tensor, "batch heads seq value_dim"],
+    igate: Float[Tensor, "batch heads seq"],
+    fgate: Float[Tensor, "batch heads seq"],
+    state: MLSTMState,
+    eps: float,
+    dtype_state: torch.dtype,
+    on_token: OnToken | None,
+) -> tuple[Float[Tensor, "batch heads seq value_dim"], MLSTMState]:
+    """The recurrence token by token: `mlstm_recurrent_step_native`'s operations, in its order and dtypes."""
+    dtype_qkv = query.dtype
+    dhqk = query.shape[-1]
+    C, n, m = (x.to(dtype=dtype_state) for x in state)
+    scaled = query * (dhqk ** (-0.5))  # b h t k   q̂ = q / √d_qk, elementwise: the step kernel's values, once
+    outputs = []
+    # one unbind of each input along the tokens (a slice a token would make the backward quadratic)
+    steps = zip(scaled.unbind(2), key.unbind(2), value.unbind(2), igate[..., None].unbind(2),
+                fgate[..., None].unbind(2))
+    for t, (q_scaled, k, v, i_pre, f_pre) in enumerate(steps):  # b h k, b h k, b h v, b h 1 (ĩ_t), b h 1 (f̃_t)
+        f_log = F.logsigmoid(f_pre)  # b h 1   log σ(f̃_t)
+        m_new = torch.max(f_log + m, i_pre)  # b h 1   m_t = max(log σ(f̃_t) + m_{t-1}, ĩ_t)
+        f_act = torch.exp(f_log + m - m_new)  # b h 1   f'_t
+        i_act = torch.exp(i_pre - m_new)  # b h 1   i'_t
+        # (the clones are the step kernel's: the product must not save the cache's tensor, which the model
+        # copies the new state into, for the backward)
+        C = f_act[:, :, :, None] * C.clone() + i_act[:, :, :, None] * (k[:, :, :, None] @ v[:, :, None, :])  # b h k v
+        n = f_act * n.clone() + i_act * k  # b h k   n_t = f'_t n_{t-1} + i'_t k_t
+        m = m_new  # b h 1
+        h_num = (q_scaled[:, :, None, :] @ C.to(dtype=dtype_qkv)).squeeze(2).to(dtype=dtype_state)  # b h v  C_tᵀq̂
+        qn = (q_scaled[:, :, None, :] @ n[:, :, :, None].to(dtype=dtype_qkv)).squeeze(2)  # b h 1   n_tᵀ q̂_t
+        h_denom = (torch.maximum(qn.abs(), torch.exp(-m)) + eps).to(dtype=dtype_state)  # b h 1
+        outputs.append((h_num / h_denom).to(dtype=dtype_qkv))  # b h v   h̃_t
+        C, n, m = (C.to(dtype=dtype_state), n.to(dtype=dtype_state), m.to(dtype=dtype_state))  # as the step returns
+        if on_token is not None:
+            C, n, m = on_token(t, MLSTMState(C, n, m))  # what token t+1 continues from (checked by the engine)
+    return torch.stack(outputs, dim=2), MLSTMState(C, n, m)
+
+
+def _initial(query: Tensor, value: Tensor, c_initial: Tensor | None, n_initial: Tensor | None,
+             m_initial: Tensor | None) -> MLSTMState:
+    """The state a call starts from: the given one, or zeros in float32, as `wrap_chunkwise_arbitrary_sequence_length`."""
+    batch, heads, _, dhqk = query.shape
+    dhv = value.shape[-1]
+    given = [c_initial is not None, n_initial is not None, m_initial is not None]
+    if any(given) and not all(given):
+        raise RecurrentHooksError("mLSTM: c_initial, n_initial and m_initial must be given together"
+                                  f" (got C {given[0]}, n {given[1]}, m {given[2]})")
+    if all(given):
+        return MLSTMState(c_initial, n_initial, m_initial)
+    zeros = lambda *shape: torch.zeros(*shape, device=query.device, dtype=torch.float32)  # noqa: E731
+    return MLSTMState(zeros(batch, heads, dhqk, dhv), zeros(batch, heads, dhqk), zeros(batch, heads, 1))

@@ -98,40 +98,6 @@ def rnn_scan(
     return torch.stack(outputs, dim=1), state
 
 
-def _conv_prompt(
-    block: nn.Module, x: Float[Tensor, "batch lru_width seq"], on_token: OnToken
-) -> tuple[Float[Tensor, "batch lru_width seq"], Float[Tensor, "batch lru_width window"]]:
-    """The prompt's convolution from a zero window (as transformers' prefill), handing `on_token` the window
-    after each token; returns the conv output (transformers' own `conv_1d` call, with the positions that read
-    a written window recomputed) and the last window.
-
-    A window `on_token` hands back as another tensor (a write, a replacing hook, or a kept window in grad
-    mode, which the library reads through a leaf) feeds the next K-1 positions: each is recomputed as one
-    `F.conv1d` over its window, so that the gradient with respect to a kept window is the effect of
-    changing it there."""
-    conv = block.conv_1d
-    channels, length = x.shape[1], x.shape[2]
-    out = conv(x)[..., :length]  # b D T   transformers' call: padding K-1, the first T positions
-    window = x.new_zeros(x.shape[0], channels, block.conv1d_width - 1)  # b D K-1   zeros: a prefill starts empty
-    dirty = 0  # how many more positions read a written window
-    columns = x.unbind(-1)  # T x (b D)   one unbind: a slice a token would make the backward quadratic
-    recomputed: dict[int, Tensor] = {}  # the positions that read a written window, put in once after the loop
-    for t in range(length):
-        full = torch.cat([window, columns[t][..., None]], dim=-1)  # b D K   the inputs position t reads
-        if dirty:
-            recomputed[t] = F.conv1d(full, conv.weight, conv.bias, groups=channels)[..., 0]  # b D
-            dirty -= dirty > 0
-        window = full[..., 1:]  # b D K-1   the window after token t
-        version = version_of(window)
-        written = on_token(t, window)  # b D K-1   what token t+1 shifts its input into
-        if handed_back_changed(window, version, written):
-            dirty = block.conv1d_width - 1  # positions t+1 .. t+K-1 read a column of it
-        window = written
-    if recomputed:  # one stack: transformers' columns where nothing was written, the recomputed ones elsewhere
-        out = torch.stack([recomputed.get(t, column) for t, column in enumerate(out.unbind(-1))], dim=-1)
-    return out, window
-
-
 def recurrent_block_forward(
     self: nn.Module,
     input_states: Float[Tensor, "batch seq hidden"],
@@ -302,3 +268,37 @@ class RealGatedLinearRecurrence(RecurrentMixer):
         reset = x["reset"].expand(rows, -1, -1)  # b t 1   one row per batch row (the kernel may get a shared one)
         return {"a": x["recurrent_gate"] * ~reset, "x": x["hidden_states"], "reset": reset[..., 0],
                 "output": kernel_call.output["output"]}
+
+
+def _conv_prompt(
+    block: nn.Module, x: Float[Tensor, "batch lru_width seq"], on_token: OnToken
+) -> tuple[Float[Tensor, "batch lru_width seq"], Float[Tensor, "batch lru_width window"]]:
+    """The prompt's convolution from a zero window (as transformers' prefill), handing `on_token` the window
+    after each token; returns the conv output (transformers' own `conv_1d` call, with the positions that read
+    a written window recomputed) and the last window.
+
+    A window `on_token` hands back as another tensor (a write, a replacing hook, or a kept window in grad
+    mode, which the library reads through a leaf) feeds the next K-1 positions: each is recomputed as one
+    `F.conv1d` over its window, so that the gradient with respect to a kept window is the effect of
+    changing it there."""
+    conv = block.conv_1d
+    channels, length = x.shape[1], x.shape[2]
+    out = conv(x)[..., :length]  # b D T   transformers' call: padding K-1, the first T positions
+    window = x.new_zeros(x.shape[0], channels, block.conv1d_width - 1)  # b D K-1   zeros: a prefill starts empty
+    dirty = 0  # how many more positions read a written window
+    columns = x.unbind(-1)  # T x (b D)   one unbind: a slice a token would make the backward quadratic
+    recomputed: dict[int, Tensor] = {}  # the positions that read a written window, put in once after the loop
+    for t in range(length):
+        full = torch.cat([window, columns[t][..., None]], dim=-1)  # b D K   the inputs position t reads
+        if dirty:
+            recomputed[t] = F.conv1d(full, conv.weight, conv.bias, groups=channels)[..., 0]  # b D
+            dirty -= dirty > 0
+        window = full[..., 1:]  # b D K-1   the window after token t
+        version = version_of(window)
+        written = on_token(t, window)  # b D K-1   what token t+1 shifts its input into
+        if handed_back_changed(window, version, written):
+            dirty = block.conv1d_width - 1  # positions t+1 .. t+K-1 read a column of it
+        window = written
+    if recomputed:  # one stack: transformers' columns where nothing was written, the recomputed ones elsewhere
+        out = torch.stack([recomputed.get(t, column) for t, column in enumerate(out.unbind(-1))], dim=-1)
+    return out, window

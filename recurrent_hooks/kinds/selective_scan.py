@@ -44,8 +44,10 @@ Module contents:
   in segments (`Segments.kernel`) and keeps every state (`Segments.all_states`): the chunk-wise scan for
   small states, the token loop for large ones (`CHUNKWISE_UP_TO`, measured).
 - `discretize`: Δ_t, exp(Δ_t A) and Δ_t B_t x_t of every token, from the prompt kernel's arguments.
-- the discretisation (`step_size`, `discrete_step`, `refuse_mamba_packed`) is `ssm`'s, shared with Mamba-2.
-- `SelectiveScan`, `PerHeadSelectiveScan`: the mixer kinds (zamba runs its kernels once per head).
+- the discretisation (`step_size`, `discrete_step`, `refuse_mamba_packed`) and the kernels' signatures (`kernel`,
+  `SelectiveScanCall`, `StateUpdateCall`) are `ssm`'s, shared with Mamba-2.
+- `SelectiveScan`, `PerHeadSelectiveScan`: the mixer kinds (zamba runs its kernels once per head), declared first;
+  the kernels' maths follow them.
 """
 
 import functools
@@ -57,16 +59,183 @@ from einops import rearrange
 from jaxtyping import Float
 from torch import Tensor
 
-from .conv import CONV_KERNELS
+from .shared.conv import CONV_KERNELS
 from ..engine.effective import EffectiveAttention, decayed
 from ..engine.calls import KernelCall
 from ..engine.errors import Unavailable
-from ..engine.kernels import STATE_MEMORY, Kernel, Layout, Role, Segments
+from ..engine.kernels import STATE_MEMORY, Kernel, Role, Segments
 from ..engine.loops import OnChunk, OnToken, at_least_float32, chunked, plus, scratch_like, starting_state
 from ..engine.mixer import RecurrentMixer
-from .ssm import discrete_step, refuse_mamba_packed, state_update_kernel, step_size
+from .shared.ssm import SelectiveScanCall, StateUpdateCall, discrete_step, kernel, step_size
 from ..engine.tracing import compiling
 
+# the kernels, with transformers' signatures (written once: `ssm.kernel`); their maths follow the mixer kinds
+mamba_selective_scan = kernel(SelectiveScanCall, "mamba_selective_scan", __name__, initial_state=None, on_token=None)
+mamba_selective_scan_chunks = kernel(SelectiveScanCall, "mamba_selective_scan_chunks", __name__, initial_state=None,
+                                     chunk=None)
+mamba_selective_scan_states = kernel(SelectiveScanCall, "mamba_selective_scan_states", __name__, initial_state=None,
+                                     chunk=None, on_chunk=None)
+mamba_selective_scan_piece = kernel(SelectiveScanCall, "mamba_selective_scan_piece", __name__, initial_state=None)
+mamba_selective_scan_piece_states = kernel(SelectiveScanCall, "mamba_selective_scan_piece_states", __name__,
+                                           initial_state=None, on_chunk=None)
+mamba_selective_state_update = kernel(StateUpdateCall, "mamba_selective_state_update", __name__, on_token=None)
+
+_RESTARTED = ("multi-token continuation: the model restarted its SSM state from zero (transformers'"
+              " mamba_selective_scan takes no initial state), as it does unwatched; this call's hooks, writes"
+              " and kept states see the states from zero, not from the cached state. Continue one token at a"
+              " time for an exact continuation")
+
+
+class SelectiveScan(RecurrentMixer):
+    """A Mamba-1 mixer (mamba, falcon_mamba, jamba).
+
+        with recurrent_hooks.watch(model, keep=("states",)) as w:
+            model(input_ids)
+        w.mixers[0].states     # Float[Tensor, "batch seq d_inner d_state"]
+        w.mixers[0].values()   # x, dt, B, C, y of every token
+
+    The state h_t is `[batch, d_inner, d_state]`, float32, the layout of transformers' cache. The prompt
+    kernel returns the last state (the mixer copies it into the cache); the decode kernel writes the new
+    state into the cache tensor in place, and so does the library's loop, after any hook or write.
+    transformers' prompt kernel cannot start from a state, so a prompt with hooks, writes or kept states at a
+    few tokens runs the library's own scan on the pieces between them (chunk-wise for small states, the token
+    loop for large ones), and one that keeps every state (no gradients) its all-states version; a hook on
+    every token runs the token loop.
+    """
+
+    KERNELS = (
+        # several tokens (a prompt): a scan from zeros, which takes no state; in segments, the library's
+        # chunk-wise scan or token loop runs the pieces (they start from the state the previous one left)
+        Kernel(name="mamba_selective_scan", role=Role.PROMPT, loop=mamba_selective_scan, state_in=None,
+               results=("output", "final_state"), seq=("hidden_states", 2),
+               segments=Segments(per_token={name: 2 for name in ("hidden_states", "dt", "B", "C", "z")},
+                                 state_in="initial_state", final_flag="return_last_state", out_axis=2,
+                                 tuple_without_final=False, kernel=mamba_selective_scan_piece,
+                                 all_states=mamba_selective_scan_piece_states, on_chunk=True)),
+        # one token over the cached state, which it updates in place
+        Kernel(name="mamba_selective_state_update", role=Role.DECODE, loop=mamba_selective_state_update,
+               state_in="state", results=("output",), in_place=True),
+        *CONV_KERNELS,
+    )
+    FUSED = ("mamba_inner_fn",)
+    STATE = "batch d_inner d_state"
+    INPUTS = {
+        "hidden_states": "batch d_inner seq",
+        "dt": "batch d_inner seq",
+        "A": "d_inner d_state",
+        "B": "batch d_state seq",
+        "C": "batch d_state seq",
+        "D": "d_inner",
+        "z": "batch d_inner seq",
+        "state": "batch d_inner d_state",
+    }
+    OUTPUTS = {"output": "batch d_inner seq", "final_state": "batch d_inner d_state"}
+    VALUES = {
+        "x": "batch seq d_inner",
+        "dt": "batch seq d_inner",
+        "B": "batch seq d_state",
+        "C": "batch seq d_state",
+        "y": "batch seq d_inner",
+    }
+    LIMITS = {
+        "multi-token continuation": "transformers' mamba_selective_scan takes no initial state, so a forward of"
+        " several tokens over a cached state restarts the SSM state from zero (the model's own behaviour, watched or"
+        " not; the convolution window carries over). Such a call runs as transformers runs it: its hooks, writes and"
+        " kept states see the states from zero, and a RecurrentHooksWarning says so once per mixer and call. Continue"
+        " one token at a time for an exact continuation",
+    }
+
+    @classmethod
+    def _restart(cls, kernel: Kernel, forward: Any) -> str | None:
+        continuing = not forward.fresh and forward.tokens > 1
+        return _RESTARTED if continuing and kernel.memory == STATE_MEMORY and kernel.role == "prompt" else None
+
+    @classmethod
+    def _token_values(cls, kernel_call: KernelCall) -> dict[str, Tensor]:
+        x = kernel_call.inputs
+        if kernel_call.kernel == cls.kernel_for(Role.PROMPT).name:
+            token_major = lambda v: rearrange(v, "b c t -> b t c")  # noqa: E731
+            dt = step_size(token_major(x["dt"]), x["delta_bias"], x["delta_softplus"])
+            return {"x": token_major(x["hidden_states"]), "dt": dt, "B": token_major(x["B"]),
+                    "C": token_major(x["C"]), "y": token_major(kernel_call.output["output"])}
+        dt = step_size(x["dt"], x["dt_bias"], x["dt_softplus"])
+        return {"x": x["hidden_states"][:, None], "dt": dt[:, None], "B": x["B"][:, None], "C": x["C"][:, None],
+                "y": kernel_call.output["output"][:, None]}
+
+    def _effective_attention_of_head(self, calls: range, head: int, dtype: torch.dtype) -> EffectiveAttention:
+        """Mamba-1's exact map over one kernel call per head (zamba: one per mamba head)."""
+        kind = type(self)
+        xs, steps, Bs, Cs = [], [], [], []
+        for index in calls:
+            kernel_call = self.calls[index].kernel_calls[head]
+            values = self._token_values(kernel_call)  # token-major x, Δ, B, C
+            xs.append(values["x"]), steps.append(values["dt"]), Bs.append(values["B"]), Cs.append(values["C"])
+        last = self.calls[calls[-1]].kernel_calls[head]
+        first = self.calls[calls[0]].kernel_calls[head]
+        x, delta, B, C = (torch.cat([p.to(dtype) for p in pieces], dim=1) for pieces in (xs, steps, Bs, Cs))
+        A = last.inputs["A"].to(dtype)  # d n
+        rows = xs[-1].shape[1]
+        start = x.shape[1] - rows
+        cum = (delta[..., None] * A).cumsum(1).transpose(1, 2)  # b d s n   c_s per channel and state entry
+        B, C = B[:, None], C[:, None, start:]  # b 1 s n, b 1 t n
+        weights = decayed(C, B, cum[:, :, start:], cum, start, strict=False) * delta.transpose(1, 2)[:, :, None]
+        state = first.inputs.get(kind.kernel(first.kernel).state_in) if kind.kernel(first.kernel).role is Role.DECODE else None  # the scan starts from 0
+        x_rows = x[:, start:].transpose(1, 2)[..., None]  # b d t 1
+        if state is None:
+            from_state = torch.zeros_like(x_rows)
+        else:
+            from_state = ((C * cum[:, :, start:].exp()) * state.to(dtype)[:, :, None]).sum(-1)[..., None]
+        inputs = last.inputs
+        D, z = inputs.get("D"), inputs.get("z")
+        skip = None if D is None else D.to(dtype)[:, None, None] * x_rows
+        if z is not None:
+            z = (z if kind.kernel(last.kernel).role is Role.PROMPT else z[..., None]).to(dtype)  # b d t
+            z = F.silu(z)[..., None]
+        return EffectiveAttention(weights, x.transpose(1, 2)[..., None], from_state, skip, z, calls)
+
+    def _effective_attention(self, calls: range, dtype: torch.dtype) -> EffectiveAttention:
+        """Mamba-1's exact map: the heads' maps side by side (channel = head * head_dim + p)."""
+        heads = len(self.calls[calls[-1]].kernel_calls)
+        parts = [self._effective_attention_of_head(calls, head, dtype) for head in range(heads)]
+        if heads == 1:
+            return parts[0]
+        fields = [torch.cat(f, dim=1) if f[0] is not None else None for f in zip(*(p[:5] for p in parts))]
+        return EffectiveAttention(*fields, calls)
+
+
+class PerHeadSelectiveScan(SelectiveScan):
+    """A Mamba-1 mixer that runs its kernels once per mamba head inside one forward (zamba).
+
+        with recurrent_hooks.watch(model, keep=("states",)) as w:
+            model(input_ids)
+        w.mixers[0].states     # Float[Tensor, "batch seq heads head_dim d_state"]
+
+    One call of the mixer makes one kernel call per head (`call.kernel_calls[h]`). The state is the cache's
+    `[batch, heads, head_dim, d_state]`; kept states and `values()` stack the heads after `seq`. Hooks run
+    once per head and token with that head's `[batch, head_dim, d_state]` state, `mixer.head` telling
+    which; `set_state_after` takes the whole state and writes each head's slice.
+    """
+
+    KERNEL_PER_HEAD = True
+    HEADS = True  # the kernel calls of one forward, one per mamba head
+    STATE = "batch heads head_dim d_state"
+    VALUES = {
+        "x": "batch seq heads head_dim",
+        "dt": "batch seq heads head_dim",
+        "B": "batch seq heads d_state",
+        "C": "batch seq heads d_state",
+        "y": "batch seq heads head_dim",
+    }
+
+    @classmethod
+    def _head_channels(cls, head: int, heads: int, head_state: tuple[int, ...], channels: int) -> range:
+        """The window's channels are the heads' x channels, head-major (zamba splits the convolution's output into
+        heads of `head_dim` channels, and each head computes its dt, B and C from its own)."""
+        head_dim = channels // heads
+        if head_dim * heads != channels or head_dim != head_state[0]:
+            raise Unavailable(f"{cls.__name__}: a window of {channels} channels is not {heads} heads of head_dim"
+                              f" {head_state[0]}")
+        return range(head * head_dim, (head + 1) * head_dim)
 
 
 def discretize(
@@ -91,6 +260,29 @@ def discretize(
     wide = at_least_float32(hidden_states.dtype)
     dt = step_size(dt, delta_bias, delta_softplus, dtype=wide)
     return (dt, *discrete_step(dt, A.to(wide), B.float().to(wide), x.float().to(wide)))
+
+
+@mamba_selective_scan.body
+def _token_loop(call: SelectiveScanCall, initial_state: Tensor | None,
+                on_token: OnToken | None) -> Tensor | tuple[Tensor, Tensor]:
+    """The prompt kernel, token by token: same arguments and results as transformers' `mamba_selective_scan`.
+
+    Returns y `[batch, d_inner, seq]` (D skip and silu(z) gate applied), and the last state
+    `[batch, d_inner, d_state]` float32 when `return_last_state`. `use_mambapy` and
+    `use_associative_scan` are accepted and ignored; so are unknown keyword arguments.
+    `on_token(t, state)` is called after token t's state update and output; token t+1 continues from the
+    state it returns, and the last one returned is the last state.
+    `initial_state` is the library's own: transformers' kernel always starts from zeros, which is why a
+    multi-token forward of a Mamba-1 model with a cache drops the cached state.
+    """
+    # transformers rounds x and B to float32 and promotes them with the model's Δ: float64 stays float64
+    wide = at_least_float32(call.hidden_states.dtype)
+    x = rearrange(call.hidden_states, "b d t -> b t d").float().to(wide)
+    delta = step_size(rearrange(call.dt, "b d t -> b t d"), call.delta_bias, call.delta_softplus, dtype=wide)
+    B_t = rearrange(call.B, "b n t -> b t n").float().to(wide)
+    C_t = rearrange(call.C, "b n t -> b t n").to(call.hidden_states.dtype)  # transformers reads C.h in x's dtype
+    y, state = _selective_scan(x, delta, call.A.to(wide), B_t, C_t, initial_state, on_token)
+    return call.result(_prompt_result(rearrange(y, "b t d -> b d t"), call), state)
 
 
 def _selective_scan(
@@ -133,51 +325,52 @@ def _skip_and_gate(y: Tensor, x: Tensor, D: Tensor | None, z: Tensor | None) -> 
     return y
 
 
-def mamba_selective_scan(
-    hidden_states: Tensor,
-    dt: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor | None = None,
-    z: Tensor | None = None,
-    delta_bias: Tensor | None = None,
-    delta_softplus: bool = False,
-    return_last_state: bool = False,
-    use_mambapy: bool = False,
-    use_associative_scan: bool = False,
-    *,
-    initial_state: Tensor | None = None,
-    on_token: OnToken | None = None,
-    **kwargs: Any,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """The prompt kernel, token by token: same arguments and results as transformers' `mamba_selective_scan`.
-
-    Returns y `[batch, d_inner, seq]` (D skip and silu(z) gate applied), and the last state
-    `[batch, d_inner, d_state]` float32 when `return_last_state`. `use_mambapy` and
-    `use_associative_scan` are accepted and ignored; so are unknown keyword arguments.
-    `on_token(t, state)` is called after token t's state update and output; token t+1 continues from the
-    state it returns, and the last one returned is the last state.
-    `initial_state` is the library's own: transformers' kernel always starts from zeros, which is why a
-    multi-token forward of a Mamba-1 model with a cache drops the cached state.
-    """
-    refuse_mamba_packed(kwargs)
-    # transformers rounds x and B to float32 and promotes them with the model's Δ: float64 stays float64
-    wide = at_least_float32(hidden_states.dtype)
-    x = rearrange(hidden_states, "b d t -> b t d").float().to(wide)
-    delta = step_size(rearrange(dt, "b d t -> b t d"), delta_bias, delta_softplus, dtype=wide)
-    B_t = rearrange(B, "b n t -> b t n").float().to(wide)
-    C_t = rearrange(C, "b n t -> b t n").to(hidden_states.dtype)  # transformers reads C.h in x's dtype
-    y, state = _selective_scan(x, delta, A.to(wide), B_t, C_t, initial_state, on_token)
-    y = _prompt_result(rearrange(y, "b t d -> b d t"), hidden_states, C, D, z)
-    return (y, state) if return_last_state else y
-
-
-def _prompt_result(y: Tensor, hidden_states: Tensor, C: Tensor, D: Tensor | None, z: Tensor | None) -> Tensor:
+def _prompt_result(y: Tensor, call: SelectiveScanCall) -> Tensor:
     """The prompt kernel's result from C_t . h_t `[batch, d_inner, seq]`: skip and gate, in transformers' dtype."""
-    y = _skip_and_gate(y, hidden_states, None if D is None else D[:, None], z)
-    dtype = functools.reduce(torch.promote_types, [v.dtype for v in (hidden_states, C, D, z) if v is not None])
+    y = _skip_and_gate(y, call.hidden_states, None if call.D is None else call.D[:, None], call.z)
+    dtype = functools.reduce(torch.promote_types, [v.dtype for v in (call.hidden_states, call.C, call.D, call.z)
+                                                   if v is not None])
     return y.to(dtype)
+
+
+@mamba_selective_scan_chunks.body
+def _chunk_wise_scan(call: SelectiveScanCall, initial_state: Tensor | None,
+                     chunk: int | None) -> Tensor | tuple[Tensor, Tensor]:
+    """The prompt kernel chunk-wise (no per-token loop), from `initial_state` (zeros if None).
+
+    Same arguments and results as transformers' `mamba_selective_scan`, which always starts from zeros:
+    the library runs Mamba-1 prompts in segments with this (`Segments.kernel`). See `_scan_chunks`.
+    """
+    y, state, _ = _chunked(call, initial_state, chunk, False)
+    return call.result(y, state)
+
+
+@mamba_selective_scan_states.body
+def _chunk_wise_states(call: SelectiveScanCall, initial_state: Tensor | None, chunk: int | None,
+                       on_chunk: OnChunk | None,
+                       ) -> tuple[Tensor | tuple[Tensor, Tensor], Float[Tensor, "seq batch d_inner d_state"] | None]:
+    """`mamba_selective_scan_chunks`' results and every token's state, token first (when all are kept), or with
+    `on_chunk` each chunk's states handed to it and None (`Segments.on_chunk`)."""
+    y, state, every = _chunked(call, initial_state, chunk, on_chunk is None, on_chunk)
+    return call.result(y, state), every
+
+
+def _chunked(call: SelectiveScanCall, initial_state: Tensor | None, chunk: int | None, keep_every: bool,
+             on_chunk: OnChunk | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The chunk-wise kernels' work: the result, the last state and every state (or None; with `on_chunk`, each
+    chunk's states are handed to it)."""
+    # token-first and contiguous, so that every per-chunk tensor is too (a chunk is a slice of the first axis)
+    seq_first = lambda v: rearrange(v, "b c t -> t b c").contiguous()  # noqa: E731
+    wide = at_least_float32(call.hidden_states.dtype)
+    x = seq_first(call.hidden_states.float().to(wide))  # as the token loop: rounded to float32, then promoted
+    bias = None if call.delta_bias is None else call.delta_bias[:, None]
+    delta = seq_first(step_size(call.dt, bias, call.delta_softplus, dtype=wide))
+    B_t = seq_first(call.B.float().to(wide))
+    C_t = seq_first(call.C.to(call.hidden_states.dtype))  # transformers reads C.h in x's dtype
+    seq, batch, d_inner = x.shape
+    every = x.new_empty(seq, batch, d_inner, call.A.shape[-1]) if keep_every else None
+    y, state = _scan_chunks(x, delta, call.A.to(wide), B_t, C_t, initial_state, chunk, every, on_chunk)
+    return _prompt_result(rearrange(y, "t b d -> b d t"), call), state, every
 
 
 _LOG_RANGE = 60.0  # how far a chunk's running decay may fall (e^-60): 1 / e^-60 ~ 1e26 stays far from float32's 3e38
@@ -282,94 +475,19 @@ def _step_through(
     states.view(size, -1)[:, fast] = torch.stack(out)
 
 
-def _chunked(hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus, initial_state, chunk, keep_every,
-             on_chunk=None):
-    """`mamba_selective_scan_chunks`' work: the result, the last state and every state (or None; with `on_chunk`,
-    each chunk's states are handed to it)."""
-    # token-first and contiguous, so that every per-chunk tensor is too (a chunk is a slice of the first axis)
-    seq_first = lambda v: rearrange(v, "b c t -> t b c").contiguous()  # noqa: E731
-    wide = at_least_float32(hidden_states.dtype)
-    x = seq_first(hidden_states.float().to(wide))  # as `mamba_selective_scan`: rounded to float32, then promoted
-    delta = seq_first(step_size(dt, None if delta_bias is None else delta_bias[:, None], delta_softplus, dtype=wide))
-    B_t = seq_first(B.float().to(wide))
-    C_t = seq_first(C.to(hidden_states.dtype))  # transformers reads C.h in x's dtype
-    seq, batch, d_inner = x.shape
-    every = x.new_empty(seq, batch, d_inner, A.shape[-1]) if keep_every else None
-    y, state = _scan_chunks(x, delta, A.to(wide), B_t, C_t, initial_state, chunk, every, on_chunk)
-    return _prompt_result(rearrange(y, "t b d -> b d t"), hidden_states, C, D, z), state, every
+@mamba_selective_state_update.body
+def _decode_step(call: StateUpdateCall, on_token: OnToken | None) -> Tensor:
+    """The decode kernel (one token): same arguments and result as transformers' `mamba_selective_state_update`.
 
-
-def mamba_selective_scan_chunks(
-    hidden_states: Tensor,
-    dt: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor | None = None,
-    z: Tensor | None = None,
-    delta_bias: Tensor | None = None,
-    delta_softplus: bool = False,
-    return_last_state: bool = False,
-    use_mambapy: bool = False,
-    use_associative_scan: bool = False,
-    *,
-    initial_state: Tensor | None = None,
-    chunk: int | None = None,
-    **kwargs: Any,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """The prompt kernel chunk-wise (no per-token loop), from `initial_state` (zeros if None).
-
-    Same arguments and results as transformers' `mamba_selective_scan`, which always starts from zeros:
-    the library runs Mamba-1 prompts in segments with this (`Segments.kernel`). See `_scan_chunks`.
-    """
-    refuse_mamba_packed(kwargs)
-    y, state, _ = _chunked(hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus, initial_state, chunk, False)
-    return (y, state) if return_last_state else y
-
-
-def mamba_selective_scan_states(
-    hidden_states: Tensor,
-    dt: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor | None = None,
-    z: Tensor | None = None,
-    delta_bias: Tensor | None = None,
-    delta_softplus: bool = False,
-    return_last_state: bool = False,
-    use_mambapy: bool = False,
-    use_associative_scan: bool = False,
-    *,
-    initial_state: Tensor | None = None,
-    chunk: int | None = None,
-    on_chunk: OnChunk | None = None,
-    **kwargs: Any,
-) -> tuple[Tensor | tuple[Tensor, Tensor], Float[Tensor, "seq batch d_inner d_state"] | None]:
-    """`mamba_selective_scan_chunks`' results and every token's state, token first (when all are kept), or with
-    `on_chunk` each chunk's states handed to it and None (`Segments.on_chunk`)."""
-    refuse_mamba_packed(kwargs)
-    y, state, every = _chunked(hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus, initial_state, chunk,
-                               on_chunk is None, on_chunk)
-    return ((y, state) if return_last_state else y), every
-
-
-def _update_step(state: Tensor, hidden_states: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None,
-                 dt_bias: Tensor | None, dt_softplus: bool, z: Tensor | None, on_token: OnToken | None) -> Tensor:
-    """`mamba_selective_state_update`'s step (the signature is `ssm.state_update_kernel`'s)."""
-    x = hidden_states.float()[:, None]  # b 1 d
-    delta = step_size(dt, dt_bias, dt_softplus)[:, None]  # b 1 d
-    y, new_state = _selective_scan(x, delta, A.float(), B.float()[:, None], C[:, None], state, on_token)
-    state.copy_(new_state)
-    return _skip_and_gate(y[:, 0], hidden_states, D, z).to(hidden_states.dtype)
-
-
-mamba_selective_state_update = state_update_kernel("mamba_selective_state_update", __name__, _update_step, """\
-The decode kernel (one token): same arguments and result as transformers' `mamba_selective_state_update`.
-
-Returns y `[batch, d_inner]` in hidden_states' dtype and, like transformers, writes the new state
-into `state` in place (`copy_`): the mixer never writes it back to the cache. With `on_token` (called
-once, t=0) the state written is the one it returns. Unknown keyword arguments are ignored.""")
+    Returns y `[batch, d_inner]` in hidden_states' dtype and, like transformers, writes the new state
+    into `state` in place (`copy_`): the mixer never writes it back to the cache. With `on_token` (called
+    once, t=0) the state written is the one it returns. Unknown keyword arguments are ignored."""
+    x = call.hidden_states.float()[:, None]  # b 1 d
+    delta = step_size(call.dt, call.dt_bias, call.dt_softplus)[:, None]  # b 1 d
+    y, new_state = _selective_scan(x, delta, call.A.float(), call.B.float()[:, None], call.C[:, None], call.state,
+                                   on_token)
+    call.state.copy_(new_state)
+    return _skip_and_gate(y[:, 0], call.hidden_states, call.D, call.z).to(call.hidden_states.dtype)
 
 
 CHUNKWISE_UP_TO = 4096  # state elements per token (batch * d_inner * d_state) up to which pieces run chunk-wise
@@ -377,8 +495,8 @@ CHUNKWISE_UP_TO = 4096  # state elements per token (batch * d_inner * d_state) u
 
 def _chunk_wise(hidden_states: Tensor, A: Tensor) -> bool:
     """Whether a piece runs faster chunk-wise than by the token loop, by its state's size (measured on this
-    machine, docs/performance.md): up to ~4K elements a token's Python step costs more than its arithmetic and
-    the chunk-wise scan is 1.5-6x faster; at mamba-130m dims (24,576 per batch row) the two cost about the
+    machine, docs/performance.md, "Mamba-1: the chunk-wise selective scan"): up to ~4K elements a token's Python
+    step costs more than its arithmetic, and the chunk-wise scan is faster; at mamba-130m dims the two cost about the
     same on their own, and with the fast-decaying elements a real model has, the chunk-wise scan is slower.
     Never inside torch.compile (which elements decay fast is data, and a graph cannot branch on it), nor with
     gradients on (the chunk-wise scan writes into its buffers in place)."""
@@ -387,189 +505,30 @@ def _chunk_wise(hidden_states: Tensor, A: Tensor) -> bool:
     return hidden_states.shape[0] * hidden_states.shape[1] * A.shape[-1] <= CHUNKWISE_UP_TO
 
 
-def mamba_selective_scan_piece(*args: Any, **kwargs: Any) -> Tensor | tuple[Tensor, Tensor]:
+@mamba_selective_scan_piece.body
+def _piece_by_size(call: SelectiveScanCall, initial_state: Tensor | None) -> Tensor | tuple[Tensor, Tensor]:
     """A piece of a Mamba-1 prompt from a state (`Segments.kernel`): `mamba_selective_scan_chunks` or the
     token loop `mamba_selective_scan`, whichever is faster at its shape (`_chunk_wise`); same arguments."""
-    bound = _PIECE.bind(args, kwargs)
-    run = mamba_selective_scan_chunks if _chunk_wise(bound["hidden_states"], bound["A"]) else mamba_selective_scan
-    return run(*args, **kwargs)
+    run = mamba_selective_scan_chunks if _chunk_wise(call.hidden_states, call.A) else mamba_selective_scan
+    return run(*call, initial_state=initial_state)
 
 
-def mamba_selective_scan_piece_states(
-    *args: Any, on_chunk: OnChunk | None = None, **kwargs: Any,
+@mamba_selective_scan_piece_states.body
+def _piece_states_by_size(
+    call: SelectiveScanCall, initial_state: Tensor | None, on_chunk: OnChunk | None,
 ) -> tuple[Tensor | tuple[Tensor, Tensor], Float[Tensor, "seq batch d_inner d_state"] | None]:
     """`mamba_selective_scan_piece` with every token's state, token first (`Segments.all_states`):
     `mamba_selective_scan_states`, or the token loop keeping the state of each token. With `on_chunk`, the states
     are handed to it a chunk at a time instead, and None returned for them (`Segments.on_chunk`: the token loop
     gathers them into a buffer of 16 tokens, `loops.chunked`)."""
-    bound = _PIECE.bind(args, kwargs)
-    if _chunk_wise(bound["hidden_states"], bound["A"]):
-        return mamba_selective_scan_states(*args, on_chunk=on_chunk, **kwargs)
+    x = call.hidden_states
+    if _chunk_wise(x, call.A):
+        return mamba_selective_scan_states(*call, initial_state=initial_state, on_chunk=on_chunk)
     if on_chunk is not None:
-        tokens = bound["hidden_states"].shape[2]
-        return mamba_selective_scan(*args, on_token=chunked(on_chunk, tokens), **kwargs), None
+        return mamba_selective_scan(*call, initial_state=initial_state, on_token=chunked(on_chunk, x.shape[2])), None
     seen: list[Tensor] = []
-    result = mamba_selective_scan(*args, on_token=lambda t, state: seen.append(state) or state, **kwargs)
-    every = torch.stack(seen) if seen else bound["hidden_states"].new_zeros(0, *bound["hidden_states"].shape[:2],
-                                                                             bound["A"].shape[-1],
-                                                                             dtype=at_least_float32(bound["hidden_states"].dtype))
+    result = mamba_selective_scan(*call, initial_state=initial_state,
+                                  on_token=lambda t, state: seen.append(state) or state)
+    every = torch.stack(seen) if seen else x.new_zeros(0, *x.shape[:2], call.A.shape[-1],
+                                                       dtype=at_least_float32(x.dtype))
     return result, every
-
-
-_PIECE = Layout.of(mamba_selective_scan_chunks)  # (read now: a compiled forward cannot inspect signatures)
-
-
-_CONTINUATION = ("transformers' mamba_selective_scan takes no initial state, so a forward of several tokens over"
-                 " a cached state restarts the SSM state from zero (the model's own behaviour, watched or not; the"
-                 " convolution window carries over). Such a call runs as transformers runs it: its hooks, writes"
-                 " and kept states see the states from zero, and a RecurrentHooksWarning says so once per mixer"
-                 " and call. Continue one token at a time for an exact continuation")
-_RESTARTED = ("multi-token continuation: the model restarted its SSM state from zero (transformers'"
-              " mamba_selective_scan takes no initial state), as it does unwatched; this call's hooks, writes"
-              " and kept states see the states from zero, not from the cached state. Continue one token at a"
-              " time for an exact continuation")
-
-
-class SelectiveScan(RecurrentMixer):
-    """A Mamba-1 mixer (mamba, falcon_mamba, jamba).
-
-        with recurrent_hooks.watch(model, keep=("states",)) as w:
-            model(input_ids)
-        w.mixers[0].states     # Float[Tensor, "batch seq d_inner d_state"]
-        w.mixers[0].values()   # x, dt, B, C, y of every token
-
-    The state h_t is `[batch, d_inner, d_state]`, float32, the layout of transformers' cache. The prompt
-    kernel returns the last state (the mixer copies it into the cache); the decode kernel writes the new
-    state into the cache tensor in place, and so does the library's loop, after any hook or write.
-    transformers' prompt kernel cannot start from a state, so a prompt with hooks, writes or kept states at a
-    few tokens runs the library's own scan on the pieces between them (chunk-wise for small states, the token
-    loop for large ones), and one that keeps every state (no gradients) its all-states version; a hook on
-    every token runs the token loop.
-    """
-
-    KERNELS = (
-        # several tokens (a prompt): a scan from zeros, which takes no state; in segments, the library's
-        # chunk-wise scan or token loop runs the pieces (they start from the state the previous one left)
-        Kernel(name="mamba_selective_scan", role=Role.PROMPT, loop=mamba_selective_scan, state_in=None,
-               results=("output", "final_state"), seq=("hidden_states", 2),
-               segments=Segments(per_token={name: 2 for name in ("hidden_states", "dt", "B", "C", "z")},
-                                 state_in="initial_state", final_flag="return_last_state", out_axis=2,
-                                 tuple_without_final=False, kernel=mamba_selective_scan_piece,
-                                 all_states=mamba_selective_scan_piece_states, on_chunk=True)),
-        # one token over the cached state, which it updates in place
-        Kernel(name="mamba_selective_state_update", role=Role.DECODE, loop=mamba_selective_state_update,
-               state_in="state", results=("output",), in_place=True),
-        *CONV_KERNELS,
-    )
-    FUSED = ("mamba_inner_fn",)
-    STATE = "batch d_inner d_state"
-    INPUTS = {
-        "hidden_states": "batch d_inner seq",
-        "dt": "batch d_inner seq",
-        "A": "d_inner d_state",
-        "B": "batch d_state seq",
-        "C": "batch d_state seq",
-        "D": "d_inner",
-        "z": "batch d_inner seq",
-        "state": "batch d_inner d_state",
-    }
-    OUTPUTS = {"output": "batch d_inner seq", "final_state": "batch d_inner d_state"}
-    VALUES = {
-        "x": "batch seq d_inner",
-        "dt": "batch seq d_inner",
-        "B": "batch seq d_state",
-        "C": "batch seq d_state",
-        "y": "batch seq d_inner",
-    }
-    LIMITS = {"multi-token continuation": _CONTINUATION}
-
-    @classmethod
-    def _restart(cls, kernel: Kernel, forward: Any) -> str | None:
-        continuing = not forward.fresh and forward.tokens > 1
-        return _RESTARTED if continuing and kernel.memory == STATE_MEMORY and kernel.role == "prompt" else None
-
-    @classmethod
-    def _token_values(cls, kernel_call: KernelCall) -> dict[str, Tensor]:
-        x = kernel_call.inputs
-        if kernel_call.kernel == cls.kernel_for(Role.PROMPT).name:
-            token_major = lambda v: rearrange(v, "b c t -> b t c")  # noqa: E731
-            dt = step_size(token_major(x["dt"]), x["delta_bias"], x["delta_softplus"])
-            return {"x": token_major(x["hidden_states"]), "dt": dt, "B": token_major(x["B"]),
-                    "C": token_major(x["C"]), "y": token_major(kernel_call.output["output"])}
-        dt = step_size(x["dt"], x["dt_bias"], x["dt_softplus"])
-        return {"x": x["hidden_states"][:, None], "dt": dt[:, None], "B": x["B"][:, None], "C": x["C"][:, None],
-                "y": kernel_call.output["output"][:, None]}
-
-    def _effective_attention_of_head(self, calls: range, head: int, dtype: torch.dtype) -> EffectiveAttention:
-        """Mamba-1's exact map over one kernel call per head (zamba: one per mamba head)."""
-        kind = type(self)
-        xs, steps, Bs, Cs = [], [], [], []
-        for index in calls:
-            kernel_call = self.calls[index].kernel_calls[head]
-            values = self._token_values(kernel_call)  # token-major x, Δ, B, C
-            xs.append(values["x"]), steps.append(values["dt"]), Bs.append(values["B"]), Cs.append(values["C"])
-        last = self.calls[calls[-1]].kernel_calls[head]
-        first = self.calls[calls[0]].kernel_calls[head]
-        x, delta, B, C = (torch.cat([p.to(dtype) for p in pieces], dim=1) for pieces in (xs, steps, Bs, Cs))
-        A = last.inputs["A"].to(dtype)  # d n
-        rows = xs[-1].shape[1]
-        start = x.shape[1] - rows
-        cum = (delta[..., None] * A).cumsum(1).transpose(1, 2)  # b d s n   c_s per channel and state entry
-        B, C = B[:, None], C[:, None, start:]  # b 1 s n, b 1 t n
-        weights = decayed(C, B, cum[:, :, start:], cum, start, strict=False) * delta.transpose(1, 2)[:, :, None]
-        state = first.inputs.get(kind.kernel(first.kernel).state_in) if kind.kernel(first.kernel).role is Role.DECODE else None  # the scan starts from 0
-        x_rows = x[:, start:].transpose(1, 2)[..., None]  # b d t 1
-        if state is None:
-            from_state = torch.zeros_like(x_rows)
-        else:
-            from_state = ((C * cum[:, :, start:].exp()) * state.to(dtype)[:, :, None]).sum(-1)[..., None]
-        inputs = last.inputs
-        D, z = inputs.get("D"), inputs.get("z")
-        skip = None if D is None else D.to(dtype)[:, None, None] * x_rows
-        if z is not None:
-            z = (z if kind.kernel(last.kernel).role is Role.PROMPT else z[..., None]).to(dtype)  # b d t
-            z = F.silu(z)[..., None]
-        return EffectiveAttention(weights, x.transpose(1, 2)[..., None], from_state, skip, z, calls)
-
-    def _effective_attention(self, calls: range, dtype: torch.dtype) -> EffectiveAttention:
-        """Mamba-1's exact map: the heads' maps side by side (channel = head * head_dim + p)."""
-        heads = len(self.calls[calls[-1]].kernel_calls)
-        parts = [self._effective_attention_of_head(calls, head, dtype) for head in range(heads)]
-        if heads == 1:
-            return parts[0]
-        fields = [torch.cat(f, dim=1) if f[0] is not None else None for f in zip(*(p[:5] for p in parts))]
-        return EffectiveAttention(*fields, calls)
-
-class PerHeadSelectiveScan(SelectiveScan):
-    """A Mamba-1 mixer that runs its kernels once per mamba head inside one forward (zamba).
-
-        with recurrent_hooks.watch(model, keep=("states",)) as w:
-            model(input_ids)
-        w.mixers[0].states     # Float[Tensor, "batch seq heads head_dim d_state"]
-
-    One call of the mixer makes one kernel call per head (`call.kernel_calls[h]`). The state is the cache's
-    `[batch, heads, head_dim, d_state]`; kept states and `values()` stack the heads after `seq`. Hooks run
-    once per head and token with that head's `[batch, head_dim, d_state]` state, `mixer.head` telling
-    which; `set_state_after` takes the whole state and writes each head's slice.
-    """
-
-    KERNEL_PER_HEAD = True
-    HEADS = True  # the kernel calls of one forward, one per mamba head
-    STATE = "batch heads head_dim d_state"
-    VALUES = {
-        "x": "batch seq heads head_dim",
-        "dt": "batch seq heads head_dim",
-        "B": "batch seq heads d_state",
-        "C": "batch seq heads d_state",
-        "y": "batch seq heads head_dim",
-    }
-
-    @classmethod
-    def _head_channels(cls, head: int, heads: int, head_state: tuple[int, ...], channels: int) -> range:
-        """The window's channels are the heads' x channels, head-major (zamba splits the convolution's output into
-        heads of `head_dim` channels, and each head computes its dt, B and C from its own)."""
-        head_dim = channels // heads
-        if head_dim * heads != channels or head_dim != head_state[0]:
-            raise Unavailable(f"{cls.__name__}: a window of {channels} channels is not {heads} heads of head_dim"
-                              f" {head_state[0]}")
-        return range(head * head_dim, (head + 1) * head_dim)

@@ -48,7 +48,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from ..engine.calls import KernelCall
-from .conv import CONV_KERNELS
+from .shared.conv import CONV_KERNELS
 from ..engine.errors import RecurrentHooksWarning, Unavailable
 from ..engine.kernels import CONV_MEMORY
 from ..engine.mixer import RecurrentMixer

@@ -47,7 +47,8 @@ Module contents:
   `out` when given, or a chunk at a time to `on_chunk`); `mamba2_chunk_scan_adjoint`: its adjoint recurrence, right
   to left (`Segments.adjoint`).
 - `discretize`: Δ_t, exp(Δ_t a_h) and Δ_t x_t B_t^T of every token, from the prompt kernel's arguments.
-- `Mamba2StateSpace`: the mixer kind.
+- `Mamba2StateSpace`: the mixer kind, declared first; the kernels' maths follow it. The kernels' signatures
+  (`kernel`, `ChunkScanCall`, `StateUpdateCall`) and the discretisation are `ssm`'s, shared with Mamba-1.
 """
 
 import math
@@ -59,7 +60,7 @@ from einops import einsum, repeat
 from jaxtyping import Float
 from torch import Tensor
 
-from .conv import CONV_KERNELS
+from .shared.conv import CONV_KERNELS
 from ..engine.effective import EffectiveAttention, decayed
 from ..engine.calls import KernelCall
 from ..engine.errors import Unavailable
@@ -68,293 +69,15 @@ from ..engine.mixer import RecurrentMixer
 from ..engine.strategies import Shape
 from ..engine.loops import (OnChunk, OnToken, Visit, causal_decay, chunk_formed, flushed_exp, plus, rank_one_steps,
                             scratch_like, starting_state, states_buffer, visited)
-from .ssm import discrete_step, refuse_mamba_packed, state_update_kernel, step_size
+from .shared.ssm import REQUIRED, ChunkScanCall, StateUpdateCall, discrete_step, kernel, step_size
 
-
-def _per_head(v: Float[Tensor, "*lead groups d_state"], heads: int) -> Float[Tensor, "*lead heads d_state"]:
-    """B or C for every head, float32: head h reads group h // (heads // groups)."""
-    return repeat(v.float(), "... g n -> ... (g r) n", r=heads // v.shape[-2]).contiguous()  # token-major (see below)
-
-
-def discretize(
-    hidden_states: Tensor,
-    dt: Tensor,
-    A: Tensor,
-    B: Tensor,
-    dt_bias: Tensor | None = None,
-    dt_softplus: bool = False,
-    dt_limit: tuple[float, float] = (0.0, float("inf")),
-) -> tuple[Float[Tensor, "batch seq heads"], Float[Tensor, "batch seq heads"],
-           Float[Tensor, "batch seq heads head_dim d_state"]]:
-    """Δ_t, exp(Δ_t a_h) and Δ_t x_t B_t^T of every token, float32, from `mamba2_chunk_scan`'s arguments.
-
-        names = ("hidden_states", "dt", "A", "B", "dt_bias", "dt_softplus", "dt_limit")
-        dt, decay, drive = discretize(**{k: v for k, v in call.inputs.items() if k in names})
-        # states[:, t] == decay[:, t, :, None, None] * states[:, t - 1] + drive[:, t]   (before any state write)
-
-    For the decode kernel's arguments take channel 0 of the expanded parameters, add the seq axis and
-    do not clamp: `discretize(x[:, None], dt[:, None, :, 0], A[:, 0, 0], B[:, None], dt_bias[:, 0],
-    dt_softplus, (-inf, inf))`.
-    """
-    dt = step_size(dt, dt_bias, dt_softplus, dt_limit)
-    decay, drive = discrete_step(dt[..., None], A.float()[:, None, None], _per_head(B, hidden_states.shape[-2]),
-                             hidden_states.float())
-    return dt, decay[..., 0, 0], drive
-
-
-def _ssd(
-    x: Float[Tensor, "batch seq heads head_dim"],
-    dt: Float[Tensor, "batch seq heads q"],
-    A: Float[Tensor, "heads q m"],
-    B: Float[Tensor, "batch seq heads d_state"],
-    C: Float[Tensor, "batch seq heads d_state"],
-    initial_state: Float[Tensor, "batch heads head_dim d_state"] | None,
-    on_token: OnToken | None,
-) -> tuple[Float[Tensor, "batch seq heads head_dim"], Float[Tensor, "batch heads head_dim d_state"]]:
-    """h_t C_t of every token and the last state; float32 in and out (no D, no gate).
-
-    q is 1 (prompt: a step per head) or head_dim (decode: expanded), m is 1 or d_state, as in `discrete_step`.
-    """
-    batch, seq, heads, head_dim = x.shape
-    # a copy: the decode kernel's state is the cache tensor, written only at the end
-    state = starting_state(initial_state, lambda: x.new_zeros(batch, heads, head_dim, B.shape[-1]))
-    outputs = []
-    scratch = scratch_like(state)  # b h p n   each token's drive (None with gradients)
-    # per token from one unbind each: under autograd a slice's backward is a gradient of the whole tensor, per token
-    for t, (dt_t, B_t, C_t, x_t) in enumerate(zip(*(v.unbind(1) for v in (dt, B, C, x)))):
-        decay, drive = discrete_step(dt_t, A, B_t, x_t, scratch)  # b h q m, b h p n   exp(Δ_t a_h), Δ_t x_t B_t^T
-        state = plus(decay * state, drive, scratch is not None)  # b h p n   h_t (a new tensor)
-        outputs.append(einsum(state, C_t, "b h p n, b h n -> b h p"))  # b h p   h_t C_t
-        if on_token is not None:
-            state = on_token(t, state)  # b h p n   what token t+1 continues from
-    y = torch.stack(outputs, dim=1) if outputs else x.new_zeros(batch, 0, heads, head_dim)
-    return y, state
-
-
-def mamba2_chunk_scan(
-    hidden_states: Tensor,
-    dt: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    chunk_size: int,
-    D: Tensor | None = None,
-    dt_bias: Tensor | None = None,
-    initial_states: Tensor | None = None,
-    dt_softplus: bool = False,
-    dt_limit: tuple[float, float] = (0.0, float("inf")),
-    return_final_states: bool = False,
-    *,
-    on_token: OnToken | None = None,
-    **kwargs: Any,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """The prompt kernel, token by token: same arguments and results as transformers' `mamba2_chunk_scan`.
-
-    Returns y `[batch, seq, heads, head_dim]` float32 (D skip applied, no gate), and the last state
-    `[batch, heads, head_dim, d_state]` float32 when `return_final_states`. `chunk_size` is accepted and
-    ignored; so are `z` and other unknown keyword arguments (transformers' kernel ignores `z` too: the
-    mixer gates afterwards). `on_token(t, state)` is called after token t's state update and output;
-    token t+1 continues from the state it returns, and the last one returned is the final state.
-    """
-    refuse_mamba_packed(kwargs)
-    heads = hidden_states.shape[2]
-    # a token-major copy: the mixers hand over a view whose token axis is the fastest (the conv output
-    # transposed), which makes every step of the loop a strided gather (1.8x slower at mamba2-130m dims)
-    x = hidden_states.float().contiguous()
-    delta = step_size(dt, dt_bias, dt_softplus, dt_limit)  # b t h
-    y, state = _ssd(x, delta[..., None], A.float()[:, None, None], _per_head(B, heads), _per_head(C, heads),
-                    initial_states, on_token)
-    if D is not None:
-        y = y + D[:, None] * x  # float32 (or D's dtype if wider), as transformers
-    return (y, state) if return_final_states else y
-
-
-ROW_STEPS_FROM = 16_384  # state elements from which a chunk's states are formed token by token (measured, CPU: at
-# 24,576 the steps take 0.59-0.78x the product's time, at 8,192 0.95-1.15x, at 196,608 (mamba2-130m) 0.24x)
-
-
-def mamba2_chunk_scan_states(
-    hidden_states: Tensor,
-    dt: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    chunk_size: int,
-    D: Tensor | None = None,
-    dt_bias: Tensor | None = None,
-    initial_states: Tensor | None = None,
-    dt_softplus: bool = False,
-    dt_limit: tuple[float, float] = (0.0, float("inf")),
-    return_final_states: bool = False,
-    *,
-    chunk: int = 16,
-    out: Tensor | None = None,
-    on_chunk: OnChunk | None = None,
-    factors: tuple[Tensor, Tensor] | None = None,
-    **kwargs: Any,
-) -> tuple[Tensor | tuple[Tensor, Tensor], Float[Tensor, "seq batch heads head_dim d_state"] | None]:
-    """`mamba2_chunk_scan`'s results and every token's state, token first, chunk by chunk.
-
-    Inside a chunk starting from h_0, with c_i the cumulative log decay (sum of Δ a_h) from the chunk
-    start to token i, and w_ij = exp(c_i - c_j) for j <= i (the decay from token j to i, at most 1), y comes from
-    the chunk's attention form, which reads no state,
-        y_i = exp(c_i) h_0 C_i + sum_{j<=i} w_ij (C_i . B_j) Δ_j x_j + D_h x_i
-    and the states are formed token by token, h_i = exp(Δ_i a_h) h_{i-1} + Δ_i x_i B_i^T (`loops.rank_one_steps`:
-    two passes over a state a token, each written once where it is kept). Below `ROW_STEPS_FROM` state elements
-    (batch included), a chunk's states are formed at once instead (`_states_at_once`),
-    h_i = exp(c_i) h_0 + sum_{j<=i} w_ij Δ_j x_j B_j^T (one product of inner size chunk per head), and read for
-    y_i = h_i C_i + D_h x_i: there the steps' Python calls cost more than the product, which is 4x slower on large
-    states (docs/performance.md, "Performance, third round"). `chunk_size` is accepted and ignored. The states go into
-    `out` (float32, at least seq tokens) when given: a reused buffer is not paged in again, as a fresh one is.
-
-    With `on_chunk`, each chunk's states go to `on_chunk(start, states)` instead, in one buffer of one chunk reused
-    by the next (`Segments.on_chunk`), and None is returned for them. With `factors` too, it gets linear readouts,
-    without the states (`_chunk_readouts`).
-    """
-    refuse_mamba_packed(kwargs)
-    batch, seq, heads, head_dim = hidden_states.shape
-    x = hidden_states.float().movedim(1, 0)  # t b h p
-    delta = step_size(dt, dt_bias, dt_softplus, dt_limit).movedim(1, 0)  # t b h
-    B_h, C_h = (_per_head(v, heads).movedim(1, 0) for v in (B, C))  # t b h n
-    log_decay = delta * A.float()  # t b h   Δ_t a_h
-    d_state = B_h.shape[-1]
-    state = x.new_zeros(batch, heads, head_dim, d_state) if initial_states is None else initial_states.float()
-    shape = (seq, batch, heads, head_dim, d_state)
-    every = (x.new_empty(0 if factors is not None else min(chunk, seq), *shape[1:]) if on_chunk is not None  # reused
-             else x.new_empty(shape) if out is None else states_buffer(out, shape))  # i b h p n (none: readouts), t b h p n
-    y = x.new_empty(x.shape)  # t b h p
-    row_steps = factors is not None or math.prod(shape[1:]) >= ROW_STEPS_FROM
-    for start in range(0, seq, chunk):
-        xc, dc, Bc, Cc, lc = (v[start:start + chunk] for v in (x, delta, B_h, C_h, log_decay))  # i b h ..
-        size = xc.shape[0]
-        cum = lc.cumsum(0)  # i b h   c_i
-        weights = causal_decay(cum)  # i j b h   w_ij
-        stepped = dc[..., None] * xc  # i b h p   Δ_i x_i
-        states = every[start:start + size] if on_chunk is None else every[:size]  # i b h p n   (readouts: none)
-        if row_steps:
-            scores = weights * torch.einsum("ibhn,jbhn->ijbh", Cc, Bc)  # i j b h   w_ij C_i . B_j
-            from_start = torch.einsum("bhpn,ibhn,ibh->ibhp", state, Cc, flushed_exp(cum))  # i b h p   exp(c_i) h_0 C_i
-            y[start:start + size] = torch.einsum("ijbh,jbhp->ibhp", scores, stepped) + from_start  # i b h p   h_i C_i
-            if factors is not None:
-                readouts, state = _chunk_readouts(factors, state, cum, weights, stepped, Bc)  # i b h r, b h p n
-                on_chunk(start, readouts)
-                continue
-            decay = flushed_exp(lc)[..., None]  # i b h 1   exp(Δ_i a_h)
-            rank_one_steps(states, state, decay, stepped, Bc)  # h_i = exp(Δ_i a_h) h_{i-1} + Δ_i x_i B_i^T
-        else:
-            y[start:start + size] = _states_at_once(states, state, cum, weights, stepped, Bc, Cc)  # i b h p
-        state = chunk_formed(states, start, on_chunk)  # b h p n
-    if D is not None:
-        y = y + D[:, None] * x
-    y = y.movedim(0, 1)
-    return ((y, state) if return_final_states else y), (every if on_chunk is None else None)
-
-
-def _states_at_once(states: Tensor, state: Tensor, cum: Tensor, weights: Tensor, stepped: Tensor, B: Tensor,
-                    C: Tensor) -> Float[Tensor, "i batch heads head_dim"]:
-    """A chunk's states into `states` `[i, batch, heads, head_dim, d_state]` by one product per head, h_i = exp(c_i)
-    h_0 + sum_{j<=i} w_ij Δ_j x_j B_j^T, and y_i = h_i C_i read from them (for small states: `ROW_STEPS_FROM`).
-    h_0 `state`, c `cum` `[i, b, h]`, w `weights` `[i, j, b, h]`, Δ x `stepped` `[j, b, h, p]`, B and C
-    `[., b, h, n]`."""
-    drive = stepped[..., None] * B[..., None, :]  # j b h p n   Δ_j x_j B_j^T
-    mixed = weights.permute(2, 3, 0, 1) @ drive.permute(1, 2, 0, 3, 4).flatten(3)  # b h i (p n)
-    states.copy_(mixed.unflatten(-1, states.shape[-2:]).permute(2, 0, 1, 3, 4))
-    states.addcmul_(flushed_exp(cum)[..., None, None], state)  # + exp(c_i) h_0
-    return (states @ C[..., None]).squeeze(-1)  # i b h p   h_i C_i
-
-
-def _chunk_readouts(
-    factors: tuple[Tensor, Tensor], state: Tensor, cum: Tensor, weights: Tensor, stepped: Tensor, B: Tensor,
-) -> tuple[Float[Tensor, "i batch heads r"], Float[Tensor, "batch heads head_dim d_state"]]:
-    """A chunk's rank-r linear readouts sum_r a_r^T h_i b_r per head, and its last state, without forming the states
-    in between (the probe `rh.probe(a, b)` at the cost of a query):
-        a^T h_i b = exp(c_i) a^T h_0 b + sum_{j<=i} w_ij (a . Δ_j x_j) (B_j . b)
-        h_last = exp(c_last) h_0 + sum_j w_last,j Δ_j x_j B_j^T
-    a `[heads, r, head_dim]`, b `[heads, r, d_state]`; h_0 `state` `[batch, heads, head_dim, d_state]`; c `cum`
-    `[i, batch, heads]`, w `weights` `[i, j, batch, heads]`, Δ x `stepped` `[j, batch, heads, head_dim]`, B `[j,
-    batch, heads, d_state]`."""
-    a, b = factors
-    start = torch.einsum("bhpn,hrp,hrn->bhr", state, a, b)  # b h r   a^T h_0 b
-    written = torch.einsum("jbhp,hrp->jbhr", stepped, a) * torch.einsum("jbhn,hrn->jbhr", B, b)  # j b h r
-    readouts = flushed_exp(cum)[..., None] * start + torch.einsum("ijbh,jbhr->ibhr", weights, written)  # i b h r
-    last = flushed_exp(cum[-1])[..., None, None] * state + torch.einsum("jbh,jbhp,jbhn->bhpn", weights[-1], stepped, B)
-    return readouts, last  # (b h p n: the state after the chunk)
-
-
-def mamba2_chunk_scan_adjoint(
-    hidden_states: Tensor,
-    dt: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    chunk_size: int,
-    D: Tensor | None = None,
-    dt_bias: Tensor | None = None,
-    initial_states: Tensor | None = None,
-    dt_softplus: bool = False,
-    dt_limit: tuple[float, float] = (0.0, float("inf")),
-    return_final_states: bool = False,
-    *,
-    grad_output: Tensor | None,
-    grad_final: Tensor | None,
-    visit: Visit,
-    **kwargs: Any,
-) -> Float[Tensor, "batch heads head_dim d_state"]:
-    """The prompt kernel's adjoint recurrence, right to left (`Segments.adjoint`): with mu_t = d m / d h_t
-    through the tokens after t (mu_{T-1} the final state's gradient) and dy_t the output's gradient,
-        mu_{t-1} = exp(Δ_t a_h) (mu_t + dy_t C_t^T)
-    the transpose of h_t = exp(Δ_t a_h) h_{t-1} + Δ_t x_t B_t^T, y_t = h_t C_t + D_h x_t. Calls `visit(t, mu_t)`
-    at each token and returns mu_{-1}, the initial state's gradient; float32."""
-    refuse_mamba_packed(kwargs)
-    batch, seq, heads, head_dim = hidden_states.shape
-    delta = step_size(dt, dt_bias, dt_softplus, dt_limit)  # b t h
-    decay = torch.exp(delta * A.float())  # b t h   exp(Δ_t a_h)
-    C_h = _per_head(C, heads)  # b t h n
-    mu = (hidden_states.new_zeros(batch, heads, head_dim, C_h.shape[-1], dtype=torch.float32) if grad_final is None
-          else grad_final.to(torch.float32, copy=True))
-    grad_output = None if grad_output is None else grad_output.to(torch.float32)
-    for t in reversed(range(seq)):
-        mu = visited(visit, t, mu)  # b h p n   mu_t: what a change of the state after token t does to m
-        # (in place from here: mu is this loop's own tensor, which `visit` does not keep)
-        if grad_output is not None:
-            mu.addcmul_(grad_output[:, t, :, :, None], C_h[:, t, :, None, :])  # b h p n   + dy_t C_t^T
-        mu.mul_(decay[:, t, :, None, None])  # b h p n   exp(Δ_t a_h) (..)
-    return mu
-
-
-def _update_step(state: Tensor, hidden_states: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None,
-                 dt_bias: Tensor | None, dt_softplus: bool, z: Tensor | None, on_token: OnToken | None) -> Tensor:
-    """`mamba2_selective_state_update`'s step (the signature is `ssm.state_update_kernel`'s)."""
-    heads = hidden_states.shape[1]
-    # in the dtypes and order of transformers' kernel: Δ in dt's dtype, exp(Δ A) in float32, Δ B x in the
-    # promotion of dt, B and x (the model dtype), the state float32, h C and the skip in C's and x's dtypes
-    if dt_bias is not None:
-        dt = dt + dt_bias.to(dt.dtype)
-    if dt_softplus:
-        dt = F.softplus(dt)
-    dt = dt[..., None]  # b h p 1
-    decay = torch.exp(dt.float() * A.float())  # b h p n   exp(Δ a_h)
-    B_h, C_h = (repeat(v, "b g n -> b (g r) n", r=heads // v.shape[-2]) for v in (B, C))  # b h n
-    drive = (dt * B_h[:, :, None, :]) * hidden_states[..., None]  # b h p n   Δ B x
-    new_state = state.to(torch.float32) * decay + drive  # b h p n   h_t (a new tensor: the cache is written last)
-    y = torch.matmul(new_state.to(C_h.dtype), C_h[..., None])[..., 0]  # b h p   h_t C_t
-    if on_token is not None:
-        new_state = on_token(0, new_state)  # what the next step continues from
-    state.copy_(new_state)
-    if D is not None:
-        y = (y + hidden_states * D).to(y.dtype)
-    if z is not None:
-        y = y * F.silu(z)
-    return y.to(hidden_states.dtype)
-
-
-mamba2_selective_state_update = state_update_kernel("mamba2_selective_state_update", __name__, _update_step, """\
-The decode kernel (one token): same arguments and result as transformers' `mamba2_selective_state_update`.
-
-Returns y `[batch, heads, head_dim]` in hidden_states' dtype (D skip and silu(z) gate applied) and,
-like transformers, writes the new state into `state` in place (`copy_`): the mixer never writes it
-back to the cache. With `on_token` (called once, t=0) the state written is the one it returns.
-No `dt_limit` clamp, as in transformers. Unknown keyword arguments are ignored.""")
+# the kernels, with transformers' signatures (written once: `ssm.kernel`); their maths follow the mixer kind
+mamba2_chunk_scan = kernel(ChunkScanCall, "mamba2_chunk_scan", __name__, on_token=None)
+mamba2_chunk_scan_states = kernel(ChunkScanCall, "mamba2_chunk_scan_states", __name__, chunk=16, out=None,
+                                  on_chunk=None, factors=None)
+mamba2_chunk_scan_adjoint = kernel(ChunkScanCall, "mamba2_chunk_scan_adjoint", __name__, grad_output=REQUIRED,
+                                   grad_final=REQUIRED, visit=REQUIRED)
+mamba2_selective_state_update = kernel(StateUpdateCall, "mamba2_selective_state_update", __name__, on_token=None)
 
 
 def _cost_shape(arguments: dict[str, Any]) -> Shape:
@@ -363,7 +86,7 @@ def _cost_shape(arguments: dict[str, Any]) -> Shape:
     token loop's states a token under autograd."""
     batch, _, heads, head_dim = arguments["hidden_states"].shape
     return Shape("ssd", batch, heads, head_dim, arguments["B"].shape[-1], arguments["chunk_size"],
-                 graph=3.3, loop_graph=1.1)  # measured: 3.03-3.15, 1.06 (T = 256, batch 1)
+                 graph=3.3, loop_graph=1.1)  # above the measured (docs/performance.md, "Paths chosen by memory")
 
 
 class Mamba2StateSpace(RecurrentMixer):
@@ -484,3 +207,235 @@ class Mamba2StateSpace(RecurrentMixer):
         z = last.inputs.get("z") if decode else None
         gate = None if z is None else F.silu(z.to(dtype))[:, :, None]
         return EffectiveAttention(weights, values, from_state, skip, gate, calls)
+
+
+def discretize(
+    hidden_states: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    dt_bias: Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+) -> tuple[Float[Tensor, "batch seq heads"], Float[Tensor, "batch seq heads"],
+           Float[Tensor, "batch seq heads head_dim d_state"]]:
+    """Δ_t, exp(Δ_t a_h) and Δ_t x_t B_t^T of every token, float32, from `mamba2_chunk_scan`'s arguments.
+
+        names = ("hidden_states", "dt", "A", "B", "dt_bias", "dt_softplus", "dt_limit")
+        dt, decay, drive = discretize(**{k: v for k, v in call.inputs.items() if k in names})
+        # states[:, t] == decay[:, t, :, None, None] * states[:, t - 1] + drive[:, t]   (before any state write)
+
+    For the decode kernel's arguments take channel 0 of the expanded parameters, add the seq axis and
+    do not clamp: `discretize(x[:, None], dt[:, None, :, 0], A[:, 0, 0], B[:, None], dt_bias[:, 0],
+    dt_softplus, (-inf, inf))`.
+    """
+    dt = step_size(dt, dt_bias, dt_softplus, dt_limit)
+    decay, drive = discrete_step(dt[..., None], A.float()[:, None, None], _per_head(B, hidden_states.shape[-2]),
+                             hidden_states.float())
+    return dt, decay[..., 0, 0], drive
+
+
+def _per_head(v: Float[Tensor, "*lead groups d_state"], heads: int) -> Float[Tensor, "*lead heads d_state"]:
+    """B or C for every head, float32: head h reads group h // (heads // groups)."""
+    return repeat(v.float(), "... g n -> ... (g r) n", r=heads // v.shape[-2]).contiguous()  # token-major (see below)
+
+
+@mamba2_chunk_scan.body
+def _token_loop(call: ChunkScanCall, on_token: OnToken | None) -> Tensor | tuple[Tensor, Tensor]:
+    """The prompt kernel, token by token: same arguments and results as transformers' `mamba2_chunk_scan`.
+
+    Returns y `[batch, seq, heads, head_dim]` float32 (D skip applied, no gate), and the last state
+    `[batch, heads, head_dim, d_state]` float32 when `return_final_states`. `chunk_size` is accepted and
+    ignored; so are `z` and other unknown keyword arguments (transformers' kernel ignores `z` too: the
+    mixer gates afterwards). `on_token(t, state)` is called after token t's state update and output;
+    token t+1 continues from the state it returns, and the last one returned is the final state.
+    """
+    heads = call.hidden_states.shape[2]
+    # a token-major copy: the mixers hand over a view whose token axis is the fastest (the conv output
+    # transposed), which makes every step of the loop a strided gather (docs/performance.md, "The path benchmark")
+    x = call.hidden_states.float().contiguous()
+    delta = step_size(call.dt, call.dt_bias, call.dt_softplus, call.dt_limit)  # b t h
+    y, state = _ssd(x, delta[..., None], call.A.float()[:, None, None], _per_head(call.B, heads),
+                    _per_head(call.C, heads), call.initial_states, on_token)
+    if call.D is not None:
+        y = y + call.D[:, None] * x  # float32 (or D's dtype if wider), as transformers
+    return call.result(y, state)
+
+
+def _ssd(
+    x: Float[Tensor, "batch seq heads head_dim"],
+    dt: Float[Tensor, "batch seq heads q"],
+    A: Float[Tensor, "heads q m"],
+    B: Float[Tensor, "batch seq heads d_state"],
+    C: Float[Tensor, "batch seq heads d_state"],
+    initial_state: Float[Tensor, "batch heads head_dim d_state"] | None,
+    on_token: OnToken | None,
+) -> tuple[Float[Tensor, "batch seq heads head_dim"], Float[Tensor, "batch heads head_dim d_state"]]:
+    """h_t C_t of every token and the last state; float32 in and out (no D, no gate).
+
+    q is 1 (prompt: a step per head) or head_dim (decode: expanded), m is 1 or d_state, as in `discrete_step`.
+    """
+    batch, seq, heads, head_dim = x.shape
+    # a copy: the decode kernel's state is the cache tensor, written only at the end
+    state = starting_state(initial_state, lambda: x.new_zeros(batch, heads, head_dim, B.shape[-1]))
+    outputs = []
+    scratch = scratch_like(state)  # b h p n   each token's drive (None with gradients)
+    # per token from one unbind each: under autograd a slice's backward is a gradient of the whole tensor, per token
+    for t, (dt_t, B_t, C_t, x_t) in enumerate(zip(*(v.unbind(1) for v in (dt, B, C, x)))):
+        decay, drive = discrete_step(dt_t, A, B_t, x_t, scratch)  # b h q m, b h p n   exp(Δ_t a_h), Δ_t x_t B_t^T
+        state = plus(decay * state, drive, scratch is not None)  # b h p n   h_t (a new tensor)
+        outputs.append(einsum(state, C_t, "b h p n, b h n -> b h p"))  # b h p   h_t C_t
+        if on_token is not None:
+            state = on_token(t, state)  # b h p n   what token t+1 continues from
+    y = torch.stack(outputs, dim=1) if outputs else x.new_zeros(batch, 0, heads, head_dim)
+    return y, state
+
+
+ROW_STEPS_FROM = 16_384  # state elements from which a chunk's states are formed token by token (measured on a CPU:
+# docs/performance.md, "Performance, third round")
+
+
+@mamba2_chunk_scan_states.body
+def _chunk_wise_states(
+    call: ChunkScanCall, chunk: int, out: Tensor | None, on_chunk: OnChunk | None,
+    factors: tuple[Tensor, Tensor] | None,
+) -> tuple[Tensor | tuple[Tensor, Tensor], Float[Tensor, "seq batch heads head_dim d_state"] | None]:
+    """`mamba2_chunk_scan`'s results and every token's state, token first, chunk by chunk.
+
+    Inside a chunk starting from h_0, with c_i the cumulative log decay (sum of Δ a_h) from the chunk
+    start to token i, and w_ij = exp(c_i - c_j) for j <= i (the decay from token j to i, at most 1), y comes from
+    the chunk's attention form, which reads no state,
+        y_i = exp(c_i) h_0 C_i + sum_{j<=i} w_ij (C_i . B_j) Δ_j x_j + D_h x_i
+    and the states are formed token by token, h_i = exp(Δ_i a_h) h_{i-1} + Δ_i x_i B_i^T (`loops.rank_one_steps`:
+    two passes over a state a token, each written once where it is kept). Below `ROW_STEPS_FROM` state elements
+    (batch included), a chunk's states are formed at once instead (`_states_at_once`),
+    h_i = exp(c_i) h_0 + sum_{j<=i} w_ij Δ_j x_j B_j^T (one product of inner size chunk per head), and read for
+    y_i = h_i C_i + D_h x_i: there the steps' Python calls cost more than the product, which is slower on large
+    states (docs/performance.md, "Performance, third round"). `chunk_size` is accepted and ignored. The states go into
+    `out` (float32, at least seq tokens) when given: a reused buffer is not paged in again, as a fresh one is.
+
+    With `on_chunk`, each chunk's states go to `on_chunk(start, states)` instead, in one buffer of one chunk reused
+    by the next (`Segments.on_chunk`), and None is returned for them. With `factors` too, it gets linear readouts,
+    without the states (`_chunk_readouts`).
+    """
+    batch, seq, heads, head_dim = call.hidden_states.shape
+    x = call.hidden_states.float().movedim(1, 0)  # t b h p
+    delta = step_size(call.dt, call.dt_bias, call.dt_softplus, call.dt_limit).movedim(1, 0)  # t b h
+    B_h, C_h = (_per_head(v, heads).movedim(1, 0) for v in (call.B, call.C))  # t b h n
+    log_decay = delta * call.A.float()  # t b h   Δ_t a_h
+    d_state = B_h.shape[-1]
+    state = (x.new_zeros(batch, heads, head_dim, d_state) if call.initial_states is None
+             else call.initial_states.float())
+    shape = (seq, batch, heads, head_dim, d_state)
+    every = (x.new_empty(0 if factors is not None else min(chunk, seq), *shape[1:]) if on_chunk is not None  # reused
+             else x.new_empty(shape) if out is None else states_buffer(out, shape))  # i b h p n (none: readouts), t b h p n
+    y = x.new_empty(x.shape)  # t b h p
+    row_steps = factors is not None or math.prod(shape[1:]) >= ROW_STEPS_FROM
+    for start in range(0, seq, chunk):
+        xc, dc, Bc, Cc, lc = (v[start:start + chunk] for v in (x, delta, B_h, C_h, log_decay))  # i b h ..
+        size = xc.shape[0]
+        cum = lc.cumsum(0)  # i b h   c_i
+        weights = causal_decay(cum)  # i j b h   w_ij
+        stepped = dc[..., None] * xc  # i b h p   Δ_i x_i
+        states = every[start:start + size] if on_chunk is None else every[:size]  # i b h p n   (readouts: none)
+        if row_steps:
+            scores = weights * torch.einsum("ibhn,jbhn->ijbh", Cc, Bc)  # i j b h   w_ij C_i . B_j
+            from_start = torch.einsum("bhpn,ibhn,ibh->ibhp", state, Cc, flushed_exp(cum))  # i b h p   exp(c_i) h_0 C_i
+            y[start:start + size] = torch.einsum("ijbh,jbhp->ibhp", scores, stepped) + from_start  # i b h p   h_i C_i
+            if factors is not None:
+                readouts, state = _chunk_readouts(factors, state, cum, weights, stepped, Bc)  # i b h r, b h p n
+                on_chunk(start, readouts)
+                continue
+            decay = flushed_exp(lc)[..., None]  # i b h 1   exp(Δ_i a_h)
+            rank_one_steps(states, state, decay, stepped, Bc)  # h_i = exp(Δ_i a_h) h_{i-1} + Δ_i x_i B_i^T
+        else:
+            y[start:start + size] = _states_at_once(states, state, cum, weights, stepped, Bc, Cc)  # i b h p
+        state = chunk_formed(states, start, on_chunk)  # b h p n
+    if call.D is not None:
+        y = y + call.D[:, None] * x
+    return call.result(y.movedim(0, 1), state), (every if on_chunk is None else None)
+
+
+def _states_at_once(states: Tensor, state: Tensor, cum: Tensor, weights: Tensor, stepped: Tensor, B: Tensor,
+                    C: Tensor) -> Float[Tensor, "i batch heads head_dim"]:
+    """A chunk's states into `states` `[i, batch, heads, head_dim, d_state]` by one product per head, h_i = exp(c_i)
+    h_0 + sum_{j<=i} w_ij Δ_j x_j B_j^T, and y_i = h_i C_i read from them (for small states: `ROW_STEPS_FROM`).
+    h_0 `state`, c `cum` `[i, b, h]`, w `weights` `[i, j, b, h]`, Δ x `stepped` `[j, b, h, p]`, B and C
+    `[., b, h, n]`."""
+    drive = stepped[..., None] * B[..., None, :]  # j b h p n   Δ_j x_j B_j^T
+    mixed = weights.permute(2, 3, 0, 1) @ drive.permute(1, 2, 0, 3, 4).flatten(3)  # b h i (p n)
+    states.copy_(mixed.unflatten(-1, states.shape[-2:]).permute(2, 0, 1, 3, 4))
+    states.addcmul_(flushed_exp(cum)[..., None, None], state)  # + exp(c_i) h_0
+    return (states @ C[..., None]).squeeze(-1)  # i b h p   h_i C_i
+
+
+def _chunk_readouts(
+    factors: tuple[Tensor, Tensor], state: Tensor, cum: Tensor, weights: Tensor, stepped: Tensor, B: Tensor,
+) -> tuple[Float[Tensor, "i batch heads r"], Float[Tensor, "batch heads head_dim d_state"]]:
+    """A chunk's rank-r linear readouts sum_r a_r^T h_i b_r per head, and its last state, without forming the states
+    in between (the probe `rh.probe(a, b)` at the cost of a query):
+        a^T h_i b = exp(c_i) a^T h_0 b + sum_{j<=i} w_ij (a . Δ_j x_j) (B_j . b)
+        h_last = exp(c_last) h_0 + sum_j w_last,j Δ_j x_j B_j^T
+    a `[heads, r, head_dim]`, b `[heads, r, d_state]`; h_0 `state` `[batch, heads, head_dim, d_state]`; c `cum`
+    `[i, batch, heads]`, w `weights` `[i, j, batch, heads]`, Δ x `stepped` `[j, batch, heads, head_dim]`, B `[j,
+    batch, heads, d_state]`."""
+    a, b = factors
+    start = torch.einsum("bhpn,hrp,hrn->bhr", state, a, b)  # b h r   a^T h_0 b
+    written = torch.einsum("jbhp,hrp->jbhr", stepped, a) * torch.einsum("jbhn,hrn->jbhr", B, b)  # j b h r
+    readouts = flushed_exp(cum)[..., None] * start + torch.einsum("ijbh,jbhr->ibhr", weights, written)  # i b h r
+    last = flushed_exp(cum[-1])[..., None, None] * state + torch.einsum("jbh,jbhp,jbhn->bhpn", weights[-1], stepped, B)
+    return readouts, last  # (b h p n: the state after the chunk)
+
+
+@mamba2_chunk_scan_adjoint.body
+def _adjoint(call: ChunkScanCall, grad_output: Tensor | None, grad_final: Tensor | None,
+             visit: Visit) -> Float[Tensor, "batch heads head_dim d_state"]:
+    """The prompt kernel's adjoint recurrence, right to left (`Segments.adjoint`): with mu_t = d m / d h_t
+    through the tokens after t (mu_{T-1} the final state's gradient) and dy_t the output's gradient,
+        mu_{t-1} = exp(Δ_t a_h) (mu_t + dy_t C_t^T)
+    the transpose of h_t = exp(Δ_t a_h) h_{t-1} + Δ_t x_t B_t^T, y_t = h_t C_t + D_h x_t. Calls `visit(t, mu_t)`
+    at each token and returns mu_{-1}, the initial state's gradient; float32."""
+    batch, seq, heads, head_dim = call.hidden_states.shape
+    delta = step_size(call.dt, call.dt_bias, call.dt_softplus, call.dt_limit)  # b t h
+    decay = torch.exp(delta * call.A.float())  # b t h   exp(Δ_t a_h)
+    C_h = _per_head(call.C, heads)  # b t h n
+    mu = (call.hidden_states.new_zeros(batch, heads, head_dim, C_h.shape[-1], dtype=torch.float32) if grad_final is None
+          else grad_final.to(torch.float32, copy=True))
+    grad_output = None if grad_output is None else grad_output.to(torch.float32)
+    for t in reversed(range(seq)):
+        mu = visited(visit, t, mu)  # b h p n   mu_t: what a change of the state after token t does to m
+        # (in place from here: mu is this loop's own tensor, which `visit` does not keep)
+        if grad_output is not None:
+            mu.addcmul_(grad_output[:, t, :, :, None], C_h[:, t, :, None, :])  # b h p n   + dy_t C_t^T
+        mu.mul_(decay[:, t, :, None, None])  # b h p n   exp(Δ_t a_h) (..)
+    return mu
+
+
+@mamba2_selective_state_update.body
+def _decode_step(call: StateUpdateCall, on_token: OnToken | None) -> Tensor:
+    """The decode kernel (one token): same arguments and result as transformers' `mamba2_selective_state_update`.
+
+    Returns y `[batch, heads, head_dim]` in hidden_states' dtype (D skip and silu(z) gate applied) and,
+    like transformers, writes the new state into `state` in place (`copy_`): the mixer never writes it
+    back to the cache. With `on_token` (called once, t=0) the state written is the one it returns.
+    No `dt_limit` clamp, as in transformers. Unknown keyword arguments are ignored."""
+    x = call.hidden_states  # b h p
+    # in the dtypes and order of transformers' kernel: Δ in dt's dtype, exp(Δ A) in float32, Δ B x in the
+    # promotion of dt, B and x (the model dtype), the state float32, h C and the skip in C's and x's dtypes
+    dt = call.dt if call.dt_bias is None else call.dt + call.dt_bias.to(call.dt.dtype)
+    if call.dt_softplus:
+        dt = F.softplus(dt)
+    dt = dt[..., None]  # b h p 1
+    decay = torch.exp(dt.float() * call.A.float())  # b h p n   exp(Δ a_h)
+    B_h, C_h = (repeat(v, "b g n -> b (g r) n", r=x.shape[1] // v.shape[-2]) for v in (call.B, call.C))  # b h n
+    drive = (dt * B_h[:, :, None, :]) * x[..., None]  # b h p n   Δ B x
+    new_state = call.state.to(torch.float32) * decay + drive  # b h p n   h_t (a new tensor: the cache is written last)
+    y = torch.matmul(new_state.to(C_h.dtype), C_h[..., None])[..., 0]  # b h p   h_t C_t
+    if on_token is not None:
+        new_state = on_token(0, new_state)  # what the next step continues from
+    call.state.copy_(new_state)
+    if call.D is not None:
+        y = (y + x * call.D).to(y.dtype)
+    if call.z is not None:
+        y = y * F.silu(call.z)
+    return y.to(x.dtype)

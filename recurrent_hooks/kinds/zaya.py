@@ -62,68 +62,6 @@ from ..engine.upstream import installed_version, is_at_least
 PAST_RECORDING_RUNS = is_at_least(5, 25)
 
 
-def _repeat_kv(x: Float[Tensor, "batch kv_heads seq head_dim"], groups: int) -> Float[Tensor, "batch heads seq head_dim"]:
-    """transformers' `repeat_kv`: each kv head repeated `groups` times, in place of its position."""
-    batch, kv_heads, seq, head_dim = x.shape
-    if groups == 1:
-        return x
-    return x[:, :, None].expand(batch, kv_heads, groups, seq, head_dim).reshape(batch, kv_heads * groups, seq, head_dim)
-
-
-def _conv(self: nn.Module, context: Float[Tensor, "batch channels length"]) -> Float[Tensor, "batch channels _"]:
-    """GroupConv_{t1}(DWConv_{t0}(context)), no padding: K fewer positions than columns."""
-    return self.conv_qk_grouped(self.conv_qk_depthwise(context))
-
-
-def _slide(
-    self: nn.Module,
-    context: Float[Tensor, "batch channels length"],
-    delayed: Float[Tensor, "batch seq delay_channels"],
-    conv: Float[Tensor, "batch seq channels"],
-    value_delayed: Float[Tensor, "batch seq delay_channels"],
-    on_token: OnToken | None,
-    on_also: OnToken | None,
-) -> tuple[Float[Tensor, "batch channels kernel_size"], Float[Tensor, "batch delay_channels"],
-           Float[Tensor, "batch seq channels"], Float[Tensor, "batch seq delay_channels"]]:
-    """Slide both memories over the call's tokens (the last `seq` columns of `context`, after the K columns of the
-    window it started from), handing each hook its memory after each token. A position that reads a window
-    `on_token` replaced or changed is recomputed in `conv`; a delay `on_also` replaced is the next token's
-    delayed value in `value_delayed`. Returns the window and the delay after the last token, and `conv` and
-    `value_delayed` with those positions replaced (new tensors, stacked once: the inputs are unbound once and
-    nothing is written a token at a time, so that the backward stays linear in the tokens)."""
-    seq, size = conv.shape[1], self.conv_kernel_size
-    window = context[..., :size]  # b c K   the window before token 0 (zeros for a prompt)
-    delay = value_delayed[:, 0]  # b d   the delay before token 0
-    columns, delays = context[..., size:].unbind(-1), delayed.unbind(1)  # T x (b c), T x (b d)
-    recomputed: dict[int, Tensor] = {}  # position -> ĉ_t recomputed from a written window
-    taken: dict[int, Tensor] = {}  # position -> the delayed value a written delay gives it
-    dirty = 0  # how many more positions read a written window
-    for t in range(seq):
-        column = columns[t][..., None]  # b c 1   c_t
-        if dirty:
-            recomputed[t] = _conv(self, torch.cat([window, column], dim=-1))[..., 0]  # b c   ĉ_t from K + 1 columns
-            dirty -= 1
-        window = torch.cat([window[..., 1:], column], dim=-1)  # b c K   shift in c_t
-        if on_token is not None:
-            version = version_of(window)
-            written = on_token(t, window)  # b c K   what token t+1 reads with c_{t+1}
-            if handed_back_changed(window, version, written):
-                dirty = size  # positions t+1 .. t+K read a column of it
-            window = written
-        delay = delays[t]  # b d   W_vd x_t
-        if on_also is not None:
-            version = version_of(delay)
-            written = on_also(t, delay)  # b d   what token t+1 takes as its delayed value
-            if t + 1 < seq and handed_back_changed(delay, version, written):
-                taken[t + 1] = written
-            delay = written
-    if recomputed:
-        conv = torch.stack([recomputed.get(t, c) for t, c in enumerate(conv.unbind(1))], dim=1)  # b T c
-    if taken:
-        value_delayed = torch.stack([taken.get(t, v) for t, v in enumerate(value_delayed.unbind(1))], dim=1)
-    return window, delay, conv, value_delayed
-
-
 def cca_forward(
     self: nn.Module,
     hidden_states: Float[Tensor, "batch seq hidden"],
@@ -288,3 +226,65 @@ class CompressedConvolutionalAttention(RecurrentMixer):
             raise Unavailable(f"{cls.__name__}.values: the kernel {'inputs' if kernel_call.inputs is None else 'outputs'}"
                               " were not kept: pass keep=('inputs', 'outputs') to watch")
         return {name: kernel_call.output[name] for name in cls.VALUES}
+
+
+def _repeat_kv(x: Float[Tensor, "batch kv_heads seq head_dim"], groups: int) -> Float[Tensor, "batch heads seq head_dim"]:
+    """transformers' `repeat_kv`: each kv head repeated `groups` times, in place of its position."""
+    batch, kv_heads, seq, head_dim = x.shape
+    if groups == 1:
+        return x
+    return x[:, :, None].expand(batch, kv_heads, groups, seq, head_dim).reshape(batch, kv_heads * groups, seq, head_dim)
+
+
+def _conv(self: nn.Module, context: Float[Tensor, "batch channels length"]) -> Float[Tensor, "batch channels _"]:
+    """GroupConv_{t1}(DWConv_{t0}(context)), no padding: K fewer positions than columns."""
+    return self.conv_qk_grouped(self.conv_qk_depthwise(context))
+
+
+def _slide(
+    self: nn.Module,
+    context: Float[Tensor, "batch channels length"],
+    delayed: Float[Tensor, "batch seq delay_channels"],
+    conv: Float[Tensor, "batch seq channels"],
+    value_delayed: Float[Tensor, "batch seq delay_channels"],
+    on_token: OnToken | None,
+    on_also: OnToken | None,
+) -> tuple[Float[Tensor, "batch channels kernel_size"], Float[Tensor, "batch delay_channels"],
+           Float[Tensor, "batch seq channels"], Float[Tensor, "batch seq delay_channels"]]:
+    """Slide both memories over the call's tokens (the last `seq` columns of `context`, after the K columns of the
+    window it started from), handing each hook its memory after each token. A position that reads a window
+    `on_token` replaced or changed is recomputed in `conv`; a delay `on_also` replaced is the next token's
+    delayed value in `value_delayed`. Returns the window and the delay after the last token, and `conv` and
+    `value_delayed` with those positions replaced (new tensors, stacked once: the inputs are unbound once and
+    nothing is written a token at a time, so that the backward stays linear in the tokens)."""
+    seq, size = conv.shape[1], self.conv_kernel_size
+    window = context[..., :size]  # b c K   the window before token 0 (zeros for a prompt)
+    delay = value_delayed[:, 0]  # b d   the delay before token 0
+    columns, delays = context[..., size:].unbind(-1), delayed.unbind(1)  # T x (b c), T x (b d)
+    recomputed: dict[int, Tensor] = {}  # position -> ĉ_t recomputed from a written window
+    taken: dict[int, Tensor] = {}  # position -> the delayed value a written delay gives it
+    dirty = 0  # how many more positions read a written window
+    for t in range(seq):
+        column = columns[t][..., None]  # b c 1   c_t
+        if dirty:
+            recomputed[t] = _conv(self, torch.cat([window, column], dim=-1))[..., 0]  # b c   ĉ_t from K + 1 columns
+            dirty -= 1
+        window = torch.cat([window[..., 1:], column], dim=-1)  # b c K   shift in c_t
+        if on_token is not None:
+            version = version_of(window)
+            written = on_token(t, window)  # b c K   what token t+1 reads with c_{t+1}
+            if handed_back_changed(window, version, written):
+                dirty = size  # positions t+1 .. t+K read a column of it
+            window = written
+        delay = delays[t]  # b d   W_vd x_t
+        if on_also is not None:
+            version = version_of(delay)
+            written = on_also(t, delay)  # b d   what token t+1 takes as its delayed value
+            if t + 1 < seq and handed_back_changed(delay, version, written):
+                taken[t + 1] = written
+            delay = written
+    if recomputed:
+        conv = torch.stack([recomputed.get(t, c) for t, c in enumerate(conv.unbind(1))], dim=1)  # b T c
+    if taken:
+        value_delayed = torch.stack([taken.get(t, v) for t, v in enumerate(value_delayed.unbind(1))], dim=1)
+    return window, delay, conv, value_delayed

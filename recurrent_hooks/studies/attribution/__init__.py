@@ -70,7 +70,7 @@ from ...engine import runners
 from ...engine.kernels import CONV_MEMORY, STATE_MEMORY
 from ...engine.mixer import RecurrentMixer
 from ...engine.parts import map_parts, parts_of
-from ...engine.strategies import Paths
+from ...engine.policy import Paths
 from ...engine.watch import Watch, watch
 from .pieces import CleanRunner, CorruptRunner, conv_kernel, runs_in_pieces, window_row
 from ..metrics import for_rows, per_row

@@ -52,7 +52,7 @@ from ...engine.errors import InvalidValue, RecurrentHooksError, RecurrentHooksWa
 from ...engine.kernels import KEEPABLE, KERNEL_IO
 from ...engine.kind import PADDING
 from ...engine.parts import parts_of
-from ...engine.strategies import Paths
+from ...engine.policy import Paths
 from ...engine.watch import watch
 from ..probes import Probe
 from .dataset import HarvestDataset

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from ...engine.errors import InvalidValue, renamed
 from ...engine.kernels import CONV_MEMORY, STATE_MEMORY
-from ...engine.strategies import Paths
+from ...engine.policy import Paths
 from ..ranks import Checkpoint, Ranks, sweep_key
 from ..metrics import for_rows, mixes_pairs
 from . import prefix

@@ -23,9 +23,9 @@ from einops import repeat
 from jaxtyping import Float
 from torch import Tensor
 
-from ..engine.loops import (OnChunk, OnToken, Visit, causal_decay, chunk_formed, flushed_exp, plus, rank_one_steps,
+from ...engine.loops import (OnChunk, OnToken, Visit, causal_decay, chunk_formed, flushed_exp, plus, rank_one_steps,
                             refuse_packed, scratch_like, starting_state, states_buffer, times, visited)
-from ..engine.strategies import Shape
+from ...engine.strategies import Shape
 
 
 def prepare(
@@ -47,7 +47,7 @@ def prepare(
     # grouped value heads: value head j reads key head j // (heads // key_heads)
     query, key = (repeat(x, "b t kh d -> b t (kh g) d", g=heads // key_heads) for x in (query, key))
     # token-major copies: the mixers hand over views whose token axis is the fastest (a conv output transposed),
-    # which makes every per-token step of the loop a strided gather (measured 1.8x slower at Mamba-2 sizes)
+    # which makes every per-token step of the loop a strided gather (docs/performance.md, "The path benchmark")
     q, k, v, b, log_a = (x.to(torch.float32).contiguous() for x in (query, key, value, beta, g))
     if use_qk_l2norm_in_kernel:
         if kimi:
@@ -99,14 +99,15 @@ def gated_delta_rule(
     return out.to(query.dtype), (state if output_final_state else None)
 
 
-ROW_STEPS_FROM = 65_536  # state elements from which a chunk's states are formed token by token (measured, CPU:
-# at 65,536 the steps take 0.81-0.95x the product's time, at 32,768 1.0-1.5x, at 524,288 (Qwen3.5) 0.48-0.60x)
+ROW_STEPS_FROM = 65_536  # state elements from which a chunk's states are formed token by token (measured on a CPU:
+# docs/performance.md, "Performance, third round")
 
 
 def _decayed_products(left: Tensor, right: Tensor, decay: Tensor) -> Float[Tensor, "i j batch heads"]:
     """left_i^T D_ij right_j for every pair of a chunk's tokens: left `[i, batch, heads, key_dim]`, right `[j, batch,
     heads, key_dim]`, decay D_ij `[i, j, batch, heads, d]`. With one decay per head (d = 1) it scales the products
-    of one batched matmul (measured a third faster than the elementwise form at Qwen3.5 dims); with one per key
+    of one batched matmul (faster than the elementwise form: docs/performance.md, "Keeping a per-token reduction");
+    with one per key
     channel (d = key_dim), the elementwise products are summed."""
     if decay.shape[-1] == 1:
         return torch.einsum("ibhk,jbhk->ijbh", left, right) * decay[..., 0]
@@ -319,4 +320,4 @@ def cost_shape(arguments: dict[str, Any]) -> Shape:
                  graph=GRAPH, loop_graph=LOOP_GRAPH)
 
 
-GRAPH, LOOP_GRAPH = 2.6, 2.1  # measured: 2.36-2.5 and 2.03 (Qwen3.5 dims, T = 64-128, batch 1-2)
+GRAPH, LOOP_GRAPH = 2.6, 2.1  # above the measured footprint (docs/performance.md, "Paths chosen by memory")
