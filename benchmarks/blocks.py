@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from run import LINEAR2, VOCAB, _gdn, _mamba2, _ready
 
 import recurrent_hooks as rh
-import recurrent_hooks.engine.blocks as rh_blocks
+import recurrent_hooks.engine.paths.blocks as rh_blocks
 
 MODELS = {
     "gdn_small": (lambda: _gdn(256, 4, 8, 64, 512, LINEAR2), 512),

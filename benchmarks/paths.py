@@ -1,4 +1,4 @@
-"""Benchmark and calibration of the cost model that chooses a busy call's path (`recurrent_hooks/engine/choose.py`, `costs.py`).
+"""Benchmark and calibration of the cost model that chooses a busy call's path (`recurrent_hooks/engine/paths/choose.py`, `costs.py`).
 
     python benchmarks/paths.py               # the rows: each path's time, forced, and the one chosen
     python benchmarks/paths.py --quick       # a smoke run, a few seconds (run by the tests)
@@ -36,8 +36,8 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # this checkout's package
 import recurrent_hooks as rh  # noqa: E402
-import recurrent_hooks.engine.choose as rh_choose  # noqa: E402
-import recurrent_hooks.engine.costs as rh_costs  # noqa: E402
+import recurrent_hooks.engine.paths.choose as rh_choose  # noqa: E402
+import recurrent_hooks.engine.paths.costs as rh_costs  # noqa: E402
 import recurrent_hooks.engine.policy as rh_policy  # noqa: E402
 from recurrent_hooks.kinds.gated_delta_net import GatedDeltaNet  # noqa: E402
 from recurrent_hooks.kinds.state_space import Mamba2StateSpace  # noqa: E402

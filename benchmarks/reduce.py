@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from run import LINEAR2, MB, VOCAB, _gdn, _mamba1, _mamba2, _ready, _reset_peak, _status
 
 import recurrent_hooks as rh
-from recurrent_hooks.engine.costs import STATES_CHUNK
+from recurrent_hooks.engine.paths.costs import STATES_CHUNK
 
 MODELS = {
     "gdn": lambda: _gdn(2048, 16, 32, 128, 6144, LINEAR2),

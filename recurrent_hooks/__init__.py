@@ -39,11 +39,11 @@ from .engine.errors import former_names as _former_names
 from .kinds.kimi_delta import KimiDeltaAttention as KimiDeltaAttention
 from .kinds.lightning import LightningAttention as LightningAttention
 from .kinds.gated_delta_net import GatedDeltaNet as GatedDeltaNet
-from .engine.calls import Call as Call
-from .engine.calls import KernelCall as KernelCall
-from .engine.calls import Memory as Memory
-from .engine.kernels import Kernel as Kernel
-from .engine.mixer import RecurrentMixer as RecurrentMixer
+from .engine.tracking.records import Call as Call
+from .engine.tracking.records import KernelCall as KernelCall
+from .engine.tracking.records import Memory as Memory
+from .engine.declare.kernels import Kernel as Kernel
+from .engine.handle.mixer import RecurrentMixer as RecurrentMixer
 from .registry import FAMILIES as FAMILIES
 from .kinds.rg_lru import RealGatedLinearRecurrence as RealGatedLinearRecurrence
 from .kinds.selective_scan import PerHeadSelectiveScan as PerHeadSelectiveScan

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, LookupError) as error:
         print(f"python -m recurrent_hooks support: {error}", file=sys.stderr)
         return 2
-    from .engine.upstream import version_line
+    from .engine.binding.upstream import version_line
 
     print(version_line(), file=sys.stderr if args.json else sys.stdout)  # --json: stdout is the rows alone
     print(json.dumps(rows, indent=2) if args.json else _table(rows))

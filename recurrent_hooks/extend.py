@@ -16,17 +16,17 @@ Users who read and write states need none of this: `recurrent_hooks` itself has 
 
 from .kinds.shared.conv import CONV_KERNELS as CONV_KERNELS
 from .kinds.gated_delta_net import GatedDeltaNet as GatedDeltaNet
-from .engine.kernels import CONV_MEMORY as CONV_MEMORY
-from .engine.kernels import FORWARD as FORWARD
-from .engine.kernels import STATE_MEMORY as STATE_MEMORY
-from .engine.kernels import Kernel as Kernel
-from .engine.kernels import Role as Role
-from .engine.kernels import Segments as Segments
-from .engine.kernels import Site as Site
+from .engine.declare.kernels import CONV_MEMORY as CONV_MEMORY
+from .engine.declare.kernels import FORWARD as FORWARD
+from .engine.declare.kernels import STATE_MEMORY as STATE_MEMORY
+from .engine.declare.kernels import Kernel as Kernel
+from .engine.declare.kernels import Role as Role
+from .engine.declare.kernels import Segments as Segments
+from .engine.declare.kernels import Site as Site
 from .kinds.kimi_delta import KimiDeltaAttention as KimiDeltaAttention
 from .kinds.lightning import LightningAttention as LightningAttention
-from .engine.mixer import RecurrentMixer as RecurrentMixer
-from .engine.upstream import torch_kernel as torch_kernel
+from .engine.handle.mixer import RecurrentMixer as RecurrentMixer
+from .engine.binding.upstream import torch_kernel as torch_kernel
 from .engine.errors import former_names as _former_names
 from .kinds.rg_lru import RealGatedLinearRecurrence as RealGatedLinearRecurrence
 from .kinds.mlstm import MatrixLSTM as MatrixLSTM

@@ -5,24 +5,24 @@ here: its mixer classes, each with the kind that describes it, and where a kind'
 kernels live when that is not the mixer class (`owners`). A new family of an existing kind is one row and one
 test builder; nothing else in the library names a family, and no kind names a transformers class.
 
-The rows are added to the engine's registry (`recurrent_hooks.engine.families`: `Family`, `FAMILIES`,
+The rows are added to the engine's registry (`recurrent_hooks.engine.binding.registry`: `Family`, `FAMILIES`,
 `UNSUPPORTED` and the lazily built lookups, re-exported here) when the package is imported;
 `recurrent_hooks.extend.register` adds more at run time.
 """
 
-from .engine.families import FAMILIES as FAMILIES
-from .engine.families import UNSUPPORTED as UNSUPPORTED
-from .engine.families import Family as Family
-from .engine.families import MixerClass as MixerClass
-from .engine.families import Unsupported as Unsupported
-from .engine.families import family_of as family_of
-from .engine.families import mixer_of as mixer_of
-from .engine.families import register as register
-from .engine.families import replace as replace
-from .engine.families import resolve_family as resolve_family
-from .engine.families import unregister as unregister
-from .engine.families import unsupported_of as unsupported_of
-from .engine.upstream import is_at_least
+from .engine.binding.registry import FAMILIES as FAMILIES
+from .engine.binding.registry import UNSUPPORTED as UNSUPPORTED
+from .engine.binding.registry import Family as Family
+from .engine.binding.registry import MixerClass as MixerClass
+from .engine.binding.registry import Unsupported as Unsupported
+from .engine.binding.registry import family_of as family_of
+from .engine.binding.registry import mixer_of as mixer_of
+from .engine.binding.registry import register as register
+from .engine.binding.registry import replace as replace
+from .engine.binding.registry import resolve_family as resolve_family
+from .engine.binding.registry import unregister as unregister
+from .engine.binding.registry import unsupported_of as unsupported_of
+from .engine.binding.upstream import is_at_least
 from .kinds.dynamic_conv import DynamicShortConvolution, LoopedDynamicShortConvolution
 from .kinds.kimi_delta import KimiDeltaAttention
 from .kinds.gated_delta_net import GatedDeltaNet

@@ -32,7 +32,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # run f
 
 import recurrent_hooks as rh  # noqa: E402
 from _process_group import setup  # noqa: E402  (scripts/, the script's own folder, is on sys.path)
-import recurrent_hooks.engine.patching as patching  # noqa: E402
+import recurrent_hooks.engine.binding.rebinding as patching  # noqa: E402
 from recurrent_hooks.demo import _CONFIG  # noqa: E402
 
 ALL = ("states", "windows")

@@ -28,7 +28,7 @@ import torch
 
 import recurrent_hooks as rh
 from _models import build
-from recurrent_hooks.engine.parts import map_parts, parts_of
+from recurrent_hooks.engine.declare.memory_parts import map_parts, parts_of
 
 T = 13  # not a multiple of anything
 TESTS = pathlib.Path(__file__).parent

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 import recurrent_hooks as rh
-import recurrent_hooks.engine.dispatch as dispatch_impl
-import recurrent_hooks.engine.patching as patching
-import recurrent_hooks.engine.threads as threads_impl
+import recurrent_hooks.engine.dispatch.tap as dispatch_impl
+import recurrent_hooks.engine.binding.rebinding as patching
+import recurrent_hooks.engine.tracking.threads as threads_impl
 import recurrent_hooks.engine.standalone as standalone_impl
-from recurrent_hooks.engine.mixer import RecurrentMixer
+from recurrent_hooks.engine.handle.mixer import RecurrentMixer
 from _contract import one_family_per_kind
 import _device
 import _models

@@ -102,7 +102,7 @@ def test_ssd_adjoint_equals_float64_reference(with_state, with_final, groups):
 
 
 def test_flushed_exp_drops_only_the_subnormal_range():
-    from recurrent_hooks.engine.loops import FLUSH_BELOW, causal_decay, flushed_exp
+    from recurrent_hooks.engine.declare.loops import FLUSH_BELOW, causal_decay, flushed_exp
     x = torch.tensor([0.0, -1.0, FLUSH_BELOW + 1, FLUSH_BELOW - 1, -100.0, -torch.inf])
     assert_close("flushed_exp", flushed_exp(x), torch.where(x < FLUSH_BELOW, 0.0, x.exp()), rtol=0, atol=0)
     cum = torch.tensor([0.0, -30.0, -70.0])

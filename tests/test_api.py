@@ -8,7 +8,7 @@ import torch
 import transformers
 
 import recurrent_hooks as rh
-import recurrent_hooks.engine.patching as rh_patching
+import recurrent_hooks.engine.binding.rebinding as rh_patching
 import recurrent_hooks.registry as rh_registry
 import recurrent_hooks.engine.attaching as attaching_impl
 from _compare import assert_close
@@ -420,7 +420,7 @@ def test_a_watch_keeps_kernel_inputs_and_outputs_only_when_asked(model):
 
 def test_the_support_command_reads_families_and_saved_configs(tmp_path, capsys):
     from recurrent_hooks.__main__ import main
-    from recurrent_hooks.engine.upstream import version_line
+    from recurrent_hooks.engine.binding.upstream import version_line
 
     assert main(["support", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)

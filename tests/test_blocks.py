@@ -1,4 +1,4 @@
-"""The blocks path (`recurrent_hooks/engine/blocks.py`): a hook on every token of a prompt, the states computed chunk-wise a
+"""The blocks path (`recurrent_hooks/engine/paths/blocks.py`): a hook on every token of a prompt, the states computed chunk-wise a
 block at a time, against the token loop (`watch(model, paths=rh.Paths(rule="loop"))`).
 
 For each kind whose prompt kernel has `Segments.all_states` (gated DeltaNet, Kimi delta attention, Mamba-2): the
@@ -15,7 +15,7 @@ from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
 
 import recurrent_hooks as rh
-import recurrent_hooks.engine.blocks as rh_blocks
+import recurrent_hooks.engine.paths.blocks as rh_blocks
 
 FAMILIES = ["qwen3_5", "kimi_linear", "mamba2"]  # one family per kind with all_states
 BLOCK = 4

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import recurrent_hooks as rh
-from recurrent_hooks.engine.parts import parts_of
+from recurrent_hooks.engine.declare.memory_parts import parts_of
 from _compare import assert_close, assert_equal
 from _models import build, random_ids
 from _runs import greedy, logits_of

@@ -1,4 +1,4 @@
-"""Reductions formed where the states are formed (`policy.Strategy.CHUNKS`, `busy.reduce_in_chunks`).
+"""Reductions formed where the states are formed (`policy.Strategy.CHUNKS`, `runners.reduce_in_chunks`).
 
 A watch whose busy plans only reduce every state (`reduce=`), without gradients, runs the kind's all-states kernel
 once over the call, which hands each of its chunks' states, a view of one reused buffer, to the reductions
@@ -23,12 +23,12 @@ import pytest
 import torch
 
 import recurrent_hooks as rh
-import recurrent_hooks.engine.choose as rh_choose
+import recurrent_hooks.engine.paths.choose as rh_choose
 import recurrent_hooks.engine.policy as rh_policy
 import recurrent_hooks.kinds.shared.delta_rule as delta_rule
 import recurrent_hooks.kinds.selective_scan as selective_scan
 import recurrent_hooks.kinds.state_space as state_space
-from recurrent_hooks.engine.kernels import Pieces
+from recurrent_hooks.engine.declare.kernels import Pieces
 from recurrent_hooks.engine.policy import Strategy
 from recurrent_hooks.kinds.gated_delta_net import GatedDeltaNet
 from _compare import assert_close

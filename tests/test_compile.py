@@ -1,6 +1,6 @@
 """torch.compile(model, fullgraph=True) inside a watch: eager's outputs, hook calls and records, compiled once.
 
-The engine's per-call bookkeeping runs when the graph runs, in custom ops (`recurrent_hooks.engine.compiled`), so
+The engine's per-call bookkeeping runs when the graph runs, in custom ops (`recurrent_hooks.engine.tracking.compiled`), so
 a compiled model is traced once and its later calls replay the graph: `error_on_recompile` holds from the
 second call on. Families holding every kind between them (four kinds in the default suite, the rest with
 --full), compiled with the "aot_eager" backend (dynamo and functionalization, what decides graphs and guards,
@@ -19,10 +19,10 @@ import torch
 from transformers import CompileConfig
 
 import recurrent_hooks as rh
-import recurrent_hooks.engine.busy as rh_busy
+import recurrent_hooks.engine.paths.runners as rh_busy
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
-from recurrent_hooks.engine.parts import map_parts, parts_of
+from recurrent_hooks.engine.declare.memory_parts import map_parts, parts_of
 
 # the default suite compiles four of the kinds (gated DeltaNet, both Mamba scans, RWKV); the others (about 50 s:
 # the looped convolutions with transformers 5.25's full-graph limit alone 18 s; Kimi delta attention, gated
@@ -318,7 +318,7 @@ def test_a_collected_mixers_clock_leaves_the_table_between_traces_not_during_one
     collected tracker's clock is only retired then, and removed by the next registration, which is eager."""
     import gc
 
-    import recurrent_hooks.engine.compiled as compiled
+    import recurrent_hooks.engine.tracking.compiled as compiled
 
     class Tracker:  # any object the table can hold weakly, as it holds a CallTracker
         pass

@@ -28,10 +28,10 @@ from _reachable import tensor_bytes_reachable
 from _runs import greedy, left_padded, logits_of
 
 import recurrent_hooks as rh
-from recurrent_hooks.engine.kernels import Site
-from recurrent_hooks.engine.kind import PADDING
-from recurrent_hooks.engine.parts import map_parts, parts_of
-from recurrent_hooks.engine.patching import bound_original, import_default
+from recurrent_hooks.engine.declare.kernels import Site
+from recurrent_hooks.engine.handle.kind import PADDING
+from recurrent_hooks.engine.declare.memory_parts import map_parts, parts_of
+from recurrent_hooks.engine.binding.rebinding import bound_original, import_default
 from recurrent_hooks.registry import family_of
 
 FAMILIES = list(rh.FAMILIES)

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import recurrent_hooks as rh
-from recurrent_hooks.engine.kernels import CONV_MEMORY, FORWARD, STATE_MEMORY, Role, Site
-from recurrent_hooks.engine.parts import map_parts, parts_of
+from recurrent_hooks.engine.declare.kernels import CONV_MEMORY, FORWARD, STATE_MEMORY, Role, Site
+from recurrent_hooks.engine.declare.memory_parts import map_parts, parts_of
 from _models import FAMILIES as BUILDERS
 from _models import PAD, build, random_ids
 from _upstream import transformers_kernel

@@ -19,7 +19,7 @@ import _device
 import _models
 import recurrent_hooks as rh
 from _models import build, random_ids
-from recurrent_hooks.engine.parts import parts_of
+from recurrent_hooks.engine.declare.memory_parts import parts_of
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

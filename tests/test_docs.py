@@ -11,8 +11,8 @@ import types
 import pytest
 
 import recurrent_hooks as rh
-import recurrent_hooks.engine.patching as patching
-from recurrent_hooks.engine.kernels import Site
+import recurrent_hooks.engine.binding.rebinding as patching
+from recurrent_hooks.engine.declare.kernels import Site
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -19,7 +19,7 @@ from _contract import adapter_of, family_fixtures
 from _models import PAD, build, random_ids
 from _runs import calls_of, greedy, greedy_under_replacing_hooks, logits_of, watched_greedy, watched_logits
 from recurrent_hooks.kinds.dynamic_conv import dynamic_conv_forward
-from recurrent_hooks.engine.patching import import_default
+from recurrent_hooks.engine.binding.rebinding import import_default
 
 ROWS = {row.name: row for family in rh.FAMILIES.values() for row in family.classes  # the dynamic mixer classes
         if issubclass(row.kind, rh.DynamicShortConvolution)}

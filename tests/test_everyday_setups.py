@@ -13,8 +13,8 @@ import transformers
 from torch import nn
 
 import recurrent_hooks as rh
-import recurrent_hooks.engine.threads as rh_threads
-import recurrent_hooks.engine.patching as rh_patching
+import recurrent_hooks.engine.tracking.threads as rh_threads
+import recurrent_hooks.engine.binding.rebinding as rh_patching
 import recurrent_hooks.registry as rh_registry
 import recurrent_hooks.engine.standalone as standalone_impl
 from _compare import assert_close, assert_equal

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import recurrent_hooks as rh
-import recurrent_hooks.engine.busy as rh_busy
+import recurrent_hooks.engine.paths.runners as rh_busy
 from _compare import assert_close, assert_close_per_call
 from _models import build, random_ids
 from _runs import sparse_generate, watched_greedy

@@ -39,8 +39,8 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 import recurrent_hooks as rh
-import recurrent_hooks.engine.busy as rh_busy
-import recurrent_hooks.engine.dispatch as rh_dispatch
+import recurrent_hooks.engine.paths.runners as rh_busy
+import recurrent_hooks.engine.dispatch.tap as rh_dispatch
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
 from _reference import gated_delta_rule_reference, kimi_delta_rule_reference

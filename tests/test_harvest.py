@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import recurrent_hooks as rh
-from recurrent_hooks.engine.parts import map_parts
+from recurrent_hooks.engine.declare.memory_parts import map_parts
 from recurrent_hooks.studies.harvest import shards
 from _compare import assert_close
 from _models import build, random_ids

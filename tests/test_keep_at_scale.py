@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import recurrent_hooks as rh
-from recurrent_hooks.engine import taking
-from recurrent_hooks.engine.parts import is_parts
+from recurrent_hooks.engine.paths import visitor as taking
+from recurrent_hooks.engine.declare.memory_parts import is_parts
 from _compare import assert_close
 from _models import DEVICE, build, random_ids
 

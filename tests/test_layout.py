@@ -14,11 +14,20 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "recurrent_hooks"
 
 
-def _imports(path: pathlib.Path) -> set[str]:
-    """The modules below recurrent_hooks that the file imports, as dotted paths ("engine.kernels", "registry")."""
+def _imports(path: pathlib.Path, runtime: bool = False) -> set[str]:
+    """The modules below recurrent_hooks that the file imports, as dotted paths ("engine.declare.kernels",
+    "registry"); `runtime`: not those under `if TYPE_CHECKING:`."""
     here = path.relative_to(PACKAGE).with_suffix("").parts[:-1]  # the file's package below recurrent_hooks
+    return _imports_of(ast.parse(path.read_text(), str(path)), here, runtime)
+
+
+def _imports_of(tree: ast.AST, here: tuple[str, ...], runtime: bool = False) -> set[str]:
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    skipped = {id(inner) for node in ast.walk(tree) if runtime and isinstance(node, ast.If)
+               and "TYPE_CHECKING" in ast.unparse(node.test) for inner in ast.walk(node) if inner is not node}
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = list(here[: len(here) - node.level + 1])
@@ -55,10 +64,10 @@ def test_imports_run_one_way(path):
 def test_the_layers_are_there_and_the_check_sees_imports():
     """Each layer has modules, and the import reader finds a relative import across layers (so the test can fail)."""
     for layer in ("engine", "kinds", "studies"):
-        assert len(list((PACKAGE / layer).glob("*.py"))) > 2, f"recurrent_hooks/{layer} has no modules"
-    assert "engine.kernels" in _imports(PACKAGE / "kinds" / "gated_delta_net.py")
-    assert "engine.mixer" in _imports(PACKAGE / "studies" / "effective_attention.py")
-    assert {"kinds.gated_delta_net", "engine.families"} <= _imports(PACKAGE / "registry.py")
+        assert len(list((PACKAGE / layer).rglob("*.py"))) > 2, f"recurrent_hooks/{layer} has no modules"
+    assert "engine.declare.kernels" in _imports(PACKAGE / "kinds" / "gated_delta_net.py")
+    assert "engine.handle.mixer" in _imports(PACKAGE / "studies" / "effective_attention.py")
+    assert {"kinds.gated_delta_net", "engine.binding.registry"} <= _imports(PACKAGE / "registry.py")
 
 
 def _private_names_from_siblings(path: pathlib.Path) -> list[str]:
@@ -153,8 +162,8 @@ def test_no_module_uses_another_modules_private_names_but_the_kinds_adapters():
     implementation). The one exception, with its reason: a kind's adapters (`Kind.ADAPTERS`), which the engine and
     the studies call and each kind overrides, and which keep their underscore to stay off the handle a researcher
     holds (`w.mixers[i]`)."""
-    from recurrent_hooks.engine.kind import Kind
-    from recurrent_hooks.engine.mixer import RecurrentMixer
+    from recurrent_hooks.engine.handle.kind import Kind
+    from recurrent_hooks.engine.handle.mixer import RecurrentMixer
 
     assert all(callable(getattr(RecurrentMixer, name, None)) for name in Kind.ADAPTERS), Kind.ADAPTERS
     sources = sorted(PACKAGE.rglob("*.py"))
@@ -225,32 +234,34 @@ def test_the_per_call_tracker_branches_on_compiling_in_one_place():
     """The handle does not branch on torch.compile: its per-call tracker picks the traced implementation once
     (`CallTracker.now`), and compile support (`compiled.TracedCallTracker`) implements the same interface."""
     found = {}
-    for name in ("mixer.py", "tracker.py", "kind.py"):
+    for name in ("handle/mixer.py", "tracking/tracker.py", "handle/kind.py"):
         tree = ast.parse((PACKAGE / "engine" / name).read_text())
         found[name] = sorted(f"{fn.name}" for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef)
                              for node in ast.walk(fn)
                              if isinstance(node, ast.Attribute) and node.attr in ("is_compiling", "compiling")
                              or isinstance(node, ast.Name) and node.id in ("is_compiling", "compiling"))
-    assert found == {"mixer.py": [], "tracker.py": ["now"], "kind.py": []}, found
+    assert found == {"handle/mixer.py": [], "tracking/tracker.py": ["now"], "handle/kind.py": []}, found
 
 
 def test_every_path_is_one_runner_and_dispatch_branches_on_none():
-    """Paths as a table (docs/architecture.md): each `Strategy` has its runner in `engine/busy.py`, and the busy call
-    looks it up; dispatch names no path but the token loop it falls back to."""
-    from recurrent_hooks.engine import busy, policy
+    """Paths as a table (docs/architecture.md): each `Strategy` has its runner in `engine/paths/runners.py`, and the
+    busy call looks it up; dispatch names no path but the token loop it falls back to."""
+    from recurrent_hooks.engine import policy
+    from recurrent_hooks.engine.paths import runners
 
-    assert set(busy.RUNNERS) == set(policy.Strategy), sorted(map(str, busy.RUNNERS))
-    tree = ast.parse((PACKAGE / "engine" / "dispatch.py").read_text())
+    assert set(runners.RUNNERS) == set(policy.Strategy), sorted(map(str, runners.RUNNERS))
+    tree = ast.parse((PACKAGE / "engine" / "dispatch" / "tap.py").read_text())
     named = sorted({node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
                     and "Strategy" in (getattr(node.value, "attr", None), getattr(node.value, "id", None))})
-    assert named == ["LOOP"], f"engine/dispatch.py branches on the paths {named}: give the path a runner in busy.py"
+    assert named == ["LOOP"], f"engine/dispatch/tap.py branches on the paths {named}: give the path a runner"
 
 
 # the handle (`mixer`) and the modules it is built on import one way: the handle's tracker, its hooks, its kind's
 # declaration and the compiled ops never import the handle, and the declaration imports no tracker
-BELOW_THE_HANDLE = {"tracker": {"mixer", "compiled"}, "hooks": {"mixer", "tracker", "compiled"},
-                    "kind": {"mixer", "tracker", "compiled", "hooks"}, "compiled": {"mixer"},
-                    "calls": {"mixer", "tracker", "kind", "compiled", "hooks"}, "policy": {"mixer", "tracker"}}
+BELOW_THE_HANDLE = {"tracking/tracker": {"mixer", "compiled"}, "tracking/hooks": {"mixer", "tracker", "compiled"},
+                    "handle/kind": {"mixer", "tracker", "compiled", "hooks"}, "tracking/compiled": {"mixer"},
+                    "tracking/records": {"mixer", "tracker", "kind", "compiled", "hooks"},
+                    "policy": {"mixer", "tracker"}}
 
 
 @pytest.mark.parametrize("module", sorted(BELOW_THE_HANDLE))
@@ -260,3 +271,41 @@ def test_the_handle_is_above_what_it_is_built_on(module):
     found = {name.split(".")[-1] for name in _imports(PACKAGE / "engine" / f"{module}.py")}
     wrong = sorted(found & BELOW_THE_HANDLE[module])
     assert not wrong, f"recurrent_hooks/engine/{module}.py imports {wrong}"
+
+
+# The engine's rooms, by stage of one forward, in the order they may import: a room imports only itself and the rooms
+# before it (a type-checking import aside). docs/architecture.md draws them.
+ROOMS = ("errors", "tracing", "policy",  # what everything reads: errors, the compile switch, the public policy
+         "declare",  # what a kind is written in
+         "tracking",  # the per-call bookkeeping
+         "paths",  # how a busy call runs
+         "handle",  # the user's handle on a mixer
+         "binding",  # rebinding kernel names; the registry of families
+         "dispatch",  # which forward a kernel call belongs to, and what runs it
+         "attaching", "watch", "standalone", "support")  # the entry points, and what they share
+ENGINE_FILES = sorted((PACKAGE / "engine").rglob("*.py"))
+
+
+def _room(module: str) -> str:
+    """The room of an engine module ("engine.paths.choose" -> "paths"; "engine.watch" -> "watch")."""
+    return module.split(".")[1]
+
+
+@pytest.mark.parametrize("path", ENGINE_FILES, ids=lambda p: str(p.relative_to(PACKAGE / "engine")))
+def test_the_engines_rooms_import_one_way(path):
+    here = path.relative_to(PACKAGE / "engine").with_suffix("").parts[0]
+    if here == "__init__":
+        return  # (the engine's docstring)
+    assert here in ROOMS, f"recurrent_hooks/engine/{here} is in no room of ROOMS: say where it stands"
+    later = sorted(m for m in _imports(path, runtime=True) if m.startswith("engine.") and len(m.split(".")) > 1
+                   and _room(m) in ROOMS and ROOMS.index(_room(m)) > ROOMS.index(here))
+    assert not later, (f"recurrent_hooks/engine/{path.relative_to(PACKAGE / 'engine')} ({here}) imports {later},"
+                       " from rooms after its own (tests/test_layout.py ROOMS)")
+
+
+def test_the_room_rule_sees_an_import_that_runs_up_and_passes_a_type_checking_one():
+    source = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..handle.mixer import M\n"
+                       "from ..dispatch.tap import T\n")
+    here = ("engine", "paths")
+    assert _imports_of(source, here) == {"engine.handle.mixer", "engine.dispatch.tap"}
+    assert _imports_of(source, here, runtime=True) == {"engine.dispatch.tap"}

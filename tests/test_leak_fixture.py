@@ -7,8 +7,8 @@ leaks instead of failing) and leaves nothing behind for the fixture to find.
 
 import conftest
 import recurrent_hooks as rh
-import recurrent_hooks.engine.patching as patching
-import recurrent_hooks.engine.threads as threads_impl
+import recurrent_hooks.engine.binding.rebinding as patching
+import recurrent_hooks.engine.tracking.threads as threads_impl
 import recurrent_hooks.engine.standalone as standalone_impl
 from _models import build, random_ids
 

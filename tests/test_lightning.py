@@ -19,7 +19,7 @@ from _models import DEVICE, PAD, _minimax, build, random_ids
 from _runs import greedy, logits_of, sparse_generate, watched_greedy
 import recurrent_hooks.kinds.lightning as rh_lightning
 from recurrent_hooks.kinds.lightning import lightning_attention_forward
-from recurrent_hooks.engine.patching import import_default
+from recurrent_hooks.engine.binding.rebinding import import_default
 from recurrent_hooks.registry import family_of
 
 LIGHTNING = [name for name, row in rh.FAMILIES.items() if row.kind is rh.LightningAttention]

@@ -25,8 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import recurrent_hooks as rh
-import recurrent_hooks.engine.choose as rh_choose
-import recurrent_hooks.engine.memory as rh_memory
+import recurrent_hooks.engine.paths.choose as rh_choose
+import recurrent_hooks.engine.paths.budget as rh_memory
 from _compare import assert_close
 from _models import VOCAB, build, random_ids
 from recurrent_hooks.engine.policy import Strategy

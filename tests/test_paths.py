@@ -1,11 +1,11 @@
-"""The cost model that chooses a busy call's path (`recurrent_hooks/engine/choose.py`, `costs.py`), and the token-loop tails of segments.
+"""The cost model that chooses a busy call's path (`recurrent_hooks/engine/paths/choose.py`, `costs.py`), and the token-loop tails of segments.
 
 - `choose` on declared shapes: the token loop at tiny dims with a large batch and short prompts, segments at
   real dims with 8 stops, never the chunk-wise states with gradients on, never blocks without an all-states
   kernel, a token-loop tail for a Mamba-2 stop just past a chunk boundary, the fixed rule when told;
 - the policy (`rh.Paths`, an argument of `watch` and `register_state_hook`): the path it asks for is the one each
   call records, with the token loop's results; a device without calibration takes the fixed rule; bad policies;
-- segments with tails (`busy.run_in_segments`) equal the token loop: outputs, final state, what the
+- segments with tails (`runners.run_in_segments`) equal the token loop: outputs, final state, what the
   stops are handed, at the kernel and through a watched model (outputs, kept states, hook inputs, writes,
   cache contents, decode steps);
 - the cost model (the shipped default) end to end gives what the token loop gives;
@@ -24,9 +24,9 @@ import torch
 
 import recurrent_hooks as rh
 import recurrent_hooks.engine.standalone as standalone_impl
-import recurrent_hooks.engine.busy as rh_busy
-import recurrent_hooks.engine.choose as rh_choose
-import recurrent_hooks.engine.costs as rh_costs
+import recurrent_hooks.engine.paths.runners as rh_busy
+import recurrent_hooks.engine.paths.choose as rh_choose
+import recurrent_hooks.engine.paths.costs as rh_costs
 import recurrent_hooks.engine.policy as rh_policy
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids

@@ -24,7 +24,7 @@ from _contract import STACK, adapter_of
 from _real_sizes import build, vocab
 
 import recurrent_hooks as rh
-from recurrent_hooks.engine.parts import map_parts, parts_of
+from recurrent_hooks.engine.declare.memory_parts import map_parts, parts_of
 
 # The families whose cases run only with --full: the time of every case of the family, its build included, measured
 # on a 2-core machine with one torch thread (tests/conftest.py); the default suite's budget is ~40 s for this file.

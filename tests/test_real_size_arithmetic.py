@@ -28,8 +28,8 @@ import pytest
 import torch
 from torch import nn
 
-import recurrent_hooks.engine.costs as rh_costs
-import recurrent_hooks.engine.memory as rh_memory
+import recurrent_hooks.engine.paths.costs as rh_costs
+import recurrent_hooks.engine.paths.budget as rh_memory
 import recurrent_hooks.engine.policy as rh_policy
 from recurrent_hooks.studies.harvest import shards
 from recurrent_hooks.studies.harvest import sample_indices, weights_digest

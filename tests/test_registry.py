@@ -20,8 +20,8 @@ import torch
 import recurrent_hooks as rh
 import recurrent_hooks.extend as extend
 import recurrent_hooks.registry as registry
-from recurrent_hooks.engine import patching
-from recurrent_hooks.engine.kernels import Site
+from recurrent_hooks.engine.binding import rebinding as patching
+from recurrent_hooks.engine.declare.kernels import Site
 from _compare import assert_close
 from _models import build, random_ids
 

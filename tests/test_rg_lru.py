@@ -24,7 +24,7 @@ from _models import DEVICE, build, random_ids
 from _runs import greedy, logits_of, watched_greedy
 
 import recurrent_hooks as rh
-from recurrent_hooks.engine.patching import import_default
+from recurrent_hooks.engine.binding.rebinding import import_default
 from recurrent_hooks.kinds.rg_lru import recurrent_block_forward, rnn_scan
 
 RG_LRU_FAMILIES = [name for name, row in rh.FAMILIES.items() if row.kind is rh.RealGatedLinearRecurrence]

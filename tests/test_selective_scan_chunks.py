@@ -16,7 +16,7 @@ import torch
 from einops import rearrange
 
 import recurrent_hooks as rh
-import recurrent_hooks.engine.busy as rh_busy
+import recurrent_hooks.engine.paths.runners as rh_busy
 from _compare import assert_close
 from _models import PAD, build, random_ids
 from _reference_ssm import selective_scan_reference
@@ -225,7 +225,7 @@ ALL = ("states", "windows", "inputs", "outputs")
 
 
 def _spy(monkeypatch) -> list:
-    """Record each `busy.run_in_segments` call (whether it keeps every state) and each chunk-wise scan (its name),
+    """Record each `runners.run_in_segments` call (whether it keeps every state) and each chunk-wise scan (its name),
     and hand `run_in_segments` an `original` that fails: transformers' kernel cannot start from a state, so
     the library's must run every piece."""
     runs = []

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import recurrent_hooks as rh
-from recurrent_hooks.engine import upstream
+from recurrent_hooks.engine.binding import upstream
 from recurrent_hooks.extend import torch_kernel
 from _compare import assert_close
 from _models import build, random_ids

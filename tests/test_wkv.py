@@ -24,13 +24,13 @@ import pytest
 import torch
 
 import recurrent_hooks as rh
-import recurrent_hooks.engine.patching as patching
+import recurrent_hooks.engine.binding.rebinding as patching
 from _compare import assert_close, assert_equal
 from _contract import Adapter, family_fixtures, perturbation
 from _models import FAMILIES as BUILDERS
 from _models import build, random_ids
 from _runs import greedy, logits_of
-from recurrent_hooks.engine.parts import map_parts, stack_parts
+from recurrent_hooks.engine.declare.memory_parts import map_parts, stack_parts
 from recurrent_hooks.kinds.wkv import extract_key_value, rwkv_linear_attention
 from recurrent_hooks.extend import WkvState
 

@@ -18,7 +18,7 @@ from _compare import assert_close, assert_equal
 from _contract import Adapter
 from _models import PAD, build, random_ids
 from _runs import calls_of, greedy, logits_of, watched_greedy, watched_logits
-from recurrent_hooks.engine.patching import import_default
+from recurrent_hooks.engine.binding.rebinding import import_default
 from recurrent_hooks.kinds.zaya import PAST_RECORDING_RUNS, CompressedConvolutionalAttention, cca_forward
 
 KEEP = ("windows", "states", "inputs", "outputs")

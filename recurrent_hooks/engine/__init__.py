@@ -1,32 +1,25 @@
-"""The engine: what every kind shares, and nothing of any kind or study.
+"""The engine: what every kind shares, and nothing of any kind or study. Its rooms follow one watched forward, and
+import one way, each from itself and the rooms above it in this list (tests/test_layout.py, `ROOMS`):
 
-- `watch` (`Watch`, `watch`): the `with` block a researcher types; `standalone` (`register_state_hook`): a hook
-  without one; `support` (`support`, `MixerSupport`, `route_kernels`): what a model's mixers offer, and
-  process-wide rebinding; `attaching` (`attach_handle`): a handle's bindings, taken all or nothing;
-- `policy` (`Paths`, `Strategy`, `Choice`, `Policy`, `Request`): the public policy, the paths (listed once, in
-  `Strategy`'s docstring) and what a watch asks of a handle's calls;
-- `mixer` (`RecurrentMixer`): the user's handle on one mixer (its readings, hooks and writes), and the base class
-  of the kinds; `kind` (`Kind`): the declaration a kind fills in, class constants and class adapters, which
-  `RecurrentMixer` inherits; `tracker` (`CallTracker`, `Plan`): the per-call bookkeeping a handle owns (the call
-  counter, the running call's record, what each kernel call wants), made with the handle's `Request` and driven by
-  dispatch;
-- `hooks` (`Hook`): a registered state hook or write, as the handle's tracker runs it;
-- `calls` (`Call`, `KernelCall`, `Memory`, `Forward`): the record of each call, what was kept, and what a forward is;
-- `running`: the per-thread stack of running mixer forwards (which forward a kernel call belongs to);
-- `dispatch`: the module tap and the dispatcher bound in place of each kernel: nothing wanted runs the bound
-  kernel, a busy call its path's runner; `choose`: the path a busy call takes, from `costs` (the cost model and
-  its calibrations, `costs.json`) within `memory` (the memory budget); `busy`: one runner per path (`RUNNERS`),
-  with `blocks` and `adjoint` (every state kept with gradients on: chunk-wise forward, the kind's adjoint
-  recurrence backward); `taking` (`Taker`): what a busy call keeps and hands over per memory;
-- `effective` (`EffectiveAttention`): the effective-attention result the kinds build;
-- `patching`: the undo stack that rebinds kernel names and restores them; `threads`: per-thread state;
-- `compiled`: torch.compile support (the custom ops a graph runs, and `TracedCallTracker`, the tracker's
-  interface as tracing implements it); `tracing.compiling()`: the one place that asks whether torch.compile traces;
-- `families` (`Family`, `MixerClass`, `Unsupported`, `REGISTRY`): the row type of a family and the registry that
-  holds the rows `recurrent_hooks/registry.py` adds, with lookups built lazily (so rows added at run time count);
-- `kernels` (`Kernel`, `Role`, `Site`, `Segments`, `state_shape`), `parts`, `loops`, `arguments`, `errors`: the
-  declarations and helpers the kinds build on; `strategies` only re-exports `costs.Shape` for the kinds.
+- `errors`, `tracing` (`compiling()`, the one place that asks whether torch.compile traces), `policy` (`Paths`,
+  `Strategy` -- the one list of the paths a busy call can take -- `Choice`, `Policy`, `Request`: what a watch asks
+  of a handle's calls);
+- `declare/`: what a kind is written in (`kernels`: `Kernel`, `Role`, `Site`, `Segments`, the memory names;
+  `memory_parts`; `loops`: the token loops' contract and toolkit; `effective`);
+- `tracking/`: the per-call bookkeeping a handle owns (`tracker.CallTracker`, made from the handle's `Request`;
+  `records`: `Call`, `KernelCall`, `Memory`, `Forward`; `hooks`; `threads`; `compiled`: the same inside a graph);
+- `paths/`: how a busy call runs (`choose`, by the cost model of `costs` within the memory `budget`; one runner per
+  path, `runners.RUNNERS`; `blocks`, `adjoint`, `backward`; `visitor`: what a path hands each token's memory to);
+- `handle/`: the user's handle (`mixer.RecurrentMixer`, also the base class of the kinds; `kind.Kind`, the
+  declaration a kind fills in; `arguments`: checking what users hand the library);
+- `binding/`: rebinding kernel names in transformers' modules (`rebinding`, the undo stack; `upstream`, the tested
+  releases and the one rule that finds the pure-torch kernel behind a name; `registry`, the families' table);
+- `dispatch/`: which forward a kernel call belongs to and what runs it (`tap`, the dispatcher bound in place of each
+  kernel; `forwards`, the per-thread stack of running forwards; `takeover`, a study running a mixer's idle calls);
+- the entry points: `attaching` (a handle's bindings, all or nothing), `watch` (`Watch`, `watch`), `standalone`
+  (`register_state_hook`), `support` (`support`, `MixerSupport`, `route_kernels`).
 
-The engine imports no kind (`recurrent_hooks.kinds`), no study (`recurrent_hooks.studies`) and not the registry
-(tests/test_layout.py checks it). Its modules are internal: the public names are in `recurrent_hooks`.
+The engine imports no kind (`recurrent_hooks.kinds`), no study (`recurrent_hooks.studies`) and not the registry's
+rows (tests/test_layout.py checks it). Its modules are internal: the public names are in `recurrent_hooks` and
+`recurrent_hooks.extend`; docs/architecture.md draws the rooms and traces one forward through them.
 """

@@ -2,8 +2,8 @@
 
 `attach_handle(mixer, family, stack)` takes the three bindings a handle needs (docs/architecture.md, step 1) and
 registers each release on `stack`, so that a watch and a standalone hook release exactly what they took: the
-mixer module's forward hooks (`dispatch.attach`), the mixer classes' `__call__` (`running.make_owner`: every forward
-marks itself as running), and the kind's kernel names in the modeling module (`patching.acquire_kernels` with
+mixer module's forward hooks (`dispatch.attach`), the mixer classes' `__call__` (`forwards.make_owner`: every forward
+marks itself as running), and the kind's kernel names in the modeling module (`rebinding.acquire_kernels` with
 `dispatch.make_dispatcher`). Bindings are reference-counted per (owner, name): a nested watch or a standalone hook
 shares them, and the last user to leave restores them.
 """
@@ -14,14 +14,14 @@ from typing import Any
 
 from torch import nn
 
-from . import costs, memory
-from .dispatch import attach, make_dispatcher
-from .families import FAMILIES, MixerClass
-from .kernels import Kernel, Site
-from .mixer import RecurrentMixer
-from .patching import MISSING, acquire_kernels, bound_original, import_default
-from .running import make_owner
-from .upstream import is_kernel_like, kernel_missing, warn_if_untested
+from .paths import costs, budget as memory
+from .dispatch.tap import attach, make_dispatcher
+from .binding.registry import FAMILIES, MixerClass
+from .declare.kernels import Kernel, Site
+from .handle.mixer import RecurrentMixer
+from .binding.rebinding import MISSING, acquire_kernels, bound_original, import_default
+from .dispatch.forwards import make_owner
+from .binding.upstream import is_kernel_like, kernel_missing, warn_if_untested
 
 
 def attach_handle(mixer: RecurrentMixer, family: MixerClass, stack: contextlib.ExitStack) -> None:
@@ -29,7 +29,7 @@ def attach_handle(mixer: RecurrentMixer, family: MixerClass, stack: contextlib.E
 
     The `__call__` of its mixer class (and of the other mixer classes of its modeling module, which may call
     the same kernels) is acquired too: each forward of an instance, watched or not, then tells the kernels whose
-    forward is running (`running.make_owner`)."""
+    forward is running (`forwards.make_owner`)."""
     costs.load_costs()  # the cost model's calibrations, read now rather than while torch.compile traces
     for device in {parameter.device for parameter in mixer.module.parameters()}:
         memory.note_device(device)  # (and the memory its default budget is a share of)

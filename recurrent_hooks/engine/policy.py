@@ -23,7 +23,7 @@ from .errors import InvalidValue
 
 class Strategy(enum.Enum):
     """How a busy kernel call (one with hooks, writes or kept states) runs; `Paths` picks one, and each path has
-    one runner (`busy.RUNNERS`). This is the one list of the paths; other docstrings point here.
+    one runner (`runners.RUNNERS`). This is the one list of the paths; other docstrings point here.
 
     - `SEGMENTS` ("segments"): the kernel bound before the watch on the pieces between the stops (the tokens with
       hooks, writes or kept states), chaining the state through its `initial_state` argument; a kernel declared

@@ -13,8 +13,8 @@ from torch.utils.hooks import RemovableHandle
 
 from .attaching import attach_handle
 from .errors import InvalidValue
-from .families import FAMILIES, MixerClass, mixer_of
-from .mixer import RecurrentMixer, StateHook
+from .binding.registry import FAMILIES, MixerClass, mixer_of
+from .handle.mixer import RecurrentMixer, StateHook
 from .policy import DEFAULT, Paths, Policy, checked_paths
 
 

@@ -17,14 +17,14 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from .arguments import as_index, as_keep_device, normalize_keep, normalize_reduce, reduce_of_layer, renamed_keep
+from .handle.arguments import as_index, as_keep_device, normalize_keep, normalize_reduce, reduce_of_layer, renamed_keep
 from .attaching import attach_handle
-from .calls import Memory
+from .tracking.records import Memory
 from .errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable, renamed
-from .families import FAMILIES, MixerClass, layer_in_path, mixer_of, unsupported_of
-from .kernels import KERNEL_IO
-from .mixer import RecurrentMixer
-from .patching import Transient, UndoStack
+from .binding.registry import FAMILIES, MixerClass, layer_in_path, mixer_of, unsupported_of
+from .declare.kernels import KERNEL_IO
+from .handle.mixer import RecurrentMixer
+from .binding.rebinding import Transient, UndoStack
 from .policy import Paths, Policy, checked_paths
 
 

@@ -35,11 +35,11 @@ from torch import Tensor
 
 from .shared.conv import CONV_KERNELS
 from .shared.delta_rule import cost_shape, kernels, prepare
-from ..engine.effective import EffectiveAttention, cat, decayed
-from ..engine.calls import KernelCall
-from ..engine.kernels import Kernel, Role, Segments
+from ..engine.declare.effective import EffectiveAttention, cat, decayed
+from ..engine.tracking.records import KernelCall
+from ..engine.declare.kernels import Kernel, Role, Segments
 from ..engine.errors import Unavailable
-from ..engine.mixer import RecurrentMixer
+from ..engine.handle.mixer import RecurrentMixer
 
 # the token loops and the chunk-wise kernels, with transformers' signatures (written once: `delta_rule.kernels`)
 (chunk_gated_delta_rule, chunk_gated_delta_rule_states, chunk_gated_delta_rule_adjoint,

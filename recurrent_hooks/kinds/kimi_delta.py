@@ -37,10 +37,10 @@ import dataclasses
 from typing import Any
 
 from .shared.conv import CONV_KERNELS
-from ..engine.kernels import Role
+from ..engine.declare.kernels import Role
 from .shared.delta_rule import cost_shape, kernels
 from .gated_delta_net import GatedDeltaNet
-from ..engine.strategies import Shape
+from ..engine.paths.costs import Shape
 
 # the token loops and the chunk-wise kernels, with transformers' signatures (written once: `delta_rule.kernels`)
 (chunk_kimi_delta_attention, chunk_kimi_delta_attention_states, chunk_kimi_delta_attention_adjoint,

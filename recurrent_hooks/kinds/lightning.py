@@ -54,11 +54,11 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from ..engine.calls import KernelCall
+from ..engine.tracking.records import KernelCall
 from ..engine.errors import Unavailable
-from ..engine.kernels import FORWARD, STATE_MEMORY, Kernel, Role, Site
-from ..engine.loops import OnToken
-from ..engine.mixer import RecurrentMixer
+from ..engine.declare.kernels import FORWARD, STATE_MEMORY, Kernel, Role, Site
+from ..engine.declare.loops import OnToken
+from ..engine.handle.mixer import RecurrentMixer
 
 
 def lightning_attention_forward(

@@ -50,10 +50,10 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from ..engine.calls import KernelCall
+from ..engine.tracking.records import KernelCall
 from ..engine.errors import RecurrentHooksError
-from ..engine.kernels import Kernel, Role, Site
-from ..engine.mixer import RecurrentMixer
+from ..engine.declare.kernels import Kernel, Role, Site
+from ..engine.handle.mixer import RecurrentMixer
 from ..engine.tracing import compiling
 
 

@@ -60,12 +60,12 @@ from jaxtyping import Float
 from torch import Tensor
 
 from .shared.conv import CONV_KERNELS
-from ..engine.effective import EffectiveAttention, decayed
-from ..engine.calls import KernelCall
+from ..engine.declare.effective import EffectiveAttention, decayed
+from ..engine.tracking.records import KernelCall
 from ..engine.errors import Unavailable
-from ..engine.kernels import STATE_MEMORY, Kernel, Role, Segments
-from ..engine.loops import OnChunk, OnToken, at_least_float32, chunked, plus, scratch_like, starting_state
-from ..engine.mixer import RecurrentMixer
+from ..engine.declare.kernels import STATE_MEMORY, Kernel, Role, Segments
+from ..engine.declare.loops import OnChunk, OnToken, at_least_float32, chunked, plus, scratch_like, starting_state
+from ..engine.handle.mixer import RecurrentMixer
 from .shared.ssm import SelectiveScanCall, StateUpdateCall, discrete_step, kernel, step_size
 from ..engine.tracing import compiling
 

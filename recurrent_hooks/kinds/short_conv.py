@@ -47,11 +47,11 @@ from typing import Any, ClassVar
 from einops import rearrange
 from torch import Tensor, nn
 
-from ..engine.calls import KernelCall
+from ..engine.tracking.records import KernelCall
 from .shared.conv import CONV_KERNELS
 from ..engine.errors import RecurrentHooksWarning, Unavailable
-from ..engine.kernels import CONV_MEMORY
-from ..engine.mixer import RecurrentMixer
+from ..engine.declare.kernels import CONV_MEMORY
+from ..engine.handle.mixer import RecurrentMixer
 
 
 class ShortConvolution(RecurrentMixer):

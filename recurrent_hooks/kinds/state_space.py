@@ -61,13 +61,13 @@ from jaxtyping import Float
 from torch import Tensor
 
 from .shared.conv import CONV_KERNELS
-from ..engine.effective import EffectiveAttention, decayed
-from ..engine.calls import KernelCall
+from ..engine.declare.effective import EffectiveAttention, decayed
+from ..engine.tracking.records import KernelCall
 from ..engine.errors import Unavailable
-from ..engine.kernels import Kernel, Role, Segments
-from ..engine.mixer import RecurrentMixer
-from ..engine.strategies import Shape
-from ..engine.loops import (OnChunk, OnToken, Visit, causal_decay, chunk_formed, flushed_exp, plus, rank_one_steps,
+from ..engine.declare.kernels import Kernel, Role, Segments
+from ..engine.handle.mixer import RecurrentMixer
+from ..engine.paths.costs import Shape
+from ..engine.declare.loops import (OnChunk, OnToken, Visit, causal_decay, chunk_formed, flushed_exp, plus, rank_one_steps,
                             scratch_like, starting_state, states_buffer, visited)
 from .shared.ssm import REQUIRED, ChunkScanCall, StateUpdateCall, discrete_step, kernel, step_size
 
@@ -81,7 +81,7 @@ mamba2_selective_state_update = kernel(StateUpdateCall, "mamba2_selective_state_
 
 
 def _cost_shape(arguments: dict[str, Any]) -> Shape:
-    """The prompt kernel call's shape for the cost model (`strategies`): transformers' kernel pads to `chunk_size`.
+    """The prompt kernel call's shape for the cost model (`engine.paths.costs`): transformers' kernel pads to `chunk_size`.
     Its footprint, measured at mamba2-130m dims (tests/test_path_memory.py): the kernel's graph per chunk unit, the
     token loop's states a token under autograd."""
     batch, _, heads, head_dim = arguments["hidden_states"].shape

@@ -51,10 +51,10 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from ..engine.calls import KernelCall
-from ..engine.kernels import CONV_MEMORY, Kernel, Role, Site
-from ..engine.loops import OnToken
-from ..engine.mixer import RecurrentMixer
+from ..engine.tracking.records import KernelCall
+from ..engine.declare.kernels import CONV_MEMORY, Kernel, Role, Site
+from ..engine.declare.loops import OnToken
+from ..engine.handle.mixer import RecurrentMixer
 
 
 class WkvState(NamedTuple):

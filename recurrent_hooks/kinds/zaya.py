@@ -50,12 +50,12 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from ..engine.calls import KernelCall
+from ..engine.tracking.records import KernelCall
 from ..engine.errors import Unavailable
-from ..engine.kernels import CONV_MEMORY, STATE_MEMORY, Kernel, Role, Site
-from ..engine.loops import OnToken, handed_back_changed, version_of
-from ..engine.mixer import RecurrentMixer
-from ..engine.upstream import installed_version, is_at_least
+from ..engine.declare.kernels import CONV_MEMORY, STATE_MEMORY, Kernel, Role, Site
+from ..engine.declare.loops import OnToken, handed_back_changed, version_of
+from ..engine.handle.mixer import RecurrentMixer
+from ..engine.binding.upstream import installed_version, is_at_least
 
 # transformers' own forward runs a cache that records its past (it takes the conv context from the cache) from 5.25
 # on; before, it raised at the second decode step, and a watched call with hooks refuses it by name.

@@ -44,12 +44,12 @@ decayed inner products are in `engine.effective`.
 import torch
 from torch import Tensor
 
-from ..engine.arguments import as_index
-from ..engine.calls import Call, recorded
-from ..engine.effective import EffectiveAttention
+from ..engine.handle.arguments import as_index
+from ..engine.tracking.records import Call, recorded
+from ..engine.declare.effective import EffectiveAttention
 from ..engine.errors import InvalidValue, Unavailable
-from ..engine.kernels import STATE_MEMORY
-from ..engine.mixer import RecurrentMixer, record_of
+from ..engine.declare.kernels import STATE_MEMORY
+from ..engine.handle.mixer import RecurrentMixer, record_of
 
 # -- the history ------------------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..engine.errors import InvalidValue
-from ..engine.parts import parts_of
+from ..engine.declare.memory_parts import parts_of
 
 _INSTALL = "pip install recurrent_hooks[plots]"
 

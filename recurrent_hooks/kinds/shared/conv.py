@@ -37,8 +37,8 @@ from jaxtyping import Float
 from torch import Tensor
 from transformers.activations import ACT2FN
 
-from ...engine.kernels import CONV_MEMORY, FORWARD, Kernel, Role, WindowTerms
-from ...engine.loops import OnToken, handed_back_changed, version_of
+from ...engine.declare.kernels import CONV_MEMORY, FORWARD, Kernel, Role, WindowTerms
+from ...engine.declare.loops import OnToken, handed_back_changed, version_of
 
 
 

@@ -23,9 +23,9 @@ from einops import repeat
 from jaxtyping import Float
 from torch import Tensor
 
-from ...engine.loops import (OnChunk, OnToken, Visit, causal_decay, chunk_formed, flushed_exp, plus, rank_one_steps,
+from ...engine.declare.loops import (OnChunk, OnToken, Visit, causal_decay, chunk_formed, flushed_exp, plus, rank_one_steps,
                             refuse_packed, scratch_like, starting_state, states_buffer, times, visited)
-from ...engine.strategies import Shape
+from ...engine.paths.costs import Shape
 
 
 def prepare(
@@ -312,7 +312,7 @@ def kernels(prompt_name: str, decode_name: str, module: str, kimi: bool = False)
 
 
 def cost_shape(arguments: dict[str, Any]) -> Shape:
-    """The prompt kernel call's shape for the cost model (`strategies`): transformers' kernel pads to chunks of 64.
+    """The prompt kernel call's shape for the cost model (`engine.paths.costs`): transformers' kernel pads to chunks of 64.
     Its footprint, measured at Qwen3.5 dims (tests/test_path_memory.py): the kernel's graph GRAPH per chunk unit,
     the token loop's LOOP_GRAPH states a token under autograd."""
     batch, _, heads, value_dim = arguments["value"].shape

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
-from ...engine.loops import refuse_packed, times
+from ...engine.declare.loops import refuse_packed, times
 
 
 def step_size(dt: Tensor, bias: Tensor | None, softplus: bool, limit: tuple[float, float] | None = None,

@@ -65,11 +65,11 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from ...engine.errors import InvalidValue, renamed
-from ...engine.arguments import as_index
-from ...engine import runners
-from ...engine.kernels import CONV_MEMORY, STATE_MEMORY
-from ...engine.mixer import RecurrentMixer
-from ...engine.parts import map_parts, parts_of
+from ...engine.handle.arguments import as_index
+from ...engine.dispatch import takeover as runners
+from ...engine.declare.kernels import CONV_MEMORY, STATE_MEMORY
+from ...engine.handle.mixer import RecurrentMixer
+from ...engine.declare.memory_parts import map_parts, parts_of
 from ...engine.policy import Paths
 from ...engine.watch import Watch, watch
 from .pieces import CleanRunner, CorruptRunner, conv_kernel, runs_in_pieces, window_row

@@ -47,11 +47,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ...engine.arguments import normalize_reduce
+from ...engine.handle.arguments import normalize_reduce
 from ...engine.errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable, add_note
-from ...engine.kernels import KEEPABLE, KERNEL_IO
-from ...engine.kind import PADDING
-from ...engine.parts import parts_of
+from ...engine.declare.kernels import KEEPABLE, KERNEL_IO
+from ...engine.handle.kind import PADDING
+from ...engine.declare.memory_parts import parts_of
 from ...engine.policy import Paths
 from ...engine.watch import watch
 from ..probes import Probe

@@ -32,7 +32,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from ...engine.errors import InvalidValue, renamed
-from ...engine.kernels import CONV_MEMORY, STATE_MEMORY
+from ...engine.declare.kernels import CONV_MEMORY, STATE_MEMORY
 from ...engine.policy import Paths
 from ..ranks import Checkpoint, Ranks, sweep_key
 from ..metrics import for_rows, mixes_pairs

@@ -32,7 +32,7 @@ from typing import Any
 import transformers
 from torch import nn
 
-from .errors import RecurrentHooksWarning, Unavailable
+from ..errors import RecurrentHooksWarning, Unavailable
 
 TESTED_MINORS = ((5, 24), (5, 25))  # (major, minor) of every transformers release the suite has passed on
 TESTED_RANGE = ">=5.24,<5.26"  # the same, as pyproject.toml declares it

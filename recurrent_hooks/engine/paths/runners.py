@@ -17,10 +17,10 @@ from torch import Tensor
 
 from . import adjoint as _adjoint
 from . import blocks as _blocks
-from .kernels import Kernel, Pieces, state_shape
-from .policy import Choice, Strategy
-from .threads import loop_threads
-from .tracker import Plan
+from ..declare.kernels import Kernel, Pieces, state_shape
+from ..policy import Choice, Strategy
+from ..tracking.threads import loop_threads
+from ..tracking.tracker import Plan
 
 
 @dataclasses.dataclass
@@ -32,7 +32,7 @@ class BusyCall:
     args: tuple
     kwargs: dict
     busy: list[list[Plan]]  # per memory the kernel updates, its busy plans
-    takers: list[Any]  # per memory, the `taking.Taker` that calls the plans and keeps what they keep
+    takers: list[Any]  # per memory, the `visitor.Taker` that calls the plans and keeps what they keep
     arguments: dict[str, Any]  # the call's bound arguments
     choice: Choice | None  # `choose.choose`'s (None: the token loop)
     extra: dict[str, Any]  # the loop's extra keywords (`tokens`, `on_also`, `original`)
@@ -153,7 +153,7 @@ def run_in_segments(kernel: Kernel, original: Callable[..., Any], args: tuple, k
     The token ranges `tails` (`[start, end)`, each inside one piece and ending it) run through the library's
     token loop instead, from the piece's last chunk boundary to its stop (`policy.Choice.tails`). With
     `keeping_all`, the pieces run through the kernel's chunk-wise `all_states` version instead, and the
-    states of the tokens between the stops go to those plans (`taking.Taker.finish` moves them to their keep device).
+    states of the tokens between the stops go to those plans (`visitor.Taker.finish` moves them to their keep device).
     `Segments.kernel`, when given, runs the pieces in place of `original` (which cannot start from a state).
     """
     segments = kernel.segments

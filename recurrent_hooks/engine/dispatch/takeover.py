@@ -15,8 +15,8 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from .errors import RecurrentHooksError
-from .kernels import Kernel
+from ..errors import RecurrentHooksError
+from ..declare.kernels import Kernel
 
 
 class CallRunner(Protocol):

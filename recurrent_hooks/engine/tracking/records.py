@@ -6,9 +6,9 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from .errors import InvalidValue, Unavailable, renamed
-from .kernels import CONV_MEMORY, KEEP_NAMES, STATE_MEMORY, memory_name
-from .parts import map_parts, stack_parts
+from ..errors import InvalidValue, Unavailable, renamed
+from ..declare.kernels import CONV_MEMORY, KEEP_NAMES, STATE_MEMORY, memory_name
+from ..declare.memory_parts import map_parts, stack_parts
 
 
 @dataclasses.dataclass

@@ -1,15 +1,15 @@
 """Dispatch: which mixer a kernel call belongs to, and how it runs (the bound kernel, segments, the loop).
 
 Module contents:
-- `make_owner` (`running`'s): for `patching.acquire_kernels`, the `__call__` bound on a mixer class: every forward
-  of an instance, watched or not, pushes its `running.Running` entry on its thread's stack and pops it on the way
+- `make_owner` (`forwards`'): for `rebinding.acquire_kernels`, the `__call__` bound on a mixer class: every forward
+  of an instance, watched or not, pushes its `forwards.Running` entry on its thread's stack and pops it on the way
   out; a kernel call belongs to the innermost entry (`running_entry`). No stack frame is read.
 - `attach(mixer)`: attach a `RecurrentMixer` to its module's `_Tap` (a module pre-forward hook that fills the
   forward's entry in).
-- `make_dispatcher(kind)`: for `patching.acquire_kernels`, the function bound in place of each kernel.
+- `make_dispatcher(kind)`: for `rebinding.acquire_kernels`, the function bound in place of each kernel.
 - `_Tap.run_kernel`: the plans of the attached mixers decide: nothing wanted runs the bound kernel; a busy
   call takes the path `choose.choose` picks under its handles' policy (`_fast_path`, `policy.Paths`) and runs by
-  that path's runner (`busy.RUNNERS`; the paths are listed in `policy.Strategy`). The path taken is recorded
+  that path's runner (`runners.RUNNERS`; the paths are listed in `policy.Strategy`). The path taken is recorded
   (`KernelCall.path`).
 """
 
@@ -21,19 +21,19 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import busy as _busy
-from . import runners as _runners
-from .calls import Forward, KernelCall
-from .choose import choose
-from .kernels import CONV_MEMORY, FORWARD, Kernel, Layout
-from .mixer import RecurrentMixer, sees
-from .policy import Choice, Strategy
-from .running import Running, drop_left, pop, running_entry
-from .taking import Taker
-from .threads import THREAD, in_backward
-from .tracing import compiling
-from .tracker import Plan
-from .upstream import wraps_kernel
+from ..paths import runners as _busy
+from . import takeover as _runners
+from ..tracking.records import Forward, KernelCall
+from ..paths.choose import choose
+from ..declare.kernels import CONV_MEMORY, FORWARD, Kernel, Layout
+from ..handle.mixer import RecurrentMixer, sees
+from ..policy import Choice, Strategy
+from .forwards import Running, drop_left, pop, running_entry
+from ..paths.visitor import Taker
+from ..tracking.threads import THREAD, in_backward
+from ..tracing import compiling
+from ..tracking.tracker import Plan
+from ..binding.upstream import wraps_kernel
 
 
 def _forward_of(kind: type[RecurrentMixer], layout: Layout, module: nn.Module, args: tuple, kwargs: dict[str, Any],
@@ -61,7 +61,7 @@ class _Tap:
     """The per-module side of the mechanism: module hooks, and the mixers attached to the module.
 
     One tap per mixer module, shared by every watch and standalone hook on it; it exists while at least
-    one `RecurrentMixer` is attached. The mixer class's `__call__` pushes the forward's `running.Running` entry
+    one `RecurrentMixer` is attached. The mixer class's `__call__` pushes the forward's `forwards.Running` entry
     (`make_owner`); the tap's pre-forward hook fills it in with the attached mixers that see this forward, and
     begins their calls. (A forward that did not go through `__call__` gets its entry from the pre-forward hook
     and pops it in the post-forward hook.) A kernel call is handled by the innermost entry of its thread.

@@ -48,9 +48,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .kernels import Kernel, Pieces, state_shape
-from .loops import OnToken
-from .tracing import compiling
+from ..declare.kernels import Kernel, Pieces, state_shape
+from ..declare.loops import OnToken
+from ..tracing import compiling
 
 BLOCK = 64  # tokens per chunk-wise call (see the module docstring)
 

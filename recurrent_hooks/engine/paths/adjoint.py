@@ -39,8 +39,8 @@ import torch
 from torch import Tensor
 
 from .backward import input_gradients, recompute, slot_names, sweep, tensor_slots, with_tensors
-from .errors import RecurrentHooksWarning
-from .kernels import Kernel, Pieces
+from ..errors import RecurrentHooksWarning
+from ..declare.kernels import Kernel, Pieces
 
 PIECE = 64  # tokens per recomputed piece in the backward
 

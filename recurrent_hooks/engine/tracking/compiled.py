@@ -46,10 +46,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .calls import Forward, KernelCall
+from .records import Forward, KernelCall
 from .hooks import Hook, hook_of
-from .kernels import STATE_MEMORY, Kernel
-from .parts import is_parts, map_parts, parts_of, rebuild
+from ..declare.kernels import STATE_MEMORY, Kernel
+from ..declare.memory_parts import is_parts, map_parts, parts_of, rebuild
 from .tracker import CallTracker, Plan
 
 _KEYS = itertools.count(1)

@@ -21,10 +21,10 @@ from torch import Tensor
 
 from .blocks import blocks_apply
 from .costs import Shape, costs_for, estimators, segments_cost
-from .kernels import Kernel
-from .memory import budget_of, held_bytes
-from .policy import DEFAULT, Choice, Constants, Paths, Strategy
-from .tracing import compiling
+from ..declare.kernels import Kernel
+from .budget import budget_of, held_bytes
+from ..policy import DEFAULT, Choice, Constants, Paths, Strategy
+from ..tracing import compiling
 
 
 def _within(available: list[Strategy], held: dict[Strategy, float] | None, budget: float) -> list[Strategy]:

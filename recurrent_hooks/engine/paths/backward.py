@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .kernels import Kernel, Pieces
+from ..declare.kernels import Kernel, Pieces
 
 Collected = dict[str, list[tuple[int, int, Tensor | None]]]
 BackwardOne = Callable[[int, int, int, Tensor | None], tuple[Tensor | None, dict[str, Tensor | None]]]

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .errors import InvalidValue, renamed
-from .kernels import KEEPABLE, RENAMED_KEEP
+from ..errors import InvalidValue, renamed
+from ..declare.kernels import KEEPABLE, RENAMED_KEEP
 
 
 def as_index(value: Any, what: str, where: str) -> int:

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .errors import RecurrentHooksError
-from .parts import State
-from .tracing import compiling
+from ..errors import RecurrentHooksError
+from .memory_parts import State
+from ..tracing import compiling
 
 OnToken = Callable[[int, State], State]
 OnChunk = Callable[[int, Tensor], None]

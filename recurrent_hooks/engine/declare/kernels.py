@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .errors import renamed
+from ..errors import renamed
 
 
 STATE_MEMORY, CONV_MEMORY = "state", "window"  # the two memories of a mixer: its state, its convolution window

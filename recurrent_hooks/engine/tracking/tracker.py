@@ -13,7 +13,7 @@ handle. Dispatch drives it through a small interface, the same in both implement
 - `begin(forward)`: a forward of the mixer begins: count it and open its record (a forward that autograd
   recomputes, gradient checkpointing, is matched to the call it repeats instead, `_Replay`);
 - `plan(kernel, tokens) -> Plan`: what the handle wants of one kernel call (its hooks and kept tokens);
-- `store(plan, kernel, kernel_call, tokens)`: file the kernel call (`calls.KernelCall`: its arguments, results and
+- `store(plan, kernel, kernel_call, tokens)`: file the kernel call (`records.KernelCall`: its arguments, results and
   path) in the call's record, with the states it kept;
 - `end(checked)`: the forward is over (checked: it called a watched kernel if something targeted it);
 - `wants_call()`: whether the running call has hooks, writes or kept values (a fused kernel is skipped then).
@@ -34,15 +34,15 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from . import calls as _calls
-from .calls import Call, Forward, KernelCall, position_of
-from .errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable, noted
+from . import records as _calls
+from .records import Call, Forward, KernelCall, position_of
+from ..errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable, noted
 from .hooks import SHOWN, Hook
-from .kernels import CONV_MEMORY, KEEP_NAMES, STATE_MEMORY, Kernel
-from .parts import State, axes_of, is_parts, map_parts, not_a_tensor, parts_of
+from ..declare.kernels import CONV_MEMORY, KEEP_NAMES, STATE_MEMORY, Kernel
+from ..declare.memory_parts import State, axes_of, is_parts, map_parts, not_a_tensor, parts_of
 from .threads import user_code
-from .tracing import compiling
-from .policy import Request
+from ..tracing import compiling
+from ..policy import Request
 _REPLAY_MATCH = 1e-5  # relative fingerprint distance under which a recompute is the same forward
 _REPLAYS_KEPT = 256  # recomputable calls remembered per mixer
 

@@ -30,9 +30,9 @@ from typing import Any
 
 from torch import nn
 
-from .errors import InvalidValue, Unavailable
-from .kernels import Kernel, Site
-from .mixer import RecurrentMixer
+from ..errors import InvalidValue, Unavailable
+from ..declare.kernels import Kernel, Site
+from ..handle.mixer import RecurrentMixer
 
 
 def _modeling_of(name: str) -> str:

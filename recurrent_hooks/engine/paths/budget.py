@@ -19,8 +19,8 @@ import torch
 
 from . import blocks
 from .costs import STATES_CHUNK, Shape, pieces
-from .policy import Paths, Strategy
-from .tracing import compiling
+from ..policy import Paths, Strategy
+from ..tracing import compiling
 
 
 DEFAULT_BUDGET_SHARE = 0.25  # `Paths(memory_budget=None)`: this share of the device's memory

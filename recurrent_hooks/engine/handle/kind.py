@@ -14,7 +14,7 @@ from the class, never from a handle's per-call bookkeeping (`tracker`). A kind d
 - `KERNELS`: the `Kernel`s its modeling modules call (recurrence and convolution, prompt and decode);
 - `STATE`: the axes of the state, as a jaxtyping shape string (e.g. "batch heads key_dim value_dim"),
   or, for a state of several parts, a mapping part name -> axes, with `STATE_TYPE` the `NamedTuple`
-  of tensors that hooks receive and writes take (see `parts`); `CONV_STATE`: the convolution window's axes;
+  of tensors that hooks receive and writes take (see `memory_parts`); `CONV_STATE`: the convolution window's axes;
 - `INPUTS`, `OUTPUTS`: the recurrence kernels' named values with their axes, for the docs;
 - `VALUES`: the per-token values `values()` returns, with their axes;
 - `LIMITS`: what cannot be had from this kind, and why (reported by `support`);
@@ -66,9 +66,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from .calls import Forward, KernelCall
-from .errors import Unavailable
-from .kernels import CONV_MEMORY, STATE_MEMORY, Kernel, Role
+from ..tracking.records import Forward, KernelCall
+from ..errors import Unavailable
+from ..declare.kernels import CONV_MEMORY, STATE_MEMORY, Kernel, Role
 
 
 # what the pads of a left-padded row do to a kind's memories (`Kind.LEFT_PADDING`), in support's general words

@@ -12,7 +12,7 @@ Module contents:
 - `acquire_kernels(targets, dispatchers)`: binds `owner.name` for each target (a module global, a class
   attribute, an attribute of an object) to a dispatcher, reference counted per name: the first
   acquisition saves what was bound, the last release restores exactly that object. The mixer classes'
-  `__call__` (`running.make_owner`) are bound through it too.
+  `__call__` (`forwards.make_owner`) are bound through it too.
 - `rebind_process_wide(...)`: the same rebinding, for good (`route_kernels`).
 - `import_default(owner, name)`: what a module or class bound to `name` before the library touched it.
 - `Transient`: what the library sets on an object of the model (not a module or class): a deep copy or a
@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
-from .errors import RecurrentHooksError
+from ..errors import RecurrentHooksError
 from .upstream import TESTED_RANGE, in_bound_form, installed_version
 
 MISSING = object()  # what `bound_original` returns for a name that is not bound

@@ -13,9 +13,9 @@ from typing import Any
 
 from torch import nn
 
-from .calls import Forward
-from .mixer import RecurrentMixer
-from .threads import THREAD
+from ..tracking.records import Forward
+from ..handle.mixer import RecurrentMixer
+from ..tracking.threads import THREAD
 
 
 @dataclasses.dataclass(eq=False)

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from .policy import Constants, Strategy
+from ..policy import Constants, Strategy
 
 
 @dataclasses.dataclass(frozen=True)

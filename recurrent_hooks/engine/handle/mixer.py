@@ -7,7 +7,7 @@ Vocabulary (docs/concepts.md has the long form):
   mixer in the block (the prompt); in `generate`, decode step k is call k.
 - token: a position inside a call, counted from the call's own first token.
 - kernel: a module-global function the mixer's forward calls; the library rebinds it (see
-  `patching`) to a dispatcher that knows which mixer is running.
+  `rebinding`) to a dispatcher that knows which mixer is running.
 - memory: what a mixer carries from token to token: its recurrent `state` and the window of its
   causal convolution, `window`. Each kernel updates one of them (`Kernel.memory`), or both (`Kernel.also`:
   a whole forward that carries two, zaya's CCA).
@@ -21,7 +21,7 @@ roles, each in its own place:
   (`tracker.CallTracker`, owned by the handle as `tracker` and made with what its watch asks, a `policy.Request`;
   `compiled.TracedCallTracker` while tracing). The tracker never holds the handle.
 
-How a kernel call is handled: the mixer class's `__call__`, rebound for the watch, pushes a `running.Running` entry
+How a kernel call is handled: the mixer class's `__call__`, rebound for the watch, pushes a `forwards.Running` entry
 on the running thread's stack (`THREAD.running`) for every forward of an instance, watched or not, and pops it
 in a `finally`; the module's forward pre-hook fills it in and starts a call on every attached `RecurrentMixer`
 that sees that thread. The dispatcher bound in place of the kernel takes the innermost entry (an unwatched
@@ -46,15 +46,15 @@ from torch.utils.hooks import RemovableHandle
 
 from .arguments import (RowTokens, as_calls, as_index, as_targets, as_token_selection, describe_calls,
                         describe_token, normalize_keep)
-from .calls import Call, Forward, Memory, recorded
-from .compiled import TracedCallTracker
-from .errors import InvalidValue, RecurrentHooksError, Unavailable, renamed
-from .hooks import SHOWN, Hook
-from .kernels import CONV_MEMORY, STATE_MEMORY, memory_name
+from ..tracking.records import Call, Forward, Memory, recorded
+from ..tracking.compiled import TracedCallTracker
+from ..errors import InvalidValue, RecurrentHooksError, Unavailable, renamed
+from ..tracking.hooks import SHOWN, Hook
+from ..declare.kernels import CONV_MEMORY, STATE_MEMORY, memory_name
 from .kind import Kind
-from .parts import State, describe, is_parts, map_parts, not_a_tensor, parts_of, stack_parts
-from .policy import Policy, Request
-from .tracker import CallTracker
+from ..declare.memory_parts import State, describe, is_parts, map_parts, not_a_tensor, parts_of, stack_parts
+from ..policy import Policy, Request
+from ..tracking.tracker import CallTracker
 
 # A state hook: fn(mixer, call, token, state) -> None (keep the state) or a replacement tensor.
 StateHook = Callable[["RecurrentMixer", int, int, Tensor], Tensor | None]

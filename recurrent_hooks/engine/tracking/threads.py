@@ -1,7 +1,7 @@
 """What the library tracks per thread: the mixer forwards running in it, and whether user hook code runs.
 
 A kernel call belongs to the innermost mixer forward running in its own thread (each pushes its entry
-in its class's `__call__` and pops it on the way out: `running.make_owner`), and is handled if that forward is
+in its class's `__call__` and pops it on the way out: `forwards.make_owner`), and is handled if that forward is
 watched; code inside a user's hook runs kernels untouched (`user_code`). `in_backward` tells autograd's recomputes (checkpointing) apart.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .tracing import compiling
+from ..tracing import compiling
 
 
 def in_backward() -> bool:
@@ -27,7 +27,7 @@ class _ThreadState(threading.local):
     """What the library tracks per thread: the mixer forwards running in it, and whether user hook code runs."""
 
     def __init__(self) -> None:
-        self.running: list[Any] = []  # the `running.Running` entries of the mixer forwards, innermost last
+        self.running: list[Any] = []  # the `forwards.Running` entries of the mixer forwards, innermost last
         self.in_hook = 0  # depth of user hook calls: forwards and kernels they run are not watched
 
 

@@ -2,7 +2,7 @@
 
 At each token the taker calls the plans' hooks and writes, and keeps the states the plans keep (in grad mode
 read through one zero leaf, filled by `finish` once the call is over), or hands them, `Reduction.CHUNK` tokens at
-a time, to a plan's `reduce` (`Reduction`). The path runners of `busy` take it (`BusyCall.takers`).
+a time, to a plan's `reduce` (`Reduction`). The path runners of `runners` take it (`BusyCall.takers`).
 """
 
 from typing import Any
@@ -11,11 +11,11 @@ import torch
 from torch import Tensor
 
 from . import blocks as _blocks
-from .tracker import Plan
-from .errors import InvalidValue, noted
-from .parts import State, is_parts, map_parts, parts_of, rebuild, stack_parts
-from .threads import user_code
-from .tracing import compiling
+from ..tracking.tracker import Plan
+from ..errors import InvalidValue, noted
+from ..declare.memory_parts import State, is_parts, map_parts, parts_of, rebuild, stack_parts
+from ..tracking.threads import user_code
+from ..tracing import compiling
 
 
 class Taker:
@@ -34,7 +34,7 @@ class Taker:
         # the states handed over are views of a block's buffer, which nothing changes later (`blocks`): a
         # reduction may hold them until its chunk is full
         self.borrowed = False
-        # A state is one tensor or a NamedTuple of parts (`parts`): each step below is done part by part.
+        # A state is one tensor or a NamedTuple of parts (`memory_parts`): each step below is done part by part.
         self.buffer: list[State] = []  # grad mode: one leaf for every kept state of the call, zeros when read
         self.slots: list[State] = []  # its per-token views
         self.filled: dict[int, State] = {}  # slot -> the state it holds
@@ -119,7 +119,7 @@ class Reduction:
     """A reducing plan's kept states of one kernel call, `CHUNK` tokens at a time: each full chunk
     `[batch, chunk, *state]` goes through the plan's `reduce` function, and the plan keeps, per token, its
     slice of the result (`[batch, ...]`). At most one chunk of states is held (O(chunk x state)). On the
-    chunk-wise reductions' path (`busy.reduce_in_chunks`) the kernel's own chunks go to `reduce` directly."""
+    chunk-wise reductions' path (`runners.reduce_in_chunks`) the kernel's own chunks go to `reduce` directly."""
 
     CHUNK = _blocks.BLOCK
 

@@ -1,0 +1,4 @@
+"""The user's handle on one mixer: `RecurrentMixer` (`mixer`: readings, hooks, writes, and the base class of the
+kinds), the declaration a kind fills in (`kind.Kind`: class constants and adapters) and the checking of what users
+hand the library (`arguments`: tokens, calls, keep). A handle is built with its request and never reached from
+below: the tracker holds the kind and where the mixer is, not the handle."""
