@@ -26,11 +26,17 @@ from _real_sizes import build, vocab
 import recurrent_hooks as rh
 from recurrent_hooks.engine.declare.memory_parts import map_parts, parts_of
 
-# The families whose cases run only with --full: the time of every case of the family, its build included, measured
-# on a 2-core machine with one torch thread (tests/conftest.py); the default suite's budget is ~40 s for this file.
+# The families whose cases run only with --full (CI runs them after the default suite): the time of every case of
+# the family, its build included, measured on a 2-core machine with one torch thread (tests/conftest.py). The
+# default suite keeps the kinds whose cases take a few seconds: its budget is 5 minutes in all.
 HEAVY = {
     "minimax": "33 s: 2.9 G parameters (6144 wide, an untied 200064-token head), a 20 s build",
     "kimi_linear": "19 s: transformers' chunk_kimi_delta_attention at 32 heads of 128 takes 0.5 s a call",
+    "zamba": "11 s: a 3712-wide hybrid whose mamba kernel runs once per head",
+    "recurrent_gemma": "9 s: a 256000-token tied vocabulary at 2560 wide",
+    "inkling2_loop": "9 s: a 201024-token vocabulary and four convolution windows a layer",
+    "xlstm": "7 s: 4096 wide, the mLSTM's chunk-wise kernel and its step",
+    "zaya": "6 s: a 262272-token tied vocabulary at 2048 wide",
 }
 FAMILIES = [pytest.param(name, marks=pytest.mark.full) if name in HEAVY else name for name in rh.FAMILIES]
 T = 6  # prompt tokens
