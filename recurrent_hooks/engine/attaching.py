@@ -2,9 +2,9 @@
 
 `attach_handle(mixer, family, stack)` takes the three bindings a handle needs (docs/architecture.md, step 1) and
 registers each release on `stack`, so that a watch and a standalone hook release exactly what they took: the
-mixer module's forward hooks (`dispatch.attach`), the mixer classes' `__call__` (`forwards.make_owner`: every forward
+mixer module's forward hooks (`tap.attach`), the mixer classes' `__call__` (`forwards.make_owner`: every forward
 marks itself as running), and the kind's kernel names in the modeling module (`rebinding.acquire_kernels` with
-`dispatch.make_dispatcher`). Bindings are reference-counted per (owner, name): a nested watch or a standalone hook
+`tap.make_dispatcher`). Bindings are reference-counted per (owner, name): a nested watch or a standalone hook
 shares them, and the last user to leave restores them.
 """
 

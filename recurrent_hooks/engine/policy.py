@@ -8,7 +8,7 @@ Module contents:
 - `Policy`, `Request`: what a watch (or a module's standalone hooks) asks of one handle's calls, a frozen value
   made with the handle and handed to its tracker (`tracker.CallTracker`).
 
-The cost model that estimates each path is `costs`, the memory budget `memory`, the choice `choose`.
+The cost model that estimates each path is `costs`, the memory budget `budget`, the choice `choose` (all in `paths/`).
 """
 
 import dataclasses
@@ -32,7 +32,7 @@ class Strategy(enum.Enum):
       to a multiple of its chunk, so a stop just past a boundary pays for a whole chunk;
     - `STATES` ("chunk-wise states"): the library's chunk-wise all-states kernel (`Segments.all_states`), when every
       state is kept: gradients off (with a hook at a few tokens, in segments around them), or on where the kind
-      has an adjoint recurrence (`Segments.adjoint`, `engine.adjoint`: whole calls only);
+      has an adjoint recurrence (`Segments.adjoint`, `paths.adjoint`: whole calls only);
     - `BLOCKS` ("blocks"): a hook at every token, gradients off, the states computed a block at a time by the
       all-states kernel (`blocks`), where `blocks.blocks_apply` allows it (a state of at most
       `Segments.blocks_below` elements);

@@ -38,7 +38,7 @@ Per kind (heads axis, value v_s):
 
 Module contents: `effective_attention` (the history of a call, then the kind's own maths:
 `RecurrentMixer._effective_attention` in each kind's module); `EffectiveAttention`, the result, and the
-decayed inner products are in `engine.effective`.
+decayed inner products are in `engine.declare.effective`.
 """
 
 import torch

@@ -82,7 +82,7 @@ class Segments:
     - `tuple_without_final`: the kernel returns `(out, None)`, not `out`, when the last state is not asked for;
     - `all_states`: the library's chunk-wise version of the kernel (same signature) that returns
       `(result, states)`, every token's state too (token first: `states[t]`), or None. Used when every state is kept and
-      gradients are off, or with gradients where `adjoint` is given too (`engine.adjoint`; else the token loop
+      gradients are off, or with gradients where `adjoint` is given too (`paths.adjoint`; else the token loop
       keeps the states the recurrence used). A kind with an adjoint's `all_states` also takes a keyword `out`, the
       float32 buffer `[seq, *state]` to write into (`loops.states_buffer`);
     - `on_chunk`: `all_states` also takes a keyword `on_chunk(start, states)`; given one, it hands it the states of
@@ -108,7 +108,7 @@ class Segments:
       to left calling `visit(t, mu_t)` with mu_t = d m / d S_t through the tokens after t (the gradient of the
       state a write at t replaces; mu_{T-1} = grad_final), and returns the initial state's gradient. With it, the
       gradients of every state of a piece cost one state-sized Python step a token without autograd
-      (`engine.adjoint`: kept states in grad mode; attribution's chunks); None: the token loop under autograd.
+      (`paths.adjoint`: kept states in grad mode; attribution's chunks); None: the token loop under autograd.
     - `chunk_argument`: the bound kernel's chunk-length argument (Mamba-2's `chunk_size`), or None. A piece that a
       backward recomputes under autograd (`backward.piece_leaves`) runs with chunks no longer than itself: a 64-token
       piece through a kernel of chunk 256 pads it to 256 tokens (same maths, other rounding).
@@ -158,7 +158,7 @@ class Pieces:
     def run(self, run: Callable[..., Any], length: int) -> tuple[list[Any], list[Any]]:
         """The call by `run` (the bound kernel, or `Segments.kernel`) in pieces of `length` tokens, each from the
         state the previous one ended with: their outputs, and the states at the boundaries (the call's initial
-        state first, its last state last). A backward recomputes each piece from them (`engine.backward`)."""
+        state first, its last state last). A backward recomputes each piece from them (`paths.backward`)."""
         state = self.state
         boundaries, outputs = [state], []
         for start in range(0, self.tokens, length):

@@ -3,7 +3,7 @@
 While a watch or a standalone hook holds a mixer class, its `__call__` is `make_owner`'s: every forward of an
 instance, watched or not, pushes its `Running` entry on its thread's stack (`threads.THREAD.running`) and pops it on
 the way out, by return, exception or interrupt. A kernel call belongs to the innermost entry (`running_entry`); the
-module's tap, if it has one, fills the entry in (`dispatch._Tap`), and ends the calls of a forward that left.
+module's tap, if it has one, fills the entry in (`tap._Tap`), and ends the calls of a forward that left.
 """
 
 import dataclasses
@@ -23,7 +23,7 @@ class Running:
     """One forward of a mixer module running in this thread: what its kernel calls belong to.
 
     The `__call__` of every mixer class a watch or hook holds pushes one for each instance, watched or not
-    (`make_owner`), and pops it in a `finally`; the module's tap, if it has one, fills it in (`dispatch._Tap._pre`)."""
+    (`make_owner`), and pops it in a `finally`; the module's tap, if it has one, fills it in (`tap._Tap._pre`)."""
 
     module: nn.Module
     tap: Any  # the tap that filled it in; None: the module has none (an unwatched instance)

@@ -1,6 +1,6 @@
 """Call runners: a study's way to run a mixer's kernel calls itself (the engine declares the hook, a study sets it).
 
-    with runners.running(mixer, runner):     # inside a watch that attached `mixer`
+    with takeover.running(mixer, runner):     # inside a watch that attached `mixer`
         model(ids)                           # each call runner.takes(kernel) is run by runner.run(...)
 
 A runner is consulted only for a call that nothing else wants (no hook, write or kept value of that memory,

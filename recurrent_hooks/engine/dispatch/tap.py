@@ -187,7 +187,7 @@ class _Tap:
         busy = [[plan for plan in per_memory if not plan.idle] for per_memory in plans]
         path = BOUND_KERNEL
         runner = None if any(busy) else _runners.runner_for(entry.mixers, kernel)
-        if runner is not None:  # a study runs this call itself (`runners`)
+        if runner is not None:  # a study runs this call itself (`takeover`)
             result, path = runner.run(kernel, original, args, kwargs), runner.path
         elif not any(busy):
             result = original(*args, **kwargs)

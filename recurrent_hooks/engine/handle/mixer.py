@@ -363,7 +363,7 @@ class RecurrentMixer(Kind):
     # -- its lifecycle: its watch (or its standalone hooks) and its module's tap drive it ------------------------
 
     def mark_attached(self) -> None:
-        """It was attached to its module's tap (`dispatch.attach`): hooks and writes may be registered."""
+        """It was attached to its module's tap (`tap.attach`): hooks and writes may be registered."""
         self._live = True
 
     def mark_detached(self) -> None:

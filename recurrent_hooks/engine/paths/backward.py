@@ -8,7 +8,7 @@ in their place) keeps no graph forward; its backward walks its pieces right to l
 its boundary state under autograd (`recompute`: the bound kernel, chunks no longer than the piece), which gives
 the gradients of its inputs and of the state it started from, given the gradients of its output and of the state it
 ended with; what else a piece's backward does (the kind's adjoint recurrence, a token loop with a replacement) is
-the caller's. Two take it: every state kept with gradients (`engine.adjoint`: the adjoint fills d m / d S_t) and
+the caller's. Two take it: every state kept with gradients (`adjoint`: the adjoint fills d m / d S_t) and
 attribution patching in pieces (`studies.attribution`: the adjoint, or Mamba-1's token loop, gives the terms).
 
 Glossary (code name, meaning):

@@ -4,7 +4,7 @@ policy's force, a measured preference, the fixed rule or the cost model's cheape
 The paths are listed in `policy.Strategy`. Grad mode decides what is available: no BLOCKS or CHUNKS with
 gradients, STATES with gradients only where the kind declares an adjoint recurrence (`Segments.adjoint`) and no
 hook or write stops the call; every state kept with gradients takes STATES where it can (measured faster than the
-token loop under autograd, docs/performance.md). Within the memory budget (`memory`), the cost model (`costs`)
+token loop under autograd, docs/performance.md). Within the memory budget (`budget`), the cost model (`costs`)
 picks the cheapest, or the fixed rule: the segments (or the chunk-wise kernel when every state is kept) when there
 are at most max(8, T / 32) stops, else the token loop (a hook on every token: blocks where `blocks.blocks_apply`
 allows them). A call takes the fixed rule when its kernel declares no shape (lightning attention's `Kernel.stops`,

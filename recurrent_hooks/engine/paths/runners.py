@@ -2,9 +2,9 @@
 signature (`RUNNERS`).
 
 A kernel call that some plan wants something of (hooks, writes, kept states: "busy") gets its path from
-`choose.choose` under its handles' policy (`dispatch._fast_path`); `dispatch._Tap` then looks its runner up here
+`choose.choose` under its handles' policy (`tap._fast_path`); `tap._Tap` then looks its runner up here
 and calls it with the call (`BusyCall`): `run_loop` (on `Paths.loop_threads`), `run_segments` (`run_in_segments`),
-`run_states` (with gradients: `keep_every_state`, `engine.adjoint`), `run_blocks` (`blocks.run_in_blocks`),
+`run_states` (with gradients: `keep_every_state`, `adjoint`), `run_blocks` (`blocks.run_in_blocks`),
 `run_chunks` (`reduce_in_chunks`). The tests check each against the token loop.
 """
 
@@ -134,7 +134,7 @@ def linear_factors(kernel: Kernel, kind: type, arguments: dict[str, Any], taker:
 
 def keep_every_state(kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict,
                      keeping: list[Plan]) -> Any:
-    """A prompt call keeping every state with gradients (`engine.adjoint`): its states go to the `keeping`
+    """A prompt call keeping every state with gradients (`adjoint`): its states go to the `keeping`
     plans, per token and stacked (the tensor `autograd.grad(metric, mix.states)` differentiates)."""
     where = f"{keeping[0].where}, call {keeping[0].call}"
     result, states, per_token = _adjoint.keep_every_state(kernel, original, args, kwargs, where)

@@ -66,7 +66,7 @@ from torch import Tensor, nn
 
 from ...engine.errors import InvalidValue, renamed
 from ...engine.handle.arguments import as_index
-from ...engine.dispatch import takeover as runners
+from ...engine.dispatch import takeover
 from ...engine.declare.kernels import CONV_MEMORY, STATE_MEMORY
 from ...engine.handle.mixer import RecurrentMixer
 from ...engine.declare.memory_parts import map_parts, parts_of
@@ -512,7 +512,7 @@ def _recorded_run(runs: _Runs, ids: Tensor, keep: tuple[str, ...], piece: int, s
     with torch.no_grad(), watch(runs.model, keep=keep, paths=runs.paths) as kept, contextlib.ExitStack() as stack:
         recorders = {m.layer: CleanRunner(piece, shared_conv) for m in runs.chosen(kept)}
         for m in runs.chosen(kept):
-            stack.enter_context(runners.running(m, recorders[m.layer]))
+            stack.enter_context(takeover.running(m, recorders[m.layer]))
         value = runs.value(ids)
     return _Recorded(value, recorders, kept)
 
@@ -530,7 +530,7 @@ def _gradient_in_pieces(runs: _Runs, keep: tuple[str, ...], piece: int, shared_c
                                             runs.heads and not m.KERNEL_PER_HEAD)
                     for m in chosen}
         for m in chosen:
-            stack.enter_context(runners.running(m, corrupts[m.layer]))
+            stack.enter_context(takeover.running(m, corrupts[m.layer]))
         value = runs.value(*args, **named)
     for m in chosen:
         runner, recorded = corrupts[m.layer], clean.runners[m.layer]

@@ -3,7 +3,7 @@
     clean = CleanRunner(piece)            # the clean run: the bound kernel in pieces, the boundary states kept
     corrupt = CorruptRunner(clean, piece, where)   # the corrupt run: each prompt call one `InPieces` Function
 
-`InPieces`' backward is the engine's reverse sweep over the call's pieces (`engine.backward.sweep`): with the
+`InPieces`' backward is the engine's reverse sweep over the call's pieces (`engine.paths.backward.sweep`): with the
 kind's adjoint (`AdjointPiece`: the state term (S_t - S'_t) . mu_t), or, for Mamba-1, its token loop under
 autograd in steps with a zero leaf eps in the state (`LoopSteps`, `backward_step`). The prompt convolution's
 window term comes from its inputs and the gradient of a zero leaf added before its activation (`ConvCall`,
