@@ -197,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             print("memory child failed: " + " | ".join(proc.stderr.strip().splitlines()[-3:]))
         else:
             memory = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"{label}; T = {tokens}, {args.pairs} pair{'s' if args.pairs > 1 else ''}, {device}, {args.threads} threads, {args.repeats} rounds (+1 warm-up)")
+    print(f"{label}; T = {tokens}, {args.pairs} pair{'s' if args.pairs > 1 else ''}, {device}, {args.threads} threads,"
+          f" {args.repeats} rounds (+1 warm-up)")
     reference = "plain forward + backward"
     for name in rows:
         ratios = [a / b for a, b in zip(seconds[name], seconds[reference])]

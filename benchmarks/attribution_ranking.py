@@ -25,7 +25,6 @@ import argparse
 import statistics
 import sys
 import time
-
 from collections.abc import Callable
 
 import torch

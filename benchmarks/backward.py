@@ -17,10 +17,10 @@ stack the same way.
 """
 
 import argparse
+import pathlib
 import statistics
 import sys
 import time
-import pathlib
 
 import torch
 

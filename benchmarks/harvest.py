@@ -35,8 +35,9 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-import recurrent_hooks as rh  # noqa: E402
 from run import VOCAB, _gdn, _mamba2  # noqa: E402  (benchmarks/run.py's models)
+
+import recurrent_hooks as rh  # noqa: E402
 
 WRITES = {"GatedDeltaNet": ("key", "value", "beta"), "Mamba2StateSpace": ("x", "dt", "B")}
 RANK = 8

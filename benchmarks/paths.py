@@ -1,4 +1,5 @@
-"""Benchmark and calibration of the cost model that chooses a busy call's path (`recurrent_hooks/engine/paths/choose.py`, `costs.py`).
+"""Benchmark and calibration of the cost model that chooses a busy call's path
+(`recurrent_hooks/engine/paths/choose.py`, `costs.py`).
 
     python benchmarks/paths.py               # the rows: each path's time, forced, and the one chosen
     python benchmarks/paths.py --quick       # a smoke run, a few seconds (run by the tests)
@@ -6,13 +7,13 @@
     python benchmarks/paths.py --calibrate --write   # ... and write them into the package's costs.json, under
                                                      # this device type and dtype ("cpu/float32"; --device cuda)
 
-Rows: a model forward (random weights, 2 recurrent layers, `torch.no_grad()`, 1 thread: see `--threads`) asked for states at
-some positions. Each path is forced in turn (`watch(model, paths=rh.Paths(force=...))`; "segments" with the token-loop
-tails on, `Paths(tails=True)`, "segments, whole" with them off, the default); the paths are timed in interleaved rounds and each time is the median over the
-rounds, with the unhooked forward (no watch) timed in the same rounds. "chosen" is the path the cost model picks
-for the row's calls; the check is that its time is within 10% of the fastest path's. A path the call cannot take
-is "-"; "segments" is "segments, whole" again when no piece ends in a tail (the chosen path is "segments" only
-when one does).
+Rows: a model forward (random weights, 2 recurrent layers, `torch.no_grad()`, 1 thread: see `--threads`) asked for
+states at some positions. Each path is forced in turn (`watch(model, paths=rh.Paths(force=...))`; "segments" with the
+token-loop tails on, `Paths(tails=True)`, "segments, whole" with them off, the default); the paths are timed in
+interleaved rounds and each time is the median over the rounds, with the unhooked forward (no watch) timed in the same
+rounds. "chosen" is the path the cost model picks for the row's calls; the check is that its time is within 10% of the
+fastest path's. A path the call cannot take is "-"; "segments" is "segments, whole" again when no piece ends in a tail
+(the chosen path is "segments" only when one does).
 
 Calibration: each path of each kernel alone (the bound transformers kernel on a whole call, the library's
 token loop with an identity `on_token`, the library's all-states kernel), best of 5 per shape; the
@@ -59,7 +60,8 @@ def _gdn_call(batch: int, seq: int, heads: int, dim: int, chunk: int) -> tuple[A
     return GatedDeltaNet.kernel_for("prompt"), modeling.torch_chunk_gated_delta_rule, (q, k, v, g, beta), kwargs
 
 
-def _ssd_call(batch: int, seq: int, heads: int, dim: int, chunk: int, d_state: int = 0) -> tuple[Any, Callable, tuple, dict]:
+def _ssd_call(batch: int, seq: int, heads: int, dim: int, chunk: int,
+              d_state: int = 0) -> tuple[Any, Callable, tuple, dict]:
     """The Mamba-2 prompt kernel's row, the bound kernel, and a call's arguments (`dim`: head_dim; d_state = 2 dim
     unless given)."""
     import transformers.models.mamba2.modeling_mamba2 as modeling
@@ -70,14 +72,15 @@ def _ssd_call(batch: int, seq: int, heads: int, dim: int, chunk: int, d_state: i
     dt = torch.randn(batch, seq, heads, generator=gen)
     B, C = (torch.randn(batch, seq, 1, d_state, generator=gen) for _ in range(2))
     A = -torch.rand(heads, generator=gen)
-    kwargs = dict(D=torch.ones(heads), dt_bias=torch.zeros(heads), initial_states=torch.zeros(batch, heads, dim, d_state),
-                  dt_softplus=True, return_final_states=True)
+    kwargs = dict(D=torch.ones(heads), dt_bias=torch.zeros(heads),
+                  initial_states=torch.zeros(batch, heads, dim, d_state), dt_softplus=True, return_final_states=True)
     return Mamba2StateSpace.kernel_for("prompt"), modeling.mamba2_chunk_scan, (x, dt, A, B, C, chunk), kwargs
 
 
 def _kimi_call(batch: int, seq: int, heads: int, dim: int, chunk: int) -> tuple[Any, Callable, tuple, dict]:
     """The Kimi delta attention prompt kernel's row, the bound kernel, and a call's arguments."""
     import transformers.models.kimi_linear.modeling_kimi_linear as modeling
+
     from recurrent_hooks.kinds.kimi_delta import KimiDeltaAttention
 
     gen = torch.Generator().manual_seed(0)
@@ -183,11 +186,14 @@ def calibrate(quick: bool, device: str = "cpu") -> tuple[dict[str, rh_policy.Con
                     if path == "states" and 4 * batch * seq * heads * shape.key_dim * shape.value_dim > STATES_BYTES:
                         continue
                     if path == "kernel":
-                        fn = lambda: original(*args, **kwargs)
+                        def fn():
+                            return original(*args, **kwargs)
                     elif path == "loop":
-                        fn = lambda: kernel.loop(*args, on_token=lambda t, s: s, **kwargs)
+                        def fn():
+                            return kernel.loop(*args, on_token=lambda t, s: s, **kwargs)
                     else:
-                        fn = lambda: kernel.segments.all_states(*args, **kwargs)
+                        def fn():
+                            return kernel.segments.all_states(*args, **kwargs)
                     fn()  # warm-up
                     seconds = _timed(fn, device)
                     rows[path].append((TERMS[path](shape, seq), seconds))

@@ -102,7 +102,8 @@ def time_rows(rows, ids, rounds):
                     if round_:
                         times[name][key == "unhooked"].append(elapsed)
     first = next(iter(times))
-    return {"unhooked": (times[first][1], times[first][1]), **{k: v for k, v in times.items() if k != "unhooked"}}, paths
+    return {"unhooked": (times[first][1], times[first][1]),
+            **{k: v for k, v in times.items() if k != "unhooked"}}, paths
 
 
 def memory_child(args) -> None:
@@ -156,7 +157,8 @@ def report(key, tokens, times, paths, memory, state_bytes, layers):
               f" {'-' if added is None else f'{added:9.1f}':>9s}  {', '.join(paths[name])}")
     if "chunks" in times:
         ratio = statistics.median(t / u for t, u in zip(*times["chunks"]))
-        print(f"  chunks time: {ratio:.2f} x the forward, target <= {TIME_TARGET}: {'met' if ratio <= TIME_TARGET else 'NOT met'}")
+        print(f"  chunks time: {ratio:.2f} x the forward, target <= {TIME_TARGET}:"
+              f" {'met' if ratio <= TIME_TARGET else 'NOT met'}")
     if "chunks" in memory and "unhooked" in memory:
         added, allowed = memory["chunks"] - memory["unhooked"], (reduction + chunk) / MB
         print(f"  chunks memory added: {added:.1f} MB, target <= the reduction ({reduction / MB:.3f} MB) + one chunk's"

@@ -161,6 +161,7 @@ def positions(tokens: int) -> list[int]:
 def probe_sparse() -> tuple[bool, str]:
     """Whether `watch(model, keep={"states": positions})` keeps only those positions (on a tiny model)."""
     import torch
+
     import recurrent_hooks as rh
 
     model = _ready(lambda: _gdn(32, 2, 2, 8, 64, LINEAR2))
@@ -232,6 +233,7 @@ def state_writer(shapes: list[tuple[int, ...]], tokens: int, device: Any = "cpu"
 def make_rows(spec: Spec, model: Any, gen_model: Any, keep_mode: str, all_states_budget: float) -> list[Row]:
     """The rows of one model. `keep_mode`: "sparse", "all" (fallback keep=("states",)) or auto by budget."""
     import torch
+
     import recurrent_hooks as rh
 
     pos = positions(spec.tokens)

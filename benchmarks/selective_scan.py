@@ -10,8 +10,8 @@ identity `on_token` (what a hook on every token, or a call with too many stops, 
 - "hf": transformers' own `mamba_selective_scan` (its CPU path is a Python loop too; it makes the discretized
   `[batch, d_inner, T, d_state]` tensors first): what an idle call runs;
 - "loop": the library's token loop (`mamba_selective_scan`), no `on_token`;
-- "chunks c" ("auto": the library's `chunk_size`): the chunk-wise scan `mamba_selective_scan_chunks` with chunks of c tokens (output and last
-  state only): what a segment of a sparse call runs;
+- "chunks c" ("auto": the library's `chunk_size`): the chunk-wise scan `mamba_selective_scan_chunks` with chunks of
+  c tokens (output and last state only): what a segment of a sparse call runs;
 - "states c": `mamba_selective_scan_states`, every token's state too: what keeping every state runs.
 No gradients, float32, 2 threads (as benchmarks/run.py). A call in segments costs about one chunk-wise call
 per segment, plus the per-call overhead measured by the T=1 and short rows.
@@ -25,8 +25,11 @@ import torch
 import transformers.models.mamba.modeling_mamba as modeling
 
 from recurrent_hooks.extend import torch_kernel
-from recurrent_hooks.kinds.selective_scan import (mamba_selective_scan, mamba_selective_scan_chunks,
-                                             mamba_selective_scan_states)
+from recurrent_hooks.kinds.selective_scan import (
+    mamba_selective_scan,
+    mamba_selective_scan_chunks,
+    mamba_selective_scan_states,
+)
 
 # (batch, T, d_inner, d_state): mamba-130m dims, tiny dims (the test and --quick models), large batch short T
 SHAPES = [(1, 2048, 1536, 16), (1, 512, 1536, 16), (1, 64, 1536, 16), (1, 512, 128, 8), (1, 512, 64, 16),
@@ -68,8 +71,8 @@ def main() -> None:
     identity = lambda t, s: s  # noqa: E731
     label = lambda c: "auto" if c is None else c  # noqa: E731
     names = ["hf", "loop", *(f"chunks {label(c)}" for c in chunks), *(f"states {label(c)}" for c in chunks)]
-    print(f"torch {torch.__version__}, {args.threads} threads, dt spread {args.spread}, median of {args.rounds} interleaved rounds;"
-          f" ms of the token loop with on_token, then each path's ratio to it")
+    print(f"torch {torch.__version__}, {args.threads} threads, dt spread {args.spread}, median of {args.rounds}"
+          f" interleaved rounds; ms of the token loop with on_token, then each path's ratio to it")
     print(f"{'batch':>5} {'T':>5} {'d_in':>5} {'N':>3} | {'loop+hook':>9} | " + " ".join(f"{n:>9}" for n in names))
     with torch.no_grad():
         for shape in SHAPES if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]:

@@ -21,9 +21,9 @@ include their clean run:
 
 Time is the median over `--repeats` rounds, each round running both once (naive first), after one
 untimed warm-up round. A third timing, the floor, runs the same batched forwards unwatched and
-unpatched: what batching alone buys on this model, which bounds the ratio from below. The two results must agree within float32 rounding (rtol 1e-5, atol 1e-6:
-they take different kernel paths; tests/test_sweep.py checks bit equality where the paths are the
-same); the script exits non-zero when they do not, or when the ratio misses the 0.2 target.
+unpatched: what batching alone buys on this model, which bounds the ratio from below. The two results must agree within
+float32 rounding (rtol 1e-5, atol 1e-6: they take different kernel paths; tests/test_sweep.py checks bit equality where
+the paths are the same); the script exits non-zero when they do not, or when the ratio misses the 0.2 target.
 
 `--memory`: the gated DeltaNet model `gdn_small` of benchmarks/run.py (hidden 256, 4 key / 8 value heads of
 64, 2 layers, vocab 1024), T = 512, layer 0, for a growing number of positions spread over the prompt. Each row
@@ -47,8 +47,8 @@ import argparse
 import json
 import os
 import pathlib
-import subprocess
 import statistics
+import subprocess
 import sys
 import time
 
@@ -61,9 +61,8 @@ def _small_model(dims: str = "gdn_small") -> object:
     """benchmarks/run.py's gdn_small forward model (2 gated DeltaNet layers), or (`dims="qwen3_5"`) Qwen3.5 layer
     dims (hidden 2048, 16 key / 32 value heads of 128: one gated DeltaNet and one attention layer), seeded."""
     sys.path.insert(0, str(HERE))
-    import torch
-
     import run as bench
+    import torch
 
     torch.manual_seed(0)
     if dims == "qwen3_5":
@@ -127,8 +126,8 @@ def memory_child(count: int, budget_mib: float | None) -> dict:
     if "budget_bytes" in inspect.signature(rh.patching_sweep).parameters and budget_mib is not None:
         kwargs["budget_bytes"] = int(budget_mib * 2**20)
     run = lambda positions: rh.patching_sweep(  # noqa: E731  (one pair: [seq] prompts)
-        model, clean[0], corrupt[0], lambda logits: logits[:, -1].log_softmax(-1)[:, 5], layers=[0], positions=positions,
-        progress=False, forward_kwargs={"logits_to_keep": 1}, **kwargs)
+        model, clean[0], corrupt[0], lambda logits: logits[:, -1].log_softmax(-1)[:, 5], layers=[0],
+        positions=positions, progress=False, forward_kwargs={"logits_to_keep": 1}, **kwargs)
     run([1, 2])  # warm-up
     gc.collect()
     before = _status("VmRSS")

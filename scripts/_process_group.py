@@ -1,4 +1,5 @@
-"""The process group the torchrun scripts (tp_watch.py, sweep_ranks.py, harvest_ranks.py) start: one rank per process."""
+"""The process group the torchrun scripts (tp_watch.py, sweep_ranks.py, harvest_ranks.py) start: one rank per
+process."""
 
 import os
 

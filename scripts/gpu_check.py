@@ -311,10 +311,10 @@ def metric(logits):
 
 def benchmark_rows(model: Any, ids: Any, scratch: pathlib.Path) -> dict[str, Callable[[], Any]]:
     """The rows of one model over `ids` ([1, T] on its device), each a function that runs it once."""
+    import run as bench
     import torch
 
     import recurrent_hooks as rh
-    import run as bench
 
     tokens, device = ids.shape[1], ids.device
     with torch.no_grad(), rh.watch(model, keep={"states": [0]}) as w:  # the mixers and their states' shapes
@@ -379,8 +379,8 @@ class _Memory:
     """The peak memory a row adds: CUDA's peak allocated bytes, else the process's peak RSS (benchmarks/run.py)."""
 
     def __init__(self, device: Any) -> None:
-        import torch
         import run as bench
+        import torch
 
         self.torch, self.bench, self.device = torch, bench, device
         self.cuda, self.rss = device.type == "cuda", False
@@ -449,9 +449,8 @@ def time_rows(rows: dict[str, Callable[[], Any]], device: Any, rounds: int, dead
 
 
 def stage_benchmarks(args: argparse.Namespace) -> int:
-    import torch
-
     import run as bench
+    import torch
 
     device = torch.device(args.device)
     dtype, tokens, rounds = (torch.float32, 64, 2) if args.quick else (torch.bfloat16, 2048, 3)
@@ -515,9 +514,8 @@ def _arguments_in(calibration: Any, dtype: Any):
 
 
 def stage_calibration(args: argparse.Namespace) -> int:
-    import torch
-
     import paths as calibration  # benchmarks/paths.py
+    import torch
 
     dtype = getattr(torch, args.stage.removeprefix("calibration-"))
     device = torch.device(args.device)

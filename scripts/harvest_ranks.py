@@ -13,7 +13,8 @@ five batches (two with padding and a mask), then checks:
 3. called again, each rank skips its batches on disk and writes the rest; rank 0 writes the manifest: `split/`
    holds the same bytes as `alone/`, file for file, and `rh.HarvestDataset` reads the same items from both.
 With `--sweep`, the same processes then run scripts/sweep_ranks.py's checks in `--dir`/sweep (one start of the
-processes for both: tests/test_distributed.py). Any mismatch raises, and torchrun exits non-zero. Backend: nccl on CUDA with a GPU per process, else gloo.
+processes for both: tests/test_distributed.py). Any mismatch raises, and torchrun exits non-zero. Backend: nccl on CUDA
+with a GPU per process, else gloo.
 """
 
 import argparse
@@ -25,8 +26,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # run from a clone without installing
 
-import recurrent_hooks as rh  # noqa: E402
 from _process_group import setup  # noqa: E402  (scripts/, the script's own folder, is on sys.path)
+
+import recurrent_hooks as rh  # noqa: E402
 from recurrent_hooks.demo import tiny_model  # noqa: E402
 
 KEEP = dict(keep=("states", "key"), reduce={"states": lambda s: s.flatten(2).norm(dim=-1)}, progress=False)

@@ -28,8 +28,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # run from a clone without installing
 
-import recurrent_hooks as rh  # noqa: E402
 from _process_group import setup  # noqa: E402  (scripts/, the script's own folder, is on sys.path)
+
+import recurrent_hooks as rh  # noqa: E402
 from recurrent_hooks.demo import tiny_model  # noqa: E402
 
 T = 9

@@ -30,8 +30,9 @@ from transformers.distributed import DistributedConfig
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # run from a clone without installing
 
-import recurrent_hooks as rh  # noqa: E402
 from _process_group import setup  # noqa: E402  (scripts/, the script's own folder, is on sys.path)
+
+import recurrent_hooks as rh  # noqa: E402
 import recurrent_hooks.engine.binding.rebinding as patching  # noqa: E402
 from recurrent_hooks.demo import _CONFIG  # noqa: E402
 
@@ -41,7 +42,8 @@ T, NEW = 13, 5
 
 
 def close(name: str, expected: torch.Tensor, got: torch.Tensor) -> None:
-    torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"rank {dist.get_rank()}: {name}: {m}")
+    torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL,
+                               msg=lambda m: f"rank {dist.get_rank()}: {name}: {m}")
 
 
 def save_model(directory: str | None) -> pathlib.Path:
@@ -85,7 +87,8 @@ def watched_run(model, ids, value):
 
 
 def no_binding_left() -> None:
-    assert not patching._BINDINGS, f"rank {dist.get_rank()}: bindings left after the watch: {sorted(patching._BINDINGS)}"
+    assert not patching._BINDINGS, (f"rank {dist.get_rank()}: bindings left after the watch:"
+                                    f" {sorted(patching._BINDINGS)}")
     family = rh.FAMILIES["qwen3_5"]
     for kernel in family.kind.KERNELS:
         bound = getattr(family.module(), kernel.name)

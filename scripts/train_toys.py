@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from recurrent_hooks.toys import MQAR, build_toy  # noqa: E402
 
+
 def evaluate(model, task: MQAR, n: int, seed: int) -> float:
     model.eval()
     with torch.no_grad():
@@ -115,8 +116,8 @@ def main(argv=None) -> None:
         scheduler.step()
         if step % args.every == 0 or step == args.steps:
             acc = evaluate(model, task, 512, 10**6 + args.seed)
-            print(f"step {step:5d}  loss {loss.item():.4f}  held-out acc {acc:.4f}  {time.perf_counter() - start:7.1f} s",
-                  flush=True)
+            print(f"step {step:5d}  loss {loss.item():.4f}  held-out acc {acc:.4f}"
+                  f"  {time.perf_counter() - start:7.1f} s", flush=True)
             if args.stop_at is not None and acc >= args.stop_at:
                 print(f"stopping: held-out accuracy {acc:.4f} >= {args.stop_at}", flush=True)
                 break
@@ -137,8 +138,9 @@ def main(argv=None) -> None:
         state.pop("lm_head.weight", None)  # tied to the input embedding: stored once
     args.out.parent.mkdir(parents=True, exist_ok=True)
     save_file(state, str(args.out), metadata={
-        "toy": args.model, "seed": str(args.seed), "steps": str(steps_done), "schedule_steps": str(args.steps), "batch": str(args.batch),
-        "lr": str(args.lr), "decay_factor": str(args.decay_factor), "accuracy_2048": f"{acc:.4f}", "train_seconds": f"{elapsed:.0f}",
+        "toy": args.model, "seed": str(args.seed), "steps": str(steps_done), "schedule_steps": str(args.steps),
+        "batch": str(args.batch), "lr": str(args.lr), "decay_factor": str(args.decay_factor),
+        "accuracy_2048": f"{acc:.4f}", "train_seconds": f"{elapsed:.0f}",
     })
     print(f"wrote {args.out} ({args.out.stat().st_size:,} bytes)", flush=True)
 

@@ -25,9 +25,9 @@ import pathlib
 from typing import Callable
 
 import torch
+from _models import build
 
 import recurrent_hooks as rh
-from _models import build
 from recurrent_hooks.engine.declare.memory_parts import map_parts, parts_of
 
 T = 13  # not a multiple of anything
@@ -68,7 +68,7 @@ def cache_state(out, mixer, memory):
     return {"the cache": cache.get_conv_state(layer, state_idx=index) if index else cache.get_conv_state(layer)}
 
 
-# -- what a call started from -------------------------------------------------------------------------------------------
+# -- what a call started from --------------------------------------------------------------------------------------
 
 
 def state_in(mixer, call):

@@ -75,8 +75,8 @@ xlstm (hidden 64: transformers' cache rounds head dims up to multiples of 64): x
 gates zero weights and an input gate bias of -10, so the gates are constant per head and the memory is tiny
 (C, n ~ 1e-3, the denominator e^(-m) wins). ``_gate_the_mlstm`` draws gate weights ~ N(0, 0.25^2) and zeroes the input
 gate bias: gates depend on the input (preactivations std ~2), C and n are O(1), and zeroing both layers'
-states after token 4 moves the last logits by 1.3 .. 1.8 (seeds 0-2). Cached decoding matches the full forward within 8e-6
-(the chunk-wise prompt kernel against the step kernel).
+states after token 4 moves the last logits by 1.3 .. 1.8 (seeds 0-2). Cached decoding matches the full forward within
+8e-6 (the chunk-wise prompt kernel against the step kernel).
 
 conv1d x16 and out_proj x4 bring those N(0, 0.02) weights to about PyTorch's default (kaiming)
 scale, which MambaMixer and Mamba2Mixer keep. Cached one-token decoding matches the full forward
@@ -582,8 +582,8 @@ def _inkling():
     from transformers.models.inkling.configuration_inkling import InklingTextConfig
 
     return _make(InklingTextConfig, transformers.InklingForCausalLM, **_SHORT_CONV_COMMON, **_INKLING_ATTENTION,
-                 intermediate_size=64, num_hidden_layers=2, layer_types=["hybrid_sliding", "hybrid"], mlp_layer_types=["dense", "sparse"],
-                 n_shared_experts=1)
+                 intermediate_size=64, num_hidden_layers=2, layer_types=["hybrid_sliding", "hybrid"],
+                 mlp_layer_types=["dense", "sparse"], n_shared_experts=1)
 
 
 def _inkling2():

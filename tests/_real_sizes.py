@@ -5,18 +5,18 @@
 
 Each row of ``SIZES`` starts from the config class's defaults and overrides what its ``source`` says: the mixer's
 dims (hidden size, heads, head dims, state size, conv kernel, chunk size, expand, groups) and the vocabulary are the
-checkpoint's; the layers are one period of its layer pattern (or part of it: ``cut`` says where); MoE experts are cut to 4 (top-k 2, or 1 where the
-checkpoint routes to 1) and dense MLP / expert widths may be cut (``cut`` says which): neither touches a recurrent
-mixer. Tied or untied embeddings as the checkpoint has them. The model class and the oddities are tests/_models.py's
-(glm5_next as a ConditionalGeneration with a 1-block vision tower, the memory fixes that make a state reach the
-logits at a random init).
+checkpoint's; the layers are one period of its layer pattern (or part of it: ``cut`` says where); MoE experts are cut to
+4 (top-k 2, or 1 where the checkpoint routes to 1) and dense MLP / expert widths may be cut (``cut`` says which):
+neither touches a recurrent mixer. Tied or untied embeddings as the checkpoint has them. The model class and the
+oddities are tests/_models.py's (glm5_next as a ConditionalGeneration with a 1-block vision tower, the memory fixes that
+make a state reach the logits at a random init).
 
 Building: parameters are made on the meta device while buffers are computed as transformers computes them (rotary
 inv_freq, RecurrentGemma's normalizer, ...), then given CPU memory. Embeddings, the LM head and every parameter of
 2^20 elements or more are filled with a tiled N(0, initializer_range^2) sequence (a fixed 2^20 + 7-element block
 read from a per-tensor offset: one copy per tensor at memory speed, where `normal_` takes 2.6 s for 250 M elements;
-no two rows are equal); every other parameter gets the model's own `_init_weights`. float32, eval mode, no parameter requires
-grad. The parameters of one model are views of one flat pool whose pages the next model reuses (``build`` keeps
+no two rows are equal); every other parameter gets the model's own `_init_weights`. float32, eval mode, no parameter
+requires grad. The parameters of one model are views of one flat pool whose pages the next model reuses (``build`` keeps
 only the last model built: a real vocabulary's embedding and head are up to 10 GB); ``release`` frees it.
 """
 
@@ -72,7 +72,8 @@ def _inkling(name):
     return getattr(module, f"{name.replace('_loop', 'Loop').replace('inkling', 'Inkling')}TextConfig")
 
 
-_MAMBA2_FIX = lambda m: _strengthen_ssm(m, dt=(0.01, 0.1), bc=16.0, conv=16.0, out=4.0)
+def _MAMBA2_FIX(m):
+    return _strengthen_ssm(m, dt=(0.01, 0.1), bc=16.0, conv=16.0, out=4.0)
 
 
 def _glm5_next_config(fields):

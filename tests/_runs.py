@@ -7,9 +7,9 @@ import dataclasses
 from typing import Any
 
 import torch
+from _models import PAD, random_ids
 
 import recurrent_hooks as rh
-from _models import PAD, random_ids
 
 
 def logits_of(model, ids, **kwargs):

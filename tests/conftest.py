@@ -1,17 +1,17 @@
 """Shared fixtures: every test must leave no kernel rebound, no module hook and no standalone hook behind."""
 
-import pytest
-import torch
-
-import recurrent_hooks as rh
-import recurrent_hooks.engine.dispatch.tap as dispatch_impl
-import recurrent_hooks.engine.binding.rebinding as patching
-import recurrent_hooks.engine.tracking.threads as threads_impl
-import recurrent_hooks.engine.standalone as standalone_impl
-from recurrent_hooks.engine.handle.mixer import RecurrentMixer
-from _contract import one_family_per_kind
 import _device
 import _models
+import pytest
+import torch
+from _contract import one_family_per_kind
+
+import recurrent_hooks as rh
+import recurrent_hooks.engine.binding.rebinding as patching
+import recurrent_hooks.engine.dispatch.tap as dispatch_impl
+import recurrent_hooks.engine.standalone as standalone_impl
+import recurrent_hooks.engine.tracking.threads as threads_impl
+from recurrent_hooks.engine.handle.mixer import RecurrentMixer
 
 hook_removed = RecurrentMixer.hook_removed  # the last hook removed releases the kernels (test_leak_fixture patches it)
 

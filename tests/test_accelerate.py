@@ -20,9 +20,10 @@ try:
 except ImportError as error:  # fail, not skip: CI installs the test extra, which has accelerate
     raise ImportError("tests/test_accelerate.py needs accelerate: pip install -e '.[test]'") from error
 
-import recurrent_hooks as rh
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
+
+import recurrent_hooks as rh
 
 T = 13
 ALL = ("states", "windows", "inputs", "outputs")
@@ -30,7 +31,9 @@ ALL = ("states", "windows", "inputs", "outputs")
 # offloads the rest to disk (accelerate 1.15; the test below checks what the map really is).
 CPU_BUDGET = {"qwen3_5": "150KB", "mamba2": "80KB", "mamba": "60KB"}
 FAMILIES = list(CPU_BUDGET)  # gated DeltaNet, Mamba-2, Mamba-1
-pytestmark = pytest.mark.cpu_only(reason="the execution device here is the CPU (accelerate offloads to the CPU and the disk): on a GPU the execution device would be the GPU, which these tests do not build")
+pytestmark = pytest.mark.cpu_only(reason="the execution device here is the CPU (accelerate offloads to the CPU and the"
+                                         " disk): on a GPU the execution device would be the GPU, which these tests do"
+                                         " not build")
 
 
 def _device_of(model, path: str) -> str:

@@ -9,13 +9,13 @@ heads, and a final-state gradient or none.
 
 import pytest
 import torch
+from _compare import assert_close
+from _reference import gated_delta_rule_reference, kimi_delta_rule_reference
+from _reference_ssm import ssd_reference
 
 from recurrent_hooks.kinds.gated_delta_net import chunk_gated_delta_rule_adjoint
 from recurrent_hooks.kinds.kimi_delta import chunk_kimi_delta_attention_adjoint
 from recurrent_hooks.kinds.state_space import mamba2_chunk_scan_adjoint
-from _compare import assert_close
-from _reference import gated_delta_rule_reference, kimi_delta_rule_reference
-from _reference_ssm import ssd_reference
 
 F64 = torch.float64
 

@@ -6,13 +6,13 @@ import json
 import pytest
 import torch
 import transformers
-
-import recurrent_hooks as rh
-import recurrent_hooks.engine.binding.rebinding as rh_patching
-import recurrent_hooks.registry as rh_registry
-import recurrent_hooks.engine.attaching as attaching_impl
 from _compare import assert_close
 from _models import DEVICE, PAD, build, random_ids
+
+import recurrent_hooks as rh
+import recurrent_hooks.engine.attaching as attaching_impl
+import recurrent_hooks.engine.binding.rebinding as rh_patching
+import recurrent_hooks.registry as rh_registry
 
 T = 13
 MODULE = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
@@ -338,7 +338,8 @@ def test_a_standalone_write_steers_generation(model):
         plain = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
     handle = rh.register_state_hook(model.model.layers[0].linear_attn, lambda m, c, t, s: s * 10, call=0, token=-1)
     with torch.no_grad():
-        steered = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        steered = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
     handle.remove()
     assert_close("prompt logits unchanged", plain.logits[0], steered.logits[0], rtol=1e-5, atol=1e-5)
     assert (plain.logits[1] - steered.logits[1]).abs().max() > 1e-6
@@ -364,8 +365,8 @@ def test_route_kernels_rebinds_process_wide_and_back(model):
     finally:
         rh.route_kernels(MODULE, "default")
     assert bindings() == default
-    with pytest.raises(rh.InvalidValue, match=r"expected to= one of 'torch', 'default', 'recurrent', 'chunked' for qwen3_5"
-                                              r" \(GatedDeltaNet\), got 'fla'"):
+    with pytest.raises(rh.InvalidValue, match=r"expected to= one of 'torch', 'default', 'recurrent', 'chunked'"
+                                              r" for qwen3_5 \(GatedDeltaNet\), got 'fla'"):
         rh.route_kernels("qwen3_5", "fla")
     with pytest.raises(rh.Unavailable, match="unknown or unsupported family 'llama'"):
         rh.route_kernels("llama", "torch")
@@ -390,7 +391,8 @@ def test_support_reports_each_mixer(model):
 def test_reprs_say_what_is_watched(model):
     with rh.watch(model, keep=("states",)) as w:
         run(model)
-        assert repr(w) == "Watch(Qwen3_5ForCausalLM, active, keep=('states',), mixers=[layer 0: 1 calls, layer 2: 1 calls])"
+        assert repr(w) == ("Watch(Qwen3_5ForCausalLM, active, keep=('states',),"
+                           " mixers=[layer 0: 1 calls, layer 2: 1 calls])")
     assert repr(w.mixers[0]) == "GatedDeltaNet(qwen3_5, layer 0)"
     assert w.mixers[0].calls[0].kernel == "torch_chunk_gated_delta_rule"
 

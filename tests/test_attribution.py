@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from _compare import assert_close
+from _contract import in_segments, one_family_per_kind
+from _models import build, random_ids
 
 import recurrent_hooks as rh
-from _compare import assert_close
-from _models import build, random_ids
-from _contract import in_segments, one_family_per_kind
 
 T = 13
 ONE_PER_KIND = one_family_per_kind(in_segments)  # the kinds with chunk-wise maths

@@ -7,12 +7,12 @@ differences of a write measure.
 
 import pytest
 import torch
+from _compare import assert_close
+from _contract import in_segments, one_family_per_kind
+from _models import build, random_ids
 
 import recurrent_hooks as rh
 from recurrent_hooks.studies.attribution import pieces as attribution_pieces
-from _compare import assert_close
-from _models import build, random_ids
-from _contract import in_segments, one_family_per_kind
 
 CHUNKED = one_family_per_kind(in_segments)  # gated DeltaNet, KDA, Mamba-1 (2 ways), Mamba-2
 

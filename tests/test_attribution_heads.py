@@ -4,11 +4,11 @@ of the window channels (tests/_heads.py: a channel's term split equally among th
 
 import pytest
 import torch
-
-import recurrent_hooks as rh
 from _compare import assert_close
 from _heads import shares
 from _models import build, random_ids
+
+import recurrent_hooks as rh
 
 T = 9
 CASES = [("qwen3_5", "auto"), ("qwen3_5", "states"), ("kimi_linear", "auto"), ("mamba2", "auto"),

@@ -7,11 +7,11 @@ itself, each keeping every state and window differentiably, and takes the deltas
 
 import pytest
 import torch
+from _compare import assert_close, assert_equal
+from _models import build, random_ids
 from torch import nn
 
 import recurrent_hooks as rh
-from _compare import assert_close, assert_equal
-from _models import build, random_ids
 
 T = 13
 KINDS = ["qwen3_5", "mamba2", "mamba"]  # gated DeltaNet, Mamba-2 (both with adjoints), Mamba-1 (the token loop)

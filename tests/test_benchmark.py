@@ -4,7 +4,6 @@ import importlib.util
 import pathlib
 
 import torch
-
 from _compare import assert_close
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -1,5 +1,5 @@
-"""The blocks path (`recurrent_hooks/engine/paths/blocks.py`): a hook on every token of a prompt, the states computed chunk-wise a
-block at a time, against the token loop (`watch(model, paths=rh.Paths(rule="loop"))`).
+"""The blocks path (`recurrent_hooks/engine/paths/blocks.py`): a hook on every token of a prompt, the states computed
+chunk-wise a block at a time, against the token loop (`watch(model, paths=rh.Paths(rule="loop"))`).
 
 For each kind whose prompt kernel has `Segments.all_states` (gated DeltaNet, Kimi delta attention, Mamba-2): the
 same logits, hook inputs (token, call, state), kept states, cache contents and greedy generate; replacements (a
@@ -139,7 +139,10 @@ def test_a_hook_on_every_token_runs_in_blocks_and_equals_the_token_loop(model, m
 def test_a_replacement_restarts_the_block_as_the_token_loop_continues(model, monkeypatch, spy, tokens):
     """A hook that returns a new state at some tokens: the later outputs, hook inputs and the cache follow it."""
     ids = random_ids(2, T)
-    replace = lambda c, t, s: s * 0.5 + 1.0 if t in tokens else None
+
+    def replace(c, t, s):
+        return s * 0.5 + 1.0 if t in tokens else None
+
     fast = _run(model, ids, True, monkeypatch, replace=replace)
     mixers = len(fast[0].mixers)
     assert spy["all_states"] == mixers * _blocks_run(tokens), "a replacement did not end its block"
@@ -186,7 +189,10 @@ def test_writes_and_kept_states_with_a_hook_on_every_token(model, monkeypatch, s
 
 def test_greedy_generate_with_a_per_step_hook(model, monkeypatch, spy):
     ids = random_ids(2, T)
-    replace = lambda c, t, s: s * 0.9 if (c, t) in ((0, 6), (2, 0)) else None
+
+    def replace(c, t, s):
+        return s * 0.9 if (c, t) in ((0, 6), (2, 0)) else None
+
     fast = _run(model, ids, True, monkeypatch, replace=replace, generate=4)
     assert spy["blocks"] == [T] * len(fast[0].mixers), "only the prompt runs in blocks"
     slow = _run(model, ids, False, monkeypatch, replace=replace, generate=4)
@@ -219,7 +225,10 @@ def test_run_in_blocks_matches_the_loop_for_any_block_size(shared_model):
     inputs[kernel.segments.state_in] = torch.randn_like(w.mixers[0].calls[0].states[:, 0])
     kwargs = {k: v for k, v in inputs.items() if k in kernel.signature.parameters}
     extra = {k: v for k, v in inputs.items() if k not in kwargs}
-    on_token = lambda t, s: s * 0.5 if t == 9 else s
+
+    def on_token(t, s):
+        return s * 0.5 if t == 9 else s
+
     want_out, want_state = kernel.loop(**kwargs, **extra, on_token=on_token)
     for block in (1, 5, T, T + 3):
         with torch.no_grad():

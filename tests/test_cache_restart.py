@@ -12,11 +12,11 @@ import warnings
 
 import pytest
 import torch
-
-import recurrent_hooks as rh
 from _compare import assert_close
 from _models import build, random_ids
 from _reference_ssm import selective_scan_reference
+
+import recurrent_hooks as rh
 
 FAMILIES = ["jamba", "zamba"]
 PROMPT, NEW = 7, 3  # prompt tokens, then new tokens over the cache (transformers' test uses 3)

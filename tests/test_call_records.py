@@ -13,12 +13,12 @@ import warnings
 
 import pytest
 import torch
-
-import recurrent_hooks as rh
-from recurrent_hooks.engine.declare.memory_parts import parts_of
 from _compare import assert_close, assert_equal
 from _models import build, random_ids
 from _runs import greedy, logits_of
+
+import recurrent_hooks as rh
+from recurrent_hooks.engine.declare.memory_parts import parts_of
 
 T = 12
 
@@ -130,7 +130,8 @@ def test_per_head_inputs_point_to_parts():
     with rh.watch(model, keep=("inputs", "outputs")) as w:
         logits_of(model, random_ids(2, T))
     call = w.mixers[0].calls[0]
-    with pytest.raises(rh.Unavailable, match=r"made \d+ recurrence kernel calls \(one per head\).*call\.kernel_calls\[head\]"):
+    with pytest.raises(rh.Unavailable,
+                       match=r"made \d+ recurrence kernel calls \(one per head\).*call\.kernel_calls\[head\]"):
         call.inputs
 
 

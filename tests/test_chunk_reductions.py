@@ -21,18 +21,18 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _compare import assert_close
+from _models import build, random_ids
 
 import recurrent_hooks as rh
 import recurrent_hooks.engine.paths.choose as rh_choose
 import recurrent_hooks.engine.policy as rh_policy
-import recurrent_hooks.kinds.shared.delta_rule as delta_rule
 import recurrent_hooks.kinds.selective_scan as selective_scan
+import recurrent_hooks.kinds.shared.delta_rule as delta_rule
 import recurrent_hooks.kinds.state_space as state_space
 from recurrent_hooks.engine.declare.kernels import Pieces
 from recurrent_hooks.engine.policy import Strategy
 from recurrent_hooks.kinds.gated_delta_net import GatedDeltaNet
-from _compare import assert_close
-from _models import build, random_ids
 
 T, BATCH = 37, 2
 CHUNKS = Strategy.CHUNKS.label  # "chunk-wise reductions"

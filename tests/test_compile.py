@@ -1,11 +1,11 @@
 """torch.compile(model, fullgraph=True) inside a watch: eager's outputs, hook calls and records, compiled once.
 
-The engine's per-call bookkeeping runs when the graph runs, in custom ops (`recurrent_hooks.engine.tracking.compiled`), so
-a compiled model is traced once and its later calls replay the graph: `error_on_recompile` holds from the
-second call on. Families holding every kind between them (four kinds in the default suite, the rest with
---full), compiled with the "aot_eager" backend (dynamo and functionalization, what decides graphs and guards,
-without inductor's code generation, which would take minutes per family);
-one test compiles Mamba-1 with inductor, whose buffer reuse is what the ops' copies guard against.
+The engine's per-call bookkeeping runs when the graph runs, in custom ops (`recurrent_hooks.engine.tracking.compiled`),
+so a compiled model is traced once and its later calls replay the graph: `error_on_recompile` holds from the second call
+on. Families holding every kind between them (four kinds in the default suite, the rest with --full), compiled with the
+"aot_eager" backend (dynamo and functionalization, what decides graphs and guards, without inductor's code generation,
+which would take minutes per family); one test compiles Mamba-1 with inductor, whose buffer reuse is what the ops'
+copies guard against.
 
 What is checked against the same run made eagerly: the logits of every call, every hook call (call index,
 token, the state's norm), the states kept, a write aimed at one call only, a replacing hook, the call
@@ -16,12 +16,12 @@ equals the eager one, and a second generate, of the same or a smaller length, do
 
 import pytest
 import torch
+from _compare import assert_close, assert_equal
+from _models import PAD, build, random_ids
 from transformers import CompileConfig
 
 import recurrent_hooks as rh
 import recurrent_hooks.engine.paths.runners as rh_busy
-from _compare import assert_close, assert_equal
-from _models import PAD, build, random_ids
 from recurrent_hooks.engine.declare.memory_parts import map_parts, parts_of
 
 # the default suite compiles four of the kinds (gated DeltaNet, both Mamba scans, RWKV); the others (about 50 s:
@@ -263,7 +263,8 @@ def test_with_gradients_on_writes_are_traced_and_hooks_read():
     assert [h[:2] for h in norms[0]] == [h[:2] for h in norms[1]] == [(0, T - 1), (1, T - 1)]
     with rh.watch(model) as w:
         w.mixers[0].register_state_hook(lambda m, c, t, s: s * 2, token=1)
-        with pytest.raises(rh.RecurrentHooksError, match=r"state hook .*returned a replacement inside a compiled graph"):
+        with pytest.raises(rh.RecurrentHooksError,
+                           match=r"state hook .*returned a replacement inside a compiled graph"):
             torch.compile(model, fullgraph=True, backend="aot_eager")(ids)
 
 

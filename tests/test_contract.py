@@ -21,17 +21,17 @@ import inspect
 import pytest
 import torch
 from _compare import assert_close, assert_equal
-from _models import FAMILIES as BUILDERS
 from _contract import READ, STACK, TESTS, WRITE, adapter_of, cases, whole_memory_model
+from _models import FAMILIES as BUILDERS
 from _models import build, random_ids
 from _reachable import tensor_bytes_reachable
 from _runs import greedy, left_padded, logits_of
 
 import recurrent_hooks as rh
-from recurrent_hooks.engine.declare.kernels import Site
-from recurrent_hooks.engine.handle.kind import PADDING
-from recurrent_hooks.engine.declare.memory_parts import map_parts, parts_of
 from recurrent_hooks.engine.binding.rebinding import bound_original, import_default
+from recurrent_hooks.engine.declare.kernels import Site
+from recurrent_hooks.engine.declare.memory_parts import map_parts, parts_of
+from recurrent_hooks.engine.handle.kind import PADDING
 from recurrent_hooks.registry import family_of
 
 FAMILIES = list(rh.FAMILIES)

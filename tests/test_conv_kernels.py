@@ -3,12 +3,12 @@
 
 import pytest
 import torch
-
 from _compare import assert_close
-from _upstream import transformers_kernel
 from _contract import one_family_per_kind
-from recurrent_hooks.kinds.shared.conv import causal_conv1d_fn, causal_conv1d_update
+from _upstream import transformers_kernel
+
 from recurrent_hooks.extend import CONV_KERNELS
+from recurrent_hooks.kinds.shared.conv import causal_conv1d_fn, causal_conv1d_update
 
 # one module per kind whose modules call the shared conv kernels
 MODULES = one_family_per_kind(lambda kind: {k.name for k in CONV_KERNELS} <= {k.name for k in kind.KERNELS})

@@ -9,12 +9,11 @@ import weakref
 
 import pytest
 import torch
+from _compare import assert_close
+from _models import build, random_ids
 
 import recurrent_hooks as rh
 from recurrent_hooks.engine.declare.memory_parts import map_parts, parts_of
-
-from _compare import assert_close
-from _models import build, random_ids
 
 COPIED = ["qwen3_5", "mamba2", "mamba", "xlstm", "rwkv", "recurrent_gemma"]
 

@@ -13,13 +13,13 @@ import inspect
 
 import pytest
 import torch
+from _models import FAMILIES as BUILDERS
+from _models import PAD, build, random_ids
+from _upstream import transformers_kernel
 
 import recurrent_hooks as rh
 from recurrent_hooks.engine.declare.kernels import CONV_MEMORY, FORWARD, STATE_MEMORY, Role, Site
 from recurrent_hooks.engine.declare.memory_parts import map_parts, parts_of
-from _models import FAMILIES as BUILDERS
-from _models import PAD, build, random_ids
-from _upstream import transformers_kernel
 
 T = 7
 KINDS = sorted({kind for row in rh.FAMILIES.values() for kind in row.mixers.values()}, key=lambda kind: kind.__name__)
@@ -103,7 +103,8 @@ def test_inputs_outputs_values_and_memories_are_what_the_kernels_see(family):
                 window = Axes(f"{mixer} call {call.index} (conv window)", call.tokens)
                 window.bind("the conv window", kind.CONV_STATE, call.windows[:, 0])
             values = mixer.values(call.index)
-            assert sorted(values) == sorted(kind.VALUES), f"{mixer} values(): {sorted(values)}, declared {sorted(kind.VALUES)}"
+            assert sorted(values) == sorted(kind.VALUES), (f"{mixer} values(): {sorted(values)},"
+                                                           f" declared {sorted(kind.VALUES)}")
             value_axes = Axes(f"{mixer} values() of call {call.index}", call.tokens)
             for name, declared in kind.VALUES.items():
                 value_axes.bind(f"value {name}", declared, values[name])

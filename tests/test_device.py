@@ -12,13 +12,13 @@ import pathlib
 import subprocess
 import sys
 
-import pytest
-import torch
-
 import _device
 import _models
-import recurrent_hooks as rh
+import pytest
+import torch
 from _models import build, random_ids
+
+import recurrent_hooks as rh
 from recurrent_hooks.engine.declare.memory_parts import parts_of
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

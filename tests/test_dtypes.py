@@ -22,14 +22,15 @@ import contextlib
 import pytest
 import torch
 import transformers
-
-import recurrent_hooks as rh
-from recurrent_hooks.kinds.shared.conv import CONV_KERNELS, causal_conv1d_fn, causal_conv1d_update
-from recurrent_hooks.registry import FAMILIES as REGISTERED, family_of
-from recurrent_hooks.demo import tiny_model
 from _compare import assert_close
 from _models import PAD, build, random_ids
 from _upstream import transformers_kernel
+
+import recurrent_hooks as rh
+from recurrent_hooks.demo import tiny_model
+from recurrent_hooks.kinds.shared.conv import CONV_KERNELS, causal_conv1d_fn, causal_conv1d_update
+from recurrent_hooks.registry import FAMILIES as REGISTERED
+from recurrent_hooks.registry import family_of
 
 # one family per kernel layout: gated DeltaNet, KDA, Mamba-1 (three modules), Mamba-1 per head, Mamba-2 (+ a hybrid)
 FAMILIES = ["qwen3_5", "kimi_linear", "mamba", "falcon_mamba", "jamba", "zamba", "mamba2", "bamba"]
@@ -92,7 +93,8 @@ def _ssd_by_decode(decode):
         per_channel = lambda v: v[..., None].expand(*v.shape, head_dim)  # noqa: E731  as the mixers expand them
         A_d = A[:, None, None].expand(heads, head_dim, d_state)
         outputs = [decode(state, hidden_states[:, t], per_channel(dt[:, t]), A_d, B[:, t], C[:, t],
-                          None if D is None else per_channel(D), dt_bias=None if dt_bias is None else per_channel(dt_bias),
+                          None if D is None else per_channel(D),
+                          dt_bias=None if dt_bias is None else per_channel(dt_bias),
                           dt_softplus=dt_softplus, z=None) for t in range(seq)]
         y = torch.stack(outputs, dim=1)
         return (y, state) if return_final_states else y
@@ -135,7 +137,8 @@ def _by_decode(model):
     """The model's prompt kernel replaced by its own decode kernel run token by token."""
     module, kind = _kernel_module(model)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(module, kind.kernel_for("prompt").name, _DECODE_LOOPS[kind](getattr(module, kind.kernel_for("decode").name)))
+        patch.setattr(module, kind.kernel_for("prompt").name,
+                      _DECODE_LOOPS[kind](getattr(module, kind.kernel_for("decode").name)))
         yield
 
 

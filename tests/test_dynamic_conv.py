@@ -12,14 +12,14 @@ import math
 
 import pytest
 import torch
-
-import recurrent_hooks as rh
 from _compare import assert_close, assert_equal
 from _contract import adapter_of, family_fixtures
 from _models import PAD, build, random_ids
 from _runs import calls_of, greedy, greedy_under_replacing_hooks, logits_of, watched_greedy, watched_logits
-from recurrent_hooks.kinds.dynamic_conv import dynamic_conv_forward
+
+import recurrent_hooks as rh
 from recurrent_hooks.engine.binding.rebinding import import_default
+from recurrent_hooks.kinds.dynamic_conv import dynamic_conv_forward
 
 ROWS = {row.name: row for family in rh.FAMILIES.values() for row in family.classes  # the dynamic mixer classes
         if issubclass(row.kind, rh.DynamicShortConvolution)}
@@ -233,7 +233,8 @@ def test_writing_the_window_makes_the_mixer_continue_as_in_the_other_run(model, 
     xa, ua = torch.randn(2, T, channels, generator=gen), torch.randn(2, T, size, generator=gen)
     xb, ub = xa.clone(), ua.clone()
     t = 6
-    xb[:, :t + 1], ub[:, :t + 1] = torch.randn(2, t + 1, channels, generator=gen), torch.randn(2, t + 1, size, generator=gen)
+    xb[:, :t + 1], ub[:, :t + 1] = (torch.randn(2, t + 1, channels, generator=gen),
+                                    torch.randn(2, t + 1, size, generator=gen))
     xa, ua, xb, ub = (x.to(module.static_weight.device) for x in (xa, ua, xb, ub))  # the model's (pytest --device)
     with torch.no_grad(), rh.watch(model, keep=("windows",)) as w:
         ya = module(xa, ua)

@@ -11,11 +11,11 @@ import math
 
 import pytest
 import torch
+from _compare import assert_close
+from _contract import one_family_per_kind
+from _models import build, random_ids
 
 import recurrent_hooks as rh
-from _compare import assert_close
-from _models import build, random_ids
-from _contract import one_family_per_kind
 
 # one per kind that has the maths (zamba: a kernel call per head)
 FAMILIES = one_family_per_kind(lambda kind: kind._effective_attention is not rh.RecurrentMixer._effective_attention)

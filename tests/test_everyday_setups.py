@@ -10,18 +10,18 @@ import warnings
 import pytest
 import torch
 import transformers
-from torch import nn
-
-import recurrent_hooks as rh
-import recurrent_hooks.engine.tracking.threads as rh_threads
-import recurrent_hooks.engine.binding.rebinding as rh_patching
-import recurrent_hooks.registry as rh_registry
-import recurrent_hooks.engine.standalone as standalone_impl
 from _compare import assert_close, assert_equal
+from _contract import in_segments, one_family_per_kind
 from _models import PAD, build, random_ids
 from _reachable import tensor_bytes_reachable
 from _runs import halved, halved_around
-from _contract import in_segments, one_family_per_kind
+from torch import nn
+
+import recurrent_hooks as rh
+import recurrent_hooks.engine.binding.rebinding as rh_patching
+import recurrent_hooks.engine.standalone as standalone_impl
+import recurrent_hooks.engine.tracking.threads as rh_threads
+import recurrent_hooks.registry as rh_registry
 
 T = 13
 ONE_PER_KIND = one_family_per_kind(in_segments)  # the kinds with chunk-wise maths
@@ -324,13 +324,16 @@ def test_integer_0d_tensors_work_as_ints(watched):
 @pytest.mark.parametrize(
     ("call", "kwargs", "message"),
     [
-        (lambda m, s: m.set_state_after(True, s), {}, r"set_state_after\(True, call=0\): token must be an int, got the bool"),
+        (lambda m, s: m.set_state_after(True, s), {},
+         r"set_state_after\(True, call=0\): token must be an int, got the bool"),
         (lambda m, s: m.set_state_after(4.0, s), {}, r"token must be an int, got float 4.0"),
         (lambda m, s: m.set_state_after(4, s, call=1.0), {}, r"call must be an int, got float 1.0"),
         (lambda m, s: m.set_state_after(4, s, call=slice(-1, None)), {}, r"a slice of calls needs start >= 0"),
-        (lambda m, s: m.register_state_hook(lambda *a: None, token=4.0), {}, r"register_state_hook: token must be an int"),
+        (lambda m, s: m.register_state_hook(lambda *a: None, token=4.0), {},
+         r"register_state_hook: token must be an int"),
         (lambda m, s: m.register_state_hook(lambda *a: None, call=[0, True]), {}, r"call must be an int, got the bool"),
-        (lambda m, s: m.register_state_hook(lambda *a: None, call=range(3, 3)), {}, r"call=range\(3, 3\) targets no call"),
+        (lambda m, s: m.register_state_hook(lambda *a: None, call=range(3, 3)), {},
+         r"call=range\(3, 3\) targets no call"),
         (lambda m, s: m.set_memory_after(4, s), {}, r"expected a Memory\(state, window\), got Tensor"),
     ],
     ids=["bool token", "float token", "float call", "negative slice", "hook float token", "bool call", "empty range",
@@ -377,7 +380,8 @@ def test_support_lists_both_kinds_of_short_convolution_of_a_family():
         n_layers_per_attn_res_block=1)
     rows = rh.support(transformers.Inkling2ForCausalLM(config))
     dynamic = [r for r in rows if r.mixer_class == "Inkling2DynamicShortConvolution"]
-    assert [r.path for r in dynamic] == ["model.layers.1.self_attn.k_proj.sconv", "model.layers.1.self_attn.v_proj.sconv"]
+    assert [r.path for r in dynamic] == ["model.layers.1.self_attn.k_proj.sconv",
+                                         "model.layers.1.self_attn.v_proj.sconv"]
     assert all(r.family == "inkling2" and r.kind == "DynamicShortConvolution" for r in dynamic)
     assert {(r.family, r.kind) for r in rows if r not in dynamic} == {("inkling2", "ShortConvolution")}
 
@@ -398,7 +402,8 @@ def test_a_dropped_standalone_handle_keeps_its_hook_until_the_module_dies():
     gc.collect()
     with torch.no_grad():
         model(random_ids(1, 5))
-    assert seen == [0] and ("transformers.models.qwen3_5.modeling_qwen3_5", "torch_chunk_gated_delta_rule") in rh_patching._BINDINGS
+    assert seen == [0] and ("transformers.models.qwen3_5.modeling_qwen3_5",
+                            "torch_chunk_gated_delta_rule") in rh_patching._BINDINGS
     del model
     gc.collect()
     assert not rh_patching._BINDINGS and not standalone_impl._STANDALONE

@@ -11,14 +11,14 @@ import math
 
 import pytest
 import torch
+from _compare import assert_close, assert_close_per_call
+from _models import build, random_ids
+from _reference import gated_delta_rule_reference, kimi_delta_rule_reference
+from _reference_ssm import selective_scan_reference, ssd_reference
+from _runs import sparse_generate, watched_greedy
 
 import recurrent_hooks as rh
 import recurrent_hooks.engine.paths.runners as rh_busy
-from _compare import assert_close, assert_close_per_call
-from _models import build, random_ids
-from _runs import sparse_generate, watched_greedy
-from _reference import gated_delta_rule_reference, kimi_delta_rule_reference
-from _reference_ssm import selective_scan_reference, ssd_reference
 
 ALL = ("states", "windows", "inputs", "outputs")  # every state and window, and the kernels' arguments and results
 T = 13  # not a multiple of anything

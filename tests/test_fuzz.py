@@ -35,16 +35,16 @@ import functools
 import math
 
 import torch
-from hypothesis import HealthCheck, event, example, given, settings
-from hypothesis import strategies as st
-
-import recurrent_hooks as rh
-import recurrent_hooks.engine.paths.runners as rh_busy
-import recurrent_hooks.engine.dispatch.tap as rh_dispatch
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
 from _reference import gated_delta_rule_reference, kimi_delta_rule_reference
 from _reference_ssm import selective_scan_reference, ssd_reference
+from hypothesis import HealthCheck, event, example, given, settings
+from hypothesis import strategies as st
+
+import recurrent_hooks as rh
+import recurrent_hooks.engine.dispatch.tap as rh_dispatch
+import recurrent_hooks.engine.paths.runners as rh_busy
 
 EVERYTHING = ("inputs", "outputs", "states", "windows")
 STATES = dict(rtol=1e-4, atol=1e-6)  # float32 against float64, and fast paths against the token loop

@@ -3,20 +3,19 @@
 
 import pytest
 import torch
+from _compare import assert_close
+from _reference import gated_delta_rule_reference
+from _upstream import transformers_kernel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import recurrent_hooks as rh
-
-from _compare import assert_close
-from _reference import gated_delta_rule_reference
-from _upstream import transformers_kernel
-from recurrent_hooks.kinds.shared import delta_rule
 from recurrent_hooks.kinds.gated_delta_net import (
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_states,
     recurrent_gated_delta_rule,
 )
+from recurrent_hooks.kinds.shared import delta_rule
 
 FAMILY_MODULES = [name for name, row in rh.FAMILIES.items() if row.kind is rh.GatedDeltaNet]
 

@@ -9,12 +9,12 @@ import pickle
 
 import pytest
 import torch
+from _compare import assert_close
+from _models import build, random_ids
 
 import recurrent_hooks as rh
 from recurrent_hooks.engine.declare.memory_parts import map_parts
 from recurrent_hooks.studies.harvest import shards
-from _compare import assert_close
-from _models import build, random_ids
 
 
 def _batches(pad_id=0, left=True):

@@ -13,10 +13,10 @@ import time
 import pytest
 import torch
 import transformers
+from _models import build, random_ids
 
 import recurrent_hooks as rh
 from recurrent_hooks.studies.harvest import lock as lock_impl
-from _models import build, random_ids
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,10 @@ import pickle
 
 import pytest
 import torch
+from _models import build, random_ids
 from torch.utils.data import BatchSampler, DataLoader
 
 import recurrent_hooks as rh
-from _models import build, random_ids
 
 # A worker that drops a batch (one it cannot send) leaves the loader waiting for it forever: the loader's `timeout`
 # (seconds for each batch) turns that into an error. Spawn workers import torch and the library before their first.

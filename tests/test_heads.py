@@ -6,11 +6,11 @@ The channels that feed a head come from tests/_heads.py, written from the models
 
 import pytest
 import torch
-
-import recurrent_hooks as rh
 from _compare import assert_close
 from _heads import feeding
 from _models import build, random_ids
+
+import recurrent_hooks as rh
 
 T, POSITIONS = 8, [1, 4]
 
@@ -62,8 +62,8 @@ CASES = [("qwen3_5", "memory"), ("qwen3_5", "state"), ("qwen3_5", "window"), ("k
 def test_a_head_cell_equals_one_run_writing_only_that_head(family, what):
     model = build(family).requires_grad_(False)
     clean, corrupt = random_ids(1, T, seed=1), random_ids(1, T, seed=2)
-    sweep = rh.patching_sweep(model, clean[0], corrupt[0], metric, memory=None if what == "memory" else what, heads=True, positions=POSITIONS,
-                              progress=False)
+    sweep = rh.patching_sweep(model, clean[0], corrupt[0], metric, memory=None if what == "memory" else what,
+                              heads=True, positions=POSITIONS, progress=False)
     assert sweep.values.shape == (len(sweep.layers), sweep.heads, len(POSITIONS)) and sweep.heads >= 2
     expected = torch.empty_like(sweep.values)
     for i, layer in enumerate(sweep.layers):

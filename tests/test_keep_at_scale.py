@@ -3,12 +3,12 @@
 
 import pytest
 import torch
-
-import recurrent_hooks as rh
-from recurrent_hooks.engine.paths import visitor as taking
-from recurrent_hooks.engine.declare.memory_parts import is_parts
 from _compare import assert_close
 from _models import DEVICE, build, random_ids
+
+import recurrent_hooks as rh
+from recurrent_hooks.engine.declare.memory_parts import is_parts
+from recurrent_hooks.engine.paths import visitor as taking
 
 TOKENS = 150  # more than two chunks of the reduction (taking.Reduction.CHUNK = 64)
 # one family per kind: the memory it keeps ("states", or a convolution window only)

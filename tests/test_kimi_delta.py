@@ -14,21 +14,22 @@ Shapes: batch 2, heads 4, key_dim 8, value_dim 16; lengths 1, 37 and 70 (transfo
 import pytest
 import torch
 import torch.nn.functional as F
-
 from _compare import assert_close
 from _reference import kimi_delta_rule_reference
 from _upstream import transformers_kernel
+
 from recurrent_hooks import FAMILIES, KimiDeltaAttention
-from recurrent_hooks.kinds.shared import delta_rule
 from recurrent_hooks.kinds.kimi_delta import (
     chunk_kimi_delta_attention,
     chunk_kimi_delta_attention_states,
     recurrent_kimi_delta_attention,
 )
+from recurrent_hooks.kinds.shared import delta_rule
 
 KDA_FAMILIES = [name for name, row in FAMILIES.items() if row.kind is KimiDeltaAttention]
 LOOPS = {"chunk": chunk_kimi_delta_attention, "recurrent": recurrent_kimi_delta_attention}
-KERNEL_NAMES = {"chunk": KimiDeltaAttention.kernel_for("prompt").name, "recurrent": KimiDeltaAttention.kernel_for("decode").name}
+KERNEL_NAMES = {"chunk": KimiDeltaAttention.kernel_for("prompt").name,
+                "recurrent": KimiDeltaAttention.kernel_for("decode").name}
 LENGTHS = [1, 37, 70]
 BATCH, HEADS, KEY_DIM, VALUE_DIM = 2, 4, 8, 16
 

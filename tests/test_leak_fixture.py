@@ -6,11 +6,12 @@ leaks instead of failing) and leaves nothing behind for the fixture to find.
 """
 
 import conftest
+from _models import build, random_ids
+
 import recurrent_hooks as rh
 import recurrent_hooks.engine.binding.rebinding as patching
-import recurrent_hooks.engine.tracking.threads as threads_impl
 import recurrent_hooks.engine.standalone as standalone_impl
-from _models import build, random_ids
+import recurrent_hooks.engine.tracking.threads as threads_impl
 
 
 def test_a_leaked_standalone_hook_is_reported_then_released():

@@ -11,15 +11,15 @@ The float64 reference is written from the MiniMax-01 equations:
 import pytest
 import torch
 import torch.nn.functional as F
-
-import recurrent_hooks as rh
 from _compare import assert_close, assert_close_per_call, assert_equal
 from _contract import Adapter, family_fixtures
 from _models import DEVICE, PAD, _minimax, build, random_ids
 from _runs import greedy, logits_of, sparse_generate, watched_greedy
+
+import recurrent_hooks as rh
 import recurrent_hooks.kinds.lightning as rh_lightning
-from recurrent_hooks.kinds.lightning import lightning_attention_forward
 from recurrent_hooks.engine.binding.rebinding import import_default
+from recurrent_hooks.kinds.lightning import lightning_attention_forward
 from recurrent_hooks.registry import family_of
 
 LIGHTNING = [name for name, row in rh.FAMILIES.items() if row.kind is rh.LightningAttention]
@@ -291,7 +291,8 @@ def test_fuzz_stops_against_the_token_loop_and_the_reference(family, seed):
     x = torch.randn(2, seq, 32, generator=gen).to(DEVICE)
     mask = torch.ones(2, seq, dtype=torch.long, device=DEVICE)
     mask[1, : int(torch.randint(0, seq, (), generator=gen))] = 0
-    stops = sorted({int(t) for t in torch.randint(0, seq, (int(torch.randint(1, 5, (), generator=gen)),), generator=gen)})
+    stops = sorted({int(t) for t in torch.randint(0, seq, (int(torch.randint(1, 5, (), generator=gen)),),
+                                                  generator=gen)})
     replaced = {t: (torch.randn(2, 2, 16, 16, generator=gen) * 0.3).to(DEVICE) for t in stops
                 if torch.rand((), generator=gen) < 0.5}
     runs = {}
@@ -547,7 +548,8 @@ def test_the_memory_is_the_state_alone(model):
         for attempt in (lambda: mixer.window_after(0), lambda: mixer.windows,
                         lambda: mixer.set_window_after(0, torch.zeros(1)),
                         lambda: mixer.register_state_hook(lambda *a: None, memory="window")):
-            with pytest.raises(rh.Unavailable, match=r"LightningAttention mixer has no window; it carries only state \(state_after, set_state_after\)"):
+            with pytest.raises(rh.Unavailable, match=r"LightningAttention mixer has no window; it carries only state"
+                                                     r" \(state_after, set_state_after\)"):
                 attempt()
     row = rh.support(model)[0]
     assert row.kind == "LightningAttention" and "windows" not in row.available and "states" in row.available
@@ -707,7 +709,8 @@ def offloaded(request, family, tmp_path):
     return plain, model
 
 
-@pytest.mark.cpu_only(reason="the execution device here is the CPU (accelerate offloads to the CPU and the disk): on a GPU the execution device would be the GPU, which these tests do not build")
+@pytest.mark.cpu_only(reason="the execution device here is the CPU (accelerate offloads to the CPU and the disk): on a"
+                             " GPU the execution device would be the GPU, which these tests do not build")
 def test_offloaded_models_are_watched_through_the_bound_forward_accelerate_keeps(offloaded):
     """accelerate replaces each offloaded module's `forward` by a wrapper that calls the original method it
     stored on the instance (`_old_forward`): the watch rebinds that too, and only for the block."""

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from _compare import assert_close
 
 import recurrent_hooks as rh
-from _compare import assert_close
 
 
 def _logits(batch=3, seq=5, vocab=11, seed=0):

@@ -11,15 +11,15 @@ import re
 
 import pytest
 import torch
-
-import recurrent_hooks as rh
-from recurrent_hooks.extend import MatrixLSTM, MLSTMState
-from recurrent_hooks.kinds.mlstm import mlstm_inference, mlstm_train
 from _compare import assert_close, assert_equal
 from _contract import Adapter, family_fixtures
 from _models import FAMILIES as BUILDERS
 from _models import build, random_ids
 from _runs import greedy, logits_of, watched_greedy
+
+import recurrent_hooks as rh
+from recurrent_hooks.extend import MatrixLSTM, MLSTMState
+from recurrent_hooks.kinds.mlstm import mlstm_inference, mlstm_train
 
 FAMILIES = [name for name, row in rh.FAMILIES.items() if row.kind is MatrixLSTM and name in BUILDERS]
 T = 13  # chunk_size 8: 8 tokens chunk-wise, 5 token by token
@@ -40,8 +40,8 @@ def halve_mlstm(state):
 # the loop against transformers' chunk-wise kernel: an mLSTM output divides by max(|n_t q|, e^(-m_t)), which can be
 # small (input_grad); a backward through a cached prompt >= chunk_size fails in transformers (grad_use_cache)
 CONTRACT = {MatrixLSTM: Adapter(
-    input_grad=(1e-3, 1e-6), carried=mlstm_state, window_in=None, scale=halve_mlstm, later=1e-3, grad_use_cache=False, grad_parts=("C",),
-    recomputes_once=True, whole_memory_tol=dict(rtol=1e-5, atol=1e-6), finite_difference=(),
+    input_grad=(1e-3, 1e-6), carried=mlstm_state, window_in=None, scale=halve_mlstm, later=1e-3, grad_use_cache=False,
+    grad_parts=("C",), recomputes_once=True, whole_memory_tol=dict(rtol=1e-5, atol=1e-6), finite_difference=(),
     split_tol=dict(rtol=1e-5, atol=1e-5, relative=True))}
 
 
@@ -188,7 +188,8 @@ def test_replacing_the_state_changes_only_later_tokens():
     out, last = mlstm_inference(**x, on_token=hook)
     assert_equal("tokens up to the write", plain[:, :, :at + 1], out[:, :, :at + 1])
     assert (plain[:, :, at + 1:] - out[:, :, at + 1:]).abs().max() > 1e-3, "the write changed nothing"
-    rest = {name: value[:, :, at + 1:] for name, value in x.items() if name in ("query", "key", "value", "igate", "fgate")}
+    rest = {name: value[:, :, at + 1:] for name, value in x.items()
+            if name in ("query", "key", "value", "igate", "fgate")}
     C, n, m = halved["state"]
     continued, continued_last = mlstm_inference(**rest, c_initial=C, n_initial=n, m_initial=m)
     assert_equal("tokens after the write", continued, out[:, :, at + 1:])
@@ -373,7 +374,8 @@ def first_mixer_outputs(model, ids, memory=None, token=None):
 
 def test_one_part_of_the_state_is_not_the_whole_memory(model):
     """Run A's C after token t, with run B's own n and m, written into B (which shares A's tokens after t): the
-    first layer's outputs after t are not A's (the whole-memory identity, C, n and m together: tests/test_contract.py)."""
+    first layer's outputs after t are not A's (the whole-memory identity, C, n and m together:
+    tests/test_contract.py)."""
     token = 6
     run_a = random_ids(2, T, seed=5)
     run_b = run_a.clone()
@@ -519,8 +521,10 @@ def test_with_the_xlstm_package_the_model_is_refused_with_the_reason(monkeypatch
     unsupported, and a watch names it with the reason. Simulated: the availability check, and a module of
     that class name in that modeling module."""
     import importlib
+
     import transformers.utils
     from torch import nn
+
     import recurrent_hooks.registry as registry
 
     assert not registry._external_xlstm() and not importlib.import_module(

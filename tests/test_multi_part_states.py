@@ -12,13 +12,13 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from _compare import assert_close, assert_equal
+from _models import PAD, build, random_ids
 from torch import Tensor
 
 import recurrent_hooks as rh
 import recurrent_hooks.registry as registry
 from recurrent_hooks.extend import GatedDeltaNet, Role
-from _compare import assert_close, assert_equal
-from _models import PAD, build, random_ids
 
 T = 9
 

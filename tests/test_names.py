@@ -10,11 +10,11 @@ import warnings
 
 import pytest
 import torch
+from _compare import assert_equal
+from _models import build, random_ids
 
 import recurrent_hooks as rh
 import recurrent_hooks.extend as extend
-from _compare import assert_equal
-from _models import build, random_ids
 
 T = 8
 
@@ -201,7 +201,7 @@ def test_from_import_of_a_former_name_warns():
     assert warns_once("Mamba2StateSpace", imported, most=2) is rh.Mamba2StateSpace
 
 
-# -- a mixer by its module path -----------------------------------------------------------------------------------------
+# -- a mixer by its module path ------------------------------------------------------------------------------------
 
 
 def test_a_mixer_by_module_path_is_the_mixer_by_layer(model):

@@ -13,14 +13,14 @@ import re
 
 import pytest
 import torch
+from _compare import assert_close, assert_equal
+from _models import build, random_ids
+from _runs import halved, halved_around
 from torch import nn
 
 import recurrent_hooks as rh
 import recurrent_hooks.engine.tracking.threads as rh_threads
 import recurrent_hooks.registry as rh_registry
-from _compare import assert_close, assert_equal
-from _models import build, random_ids
-from _runs import halved, halved_around
 
 T = 11
 

@@ -3,10 +3,10 @@ groups of pairs by a memory budget, the same result."""
 
 import pytest
 import torch
-
-import recurrent_hooks as rh
 from _compare import assert_close
 from _models import build, random_ids
+
+import recurrent_hooks as rh
 
 FAMILIES = ["qwen3_5", "kimi_linear", "mamba", "zamba", "mamba2", "recurrent_gemma"]  # "pieces" x 5 kinds, "states"
 PAIRS, TOKENS = 3, 11

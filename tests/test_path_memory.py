@@ -21,14 +21,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
+from _compare import assert_close
+from _models import VOCAB, build, random_ids
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import recurrent_hooks as rh
-import recurrent_hooks.engine.paths.choose as rh_choose
 import recurrent_hooks.engine.paths.budget as rh_memory
-from _compare import assert_close
-from _models import VOCAB, build, random_ids
+import recurrent_hooks.engine.paths.choose as rh_choose
 from recurrent_hooks.engine.policy import Strategy
 from recurrent_hooks.kinds.gated_delta_net import GatedDeltaNet
 
@@ -263,5 +263,6 @@ def test_a_watched_forward_takes_the_path_within_its_budget():
         logits.square().mean().backward()
         results[name] = (path, logits.detach(), torch.stack(seen), model.model.embed_tokens.weight.grad.clone())
     assert (results["no limit"][0], results["0 bytes"][0]) == (Strategy.SEGMENTS.label, Strategy.LOOP.label)
-    for what, expected, got in zip(("logits", "hook inputs", "gradient"), results["no limit"][1:], results["0 bytes"][1:]):
+    for what, expected, got in zip(("logits", "hook inputs", "gradient"), results["no limit"][1:],
+                                   results["0 bytes"][1:]):
         assert_close(what, expected, got, rtol=1e-5, atol=1e-6)

@@ -1,4 +1,5 @@
-"""The cost model that chooses a busy call's path (`recurrent_hooks/engine/paths/choose.py`, `costs.py`), and the token-loop tails of segments.
+"""The cost model that chooses a busy call's path (`recurrent_hooks/engine/paths/choose.py`, `costs.py`), and the
+token-loop tails of segments.
 
 - `choose` on declared shapes: the token loop at tiny dims with a large batch and short prompts, segments at
   real dims with 8 stops, never the chunk-wise states with gradients on, never blocks without an all-states
@@ -21,19 +22,19 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-import recurrent_hooks as rh
-import recurrent_hooks.engine.standalone as standalone_impl
-import recurrent_hooks.engine.paths.runners as rh_busy
-import recurrent_hooks.engine.paths.choose as rh_choose
-import recurrent_hooks.engine.paths.costs as rh_costs
-import recurrent_hooks.engine.policy as rh_policy
 from _compare import assert_close, assert_equal
 from _models import PAD, build, random_ids
-from recurrent_hooks.kinds.gated_delta_net import GatedDeltaNet
+
+import recurrent_hooks as rh
+import recurrent_hooks.engine.paths.choose as rh_choose
+import recurrent_hooks.engine.paths.costs as rh_costs
+import recurrent_hooks.engine.paths.runners as rh_busy
+import recurrent_hooks.engine.policy as rh_policy
+import recurrent_hooks.engine.standalone as standalone_impl
 from recurrent_hooks.engine.policy import Strategy
-from recurrent_hooks.registry import family_of
+from recurrent_hooks.kinds.gated_delta_net import GatedDeltaNet
 from recurrent_hooks.kinds.state_space import Mamba2StateSpace
+from recurrent_hooks.registry import family_of
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GDN = GatedDeltaNet.kernel_for("prompt")
@@ -135,7 +136,8 @@ def test_a_hooked_decode_step_runs_transformers_kernel_then_the_hooks(family, mo
     """A decode step is one token: a hook on it (at every token, or at -1) or a write is a stop at token 0, so the
     bound kernel runs and the hooks see the state it returns; the same logits, hook inputs and cache as the loop."""
     decode = type_of(family).kernel_for("decode")
-    assert rh_choose.choose(decode, [hooked(None)], 1, None, grad=False) == rh_policy.Choice(Strategy.SEGMENTS, [0], False)
+    assert (rh_choose.choose(decode, [hooked(None)], 1, None, grad=False)
+            == rh_policy.Choice(Strategy.SEGMENTS, [0], False))
     model, ids = build(family), random_ids(2, 7)
     runs = {}
     for fast in (True, False):
@@ -172,8 +174,8 @@ def test_a_stop_just_past_a_chunk_boundary_ends_with_a_token_loop():
     """Mamba-2 at mamba2-130m dims, chunk 256, tails on: a stop at token 300 runs the kernel on [0, 256) and the
     token loop on [256, 301), rather than the kernel on a piece padded to 512 tokens. Off (the default), not."""
     arguments = ssd_arguments(1, 1024, 24, 64, 128, 256)
-    assert rh_choose.choose(SSD, [keeping(300)], 1024, arguments, grad=False) == rh_policy.Choice(Strategy.SEGMENTS, [300],
-                                                                                                False, ())
+    assert (rh_choose.choose(SSD, [keeping(300)], 1024, arguments, grad=False)
+            == rh_policy.Choice(Strategy.SEGMENTS, [300], False, ()))
     choice = rh_choose.choose(SSD, [keeping(300)], 1024, arguments, grad=False, paths=rh.Paths(tails=True))
     assert path_of(choice) is Strategy.SEGMENTS
     assert (256, 301) in choice.tails

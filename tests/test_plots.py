@@ -6,10 +6,10 @@ import matplotlib
 import matplotlib.image
 import pytest
 import torch
+from _models import build, random_ids
 
 import recurrent_hooks as rh
 from recurrent_hooks import plots
-from _models import build, random_ids
 
 matplotlib.use("Agg")
 

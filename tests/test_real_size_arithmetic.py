@@ -28,13 +28,12 @@ import pytest
 import torch
 from torch import nn
 
-import recurrent_hooks.engine.paths.costs as rh_costs
 import recurrent_hooks.engine.paths.budget as rh_memory
+import recurrent_hooks.engine.paths.costs as rh_costs
 import recurrent_hooks.engine.policy as rh_policy
-from recurrent_hooks.studies.harvest import shards
-from recurrent_hooks.studies.harvest import sample_indices, weights_digest
-from recurrent_hooks.studies.harvest.shards import FORMAT
+from recurrent_hooks.studies.harvest import sample_indices, shards, weights_digest
 from recurrent_hooks.studies.harvest.dataset import HarvestDataset
+from recurrent_hooks.studies.harvest.shards import FORMAT
 from recurrent_hooks.studies.ranks import Ranks
 
 SAMPLED = 1024  # the weights digest's values per tensor

@@ -16,14 +16,14 @@ import types
 
 import pytest
 import torch
+from _compare import assert_close
+from _models import build, random_ids
 
 import recurrent_hooks as rh
 import recurrent_hooks.extend as extend
 import recurrent_hooks.registry as registry
 from recurrent_hooks.engine.binding import rebinding as patching
 from recurrent_hooks.engine.declare.kernels import Site
-from _compare import assert_close
-from _models import build, random_ids
 
 RENAMED = "renamed_qwen"
 MODULE = "renamed_qwen_pkg.modeling_renamed_qwen"

@@ -4,10 +4,10 @@
 import dataclasses
 
 import torch
-
-import recurrent_hooks as rh
 from _compare import assert_close, assert_equal
 from _models import build, random_ids
+
+import recurrent_hooks as rh
 
 
 def _same(a, b):

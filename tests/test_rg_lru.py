@@ -196,8 +196,13 @@ def _run_block(forward, block, steps, on_token=None):
 
 def _block_steps(seed=0):
     gen = torch.Generator().manual_seed(seed)
-    u = lambda n: torch.randn(2, n, 32, generator=gen).to(DEVICE)
-    pos = lambda a, b: torch.arange(a, b, device=DEVICE)[None]
+
+    def u(n):
+        return torch.randn(2, n, 32, generator=gen).to(DEVICE)
+
+    def pos(a, b):
+        return torch.arange(a, b, device=DEVICE)[None]
+
     return [
         (u(9), pos(0, 9), True),  # a prompt
         (u(1), pos(9, 10), True), (u(1), pos(10, 11), True),  # decode steps
@@ -254,7 +259,8 @@ def test_block_forward_window_write_feeds_the_next_positions(family):
                                 on_token=lambda t, w: (seen.append(w.clone()), written if t == 3 else w)[1])
         capture.remove()
     x = block.linear_x(u).transpose(1, 2)
-    before = [torch.zeros(2, 32, size, device=DEVICE), *seen[:-1]]  # the window each position reads, before its own input
+    # the window each position reads, before its own input
+    before = [torch.zeros(2, 32, size, device=DEVICE), *seen[:-1]]
     before[4] = written
     for t in range(5, 9):
         before[t] = torch.cat([before[t - 1][..., 1:], x[..., t - 1, None]], dim=-1)

@@ -3,7 +3,8 @@
 Kernel level: `mamba_selective_scan_chunks` (a piece from a state) and `mamba_selective_scan_states` (every
 state too) equal the float64 recurrence of `_reference_ssm`, transformers' own `mamba_selective_scan` (the
 pure-torch function behind each family's module attribute, `torch_kernel`) from zeros, and the library's token loop from
-a state; chunk boundaries anywhere (T not a multiple of the chunk, T = 1), state elements that decay too fast for the chunk-wise form (stepped on their own), steps of either sign, and bf16/fp16 inputs as the mixers pass them.
+a state; chunk boundaries anywhere (T not a multiple of the chunk, T = 1), state elements that decay too fast for the
+chunk-wise form (stepped on their own), steps of either sign, and bf16/fp16 inputs as the mixers pass them.
 Model level: sparse hooks, writes and kept states, and every state kept, on the tiny Mamba-1 models, run
 in segments by the chunk-wise scan (a spy checks that transformers' kernel, which cannot start from a state,
 runs no piece) and equal the token loop: logits, kept states, hook inputs, cache contents, generate.
@@ -13,14 +14,14 @@ import dataclasses
 
 import pytest
 import torch
-from einops import rearrange
-
-import recurrent_hooks as rh
-import recurrent_hooks.engine.paths.runners as rh_busy
 from _compare import assert_close
 from _models import PAD, build, random_ids
 from _reference_ssm import selective_scan_reference
 from _upstream import transformers_kernel
+from einops import rearrange
+
+import recurrent_hooks as rh
+import recurrent_hooks.engine.paths.runners as rh_busy
 from recurrent_hooks.kinds import selective_scan as s6
 
 MAMBA1_FAMILIES = [name for name, row in rh.FAMILIES.items() if issubclass(row.kind, rh.SelectiveScan)]
@@ -308,7 +309,8 @@ def test_every_state_kept_chunk_wise_equals_the_token_loop(family, monkeypatch):
     assert_close("hook input", torch.stack(slow_seen), torch.stack(fast_seen), rtol=1e-4, atol=1e-6)
     for a, b in zip(slow.mixers, fast.mixers):
         assert_close(f"{a} every state", a.states, b.states, rtol=1e-4, atol=1e-6)
-        for head, (pa, pb) in enumerate(zip(a.calls[0].kernel_calls, b.calls[0].kernel_calls, strict=True)):  # zamba: per head
+        # zamba: per head
+        for head, (pa, pb) in enumerate(zip(a.calls[0].kernel_calls, b.calls[0].kernel_calls, strict=True)):
             assert_close(f"{a} kernel output {head}", pa.output["output"], pb.output["output"], rtol=1e-4, atol=1e-5)
         assert_close(f"{a} cached state", slow_out.past_key_values.get_recurrent_state(a.layer),
                      fast_out.past_key_values.get_recurrent_state(b.layer), rtol=1e-4, atol=1e-6)

@@ -11,13 +11,13 @@ import math
 
 import pytest
 import torch
-
-import recurrent_hooks as rh
 from _compare import assert_close, assert_close_per_call, assert_equal
 from _contract import Adapter, family_fixtures
 from _models import build, random_ids
 from _runs import greedy, greedy_under_replacing_hooks, logits_of, watched_greedy
 from _upstream import transformers_kernel
+
+import recurrent_hooks as rh
 
 FAMILIES = [name for name, row in rh.FAMILIES.items() if issubclass(row.kind, rh.ShortConvolution)]
 KEEP = ("windows", "inputs", "outputs")
@@ -29,8 +29,9 @@ T = 13  # not a multiple of anything
 # a window is the whole memory: its writes and the whole-memory identity are exact; the loops make transformers'
 # operations in its order, bit for bit; grad mode recomputes every position from its kept window (grad_parity)
 CONTRACT = {rh.ShortConvolution: Adapter(
-    loop_atol=0.0, grad_parity=(1, 13, 70), early=dict(rtol=1e-6, atol=1e-7), decode_early=dict(rtol=0, atol=0), window_tokens=(0, 5, T - 1),
-    grad_tol=dict(rtol=1e-5, atol=1e-8), finite_difference=(), whole_memory_tol=dict(rtol=0, atol=0))}
+    loop_atol=0.0, grad_parity=(1, 13, 70), early=dict(rtol=1e-6, atol=1e-7), decode_early=dict(rtol=0, atol=0),
+    window_tokens=(0, 5, T - 1), grad_tol=dict(rtol=1e-5, atol=1e-8), finite_difference=(),
+    whole_memory_tol=dict(rtol=0, atol=0))}
 
 
 
@@ -145,7 +146,8 @@ def test_windows_are_the_last_inputs_of_each_kernel_call(model):
 def test_the_loops_equal_transformers_kernels_on_the_recorded_calls(model, family):
     """transformers' own kernels (behind the module globals' hub wrappers), on each call's recorded inputs, give the
     outputs the library's loops gave, and the decode kernel writes the window the library kept."""
-    prompt, decode = transformers_kernel(family, "causal_conv1d_fn"), transformers_kernel(family, "causal_conv1d_update")
+    prompt, decode = (transformers_kernel(family, "causal_conv1d_fn"),
+                      transformers_kernel(family, "causal_conv1d_update"))
     w = watched_greedy(model, KEEP, T, 3)
     for mixer in static(w):
         for record in mixer.calls:
@@ -182,7 +184,7 @@ def test_an_in_place_change_under_inference_mode_is_a_write(model):
     assert_close("an in-place change under inference_mode vs a write", written, changed, rtol=0, atol=0)
 
 
-# -- the whole memory ----------------------------------------------------------------------------------------------------
+# -- the whole memory ----------------------------------------------------------------------------------------------
 
 
 def test_every_kept_window_is_differentiable_as_one_tensor_with_frozen_weights(model):
@@ -206,7 +208,7 @@ def test_every_kept_window_is_differentiable_as_one_tensor_with_frozen_weights(m
     assert every[:, -1].abs().max() == 0, "the last window is read by no later token of the call"
 
 
-# -- padding, errors and support ----------------------------------------------------------------------------------------
+# -- padding, errors and support -----------------------------------------------------------------------------------
 
 
 def test_the_state_is_unavailable_with_a_clear_message(model):
@@ -234,7 +236,8 @@ def test_support_rows(model, family):
     for row in rows:
         assert (row.family, row.kind) == (family, rh.FAMILIES[family].kind.__name__)
         assert row.available == ("windows", "inputs", "outputs", "values", "writes", "hooks")
-        assert "state" in row.unavailable and "patching_sweep(memory=None | 'window')" in " ".join(row.unavailable.values())
+        assert ("state" in row.unavailable
+                and "patching_sweep(memory=None | 'window')" in " ".join(row.unavailable.values()))
 
 
 def test_a_memory_per_layer_is_refused_where_a_layer_has_several_mixers(model):

@@ -12,11 +12,11 @@ import math
 
 import pytest
 import torch
-from einops import rearrange
-
 from _compare import assert_close
 from _reference_ssm import selective_scan_reference, ssd_reference
 from _upstream import transformers_kernel
+from einops import rearrange
+
 import recurrent_hooks as rh
 from recurrent_hooks import RecurrentHooksError
 from recurrent_hooks.kinds import selective_scan as s6

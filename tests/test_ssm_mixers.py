@@ -3,10 +3,10 @@ mode, per-head kernel calls (zamba) and the per-token values."""
 
 import pytest
 import torch
-
-import recurrent_hooks as rh
 from _compare import assert_close
 from _models import build, random_ids
+
+import recurrent_hooks as rh
 
 MAMBA1 = [name for name, row in rh.FAMILIES.items() if issubclass(row.kind, rh.SelectiveScan)]
 MAMBA2 = [name for name, row in rh.FAMILIES.items() if issubclass(row.kind, rh.Mamba2StateSpace)]
@@ -23,7 +23,8 @@ def test_mamba1_multi_token_continuation_runs_watched_and_warns(family):
         with rh.watch(model) as w:  # idle: the model's own behaviour
             watched = model(ids[:, 6:], cache=model(ids[:, :6], use_cache=True).cache).logits
         assert_close("idle continuation", plain, watched, rtol=0, atol=0)
-        assert w.mixers[0].calls[1].kernel == rh.SelectiveScan.kernel_for("prompt").name and w.mixers[0].calls[1].tokens == T - 6
+        assert (w.mixers[0].calls[1].kernel == rh.SelectiveScan.kernel_for("prompt").name
+                and w.mixers[0].calls[1].tokens == T - 6)
         cache = model(ids[:, :6], use_cache=True).cache
         with pytest.warns(rh.RecurrentHooksWarning, match=r"call 0 \(mamba_selective_scan\): multi-token continuation:"
                           r" the model restarted its SSM state from zero"):

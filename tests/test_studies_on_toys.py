@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import recurrent_hooks as rh
-from recurrent_hooks.toys import TOYS, MQAR, load_toy
+from recurrent_hooks.toys import MQAR, TOYS, load_toy
 
 STATE_RECALL = [name for name in ("mamba2", "gdn_recall") if name in TOYS]  # toys whose recall is in the state
 PAIRS = 6

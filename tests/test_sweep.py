@@ -8,10 +8,10 @@ Two references, both a loop of one forward per cell that writes the clean memory
   gave it, reading the cell's row. Otherwise the two differ by the path each call takes, not by what
   they compute: one write at one token runs transformers' chunked kernel in two segments, hooks at many
   tokens run the token loop or more segments, and a layer that patches only some rows of a batch runs its
-  token loop for the other rows too, where one forward per cell leaves that layer idle. The shape matters because CPU matrix products round by batch size: the
-  unwatched tiny qwen3_5 gives other bits at batch 1 than at batch 2. Mixture-of-experts layers group
-  tokens by expert across rows, so a row's bits also depend on the other rows: the kimi_linear model of
-  this check has dense MLPs.
+  token loop for the other rows too, where one forward per cell leaves that layer idle. The shape matters because CPU
+  matrix products round by batch size: the unwatched tiny qwen3_5 gives other bits at batch 1 than at batch 2.
+  Mixture-of-experts layers group tokens by expert across rows, so a row's bits also depend on the other rows: the
+  kimi_linear model of this check has dense MLPs.
 - within float32 rounding: the default kernels, one prompt (batch 1) per forward, as a user would write it.
 
 The sweeps that test the batches of cells, the rounds of clean memories and the bits ask for one forward per cell
@@ -24,12 +24,12 @@ import weakref
 import pytest
 import torch
 import transformers
+from _compare import assert_close, assert_equal
+from _models import _COMMON, _HYBRID_LAYERS, _KDA, _MLA, _make, build, random_ids
 
 import recurrent_hooks as rh
 import recurrent_hooks.studies.sweep as sweep_module
 import recurrent_hooks.studies.sweep.cells as cells_module
-from _compare import assert_close, assert_equal
-from _models import _COMMON, _KDA, _MLA, _HYBRID_LAYERS, _make, build, random_ids
 
 T, BATCH = 10, 7  # 7 cells per forward: batches mix two layers and the last one is short
 WHAT = ("memory", "state", "window")  # what a sweep patches, as its result's `memory` says
@@ -93,8 +93,8 @@ def test_the_batched_sweep_equals_the_loop_of_public_writes_bit_for_bit(family):
     try:
         for what in WHAT:
             expected, layers = loop_reference(model, clean, corrupt, what, batch_size=BATCH, paths=LOOP)
-            sweep = rh.patching_sweep(model, clean[0], corrupt[0], metric, memory=MEMORY[what], batch_size=BATCH, progress=False,
-                                      paths=LOOP, reuse_prefix=False)
+            sweep = rh.patching_sweep(model, clean[0], corrupt[0], metric, memory=MEMORY[what], batch_size=BATCH,
+                                      progress=False, paths=LOOP, reuse_prefix=False)
             assert sweep.layers == tuple(layers) and sweep.positions == tuple(range(T)) and sweep.memory == what
             assert_equal(f"{family}, what={what}: batched sweep vs one forward per cell", expected, sweep.values)
             assert (sweep.values - sweep.corrupt).abs().max() > 1e-4, f"{family}, what={what}: patching changed nothing"
@@ -108,7 +108,8 @@ def test_the_batched_sweep_matches_one_prompt_per_forward_with_the_default_kerne
     clean, corrupt = prompts()
     for what in WHAT:
         expected, _ = loop_reference(model, clean, corrupt, what)
-        sweep = rh.patching_sweep(model, clean[0], corrupt[0], metric, memory=MEMORY[what], batch_size=BATCH, progress=False)
+        sweep = rh.patching_sweep(model, clean[0], corrupt[0], metric, memory=MEMORY[what], batch_size=BATCH,
+                                  progress=False)
         assert_close(f"{family}, what={what}: batched sweep vs one prompt per forward", expected, sweep.values,
                      rtol=1e-5, atol=1e-6)
         with torch.no_grad():
@@ -142,18 +143,24 @@ def test_the_progress_bar_can_be_shown(capsys):
 def test_bad_arguments_raise_invalid_value_naming_what_was_expected_and_what_came():
     model = build("qwen3_5")
     clean, corrupt = prompts()
-    sweep = lambda **kw: rh.patching_sweep(model, kw.pop("clean", clean[0]), kw.pop("corrupt", corrupt[0]),
-                                           kw.pop("metric", metric), progress=False, **kw)
+
+    def sweep(**kw):
+        return rh.patching_sweep(model, kw.pop("clean", clean[0]), kw.pop("corrupt", corrupt[0]),
+                                 kw.pop("metric", metric), progress=False, **kw)
+
     cases = [
         (dict(layers=[1]), r"patching_sweep: expected layers among the recurrent layers \[0, 2\] \(attention layers"
                            r" cannot be patched\), got layer 1"),
         (dict(layers=[0, 0]), r"expected each layer once, got layer 0 twice"),
         (dict(layers=1.0), r"expected layer as an int, got float 1.0"),
-        (dict(positions=[T]), rf"expected positions in 0..{T - 1} \(or -{T}..-1\) of the {T}-token prompt, got position {T}"),
+        (dict(positions=[T]), rf"expected positions in 0..{T - 1} \(or -{T}..-1\) of the {T}-token prompt,"
+                              rf" got position {T}"),
         (dict(positions=[3, -7]), r"expected each position once, got position 3 twice"),
         (dict(positions=[]), r"expected positions as an int or a non-empty list of ints, got \[\]"),
-        (dict(memory="states"), r"expected memory= None \(the whole memory\), 'state' or 'window', got memory='states'"),
-        (dict(memory="memory"), r"expected memory= None \(the whole memory\), 'state' or 'window', got memory='memory'"),
+        (dict(memory="states"), r"expected memory= None \(the whole memory\), 'state' or 'window',"
+                                r" got memory='states'"),
+        (dict(memory="memory"), r"expected memory= None \(the whole memory\), 'state' or 'window',"
+                                r" got memory='memory'"),
         (dict(memory="state", what="state"), r"`what` is the former name of `memory`"),
         (dict(batch_size=0), r"expected batch_size >= 1 \(or None: chosen from the shapes\), got batch_size=0"),
         (dict(budget_bytes=-1), r"expected budget_bytes >= 0 \(or None: 268435456\), got budget_bytes=-1"),
@@ -241,10 +248,10 @@ def test_a_sweep_in_rounds_equals_the_sweep_in_one_round_bit_for_bit():
     rh.route_kernels(model, "torch")
     try:
         for what in WHAT:
-            one = rh.patching_sweep(model, clean[0], corrupt[0], metric, memory=MEMORY[what], batch_size=BATCH, progress=False,
-                                    paths=LOOP, reuse_prefix=False)
-            rounds = rh.patching_sweep(model, clean[0], corrupt[0], metric, memory=MEMORY[what], batch_size=BATCH, progress=False,
-                                       paths=LOOP, budget_bytes=0, reuse_prefix=False)
+            one = rh.patching_sweep(model, clean[0], corrupt[0], metric, memory=MEMORY[what], batch_size=BATCH,
+                                    progress=False, paths=LOOP, reuse_prefix=False)
+            rounds = rh.patching_sweep(model, clean[0], corrupt[0], metric, memory=MEMORY[what], batch_size=BATCH,
+                                       progress=False, paths=LOOP, budget_bytes=0, reuse_prefix=False)
             assert_equal(f"what={what}: one batch per clean forward vs all in one", one.values, rounds.values)
     finally:
         rh.route_kernels(model, "default")

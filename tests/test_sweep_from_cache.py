@@ -11,12 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _compare import assert_close, assert_equal
+from _models import FAMILIES, build, random_ids
 
 import recurrent_hooks as rh
 import recurrent_hooks.studies.sweep as sweep_module
 from recurrent_hooks.studies.ranks import Ranks
-from _compare import assert_close, assert_equal
-from _models import FAMILIES, build, random_ids
 
 T = 8
 TOLERANCE = dict(rtol=1e-5, atol=2e-6)

@@ -4,10 +4,10 @@ with the values stacked the same way (one write per token)."""
 
 import pytest
 import torch
-
-import recurrent_hooks as rh
 from _compare import assert_equal
 from _models import build, random_ids
+
+import recurrent_hooks as rh
 
 T = 8
 
@@ -81,9 +81,9 @@ def test_writes_at_several_tokens_equal_one_write_per_token(watched):
 def test_bad_multi_token_writes_are_refused(watched):
     model, _, mix, _ = watched
     with rh.watch(model) as w:
-        with pytest.raises(rh.InvalidValue, match=r"set_state_after\(\[2, 5\], call=0\): expected the state after each"
-                           r" of the 2 tokens stacked on axis 1, \[batch, 2, \.\.\.\] \(as state_after\(\[2, 5\]\) reads"
-                           r" them\), got shapes \[\(2, 3, 4, 8, 8\)\]"):
+        with pytest.raises(rh.InvalidValue, match=r"set_state_after\(\[2, 5\], call=0\): expected the state after"
+                           r" each of the 2 tokens stacked on axis 1, \[batch, 2, \.\.\.\] \(as state_after\(\[2, 5\]\)"
+                           r" reads them\), got shapes \[\(2, 3, 4, 8, 8\)\]"):
             w.mixers[0].set_state_after([2, 5], mix.states[:, :3])
         with pytest.raises(rh.InvalidValue, match=r"expected a slice of tokens with a stop and no negative bound"):
             w.mixers[0].set_window_after(slice(2, None), mix.windows[:, 2:])

@@ -6,12 +6,11 @@ import socket
 
 import pytest
 import torch
+from _compare import assert_close, assert_equal
 
 import recurrent_hooks as rh
 from recurrent_hooks import toys
 from recurrent_hooks.toys import MQAR, TOYS, generate_answers, load_toy
-
-from _compare import assert_close, assert_equal
 
 FRESH = 20240611  # a seed no training run or docstring uses
 STATE_SHAPES = {  # per recurrent layer, after [batch, seq]
@@ -230,7 +229,8 @@ def test_gdn_recall_attention_is_a_frozen_zero(models, monkeypatch):
     assert_equal("attention output", torch.zeros_like(outputs[0]), outputs[0])
 
     # the loader refuses weights whose o_proj is not zero
-    from safetensors.torch import load as load_bytes, save
+    from safetensors.torch import load as load_bytes
+    from safetensors.torch import save
 
     state = load_bytes(toys._models.weights_file("gdn_recall").read_bytes())
     key = "model.layers.2.self_attn.o_proj.weight"

@@ -10,13 +10,13 @@ import warnings
 
 import pytest
 import torch
+from _compare import assert_close
+from _models import build, random_ids
 from torch import nn
 
 import recurrent_hooks as rh
 from recurrent_hooks.engine.binding import upstream
 from recurrent_hooks.extend import torch_kernel
-from _compare import assert_close
-from _models import build, random_ids
 
 
 def _hub_module(function):
@@ -214,7 +214,8 @@ def test_the_declared_torch_floor_has_every_api_the_package_calls():
     assert floor >= newest, f"pyproject declares {requirement}; the package calls APIs of torch {newest[0]}.{newest[1]}"
 
 
-@pytest.mark.skipif(not upstream.is_at_least(5, 25), reason="transformers < 5.25 keeps no intermediate recurrent states")
+@pytest.mark.skipif(not upstream.is_at_least(5, 25),
+                    reason="transformers < 5.25 keeps no intermediate recurrent states")
 @pytest.mark.parametrize("family", ["qwen3_5", "mamba2"])
 def test_a_forward_split_over_several_kernel_calls_is_refused_by_name_when_hooked(family):
     """transformers 5.25: a cache recording its past with recurrent_states_to_keep (assisted decoding) runs a

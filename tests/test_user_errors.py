@@ -9,10 +9,10 @@
 
 import pytest
 import torch
-
-import recurrent_hooks as rh
 from _compare import assert_close
 from _models import build, random_ids
+
+import recurrent_hooks as rh
 
 T = 6
 

@@ -11,10 +11,10 @@ Kernels:
 Family (parametrized by every family of the kind): the bar of tests/test_families.py, adapted to a model
 without a Cache (the memory is the `state=` list) and to transformers' bugs: decoding with a state is
 right for batch 1 only (bug 1), so every generate runs batch 1 and prompts run batch 2; attention_mask is
-ignored (bug 2): the kind declares that pads enter its state (`LEFT_PADDING`, checked by the contract). All comparisons are eval against eval (eval mode
-rescales weights in place; a no-op for the tiny 2-layer model, whose rescale factor is 2^0). The kind-agnostic
-part of the bar (parity, generate, the call counter, standalone hooks, the input gradient, bindings) is
-tests/test_contract.py's.
+ignored (bug 2): the kind declares that pads enter its state (`LEFT_PADDING`, checked by the contract). All comparisons
+are eval against eval (eval mode rescales weights in place; a no-op for the tiny 2-layer model, whose rescale factor is
+2^0). The kind-agnostic part of the bar (parity, generate, the call counter, standalone hooks, the input gradient,
+bindings) is tests/test_contract.py's.
 """
 
 import inspect
@@ -22,17 +22,17 @@ import math
 
 import pytest
 import torch
-
-import recurrent_hooks as rh
-import recurrent_hooks.engine.binding.rebinding as patching
 from _compare import assert_close, assert_equal
 from _contract import Adapter, family_fixtures, perturbation
 from _models import FAMILIES as BUILDERS
 from _models import build, random_ids
 from _runs import greedy, logits_of
+
+import recurrent_hooks as rh
+import recurrent_hooks.engine.binding.rebinding as patching
 from recurrent_hooks.engine.declare.memory_parts import map_parts, stack_parts
-from recurrent_hooks.kinds.wkv import extract_key_value, rwkv_linear_attention
 from recurrent_hooks.extend import WkvState
+from recurrent_hooks.kinds.wkv import extract_key_value, rwkv_linear_attention
 
 FAMILIES = [name for name, row in rh.FAMILIES.items() if row.kind is rh.WeightedKeyValue]
 ALL = ("states", "windows", "inputs", "outputs")
@@ -246,11 +246,6 @@ def test_a_replaced_shift_changes_only_the_next_token(family):
 
 
 # -- the family bar -----------------------------------------------------------------------------------------------
-
-
-def perturbation(state, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    return state + torch.randn(state.shape, generator=gen).to(state.device) * (state.abs().max() + 1)
 
 
 family, model = family_fixtures(FAMILIES)

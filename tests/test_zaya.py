@@ -12,12 +12,12 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-
-import recurrent_hooks as rh
 from _compare import assert_close, assert_equal
 from _contract import Adapter
 from _models import PAD, build, random_ids
 from _runs import calls_of, greedy, logits_of, watched_greedy, watched_logits
+
+import recurrent_hooks as rh
 from recurrent_hooks.engine.binding.rebinding import import_default
 from recurrent_hooks.kinds.zaya import PAST_RECORDING_RUNS, CompressedConvolutionalAttention, cca_forward
 
@@ -76,7 +76,8 @@ def _equation(module, x, window=None, delay=None, windows_written=None, delays_w
     c = torch.cat([q_tilde, k_tilde], dim=-1)  # b t C
     channels = c.shape[-1]
     current = x.new_zeros(batch, channels, size) if window is None else window.double()
-    before = linear("v_proj_delayed", x.new_zeros(batch, x.shape[-1])) if delay is None else delay.double()  # delay_{-1}
+    # delay_{-1}
+    before = linear("v_proj_delayed", x.new_zeros(batch, x.shape[-1])) if delay is None else delay.double()
     windows, delays, conv, delayed = [], [], [], []
     for t in range(seq):
         context = torch.cat([current, c[:, t, :, None]], dim=-1)  # b C K+1
@@ -94,7 +95,8 @@ def _equation(module, x, window=None, delay=None, windows_written=None, delays_w
         delays.append(before)
     conv = torch.stack(conv, dim=1)  # b t C
     mixed = (q_tilde.view(batch, seq, heads, dim)
-             + k_tilde.view(batch, seq, kv_heads, 1, dim).expand(-1, -1, -1, groups, -1).reshape(batch, seq, heads, dim)) / 2
+             + k_tilde.view(batch, seq, kv_heads, 1, dim).expand(-1, -1, -1, groups, -1)
+             .reshape(batch, seq, heads, dim)) / 2
     q = conv[..., :heads * dim].view(batch, seq, heads, dim) + mixed
     k = conv[..., heads * dim:].view(batch, seq, kv_heads, dim) + mixed.view(batch, seq, kv_heads, groups, dim).mean(-2)
     current_v = linear("v_proj_current", x)
@@ -248,7 +250,8 @@ def test_a_write_at_a_prompt_token_changes_only_later_tokens_and_the_cache(model
     for name, value in first.calls[0].conv.output.items():
         assert_equal(f"{name} up to the written token", value[:, :token + 1],
                      mixer.calls[0].conv.output[name][:, :token + 1])
-    assert_close("logits up to the written token", clean[:, :token + 1], out.logits[:, :token + 1], rtol=1e-6, atol=1e-7)
+    assert_close("logits up to the written token", clean[:, :token + 1], out.logits[:, :token + 1],
+                 rtol=1e-6, atol=1e-7)
     assert (clean[:, token + 1:] - out.logits[:, token + 1:]).abs().max() > 1e-6
     windows, delays, outputs = _equation(mixer.module, x, windows_written=None if window is None else {token: window},
                                          delays_written=None if delay is None else {token: delay})
