@@ -9,7 +9,9 @@ from _compare import assert_close
 from _models import build, random_ids
 
 T = 9
-FAMILIES = ["qwen3_5", "kimi_linear", "mamba2", "mamba"]  # gated DeltaNet, KDA, Mamba-2, Mamba-1 (no heads axis)
+# gated DeltaNet, KDA, Mamba-2, Mamba-1 (no heads axis), Mamba-1 run once per head (zamba: the probe sees every head,
+# its factors sized to the kept states' heads; tests/test_per_head_reductions.py)
+FAMILIES = ["qwen3_5", "kimi_linear", "mamba2", "mamba", "zamba"]
 
 
 def _states(model, ids, paths=None):

@@ -246,24 +246,19 @@ def _value_name(kind) -> str:
     return next((name for name in ("key", "dt") if name in kind.VALUES), next(iter(kind.VALUES)))
 
 
-def _probe_factors(state: torch.Tensor, per_head: bool, rank: int = 3):
-    """Probe factors `a` [heads, rank, rows], `b` [heads, rank, cols] for a state [batch, (heads,) rows, cols]; one
-    head's where the kind's kernel runs per head (its reductions see one head's state at a time: `_probed`)."""
+def _probe_factors(state: torch.Tensor, rank: int = 3):
+    """Probe factors `a` [heads, rank, rows], `b` [heads, rank, cols] for a state [batch, (heads,) rows, cols] (a
+    per-head kind's too: its reductions see every head, as its kept states)."""
     heads, rows, cols = state.shape[1:] if state.dim() == 4 else (1, *state.shape[1:])
     gen = torch.Generator().manual_seed(2)
-    heads = 1 if per_head else heads
     return (torch.randn(heads, rank, rows, generator=gen) / rows ** 0.5,
             torch.randn(heads, rank, cols, generator=gen) / cols ** 0.5)
 
 
-def _probed(states: torch.Tensor, a, b, per_head: bool) -> torch.Tensor:
-    """The probe's readouts of kept states [batch, seq, (heads,) rows, cols], in float64: [batch, seq, heads, rank];
-    a per-head kind's, each head's state read by the one head's factors, [batch, seq, heads, 1, rank]."""
+def _probed(states: torch.Tensor, a, b) -> torch.Tensor:
+    """The probe's readouts of kept states [batch, seq, (heads,) rows, cols], in float64: [batch, seq, heads, rank]."""
     s = states.double() if states.dim() == 5 else states.double().unsqueeze(2)
-    if per_head:
-        a, b = a.expand(s.shape[2], -1, -1), b.expand(s.shape[2], -1, -1)
-    probed = torch.einsum("hki,bthij,hkj->bthk", a.double(), s, b.double()).float()
-    return probed.unsqueeze(3) if per_head else probed
+    return torch.einsum("hki,bthij,hkj->bthk", a.double(), s, b.double()).float()
 
 
 def _harvest_names(harvested, model, mixers):
@@ -292,15 +287,14 @@ def test_a_harvest_of_a_probe_and_a_kernel_value_equals_the_watch(family, model,
     sample = getattr(runs.watched.mixers[0], stack)
     probe = stack == "states" and isinstance(sample, torch.Tensor) and sample.dim() >= 4
     reduce = None
-    per_head = kind.KERNEL_PER_HEAD  # zamba: see test_a_probe_sized_to_the_kept_states_heads_on_a_per_head_kind
     if probe:
-        factors = {mixer.layer: _probe_factors(getattr(mixer, stack)[:, 0], per_head) for mixer in runs.watched.mixers}
+        factors = {mixer.layer: _probe_factors(getattr(mixer, stack)[:, 0]) for mixer in runs.watched.mixers}
         reduce = {stack: {layer: rh.probe(a, b) for layer, (a, b) in factors.items()}}
     harvested = rh.harvest(model, [runs.ids], tmp_path, keep=(stack, value), reduce=reduce, progress=False)
     assert (harvested.tokens, harvested.docs) == (T, 1)
     for name, mixer in zip(_harvest_names(harvested, model, runs.watched.mixers), runs.watched.mixers):
         kept = getattr(mixer, stack)
-        expected = _probed(kept, *factors[mixer.layer], per_head) if probe else kept
+        expected = _probed(kept, *factors[mixer.layer]) if probe else kept
         data = rh.HarvestDataset(tmp_path, layer=name, what=stack)
         got = data.take(range(T))
         if isinstance(got, dict):  # a memory of several parts
@@ -311,28 +305,6 @@ def test_a_harvest_of_a_probe_and_a_kernel_value_equals_the_watch(family, model,
         data = rh.HarvestDataset(tmp_path, layer=name, what=value)
         expected = mixer.values()[value]
         assert_memory_close(f"{mixer}: harvested {value}", expected[0], data.take(range(T)))
-
-
-PROBE_PER_HEAD = (
-    "library bug: a per-head kind's reductions run once per head (KERNEL_PER_HEAD: zamba) and see one head's state"
-    " [batch, chunk, head_dim, d_state], so rh.probe factors sized to the kept states' heads, [heads, r, head_dim] as"
-    " docs/api.md describes them, are refused (InvalidValue); a one-head probe is applied to each head instead, and"
-    " neither is documented")
-
-
-@pytest.mark.one_per_kind
-@pytest.mark.parametrize("family", [name for name, row in rh.FAMILIES.items() if row.kind.KERNEL_PER_HEAD],
-                         indirect=True)
-@pytest.mark.xfail(strict=True, raises=rh.InvalidValue, reason=PROBE_PER_HEAD)
-def test_a_probe_sized_to_the_kept_states_heads_on_a_per_head_kind(family, model, runs):
-    """zamba: `rh.probe` of one factor pair per head, as the kept states `[batch, seq, heads, head_dim, d_state]` and
-    docs/api.md suggest, keeps `[batch, seq, heads, rank]` readouts equal to the einsum over the kept states."""
-    states = runs.watched.mixers[0].states
-    a, b = _probe_factors(states[:, 0], per_head=False)
-    with torch.no_grad(), rh.watch(model, keep=("states",), reduce={"states": rh.probe(a, b)}) as w:
-        model(runs.ids)
-    assert_close(f"{family}: probe per head", _probed(states, a, b, per_head=False), w.mixers[0].states,
-                 **tolerance(states))
 
 
 def _layers(runs) -> list[int]:

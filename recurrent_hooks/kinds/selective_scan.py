@@ -213,7 +213,9 @@ class PerHeadSelectiveScan(SelectiveScan):
     One call of the mixer makes one kernel call per head (`call.kernel_calls[h]`). The state is the cache's
     `[batch, heads, head_dim, d_state]`; kept states and `values()` stack the heads after `seq`. Hooks run
     once per head and token with that head's `[batch, head_dim, d_state]` state, `mixer.head` telling
-    which; `set_state_after` takes the whole state and writes each head's slice.
+    which; `set_state_after` takes the whole state and writes each head's slice. A reduction
+    (`watch(reduce=...)`) sees every head's states, `[batch, chunk, heads, head_dim, d_state]`, once the last
+    head's kernel call forms them (`visitor.HeldHeads`, `runners.reduce_heads_in_chunks`).
     """
 
     KERNEL_PER_HEAD = True
@@ -226,6 +228,11 @@ class PerHeadSelectiveScan(SelectiveScan):
         "C": "batch seq heads d_state",
         "y": "batch seq heads head_dim",
     }
+
+    @classmethod
+    def _kernel_calls(cls, module: Any) -> int:
+        """One recurrence kernel call per mamba head (transformers' `n_mamba_heads`)."""
+        return int(module.n_mamba_heads)
 
     @classmethod
     def _head_channels(cls, head: int, heads: int, head_state: tuple[int, ...], channels: int) -> range:

@@ -15,7 +15,8 @@ Glossary (code name, symbol, shape):
     states    S_t     [batch, chunk, heads, rows, cols]   a chunk of kept states (the delta rules: key_dim x value_dim;
                                                           Mamba-2: head_dim x d_state); a state without heads,
                                                           [batch, chunk, rows, cols] (Mamba-1: d_inner x d_state), is
-                                                          one head
+                                                          one head; zamba, whose kernel runs once per head, hands
+                                                          every head's (head_dim x d_state)
     a         a_hk    [heads, r, rows]                   the left factors
     b         b_hk    [heads, r, cols]                   the right factors
     (result)  -       [batch, chunk, heads, r]            float32

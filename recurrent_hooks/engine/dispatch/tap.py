@@ -42,7 +42,8 @@ def _forward_of(kind: type[RecurrentMixer], layout: Layout, module: nn.Module, a
     arguments = layout.bind(args, kwargs)
     tokens, cache, fresh, hidden = kind._parse_forward(module, arguments)
     return Forward(tokens=tokens, cache=cache, fresh=fresh, hidden=hidden, recompute=recompute,
-                    cache_index=kind._cache_index(module, arguments), training=module.training)
+                    cache_index=kind._cache_index(module, arguments), training=module.training,
+                    kernel_calls=kind._kernel_calls(module))
 
 
 def _keep_memory_arguments(kernel: Kernel, arguments: dict[str, Any]) -> None:

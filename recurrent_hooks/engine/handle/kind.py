@@ -55,6 +55,7 @@ and may override the adapters (class methods, each with a default that fits most
 - `_kernel_arguments(module, kernel, arguments)`: a kernel call's arguments as `inputs` records them;
 - `_instances(module, model)`: the handles a watch makes for one module (one per pass of a looped module);
 - `_refusal(kernel)`, `_restart(kernel, forward)`: why a kernel call cannot serve hooks, or restarts its memory;
+- `_kernel_calls(module)`: the recurrence kernel calls one forward makes: 1, or (`KERNEL_PER_HEAD`) its heads;
 - `_head_channels(head, heads, head_state, channels)`: the convolution window channels that feed head `head`
   (a kind with `HEADS` and a window declares them; `patching_sweep(heads=True)` patches them with the head);
 - `_token_values(kernel_call)`: `values()` of one kernel call; `_effective_attention(calls, dtype)`: the kind's maths
@@ -111,7 +112,7 @@ class Kind:
     ADAPTERS: ClassVar[tuple[str, ...]] = (
         "_parse_forward", "_cache_index", "_cached", "_cached_window", "_cached_memory", "_pop_cache",
         "_kernel_arguments", "_instances", "_refusal", "_restart", "_head_channels", "_token_values",
-        "_effective_attention", "_serves")
+        "_effective_attention", "_serves", "_kernel_calls")
 
     @classmethod
     def kernel_for(cls, role: "Role | str", memory: str | None = None) -> Kernel:
@@ -192,6 +193,12 @@ class Kind:
         """The handles a watch of `model` makes for `module`, as their `cache_index` (`_cache_index` values): one,
         None (every forward), unless the module runs several times per model forward on distinct caches."""
         return (None,)
+
+    @classmethod
+    def _kernel_calls(cls, module: nn.Module) -> int:
+        """The recurrence kernel calls one forward of `module` makes: 1, or its heads for a `KERNEL_PER_HEAD` kind
+        (a reduction of its states waits for the last head's kernel call, `visitor.HeldHeads`)."""
+        return 1
 
     @classmethod
     def _refusal(cls, kernel: Kernel) -> str | None:

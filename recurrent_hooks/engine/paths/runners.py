@@ -17,6 +17,9 @@ from torch import Tensor
 
 from . import adjoint as _adjoint
 from . import blocks as _blocks
+from . import visitor as _visitor
+from ..declare.memory_parts import map_parts, stack_parts
+from ..errors import RecurrentHooksError
 from ..declare.kernels import Kernel, Pieces, state_shape
 from ..policy import Choice, Strategy
 from ..tracking.threads import loop_threads
@@ -68,6 +71,9 @@ def run_blocks(call: BusyCall) -> Any:
 
 def run_chunks(call: BusyCall) -> Any:
     with threads_of(call.busy, call.arguments):  # (its states formed token by token, then fn per chunk)
+        held = _visitor.held_heads(call.busy[0][0])
+        if held is not None and not held.held:  # a kernel run once per head (zamba), no head's states held yet
+            return reduce_heads_in_chunks(call.kernel, call.original, call.args, call.kwargs, call.takers[0])
         return reduce_in_chunks(call.kernel, call.args, call.kwargs, call.takers[0], call.busy[0][0].kind,
                                 call.arguments)
 
@@ -110,6 +116,46 @@ def reduce_in_chunks(kernel: Kernel, args: tuple, kwargs: dict, taker: Any, kind
     extra = {} if factors is None else {"factors": factors}
     (out, last), _ = kernel.segments.all_states(*leading, **named, on_chunk=on_chunk, **extra)
     return pieces.result([out], last)
+
+
+def reduce_heads_in_chunks(kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict,
+                           taker: Any) -> Any:
+    """`reduce_in_chunks` on a kind that runs its kernel once per head, head after head (`KERNEL_PER_HEAD`: zamba):
+    the earlier heads' kernel calls run the bound kernel and hold their arguments (`visitor.HeldHeads.calls`: views
+    of the tensors the forward holds anyway); the last head's call forms every head's states again, `Reduction.CHUNK`
+    tokens at a time, and hands each chunk `[batch, chunk, heads, *head_state]` to the reductions. At most one chunk
+    of every head's states is held (an earlier head's states are formed twice: once by the bound kernel, for its
+    output, and once here)."""
+    held = [_visitor.held_heads(reduction.plan) for reduction in taker.reducing]
+    owner = taker.reducing[0].plan.owner
+    head, heads = owner.head, owner.forward.kernel_calls
+    pieces = Pieces(kernel, args, kwargs)
+    if head < heads - 1:
+        for each in held:
+            each.calls.append(pieces)
+        return original(*args, **kwargs)
+    every = [*held[0].calls, pieces]
+    if len(every) != heads:
+        raise RecurrentHooksError(f"{owner.where}: the last head's kernel call ({head + 1} of {heads}) found"
+                                  f" {len(every) - 1} earlier heads' calls on the chunk-wise reductions' path")
+    states = [each.state for each in every]
+    outputs = []
+    for start in range(0, pieces.tokens, _visitor.Reduction.CHUNK):
+        end = min(start + _visitor.Reduction.CHUNK, pieces.tokens)
+        formed = []
+        for h, each in enumerate(every):
+            leading, named = each.call(start, end, states[h])
+            (out, states[h]), per_token = kernel.segments.all_states(*leading, **named)  # per_token: size batch ...
+            formed.append(per_token)
+        outputs.append(out)  # the last head's: the result of this call
+        chunk = map_parts(lambda s: s.movedim(0, 1), stack_parts(formed, dim=2))  # batch size heads *head_state
+        del formed
+        for reduction in taker.reducing:
+            reduction.reduce(range(start, end), chunk, taker, every_head=True)
+        del chunk
+    for each in held:
+        each.calls.clear()
+    return pieces.result(outputs, states[-1])
 
 
 def linear_factors(kernel: Kernel, kind: type, arguments: dict[str, Any], taker: Any) -> tuple | None:

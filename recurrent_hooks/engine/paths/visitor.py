@@ -2,7 +2,10 @@
 
 At each token the taker calls the plans' hooks and writes, and keeps the states the plans keep (in grad mode
 read through one zero leaf, filled by `finish` once the call is over), or hands them, `Reduction.CHUNK` tokens at
-a time, to a plan's `reduce` (`Reduction`). The path runners of `runners` take it (`BusyCall.takers`).
+a time, to a plan's `reduce` (`Reduction`). A kind that runs its kernel once per head (`KERNEL_PER_HEAD`: zamba)
+hands its reductions every head's states, `[batch, chunk, heads, *head_state]` as they are kept: the earlier
+heads' states wait for the last head's kernel call (`HeldHeads`). The path runners of `runners` take it
+(`BusyCall.takers`).
 """
 
 from typing import Any
@@ -12,7 +15,8 @@ from torch import Tensor
 
 from . import blocks as _blocks
 from ..tracking.tracker import Plan
-from ..errors import InvalidValue, noted
+from ..errors import InvalidValue, RecurrentHooksError, noted
+from ..declare.kernels import STATE_MEMORY
 from ..declare.memory_parts import State, is_parts, map_parts, parts_of, rebuild, stack_parts
 from ..tracking.threads import user_code
 from ..tracing import compiling
@@ -100,6 +104,8 @@ class Taker:
         the last chunk of each reduction is reduced; copies made without blocking are waited for."""
         for reduction in self.reducing:
             reduction.flush(self)
+            if reduction.held_back():
+                reduction.plan.kept = None  # an earlier head's: the last head's kernel call keeps every head's
         for plan in self.storing:  # (the chunk-wise states path keeps the states of a whole piece directly)
             if plan.device is not None:
                 for token, value in plan.kept.items():
@@ -143,11 +149,21 @@ class Reduction:
         del states  # (the stacked copy is all `reduce` needs: the chunk's states are held once)
         self.reduce(tokens, chunk, taker)
 
-    def reduce(self, tokens: "list[int] | range", chunk: State, taker: "Taker", buffer: Tensor | None = None) -> None:
+    def reduce(self, tokens: "list[int] | range", chunk: State, taker: "Taker", buffer: Tensor | None = None,
+               every_head: bool = False) -> None:
         """Keep, per token of `tokens`, its slice of the plan's `reduce(chunk)` (`chunk`: those tokens' states,
         `[batch, chunk, *state]`). `buffer`: the tensor `chunk` is a view of, which the kernel overwrites with the
-        next chunk (`Segments.on_chunk`): a result in its memory (the chunk itself, or a view of it) is copied."""
+        next chunk (`Segments.on_chunk`): a result in its memory (the chunk itself, or a view of it) is copied.
+        `every_head`: a kernel run once per head, whose `chunk` already stacks every head's states (its last head's
+        call formed them, `runners.reduce_heads_in_chunks`)."""
         plan = self.plan
+        heads = None if every_head else held_heads(plan)
+        if heads is not None:  # a kernel run once per head: the reduction sees every head's states at once
+            chunk = heads.gather(f"{plan.where}, call {plan.call}", plan.owner.head, plan.owner.forward.kernel_calls,
+                                 tokens, chunk, buffer)
+            if chunk is None:
+                return  # an earlier head's: held until the last head's kernel call forms the same tokens
+            buffer = None  # (the heads' stack is a tensor of its own)
         where = f"{plan.where}, call {plan.call}, tokens {tokens[0]}..{tokens[-1]}: the reduction {_name(plan.reduce)}"
         with user_code(), noted(lambda: f"raised in {where}"):
             reduced = plan.reduce(chunk)
@@ -163,12 +179,65 @@ class Reduction:
             reduced = map_parts(lambda r: r.clone() if r.untyped_storage().data_ptr() == memory else r, reduced)
         self.keep(tokens, reduced, taker)
 
+    def held_back(self) -> bool:
+        """Whether this kernel call is an earlier head of a kernel run once per head: its states wait in
+        `HeldHeads`, and the last head's kernel call keeps the reductions of every head."""
+        owner = self.plan.owner
+        return held_heads(self.plan) is not None and owner.head < owner.forward.kernel_calls - 1
+
     def keep(self, tokens: "list[int] | range", reduced: State, taker: "Taker") -> None:
         """Keep, per token of `tokens`, its slice of `reduced` (`[batch, chunk, ...]`, the chunk's results)."""
         plan = self.plan
         reduced = taker._moved(plan, tokens[0], reduced, graph=True)
         per_token = zip(*(part.unbind(1) for _, part in parts_of(reduced)))  # one view per token of each part
         plan.kept.update((token, rebuild(reduced, parts)) for token, parts in zip(tokens, per_token))
+
+
+class HeldHeads:
+    """A reduction's states on a kind that runs its kernel once per head, head after head (`KERNEL_PER_HEAD`:
+    zamba's forward calls the scan for head 0 over every token, then head 1, ...): the earlier heads' states, per
+    token, until the last head's kernel call forms the same tokens, which then go to the reduction stacked as the
+    kept states are, `[batch, chunk, heads, *head_state]`. What it holds, up to (heads - 1) / heads of the call's
+    states, is freed as the last head's chunks are reduced (docs/concepts.md, "Known limits")."""
+
+    def __init__(self) -> None:
+        self.held: list[dict[int, State]] = []  # per earlier head, token -> its state [batch, *head_state]
+        self.calls: list[Any] = []  # or, on the chunk-wise reductions' path, per earlier head its kernel call's pieces
+
+    def gather(self, where: str, head: int, heads: int, tokens: "list[int] | range", chunk: State,
+               buffer: Tensor | None) -> State | None:
+        """Hold head `head`'s chunk (`[batch, chunk, *head_state]`, the states of `tokens`; `buffer`: the kernel's
+        buffer it is a view of) and return None, or, for the last head, every head's `[batch, chunk, heads, ...]`
+        (`where`: the call, for messages)."""
+        if head < heads - 1:
+            if buffer is not None:  # the kernel overwrites its buffer with the next chunk
+                chunk = map_parts(torch.clone, chunk)
+            self.held.extend({} for _ in range(head + 1 - len(self.held)))
+            per_token = zip(*(part.unbind(1) for _, part in parts_of(chunk)))
+            self.held[head].update((token, rebuild(chunk, parts)) for token, parts in zip(tokens, per_token))
+            return None
+        if self.calls:
+            raise RecurrentHooksError(f"{where}: head {head} (the last of {heads}) took another path than the"
+                                      " chunk-wise reductions' that its earlier heads' kernel calls took; a reduction"
+                                      " sees every head's states at once, so every head's kernel call must take one"
+                                      " path")
+        missing = [(h, token) for h in range(heads - 1) for token in tokens
+                   if h >= len(self.held) or token not in self.held[h]]
+        if missing:
+            h, token = missing[0]
+            raise RecurrentHooksError(f"{where}: head {head} (the last of {heads}) formed the state after token"
+                                      f" {token}, which head {h}'s kernel call did not: a reduction sees every head's"
+                                      " states at once, so each head's kernel call must form the same tokens")
+        earlier = [stack_parts([held.pop(token) for token in tokens], dim=1) for held in self.held[:heads - 1]]
+        return stack_parts([*earlier, chunk], dim=2)
+
+
+def held_heads(plan: Plan) -> HeldHeads | None:
+    """The states a reduction of `plan` waits on, where its kernel runs once per head (else None)."""
+    owner = plan.owner
+    if owner.head is None or owner.forward is None:
+        return None
+    return owner.held_heads.setdefault(STATE_MEMORY, HeldHeads())  # (a head is of the state's kernel calls)
 
 
 def _name(fn: Any) -> str:

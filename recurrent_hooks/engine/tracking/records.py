@@ -22,6 +22,7 @@ class Forward:
     cache_index: Any = None  # where its memory is in the cache (the kind's `_cache_index`: by default the layer)
     recompute: bool = False  # autograd is recomputing a checkpointed forward (this is not a new call)
     training: bool = False  # the module is in train mode (gradient checkpointing may recompute it)
+    kernel_calls: int = 1  # recurrence kernel calls the forward makes (`Kind._kernel_calls`: its heads, zamba)
 
 
 def brief(value: Any) -> str:
@@ -166,8 +167,8 @@ class Call:
         """The state after every token of this call, stacked on a `seq` axis after `batch`.
 
         Kept as a reduction (`watch(reduce={"states": fn})`): fn's result for every token, `[batch, seq, ...]`
-        (a kernel run once per head: each head's, stacked on the axis after `seq`). Kept in grad mode, it is the
-        tensor the forward read every state through:
+        (a kernel run once per head: fn saw every head's states, and its last head's kernel call kept them). Kept
+        in grad mode, it is the tensor the forward read every state through:
         `torch.autograd.grad(metric, call.states)` gives the effect of a write at each token, also when
         the weights are frozen (for a kernel run once per head, see `differentiable`)."""
         return self.kept(STATE_MEMORY)

@@ -160,6 +160,8 @@ class CallTracker:
         self.kernel_call_counts: dict[str, int] = {}  # memory -> kernel calls in the running forward
         self.tokens = 0  # tokens of the running kernel call
         self.head: int | None = None  # the head of the running recurrence kernel call (KERNEL_PER_HEAD kinds)
+        # memory -> the earlier heads' states a reduction waits on until the forward's last head (`visitor.HeldHeads`)
+        self.held_heads: dict[str, Any] = {}
         self.recomputing = False  # the running forward is a checkpointed forward being recomputed
         self.replays: collections.deque[_Replay] = collections.deque(maxlen=_REPLAYS_KEPT)
         self.saw_cache: Callable[[Any], None] | None = None  # the watch's: record how the cache gets reordered
@@ -202,6 +204,7 @@ class CallTracker:
         self.forward = forward
         self.kernel_call_counts = {}
         self.head = None
+        self.held_heads = {}
         self.recomputing = forward.recompute
 
     def begin(self, forward: Forward) -> None:
@@ -247,6 +250,7 @@ class CallTracker:
         """What every implementation does when a forward ends: check that a call that `wants` something called
         a watched kernel (`shown`: the call's index as the message shows it)."""
         self.head = None
+        self.held_heads = {}
         recompute, self.recomputing = self.recomputing, False
         forward, self.forward = self.forward, None
         if forward is None or recompute:
