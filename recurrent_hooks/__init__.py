@@ -12,7 +12,7 @@ The public names are listed in `__all__`. The names for adding a mixer kind or a
 
 The package is three layers and the registry between two of them (docs/architecture.md has the picture):
 
-    studies/    sweep, attribution, effective attention, probes, harvest         imports the engine (and the kinds' data)
+    studies/    sweep, attribution, effective attention, probes, harvest     imports the engine (and the kinds' data)
     registry.py the families: transformers modules and mixer classes -> kinds
     kinds/      one module per mixer kind: its kernels, loops, costs     imports the engine
     engine/     watch, the mixer handle, calls, dispatch, patching, compile support, the paths and their choice
@@ -21,49 +21,49 @@ Imports run downwards only: the engine imports no kind, no study and not the reg
 (tests/test_layout.py).
 """
 
-from .studies import metrics as metrics
-from .studies.probes import probe as probe
-from .studies.harvest import Harvest as Harvest
-from .studies.harvest import harvest as harvest
-from .studies.harvest import HarvestDataset as HarvestDataset
-from .studies.attribution import Attribution as Attribution
-from .studies.attribution import attribute as attribute
-from .studies.effective_attention import EffectiveAttention as EffectiveAttention
-from .studies.effective_attention import effective_attention as effective_attention
+from .engine.declare.kernels import Kernel as Kernel
 from .engine.errors import InvalidValue as InvalidValue
 from .engine.errors import RecurrentHooksDeprecationWarning as RecurrentHooksDeprecationWarning
 from .engine.errors import RecurrentHooksError as RecurrentHooksError
 from .engine.errors import RecurrentHooksWarning as RecurrentHooksWarning
 from .engine.errors import Unavailable as Unavailable
 from .engine.errors import former_names as _former_names
-from .kinds.kimi_delta import KimiDeltaAttention as KimiDeltaAttention
-from .kinds.lightning import LightningAttention as LightningAttention
-from .kinds.gated_delta_net import GatedDeltaNet as GatedDeltaNet
+from .engine.handle.mixer import RecurrentMixer as RecurrentMixer
+from .engine.policy import Paths as Paths
+from .engine.standalone import register_state_hook as register_state_hook
+from .engine.support import MixerSupport as MixerSupport
+from .engine.support import route_kernels as route_kernels
+from .engine.support import support as support
 from .engine.tracking.records import Call as Call
 from .engine.tracking.records import KernelCall as KernelCall
 from .engine.tracking.records import Memory as Memory
-from .engine.declare.kernels import Kernel as Kernel
-from .engine.handle.mixer import RecurrentMixer as RecurrentMixer
-from .registry import FAMILIES as FAMILIES
+from .engine.watch import Watch as Watch
+from .engine.watch import watch as watch
+from .kinds.dynamic_conv import DynamicShortConvolution as DynamicShortConvolution
+from .kinds.dynamic_conv import LoopedDynamicShortConvolution as LoopedDynamicShortConvolution
+from .kinds.gated_delta_net import GatedDeltaNet as GatedDeltaNet
+from .kinds.kimi_delta import KimiDeltaAttention as KimiDeltaAttention
+from .kinds.lightning import LightningAttention as LightningAttention
 from .kinds.rg_lru import RealGatedLinearRecurrence as RealGatedLinearRecurrence
 from .kinds.selective_scan import PerHeadSelectiveScan as PerHeadSelectiveScan
 from .kinds.selective_scan import SelectiveScan as SelectiveScan
 from .kinds.short_conv import LoopedShortConvolution as LoopedShortConvolution
 from .kinds.short_conv import ShortConvolution as ShortConvolution
-from .kinds.dynamic_conv import DynamicShortConvolution as DynamicShortConvolution
-from .kinds.dynamic_conv import LoopedDynamicShortConvolution as LoopedDynamicShortConvolution
 from .kinds.state_space import Mamba2StateSpace as Mamba2StateSpace
-from .studies.sweep import Sweep as Sweep
-from .studies.sweep import patching_sweep as patching_sweep
-from .engine.policy import Paths as Paths
-from .engine.support import MixerSupport as MixerSupport
-from .engine.watch import Watch as Watch
-from .engine.standalone import register_state_hook as register_state_hook
-from .engine.support import route_kernels as route_kernels
-from .engine.support import support as support
-from .engine.watch import watch as watch
 from .kinds.wkv import WeightedKeyValue as WeightedKeyValue
 from .kinds.zaya import CompressedConvolutionalAttention as CompressedConvolutionalAttention
+from .registry import FAMILIES as FAMILIES
+from .studies import metrics as metrics
+from .studies.attribution import Attribution as Attribution
+from .studies.attribution import attribute as attribute
+from .studies.effective_attention import EffectiveAttention as EffectiveAttention
+from .studies.effective_attention import effective_attention as effective_attention
+from .studies.harvest import Harvest as Harvest
+from .studies.harvest import HarvestDataset as HarvestDataset
+from .studies.harvest import harvest as harvest
+from .studies.probes import probe as probe
+from .studies.sweep import Sweep as Sweep
+from .studies.sweep import patching_sweep as patching_sweep
 
 __all__ = [
     "watch",

@@ -91,8 +91,8 @@ def main() -> None:
         "state only": answer(lambda w: [m.set_state_after(value, memory[m.layer].state) for m in w.mixers]),
         "whole memory": answer(lambda w: w.set_memory_after(value, memory)),
     }
-    print(f"\n2. patch: the corrupt prompt gives pair {pair} the value {names[wrong]}; write the clean run's memory after"
-          f" token {value} (the value) into it, in every layer:")
+    print(f"\n2. patch: the corrupt prompt gives pair {pair} the value {names[wrong]}; write the clean run's memory"
+          f" after token {value} (the value) into it, in every layer:")
     for name, (token, margin) in rows.items():
         print(f"   {name:>12}: answer {token}, logit({names[right]}) - logit({names[wrong]}) = {margin:+.2f}")
     print("   right after the value token, only the convolution window holds it: the state alone does nothing")

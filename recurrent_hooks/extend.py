@@ -14,8 +14,7 @@ through both.
 Users who read and write states need none of this: `recurrent_hooks` itself has their names.
 """
 
-from .kinds.shared.conv import CONV_KERNELS as CONV_KERNELS
-from .kinds.gated_delta_net import GatedDeltaNet as GatedDeltaNet
+from .engine.binding.upstream import torch_kernel as torch_kernel
 from .engine.declare.kernels import CONV_MEMORY as CONV_MEMORY
 from .engine.declare.kernels import FORWARD as FORWARD
 from .engine.declare.kernels import STATE_MEMORY as STATE_MEMORY
@@ -23,29 +22,30 @@ from .engine.declare.kernels import Kernel as Kernel
 from .engine.declare.kernels import Role as Role
 from .engine.declare.kernels import Segments as Segments
 from .engine.declare.kernels import Site as Site
+from .engine.errors import former_names as _former_names
+from .engine.handle.mixer import RecurrentMixer as RecurrentMixer
+from .kinds.dynamic_conv import DynamicShortConvolution as DynamicShortConvolution
+from .kinds.dynamic_conv import LoopedDynamicShortConvolution as LoopedDynamicShortConvolution
+from .kinds.gated_delta_net import GatedDeltaNet as GatedDeltaNet
 from .kinds.kimi_delta import KimiDeltaAttention as KimiDeltaAttention
 from .kinds.lightning import LightningAttention as LightningAttention
-from .engine.handle.mixer import RecurrentMixer as RecurrentMixer
-from .engine.binding.upstream import torch_kernel as torch_kernel
-from .engine.errors import former_names as _former_names
-from .kinds.rg_lru import RealGatedLinearRecurrence as RealGatedLinearRecurrence
 from .kinds.mlstm import MatrixLSTM as MatrixLSTM
 from .kinds.mlstm import MLSTMState as MLSTMState
+from .kinds.rg_lru import RealGatedLinearRecurrence as RealGatedLinearRecurrence
+from .kinds.selective_scan import PerHeadSelectiveScan as PerHeadSelectiveScan
+from .kinds.selective_scan import SelectiveScan as SelectiveScan
+from .kinds.shared.conv import CONV_KERNELS as CONV_KERNELS
+from .kinds.short_conv import LoopedShortConvolution as LoopedShortConvolution
+from .kinds.short_conv import ShortConvolution as ShortConvolution
+from .kinds.state_space import Mamba2StateSpace as Mamba2StateSpace
+from .kinds.wkv import WeightedKeyValue as WeightedKeyValue
+from .kinds.wkv import WkvState as WkvState
+from .kinds.zaya import CompressedConvolutionalAttention as CompressedConvolutionalAttention
 from .registry import FAMILIES as FAMILIES
 from .registry import UNSUPPORTED as UNSUPPORTED
 from .registry import Family as Family
 from .registry import Unsupported as Unsupported
 from .registry import register as register
-from .kinds.selective_scan import PerHeadSelectiveScan as PerHeadSelectiveScan
-from .kinds.selective_scan import SelectiveScan as SelectiveScan
-from .kinds.short_conv import LoopedShortConvolution as LoopedShortConvolution
-from .kinds.short_conv import ShortConvolution as ShortConvolution
-from .kinds.dynamic_conv import DynamicShortConvolution as DynamicShortConvolution
-from .kinds.dynamic_conv import LoopedDynamicShortConvolution as LoopedDynamicShortConvolution
-from .kinds.state_space import Mamba2StateSpace as Mamba2StateSpace
-from .kinds.wkv import WeightedKeyValue as WeightedKeyValue
-from .kinds.wkv import WkvState as WkvState
-from .kinds.zaya import CompressedConvolutionalAttention as CompressedConvolutionalAttention
 
 __all__ = [
     "RecurrentMixer",

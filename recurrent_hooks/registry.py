@@ -24,17 +24,16 @@ from .engine.binding.registry import unregister as unregister
 from .engine.binding.registry import unsupported_of as unsupported_of
 from .engine.binding.upstream import is_at_least
 from .kinds.dynamic_conv import DynamicShortConvolution, LoopedDynamicShortConvolution
-from .kinds.kimi_delta import KimiDeltaAttention
 from .kinds.gated_delta_net import GatedDeltaNet
+from .kinds.kimi_delta import KimiDeltaAttention
 from .kinds.lightning import LightningAttention
-from .kinds.rg_lru import RealGatedLinearRecurrence
 from .kinds.mlstm import MatrixLSTM
+from .kinds.rg_lru import RealGatedLinearRecurrence
 from .kinds.selective_scan import PerHeadSelectiveScan, SelectiveScan
 from .kinds.short_conv import LoopedShortConvolution, ShortConvolution
 from .kinds.state_space import Mamba2StateSpace
 from .kinds.wkv import WeightedKeyValue
 from .kinds.zaya import CompressedConvolutionalAttention
-
 
 # transformers 5.25's Inkling2LoopModel.forward deep-copies the cache layers of the looped passes, which by then hold
 # tensors; dynamo refuses that in a full graph, with or without a watch (5.24's layers held none yet).

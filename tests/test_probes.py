@@ -3,10 +3,10 @@ float64 einsum over the token loop's states, per kind; one probe per layer; bad 
 
 import pytest
 import torch
-
-import recurrent_hooks as rh
 from _compare import assert_close
 from _models import build, random_ids
+
+import recurrent_hooks as rh
 
 T = 9
 # gated DeltaNet, KDA, Mamba-2, Mamba-1 (no heads axis), Mamba-1 run once per head (zamba: the probe sees every head,
@@ -84,8 +84,8 @@ def test_bad_factors_and_states_are_refused():
 def _wide(family):
     """The family's test model with states wide enough that a rank-2 probe's readouts cost less than the states
     (rank x 16 < 2 cols: `Segments.readouts`; cols = value_dim, or Mamba-2's d_state)."""
-    import transformers
     import _models
+    import transformers
 
     torch.manual_seed(0)
     if family == "qwen3_5":

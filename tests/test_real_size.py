@@ -6,9 +6,10 @@ the public API, one capability a test.
 
 Every other test builds tiny models (vocabulary 128, hidden 32); what breaks only at a real size (a 248,320-token
 vocabulary's ids in float32, a 128-wide state, a chunk of 256, a 6144-wide layer) breaks here. Each prompt holds the
-vocabulary's last ordinary id, and the studies' metric reads it. A family's model is built once (`_real_sizes.build` keeps the last one) and its shared runs
-(`_runs`) once: the plain forward, and a watch that keeps every memory and the kernels' values with a recording
-hook on every token of every mixer; the tests read them and add the runs of their own capability.
+vocabulary's last ordinary id, and the studies' metric reads it. A family's model is built once (`_real_sizes.build`
+keeps the last one) and its shared runs (`_runs`) once: the plain forward, and a watch that keeps every memory and the
+kernels' values with a recording hook on every token of every mixer; the tests read them and add the runs of their
+own capability.
 """
 
 from __future__ import annotations
@@ -207,7 +208,8 @@ def test_a_write_changes_the_logits_after_its_token_and_not_before(family, model
         for memory, value in values.items():
             w.mixers[0].set_after(memory, token, value)
         written = model(runs.ids).logits
-    early = {name: max(bound, tolerance(runs.plain)[name]) for name, bound in adapter.early.items()}  # wider rounds more
+    early = {name: max(bound, tolerance(runs.plain)[name])  # wider rounds more
+             for name, bound in adapter.early.items()}
     assert_close(f"{family}: logits up to the write", runs.plain[:, : token + 1], written[:, : token + 1], **early)
     change = (written[:, token + 1:] - runs.plain[:, token + 1:]).abs().max()
     assert change > adapter.later, f"{family}: a write after token {token} moved the later logits by {change}"

@@ -14,14 +14,15 @@ from typing import Any
 
 from torch import nn
 
-from .paths import costs, budget as memory
-from .dispatch.tap import attach, make_dispatcher
-from .binding.registry import FAMILIES, MixerClass
-from .declare.kernels import Kernel, Site
-from .handle.mixer import RecurrentMixer
 from .binding.rebinding import MISSING, acquire_kernels, bound_original, import_default
-from .dispatch.forwards import make_owner
+from .binding.registry import FAMILIES, MixerClass
 from .binding.upstream import is_kernel_like, kernel_missing, warn_if_untested
+from .declare.kernels import Kernel, Site
+from .dispatch.forwards import make_owner
+from .dispatch.tap import attach, make_dispatcher
+from .handle.mixer import RecurrentMixer
+from .paths import budget as memory
+from .paths import costs
 
 
 def attach_handle(mixer: RecurrentMixer, family: MixerClass, stack: contextlib.ExitStack) -> None:

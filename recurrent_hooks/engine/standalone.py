@@ -12,11 +12,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .attaching import attach_handle
-from .errors import InvalidValue
 from .binding.registry import FAMILIES, MixerClass, mixer_of
+from .errors import InvalidValue
 from .handle.mixer import RecurrentMixer, StateHook
 from .policy import DEFAULT, Paths, Policy, checked_paths
-
 
 _STANDALONE: "weakref.WeakKeyDictionary[nn.Module, RecurrentMixer]" = weakref.WeakKeyDictionary()
 

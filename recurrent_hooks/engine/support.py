@@ -13,14 +13,14 @@ from typing import Any
 
 from torch import nn
 
-from .paths import costs
-from .errors import InvalidValue, Unavailable
+from .binding.rebinding import bound_original, import_default, rebind_process_wide
 from .binding.registry import layer_in_path, mixer_of, resolve_family, unsupported_of
+from .binding.upstream import hub_module, torch_kernel
 from .declare.kernels import KEEPABLE, KERNEL_IO, Role, Site
+from .errors import InvalidValue, Unavailable
 from .handle.kind import PADDING
 from .handle.mixer import RecurrentMixer
-from .binding.rebinding import bound_original, import_default, rebind_process_wide
-from .binding.upstream import hub_module, torch_kernel
+from .paths import costs
 
 
 def route_kernels(family: "str | ModuleType | nn.Module", to: str) -> None:

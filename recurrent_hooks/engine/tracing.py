@@ -8,7 +8,6 @@ taken (their Python-side bookkeeping does not trace).
 
 import torch
 
-
 # True while torch.compile (dynamo) traces the caller; a constant in the traced graph. torch's own function, not a
 # wrapper: the token loops ask it per token, and a wrapper would add a Python call there.
 compiling = torch.compiler.is_compiling

@@ -17,15 +17,15 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from .handle.arguments import as_index, as_keep_device, normalize_keep, normalize_reduce, reduce_of_layer, renamed_keep
 from .attaching import attach_handle
-from .tracking.records import Memory
-from .errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable, renamed
+from .binding.rebinding import Transient, UndoStack
 from .binding.registry import FAMILIES, MixerClass, layer_in_path, mixer_of, unsupported_of
 from .declare.kernels import KERNEL_IO
+from .errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable, renamed
+from .handle.arguments import as_index, as_keep_device, normalize_keep, normalize_reduce, reduce_of_layer, renamed_keep
 from .handle.mixer import RecurrentMixer
-from .binding.rebinding import Transient, UndoStack
 from .policy import Paths, Policy, checked_paths
+from .tracking.records import Memory
 
 
 def _mixer_modules(model: nn.Module) -> list[tuple[str, nn.Module, MixerClass]]:
@@ -109,9 +109,9 @@ class Watch:
 
     What it costs: a call nothing is asked of runs the kernel bound before the watch. A busy call takes
     the path a cost model of its shapes finds cheapest among those it can take (the paths and what each costs:
-    docs/performance.md). `paths` (a `Paths`) sets how: `Paths(rule="loop")` runs every busy call through the token loop, `Paths(rule="fixed")` takes the rule
-    without a cost model, `Paths(force="segments")` takes that path wherever a call can; each kernel call's
-    `path` says which it took.
+    docs/performance.md). `paths` (a `Paths`) sets how: `Paths(rule="loop")` runs every busy call through the token
+    loop, `Paths(rule="fixed")` takes the rule without a cost model, `Paths(force="segments")` takes that path
+    wherever a call can; each kernel call's `path` says which it took.
     """
 
     def __init__(self, model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (),

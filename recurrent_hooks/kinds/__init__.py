@@ -17,8 +17,8 @@ convolution's window kernels and its attribution maths), `delta_rule` (the gated
 Kimi delta attention), `ssm` (Mamba-1's and Mamba-2's discretisation, and their kernels' signatures written once). A
 kind module opens with its declaration (the `RecurrentMixer` subclass, after the kernels it names: a factory line
 each where a shared module writes their signatures, else the token loop itself, which the class needs at creation)
-and has its maths after it. A kind imports the engine (the effective-attention result is `engine.declare.effective`), the
-shared modules' and other kinds' public names, never a study or another kind's private helper. Which transformers
-families use which kind is the registry's business (`recurrent_hooks.registry`; the docs' tables are written from it
-by scripts/doc_tables.py).
+and has its maths after it. A kind imports the engine (the effective-attention result is
+`engine.declare.effective`), the shared modules' and other kinds' public names, never a study or another kind's
+private helper. Which transformers families use which kind is the registry's business (`recurrent_hooks.registry`;
+the docs' tables are written from it by scripts/doc_tables.py).
 """

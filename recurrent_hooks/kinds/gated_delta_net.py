@@ -4,7 +4,8 @@ Glossary (code name, symbol in Yang, Kautz & Hatamizadeh, "Gated Delta Networks"
     batch      b                                       batch size
     seq        t (a position), T (the length)          tokens of one kernel call
     key_heads  -                                       query/key heads (heads % key_heads == 0)
-    heads      -                                       value heads; value head j reads key head j // (heads // key_heads)
+    heads      -                                       value heads; value head j reads key head
+                                                       j // (heads // key_heads)
     key_dim    d_k                                     query/key head size
     value_dim  d_v                                     value head size
     query      q_t     [batch, seq, key_heads, key_dim]    L2-normalised in the kernel, scaled by d_k ** -0.5
@@ -33,13 +34,13 @@ The maths (the token loop, the chunk-wise states, the adjoint), shared with Kimi
 import torch
 from torch import Tensor
 
-from .shared.conv import CONV_KERNELS
-from .shared.delta_rule import cost_shape, kernels, prepare
 from ..engine.declare.effective import EffectiveAttention, cat, decayed
-from ..engine.tracking.records import KernelCall
 from ..engine.declare.kernels import Kernel, Role, Segments
 from ..engine.errors import Unavailable
 from ..engine.handle.mixer import RecurrentMixer
+from ..engine.tracking.records import KernelCall
+from .shared.conv import CONV_KERNELS
+from .shared.delta_rule import cost_shape, kernels, prepare
 
 # the token loops and the chunk-wise kernels, with transformers' signatures (written once: `delta_rule.kernels`)
 (chunk_gated_delta_rule, chunk_gated_delta_rule_states, chunk_gated_delta_rule_adjoint,
@@ -148,6 +149,7 @@ class GatedDeltaNet(RecurrentMixer):
         system = decayed(k, k, cum, cum, 0, strict=True) * b[..., None]  # b h s s   strict_lower(diag(b) W(k, k))
         system.diagonal(dim1=-2, dim2=-1).fill_(1)  # T = I + ...
         reads = decayed(q[:, :, start:], k, cum[:, :, start:], cum, start, strict=False)  # b h t s   W(q, k)
-        weights = torch.linalg.solve_triangular(system, reads, upper=False, left=False, unitriangular=True) * b[:, :, None]
+        weights = torch.linalg.solve_triangular(system, reads, upper=False, left=False,
+                                                unitriangular=True) * b[:, :, None]
         from_state = (q[:, :, start:] * cum[:, :, start:].exp()) @ state - weights @ ((k * cum.exp()) @ state)
         return EffectiveAttention(weights, v, from_state, None, None, calls)

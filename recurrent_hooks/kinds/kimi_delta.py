@@ -36,11 +36,11 @@ Module contents:
 import dataclasses
 from typing import Any
 
-from .shared.conv import CONV_KERNELS
 from ..engine.declare.kernels import Role
-from .shared.delta_rule import cost_shape, kernels
-from .gated_delta_net import GatedDeltaNet
 from ..engine.paths.costs import Shape
+from .gated_delta_net import GatedDeltaNet
+from .shared.conv import CONV_KERNELS
+from .shared.delta_rule import cost_shape, kernels
 
 # the token loops and the chunk-wise kernels, with transformers' signatures (written once: `delta_rule.kernels`)
 (chunk_kimi_delta_attention, chunk_kimi_delta_attention_states, chunk_kimi_delta_attention_adjoint,

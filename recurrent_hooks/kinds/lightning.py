@@ -54,11 +54,11 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from ..engine.tracking.records import KernelCall
-from ..engine.errors import Unavailable
 from ..engine.declare.kernels import FORWARD, STATE_MEMORY, Kernel, Role, Site
 from ..engine.declare.loops import OnToken
+from ..engine.errors import Unavailable
 from ..engine.handle.mixer import RecurrentMixer
+from ..engine.tracking.records import KernelCall
 
 
 def lightning_attention_forward(

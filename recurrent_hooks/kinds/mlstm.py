@@ -50,11 +50,11 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from ..engine.tracking.records import KernelCall
-from ..engine.errors import RecurrentHooksError
 from ..engine.declare.kernels import Kernel, Role, Site
+from ..engine.errors import RecurrentHooksError
 from ..engine.handle.mixer import RecurrentMixer
 from ..engine.tracing import compiling
+from ..engine.tracking.records import KernelCall
 
 
 class MLSTMState(NamedTuple):
@@ -279,7 +279,8 @@ def _mlstm(
 
 def _initial(query: Tensor, value: Tensor, c_initial: Tensor | None, n_initial: Tensor | None,
              m_initial: Tensor | None) -> MLSTMState:
-    """The state a call starts from: the given one, or zeros in float32, as `wrap_chunkwise_arbitrary_sequence_length`."""
+    """The state a call starts from: the given one, or zeros in float32, as
+    `wrap_chunkwise_arbitrary_sequence_length`."""
     batch, heads, _, dhqk = query.shape
     dhv = value.shape[-1]
     given = [c_initial is not None, n_initial is not None, m_initial is not None]

@@ -51,10 +51,10 @@ import torch.nn.functional as F
 from jaxtyping import Bool, Float
 from torch import Tensor, nn
 
-from ..engine.tracking.records import KernelCall
 from ..engine.declare.kernels import CONV_MEMORY, Kernel, Role, Site
 from ..engine.declare.loops import OnToken, handed_back_changed, version_of
 from ..engine.handle.mixer import RecurrentMixer
+from ..engine.tracking.records import KernelCall
 
 
 def rnn_scan(

@@ -59,15 +59,15 @@ from einops import rearrange
 from jaxtyping import Float
 from torch import Tensor
 
-from .shared.conv import CONV_KERNELS
 from ..engine.declare.effective import EffectiveAttention, decayed
-from ..engine.tracking.records import KernelCall
-from ..engine.errors import Unavailable
 from ..engine.declare.kernels import STATE_MEMORY, Kernel, Role, Segments
 from ..engine.declare.loops import OnChunk, OnToken, at_least_float32, chunked, plus, scratch_like, starting_state
+from ..engine.errors import Unavailable
 from ..engine.handle.mixer import RecurrentMixer
-from .shared.ssm import SelectiveScanCall, StateUpdateCall, discrete_step, kernel, step_size
 from ..engine.tracing import compiling
+from ..engine.tracking.records import KernelCall
+from .shared.conv import CONV_KERNELS
+from .shared.ssm import SelectiveScanCall, StateUpdateCall, discrete_step, kernel, step_size
 
 # the kernels, with transformers' signatures (written once: `ssm.kernel`); their maths follow the mixer kinds
 mamba_selective_scan = kernel(SelectiveScanCall, "mamba_selective_scan", __name__, initial_state=None, on_token=None)
@@ -179,7 +179,8 @@ class SelectiveScan(RecurrentMixer):
         cum = (delta[..., None] * A).cumsum(1).transpose(1, 2)  # b d s n   c_s per channel and state entry
         B, C = B[:, None], C[:, None, start:]  # b 1 s n, b 1 t n
         weights = decayed(C, B, cum[:, :, start:], cum, start, strict=False) * delta.transpose(1, 2)[:, :, None]
-        state = first.inputs.get(kind.kernel(first.kernel).state_in) if kind.kernel(first.kernel).role is Role.DECODE else None  # the scan starts from 0
+        state = (first.inputs.get(kind.kernel(first.kernel).state_in) if kind.kernel(first.kernel).role is Role.DECODE
+                 else None)  # the scan starts from 0
         x_rows = x[:, start:].transpose(1, 2)[..., None]  # b d t 1
         if state is None:
             from_state = torch.zeros_like(x_rows)

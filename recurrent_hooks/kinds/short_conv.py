@@ -47,11 +47,11 @@ from typing import Any, ClassVar
 from einops import rearrange
 from torch import Tensor, nn
 
+from ..engine.declare.kernels import CONV_MEMORY
+from ..engine.errors import RecurrentHooksWarning, Unavailable
+from ..engine.handle.mixer import RecurrentMixer
 from ..engine.tracking.records import KernelCall
 from .shared.conv import CONV_KERNELS
-from ..engine.errors import RecurrentHooksWarning, Unavailable
-from ..engine.declare.kernels import CONV_MEMORY
-from ..engine.handle.mixer import RecurrentMixer
 
 
 class ShortConvolution(RecurrentMixer):

@@ -60,15 +60,27 @@ from einops import einsum, repeat
 from jaxtyping import Float
 from torch import Tensor
 
-from .shared.conv import CONV_KERNELS
 from ..engine.declare.effective import EffectiveAttention, decayed
-from ..engine.tracking.records import KernelCall
-from ..engine.errors import Unavailable
 from ..engine.declare.kernels import Kernel, Role, Segments
+from ..engine.declare.loops import (
+    OnChunk,
+    OnToken,
+    Visit,
+    causal_decay,
+    chunk_formed,
+    flushed_exp,
+    plus,
+    rank_one_steps,
+    scratch_like,
+    starting_state,
+    states_buffer,
+    visited,
+)
+from ..engine.errors import Unavailable
 from ..engine.handle.mixer import RecurrentMixer
 from ..engine.paths.costs import Shape
-from ..engine.declare.loops import (OnChunk, OnToken, Visit, causal_decay, chunk_formed, flushed_exp, plus, rank_one_steps,
-                            scratch_like, starting_state, states_buffer, visited)
+from ..engine.tracking.records import KernelCall
+from .shared.conv import CONV_KERNELS
 from .shared.ssm import REQUIRED, ChunkScanCall, StateUpdateCall, discrete_step, kernel, step_size
 
 # the kernels, with transformers' signatures (written once: `ssm.kernel`); their maths follow the mixer kind
@@ -81,9 +93,9 @@ mamba2_selective_state_update = kernel(StateUpdateCall, "mamba2_selective_state_
 
 
 def _cost_shape(arguments: dict[str, Any]) -> Shape:
-    """The prompt kernel call's shape for the cost model (`engine.paths.costs`): transformers' kernel pads to `chunk_size`.
-    Its footprint, measured at mamba2-130m dims (tests/test_path_memory.py): the kernel's graph per chunk unit, the
-    token loop's states a token under autograd."""
+    """The prompt kernel call's shape for the cost model (`engine.paths.costs`): transformers' kernel pads to
+    `chunk_size`. Its footprint, measured at mamba2-130m dims (tests/test_path_memory.py): the kernel's graph per
+    chunk unit, the token loop's states a token under autograd."""
     batch, _, heads, head_dim = arguments["hidden_states"].shape
     return Shape("ssd", batch, heads, head_dim, arguments["B"].shape[-1], arguments["chunk_size"],
                  graph=3.3, loop_graph=1.1)  # above the measured (docs/performance.md, "Paths chosen by memory")
@@ -171,7 +183,8 @@ class Mamba2StateSpace(RecurrentMixer):
                     "C": x["C"], "y": kernel_call.output["output"]}
         # the decode kernel gets the per-head parameters expanded over head_dim: channel 0 is the head's
         dt = step_size(x["dt"][..., 0], None if x["dt_bias"] is None else x["dt_bias"][..., 0], x["dt_softplus"])
-        return {"x": x["hidden_states"][:, None], "dt": dt[:, None], "decay": torch.exp(dt * x["A"][:, 0, 0].float())[:, None],
+        return {"x": x["hidden_states"][:, None], "dt": dt[:, None],
+                "decay": torch.exp(dt * x["A"][:, 0, 0].float())[:, None],
                 "B": x["B"][:, None], "C": x["C"][:, None], "y": kernel_call.output["output"][:, None]}
 
     def _effective_attention(self, calls: range, dtype: torch.dtype) -> EffectiveAttention:
@@ -179,7 +192,8 @@ class Mamba2StateSpace(RecurrentMixer):
         kind = type(self)
         xs, steps, Bs, Cs = [], [], [], []
         for index in calls:
-            values = kind._token_values(self.calls[index].kernel_calls[0])  # token-major x, Δ (clamped as the kernel), B, C
+            # token-major x, Δ (clamped as the kernel), B, C
+            values = kind._token_values(self.calls[index].kernel_calls[0])
             xs.append(values["x"]), steps.append(values["dt"]), Bs.append(values["B"]), Cs.append(values["C"])
         last, first = self.calls[calls[-1]].kernel_calls[0], self.calls[calls[0]].kernel_calls[0]
         x, delta, B, C = (torch.cat([p.to(dtype) for p in pieces], dim=1) for pieces in (xs, steps, Bs, Cs))
@@ -328,7 +342,8 @@ def _chunk_wise_states(
              else call.initial_states.float())
     shape = (seq, batch, heads, head_dim, d_state)
     every = (x.new_empty(0 if factors is not None else min(chunk, seq), *shape[1:]) if on_chunk is not None  # reused
-             else x.new_empty(shape) if out is None else states_buffer(out, shape))  # i b h p n (none: readouts), t b h p n
+             else x.new_empty(shape) if out is None
+             else states_buffer(out, shape))  # i b h p n (none: readouts), t b h p n
     y = x.new_empty(x.shape)  # t b h p
     row_steps = factors is not None or math.prod(shape[1:]) >= ROW_STEPS_FROM
     for start in range(0, seq, chunk):

@@ -17,8 +17,9 @@ mixing, the WKV operator and its recurrent form), shape as the kernels take it; 
       .num       a_t e^{-p_t}   the numerator sum, scaled: a_t = num·e^max
       .den       b_t e^{-p_t}   the denominator sum, scaled: b_t = den·e^max
       .max       p_t            the running max exponent, the scale of num and den
-    window       x'_t  [batch, hidden]           the token shift, which IS rwkv's window (of one input): `window_after(t)`
-                                                 is x'_t, the input token t+1 mixes with (model dtype)
+    window       x'_t  [batch, hidden]           the token shift, which IS rwkv's window (of one input):
+                                                 `window_after(t)` is x'_t, the input token t+1 mixes with
+                                                 (model dtype)
 
 Recurrence, per channel (a_t, b_t in the paper's form; transformers keeps them scaled by e^{-p_t}):
     wkv_t = (a_{t-1} + e^{u + k_t} v_t) / (b_{t-1} + e^{u + k_t})
@@ -51,10 +52,10 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from ..engine.tracking.records import KernelCall
 from ..engine.declare.kernels import CONV_MEMORY, Kernel, Role, Site
 from ..engine.declare.loops import OnToken
 from ..engine.handle.mixer import RecurrentMixer
+from ..engine.tracking.records import KernelCall
 
 
 class WkvState(NamedTuple):
@@ -241,4 +242,5 @@ class WeightedKeyValue(RecurrentMixer):
 def _empty(state: list[Tensor], layer: int) -> bool:
     """Whether `layer`'s WKV state in the model's state list is the empty one RwkvModel starts from."""
     num, den, p = (s[:, :, layer] for s in state[2:5])
-    return bool(((num == 0) & (den == 0) & (p == torch.tensor(_EMPTY_MAX, dtype=p.dtype, device=p.device))).all())  # one sync
+    return bool(((num == 0) & (den == 0)
+                 & (p == torch.tensor(_EMPTY_MAX, dtype=p.dtype, device=p.device))).all())  # one sync

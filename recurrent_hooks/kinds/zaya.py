@@ -50,12 +50,12 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from ..engine.tracking.records import KernelCall
-from ..engine.errors import Unavailable
+from ..engine.binding.upstream import installed_version, is_at_least
 from ..engine.declare.kernels import CONV_MEMORY, STATE_MEMORY, Kernel, Role, Site
 from ..engine.declare.loops import OnToken, handed_back_changed, version_of
+from ..engine.errors import Unavailable
 from ..engine.handle.mixer import RecurrentMixer
-from ..engine.binding.upstream import installed_version, is_at_least
+from ..engine.tracking.records import KernelCall
 
 # transformers' own forward runs a cache that records its past (it takes the conv context from the cache) from 5.25
 # on; before, it raised at the second decode step, and a watched call with hooks refuses it by name.
@@ -150,10 +150,10 @@ class CompressedConvolutionalAttention(RecurrentMixer):
         mix.states                               # Float[Tensor, "batch seq delay_channels"]: the value delay
         mix.set_state_after(4, delay)            # (in a new watch) token 5's delayed value half is `delay`
 
-    Its two memories: the conv window (the memory "window"; transformers' `conv_state`, `[batch, (H + Hkv) * D, K]`, the cache's layout and model
-    dtype), and the value delay, the mixer's `state` (`[batch, Hkv * D / 2]`): the previous token's
-    `v_proj_delayed` output, which transformers caches as the layer's recurrent state. Both are computed
-    inline in the module's forward, which the library owns (a `Site.CLASS` kernel that updates both memories);
+    Its two memories: the conv window (the memory "window"; transformers' `conv_state`, `[batch, (H + Hkv) * D, K]`,
+    the cache's layout and model dtype), and the value delay, the mixer's `state` (`[batch, Hkv * D / 2]`): the
+    previous token's `v_proj_delayed` output, which transformers caches as the layer's recurrent state. Both are
+    computed inline in the module's forward, which the library owns (a `Site.CLASS` kernel that updates both memories);
     hooks on the window are the default (`MEMORIES[0]`), `memory="state"` hooks the delay. `inputs` are the
     forward's arguments, with the cache replaced by the window and the delay it held (None for a prompt);
     `outputs` are its results, `query`, `key`, `value` (before zaya's q/k norm and rotary embedding).
@@ -223,12 +223,14 @@ class CompressedConvolutionalAttention(RecurrentMixer):
     @classmethod
     def _token_values(cls, kernel_call: KernelCall, tokens: int | None = None) -> dict[str, Tensor]:
         if kernel_call.output is None or kernel_call.inputs is None:
-            raise Unavailable(f"{cls.__name__}.values: the kernel {'inputs' if kernel_call.inputs is None else 'outputs'}"
+            raise Unavailable(f"{cls.__name__}.values: the kernel"
+                              f" {'inputs' if kernel_call.inputs is None else 'outputs'}"
                               " were not kept: pass keep=('inputs', 'outputs') to watch")
         return {name: kernel_call.output[name] for name in cls.VALUES}
 
 
-def _repeat_kv(x: Float[Tensor, "batch kv_heads seq head_dim"], groups: int) -> Float[Tensor, "batch heads seq head_dim"]:
+def _repeat_kv(x: Float[Tensor, "batch kv_heads seq head_dim"], groups: int
+               ) -> Float[Tensor, "batch heads seq head_dim"]:
     """transformers' `repeat_kv`: each kv head repeated `groups` times, in place of its position."""
     batch, kv_heads, seq, head_dim = x.shape
     if groups == 1:

@@ -44,12 +44,12 @@ decayed inner products are in `engine.declare.effective`.
 import torch
 from torch import Tensor
 
-from ..engine.handle.arguments import as_index
-from ..engine.tracking.records import Call, recorded
 from ..engine.declare.effective import EffectiveAttention
-from ..engine.errors import InvalidValue, Unavailable
 from ..engine.declare.kernels import STATE_MEMORY
+from ..engine.errors import InvalidValue, Unavailable
+from ..engine.handle.arguments import as_index
 from ..engine.handle.mixer import RecurrentMixer, record_of
+from ..engine.tracking.records import Call, recorded
 
 # -- the history ------------------------------------------------------------------------------------------
 

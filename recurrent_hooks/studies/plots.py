@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..engine.errors import InvalidValue
 from ..engine.declare.memory_parts import parts_of
+from ..engine.errors import InvalidValue
 
 _INSTALL = "pip install recurrent_hooks[plots]"
 

@@ -3,7 +3,8 @@
     probe = rh.probe(a, b)                                  # a [heads, r, rows], b [heads, r, cols]
     with rh.watch(model, keep=("states",), reduce={"states": probe}) as w:
         model(ids)
-    w.mixers[0].states                                      # [batch, seq, heads, r]: sum_ij a[h, k, i] S_t[h, i, j] b[h, k, j]
+    w.mixers[0].states                                      # [batch, seq, heads, r]:
+                                                            # sum_ij a[h, k, i] S_t[h, i, j] b[h, k, j]
 
 A linear readout <W_h, S_t,h> of a head's state, with W_h of rank r given as factors (W_h = sum_k a_hk b_hk^T), is
 sum_k a_hk^T S_t,h b_hk: r numbers per head and token instead of the state (rows x cols). A full-rank W_h is rank
@@ -24,7 +25,8 @@ Glossary (code name, symbol, shape):
 The probe runs on each chunk of kept states (the general path of `reduce`: the states of a chunk are formed,
 reduced, and dropped; without gradients, where the kind's all-states kernel hands its chunks over, on the chunks as
 the kernel forms them, `Segments.on_chunk`; and for the delta rules and Mamba-2, whose chunk-wise kernels form the
-readouts themselves, `Segments.readouts`, without forming the states at all). docs/api.md, "rh.probe", says what it costs.
+readouts themselves, `Segments.readouts`, without forming the states at all). docs/api.md, "rh.probe", says what it
+costs.
 """
 
 import torch

@@ -109,7 +109,8 @@ class Checkpoint:
             if isinstance(saved.get("key"), dict) and "what" in saved["key"]:  # written before "what" became "memory"
                 saved["key"]["memory"] = saved["key"].pop("what")
             if saved.get("key") != self.key:
-                raise InvalidValue(f"{_WHERE}: checkpoint {file} holds another sweep's cells ({_differs(saved.get('key'), self.key)});"
+                raise InvalidValue(f"{_WHERE}: checkpoint {file} holds another sweep's cells"
+                                   f" ({_differs(saved.get('key'), self.key)});"
                                    " remove it or pass another checkpoint path")
             where = saved["done"]
             values[where] = saved["values"].to(values.device, values.dtype)[where]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import transformers
 
-from ._task import PAD, MQAR, MQARBatch
+from ._task import MQAR, PAD, MQARBatch
 
 __all__ = ["generate_answers", "ForceQueries"]
 
@@ -33,7 +33,9 @@ class ForceQueries(transformers.LogitsProcessor):
         return forced
 
 
-def generate_answers(model: transformers.PreTrainedModel, task: MQAR, batch: MQARBatch, **generate_kwargs) -> torch.Tensor:
+def generate_answers(
+    model: transformers.PreTrainedModel, task: MQAR, batch: MQARBatch, **generate_kwargs
+) -> torch.Tensor:
     """The answers greedy ``model.generate`` gives, as a [batch, queries] tensor of token ids.
 
     The prompt is the pairs and the first query (``batch.ids[:, :query_positions[0] + 1]``). Generation

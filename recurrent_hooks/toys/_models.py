@@ -26,9 +26,9 @@ Layouts:
   key_dim 32, 1,950 steps, 26%; conv x 16, 1,600 steps, 22%; two gated DeltaNet layers after the
   attention, 800 steps, 20%. With the gated DeltaNet first it reached 95% at step 600 and 100% at 3,000.
   What each layer does in the shipped weights: the **attention layer does the lookup**.
-  The only other route from a value to its query is the gated DeltaNet's state, and writing the corrupt run's layer-0 memory (state
-  and conv window, `set_memory_after`) just before the last query into the clean run turns 4.3% of
-  the answers into the corrupt value and leaves 86% clean (256 `contrast` pairs): the recurrent state
+  The only other route from a value to its query is the gated DeltaNet's state, and writing the corrupt run's
+  layer-0 memory (state and conv window, `set_memory_after`) just before the last query into the clean run turns
+  4.3% of the answers into the corrupt value and leaves 86% clean (256 `contrast` pairs): the recurrent state
   does not carry the binding in this toy. Use it to study reading, writing and generation through a
   trained gated DeltaNet, not as a model whose recall lives in its state (that is ``"gdn_recall"``).
 - ``"gdn_recall"``: `Qwen3_5ForCausalLM`, 3 layers ``[linear_attention, linear_attention,
@@ -79,7 +79,7 @@ import torch
 import transformers
 
 from ._init import SLOW_DECAY_FACTOR, init_for_recall
-from ._task import BOS, EOS, PAD, MQAR
+from ._task import BOS, EOS, MQAR, PAD
 
 __all__ = ["TOYS", "toy_config", "build_toy", "load_toy", "toy_task"]
 

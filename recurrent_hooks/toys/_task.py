@@ -85,7 +85,8 @@ class MQAR:
 
     def __init__(self, num_pairs: int = 8, num_queries: int = 4, num_keys: int = 16, num_values: int = 16):
         if not 1 <= num_queries <= num_pairs <= num_keys:
-            raise ValueError(f"need 1 <= num_queries ({num_queries}) <= num_pairs ({num_pairs}) <= num_keys ({num_keys})")
+            raise ValueError(f"need 1 <= num_queries ({num_queries}) <= num_pairs ({num_pairs})"
+                             f" <= num_keys ({num_keys})")
         if num_values < 2:
             raise ValueError(f"need num_values >= 2 (contrast changes a value), got {num_values}")
         self.num_pairs, self.num_queries = num_pairs, num_queries
@@ -115,12 +116,16 @@ class MQAR:
         ids[:, self.answer_token_positions] = answers
         return MQARBatch(ids=ids, pair_keys=keys, pair_values=values, query_pairs=query_pairs, answers=answers)
 
-    def sample(self, batch_size: int, seed: int | None = None, *, generator: torch.Generator | None = None) -> MQARBatch:
+    def sample(
+        self, batch_size: int, seed: int | None = None, *, generator: torch.Generator | None = None
+    ) -> MQARBatch:
         """`batch_size` fresh prompts, a function of `seed` (or of the state of `generator`) only."""
         gen = _generator(generator if generator is not None else seed)
         keys = torch.rand(batch_size, self.num_keys, generator=gen).argsort(dim=1)[:, : self.num_pairs]
         keys = keys + self.key_tokens.start
-        values = torch.randint(self.value_tokens.start, self.value_tokens.stop, (batch_size, self.num_pairs), generator=gen)
+        values = torch.randint(
+            self.value_tokens.start, self.value_tokens.stop, (batch_size, self.num_pairs), generator=gen
+        )
         query_pairs = torch.rand(batch_size, self.num_pairs, generator=gen).argsort(dim=1)[:, : self.num_queries]
         return self._build(keys, values, query_pairs)
 
@@ -145,7 +150,9 @@ class MQAR:
         values.scatter_(1, pair[:, None], new[:, None])
         return clean, self._build(clean.pair_keys, values, clean.query_pairs)
 
-    def answer_logits(self, logits: Float[torch.Tensor, "batch seq vocab"]) -> Float[torch.Tensor, "batch queries vocab"]:
+    def answer_logits(
+        self, logits: Float[torch.Tensor, "batch seq vocab"]
+    ) -> Float[torch.Tensor, "batch queries vocab"]:
         """The logits that predict the answers: ``logits[:, answer_positions]``."""
         return logits[:, self.answer_positions]
 

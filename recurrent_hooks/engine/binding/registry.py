@@ -30,8 +30,8 @@ from typing import Any
 
 from torch import nn
 
-from ..errors import InvalidValue, Unavailable
 from ..declare.kernels import Kernel, Site
+from ..errors import InvalidValue, Unavailable
 from ..handle.mixer import RecurrentMixer
 
 

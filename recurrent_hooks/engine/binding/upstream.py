@@ -2,8 +2,8 @@
 
 Module contents:
 - `TESTED_RANGE`, `TESTED_MINORS`: the transformers releases the suite has passed on (pyproject.toml declares the
-  same range); `installed_version()`, `is_tested(version)`, `is_at_least(major, minor)`, `version_line()`, `warn_if_untested()` (once per
-  process, at the first watch);
+  same range); `installed_version()`, `is_tested(version)`, `is_at_least(major, minor)`, `version_line()`,
+  `warn_if_untested()` (once per process, at the first watch);
 - `torch_kernel(bound)`: the pure-torch function behind what a modeling module binds to a kernel name, by one
   rule for every wrapper transformers puts around a kernel (below);
 - `is_kernel_like(bound)`: whether an object can be what a mixer calls as a kernel;
@@ -13,14 +13,17 @@ Module contents:
   `functools.wraps` for a dispatcher, with the pure-torch function's name and `__wrapped__` = `original`;
 - `kernel_missing(family, kernel, where, found)`: the error for a kernel name that is not there, or not a kernel.
 
-How transformers binds a kernel name (what `torch_kernel` unwraps, until none of these is left):
+How transformers binds a kernel name (what `torch_kernel` unwraps, until none of these is left), one item a
+case, read as "transformers release: what is bound to the name -> the pure-torch function":
 
-| transformers | bound to the name | the pure-torch function |
-| --- | --- | --- |
-| 5.24, or 5.25 without the `kernels` package | `use_kernel_func_from_hub_with_fallback`'s wrapper (a function made with `functools.wraps`) | its `__wrapped__` |
-| 5.25 (it requires `kernels`) | a hub module: `use_kernel_forward_from_hub` turns the wrapper (or a plain function) into an `nn.Module` instance whose class's `forward` calls it | the function its class's `forward` closes over (`func`), then as above |
-| any | a plain function, a method, a `functools.partial` | itself |
-| any, in a watch | the library's dispatcher (`__recurrent_hooks__`) | what was bound before it (`__wrapped__`), then as above |
+- 5.24, or 5.25 without the `kernels` package: `use_kernel_func_from_hub_with_fallback`'s wrapper (a function
+  made with `functools.wraps`) -> its `__wrapped__`;
+- 5.25 (it requires `kernels`): a hub module: `use_kernel_forward_from_hub` turns the wrapper (or a plain function)
+  into an `nn.Module` instance whose class's `forward` calls it -> the function its class's `forward` closes over
+  (`func`), then as above;
+- any: a plain function, a method, a `functools.partial` -> itself;
+- any, in a watch: the library's dispatcher (`__recurrent_hooks__`) -> what was bound before it (`__wrapped__`),
+  then as above.
 """
 
 import functools
@@ -36,7 +39,8 @@ from ..errors import RecurrentHooksWarning, Unavailable
 
 TESTED_MINORS = ((5, 24), (5, 25))  # (major, minor) of every transformers release the suite has passed on
 TESTED_RANGE = ">=5.24,<5.26"  # the same, as pyproject.toml declares it
-_HUB_FUNCTION = "func"  # the name of the function a hub module's class forward closes over (kernels' `_create_func_module`)
+# the name of the function a hub module's class forward closes over (kernels' `_create_func_module`)
+_HUB_FUNCTION = "func"
 
 
 def installed_version() -> str:

@@ -25,7 +25,6 @@ import torch
 
 from ..errors import renamed
 
-
 STATE_MEMORY, CONV_MEMORY = "state", "window"  # the two memories of a mixer: its state, its convolution window
 KEEPABLE = {"inputs": None, "outputs": None, "states": STATE_MEMORY, "windows": CONV_MEMORY}  # keep name -> memory
 KEEP_NAMES = {memory: name for name, memory in KEEPABLE.items() if memory is not None}  # memory -> keep name

@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 
 from ..errors import RecurrentHooksError
-from .memory_parts import State
 from ..tracing import compiling
+from .memory_parts import State
 
 OnToken = Callable[[int, State], State]
 OnChunk = Callable[[int, Tensor], None]

@@ -13,8 +13,8 @@ from typing import Any
 
 from torch import nn
 
-from ..tracking.records import Forward
 from ..handle.mixer import RecurrentMixer
+from ..tracking.records import Forward
 from ..tracking.threads import THREAD
 
 

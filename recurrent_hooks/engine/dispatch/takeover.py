@@ -15,8 +15,8 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from ..errors import RecurrentHooksError
 from ..declare.kernels import Kernel
+from ..errors import RecurrentHooksError
 
 
 class CallRunner(Protocol):
@@ -36,8 +36,9 @@ _RUNNERS: "weakref.WeakKeyDictionary[Any, CallRunner]" = weakref.WeakKeyDictiona
 def running(mixer: Any, runner: CallRunner) -> Iterator[None]:
     """Run the calls of `mixer` (a `RecurrentMixer` handle) that `runner` takes through it, for the block."""
     if mixer in _RUNNERS:
-        raise RecurrentHooksError(f"{mixer}: a call runner is set already ({type(_RUNNERS[mixer]).__name__}); expected"
-                                  f" none while setting {type(runner).__name__} (one study runs a mixer's calls at a time)")
+        raise RecurrentHooksError(f"{mixer}: a call runner is set already ({type(_RUNNERS[mixer]).__name__});"
+                                  f" expected none while setting {type(runner).__name__} (one study runs a mixer's"
+                                  " calls at a time)")
     _RUNNERS[mixer] = runner
     try:
         yield

@@ -18,22 +18,21 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
-from ..paths import runners as _busy
-from . import takeover as _runners
-from ..tracking.records import Forward, KernelCall
-from ..paths.choose import choose
+from ..binding.upstream import wraps_kernel
 from ..declare.kernels import CONV_MEMORY, FORWARD, Kernel, Layout
 from ..handle.mixer import RecurrentMixer, sees
-from ..policy import Choice, Strategy
-from .forwards import Running, drop_left, pop, running_entry
+from ..paths import runners as _busy
+from ..paths.choose import choose
 from ..paths.visitor import Taker
-from ..tracking.threads import THREAD, in_backward
+from ..policy import Choice, Strategy
 from ..tracing import compiling
+from ..tracking.records import Forward, KernelCall
+from ..tracking.threads import THREAD, in_backward
 from ..tracking.tracker import Plan
-from ..binding.upstream import wraps_kernel
+from . import takeover as _runners
+from .forwards import Running, drop_left, pop, running_entry
 
 
 def _forward_of(kind: type[RecurrentMixer], layout: Layout, module: nn.Module, args: tuple, kwargs: dict[str, Any],
@@ -252,7 +251,8 @@ def _drop_hooks(module: nn.Module, tap: _Tap) -> None:
     for hooks in (state.get("_forward_pre_hooks", {}), state.get("_forward_hooks", {})):
         for key in [key for key, hook in hooks.items() if getattr(hook, "__self__", None) is tap]:
             del hooks[key]
-            for flags in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+            for flags in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+                          "_forward_hooks_always_called"):
                 state.get(flags, {}).pop(key, None)
 
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..errors import InvalidValue, renamed
 from ..declare.kernels import KEEPABLE, RENAMED_KEEP
+from ..errors import InvalidValue, renamed
 
 
 def as_index(value: Any, what: str, where: str) -> int:
@@ -39,10 +39,11 @@ def as_token_selection(value: Any, where: str, tokens: int | None) -> int | list
         if tokens is not None:
             return list(range(*value.indices(tokens)))
         start, stop, step = value.start or 0, value.stop, 1 if value.step is None else value.step
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (start, stop, step)) or min(start, stop) < 0 \
-                or step < 1:
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (start, stop, step)) \
+                or min(start, stop) < 0 or step < 1:
             raise InvalidValue(f"{where}: expected a slice of tokens with a stop and no negative bound (the call's"
-                               f" length is not known when a write is registered; list the tokens instead), got {value}")
+                               f" length is not known when a write is registered; list the tokens instead), got"
+                               f" {value}")
         return list(range(start, stop, step))
     if isinstance(value, (list, tuple, range)):
         if len(value) == 0:
@@ -121,7 +122,8 @@ class RowTokens:
             return cls(None, token.detach().cpu(), tuple(columns))
         if token.dim() != 1 or token.is_floating_point() or token.is_complex():
             raise InvalidValue(f"{where}: per-row tokens must be a 1-d integer tensor (one token per batch row)"
-                               f" or a [batch, seq] bool mask, got a {token.dtype} tensor of shape {tuple(token.shape)}")
+                               f" or a [batch, seq] bool mask, got a {token.dtype} tensor of shape"
+                               f" {tuple(token.shape)}")
         per_row = token.detach().cpu().long()
         return cls(per_row, None, tuple(sorted(set(per_row.tolist()))))
 

@@ -67,10 +67,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ..tracking.records import Forward, KernelCall
-from ..errors import Unavailable
 from ..declare.kernels import CONV_MEMORY, STATE_MEMORY, Kernel, Role
-
+from ..errors import Unavailable
+from ..tracking.records import Forward, KernelCall
 
 # what the pads of a left-padded row do to a kind's memories (`Kind.LEFT_PADDING`), in support's general words
 PADDING = {

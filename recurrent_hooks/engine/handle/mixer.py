@@ -44,17 +44,25 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from .arguments import (RowTokens, as_calls, as_index, as_targets, as_token_selection, describe_calls,
-                        describe_token, normalize_keep)
-from ..tracking.records import Call, Forward, Memory, recorded
-from ..tracking.compiled import TracedCallTracker
-from ..errors import InvalidValue, RecurrentHooksError, Unavailable, renamed
-from ..tracking.hooks import SHOWN, Hook
 from ..declare.kernels import CONV_MEMORY, STATE_MEMORY, memory_name
-from .kind import Kind
 from ..declare.memory_parts import State, describe, is_parts, map_parts, not_a_tensor, parts_of, stack_parts
+from ..errors import InvalidValue, RecurrentHooksError, Unavailable, renamed
 from ..policy import Policy, Request
+from ..tracking.compiled import TracedCallTracker
+from ..tracking.hooks import SHOWN, Hook
+from ..tracking.records import Call, Forward, Memory, recorded
 from ..tracking.tracker import CallTracker
+from .arguments import (
+    RowTokens,
+    as_calls,
+    as_index,
+    as_targets,
+    as_token_selection,
+    describe_calls,
+    describe_token,
+    normalize_keep,
+)
+from .kind import Kind
 
 # A state hook: fn(mixer, call, token, state) -> None (keep the state) or a replacement tensor.
 StateHook = Callable[["RecurrentMixer", int, int, Tensor], Tensor | None]
@@ -207,7 +215,7 @@ class RecurrentMixer(Kind):
         return (self.state_after if memory == STATE_MEMORY else self.window_after)(token, call)
 
     def state_after(self, token: "int | Sequence[int] | slice", call: int | None = None
-                    ) -> Float[Tensor, "batch *state"] | Float[Tensor, "batch tokens *state"]:
+                    ) -> Float[Tensor, "batch *state"] | Float[Tensor, "batch tokens *state"]:  # noqa: F821 (jaxtyping's shape string)
         """The state after `token` (negative counts from the end) of call `call` (default: the last call).
 
             mix.state_after(4)          # [batch, *state]
@@ -222,7 +230,8 @@ class RecurrentMixer(Kind):
         return self._after(STATE_MEMORY, token, call, "state_after")
 
     def window_after(self, token: "int | Sequence[int] | slice", call: int | None = None
-                     ) -> Float[Tensor, "batch channels kernel_size"] | Float[Tensor, "batch tokens channels kernel_size"]:
+                     ) -> (Float[Tensor, "batch channels kernel_size"]
+                           | Float[Tensor, "batch tokens channels kernel_size"]):
         """The convolution window after `token` of call `call`: the last kernel_size conv inputs, oldest
         first, in the layout of transformers' cache; token+1 reads its last kernel_size-1 columns. Several
         tokens (a list or a slice) are stacked on the seq axis, as for `state_after`."""
@@ -460,5 +469,6 @@ def record_of(mixer: RecurrentMixer, call: Any, method: str) -> Call:
     if call is None:
         return mixer.calls[-1]
     if not -len(mixer.calls) <= call < len(mixer.calls):
-        raise Unavailable(f"{mixer}: no call {call}; this watch saw {len(mixer.calls)} calls (0..{len(mixer.calls) - 1})")
+        raise Unavailable(f"{mixer}: no call {call}; this watch saw {len(mixer.calls)} calls"
+                          f" (0..{len(mixer.calls) - 1})")
     return mixer.calls[call]

@@ -38,9 +38,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .backward import input_gradients, recompute, slot_names, sweep, tensor_slots, with_tensors
-from ..errors import RecurrentHooksWarning
 from ..declare.kernels import Kernel, Pieces
+from ..errors import RecurrentHooksWarning
+from .backward import input_gradients, recompute, slot_names, sweep, tensor_slots, with_tensors
 
 PIECE = 64  # tokens per recomputed piece in the backward
 

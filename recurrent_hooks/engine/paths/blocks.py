@@ -30,9 +30,9 @@ docs/performance.md, "The blocks path", has the numbers): at small states blocks
 ones they lose, since `all_states` writes every state through memory and computes each from its chunk's start,
 while the loop finds the state it just computed in the cache.
 
-`BLOCK` = 64, by measurement (the same section). The per-block Python cost (one chunk-wise call: binding, `narrow`s, the buffer) is spread over 64 tokens, a block
-is a few of the chunk-wise kernels' own 16-token chunks, a replacement recomputes at most one block, and the
-buffer stays small (64 states of 4 heads x 16 x 16 are 256 KB).
+`BLOCK` = 64, by measurement (the same section). The per-block Python cost (one chunk-wise call: binding,
+`narrow`s, the buffer) is spread over 64 tokens, a block is a few of the chunk-wise kernels' own 16-token chunks, a
+replacement recomputes at most one block, and the buffer stays small (64 states of 4 heads x 16 x 16 are 256 KB).
 
 Glossary (code name, symbol, shape):
     tokens      T                       tokens of the call

@@ -17,11 +17,10 @@ from collections.abc import Iterable
 
 import torch
 
-from . import blocks
-from .costs import STATES_CHUNK, Shape, pieces
 from ..policy import Paths, Strategy
 from ..tracing import compiling
-
+from . import blocks
+from .costs import STATES_CHUNK, Shape, pieces
 
 DEFAULT_BUDGET_SHARE = 0.25  # `Paths(memory_budget=None)`: this share of the device's memory
 _DEVICE_MEMORY: dict[str, float] = {}  # device ("cuda:0", "cpu:None") -> its bytes, read once (`note_device`)

@@ -19,12 +19,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .blocks import blocks_apply
-from .costs import Shape, costs_for, estimators, segments_cost
 from ..declare.kernels import Kernel
-from .budget import budget_of, held_bytes
 from ..policy import DEFAULT, Choice, Constants, Paths, Strategy
 from ..tracing import compiling
+from .blocks import blocks_apply
+from .budget import budget_of, held_bytes
+from .costs import Shape, costs_for, estimators, segments_cost
 
 
 def _within(available: list[Strategy], held: dict[Strategy, float] | None, budget: float) -> list[Strategy]:

@@ -168,7 +168,8 @@ def estimators(constants: Constants, shape: Shape, tokens: int, stops: Iterable[
                ) -> dict[Strategy, Callable[[], float]]:
     """Each path's estimate, as a function (a choice computes only those of the paths it can take)."""
     return {Strategy.SEGMENTS: lambda: segments_cost(constants, shape, tokens, stops, tails)[0],
-            Strategy.STATES: lambda: sum(states_cost(constants, shape, end - start) for start, end in pieces(stops, tokens)),
+            Strategy.STATES: lambda: sum(states_cost(constants, shape, end - start)
+                                         for start, end in pieces(stops, tokens)),
             Strategy.BLOCKS: lambda: states_cost(constants, shape, tokens),
             Strategy.CHUNKS: lambda: states_cost(constants, shape, tokens),
             Strategy.LOOP: lambda: loop_cost(constants, shape, tokens)}

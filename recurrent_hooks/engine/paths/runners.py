@@ -15,15 +15,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import adjoint as _adjoint
-from . import blocks as _blocks
-from . import visitor as _visitor
+from ..declare.kernels import Kernel, Pieces, state_shape
 from ..declare.memory_parts import map_parts, stack_parts
 from ..errors import RecurrentHooksError
-from ..declare.kernels import Kernel, Pieces, state_shape
 from ..policy import Choice, Strategy
 from ..tracking.threads import loop_threads
 from ..tracking.tracker import Plan
+from . import adjoint as _adjoint
+from . import blocks as _blocks
+from . import visitor as _visitor
 
 
 @dataclasses.dataclass

@@ -13,13 +13,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import blocks as _blocks
-from ..tracking.tracker import Plan
-from ..errors import InvalidValue, RecurrentHooksError, noted
 from ..declare.kernels import STATE_MEMORY
 from ..declare.memory_parts import State, is_parts, map_parts, parts_of, rebuild, stack_parts
-from ..tracking.threads import user_code
+from ..errors import InvalidValue, RecurrentHooksError, noted
 from ..tracing import compiling
+from ..tracking.threads import user_code
+from ..tracking.tracker import Plan
+from . import blocks as _blocks
 
 
 class Taker:

@@ -46,10 +46,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .records import Forward, KernelCall
-from .hooks import Hook, hook_of
 from ..declare.kernels import STATE_MEMORY, Kernel
 from ..declare.memory_parts import is_parts, map_parts, parts_of, rebuild
+from .hooks import Hook, hook_of
+from .records import Forward, KernelCall
 from .tracker import CallTracker, Plan
 
 _KEYS = itertools.count(1)

@@ -6,9 +6,9 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from ..errors import InvalidValue, Unavailable, renamed
 from ..declare.kernels import CONV_MEMORY, KEEP_NAMES, STATE_MEMORY, memory_name
 from ..declare.memory_parts import map_parts, stack_parts
+from ..errors import InvalidValue, Unavailable, renamed
 
 
 @dataclasses.dataclass
@@ -122,7 +122,8 @@ class Call:
                 "every token" if self._positions.get(memory) is None else sorted(by_kernel_call[0])
                 for memory, by_kernel_call in self._kept.items()}
         return (f"Call(index={self.index}, where={self.where!r}, tokens={self.tokens}, kernel={self.kernel!r},"
-                f" reorder={brief(self.reorder)}, kernel_calls={brief(self.kernel_calls)}, conv={brief(self.conv)}, kept={kept})")
+                f" reorder={brief(self.reorder)}, kernel_calls={brief(self.kernel_calls)}, conv={brief(self.conv)},"
+                f" kept={kept})")
 
     @property
     def parts(self) -> list[KernelCall]:

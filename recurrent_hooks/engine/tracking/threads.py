@@ -2,7 +2,8 @@
 
 A kernel call belongs to the innermost mixer forward running in its own thread (each pushes its entry
 in its class's `__call__` and pops it on the way out: `forwards.make_owner`), and is handled if that forward is
-watched; code inside a user's hook runs kernels untouched (`user_code`). `in_backward` tells autograd's recomputes (checkpointing) apart.
+watched; code inside a user's hook runs kernels untouched (`user_code`). `in_backward` tells autograd's recomputes
+(checkpointing) apart.
 """
 
 import contextlib

@@ -34,15 +34,16 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from . import records as _calls
-from .records import Call, Forward, KernelCall, position_of
-from ..errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable, noted
-from .hooks import SHOWN, Hook
 from ..declare.kernels import CONV_MEMORY, KEEP_NAMES, STATE_MEMORY, Kernel
 from ..declare.memory_parts import State, axes_of, is_parts, map_parts, not_a_tensor, parts_of
-from .threads import user_code
-from ..tracing import compiling
+from ..errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable, noted
 from ..policy import Request
+from ..tracing import compiling
+from . import records as _calls
+from .hooks import SHOWN, Hook
+from .records import Call, Forward, KernelCall, position_of
+from .threads import user_code
+
 _REPLAY_MATCH = 1e-5  # relative fingerprint distance under which a recompute is the same forward
 _REPLAYS_KEPT = 256  # recomputable calls remembered per mixer
 
@@ -359,7 +360,8 @@ class CallTracker:
 
     def file(self, memory: str, kernel: str, kept: "dict[int, State] | None", inputs: dict[str, Any] | None,
              output: dict[str, Any] | None, stacked: State | None = None, path: str = "bound kernel") -> None:
-        """File one kernel call in the running call's record: its inputs and outputs, its path, and the states it kept."""
+        """File one kernel call in the running call's record: its inputs and outputs, its path, and the states it
+        kept."""
         record = self.current
         if record is None:
             return
@@ -397,8 +399,8 @@ class CallTracker:
             return state
         if not replaces:
             raise RecurrentHooksError(
-                f"{self.where}, call {call}, token {token}: {hook.origin} returned a replacement inside a compiled graph"
-                " with gradients on, where hooks can only read (a replacement would cut the gradient); under"
+                f"{self.where}, call {call}, token {token}: {hook.origin} returned a replacement inside a compiled"
+                " graph with gradients on, where hooks can only read (a replacement would cut the gradient); under"
                 " torch.no_grad() a hook may replace, and a write (set_state_after) works either way")
         state = _checked(replacement, state, self, hook, call, token)
         self.note_replaced(hook, token)
@@ -454,5 +456,6 @@ def _checked(replacement: Any, state: State, owner: CallTracker, hook: "Hook", c
         for what, expected, given in (("shape", tuple(want.shape), tuple(got.shape)), ("dtype", want.dtype, got.dtype),
                                       ("device", want.device, got.device)):
             if expected != given:
-                raise InvalidValue(f"{where} gave a {what_part} with {what} {given}, expected {expected} (axes: {axes})")
+                raise InvalidValue(f"{where} gave a {what_part} with {what} {given}, expected {expected}"
+                                   f" (axes: {axes})")
     return replacement

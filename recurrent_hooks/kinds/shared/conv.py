@@ -41,7 +41,6 @@ from ...engine.declare.kernels import CONV_MEMORY, FORWARD, Kernel, Role, Window
 from ...engine.declare.loops import OnToken, handed_back_changed, version_of
 
 
-
 def _conv_loop(
     x: Float[Tensor, "batch channels length"],
     window: Float[Tensor, "batch channels kernel_size"],

@@ -23,8 +23,22 @@ from einops import repeat
 from jaxtyping import Float
 from torch import Tensor
 
-from ...engine.declare.loops import (OnChunk, OnToken, Visit, causal_decay, chunk_formed, flushed_exp, plus, rank_one_steps,
-                            refuse_packed, scratch_like, starting_state, states_buffer, times, visited)
+from ...engine.declare.loops import (
+    OnChunk,
+    OnToken,
+    Visit,
+    causal_decay,
+    chunk_formed,
+    flushed_exp,
+    plus,
+    rank_one_steps,
+    refuse_packed,
+    scratch_like,
+    starting_state,
+    states_buffer,
+    times,
+    visited,
+)
 from ...engine.paths.costs import Shape
 
 
@@ -160,7 +174,8 @@ def gated_delta_rule_states(
         interaction = _decayed_products(kc, kc, decay) * bc[:, None]  # i j b h   b_i k_i^T D_ij k_j
         system = torch.eye(size, device=q.device) + interaction.permute(2, 3, 0, 1).tril(-1)  # b h i j
         # (b h batches: broadcasting S_0 over the chunk's tokens would copy it once per token)
-        reads = ((kc * flushed_exp(cum)).permute(1, 2, 0, 3) @ state).permute(2, 0, 1, 3)  # i b h v   S_0^T diag(exp(c_i)) k_i
+        reads = ((kc * flushed_exp(cum)).permute(1, 2, 0, 3) @ state
+                 ).permute(2, 0, 1, 3)  # i b h v   S_0^T diag(exp(c_i)) k_i
         rhs = (bc[..., None] * (vc - reads)).permute(1, 2, 0, 3)  # b h i v
         u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # b h j v
         states = every[start:start + size] if on_chunk is None else every[:size]  # i b h k v   (readouts: none)
@@ -194,7 +209,8 @@ def _states_at_once(states: Tensor, state: Tensor, cum: Tensor, decay: Tensor, k
 
 
 def _chunk_readouts(factors: tuple[Tensor, Tensor], state: Tensor, cum: Tensor, decay: Tensor, keys: Tensor,
-                    u: Tensor) -> tuple[Float[Tensor, "i batch heads r"], Float[Tensor, "batch heads key_dim value_dim"]]:
+                    u: Tensor
+                    ) -> tuple[Float[Tensor, "i batch heads r"], Float[Tensor, "batch heads key_dim value_dim"]]:
     """A chunk's rank-r linear readouts sum_r a_r^T S_i b_r per head, and its last state, without forming the
     states S_0 .. S_{size-1} in between (the probe `rh.probe(a, b)` at the cost of a query):
         a^T S_i b = (a * exp(c_i))^T S_0 b + sum_{j<=i} (a^T D_ij k_j) (u_j^T b)
@@ -312,9 +328,9 @@ def kernels(prompt_name: str, decode_name: str, module: str, kimi: bool = False)
 
 
 def cost_shape(arguments: dict[str, Any]) -> Shape:
-    """The prompt kernel call's shape for the cost model (`engine.paths.costs`): transformers' kernel pads to chunks of 64.
-    Its footprint, measured at Qwen3.5 dims (tests/test_path_memory.py): the kernel's graph GRAPH per chunk unit,
-    the token loop's LOOP_GRAPH states a token under autograd."""
+    """The prompt kernel call's shape for the cost model (`engine.paths.costs`): transformers' kernel pads to chunks
+    of 64. Its footprint, measured at Qwen3.5 dims (tests/test_path_memory.py): the kernel's graph GRAPH per chunk
+    unit, the token loop's LOOP_GRAPH states a token under autograd."""
     batch, _, heads, value_dim = arguments["value"].shape
     return Shape("delta rule", batch, heads, arguments["key"].shape[-1], value_dim, arguments.get("chunk_size", 64),
                  graph=GRAPH, loop_graph=LOOP_GRAPH)

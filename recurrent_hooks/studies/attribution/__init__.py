@@ -64,16 +64,16 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
+from ...engine.declare.kernels import CONV_MEMORY, STATE_MEMORY
+from ...engine.declare.memory_parts import map_parts, parts_of
+from ...engine.dispatch import takeover
 from ...engine.errors import InvalidValue, renamed
 from ...engine.handle.arguments import as_index
-from ...engine.dispatch import takeover
-from ...engine.declare.kernels import CONV_MEMORY, STATE_MEMORY
 from ...engine.handle.mixer import RecurrentMixer
-from ...engine.declare.memory_parts import map_parts, parts_of
 from ...engine.policy import Paths
 from ...engine.watch import Watch, watch
-from .pieces import CleanRunner, CorruptRunner, conv_kernel, runs_in_pieces, window_row
 from ..metrics import for_rows, per_row
+from .pieces import CleanRunner, CorruptRunner, conv_kernel, runs_in_pieces, window_row
 
 _MEMORIES = (STATE_MEMORY, CONV_MEMORY)  # the rows `state` and `window`
 Metric = Callable[[Tensor], Tensor]  # logits [batch, seq, vocab] -> [batch] or a scalar
@@ -469,7 +469,8 @@ def _stacked(rows: list[Tensor], chosen: list[RecurrentMixer], where: str) -> Te
         raise InvalidValue(f"{where}: heads=True needs one mixer a layer; layer {several[0][0][0].layer} has"
                            f" {', '.join(f'{m}' for m, _ in several[0])}: attribute without heads (each layer's"
                            " mixers summed)")
-    chosen, rows = [pairs[0][0] for pairs in by_layer.values()], [sum(r for _, r in pairs) for pairs in by_layer.values()]
+    chosen = [pairs[0][0] for pairs in by_layer.values()]
+    rows = [sum(r for _, r in pairs) for pairs in by_layer.values()]
     shapes = {f"{m}": tuple(row.shape[1:-1]) for m, row in zip(chosen, rows)}
     if len(set(shapes.values())) > 1:
         raise InvalidValue(f"{where}: heads=True needs one number of heads in every chosen layer, got"

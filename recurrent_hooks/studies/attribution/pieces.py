@@ -18,11 +18,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...engine.paths.backward import (input_gradients, piece_leaves, recompute, slot_names, sweep, tensor_slots,
-                               with_tensors)
-from ...engine.errors import InvalidValue
 from ...engine.declare.kernels import CONV_MEMORY, STATE_MEMORY, Kernel, Pieces, Role
+from ...engine.errors import InvalidValue
 from ...engine.handle.mixer import RecurrentMixer
+from ...engine.paths.backward import (
+    input_gradients,
+    piece_leaves,
+    recompute,
+    slot_names,
+    sweep,
+    tensor_slots,
+    with_tensors,
+)
 
 STEP_BYTES = 32 * 2**20  # the states of the token loop's graph held at once in the backward of "pieces"
 

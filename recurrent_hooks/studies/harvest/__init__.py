@@ -47,19 +47,29 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ...engine.handle.arguments import normalize_reduce
-from ...engine.errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable, add_note
 from ...engine.declare.kernels import KEEPABLE, KERNEL_IO
-from ...engine.handle.kind import PADDING
 from ...engine.declare.memory_parts import parts_of
+from ...engine.errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable, add_note
+from ...engine.handle.arguments import normalize_reduce
+from ...engine.handle.kind import PADDING
 from ...engine.policy import Paths
 from ...engine.watch import watch
 from ..probes import Probe
+from ..ranks import Ranks
 from .dataset import HarvestDataset
 from .lock import DirectoryLock
-from ..ranks import Ranks
-from .shards import (FORMAT, PARTIAL, check_shards, file_digest, read_header, read_manifest, record_problem,
-                     shard_problem, write_json, write_shard)
+from .shards import (
+    FORMAT,
+    PARTIAL,
+    check_shards,
+    file_digest,
+    read_header,
+    read_manifest,
+    record_problem,
+    shard_problem,
+    write_json,
+    write_shard,
+)
 
 __all__ = ["harvest", "Harvest"]
 

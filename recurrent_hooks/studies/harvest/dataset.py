@@ -112,7 +112,8 @@ class HarvestDataset(Dataset):
     def _doc_positions(self) -> tuple[Tensor, Tensor]:
         if self._index is None:
             empty = torch.zeros(0, dtype=torch.long)
-            docs, positions = (torch.cat([empty, *(shard[name] for shard in self.shards)]) for name in ("doc", "position"))
+            docs, positions = (torch.cat([empty, *(shard[name] for shard in self.shards)])
+                               for name in ("doc", "position"))
             self._index = docs, positions
         return self._index
 

@@ -31,11 +31,11 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from ...engine.errors import InvalidValue, renamed
 from ...engine.declare.kernels import CONV_MEMORY, STATE_MEMORY
+from ...engine.errors import InvalidValue, renamed
 from ...engine.policy import Paths
-from ..ranks import Checkpoint, Ranks, sweep_key
 from ..metrics import for_rows, mixes_pairs
+from ..ranks import Checkpoint, Ranks, sweep_key
 from . import prefix
 from .cells import Cell, Plan, clean_memories, measure, patched, probe, rounds
 

@@ -25,9 +25,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from ...engine.errors import InvalidValue
 from ...engine.declare.kernels import CONV_MEMORY, STATE_MEMORY
 from ...engine.declare.memory_parts import map_parts
+from ...engine.errors import InvalidValue
 from ...engine.policy import Paths
 from ...engine.watch import one_mixer_per_layer, watch
 from ..metrics import per_row
