@@ -18,15 +18,13 @@ KINDS = {"qwen3_5": "states", "kimi_linear": "states", "mamba": "states", "zamba
 
 
 def per_token_norm(states):
-    """A per-token norm, `[batch, chunk, *state] -> [batch, chunk]` (a state of several parts: one per part);
-    `sum(-1)` for zamba, whose kernel runs once per head (each head's state is reduced on its own)."""
+    """A per-token norm, `[batch, chunk, *state] -> [batch, chunk]` (a state of several parts: one per part; a
+    per-head kind's reductions see every head too, as its kept states)."""
     if is_parts(states):
         return torch.stack([part.flatten(2).norm(dim=-1) for part in states], dim=-1)
     return states.flatten(2).norm(dim=-1)
 
 
-def reduction_for(family):
-    return (lambda s: s.sum(-1)) if family == "zamba" else per_token_norm
 
 
 def _full(mixer, name):
@@ -63,7 +61,7 @@ def kept_whole(model, ids, name="states"):
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 @pytest.mark.parametrize("family", sorted(KINDS))
 def test_a_reduction_is_fn_of_the_kept_states(family, grad):
-    model, name, fn = model_of(family), KINDS[family], reduction_for(family)
+    model, name, fn = model_of(family), KINDS[family], per_token_norm
     ids = random_ids(2, TOKENS, seed=3)
     seen = []
 
@@ -87,7 +85,7 @@ def test_a_reduction_is_fn_of_the_kept_states(family, grad):
 
 @pytest.mark.parametrize("family", sorted(KINDS))
 def test_a_reduction_at_some_positions(family):
-    model, name, fn = model_of(family), KINDS[family], reduction_for(family)
+    model, name, fn = model_of(family), KINDS[family], per_token_norm
     ids = random_ids(2, TOKENS, seed=4)
     positions = [3, 70, -1]
     full = kept_whole(model, ids, name)
