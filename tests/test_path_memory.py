@@ -245,6 +245,17 @@ def test_a_bad_budget_is_refused(bad):
         rh.Paths(memory_budget=bad)
 
 
+def test_a_numpy_number_is_taken_as_the_python_number_it_is():
+    """`rh.Paths(memory_budget=np.int64(5))` was refused where np.float64(5.0) was taken."""
+    numpy = pytest.importorskip("numpy")  # (matplotlib, in the test extra, brings it)
+    for budget, kept in ((numpy.int64(5), 5), (numpy.float64(5.5), 5.5), (numpy.int32(0), 0)):
+        paths = rh.Paths(memory_budget=budget)
+        assert paths.memory_budget == kept and type(paths.memory_budget) is type(kept)
+    assert type(rh.Paths(loop_threads=numpy.int64(2)).loop_threads) is int
+    with pytest.raises(rh.InvalidValue, match="memory_budget="):
+        rh.Paths(memory_budget=numpy.bool_(True))
+
+
 def test_a_watched_forward_takes_the_path_within_its_budget():
     """Through a model (the test dims, hooks at 6 tokens, gradients): the fixed rule takes segments, whose pieces'
     graphs (a padded 64-token chunk each) hold more than the token loop's graph at these dims: with a budget of 0

@@ -13,6 +13,7 @@ The cost model that estimates each path is `costs`, the memory budget `budget`, 
 
 import dataclasses
 import enum
+import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -155,14 +156,21 @@ class Paths:
         if self.costs is not None:
             object.__setattr__(self, "costs", _as_constants(self.costs))
         threads = self.loop_threads
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, numbers.Integral)
+                                    or threads < 1):
             raise InvalidValue(f"Paths: expected loop_threads= None or a number of threads >= 1, got"
                                f" loop_threads={threads!r}")
         budget = self.memory_budget
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, numbers.Real)
                                    or not budget >= 0):
             raise InvalidValue(f"Paths: expected memory_budget= None (a quarter of the device's memory), a number of"
                                f" bytes >= 0 or math.inf (no limit), got memory_budget={budget!r}")
+        # (a numpy integer or float is taken as the Python number it is)
+        if threads is not None:
+            object.__setattr__(self, "loop_threads", int(threads))
+        if budget is not None:
+            object.__setattr__(self, "memory_budget", int(budget) if isinstance(budget, numbers.Integral)
+                               else float(budget))
 
     def __hash__(self) -> int:  # (costs is a dict)
         return hash((self.rule, self.force, self.tails, self.blocks_below,
