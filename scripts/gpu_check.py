@@ -1,4 +1,4 @@
-"""The GPU check (issue 40): the suite on a device, the benchmark rows at real dims, the cost model's calibration
+"""The GPU check: the suite on a device, the benchmark rows at real dims, the cost model's calibration
 and the versions, in one prepared command that writes one report.
 
     python scripts/gpu_check.py --out DIR --device cuda          # on a GPU machine: within 8 minutes

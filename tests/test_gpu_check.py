@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py, the GPU check's prepared command (issue 40), in its CPU mode: `--device cpu --quick` runs
+"""scripts/gpu_check.py, the GPU check's prepared command, in its CPU mode: `--device cpu --quick` runs
 every stage and writes the report's every section, so that the script cannot rot between GPU runs."""
 
 import json

@@ -79,7 +79,8 @@ def path_of(choice: rh_policy.Choice | None) -> Strategy:
 
 @pytest.mark.parametrize("kept", [1, 12])
 def test_tiny_heads_large_batch_short_prompt_take_the_token_loop(kept):
-    """The issue's case: 4 value heads of 16, batch 64, T = 25: transformers' chunked kernel costs far more."""
+    """Tiny heads, a large batch, a short prompt (4 value heads of 16, batch 64, T = 25): transformers' chunked kernel
+    costs far more than the token loop."""
     arguments = gdn_arguments(64, 25, 2, 4, 16)
     choice = rh_choose.choose(GDN, [keeping(*spread(kept, 25))], 25, arguments, grad=False)
     assert path_of(choice) is Strategy.LOOP
