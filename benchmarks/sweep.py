@@ -22,8 +22,9 @@ include their clean run:
 Time is the median over `--repeats` rounds, each round running both once (naive first), after one
 untimed warm-up round. A third timing, the floor, runs the same batched forwards unwatched and
 unpatched: what batching alone buys on this model, which bounds the ratio from below. The two results must agree within
-float32 rounding (rtol 1e-5, atol 1e-6: they take different kernel paths; tests/test_sweep.py checks bit equality where
-the paths are the same); the script exits non-zero when they do not, or when the ratio misses the 0.2 target.
+float32 rounding (rtol 1e-5, atol 1e-6: they take different kernel paths; tests/studies/test_sweep.py checks bit
+equality where the paths are the same); the script exits non-zero when they do not, or when the ratio misses the 0.2
+target.
 
 `--memory`: the gated DeltaNet model `gdn_small` of benchmarks/run.py (hidden 256, 4 key / 8 value heads of
 64, 2 layers, vocab 1024), T = 512, layer 0, for a growing number of positions spread over the prompt. Each row

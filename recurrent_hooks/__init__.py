@@ -18,7 +18,7 @@ The package is three layers and the registry between two of them (docs/architect
     engine/     watch, the mixer handle, calls, dispatch, patching, compile support, the paths and their choice
 
 Imports run downwards only: the engine imports no kind, no study and not the registry; a kind imports no study
-(tests/test_layout.py).
+(tests/package/test_layout.py).
 """
 
 from .engine.declare.kernels import Kernel as Kernel

@@ -11,7 +11,7 @@ A family is one registry row (`recurrent_hooks.registry`): adding it changes no 
   kind, or of every kind named in its first cell where the row lists those today (how the row reads is kept);
 - a kind of the registry without a row gets one, from its declaration: its name, the first line of its docstring
   and (concepts.md) its `STATE` axes, for its author to finish in words.
-tests/test_docs.py runs the check.
+tests/package/test_docs.py runs the check.
 """
 
 import argparse

@@ -12,9 +12,9 @@ end DIR holds them, costs.json and stages.tar.gz (each stage's log and result, t
 - versions: the device, python, torch, transformers, flash-linear-attention (fla), the other kernel packages, and
   the library's commit.
 - suite: `pytest --device DEV --one-family-per-kind` over the kernel and contract test files that `.ci/run`'s quick
-  run lists (read from it) and tests/test_device.py. On CUDA twice, side by side: with fla as installed and with
+  run lists (read from it) and tests/package/test_device.py. On CUDA twice, side by side: with fla as installed and with
   it hidden (`sys.modules["fla"] = None`: transformers then finds no fla and binds its torch kernels). On the CPU
-  once, without fla (its kernels run on CUDA only). --quick: tests/test_device.py alone.
+  once, without fla (its kernels run on CUDA only). --quick: tests/package/test_device.py alone.
 - benchmarks: a Qwen3.5-0.8B-like hybrid (24 layers, 3 gated DeltaNet : 1 attention) and mamba2-130m (24 layers),
   built with benchmarks/run.py's builders, bfloat16, batch 1, T = 2,048 (--quick: tiny dims, float32, T = 64).
   Rows, in interleaved rounds after a warm-up round, each the median over rounds of its time over the plain
@@ -224,7 +224,7 @@ def ci_quick_files(ci: pathlib.Path = ROOT / ".ci" / "run") -> list[str]:
     """The test files of `.ci/run`'s quick run (the kernel-equivalence and contract tests, one family per kind)."""
     text = ci.read_text()
     start = text.find("--one-family-per-kind tests/")
-    files = re.findall(r"tests/test_\w+\.py", text[start:text.find("||", start)]) if start >= 0 else []
+    files = re.findall(r"tests/\w+/test_\w+\.py", text[start:text.find("||", start)]) if start >= 0 else []
     if not files:
         raise SystemExit(f"no test files after '--one-family-per-kind' in {ci}: its quick run has changed")
     return files
@@ -234,7 +234,7 @@ def stage_suite(args: argparse.Namespace) -> int:
     import torch
 
     device = torch.device(args.device)
-    files = ["tests/test_device.py"] if args.quick else [*ci_quick_files(), "tests/test_device.py"]
+    files = ["tests/package/test_device.py"] if args.quick else [*ci_quick_files(), "tests/package/test_device.py"]
     variants, notes, missing = {"without fla": HIDDEN}, [], {}
     if device.type != "cuda":
         notes.append(f"on {device.type}: the run without fla only (fla's kernels run on CUDA only)")

@@ -13,8 +13,8 @@ five batches (two with padding and a mask), then checks:
 3. called again, each rank skips its batches on disk and writes the rest; rank 0 writes the manifest: `split/`
    holds the same bytes as `alone/`, file for file, and `rh.HarvestDataset` reads the same items from both.
 With `--sweep`, the same processes then run scripts/sweep_ranks.py's checks in `--dir`/sweep (one start of the
-processes for both: tests/test_distributed.py). Any mismatch raises, and torchrun exits non-zero. Backend: nccl on CUDA
-with a GPU per process, else gloo.
+processes for both: tests/studies/test_distributed.py). Any mismatch raises, and torchrun exits non-zero. Backend: nccl
+on CUDA with a GPU per process, else gloo.
 """
 
 import argparse

@@ -1,5 +1,10 @@
 """Shared fixtures: every test must leave no kernel rebound, no module hook and no standalone hook behind."""
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))  # the shared helpers, imported by name
+
 import _device
 import _models
 import pytest
@@ -68,9 +73,9 @@ def _remove_standalone_hooks(mixer) -> None:
 
 # -- the device: `pytest --device cuda` (default cpu) --------------------------------------------------------------
 #
-# tests/_models.py's `build` and `random_ids` put models and ids on `_models.DEVICE`, set from the option in
+# tests/helpers/_models.py's `build` and `random_ids` put models and ids on `_models.DEVICE`, set from the option in
 # `pytest_configure` (a device this machine lacks is refused there, by name); a test marked
-# `cpu_only(reason=...)` is skipped off the CPU with its reason (tests/_device.py).
+# `cpu_only(reason=...)` is skipped off the CPU with its reason (tests/helpers/_device.py).
 
 
 # -- the full matrices: one family per kind by default, every family with `pytest --full` ------------------------
@@ -92,7 +97,7 @@ def pytest_addoption(parser):
                      help="deselect every case of a test over families but those of one family of each kind"
                           " (.ci/run's quick run on the oldest supported transformers)")
     parser.addoption("--device", default="cpu",
-                     help="where tests/_models.py's build() and random_ids() put models and ids (default cpu;"
+                     help="where tests/helpers/_models.py's build() and random_ids() put models and ids (default cpu;"
                           " cuda on a GPU machine): references stay float64 on the CPU, tests marked cpu_only skip")
 
 

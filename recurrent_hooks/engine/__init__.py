@@ -1,5 +1,5 @@
 """The engine: what every kind shares, and nothing of any kind or study. Its rooms follow one watched forward, and
-import one way, each from itself and the rooms above it in this list (tests/test_layout.py, `ROOMS`):
+import one way, each from itself and the rooms above it in this list (tests/package/test_layout.py, `ROOMS`):
 
 - `errors`, `tracing` (`compiling()`, the one place that asks whether torch.compile traces), `policy` (`Paths`,
   `Strategy` -- the one list of the paths a busy call can take -- `Choice`, `Policy`, `Request`: what a watch asks
@@ -20,6 +20,6 @@ import one way, each from itself and the rooms above it in this list (tests/test
   (`register_state_hook`), `support` (`support`, `MixerSupport`, `route_kernels`).
 
 The engine imports no kind (`recurrent_hooks.kinds`), no study (`recurrent_hooks.studies`) and not the registry's
-rows (tests/test_layout.py checks it). Its modules are internal: the public names are in `recurrent_hooks` and
+rows (tests/package/test_layout.py checks it). Its modules are internal: the public names are in `recurrent_hooks` and
 `recurrent_hooks.extend`; docs/architecture.md draws the rooms and traces one forward through them.
 """

@@ -1,4 +1,5 @@
-"""Whether torch.compile is tracing the running code: the package's one place that asks (tests/test_layout.py pins it).
+"""Whether torch.compile is tracing the running code: the package's one place that asks (tests/package/test_layout.py
+pins it).
 
 What differs while tracing, each where it happens: the per-call tracker hands out its traced implementation
 (`tracker.CallTracker.now`), kept states are copied (no storage queries), a hook's result is a new tensor (no

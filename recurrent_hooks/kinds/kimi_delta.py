@@ -51,7 +51,8 @@ from .shared.delta_rule import cost_shape, kernels
 def _cost_shape(arguments: dict[str, Any]) -> Shape:
     """As gated DeltaNet's, timed by Kimi's constants: transformers' kernel inverts each chunk's system by a
     Python loop over its rows, a larger cost per call, and a graph under autograd many times gated DeltaNet's per
-    chunk (measured at Kimi-Linear dims, tests/test_path_memory.py: docs/performance.md, "Paths chosen by memory")."""
+    chunk (measured at Kimi-Linear dims, tests/engine/test_path_memory.py: docs/performance.md, "Paths chosen by
+    memory")."""
     return dataclasses.replace(cost_shape(arguments), constants="kimi delta", graph=50.0, loop_graph=1.8)
 
 

@@ -33,7 +33,7 @@ method for prompts and one-token decode steps. The convolution is inline in
 transformers' forward, operation for operation, with the window handed to `on_token` after each token.
 
 Rounding: both loops make transformers' own operations in its order and dtypes, so without writes they
-equal transformers bit for bit (tests/test_rg_lru.py): the scan multiplies and adds in `acc_dtype` and
+equal transformers bit for bit (tests/kinds/test_rg_lru.py): the scan multiplies and adds in `acc_dtype` and
 casts each output to the input's dtype; the conv of a prompt is transformers' one `conv_1d` call, and a
 position whose window was written (or kept in grad mode) is recomputed as one `F.conv1d` over its window
 (the same values to float32 precision); the decode step's product-and-sum is transformers'.

@@ -13,7 +13,7 @@ Glossary (code name, symbol, shape as the kernels take it; `conv` has the window
                                                       and dtype of transformers' cache; the whole memory
     output         -         [batch, channels, seq]   DWConv_K(x)_t = sum_k w[:, k] window_t[:, k] (+ bias)
 
-What the window holds, per family (docs/concepts.md, "Short convolutions"; tests/test_short_conv.py checks
+What the window holds, per family (docs/concepts.md, "Short convolutions"; tests/kinds/test_short_conv.py checks
 each equation in float64):
     lfm2, lfm2_moe, lfm3   [B; C; x~] = W_in h;  y = W_out(C ⊙ DWConv_K(B ⊙ x~))    the window holds B ⊙ x~
                            (channels = hidden_size), in the model dtype

@@ -94,7 +94,7 @@ mamba2_selective_state_update = kernel(StateUpdateCall, "mamba2_selective_state_
 
 def _cost_shape(arguments: dict[str, Any]) -> Shape:
     """The prompt kernel call's shape for the cost model (`engine.paths.costs`): transformers' kernel pads to
-    `chunk_size`. Its footprint, measured at mamba2-130m dims (tests/test_path_memory.py): the kernel's graph per
+    `chunk_size`. Its footprint, measured at mamba2-130m dims (tests/engine/test_path_memory.py): the kernel's graph per
     chunk unit, the token loop's states a token under autograd."""
     batch, _, heads, head_dim = arguments["hidden_states"].shape
     return Shape("ssd", batch, heads, head_dim, arguments["B"].shape[-1], arguments["chunk_size"],

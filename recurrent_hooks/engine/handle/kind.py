@@ -107,7 +107,7 @@ class Kind:
     LEFT_PADDING: ClassVar[str] = "masked"  # a key of PADDING
     # the adapters: what the engine and the studies call on a kind, each kind overriding what it must; their names
     # begin with an underscore so that they stay off the researcher's handle (`w.mixers[i]`), and they are the only
-    # underscore names one module of the package uses of another (tests/test_layout.py)
+    # underscore names one module of the package uses of another (tests/package/test_layout.py)
     ADAPTERS: ClassVar[tuple[str, ...]] = (
         "_parse_forward", "_cache_index", "_cached", "_cached_window", "_cached_memory", "_pop_cache",
         "_kernel_arguments", "_instances", "_refusal", "_restart", "_head_channels", "_token_values",

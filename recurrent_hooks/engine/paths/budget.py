@@ -73,7 +73,7 @@ def graph_bytes(shape: Shape, tokens: int) -> float:
 def held_bytes(shape: Shape, tokens: int, stops: Iterable[int], grad: bool, kept: int = 0,
                elsewhere: bool = False, reducing: bool = False) -> dict[Strategy, float]:
     """At most the bytes each path holds on the call's device beyond what the bound kernel holds on the same call
-    (measured at real dims, tests/test_path_memory.py), S being one state of the call (batch included, float32):
+    (measured at real dims, tests/engine/test_path_memory.py), S being one state of the call (batch included, float32):
         token loop        gradients: (Shape.loop_graph T + kept + 2) S, its graph and a copy of each kept state,
                           less the bound kernel's graph, which it replaces (at least 2 S);
                           else 2 S (+ 2 x 64 S: a chunk of states a reduction of every state stacks);

@@ -47,7 +47,7 @@ class Shape:
     key_dim: int  # rows of one head's state (gated DeltaNet: key_dim; Mamba-2: head_dim)
     value_dim: int  # its columns (gated DeltaNet: value_dim; Mamba-2: d_state)
     chunk: int  # the bound kernel's chunk size: each call is padded up to a multiple of it
-    # its memory footprint (`memory.held_bytes`), measured at real dims (tests/test_path_memory.py): the bound
+    # its memory footprint (`memory.held_bytes`), measured at real dims (tests/engine/test_path_memory.py): the bound
     # kernel's autograd graph per chunk, in units of batch * heads * (chunk^2 + chunk (k + v) + k v) float32
     # elements, and the token loop's graph per token under autograd, in states
     graph: float = 0.0

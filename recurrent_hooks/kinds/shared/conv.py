@@ -16,7 +16,7 @@ tokens t+1..t+K-1 read, never token t's own output.
 
 Rounding: the kernels make transformers' own `F.conv1d` call (weight dtype, bias inside) and end as
 it does (activation on the same slice of the same result, then the input's dtype), so they equal
-transformers' kernels bit for bit in float32, bf16 and fp16 (tests/test_dtypes.py). A position whose
+transformers' kernels bit for bit in float32, bf16 and fp16 (tests/kinds/test_dtypes.py). A position whose
 window was written is recomputed as one `F.conv1d` over that window: PyTorch's convolution gives a
 position the same bits whatever the length around it, where a product-and-sum in the model dtype,
 or even in float32, rounds differently (and the activation rounds by the strides it runs over).

@@ -329,8 +329,8 @@ def kernels(prompt_name: str, decode_name: str, module: str, kimi: bool = False)
 
 def cost_shape(arguments: dict[str, Any]) -> Shape:
     """The prompt kernel call's shape for the cost model (`engine.paths.costs`): transformers' kernel pads to chunks
-    of 64. Its footprint, measured at Qwen3.5 dims (tests/test_path_memory.py): the kernel's graph GRAPH per chunk
-    unit, the token loop's LOOP_GRAPH states a token under autograd."""
+    of 64. Its footprint, measured at Qwen3.5 dims (tests/engine/test_path_memory.py): the kernel's graph GRAPH per
+    chunk unit, the token loop's LOOP_GRAPH states a token under autograd."""
     batch, _, heads, value_dim = arguments["value"].shape
     return Shape("delta rule", batch, heads, arguments["key"].shape[-1], value_dim, arguments.get("chunk_size", 64),
                  graph=GRAPH, loop_graph=LOOP_GRAPH)
