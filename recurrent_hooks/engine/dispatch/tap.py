@@ -31,7 +31,7 @@ from ..tracing import compiling
 from ..tracking.records import Forward, KernelCall
 from ..tracking.threads import THREAD, in_backward
 from ..tracking.tracker import Plan
-from . import takeover as _runners
+from . import takeover as _takeover
 from .forwards import Running, drop_left, pop, running_entry
 
 
@@ -186,9 +186,9 @@ class _Tap:
             _keep_memory_arguments(kernel, arguments)
         busy = [[plan for plan in per_memory if not plan.idle] for per_memory in plans]
         path = BOUND_KERNEL
-        runner = None if any(busy) else _runners.runner_for(entry.mixers, kernel)
-        if runner is not None:  # a study runs this call itself (`takeover`)
-            result, path = runner.run(kernel, original, args, kwargs), runner.path
+        takeover = None if any(busy) else _takeover.takeover_for(entry.mixers, kernel)
+        if takeover is not None:  # a study runs this call itself (`takeover`)
+            result, path = takeover.run(kernel, original, args, kwargs), takeover.path
         elif not any(busy):
             result = original(*args, **kwargs)
         else:

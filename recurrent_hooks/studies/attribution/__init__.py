@@ -23,7 +23,7 @@ to attributing the pairs one at a time. A mean over pairs is `.mean(0)`.
 Two ways to the same numbers (`method`):
 - "pieces" (the default where every chosen mixer's kind has a prompt kernel that runs in pieces chaining its
   state, `Segments`: gated DeltaNet, Kimi delta attention, Mamba-2, Mamba-1): no state is kept. Each prompt
-  call of a chosen mixer runs through a call runner (`engine.runners`): in the clean run, the bound kernel
+  call of a chosen mixer runs through a takeover (`engine.dispatch.takeover`): in the clean run, the bound kernel
   in pieces of `piece` tokens, keeping the states at the piece boundaries and the call's inputs; in the
   corrupt run, one `torch.autograd.Function` (`pieces.InPieces`) doing the same forward, whose
   backward is the engine's reverse sweep over pieces (`backward.sweep`, as for every state kept with gradients):
@@ -48,7 +48,7 @@ gradients of k runs on the straight line between the two prompts' input embeddin
 E(x') + alpha (E(x) - E(x')), E = `model.get_input_embeddings()`, alpha = 0, 1/k, ..., (k-1)/k (the left
 points: alpha = 0 is the corrupt run, so steps=1 is the estimate above). The delta stays S_t - S'_t, the corrupt
 run's memory: a forward of the corrupt ids without grad keeps it as the clean one's is kept ("pieces": its calls'
-inputs and boundary states, `CleanRunner`, given to each `InPieces` call as its `reference`; "states": its kept
+inputs and boundary states, `CleanPieces`, given to each `InPieces` call as its `reference`; "states": its kept
 states and windows), while the gradients come from the k runs, one after the other, each graph freed before the
 next; only the per-token terms add up.
 """
@@ -73,7 +73,7 @@ from ...engine.handle.mixer import RecurrentMixer
 from ...engine.policy import Paths
 from ...engine.watch import Watch, watch
 from ..metrics import for_rows, per_row
-from .pieces import CleanRunner, CorruptRunner, conv_kernel, runs_in_pieces, window_row
+from .pieces import CleanPieces, CorruptPieces, conv_kernel, runs_in_pieces, window_row
 
 _MEMORIES = (STATE_MEMORY, CONV_MEMORY)  # the rows `state` and `window`
 Metric = Callable[[Tensor], Tensor]  # logits [batch, seq, vocab] -> [batch] or a scalar
@@ -487,11 +487,11 @@ def _per_buffer(kept: Any, buffers: int) -> list[Any]:
 @dataclasses.dataclass
 class _Recorded:
     """A run of "pieces" without grad (the clean one; the corrupt one at steps > 1): its metric, its chosen
-    layers' call runners (their pieces' inputs and boundary states, the convolutions' inputs) and its watch
+    layers' calls in pieces (their pieces' inputs and boundary states, the convolutions' inputs) and its watch
     (its kept windows where the convolution is not the shared one)."""
 
     value: Tensor
-    runners: dict[int, "CleanRunner"]
+    pieces: dict[int, "CleanPieces"]
     watch: Watch
 
 
@@ -500,7 +500,7 @@ def _attribute_in_pieces(runs: _Runs, clean_ids: Tensor, corrupt_ids: Tensor, pi
     """method="pieces": the state term through `InPieces` calls, the window term from the convolution's inputs
     and output gradients (`Kernel.window_terms`) where every chosen kind's conv is the shared one (`shared_conv`),
     else from kept windows."""
-    keep = () if shared_conv else ("windows",)  # the state kernels' calls (and the shared convs) go to the runners
+    keep = () if shared_conv else ("windows",)  # the state kernels' calls (and the shared convs) go to the takeovers
     clean = _recorded_run(runs, clean_ids, keep, piece, shared_conv)
     reference = _recorded_run(runs, corrupt_ids, keep, piece, shared_conv) if steps > 1 else None
     gradient = functools.partial(_gradient_in_pieces, runs, keep, piece, shared_conv, clean, reference)
@@ -509,11 +509,11 @@ def _attribute_in_pieces(runs: _Runs, clean_ids: Tensor, corrupt_ids: Tensor, pi
 
 
 def _recorded_run(runs: _Runs, ids: Tensor, keep: tuple[str, ...], piece: int, shared_conv: bool) -> _Recorded:
-    """A forward of `ids` without grad, each chosen prompt call in pieces, recorded (`CleanRunner`)."""
+    """A forward of `ids` without grad, each chosen prompt call in pieces, recorded (`CleanPieces`)."""
     with torch.no_grad(), watch(runs.model, keep=keep, paths=runs.paths) as kept, contextlib.ExitStack() as stack:
-        recorders = {m.layer: CleanRunner(piece, shared_conv) for m in runs.chosen(kept)}
+        recorders = {m.layer: CleanPieces(piece, shared_conv) for m in runs.chosen(kept)}
         for m in runs.chosen(kept):
-            stack.enter_context(takeover.running(m, recorders[m.layer]))
+            stack.enter_context(takeover.active(m, recorders[m.layer]))
         value = runs.value(ids)
     return _Recorded(value, recorders, kept)
 
@@ -526,17 +526,17 @@ def _gradient_in_pieces(runs: _Runs, keep: tuple[str, ...], piece: int, shared_c
     with torch.enable_grad(), watch(runs.model, keep=keep, paths=runs.paths) as run, \
             contextlib.ExitStack() as stack:
         chosen = runs.chosen(run)
-        corrupts = {m.layer: CorruptRunner(clean.runners[m.layer], piece, f"{m}",
-                                            None if reference is None else reference.runners[m.layer],
+        corrupts = {m.layer: CorruptPieces(clean.pieces[m.layer], piece, f"{m}",
+                                            None if reference is None else reference.pieces[m.layer],
                                             runs.heads and not m.KERNEL_PER_HEAD)
                     for m in chosen}
         for m in chosen:
-            stack.enter_context(takeover.running(m, corrupts[m.layer]))
+            stack.enter_context(takeover.active(m, corrupts[m.layer]))
         value = runs.value(*args, **named)
     for m in chosen:
-        runner, recorded = corrupts[m.layer], clean.runners[m.layer]
-        if not runner.eps or len(runner.eps) != len(recorded.records):
-            raise InvalidValue(f"{where}: {m}: its prompt kernel ran {len(runner.eps)} time(s) through the pieces"
+        corrupt, recorded = corrupts[m.layer], clean.pieces[m.layer]
+        if not corrupt.eps or len(corrupt.eps) != len(recorded.records):
+            raise InvalidValue(f"{where}: {m}: its prompt kernel ran {len(corrupt.eps)} time(s) through the pieces"
                                f" path in the corrupt run and {len(recorded.records)} in the clean one (another"
                                " handle watching it, or a path the study cannot see): use method='states'")
     windows = [] if shared_conv else [leaf for m in chosen if CONV_MEMORY in m.MEMORIES
@@ -552,8 +552,8 @@ def _gradient_in_pieces(runs: _Runs, keep: tuple[str, ...], piece: int, shared_c
         layout = _recorded_layout(m, clean) if runs.heads else None
         state_rows.append(_eps_row(m, [next(eps_grads) for _ in corrupts[m.layer].eps], runs.ids, layout))
         if shared_conv:
-            window_rows.append(window_row(clean.runners[m.layer], corrupts[m.layer], shift_grads, runs.ids,
-                                           f"{where}: {m}", None if reference is None else reference.runners[m.layer],
+            window_rows.append(window_row(clean.pieces[m.layer], corrupts[m.layer], shift_grads, runs.ids,
+                                           f"{where}: {m}", None if reference is None else reference.pieces[m.layer],
                                            layout))
         else:
             window_rows.append(_memory_row(clean.watch.mixer(m.layer), m, CONV_MEMORY, window_grads, runs.ids,
@@ -579,14 +579,14 @@ def _eps_row(mixer: RecurrentMixer, grads: list[Tensor | None], ids: Tensor, lay
 def _recorded_layout(mixer: RecurrentMixer, clean: "_Recorded") -> "_Heads":
     """The heads of a layer from its recorded clean calls: the boundary states `[batch, heads, *head_state]` (a call
     a head for per-head kernels) and the convolution's channels."""
-    runner = clean.runners[mixer.layer]
-    state = runner.records[0].boundaries[-1]
+    recorded = clean.pieces[mixer.layer]
+    state = recorded.records[0].boundaries[-1]
     if mixer.KERNEL_PER_HEAD:
-        heads, head_state = len(runner.records), tuple(state.shape[1:])
+        heads, head_state = len(recorded.records), tuple(state.shape[1:])
     else:
         heads, head_state = state.shape[1], tuple(state.shape[2:])
-    if runner.convs:
-        channels = runner.convs[0].inputs.shape[1]
+    if recorded.convs:
+        channels = recorded.convs[0].inputs.shape[1]
     elif CONV_MEMORY in mixer.MEMORIES:
         channels = clean.watch.mixer(mixer.layer).calls[0].kept(CONV_MEMORY).shape[2]
     else:

@@ -1,7 +1,7 @@
-"""`attribute(method="pieces")`'s machinery: the call runners of its runs and the backward of a call in pieces.
+"""`attribute(method="pieces")`'s machinery: the takeovers of its runs and the backward of a call in pieces.
 
-    clean = CleanRunner(piece)            # the clean run: the bound kernel in pieces, the boundary states kept
-    corrupt = CorruptRunner(clean, piece, where)   # the corrupt run: each prompt call one `InPieces` Function
+    clean = CleanPieces(piece)            # the clean run: the bound kernel in pieces, the boundary states kept
+    corrupt = CorruptPieces(clean, piece, where)   # the corrupt run: each prompt call one `InPieces` Function
 
 `InPieces`' backward is the engine's reverse sweep over the call's pieces (`engine.paths.backward.sweep`): with the
 kind's adjoint (`AdjointPiece`: the state term (S_t - S'_t) . mu_t), or, for Mamba-1, its token loop under
@@ -61,8 +61,8 @@ def conv_call(kernel: Kernel, args: tuple, kwargs: dict) -> dict[str, Any]:
     return bound
 
 
-def window_row(clean: "CleanRunner", corrupt: "CorruptRunner", grads: Iterable, ids: Tensor,
-                where: str, reference: "CleanRunner | None" = None, layout: "Any" = None) -> Tensor:
+def window_row(clean: "CleanPieces", corrupt: "CorruptPieces", grads: Iterable, ids: Tensor,
+                where: str, reference: "CleanPieces | None" = None, layout: "Any" = None) -> Tensor:
     """`[pairs, seq]`: the window term per pair and token, from each prompt convolution call's inputs and gradient;
     the corrupt inputs are `reference`'s where given (the corrupt run's, at steps > 1), else the gradient run's.
     With a layout, `[pairs, heads, seq]`: each channel's term shared among the heads it feeds."""
@@ -124,8 +124,8 @@ def piece_states(kernel: Kernel, leading: list[Any], named: dict[str, Any], out:
     return torch.stack(kept)
 
 
-class CleanRunner:
-    """The clean run's call runner: the bound kernel in pieces, no grad; keeps what `CleanCall` holds."""
+class CleanPieces:
+    """The clean run's takeover: the bound kernel in pieces, no grad; keeps what `CleanCall` holds."""
 
     path = "attribution: pieces (clean)"
 
@@ -151,12 +151,12 @@ class CleanRunner:
         return pieces.result(outputs, boundaries[-1])
 
 
-class CorruptRunner:
-    """The corrupt run's call runner: each prompt call as one `InPieces` Function, with its zero leaf eps."""
+class CorruptPieces:
+    """The corrupt run's takeover: each prompt call as one `InPieces` Function, with its zero leaf eps."""
 
     path = "attribution: pieces (corrupt)"
 
-    def __init__(self, clean: CleanRunner, piece: int, where: str, reference: CleanRunner | None = None,
+    def __init__(self, clean: CleanPieces, piece: int, where: str, reference: CleanPieces | None = None,
                  heads: bool = False) -> None:
         self.clean, self.piece, self.where, self.heads = clean, piece, where, heads  # heads: an eps per head
         self.reference = reference  # the corrupt run's records (steps > 1): the delta is clean minus them
