@@ -9,8 +9,9 @@ class-attribute kernels that are not the mixer class's. The library's rows are i
 (with one test builder each); `register` adds a row at run time (a fork of a transformers modeling module, a
 family the library does not list yet), which the next watch finds, and refuses a family or mixer class that is
 registered already. A new kind is a `RecurrentMixer` subclass that declares its kernels (`Kernel` rows), its
-memories and its values as class constants, in a module of its own. docs/concepts.md ("Adding a family") walks
-through both.
+memories and its values as class constants, in a module of its own, and, where the defaults do not fit it, its
+adapter (`ADAPTER`, a `KindAdapter` subclass: how its forwards, cache and values are read). docs/concepts.md
+("Adding a family") walks through both.
 Users who read and write states need none of this: `recurrent_hooks` itself has their names.
 """
 
@@ -22,7 +23,10 @@ from .engine.declare.kernels import Kernel as Kernel
 from .engine.declare.kernels import Role as Role
 from .engine.declare.kernels import Segments as Segments
 from .engine.declare.kernels import Site as Site
+from .engine.declare.limits import Caveat as Caveat
+from .engine.declare.limits import Refused as Refused
 from .engine.errors import former_names as _former_names
+from .engine.handle.adapter import KindAdapter as KindAdapter
 from .engine.handle.mixer import RecurrentMixer as RecurrentMixer
 from .kinds.dynamic_conv import DynamicShortConvolution as DynamicShortConvolution
 from .kinds.dynamic_conv import LoopedDynamicShortConvolution as LoopedDynamicShortConvolution
@@ -49,6 +53,7 @@ from .registry import register as register
 
 __all__ = [
     "RecurrentMixer",
+    "KindAdapter",
     "Kernel",
     "Role",
     "Site",
@@ -57,6 +62,8 @@ __all__ = [
     "CONV_MEMORY",
     "FORWARD",
     "CONV_KERNELS",
+    "Caveat",
+    "Refused",
     "Family",
     "FAMILIES",
     "register",

@@ -23,6 +23,8 @@ from .engine.binding.registry import resolve_family as resolve_family
 from .engine.binding.registry import unregister as unregister
 from .engine.binding.registry import unsupported_of as unsupported_of
 from .engine.binding.upstream import is_at_least
+from .engine.declare.limits import Refused
+from .engine.errors import Unavailable
 from .kinds.dynamic_conv import DynamicShortConvolution, LoopedDynamicShortConvolution
 from .kinds.gated_delta_net import GatedDeltaNet
 from .kinds.kimi_delta import KimiDeltaAttention
@@ -35,12 +37,22 @@ from .kinds.state_space import Mamba2StateSpace
 from .kinds.wkv import WeightedKeyValue
 from .kinds.zaya import CompressedConvolutionalAttention
 
+
+def _several_per_layer(how: str) -> dict[str, Refused]:
+    """The limit of a family whose decoder layers hold several mixers that share the layer's `layer_idx`."""
+    return {"one memory per layer": Refused(
+        Unavailable, f"{how}, each its own mixer sharing the layer's layer_idx: Watch.memory_after,"
+        " Watch.set_memory_after and patching_sweep raise for such a model ('have several mixers each'); use each"
+        " mixer's own memory_after / set_memory_after, and w.mixer(layer) is the first of the layer's mixers (module"
+        " order)")}
+
+
 # transformers 5.25's Inkling2LoopModel.forward deep-copies the cache layers of the looped passes, which by then hold
 # tensors; dynamo refuses that in a full graph, with or without a watch (5.24's layers held none yet).
-_INKLING2_LOOP_LIMITS = {"torch.compile(fullgraph=True)": "transformers 5.25's Inkling2LoopModel.forward deep-copies"
-                         " cache layers that hold tensors, which dynamo refuses in a full graph, watched or not;"
-                         " torch.compile without fullgraph breaks the graph there and runs watched"
-                         } if is_at_least(5, 25) else {}
+_INKLING2_LOOP_COMPILE = {"torch.compile(fullgraph=True)": Refused(
+    RuntimeError, "transformers 5.25's Inkling2LoopModel.forward deep-copies cache layers that hold tensors, which"
+    " dynamo refuses in a full graph (torch._dynamo.exc.Unsupported, a RuntimeError), watched or not;"
+    " torch.compile without fullgraph breaks the graph there and runs watched")} if is_at_least(5, 25) else {}
 
 register(
     Family("qwen3_next", {"Qwen3NextGatedDeltaNet": GatedDeltaNet}),
@@ -70,13 +82,19 @@ register(
     Family("lfm2", {"Lfm2ShortConv": ShortConvolution}),
     Family("lfm2_moe", {"Lfm2MoeShortConv": ShortConvolution}),
     Family("lfm3", {"Lfm3ShortConv": ShortConvolution}),
-    Family("inkling", {"InklingShortConvolution": ShortConvolution}),
+    Family("inkling", {"InklingShortConvolution": ShortConvolution},
+           limits=_several_per_layer("inkling runs four short convolutions in each decoder layer")),
     # static convolutions in the linear layers, dynamic ones of the keys and values in the full-attention layers
     Family("inkling2", {"Inkling2ShortConvolution": ShortConvolution,
-                        "Inkling2DynamicShortConvolution": DynamicShortConvolution}),
+                        "Inkling2DynamicShortConvolution": DynamicShortConvolution},
+           limits=_several_per_layer("inkling2 runs four short convolutions in each decoder layer (two of them"
+                                     " dynamic in its full-attention layers)")),
     Family("inkling2_loop", {"Inkling2LoopShortConvolution": LoopedShortConvolution,
                              "Inkling2LoopDynamicShortConvolution": LoopedDynamicShortConvolution},
-           limits=_INKLING2_LOOP_LIMITS),
+           limits={**_several_per_layer("inkling2_loop runs four short convolutions in each decoder layer (two of them"
+                                        " dynamic in its full-attention layers), and a mixer per pass of a looped"
+                                        " layer"),
+                   **_INKLING2_LOOP_COMPILE}),
     # the kernels are partials captured by each layer's backend object when the model is built
     Family("xlstm", {"xLSTMLayer": MatrixLSTM},
            owners={"_inference_fn": "mlstm_backend", "_train_fn": "mlstm_backend"}),

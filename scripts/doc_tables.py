@@ -1,4 +1,5 @@
-"""Write the family tables of README.md, docs/api.md and docs/concepts.md from the registry.
+"""Write the family tables of README.md, docs/api.md and docs/concepts.md from the registry, and the legend of
+`support` in docs/api.md from the code's.
 
     python scripts/doc_tables.py           # rewrite the tables where the registry has changed
     python scripts/doc_tables.py --check   # exit 1, naming the pages, where a table is not the registry
@@ -10,7 +11,9 @@ A family is one registry row (`recurrent_hooks.registry`): adding it changes no 
   concepts.md: "`ShortConvolution` (...; `LoopedShortConvolution`: ...)"): its families are those of the first
   kind, or of every kind named in its first cell where the row lists those today (how the row reads is kept);
 - a kind of the registry without a row gets one, from its declaration: its name, the first line of its docstring
-  and (concepts.md) its `STATE` axes, for its author to finish in words.
+  and (concepts.md) its `STATE` axes, for its author to finish in words;
+- docs/api.md's table `| in support's output | means |`: `recurrent_hooks.engine.support.LEGEND`, which
+  `python -m recurrent_hooks support` prints under its table.
 tests/package/test_docs.py runs the check.
 """
 
@@ -21,10 +24,12 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import recurrent_hooks as rh  # noqa: E402
+from recurrent_hooks.engine.support import LEGEND  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 API_HEADER = "| family | mixer class | kind |"
 KIND_TABLES = {"README.md": "| mixer kind | families |", "docs/concepts.md": "| kind | families | state | axes |"}
+LEGEND_HEADER = "| in support's output | means |"
 
 
 def registry_rows() -> list:
@@ -58,6 +63,14 @@ def api_table(text: str) -> str:
     lines = text.splitlines()
     start, end = _table(lines, API_HEADER)
     rows = [f"| {m.name} | `{m.mixer_class}` | `{m.kind.__name__}` |" for m in registry_rows()]
+    return "\n".join(lines[:start + 2] + rows + lines[end:]) + "\n"
+
+
+def legend_table(text: str) -> str:
+    """The page with the legend table written from `LEGEND`."""
+    lines = text.splitlines()
+    start, end = _table(lines, LEGEND_HEADER)
+    rows = [f"| `{term}` | {meaning.replace('|', chr(92) + '|')} |" for term, meaning in LEGEND.items()]
     return "\n".join(lines[:start + 2] + rows + lines[end:]) + "\n"
 
 
@@ -98,7 +111,7 @@ def kind_table(text: str, page: str) -> str:
 
 def generated() -> dict[str, str]:
     """Each page as the registry makes it."""
-    pages = {"docs/api.md": api_table((ROOT / "docs/api.md").read_text())}
+    pages = {"docs/api.md": legend_table(api_table((ROOT / "docs/api.md").read_text()))}
     for page in KIND_TABLES:
         pages[page] = kind_table((ROOT / page).read_text(), page)
     return pages

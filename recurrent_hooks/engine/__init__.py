@@ -11,7 +11,8 @@ import one way, each from itself and the rooms above it in this list (tests/pack
 - `paths/`: how a busy call runs (`choose`, by the cost model of `costs` within the memory `budget`; one runner per
   path, `runners.RUNNERS`; `blocks`, `adjoint`, `backward`; `visitor`: what a path hands each token's memory to);
 - `handle/`: the user's handle (`mixer.RecurrentMixer`, also the base class of the kinds; `kind.Kind`, the
-  declaration a kind fills in; `arguments`: checking what users hand the library);
+  declaration a kind fills in; `adapter.KindAdapter`, the protocol the engine and the studies ask of a kind, as
+  `kind.adapter`; `arguments`: checking what users hand the library);
 - `binding/`: rebinding kernel names in transformers' modules (`rebinding`, the undo stack; `upstream`, the tested
   releases and the one rule that finds the pure-torch kernel behind a name; `registry`, the families' table);
 - `dispatch/`: which forward a kernel call belongs to and what runs it (`tap`, the dispatcher bound in place of each

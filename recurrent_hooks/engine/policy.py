@@ -230,10 +230,12 @@ class Request:
     - `kernel_io`: which of the kernels' "inputs" and "outputs" are kept;
     - `policy`: how busy calls run and where kept values go (`Policy`);
     - `history`: the handle records its calls (False: a standalone hook's handle, which records none);
-    - `restart_on_prompt`: a call that starts from no cached memory is call 0 again (standalone hooks)."""
+    - `restart_on_prompt`: a call that starts from no cached memory is call 0 again (standalone hooks);
+    - `calls_kept`: how many of its last calls' records it keeps (`watch(history=...)`; None: every call's)."""
 
     keep: "Mapping[str, tuple[int, ...] | None]" = dataclasses.field(default_factory=dict)
     kernel_io: frozenset[str] = frozenset()
     policy: Policy = Policy()
     history: bool = True
     restart_on_prompt: bool = False
+    calls_kept: int | None = None

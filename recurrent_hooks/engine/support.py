@@ -1,22 +1,32 @@
-"""What a model's mixers offer (`support`, `MixerSupport`, `available_of`), and process-wide rebinding of a family's
-kernels (`route_kernels`).
+"""What a model's mixers offer (`support`, `MixerSupport`, `available_of`, `limits_of`, `LEGEND`, `versions`), and
+process-wide rebinding of a family's kernels (`route_kernels`).
 
 Module contents:
-- `support(model)`: per mixer, what the library can give and why not;
+- `support(model)`: per mixer, what works, what works with a caveat and what is refused (`MixerSupport`);
+- `available_of(kind)`, `limits_of(mixer_class)`: what a kind's mixers give, and every limit of a family's mixer
+  class (its kind's `LIMITS`, its family's `limits`, beam search and left padding where the kind says so);
+- `caveats_of(limits)`, `refused_of(limits)`: the limits split by their type (`declare.limits`: `Caveat`, `Refused`);
+- `describe(head, works, limits, notes)`: the three sections as `support` prints them; `LEGEND`: what their words
+  mean (`legend()` prints it under the table; docs/api.md has it); `versions()`: the releases `support --json` names;
 - `route_kernels(family, "torch" | "default")`: process-wide rebinding of a family's kernels to the library's token
   loops, or back to what transformers bound at import.
 """
 
 import dataclasses
+import importlib.metadata
+import textwrap
+from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
+import torch
 from torch import nn
 
 from .binding.rebinding import bound_original, import_default, rebind_process_wide
-from .binding.registry import layer_in_path, mixer_of, resolve_family, unsupported_of
-from .binding.upstream import hub_module, torch_kernel
+from .binding.registry import MixerClass, layer_in_path, mixer_of, resolve_family, unsupported_of
+from .binding.upstream import TESTED_RANGE, hub_module, installed_version, is_tested, torch_kernel
 from .declare.kernels import KEEPABLE, KERNEL_IO, Role, Site
+from .declare.limits import Caveat, Refused, error_names, is_refused
 from .errors import InvalidValue, Unavailable
 from .handle.kind import PADDING
 from .handle.mixer import RecurrentMixer
@@ -57,28 +67,137 @@ def route_kernels(family: "str | ModuleType | nn.Module", to: str) -> None:
     rebind_process_wide(replacements)
 
 
+# What the words of `support`'s output mean, in the order it prints them: term -> meaning. `python -m recurrent_hooks
+# support` prints it under the table; scripts/doc_tables.py writes it into docs/api.md ("`rh.support(model)`").
+LEGEND = {
+    "family: MixerClass -> Kind": "a family (a transformers model type) and one of its mixer classes (the"
+    " transformers module a watch attaches to), handled as the kind (the library's RecurrentMixer subclass that"
+    " declares its kernels and memories, in recurrent_hooks.extend)",
+    "path (MixerClass, layer N, family -> Kind)": "the same for one mixer module of a model: its path in the"
+    " model, its class, its decoder layer, its family and kind",
+    "works": "what a watch gives for this mixer (a caveat below may qualify it), among:",
+    "states": "keep=('states',): the recurrent state after every token (mixer.states, mixer.state_after)",
+    "windows": "keep=('windows',): the short convolution's window after every token (mixer.windows,"
+    " mixer.window_after)",
+    "inputs, outputs": "keep=('inputs', 'outputs'): each kernel call's named arguments and results (call.inputs,"
+    " call.output)",
+    "values": "mixer.values(): the per-token values the kind declares (its VALUES), from the kept inputs and outputs",
+    "writes": "mixer.set_state_after, set_window_after, set_memory_after: replace a memory after a token, and the"
+    " model continues from it",
+    "hooks": "mixer.register_state_hook (or rh.register_state_hook without a watch): a function that sees, and may"
+    " replace, the memory at each token",
+    "works with a caveat": "it runs, but not as one might assume: the caveat says how (most are transformers' own"
+    " behaviour, the same watched or not)",
+    "refused": "it raises the errors named after 'raises': rh.* are the library's (rh.Unavailable: it cannot be"
+    " had), the others transformers' or torch's, raised by their own code (the entry says whether a watch changes"
+    " that)",
+    "everything": "(a mixer class the library does not handle) a watch leaves it unwatched, and refuses a model with"
+    " no supported mixer",
+    "transformers": "what transformers does, said without a release, holds for every tested release (the range in"
+    " the first line); what holds for one release names it",
+}
+
+
+def versions() -> dict[str, Any]:
+    """The releases `support --json` names: this library (None when run from a source tree that is not installed),
+    the installed transformers and torch, the transformers range the suite has passed on, and whether the installed
+    transformers is in it."""
+    try:
+        library = importlib.metadata.version("recurrent_hooks")
+    except importlib.metadata.PackageNotFoundError:
+        library = None
+    return {"recurrent_hooks": library, "transformers": installed_version(), "torch": torch.__version__,
+            "tested_range": TESTED_RANGE, "transformers_tested": is_tested()}
+
+
+def caveats_of(limits: Mapping[str, str]) -> dict[str, str]:
+    """The limits that work with a caveat (a `Caveat`, or a plain `str`: a kind written before the types)."""
+    return {what: why for what, why in limits.items() if not is_refused(why)}
+
+
+def refused_of(limits: Mapping[str, str]) -> dict[str, Refused]:
+    """The limits that raise (`Refused`)."""
+    return {what: why for what, why in limits.items() if is_refused(why)}
+
+
+_WIDTH = 116  # the printed sections' width, wrapped under their indent
+
+
+def _wrapped(text: str, indent: str) -> list[str]:
+    return textwrap.wrap(text, _WIDTH, initial_indent=indent, subsequent_indent=indent + "    ",
+                         break_long_words=False, break_on_hyphens=False)
+
+
+def describe(head: str, works: Sequence[str], limits: Mapping[str, str],
+             notes: Mapping[str, str] | None = None) -> str:
+    """A mixer as `support` prints it: the head line, then what works, what works with a caveat, what is refused
+    (with what it raises) and, for a model's mixer, how its calls run (`LEGEND` says what the words mean)."""
+    lines = [head]
+    if works:
+        lines += _wrapped(f"works: {', '.join(works)}", "  ")
+    for title, section in (("works with a caveat", caveats_of(limits)), ("refused", refused_of(limits))):
+        if section:
+            lines.append(f"  {title}:")
+            for what, why in section.items():
+                raises = f" (raises {' or '.join(error_names(why))})" if is_refused(why) else ""
+                lines += _wrapped(f"{what}{raises}: {why}", "    ")
+    if notes:
+        lines.append("  how calls run:")
+        for what, note in notes.items():
+            lines += _wrapped(f"{what}: {note}", "    ")
+    return "\n".join(lines)
+
+
+def legend() -> str:
+    """`LEGEND` as `support` prints it under its table: the words of "works" (the terms between it and "works with a
+    caveat") indented under it."""
+    lines, terms = ["legend:"], list(LEGEND)
+    words = terms[terms.index("works") + 1:terms.index("works with a caveat")]
+    for term, meaning in LEGEND.items():
+        lines += _wrapped(f"{term}: {meaning}", "    " if term in words else "  ")
+    return "\n".join(lines)
+
+
 @dataclasses.dataclass(frozen=True)
 class MixerSupport:
-    """What the library can give for one mixer of a model, and why not where it cannot."""
+    """What the library gives for one mixer of a model: what works, what works with a caveat, what is refused.
+
+    `available` is what works (`works` is the same); `unavailable` is every limit, each a `Caveat` or a `Refused`
+    (a `str`, its words), which `caveats` and `refused` split by type; `notes` say how its calls run.
+    """
 
     path: str  # the module's name in the model, e.g. "model.layers.0.linear_attn"
     layer: int | None
     mixer_class: str
     family: str | None  # None: not a supported family
     kind: str | None  # the RecurrentMixer subclass
-    available: tuple[str, ...]
-    unavailable: dict[str, str]  # what cannot be had -> why
+    available: tuple[str, ...]  # what works: keep names, values, writes, hooks (`LEGEND`)
+    unavailable: dict[str, str]  # every limit, what -> why: a Caveat (works, with it) or a Refused (raises)
     notes: dict[str, str] = dataclasses.field(default_factory=dict)
 
+    @property
+    def works(self) -> tuple[str, ...]:
+        """What works (`available`)."""
+        return self.available
+
+    @property
+    def caveats(self) -> dict[str, str]:
+        """What works with a caveat: what -> the caveat."""
+        return caveats_of(self.unavailable)
+
+    @property
+    def refused(self) -> dict[str, Refused]:
+        """What is refused: what -> why, each with `.errors`, the exceptions raised."""
+        return refused_of(self.unavailable)
+
+    @property
+    def head(self) -> str:
+        """The first line `support` prints for it: path (MixerClass, layer N, family -> Kind)."""
+        where = f"{self.path} ({self.mixer_class}, layer {self.layer}"
+        return where + (f", {self.family} -> {self.kind})" if self.family else ", not supported)")
+
     def __str__(self) -> str:
-        head = f"{self.path} ({self.mixer_class}, layer {self.layer}"
-        head += f", {self.family} -> {self.kind})" if self.family else ")"
-        lines = [head]
-        if self.available:
-            lines.append(f"  available: {', '.join(self.available)}")
-        lines += [f"  unavailable: {what}: {why}" for what, why in self.unavailable.items()]
-        lines += [f"  {what}: {note}" for what, note in self.notes.items()]
-        return "\n".join(lines)
+        return describe(self.head, self.available, self.unavailable, self.notes)
 
 
 def available_of(kind: type[RecurrentMixer]) -> tuple[str, ...]:
@@ -86,6 +205,23 @@ def available_of(kind: type[RecurrentMixer]) -> tuple[str, ...]:
     (if it declares any), writes and hooks."""
     return (*(name for name, memory in KEEPABLE.items() if memory in kind.MEMORIES), *KERNEL_IO,
             *(("values",) if kind.VALUES else ()), "writes", "hooks")
+
+
+_NOT_REORDERED = ("beam search's cache reorder does not move this kind's memory: each row continues its own row, not"
+                  " its parent beam's, and call.reorder stays None")
+
+
+def limits_of(mixer: MixerClass) -> dict[str, str]:
+    """Every limit of a family's mixer class, what -> a `Caveat` or a `Refused`: its kind's `LIMITS`, its family's
+    `limits`, and, where the kind declares them without its own words, beam search (`REORDERED_BY_CACHE`) and left
+    padding (`LEFT_PADDING`) in general ones."""
+    kind = mixer.kind
+    limits = {**kind.LIMITS, **mixer.family.limits}
+    if not kind.REORDERED_BY_CACHE:
+        limits.setdefault("beam search", Caveat(_NOT_REORDERED))
+    if kind.LEFT_PADDING != "masked":
+        limits.setdefault("left padding", Caveat(PADDING[kind.LEFT_PADDING]))
+    return limits
 
 
 def _path_rule(module: nn.Module, segments: Any) -> str:
@@ -110,17 +246,14 @@ def _described(bound: Any) -> str:
     return f"{name} (through a kernels hub module)" if hub_module(bound) else name
 
 
-_NOT_REORDERED = ("beam search's cache reorder does not move this kind's memory: each row continues its own row, not"
-                  " its parent beam's, and call.reorder stays None")
-
-
 def support(model: nn.Module) -> list[MixerSupport]:
-    """Per recurrent mixer of `model`: what can be read and written, and why not where it cannot.
+    """Per recurrent mixer of `model`: what works, what works with a caveat, and what is refused (with the error).
 
         for row in recurrent_hooks.support(model):
-            print(row)
+            print(row)          # the three sections, and how its calls run
+        row.refused             # what -> why, each with .errors
 
-    Mixers of recurrent families the library does not handle are listed too, with the reason.
+    Mixers of recurrent families the library does not handle are listed too, with the reason (refused: everything).
     """
     if not isinstance(model, nn.Module):
         raise InvalidValue(f"support: expected a torch.nn.Module (a transformers model), got {type(model).__name__}")
@@ -131,7 +264,8 @@ def support(model: nn.Module) -> list[MixerSupport]:
         layer = getattr(module, "layer_idx" if family is None else family.kind.LAYER_ATTRIBUTE, layer_in_path(path))
         if family is None:
             if (unsupported := unsupported_of(module)) is not None:
-                rows.append(MixerSupport(path, layer, name, None, None, (), {"everything": unsupported.reason}))
+                reason = Refused(Unavailable, unsupported.reason)
+                rows.append(MixerSupport(path, layer, name, None, None, (), {"everything": reason}))
             continue
         kind = family.kind
         bound = {k.name: bound_original(*family.target(k, module)) for k in kind.KERNELS}
@@ -145,7 +279,7 @@ def support(model: nn.Module) -> list[MixerSupport]:
                                          f"{prompt.name} in segments between them, or the token loop, by cost")
             if segments is not None
             else f"the library's {prompt.name}, with its fast computation between them" if prompt.stops
-            else "the token loop (the prompt kernel does not run in segments: see the limits)",
+            else "the token loop (the prompt kernel does not run in segments)",
             "every state of a prompt": ("chunk-wise, with gradients too (their backward by the adjoint recurrence)"
                                         if segments.adjoint is not None else
                                         "chunk-wise without gradients, the token loop with them")
@@ -158,10 +292,5 @@ def support(model: nn.Module) -> list[MixerSupport]:
         }
         if segments is not None or prompt.stops:
             notes["path choice"] = _path_rule(module, segments)
-        unavailable = {**kind.LIMITS, **family.family.limits}
-        if not kind.REORDERED_BY_CACHE:  # the kind's own words if it has them (why the rows stay)
-            unavailable.setdefault("beam search", _NOT_REORDERED)
-        if kind.LEFT_PADDING != "masked":
-            unavailable.setdefault("left padding", PADDING[kind.LEFT_PADDING])
-        rows.append(MixerSupport(path, layer, name, family.name, kind.__name__, available, unavailable, notes))
+        rows.append(MixerSupport(path, layer, name, family.name, kind.__name__, available, limits_of(family), notes))
     return rows

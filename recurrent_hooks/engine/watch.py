@@ -18,12 +18,20 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from .attaching import attach_handle
-from .binding.rebinding import Transient, UndoStack
+from .binding.rebinding import MISSING, Transient
 from .binding.registry import FAMILIES, MixerClass, layer_in_path, mixer_of, unsupported_of
 from .declare.kernels import KERNEL_IO
 from .errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable, renamed
-from .handle.arguments import as_index, as_keep_device, normalize_keep, normalize_reduce, reduce_of_layer, renamed_keep
-from .handle.mixer import RecurrentMixer
+from .handle.arguments import (
+    as_history,
+    as_index,
+    as_keep_device,
+    normalize_keep,
+    normalize_reduce,
+    reduce_of_layer,
+    renamed_keep,
+)
+from .handle.mixer import THREAD_RULE, RecurrentMixer, unseen_threads
 from .policy import Paths, Policy, checked_paths
 from .tracking.records import Memory
 
@@ -42,25 +50,52 @@ def _no_mixer_message(model: nn.Module) -> str:
     return message
 
 
-def _reorder_recorder(mixers: list[RecurrentMixer], patches: UndoStack) -> Callable[[object], None]:
-    """For the mixers of one watch: a function that, the first time a cache is seen, wraps its
-    `reorder_cache` (beam search) to tell the mixers how its rows moved; `patches` undoes the wrapping."""
-    caches: weakref.WeakSet = weakref.WeakSet()
+def _reorder_recorder(mixers: list[RecurrentMixer], stack: contextlib.ExitStack) -> Callable[[object], None]:
+    """For the mixers of one watch: a function that, the first time a cache is seen, wraps its `reorder_cache` (beam
+    search) and its `crop` (assisted decoding's rollback) to tell the mixers how its rows moved and how far back its
+    memories went; the watch's exit (`stack`) unwraps the caches still alive. The caches are held weakly: one the
+    model lets go of (each forward's own) is freed inside the block, as without the watch."""
+    # cache -> {method: its own entry before (or MISSING)}
+    wrapped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def saw_cache(cache: object) -> None:
-        if cache in caches or not callable(getattr(cache, "reorder_cache", None)):
-            return
-        caches.add(cache)
-        reorder = cache.reorder_cache
-
+    def reorder_cache(reorder: Callable[..., object]) -> Callable[..., object]:
         @functools.wraps(reorder)
-        def reorder_cache(beam_idx: Tensor, *args: object, **kwargs: object) -> object:
+        def wrapper(beam_idx: Tensor, *args: object, **kwargs: object) -> object:
             for mixer in mixers:
                 mixer.tracker.reordered(beam_idx)
             return reorder(beam_idx, *args, **kwargs)
+        return wrapper
 
-        patches.set_instance_attribute(cache, "reorder_cache", Transient(reorder_cache, reorder))
+    def crop(original: Callable[..., object]) -> Callable[..., object]:
+        @functools.wraps(original)
+        def wrapper(tokens_to_remove: int, *args: object, **kwargs: object) -> object:
+            result = original(tokens_to_remove, *args, **kwargs)  # (it raises on what it refuses: nothing noted)
+            if isinstance(tokens_to_remove, int) and tokens_to_remove < 0:
+                for mixer in mixers:
+                    mixer.tracker.lineage.cropped(-tokens_to_remove)
+            return result
+        return wrapper
 
+    def saw_cache(cache: object) -> None:
+        if cache in wrapped:
+            return
+        wrapped[cache] = {}
+        for name, wrap in (("reorder_cache", reorder_cache), ("crop", crop)):
+            original = getattr(cache, name, None)
+            if callable(original):
+                wrapped[cache][name] = vars(cache).get(name, MISSING)
+                setattr(cache, name, Transient(wrap(original), original))
+
+    def unwrap() -> None:
+        for cache, methods in list(wrapped.items()):
+            for name, before in methods.items():
+                if before is MISSING:
+                    delattr(cache, name)
+                else:
+                    setattr(cache, name, before)
+        wrapped.clear()
+
+    stack.callback(unwrap)
     return saw_cache
 
 
@@ -105,7 +140,11 @@ class Watch:
     The block sees the forwards of the thread that entered it; a model run inside a hook, or a model
     that is not watched, runs its kernels untouched. Writes aimed at calls that never ran (a generation
     that stopped early) give one `RecurrentHooksWarning` on exit; hooks aimed at them are not an error.
-    Kept positions outside every call a mixer saw (`{"states": [100]}` on 12 tokens) give another.
+    Kept positions outside every call a mixer saw (`{"states": [100]}` on 12 tokens) give another, and so do
+    watched mixers run by another thread, which the block did not see (`generate` in a `threading.Thread`).
+
+    `history=N` keeps the records of each mixer's last N calls only (None: every call's): an older call is
+    dropped with what it kept, and reading it raises `Unavailable`; `call.index` still counts every call.
 
     What it costs: a call nothing is asked of runs the kernel bound before the watch. A busy call takes
     the path a cost model of its shapes finds cheapest among those it can take (the paths and what each costs:
@@ -117,7 +156,7 @@ class Watch:
     def __init__(self, model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (),
                  record: bool = False, paths: Paths | None = None, keep_device: "str | torch.device | None" = None,
                  reduce: "Mapping[str, Callable[[Any], Any]] | Callable[[Any], Any] | None" = None,
-                 layers: Iterable[int] | None = None) -> None:
+                 layers: Iterable[int] | None = None, history: int | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise InvalidValue(f"watch: expected a torch.nn.Module (a transformers model), got {type(model).__name__}")
         self.paths = checked_paths(paths, "watch")
@@ -133,6 +172,7 @@ class Watch:
         self.keep_device = as_keep_device(keep_device)
         self.reduce = normalize_reduce(reduce, memories)
         self.layers = _checked_layers(layers)
+        self.history = as_history(history, "watch")  # each mixer keeps its last `history` calls' records
         keep = (keep,) if isinstance(keep, str) else dict(keep) if isinstance(keep, Mapping) else tuple(keep)
         self.model = model
         self.keep = keep
@@ -169,7 +209,7 @@ class Watch:
         layer = getattr(module, row.kind.LAYER_ATTRIBUTE, in_path)  # as the handle reads it (`RecurrentMixer.layer`)
         policy = Policy(self.paths, self.keep_device, reduce_of_layer(self.reduce, layer))
         return row.kind(module, row.name, keep=self._kept_by(in_path), thread=thread, layer=in_path,
-                        cache_index=cache_index, policy=policy)
+                        cache_index=cache_index, policy=policy, calls_kept=self.history)
 
     def mixer(self, layer: int | str) -> RecurrentMixer:
         """The mixer of decoder layer `layer` (the transformers `layer_idx`; the first one, in module order,
@@ -229,7 +269,7 @@ class Watch:
         thread = threading.get_ident()
         self._check_layers(found)
         rows = sorted(((self._handle(path, m, row, index, thread), row)
-                       for path, m, row in found for index in row.kind._instances(m, self.model)),
+                       for path, m, row in found for index in row.kind.adapter.instances(m, self.model)),
                       key=lambda pair: (pair[0].layer is None, pair[0].layer or 0))
         mixers = [mixer for mixer, _ in rows]
         paths = {path: next(mixer for mixer in mixers if mixer.module is m) for path, m, _ in found}
@@ -241,9 +281,7 @@ class Watch:
         except BaseException:
             stack.close()
             raise
-        instance_patches = UndoStack()
-        stack.callback(instance_patches.undo)
-        saw_cache = _reorder_recorder(mixers, instance_patches)
+        saw_cache = _reorder_recorder(mixers, stack)
         for mixer in mixers:
             mixer.tracker.saw_cache = saw_cache
         stack.callback(_forget_cache_recorder, mixers)  # it refers to the mixers: a cycle once the block is over
@@ -268,9 +306,31 @@ class Watch:
                 more = f"; and {len(unkept) - _WRITES_SHOWN} more mixers" if len(unkept) > _WRITES_SHOWN else ""
                 warnings.warn(f"{shown}{more}. Positions count from each call's first token (negative: from its"
                               " last)", RecurrentHooksWarning, stacklevel=2)
+            if (unseen := _unseen_message(self.mixers)) is not None:
+                warnings.warn(unseen, RecurrentHooksWarning, stacklevel=2)
 
 
 _WRITES_SHOWN = 2  # writes named in the warning about writes that never ran
+
+
+def _unseen_message(mixers: Sequence[RecurrentMixer]) -> str | None:
+    """The warning about the watched mixers that other threads ran, which the watch did not see (None: none)."""
+    threads: dict[tuple[int, str], list[tuple[RecurrentMixer, int]]] = {}
+    for mixer in mixers:
+        for thread, forwards in unseen_threads(mixer).items():
+            threads.setdefault(thread, []).append((mixer, forwards))
+    if not threads:
+        return None
+    ran = "; ".join(f"thread {name!r} ran {_forwards(sum(n for _, n in seen))} of"
+                    f" {', '.join(str(mixer) for mixer, _ in seen[:_WRITES_SHOWN])}"
+                    + (f" and {len(seen) - _WRITES_SHOWN} more mixers" if len(seen) > _WRITES_SHOWN else "")
+                    for (_, name), seen in threads.items())
+    return (f"{ran}, which this watch did not see: they fired no hook and kept nothing, because {THREAD_RULE}."
+            " (Another watch entered in that thread sees them.)")
+
+
+def _forwards(count: int) -> str:
+    return f"{count} forward{'s' if count != 1 else ''}"
 
 
 def _checked_layers(layers: Any) -> frozenset[int] | None:
@@ -295,7 +355,7 @@ def one_mixer_per_layer(mixers: Sequence[RecurrentMixer], method: str) -> None:
 def watch(model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (),
           record: bool = False, paths: Paths | None = None, keep_device: "str | torch.device | None" = None,
           reduce: "Mapping[str, Callable[[Any], Any]] | Callable[[Any], Any] | None" = None,
-          layers: Iterable[int] | None = None) -> Watch:
+          layers: Iterable[int] | None = None, history: int | None = None) -> Watch:
     """Watch every supported recurrent mixer of `model` for the duration of a `with` block.
 
         with recurrent_hooks.watch(model, keep=("states",)) as w:
@@ -307,4 +367,4 @@ def watch(model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | N
     See `Watch` for what happens on entry and exit and for `paths` (how busy calls run: `Paths`), and
     docs/concepts.md for calls, tokens and writes.
     """
-    return Watch(model, keep, record, paths, keep_device, reduce, layers)
+    return Watch(model, keep, record, paths, keep_device, reduce, layers, history)

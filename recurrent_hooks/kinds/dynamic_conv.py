@@ -34,7 +34,8 @@ position (equal to float32 rounding).
 
 Module contents:
 - `dynamic_conv_forward`: the library's forward (transformers' signature and results, plus `on_token`);
-- `DynamicShortConvolution`: the mixer kind (inkling2), `LoopedDynamicShortConvolution` (inkling2_loop).
+- `DynamicShortConvolution`: the mixer kind (inkling2), `LoopedDynamicShortConvolution` (inkling2_loop), each
+  after its adapter (`DynamicShortConvolutionAdapter`, `LoopedDynamicShortConvolutionAdapter`).
 """
 
 import math
@@ -46,10 +47,17 @@ from jaxtyping import Bool, Float
 from torch import Tensor, nn
 
 from ..engine.declare.kernels import CONV_MEMORY, Kernel, Role, Site
+from ..engine.declare.limits import Caveat, Refused
 from ..engine.declare.loops import OnToken, handed_back_changed, version_of
 from ..engine.errors import Unavailable
+from ..engine.handle.mixer import RecurrentMixer
 from ..engine.tracking.records import KernelCall
-from .short_conv import LoopedShortConvolution, ShortConvolution
+from .short_conv import (
+    LoopedShortConvolution,
+    LoopedShortConvolutionAdapter,
+    ShortConvolution,
+    ShortConvolutionAdapter,
+)
 
 
 def dynamic_conv_forward(
@@ -110,8 +118,29 @@ def dynamic_conv_forward(
     return hidden_states.to(input_dtype)
 
 
-_PACKED = ("seq_idx (packed sequences) masks the other sequences' inputs out of each position's taps, as"
-           " transformers does; the window handed over is the raw last K inputs, across a sequence boundary too")
+_PACKED = Caveat("seq_idx (packed sequences) masks the other sequences' inputs out of each position's taps, as"
+                 " transformers does; the window handed over is the raw last K inputs, across a sequence boundary"
+                 " too")
+
+
+class DynamicShortConvolutionAdapter(ShortConvolutionAdapter):
+    """inkling2's dynamic convolution's adapter: its whole forward records the cached window it read, and its
+    values are the forward's input and output."""
+
+    def kernel_arguments(self, module: nn.Module, kernel: Kernel, arguments: dict[str, Any]) -> dict[str, Any]:
+        arguments = dict(arguments)
+        cache = self.pop_cache(arguments)
+        where = self.cache_index(module, arguments)
+        arguments[kernel.state_in] = None if cache is None or where is None else self.cached_window(cache, where)
+        return arguments
+
+    def token_values(self, mixer: RecurrentMixer, kernel_call: KernelCall, tokens: int | None = None
+                     ) -> dict[str, Tensor]:
+        inputs, output = kernel_call.inputs, kernel_call.output
+        if inputs is None or output is None:
+            raise Unavailable(f"{self.kind.__name__}.values: the kernel {'inputs' if inputs is None else 'outputs'}"
+                              " were not kept: pass keep=('inputs', 'outputs') to watch")
+        return {"x": inputs["hidden_states"], "output": output["output"]}
 
 
 class DynamicShortConvolution(ShortConvolution):
@@ -130,6 +159,7 @@ class DynamicShortConvolution(ShortConvolution):
     the window it held (`conv_state`, None for a prompt); `outputs` are its result, `output`.
     """
 
+    ADAPTER = DynamicShortConvolutionAdapter
     KERNELS = (
         # the whole forward; `conv_state`, in the recorded inputs, is the cached window it started from
         Kernel(name="forward", role=Role.BOTH, loop=dynamic_conv_forward, memory=CONV_MEMORY, state_in="conv_state",
@@ -149,26 +179,15 @@ class DynamicShortConvolution(ShortConvolution):
     LIMITS = {
         **{k: v for k, v in ShortConvolution.LIMITS.items() if k != "packed sequences"},
         "packed sequences": _PACKED,
-        "segments": "every call with hooks, writes or kept windows runs the token loop (a cheap shift per token;"
-        " only the positions that read a written window are recomputed)",
-        "effective attention": "not provided: the taps depend on the token (the convolution is not one kernel)",
+        "segments": Caveat(
+            "every call with hooks, writes or kept windows runs the token loop (a cheap shift per token; only the"
+            " positions that read a written window are recomputed)"),
+        "effective attention": Refused(
+            Unavailable, "not provided: the taps depend on the token (the convolution is not one kernel)"),
     }
 
-    @classmethod
-    def _kernel_arguments(cls, module: nn.Module, kernel: Kernel, arguments: dict[str, Any]) -> dict[str, Any]:
-        arguments = dict(arguments)
-        cache = cls._pop_cache(arguments)
-        where = cls._cache_index(module, arguments)
-        arguments[kernel.state_in] = None if cache is None or where is None else cls._cached_window(cache, where)
-        return arguments
-
-    @classmethod
-    def _token_values(cls, kernel_call: KernelCall, tokens: int | None = None) -> dict[str, Tensor]:
-        inputs, output = kernel_call.inputs, kernel_call.output
-        if inputs is None or output is None:
-            raise Unavailable(f"{cls.__name__}.values: the kernel {'inputs' if inputs is None else 'outputs'}"
-                              " were not kept: pass keep=('inputs', 'outputs') to watch")
-        return {"x": inputs["hidden_states"], "output": output["output"]}
+class LoopedDynamicShortConvolutionAdapter(DynamicShortConvolutionAdapter, LoopedShortConvolutionAdapter):
+    """inkling2_loop's: the dynamic convolution's adapter with a handle per pass of a looped module."""
 
 
 class LoopedDynamicShortConvolution(DynamicShortConvolution, LoopedShortConvolution):
@@ -180,6 +199,7 @@ class LoopedDynamicShortConvolution(DynamicShortConvolution, LoopedShortConvolut
         [m.cache_index for m in w.mixers if isinstance(m, rh.LoopedDynamicShortConvolution)]
     """
 
+    ADAPTER = LoopedDynamicShortConvolutionAdapter
     LIMITS = {**DynamicShortConvolution.LIMITS,
               "hooks without a watch on a looped module": LoopedShortConvolution.LIMITS[
                   "hooks without a watch on a looped module"]}

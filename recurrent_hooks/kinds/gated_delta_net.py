@@ -26,7 +26,8 @@ Module contents:
 - `chunk_gated_delta_rule_states`: the prompt kernel chunk-wise with every token's state (into `out` when given, or
   a chunk at a time to `on_chunk`); `chunk_gated_delta_rule_adjoint`: its adjoint recurrence, right to left
   (`Segments.adjoint`).
-- `GatedDeltaNet`: the mixer kind, its kernels and values declared as class constants.
+- `GatedDeltaNet`: the mixer kind, its kernels and values declared as class constants, and its adapter
+  (`GatedDeltaNetAdapter`: its heads' window channels, its values, its effective attention).
 
 The maths (the token loop, the chunk-wise states, the adjoint), shared with Kimi delta attention, are `delta_rule`'s.
 """
@@ -36,15 +37,70 @@ from torch import Tensor
 
 from ..engine.declare.effective import EffectiveAttention, cat, decayed
 from ..engine.declare.kernels import Kernel, Role, Segments
-from ..engine.errors import Unavailable
+from ..engine.declare.limits import Refused
+from ..engine.errors import RecurrentHooksError, Unavailable
+from ..engine.handle.adapter import KindAdapter
 from ..engine.handle.mixer import RecurrentMixer
 from ..engine.tracking.records import KernelCall
 from .shared.conv import CONV_KERNELS
 from .shared.delta_rule import cost_shape, kernels, prepare
+from .shared.recording import SPLIT_RECORDING
 
 # the token loops and the chunk-wise kernels, with transformers' signatures (written once: `delta_rule.kernels`)
 (chunk_gated_delta_rule, chunk_gated_delta_rule_states, chunk_gated_delta_rule_adjoint,
  recurrent_gated_delta_rule) = kernels("chunk_gated_delta_rule", "recurrent_gated_delta_rule", __name__)
+
+
+class GatedDeltaNetAdapter(KindAdapter):
+    """Gated DeltaNet's adapter (and Kimi delta attention's): its heads' window channels, its values and its
+    effective attention."""
+
+    def head_channels(self, head: int, heads: int, head_state: tuple[int, ...], channels: int) -> list[int]:
+        """The window's channels are `[q | k | v]`, each head-major (`q`, `k`: key_heads x key_dim, `v`: heads x
+        value_dim): value head j reads the q and k channels of its key head j // (heads // key_heads) (shared with
+        the other value heads of that group) and its own v channels."""
+        key_dim, value_dim = head_state
+        key_heads, rest = divmod(channels - heads * value_dim, 2 * key_dim)
+        if rest or key_heads < 1 or heads % key_heads:
+            raise Unavailable(f"{self.kind.__name__}: a window of {channels} channels is not [q | k | v] for {heads}"
+                              f" heads of key_dim {key_dim}, value_dim {value_dim}")
+        key_head = head // (heads // key_heads)
+        query = range(key_head * key_dim, (key_head + 1) * key_dim)
+        return [*query, *(c + key_heads * key_dim for c in query),
+                *range(2 * key_heads * key_dim + head * value_dim, 2 * key_heads * key_dim + (head + 1) * value_dim)]
+
+    def token_values(self, mixer: RecurrentMixer, kernel_call: KernelCall) -> dict[str, Tensor]:
+        # the kernel's own arguments are token-major already (before the kernel's l2norm and scaling)
+        return {**{name: kernel_call.inputs[name] for name in ("query", "key", "value", "g", "beta")},
+                "output": kernel_call.output["output"]}
+
+    def effective_attention(self, mixer: RecurrentMixer, calls: range, dtype: torch.dtype) -> EffectiveAttention:
+        """The delta rule's exact map (the UT transform; see `recurrent_hooks.studies.effective_attention`)."""
+        kind, kimi = self.kind, self.kind.DECAY_PER_KEY_CHANNEL
+        per_call = []
+        for index in calls:
+            kernel_call = mixer.calls[index].kernel_calls[0]
+            x = kernel_call.inputs
+            if x.get("cu_seqlens") is not None:
+                raise Unavailable(f"{mixer}, call {index}: packed sequences (cu_seqlens) have no per-row"
+                                  " effective attention")
+            g = x["g"] if kimi else x["g"][..., None]
+            prepared = prepare(x["query"], x["key"], x["value"], g, x["beta"], x["initial_state"],
+                                x["use_qk_l2norm_in_kernel"], {}, kimi=kimi,
+                                recurrent=kind.kernel(kernel_call.kernel).role is Role.DECODE)
+            per_call.append([v.transpose(1, 2) for v in prepared[:5]] + [prepared[5]])  # b h t ..
+        q, k, v, b, log_a = (cat([c[i] for c in per_call], dtype) for i in range(5))
+        state = per_call[0][5].to(dtype)  # b h k v   S_0 of the history
+        rows = mixer.calls[calls[-1]].kernel_calls[0].inputs["value"].shape[1]
+        start = q.shape[2] - rows
+        cum = log_a.cumsum(2)  # b h s (1|k)   c_s
+        system = decayed(k, k, cum, cum, 0, strict=True) * b[..., None]  # b h s s   strict_lower(diag(b) W(k, k))
+        system.diagonal(dim1=-2, dim2=-1).fill_(1)  # T = I + ...
+        reads = decayed(q[:, :, start:], k, cum[:, :, start:], cum, start, strict=False)  # b h t s   W(q, k)
+        weights = torch.linalg.solve_triangular(system, reads, upper=False, left=False,
+                                                unitriangular=True) * b[:, :, None]
+        from_state = (q[:, :, start:] * cum[:, :, start:].exp()) @ state - weights @ ((k * cum.exp()) @ state)
+        return EffectiveAttention(weights, v, from_state, None, None, calls)
 
 
 class GatedDeltaNet(RecurrentMixer):
@@ -59,6 +115,7 @@ class GatedDeltaNet(RecurrentMixer):
     cache, so a write at the last token of a call reaches the cache.
     """
 
+    ADAPTER = GatedDeltaNetAdapter
     # the words of this kind's documentation: prompts token by token ("recurrent") or chunk-wise ("chunked")
     ROUTES = {**RecurrentMixer.ROUTES, "recurrent": "torch", "chunked": "default"}
     DECAY_PER_KEY_CHANNEL = False  # Kimi delta attention: a decay per key channel, Diag(alpha_t)
@@ -102,54 +159,10 @@ class GatedDeltaNet(RecurrentMixer):
         "output": "batch seq heads value_dim",
     }
     LIMITS = {
-        "packed sequences": "cu_seqlens (packed batches) need flash-linear-attention; the token loop refuses them",
+        "packed sequences": Refused(
+            (ValueError, RecurrentHooksError), "cu_seqlens (packed batches) need flash-linear-attention: without it"
+            " transformers' pure-torch fallback raises ValueError, watched or not, and a watched call that runs the"
+            " library's loops (hooks, writes, kept states) raises rh.RecurrentHooksError (they run one sequence per"
+            " batch row)"),
+        **SPLIT_RECORDING,
     }
-
-    @classmethod
-    def _head_channels(cls, head: int, heads: int, head_state: tuple[int, ...], channels: int) -> list[int]:
-        """The window's channels are `[q | k | v]`, each head-major (`q`, `k`: key_heads x key_dim, `v`: heads x
-        value_dim): value head j reads the q and k channels of its key head j // (heads // key_heads) (shared with
-        the other value heads of that group) and its own v channels."""
-        key_dim, value_dim = head_state
-        key_heads, rest = divmod(channels - heads * value_dim, 2 * key_dim)
-        if rest or key_heads < 1 or heads % key_heads:
-            raise Unavailable(f"{cls.__name__}: a window of {channels} channels is not [q | k | v] for {heads} heads"
-                              f" of key_dim {key_dim}, value_dim {value_dim}")
-        key_head = head // (heads // key_heads)
-        query = range(key_head * key_dim, (key_head + 1) * key_dim)
-        return [*query, *(c + key_heads * key_dim for c in query),
-                *range(2 * key_heads * key_dim + head * value_dim, 2 * key_heads * key_dim + (head + 1) * value_dim)]
-
-    @classmethod
-    def _token_values(cls, kernel_call: KernelCall) -> dict[str, Tensor]:
-        # the kernel's own arguments are token-major already (before the kernel's l2norm and scaling)
-        return {**{name: kernel_call.inputs[name] for name in ("query", "key", "value", "g", "beta")},
-                "output": kernel_call.output["output"]}
-
-    def _effective_attention(self, calls: range, dtype: torch.dtype) -> EffectiveAttention:
-        """The delta rule's exact map (the UT transform; see `recurrent_hooks.studies.effective_attention`)."""
-        kind, kimi = type(self), self.DECAY_PER_KEY_CHANNEL
-        per_call = []
-        for index in calls:
-            kernel_call = self.calls[index].kernel_calls[0]
-            x = kernel_call.inputs
-            if x.get("cu_seqlens") is not None:
-                raise Unavailable(f"{self}, call {index}: packed sequences (cu_seqlens) have no per-row"
-                                  " effective attention")
-            g = x["g"] if kimi else x["g"][..., None]
-            prepared = prepare(x["query"], x["key"], x["value"], g, x["beta"], x["initial_state"],
-                                x["use_qk_l2norm_in_kernel"], {}, kimi=kimi,
-                                recurrent=kind.kernel(kernel_call.kernel).role is Role.DECODE)
-            per_call.append([v.transpose(1, 2) for v in prepared[:5]] + [prepared[5]])  # b h t ..
-        q, k, v, b, log_a = (cat([c[i] for c in per_call], dtype) for i in range(5))
-        state = per_call[0][5].to(dtype)  # b h k v   S_0 of the history
-        rows = self.calls[calls[-1]].kernel_calls[0].inputs["value"].shape[1]
-        start = q.shape[2] - rows
-        cum = log_a.cumsum(2)  # b h s (1|k)   c_s
-        system = decayed(k, k, cum, cum, 0, strict=True) * b[..., None]  # b h s s   strict_lower(diag(b) W(k, k))
-        system.diagonal(dim1=-2, dim2=-1).fill_(1)  # T = I + ...
-        reads = decayed(q[:, :, start:], k, cum[:, :, start:], cum, start, strict=False)  # b h t s   W(q, k)
-        weights = torch.linalg.solve_triangular(system, reads, upper=False, left=False,
-                                                unitriangular=True) * b[:, :, None]
-        from_state = (q[:, :, start:] * cum[:, :, start:].exp()) @ state - weights @ ((k * cum.exp()) @ state)
-        return EffectiveAttention(weights, v, from_state, None, None, calls)

@@ -37,10 +37,12 @@ import dataclasses
 from typing import Any
 
 from ..engine.declare.kernels import Role
+from ..engine.declare.limits import Caveat
 from ..engine.paths.costs import Shape
 from .gated_delta_net import GatedDeltaNet
 from .shared.conv import CONV_KERNELS
 from .shared.delta_rule import cost_shape, kernels
+from .shared.recording import SPLIT_RECORDING
 
 # the token loops and the chunk-wise kernels, with transformers' signatures (written once: `delta_rule.kernels`)
 (chunk_kimi_delta_attention, chunk_kimi_delta_attention_states, chunk_kimi_delta_attention_adjoint,
@@ -92,6 +94,8 @@ class KimiDeltaAttention(GatedDeltaNet):
     VALUES = {**GatedDeltaNet.VALUES, "query": "batch seq heads key_dim", "key": "batch seq heads key_dim",
               "g": "batch seq heads key_dim"}
     LIMITS = {
-        "packed sequences": "transformers' KDA mixers pass no cu_seqlens to their kernels, so a packed row is"
-        " run as one sequence; the token loop runs one sequence per batch row and refuses cu_seqlens",
+        "packed sequences": Caveat(
+            "transformers' KDA mixers pass no cu_seqlens to their recurrence kernels, so a packed row runs as one"
+            " sequence, watched or not (the model's behaviour)"),
+        **SPLIT_RECORDING,
     }

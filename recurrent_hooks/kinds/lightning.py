@@ -43,7 +43,7 @@ Module contents:
 - `lightning_attention_forward`: the library's forward, `MiniMaxLightningAttention.forward`'s signature and
   results plus keyword-only `on_token` and `stops` (and `tokens`, which it ignores).
 - `_per_token`, `_chunks`: its two loops, transformers' per-token branch and its chunk loop from a state.
-- `LightningAttention`: the mixer kind.
+- `LightningAttention`: the mixer kind, after its adapter (`LightningAttentionAdapter`).
 """
 
 from collections.abc import Sequence
@@ -55,8 +55,10 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from ..engine.declare.kernels import FORWARD, STATE_MEMORY, Kernel, Role, Site
+from ..engine.declare.limits import Caveat, Refused
 from ..engine.declare.loops import OnToken
 from ..engine.errors import Unavailable
+from ..engine.handle.adapter import KindAdapter
 from ..engine.handle.mixer import RecurrentMixer
 from ..engine.tracking.records import KernelCall
 
@@ -112,10 +114,40 @@ def lightning_attention_forward(
     return out, state
 
 
-_BUG_8 = ("transformers 5.24: with linear attention at layer 0, MiniMaxCache.get_seq_length() is 0 after a"
-          " prefill (cache layer 0 is an empty attention layer), so a multi-token continuation over the cache and"
-          " left-padded batched generate get wrong masks and positions, watched or not; full attention at"
-          " layer 0 (`layer_types` [full_attention, linear_attention, ...]) is exact")
+_BUG_8 = Caveat("transformers' MiniMaxCache: with linear attention at layer 0, get_seq_length() is 0 after a"
+                " prefill (cache layer 0 is an empty attention layer), so a multi-token continuation over the cache"
+                " and left-padded batched generate get wrong masks and positions, watched or not; full attention at"
+                " layer 0 (`layer_types` [full_attention, linear_attention, ...]) is exact")
+
+
+class LightningAttentionAdapter(KindAdapter):
+    """Lightning attention's adapter: its state in `MiniMaxCache.linear_cache`, read by its whole forward, and
+    its values, recomputed with the handle's module."""
+
+    def cached(self, cache: Any, layer: int) -> Tensor | None:
+        return _cached_state(cache, layer)
+
+    def kernel_arguments(self, module: nn.Module, kernel: Kernel, arguments: dict[str, Any]) -> dict[str, Any]:
+        arguments = dict(arguments)
+        cache = self.pop_cache(arguments)
+        cached = None if cache is None else _cached_state(cache, module.layer_idx)
+        arguments[self.kind.kernel("forward").state_in] = cached
+        return arguments
+
+    def token_values(self, mixer: RecurrentMixer, kernel_call: KernelCall) -> dict[str, Tensor]:
+        """q, k, v and the gate, recomputed from the recorded input with the module's projections (the
+        weights as they are now), and the forward's output."""
+        x = kernel_call.inputs
+        module = mixer.module
+        if module.qkv_proj.weight.device.type == "meta":
+            raise Unavailable(f"{mixer}.values(): q, k, v and the gate are recomputed with the module's projections,"
+                              " whose weights are offloaded (on the meta device) between forwards; read"
+                              " call.inputs, or keep states, instead")
+        with torch.no_grad():
+            query, key, value = (v.transpose(1, 2) for v in _qkv(module, x["hidden_states"], x["attention_mask"]))
+            gate = F.sigmoid(module.output_gate(x["hidden_states"]))  # b t (h d)
+        gate = gate.unflatten(-1, (module.num_attention_heads, module.head_dim))  # b t h d
+        return {"query": query, "key": key, "value": value, "gate": gate, "output": kernel_call.output["output"]}
 
 
 class LightningAttention(RecurrentMixer):
@@ -134,6 +166,7 @@ class LightningAttention(RecurrentMixer):
     for a prompt); `outputs` are its results, `output` and `final_state`.
     """
 
+    ADAPTER = LightningAttentionAdapter
     KERNELS = (
         # the whole forward; `initial_state`, in the recorded inputs, is the cached state it started from
         Kernel(name="forward", role=Role.BOTH, loop=lightning_attention_forward, state_in="initial_state",
@@ -158,43 +191,21 @@ class LightningAttention(RecurrentMixer):
         "output": "batch seq hidden",
     }
     LIMITS = {
-        "windows": "lightning attention has no short convolution: its memory is the state alone",
+        "windows": Refused(
+            Unavailable, "lightning attention has no short convolution: its memory is the state alone (reading,"
+            " writing or hooking a window raises)"),
         "linear attention at layer 0": _BUG_8,
-        "beam search": "transformers 5.24's MiniMaxCache does not reorder its linear states when beam search"
-        " reorders the cache (Cache.reorder_cache moves only the attention layers), so each row's state continues"
-        " the same row, not its parent beam's, watched or not; call.reorder stays None for this reason",
-        "values of an offloaded mixer": "values() recomputes q, k, v and the gate with the module's projections,"
-        " which accelerate's offloading leaves on the meta device between forwards",
-        "effective attention": "not provided: o_t = sum_s λ_h^(t-s) (q_t . k_s) v_s is linear in the values, but"
-        " the forward's output is after an RMSNorm over the heads, which is not",
+        "beam search": Caveat(
+            "transformers' MiniMaxCache does not reorder its linear states when beam search reorders the cache"
+            " (Cache.reorder_cache moves only the attention layers), so each row's state continues the same row, not"
+            " its parent beam's, watched or not; call.reorder stays None for this reason"),
+        "values of an offloaded mixer": Refused(
+            Unavailable, "values() recomputes q, k, v and the gate with the module's projections, which accelerate's"
+            " offloading leaves on the meta device between forwards"),
+        "effective attention": Refused(
+            Unavailable, "not provided: o_t = sum_s λ_h^(t-s) (q_t . k_s) v_s is linear in the values, but the"
+            " forward's output is after an RMSNorm over the heads, which is not"),
     }
-
-    @classmethod
-    def _cached(cls, cache: Any, layer: int) -> Tensor | None:
-        return _cached_state(cache, layer)
-
-    @classmethod
-    def _kernel_arguments(cls, module: nn.Module, kernel: Kernel, arguments: dict[str, Any]) -> dict[str, Any]:
-        arguments = dict(arguments)
-        cache = cls._pop_cache(arguments)
-        arguments[cls.kernel("forward").state_in] = None if cache is None else _cached_state(cache, module.layer_idx)
-        return arguments
-
-    def _token_values(self, kernel_call: KernelCall) -> dict[str, Tensor]:
-        """q, k, v and the gate, recomputed from the recorded input with the module's projections (the
-        weights as they are now), and the forward's output."""
-        x = kernel_call.inputs
-        module = self.module
-        if module.qkv_proj.weight.device.type == "meta":
-            raise Unavailable(f"{self}.values(): q, k, v and the gate are recomputed with the module's projections,"
-                              " whose weights are offloaded (on the meta device) between forwards; read"
-                              " call.inputs, or keep states, instead")
-        with torch.no_grad():
-            query, key, value = (v.transpose(1, 2) for v in _qkv(module, x["hidden_states"], x["attention_mask"]))
-            gate = F.sigmoid(module.output_gate(x["hidden_states"]))  # b t (h d)
-        gate = gate.unflatten(-1, (module.num_attention_heads, module.head_dim))  # b t h d
-        return {"query": query, "key": key, "value": value, "gate": gate, "output": kernel_call.output["output"]}
-
 
 def _cached_state(cache: Any, layer: int) -> Tensor | None:
     """The state `cache` holds for `layer` (None: nothing cached, the forward starts from zeros)."""

@@ -39,7 +39,8 @@ Module contents:
 - `MLSTMState`: the state, a NamedTuple (C, n, m).
 - `mlstm_inference`: the token loop, with the call signature of `_inference_fn` plus `on_token`.
 - `mlstm_train`: the token loop of `_train_fn` (config.mode "train" / "train_with_padding").
-- `MatrixLSTM`: the mixer kind, its kernels, state and values declared as class constants.
+- `MatrixLSTM`: the mixer kind, its kernels, state and values declared as class constants, after its adapter
+  (`MatrixLSTMAdapter`).
 """
 
 from collections.abc import Callable
@@ -51,7 +52,9 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from ..engine.declare.kernels import Kernel, Role, Site
-from ..engine.errors import RecurrentHooksError
+from ..engine.declare.limits import Caveat, Refused
+from ..engine.errors import RecurrentHooksError, Unavailable
+from ..engine.handle.adapter import KindAdapter
 from ..engine.handle.mixer import RecurrentMixer
 from ..engine.tracing import compiling
 from ..engine.tracking.records import KernelCall
@@ -134,6 +137,26 @@ def mlstm_train(
     return (h, tuple(last)) if return_last_states else h
 
 
+class MatrixLSTMAdapter(KindAdapter):
+    """xLSTM's adapter: a forward's freshness read from the layer's cached (C, n, m), and its values."""
+
+    def parse_forward(self, module: nn.Module, arguments: dict[str, Any]) -> tuple[int, Any, bool, Tensor]:
+        """`xLSTMLayer.forward(x, state)`: the state is the layer's cached (C, n, m), not a cache object;
+        a call is fresh when there is none or it is all zeros (a prompt: `xLSTMCache` starts from zeros)."""
+        hidden, state = arguments[self.kind.FORWARD_INPUT], arguments.get("state")
+        if state is None:
+            fresh = True
+        else:  # under torch.compile, a value of the graph (see `compiled.begin`)
+            zeros = torch.stack([part.detach().any() for part in state]).any().logical_not()
+            fresh = zeros if compiling() else bool(zeros)
+        return hidden.shape[1], None, fresh, hidden
+
+    def token_values(self, mixer: RecurrentMixer, kernel_call: KernelCall) -> dict[str, Tensor]:
+        x = kernel_call.inputs
+        token_major = {name: x[name].transpose(1, 2) for name in ("query", "key", "value", "igate", "fgate")}
+        return {**token_major, "output": kernel_call.output["output"].transpose(1, 2)}
+
+
 class MatrixLSTM(RecurrentMixer):
     """An mLSTM mixer (xlstm: `xLSTMLayer`).
 
@@ -149,6 +172,7 @@ class MatrixLSTM(RecurrentMixer):
     """
 
     STATE_TYPE = MLSTMState
+    ADAPTER = MatrixLSTMAdapter
     KERNELS = (
         Kernel(name="_inference_fn", role=Role.BOTH, loop=mlstm_inference, site=Site.INSTANCE,
                state_in=("c_initial", "n_initial", "m_initial"),
@@ -182,50 +206,43 @@ class MatrixLSTM(RecurrentMixer):
     }
     FORWARD_INPUT = "x"
     LIMITS = {
-        "segments": "the kernel takes its state as three arguments: a few kept tokens run the token loop,"
-        " not transformers' kernel in segments",
-        "bf16 / fp16": "transformers' chunk-wise kernel computes a prompt's first chunk_size-multiple tokens in"
-        " the model dtype, the token loop in float32 (as its step and sequence kernels do): a watched"
-        " half-precision prompt's logits move by up to transformers' own prompt-versus-token-by-token difference"
-        " (tested within twice it); decode steps and prompts shorter than chunk_size are bit-identical. Without a"
-        " cache, transformers' kernel fails on a half-precision prompt of >= chunk_size tokens (float32 zero"
-        " state against model-dtype inputs); a call through the token loop does not",
-        "max_inference_chunksize": "in eval, a prompt longer than config.max_inference_chunksize runs chunk by"
-        " chunk, each chunk a call; with use_cache=False transformers makes the cache the chunks share in bf16,"
-        " so states are rounded to bf16 between chunks, watched or not (use the cache, or pass a float32"
-        " xLSTMCache)",
-        "train modes": "config.mode 'train' runs _train_fn, transformers' chunk-wise kernel alone: it needs"
-        " seq % chunk_size == 0, so decode steps fail there, watched or not; 'train_with_padding' returns no"
-        " state, so nothing reaches the cache",
-        "backward with a cache": "transformers 5.24 raises in a backward through a prompt of >= chunk_size"
-        " tokens run with use_cache=True (its chunk-wise kernel saves the cache's state tensor, which the model"
-        " then copy_s into); an idle watched call runs that kernel too: train with use_cache=False",
-        "left padding": "xLSTM's forward takes no attention mask: the pads of a left-padded row enter its state,"
-        " watched or not (a padded row's states differ from the row alone; pad on the right)",
-        "beam search": "transformers refuses it for xLSTM (the xLSTMCache cannot be reordered)",
-        "route_kernels": "the kernels are captured by each module when the model is built: there is nothing"
-        " process-wide to reroute (route_kernels refuses); a watch rebinds them per module",
-        "xlstm package": "with the xlstm package installed, transformers builds xlstm's own mLSTMBlock"
-        " (modeling_xlstm.external_xlstm) and none of these kernels exist: watch refuses the model",
+        "segments": Caveat(
+            "the kernel takes its state as three arguments: a few kept tokens run the token loop, not transformers'"
+            " kernel in segments"),
+        "bf16 / fp16": Caveat(
+            "transformers' chunk-wise kernel computes a prompt's first chunk_size-multiple tokens in the model dtype,"
+            " the token loop in float32 (as its step and sequence kernels do): a watched half-precision prompt's"
+            " logits move by up to transformers' own prompt-versus-token-by-token difference (tested within twice"
+            " it); decode steps and prompts shorter than chunk_size are bit-identical. Without a cache, transformers'"
+            " kernel fails on a half-precision prompt of >= chunk_size tokens (float32 zero state against"
+            " model-dtype inputs); a call through the token loop does not"),
+        "max_inference_chunksize": Caveat(
+            "in eval, a prompt longer than config.max_inference_chunksize runs chunk by chunk, each chunk a call;"
+            " with use_cache=False transformers makes the cache the chunks share in bf16, so states are rounded to"
+            " bf16 between chunks, watched or not (use the cache, or pass a float32 xLSTMCache)"),
+        "decode steps in mode 'train'": Refused(
+            ValueError, "config.mode 'train' runs _train_fn, transformers' chunk-wise kernel alone: it needs"
+            " seq % chunk_size == 0, so decode steps raise there, watched or not"),
+        "mode 'train_with_padding'": Caveat(
+            "its kernel returns no state, so nothing reaches the cache, watched or not"),
+        "backward with a cache": Refused(
+            RuntimeError, "a backward through a prompt of >= chunk_size tokens run with use_cache=True raises in"
+            " transformers (modified by an inplace operation: its chunk-wise kernel saves the cache's state tensor,"
+            " which the model then copy_s into); an idle watched call runs that kernel too, a call that runs the"
+            " token loop (hooks, writes, kept states) does not: train with use_cache=False"),
+        "left padding": Caveat(
+            "xLSTM's forward takes no attention mask: the pads of a left-padded row enter its state, watched or not"
+            " (a padded row's states differ from the row alone; pad on the right)"),
+        "beam search": Refused(
+            ValueError, "transformers' generate refuses it for xLSTM with a cache (the xLSTMCache cannot be"
+            " reordered), watched or not"),
+        "route_kernels": Refused(
+            Unavailable, "the kernels are captured by each module when the model is built: there is nothing"
+            " process-wide to reroute; a watch rebinds them per module"),
+        "xlstm package": Refused(
+            Unavailable, "with the xlstm package installed, transformers builds xlstm's own mLSTMBlock"
+            " (modeling_xlstm.external_xlstm) and none of these kernels exist: watch refuses the model"),
     }
-
-    @classmethod
-    def _parse_forward(cls, module: nn.Module, arguments: dict[str, Any]) -> tuple[int, Any, bool, Tensor]:
-        """`xLSTMLayer.forward(x, state)`: the state is the layer's cached (C, n, m), not a cache object;
-        a call is fresh when there is none or it is all zeros (a prompt: `xLSTMCache` starts from zeros)."""
-        hidden, state = arguments[cls.FORWARD_INPUT], arguments.get("state")
-        if state is None:
-            fresh = True
-        else:  # under torch.compile, a value of the graph (see `compiled.begin`)
-            zeros = torch.stack([part.detach().any() for part in state]).any().logical_not()
-            fresh = zeros if compiling() else bool(zeros)
-        return hidden.shape[1], None, fresh, hidden
-
-    @classmethod
-    def _token_values(cls, kernel_call: KernelCall) -> dict[str, Tensor]:
-        x = kernel_call.inputs
-        token_major = {name: x[name].transpose(1, 2) for name in ("query", "key", "value", "igate", "fgate")}
-        return {**token_major, "output": kernel_call.output["output"].transpose(1, 2)}
 
 
 def _settings(original: Any) -> tuple[float, torch.dtype]:

@@ -41,7 +41,7 @@ position whose window was written (or kept in grad mode) is recomputed as one `F
 Module contents:
 - `rnn_scan`: the loop of `RecurrentGemmaRglru._rnn_scan` (same signature and results, plus `on_token`);
 - `recurrent_block_forward`: the loop of `RecurrentGemmaRecurrentBlock.forward` (the conv window);
-- `RealGatedLinearRecurrence`: the mixer kind.
+- `RealGatedLinearRecurrence`: the mixer kind, after its adapter (`RealGatedLinearRecurrenceAdapter`).
 """
 
 from typing import Any
@@ -52,7 +52,10 @@ from jaxtyping import Bool, Float
 from torch import Tensor, nn
 
 from ..engine.declare.kernels import CONV_MEMORY, Kernel, Role, Site
+from ..engine.declare.limits import Caveat, Refused
 from ..engine.declare.loops import OnToken, handed_back_changed, version_of
+from ..engine.errors import Unavailable
+from ..engine.handle.adapter import KindAdapter
 from ..engine.handle.mixer import RecurrentMixer
 from ..engine.tracking.records import KernelCall
 
@@ -110,7 +113,7 @@ def recurrent_block_forward(
 ) -> tuple[Float[Tensor, "batch seq hidden"], None]:
     """`RecurrentGemmaRecurrentBlock.forward`, with the conv window handed to `on_token` after each token.
 
-    Same arguments, results and module updates as transformers' forward (5.24), its quirks included: a
+    Same arguments, results and module updates as transformers' forward (5.24 and 5.25), its quirks included: a
     prefill (`position_ids` of more than one column) convolves from a zero window whatever the module
     holds; a one-token forward continues from `conv1d_state`; a fresh window is created with `hidden_size`
     channels; `use_cache=False` clears both memories. The window is `[batch, lru_width, conv1d_width - 1]`:
@@ -158,35 +161,64 @@ def recurrent_block_forward(
     return hidden_states, None
 
 
-_CONTINUATION = (
+_CONTINUATION = Caveat(
     "transformers' RecurrentGemmaRecurrentBlock convolves a forward of several tokens from a zero window, even"
     " over a cached memory (its prefill branch): in a multi-token continuation the conv window restarts from"
     " zeros while h_t continues (the model's own behaviour, watched or not; the library's loop does the same,"
     " so the windows it hands over are those the model used). One token at a time (as generate does) is exact")
-_ONE_TOKEN_PROMPT = (
+_ONE_TOKEN_PROMPT = Caveat(
     "the memory lives on module attributes and survives across calls: a one-token prompt (a new generate with"
     " the same batch size) convolves over the previous call's window, where a longer prompt starts from zeros"
     " (transformers' behaviour; h_t is reset by position 0). Watched, that call is call 0 all the same")
-_WINDOW_CHANNELS = (
+_WINDOW_CHANNELS = Refused(
+    RuntimeError,
     "transformers creates a fresh conv window with hidden_size channels, not lru_width: with lru_width !="
-    " hidden_size, a first cached forward of one token raises in transformers' forward (and in the library's,"
-    " which repeats it); a prompt of several tokens replaces the window with the right size")
-_NO_SEGMENTS = (
+    " hidden_size, a first cached forward of one token raises a size mismatch in transformers' forward, watched or"
+    " not (the library's loop repeats it); a prompt of several tokens replaces the window with the right size")
+_NO_SEGMENTS = Caveat(
     "_rnn_scan has no flag for its last state, so it does not run in segments: every call with hooks, writes"
     " or kept states runs the token loop (one cheap diagonal step per token)")
-_PADDING = (
+_PADDING = Caveat(
     "the block does not mask its conv input: in a left-padded batch the pads' W_x u enter the windows of a row's"
     " first K-1 real tokens (transformers' behaviour). h_t resets at position 0, which generate puts at the"
     " first real token (position_ids from the mask); a forward without position_ids counts from the first column")
-_NOT_IN_CACHE = (
+_NOT_IN_CACHE = Caveat(
     "the memory is not in the transformers Cache (it holds the attention layers): after a call, read it from"
     " block.rg_lru.recurrent_states and block.conv1d_state, which the library's loops update as transformers"
     " does")
-_BEAMS = (
-    "transformers 5.24 does not reorder this memory under beam search: generate reorders the Cache (the attention"
+_BEAMS = Caveat(
+    "transformers does not reorder this memory under beam search: generate reorders the Cache (the attention"
     " layers' rows) and RecurrentGemma has no _reorder_cache, so block.rg_lru.recurrent_states and"
     " block.conv1d_state stay in place and each row's h_t and window continue the same row, not its parent beam's"
     " (watched or not; the library runs exactly that). call.reorder stays None: every row continues itself")
+
+
+class RealGatedLinearRecurrenceAdapter(KindAdapter):
+    """RecurrentGemma's adapter: a forward's freshness read from the block (its memory is on the modules, not in the
+    Cache), and its values."""
+
+    def parse_forward(self, module: nn.Module, arguments: dict[str, Any]) -> tuple[int, Any, bool, Tensor]:
+        """A call starts fresh when the block resets or drops its memory: `use_cache=False`, no window yet (or
+        another batch size), or a position 0 among its position_ids (where the RG-LRU resets h_t)."""
+        hidden = arguments[self.kind.FORWARD_INPUT]
+        extra = arguments.get("kwargs", {})
+        cache = arguments.get("cache", extra.get("cache"))
+        position_ids = arguments.get("position_ids")
+        window = module.conv1d_state
+        fresh = (not arguments.get("use_cache", True) or window is None or window.shape[0] != hidden.shape[0]
+                 or position_ids is None or bool((position_ids == 0).any()))
+        return hidden.shape[1], cache, fresh, hidden
+
+    def cached(self, cache: Any, layer: int) -> Tensor | None:
+        """Nothing: the transformers Cache holds no memory of this kind (it is on the modules)."""
+        return None
+
+    def token_values(self, mixer: RecurrentMixer, kernel_call: KernelCall) -> dict[str, Tensor]:
+        x = kernel_call.inputs
+        rows = x["hidden_states"].shape[0]
+        reset = x["reset"].expand(rows, -1, -1)  # b t 1   one row per batch row (the kernel may get a shared one)
+        return {"a": x["recurrent_gate"] * ~reset, "x": x["hidden_states"], "reset": reset[..., 0],
+                "output": kernel_call.output["output"]}
 
 
 class RealGatedLinearRecurrence(RecurrentMixer):
@@ -206,6 +238,7 @@ class RealGatedLinearRecurrence(RecurrentMixer):
     call is what the next call continues from.
     """
 
+    ADAPTER = RealGatedLinearRecurrenceAdapter
     KERNELS = (
         # prompts and decode steps alike; returns the last state, which the module stores
         Kernel(name="_rnn_scan", role=Role.BOTH, loop=rnn_scan, state_in="recurrent_states",
@@ -238,36 +271,10 @@ class RealGatedLinearRecurrence(RecurrentMixer):
         "conv window channels": _WINDOW_CHANNELS,
         "segments and chunk-wise states": _NO_SEGMENTS,
         "left padding": _PADDING,
-        "cache": _NOT_IN_CACHE,
+        "memory outside the Cache": _NOT_IN_CACHE,
         "beam search": _BEAMS,
-        "effective attention": "not implemented for this kind (rh.effective_attention raises Unavailable)",
+        "effective attention": Refused(Unavailable, "not implemented for this kind (rh.effective_attention raises)"),
     }
-
-    @classmethod
-    def _parse_forward(cls, module: nn.Module, arguments: dict[str, Any]) -> tuple[int, Any, bool, Tensor]:
-        """A call starts fresh when the block resets or drops its memory: `use_cache=False`, no window yet (or
-        another batch size), or a position 0 among its position_ids (where the RG-LRU resets h_t)."""
-        hidden = arguments[cls.FORWARD_INPUT]
-        extra = arguments.get("kwargs", {})
-        cache = arguments.get("cache", extra.get("cache"))
-        position_ids = arguments.get("position_ids")
-        window = module.conv1d_state
-        fresh = (not arguments.get("use_cache", True) or window is None or window.shape[0] != hidden.shape[0]
-                 or position_ids is None or bool((position_ids == 0).any()))
-        return hidden.shape[1], cache, fresh, hidden
-
-    @classmethod
-    def _cached(cls, cache: Any, layer: int) -> Tensor | None:
-        """Nothing: the transformers Cache holds no memory of this kind (it is on the modules)."""
-        return None
-
-    @classmethod
-    def _token_values(cls, kernel_call: KernelCall) -> dict[str, Tensor]:
-        x = kernel_call.inputs
-        rows = x["hidden_states"].shape[0]
-        reset = x["reset"].expand(rows, -1, -1)  # b t 1   one row per batch row (the kernel may get a shared one)
-        return {"a": x["recurrent_gate"] * ~reset, "x": x["hidden_states"], "reset": reset[..., 0],
-                "output": kernel_call.output["output"]}
 
 
 def _conv_prompt(

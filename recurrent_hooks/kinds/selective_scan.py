@@ -46,8 +46,8 @@ Module contents:
 - `discretize`: Δ_t, exp(Δ_t A) and Δ_t B_t x_t of every token, from the prompt kernel's arguments.
 - the discretisation (`step_size`, `discrete_step`, `refuse_mamba_packed`) and the kernels' signatures (`kernel`,
   `SelectiveScanCall`, `StateUpdateCall`) are `ssm`'s, shared with Mamba-2.
-- `SelectiveScan`, `PerHeadSelectiveScan`: the mixer kinds (zamba runs its kernels once per head), declared first;
-  the kernels' maths follow them.
+- `SelectiveScan`, `PerHeadSelectiveScan`: the mixer kinds (zamba runs its kernels once per head), declared first,
+  each after its adapter (`SelectiveScanAdapter`, `PerHeadSelectiveScanAdapter`); the kernels' maths follow them.
 """
 
 import functools
@@ -61,12 +61,15 @@ from torch import Tensor
 
 from ..engine.declare.effective import EffectiveAttention, decayed
 from ..engine.declare.kernels import STATE_MEMORY, Kernel, Role, Segments
+from ..engine.declare.limits import Caveat
 from ..engine.declare.loops import OnChunk, OnToken, at_least_float32, chunked, plus, scratch_like, starting_state
 from ..engine.errors import Unavailable
+from ..engine.handle.adapter import KindAdapter
 from ..engine.handle.mixer import RecurrentMixer
 from ..engine.tracing import compiling
 from ..engine.tracking.records import KernelCall
 from .shared.conv import CONV_KERNELS
+from .shared.recording import SPLIT_RECORDING
 from .shared.ssm import SelectiveScanCall, StateUpdateCall, discrete_step, kernel, step_size
 
 # the kernels, with transformers' signatures (written once: `ssm.kernel`); their maths follow the mixer kinds
@@ -86,6 +89,67 @@ _RESTARTED = ("multi-token continuation: the model restarted its SSM state from 
               " time for an exact continuation")
 
 
+class SelectiveScanAdapter(KindAdapter):
+    """Mamba-1's adapter: the restart of a multi-token continuation, its values and its effective attention."""
+
+    def restart(self, kernel: Kernel, forward: Any) -> str | None:
+        continuing = not forward.fresh and forward.tokens > 1
+        return _RESTARTED if continuing and kernel.memory == STATE_MEMORY and kernel.role == "prompt" else None
+
+    def token_values(self, mixer: RecurrentMixer, kernel_call: KernelCall) -> dict[str, Tensor]:
+        x = kernel_call.inputs
+        if kernel_call.kernel == self.kind.kernel_for(Role.PROMPT).name:
+            token_major = lambda v: rearrange(v, "b c t -> b t c")  # noqa: E731
+            dt = step_size(token_major(x["dt"]), x["delta_bias"], x["delta_softplus"])
+            return {"x": token_major(x["hidden_states"]), "dt": dt, "B": token_major(x["B"]),
+                    "C": token_major(x["C"]), "y": token_major(kernel_call.output["output"])}
+        dt = step_size(x["dt"], x["dt_bias"], x["dt_softplus"])
+        return {"x": x["hidden_states"][:, None], "dt": dt[:, None], "B": x["B"][:, None], "C": x["C"][:, None],
+                "y": kernel_call.output["output"][:, None]}
+
+    def _effective_attention_of_head(self, mixer: RecurrentMixer, calls: range, head: int, dtype: torch.dtype
+                                     ) -> EffectiveAttention:
+        """Mamba-1's exact map over one kernel call per head (zamba: one per mamba head)."""
+        kind = self.kind
+        xs, steps, Bs, Cs = [], [], [], []
+        for index in calls:
+            kernel_call = mixer.calls[index].kernel_calls[head]
+            values = self.token_values(mixer, kernel_call)  # token-major x, Δ, B, C
+            xs.append(values["x"]), steps.append(values["dt"]), Bs.append(values["B"]), Cs.append(values["C"])
+        last = mixer.calls[calls[-1]].kernel_calls[head]
+        first = mixer.calls[calls[0]].kernel_calls[head]
+        x, delta, B, C = (torch.cat([p.to(dtype) for p in pieces], dim=1) for pieces in (xs, steps, Bs, Cs))
+        A = last.inputs["A"].to(dtype)  # d n
+        rows = xs[-1].shape[1]
+        start = x.shape[1] - rows
+        cum = (delta[..., None] * A).cumsum(1).transpose(1, 2)  # b d s n   c_s per channel and state entry
+        B, C = B[:, None], C[:, None, start:]  # b 1 s n, b 1 t n
+        weights = decayed(C, B, cum[:, :, start:], cum, start, strict=False) * delta.transpose(1, 2)[:, :, None]
+        state = (first.inputs.get(kind.kernel(first.kernel).state_in) if kind.kernel(first.kernel).role is Role.DECODE
+                 else None)  # the scan starts from 0
+        x_rows = x[:, start:].transpose(1, 2)[..., None]  # b d t 1
+        if state is None:
+            from_state = torch.zeros_like(x_rows)
+        else:
+            from_state = ((C * cum[:, :, start:].exp()) * state.to(dtype)[:, :, None]).sum(-1)[..., None]
+        inputs = last.inputs
+        D, z = inputs.get("D"), inputs.get("z")
+        skip = None if D is None else D.to(dtype)[:, None, None] * x_rows
+        if z is not None:
+            z = (z if kind.kernel(last.kernel).role is Role.PROMPT else z[..., None]).to(dtype)  # b d t
+            z = F.silu(z)[..., None]
+        return EffectiveAttention(weights, x.transpose(1, 2)[..., None], from_state, skip, z, calls)
+
+    def effective_attention(self, mixer: RecurrentMixer, calls: range, dtype: torch.dtype) -> EffectiveAttention:
+        """Mamba-1's exact map: the heads' maps side by side (channel = head * head_dim + p)."""
+        heads = len(mixer.calls[calls[-1]].kernel_calls)
+        parts = [self._effective_attention_of_head(mixer, calls, head, dtype) for head in range(heads)]
+        if heads == 1:
+            return parts[0]
+        fields = [torch.cat(f, dim=1) if f[0] is not None else None for f in zip(*(p[:5] for p in parts))]
+        return EffectiveAttention(*fields, calls)
+
+
 class SelectiveScan(RecurrentMixer):
     """A Mamba-1 mixer (mamba, falcon_mamba, jamba).
 
@@ -103,6 +167,7 @@ class SelectiveScan(RecurrentMixer):
     every token runs the token loop.
     """
 
+    ADAPTER = SelectiveScanAdapter
     KERNELS = (
         # several tokens (a prompt): a scan from zeros, which takes no state; in segments, the library's
         # chunk-wise scan or token loop runs the pieces (they start from the state the previous one left)
@@ -138,70 +203,31 @@ class SelectiveScan(RecurrentMixer):
         "y": "batch seq d_inner",
     }
     LIMITS = {
-        "multi-token continuation": "transformers' mamba_selective_scan takes no initial state, so a forward of"
-        " several tokens over a cached state restarts the SSM state from zero (the model's own behaviour, watched or"
-        " not; the convolution window carries over). Such a call runs as transformers runs it: its hooks, writes and"
-        " kept states see the states from zero, and a RecurrentHooksWarning says so once per mixer and call. Continue"
-        " one token at a time for an exact continuation",
+        "multi-token continuation": Caveat(
+            "transformers' mamba_selective_scan takes no initial state, so a forward of several tokens over a cached"
+            " state restarts the SSM state from zero (the model's own behaviour, watched or not; the convolution"
+            " window carries over). Such a call runs as transformers runs it: its hooks, writes and kept states see"
+            " the states from zero, and a RecurrentHooksWarning says so once per mixer and call. Continue one token"
+            " at a time for an exact continuation"),
+        **SPLIT_RECORDING,
     }
 
-    @classmethod
-    def _restart(cls, kernel: Kernel, forward: Any) -> str | None:
-        continuing = not forward.fresh and forward.tokens > 1
-        return _RESTARTED if continuing and kernel.memory == STATE_MEMORY and kernel.role == "prompt" else None
 
-    @classmethod
-    def _token_values(cls, kernel_call: KernelCall) -> dict[str, Tensor]:
-        x = kernel_call.inputs
-        if kernel_call.kernel == cls.kernel_for(Role.PROMPT).name:
-            token_major = lambda v: rearrange(v, "b c t -> b t c")  # noqa: E731
-            dt = step_size(token_major(x["dt"]), x["delta_bias"], x["delta_softplus"])
-            return {"x": token_major(x["hidden_states"]), "dt": dt, "B": token_major(x["B"]),
-                    "C": token_major(x["C"]), "y": token_major(kernel_call.output["output"])}
-        dt = step_size(x["dt"], x["dt_bias"], x["dt_softplus"])
-        return {"x": x["hidden_states"][:, None], "dt": dt[:, None], "B": x["B"][:, None], "C": x["C"][:, None],
-                "y": kernel_call.output["output"][:, None]}
+class PerHeadSelectiveScanAdapter(SelectiveScanAdapter):
+    """zamba's Mamba-1 adapter: a kernel call per mamba head, and the window channels of each."""
 
-    def _effective_attention_of_head(self, calls: range, head: int, dtype: torch.dtype) -> EffectiveAttention:
-        """Mamba-1's exact map over one kernel call per head (zamba: one per mamba head)."""
-        kind = type(self)
-        xs, steps, Bs, Cs = [], [], [], []
-        for index in calls:
-            kernel_call = self.calls[index].kernel_calls[head]
-            values = self._token_values(kernel_call)  # token-major x, Δ, B, C
-            xs.append(values["x"]), steps.append(values["dt"]), Bs.append(values["B"]), Cs.append(values["C"])
-        last = self.calls[calls[-1]].kernel_calls[head]
-        first = self.calls[calls[0]].kernel_calls[head]
-        x, delta, B, C = (torch.cat([p.to(dtype) for p in pieces], dim=1) for pieces in (xs, steps, Bs, Cs))
-        A = last.inputs["A"].to(dtype)  # d n
-        rows = xs[-1].shape[1]
-        start = x.shape[1] - rows
-        cum = (delta[..., None] * A).cumsum(1).transpose(1, 2)  # b d s n   c_s per channel and state entry
-        B, C = B[:, None], C[:, None, start:]  # b 1 s n, b 1 t n
-        weights = decayed(C, B, cum[:, :, start:], cum, start, strict=False) * delta.transpose(1, 2)[:, :, None]
-        state = (first.inputs.get(kind.kernel(first.kernel).state_in) if kind.kernel(first.kernel).role is Role.DECODE
-                 else None)  # the scan starts from 0
-        x_rows = x[:, start:].transpose(1, 2)[..., None]  # b d t 1
-        if state is None:
-            from_state = torch.zeros_like(x_rows)
-        else:
-            from_state = ((C * cum[:, :, start:].exp()) * state.to(dtype)[:, :, None]).sum(-1)[..., None]
-        inputs = last.inputs
-        D, z = inputs.get("D"), inputs.get("z")
-        skip = None if D is None else D.to(dtype)[:, None, None] * x_rows
-        if z is not None:
-            z = (z if kind.kernel(last.kernel).role is Role.PROMPT else z[..., None]).to(dtype)  # b d t
-            z = F.silu(z)[..., None]
-        return EffectiveAttention(weights, x.transpose(1, 2)[..., None], from_state, skip, z, calls)
+    def kernel_calls(self, module: Any) -> int:
+        """One recurrence kernel call per mamba head (transformers' `n_mamba_heads`)."""
+        return int(module.n_mamba_heads)
 
-    def _effective_attention(self, calls: range, dtype: torch.dtype) -> EffectiveAttention:
-        """Mamba-1's exact map: the heads' maps side by side (channel = head * head_dim + p)."""
-        heads = len(self.calls[calls[-1]].kernel_calls)
-        parts = [self._effective_attention_of_head(calls, head, dtype) for head in range(heads)]
-        if heads == 1:
-            return parts[0]
-        fields = [torch.cat(f, dim=1) if f[0] is not None else None for f in zip(*(p[:5] for p in parts))]
-        return EffectiveAttention(*fields, calls)
+    def head_channels(self, head: int, heads: int, head_state: tuple[int, ...], channels: int) -> range:
+        """The window's channels are the heads' x channels, head-major (zamba splits the convolution's output into
+        heads of `head_dim` channels, and each head computes its dt, B and C from its own)."""
+        head_dim = channels // heads
+        if head_dim * heads != channels or head_dim != head_state[0]:
+            raise Unavailable(f"{self.kind.__name__}: a window of {channels} channels is not {heads} heads of"
+                              f" head_dim {head_state[0]}")
+        return range(head * head_dim, (head + 1) * head_dim)
 
 
 class PerHeadSelectiveScan(SelectiveScan):
@@ -219,6 +245,7 @@ class PerHeadSelectiveScan(SelectiveScan):
     head's kernel call forms them (`visitor.HeldHeads`, `runners.reduce_heads_in_chunks`).
     """
 
+    ADAPTER = PerHeadSelectiveScanAdapter
     KERNEL_PER_HEAD = True
     HEADS = True  # the kernel calls of one forward, one per mamba head
     STATE = "batch heads head_dim d_state"
@@ -229,21 +256,9 @@ class PerHeadSelectiveScan(SelectiveScan):
         "C": "batch seq heads d_state",
         "y": "batch seq heads head_dim",
     }
-
-    @classmethod
-    def _kernel_calls(cls, module: Any) -> int:
-        """One recurrence kernel call per mamba head (transformers' `n_mamba_heads`)."""
-        return int(module.n_mamba_heads)
-
-    @classmethod
-    def _head_channels(cls, head: int, heads: int, head_state: tuple[int, ...], channels: int) -> range:
-        """The window's channels are the heads' x channels, head-major (zamba splits the convolution's output into
-        heads of `head_dim` channels, and each head computes its dt, B and C from its own)."""
-        head_dim = channels // heads
-        if head_dim * heads != channels or head_dim != head_state[0]:
-            raise Unavailable(f"{cls.__name__}: a window of {channels} channels is not {heads} heads of head_dim"
-                              f" {head_state[0]}")
-        return range(head * head_dim, (head + 1) * head_dim)
+    # zamba's forward runs a recording cache's tokens as one prompt call per head (it reads no
+    # recurrent_states_to_keep), so of SelectiveScan's limits it has the continuation's only
+    LIMITS = {"multi-token continuation": SelectiveScan.LIMITS["multi-token continuation"]}
 
 
 def discretize(

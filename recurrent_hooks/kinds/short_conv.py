@@ -37,21 +37,53 @@ p > 0 on `layer_idx + cache_offset_p`, cache_offset_p = num_hidden_layers + (p -
 is call k, as for every mixer. `mix.cache_index` = (cache layer, state index) says which pass it is.
 
 Module contents:
-- `ShortConvolution`: the mixer kind (its kernels are `conv.CONV_KERNELS`, shared with every kind).
-- `LoopedShortConvolution`: inkling2_loop's, with a mixer per pass of a looped module.
+- `ShortConvolution`: the mixer kind (its kernels are `conv.CONV_KERNELS`, shared with every kind), after its
+  adapter (`ShortConvolutionAdapter`: where a window is in the cache, the values).
+- `LoopedShortConvolution`: inkling2_loop's, with a mixer per pass of a looped module (`LoopedShortConvolutionAdapter`).
 """
 
 import warnings
+import weakref
 from typing import Any, ClassVar
 
 from einops import rearrange
 from torch import Tensor, nn
 
 from ..engine.declare.kernels import CONV_MEMORY
+from ..engine.declare.limits import Caveat, Refused
 from ..engine.errors import RecurrentHooksWarning, Unavailable
+from ..engine.handle.adapter import KindAdapter
 from ..engine.handle.mixer import RecurrentMixer
 from ..engine.tracking.records import KernelCall
 from .shared.conv import CONV_KERNELS
+
+
+class ShortConvolutionAdapter(KindAdapter):
+    """A short convolution's adapter: its window's place in the cache (a cache layer holds several), and its
+    values."""
+
+    def cache_index(self, module: nn.Module, arguments: dict[str, Any]) -> tuple[int, int] | None:
+        """`(cache layer, state index)` of this forward's window."""
+        layer = getattr(module, "layer_idx", None)
+        if layer is None:
+            return None
+        name = self.kind.CACHE_OFFSET
+        offset = arguments.get(name, arguments.get("kwargs", {}).get(name, 0))
+        return layer + offset, getattr(module, self.kind.STATE_INDEX, 0)
+
+    def cached_window(self, cache: Any, where: tuple[int, int]) -> Tensor | None:
+        layer, state = where
+        return cache.get_conv_state(layer, state_idx=state)
+
+    def token_values(self, mixer: RecurrentMixer, kernel_call: KernelCall, tokens: int | None = None
+                     ) -> dict[str, Tensor]:
+        inputs, output = kernel_call.inputs, kernel_call.output
+        if inputs is None or output is None:
+            raise Unavailable(f"{self.kind.__name__}.values: the kernel {'inputs' if inputs is None else 'outputs'}"
+                              " were not kept: pass keep=('inputs', 'outputs') to watch")
+        x, out = inputs["hidden_states"], output["output"]
+        seq = x.shape[-1] if tokens is None else tokens  # a prompt over a cache: the cached window comes first
+        return {"x": rearrange(x[..., -seq:], "b c t -> b t c"), "output": rearrange(out[..., -seq:], "b c t -> b t c")}
 
 
 class ShortConvolution(RecurrentMixer):
@@ -74,6 +106,7 @@ class ShortConvolution(RecurrentMixer):
     `CACHE_OFFSET` argument, 0 when absent), state `STATE_INDEX` (the module's attribute, 0 when absent).
     """
 
+    ADAPTER = ShortConvolutionAdapter
     KERNELS = CONV_KERNELS
     MEMORIES = (CONV_MEMORY,)
     CONTINUES_CACHE = True  # the cached window comes before the call's inputs
@@ -91,34 +124,21 @@ class ShortConvolution(RecurrentMixer):
         "output": "batch seq channels  (DWConv_K(x) at each token, before the family's gate or residual)",
     }
     LIMITS = {
-        "state": "a short convolution carries no recurrent state: its whole memory is the window (windows)",
-        "research tools": "effective_attention and patching_sweep(memory='state') need a recurrent state and raise"
-        " Unavailable; patching_sweep(memory=None | 'window') patches the windows (the whole memory here), and"
-        " attribute estimates them (its state rows are zero)",
-        "a memory per layer (inkling, inkling2, inkling2_loop)": "these run four convolutions per decoder layer"
-        " (and inkling2_loop a mixer per pass of a looped layer), each its own mixer sharing `layer_idx`:"
-        " Watch.memory_after / set_memory_after and patching_sweep refuse such a model; use each mixer's own,"
-        " and w.mixer(layer) is the first of the layer's mixers (module order)",
-        "packed sequences": "seq_idx is passed to the prompt kernel and ignored, as transformers' pure-torch"
-        " kernel ignores it",
+        "state": Refused(
+            Unavailable, "a short convolution carries no recurrent state: its whole memory is the window (windows);"
+            " reading, writing or hooking a state raises"),
+        "effective attention, patching_sweep(memory='state')": Refused(
+            Unavailable, "both need a recurrent state; patching_sweep(memory=None | 'window') patches the windows"
+            " (the whole memory here), and attribute estimates them (its state rows are zero)"),
+        "packed sequences": Caveat(
+            "a packed batch (seq_idx): transformers' convolution keeps its sequences apart with the causal_conv1d"
+            " package and raises ValueError without it, and so does an idle watched call; a call that runs the"
+            " library's loop (hooks, writes, kept windows) ignores seq_idx, so its windows and outputs cross the"
+            " sequence boundaries (the library's gap: do not hook packed batches of these mixers)"),
     }
     FORWARD_CACHE = ("cache", "past_key_values")
     STATE_INDEX: ClassVar[str] = "conv_idx"  # the module attribute naming its window among the cache layer's
     CACHE_OFFSET: ClassVar[str] = "cache_offset"  # the forward argument added to layer_idx (inkling2's loop)
-
-    @classmethod
-    def _cache_index(cls, module: nn.Module, arguments: dict[str, Any]) -> tuple[int, int] | None:
-        """`(cache layer, state index)` of this forward's window."""
-        layer = getattr(module, "layer_idx", None)
-        if layer is None:
-            return None
-        offset = arguments.get(cls.CACHE_OFFSET, arguments.get("kwargs", {}).get(cls.CACHE_OFFSET, 0))
-        return layer + offset, getattr(module, cls.STATE_INDEX, 0)
-
-    @classmethod
-    def _cached_window(cls, cache: Any, where: tuple[int, int]) -> Tensor | None:
-        layer, state = where
-        return cache.get_conv_state(layer, state_idx=state)
 
     def values(self, call: int | None = None) -> dict[str, Tensor]:
         """The convolution's input and output at every token of call `call` (default: the last), token-major.
@@ -130,17 +150,40 @@ class ShortConvolution(RecurrentMixer):
         record = self._call(call, "values")
         if record.conv is None:
             raise Unavailable(f"{self}: call {record.index} made no convolution kernel call")
-        return self._token_values(record.conv, record.tokens)
+        return self.adapter.token_values(self, record.conv, record.tokens)
 
-    @classmethod
-    def _token_values(cls, kernel_call: KernelCall, tokens: int | None = None) -> dict[str, Tensor]:
-        inputs, output = kernel_call.inputs, kernel_call.output
-        if inputs is None or output is None:
-            raise Unavailable(f"{cls.__name__}.values: the kernel {'inputs' if inputs is None else 'outputs'}"
-                              " were not kept: pass keep=('inputs', 'outputs') to watch")
-        x, out = inputs["hidden_states"], output["output"]
-        seq = x.shape[-1] if tokens is None else tokens  # a prompt over a cache: the cached window comes first
-        return {"x": rearrange(x[..., -seq:], "b c t -> b t c"), "output": rearrange(out[..., -seq:], "b c t -> b t c")}
+
+class LoopedShortConvolutionAdapter(ShortConvolutionAdapter):
+    """inkling2_loop's: a handle per pass of a looped module (`instances`), each serving its own pass's forwards."""
+
+    def __init__(self, kind: "type[LoopedShortConvolution]") -> None:
+        super().__init__(kind)
+        self.warned: weakref.WeakSet[RecurrentMixer] = weakref.WeakSet()  # the handles that said they skipped a pass
+
+    def instances(self, module: nn.Module, model: nn.Module) -> tuple[Any, ...]:
+        config = getattr(model, "config", None)
+        config = config.get_text_config() if config is not None else None
+        start, end, passes = (getattr(config, name, None) for name in self.kind.LOOP_CONFIG)
+        layer = getattr(module, "layer_idx", None)
+        if None in (start, end, passes, layer) or not start <= layer < end:
+            return (None,)  # not looped: one mixer, every forward
+        state = getattr(module, self.kind.STATE_INDEX, 0)
+        offsets = [0] + [config.num_hidden_layers + (p - 1) * (end - start) - start for p in range(1, passes)]
+        return tuple((layer + offset, state) for offset in offsets)
+
+    def serves(self, mixer: RecurrentMixer, forward: Any) -> bool:
+        """A watch's mixer serves its own pass. A hook registered without a watch cannot tell the passes apart
+        (they come from the model's config): it serves the first pass, and a later pass runs as transformers runs
+        it, unhooked and uncounted, with one warning per handle (a watch has a mixer per pass)."""
+        index = forward.cache_index
+        if mixer.cache_index is None and index is not None and index[0] != mixer.layer:
+            if mixer not in self.warned:
+                self.warned.add(mixer)
+                warnings.warn(f"{mixer}: a later pass of a looped layer (cache layer {index[0]}) ran without this"
+                              " hook, which was registered without a watch and serves the first pass only; watch"
+                              " the model for a mixer per pass", RecurrentHooksWarning, stacklevel=2)
+            return False
+        return super().serves(mixer, forward)
 
 
 class LoopedShortConvolution(ShortConvolution):
@@ -157,40 +200,14 @@ class LoopedShortConvolution(ShortConvolution):
     (`rh.register_state_hook`) serves the first pass; the later passes run unhooked, with one warning.
     """
 
+    ADAPTER = LoopedShortConvolutionAdapter
     LOOP_CONFIG: ClassVar[tuple[str, str, str]] = ("loop_layer_index_start", "loop_layer_index_end", "loop_num_passes")
-    _warned_later_pass = False  # a handle without a watch said once that it skipped a later pass
     LIMITS = {
         **ShortConvolution.LIMITS,
-        "hooks without a watch on a looped module": "rh.register_state_hook cannot tell the passes apart (they"
-        " come from the model's config): it serves the first pass, the later passes run unhooked (one warning);"
-        " watch the model for a mixer per pass",
+        "hooks without a watch on a looped module": Caveat(
+            "rh.register_state_hook cannot tell the passes apart (they come from the model's config): it serves the"
+            " first pass, the later passes run unhooked (one warning); watch the model for a mixer per pass"),
     }
-
-    @classmethod
-    def _instances(cls, module: nn.Module, model: nn.Module) -> tuple[Any, ...]:
-        config = getattr(model, "config", None)
-        config = config.get_text_config() if config is not None else None
-        start, end, passes = (getattr(config, name, None) for name in cls.LOOP_CONFIG)
-        layer = getattr(module, "layer_idx", None)
-        if None in (start, end, passes, layer) or not start <= layer < end:
-            return (None,)  # not looped: one mixer, every forward
-        state = getattr(module, cls.STATE_INDEX, 0)
-        offsets = [0] + [config.num_hidden_layers + (p - 1) * (end - start) - start for p in range(1, passes)]
-        return tuple((layer + offset, state) for offset in offsets)
-
-    def _serves(self, forward: Any) -> bool:
-        """A watch's mixer serves its own pass. A hook registered without a watch cannot tell the passes apart
-        (they come from the model's config): it serves the first pass, and a later pass runs as transformers runs
-        it, unhooked and uncounted, with one warning per handle (a watch has a mixer per pass)."""
-        index = forward.cache_index
-        if self.cache_index is None and index is not None and index[0] != self.layer:
-            if not self._warned_later_pass:
-                self._warned_later_pass = True
-                warnings.warn(f"{self}: a later pass of a looped layer (cache layer {index[0]}) ran without this"
-                              " hook, which was registered without a watch and serves the first pass only; watch"
-                              " the model for a mixer per pass", RecurrentHooksWarning, stacklevel=2)
-            return False
-        return super()._serves(forward)
 
     def __repr__(self) -> str:
         if self.cache_index is None or self.cache_index[0] == self.layer:

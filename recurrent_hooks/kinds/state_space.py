@@ -47,7 +47,8 @@ Module contents:
   `out` when given, or a chunk at a time to `on_chunk`); `mamba2_chunk_scan_adjoint`: its adjoint recurrence, right
   to left (`Segments.adjoint`).
 - `discretize`: Δ_t, exp(Δ_t a_h) and Δ_t x_t B_t^T of every token, from the prompt kernel's arguments.
-- `Mamba2StateSpace`: the mixer kind, declared first; the kernels' maths follow it. The kernels' signatures
+- `Mamba2StateSpace`: the mixer kind, declared first (after its adapter, `Mamba2StateSpaceAdapter`: its heads'
+  window channels, its values, its effective attention); the kernels' maths follow it. The kernels' signatures
   (`kernel`, `ChunkScanCall`, `StateUpdateCall`) and the discretisation are `ssm`'s, shared with Mamba-1.
 """
 
@@ -62,6 +63,7 @@ from torch import Tensor
 
 from ..engine.declare.effective import EffectiveAttention, decayed
 from ..engine.declare.kernels import Kernel, Role, Segments
+from ..engine.declare.limits import Caveat
 from ..engine.declare.loops import (
     OnChunk,
     OnToken,
@@ -77,10 +79,12 @@ from ..engine.declare.loops import (
     visited,
 )
 from ..engine.errors import Unavailable
+from ..engine.handle.adapter import KindAdapter
 from ..engine.handle.mixer import RecurrentMixer
 from ..engine.paths.costs import Shape
 from ..engine.tracking.records import KernelCall
 from .shared.conv import CONV_KERNELS
+from .shared.recording import SPLIT_RECORDING
 from .shared.ssm import REQUIRED, ChunkScanCall, StateUpdateCall, discrete_step, kernel, step_size
 
 # the kernels, with transformers' signatures (written once: `ssm.kernel`); their maths follow the mixer kind
@@ -101,6 +105,70 @@ def _cost_shape(arguments: dict[str, Any]) -> Shape:
                  graph=3.3, loop_graph=1.1)  # above the measured (docs/performance.md, "Paths chosen by memory")
 
 
+class Mamba2StateSpaceAdapter(KindAdapter):
+    """Mamba-2's adapter: its heads' window channels, its values and its effective attention."""
+
+    def head_channels(self, head: int, heads: int, head_state: tuple[int, ...], channels: int) -> list[int]:
+        """The window's channels are `[x | B | C]` (`x`: heads x head_dim, `B`, `C`: groups x d_state): head h reads
+        its own x channels and the B and C channels of its group h // (heads // groups), which the other heads of
+        that group read too."""
+        head_dim, d_state = head_state
+        groups, rest = divmod(channels - heads * head_dim, 2 * d_state)
+        if rest or groups < 1 or heads % groups:
+            raise Unavailable(f"{self.kind.__name__}: a window of {channels} channels is not [x | B | C] for {heads}"
+                              f" heads of head_dim {head_dim}, d_state {d_state}")
+        group, start = head // (heads // groups), heads * head_dim
+        b = range(start + group * d_state, start + (group + 1) * d_state)
+        return [*range(head * head_dim, (head + 1) * head_dim), *b, *(c + groups * d_state for c in b)]
+
+    def token_values(self, mixer: RecurrentMixer, kernel_call: KernelCall) -> dict[str, Tensor]:
+        x = kernel_call.inputs
+        if kernel_call.kernel == self.kind.kernel_for(Role.PROMPT).name:
+            dt = step_size(x["dt"], x["dt_bias"], x["dt_softplus"], x["dt_limit"])
+            return {"x": x["hidden_states"], "dt": dt, "decay": torch.exp(dt * x["A"].float()), "B": x["B"],
+                    "C": x["C"], "y": kernel_call.output["output"]}
+        # the decode kernel gets the per-head parameters expanded over head_dim: channel 0 is the head's
+        dt = step_size(x["dt"][..., 0], None if x["dt_bias"] is None else x["dt_bias"][..., 0], x["dt_softplus"])
+        return {"x": x["hidden_states"][:, None], "dt": dt[:, None],
+                "decay": torch.exp(dt * x["A"][:, 0, 0].float())[:, None],
+                "B": x["B"][:, None], "C": x["C"][:, None], "y": kernel_call.output["output"][:, None]}
+
+    def effective_attention(self, mixer: RecurrentMixer, calls: range, dtype: torch.dtype) -> EffectiveAttention:
+        """Mamba-2's exact map (SSD: a scalar decay per head)."""
+        kind = self.kind
+        xs, steps, Bs, Cs = [], [], [], []
+        for index in calls:
+            # token-major x, Δ (clamped as the kernel), B, C
+            values = self.token_values(mixer, mixer.calls[index].kernel_calls[0])
+            xs.append(values["x"]), steps.append(values["dt"]), Bs.append(values["B"]), Cs.append(values["C"])
+        last, first = mixer.calls[calls[-1]].kernel_calls[0], mixer.calls[calls[0]].kernel_calls[0]
+        x, delta, B, C = (torch.cat([p.to(dtype) for p in pieces], dim=1) for pieces in (xs, steps, Bs, Cs))
+        heads = x.shape[2]
+        B, C = (repeat(v, "b s g n -> b (g r) s n", r=heads // v.shape[2]) for v in (B, C))  # head h reads group h // r
+        decode = kind.kernel(last.kernel).role is Role.DECODE
+        A = last.inputs["A"]
+        A = (A[:, 0, 0] if decode else A).to(dtype)  # h   (the decode kernel gets it expanded over head_dim, d_state)
+        rows = xs[-1].shape[1]
+        start = x.shape[1] - rows
+        delta = delta.transpose(1, 2)  # b h s
+        cum = (delta * A[:, None]).cumsum(2)[..., None]  # b h s 1
+        weights = decayed(C[:, :, start:], B, cum[:, :, start:], cum, start, strict=False) * delta[:, :, None]
+        values = x.transpose(1, 2)  # b h s p
+        state = first.inputs["state" if kind.kernel(first.kernel).role is Role.DECODE else "initial_states"]
+        if state is None:
+            from_state = torch.zeros_like(values[:, :, start:])
+        else:
+            from_state = torch.einsum("bhpn,bhtn->bhtp", state.to(dtype), C[:, :, start:]) * cum[:, :, start:].exp()
+        D = last.inputs.get("D")
+        skip = None
+        if D is not None:
+            D = (D[:, 0] if decode else D).to(dtype)
+            skip = D[:, None, None] * values[:, :, start:]
+        z = last.inputs.get("z") if decode else None
+        gate = None if z is None else F.silu(z.to(dtype))[:, :, None]
+        return EffectiveAttention(weights, values, from_state, skip, gate, calls)
+
+
 class Mamba2StateSpace(RecurrentMixer):
     """A Mamba-2 mixer (mamba2, bamba, falcon_h1, granitemoehybrid, nemotron_h, zamba2).
 
@@ -118,6 +186,7 @@ class Mamba2StateSpace(RecurrentMixer):
     state into the cache tensor in place, and so does the library's loop, after any hook or write.
     """
 
+    ADAPTER = Mamba2StateSpaceAdapter
     KERNELS = (
         Kernel(name="mamba2_chunk_scan", role=Role.PROMPT, loop=mamba2_chunk_scan, state_in="initial_states",
                results=("output", "final_state"), seq=("hidden_states", 1),
@@ -156,71 +225,12 @@ class Mamba2StateSpace(RecurrentMixer):
         "y": "batch seq heads head_dim",
     }
     LIMITS = {
-        "dt_limit at decode steps": "transformers' decode kernel does not clamp dt to time_step_limit (its prompt"
-        " kernel does); the library's loops do the same, so a non-default limit makes them disagree",
+        "dt_limit at decode steps": Caveat(
+            "transformers' decode kernel does not clamp dt to time_step_limit (its prompt kernel does); the library's"
+            " loops do the same, so with a non-default limit a prompt and its decode steps compute dt differently,"
+            " watched or not"),
+        **SPLIT_RECORDING,
     }
-
-    @classmethod
-    def _head_channels(cls, head: int, heads: int, head_state: tuple[int, ...], channels: int) -> list[int]:
-        """The window's channels are `[x | B | C]` (`x`: heads x head_dim, `B`, `C`: groups x d_state): head h reads
-        its own x channels and the B and C channels of its group h // (heads // groups), which the other heads of
-        that group read too."""
-        head_dim, d_state = head_state
-        groups, rest = divmod(channels - heads * head_dim, 2 * d_state)
-        if rest or groups < 1 or heads % groups:
-            raise Unavailable(f"{cls.__name__}: a window of {channels} channels is not [x | B | C] for {heads} heads"
-                              f" of head_dim {head_dim}, d_state {d_state}")
-        group, start = head // (heads // groups), heads * head_dim
-        b = range(start + group * d_state, start + (group + 1) * d_state)
-        return [*range(head * head_dim, (head + 1) * head_dim), *b, *(c + groups * d_state for c in b)]
-
-    @classmethod
-    def _token_values(cls, kernel_call: KernelCall) -> dict[str, Tensor]:
-        x = kernel_call.inputs
-        if kernel_call.kernel == cls.kernel_for(Role.PROMPT).name:
-            dt = step_size(x["dt"], x["dt_bias"], x["dt_softplus"], x["dt_limit"])
-            return {"x": x["hidden_states"], "dt": dt, "decay": torch.exp(dt * x["A"].float()), "B": x["B"],
-                    "C": x["C"], "y": kernel_call.output["output"]}
-        # the decode kernel gets the per-head parameters expanded over head_dim: channel 0 is the head's
-        dt = step_size(x["dt"][..., 0], None if x["dt_bias"] is None else x["dt_bias"][..., 0], x["dt_softplus"])
-        return {"x": x["hidden_states"][:, None], "dt": dt[:, None],
-                "decay": torch.exp(dt * x["A"][:, 0, 0].float())[:, None],
-                "B": x["B"][:, None], "C": x["C"][:, None], "y": kernel_call.output["output"][:, None]}
-
-    def _effective_attention(self, calls: range, dtype: torch.dtype) -> EffectiveAttention:
-        """Mamba-2's exact map (SSD: a scalar decay per head)."""
-        kind = type(self)
-        xs, steps, Bs, Cs = [], [], [], []
-        for index in calls:
-            # token-major x, Δ (clamped as the kernel), B, C
-            values = kind._token_values(self.calls[index].kernel_calls[0])
-            xs.append(values["x"]), steps.append(values["dt"]), Bs.append(values["B"]), Cs.append(values["C"])
-        last, first = self.calls[calls[-1]].kernel_calls[0], self.calls[calls[0]].kernel_calls[0]
-        x, delta, B, C = (torch.cat([p.to(dtype) for p in pieces], dim=1) for pieces in (xs, steps, Bs, Cs))
-        heads = x.shape[2]
-        B, C = (repeat(v, "b s g n -> b (g r) s n", r=heads // v.shape[2]) for v in (B, C))  # head h reads group h // r
-        decode = kind.kernel(last.kernel).role is Role.DECODE
-        A = last.inputs["A"]
-        A = (A[:, 0, 0] if decode else A).to(dtype)  # h   (the decode kernel gets it expanded over head_dim, d_state)
-        rows = xs[-1].shape[1]
-        start = x.shape[1] - rows
-        delta = delta.transpose(1, 2)  # b h s
-        cum = (delta * A[:, None]).cumsum(2)[..., None]  # b h s 1
-        weights = decayed(C[:, :, start:], B, cum[:, :, start:], cum, start, strict=False) * delta[:, :, None]
-        values = x.transpose(1, 2)  # b h s p
-        state = first.inputs["state" if kind.kernel(first.kernel).role is Role.DECODE else "initial_states"]
-        if state is None:
-            from_state = torch.zeros_like(values[:, :, start:])
-        else:
-            from_state = torch.einsum("bhpn,bhtn->bhtp", state.to(dtype), C[:, :, start:]) * cum[:, :, start:].exp()
-        D = last.inputs.get("D")
-        skip = None
-        if D is not None:
-            D = (D[:, 0] if decode else D).to(dtype)
-            skip = D[:, None, None] * values[:, :, start:]
-        z = last.inputs.get("z") if decode else None
-        gate = None if z is None else F.silu(z.to(dtype))[:, :, None]
-        return EffectiveAttention(weights, values, from_state, skip, gate, calls)
 
 
 def discretize(

@@ -43,7 +43,7 @@ Module contents:
 - `rwkv_linear_attention`: the WKV token loop, with the signature and results of transformers' function of
   that name (and of its CPU path `rwkv_linear_attention_cpu`), plus a keyword-only `on_token`.
 - `extract_key_value`: the token shift, as the method `RwkvSelfAttention.extract_key_value` (self first).
-- `WeightedKeyValue`: the mixer kind.
+- `WeightedKeyValue`: the mixer kind, after its adapter (`WeightedKeyValueAdapter`).
 """
 
 from typing import Any, NamedTuple
@@ -53,7 +53,10 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from ..engine.declare.kernels import CONV_MEMORY, Kernel, Role, Site
+from ..engine.declare.limits import Caveat, Refused
 from ..engine.declare.loops import OnToken
+from ..engine.errors import Unavailable
+from ..engine.handle.adapter import KindAdapter
 from ..engine.handle.mixer import RecurrentMixer
 from ..engine.tracking.records import KernelCall
 
@@ -164,6 +167,22 @@ def extract_key_value(
     return receptance, key, value, state
 
 
+class WeightedKeyValueAdapter(KindAdapter):
+    """RWKV-4's adapter: a forward's freshness read from the model's state list (there is no Cache), and its values."""
+
+    def parse_forward(self, module: nn.Module, arguments: dict[str, Any]) -> tuple[int, Any, bool, Tensor]:
+        """`forward(hidden, state=None, use_cache=False)`: no Cache; the model-level state list, if any.
+
+        A prompt (fresh) is a call with no state, or whose layer holds the empty state RwkvModel creates
+        (num = den = 0, max = -1e30)."""
+        hidden, state = arguments[self.kind.FORWARD_INPUT], arguments.get("state")
+        return hidden.shape[1], None, state is None or _empty(state, module.layer_id), hidden
+
+    def token_values(self, mixer: RecurrentMixer, kernel_call: KernelCall) -> dict[str, Tensor]:
+        inputs = kernel_call.inputs
+        return {"key": inputs["key"], "value": inputs["value"], "wkv": kernel_call.output["output"]}
+
+
 class WeightedKeyValue(RecurrentMixer):
     """An RWKV-4 time-mixing mixer (rwkv): the WKV state and the token shift.
 
@@ -181,6 +200,7 @@ class WeightedKeyValue(RecurrentMixer):
     there is no Cache), so writes at the last token of a call are what the next call continues from.
     """
 
+    ADAPTER = WeightedKeyValueAdapter
     KERNELS = (
         # prompt and decode: one module global; it takes (num, den, max) and returns the new ones
         Kernel(name="rwkv_linear_attention", role=Role.BOTH, loop=rwkv_linear_attention, state_in="state",
@@ -203,40 +223,34 @@ class WeightedKeyValue(RecurrentMixer):
     OUTPUTS = {"output": "batch seq channels", "final_state": "[num, den, max], each batch channels"}
     VALUES = {"key": "batch seq channels", "value": "batch seq channels", "wkv": "batch seq channels"}
     LIMITS = {
-        "batched decode": "transformers' token shift mixes a [batch, hidden] state with a [batch, 1, hidden] input at"
-        " a one-token step over a state, which broadcasts to [batch, batch, hidden] for batch > 1 (its bug): cached"
-        " decoding is right for batch 1 only, watched or not; prompts are right for any batch. Such a step's WKV kernel"
-        " runs over batch positions, and the record says so: call.tokens and the kept states have batch positions,"
-        " the windows (the shift saw one input) one",
-        "left padding": "RwkvModel ignores attention_mask: the pads of a left-padded row enter its state, watched or"
-        " not (the model's behaviour; pad on the right)",
-        "eval rescaling": "in eval mode RwkvModel divides attention.output and feed_forward.value weights in place by"
-        " 2^(layer // rescale_every) (and back in train mode): compare runs in the same mode",
-        "gradients with a state": "with use_cache=True transformers' forward overwrites its state list in place after"
-        " its kernels saved views of it for backward, so backward raises (modified by an inplace operation), watched"
-        " or not: take gradients with use_cache=False (the kept states are then differentiable as usual)",
-        "attention_hidden_size": "RwkvModel sizes its state with hidden_size, so attention_hidden_size != hidden_size"
-        " raises a size mismatch with use_cache=True (transformers' bug); such models run with use_cache=False only",
-        "effective attention": "rh.effective_attention is not derived for this kind yet (it raises Unavailable)",
-        "feed-forward shift": "the channel mix (RwkvFeedForward) has its own token shift, state[0]: not part of this"
-        " mixer's memory, not read or written",
+        "batched decode": Caveat(
+            "transformers' token shift mixes a [batch, hidden] state with a [batch, 1, hidden] input at a one-token"
+            " step over a state, which broadcasts to [batch, batch, hidden] for batch > 1 (its bug): cached decoding"
+            " is right for batch 1 only, watched or not; prompts are right for any batch. Such a step's WKV kernel"
+            " runs over batch positions, and the record says so: call.tokens and the kept states have batch"
+            " positions, the windows (the shift saw one input) one"),
+        "left padding": Caveat(
+            "RwkvModel ignores attention_mask: the pads of a left-padded row enter its state, watched or not (the"
+            " model's behaviour; pad on the right)"),
+        "eval rescaling": Caveat(
+            "in eval mode RwkvModel divides attention.output and feed_forward.value weights in place by"
+            " 2^(layer // rescale_every) (and back in train mode): compare runs in the same mode"),
+        "gradients with a state": Refused(
+            RuntimeError, "with use_cache=True transformers' forward overwrites its state list in place after its"
+            " kernels saved views of it for backward, so backward raises (modified by an inplace operation), watched"
+            " or not: take gradients with use_cache=False (the kept states are then differentiable as usual)"),
+        "attention_hidden_size": Refused(
+            RuntimeError, "RwkvModel sizes its state with hidden_size, so attention_hidden_size != hidden_size"
+            " raises a size mismatch with use_cache=True (transformers' bug), watched or not; such models run with"
+            " use_cache=False only"),
+        "effective attention": Refused(
+            Unavailable, "rh.effective_attention is not derived for this kind yet"),
+        "feed-forward shift": Caveat(
+            "the channel mix (RwkvFeedForward) has its own token shift, state[0]: not part of this mixer's memory,"
+            " not read or written"),
     }
     FORWARD_INPUT = "hidden"
     LAYER_ATTRIBUTE = "layer_id"
-
-    @classmethod
-    def _parse_forward(cls, module: nn.Module, arguments: dict[str, Any]) -> tuple[int, Any, bool, Tensor]:
-        """`forward(hidden, state=None, use_cache=False)`: no Cache; the model-level state list, if any.
-
-        A prompt (fresh) is a call with no state, or whose layer holds the empty state RwkvModel creates
-        (num = den = 0, max = -1e30)."""
-        hidden, state = arguments[cls.FORWARD_INPUT], arguments.get("state")
-        return hidden.shape[1], None, state is None or _empty(state, module.layer_id), hidden
-
-    @classmethod
-    def _token_values(cls, kernel_call: KernelCall) -> dict[str, Tensor]:
-        inputs = kernel_call.inputs
-        return {"key": inputs["key"], "value": inputs["value"], "wkv": kernel_call.output["output"]}
 
 
 def _empty(state: list[Tensor], layer: int) -> bool:

@@ -40,7 +40,8 @@ within float32 rounding).
 
 Module contents:
 - `cca_forward`: the library's forward (transformers' signature and results, plus `on_token` and `on_also`);
-- `CompressedConvolutionalAttention`: the mixer kind (zaya).
+- `CompressedConvolutionalAttention`: the mixer kind (zaya), after its adapter
+  (`CompressedConvolutionalAttentionAdapter`).
 """
 
 from typing import Any
@@ -52,10 +53,13 @@ from torch import Tensor, nn
 
 from ..engine.binding.upstream import installed_version, is_at_least
 from ..engine.declare.kernels import CONV_MEMORY, STATE_MEMORY, Kernel, Role, Site
+from ..engine.declare.limits import Caveat, Refused
 from ..engine.declare.loops import OnToken, handed_back_changed, version_of
 from ..engine.errors import Unavailable
+from ..engine.handle.adapter import KindAdapter
 from ..engine.handle.mixer import RecurrentMixer
 from ..engine.tracking.records import KernelCall
+from .shared.recording import RECORDING
 
 # transformers' own forward runs a cache that records its past (it takes the conv context from the cache) from 5.25
 # on; before, it raised at the second decode step, and a watched call with hooks refuses it by name.
@@ -140,6 +144,28 @@ def cca_forward(
     return query, key, value
 
 
+class CompressedConvolutionalAttentionAdapter(KindAdapter):
+    """zaya's CCA adapter: its whole forward records the cached window and delay it read, and its values are
+    the forward's query, key and value."""
+
+    def kernel_arguments(self, module: nn.Module, kernel: Kernel, arguments: dict[str, Any]) -> dict[str, Any]:
+        arguments = dict(arguments)
+        cache = self.pop_cache(arguments)
+        layer = getattr(module, self.kind.LAYER_ATTRIBUTE, None)
+        found = cache is not None and layer is not None
+        arguments["conv_state"] = cache.get_conv_state(layer) if found else None
+        arguments["delay"] = cache.get_recurrent_state(layer) if found else None
+        return arguments
+
+    def token_values(self, mixer: RecurrentMixer, kernel_call: KernelCall, tokens: int | None = None
+                     ) -> dict[str, Tensor]:
+        if kernel_call.output is None or kernel_call.inputs is None:
+            raise Unavailable(f"{self.kind.__name__}.values: the kernel"
+                              f" {'inputs' if kernel_call.inputs is None else 'outputs'}"
+                              " were not kept: pass keep=('inputs', 'outputs') to watch")
+        return {name: kernel_call.output[name] for name in self.kind.VALUES}
+
+
 class CompressedConvolutionalAttention(RecurrentMixer):
     """zaya's CCA projection: a conv window over the queries and keys, and a one-token value delay (zaya).
 
@@ -159,6 +185,7 @@ class CompressedConvolutionalAttention(RecurrentMixer):
     `outputs` are its results, `query`, `key`, `value` (before zaya's q/k norm and rotary embedding).
     """
 
+    ADAPTER = CompressedConvolutionalAttentionAdapter
     KERNELS = (
         # the whole forward, for both memories; `conv_state` and `delay`, in the recorded inputs, are what it read
         Kernel(name="forward", role=Role.BOTH, loop=cca_forward, memory=CONV_MEMORY, also=STATE_MEMORY,
@@ -187,26 +214,18 @@ class CompressedConvolutionalAttention(RecurrentMixer):
         "value": "batch seq kv_heads head_dim  (the forward's v at each token; its second half is the delay read)",
     }
     LIMITS = {
-        **({} if PAST_RECORDING_RUNS else {"past recording (assisted decoding)": "under"
-            " cache.activate_past_recording() transformers' own forward (before 5.25) fails at the second decode step"
-            " (the cache grows the window by whole windows, and the q/k view raises); generate never records the"
-            " past for zaya (_is_stateful blocks assisted decoding), and a watched call with hooks refuses such a"
-            " window by name (rh.Unavailable)"}),
-        "effective attention": "not provided: CCA projects the inputs of softmax attention; it is no linear"
-        " recurrence over the values",
-        "segments": "every call with hooks, writes or kept memories runs the token loop (a cheap shift per token;"
-        " only the positions that read a written window are recomputed)",
+        **({} if PAST_RECORDING_RUNS else {RECORDING: Refused(
+            Unavailable, f"transformers {installed_version()}: under cache.activate_past_recording() zaya's own"
+            " forward fails at the second decode step (the cache grows the window by whole windows, and the q/k view"
+            " raises a RuntimeError); generate never records the past for zaya (_is_stateful blocks assisted"
+            " decoding), and a watched call with hooks refuses such a window by name")}),
+        "effective attention": Refused(
+            Unavailable, "not provided: CCA projects the inputs of softmax attention; it is no linear recurrence over"
+            " the values"),
+        "segments": Caveat(
+            "every call with hooks, writes or kept memories runs the token loop (a cheap shift per token; only the"
+            " positions that read a written window are recomputed)"),
     }
-
-    @classmethod
-    def _kernel_arguments(cls, module: nn.Module, kernel: Kernel, arguments: dict[str, Any]) -> dict[str, Any]:
-        arguments = dict(arguments)
-        cache = cls._pop_cache(arguments)
-        layer = getattr(module, cls.LAYER_ATTRIBUTE, None)
-        found = cache is not None and layer is not None
-        arguments["conv_state"] = cache.get_conv_state(layer) if found else None
-        arguments["delay"] = cache.get_recurrent_state(layer) if found else None
-        return arguments
 
     def values(self, call: int | None = None) -> dict[str, Tensor]:
         """The forward's query, key and value at every token of call `call` (default: the last), token-major.
@@ -218,15 +237,7 @@ class CompressedConvolutionalAttention(RecurrentMixer):
         record = self._call(call, "values")
         if record.conv is None:
             raise Unavailable(f"{self}: call {record.index} made no CCA forward call")
-        return self._token_values(record.conv)
-
-    @classmethod
-    def _token_values(cls, kernel_call: KernelCall, tokens: int | None = None) -> dict[str, Tensor]:
-        if kernel_call.output is None or kernel_call.inputs is None:
-            raise Unavailable(f"{cls.__name__}.values: the kernel"
-                              f" {'inputs' if kernel_call.inputs is None else 'outputs'}"
-                              " were not kept: pass keep=('inputs', 'outputs') to watch")
-        return {name: kernel_call.output[name] for name in cls.VALUES}
+        return self.adapter.token_values(self, record.conv)
 
 
 def _repeat_kv(x: Float[Tensor, "batch kv_heads seq head_dim"], groups: int

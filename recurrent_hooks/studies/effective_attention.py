@@ -37,7 +37,7 @@ Per kind (heads axis, value v_s):
         gate = silu(z_t) only for a decode kernel call given z (the prompt kernel ignores z).
 
 Module contents: `effective_attention` (the history of a call, then the kind's own maths:
-`RecurrentMixer._effective_attention` in each kind's module); `EffectiveAttention`, the result, and the
+its adapter's `effective_attention`, in each kind's module); `EffectiveAttention`, the result, and the
 decayed inner products are in `engine.declare.effective`.
 """
 
@@ -83,13 +83,25 @@ def _history(mixer: RecurrentMixer, call: int | None) -> range:
             " the call's output is then not a linear map of its values (run it again without replacing hooks)")
     first = record.index
     while first > 0:
+        for kernel_call in mixer.calls[first].kernel_calls:
+            recorded(record, kernel_call.inputs, "inputs"), recorded(record, kernel_call.output, "outputs")
+        if all(start is None for start in _state_in(mixer, mixer.calls[first])):
+            break  # it started from no state: it continues no call
+        if first - 1 < mixer.calls.dropped:  # whether call `first` continues the one before cannot be told
+            raise Unavailable(f"{where}: its history runs back to call {first}, which may continue the state of call"
+                              f" {first - 1}; {mixer.calls.dropped_message(first - 1)}")
         before = mixer.calls[first - 1]
-        for kernel_call in (*before.kernel_calls, *mixer.calls[first].kernel_calls):
+        for kernel_call in before.kernel_calls:
             recorded(record, kernel_call.inputs, "inputs"), recorded(record, kernel_call.output, "outputs")
         if not _continues(mixer, before, mixer.calls[first]):
             break
         first -= 1
     for index in range(first, record.index + 1):
+        if mixer.calls[index].split:
+            raise Unavailable(f"{where}: call {index} of its history ran as {len(mixer.calls[index].kernel_calls)}"
+                              f" kernel calls ({', '.join(mixer.calls[index].kernels)}: a cache that records its"
+                              " past split its tokens, as assisted decoding's does), and the effective attention"
+                              " reads one kernel call a call; run the calls without past recording")
         for kernel_call in mixer.calls[index].kernel_calls:
             recorded(record, kernel_call.inputs, "inputs"), recorded(record, kernel_call.output, "outputs")
     return range(first, record.index + 1)
@@ -110,7 +122,8 @@ def effective_attention(mixer: RecurrentMixer, call: int | None = None, *,
     over a cache filled outside the watch, a decode step after the cache rows were reordered by beam
     search, or the call after one whose state a hook or write replaced). What the state `first` started
     from contributes is `ea.from_state`. Needs every call of the history kept with
-    `keep=("inputs", "outputs")`. A call whose own state a hook or write replaced has no such map:
+    `keep=("inputs", "outputs")`, and not dropped (`watch(history=N)`: a history that reaches a dropped call raises
+    `rh.Unavailable`). A call whose own state a hook or write replaced has no such map:
     `rh.Unavailable`. Convolution-window writes are fine (they change the values, which are read as kept).
     Computed in `dtype` (float32, as the kernels; float64 for a reference).
     """
@@ -120,4 +133,4 @@ def effective_attention(mixer: RecurrentMixer, call: int | None = None, *,
         call = as_index(call, "call", f"{mixer}.effective_attention")
     calls = _history(mixer, call)
     with torch.no_grad():
-        return mixer._effective_attention(calls, dtype)
+        return mixer.adapter.effective_attention(mixer, calls, dtype)

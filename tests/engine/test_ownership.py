@@ -5,7 +5,7 @@ for every instance, watched or not, and pops it in a `finally`: a kernel call be
 tests pin what a stack walk got wrong: a kernel that a submodule of an unwatched mixer calls (the walk found the
 submodule, not a mixer, and gave the call to the watched forward around it), and an interrupt after the kernels
 (the walk left a stale entry until the next forward). The rest (threads, models inside hooks, checkpointing,
-accelerate, compile) is pinned in test_everyday_setups.py, test_families.py, test_accelerate.py and test_compile.py.
+accelerate, compile) is pinned in test_reentrancy.py, test_families.py, test_accelerate.py and test_compile.py.
 """
 
 import pathlib

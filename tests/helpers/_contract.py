@@ -1,12 +1,12 @@
-"""How the contract suite (tests/kinds/test_contract.py) reads each kind, as data: the `Adapter`, its defaults, the
-cases.
+"""How the contract suite (tests/kinds/test_contract.py) reads each kind, as data: the `ContractReading`, its
+defaults, the cases.
 
 The contract is one set of promises every (family, mixer class) keeps: a write after token t changes only the
 tokens after t and what the model carries on, a replacing hook is a write, the whole memory written from another
 run makes a layer continue as in that run, the gradient reaches a kept memory, gradient checkpointing repeats a
-call rather than counting a new one. What differs between kinds is an `Adapter` (this module's defaults fit a kind
-whose memory is in transformers' Cache), which a kind's own test file declares where it needs other values
-(`CONTRACT = {Kind: Adapter(...)}` in tests/kinds/test_<the kind's module>.py, found by `adapter_of`):
+call rather than counting a new one. What differs between kinds is a `ContractReading` (this module's defaults fit a
+kind whose memory is in transformers' Cache), which a kind's own test file declares where it needs other values
+(`CONTRACT = {Kind: ContractReading(...)}` in tests/kinds/test_<the kind's module>.py, found by `reading_of`):
 
 - how to make a write value (`perturb`: a different valid memory of the same shape) and scale one (`scale`);
 - where the model carries a memory after a forward (`carried`: the Cache, a module attribute, the `state=` list);
@@ -14,7 +14,7 @@ whose memory is in transformers' Cache), which a kind's own test file declares w
 - tolerances and thresholds (`later`: how much the later logits must move; `early`: how close the earlier ones
   stay) and quirks (`batch`, `grad_use_cache`, `window_tokens`, `whole_memory_model`, ...).
 
-A `Case` is one (family, mixer class): its kind, its adapter and which mixers of a watch are its. Adding a kind
+A `Case` is one (family, mixer class): its kind, its reading and which mixers of a watch are its. Adding a kind
 touches no line here.
 """
 
@@ -92,11 +92,11 @@ def conv_input(mixer, call):
     return mixer.calls[call].conv.inputs["conv_state"]
 
 
-# -- the adapters ---------------------------------------------------------------------------------------------------
+# -- the readings ---------------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
-class Adapter:
+class ContractReading:
     """How the contract reads one kind. Defaults: the kinds whose memory lives in transformers' Cache."""
 
     perturb: Callable = perturbation
@@ -132,10 +132,11 @@ class Adapter:
     whole_memory_early: dict | None = None  # the layer's outputs up to t after the write (default: whole_memory_tol)
 
 
-def adapter_of(kind) -> Adapter:
-    """The adapter a kind's test file declares (`CONTRACT`, a mapping kind -> `Adapter`, in
+def reading_of(kind) -> ContractReading:
+    """The reading a kind's test file declares (`CONTRACT`, a mapping kind -> `ContractReading`, in
     tests/kinds/test_<the kind's module>.py), for the kind or the nearest base it extends; else the default,
-    `Adapter()`: a kind whose memory lives in transformers' Cache and keeps the defaults' tolerances needs none."""
+    `ContractReading()`: a kind whose memory lives in transformers' Cache and keeps the defaults' tolerances needs
+    none."""
     for cls in kind.__mro__:
         if cls is rh.RecurrentMixer:
             break
@@ -146,7 +147,7 @@ def adapter_of(kind) -> Adapter:
             contract = getattr(importlib.import_module(module), "CONTRACT", {})
             if cls in contract:
                 return contract[cls]
-    return Adapter()
+    return ContractReading()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,8 +159,8 @@ class Case:
     kind: type
 
     @property
-    def adapter(self) -> Adapter:
-        return adapter_of(self.kind)
+    def reading(self) -> ContractReading:
+        return reading_of(self.kind)
 
     @property
     def id(self) -> str:
@@ -176,7 +177,7 @@ class Case:
 
 def cases(covered=lambda case: True) -> list[Case]:
     """Every (family, mixer class) of the registry, in its order, where `covered(case)`: no kind is left out (one
-    without an adapter of its own is read with the defaults, and fails where they do not fit it)."""
+    without a reading of its own is read with the defaults, and fails where they do not fit it)."""
     rows = [(name, cls.mixer_class, cls.kind) for name, row in rh.FAMILIES.items() for cls in row.classes]
     return [case for case in (Case(*row) for row in rows) if covered(case)]
 
@@ -208,7 +209,7 @@ def norm(value) -> float:
 
 
 def whole_memory_model(case: Case):
-    builder = case.adapter.whole_memory_model
+    builder = case.reading.whole_memory_model
     if builder is None:
         return build(case.family)
     torch.manual_seed(0)

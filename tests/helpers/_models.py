@@ -155,6 +155,26 @@ def _lengthen_memory(model: transformers.PreTrainedModel) -> transformers.PreTra
     return model
 
 
+def _for_each(model: transformers.PreTrainedModel, class_name: str, change) -> transformers.PreTrainedModel:
+    """``change(module)`` for every module of ``model`` whose class is named ``class_name``, without gradients."""
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__ == class_name:
+                change(module)
+    return model
+
+
+def _zero_forget_gates(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """A_log = 0 in every bailing_hybrid forget gate, as glm5_next initialises the same safe gate: otherwise
+    alpha ~ 1 (see module docstring)."""
+    return _for_each(model, "BailingHybridForgetGate", lambda gate: gate.A_log.zero_())
+
+
+def _unit_key_scales(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """ZayaQKNorm's key scale ``temp`` 1 per kv head: its init of zeros makes every key 0 (see ``_zaya``)."""
+    return _for_each(model, "ZayaQKNorm", lambda norm: norm.temp.fill_(1.0))
+
+
 def _qwen3_next():
     return _lengthen_memory(_make(
         transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM,
@@ -239,7 +259,7 @@ def _kimi_linear():
 
 
 def _bailing_hybrid():
-    model = _make(
+    return _zero_forget_gates(_make(
         transformers.BailingHybridConfig, transformers.BailingHybridForCausalLM,
         **_COMMON, **_MLA, **_KDA_MOE,
         intermediate_size=64,
@@ -251,15 +271,7 @@ def _bailing_hybrid():
         first_k_dense_replace=1,
         short_conv_kernel_size=4,
         num_mtp_layers=0,
-    )
-    from transformers.models.bailing_hybrid.modeling_bailing_hybrid import BailingHybridForgetGate
-
-    # A_log = 0, as glm5_next initialises the same safe gate: otherwise alpha ~ 1 (see module docstring).
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, BailingHybridForgetGate):
-                module.A_log.zero_()
-    return model
+    ))
 
 
 def _glm5_next():
@@ -375,16 +387,19 @@ def _jamba():
     ), dt=_DT_RANGE, conv=16.0, out=4.0)
 
 
+def _zamba_layers() -> dict:
+    """What zamba and zamba2 share: attention heads 2/2 (as in the reference configs) and a mamba layer, then a hybrid
+    one (with the shared attention block), twice."""
+    return dict(**_COMMON, **_HYBRID_MAMBA, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
+                layers_block_type=["mamba", "hybrid"] * 2)
+
+
 def _zamba():
     # dt is already in [1e-3, 0.1], but B, C = x_proj(x) ~ 2e-4 (x_proj and conv1d ~ N(0, 0.02)):
     # state effect < 1e-7. conv1d x16 and out_proj x4 (kaiming scale), x_proj B/C rows x512 (|B|, |C| ~ 2).
     return _strengthen_ssm(_make(
         transformers.ZambaConfig, transformers.ZambaForCausalLM,
-        **_COMMON, **_HYBRID_MAMBA,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        layers_block_type=["mamba", "hybrid"] * 2,
+        **_zamba_layers(),
         n_mamba_heads=2,
     ), bc=512.0, conv=16.0, out=4.0)
 
@@ -467,11 +482,7 @@ def _nemotron_h():
 def _zamba2():
     return _strengthen_ssm(_make(
         transformers.Zamba2Config, transformers.Zamba2ForCausalLM,
-        **_COMMON, **_HYBRID_MAMBA,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        layers_block_type=["mamba", "hybrid"] * 2,
+        **_zamba_layers(),
         mamba_ngroups=2,
         n_mamba_heads=4,
         chunk_size=8,
@@ -609,15 +620,11 @@ def _zaya():
     # ZayaQKNorm's key scale `temp` is initialised to zeros: every key is 0, the attention uniform, and the q/k conv
     # window reaches no logit (a write to it changed nothing). A scale of 1 per kv head lets it (effect of zeroing the
     # window after token 4: ~1e-4 on the next logits; the value delay's: ~8e-2).
-    model = _make(transformers.ZayaConfig, transformers.ZayaForCausalLM, **_SHORT_CONV_COMMON, num_hidden_layers=2,
-                  layer_types=["hybrid", "hybrid_sliding"], sliding_window=8, head_dim=16, num_experts=4,
-                  num_experts_per_tok=1, moe_intermediate_size=32, router_hidden_size=16, cca_time0=2, cca_time1=2,
-                  attention_bias=True)  # biases: the delay before a prompt's first token is W_vd 0 = the bias
-    with torch.no_grad():
-        for module in model.modules():
-            if type(module).__name__ == "ZayaQKNorm":
-                module.temp.fill_(1.0)
-    return model
+    return _unit_key_scales(_make(
+        transformers.ZayaConfig, transformers.ZayaForCausalLM, **_SHORT_CONV_COMMON, num_hidden_layers=2,
+        layer_types=["hybrid", "hybrid_sliding"], sliding_window=8, head_dim=16, num_experts=4,
+        num_experts_per_tok=1, moe_intermediate_size=32, router_hidden_size=16, cca_time0=2, cca_time1=2,
+        attention_bias=True))  # biases: the delay before a prompt's first token is W_vd 0 = the bias
 
 
 FAMILIES: dict[str, Callable[[], transformers.PreTrainedModel]] = {

@@ -30,26 +30,7 @@ from collections.abc import Callable
 
 import torch
 import transformers
-from _models import _config, _gate_the_mlstm, _lengthen_memory, _strengthen_ssm
-
-
-def _bailing_zero_a_log(model):
-    """A_log = 0 in every forget gate, as tests/helpers/_models.py's bailing_hybrid (otherwise its decay is about 1)."""
-    with torch.no_grad():
-        for module in model.modules():
-            if type(module).__name__ == "BailingHybridForgetGate":
-                module.A_log.zero_()
-    return model
-
-
-def _zaya_keys(model):
-    """ZayaQKNorm's key scale 1, as tests/helpers/_models.py's zaya (its init of zeros makes every key 0)."""
-    with torch.no_grad():
-        for module in model.modules():
-            if type(module).__name__ == "ZayaQKNorm":
-                module.temp.fill_(1.0)
-    return model
-
+from _models import _config, _gate_the_mlstm, _lengthen_memory, _strengthen_ssm, _unit_key_scales, _zero_forget_gates
 
 _MOE = dict(num_experts=4, num_experts_per_tok=2)  # Qwen-style MoE cut
 
@@ -147,7 +128,7 @@ SIZES: dict[str, Size] = {
              n_group=1, topk_group=1, intermediate_size=512, moe_intermediate_size=512, num_mtp_layers=0,
              expert_swiglu_limit_list=[0] * 6, share_expert_swiglu_limit_list=[0] * 6),
         cut="512 -> 4 experts in 1 group (top-8 -> 2); intermediate 6144 -> 512, expert 768 -> 512; no MTP layer",
-        fix=_bailing_zero_a_log),
+        fix=_zero_forget_gates),
     "glm5_next": Size(
         transformers.Glm5NextTextConfig, transformers.Glm5NextForConditionalGeneration,
         "config default = zai-org/GLM-5.3-Flash: hidden 4096, KDA 64 heads of 128, conv 4, MLA 64 heads (q rank 1536,"
@@ -306,7 +287,7 @@ SIZES: dict[str, Size] = {
         "config default = Zyphra/ZAYA1-8B: hidden 2048, 8/2 heads of 128, CCA times 2/2, vocab 262272 tied; 2 hybrid"
         " layers",
         dict(layer_types=["hybrid", "hybrid"], num_hidden_layers=2, num_experts=4, moe_intermediate_size=512),
-        cut="16 -> 4 experts (top-1); experts 2048 -> 512", fix=_zaya_keys),
+        cut="16 -> 4 experts (top-1); experts 2048 -> 512", fix=_unit_key_scales),
 }
 
 _PERIOD = (1 << 20) + 7  # a prime: the tiled fill's period
@@ -421,12 +402,17 @@ def _build(family: str) -> transformers.PreTrainedModel:
 _BUILT: dict[str, transformers.PreTrainedModel] = {}
 
 
-def release() -> None:
-    """Forget the model built last and free the pool. The model's parameters move to the meta device, so that a
-    reference kept to it fails loudly rather than reading the next model's weights."""
+def _forget_built() -> None:
+    """Forget the model built last, its parameters moved to the meta device, so that a reference kept to it fails
+    loudly rather than reading the next model's weights from the pool."""
     for model in _BUILT.values():
         model.to("meta")
     _BUILT.clear()
+
+
+def release() -> None:
+    """Forget the model built last (`_forget_built`) and free the pool."""
+    _forget_built()
     _POOL.clear()
     gc.collect()
 
@@ -435,9 +421,7 @@ def build(family: str) -> transformers.PreTrainedModel:
     """The family's model at real size, built once while it is the last one built (tests only read it). Building
     another family's model releases it: its parameters are the pool's pages, which the next model takes."""
     if family not in _BUILT:
-        for model in _BUILT.values():
-            model.to("meta")
-        _BUILT.clear()
+        _forget_built()
         gc.collect()
         _BUILT[family] = _build(family)
     return _BUILT[family]

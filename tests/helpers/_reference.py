@@ -64,16 +64,63 @@ def _l2_normalize(x: Tensor) -> Tensor:
     return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + _L2_EPS)
 
 
-def gated_delta_rule_reference(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    *,
-    initial_state: Tensor | None = None,
-    normalize_qk: bool = True,
-) -> tuple[Tensor, Tensor]:
+def _prepared(query: Tensor, key: Tensor, value: Tensor, beta: Tensor, normalize_qk: bool):
+    """q, k, v and beta in float64, q and k L2-normalised (if normalize_qk) and q scaled by d_k^(-1/2)."""
+    f64 = torch.float64
+    q, k, v = query.to(f64), key.to(f64), value.to(f64)
+    if normalize_qk:
+        q = _l2_normalize(q)
+        k = _l2_normalize(k)
+    return q * key.shape[-1] ** -0.5, k, v, beta.to(f64)
+
+
+def _delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, initial_state: Tensor | None,
+                transition) -> tuple[Tensor, Tensor]:
+    """The delta rule token by token in float64, the loop both references share:
+
+        S_t = transition(t, I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = S_t^T q_t
+
+    where `transition` applies token t's decay to the erasing matrix. q, k ``[batch, seq, heads, key_dim]`` and v
+    ``[batch, seq, heads, value_dim]`` (one query/key head per value head), beta ``[batch, seq, heads]``, all prepared
+    (`_prepared`); S_0 = initial_state, zeros if None. Returns ``(outputs, states)`` as the references do.
+    """
+    batch, seq, heads, key_dim = k.shape
+    value_dim = v.shape[-1]
+    state_shape = (batch, heads, key_dim, value_dim)
+    if initial_state is not None and initial_state.shape != state_shape:
+        raise ValueError(f"initial_state {tuple(initial_state.shape)} must be {state_shape}")
+
+    f64 = torch.float64
+    if initial_state is None:
+        S = torch.zeros(state_shape, dtype=f64, device=v.device)
+    else:
+        S = initial_state.to(f64)
+    eye = torch.eye(key_dim, dtype=f64, device=v.device)  # I, [dk, dk]
+
+    outputs = []
+    states = []
+    for t in range(seq):
+        q_t, k_t, v_t = q[:, t], k[:, t], v[:, t]  # [B, H, dk], [B, H, dk], [B, H, dv]
+        beta_t = beta[:, t, :, None, None]  # [B, H, 1, 1]
+
+        k_kT = k_t[..., :, None] * k_t[..., None, :]  # k_t k_t^T, [B, H, dk, dk]
+        k_vT = k_t[..., :, None] * v_t[..., None, :]  # k_t v_t^T, [B, H, dk, dv]
+        S = transition(t, eye - beta_t * k_kT) @ S + beta_t * k_vT  # S_t, [B, H, dk, dv]
+        o_t = (S.transpose(-1, -2) @ q_t[..., None])[..., 0]  # S_t^T q_t, [B, H, dv]
+
+        outputs.append(o_t)
+        states.append(S)
+
+    if seq == 0:
+        return (
+            torch.zeros(batch, 0, heads, value_dim, dtype=f64, device=v.device),
+            torch.zeros(batch, 0, *state_shape[1:], dtype=f64, device=v.device),
+        )
+    return torch.stack(outputs, dim=1), torch.stack(states, dim=1)
+
+
+def gated_delta_rule_reference(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, *,
+                               initial_state: Tensor | None = None, normalize_qk: bool = True) -> tuple[Tensor, Tensor]:
     """Run the gated delta rule token by token in float64.
 
     Returns ``(outputs, states)``: outputs ``[batch, seq, value_heads, value_dim]``
@@ -82,7 +129,7 @@ def gated_delta_rule_reference(
     states[:, -1] is the final state). Both float64. See the module docstring.
     """
     batch, seq, key_heads, key_dim = key.shape
-    value_heads, value_dim = value.shape[-2:]
+    value_heads = value.shape[-2]
     if query.shape != key.shape:
         raise ValueError(f"query {tuple(query.shape)} and key {tuple(key.shape)} must have the same shape")
     if value.shape[:2] != (batch, seq):
@@ -92,65 +139,21 @@ def gated_delta_rule_reference(
             raise ValueError(f"{name} {tuple(t.shape)} must be {(batch, seq, value_heads)}")
     if value_heads % key_heads != 0:
         raise ValueError(f"value_heads={value_heads} must be a multiple of key_heads={key_heads}")
-    state_shape = (batch, value_heads, key_dim, value_dim)
-    if initial_state is not None and initial_state.shape != state_shape:
-        raise ValueError(f"initial_state {tuple(initial_state.shape)} must be {state_shape}")
 
-    f64 = torch.float64
-    q, k, v = query.to(f64), key.to(f64), value.to(f64)
-    alpha = torch.exp(g.to(f64))  # [B, T, Hv]
-    beta = beta.to(f64)  # [B, T, Hv]
-
-    if normalize_qk:
-        q = _l2_normalize(q)
-        k = _l2_normalize(k)
-    q = q * key_dim**-0.5
+    q, k, v, beta = _prepared(query, key, value, beta, normalize_qk)  # beta [B, T, Hv]
+    alpha = torch.exp(g.to(torch.float64))  # [B, T, Hv]
 
     # Grouped heads: give every value head its own copy of its query/key head.
     key_head_of = torch.arange(value_heads) // (value_heads // key_heads)  # [Hv]
     q = q[:, :, key_head_of]  # [B, T, Hv, dk]
     k = k[:, :, key_head_of]  # [B, T, Hv, dk]
 
-    if initial_state is None:
-        S = torch.zeros(state_shape, dtype=f64, device=value.device)
-    else:
-        S = initial_state.to(f64)
-    eye = torch.eye(key_dim, dtype=f64, device=value.device)  # I, [dk, dk]
-
-    outputs = []
-    states = []
-    for t in range(seq):
-        q_t, k_t, v_t = q[:, t], k[:, t], v[:, t]  # [B, Hv, dk], [B, Hv, dk], [B, Hv, dv]
-        alpha_t = alpha[:, t, :, None, None]  # [B, Hv, 1, 1]
-        beta_t = beta[:, t, :, None, None]  # [B, Hv, 1, 1]
-
-        k_kT = k_t[..., :, None] * k_t[..., None, :]  # k_t k_t^T, [B, Hv, dk, dk]
-        k_vT = k_t[..., :, None] * v_t[..., None, :]  # k_t v_t^T, [B, Hv, dk, dv]
-        transition = alpha_t * (eye - beta_t * k_kT)  # alpha_t (I - beta_t k_t k_t^T)
-        S = transition @ S + beta_t * k_vT  # S_t, [B, Hv, dk, dv]
-        o_t = (S.transpose(-1, -2) @ q_t[..., None])[..., 0]  # S_t^T q_t, [B, Hv, dv]
-
-        outputs.append(o_t)
-        states.append(S)
-
-    if seq == 0:
-        return (
-            torch.zeros(batch, 0, value_heads, value_dim, dtype=f64, device=value.device),
-            torch.zeros(batch, 0, *state_shape[1:], dtype=f64, device=value.device),
-        )
-    return torch.stack(outputs, dim=1), torch.stack(states, dim=1)
+    # alpha_t (I - beta_t k_t k_t^T)
+    return _delta_rule(q, k, v, beta, initial_state, lambda t, erase: alpha[:, t, :, None, None] * erase)
 
 
-def kimi_delta_rule_reference(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    *,
-    initial_state: Tensor | None = None,
-    normalize_qk: bool = True,
-) -> tuple[Tensor, Tensor]:
+def kimi_delta_rule_reference(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, *,
+                              initial_state: Tensor | None = None, normalize_qk: bool = True) -> tuple[Tensor, Tensor]:
     """Run Kimi delta attention token by token in float64.
 
     query, key ``[batch, seq, heads, key_dim]``; value ``[batch, seq, heads,
@@ -160,7 +163,6 @@ def kimi_delta_rule_reference(
     value_dim]`` with states[:, t] = S_t. Both float64. See the module docstring.
     """
     batch, seq, heads, key_dim = key.shape
-    value_dim = value.shape[-1]
     if query.shape != key.shape:
         raise ValueError(f"query {tuple(query.shape)} and key {tuple(key.shape)} must have the same shape")
     if value.shape[:3] != (batch, seq, heads):
@@ -169,48 +171,12 @@ def kimi_delta_rule_reference(
         raise ValueError(f"g {tuple(g.shape)} must be {tuple(key.shape)} (one decay per key channel)")
     if beta.shape != (batch, seq, heads):
         raise ValueError(f"beta {tuple(beta.shape)} must be {(batch, seq, heads)}")
-    state_shape = (batch, heads, key_dim, value_dim)
-    if initial_state is not None and initial_state.shape != state_shape:
-        raise ValueError(f"initial_state {tuple(initial_state.shape)} must be {state_shape}")
 
-    f64 = torch.float64
-    q, k, v = query.to(f64), key.to(f64), value.to(f64)
-    alpha = torch.exp(g.to(f64))  # [B, T, H, dk]
-    beta = beta.to(f64)  # [B, T, H]
+    q, k, v, beta = _prepared(query, key, value, beta, normalize_qk)  # beta [B, T, H]
+    alpha = torch.exp(g.to(torch.float64))  # [B, T, H, dk]
 
-    if normalize_qk:
-        q = _l2_normalize(q)
-        k = _l2_normalize(k)
-    q = q * key_dim**-0.5
-
-    if initial_state is None:
-        S = torch.zeros(state_shape, dtype=f64, device=value.device)
-    else:
-        S = initial_state.to(f64)
-    eye = torch.eye(key_dim, dtype=f64, device=value.device)  # I, [dk, dk]
-
-    outputs = []
-    states = []
-    for t in range(seq):
-        q_t, k_t, v_t = q[:, t], k[:, t], v[:, t]  # [B, H, dk], [B, H, dk], [B, H, dv]
-        diag_alpha = torch.diag_embed(alpha[:, t])  # Diag(alpha_t), [B, H, dk, dk]
-        beta_t = beta[:, t, :, None, None]  # [B, H, 1, 1]
-
-        k_kT = k_t[..., :, None] * k_t[..., None, :]  # k_t k_t^T, [B, H, dk, dk]
-        k_vT = k_t[..., :, None] * v_t[..., None, :]  # k_t v_t^T, [B, H, dk, dv]
-        transition = (eye - beta_t * k_kT) @ diag_alpha  # (I - beta_t k_t k_t^T) Diag(alpha_t)
-        S = transition @ S + beta_t * k_vT  # S_t, [B, H, dk, dv]
-        o_t = (S.transpose(-1, -2) @ q_t[..., None])[..., 0]  # S_t^T q_t, [B, H, dv]
-
-        outputs.append(o_t)
-        states.append(S)
-
-    if seq == 0:
-        return (
-            torch.zeros(batch, 0, heads, value_dim, dtype=f64, device=value.device),
-            torch.zeros(batch, 0, *state_shape[1:], dtype=f64, device=value.device),
-        )
-    return torch.stack(outputs, dim=1), torch.stack(states, dim=1)
+    # (I - beta_t k_t k_t^T) Diag(alpha_t), Diag(alpha_t) [B, H, dk, dk]
+    return _delta_rule(q, k, v, beta, initial_state, lambda t, erase: erase @ torch.diag_embed(alpha[:, t]))
 
 
 # ---------------------------------------------------------------------------

@@ -72,19 +72,25 @@ def _step(dt: Tensor, dt_bias: Tensor | None, softplus: bool, dt_limit: tuple[fl
     return delta.clamp(dt_limit[0], dt_limit[1])
 
 
-def selective_scan_reference(
-    x: Tensor,
-    dt: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor | None = None,
-    z: Tensor | None = None,
-    *,
-    dt_bias: Tensor | None = None,
-    softplus: bool = False,
-    initial_state: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+def _scan(seq: int, h: Tensor, step, x: Tensor, D: Tensor | None, z: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The token loop both references share: h_t, y_t = step(t, h_{t-1}) from h_0 = `h`, then the skip
+    (y_t + D x_t, `D` shaped to broadcast over x_t) and the gate (y_t * silu(z_t)) where given. Returns
+    ``(outputs, states)`` stacked over the tokens."""
+    outputs, states = [], []
+    for t in range(seq):
+        h, y = step(t, h)
+        if D is not None:
+            y = y + D * x[:, t]
+        if z is not None:
+            y = y * _silu(z[:, t].to(F64))
+        outputs.append(y)
+        states.append(h)
+    return torch.stack(outputs, dim=1), torch.stack(states, dim=1)
+
+
+def selective_scan_reference(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None,
+                             z: Tensor | None = None, *, dt_bias: Tensor | None = None, softplus: bool = False,
+                             initial_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Mamba-1 token by token in float64 (token-major inputs, see the module docstring).
 
     Returns ``(outputs [batch, seq, d_inner], states [batch, seq, d_inner, d_state])``, states[:, t] = h_t.
@@ -97,35 +103,20 @@ def selective_scan_reference(
     x, A, B, C = x.to(F64), A.to(F64), B.to(F64), C.to(F64)
     delta = _step(dt, dt_bias, softplus, (-math.inf, math.inf))  # Δ_t, [B, T, D]
     h = torch.zeros(batch, d_inner, d_state, dtype=F64) if initial_state is None else initial_state.to(F64)
-    outputs, states = [], []
-    for t in range(seq):
+
+    def step(t, h):
         a_bar = torch.exp(delta[:, t, :, None] * A)  # exp(Δ_t A), [B, D, N]
         b_bar_x = delta[:, t, :, None] * x[:, t, :, None] * B[:, t, None, :]  # Δ_t x_t B_t, [B, D, N]
         h = a_bar * h + b_bar_x  # h_t, [B, D, N]
-        y = (h * C[:, t, None, :]).sum(-1)  # <C_t, h_t>, [B, D]
-        if D is not None:
-            y = y + D.to(F64) * x[:, t]
-        if z is not None:
-            y = y * _silu(z[:, t].to(F64))
-        outputs.append(y)
-        states.append(h)
-    return torch.stack(outputs, dim=1), torch.stack(states, dim=1)
+        return h, (h * C[:, t, None, :]).sum(-1)  # h_t, <C_t, h_t> [B, D]
+
+    return _scan(seq, h, step, x, None if D is None else D.to(F64), z)  # D [D]
 
 
-def ssd_reference(
-    x: Tensor,
-    dt: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor | None = None,
-    z: Tensor | None = None,
-    *,
-    dt_bias: Tensor | None = None,
-    softplus: bool = False,
-    dt_limit: tuple[float, float] = (0.0, math.inf),
-    initial_state: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+def ssd_reference(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None,
+                  z: Tensor | None = None, *, dt_bias: Tensor | None = None, softplus: bool = False,
+                  dt_limit: tuple[float, float] = (0.0, math.inf),
+                  initial_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Mamba-2 (SSD, scalar decay per head) token by token in float64 (see the module docstring).
 
     Returns ``(outputs [batch, seq, heads, head_dim], states [batch, seq, heads, head_dim, d_state])``.
@@ -141,16 +132,11 @@ def ssd_reference(
     B, C = B.to(F64)[:, :, group_of], C.to(F64)[:, :, group_of]  # [B, T, H, N]
     delta = _step(dt, dt_bias, softplus, dt_limit)  # Δ_t, [B, T, H]
     h = torch.zeros(batch, heads, head_dim, d_state, dtype=F64) if initial_state is None else initial_state.to(F64)
-    outputs, states = [], []
-    for t in range(seq):
+
+    def step(t, h):
         decay = torch.exp(delta[:, t] * A)[:, :, None, None]  # exp(Δ_t a_h), [B, H, 1, 1]
         outer = x[:, t, :, :, None] * B[:, t, :, None, :]  # x_t B_t^T, [B, H, P, N]
         h = decay * h + delta[:, t, :, None, None] * outer  # h_t, [B, H, P, N]
-        y = (h @ C[:, t, :, :, None])[..., 0]  # h_t C_t, [B, H, P]
-        if D is not None:
-            y = y + D.to(F64)[:, None] * x[:, t]
-        if z is not None:
-            y = y * _silu(z[:, t].to(F64))
-        outputs.append(y)
-        states.append(h)
-    return torch.stack(outputs, dim=1), torch.stack(states, dim=1)
+        return h, (h @ C[:, t, :, :, None])[..., 0]  # h_t, h_t C_t [B, H, P]
+
+    return _scan(seq, h, step, x, None if D is None else D.to(F64)[:, None], z)  # D [H, 1]

@@ -1,6 +1,6 @@
-"""Running a test model without gradients: its logits, its greedy generate (also under a watch), the left-padding
-check's runs, the sparse-path check's generate, a forward under a halving hook, and the calls a model's modules
-receive."""
+"""Running a test model without gradients: its logits, its greedy generate (also under a watch, or made to run all
+its steps), every state of a forward, the left-padding check's runs, the sparse-path check's generate, a forward under
+a halving hook, and the calls a model's modules receive."""
 
 import copy
 import dataclasses
@@ -22,6 +22,18 @@ def greedy(model, ids, n, **kwargs):
     """`n` greedily generated tokens after `ids` (the generate's output: `sequences`, or all it returns)."""
     with torch.no_grad():
         return model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=PAD, **kwargs)
+
+
+def greedy_exactly(model, ids, n, **kwargs):
+    """`greedy` made to generate all `n` tokens (`min_new_tokens=n`: an end-of-sequence token does not stop it)."""
+    return greedy(model, ids, n, min_new_tokens=n, **kwargs)
+
+
+def states_of(model, ids, **kwargs):
+    """Every state of every mixer (by layer) of one plain forward, kept alone in its own watch."""
+    with rh.watch(model, keep=("states",)) as w, torch.no_grad():
+        logits = model(ids, **kwargs).logits
+    return logits, {m.layer: m.states for m in w.mixers}
 
 
 @dataclasses.dataclass

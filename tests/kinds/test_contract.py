@@ -5,14 +5,14 @@ Each test builds the family's tiny model (tests/helpers/_models.py) and checks a
 what the kind's memory is or where its kernels are bound: parity of a watch with the unwatched model,
 greedy generate under hooks, that a hook-only watch keeps no tensor, the call counter, standalone hooks,
 the gradient to the inputs, and bindings restored. What differs between families is read from the kind's
-declarations (`MEMORIES`, `KERNELS`, `kernel_for`, `Kernel.target`) and its quirks from its adapter (below);
+declarations (`MEMORIES`, `KERNELS`, `kernel_for`, `Kernel.target`) and its quirks from its contract reading (below);
 `STATE_SHAPES` pins a few families' shapes. The memory contract (split invariance, writes of every memory at
 prompt tokens, after the prompt and at a decode step, a replacing hook as a write, the whole-memory identity,
-the gradient to a kept memory, gradient checkpointing, left padding) reads each kind through its adapter
-(tests/helpers/_contract.py's `Adapter`: how to make a write value, where the model carries a memory, tolerances,
-quirks), which the kind's own test file declares where the defaults do not fit (`CONTRACT`). What is particular
-to a kind (float64 references, kernels against transformers', its quirks) is in tests/kinds/test_families.py and
-tests/kinds/test_<kind>.py.
+the gradient to a kept memory, gradient checkpointing, left padding) reads each kind through its contract reading
+(tests/helpers/_contract.py's `ContractReading`: how to make a write value, where the model carries a memory,
+tolerances, quirks), which the kind's own test file declares where the defaults do not fit (`CONTRACT`). What is
+particular to a kind (float64 references, kernels against transformers', its quirks) is in
+tests/kinds/test_families.py and tests/kinds/test_<kind>.py.
 """
 
 import importlib
@@ -21,7 +21,7 @@ import inspect
 import pytest
 import torch
 from _compare import assert_close, assert_equal
-from _contract import KIND_TESTS, READ, STACK, WRITE, adapter_of, cases, whole_memory_model
+from _contract import KIND_TESTS, READ, STACK, WRITE, cases, reading_of, whole_memory_model
 from _models import FAMILIES as BUILDERS
 from _models import build, random_ids
 from _reachable import tensor_bytes_reachable
@@ -51,23 +51,23 @@ def NOOP(mixer, call, token, state):  # a read-only hook that does nothing
 
 
 def quirk(family, name):
-    """The adapter's `name` for the family's (first) kind: its quirks (tests/helpers/_contract.py's Adapter)."""
-    return getattr(adapter_of(rh.FAMILIES[family].kind), name)
+    """The reading's `name` for the family's (first) kind: its quirks (tests/helpers/_contract.py's ContractReading)."""
+    return getattr(reading_of(rh.FAMILIES[family].kind), name)
 
 
 def test_every_family_has_a_tiny_model():
     assert sorted(FAMILIES) == sorted(BUILDERS), "a registered family has no builder in tests/helpers/_models.py"
 
 
-def test_every_contract_adapter_is_found_where_its_kind_is():
+def test_every_contract_reading_is_found_where_its_kind_is():
     """A kind's test file declares how the contract reads it (`CONTRACT`, in tests/kinds/test_<the kind's module>.py;
-    tests/helpers/_contract.py looks it up by that name): an adapter anywhere else, or for a kind of another module,
+    tests/helpers/_contract.py looks it up by that name): a reading anywhere else, or for a kind of another module,
     would be passed over silently, so each is checked to be the one its kind gets."""
     declared = [path.stem for path in sorted(KIND_TESTS.glob("test_*.py")) if "\nCONTRACT = " in path.read_text()]
     assert declared, "no test file declares a CONTRACT"
     for module in declared:
-        for kind, adapter in importlib.import_module(module).CONTRACT.items():
-            assert adapter_of(kind) is adapter, f"{module}.py declares the contract of {kind.__name__}, which is" \
+        for kind, reading in importlib.import_module(module).CONTRACT.items():
+            assert reading_of(kind) is reading, f"{module}.py declares the contract of {kind.__name__}, which is" \
                 f" read from test_{kind.__module__.rsplit('.', 1)[-1]}.py"
 
 
@@ -393,30 +393,30 @@ def started_from(case, mixer, memory, call, value):
     """The call started from `value`: its kernel's input (the state, or the window where recorded), else the window
     shifted by the call's first input (RG-LRU records no window input)."""
     if memory == "state":
-        assert_memory_equal(f"call {call} started from the write", value, case.adapter.state_in(mixer, call))
-    elif case.adapter.window_in is not None:
-        assert_memory_equal(f"call {call} read the written window", value, case.adapter.window_in(mixer, call))
+        assert_memory_equal(f"call {call} started from the write", value, case.reading.state_in(mixer, call))
+    elif case.reading.window_in is not None:
+        assert_memory_equal(f"call {call} read the written window", value, case.reading.window_in(mixer, call))
     else:
         assert_close(f"call {call} shifted its input into the written window", value[..., 1:],
                      mixer.window_after(0, call=call)[..., :-1], rtol=0, atol=0)
 
 
 def later_change(case, memory, change):
-    reach = case.adapter.state_reach if memory == "state" else case.adapter.window_reach
+    reach = case.reading.state_reach if memory == "state" else case.reading.window_reach
     return change.min() if reach == "every" else change.max()
 
 
-SPLITS = [case for case in CASES if case.adapter.split_tol is not None]
+SPLITS = [case for case in CASES if case.reading.split_tol is not None]
 
 
 @pytest.mark.parametrize("case", SPLITS, ids=_ids(SPLITS))
 def test_decode_memories_continue_the_prompt_memories(case):
     """Split invariance: every memory at decode step k is the memory after token T+k-1 of one long prompt."""
-    model, adapter = model_of(case), case.adapter
-    tol = dict(adapter.split_tol)
+    model, reading = model_of(case), case.reading
+    tol = dict(reading.split_tol)
     relative = tol.pop("relative", False)
     with rh.watch(model, keep=keep_every(case)) as w:
-        sequence = greedy(model, random_ids(adapter.batch, T), 5)
+        sequence = greedy(model, random_ids(reading.batch, T), 5)
     with rh.watch(model, keep=keep_every(case)) as whole:
         logits_of(model, sequence[:, :-1], use_cache=False)
     for mixer, long in zip(case.mixers(w), case.mixers(whole)):
@@ -430,7 +430,7 @@ def test_decode_memories_continue_the_prompt_memories(case):
 
 
 WRITES = [(case, "state", token) for case in memory_cases("state") for token in (0, 4, T - 1)]
-WRITES += [(case, "window", token) for case in memory_cases("window") for token in case.adapter.window_tokens]
+WRITES += [(case, "window", token) for case in memory_cases("window") for token in case.reading.window_tokens]
 
 
 @pytest.mark.parametrize("case, memory, token", WRITES,
@@ -440,25 +440,25 @@ def test_a_write_changes_only_later_tokens_and_what_the_model_carries_on(case, m
     later token where the memory carries it on, some where a window forgets), the kept memory after t is the
     value written, and what the model carries to the next call (its Cache, module or `state=` list) is each
     mixer's last kept memory."""
-    model, adapter = model_of(case), case.adapter
+    model, reading = model_of(case), case.reading
     ids = random_ids(2, T)
     plain = logits_of(model, ids)
     with rh.watch(model, keep=keep_every(case)) as w:
         logits_of(model, ids)
-        value = adapter.perturb(getattr(case.first(w), READ[memory])(token))
+        value = reading.perturb(getattr(case.first(w), READ[memory])(token))
     with rh.watch(model, keep=keep_every(case)) as w:
         mixer = case.first(w)
         getattr(mixer, WRITE[memory])(token, value)
         with torch.no_grad():
             out = model(ids, use_cache=True)
-    assert_close("logits at tokens <= t", plain[:, : token + 1], out.logits[:, : token + 1], **adapter.early)
+    assert_close("logits at tokens <= t", plain[:, : token + 1], out.logits[:, : token + 1], **reading.early)
     if token < T - 1:
         change = (out.logits[:, token + 1:] - plain[:, token + 1:]).abs().amax(dim=(0, 2))
-        assert later_change(case, memory, change) > adapter.later, \
+        assert later_change(case, memory, change) > reading.later, \
             f"a {memory} write at token {token} left later logits unchanged: {change}"
     assert_memory_equal(f"{memory} after the write", value, getattr(mixer, READ[memory])(token))
     for other in case.mixers(w):
-        for where, carried in adapter.carried(out, other, memory).items():
+        for where, carried in reading.carried(out, other, memory).items():
             assert_memory_equal(f"{other}: {where} holds the continued {memory}", last_of(other, memory), carried)
 
 
@@ -469,40 +469,40 @@ STEERS = [(case, memory) for case in CASES for memory in case.kind.MEMORIES]
 def test_a_write_after_the_last_prompt_token_steers_generation(case, memory):
     """A write after the last prompt token is what the first decode step starts from: the prompt's logits are the
     plain ones, the first decode step's move."""
-    model, adapter = model_of(case), case.adapter
-    ids = random_ids(adapter.batch, T)
+    model, reading = model_of(case), case.reading
+    ids = random_ids(reading.batch, T)
     kwargs = dict(output_logits=True, return_dict_in_generate=True)
     plain = greedy(model, ids, 3, **kwargs)
     with rh.watch(model, keep=keep_every(case)) as w:
         logits_of(model, ids)
-        value = adapter.perturb(getattr(case.first(w), READ[memory])(-1))
+        value = reading.perturb(getattr(case.first(w), READ[memory])(-1))
     with rh.watch(model, keep=keep_every(case)) as w:
         getattr(case.first(w), WRITE[memory])(T - 1, value)
         steered = greedy(model, ids, 3, **kwargs)
     started_from(case, case.first(w), memory, 1, value)
-    assert_close("the prompt's logits", plain.logits[0], steered.logits[0], **adapter.early)
-    assert (plain.logits[1] - steered.logits[1]).abs().max() > adapter.later, "the write did not steer step 1"
+    assert_close("the prompt's logits", plain.logits[0], steered.logits[0], **reading.early)
+    assert (plain.logits[1] - steered.logits[1]).abs().max() > reading.later, "the write did not steer step 1"
 
 
 @pytest.mark.parametrize("case, memory", STEERS, ids=[f"{c.id}-{m}" for c, m in STEERS])
 def test_a_write_at_a_decode_step(case, memory):
     """A write at decode call 2 leaves the logits of calls <= 2 as they were, changes later ones, and call 3
     continues from it."""
-    model, adapter = model_of(case), case.adapter
-    ids = random_ids(adapter.batch, T)
+    model, reading = model_of(case), case.reading
+    ids = random_ids(reading.batch, T)
     kwargs = dict(output_logits=True, return_dict_in_generate=True)
     plain = greedy(model, ids, 5, **kwargs)
     with rh.watch(model, keep=keep_every(case)) as w:
         greedy(model, ids, 5, **kwargs)
-        value = adapter.perturb(getattr(case.first(w), READ[memory])(0, call=2))
+        value = reading.perturb(getattr(case.first(w), READ[memory])(0, call=2))
     with rh.watch(model, keep=keep_every(case)) as w:
         getattr(case.first(w), WRITE[memory])(0, value, call=2)
         steered = greedy(model, ids, 5, **kwargs)
-    early = adapter.decode_early or adapter.early
+    early = reading.decode_early or reading.early
     for step in range(3):
         assert_close(f"logits of call {step}", plain.logits[step], steered.logits[step], **early)
     change = max((plain.logits[step] - steered.logits[step]).abs().max() for step in range(3, 5))
-    assert change > adapter.later, f"a {memory} write at decode call 2 changed no later logits ({change})"
+    assert change > reading.later, f"a {memory} write at decode call 2 changed no later logits ({change})"
     started_from(case, case.first(w), memory, 3, value)
 
 
@@ -510,11 +510,11 @@ def test_a_write_at_a_decode_step(case, memory):
 def test_a_replacing_hook_is_a_write(case, memory):
     """A hook that returns a memory is the same as writing it: the same logits bit for bit, the kept memory is the
     replacement, and the next hook on that memory sees the replacement."""
-    model, adapter = model_of(case), case.adapter
+    model, reading = model_of(case), case.reading
     ids = random_ids(2, T)
     with rh.watch(model, keep=keep_every(case)) as w:
         logits_of(model, ids)
-        value = adapter.perturb(getattr(case.first(w), READ[memory])(4))
+        value = reading.perturb(getattr(case.first(w), READ[memory])(4))
     with rh.watch(model, keep=keep_every(case)) as w:  # the same path as the hooked run's
         getattr(case.first(w), WRITE[memory])(4, value)
         written = logits_of(model, ids)
@@ -563,31 +563,31 @@ def test_writing_the_whole_memory_makes_a_layer_continue_as_in_the_other_run(cas
     which shares A's tokens after t: the layer's outputs after t are A's, those up to t B's own. The memory is
     complete: nothing else carries over from tokens <= t. Of two memories, the state alone is not the whole one
     (B's own window still holds B's inputs); a window alone forgets: unwritten, B's outputs after t+K-1 are A's."""
-    model, adapter = model_of(case) if case.adapter.whole_memory_model is None else whole_memory_model(case), \
-        case.adapter
+    model, reading = model_of(case) if case.reading.whole_memory_model is None else whole_memory_model(case), \
+        case.reading
     token = 6
     run_a = random_ids(2, T, seed=5)
     run_b = run_a.clone()
     run_b[:, : token + 1] = random_ids(2, token + 1, seed=6)
     out_a, mixer_a = _first_outputs(model, case, run_a)
     out_b, mixer_b = _first_outputs(model, case, run_b)
-    assert (out_b[:, token + 1:] - out_a[:, token + 1:]).abs().max() > adapter.later, "the two runs did not differ"
+    assert (out_b[:, token + 1:] - out_a[:, token + 1:]).abs().max() > reading.later, "the two runs did not differ"
     memory = mixer_a.memory_after(token)
     assert (memory.state is None) == ("state" not in case.kind.MEMORIES)
     assert (memory.window is None) == ("window" not in case.kind.MEMORIES)
     patched, _ = _first_outputs(model, case, run_b, memory, token)
     assert_close("layer output after t, memory written", out_a[:, token + 1:], patched[:, token + 1:],
-                 **adapter.whole_memory_tol)
+                 **reading.whole_memory_tol)
     assert_close("layer output up to t, B's own", out_b[:, : token + 1], patched[:, : token + 1],
-                 **(adapter.whole_memory_early or adapter.whole_memory_tol))
+                 **(reading.whole_memory_early or reading.whole_memory_tol))
     if memory.state is not None and memory.window is not None:
         state_only, _ = _first_outputs(model, case, run_b, rh.Memory(memory.state, mixer_b.window_after(token)),
                                        token)
-        assert (state_only[:, token + 1] - out_a[:, token + 1]).abs().max() > adapter.later, \
+        assert (state_only[:, token + 1] - out_a[:, token + 1]).abs().max() > reading.later, \
             "the state alone made B continue as A: the window carried nothing"
     elif memory.state is None:
         size = mixer_a.windows.shape[-1]
-        assert (out_b[:, token + 1: token + size] - out_a[:, token + 1: token + size]).abs().max() > adapter.later
+        assert (out_b[:, token + 1: token + size] - out_a[:, token + 1: token + size]).abs().max() > reading.later
         assert_close("B after t+K-1, unwritten", out_a[:, token + size:], out_b[:, token + size:], rtol=0, atol=0)
 
 
@@ -623,7 +623,7 @@ def test_a_left_padded_row_is_the_row_alone_as_the_kind_declares(case):
     declaration, a watch (keeping every memory, or hooking every mixer) generates what the unwatched model does."""
     model, how = model_of(case), case.kind.LEFT_PADDING
     assert how in PADDING, f"{case.kind.__name__}.LEFT_PADDING = {how!r}: expected one of {tuple(PADDING)}"
-    run = left_padded(model, keep_every(case), T, rows=case.adapter.batch)
+    run = left_padded(model, keep_every(case), T, rows=case.reading.batch)
     compared, at_pads = padded_row_differences(case, run)
     if how == "enters":
         moved = max(float((a - b).abs().max()) for _, a, b, _ in compared)
@@ -647,7 +647,7 @@ def test_a_left_padded_row_is_the_row_alone_as_the_kind_declares(case):
     assert_equal("padded greedy generate, a hook on every mixer", plain, hooked)
 
 
-GRADIENTS = [(case, memory) for case, memory in STEERS if case.adapter.grad_parts is None]
+GRADIENTS = [(case, memory) for case, memory in STEERS if case.reading.grad_parts is None]
 
 
 @pytest.mark.parametrize("case, memory", GRADIENTS, ids=[f"{c.id}-{m}" for c, m in GRADIENTS])
@@ -656,9 +656,9 @@ def test_the_gradient_reaches_a_kept_memory(case, memory):
     one through a leaf written at t, part by part), and the gradient predicts a small change along it (a step of
     1% of the memory: small, yet well above float32 noise). Per-head kinds stack the heads' states into a new
     tensor: the gradient is taken through a written leaf (documented)."""
-    model, adapter = model_of(case), case.adapter
+    model, reading = model_of(case), case.reading
     ids, token = random_ids(1, T), 5
-    use_cache = {} if adapter.grad_use_cache is None else {"use_cache": adapter.grad_use_cache}
+    use_cache = {} if reading.grad_use_cache is None else {"use_cache": reading.grad_use_cache}
     with rh.watch(model, keep=keep_every(case)) as w:
         metric = model(ids, **use_cache).logits[0, -1].logsumexp(-1)
     first = case.first(w)
@@ -676,8 +676,8 @@ def test_the_gradient_reaches_a_kept_memory(case, memory):
     else:
         through_kept = torch.autograd.grad(metric, [part for _, part in parts_of(kept)])
         for (name, part), other in zip(parts_of(grad), through_kept):
-            assert_close(f"grad of the kept {memory} {name}", part, other, **adapter.grad_tol)
-    if memory in adapter.finite_difference:
+            assert_close(f"grad of the kept {memory} {name}", part, other, **reading.grad_tol)
+    if memory in reading.finite_difference:
         eps = 1e-2 * norm(kept) / norm(grad)
         values = []
         for sign in (1, -1):
@@ -707,12 +707,12 @@ def test_gradient_checkpointing_gives_the_gradients_of_the_plain_backward(family
 
 
 def _checkpointed(case, checkpointing):
-    model, adapter = model_of(case), case.adapter
+    model, reading = model_of(case), case.reading
     memory = case.kind.MEMORIES[0]
     ids = random_ids(2, T)
     with rh.watch(model, keep={STACK[memory]: [3]}) as w, torch.no_grad():
         model(ids, use_cache=False)
-    write = map_parts(torch.Tensor.detach, adapter.perturb(getattr(case.first(w), READ[memory])(3), seed=2))
+    write = map_parts(torch.Tensor.detach, reading.perturb(getattr(case.first(w), READ[memory])(3), seed=2))
     per_head = type(case.first(w)).KERNEL_PER_HEAD and memory == "state"
 
     def backward(mode):
@@ -727,7 +727,7 @@ def _checkpointed(case, checkpointing):
             with rh.watch(model, keep={STACK[memory]: [5, -1]}) as w:
                 first, last = case.first(w), case.mixers(w)[-1]
                 getattr(first, WRITE[memory])(3, write)
-                last.register_state_hook(lambda m, c, t, s: adapter.scale(s), token=4, memory=memory)
+                last.register_state_hook(lambda m, c, t, s: reading.scale(s), token=4, memory=memory)
                 last.register_state_hook(lambda m, c, t, s: seen.append((c, t, m.recomputing)), token=6, memory=memory)
                 loss = model(ids, use_cache=False).logits.square().mean()
                 for _, part in parts_of(getattr(first, READ[memory])(5)):
@@ -735,7 +735,7 @@ def _checkpointed(case, checkpointing):
                         part.retain_grad()  # reentrant: the forward ran without grad; its recompute retains it
                 loss.backward()
             kept = dict(parts_of(getattr(first, READ[memory])(5)))
-            memory_grad = None if per_head else {name: kept[name].grad for name in adapter.grad_parts or kept}
+            memory_grad = None if per_head else {name: kept[name].grad for name in reading.grad_parts or kept}
             assert [c.index for c in first.calls] == [0], "a recompute counted as a new call"
         finally:
             model.activation_checkpointing_disable()
@@ -761,5 +761,5 @@ def _checkpointed(case, checkpointing):
     recomputed = got_seen[len(seen):]  # zamba and zamba2 nest checkpointed layers: reentrant recomputes twice
     assert all(hook == (0, 6, True) for hook in recomputed)
     assert (len(recomputed) == 0) == (checkpointing == "off") and len(recomputed) % len(seen) == 0
-    if adapter.recomputes_once:
+    if reading.recomputes_once:
         assert len(recomputed) == (0 if checkpointing == "off" else len(seen)), got_seen

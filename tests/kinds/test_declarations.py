@@ -20,6 +20,7 @@ from _upstream import transformers_kernel
 import recurrent_hooks as rh
 from recurrent_hooks.engine.declare.kernels import CONV_MEMORY, FORWARD, STATE_MEMORY, Role, Site
 from recurrent_hooks.engine.declare.memory_parts import map_parts, parts_of
+from recurrent_hooks.extend import KindAdapter
 
 T = 7
 KINDS = sorted({kind for row in rh.FAMILIES.values() for kind in row.mixers.values()}, key=lambda kind: kind.__name__)
@@ -131,9 +132,9 @@ def test_kernel_rows_are_consistent(kind):
         parameters = inspect.signature(kernel.loop).parameters
         assert "on_token" in parameters and parameters["on_token"].kind is inspect.Parameter.KEYWORD_ONLY, \
             f"{kind.__name__}.{kernel.name}: its loop takes no keyword-only on_token"
-        # a kind that maps a call's arguments itself (`_kernel_arguments`: a whole forward recording the state
-        # it read from the cache) may name its memory by the recorded name
-        maps = kind._kernel_arguments.__func__ is not rh.RecurrentMixer._kernel_arguments.__func__
+        # a kind that maps a call's arguments itself (its adapter's `kernel_arguments`: a whole forward recording
+        # the state it read from the cache) may name its memory by the recorded name
+        maps = type(kind.adapter).kernel_arguments is not KindAdapter.kernel_arguments
         named = list(kernel.state_arguments) if not maps else []
         if isinstance(kernel.seq, tuple):
             named.append(kernel.seq[0])

@@ -5,7 +5,7 @@ reads C_t . h_t in it, Mamba-2's decode kernel forms Δ B x and h C in it) and p
 states, the gated delta rules). Its prompt kernel and its decode kernel therefore disagree by rounding,
 and that disagreement is the yardstick here: the unwatched model's logits, against the same model with
 its prompt kernel replaced by its own decode kernel run one token at a time (the `_DECODE_LOOPS`
-adapters below, built from the module's own decode kernel, nothing of the library's). The library's
+wrappers below, built from the module's own decode kernel, nothing of the library's). The library's
 token loops must stay within a small multiple of it, with a hook at every token (the token loop) and
 with the fast paths (every state kept chunk-wise, or a few stops in segments), in the prompt and at
 decode steps; and the states they hand over stay float32, as in transformers' cache.

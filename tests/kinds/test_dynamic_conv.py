@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 from _compare import assert_close, assert_equal
-from _contract import adapter_of, family_fixtures
+from _contract import family_fixtures, reading_of
 from _models import PAD, build, random_ids
 from _runs import calls_of, greedy, greedy_under_replacing_hooks, logits_of, watched_greedy, watched_logits
 
@@ -28,14 +28,14 @@ FAMILIES = list(ROWS)
 KEEP = ("windows", "inputs", "outputs")
 T = 13
 
-# -- how the contract reads this kind (tests/kinds/test_contract.py, tests/helpers/_contract.py's Adapter) -------------
+# -- how the contract reads this kind (tests/kinds/test_contract.py, tests/helpers/_contract.py's ContractReading) -----
 
 
 # The dynamic convolutions of the keys and values feed full attention: a window write at a decode step moves the
 # tiny random model's later logits (about 0.3) by about 1e-6 (inkling2_loop: 9.2e-7 and 1.0e-6 at calls 3 and 4,
 # on transformers 5.24 and 5.25), while the calls before it stay equal bit for bit (decode_early); otherwise as the
 # short convolution it extends.
-CONTRACT = {rh.DynamicShortConvolution: dataclasses.replace(adapter_of(rh.ShortConvolution), later=1e-7)}
+CONTRACT = {rh.DynamicShortConvolution: dataclasses.replace(reading_of(rh.ShortConvolution), later=1e-7)}
 
 
 

@@ -7,14 +7,12 @@ contract every family meets (parity, generate, hooks, writes, the whole memory, 
 left padding, bindings) is written once in tests/kinds/test_contract.py.
 """
 
-import math
 
 import pytest
 import torch
 from _compare import assert_close, assert_close_per_call
+from _kernel_references import REFERENCES
 from _models import build, random_ids
-from _reference import gated_delta_rule_reference, kimi_delta_rule_reference
-from _reference_ssm import selective_scan_reference, ssd_reference
 from _runs import sparse_generate, watched_greedy
 
 import recurrent_hooks as rh
@@ -24,38 +22,6 @@ ALL = ("states", "windows", "inputs", "outputs")  # every state and window, and 
 T = 13  # not a multiple of anything
 
 
-def _gated_delta_part(part):
-    x = part.inputs
-    reference = gated_delta_rule_reference if x["g"].dim() == 3 else kimi_delta_rule_reference
-    return reference(x["query"], x["key"], x["value"], x["g"], x["beta"], initial_state=x["initial_state"],
-                     normalize_qk=x["use_qk_l2norm_in_kernel"])[1]
-
-
-def _selective_scan_part(part):
-    x = part.inputs
-    if part.kernel == rh.SelectiveScan.kernel_for("prompt").name:
-        t = lambda v: v.transpose(1, 2)  # noqa: E731  channel-major -> token-major
-        return selective_scan_reference(t(x["hidden_states"]), t(x["dt"]), x["A"], t(x["B"]), t(x["C"]),
-                                        dt_bias=x["delta_bias"], softplus=x["delta_softplus"])[1]
-    return selective_scan_reference(x["hidden_states"][:, None], x["dt"][:, None], x["A"], x["B"][:, None],
-                                    x["C"][:, None], dt_bias=x["dt_bias"], softplus=x["dt_softplus"],
-                                    initial_state=x["state"])[1]
-
-
-def _state_space_part(part):
-    x = part.inputs
-    if part.kernel == rh.Mamba2StateSpace.kernel_for("prompt").name:
-        return ssd_reference(x["hidden_states"], x["dt"], x["A"], x["B"], x["C"], dt_bias=x["dt_bias"],
-                             softplus=x["dt_softplus"], dt_limit=x["dt_limit"], initial_state=x["initial_states"])[1]
-    # the decode kernel gets the per-head parameters expanded over head_dim: channel 0 is the head's
-    return ssd_reference(x["hidden_states"][:, None], x["dt"][:, None, :, 0], x["A"][:, 0, 0], x["B"][:, None],
-                         x["C"][:, None], dt_bias=None if x["dt_bias"] is None else x["dt_bias"][:, 0],
-                         softplus=x["dt_softplus"], dt_limit=(-math.inf, math.inf), initial_state=x["state"])[1]
-
-
-REFERENCES = {rh.GatedDeltaNet: _gated_delta_part, rh.KimiDeltaAttention: _gated_delta_part,
-              rh.SelectiveScan: _selective_scan_part, rh.PerHeadSelectiveScan: _selective_scan_part,
-              rh.Mamba2StateSpace: _state_space_part}
 # The matrix covers the kinds whose mixers carry a state and a convolution window through module-global
 # kernels; each other kind has a test file of its own with the same checks (tests/kinds/test_<kind>.py).
 FAMILIES = [name for name in rh.FAMILIES if rh.FAMILIES[name].kind in REFERENCES]

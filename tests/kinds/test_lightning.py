@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _compare import assert_close, assert_close_per_call, assert_equal
-from _contract import Adapter, family_fixtures
+from _contract import ContractReading, family_fixtures
 from _models import DEVICE, PAD, _minimax, build, random_ids
 from _runs import greedy, logits_of, sparse_generate, watched_greedy
 
@@ -26,7 +26,7 @@ LIGHTNING = [name for name, row in rh.FAMILIES.items() if row.kind is rh.Lightni
 ALL = ("states", "inputs", "outputs")  # the kind has no conv window to keep
 T = 13  # two chunks of 8 (block_size) in transformers' chunk loop, the second one partial
 
-# -- how the contract reads this kind (tests/kinds/test_contract.py, tests/helpers/_contract.py's Adapter) -------------
+# -- how the contract reads this kind (tests/kinds/test_contract.py, tests/helpers/_contract.py's ContractReading) -----
 
 
 def lightning_state(out, mixer, memory):
@@ -35,7 +35,7 @@ def lightning_state(out, mixer, memory):
     return {"the cache": cached, "the forward's final_state": mixer.calls[-1].output["final_state"]}
 
 
-CONTRACT = {rh.LightningAttention: Adapter(
+CONTRACT = {rh.LightningAttention: ContractReading(
     carried=lightning_state, window_in=None, recomputes_once=True,
     whole_memory_model=lambda: _minimax(linear_first=True),
     whole_memory_tol=dict(rtol=1e-4, atol=1e-6), whole_memory_early=dict(rtol=0, atol=0))}

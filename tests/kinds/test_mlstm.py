@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 from _compare import assert_close, assert_equal
-from _contract import Adapter, family_fixtures
+from _contract import ContractReading, family_fixtures
 from _models import FAMILIES as BUILDERS
 from _models import build, random_ids
 from _runs import greedy, logits_of, watched_greedy
@@ -24,7 +24,7 @@ from recurrent_hooks.kinds.mlstm import mlstm_inference, mlstm_train
 FAMILIES = [name for name, row in rh.FAMILIES.items() if row.kind is MatrixLSTM and name in BUILDERS]
 T = 13  # chunk_size 8: 8 tokens chunk-wise, 5 token by token
 
-# -- how the contract reads this kind (tests/kinds/test_contract.py, tests/helpers/_contract.py's Adapter) -------------
+# -- how the contract reads this kind (tests/kinds/test_contract.py, tests/helpers/_contract.py's ContractReading) -----
 
 
 def mlstm_state(out, mixer, memory):
@@ -39,7 +39,7 @@ def halve_mlstm(state):
 
 # the loop against transformers' chunk-wise kernel: an mLSTM output divides by max(|n_t q|, e^(-m_t)), which can be
 # small (input_grad); a backward through a cached prompt >= chunk_size fails in transformers (grad_use_cache)
-CONTRACT = {MatrixLSTM: Adapter(
+CONTRACT = {MatrixLSTM: ContractReading(
     input_grad=(1e-3, 1e-6), carried=mlstm_state, window_in=None, scale=halve_mlstm, later=1e-3, grad_use_cache=False,
     grad_parts=("C",), recomputes_once=True, whole_memory_tol=dict(rtol=1e-5, atol=1e-6), finite_difference=(),
     split_tol=dict(rtol=1e-5, atol=1e-5, relative=True))}

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _compare import assert_close, assert_equal
-from _contract import Adapter, family_fixtures, perturbation
+from _contract import ContractReading, family_fixtures, perturbation
 from _models import DEVICE, build, random_ids
 from _runs import greedy, logits_of, watched_greedy
 
@@ -32,7 +32,7 @@ ALL = ("states", "windows", "inputs", "outputs")
 T = 13
 EXACT = dict(rtol=0, atol=0)
 
-# -- how the contract reads this kind (tests/kinds/test_contract.py, tests/helpers/_contract.py's Adapter) -------------
+# -- how the contract reads this kind (tests/kinds/test_contract.py, tests/helpers/_contract.py's ContractReading) -----
 
 
 def rg_lru_memory(out, mixer, memory):
@@ -41,7 +41,7 @@ def rg_lru_memory(out, mixer, memory):
     return {"the module": module.rg_lru.recurrent_states if memory == "state" else module.conv1d_state}
 
 
-CONTRACT = {rh.RealGatedLinearRecurrence: Adapter(
+CONTRACT = {rh.RealGatedLinearRecurrence: ContractReading(
     carried=rg_lru_memory, window_in=None, window_reach="every", recomputes_once=True,
     finite_difference=("state", "window"), whole_memory_tol=dict(rtol=1e-5, atol=1e-6))}
 

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 from _compare import assert_close, assert_close_per_call, assert_equal
-from _contract import Adapter, family_fixtures
+from _contract import ContractReading, family_fixtures
 from _models import build, random_ids
 from _runs import greedy, greedy_under_replacing_hooks, logits_of, watched_greedy
 from _upstream import transformers_kernel
@@ -23,12 +23,12 @@ FAMILIES = [name for name, row in rh.FAMILIES.items() if issubclass(row.kind, rh
 KEEP = ("windows", "inputs", "outputs")
 T = 13  # not a multiple of anything
 
-# -- how the contract reads this kind (tests/kinds/test_contract.py, tests/helpers/_contract.py's Adapter) -------------
+# -- how the contract reads this kind (tests/kinds/test_contract.py, tests/helpers/_contract.py's ContractReading) -----
 
 
 # a window is the whole memory: its writes and the whole-memory identity are exact; the loops make transformers'
 # operations in its order, bit for bit; grad mode recomputes every position from its kept window (grad_parity)
-CONTRACT = {rh.ShortConvolution: Adapter(
+CONTRACT = {rh.ShortConvolution: ContractReading(
     loop_atol=0.0, grad_parity=(1, 13, 70), early=dict(rtol=1e-6, atol=1e-7), decode_early=dict(rtol=0, atol=0),
     window_tokens=(0, 5, T - 1), grad_tol=dict(rtol=1e-5, atol=1e-8), finite_difference=(),
     whole_memory_tol=dict(rtol=0, atol=0))}
@@ -405,4 +405,4 @@ def test_the_support_command_lists_what_the_kind_offers(capsys, family):
     assert main(["support", family]) == 0
     out = capsys.readouterr().out.split("\n", 1)[1]  # after the transformers version line
     assert out.startswith(f"{family}: {rh.FAMILIES[family].mixer_class} -> {rh.FAMILIES[family].kind.__name__}")
-    assert "  available: windows, inputs, outputs, values, writes, hooks\n" in out
+    assert "  works: windows, inputs, outputs, values, writes, hooks\n" in out

@@ -23,7 +23,7 @@ import math
 import pytest
 import torch
 from _compare import assert_close, assert_equal
-from _contract import Adapter, family_fixtures, perturbation
+from _contract import ContractReading, family_fixtures, perturbation
 from _models import FAMILIES as BUILDERS
 from _models import build, random_ids
 from _runs import greedy, logits_of
@@ -38,7 +38,7 @@ FAMILIES = [name for name, row in rh.FAMILIES.items() if row.kind is rh.Weighted
 ALL = ("states", "windows", "inputs", "outputs")
 T = 13
 
-# -- how the contract reads this kind (tests/kinds/test_contract.py, tests/helpers/_contract.py's Adapter) -------------
+# -- how the contract reads this kind (tests/kinds/test_contract.py, tests/helpers/_contract.py's ContractReading) -----
 
 
 def perturbed_wkv(state, seed=1):
@@ -64,7 +64,7 @@ def wkv_shift_in(mixer, call):
     return mixer.calls[call].conv.inputs["state"][1][:, :, mixer.layer]
 
 
-CONTRACT = {rh.WeightedKeyValue: Adapter(
+CONTRACT = {rh.WeightedKeyValue: ContractReading(
     perturb=perturbed_wkv, carried=wkv_memory, window_in=wkv_shift_in, batch=1, grad_use_cache=False, loop_atol=0.0,
     window_tokens=(5, T - 1), split_tol=dict(rtol=1e-5, atol=1e-6), recomputes_once=True,
     finite_difference=("state", "window"), whole_memory_tol=dict(rtol=1e-5, atol=1e-6))}

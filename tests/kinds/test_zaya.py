@@ -13,23 +13,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _compare import assert_close, assert_equal
-from _contract import Adapter
+from _contract import ContractReading
 from _models import PAD, build, random_ids
 from _runs import calls_of, greedy, logits_of, watched_greedy, watched_logits
 
 import recurrent_hooks as rh
 from recurrent_hooks.engine.binding.rebinding import import_default
+from recurrent_hooks.kinds.shared.recording import RECORDING
 from recurrent_hooks.kinds.zaya import PAST_RECORDING_RUNS, CompressedConvolutionalAttention, cca_forward
 
 KEEP = ("windows", "states", "inputs", "outputs")
 T = 13
 
-# -- how the contract reads this kind (tests/kinds/test_contract.py, tests/helpers/_contract.py's Adapter) -------------
+# -- how the contract reads this kind (tests/kinds/test_contract.py, tests/helpers/_contract.py's ContractReading) -----
 
 
 # one forward updates both memories, the q/k window and the one-token value delay (the state): a call's state
 # input is the delay the forward received; its forward, operation for operation (loop_atol); grad mode recomputes
-CONTRACT = {rh.CompressedConvolutionalAttention: Adapter(
+CONTRACT = {rh.CompressedConvolutionalAttention: ContractReading(
     state_in=lambda mixer, call: mixer.calls[call].conv.inputs["delay"], loop_atol=0.0, grad_parity=(13,))}
 
 
@@ -392,9 +393,9 @@ def test_registry_and_support_rows(model):
         assert (r.family, r.kind) == ("zaya", "CompressedConvolutionalAttention")
         assert r.available == ("states", "windows", "inputs", "outputs", "values", "writes", "hooks")
         if not PAST_RECORDING_RUNS:
-            assert "activate_past_recording" in r.unavailable["past recording (assisted decoding)"]
+            assert "activate_past_recording" in r.refused[RECORDING]
         else:
-            assert "past recording (assisted decoding)" not in r.unavailable
+            assert RECORDING not in r.unavailable
 
 
 def _decode_twice_recording_the_past(model, ids):

@@ -42,7 +42,7 @@ def test_code_blocks_run(path):
     for family in (mixer for row in rh.FAMILIES.values() for mixer in row.classes):
         for kernel in family.kind.KERNELS:
             if kernel.site is Site.INSTANCE:
-                continue  # bound per module of a model, released with its watch (tests/package/test_api.py)
+                continue  # bound per module of a model, released with its watch (tests/kinds/test_contract.py)
             target = family.target(kernel)
             assert patching.bound_original(*target) is patching.import_default(*target), \
                 f"{path.name} left {kernel.name} rebound"

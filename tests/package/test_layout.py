@@ -2,7 +2,7 @@
 no study; a study imports no kind (it reaches a kind through a mixer and the kind's declarations); a kind imports no
 other kind's private helper (the maths several kinds share live in `kinds/shared/`: `delta_rule`, `ssm`, `conv`,
 which a kind imports by their public names, and which are not kinds); no module uses
-another module's underscore names but the kinds' adapters (`Kind.ADAPTERS`); only `engine/tracing.py` asks whether
+another module's underscore names (a kind's adapter, `Kind.adapter`, is public); only `engine/tracing.py` asks whether
 torch.compile traces; every path is one runner; no class over 300 lines, no function over 80 (docs/architecture.md).
 Read from the source, so an import inside a function counts too."""
 
@@ -97,8 +97,8 @@ def test_the_private_import_check_sees_one(tmp_path):
 
 def test_the_kinds_are_the_modules_of_kinds_and_the_shared_maths_are_none():
     """Every mixer kind is declared in a module of `kinds/` (its tests are tests/kinds/test_<module>.py, where
-    tests/helpers/_contract.py `adapter_of` finds its adapter by that name); `kinds/shared/` declares none and imports
-    no kind: it holds the maths several kinds share."""
+    tests/helpers/_contract.py `reading_of` finds its contract reading by that name); `kinds/shared/` declares none
+    and imports no kind: it holds the maths several kinds share."""
     import recurrent_hooks as rh
 
     def subclasses(cls):
@@ -156,20 +156,14 @@ def _defined(paths: list[pathlib.Path]) -> dict[str, set[str]]:
     return defined
 
 
-def test_no_module_uses_another_modules_private_names_but_the_kinds_adapters():
+def test_no_module_uses_another_modules_private_names():
     """A module of the package reads no single-underscore name of another: what a sibling needs is public in its
     module (the package's public namespace is `recurrent_hooks/__init__.py`; the modules below are its
-    implementation). The one exception, with its reason: a kind's adapters (`Kind.ADAPTERS`), which the engine and
-    the studies call and each kind overrides, and which keep their underscore to stay off the handle a researcher
-    holds (`w.mixers[i]`)."""
-    from recurrent_hooks.engine.handle.kind import Kind
-    from recurrent_hooks.engine.handle.mixer import RecurrentMixer
-
-    assert all(callable(getattr(RecurrentMixer, name, None)) for name in Kind.ADAPTERS), Kind.ADAPTERS
+    implementation). No exception: what the engine and the studies ask of a kind is its adapter's public protocol
+    (`kind.adapter`, engine/handle/adapter.py), which stays off the handle a researcher holds but for that one name."""
     sources = sorted(PACKAGE.rglob("*.py"))
     defined = _defined(sources)
-    wrong = {str(path.relative_to(PACKAGE)): uses for path in sources
-             if (uses := [use for use in _private_uses(path, defined) if use.split()[0] not in Kind.ADAPTERS])}
+    wrong = {str(path.relative_to(PACKAGE)): uses for path in sources if (uses := _private_uses(path, defined))}
     assert not wrong, f"underscore names of other modules used (make them public in their module): {wrong}"
 
 
@@ -177,7 +171,7 @@ def test_the_private_use_check_sees_one(tmp_path):
     (tmp_path / "a.py").write_text("def _helper():\n    pass\n\nclass A:\n    def __init__(self):\n"
                                    "        self._live = False\n")
     (tmp_path / "b.py").write_text("from . import a\n\ndef f(x):\n    x._live = True\n"
-                                   "    return a._helper(), x._cached_memory\n")
+                                   "    return a._helper(), x._elsewhere\n")
     defined = _defined([tmp_path / "a.py", tmp_path / "b.py"])
     assert defined["_live"] == {str(tmp_path / "a.py")}, "a store on another object defined the name"
     assert sorted(_private_uses(tmp_path / "b.py", defined)) == ["_helper (line 5)", "_live (line 4)"]
@@ -234,13 +228,14 @@ def test_the_per_call_tracker_branches_on_compiling_in_one_place():
     """The handle does not branch on torch.compile: its per-call tracker picks the traced implementation once
     (`CallTracker.now`), and compile support (`compiled.TracedCallTracker`) implements the same interface."""
     found = {}
-    for name in ("handle/mixer.py", "tracking/tracker.py", "handle/kind.py"):
+    for name in ("handle/mixer.py", "tracking/tracker.py", "handle/kind.py", "handle/adapter.py"):
         tree = ast.parse((PACKAGE / "engine" / name).read_text())
         found[name] = sorted(f"{fn.name}" for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef)
                              for node in ast.walk(fn)
                              if isinstance(node, ast.Attribute) and node.attr in ("is_compiling", "compiling")
                              or isinstance(node, ast.Name) and node.id in ("is_compiling", "compiling"))
-    assert found == {"handle/mixer.py": [], "tracking/tracker.py": ["now"], "handle/kind.py": []}, found
+    assert found == {"handle/mixer.py": [], "tracking/tracker.py": ["now"], "handle/kind.py": [],
+                     "handle/adapter.py": []}, found
 
 
 def test_every_path_is_one_runner_and_dispatch_branches_on_none():
@@ -257,10 +252,11 @@ def test_every_path_is_one_runner_and_dispatch_branches_on_none():
 
 
 # the handle (`mixer`) and the modules it is built on import one way: the handle's tracker, its hooks, its kind's
-# declaration and the compiled ops never import the handle, and the declaration imports no tracker
+# declaration and adapter and the compiled ops never import the handle, and the declaration imports no tracker
 BELOW_THE_HANDLE = {"tracking/tracker": {"mixer", "compiled"}, "tracking/hooks": {"mixer", "tracker", "compiled"},
-                    "handle/kind": {"mixer", "tracker", "compiled", "hooks"}, "tracking/compiled": {"mixer"},
-                    "tracking/records": {"mixer", "tracker", "kind", "compiled", "hooks"},
+                    "handle/kind": {"mixer", "tracker", "compiled", "hooks"},
+                    "handle/adapter": {"mixer", "tracker", "compiled", "hooks"}, "tracking/compiled": {"mixer"},
+                    "tracking/records": {"mixer", "tracker", "kind", "adapter", "compiled", "hooks"},
                     "policy": {"mixer", "tracker"}}
 
 

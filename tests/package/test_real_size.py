@@ -21,7 +21,7 @@ import _real_sizes
 import pytest
 import torch
 from _compare import assert_close, assert_equal
-from _contract import STACK, adapter_of
+from _contract import STACK, reading_of
 from _real_sizes import build, vocab
 
 import recurrent_hooks as rh
@@ -164,7 +164,7 @@ def test_memories_kept_at_some_tokens_are_those_of_every_token_and_the_last_is_w
     keep = {STACK[memory]: positions for memory in memories(family)}
     with torch.no_grad(), rh.watch(model, keep=keep) as w:
         model(runs.ids)
-    carried = adapter_of(rh.FAMILIES[family].kind).carried
+    carried = reading_of(rh.FAMILIES[family].kind).carried
     for some, every in zip(w.mixers, runs.watched.mixers):
         for memory in memories(family):
             expected = every.after(memory, positions)
@@ -200,19 +200,19 @@ def test_a_hook_runs_once_a_token_sees_the_kept_memory_and_an_identity_changes_n
 def test_a_write_changes_the_logits_after_its_token_and_not_before(family, model, runs):
     """Every memory of the first mixer written after token 2 (the kept one, perturbed): the logits at tokens 0..2 are
     the plain ones, later ones move, and the watch keeps the written memory."""
-    adapter = adapter_of(rh.FAMILIES[family].kind)
+    reading = reading_of(rh.FAMILIES[family].kind)
     mixer = runs.watched.mixers[0]
     token = 2
-    values = {memory: adapter.perturb(mixer.after(memory, token)) for memory in memories(family)}
+    values = {memory: reading.perturb(mixer.after(memory, token)) for memory in memories(family)}
     with torch.no_grad(), rh.watch(model, keep=tuple(STACK[m] for m in values)) as w:
         for memory, value in values.items():
             w.mixers[0].set_after(memory, token, value)
         written = model(runs.ids).logits
     early = {name: max(bound, tolerance(runs.plain)[name])  # wider rounds more
-             for name, bound in adapter.early.items()}
+             for name, bound in reading.early.items()}
     assert_close(f"{family}: logits up to the write", runs.plain[:, : token + 1], written[:, : token + 1], **early)
     change = (written[:, token + 1:] - runs.plain[:, token + 1:]).abs().max()
-    assert change > adapter.later, f"{family}: a write after token {token} moved the later logits by {change}"
+    assert change > reading.later, f"{family}: a write after token {token} moved the later logits by {change}"
     for memory, value in values.items():
         assert_memory_close(f"{w.mixers[0]}: the kept {memory}", value, w.mixers[0].after(memory, token), rtol=0,
                             atol=0)

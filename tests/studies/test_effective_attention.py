@@ -16,9 +16,11 @@ from _contract import one_family_per_kind
 from _models import build, random_ids
 
 import recurrent_hooks as rh
+from recurrent_hooks.extend import KindAdapter
 
-# one per kind that has the maths (zamba: a kernel call per head)
-FAMILIES = one_family_per_kind(lambda kind: kind._effective_attention is not rh.RecurrentMixer._effective_attention)
+# one per kind that has the maths (its adapter overrides `effective_attention`; zamba: a kernel call per head)
+FAMILIES = one_family_per_kind(
+    lambda kind: type(kind.adapter).effective_attention is not KindAdapter.effective_attention)
 KEEP = ("inputs", "outputs")
 T, NEW = 13, 3  # prompt tokens, generated tokens: calls 0 (prompt), 1, 2 (decode steps)
 F64 = torch.float64

@@ -103,7 +103,7 @@ def test_the_declared_channels_are_the_ones_a_head_reads(family):
     for head in range(heads):
         declared = feeding(family, model, kept.layer, head, tuple(kept.state_after(position).shape),
                            window.shape[1])
-        library = type(kept)._head_channels(head, heads, tuple(kept.state_after(position).shape[2:]), window.shape[1])
+        library = kept.adapter.head_channels(head, heads, tuple(kept.state_after(position).shape[2:]), window.shape[1])
         assert list(library) == declared, f"{family} head {head}: the kind declares {list(library)}"
         others = [c for c in range(window.shape[1]) if c not in declared]
         assert_close(f"{family} head {head}: its output with the other channels written", plain[:, head],

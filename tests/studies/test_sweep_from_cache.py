@@ -179,10 +179,10 @@ def test_what_the_path_needs_is_said_when_it_is_asked_for(monkeypatch):
     with pytest.raises(rh.InvalidValue, match=r"here: forward_kwargs' logits_to_keep is Tensor, not an int"):
         sweep(reuse_prefix=True, forward_kwargs={"logits_to_keep": torch.tensor([0])})
     # a kind that says it continues a cache, but whose memory the cache holds in another layout: refused
-    kind = rh.GatedDeltaNet
-    real = kind._cached_memory.__func__
-    transposed = lambda cls, cache, where, memory: real(cls, cache, where, memory).transpose(-1, -2)  # noqa: E731
-    monkeypatch.setattr(kind, "_cached_memory", classmethod(transposed))
+    adapter = rh.GatedDeltaNet.adapter
+    real = adapter.cached_memory
+    transposed = lambda cache, where, memory: real(cache, where, memory).transpose(-1, -2)  # noqa: E731
+    monkeypatch.setattr(adapter, "cached_memory", transposed)
     with pytest.raises(rh.InvalidValue, match=r"here: GatedDeltaNet\(qwen3_5, layer 0\): its state is not the cache's"
                                               r" tensor at 0"):
         sweep(reuse_prefix=True)

@@ -55,8 +55,9 @@ class Family:
       its `Site.INSTANCE` kernel (the dotted path of an object inside each mixer module), for every mixer class
       of the family; by default a class-attribute kernel is an attribute of the mixer class, an instance-attribute
       kernel one of the mixer module itself;
-    - `limits`: what the family's models cannot do whatever the library does (a bug of its transformers modeling
-      module), what -> why: listed with the kind's `LIMITS` by `support`;
+    - `limits`: what the family's models do only with a caveat or refuse, whatever the library does (a bug of its
+      transformers modeling module, several mixers per layer), what -> a `Caveat` or a `Refused`
+      (`declare.limits`; a plain str counts as a caveat): listed with the kind's `LIMITS` by `support`;
     - `modeling`: the dotted name of the modeling module that defines the mixer classes and whose globals the
       kinds' module-global kernels are (default `transformers.models.<name>.modeling_<name>`). It is imported
       when a watch first needs it, not when the row is made.

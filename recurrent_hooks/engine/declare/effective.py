@@ -1,7 +1,7 @@
 """What the kinds' effective attention share: the result, and the decayed inner products they are built of.
 
-Each kind that has an exact effective attention computes it in its own module (`RecurrentMixer.
-_effective_attention`, from the call records of a history of calls); the public function that checks the
+Each kind that has an exact effective attention computes it in its own module (its adapter's
+`effective_attention`, from the call records of a history of calls); the public function that checks the
 history and calls it is `recurrent_hooks.studies.effective_attention.effective_attention`. The maths of each
 kind is in the study's module docstring.
 

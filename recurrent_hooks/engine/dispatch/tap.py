@@ -22,7 +22,8 @@ from torch import Tensor, nn
 
 from ..binding.upstream import wraps_kernel
 from ..declare.kernels import CONV_MEMORY, FORWARD, Kernel, Layout
-from ..handle.mixer import RecurrentMixer, sees
+from ..declare.memory_parts import map_parts
+from ..handle.mixer import RecurrentMixer, note_unseen, sees
 from ..paths import runners as _busy
 from ..paths.choose import choose
 from ..paths.visitor import Taker
@@ -39,10 +40,10 @@ def _forward_of(kind: type[RecurrentMixer], layout: Layout, module: nn.Module, a
                 recompute: bool) -> Forward:
     """Tokens, cache and freshness of a mixer forward, from its arguments."""
     arguments = layout.bind(args, kwargs)
-    tokens, cache, fresh, hidden = kind._parse_forward(module, arguments)
+    tokens, cache, fresh, hidden = kind.adapter.parse_forward(module, arguments)
     return Forward(tokens=tokens, cache=cache, fresh=fresh, hidden=hidden, recompute=recompute,
-                    cache_index=kind._cache_index(module, arguments), training=module.training,
-                    kernel_calls=kind._kernel_calls(module))
+                    cache_index=kind.adapter.cache_index(module, arguments), training=module.training,
+                    kernel_calls=kind.adapter.kernel_calls(module))
 
 
 def _keep_memory_arguments(kernel: Kernel, arguments: dict[str, Any]) -> None:
@@ -121,10 +122,12 @@ class _Tap:
         recompute = in_backward()
         ident = None if traced else threading.get_ident()
         mixers = [mixer for mixer in self.mixers if sees(mixer, ident, recompute)]
+        if len(mixers) != len(self.mixers):  # a watch entered in another thread: it warns on exit
+            note_unseen(self.mixers, ident)
         if not mixers or any(other.module is module for other in running[:-1]):
             return  # unwatched here, or re-entered
         forward = _forward_of(type(mixers[0]), self._layout, module, args, kwargs, recompute)
-        mixers = [mixer for mixer in mixers if mixer._serves(forward)]  # a handle per pass: only its own
+        mixers = [mixer for mixer in mixers if mixer.adapter.serves(mixer, forward)]  # a handle per pass: its own
         if not mixers:
             return
         entry.forward, entry.mixers = forward, mixers
@@ -174,7 +177,7 @@ class _Tap:
 
     def _run_kernel(self, entry: Running, kernel: Kernel, original: Callable[..., Any], args: tuple,
                     kwargs: dict) -> Any:
-        arguments = type(entry.mixers[0])._kernel_arguments(entry.module, kernel, kernel.bind(args, kwargs))
+        arguments = entry.mixers[0].adapter.kernel_arguments(entry.module, kernel, kernel.bind(args, kwargs))
         tokens = kernel.tokens(arguments, entry.forward.tokens)
         served = [kernel.serving(memory) for memory in kernel.memories]  # one row per memory the kernel updates
         trackers = [mixer.tracker.now() for mixer in entry.mixers]  # traced ones while torch.compile traces
@@ -193,6 +196,8 @@ class _Tap:
             result = original(*args, **kwargs)
         else:
             result, path = self._run_busy(entry, kernel, original, args, kwargs, busy, tokens, arguments)
+            if entry.mixers[0].tracker.handed_on(kernel.memory):  # (eager: a compiled graph runs no split)
+                result = _own_final_state(kernel, result)
         output = kernel.name_results(result) if "outputs" in records else {}
         if kernel.in_place and isinstance(live_state, Tensor) and "outputs" in records:
             output["final_state"] = live_state.clone()
@@ -228,7 +233,7 @@ class _Tap:
         cache = forward.cache
         if cache is None or forward.cache_index is None:
             return
-        cached = kind._cached_window(cache, forward.cache_index)
+        cached = kind.adapter.cached_window(cache, forward.cache_index)
         if cached is not None and cached.shape == window.shape:
             cached.copy_(window)
 
@@ -254,6 +259,18 @@ def _drop_hooks(module: nn.Module, tap: _Tap) -> None:
             for flags in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
                           "_forward_hooks_always_called"):
                 state.get(flags, {}).pop(key, None)
+
+
+def _own_final_state(kernel: Kernel, result: Any) -> Any:
+    """`result` with its final state copied: a split forward's next kernel call updates that state in place
+    (transformers' one-token steps after the prompt kernel), and the busy call's final state may be a kept state or
+    a write's value, which must not change."""
+    if not isinstance(result, tuple) or "final_state" not in kernel.results:
+        return result
+    at = kernel.results.index("final_state")
+    if at >= len(result) or result[at] is None:
+        return result
+    return (*result[:at], map_parts(lambda s: s.clone(), result[at]), *result[at + 1:])
 
 
 BOUND_KERNEL = "bound kernel"  # `KernelCall.path` of a call nothing was asked of: the kernel bound before the watch

@@ -30,6 +30,24 @@ def as_index(value: Any, what: str, where: str) -> int:
         raise InvalidValue(f"{where}: {what} must be an int, got {type(value).__name__} {value!r}") from None
 
 
+def as_history(value: Any, where: str) -> int | None:
+    """How many of its last calls' records each mixer of a watch keeps: None (every call's) or an int >= 1 (a numpy or
+    0-d tensor integer is taken as the int it is); bools, floats and the rest raise InvalidValue."""
+    if value is None:
+        return None
+    expected = f"{where}: expected history= None (keep every call's record) or a number of calls >= 1"
+    if isinstance(value, bool) or (isinstance(value, Tensor) and (value.dim() != 0 or value.dtype == torch.bool
+                                                                  or value.is_floating_point())):
+        raise InvalidValue(f"{expected}, got history={value!r} ({type(value).__name__})")
+    try:
+        count = operator.index(value)
+    except TypeError:
+        raise InvalidValue(f"{expected}, got history={value!r} ({type(value).__name__})") from None
+    if count < 1:
+        raise InvalidValue(f"{expected}, got history={count}")
+    return count
+
+
 def as_token_selection(value: Any, where: str, tokens: int | None) -> int | list[int]:
     """What a reader or writer of the memory after some tokens takes: an int (one token, returned as it is), or
     several, returned as a list: a list, tuple or range of ints, or a slice. `tokens` is the call's token count, by

@@ -15,7 +15,8 @@ Vocabulary (docs/concepts.md has the long form):
 Where this module sits: the package's layers are drawn in docs/architecture.md (and listed in
 `recurrent_hooks/__init__.py`); the engine's modules in `recurrent_hooks/engine/__init__.py`. A mixer has three
 roles, each in its own place:
-- the kind's declaration: class constants and class adapters (`kind.Kind`, the protocol a kind fills in);
+- the kind's declaration: class constants and its adapter (`kind.Kind`, the protocol a kind fills in;
+  `adapter.KindAdapter`, what the engine and the studies ask of the kind, reached as `kind.adapter`);
 - the user's handle: `RecurrentMixer` here, with its readings, hooks and writes (each registered as a `hooks.Hook`);
 - the per-call bookkeeping: the call counter, the running call's record, replays, what each kernel call wants
   (`tracker.CallTracker`, owned by the handle as `tracker` and made with what its watch asks, a `policy.Request`;
@@ -34,6 +35,7 @@ A forward that autograd recomputes (gradient checkpointing) is matched to the ca
 fingerprint of its input (`tracker._Replay`) and runs that call's plan again, keeping nothing new.
 """
 
+import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -50,7 +52,7 @@ from ..errors import InvalidValue, RecurrentHooksError, Unavailable, renamed
 from ..policy import Policy, Request
 from ..tracking.compiled import TracedCallTracker
 from ..tracking.hooks import SHOWN, Hook
-from ..tracking.records import Call, Forward, Memory, recorded
+from ..tracking.records import Call, Calls, Memory, recorded
 from ..tracking.tracker import CallTracker
 from .arguments import (
     RowTokens,
@@ -115,9 +117,10 @@ class RecurrentMixer(Kind):
         mix.states           # the state after every token of the last call
         mix.state_after(4)   # the state after token 4
 
-    What a subclass (a kind) declares, its class constants and adapters, is the protocol of `kind.Kind`. The
-    handle keeps what a user registers (hooks, writes) and reads what the calls left (`calls`); the per-call
-    bookkeeping that the tap's module hooks drive is `tracker` (`tracker.CallTracker`).
+    What a subclass (a kind) declares, its class constants and its adapter (`adapter`, the kind's
+    `adapter.KindAdapter`), is the protocol of `kind.Kind`. The handle keeps what a user registers (hooks, writes)
+    and reads what the calls left (`calls`); the per-call bookkeeping that the tap's module hooks drive is `tracker`
+    (`tracker.CallTracker`).
 
     `recomputing` is True while autograd recomputes a checkpointed forward of this mixer (gradient
     checkpointing): hooks run again then, with the call index of the forward being recomputed. `head` is
@@ -132,16 +135,17 @@ class RecurrentMixer(Kind):
     def __init__(self, module: nn.Module, family: str, *,
                  keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (), history: bool = True,
                  restart_on_prompt: bool = False, thread: int | None = None, layer: int | None = None,
-                 cache_index: Any = None, policy: Policy | None = None) -> None:
+                 cache_index: Any = None, policy: Policy | None = None, calls_kept: int | None = None) -> None:
         self._module = weakref.ref(module)  # a standalone hook must not keep its module alive
         self.family = family
         # the module's own layer_idx; else `layer`, the watch's reading of the module's path (a mixer module
         # that does not store its index, e.g. "model.layers.3.temporal_block")
         self.layer: int | None = getattr(module, self.LAYER_ATTRIBUTE, layer)
         self._thread = thread  # the thread whose forwards this handle sees (None: every thread)
-        # the forwards this handle takes part in: those whose memory is at this cache index (`_cache_index`;
+        self._unseen: dict[int, list] = {}  # its module's forwards in threads it does not see: id -> [name, count]
+        # the forwards this handle takes part in: those whose memory is at this cache index (`adapter.cache_index`;
         # None: every forward of the module). A module run several times per model forward, each time on its
-        # own cache layer, has one handle per run (`_instances`)
+        # own cache layer, has one handle per run (`adapter.instances`; `adapter.serves` says which forwards)
         self.cache_index = cache_index
         self._hooks: OrderedDict[int, tuple[Hook, ...]] = OrderedDict()  # weakly referenced by the handles
         self._on_empty: Callable[[], None] | None = None
@@ -149,10 +153,10 @@ class RecurrentMixer(Kind):
         # what its watch (or its standalone hooks) asks of its calls, handed to its tracker once (`history` False: a
         # standalone hook's handle, which records no calls)
         memories, kernel_io = normalize_keep(keep)
-        request = Request(memories, kernel_io, policy or Policy(), history, restart_on_prompt)
+        request = Request(memories, kernel_io, policy or Policy(), history, restart_on_prompt, calls_kept)
         self.tracker = CallTracker(request, type(self), repr(self), self._hooks)
         self.tracker.traced = TracedCallTracker(self.tracker)
-        self.calls: list[Call] = self.tracker.calls
+        self.calls: Calls = self.tracker.calls
 
     @property
     def module(self) -> nn.Module:
@@ -177,10 +181,6 @@ class RecurrentMixer(Kind):
             carried = " and ".join(self.MEMORIES)
             raise Unavailable(f"{self}.{method}: a {type(self).__name__} mixer has no {memory}; it carries only"
                               f" {carried} ({', '.join(_ACCESSORS[m] for m in self.MEMORIES)})")
-
-    def _serves(self, forward: Forward) -> bool:
-        """Whether this handle takes part in `forward` (its memory is at this handle's cache index)."""
-        return self.cache_index is None or forward.cache_index == self.cache_index
 
     # -- reading -----------------------------------------------------------------------------------------
 
@@ -264,7 +264,7 @@ class RecurrentMixer(Kind):
             raise Unavailable(f"{self}: call {record.index} made no recurrence kernel call")
         for kernel_call in record.kernel_calls:
             recorded(record, kernel_call.inputs, "inputs"), recorded(record, kernel_call.output, "outputs")
-        per_kernel_call = [self._token_values(kernel_call) for kernel_call in record.kernel_calls]
+        per_kernel_call = [self.adapter.token_values(self, kernel_call) for kernel_call in record.kernel_calls]
         if len(per_kernel_call) == 1:
             return per_kernel_call[0]
         return {name: torch.stack([values[name] for values in per_kernel_call], dim=2) for name in per_kernel_call[0]}
@@ -459,16 +459,50 @@ def sees(mixer: RecurrentMixer, thread: int | None, recompute: bool) -> bool:
 
 
 def record_of(mixer: RecurrentMixer, call: Any, method: str) -> Call:
-    """The record of call `call` of a watched mixer (None: the last), for `method` (named in the errors)."""
+    """The record of call `call` of a watched mixer (None: the last), for `method` (named in the errors); a call whose
+    record its watch dropped (`watch(history=...)`) raises `Unavailable`."""
     if call is not None:
         call = as_index(call, "call", f"{mixer}.{method}")
     if not mixer.tracker.history:
         raise Unavailable(f"{mixer} records nothing: hooks registered outside a watch keep no values; use watch()")
-    if not mixer.calls:
-        raise Unavailable(f"{mixer} has not been called inside this watch yet")
+    calls = mixer.calls
+    if not calls:
+        raise Unavailable(f"{mixer} has not been called inside this watch yet: {other_threads(mixer)}")
     if call is None:
-        return mixer.calls[-1]
-    if not -len(mixer.calls) <= call < len(mixer.calls):
-        raise Unavailable(f"{mixer}: no call {call}; this watch saw {len(mixer.calls)} calls"
-                          f" (0..{len(mixer.calls) - 1})")
-    return mixer.calls[call]
+        return calls[-1]
+    if not -len(calls) <= call < len(calls):
+        raise Unavailable(f"{mixer}: no call {call}; this watch saw {len(calls)} calls (0..{len(calls) - 1})")
+    return calls[call]
+
+
+# The thread rule, as the warning on a watch's exit and the error on a mixer never called say it.
+THREAD_RULE = ("a watch sees only the forwards of the thread that entered it: enter the watch in the thread that runs"
+               " the model (docs/concepts.md, \"Known limits\")")
+
+
+def note_unseen(mixers: Sequence[RecurrentMixer], thread: int) -> None:
+    """A forward of their module runs in `thread`: each of `mixers` entered in another thread notes it (its watch
+    warns on exit), unless one of them was entered in that thread (its own watch there sees the forward)."""
+    if any(mixer._thread == thread for mixer in mixers):
+        return
+    for mixer in mixers:
+        if mixer._thread is not None:
+            seen = mixer._unseen
+            if thread not in seen:
+                seen[thread] = [threading.current_thread().name, 0]
+            seen[thread][1] += 1
+
+
+def unseen_threads(mixer: RecurrentMixer) -> dict[tuple[int, str], int]:
+    """The forwards of a mixer's module that ran in threads its watch does not see: (thread id, name) -> how many."""
+    return {(ident, name): forwards for ident, (name, forwards) in mixer._unseen.items()}
+
+
+def other_threads(mixer: RecurrentMixer) -> str:
+    """Why a mixer has no call: its forwards in threads its watch does not see, or the reasons there may be."""
+    seen = unseen_threads(mixer)
+    if not seen:
+        return ("the model did not run inside the block, or it ran in another thread than the one that entered the"
+                f" watch ({THREAD_RULE})")
+    ran = ", ".join(f"{n} forward{'s' if n != 1 else ''} in thread {name!r}" for (_, name), n in seen.items())
+    return f"its module ran {ran}, which this watch does not see ({THREAD_RULE})"

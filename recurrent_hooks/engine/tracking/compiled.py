@@ -152,7 +152,7 @@ class TracedCallTracker:
         when it runs (a restart is warned then, and a token outside a call a hook names is refused then)."""
         tracker = self.tracker
         nth = tracker.next_kernel_call(kernel, tokens)
-        if tracker.wants_some() and (reason := tracker.checks(kernel, nth, "?")) is not None:
+        if tracker.wants_some() and (reason := tracker.checks(kernel, nth, "?", split=False)) is not None:
             _event(_CLOCKS[self.key], self.key, "restart", [], repr((kernel.name, reason)), [])
         hooks = tracker.hooked(kernel, tokens, lambda hook: hook.targets_some, functools.partial(_outside, self))
         return TracedPlan(tracker, None, hooks, tracker.keep_at(kernel.memory, tokens), kernel.memory)

@@ -34,18 +34,19 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from ..declare.kernels import CONV_MEMORY, KEEP_NAMES, STATE_MEMORY, Kernel
+from ..declare.kernels import KEEP_NAMES, STATE_MEMORY, Kernel
 from ..declare.memory_parts import State, axes_of, is_parts, map_parts, not_a_tensor, parts_of
 from ..errors import InvalidValue, RecurrentHooksError, RecurrentHooksWarning, Unavailable, noted
 from ..policy import Request
 from ..tracing import compiling
 from . import records as _calls
 from .hooks import SHOWN, Hook
-from .records import Call, Forward, KernelCall, position_of
+from .records import Call, Calls, Forward, KernelCall, position_of
 from .threads import user_code
 
 _REPLAY_MATCH = 1e-5  # relative fingerprint distance under which a recompute is the same forward
 _REPLAYS_KEPT = 256  # recomputable calls remembered per mixer
+_LINEAGE_KEPT = 64  # calls a rollback of the cache can reach back to (assisted decoding rolls back a few tokens)
 
 
 def _fingerprint(hidden: Tensor) -> Tensor:
@@ -57,10 +58,10 @@ def _fingerprint(hidden: Tensor) -> Tensor:
 
 @dataclasses.dataclass(eq=False)
 class _Replay:
-    """A call that a checkpointed backward may recompute: its index, its record and what its input looked like."""
+    """A call that a checkpointed backward may recompute: its index and what its input looked like (its record is
+    read from the handle's records: a dropped one, `watch(history=...)`, is not held here)."""
 
     index: int
-    record: "Call | None"
     shape: tuple[int, ...]
     fingerprint: Tensor
 
@@ -74,18 +75,17 @@ class _Replay:
         return abs(total - other_total) / math.sqrt(n * scale) + abs(squares - other_squares) / scale
 
 
-def _replayed(replays: Iterable[_Replay], forward: Forward) -> tuple[int | None, "Call | None"]:
+def _replayed(replays: Iterable[_Replay], forward: Forward) -> int | None:
     """The call that a recomputed forward repeats: the remembered call whose input it matches."""
     replays = list(replays)
     if forward.hidden is None or not replays:
-        return None, None
+        return None
     shape, fingerprint = tuple(forward.hidden.shape), _fingerprint(forward.hidden)
     distances = [replay.distance(shape, fingerprint) for replay in replays]
     best = min(range(len(distances)), key=lambda i: (distances[i], -i))  # the latest of equals
     if distances[best] > _REPLAY_MATCH:
-        return None, None  # no call with hooks, writes or kept values had this input: it wanted nothing
-    replay = replays[best]
-    return replay.index, replay.record
+        return None  # no call with hooks, writes or kept values had this input: it wanted nothing
+    return replays[best].index
 
 
 Hooked = list[tuple["Hook", frozenset[int] | None]]  # hooks in registration order, with absolute positions
@@ -94,11 +94,15 @@ Hooked = list[tuple["Hook", frozenset[int] | None]]  # hooks in registration ord
 class Plan:
     """What one attached mixer wants of one kernel call: its hooks (in registration order) and kept tokens."""
 
-    __slots__ = ("owner", "call", "hooks", "keep", "kept", "stacked", "reduce", "device")
+    __slots__ = ("owner", "call", "hooks", "keep", "kept", "stacked", "reduce", "device", "offset", "later")
 
     def __init__(self, owner: "CallTracker", call: int | None, hooks: Hooked, keep: frozenset[int] | None,
-                 memory: str | None = None):
+                 memory: str | None = None, offset: int = 0, later: bool = False):
         self.owner, self.call, self.hooks, self.keep = owner, call, hooks, keep
+        # the call's token at this kernel call's token 0: a forward that transformers splits over several kernel
+        # calls (a prompt kernel call, then one-token steps) is one call, its tokens counted across them; `later`:
+        # this kernel call continues an earlier one's tokens (its first may have run over none)
+        self.offset, self.later = offset, later
         self.kept: dict[int, Tensor] | None = None if keep is None else {}
         self.stacked: Tensor | None = None  # every token kept in grad mode: the leaf the forward read them through
         # what the handle's watch asked of kept `memory` values: fn(a chunk of kept states), kept instead of the
@@ -130,14 +134,14 @@ class Plan:
         return state
 
     def _run(self, hook: "Hook", token: int, state: State) -> State:
-        return self.owner.run_hook(hook, self.call, token, state)
+        return self.owner.run_hook(hook, self.call, token + self.offset, state)
 
 
-# why a second kernel call of one memory in one forward is refused where something is wanted
+# why a second kernel call of one memory in one forward is refused inside a compiled graph that wants something
 _SPLIT = ("the forward split its tokens over several kernel calls (transformers 5.25 runs a call's last tokens as"
           " one-token steps when the cache records its past with recurrent_states_to_keep, as assisted decoding"
-          " does), and the library counts a call's tokens per kernel call, so hooks, writes and kept states would get"
-          " wrong positions; run this call without hooks or kept values, or without past recording")
+          " does), which a compiled graph does not serve; run it eagerly (transformers does not compile a cache that"
+          " records its past)")
 
 
 class CallTracker:
@@ -152,14 +156,18 @@ class CallTracker:
         self.policy = request.policy  # how its calls run and keep
         self.history = request.history  # False: a standalone hook's handle, which records no calls
         self.restart_on_prompt = request.restart_on_prompt
-        self.calls: list[Call] = []  # the handle's `calls`
+        self.calls = Calls(request.calls_kept, where)  # the handle's `calls` (its last `calls_kept`)
         self.begun = 0  # forwards begun since the mixer was attached
         self.offset = 0  # begun count at the last prompt (hooks registered outside a watch count from it)
         self.index: int | None = 0  # the running call's index (None: a recompute of a call that wanted nothing)
         self.forward: Forward | None = None
         self.current: Call | None = None
         self.kernel_call_counts: dict[str, int] = {}  # memory -> kernel calls in the running forward
-        self.tokens = 0  # tokens of the running kernel call
+        # memory -> the running forward's tokens its kernel calls covered so far (a split forward: several)
+        self.covered: dict[str, int] = {}
+        self.tokens = 0  # tokens of the running call (of its forward, across the kernel calls it is split over)
+        self.first = 0  # the call's token at the running kernel call's token 0
+        self.later = False  # the running kernel call continues the tokens of an earlier one of its memory
         self.head: int | None = None  # the head of the running recurrence kernel call (KERNEL_PER_HEAD kinds)
         # memory -> the earlier heads' states a reduction waits on until the forward's last head (`visitor.HeldHeads`)
         self.held_heads: dict[str, Any] = {}
@@ -167,6 +175,7 @@ class CallTracker:
         self.replays: collections.deque[_Replay] = collections.deque(maxlen=_REPLAYS_KEPT)
         self.saw_cache: Callable[[Any], None] | None = None  # the watch's: record how the cache gets reordered
         self.reorder: Tensor | None = None  # cache rows reordered since the last call (beam search)
+        self.lineage = Lineage()  # where each call's memories continue from, across a rollback of the cache
         # keep at some tokens: memory -> the asked positions some call had, and the first calls' lengths (for
         # the warning on exit about positions outside every call, `unkept`)
         self.keep_reached: dict[str, set[int]] = {}
@@ -204,6 +213,7 @@ class CallTracker:
         """What every implementation does when a forward begins: the running forward's scratch."""
         self.forward = forward
         self.kernel_call_counts = {}
+        self.covered = {}
         self.head = None
         self.held_heads = {}
         self.recomputing = forward.recompute
@@ -211,7 +221,8 @@ class CallTracker:
     def begin(self, forward: Forward) -> None:
         self.start(forward)
         if forward.recompute:
-            self.index, self.current = _replayed(self.replays, forward)
+            self.index = _replayed(self.replays, forward)
+            self.current = None if self.index is None else self.calls.get(self.index)
             return
         reorder = None
         if self.history:
@@ -222,8 +233,7 @@ class CallTracker:
         if forward.hidden is not None and (torch.is_grad_enabled() or forward.training) \
                 and self.wants(self.index):
             # Autograd may recompute this forward (gradient checkpointing): remember how to recognize it.
-            self.replays.append(_Replay(self.index, self.current, tuple(forward.hidden.shape),
-                                        _fingerprint(forward.hidden)))
+            self.replays.append(_Replay(self.index, tuple(forward.hidden.shape), _fingerprint(forward.hidden)))
 
     def count(self, fresh: bool, tokens: int, reorder: Tensor | None) -> None:
         """A new call begins (not a recompute): count it and open its record."""
@@ -235,6 +245,7 @@ class CallTracker:
         if self.history:
             # one counter: a watch's handle never restarts, so call k is calls[k]
             self.current = Call(index=self.index, where=self.where, tokens=tokens, reorder=reorder)
+            self.current.continues_from = self.lineage.next_continues(fresh)
             self.calls.append(self.current)
 
     def reordered(self, beam_idx: Tensor) -> None:
@@ -245,6 +256,9 @@ class CallTracker:
         self.reorder = beam_idx if self.reorder is None else self.reorder[beam_idx]
 
     def end(self, checked: bool = True) -> None:
+        record = self.current
+        if record is not None and self.forward is not None and not self.recomputing:
+            self.lineage.ended(record, self.forward.fresh)
         self.finish(checked, self.wants_call, self.index)
 
     def finish(self, checked: bool, wants: Callable[[], bool], shown: Any) -> None:
@@ -269,22 +283,35 @@ class CallTracker:
 
     def next_kernel_call(self, kernel: Kernel, tokens: int) -> int:
         """Count a kernel call of the running forward; its number among those of its memory (the head, for a
-        kernel run once per head)."""
-        self.tokens = tokens
+        kernel run once per head). The kernel calls of one memory that are not heads cover the forward's tokens
+        one after the other: `first` is this one's first token in the call, `tokens` the call's tokens (the
+        forward's; the kernel call's own where it ran over more, rwkv's batched decode)."""
         nth = self.kernel_call_counts.get(kernel.memory, 0)
         self.kernel_call_counts[kernel.memory] = nth + 1
-        self.head = nth if self.kind.KERNEL_PER_HEAD and kernel.memory == STATE_MEMORY else None
+        per_head = self.kind.KERNEL_PER_HEAD and kernel.memory == STATE_MEMORY
+        self.head = nth if per_head else None
+        self.first = 0 if per_head else self.covered.get(kernel.memory, 0)
+        self.later = nth > 0 and not per_head
+        self.covered[kernel.memory] = self.first + tokens
+        forward = 0 if self.forward is None else self.forward.tokens
+        self.tokens = max(forward, self.first + tokens)
         return nth
 
-    def checks(self, kernel: Kernel, nth: int, shown: Any) -> str | None:
+    def handed_on(self, memory: str) -> bool:
+        """Whether a later kernel call of the running forward continues `memory` from the running one's final state
+        (a split forward: the running one covered fewer tokens than the call has)."""
+        return self.covered.get(memory, 0) < self.tokens and not (self.kind.KERNEL_PER_HEAD and memory == STATE_MEMORY)
+
+    def checks(self, kernel: Kernel, nth: int, shown: Any, split: bool = True) -> str | None:
         """For a kernel call that something wants: refuse it if it cannot serve that, and return why it restarts
-        its memory (None: it continues it). `shown`: the call's index as the message shows it."""
-        if (reason := self.kind._refusal(kernel)) is not None:
+        its memory (None: it continues it). `shown`: the call's index as the message shows it; `split`: whether a
+        forward split over several kernel calls is served (not inside a compiled graph)."""
+        if (reason := self.kind.adapter.refusal(kernel)) is not None:
             raise Unavailable(f"{self.where}, call {shown} ({kernel.name}): {reason}")
-        if nth > 0 and not self.kind.KERNEL_PER_HEAD:
+        if nth > 0 and not self.kind.KERNEL_PER_HEAD and not split:
             raise Unavailable(f"{self.where}, call {shown} ({kernel.name}): kernel call {nth + 1} of the"
                               f" {kernel.memory} in one forward: {_SPLIT}")
-        return self.kind._restart(kernel, self.forward) if nth == 0 else None
+        return self.kind.adapter.restart(kernel, self.forward) if nth == 0 else None
 
     def plan(self, kernel: Kernel, tokens: int) -> Plan:
         nth = self.next_kernel_call(kernel, tokens)
@@ -293,21 +320,26 @@ class CallTracker:
             return Plan(self, index, [], None)
         if self.wants(index) and (reason := self.checks(kernel, nth, index)) is not None:
             self.warn_restart(index, kernel.name, reason)
-        hooks = self.hooked(kernel, tokens, lambda hook: hook.targets(index), self.refuse_outside)
-        keep = self.keep_at(kernel.memory, tokens)
+        span, offset = self.tokens, self.first
+        hooks = self.hooked(kernel, tokens, lambda hook: hook.targets(index), self.refuse_outside, span, offset) \
+            if tokens else []
+        keep = self.keep_at(kernel.memory, tokens, span, offset)
         wanted = self.keep.get(kernel.memory)
         if wanted is not None:
             self.keep_reached.setdefault(kernel.memory, set()).update(
-                t for t in wanted if position_of(t, tokens) is not None)
+                t for t in wanted if position_of(t, span) is not None)
             lengths = self.keep_lengths.setdefault(kernel.memory, [])
             if len(lengths) <= SHOWN and (not lengths or lengths[-1][0] != index):
-                lengths.append((index, tokens))
-        return Plan(self, index, hooks, keep, kernel.memory)
+                lengths.append((index, span))
+        return Plan(self, index, hooks, keep, kernel.memory, offset, self.later)
 
     def hooked(self, kernel: Kernel, tokens: int, targets: Callable[["Hook"], bool],
-                outside: Callable[["Hook", int, int, str], None]) -> Hooked:
-        """The hooks of the kernel's memory that `targets` picks, with their positions in this kernel call
-        (`outside` is told of a hook that names calls and a token outside this one)."""
+                outside: Callable[["Hook", int, int, str], None], span: int | None = None,
+                offset: int = 0) -> Hooked:
+        """The hooks of the kernel's memory that `targets` picks, with their positions in this kernel call of
+        `tokens` tokens, the call's tokens `offset` to `offset + tokens` of `span` (`outside` is told of a hook that
+        names calls and a token outside the call)."""
+        span = tokens if span is None else span
         hooks: Hooked = []
         for hook in self.all_hooks():
             if hook.memory != kernel.memory or not targets(hook):
@@ -315,22 +347,23 @@ class CallTracker:
             if hook.tokens is None:
                 hooks.append((hook, None))
                 continue
-            missing = [t for t in hook.tokens if position_of(t, tokens) is None]
-            if missing and hook.explicit:
-                outside(hook, missing[0], tokens, kernel.name)
-            positions = frozenset(p for t in hook.tokens if (p := position_of(t, tokens)) is not None)
+            missing = [t for t in hook.tokens if position_of(t, span) is None]
+            if missing and hook.explicit and offset == 0:
+                outside(hook, missing[0], span, kernel.name)
+            positions = _within(hook.tokens, span, offset, tokens)
             if positions:
                 hooks.append((hook, positions))
         return hooks
 
-    def keep_at(self, memory: str, tokens: int) -> frozenset[int] | None:
-        """The positions of this kernel call whose `memory` is kept (None: the memory is not kept)."""
+    def keep_at(self, memory: str, tokens: int, span: int | None = None, offset: int = 0) -> frozenset[int] | None:
+        """The positions of this kernel call (of `tokens` tokens, the call's `offset` to `offset + tokens` of `span`)
+        whose `memory` is kept (None: the memory is not kept)."""
         if memory not in self.keep:
             return None
         wanted = self.keep[memory]
         if wanted is None:
             return frozenset(range(tokens))
-        return frozenset(p for t in wanted if (p := position_of(t, tokens)) is not None)
+        return _within(wanted, tokens if span is None else span, offset, tokens)
 
     def refuse_outside(self, hook: "Hook", token: int, tokens: int, kernel: str) -> None:
         raise InvalidValue(
@@ -351,27 +384,34 @@ class CallTracker:
         if self.recomputing:
             self._store_recomputed(plan, kernel, record)
             return
-        # the positions the kernel ran over, per memory: the forward's input's, except where transformers' own
-        # bug makes them differ (rwkv's batched decode); the call's tokens are its first memory's
-        _calls.note_ran(record, kernel.memory, tokens)
+        # the positions the kernel ran over, per memory: the forward's input's (across the kernel calls a split
+        # forward makes), except where transformers' own bug makes them differ (rwkv's batched decode); the
+        # call's tokens are its first memory's
+        _calls.note_ran(record, kernel.memory, plan.offset + tokens)
         if kernel.memory == self.kind.MEMORIES[0]:
-            record.tokens = tokens
-        self.file(kernel.memory, kernel.name, plan.kept, inputs, output, plan.stacked, path=kernel_call.path)
+            record.tokens = plan.offset + tokens
+        self.file(kernel.memory, kernel.name, plan.kept, inputs, output, plan.stacked, path=kernel_call.path,
+                  offset=plan.offset if plan.later else None)
 
     def file(self, memory: str, kernel: str, kept: "dict[int, State] | None", inputs: dict[str, Any] | None,
-             output: dict[str, Any] | None, stacked: State | None = None, path: str = "bound kernel") -> None:
+             output: dict[str, Any] | None, stacked: State | None = None, path: str = "bound kernel",
+             offset: int | None = None) -> None:
         """File one kernel call in the running call's record: its inputs and outputs, its path, and the states it
-        kept."""
+        kept (`offset`: for a later kernel call of a split forward, the call's token at its token 0)."""
         record = self.current
         if record is None:
             return
-        kernel_call = KernelCall(kernel, inputs, output, path)
-        if memory == CONV_MEMORY:
-            record.conv = kernel_call
-        else:
-            record.kernel_calls.append(kernel_call)
-        if kept is not None:
-            _calls.file_kept(record, memory, kept, stacked, self.keep[memory], memory in self.policy.reduce)
+        kernel_call = (KernelCall(kernel, inputs, output, path) if inputs is not None or output is not None
+                       else _calls.bare_kernel_call(kernel, path))  # (shared: it holds nothing of the call)
+        _calls.file_kernel_call(record, memory, kernel_call)
+        if offset is not None:
+            _calls.note_split(record, memory)
+        if kept is not None and offset is not None and _calls.kept_by_kernel_call(record, memory):
+            _calls.file_continued(record, memory, kept, offset)
+        elif kept is not None:
+            kept = {token + offset: value for token, value in kept.items()} if offset else kept
+            _calls.file_kept(record, memory, kept, None if offset is not None else stacked, self.keep[memory],
+                             memory in self.policy.reduce)
 
     def _store_recomputed(self, plan: Plan, kernel: Kernel, record: Call) -> None:
         """A recompute keeps nothing new, except where the call's own forward ran without gradients
@@ -433,6 +473,59 @@ class CallTracker:
             problems.append(f"keep={{{name!r}: {list(wanted)}}} kept nothing at {at} on {self.where}: outside every"
                             f" call it saw ({shown})")
         return problems
+
+
+class Lineage:
+    """Where each call's memories continue from, across a rollback of the cache: assisted decoding rolls a cache
+    that records its past back to the last accepted token (`cache.crop(-k)`), and the next call's record names the
+    (call, token) whose memories it continues (`Call.continues_from`)."""
+
+    def __init__(self) -> None:
+        # the last calls (index -> their tokens, the (call, token) they continued or None, whether from zeros)
+        self.calls: collections.OrderedDict[int, tuple[int, tuple[int, int] | None, bool]] = collections.OrderedDict()
+        self.rollback: tuple[int, int] | None = None
+
+    def ended(self, record: Call, fresh: bool) -> None:
+        self.calls[record.index] = (record.tokens or 0, record.continues_from, fresh)
+        if len(self.calls) > _LINEAGE_KEPT:
+            self.calls.popitem(last=False)
+
+    def cropped(self, tokens_to_remove: int) -> None:
+        """The cache rolled its memories back by `tokens_to_remove` tokens: the next call continues those after the
+        token that many before the end of the last call (None where that token is no longer known)."""
+        if tokens_to_remove > 0 and self.calls:
+            self.rollback = self.walked_back(next(reversed(self.calls)), tokens_to_remove)
+
+    def next_continues(self, fresh: bool) -> tuple[int, int] | None:
+        """What the call that begins continues after a rollback (None: the previous call's last token, or zeros)."""
+        rollback, self.rollback = self.rollback, None
+        return None if fresh else rollback
+
+    def walked_back(self, call: int, remaining: int) -> tuple[int, int] | None:
+        """The (call, token) whose memories are `remaining` tokens before the end of call `call`, following each call
+        back to the memories it continued (None: past a call that started from zeros, or past the calls kept)."""
+        calls = self.calls
+        token = calls[call][0] - 1
+        while True:
+            if token >= remaining:
+                return call, token - remaining
+            remaining -= token + 1
+            _, before, fresh = calls[call]
+            if fresh:
+                return None
+            call, token = before if before is not None else (call - 1, None)
+            if call not in calls:
+                return None
+            token = calls[call][0] - 1 if token is None else token
+            if remaining == 0:
+                return call, token
+
+
+def _within(wanted: Iterable[int], span: int, offset: int, tokens: int) -> frozenset[int]:
+    """The positions in a kernel call of `tokens` tokens, the call's `offset` to `offset + tokens` of `span`, of the
+    call's tokens `wanted` (negative: from the call's end)."""
+    return frozenset(p - offset for t in wanted
+                     if (p := position_of(t, span)) is not None and offset <= p < offset + tokens)
 
 
 def _requires_grad(state: State) -> bool:

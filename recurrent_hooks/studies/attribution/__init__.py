@@ -428,8 +428,8 @@ def _memory_row(clean: RecurrentMixer, corrupt: RecurrentMixer, memory: str, gra
 @dataclasses.dataclass(frozen=True)
 class _Heads:
     """A layer's heads for the per-head terms: their number and `shares[c, h]`, the share of window channel c's
-    term that goes to head h (the channels that feed h, `Kind._head_channels`, each split equally among the heads
-    it feeds; None where the layer has no window)."""
+    term that goes to head h (the channels that feed h, `kind.adapter.head_channels`, each split equally among
+    the heads it feeds; None where the layer has no window)."""
 
     heads: int
     shares: Tensor | None
@@ -440,7 +440,7 @@ def _layout(kind: type[RecurrentMixer], heads: int, head_state: tuple[int, ...],
         return _Heads(heads, None)
     feeds = torch.zeros(channels, heads)
     for head in range(heads):
-        feeds[list(kind._head_channels(head, heads, head_state, channels)), head] = 1.0
+        feeds[list(kind.adapter.head_channels(head, heads, head_state, channels)), head] = 1.0
     count = feeds.sum(1, keepdim=True)  # the heads a channel feeds; one no head reads goes to all alike
     return _Heads(heads, torch.where(count > 0, feeds / count.clamp(min=1), 1.0 / heads))
 

@@ -305,7 +305,7 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
       says which ("memory", "state", "window"); `what=` is the former name of `memory` ("memory" for None).
     - `heads`: one cell per (layer, head, position), `values` `[layers, heads, positions]`: a cell patches that
       head's slice of the state and (for "memory", "window") the window channels that feed the head, as the kind
-      declares them (`_head_channels`; docs/sweep.md, "Heads"), and nothing else.
+      declares them (its adapter's `head_channels`; docs/sweep.md, "Heads"), and nothing else.
     - `batch_size`: cells per forward. None: `BATCH_BYTES` (1 MiB) // the bytes of one cell's memory (its state
       and window at batch 1), clamped to 1..32: 1 at Qwen3.5 dims, 32 on tiny models.
     - `budget_bytes`: with one forward per cell, the clean memories held at once (None: `BUDGET_BYTES`, 256 MiB):

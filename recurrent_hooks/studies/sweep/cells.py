@@ -58,7 +58,7 @@ class Plan:
     refusal: str | None = "not probed"
     cache_name: str = ""  # the forward's cache keyword
     kinds: dict[int, type] = dataclasses.field(default_factory=dict)  # layer -> its mixer's kind
-    cache_at: dict[int, Any] = dataclasses.field(default_factory=dict)  # layer -> its memory's `_cache_index`
+    cache_at: dict[int, Any] = dataclasses.field(default_factory=dict)  # layer -> its memory's `adapter.cache_index`
     carried: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # layer -> memories patched
     chunked: list[tuple[nn.Module, str]] = dataclasses.field(default_factory=list)  # chunk lengths to clamp
     positioned: bool = False  # the forward takes position_ids: each piece gets its own (bamba restarts at 0 otherwise)
@@ -127,7 +127,7 @@ def _find_heads(plan: Plan, mixers: Mapping[int, Any],
         head_state = tuple(first.shape[1:] if per_head else first.shape[2:])
         window = [value for (memory, at, _, _), value in kept.items() if memory == CONV_MEMORY and at == layer]
         if window and CONV_MEMORY in plan.memories:
-            channels = [list(type(mixer)._head_channels(h, counts[layer], head_state, window[0].shape[1]))
+            channels = [list(mixer.adapter.head_channels(h, counts[layer], head_state, window[0].shape[1]))
                         for h in range(counts[layer])]
             plan.channels[layer] = torch.tensor(channels, dtype=torch.long)
     if len(set(counts.values())) > 1:

@@ -13,7 +13,7 @@ corrupt forward in pieces, and each cell about (T - p - 1) / T of a forward (doc
 ranks, a rank is given the batches of its own positions only (`sweep._dealt`), and runs the pieces up to those.
 
 It needs transformers' multi-token continuation over a cache, which the kinds declare (`CONTINUES_CACHE`), and a
-cache whose memory tensors are the library's memories (`_cached_memory`), checked on a one-token forward by
+cache whose memory tensors are the library's memories (the adapter's `cached_memory`), checked on a one-token forward by
 `refusal`; `patching_sweep` takes the per-cell forwards of `cells` otherwise, and with `reuse_prefix=False`.
 
 Glossary (code name, shape):
@@ -56,7 +56,7 @@ def refusal(model: nn.Module, clean_ids: Tensor, plan: Plan, mixers: Mapping[int
             kwargs: Mapping[str, Any], every: Iterable[Any] = ()) -> str | None:
     """Why the cells cannot run from the corrupt run's cache (None: they can), recording in `plan.cache_at`
     where each chosen layer's memories are in the model's cache. One clean token runs watched with a cache,
-    keeping each chosen memory after it: each must be, bit for bit, the cache's tensor `_cached_memory` names.
+    keeping each chosen memory after it: each must be, bit for bit, the cache's tensor `adapter.cached_memory` names.
     `every`: the model's mixers, chosen or not, which must all continue a cache (`CONTINUES_CACHE`), and whose
     chunk lengths (`Segments.chunk_argument`, a module attribute of that name) the pieces clamp."""
     if heads:
@@ -89,10 +89,10 @@ def refusal(model: nn.Module, clean_ids: Tensor, plan: Plan, mixers: Mapping[int
                     and isinstance(getattr(mixer.module, chunk, None), int)]
     for layer, mixer in mixers.items():
         kind = plan.kinds[layer] = type(mixer)
-        where = plan.cache_at[layer] = kind._cache_index(mixer.module, {})
+        where = plan.cache_at[layer] = kind.adapter.cache_index(mixer.module, {})
         plan.carried[layer] = carried(mixer, plan.memories, plan.memory)
         for memory in plan.carried[layer]:
-            found = kind._cached_memory(cache, where, memory) if where is not None else None
+            found = kind.adapter.cached_memory(cache, where, memory) if where is not None else None
             mine = kept[memory, layer, 0, None]
             if not (isinstance(found, Tensor) and isinstance(mine, Tensor) and torch.equal(found, mine)):
                 return f"{mixer}: its {memory} is not the cache's tensor at {where!r}"
@@ -195,8 +195,8 @@ def _continued(model: nn.Module, corrupt_ids: Tensor, batch: list[Cell], plan: P
         clean = torch.tensor([row_of[cell.pair] for cell in batch if cell.layer == i], device=corrupt_ids.device)
         kind, at = plan.kinds[layer], plan.cache_at[layer]
         for memory in plan.carried[layer]:
-            into = kind._cached_memory(cells, at, memory)
-            into.index_copy_(0, mine, kind._cached_memory(cache, at, memory).index_select(0, clean))
+            into = kind.adapter.cached_memory(cells, at, memory)
+            into.index_copy_(0, mine, kind.adapter.cached_memory(cache, at, memory).index_select(0, clean))
     after = tokens - p - 1
     ids = corrupt_ids[[cell.pair for cell in batch], p + 1:]
     with _chunks_within(plan.chunked, after):
