@@ -50,22 +50,33 @@ TIME_TARGET, MEMORY_TARGET = 3.0, 2.0
 TIME_TARGETS = {"gradients to every kept state": 3.0}  # rows with their own target (else TIME_TARGET)
 FLOOR = "write floor: forward + backward + every state written once"
 MODELS = {  # name -> (label, builder)
-    "gdn_small": ("gdn_small: hidden 256, 4 key / 8 value heads of 64, MLP 512, 2 gated DeltaNet layers",
-                  lambda: bench._gdn(256, 4, 8, 64, 512, bench.LINEAR2)),
-    "qwen3_5": ("Qwen3.5 layer dims: hidden 2048, 16 key / 32 value heads of 128, MLP 6144;"
-                " one gated DeltaNet layer and one attention layer",
-                lambda: bench._gdn(2048, 16, 32, 128, 6144, bench.HYBRID)),
-    "qwen3_5_4": ("Qwen3.5 layer dims in Qwen3.5's layer pattern: hidden 2048, 16 key / 32 value heads of 128,"
-                  " MLP 6144; three gated DeltaNet layers and one attention layer",
-                  lambda: bench._gdn(2048, 16, 32, 128, 6144, ["linear_attention"] * 3 + ["full_attention"])),
-    "mamba2_130m": ("mamba2-130m layer dims: hidden 768, 24 heads of 64, state 128, chunk 256; 2 layers",
-                    lambda: bench._mamba2(768, 24, 64, 128, 256)),
-    "mamba2_130m_full": ("mamba2-130m at full depth: hidden 768, 24 heads of 64, state 128, chunk 256; 24 layers",
-                         lambda: bench._mamba2(768, 24, 64, 128, 256, layers=24)),
-    "qwen3_5_slice": ("a Qwen3.5 slice at its layer dims and 3:1 pattern: hidden 2048, 16 key / 32 value heads of 128,"
-                      " MLP 6144; 8 layers (6 gated DeltaNet, 2 attention)",
-                      lambda: bench._gdn(2048, 16, 32, 128, 6144,
-                                         (["linear_attention"] * 3 + ["full_attention"]) * 2)),
+    "gdn_small": (
+        "gdn_small: hidden 256, 4 key / 8 value heads of 64, MLP 512, 2 gated DeltaNet layers",
+        lambda: bench._gdn(256, 4, 8, 64, 512, bench.LINEAR2),
+    ),
+    "qwen3_5": (
+        "Qwen3.5 layer dims: hidden 2048, 16 key / 32 value heads of 128, MLP 6144;"
+        " one gated DeltaNet layer and one attention layer",
+        lambda: bench._gdn(2048, 16, 32, 128, 6144, bench.HYBRID),
+    ),
+    "qwen3_5_4": (
+        "Qwen3.5 layer dims in Qwen3.5's layer pattern: hidden 2048, 16 key / 32 value heads of 128,"
+        " MLP 6144; three gated DeltaNet layers and one attention layer",
+        lambda: bench._gdn(2048, 16, 32, 128, 6144, ["linear_attention"] * 3 + ["full_attention"]),
+    ),
+    "mamba2_130m": (
+        "mamba2-130m layer dims: hidden 768, 24 heads of 64, state 128, chunk 256; 2 layers",
+        lambda: bench._mamba2(768, 24, 64, 128, 256),
+    ),
+    "mamba2_130m_full": (
+        "mamba2-130m at full depth: hidden 768, 24 heads of 64, state 128, chunk 256; 24 layers",
+        lambda: bench._mamba2(768, 24, 64, 128, 256, layers=24),
+    ),
+    "qwen3_5_slice": (
+        "a Qwen3.5 slice at its layer dims and 3:1 pattern: hidden 2048, 16 key / 32 value heads of 128,"
+        " MLP 6144; 8 layers (6 gated DeltaNet, 2 attention)",
+        lambda: bench._gdn(2048, 16, 32, 128, 6144, (["linear_attention"] * 3 + ["full_attention"]) * 2),
+    ),
     "quick": ("gated DeltaNet (quick dims)", lambda: bench._gdn(64, 2, 4, 16, 128, bench.LINEAR2)),
 }
 
@@ -107,9 +118,15 @@ def setup(args: argparse.Namespace):
 
     rows = {"plain forward + backward": reference, FLOOR: floor}
     for method in ("pieces",) + (() if args.no_states else ("states",)):
-        rows[f"rh.attribute(method={method!r})"] = (
-            lambda method=method: rh.attribute(model, clean, corrupt, metric, method=method,
-                                               forward_kwargs={"use_cache": False}, budget_bytes=args.budget_bytes))
+        rows[f"rh.attribute(method={method!r})"] = lambda method=method: rh.attribute(
+            model,
+            clean,
+            corrupt,
+            metric,
+            method=method,
+            forward_kwargs={"use_cache": False},
+            budget_bytes=args.budget_bytes,
+        )
     if not args.no_gradients_row:
         rows["gradients to every kept state"] = every_state
     return label, tokens, rows
@@ -186,19 +203,39 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_memory and device.type != "cpu":
         memory = device_memory(args, rows)
     elif not args.no_memory:
-        child = [sys.executable, os.path.abspath(__file__), "--memory-child", "--model", args.model, "--tokens",
-                 str(args.tokens), "--threads", str(args.threads), "--pairs", str(args.pairs)]
+        child = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--memory-child",
+            "--model",
+            args.model,
+            "--tokens",
+            str(args.tokens),
+            "--threads",
+            str(args.threads),
+            "--pairs",
+            str(args.pairs),
+        ]
         child += [] if args.budget_bytes is None else ["--budget-bytes", str(args.budget_bytes)]
-        child += [f for f, on in (("--quick", args.quick), ("--no-states", args.no_states),
-                                  ("--no-gradients-row", args.no_gradients_row)) if on]
+        child += [
+            f
+            for f, on in (
+                ("--quick", args.quick),
+                ("--no-states", args.no_states),
+                ("--no-gradients-row", args.no_gradients_row),
+            )
+            if on
+        ]
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", MALLOC_ARENA_MAX="2")
         proc = subprocess.run(child, env=env, capture_output=True, text=True)
         if proc.returncode:
             print("memory child failed: " + " | ".join(proc.stderr.strip().splitlines()[-3:]))
         else:
             memory = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"{label}; T = {tokens}, {args.pairs} pair{'s' if args.pairs > 1 else ''}, {device}, {args.threads} threads,"
-          f" {args.repeats} rounds (+1 warm-up)")
+    print(
+        f"{label}; T = {tokens}, {args.pairs} pair{'s' if args.pairs > 1 else ''}, {device}, {args.threads} threads,"
+        f" {args.repeats} rounds (+1 warm-up)"
+    )
     reference = "plain forward + backward"
     for name in rows:
         ratios = [a / b for a, b in zip(seconds[name], seconds[reference])]
@@ -208,14 +245,18 @@ def main(argv: list[str] | None = None) -> int:
         elif name != reference:
             ratio, target = statistics.median(ratios), TIME_TARGETS.get(name, TIME_TARGET)
             to_floor = statistics.median(a / b for a, b in zip(seconds[name], seconds[FLOOR]))
-            line += (f", time ratio {ratio:.2f} (range {min(ratios):.2f}-{max(ratios):.2f}; target <= {target}:"
-                     f" {'met' if ratio <= target else 'NOT met'}), {to_floor:.2f} x the write floor")
+            line += (
+                f", time ratio {ratio:.2f} (range {min(ratios):.2f}-{max(ratios):.2f}; target <= {target}:"
+                f" {'met' if ratio <= target else 'NOT met'}), {to_floor:.2f} x the write floor"
+            )
         if name in memory:
             line += f"; peak+ {memory[name]:.0f} MB"
             if name != reference and memory.get(reference) and name.startswith("rh.attribute"):
                 mem_ratio = memory[name] / memory[reference]
-                line += (f" = {mem_ratio:.2f} x (target <= {MEMORY_TARGET}:"
-                         f" {'met' if mem_ratio <= MEMORY_TARGET else 'NOT met'})")
+                line += (
+                    f" = {mem_ratio:.2f} x (target <= {MEMORY_TARGET}:"
+                    f" {'met' if mem_ratio <= MEMORY_TARGET else 'NOT met'})"
+                )
         print(line)
     return 0
 

@@ -55,8 +55,10 @@ def quality(exact: torch.Tensor, estimate: torch.Tensor, first: torch.Tensor) ->
     """Per pair: the correlations and the relative error over the cells `first[n]..` ("changed on") and all cells."""
     found: dict[str, list[float]] = {}
     for n in range(exact.shape[0]):
-        for cells, (e, x) in (("changed on", (exact[n, :, first[n]:], estimate[n, :, first[n]:])),
-                              ("all", (exact[n], estimate[n]))):
+        for cells, (e, x) in (
+            ("changed on", (exact[n, :, first[n] :], estimate[n, :, first[n] :])),
+            ("all", (exact[n], estimate[n])),
+        ):
             e, x = e.flatten(), x.flatten()
             found.setdefault(f"{cells} pearson", []).append(pearson(e, x))
             found.setdefault(f"{cells} spearman", []).append(pearson(ranks(e), ranks(x)))
@@ -83,8 +85,10 @@ def timed(calls: dict[int, Callable[[], object]], repeats: int) -> dict[int, tup
             call()
             seconds[key].append(time.perf_counter() - start)
     first = next(iter(calls))
-    return {key: (statistics.median(times), statistics.median(t / f for t, f in zip(times, seconds[first])))
-            for key, times in seconds.items()}
+    return {
+        key: (statistics.median(times), statistics.median(t / f for t, f in zip(times, seconds[first])))
+        for key, times in seconds.items()
+    }
 
 
 def measure(toy: str, pairs: int, steps: list[int], repeats: int, seed: int) -> list[dict]:
@@ -104,8 +108,15 @@ def measure(toy: str, pairs: int, steps: list[int], repeats: int, seed: int) -> 
     for k in steps:  # also the warm-up of the timing
         result = rh.attribute(model, ids, other, metric, steps=k)
         assert result.layers == sweep.layers and result.memory.shape == exact.shape
-        rows.append({"toy": toy, "steps": k, "sweep": sweep_seconds, "layers": len(sweep.layers),
-                     **quality(exact, result.memory, first)})
+        rows.append(
+            {
+                "toy": toy,
+                "steps": k,
+                "sweep": sweep_seconds,
+                "layers": len(sweep.layers),
+                **quality(exact, result.memory, first),
+            }
+        )
     times = timed({k: lambda k=k: rh.attribute(model, ids, other, metric, steps=k) for k in steps}, repeats)
     for row in rows:
         row["seconds"], row["ratio"] = times[row["steps"]]
@@ -113,14 +124,18 @@ def measure(toy: str, pairs: int, steps: list[int], repeats: int, seed: int) -> 
 
 
 def table(rows: list[dict], cells: str) -> str:
-    head = ("| toy | steps | Pearson median | p10 | min | > 0.9 | Spearman median | p10 | min | > 0.9 |"
-            " rel. error median | time / steps=1 |")
+    head = (
+        "| toy | steps | Pearson median | p10 | min | > 0.9 | Spearman median | p10 | min | > 0.9 |"
+        " rel. error median | time / steps=1 |"
+    )
     lines = [head, "| " + " | ".join("---" for _ in head.strip("|").split("|")) + " |"]
     for row in rows:
         p, s = summary(row[f"{cells} pearson"]), summary(row[f"{cells} spearman"])
         error = statistics.median(row[f"{cells} error"])
-        lines.append(f"| {row['toy']} | {row['steps']} | {p[0]:.3f} | {p[1]:.3f} | {p[2]:.3f} | {p[3]:.0%} |"
-                     f" {s[0]:.3f} | {s[1]:.3f} | {s[2]:.3f} | {s[3]:.0%} | {error:.3f} | {row['ratio']:.1f} |")
+        lines.append(
+            f"| {row['toy']} | {row['steps']} | {p[0]:.3f} | {p[1]:.3f} | {p[2]:.3f} | {p[3]:.0%} |"
+            f" {s[0]:.3f} | {s[1]:.3f} | {s[2]:.3f} | {s[3]:.0%} | {error:.3f} | {row['ratio']:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -140,9 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     steps = [int(k) for k in args.steps.split(",")]
     rows = [row for toy in args.toys.split(",") for row in measure(toy, args.pairs, steps, args.repeats, args.seed)]
     print(f"{args.pairs} MQAR pairs per toy (seed {args.seed}), {args.threads} threads, torch {torch.__version__}")
-    for row in rows[::len(steps)]:
-        print(f"- {row['toy']}: {row['layers']} recurrent layers; the exact sweep took {row['sweep']:.1f} s,"
-              f" attribute at steps={steps[0]} {row['seconds']:.2f} s")
+    for row in rows[:: len(steps)]:
+        print(
+            f"- {row['toy']}: {row['layers']} recurrent layers; the exact sweep took {row['sweep']:.1f} s,"
+            f" attribute at steps={steps[0]} {row['seconds']:.2f} s"
+        )
     print("\nCells from the changed token on:\n")
     print(table(rows, "changed on"))
     print("\nAll cells:\n")

@@ -70,8 +70,13 @@ def _conv(tokens: int, width: int):
     return [x, weight], lambda: conv.causal_conv1d_fn(x, weight, bias, "silu", on_token=_identity)
 
 
-KINDS = {"rg_lru (recurrent_gemma)": _rg_lru, "wkv (rwkv)": _wkv, "mlstm (xlstm)": _mlstm,
-         "lightning (minimax, per token)": _lightning, "short conv window (causal_conv1d_fn, kernel 4)": _conv}
+KINDS = {
+    "rg_lru (recurrent_gemma)": _rg_lru,
+    "wkv (rwkv)": _wkv,
+    "mlstm (xlstm)": _mlstm,
+    "lightning (minimax, per token)": _lightning,
+    "short conv window (causal_conv1d_fn, kernel 4)": _conv,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,8 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     lengths = [int(t) for t in args.tokens.split(",")]
-    print(f"forward + backward of each token loop with a hook on every token; width {args.width}, batch 1,"
-          f" {args.threads} threads, median of {args.repeats} (+1 warm-up)")
+    print(
+        f"forward + backward of each token loop with a hook on every token; width {args.width}, batch 1,"
+        f" {args.threads} threads, median of {args.repeats} (+1 warm-up)"
+    )
     for name, make in KINDS.items():
         times = []
         for tokens in lengths:
@@ -97,8 +104,10 @@ def main(argv: list[str] | None = None) -> int:
                 if round_:
                     seconds.append(time.perf_counter() - start)
             times.append(statistics.median(seconds))
-        cells = [f"T={t}: {s:.3f} s" + (f" ({s / times[i - 1]:.1f}x)" if i else "")
-                 for i, (t, s) in enumerate(zip(lengths, times))]
+        cells = [
+            f"T={t}: {s:.3f} s" + (f" ({s / times[i - 1]:.1f}x)" if i else "")
+            for i, (t, s) in enumerate(zip(lengths, times))
+        ]
         print(f"{name}: " + ", ".join(cells))
     return 0
 

@@ -75,6 +75,7 @@ def _rows(model, blocks):
                 return hooked(ids, fn, rh.Paths(force="blocks", blocks_below=2**62))
             finally:
                 rh_blocks.BLOCK = saved
+
         return run
 
     def all_states_once(ids):
@@ -110,7 +111,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     blocks = [int(b) for b in args.blocks.split(",")]
     table = QUICK if args.quick else MODELS
-    for key in (list(QUICK) if args.quick else args.models.split(",")):
+    for key in list(QUICK) if args.quick else args.models.split(","):
         build, tokens = table[key]
         tokens = args.tokens or tokens
         model = _ready(build)
@@ -126,8 +127,10 @@ def main(argv=None) -> None:
                     norms.clear()
                     if round_:
                         times[name].append(elapsed)
-        print(f"{key}: T={tokens}, {args.rounds} rounds, {args.threads} thread(s), unhooked forward median "
-              f"{statistics.median(times['unhooked']) * 1e3:.1f} ms")
+        print(
+            f"{key}: T={tokens}, {args.rounds} rounds, {args.threads} thread(s), unhooked forward median "
+            f"{statistics.median(times['unhooked']) * 1e3:.1f} ms"
+        )
         for name, ts in times.items():
             ratios = [t / u for t, u in zip(ts, times["unhooked"])]
             print(f"  {name:28s} {statistics.median(ratios):6.2f}  (range {min(ratios):.2f}-{max(ratios):.2f})")

@@ -79,13 +79,17 @@ def main(argv: list[str] | None = None) -> int:
         error = float((check.output() - y).abs().max() / y.abs().max())
 
     print(f"effective attention, {spec.label}, T = {spec.tokens}, layer 0: weights {tuple(check.weights.shape)}")
-    print(f"torch threads {torch.get_num_threads()}, {args.repeats} rounds;"
-          f" reconstruction max error / max |y| = {error:.2g}")
+    print(
+        f"torch threads {torch.get_num_threads()}, {args.repeats} rounds;"
+        f" reconstruction max error / max |y| = {error:.2g}"
+    )
     print(f"{'row':<12} {'median s':>10} {'x plain':>8} {'range':>13}")
     for name in rows:
         ratios = [a / b for a, b in zip(times[name], times["plain"])]
-        print(f"{name:<12} {statistics.median(times[name]):>10.4f} {statistics.median(ratios):>8.2f}"
-              f" {min(ratios):>6.2f}-{max(ratios):<6.2f}")
+        print(
+            f"{name:<12} {statistics.median(times[name]):>10.4f} {statistics.median(ratios):>8.2f}"
+            f" {min(ratios):>6.2f}-{max(ratios):<6.2f}"
+        )
     return 0
 
 

@@ -45,10 +45,14 @@ RANK = 8
 
 def _models(quick: bool) -> dict[str, Callable[[], Any]]:
     if quick:
-        return {"gdn": lambda: _gdn(64, 2, 4, 16, 128, ["linear_attention"] * 2),
-                "mamba2": lambda: _mamba2(64, 4, 32, 16, 16)}
-    return {"gdn": lambda: _gdn(2048, 16, 32, 128, 6144, ["linear_attention"] * 2),
-            "mamba2": lambda: _mamba2(768, 24, 64, 128, 256)}
+        return {
+            "gdn": lambda: _gdn(64, 2, 4, 16, 128, ["linear_attention"] * 2),
+            "mamba2": lambda: _mamba2(64, 4, 32, 16, 16),
+        }
+    return {
+        "gdn": lambda: _gdn(2048, 16, 32, 128, 6144, ["linear_attention"] * 2),
+        "mamba2": lambda: _mamba2(768, 24, 64, 128, 256),
+    }
 
 
 def norm(states: torch.Tensor) -> torch.Tensor:
@@ -62,8 +66,9 @@ def _probe(model: Any) -> Any:
     state = w.mixers[0].state_after(0)  # [1, heads, rows, cols]
     heads, rows, cols = state.shape[1:]
     generator = torch.Generator().manual_seed(0)
-    return rh.probe(torch.randn(heads, RANK, rows, generator=generator),
-                    torch.randn(heads, RANK, cols, generator=generator))
+    return rh.probe(
+        torch.randn(heads, RANK, rows, generator=generator), torch.randn(heads, RANK, cols, generator=generator)
+    )
 
 
 def write_bandwidth(directory: pathlib.Path, size: int = 256 << 20) -> float:
@@ -80,8 +85,9 @@ def write_bandwidth(directory: pathlib.Path, size: int = 256 << 20) -> float:
     return size / seconds
 
 
-def _rows(model: Any, kind: str, ids: list[torch.Tensor], states_ids: list[torch.Tensor],
-          directory: pathlib.Path) -> dict[str, tuple[Callable[[], Any], list[torch.Tensor]]]:
+def _rows(
+    model: Any, kind: str, ids: list[torch.Tensor], states_ids: list[torch.Tensor], directory: pathlib.Path
+) -> dict[str, tuple[Callable[[], Any], list[torch.Tensor]]]:
     probe = _probe(model)
 
     def harvest(batches: list[torch.Tensor], **keep: Any) -> Callable[[], Any]:
@@ -91,6 +97,7 @@ def _rows(model: Any, kind: str, ids: list[torch.Tensor], states_ids: list[torch
             result = rh.harvest(model, batches, out, progress=False, forward_kwargs={"use_cache": False}, **keep)
             shutil.rmtree(out)
             return result
+
         return run
 
     def forward(batches: list[torch.Tensor]) -> Callable[[], Any]:
@@ -98,6 +105,7 @@ def _rows(model: Any, kind: str, ids: list[torch.Tensor], states_ids: list[torch
             with torch.no_grad():
                 for batch in batches:
                     model(batch, use_cache=False)
+
         return run
 
     return {
@@ -110,14 +118,15 @@ def _rows(model: Any, kind: str, ids: list[torch.Tensor], states_ids: list[torch
     }
 
 
-def run_model(name: str, build: Callable[[], Any], args: argparse.Namespace, directory: pathlib.Path,
-              bandwidth: float) -> None:
+def run_model(
+    name: str, build: Callable[[], Any], args: argparse.Namespace, directory: pathlib.Path, bandwidth: float
+) -> None:
     torch.manual_seed(0)
     model = build().eval()
     kind = rh.support(model)[0].kind
     generator = torch.Generator().manual_seed(1)
     ids = [torch.randint(3, VOCAB, (1, args.tokens), generator=generator) for _ in range(args.batches)]
-    states_ids = [batch[:, :args.states_tokens] for batch in ids]
+    states_ids = [batch[:, : args.states_tokens] for batch in ids]
     rows = _rows(model, kind, ids, states_ids, directory)
     times: dict[str, list[float]] = {row: [] for row in rows}
     written: dict[str, int] = {}
@@ -130,8 +139,10 @@ def run_model(name: str, build: Callable[[], Any], args: argparse.Namespace, dir
                 times[row].append(seconds)
             if isinstance(result, rh.Harvest):
                 written[row] = result.bytes
-    print(f"\n{name}: {kind}, T = {args.tokens} ({args.states_tokens} for the states row), {args.batches} batches"
-          f" of 1, {args.repeats} rounds; write bandwidth {bandwidth / 1e9:.2f} GB/s")
+    print(
+        f"\n{name}: {kind}, T = {args.tokens} ({args.states_tokens} for the states row), {args.batches} batches"
+        f" of 1, {args.repeats} rounds; write bandwidth {bandwidth / 1e9:.2f} GB/s"
+    )
     print(f"{'row':<34} {'time / forward':>15} {'tokens/s':>10} {'bytes':>10}  disk floor")
     for row, (_, batches) in rows.items():
         reference = "forward, states' tokens" if batches is states_ids else "forward"
@@ -141,8 +152,10 @@ def run_model(name: str, build: Callable[[], Any], args: argparse.Namespace, dir
         if row == "states":
             seconds = written[row] / bandwidth
             floor = f"{seconds:.2f} s = {seconds / statistics.median(times[reference]):.2f} x the forward"
-        print(f"{row:<34} {statistics.median(ratios):>14.2f}x {tokens / statistics.median(times[row]):>10.0f}"
-              f" {_size(written.get(row, 0)):>10}  {floor}")
+        print(
+            f"{row:<34} {statistics.median(ratios):>14.2f}x {tokens / statistics.median(times[row]):>10.0f}"
+            f" {_size(written.get(row, 0)):>10}  {floor}"
+        )
 
 
 def _size(count: float) -> str:

@@ -44,11 +44,15 @@ def main() -> None:
         for shape in SHAPES:
             x = _inputs(*shape)
             base = _best(lambda: chunked(*x, **kwargs))
-            paths = [_best(lambda: chunk_gated_delta_rule(*x, **kwargs)),
-                     _best(lambda: chunk_gated_delta_rule(*x, on_token=lambda t, s: s, **kwargs)),
-                     _best(lambda: chunk_gated_delta_rule_states(*x, **kwargs))]
-            print(f"{shape[0]:5} {shape[1]:4} {shape[2]:5} {shape[3]:3} | {base * 1e3:10.1f} |"
-                  + "".join(f" {p / base:6.2f}" for p in paths))
+            paths = [
+                _best(lambda: chunk_gated_delta_rule(*x, **kwargs)),
+                _best(lambda: chunk_gated_delta_rule(*x, on_token=lambda t, s: s, **kwargs)),
+                _best(lambda: chunk_gated_delta_rule_states(*x, **kwargs)),
+            ]
+            print(
+                f"{shape[0]:5} {shape[1]:4} {shape[2]:5} {shape[3]:3} | {base * 1e3:10.1f} |"
+                + "".join(f" {p / base:6.2f}" for p in paths)
+            )
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ VOCAB = 1024
 
 # -- calibration --------------------------------------------------------------------------------------------------
 
+
 def _gdn_call(batch: int, seq: int, heads: int, dim: int, chunk: int) -> tuple[Any, Callable, tuple, dict]:
     """The gated DeltaNet prompt kernel's row, the bound kernel, and a call's arguments."""
     import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
@@ -55,13 +56,15 @@ def _gdn_call(batch: int, seq: int, heads: int, dim: int, chunk: int) -> tuple[A
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(batch, seq, heads, dim, generator=gen) for _ in range(3))
     g, beta = -torch.rand(batch, seq, heads, generator=gen), torch.rand(batch, seq, heads, generator=gen)
-    kwargs = dict(initial_state=torch.zeros(batch, heads, dim, dim), output_final_state=True,
-                  use_qk_l2norm_in_kernel=True)
+    kwargs = dict(
+        initial_state=torch.zeros(batch, heads, dim, dim), output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
     return GatedDeltaNet.kernel_for("prompt"), modeling.torch_chunk_gated_delta_rule, (q, k, v, g, beta), kwargs
 
 
-def _ssd_call(batch: int, seq: int, heads: int, dim: int, chunk: int,
-              d_state: int = 0) -> tuple[Any, Callable, tuple, dict]:
+def _ssd_call(
+    batch: int, seq: int, heads: int, dim: int, chunk: int, d_state: int = 0
+) -> tuple[Any, Callable, tuple, dict]:
     """The Mamba-2 prompt kernel's row, the bound kernel, and a call's arguments (`dim`: head_dim; d_state = 2 dim
     unless given)."""
     import transformers.models.mamba2.modeling_mamba2 as modeling
@@ -72,8 +75,13 @@ def _ssd_call(batch: int, seq: int, heads: int, dim: int, chunk: int,
     dt = torch.randn(batch, seq, heads, generator=gen)
     B, C = (torch.randn(batch, seq, 1, d_state, generator=gen) for _ in range(2))
     A = -torch.rand(heads, generator=gen)
-    kwargs = dict(D=torch.ones(heads), dt_bias=torch.zeros(heads),
-                  initial_states=torch.zeros(batch, heads, dim, d_state), dt_softplus=True, return_final_states=True)
+    kwargs = dict(
+        D=torch.ones(heads),
+        dt_bias=torch.zeros(heads),
+        initial_states=torch.zeros(batch, heads, dim, d_state),
+        dt_softplus=True,
+        return_final_states=True,
+    )
     return Mamba2StateSpace.kernel_for("prompt"), modeling.mamba2_chunk_scan, (x, dt, A, B, C, chunk), kwargs
 
 
@@ -86,25 +94,43 @@ def _kimi_call(batch: int, seq: int, heads: int, dim: int, chunk: int) -> tuple[
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(batch, seq, heads, dim, generator=gen) for _ in range(3))
     g, beta = -torch.rand(batch, seq, heads, dim, generator=gen), torch.rand(batch, seq, heads, generator=gen)
-    kwargs = dict(initial_state=torch.zeros(batch, heads, dim, dim), output_final_state=True,
-                  use_qk_l2norm_in_kernel=True)
+    kwargs = dict(
+        initial_state=torch.zeros(batch, heads, dim, dim), output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
     return KimiDeltaAttention.kernel_for("prompt"), modeling.chunk_kimi_delta_attention, (q, k, v, g, beta), kwargs
 
 
 CALLS = {"delta rule": _gdn_call, "ssd": _ssd_call, "kimi delta": _kimi_call}
 # (batch, heads, dim, chunk) per kernel, and the lengths each path is timed at
 GRID = {
-    "delta rule": [(1, 4, 16, 64), (8, 4, 16, 64), (64, 4, 16, 64), (1, 8, 64, 64), (16, 8, 64, 64),
-                   (64, 8, 64, 64), (1, 32, 128, 64)],
-    "ssd": [(1, 4, 16, 16), (8, 4, 16, 16), (64, 4, 16, 16), (1, 8, 32, 64), (64, 8, 32, 64), (1, 24, 64, 256),
-            (8, 24, 64, 256)],
+    "delta rule": [
+        (1, 4, 16, 64),
+        (8, 4, 16, 64),
+        (64, 4, 16, 64),
+        (1, 8, 64, 64),
+        (16, 8, 64, 64),
+        (64, 8, 64, 64),
+        (1, 32, 128, 64),
+    ],
+    "ssd": [
+        (1, 4, 16, 16),
+        (8, 4, 16, 16),
+        (64, 4, 16, 16),
+        (1, 8, 32, 64),
+        (64, 8, 32, 64),
+        (1, 24, 64, 256),
+        (8, 24, 64, 256),
+    ],
     "kimi delta": [(1, 4, 16, 64), (64, 4, 16, 64), (1, 8, 64, 64), (16, 8, 64, 64), (1, 32, 128, 64)],
 }
 LENGTHS = {"kernel": (25, 64, 200, 512), "loop": (16, 64), "states": (16, 64, 256)}
 KERNEL_ELEMENTS = 2**27  # the bound kernel is timed up to batch * T * heads * k * v of this
 STATES_BYTES = 128 * 2**20  # the all-states kernel is timed up to this many bytes of states
-QUICK_GRID = {"delta rule": [(1, 4, 16, 64), (8, 4, 16, 64)], "ssd": [(1, 4, 16, 16), (8, 4, 16, 16)],
-              "kimi delta": [(1, 4, 16, 64)]}
+QUICK_GRID = {
+    "delta rule": [(1, 4, 16, 64), (8, 4, 16, 64)],
+    "ssd": [(1, 4, 16, 16), (8, 4, 16, 16)],
+    "kimi delta": [(1, 4, 16, 64)],
+}
 QUICK_LENGTHS = {"kernel": (16, 40), "loop": (8, 16), "states": (16, 32)}
 
 
@@ -186,19 +212,26 @@ def calibrate(quick: bool, device: str = "cpu") -> tuple[dict[str, rh_policy.Con
                     if path == "states" and 4 * batch * seq * heads * shape.key_dim * shape.value_dim > STATES_BYTES:
                         continue
                     if path == "kernel":
+
                         def fn():
                             return original(*args, **kwargs)
                     elif path == "loop":
+
                         def fn():
                             return kernel.loop(*args, on_token=lambda t, s: s, **kwargs)
                     else:
+
                         def fn():
                             return kernel.segments.all_states(*args, **kwargs)
+
                     fn()  # warm-up
                     seconds = _timed(fn, device)
                     rows[path].append((TERMS[path](shape, seq), seconds))
-                    print(f"  {name:10} {path:6} batch {batch:3} heads {heads:2} dims {shape.key_dim}x{shape.value_dim}"
-                          f" chunk {chunk:3} T {seq:4}: {seconds * 1e3:8.2f} ms", flush=True)
+                    print(
+                        f"  {name:10} {path:6} batch {batch:3} heads {heads:2} dims {shape.key_dim}x{shape.value_dim}"
+                        f" chunk {chunk:3} T {seq:4}: {seconds * 1e3:8.2f} ms",
+                        flush=True,
+                    )
         coefficients, errors[name] = {}, {}
         for path, data in rows.items():
             terms = torch.tensor([t for t, _ in data], dtype=torch.float64)
@@ -215,8 +248,12 @@ def calibrate(quick: bool, device: str = "cpu") -> tuple[dict[str, rh_policy.Con
     return fitted, errors
 
 
-def write(key: str, fitted: dict[str, rh_policy.Constants], errors: dict[str, dict[str, float]],
-          file: pathlib.Path = rh_costs.COSTS_FILE) -> None:
+def write(
+    key: str,
+    fitted: dict[str, rh_policy.Constants],
+    errors: dict[str, dict[str, float]],
+    file: pathlib.Path = rh_costs.COSTS_FILE,
+) -> None:
     """Write one calibration into the costs file under `key` ("cpu/float32"), keeping the others and each kernel's
     "about" line."""
     data = json.loads(file.read_text()) if file.exists() else {}
@@ -224,15 +261,23 @@ def write(key: str, fitted: dict[str, rh_policy.Constants], errors: dict[str, di
     worst = [e for per_kernel in errors.values() for e in per_kernel.values()]
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%d %B %Y %H:%M")
     data[key] = {
-        "measured": (f"python benchmarks/paths.py --calibrate --write (non-negative least squares on relative error,"
-                     f" each path timed over its grid of shapes, best of 5; float32, no gradients,"
-                     f" {torch.get_num_threads()} thread(s)), {when} UTC, torch {torch.__version__.split('+')[0]}"),
-        "worst relative error": (f"{min(worst):.0%}-{max(worst):.0%} over the fits (each path's worst on its own"
-                                 " timings): the model ranks paths that differ by more than that"),
-        "kernels": {name: {**({"about": old[name]["about"]} if "about" in old.get(name, {}) else {}),
-                           **{path: [float(f"{x:.2g}") for x in getattr(c, path)] for path in TERMS},
-                           "worst relative error": {path: round(errors[name][path], 2) for path in TERMS}}
-                    for name, c in fitted.items()},
+        "measured": (
+            f"python benchmarks/paths.py --calibrate --write (non-negative least squares on relative error,"
+            f" each path timed over its grid of shapes, best of 5; float32, no gradients,"
+            f" {torch.get_num_threads()} thread(s)), {when} UTC, torch {torch.__version__.split('+')[0]}"
+        ),
+        "worst relative error": (
+            f"{min(worst):.0%}-{max(worst):.0%} over the fits (each path's worst on its own"
+            " timings): the model ranks paths that differ by more than that"
+        ),
+        "kernels": {
+            name: {
+                **({"about": old[name]["about"]} if "about" in old.get(name, {}) else {}),
+                **{path: [float(f"{x:.2g}") for x in getattr(c, path)] for path in TERMS},
+                "worst relative error": {path: round(errors[name][path], 2) for path in TERMS},
+            }
+            for name, c in fitted.items()
+        },
     }
     file.write_text(json.dumps(data, indent=2) + "\n")
     print(f"wrote {key} into {file}")
@@ -240,15 +285,28 @@ def write(key: str, fitted: dict[str, rh_policy.Constants], errors: dict[str, di
 
 # -- the rows -----------------------------------------------------------------------------------------------------
 
+
 def _gdn(hidden: int, key_heads: int, value_heads: int, head_dim: int) -> Any:
     import transformers
 
     config = transformers.Qwen3_5TextConfig(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-        layer_types=["linear_attention"] * 2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-        linear_conv_kernel_dim=4, linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
-        linear_num_key_heads=key_heads, linear_num_value_heads=value_heads, pad_token_id=0, bos_token_id=1,
-        eos_token_id=2)
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        layer_types=["linear_attention"] * 2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=head_dim,
+        linear_value_head_dim=head_dim,
+        linear_num_key_heads=key_heads,
+        linear_num_value_heads=value_heads,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return transformers.Qwen3_5ForCausalLM(config)
 
 
@@ -256,9 +314,20 @@ def _mamba2(hidden: int, heads: int, head_dim: int, state: int, chunk: int) -> A
     import transformers
 
     config = transformers.Mamba2Config(
-        vocab_size=VOCAB, hidden_size=hidden, num_heads=heads, head_dim=head_dim, expand=2, state_size=state,
-        n_groups=1, chunk_size=chunk, conv_kernel=4, num_hidden_layers=2, pad_token_id=0, bos_token_id=1,
-        eos_token_id=2)
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        num_heads=heads,
+        head_dim=head_dim,
+        expand=2,
+        state_size=state,
+        n_groups=1,
+        chunk_size=chunk,
+        conv_kernel=4,
+        num_hidden_layers=2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return transformers.Mamba2ForCausalLM(config)
 
 
@@ -266,8 +335,10 @@ MODELS = {
     "gdn_tiny": ("gated DeltaNet, hidden 64, 4 value heads of 16", lambda: _gdn(64, 2, 4, 16)),
     "gdn_small": ("gated DeltaNet, hidden 256, 8 value heads of 64", lambda: _gdn(256, 4, 8, 64)),
     "mamba2_tiny": ("Mamba-2, hidden 64, 4 heads of 32, state 16, chunk 16", lambda: _mamba2(64, 4, 32, 16, 16)),
-    "mamba2": ("Mamba-2, mamba2-130m dims: hidden 768, 24 heads of 64, state 128, chunk 256",
-               lambda: _mamba2(768, 24, 64, 128, 256)),
+    "mamba2": (
+        "Mamba-2, mamba2-130m dims: hidden 768, 24 heads of 64, state 128, chunk 256",
+        lambda: _mamba2(768, 24, 64, 128, 256),
+    ),
 }
 
 
@@ -278,16 +349,31 @@ def spread(count: int, tokens: int) -> list[int]:
 
 # (model, batch, T, positions kept: a number spread over the tokens, or "all")
 ROWS = [
-    ("gdn_tiny", 64, 25, 1), ("gdn_tiny", 64, 25, 12), ("gdn_tiny", 64, 25, "all"), ("gdn_tiny", 1, 512, 8),
-    ("gdn_small", 64, 25, 1), ("gdn_small", 64, 25, 12), ("gdn_small", 1, 512, 8), ("gdn_small", 1, 512, 64),
-    ("mamba2_tiny", 64, 25, 1), ("mamba2_tiny", 64, 25, 12), ("mamba2_tiny", 1, 512, 8),
-    ("mamba2", 1, 512, 8), ("mamba2", 1, 1024, 8), ("mamba2", 1, 2048, 8), ("mamba2", 8, 64, 4),
+    ("gdn_tiny", 64, 25, 1),
+    ("gdn_tiny", 64, 25, 12),
+    ("gdn_tiny", 64, 25, "all"),
+    ("gdn_tiny", 1, 512, 8),
+    ("gdn_small", 64, 25, 1),
+    ("gdn_small", 64, 25, 12),
+    ("gdn_small", 1, 512, 8),
+    ("gdn_small", 1, 512, 64),
+    ("mamba2_tiny", 64, 25, 1),
+    ("mamba2_tiny", 64, 25, 12),
+    ("mamba2_tiny", 1, 512, 8),
+    ("mamba2", 1, 512, 8),
+    ("mamba2", 1, 1024, 8),
+    ("mamba2", 1, 2048, 8),
+    ("mamba2", 8, 64, 4),
 ]
 QUICK_ROWS = [("gdn_tiny", 4, 25, 1), ("gdn_tiny", 4, 25, 12), ("gdn_tiny", 4, 25, "all"), ("mamba2_tiny", 4, 40, 3)]
 
 UNHOOKED = ("unhooked", None, True)  # the forward without a watch: what the issue's ratios divide by
-VARIANTS = [("segments", rh_policy.Strategy.SEGMENTS, True), ("segments, whole", rh_policy.Strategy.SEGMENTS, False),
-            ("chunk-wise states", rh_policy.Strategy.STATES, True), ("token loop", rh_policy.Strategy.LOOP, True)]
+VARIANTS = [
+    ("segments", rh_policy.Strategy.SEGMENTS, True),
+    ("segments, whole", rh_policy.Strategy.SEGMENTS, False),
+    ("chunk-wise states", rh_policy.Strategy.STATES, True),
+    ("token loop", rh_policy.Strategy.LOOP, True),
+]
 
 
 def _forward(model: Any, ids: torch.Tensor, keep: Any, policy: rh_policy.Paths = rh_policy.DEFAULT) -> None:
@@ -302,8 +388,15 @@ def _taken(model: Any, ids: torch.Tensor, keep: Any, policy: rh_policy.Paths) ->
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         choice = real(*args, **kwargs)
-        seen.add("token loop" if choice is None else choice.path.label if choice.path is not rh_policy.Strategy.SEGMENTS
-                 else "segments" if choice.tails else "segments, whole")
+        seen.add(
+            "token loop"
+            if choice is None
+            else choice.path.label
+            if choice.path is not rh_policy.Strategy.SEGMENTS
+            else "segments"
+            if choice.tails
+            else "segments, whole"
+        )
         return choice
 
     rh_choose.choose = spy
@@ -326,8 +419,9 @@ def run_row(model: Any, batch: int, tokens: int, count: Any, repeats: int) -> tu
     for name, force, tails in VARIANTS:
         taken = _taken(model, ids, keep, _policy(force, tails))
         # a forced path that the call cannot take (forced segments whose pieces are all token loops take the loop)
-        wanted = {"segments": {"segments", "segments, whole"}, "segments, whole": {"segments", "segments, whole"}
-                  }.get(name, {name})
+        wanted = {"segments": {"segments", "segments, whole"}, "segments, whole": {"segments", "segments, whole"}}.get(
+            name, {name}
+        )
         if taken <= wanted:
             runnable.append((name, force, tails))
     chosen = _taken(model, ids, keep, rh_policy.DEFAULT)
@@ -341,8 +435,9 @@ def run_row(model: Any, batch: int, tokens: int, count: Any, repeats: int) -> tu
             start = time.perf_counter()
             _forward(model, ids, keep, policy)
             times[name].append(time.perf_counter() - start)
-    medians = {name: statistics.median(times[name][1:]) if name in times else None
-               for name, _, _ in [UNHOOKED, *VARIANTS]}
+    medians = {
+        name: statistics.median(times[name][1:]) if name in times else None for name, _, _ in [UNHOOKED, *VARIANTS]
+    }
     return medians, " + ".join(sorted(chosen))
 
 
@@ -350,7 +445,8 @@ def rows(quick: bool, repeats: int) -> int:
     """Print the rows; return the number of rows whose chosen path is more than 10% slower than the fastest."""
     built: dict[str, Any] = {}
     header = f"{'model':12} {'batch':>5} {'T':>5} {'kept':>5} | " + " ".join(
-        f"{n:>15}" for n, _, _ in [UNHOOKED, *VARIANTS])
+        f"{n:>15}" for n, _, _ in [UNHOOKED, *VARIANTS]
+    )
     print("ms per forward (median of rounds); chosen path; chosen / fastest path; chosen / unhooked")
     print(header + " | chosen")
     misses = 0
@@ -366,9 +462,11 @@ def rows(quick: bool, repeats: int) -> int:
         ratio = max(picked) / fastest if picked else float("nan")
         misses += not ratio <= 1.1
         cells = " ".join(f"{'-':>15}" if t is None else f"{t * 1e3:15.1f}" for t in [unhooked, *medians.values()])
-        print(f"{key:12} {batch:5} {tokens:5} {count!s:>5} | {cells} | {chosen} {ratio:.2f}"
-              f" {max(picked) / unhooked if picked else float('nan'):.2f}"
-              + ("" if ratio <= 1.1 else "  MISS (> 1.1)"), flush=True)
+        print(
+            f"{key:12} {batch:5} {tokens:5} {count!s:>5} | {cells} | {chosen} {ratio:.2f}"
+            f" {max(picked) / unhooked if picked else float('nan'):.2f}" + ("" if ratio <= 1.1 else "  MISS (> 1.1)"),
+            flush=True,
+        )
     return misses
 
 
@@ -376,8 +474,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes, one round: a smoke run")
     parser.add_argument("--calibrate", action="store_true", help="time the kernels, fit and print the constants")
-    parser.add_argument("--write", action="store_true",
-                        help="with --calibrate: write the constants into the package's costs.json")
+    parser.add_argument(
+        "--write", action="store_true", help="with --calibrate: write the constants into the package's costs.json"
+    )
     parser.add_argument("--device", default="cpu", help="with --calibrate: the device to time on (default cpu)")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds per row (default 5)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the constants' setting)")

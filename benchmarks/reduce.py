@@ -68,8 +68,12 @@ def _rows(model):
         def run(ids):
             with rh.watch(model, keep=("states",), reduce={"states": norm}, paths=paths) as w:
                 out = model(ids, use_cache=False).logits
-            return {"out": out, "norms": [m.states for m in w.mixers],
-                    "paths": sorted({part.path for m in w.mixers for part in m.calls[0].kernel_calls})}
+            return {
+                "out": out,
+                "norms": [m.states for m in w.mixers],
+                "paths": sorted({part.path for m in w.mixers for part in m.calls[0].kernel_calls}),
+            }
+
         return run
 
     return {"unhooked": unhooked, "chunks": reduced(None), "blocks": reduced(rh.Paths(force="blocks"))}
@@ -102,8 +106,10 @@ def time_rows(rows, ids, rounds):
                     if round_:
                         times[name][key == "unhooked"].append(elapsed)
     first = next(iter(times))
-    return {"unhooked": (times[first][1], times[first][1]),
-            **{k: v for k, v in times.items() if k != "unhooked"}}, paths
+    return {
+        "unhooked": (times[first][1], times[first][1]),
+        **{k: v for k, v in times.items() if k != "unhooked"},
+    }, paths
 
 
 def memory_child(args) -> None:
@@ -132,8 +138,19 @@ def memory_child(args) -> None:
 
 
 def run_memory_child(args):
-    argv = [sys.executable, os.path.abspath(__file__), "--memory-child", "--models", args.models, "--rows", args.rows,
-            "--tokens", str(args.tokens), "--threads", str(args.threads)] + (["--quick"] if args.quick else [])
+    argv = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--memory-child",
+        "--models",
+        args.models,
+        "--rows",
+        args.rows,
+        "--tokens",
+        str(args.tokens),
+        "--threads",
+        str(args.threads),
+    ] + (["--quick"] if args.quick else [])
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", MALLOC_ARENA_MAX="2")
     proc = subprocess.run(argv, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -145,24 +162,32 @@ def run_memory_child(args):
 def report(key, tokens, times, paths, memory, state_bytes, layers):
     reduction = layers * tokens * 4  # one float32 norm per token, batch 1, per layer
     chunk = STATES_CHUNK * max(state_bytes)
-    print(f"{key}: T={tokens}, batch 1, {layers} layers, a state of {max(state_bytes) / MB:.2f} MiB a token a layer;"
-          f" unhooked forward median {statistics.median(times['unhooked'][0]):.3f} s")
+    print(
+        f"{key}: T={tokens}, batch 1, {layers} layers, a state of {max(state_bytes) / MB:.2f} MiB a token a layer;"
+        f" unhooked forward median {statistics.median(times['unhooked'][0]):.3f} s"
+    )
     print(f"  {'row':10s} {'ratio':>6s} {'range':>11s} {'median s':>9s} {'peak+ MB':>9s} {'added MB':>9s}  path")
     for name, (ts, reference) in times.items():
         ratios = [t / u for t, u in zip(ts, reference)]
         peak = memory.get(name)
         added = None if peak is None or "unhooked" not in memory else peak - memory["unhooked"]
-        print(f"  {name:10s} {statistics.median(ratios):6.2f} {min(ratios):5.2f}-{max(ratios):<5.2f}"
-              f" {statistics.median(ts):9.3f} {'-' if peak is None else f'{peak:9.1f}':>9s}"
-              f" {'-' if added is None else f'{added:9.1f}':>9s}  {', '.join(paths[name])}")
+        print(
+            f"  {name:10s} {statistics.median(ratios):6.2f} {min(ratios):5.2f}-{max(ratios):<5.2f}"
+            f" {statistics.median(ts):9.3f} {'-' if peak is None else f'{peak:9.1f}':>9s}"
+            f" {'-' if added is None else f'{added:9.1f}':>9s}  {', '.join(paths[name])}"
+        )
     if "chunks" in times:
         ratio = statistics.median(t / u for t, u in zip(*times["chunks"]))
-        print(f"  chunks time: {ratio:.2f} x the forward, target <= {TIME_TARGET}:"
-              f" {'met' if ratio <= TIME_TARGET else 'NOT met'}")
+        print(
+            f"  chunks time: {ratio:.2f} x the forward, target <= {TIME_TARGET}:"
+            f" {'met' if ratio <= TIME_TARGET else 'NOT met'}"
+        )
     if "chunks" in memory and "unhooked" in memory:
         added, allowed = memory["chunks"] - memory["unhooked"], (reduction + chunk) / MB
-        print(f"  chunks memory added: {added:.1f} MB, target <= the reduction ({reduction / MB:.3f} MB) + one chunk's"
-              f" states ({chunk / MB:.1f} MB) = {allowed:.1f} MB: {'met' if added <= allowed else 'NOT met'}")
+        print(
+            f"  chunks memory added: {added:.1f} MB, target <= the reduction ({reduction / MB:.3f} MB) + one chunk's"
+            f" states ({chunk / MB:.1f} MB) = {allowed:.1f} MB: {'met' if added <= allowed else 'NOT met'}"
+        )
 
 
 def main(argv=None) -> None:
@@ -181,8 +206,10 @@ def main(argv=None) -> None:
         memory_child(args)
         return
     torch.set_num_threads(args.threads)
-    print(f"recurrent_hooks reduce benchmark: torch {torch.__version__}, CPU, {args.threads} threads, float32, no_grad,"
-          f" {args.rounds} rounds; load average (1 min) {os.getloadavg()[0]:.2f}")
+    print(
+        f"recurrent_hooks reduce benchmark: torch {torch.__version__}, CPU, {args.threads} threads, float32, no_grad,"
+        f" {args.rounds} rounds; load average (1 min) {os.getloadavg()[0]:.2f}"
+    )
     results = []
     for key in args.models.split(","):
         model = _ready((QUICK if args.quick else MODELS)[key])

@@ -50,6 +50,7 @@ memory: measured once per row in a child process started with MALLOC_MMAP_THRESH
 
 # -- models ---------------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class Spec:
     """One benchmarked model: what it is, its sequence length, and how to build it."""
@@ -72,11 +73,22 @@ def _gdn(hidden: int, key_heads: int, value_heads: int, head_dim: int, intermedi
     import transformers
 
     config = transformers.Qwen3_5TextConfig(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=len(layers),
-        layer_types=layers, num_attention_heads=max(2, hidden // 128), num_key_value_heads=2 if hidden >= 256 else 1,
-        head_dim=min(128, hidden // 2), linear_conv_kernel_dim=4, linear_key_head_dim=head_dim,
-        linear_value_head_dim=head_dim, linear_num_key_heads=key_heads, linear_num_value_heads=value_heads,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=len(layers),
+        layer_types=layers,
+        num_attention_heads=max(2, hidden // 128),
+        num_key_value_heads=2 if hidden >= 256 else 1,
+        head_dim=min(128, hidden // 2),
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=head_dim,
+        linear_value_head_dim=head_dim,
+        linear_num_key_heads=key_heads,
+        linear_num_value_heads=value_heads,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     return transformers.Qwen3_5ForCausalLM(config)
 
@@ -85,8 +97,18 @@ def _mamba2(hidden: int, heads: int, head_dim: int, state: int, chunk: int, laye
     import transformers
 
     config = transformers.Mamba2Config(
-        vocab_size=VOCAB, hidden_size=hidden, num_heads=heads, head_dim=head_dim, expand=2, state_size=state,
-        n_groups=1, chunk_size=chunk, conv_kernel=4, num_hidden_layers=layers, pad_token_id=0, bos_token_id=1,
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        num_heads=heads,
+        head_dim=head_dim,
+        expand=2,
+        state_size=state,
+        n_groups=1,
+        chunk_size=chunk,
+        conv_kernel=4,
+        num_hidden_layers=layers,
+        pad_token_id=0,
+        bos_token_id=1,
         eos_token_id=2,
     )
     return transformers.Mamba2ForCausalLM(config)
@@ -96,8 +118,15 @@ def _mamba1(hidden: int, state: int) -> Any:
     import transformers
 
     config = transformers.MambaConfig(
-        vocab_size=VOCAB, hidden_size=hidden, expand=2, state_size=state, conv_kernel=4, num_hidden_layers=2,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        expand=2,
+        state_size=state,
+        conv_kernel=4,
+        num_hidden_layers=2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     return transformers.MambaForCausalLM(config)
 
@@ -105,40 +134,85 @@ def _mamba1(hidden: int, state: int) -> Any:
 LINEAR2 = ["linear_attention", "linear_attention"]
 HYBRID = ["linear_attention", "full_attention"]
 QWEN3_5_SLICE = (["linear_attention"] * 3 + ["full_attention"]) * 2
-GDN_GEN_NOTE = ("generate: layers [linear, full] (transformers 5.24 fails to generate with a cache when every"
-                " layer is linear), so it has 1 recurrent layer")
+GDN_GEN_NOTE = (
+    "generate: layers [linear, full] (transformers 5.24 fails to generate with a cache when every"
+    " layer is linear), so it has 1 recurrent layer"
+)
 
 
 def specs(quick: bool) -> list[Spec]:
     """The benchmarked models; `quick` shrinks dims and lengths to a smoke test."""
     if quick:
         return [
-            Spec("gdn", "gated DeltaNet (quick dims)", 64, 8,
-                 lambda: _gdn(64, 2, 4, 16, 128, LINEAR2), lambda: _gdn(64, 2, 4, 16, 128, HYBRID), GDN_GEN_NOTE),
+            Spec(
+                "gdn",
+                "gated DeltaNet (quick dims)",
+                64,
+                8,
+                lambda: _gdn(64, 2, 4, 16, 128, LINEAR2),
+                lambda: _gdn(64, 2, 4, 16, 128, HYBRID),
+                GDN_GEN_NOTE,
+            ),
             Spec("mamba2", "Mamba-2 (quick dims)", 64, 8, lambda: _mamba2(64, 4, 32, 16, 16)),
             Spec("mamba1", "Mamba-1 (quick dims)", 64, 8, lambda: _mamba1(64, 8)),
-            Spec("gdn_small", "small gated DeltaNet (quick)", 32, 8,
-                 lambda: _gdn(64, 2, 4, 16, 128, LINEAR2), lambda: _gdn(64, 2, 4, 16, 128, HYBRID), GDN_GEN_NOTE,
-                 all_states=True),
+            Spec(
+                "gdn_small",
+                "small gated DeltaNet (quick)",
+                32,
+                8,
+                lambda: _gdn(64, 2, 4, 16, 128, LINEAR2),
+                lambda: _gdn(64, 2, 4, 16, 128, HYBRID),
+                GDN_GEN_NOTE,
+                all_states=True,
+            ),
         ]
     return [
-        Spec("gdn", "gated DeltaNet, Qwen3.5/Qwen3-Next layer dims: hidden 2048, 16 key / 32 value heads of 128,"
-             " MLP 6144", 2048, 32,
-             lambda: _gdn(2048, 16, 32, 128, 6144, LINEAR2), lambda: _gdn(2048, 16, 32, 128, 6144, HYBRID),
-             GDN_GEN_NOTE),
-        Spec("mamba2", "Mamba-2, mamba2-130m dims: hidden 768, 24 heads of 64, state 128, chunk 256", 2048, 32,
-             lambda: _mamba2(768, 24, 64, 128, 256)),
-        Spec("mamba1", "Mamba-1, mamba-130m dims: hidden 768, d_inner 1536, state 16", 2048, 32,
-             lambda: _mamba1(768, 16)),
-        Spec("gdn_small", "small gated DeltaNet: hidden 256, 4 key / 8 value heads of 64, MLP 512", 512, 32,
-             lambda: _gdn(256, 4, 8, 64, 512, LINEAR2), lambda: _gdn(256, 4, 8, 64, 512, HYBRID), GDN_GEN_NOTE,
-             all_states=True),
+        Spec(
+            "gdn",
+            "gated DeltaNet, Qwen3.5/Qwen3-Next layer dims: hidden 2048, 16 key / 32 value heads of 128, MLP 6144",
+            2048,
+            32,
+            lambda: _gdn(2048, 16, 32, 128, 6144, LINEAR2),
+            lambda: _gdn(2048, 16, 32, 128, 6144, HYBRID),
+            GDN_GEN_NOTE,
+        ),
+        Spec(
+            "mamba2",
+            "Mamba-2, mamba2-130m dims: hidden 768, 24 heads of 64, state 128, chunk 256",
+            2048,
+            32,
+            lambda: _mamba2(768, 24, 64, 128, 256),
+        ),
+        Spec(
+            "mamba1", "Mamba-1, mamba-130m dims: hidden 768, d_inner 1536, state 16", 2048, 32, lambda: _mamba1(768, 16)
+        ),
+        Spec(
+            "gdn_small",
+            "small gated DeltaNet: hidden 256, 4 key / 8 value heads of 64, MLP 512",
+            512,
+            32,
+            lambda: _gdn(256, 4, 8, 64, 512, LINEAR2),
+            lambda: _gdn(256, 4, 8, 64, 512, HYBRID),
+            GDN_GEN_NOTE,
+            all_states=True,
+        ),
         # full depth (not in the default --models): the 2-layer rows above understate what a real model costs
-        Spec("mamba2_full", "Mamba-2 at mamba2-130m's full depth: 24 layers of the mamba2 row's dims", 256, 8,
-             lambda: _mamba2(768, 24, 64, 128, 256, layers=24), layers=24),
-        Spec("qwen3_5_slice", "a Qwen3.5 slice: 8 layers of the gdn row's dims in Qwen3.5's 3:1 pattern (6 gated"
-             " DeltaNet, 2 attention)", 256, 8, lambda: _gdn(2048, 16, 32, 128, 6144, QWEN3_5_SLICE),
-             layers=len(QWEN3_5_SLICE)),
+        Spec(
+            "mamba2_full",
+            "Mamba-2 at mamba2-130m's full depth: 24 layers of the mamba2 row's dims",
+            256,
+            8,
+            lambda: _mamba2(768, 24, 64, 128, 256, layers=24),
+            layers=24,
+        ),
+        Spec(
+            "qwen3_5_slice",
+            "a Qwen3.5 slice: 8 layers of the gdn row's dims in Qwen3.5's 3:1 pattern (6 gated DeltaNet, 2 attention)",
+            256,
+            8,
+            lambda: _gdn(2048, 16, 32, 128, 6144, QWEN3_5_SLICE),
+            layers=len(QWEN3_5_SLICE),
+        ),
     ]
 
 
@@ -157,6 +231,7 @@ def positions(tokens: int) -> list[int]:
 
 
 # -- the sparse-keep probe ------------------------------------------------------------------------------------
+
 
 def probe_sparse() -> tuple[bool, str]:
     """Whether `watch(model, keep={"states": positions})` keeps only those positions (on a tiny model)."""
@@ -180,6 +255,7 @@ def probe_sparse() -> tuple[bool, str]:
 
 
 # -- rows -----------------------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class Row:
@@ -224,7 +300,7 @@ def state_writer(shapes: list[tuple[int, ...]], tokens: int, device: Any = "cpu"
         slot = 0
         for _ in range(tokens):
             for source in sources:
-                buffer[slot, :source.numel()].copy_(source)
+                buffer[slot, : source.numel()].copy_(source)
                 slot = (slot + 1) % buffer.shape[0]
 
     return write
@@ -265,6 +341,7 @@ def make_rows(spec: Spec, model: Any, gen_model: Any, keep_mode: str, all_states
 
     read_note = ""
     if keep_mode == "sparse":
+
         def read8(ids):
             with rh.watch(model, keep={"states": pos}) as w:
                 out = model(ids, **fwd).logits
@@ -277,8 +354,10 @@ def make_rows(spec: Spec, model: Any, gen_model: Any, keep_mode: str, all_states
                 out = model(ids, **fwd).logits
             return {"out": out, "watch": w, "states": [m.state_after(p) for m in w.mixers for p in pos]}
     else:
-        read_note = (f"sparse keep missing; keep=('states',) would hold {per_token * spec.tokens / 2**30:.1f} GiB"
-                     " (> --all-states-budget): 8 hooks cloning the state instead")
+        read_note = (
+            f"sparse keep missing; keep=('states',) would hold {per_token * spec.tokens / 2**30:.1f} GiB"
+            " (> --all-states-budget): 8 hooks cloning the state instead"
+        )
 
         def read8(ids):
             kept: list = []
@@ -334,14 +413,22 @@ def make_rows(spec: Spec, model: Any, gen_model: Any, keep_mode: str, all_states
         Row("idle", "idle watch: with rh.watch(model): model(ids)", idle, "unhooked", 1.03),
         Row("read8", "8 positions read: keep={'states': 8 positions}", read8, "unhooked", 1.2, read_note),
         Row("write8", "8 positions written: set_state_after(t, zeros), 8 t, every mixer", write8, "unhooked", 1.2),
-        Row("stream", "per-token hook: rh.register_state_hook(norms.append(s.norm()))", stream, "unhooked", 1.5,
-            floor=True),
+        Row(
+            "stream",
+            "per-token hook: rh.register_state_hook(norms.append(s.norm()))",
+            stream,
+            "unhooked",
+            1.5,
+            floor=True,
+        ),
     ]
     if spec.all_states:
-        rows.append(Row("all", "all-token states: keep=('states',)", all_states, "unhooked", floor=True,
-                        floor_target=1.3))
-    rows.append(Row("reduce", "keep with a per-token reduction: reduce={'states': norm}", reduced,
-                    "unhooked", 1.5, floor=True))
+        rows.append(
+            Row("all", "all-token states: keep=('states',)", all_states, "unhooked", floor=True, floor_target=1.3)
+        )
+    rows.append(
+        Row("reduce", "keep with a per-token reduction: reduce={'states': norm}", reduced, "unhooked", 1.5, floor=True)
+    )
     rows += [
         Row("gen", f"plain greedy generate, {spec.new_tokens} new tokens", generate, "gen", note=spec.gen_note),
         Row("gen_hook", "generate + per-step hook (token=-1) vs plain generate", generate_hook, "gen", 1.1),
@@ -357,6 +444,7 @@ def _freeze() -> None:
 
 
 # -- timing ---------------------------------------------------------------------------------------------------
+
 
 def time_rows(rows: list[Row], ids: Any, repeats: int, log: Callable[[str], None]) -> None:
     """Round 0 warms up; rounds 1..repeats time every row once, round-robin."""
@@ -399,6 +487,7 @@ def ratio_range(rows: list[Row], row: Row) -> tuple[float, float] | None:
 
 
 # -- memory (child process) -----------------------------------------------------------------------------------
+
 
 def _status(field: str) -> int:
     with open("/proc/self/status") as f:
@@ -465,9 +554,19 @@ def run_memory_child(args: argparse.Namespace, keep_mode: str) -> tuple[dict | N
         _status("VmHWM")
     except OSError as exc:
         return None, f"memory not measured: /proc peak RSS reset unavailable ({exc})"
-    argv = [sys.executable, os.path.abspath(__file__), "--memory-child", "--keep-mode", keep_mode,
-            "--threads", str(args.threads), "--models", args.models,
-            "--all-states-budget", str(args.all_states_budget)] + (["--quick"] if args.quick else [])
+    argv = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--memory-child",
+        "--keep-mode",
+        keep_mode,
+        "--threads",
+        str(args.threads),
+        "--models",
+        args.models,
+        "--all-states-budget",
+        str(args.all_states_budget),
+    ] + (["--quick"] if args.quick else [])
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", MALLOC_ARENA_MAX="2")
     proc = subprocess.run(argv, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -476,6 +575,7 @@ def run_memory_child(args: argparse.Namespace, keep_mode: str) -> tuple[dict | N
 
 
 # -- report ---------------------------------------------------------------------------------------------------
+
 
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
@@ -488,8 +588,10 @@ def _met(value: float | None, target: float | None) -> str:
 def report(results: list[tuple[Spec, list[Row]]], memory: dict | None, header: list[str]) -> tuple[str, int]:
     lines = list(header)
     failures = 0
-    cols = (f"{'row':<64} {'ratio':>6} {'range':>11} {'/floor':>6} {'target':>8} {'met':>4} {'median s':>8}"
-            f" {'peak+ MB':>8} {'kept+ MB':>8} {'states MB':>9}")
+    cols = (
+        f"{'row':<64} {'ratio':>6} {'range':>11} {'/floor':>6} {'target':>8} {'met':>4} {'median s':>8}"
+        f" {'peak+ MB':>8} {'kept+ MB':>8} {'states MB':>9}"
+    )
     for spec, rows in results:
         lines += ["", f"== {spec.key}: {spec.label}; T = {spec.tokens}, batch 1, {spec.layers} layers", cols]
         mem = (memory or {}).get(spec.key, {})
@@ -504,10 +606,12 @@ def report(results: list[tuple[Spec, list[Row]]], memory: dict | None, header: l
             median = statistics.median(row.times) if row.times and not row.error else None
             spread = ratio_range(rows, row)
             spread = "-" if spread is None else f"{spread[0]:.2f}-{spread[1]:.2f}"
-            lines.append(f"{row.label[:64]:<64} {_fmt(r, '.2f'):>6} {spread:>11} {_fmt(to_floor, '.2f'):>6}"
-                         f" {target:>8} {met:>4}"
-                         f" {_fmt(median, '.3f'):>8} {_fmt(m.get('peak'), '.1f'):>8} {_fmt(m.get('kept'), '.1f'):>8}"
-                         f" {_fmt(m.get('states') or None, '.2f'):>9}")
+            lines.append(
+                f"{row.label[:64]:<64} {_fmt(r, '.2f'):>6} {spread:>11} {_fmt(to_floor, '.2f'):>6}"
+                f" {target:>8} {met:>4}"
+                f" {_fmt(median, '.3f'):>8} {_fmt(m.get('peak'), '.1f'):>8} {_fmt(m.get('kept'), '.1f'):>8}"
+                f" {_fmt(m.get('states') or None, '.2f'):>9}"
+            )
             if row.error:
                 failures += 1
                 lines.append(f"    ERROR: {row.error}")
@@ -516,19 +620,24 @@ def report(results: list[tuple[Spec, list[Row]]], memory: dict | None, header: l
             if "error" in m:
                 lines.append(f"    memory ERROR: {m['error']}")
         read = mem.get("read8", {})
-        for ref, what in (("unhooked", "the unhooked forward (the read keeps nothing else)"),
-                          ("idle", "the idle watch (which keeps nothing)")):
+        for ref, what in (
+            ("unhooked", "the unhooked forward (the read keeps nothing else)"),
+            ("idle", "the idle watch (which keeps nothing)"),
+        ):
             base = mem.get(ref, {})
             if "peak" in read and "peak" in base:
                 added = max(read["peak"] - base["peak"], read["kept"] - base["kept"])
                 allowed = 1.1 * read["states"]
-                lines.append(f"sparse-read memory vs {what}: {added:+.1f} MB (peak+ {read['peak'] - base['peak']:+.1f},"
-                             f" kept+ {read['kept'] - base['kept']:+.1f}); target <= 1.1 x states = {allowed:.1f} MB:"
-                             f" {'met' if added <= allowed else 'NOT met'}")
+                lines.append(
+                    f"sparse-read memory vs {what}: {added:+.1f} MB (peak+ {read['peak'] - base['peak']:+.1f},"
+                    f" kept+ {read['kept'] - base['kept']:+.1f}); target <= 1.1 x states = {allowed:.1f} MB:"
+                    f" {'met' if added <= allowed else 'NOT met'}"
+                )
     return "\n".join(lines), failures
 
 
 # -- main -----------------------------------------------------------------------------------------------------
+
 
 def _library_version() -> str:
     """The library's git commit and whether its working tree has changes (it is measured as it is on disk)."""
@@ -536,10 +645,15 @@ def _library_version() -> str:
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(recurrent_hooks.__file__)))
     try:
-        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "recurrent_hooks"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        head = subprocess.run(
+            ["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", root, "status", "--porcelain", "--", "recurrent_hooks"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return f"{root} (no git)"
     if not head:
@@ -554,8 +668,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--models", default="gdn,mamba2,mamba1,gdn_small", help="comma-separated subset")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default 2; 1 with --quick)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory child process")
-    p.add_argument("--all-states-budget", type=float, default=4.0,
-                   help="GiB: without the sparse keep path, fall back to keep=('states',) only below this")
+    p.add_argument(
+        "--all-states-budget",
+        type=float,
+        default=4.0,
+        help="GiB: without the sparse keep path, fall back to keep=('states',) only below this",
+    )
     p.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--keep-mode", default="sparse", help=argparse.SUPPRESS)
     return p
@@ -609,8 +727,15 @@ def _run(args: argparse.Namespace) -> int:
         try:
             rows = make_rows(spec, model, gen_model, keep_mode, args.all_states_budget * 2**30)
         except Exception as exc:  # noqa: BLE001 - the library may be mid-change: report it
-            rows = [Row("unhooked", "setting up the rows", lambda ids: None, "unhooked",
-                        error=f"{type(exc).__name__}: {exc}".splitlines()[0][:200])]
+            rows = [
+                Row(
+                    "unhooked",
+                    "setting up the rows",
+                    lambda ids: None,
+                    "unhooked",
+                    error=f"{type(exc).__name__}: {exc}".splitlines()[0][:200],
+                )
+            ]
         time_rows(rows, ids, args.repeats, log)
         results.append((spec, rows))
         del model, gen_model
@@ -644,8 +769,10 @@ def _run(args: argparse.Namespace) -> int:
     text, failures = report(results, memory, header)
     end = time.perf_counter()
     print(text)
-    print(f"\nwall time: {end - started:.1f} s (timing {timing_done - started:.1f} s,"
-          f" memory child {end - timing_done:.1f} s)")
+    print(
+        f"\nwall time: {end - started:.1f} s (timing {timing_done - started:.1f} s,"
+        f" memory child {end - timing_done:.1f} s)"
+    )
     return 1 if failures else 0
 
 

@@ -32,8 +32,16 @@ from recurrent_hooks.kinds.selective_scan import (
 )
 
 # (batch, T, d_inner, d_state): mamba-130m dims, tiny dims (the test and --quick models), large batch short T
-SHAPES = [(1, 2048, 1536, 16), (1, 512, 1536, 16), (1, 64, 1536, 16), (1, 512, 128, 8), (1, 512, 64, 16),
-          (64, 25, 64, 16), (8, 128, 128, 8), (1, 1, 1536, 16)]
+SHAPES = [
+    (1, 2048, 1536, 16),
+    (1, 512, 1536, 16),
+    (1, 64, 1536, 16),
+    (1, 512, 128, 8),
+    (1, 512, 64, 16),
+    (64, 25, 64, 16),
+    (8, 128, 128, 8),
+    (1, 1, 1536, 16),
+]
 
 
 def _inputs(batch: int, seq: int, d_inner: int, d_state: int, spread: float = 0.1) -> dict:
@@ -45,10 +53,18 @@ def _inputs(batch: int, seq: int, d_inner: int, d_state: int, spread: float = 0.
     gen = torch.Generator().manual_seed(0)
     r = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
     steps = torch.logspace(-3, -1, d_inner)
-    return dict(hidden_states=r(batch, d_inner, seq), dt=r(batch, d_inner, seq) * spread,
-                A=-torch.arange(1, d_state + 1, dtype=torch.float32).expand(d_inner, d_state).contiguous(),
-                B=r(batch, d_state, seq), C=r(batch, d_state, seq), D=torch.ones(d_inner), z=r(batch, d_inner, seq),
-                delta_bias=steps + torch.log(-torch.expm1(-steps)), delta_softplus=True, return_last_state=True)
+    return dict(
+        hidden_states=r(batch, d_inner, seq),
+        dt=r(batch, d_inner, seq) * spread,
+        A=-torch.arange(1, d_state + 1, dtype=torch.float32).expand(d_inner, d_state).contiguous(),
+        B=r(batch, d_state, seq),
+        C=r(batch, d_state, seq),
+        D=torch.ones(d_inner),
+        z=r(batch, d_inner, seq),
+        delta_bias=steps + torch.log(-torch.expm1(-steps)),
+        delta_softplus=True,
+        return_last_state=True,
+    )
 
 
 def _time(fn) -> float:
@@ -71,14 +87,19 @@ def main() -> None:
     identity = lambda t, s: s  # noqa: E731
     label = lambda c: "auto" if c is None else c  # noqa: E731
     names = ["hf", "loop", *(f"chunks {label(c)}" for c in chunks), *(f"states {label(c)}" for c in chunks)]
-    print(f"torch {torch.__version__}, {args.threads} threads, dt spread {args.spread}, median of {args.rounds}"
-          f" interleaved rounds; ms of the token loop with on_token, then each path's ratio to it")
+    print(
+        f"torch {torch.__version__}, {args.threads} threads, dt spread {args.spread}, median of {args.rounds}"
+        f" interleaved rounds; ms of the token loop with on_token, then each path's ratio to it"
+    )
     print(f"{'batch':>5} {'T':>5} {'d_in':>5} {'N':>3} | {'loop+hook':>9} | " + " ".join(f"{n:>9}" for n in names))
     with torch.no_grad():
         for shape in SHAPES if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]:
             x = _inputs(*shape, spread=args.spread)
-            paths = {"loop+hook": lambda: mamba_selective_scan(**x, on_token=identity),
-                     "hf": lambda: hf(**x), "loop": lambda: mamba_selective_scan(**x)}
+            paths = {
+                "loop+hook": lambda: mamba_selective_scan(**x, on_token=identity),
+                "hf": lambda: hf(**x),
+                "loop": lambda: mamba_selective_scan(**x),
+            }
             for c in chunks:
                 paths[f"chunks {label(c)}"] = lambda c=c: mamba_selective_scan_chunks(**x, chunk=c)
                 paths[f"states {label(c)}"] = lambda c=c: mamba_selective_scan_states(**x, chunk=c)
@@ -89,8 +110,11 @@ def main() -> None:
                 for name, fn in paths.items():
                     times[name].append(_time(fn))
             base = statistics.median(times["loop+hook"])
-            print(f"{shape[0]:5} {shape[1]:5} {shape[2]:5} {shape[3]:3} | {base * 1e3:9.2f} | "
-                  + " ".join(f"{statistics.median(times[n]) / base:9.2f}" for n in names), flush=True)
+            print(
+                f"{shape[0]:5} {shape[1]:5} {shape[2]:5} {shape[3]:3} | {base * 1e3:9.2f} | "
+                + " ".join(f"{statistics.median(times[n]) / base:9.2f}" for n in names),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -127,8 +127,16 @@ def memory_child(count: int, budget_mib: float | None) -> dict:
     if "budget_bytes" in inspect.signature(rh.patching_sweep).parameters and budget_mib is not None:
         kwargs["budget_bytes"] = int(budget_mib * 2**20)
     run = lambda positions: rh.patching_sweep(  # noqa: E731  (one pair: [seq] prompts)
-        model, clean[0], corrupt[0], lambda logits: logits[:, -1].log_softmax(-1)[:, 5], layers=[0],
-        positions=positions, progress=False, forward_kwargs={"logits_to_keep": 1}, **kwargs)
+        model,
+        clean[0],
+        corrupt[0],
+        lambda logits: logits[:, -1].log_softmax(-1)[:, 5],
+        layers=[0],
+        positions=positions,
+        progress=False,
+        forward_kwargs={"logits_to_keep": 1},
+        **kwargs,
+    )
     run([1, 2])  # warm-up
     gc.collect()
     before = _status("VmRSS")
@@ -138,18 +146,29 @@ def memory_child(count: int, budget_mib: float | None) -> dict:
     start = time.perf_counter()
     run(_spread(count, SMALL_TOKENS))
     seconds = time.perf_counter() - start
-    return {"held": held["peak"], "peak": _status("VmHWM") - before, "seconds": seconds,
-            "budget": "budget_bytes" in kwargs or "budget_bytes" in inspect.signature(rh.patching_sweep).parameters}
+    return {
+        "held": held["peak"],
+        "peak": _status("VmHWM") - before,
+        "seconds": seconds,
+        "budget": "budget_bytes" in kwargs or "budget_bytes" in inspect.signature(rh.patching_sweep).parameters,
+    }
 
 
 def memory_rows(args: argparse.Namespace) -> int:
     """`--memory`: one child process per number of positions; prints the table."""
     library = pathlib.Path(args.library).resolve() if args.library else HERE.parent
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", MALLOC_ARENA_MAX="2",
-               PYTHONPATH=str(library))
+    env = dict(
+        os.environ,
+        MALLOC_MMAP_THRESHOLD_="65536",
+        MALLOC_TRIM_THRESHOLD_="0",
+        MALLOC_ARENA_MAX="2",
+        PYTHONPATH=str(library),
+    )
     budget = "default" if args.budget_mib is None else f"{args.budget_mib} MiB"
-    print(f"patching sweep memory, gdn_small (hidden 256, 8 value heads of 64), T={SMALL_TOKENS}, layer 0,"
-          f" logits_to_keep=1, 1 thread; library {library}; budget_bytes {budget}")
+    print(
+        f"patching sweep memory, gdn_small (hidden 256, 8 value heads of 64), T={SMALL_TOKENS}, layer 0,"
+        f" logits_to_keep=1, 1 thread; library {library}; budget_bytes {budget}"
+    )
     print(f"  {'positions':>9} {'held MiB':>9} {'peak+ MiB':>9} {'seconds':>8}")
     for count in (int(c) for c in args.positions.split(",")):
         argv = [sys.executable, str(pathlib.Path(__file__).resolve()), "--memory-child", str(count)]
@@ -160,8 +179,9 @@ def memory_rows(args: argparse.Namespace) -> int:
             print("ERROR: " + " | ".join(proc.stderr.strip().splitlines()[-3:]))
             return 1
         row = json.loads(proc.stdout.strip().splitlines()[-1])
-        print(f"  {count:>9} {row['held'] / 2**20:>9.2f} {row['peak'] / 2**20:>9.1f} {row['seconds']:>8.1f}",
-              flush=True)
+        print(
+            f"  {count:>9} {row['held'] / 2**20:>9.2f} {row['peak'] / 2**20:>9.1f} {row['seconds']:>8.1f}", flush=True
+        )
     return 0
 
 
@@ -200,8 +220,19 @@ def per_cell_rows(args: argparse.Namespace) -> int:
     for batch in (None if b == "None" else int(b) for b in args.batch_sizes.split(",")):
         for reuse in {"both": (None, False), "None": (None,), "False": (False,)}[args.reuse_prefix]:
             runs[f"patching_sweep(batch_size={batch}, reuse_prefix={reuse})"] = lambda b=batch, r=reuse: (
-                rh.patching_sweep(model, clean[0], corrupt[0], metric, layers=layers, positions=positions,
-                                  batch_size=b, progress=False, reuse_prefix=r, forward_kwargs=keep))
+                rh.patching_sweep(
+                    model,
+                    clean[0],
+                    corrupt[0],
+                    metric,
+                    layers=layers,
+                    positions=positions,
+                    batch_size=b,
+                    progress=False,
+                    reuse_prefix=r,
+                    forward_kwargs=keep,
+                )
+            )
     times: dict[str, list[float]] = {name: [] for name in runs}
     for round_ in range(args.repeats + 1):
         for name, fn in runs.items():
@@ -211,9 +242,11 @@ def per_cell_rows(args: argparse.Namespace) -> int:
                 times[name].append(time.perf_counter() - start)
     with rh.watch(model) as w:
         cells *= len(w.mixers) if args.all_layers else 1
-    print(f"patching sweep per cell, {args.dims}, T={args.seq}, {cells} cells ({len(positions)} positions,"
-          f" {'every layer' if args.all_layers else 'layer 0'}), logits_to_keep={1 if args.keep_last else None},"
-          f" {args.threads} thread(s), median of {args.repeats} interleaved rounds")
+    print(
+        f"patching sweep per cell, {args.dims}, T={args.seq}, {cells} cells ({len(positions)} positions,"
+        f" {'every layer' if args.all_layers else 'layer 0'}), logits_to_keep={1 if args.keep_last else None},"
+        f" {args.threads} thread(s), median of {args.repeats} interleaved rounds"
+    )
     naive_s = statistics.median(times.get("naive: one forward per cell, set_memory_after", [float("nan")]))
     forward_s = statistics.median(times["one plain forward"])
     for name, values in times.items():
@@ -221,8 +254,10 @@ def per_cell_rows(args: argparse.Namespace) -> int:
         if name == "one plain forward":
             print(f"  {name:<48} {median:.3f} s")
             continue
-        print(f"  {name:<48} {median / cells:.3f} s/cell ({median / naive_s:.2f} x naive,"
-              f" {median / cells / forward_s:.2f} forwards per cell)")
+        print(
+            f"  {name:<48} {median / cells:.3f} s/cell ({median / naive_s:.2f} x naive,"
+            f" {median / cells / forward_s:.2f} forwards per cell)"
+        )
     return 0
 
 
@@ -242,11 +277,15 @@ def pairs_rows(args: argparse.Namespace) -> int:
     metric = rh.metrics.logit_difference(answers, wrong=4)
     runs = {
         "one sweep over [N, seq]": lambda: rh.patching_sweep(model, clean, corrupt, metric, progress=False).values,
-        "N sweeps, one per pair": lambda: torch.stack([
-            rh.patching_sweep(model, clean[n], corrupt[n], metric.for_pair(n), progress=False).values
-            for n in range(args.pairs)]),
-        "heads=True over [N, seq]": lambda: rh.patching_sweep(model, clean, corrupt, metric, heads=True,
-                                                              progress=False).values,
+        "N sweeps, one per pair": lambda: torch.stack(
+            [
+                rh.patching_sweep(model, clean[n], corrupt[n], metric.for_pair(n), progress=False).values
+                for n in range(args.pairs)
+            ]
+        ),
+        "heads=True over [N, seq]": lambda: (
+            rh.patching_sweep(model, clean, corrupt, metric, heads=True, progress=False).values
+        ),
     }
     times: dict[str, list[float]] = {name: [] for name in runs}
     results = {}
@@ -255,16 +294,21 @@ def pairs_rows(args: argparse.Namespace) -> int:
             start = time.perf_counter()
             results[name] = run()
             times[name].append(time.perf_counter() - start)
-    torch.testing.assert_close(results["one sweep over [N, seq]"], results["N sweeps, one per pair"], rtol=1e-5,
-                               atol=1e-6)
+    torch.testing.assert_close(
+        results["one sweep over [N, seq]"], results["N sweeps, one per pair"], rtol=1e-5, atol=1e-6
+    )
     per_layer = statistics.median(times["one sweep over [N, seq]"])
     cells = {name: results[name].numel() for name in runs}
-    print(f"{args.pairs} pairs x {args.tokens} tokens, demo.tiny_model, {args.threads} thread(s), median of"
-          f" {args.repeats}:")
+    print(
+        f"{args.pairs} pairs x {args.tokens} tokens, demo.tiny_model, {args.threads} thread(s), median of"
+        f" {args.repeats}:"
+    )
     for name, values in times.items():
         median = statistics.median(values)
-        print(f"  {name:<28} {median:7.2f} s  {median / cells[name] * 1e3:6.2f} ms/cell"
-              f"  ({median / per_layer:.2f} x the one sweep; {cells[name]} cells)")
+        print(
+            f"  {name:<28} {median:7.2f} s  {median / cells[name] * 1e3:6.2f} ms/cell"
+            f"  ({median / per_layer:.2f} x the one sweep; {cells[name]} cells)"
+        )
     return 0
 
 
@@ -280,13 +324,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--library", default=None, help="--memory: the checkout to measure (default: this one)")
     parser.add_argument("--per-cell", action="store_true", help="gdn_small: seconds per cell by batch size")
     parser.add_argument("--batch-sizes", default="1,2,7,32", help="--per-cell: batch sizes (None: the default)")
-    parser.add_argument("--dims", choices=("gdn_small", "qwen3_5", "qwen3_5_slice", "mamba2_130m_full"),
-                        default="gdn_small", help="--per-cell: the model (the last two at full depth or 8 layers)")
+    parser.add_argument(
+        "--dims",
+        choices=("gdn_small", "qwen3_5", "qwen3_5_slice", "mamba2_130m_full"),
+        default="gdn_small",
+        help="--per-cell: the model (the last two at full depth or 8 layers)",
+    )
     parser.add_argument("--seq", type=int, default=SMALL_TOKENS, help="--per-cell: the prompts' tokens")
     parser.add_argument("--cells", type=int, default=16, help="--per-cell: positions of layer 0")
     parser.add_argument("--all-layers", action="store_true", help="--per-cell: sweep every layer at those positions")
-    parser.add_argument("--reuse-prefix", choices=("both", "None", "False"), default="both",
-                        help="--per-cell: the sweep's reuse_prefix (both: each batch size with None and False)")
+    parser.add_argument(
+        "--reuse-prefix",
+        choices=("both", "None", "False"),
+        default="both",
+        help="--per-cell: the sweep's reuse_prefix (both: each batch size with None and False)",
+    )
     parser.add_argument("--keep-last", action="store_true", help="--per-cell: forward_kwargs={'logits_to_keep': 1}")
     parser.add_argument("--pairs", type=int, default=None, help="N pairs in one sweep vs N sweeps; heads=True")
     parser.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
@@ -331,8 +383,9 @@ def main(argv: list[str] | None = None) -> int:
             return out
 
         def batched() -> torch.Tensor:
-            return rh.patching_sweep(model, clean[0], corrupt[0], metric, batch_size=args.batch_size,
-                                     progress=False).values
+            return rh.patching_sweep(
+                model, clean[0], corrupt[0], metric, batch_size=args.batch_size, progress=False
+            ).values
 
         def floor() -> None:
             """The same forwards without watch or patches: what batching alone gives on this model."""
@@ -361,17 +414,25 @@ def main(argv: list[str] | None = None) -> int:
         cells = expected.numel()
         diff = (got - expected).abs()
         close = bool((diff <= 1e-6 + 1e-5 * expected.abs()).all())
-        print(f"patching sweep, {type(model).__name__} (demo.tiny_model), T={args.tokens}, {cells} cells"
-              f" ({expected.shape[0]} layers x {expected.shape[1]} positions), batch {args.batch_size},"
-              f" {args.threads} thread(s), median of {args.repeats}")
+        print(
+            f"patching sweep, {type(model).__name__} (demo.tiny_model), T={args.tokens}, {cells} cells"
+            f" ({expected.shape[0]} layers x {expected.shape[1]} positions), batch {args.batch_size},"
+            f" {args.threads} thread(s), median of {args.repeats}"
+        )
         print(f"  naive (one forward per cell): {naive_s:.3f} s ({naive_s / cells * 1e3:.2f} ms/cell)")
         print(f"  batched patching_sweep:       {batched_s:.3f} s ({batched_s / cells * 1e3:.2f} ms/cell)")
-        print(f"  ratio batched / naive:        {ratio:.3f} (target <= {TARGET}; per round:"
-              f" {', '.join(f'{b / n:.3f}' for b, n in zip(batched_times, naive_times))})")
-        print(f"  floor: the same batched forwards, unwatched and unpatched: {statistics.median(floor_times):.3f} s,"
-              f" ratio to naive {statistics.median(f / n for f, n in zip(floor_times, naive_times)):.3f}")
-        print(f"  results agree: {close} (max |diff| {diff.max().item():.3g};"
-              f" metric spread over cells {(expected.max() - expected.min()).item():.3g})")
+        print(
+            f"  ratio batched / naive:        {ratio:.3f} (target <= {TARGET}; per round:"
+            f" {', '.join(f'{b / n:.3f}' for b, n in zip(batched_times, naive_times))})"
+        )
+        print(
+            f"  floor: the same batched forwards, unwatched and unpatched: {statistics.median(floor_times):.3f} s,"
+            f" ratio to naive {statistics.median(f / n for f, n in zip(floor_times, naive_times)):.3f}"
+        )
+        print(
+            f"  results agree: {close} (max |diff| {diff.max().item():.3g};"
+            f" metric spread over cells {(expected.max() - expected.min()).item():.3g})"
+        )
         if not close:
             print("ERROR: the batched sweep and the loop disagree")
             return 1

@@ -97,5 +97,4 @@ __all__ = [
 
 
 # the former names of the kinds (docs/api.md, "Renamed"): they work for one release, with a warning
-__getattr__ = _former_names(__name__, {"StateSpace": "Mamba2StateSpace", "LinearAttention": "GatedDeltaNet"},
-                            globals())
+__getattr__ = _former_names(__name__, {"StateSpace": "Mamba2StateSpace", "LinearAttention": "GatedDeltaNet"}, globals())

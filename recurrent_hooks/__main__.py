@@ -23,8 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recurrent_hooks", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("demo", help="read, patch and steer a tiny model's states")
-    support = commands.add_parser("support", help="what works, with a caveat or not, and what is refused, per family"
-                                  " or per model")
+    support = commands.add_parser(
+        "support", help="what works, with a caveat or not, and what is refused, per family or per model"
+    )
     support.add_argument("target", nargs="?", help="a family name, or a saved model directory / config.json")
     support.add_argument("--json", action="store_true", help="print JSON, for scripts")
     args = parser.parse_args(argv)
@@ -44,8 +45,9 @@ def main(argv: list[str] | None = None) -> int:
 
     print(version_line(), file=sys.stderr if args.json else sys.stdout)  # --json: stdout is the JSON alone
     if args.json:
-        print(json.dumps({"versions": versions(), "legend": LEGEND, "rows": [_json_row(*e) for e in entries]},
-                         indent=2))
+        print(
+            json.dumps({"versions": versions(), "legend": LEGEND, "rows": [_json_row(*e) for e in entries]}, indent=2)
+        )
     else:
         print(_table(entries))
     return 0
@@ -63,16 +65,36 @@ def _support_entries(target: str | None) -> list[Entry]:
 
     if target is None or target in FAMILIES or target in {row.family for row in UNSUPPORTED}:
         entries = [_family_entry(mixer) for family in FAMILIES.values() for mixer in family.classes]
-        entries += [({"family": row.family, "mixer_class": row.mixer_class, "kind": None},
-                     f"{row.family}: {row.mixer_class} -> not supported", (),
-                     {"everything": Refused(Unavailable, row.reason)}) for row in UNSUPPORTED]
+        entries += [
+            (
+                {"family": row.family, "mixer_class": row.mixer_class, "kind": None},
+                f"{row.family}: {row.mixer_class} -> not supported",
+                (),
+                {"everything": Refused(Unavailable, row.reason)},
+            )
+            for row in UNSUPPORTED
+        ]
         return entries if target is None else [e for e in entries if e[0]["family"] == target]
     path = pathlib.Path(target)
     if not path.exists():
-        raise LookupError(f"{target!r} is neither a family ({', '.join(FAMILIES)}) nor a path to a saved model"
-                          " or config.json")
-    return [({"path": row.path, "layer": row.layer, "mixer_class": row.mixer_class, "family": row.family,
-              "kind": row.kind}, row.head, row.available, row.unavailable) for row in _model_support(path)]
+        raise LookupError(
+            f"{target!r} is neither a family ({', '.join(FAMILIES)}) nor a path to a saved model or config.json"
+        )
+    return [
+        (
+            {
+                "path": row.path,
+                "layer": row.layer,
+                "mixer_class": row.mixer_class,
+                "family": row.family,
+                "kind": row.kind,
+            },
+            row.head,
+            row.available,
+            row.unavailable,
+        )
+        for row in _model_support(path)
+    ]
 
 
 def _family_entry(mixer: Any) -> Entry:
@@ -80,8 +102,12 @@ def _family_entry(mixer: Any) -> Entry:
     from .engine.support import available_of, limits_of
 
     kind = mixer.kind
-    return ({"family": mixer.name, "mixer_class": mixer.mixer_class, "kind": kind.__name__, "state": kind.STATE},
-            f"{mixer.name}: {mixer.mixer_class} -> {kind.__name__}", available_of(kind), limits_of(mixer))
+    return (
+        {"family": mixer.name, "mixer_class": mixer.mixer_class, "kind": kind.__name__, "state": kind.STATE},
+        f"{mixer.name}: {mixer.mixer_class} -> {kind.__name__}",
+        available_of(kind),
+        limits_of(mixer),
+    )
 
 
 def _model_support(path: pathlib.Path) -> list[Any]:
@@ -102,9 +128,14 @@ def _json_row(row: dict[str, Any], head: str, works: tuple[str, ...], limits: di
     from .engine.declare.limits import error_names
     from .engine.support import caveats_of, refused_of
 
-    return {**row, "works": list(works), "caveats": {what: str(why) for what, why in caveats_of(limits).items()},
-            "refused": {what: {"raises": list(error_names(why)), "why": str(why)}
-                        for what, why in refused_of(limits).items()}}
+    return {
+        **row,
+        "works": list(works),
+        "caveats": {what: str(why) for what, why in caveats_of(limits).items()},
+        "refused": {
+            what: {"raises": list(error_names(why)), "why": str(why)} for what, why in refused_of(limits).items()
+        },
+    }
 
 
 def _table(entries: list[Entry]) -> str:

@@ -57,9 +57,11 @@ def main() -> None:
     task, model = MQAR(), load_toy("mamba2")
     names = {t: f"k{t - task.key_tokens.start}" for t in task.key_tokens}
     names |= {t: f"v{t - task.value_tokens.start}" for t in task.value_tokens}
-    print(f"{type(model).__name__} trained on multi-query associative recall (recurrent_hooks.toys, no download):"
-          f" {sum(p.numel() for p in model.parameters()):,} parameters, {task.num_pairs} key-value pairs, then"
-          f" {task.num_queries} queries")
+    print(
+        f"{type(model).__name__} trained on multi-query associative recall (recurrent_hooks.toys, no download):"
+        f" {sum(p.numel() for p in model.parameters()):,} parameters, {task.num_pairs} key-value pairs, then"
+        f" {task.num_queries} queries"
+    )
 
     # 1. Read: the state after every token of a prompt.
     clean, corrupt = task.contrast(1, seed=7)
@@ -67,15 +69,17 @@ def main() -> None:
     pair = int(clean.query_pairs[0, -1])
     value = int(task.value_positions[pair])
     right, wrong = int(clean.answers[0, -1]), int(corrupt.answers[0, -1])
-    clean_ids, corrupt_ids = clean.ids[:, :query + 1], corrupt.ids[:, :query + 1]
+    clean_ids, corrupt_ids = clean.ids[:, : query + 1], corrupt.ids[:, : query + 1]
     with watch(model, keep=("states", "windows")) as run, torch.no_grad():
         logits = model(clean_ids).logits
     mixer = run.mixers[0]
     print(f"\n1. prompt: {' '.join(names.get(int(t), 'bos') for t in clean_ids[0])}")
     print(f"   {mixer}: states {tuple(mixer.states.shape)} (batch, seq, heads, head_dim, d_state)")
     print("   state norm per token:", " ".join(f"{n:.1f}" for n in mixer.states.flatten(2).norm(dim=-1)[0].tolist()))
-    print(f"   the last query asks for k{int(clean.pair_keys[0, pair]) - task.key_tokens.start}: answer"
-          f" {names[int(logits[0, query].argmax())]} (right: {names[right]})")
+    print(
+        f"   the last query asks for k{int(clean.pair_keys[0, pair]) - task.key_tokens.start}: answer"
+        f" {names[int(logits[0, query].argmax())]} (right: {names[right]})"
+    )
 
     # 2. Patch: the corrupt prompt changes that pair's value; write the clean memory after the value token.
     def answer(write=None):
@@ -91,8 +95,10 @@ def main() -> None:
         "state only": answer(lambda w: [m.set_state_after(value, memory[m.layer].state) for m in w.mixers]),
         "whole memory": answer(lambda w: w.set_memory_after(value, memory)),
     }
-    print(f"\n2. patch: the corrupt prompt gives pair {pair} the value {names[wrong]}; write the clean run's memory"
-          f" after token {value} (the value) into it, in every layer:")
+    print(
+        f"\n2. patch: the corrupt prompt gives pair {pair} the value {names[wrong]}; write the clean run's memory"
+        f" after token {value} (the value) into it, in every layer:"
+    )
     for name, (token, margin) in rows.items():
         print(f"   {name:>12}: answer {token}, logit({names[right]}) - logit({names[wrong]}) = {margin:+.2f}")
     print("   right after the value token, only the convolution window holds it: the state alone does nothing")
@@ -112,6 +118,8 @@ def main() -> None:
 
     result = attribute(model, clean_ids[0], corrupt_ids[0], metric)  # one pair, [seq]: [layers, seq]
     layer, token = divmod(int(result.memory.argmax()), result.memory.shape[1])
-    print(f"\n4. attribution from one backward: the largest estimated effect is layer {result.layers[layer]},"
-          f" after token {token}; no token before the value ({value}) matters:"
-          f" max |estimate| there {result.memory[:, :value].abs().max():.1e}")
+    print(
+        f"\n4. attribution from one backward: the largest estimated effect is layer {result.layers[layer]},"
+        f" after token {token}; no token before the value ({value}) matters:"
+        f" max |estimate| there {result.memory[:, :value].abs().max():.1e}"
+    )

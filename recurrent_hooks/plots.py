@@ -1,7 +1,7 @@
 """Figures of sweeps, state norms and attention maps: `recurrent_hooks.studies.plots`, by its public name.
 
-    from recurrent_hooks import plots
-    fig = plots.sweep_heatmap(sweep)
+from recurrent_hooks import plots
+fig = plots.sweep_heatmap(sweep)
 """
 
 from .studies.plots import attention_map as attention_map

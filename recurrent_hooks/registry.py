@@ -40,19 +40,32 @@ from .kinds.zaya import CompressedConvolutionalAttention
 
 def _several_per_layer(how: str) -> dict[str, Refused]:
     """The limit of a family whose decoder layers hold several mixers that share the layer's `layer_idx`."""
-    return {"one memory per layer": Refused(
-        Unavailable, f"{how}, each its own mixer sharing the layer's layer_idx: Watch.memory_after,"
-        " Watch.set_memory_after and patching_sweep raise for such a model ('have several mixers each'); use each"
-        " mixer's own memory_after / set_memory_after, and w.mixer(layer) is the first of the layer's mixers (module"
-        " order)")}
+    return {
+        "one memory per layer": Refused(
+            Unavailable,
+            f"{how}, each its own mixer sharing the layer's layer_idx: Watch.memory_after,"
+            " Watch.set_memory_after and patching_sweep raise for such a model ('have several mixers each'); use each"
+            " mixer's own memory_after / set_memory_after, and w.mixer(layer) is the first of the layer's mixers"
+            " (module"
+            " order)",
+        )
+    }
 
 
 # transformers 5.25's Inkling2LoopModel.forward deep-copies the cache layers of the looped passes, which by then hold
 # tensors; dynamo refuses that in a full graph, with or without a watch (5.24's layers held none yet).
-_INKLING2_LOOP_COMPILE = {"torch.compile(fullgraph=True)": Refused(
-    RuntimeError, "transformers 5.25's Inkling2LoopModel.forward deep-copies cache layers that hold tensors, which"
-    " dynamo refuses in a full graph (torch._dynamo.exc.Unsupported, a RuntimeError), watched or not;"
-    " torch.compile without fullgraph breaks the graph there and runs watched")} if is_at_least(5, 25) else {}
+_INKLING2_LOOP_COMPILE = (
+    {
+        "torch.compile(fullgraph=True)": Refused(
+            RuntimeError,
+            "transformers 5.25's Inkling2LoopModel.forward deep-copies cache layers that hold tensors, which"
+            " dynamo refuses in a full graph (torch._dynamo.exc.Unsupported, a RuntimeError), watched or not;"
+            " torch.compile without fullgraph breaks the graph there and runs watched",
+        )
+    }
+    if is_at_least(5, 25)
+    else {}
+)
 
 register(
     Family("qwen3_next", {"Qwen3NextGatedDeltaNet": GatedDeltaNet}),
@@ -75,29 +88,49 @@ register(
     Family("nemotron_h", {"NemotronHMamba2Mixer": Mamba2StateSpace}),
     Family("zamba2", {"Zamba2MambaMixer": Mamba2StateSpace}),
     # the block's forward (the window) is the mixer class's; the recurrence is a method of its RG-LRU class
-    Family("recurrent_gemma", {"RecurrentGemmaRecurrentBlock": RealGatedLinearRecurrence},
-           owners={"_rnn_scan": "RecurrentGemmaRglru"}),
+    Family(
+        "recurrent_gemma",
+        {"RecurrentGemmaRecurrentBlock": RealGatedLinearRecurrence},
+        owners={"_rnn_scan": "RecurrentGemmaRglru"},
+    ),
     Family("rwkv", {"RwkvSelfAttention": WeightedKeyValue}),
     Family("minimax", {"MiniMaxLightningAttention": LightningAttention}),
     Family("lfm2", {"Lfm2ShortConv": ShortConvolution}),
     Family("lfm2_moe", {"Lfm2MoeShortConv": ShortConvolution}),
     Family("lfm3", {"Lfm3ShortConv": ShortConvolution}),
-    Family("inkling", {"InklingShortConvolution": ShortConvolution},
-           limits=_several_per_layer("inkling runs four short convolutions in each decoder layer")),
+    Family(
+        "inkling",
+        {"InklingShortConvolution": ShortConvolution},
+        limits=_several_per_layer("inkling runs four short convolutions in each decoder layer"),
+    ),
     # static convolutions in the linear layers, dynamic ones of the keys and values in the full-attention layers
-    Family("inkling2", {"Inkling2ShortConvolution": ShortConvolution,
-                        "Inkling2DynamicShortConvolution": DynamicShortConvolution},
-           limits=_several_per_layer("inkling2 runs four short convolutions in each decoder layer (two of them"
-                                     " dynamic in its full-attention layers)")),
-    Family("inkling2_loop", {"Inkling2LoopShortConvolution": LoopedShortConvolution,
-                             "Inkling2LoopDynamicShortConvolution": LoopedDynamicShortConvolution},
-           limits={**_several_per_layer("inkling2_loop runs four short convolutions in each decoder layer (two of them"
-                                        " dynamic in its full-attention layers), and a mixer per pass of a looped"
-                                        " layer"),
-                   **_INKLING2_LOOP_COMPILE}),
+    Family(
+        "inkling2",
+        {"Inkling2ShortConvolution": ShortConvolution, "Inkling2DynamicShortConvolution": DynamicShortConvolution},
+        limits=_several_per_layer(
+            "inkling2 runs four short convolutions in each decoder layer (two of them"
+            " dynamic in its full-attention layers)"
+        ),
+    ),
+    Family(
+        "inkling2_loop",
+        {
+            "Inkling2LoopShortConvolution": LoopedShortConvolution,
+            "Inkling2LoopDynamicShortConvolution": LoopedDynamicShortConvolution,
+        },
+        limits={
+            **_several_per_layer(
+                "inkling2_loop runs four short convolutions in each decoder layer (two of them"
+                " dynamic in its full-attention layers), and a mixer per pass of a looped"
+                " layer"
+            ),
+            **_INKLING2_LOOP_COMPILE,
+        },
+    ),
     # the kernels are partials captured by each layer's backend object when the model is built
-    Family("xlstm", {"xLSTMLayer": MatrixLSTM},
-           owners={"_inference_fn": "mlstm_backend", "_train_fn": "mlstm_backend"}),
+    Family(
+        "xlstm", {"xLSTMLayer": MatrixLSTM}, owners={"_inference_fn": "mlstm_backend", "_train_fn": "mlstm_backend"}
+    ),
     Family("zaya", {"ZayaCCAProjection": CompressedConvolutionalAttention}),
 )
 
@@ -113,9 +146,15 @@ def _external_xlstm_rows() -> tuple[Unsupported, ...]:
     """With the xlstm package, transformers' xLSTM blocks are xlstm's mLSTMBlock: none of MatrixLSTM's kernels."""
     if not _external_xlstm():
         return ()
-    return (Unsupported("xlstm", "xLSTMBlock", "the xlstm package is installed, so transformers builds xlstm's own"
-                        " mLSTMBlock (modeling_xlstm.external_xlstm is True), which calls none of the kernels the"
-                        " MatrixLSTM kind rebinds; uninstall xlstm to watch xLSTM models"),)
+    return (
+        Unsupported(
+            "xlstm",
+            "xLSTMBlock",
+            "the xlstm package is installed, so transformers builds xlstm's own"
+            " mLSTMBlock (modeling_xlstm.external_xlstm is True), which calls none of the kernels the"
+            " MatrixLSTM kind rebinds; uninstall xlstm to watch xLSTM models",
+        ),
+    )
 
 
 register(*_external_xlstm_rows())

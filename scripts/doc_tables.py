@@ -63,7 +63,7 @@ def api_table(text: str) -> str:
     lines = text.splitlines()
     start, end = _table(lines, API_HEADER)
     rows = [f"| {m.name} | `{m.mixer_class}` | `{m.kind.__name__}` |" for m in registry_rows()]
-    return "\n".join(lines[:start + 2] + rows + lines[end:]) + "\n"
+    return "\n".join(lines[: start + 2] + rows + lines[end:]) + "\n"
 
 
 def legend_table(text: str) -> str:
@@ -71,7 +71,7 @@ def legend_table(text: str) -> str:
     lines = text.splitlines()
     start, end = _table(lines, LEGEND_HEADER)
     rows = [f"| `{term}` | {meaning.replace('|', chr(92) + '|')} |" for term, meaning in LEGEND.items()]
-    return "\n".join(lines[:start + 2] + rows + lines[end:]) + "\n"
+    return "\n".join(lines[: start + 2] + rows + lines[end:]) + "\n"
 
 
 def _first_line(kind: type) -> str:
@@ -91,7 +91,7 @@ def kind_table(text: str, page: str) -> str:
     """The page with each kind row's families cell from the registry, and a row for a kind without one."""
     by_kind, lines = families_by_kind(), text.splitlines()
     start, end = _table(lines, KIND_TABLES[page])
-    covered, rows = set(), lines[start + 2:end]
+    covered, rows = set(), lines[start + 2 : end]
     for i, line in enumerate(rows):
         cells = _cells(line)
         named = [name for name in re.findall(r"`(\w+)`", cells[0]) if name in by_kind]
@@ -106,7 +106,7 @@ def kind_table(text: str, page: str) -> str:
         rows[i] = "| " + " | ".join(cells) + " |"
     kinds = dict.fromkeys(mixer.kind for mixer in registry_rows())
     rows += [_new_row(page, kind, by_kind[kind.__name__]) for kind in kinds if kind.__name__ not in covered]
-    return "\n".join(lines[:start + 2] + rows + lines[end:]) + "\n"
+    return "\n".join(lines[: start + 2] + rows + lines[end:]) + "\n"
 
 
 def generated() -> dict[str, str]:

@@ -56,8 +56,19 @@ STAGES = ("versions", "suite", "benchmarks", "calibration-bfloat16", "calibratio
 # cores, 165 at most (3 minutes is 180; 91 s measured on a busy 2-core machine)
 BUDGETS = {"versions": 45, "suite": 150, "benchmarks": 150, "calibration-bfloat16": 60, "calibration-float32": 60}
 QUICK_BUDGETS = {"versions": 30, "suite": 45, "benchmarks": 60, "calibration-bfloat16": 15, "calibration-float32": 15}
-PACKAGES = ("torch", "transformers", "flash-linear-attention", "fla-core", "kernels", "causal-conv1d", "mamba-ssm",
-            "triton", "accelerate", "pytest", "pytest-xdist")
+PACKAGES = (
+    "torch",
+    "transformers",
+    "flash-linear-attention",
+    "fla-core",
+    "kernels",
+    "causal-conv1d",
+    "mamba-ssm",
+    "triton",
+    "accelerate",
+    "pytest",
+    "pytest-xdist",
+)
 HIDDEN = "fla"  # what the suite's run without fla hides
 MB = 2**20
 
@@ -71,8 +82,18 @@ def _child(name: str, args: argparse.Namespace, budget: float) -> dict[str, Any]
     stages = pathlib.Path(args.out) / "stages"
     log, result = stages / f"{name}.log", stages / f"{name}.json"
     result.unlink(missing_ok=True)
-    argv = [sys.executable, str(pathlib.Path(__file__).resolve()), "--stage", name, "--out", args.out,
-            "--device", args.device, "--budget", str(budget)] + (["--quick"] if args.quick else [])
+    argv = [
+        sys.executable,
+        str(pathlib.Path(__file__).resolve()),
+        "--stage",
+        name,
+        "--out",
+        args.out,
+        "--device",
+        args.device,
+        "--budget",
+        str(budget),
+    ] + (["--quick"] if args.quick else [])
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if name == "benchmarks" and args.device == "cpu":  # glibc hands large frees back: RSS follows the tensors
         env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", MALLOC_ARENA_MAX="2")
@@ -95,13 +116,21 @@ def _child(name: str, args: argparse.Namespace, budget: float) -> dict[str, Any]
         status = "failed"
     else:
         status = wrote.get("status", "passed")
-    return {"status": status, "seconds": round(seconds, 1), "budget": budget, "returncode": child.returncode,
-            "result": wrote, "log": str(log.relative_to(args.out)), "log tail": tail if status != "passed" else []}
+    return {
+        "status": status,
+        "seconds": round(seconds, 1),
+        "budget": budget,
+        "returncode": child.returncode,
+        "result": wrote,
+        "log": str(log.relative_to(args.out)),
+        "log tail": tail if status != "passed" else [],
+    }
 
 
 def _wait(child: subprocess.Popen, budget: float, group: bool = False) -> bool:
     """Wait for `child` up to `budget` seconds; then SIGINT, and SIGKILL 20 s later (to its process group where
     `group`: a child started in a session of its own). Whether it ran out of time."""
+
     def send(sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(child.pid, sig) if group else child.send_signal(sig)
@@ -128,24 +157,34 @@ def main(argv: list[str] | None = None) -> int:
     (out / "stages").mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through `_child`, which stops its stage
     budgets = QUICK_BUDGETS if args.quick else BUDGETS
-    run = {"command": " ".join(["python", "scripts/gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
-           "device": args.device, "quick": args.quick, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-           "stages": {}}
+    run = {
+        "command": " ".join(["python", "scripts/gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
+        "device": args.device,
+        "quick": args.quick,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "stages": {},
+    }
     start = time.monotonic()
     for name in args.stages.split(",") if args.stages else STAGES:
         print(f"gpu_check: {name} (budget {budgets[name]} s)", file=sys.stderr, flush=True)
         run["stages"][name] = _child(name, args, budgets[name])
         run["wall seconds"] = round(time.monotonic() - start, 1)
         write_report(out, run)
-        print(f"gpu_check: {name}: {run['stages'][name]['status']} in {run['stages'][name]['seconds']} s",
-              file=sys.stderr, flush=True)
+        print(
+            f"gpu_check: {name}: {run['stages'][name]['status']} in {run['stages'][name]['seconds']} s",
+            file=sys.stderr,
+            flush=True,
+        )
     shutil.rmtree(out / "stages" / "scratch", ignore_errors=True)
     # the stages' logs and results in one file: DIR holds 4 (the device tool brings back at most 8)
     shutil.make_archive(str(out / "stages"), "gztar", out, "stages")
     shutil.rmtree(out / "stages")
     failed = [name for name, stage in run["stages"].items() if stage["status"] != "passed"]
-    print(f"gpu_check: report in {out / 'report.md'}; {len(failed)} stage(s) not passed"
-          + (f": {', '.join(failed)}" if failed else ""), file=sys.stderr)
+    print(
+        f"gpu_check: report in {out / 'report.md'}; {len(failed)} stage(s) not passed"
+        + (f": {', '.join(failed)}" if failed else ""),
+        file=sys.stderr,
+    )
     return 1 if failed else 0
 
 
@@ -190,14 +229,19 @@ def stage_versions(args: argparse.Namespace) -> int:
     import transformers.utils.import_utils as imports
 
     device = torch.device(args.device)
-    found = {"python": platform.python_version(), **{name: _version(name) for name in PACKAGES},
-             "fla importable": importlib.util.find_spec("fla") is not None,
-             "transformers binds fla": bool(getattr(imports, "is_flash_linear_attention_available", bool)()),
-             "recurrent_hooks": _library_version()}
+    found = {
+        "python": platform.python_version(),
+        **{name: _version(name) for name in PACKAGES},
+        "fla importable": importlib.util.find_spec("fla") is not None,
+        "transformers binds fla": bool(getattr(imports, "is_flash_linear_attention_available", bool)()),
+        "recurrent_hooks": _library_version(),
+    }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        found["device"] = (f"{props.name}, {props.total_memory / 2**30:.0f} GiB, compute capability"
-                           f" {props.major}.{props.minor}, {props.multi_processor_count} multiprocessors")
+        found["device"] = (
+            f"{props.name}, {props.total_memory / 2**30:.0f} GiB, compute capability"
+            f" {props.major}.{props.minor}, {props.multi_processor_count} multiprocessors"
+        )
         found["CUDA (torch built for)"] = torch.version.cuda
     else:
         found["device"] = f"{device.type}: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
@@ -213,18 +257,20 @@ def _library_version() -> str:
 
 # -- the suite on the device -----------------------------------------------------------------------------------------
 
-RUNNER = ("import os, sys\n"
-          "for name in filter(None, os.environ.get('GPU_CHECK_HIDE', '').split(',')):\n"
-          "    sys.modules[name] = None  # importlib.util.find_spec gives None: transformers finds no such package\n"
-          "import pytest\n"
-          "sys.exit(pytest.main(sys.argv[1:]))\n")
+RUNNER = (
+    "import os, sys\n"
+    "for name in filter(None, os.environ.get('GPU_CHECK_HIDE', '').split(',')):\n"
+    "    sys.modules[name] = None  # importlib.util.find_spec gives None: transformers finds no such package\n"
+    "import pytest\n"
+    "sys.exit(pytest.main(sys.argv[1:]))\n"
+)
 
 
 def ci_quick_files(ci: pathlib.Path = ROOT / ".ci" / "run") -> list[str]:
     """The test files of `.ci/run`'s quick run (the kernel-equivalence and contract tests, one family per kind)."""
     text = ci.read_text()
     start = text.find("--one-family-per-kind tests/")
-    files = re.findall(r"tests/\w+/test_\w+\.py", text[start:text.find("||", start)]) if start >= 0 else []
+    files = re.findall(r"tests/\w+/test_\w+\.py", text[start : text.find("||", start)]) if start >= 0 else []
     if not files:
         raise SystemExit(f"no test files after '--one-family-per-kind' in {ci}: its quick run has changed")
     return files
@@ -247,19 +293,42 @@ def stage_suite(args: argparse.Namespace) -> int:
     runs = {}
     for name, hide in variants.items():
         xml = stages / f"suite {name}.xml".replace(" ", "-")
-        argv = [sys.executable, "-c", RUNNER, "-q", "-p", "no:cacheprovider", "--device", args.device,
-                "--one-family-per-kind", "-rfEs", f"--junitxml={xml}", *workers, *files]
+        argv = [
+            sys.executable,
+            "-c",
+            RUNNER,
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--device",
+            args.device,
+            "--one-family-per-kind",
+            "-rfEs",
+            f"--junitxml={xml}",
+            *workers,
+            *files,
+        ]
         log = open(stages / f"suite {name}.log".replace(" ", "-"), "w")
-        runs[name] = (subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                       env=dict(os.environ, GPU_CHECK_HIDE=hide)), xml, log, time.monotonic())
+        runs[name] = (
+            subprocess.Popen(
+                argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, GPU_CHECK_HIDE=hide)
+            ),
+            xml,
+            log,
+            time.monotonic(),
+        )
     result = {"files": files, "notes": notes, "variants": dict(missing)}
     for name, (child, xml, log, start) in runs.items():
         # stopped before the parent stops this stage, so that pytest writes its report
         timed_out = _wait(child, max(5.0, 0.85 * args.budget - (time.monotonic() - start)))
         log.close()
         counts = _junit(xml)
-        counts.update(returncode=child.returncode, seconds=round(time.monotonic() - start, 1),
-                      log=pathlib.Path(log.name).name, **({"timed out": True} if timed_out else {}))
+        counts.update(
+            returncode=child.returncode,
+            seconds=round(time.monotonic() - start, 1),
+            log=pathlib.Path(log.name).name,
+            **({"timed out": True} if timed_out else {}),
+        )
         result["variants"][name] = counts
     passed = not missing and all(v["returncode"] == 0 and not v.get("timed out") for v in result["variants"].values())
     result["status"] = "passed" if passed else "failed"
@@ -292,16 +361,28 @@ def _models(quick: bool) -> dict[str, tuple[str, Callable[[], Any]]]:
     import run as bench  # benchmarks/run.py's builders
 
     if quick:
-        return {"qwen3_5": ("Qwen3.5-like hybrid at quick dims: hidden 64, 4 value heads of 16, 4 layers (3:1)",
-                            lambda: bench._gdn(64, 2, 4, 16, 128, ["linear_attention"] * 3 + ["full_attention"])),
-                "mamba2": ("Mamba-2 at quick dims: hidden 64, 4 heads of 32, state 16, chunk 16, 4 layers",
-                           lambda: bench._mamba2(64, 4, 32, 16, 16, layers=4))}
+        return {
+            "qwen3_5": (
+                "Qwen3.5-like hybrid at quick dims: hidden 64, 4 value heads of 16, 4 layers (3:1)",
+                lambda: bench._gdn(64, 2, 4, 16, 128, ["linear_attention"] * 3 + ["full_attention"]),
+            ),
+            "mamba2": (
+                "Mamba-2 at quick dims: hidden 64, 4 heads of 32, state 16, chunk 16, 4 layers",
+                lambda: bench._mamba2(64, 4, 32, 16, 16, layers=4),
+            ),
+        }
     return {
-        "qwen3_5": (("Qwen3.5-0.8B-like hybrid: hidden 1024, gated DeltaNet 16 key / 16 value heads of 128, MLP 3584,"
-                     " attention 8/2 heads of 128 (the checkpoint's: 256), 24 layers in its 3:1 pattern, vocab 1024"),
-                    lambda: bench._gdn(1024, 16, 16, 128, 3584, (["linear_attention"] * 3 + ["full_attention"]) * 6)),
-        "mamba2": ("mamba2-130m: hidden 768, 24 heads of 64, state 128, chunk 256, 24 layers, vocab 1024",
-                   lambda: bench._mamba2(768, 24, 64, 128, 256, layers=24)),
+        "qwen3_5": (
+            (
+                "Qwen3.5-0.8B-like hybrid: hidden 1024, gated DeltaNet 16 key / 16 value heads of 128, MLP 3584,"
+                " attention 8/2 heads of 128 (the checkpoint's: 256), 24 layers in its 3:1 pattern, vocab 1024"
+            ),
+            lambda: bench._gdn(1024, 16, 16, 128, 3584, (["linear_attention"] * 3 + ["full_attention"]) * 6),
+        ),
+        "mamba2": (
+            "mamba2-130m: hidden 768, 24 heads of 64, state 128, chunk 256, 24 layers, vocab 1024",
+            lambda: bench._mamba2(768, 24, 64, 128, 256, layers=24),
+        ),
     }
 
 
@@ -324,8 +405,10 @@ def benchmark_rows(model: Any, ids: Any, scratch: pathlib.Path) -> dict[str, Cal
     zeros = {m.layer: torch.zeros_like(m.state_after(0)) for m in w.mixers}
     heads, rows, cols = state.shape[1:]
     generator = torch.Generator().manual_seed(0)
-    probe = rh.probe(torch.randn(heads, 8, rows, generator=generator).to(device, state.dtype),
-                     torch.randn(heads, 8, cols, generator=generator).to(device, state.dtype))
+    probe = rh.probe(
+        torch.randn(heads, 8, rows, generator=generator).to(device, state.dtype),
+        torch.randn(heads, 8, cols, generator=generator).to(device, state.dtype),
+    )
     positions = bench.positions(tokens)
     corrupt = ids.clone()
     corrupt[:, tokens // 2] = (corrupt[:, tokens // 2] + 1) % bench.VOCAB
@@ -356,8 +439,15 @@ def benchmark_rows(model: Any, ids: Any, scratch: pathlib.Path) -> dict[str, Cal
     def harvest(reduce):
         out = scratch / "harvest"
         shutil.rmtree(out, ignore_errors=True)
-        rh.harvest(model, [ids], out, keep=("states",), reduce={"states": reduce}, progress=False,
-                   forward_kwargs={"use_cache": False})
+        rh.harvest(
+            model,
+            [ids],
+            out,
+            keep=("states",),
+            reduce={"states": reduce},
+            progress=False,
+            forward_kwargs={"use_cache": False},
+        )
         shutil.rmtree(out)
 
     return {
@@ -369,9 +459,11 @@ def benchmark_rows(model: Any, ids: Any, scratch: pathlib.Path) -> dict[str, Cal
         "harvest: a norm of every layer's state": lambda: harvest(bench._per_token_norm),
         "harvest: a rank-8 probe of every layer's state": lambda: harvest(probe),
         "a sweep cell (layer 0, one position; its clean and corrupt runs included)": lambda: rh.patching_sweep(
-            model, ids[0], corrupt[0], metric, layers=[first], positions=[tokens // 2], progress=False),
-        "rh.attribute over 2 layers": lambda: rh.attribute(model, ids, corrupt, metric, layers=[first, second],
-                                                         forward_kwargs={"use_cache": False}),
+            model, ids[0], corrupt[0], metric, layers=[first], positions=[tokens // 2], progress=False
+        ),
+        "rh.attribute over 2 layers": lambda: rh.attribute(
+            model, ids, corrupt, metric, layers=[first, second], forward_kwargs={"use_cache": False}
+        ),
     }
 
 
@@ -442,9 +534,11 @@ def time_rows(rows: dict[str, Callable[[], Any]], device: Any, rounds: int, dead
     reference = out["plain forward"]["seconds"]
     for row in out.values():
         ratios = [a / b for a, b in zip(row["seconds"], reference)] if not row["error"] else []
-        row.update(ratio=statistics.median(ratios) if ratios else None,
-                   range=[min(ratios), max(ratios)] if ratios else None,
-                   median_s=statistics.median(row["seconds"]) if row["seconds"] else None)
+        row.update(
+            ratio=statistics.median(ratios) if ratios else None,
+            range=[min(ratios), max(ratios)] if ratios else None,
+            median_s=statistics.median(row["seconds"]) if row["seconds"] else None,
+        )
     return out
 
 
@@ -459,10 +553,18 @@ def stage_benchmarks(args: argparse.Namespace) -> int:
     scratch = pathlib.Path(args.out) / "stages" / "scratch"
     scratch.mkdir(exist_ok=True)
     deadline = time.monotonic() + args.budget * 0.8
-    result = {"dtype": str(dtype).removeprefix("torch."), "tokens": tokens, "batch": 1, "rounds": rounds,
-              "memory": ("torch.cuda.max_memory_allocated during the row less the bytes allocated before it"
-                         if device.type == "cuda" else "peak RSS during the row less the RSS before it (VmHWM)"),
-              "models": {}}
+    result = {
+        "dtype": str(dtype).removeprefix("torch."),
+        "tokens": tokens,
+        "batch": 1,
+        "rounds": rounds,
+        "memory": (
+            "torch.cuda.max_memory_allocated during the row less the bytes allocated before it"
+            if device.type == "cuda"
+            else "peak RSS during the row less the RSS before it (VmHWM)"
+        ),
+        "models": {},
+    }
     models = _models(args.quick)
     for key, (label, build) in models.items():
         share = (deadline - time.monotonic()) / (len(models) - list(models).index(key))
@@ -479,8 +581,12 @@ def stage_benchmarks(args: argparse.Namespace) -> int:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    failed = [f"{key}: {name}" for key, model in result["models"].items()
-              for name, row in model["rows"].items() if row.get("error")]
+    failed = [
+        f"{key}: {name}"
+        for key, model in result["models"].items()
+        for name, row in model["rows"].items()
+        if row.get("error")
+    ]
     result["status"] = "failed" if failed else "passed"
     _save(args, result)
     return 1 if failed else 0
@@ -529,7 +635,8 @@ def stage_calibration(args: argparse.Namespace) -> int:
     data = json.loads(costs.read_text())
     if dtype != torch.float32:  # `write` says float32: these arguments were cast
         data[key]["measured"] = data[key]["measured"].replace(
-            "float32", f"{str(dtype).removeprefix('torch.')} (the arguments cast by scripts/gpu_check.py)")
+            "float32", f"{str(dtype).removeprefix('torch.')} (the arguments cast by scripts/gpu_check.py)"
+        )
     data[key]["measured"] += " --quick: a smoke run, not constants to ship" if args.quick else ""
     costs.write_text(json.dumps(data, indent=2) + "\n")
     _save(args, {"status": "passed", "key": key, "file": "costs.json", "entry": data[key]})
@@ -548,9 +655,16 @@ def write_report(out: pathlib.Path, run: dict[str, Any]) -> None:
     calibration)."""
     (out / "report.json").write_text(json.dumps(run, indent=1, default=str) + "\n")
     stages = run["stages"]
-    lines = [f"# GPU check: {run['device']}{' (--quick)' if run['quick'] else ''}", "",
-             f"`{run['command']}`, started {run['started']}, {run.get('wall seconds', 0):.0f} s in all.", "",
-             "## Stages", "", "| stage | status | seconds | budget |", "| --- | --- | --- | --- |"]
+    lines = [
+        f"# GPU check: {run['device']}{' (--quick)' if run['quick'] else ''}",
+        "",
+        f"`{run['command']}`, started {run['started']}, {run.get('wall seconds', 0):.0f} s in all.",
+        "",
+        "## Stages",
+        "",
+        "| stage | status | seconds | budget |",
+        "| --- | --- | --- | --- |",
+    ]
     lines += [f"| {name} | {s['status']} | {s['seconds']:.0f} | {s['budget']:.0f} |" for name, s in stages.items()]
     for name, stage in stages.items():
         if stage["log tail"]:
@@ -579,8 +693,11 @@ def _suite_lines(suite: dict[str, Any]) -> list[str]:
             lines.append(f"- {name}: NOT RUN: {v['not run']}")
             continue
         counts = ", ".join(f"{v[k]} {k}" for k in ("passed", "failed", "errors", "skipped") if k in v)
-        lines.append(f"- {name}: {counts or v.get('junit')}; exit {v['returncode']}, {v['seconds']:.0f} s"
-                     + (", TIMED OUT" if v.get("timed out") else "") + f" (log: stages/{v['log']})")
+        lines.append(
+            f"- {name}: {counts or v.get('junit')}; exit {v['returncode']}, {v['seconds']:.0f} s"
+            + (", TIMED OUT" if v.get("timed out") else "")
+            + f" (log: stages/{v['log']})"
+        )
         lines += [f"  - {failure}" for failure in v.get("failures", [])[:40]]
     return lines
 
@@ -588,19 +705,30 @@ def _suite_lines(suite: dict[str, Any]) -> list[str]:
 def _benchmark_lines(bench: dict[str, Any]) -> list[str]:
     if not bench:
         return ["not run, or it wrote nothing (see Stages)"]
-    lines = [(f"{bench['dtype']}, batch {bench['batch']}, T = {bench['tokens']}, median over {bench['rounds']}"
-              " interleaved rounds after a warm-up round of each row's time over the plain forward's in the same"
-              f" round. Peak memory: {bench['memory']}.")]
+    lines = [
+        (
+            f"{bench['dtype']}, batch {bench['batch']}, T = {bench['tokens']}, median over {bench['rounds']}"
+            " interleaved rounds after a warm-up round of each row's time over the plain forward's in the same"
+            f" round. Peak memory: {bench['memory']}."
+        )
+    ]
     for key, model in bench["models"].items():
-        lines += ["", f"{key}: {model['label']} ({model.get('layers', '?')} layers)", "",
-                  "| row | time / plain forward | range | median s | peak MB |", "| --- | --- | --- | --- | --- |"]
+        lines += [
+            "",
+            f"{key}: {model['label']} ({model.get('layers', '?')} layers)",
+            "",
+            "| row | time / plain forward | range | median s | peak MB |",
+            "| --- | --- | --- | --- | --- |",
+        ]
         for name, row in model["rows"].items():
             if row.get("error"):
                 lines.append(f"| {name} | ERROR: {row['error']} | | | |")
                 continue
             spread = "-" if not row.get("range") else f"{row['range'][0]:.2f}-{row['range'][1]:.2f}"
-            lines.append(f"| {name} | {_fmt(row.get('ratio'), '.2f')} | {spread} | {_fmt(row.get('median_s'), '.4f')}"
-                         f" | {_fmt(row.get('peak MB'), '.1f')} |")
+            lines.append(
+                f"| {name} | {_fmt(row.get('ratio'), '.2f')} | {spread} | {_fmt(row.get('median_s'), '.4f')}"
+                f" | {_fmt(row.get('peak MB'), '.1f')} |"
+            )
     return lines
 
 

@@ -72,6 +72,7 @@ def main() -> None:
     check(directory, device)
     if args.sweep:
         import sweep_ranks  # (scripts/, this script's folder, is on sys.path)
+
         sweep_ranks.check(directory / "sweep", device)
     dist.barrier()
     dist.destroy_process_group()
@@ -95,8 +96,10 @@ def check(directory: pathlib.Path, device: torch.device) -> None:
     ran = [i for i in range(3) if i % world == rank]
     on_disk = sorted(p.name for p in (split / "shards").glob("*.json"))
     if (split / "manifest.json").exists() or not set(f"{i:06d}.json" for i in ran) <= set(on_disk):
-        raise AssertionError(f"rank {rank}: after the stop, expected the shards of batches {ran} and no manifest,"
-                             f" found {sorted(p.name for p in split.rglob('*'))}")
+        raise AssertionError(
+            f"rank {rank}: after the stop, expected the shards of batches {ran} and no manifest,"
+            f" found {sorted(p.name for p in split.rglob('*'))}"
+        )
     resumed = rh.harvest(model, data, split, distributed=True, **KEEP)
     if resumed.skipped != len(ran):
         raise AssertionError(f"rank {rank}: the restart skipped {resumed.skipped} batches, expected {len(ran)}")
@@ -107,12 +110,16 @@ def check(directory: pathlib.Path, device: torch.device) -> None:
     for layer in (0, 2):
         for what in ("states", "key"):
             one, two = rh.HarvestDataset(directory / "alone", layer, what), rh.HarvestDataset(split, layer, what)
-            if len(one) != len(two) or any(one[i]["doc"] != two[i]["doc"] or not torch.equal(one[i]["value"],
-                                                                                               two[i]["value"])
-                                           for i in range(len(one))):
+            if len(one) != len(two) or any(
+                one[i]["doc"] != two[i]["doc"] or not torch.equal(one[i]["value"], two[i]["value"])
+                for i in range(len(one))
+            ):
                 raise AssertionError(f"rank {rank}: layer {layer} {what}: the items differ")
-    print(f"rank {rank}/{world} ({device.type}, {dist.get_backend()}): the split harvest and the resumed one equal"
-          " the single-process run", flush=True)
+    print(
+        f"rank {rank}/{world} ({device.type}, {dist.get_backend()}): the split harvest and the resumed one equal"
+        " the single-process run",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -80,8 +80,9 @@ def same_on_every_rank(name: str, value: torch.Tensor) -> None:
 
 
 def close(name: str, expected: torch.Tensor, got: torch.Tensor) -> None:
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6,
-                               msg=lambda m: f"rank {dist.get_rank()}: {name}: {m}")
+    torch.testing.assert_close(
+        got, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {dist.get_rank()}: {name}: {m}"
+    )
 
 
 def main() -> None:
@@ -110,18 +111,32 @@ def check(directory: pathlib.Path, device: torch.device) -> None:
         close(f"heads={heads}: the split sweep vs one process", alone.values, split.values)
         same_on_every_rank(f"heads={heads}: the split sweep", split.values)
         if not heads:  # from the corrupt run's cache: the pieces and cells of the rank's own positions only
-            print(f"rank {rank}/{world}: from the cache, {mine.count} forwards split, {one.count} in one process",
-                  flush=True)
+            print(
+                f"rank {rank}/{world}: from the cache, {mine.count} forwards split, {one.count} in one process",
+                flush=True,
+            )
             if mine.count >= one.count:
-                raise AssertionError(f"rank {rank}: {mine.count} forwards in the split sweep from the cache, not fewer"
-                                     f" than one process's {one.count}")
+                raise AssertionError(
+                    f"rank {rank}: {mine.count} forwards in the split sweep from the cache, not fewer"
+                    f" than one process's {one.count}"
+                )
             from_cache = alone.values  # one process's, also the reference of the resumed sweeps
 
     path = directory / "sweep.pt"
     stopping = Counting(metric, stop_at=3)  # 2 baselines, one round (budget 0: a batch a round), then stopped
     try:  # rounds of clean memories are the per-cell path's (reuse_prefix=False)
-        rh.patching_sweep(model, clean, corrupt, stopping, distributed=True, batch_size=4, budget_bytes=0,
-                          progress=False, checkpoint=path, reuse_prefix=False)
+        rh.patching_sweep(
+            model,
+            clean,
+            corrupt,
+            stopping,
+            distributed=True,
+            batch_size=4,
+            budget_bytes=0,
+            progress=False,
+            checkpoint=path,
+            reuse_prefix=False,
+        )
         raise AssertionError(f"rank {rank}: the sweep was not stopped")
     except Stopped:
         pass
@@ -130,21 +145,38 @@ def check(directory: pathlib.Path, device: torch.device) -> None:
     if not own.is_file() or int(torch.load(own, weights_only=True)["done"].sum()) != 4:
         raise AssertionError(f"rank {rank}: no checkpoint of its first round (4 cells) at {own}")
     resumed = Counting(metric)
-    result = rh.patching_sweep(model, clean, corrupt, resumed, distributed=True, batch_size=4, budget_bytes=0,
-                               progress=False, checkpoint=path, reuse_prefix=False)
+    result = rh.patching_sweep(
+        model,
+        clean,
+        corrupt,
+        resumed,
+        distributed=True,
+        batch_size=4,
+        budget_bytes=0,
+        progress=False,
+        checkpoint=path,
+        reuse_prefix=False,
+    )
     cells = clean.shape[0] * len(result.layers) * T
     share = cells // world - 4  # this rank's share of the cells left (the split is even here)
     if resumed.counter["calls"] != 2 + -(-share // 4):
-        raise AssertionError(f"rank {rank}: {resumed.counter['calls'] - 2} forwards after the restart, expected"
-                             f" {-(-share // 4)} for the {share} cells its share still had")
+        raise AssertionError(
+            f"rank {rank}: {resumed.counter['calls'] - 2} forwards after the restart, expected"
+            f" {-(-share // 4)} for the {share} cells its share still had"
+        )
     close("the resumed sweep vs one process", from_cache, result.values)
     dist.barrier()
     if not path.is_file() or any(directory.glob("sweep.pt.rank*")):
-        raise AssertionError(f"rank {rank}: expected the whole result at {path} and no rank files, found"
-                             f" {sorted(p.name for p in directory.iterdir())}")
+        raise AssertionError(
+            f"rank {rank}: expected the whole result at {path} and no rank files, found"
+            f" {sorted(p.name for p in directory.iterdir())}"
+        )
     resumed_from_cache(model, (clean, corrupt), metric, directory / "from_cache.pt", from_cache)
-    print(f"rank {rank}/{world} ({device.type}, {dist.get_backend()}): the split sweeps and the resumed one equal"
-          " the single-process run", flush=True)
+    print(
+        f"rank {rank}/{world} ({device.type}, {dist.get_backend()}): the split sweeps and the resumed one equal"
+        " the single-process run",
+        flush=True,
+    )
 
 
 def resumed_from_cache(model, prompts, metric, path, expected):
@@ -152,8 +184,16 @@ def resumed_from_cache(model, prompts, metric, path, expected):
     stopped on every rank after its first position, then restarted."""
     (clean, corrupt), rank, world = prompts, dist.get_rank(), dist.get_world_size()
     try:  # 2 baselines, the rank's first position, its second (the first saved), stopped at its third
-        rh.patching_sweep(model, clean, corrupt, Counting(metric, stop_at=4), distributed=True, progress=False,
-                          checkpoint=path, reuse_prefix=True)
+        rh.patching_sweep(
+            model,
+            clean,
+            corrupt,
+            Counting(metric, stop_at=4),
+            distributed=True,
+            progress=False,
+            checkpoint=path,
+            reuse_prefix=True,
+        )
         raise AssertionError(f"rank {rank}: the sweep from the cache was not stopped")
     except Stopped:
         pass
@@ -164,20 +204,24 @@ def resumed_from_cache(model, prompts, metric, path, expected):
         raise AssertionError(f"rank {rank}: its checkpoint holds {int(done.sum())} cells, not one whole position's")
     resumed = Counting(metric)
     with Forwards(model) as mine:
-        result = rh.patching_sweep(model, clean, corrupt, resumed, distributed=True, progress=False, checkpoint=path,
-                                   reuse_prefix=True)
+        result = rh.patching_sweep(
+            model, clean, corrupt, resumed, distributed=True, progress=False, checkpoint=path, reuse_prefix=True
+        )
     rows = torch.tensor([resumed.counter["rows"] - 2 * clean.shape[0]], device=clean.device)  # but the baselines
     dist.all_reduce(rows)
     left, positions_left = done.numel() - world * int(done.sum()), T - world
     if int(rows) != left:
-        raise AssertionError(f"rank {rank}: the ranks ran {int(rows)} cells after the restart, expected the {left}"
-                             " left, each once")
+        raise AssertionError(
+            f"rank {rank}: the ranks ran {int(rows)} cells after the restart, expected the {left} left, each once"
+        )
     # the probe and the baselines (2 + 2), then a piece and at most one batch per position of its share
     most = 4 + 2 * -(-positions_left // world)
     print(f"rank {rank}/{world}: from the cache, resumed, {mine.count} forwards (at most {most})", flush=True)
     if mine.count > most:
-        raise AssertionError(f"rank {rank}: {mine.count} forwards after the restart, more than the {most} of its"
-                             f" share of the {positions_left} positions left")
+        raise AssertionError(
+            f"rank {rank}: {mine.count} forwards after the restart, more than the {most} of its"
+            f" share of the {positions_left} positions left"
+        )
     close("the sweep from the cache resumed vs one process", expected, result.values)
     dist.barrier()
     if not path.is_file() or any(path.parent.glob(f"{path.name}.rank*")):

@@ -42,8 +42,9 @@ T, NEW = 13, 5
 
 
 def close(name: str, expected: torch.Tensor, got: torch.Tensor) -> None:
-    torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL,
-                               msg=lambda m: f"rank {dist.get_rank()}: {name}: {m}")
+    torch.testing.assert_close(
+        got, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"rank {dist.get_rank()}: {name}: {m}"
+    )
 
 
 def save_model(directory: str | None) -> pathlib.Path:
@@ -82,13 +83,23 @@ def watched_run(model, ids, value):
         tokens = model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
     with rh.watch(model, keep=ALL) as generated, torch.no_grad():
         greedy = model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
-    return dict(read=read, logits=logits, written=written, written_logits=written_logits, seen=seen,
-                hooked=hooked, tokens=tokens, generated=generated, greedy=greedy)
+    return dict(
+        read=read,
+        logits=logits,
+        written=written,
+        written_logits=written_logits,
+        seen=seen,
+        hooked=hooked,
+        tokens=tokens,
+        generated=generated,
+        greedy=greedy,
+    )
 
 
 def no_binding_left() -> None:
-    assert not patching._BINDINGS, (f"rank {dist.get_rank()}: bindings left after the watch:"
-                                    f" {sorted(patching._BINDINGS)}")
+    assert not patching._BINDINGS, (
+        f"rank {dist.get_rank()}: bindings left after the watch: {sorted(patching._BINDINGS)}"
+    )
     family = rh.FAMILIES["qwen3_5"]
     for kernel in family.kind.KERNELS:
         bound = getattr(family.module(), kernel.name)
@@ -107,7 +118,8 @@ def main() -> None:
 
     single = transformers.Qwen3_5ForCausalLM.from_pretrained(path).to(device).eval()
     parallel = transformers.Qwen3_5ForCausalLM.from_pretrained(
-        path, distributed_config=DistributedConfig(tp_plan="auto")).eval()
+        path, distributed_config=DistributedConfig(tp_plan="auto")
+    ).eval()
     sharded = [n for n, p in parallel.named_parameters() if isinstance(p.data, torch.distributed.tensor.DTensor)]
     assert sharded, f"rank {rank}: no parameter is a DTensor: the model was not parallelised"
     assert any(".linear_attn." in n for n in sharded), f"rank {rank}: no gated DeltaNet weight is sharded: {sharded}"
@@ -141,8 +153,10 @@ def main() -> None:
     dist.barrier()
     if rank == 0 and args.dir is None:
         shutil.rmtree(path.parent)  # the temporary directory save_model made
-    print(f"rank {rank}/{world} ({device}, {dist.get_backend()}): {len(sharded)} sharded parameters;"
-          f" states, windows, a write, a hook and greedy generate equal the single-process run")
+    print(
+        f"rank {rank}/{world} ({device}, {dist.get_backend()}): {len(sharded)} sharded parameters;"
+        f" states, windows, a write, a hook and greedy generate equal the single-process run"
+    )
     dist.destroy_process_group()
 
 

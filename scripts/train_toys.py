@@ -74,8 +74,12 @@ def main(argv=None) -> None:
     parser.add_argument("--every", type=int, default=250, help="evaluate every this many steps")
     parser.add_argument("--decay-factor", type=float, default=64.0, help="init_for_recall's factor")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--stop-at", type=float, default=None,
-                        help="stop early once the held-out accuracy (every --every steps) reaches this")
+    parser.add_argument(
+        "--stop-at",
+        type=float,
+        default=None,
+        help="stop early once the held-out accuracy (every --every steps) reaches this",
+    )
     parser.add_argument("--max-seconds", type=float, default=None, help="stop after this much training time")
     parser.add_argument("--out", type=Path, required=True, help="where to write the .safetensors file")
     args = parser.parse_args(argv)
@@ -95,7 +99,8 @@ def main(argv=None) -> None:
     other = [p for n, p in trainable if not (p.ndim >= 2 and "embed" not in n)]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": args.weight_decay}, {"params": other, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.98),
+        lr=args.lr,
+        betas=(0.9, 0.98),
     )
 
     def lr_at(step: int) -> float:
@@ -116,8 +121,10 @@ def main(argv=None) -> None:
         scheduler.step()
         if step % args.every == 0 or step == args.steps:
             acc = evaluate(model, task, 512, 10**6 + args.seed)
-            print(f"step {step:5d}  loss {loss.item():.4f}  held-out acc {acc:.4f}"
-                  f"  {time.perf_counter() - start:7.1f} s", flush=True)
+            print(
+                f"step {step:5d}  loss {loss.item():.4f}  held-out acc {acc:.4f}  {time.perf_counter() - start:7.1f} s",
+                flush=True,
+            )
             if args.stop_at is not None and acc >= args.stop_at:
                 print(f"stopping: held-out accuracy {acc:.4f} >= {args.stop_at}", flush=True)
                 break
@@ -137,11 +144,21 @@ def main(argv=None) -> None:
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # tied to the input embedding: stored once
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(args.out), metadata={
-        "toy": args.model, "seed": str(args.seed), "steps": str(steps_done), "schedule_steps": str(args.steps),
-        "batch": str(args.batch), "lr": str(args.lr), "decay_factor": str(args.decay_factor),
-        "accuracy_2048": f"{acc:.4f}", "train_seconds": f"{elapsed:.0f}",
-    })
+    save_file(
+        state,
+        str(args.out),
+        metadata={
+            "toy": args.model,
+            "seed": str(args.seed),
+            "steps": str(steps_done),
+            "schedule_steps": str(args.steps),
+            "batch": str(args.batch),
+            "lr": str(args.lr),
+            "decay_factor": str(args.decay_factor),
+            "accuracy_2048": f"{acc:.4f}",
+            "train_seconds": f"{elapsed:.0f}",
+        },
+    )
     print(f"wrote {args.out} ({args.out.stat().st_size:,} bytes)", flush=True)
 
 

@@ -32,7 +32,7 @@ def main() -> None:
     query = int(task.answer_positions[-1])
     pair = int(clean.query_pairs[0, -1])
     right, wrong = int(clean.answers[0, -1]), int(corrupt.answers[0, -1])
-    clean_ids, corrupt_ids = clean.ids[:, :query + 1], corrupt.ids[:, :query + 1]
+    clean_ids, corrupt_ids = clean.ids[:, : query + 1], corrupt.ids[:, : query + 1]
 
     def metric(logits: torch.Tensor) -> torch.Tensor:
         return logits[:, query, right] - logits[:, query, wrong]
@@ -45,14 +45,17 @@ def main() -> None:
     with rh.watch(model, keep=("inputs", "outputs")) as w, torch.no_grad():
         model(clean_ids)
     weights = rh.effective_attention(w.mixers[1]).weights[0].abs().mean(0)  # [token, source], mean over heads
-    plots.attention_map(weights, token_names(task, clean_ids[0]),
-                        title="layer 1: exact effective attention, |A[t, s]| averaged over heads"
-                        ).savefig(OUT / "attention.png", dpi=120)
+    plots.attention_map(
+        weights,
+        token_names(task, clean_ids[0]),
+        title="layer 1: exact effective attention, |A[t, s]| averaged over heads",
+    ).savefig(OUT / "attention.png", dpi=120)
 
     with rh.watch(model, keep=("states",)) as w, torch.no_grad():
         generate_answers(model, task, clean)
-    plots.state_norms(w, title="state norm after every token: the prompt, then the decode steps"
-                      ).savefig(OUT / "state_norms.png", dpi=120)
+    plots.state_norms(w, title="state norm after every token: the prompt, then the decode steps").savefig(
+        OUT / "state_norms.png", dpi=120
+    )
     print("wrote", ", ".join(str(p.relative_to(OUT.parents[1])) for p in sorted(OUT.glob("*.png"))))
 
 

@@ -36,14 +36,14 @@ def sweeps(task: MQAR, model, n: int, seed: int, held: torch.Tensor) -> None:
     both split by whether the changed pair's key is one of `held` ([keys] bool), the keys layer 1's state holds."""
     query = int(task.answer_positions[-1])
     clean, corrupt = task.contrast(n, seed=seed)
-    clean_ids, corrupt_ids = clean.ids[:, :query + 1], corrupt.ids[:, :query + 1]
+    clean_ids, corrupt_ids = clean.ids[:, : query + 1], corrupt.ids[:, : query + 1]
     value = task.value_positions[clean.query_pairs[:, -1]]
     metric = rh.metrics.logit_difference(answer=clean.answers[:, -1], wrong=corrupt.answers[:, -1], position=query)
     rows = torch.arange(n)
     sweep = rh.patching_sweep(model, clean_ids, corrupt_ids, metric, progress=False)
-    effect = sweep.normalized()                                       # [pairs, layers, tokens]
+    effect = sweep.normalized()  # [pairs, layers, tokens]
     tokens = torch.arange(effect.shape[-1])
-    before = tokens[None, :] < value[:, None]                         # [pairs, tokens]
+    before = tokens[None, :] < value[:, None]  # [pairs, tokens]
     carried = (tokens[None, :] >= value[:, None]) & (tokens[None, :] < query)
     print(f"  sweep, {n} pairs: clean - corrupt margin {spread(sweep.clean - sweep.corrupt)}")
     print(f"    max |effect| before the value, over all pairs: {effect.abs().amax(1)[before].max():.1e}")
@@ -53,18 +53,21 @@ def sweeps(task: MQAR, model, n: int, seed: int, held: torch.Tensor) -> None:
     drift = (effect - effect[rows, :, value][..., None]).abs().amax(1).masked_fill(~carried, 0).amax(1)
     print(f"    max |effect(t) - effect(value)| for t from the value to the query: {spread(drift)}")
 
-    later = carried & (tokens[None, :] > value[:, None])               # from the token after the value to the query
+    later = carried & (tokens[None, :] > value[:, None])  # from the token after the value to the query
     for what in ("state", "window"):
         part = rh.patching_sweep(model, clean_ids, corrupt_ids, metric, memory=what, progress=False).normalized()
         for layer in (0, 1):
-            print(f"    {what:>6} only, layer {layer}: at the value {spread(part[rows, layer, value])};"
-                  f" later, max |{what} - 0| {part[:, layer][later].abs().max():.3f},"
-                  f" max |{what} - memory| {(part - effect)[:, layer][later].abs().max():.3f}")
+            print(
+                f"    {what:>6} only, layer {layer}: at the value {spread(part[rows, layer, value])};"
+                f" later, max |{what} - 0| {part[:, layer][later].abs().max():.3f},"
+                f" max |{what} - memory| {(part - effect)[:, layer][later].abs().max():.3f}"
+            )
 
     estimate = rh.attribute(model, clean_ids, corrupt_ids, metric)
     exact = sweep.values - sweep.corrupt[:, None, None]
-    correlation = torch.stack([torch.corrcoef(torch.stack([exact[i].flatten(), estimate.memory[i].flatten()]))[0, 1]
-                               for i in range(n)])
+    correlation = torch.stack(
+        [torch.corrcoef(torch.stack([exact[i].flatten(), estimate.memory[i].flatten()]))[0, 1] for i in range(n)]
+    )
     print(f"  attribution vs the sweep, correlation per pair: {spread(correlation)}")
     guess = estimate.normalized()[rows, :, value].sum(1)
     print(f"    attribution's estimate at the value (both layers, normalized): {spread(guess)}")
@@ -87,7 +90,7 @@ def probes(task: MQAR, model, seed: int) -> torch.Tensor:
 
     def states(prompts):
         with rh.watch(model, keep={"states": [first_query]}) as w, torch.no_grad():
-            model(prompts.ids[:, :first_query + 1])
+            model(prompts.ids[:, : first_query + 1])
         return [mixer.state_after(first_query).flatten(1) for mixer in w.mixers]
 
     def ridge(x, labels):
@@ -101,7 +104,7 @@ def probes(task: MQAR, model, seed: int) -> torch.Tensor:
         single = ((x_test @ ridge(x, train.answers[:, 0])).argmax(1) == test.answers[:, 0] - start).float().mean()
         per_key, read = [], torch.zeros(len(test), dtype=torch.long)
         for key in task.key_tokens:
-            has, has_test = train.pair_keys == key, test.pair_keys == key       # [prompts, pairs]
+            has, has_test = train.pair_keys == key, test.pair_keys == key  # [prompts, pairs]
             weights = ridge(x[has.any(1)], train.pair_values[has])
             guess = (x_test[has_test.any(1)] @ weights).argmax(1) + start
             per_key.append((guess == test.pair_values[has_test]).float().mean())
@@ -109,11 +112,15 @@ def probes(task: MQAR, model, seed: int) -> torch.Tensor:
             read[asked] = (x_test[asked] @ weights).argmax(1) + start
         chosen = (read == test.answers[:, 0]).float().mean()
         per_key = torch.stack(per_key)
-        print(f"    layer {layer}: one probe for the answer {single:.1%}; per key (16 keys) {spread(per_key, True)};"
-              f" the asked key's probe gives the answer {chosen:.1%}")
+        print(
+            f"    layer {layer}: one probe for the answer {single:.1%}; per key (16 keys) {spread(per_key, True)};"
+            f" the asked key's probe gives the answer {chosen:.1%}"
+        )
     held = per_key > 0.9
-    print(f"    keys layer 1 holds (over 90%): {held.nonzero().flatten().tolist()}, read {per_key[held].min():.0%} or"
-          f" more; the others at most {per_key[~held].max():.0%}")
+    print(
+        f"    keys layer 1 holds (over 90%): {held.nonzero().flatten().tolist()}, read {per_key[held].min():.0%} or"
+        f" more; the others at most {per_key[~held].max():.0%}"
+    )
     return held
 
 
@@ -123,22 +130,24 @@ def attention(task: MQAR, model, n: int, seed: int) -> None:
     prompts = task.sample(n, seed=seed)
     value = task.value_positions[prompts.query_pairs[:, -1]]
     with rh.watch(model, keep=("inputs", "outputs")) as w, torch.no_grad():
-        model(prompts.ids[:, :query + 1])
+        model(prompts.ids[:, : query + 1])
     rows = torch.arange(n)
-    others = task.value_positions[None, :] != value[:, None]          # [prompts, pairs]: the other pairs' values
+    others = task.value_positions[None, :] != value[:, None]  # [prompts, pairs]: the other pairs' values
     print(f"  effective attention, {n} prompts, the last query's row, mean |weight| over heads:")
     for layer in (1, 0):
         row = rh.effective_attention(w.mixers[layer]).weights[:, :, query].abs().mean(1)
-        share = row / row.sum(1, keepdim=True)                        # [prompts, tokens], each row sums to 1
+        share = row / row.sum(1, keepdim=True)  # [prompts, tokens], each row sums to 1
         top = share.argmax(1)
         other = share[:, task.value_positions][others].reshape(n, -1).mean(1)
-        keys = share[:, 1::2].sum(1)                                  # keys and queries: the odd tokens
+        keys = share[:, 1::2].sum(1)  # keys and queries: the odd tokens
         asked = share[rows, value]
-        print(f"    layer {layer}: row's maximum on the queried value in {(top == value).float().mean():.0%} of"
-              f" prompts, on BOS in {(top == 0).float().mean():.0%}; share at the queried value {spread(asked)};"
-              f" at another pair's value (mean of the 7) {spread(other)} (medians"
-              f" {asked.median() / other.median():.1f} times apart); largest share {spread(share.amax(1))};"
-              f" on key and query tokens {spread(keys)}")
+        print(
+            f"    layer {layer}: row's maximum on the queried value in {(top == value).float().mean():.0%} of"
+            f" prompts, on BOS in {(top == 0).float().mean():.0%}; share at the queried value {spread(asked)};"
+            f" at another pair's value (mean of the 7) {spread(other)} (medians"
+            f" {asked.median() / other.median():.1f} times apart); largest share {spread(share.amax(1))};"
+            f" on key and query tokens {spread(keys)}"
+        )
 
 
 def main() -> None:

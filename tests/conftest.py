@@ -93,12 +93,18 @@ FULL = "the full matrix: `pytest --full` runs it (README, Tests)"
 def pytest_addoption(parser):
     parser.addoption("--full", action="store_true", help="also run the slow matrices on every family")
     parser.addoption("--only-full", action="store_true", help="run only what the default suite leaves out")
-    parser.addoption("--one-family-per-kind", action="store_true",
-                     help="deselect every case of a test over families but those of one family of each kind"
-                          " (.ci/run's quick run on the oldest supported transformers)")
-    parser.addoption("--device", default="cpu",
-                     help="where tests/helpers/_models.py's build() and random_ids() put models and ids (default cpu;"
-                          " cuda on a GPU machine): references stay float64 on the CPU, tests marked cpu_only skip")
+    parser.addoption(
+        "--one-family-per-kind",
+        action="store_true",
+        help="deselect every case of a test over families but those of one family of each kind"
+        " (.ci/run's quick run on the oldest supported transformers)",
+    )
+    parser.addoption(
+        "--device",
+        default="cpu",
+        help="where tests/helpers/_models.py's build() and random_ids() put models and ids (default cpu;"
+        " cuda on a GPU machine): references stay float64 on the CPU, tests marked cpu_only skip",
+    )
 
 
 def pytest_configure(config):

@@ -36,11 +36,19 @@ def attach_handle(mixer: RecurrentMixer, family: MixerClass, stack: contextlib.E
         memory.note_device(device)  # (and the memory its default budget is a share of)
     warn_if_untested()
     module = family.module()
-    classes = {type(mixer.module), *(cls for row in FAMILIES.values() if row.module_name == family.module_name
-                                     for each in row.classes
-                                     if isinstance(cls := getattr(module, each.mixer_class, None), type))}
-    stack.callback(acquire_kernels([(cls, "__call__") for cls in sorted(classes, key=lambda c: c.__qualname__)],
-                                   make_owner))
+    classes = {
+        type(mixer.module),
+        *(
+            cls
+            for row in FAMILIES.values()
+            if row.module_name == family.module_name
+            for each in row.classes
+            if isinstance(cls := getattr(module, each.mixer_class, None), type)
+        ),
+    }
+    stack.callback(
+        acquire_kernels([(cls, "__call__") for cls in sorted(classes, key=lambda c: c.__qualname__)], make_owner)
+    )
     stack.callback(attach(mixer))
     targets = [_kernel_target(family, kernel, mixer.module) for kernel in family.kind.KERNELS]
     targets += [(module, name) for name in family.kind.FUSED if is_kernel_like(getattr(module, name, None))]
@@ -54,9 +62,13 @@ def _kernel_target(family: MixerClass, kernel: Kernel, mixer_module: nn.Module) 
     """Where `kernel` is bound for `mixer_module`, checked to be there and to hold a kernel (a transformers release
     that moved or renamed it is named in the error, with the tested range, instead of failing deep in a forward)."""
     owner = family.owner(kernel)
-    where = (family.module_name if kernel.site is Site.MODULE else f"{family.module_name}.{owner}"
-             if kernel.site is Site.CLASS else f"the mixer module {type(mixer_module).__name__}{'.' if owner else ''}"
-             f"{owner}")
+    where = (
+        family.module_name
+        if kernel.site is Site.MODULE
+        else f"{family.module_name}.{owner}"
+        if kernel.site is Site.CLASS
+        else f"the mixer module {type(mixer_module).__name__}{'.' if owner else ''}{owner}"
+    )
     try:
         target = family.target(kernel, mixer_module)
     except (AttributeError, ImportError):
@@ -67,8 +79,9 @@ def _kernel_target(family: MixerClass, kernel: Kernel, mixer_module: nn.Module) 
     return target
 
 
-def _acquire_bound_copies(mixer_module: nn.Module, kernel: Kernel, owner: type, kind: type[RecurrentMixer],
-                          stack: contextlib.ExitStack) -> None:
+def _acquire_bound_copies(
+    mixer_module: nn.Module, kernel: Kernel, owner: type, kind: type[RecurrentMixer], stack: contextlib.ExitStack
+) -> None:
     """Rebind, for the watch, the attributes of the mixer module that hold a class-attribute kernel already
     bound to it: a wrapper that replaced the module's `forward` keeps the original bound method on the
     instance (accelerate's offloading hooks store it as `_old_forward`) and calls it, so rebinding the class
@@ -77,8 +90,11 @@ def _acquire_bound_copies(mixer_module: nn.Module, kernel: Kernel, owner: type, 
 
     def holds_kernel(value: Any) -> bool:  # the original bound to the module, or a watch's dispatcher for it
         func = getattr(value, "__func__", None)
-        return getattr(value, "__self__", None) is mixer_module and func is not None and (
-            func is original or getattr(func, "__wrapped__", None) is original and _is_dispatcher(func))
+        return (
+            getattr(value, "__self__", None) is mixer_module
+            and func is not None
+            and (func is original or getattr(func, "__wrapped__", None) is original and _is_dispatcher(func))
+        )
 
     names = [name for name, value in vars(mixer_module).items() if holds_kernel(value)]
     if not names:

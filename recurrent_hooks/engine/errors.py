@@ -24,10 +24,10 @@ class RecurrentHooksError(Exception):
 class Unavailable(RecurrentHooksError, LookupError):
     """A value cannot be had; the message says why and, where there is one, what to do instead.
 
-        try:
-            mix.states
-        except recurrent_hooks.Unavailable as e:
-            print(e)   # "GatedDeltaNet(qwen3_5, layer 0): call 0 kept no states; pass keep=('states',) to watch"
+    try:
+        mix.states
+    except recurrent_hooks.Unavailable as e:
+        print(e)   # "GatedDeltaNet(qwen3_5, layer 0): call 0 kept no states; pass keep=('states',) to watch"
     """
 
 
@@ -45,8 +45,11 @@ class RecurrentHooksDeprecationWarning(FutureWarning):
 
 def renamed(old: str, new: str, stacklevel: int = 3) -> None:
     """Warn that `old` is the former name of `new` (docs/api.md, "Renamed")."""
-    warnings.warn(f"{old} is renamed {new}; the old name goes in the next release",
-                  RecurrentHooksDeprecationWarning, stacklevel=stacklevel)
+    warnings.warn(
+        f"{old} is renamed {new}; the old name goes in the next release",
+        RecurrentHooksDeprecationWarning,
+        stacklevel=stacklevel,
+    )
 
 
 def former_names(module: str, renames: dict[str, str], namespace: dict[str, object]) -> Callable[[str], object]:
@@ -86,8 +89,8 @@ def add_note(error: BaseException, note: str) -> None:
 def noted(where: Callable[[], str]) -> Iterator[None]:
     """Run a user's function: an exception it raises keeps its type and gains the note `where()` (built only then).
 
-        with noted(lambda: f"in state hook {name} of {mixer}, call {call}, token {token}"):
-            replacement = fn(mixer, call, token, state)
+    with noted(lambda: f"in state hook {name} of {mixer}, call {call}, token {token}"):
+        replacement = fn(mixer, call, token, state)
     """
     try:
         yield

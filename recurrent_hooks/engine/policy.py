@@ -60,8 +60,13 @@ class Strategy(enum.Enum):
         return LABELS[self.value]
 
 
-LABELS = {"segments": "segments", "states": "chunk-wise states", "blocks": "blocks", "chunks": "chunk-wise reductions",
-          "loop": "token loop"}  # a path's value -> its label (`KernelCall.path`)
+LABELS = {
+    "segments": "segments",
+    "states": "chunk-wise states",
+    "blocks": "blocks",
+    "chunks": "chunk-wise reductions",
+    "loop": "token loop",
+}  # a path's value -> its label (`KernelCall.path`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,53 +147,76 @@ class Paths:
         if isinstance(force, str) and force in _FORCED:
             object.__setattr__(self, "force", Strategy(force))
         elif force is not None and not (isinstance(force, Strategy) and force is not Strategy.LOOP):
-            raise InvalidValue(f"Paths: expected force= None or one of {', '.join(map(repr, _FORCED))} (the token"
-                               f" loop is rule='loop'), got force={force!r}")
+            raise InvalidValue(
+                f"Paths: expected force= None or one of {', '.join(map(repr, _FORCED))} (the token"
+                f" loop is rule='loop'), got force={force!r}"
+            )
         if self.rule == "loop" and self.force is not None:
-            raise InvalidValue(f"Paths: rule='loop' runs every busy call through the token loop; it forces no"
-                               f" other path, got force={force!r}")
+            raise InvalidValue(
+                f"Paths: rule='loop' runs every busy call through the token loop; it forces no"
+                f" other path, got force={force!r}"
+            )
         if not isinstance(self.tails, bool):
             raise InvalidValue(f"Paths: expected tails=True or tails=False, got tails={self.tails!r}")
-        if self.blocks_below is not None and (isinstance(self.blocks_below, bool) or not isinstance(
-                self.blocks_below, int) or self.blocks_below < 0):
-            raise InvalidValue(f"Paths: expected blocks_below= None or a number of state elements >= 0, got"
-                               f" blocks_below={self.blocks_below!r}")
+        if self.blocks_below is not None and (
+            isinstance(self.blocks_below, bool) or not isinstance(self.blocks_below, int) or self.blocks_below < 0
+        ):
+            raise InvalidValue(
+                f"Paths: expected blocks_below= None or a number of state elements >= 0, got"
+                f" blocks_below={self.blocks_below!r}"
+            )
         if self.costs is not None:
             object.__setattr__(self, "costs", _as_constants(self.costs))
         threads = self.loop_threads
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, numbers.Integral)
-                                    or threads < 1):
-            raise InvalidValue(f"Paths: expected loop_threads= None or a number of threads >= 1, got"
-                               f" loop_threads={threads!r}")
+        if threads is not None and (
+            isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads < 1
+        ):
+            raise InvalidValue(
+                f"Paths: expected loop_threads= None or a number of threads >= 1, got loop_threads={threads!r}"
+            )
         budget = self.memory_budget
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, numbers.Real)
-                                   or not budget >= 0):
-            raise InvalidValue(f"Paths: expected memory_budget= None (a quarter of the device's memory), a number of"
-                               f" bytes >= 0 or math.inf (no limit), got memory_budget={budget!r}")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not budget >= 0):
+            raise InvalidValue(
+                f"Paths: expected memory_budget= None (a quarter of the device's memory), a number of"
+                f" bytes >= 0 or math.inf (no limit), got memory_budget={budget!r}"
+            )
         # (a numpy integer or float is taken as the Python number it is)
         if threads is not None:
             object.__setattr__(self, "loop_threads", int(threads))
         if budget is not None:
-            object.__setattr__(self, "memory_budget", int(budget) if isinstance(budget, numbers.Integral)
-                               else float(budget))
+            object.__setattr__(
+                self, "memory_budget", int(budget) if isinstance(budget, numbers.Integral) else float(budget)
+            )
 
     def __hash__(self) -> int:  # (costs is a dict)
-        return hash((self.rule, self.force, self.tails, self.blocks_below,
-                     None if self.costs is None else tuple(sorted(self.costs.items())), self.loop_threads,
-                     self.memory_budget))
+        return hash(
+            (
+                self.rule,
+                self.force,
+                self.tails,
+                self.blocks_below,
+                None if self.costs is None else tuple(sorted(self.costs.items())),
+                self.loop_threads,
+                self.memory_budget,
+            )
+        )
 
 
 def _as_constants(costs: Any) -> dict[str, Constants]:
     if not isinstance(costs, Mapping):
-        raise InvalidValue(f"Paths: expected costs= a mapping of kernel keys (as 'delta rule', 'ssd') to Constants,"
-                           f" got {type(costs).__name__}")
+        raise InvalidValue(
+            f"Paths: expected costs= a mapping of kernel keys (as 'delta rule', 'ssd') to Constants,"
+            f" got {type(costs).__name__}"
+        )
     out = {}
     for name, value in costs.items():
         if isinstance(value, Mapping) and {"kernel", "loop", "states"} <= set(value):
             value = Constants(*(tuple(float(c) for c in value[part]) for part in ("kernel", "loop", "states")))
         if not isinstance(value, Constants):
-            raise InvalidValue(f"Paths: costs[{name!r}]: expected Constants or a mapping with 'kernel', 'loop' and"
-                               f" 'states' lists, got {value!r}")
+            raise InvalidValue(
+                f"Paths: costs[{name!r}]: expected Constants or a mapping with 'kernel', 'loop' and"
+                f" 'states' lists, got {value!r}"
+            )
         out[name] = value
     return out
 
@@ -202,8 +230,10 @@ def checked_paths(paths: Any, where: str) -> Paths:
     if paths is None:
         return DEFAULT
     if not isinstance(paths, Paths):
-        raise InvalidValue(f"{where}: expected paths= a recurrent_hooks.Paths (as Paths(rule='loop')) or None, got"
-                           f" {type(paths).__name__} {paths!r}")
+        raise InvalidValue(
+            f"{where}: expected paths= a recurrent_hooks.Paths (as Paths(rule='loop')) or None, got"
+            f" {type(paths).__name__} {paths!r}"
+        )
     return paths
 
 

@@ -20,8 +20,14 @@ from .policy import DEFAULT, Paths, Policy, checked_paths
 _STANDALONE: "weakref.WeakKeyDictionary[nn.Module, RecurrentMixer]" = weakref.WeakKeyDictionary()
 
 
-def register_state_hook(module: nn.Module, fn: StateHook, *, call: int | Iterable[int] | None = None,
-                        token: int | Iterable[int] | None = None, paths: Paths | None = None) -> RemovableHandle:
+def register_state_hook(
+    module: nn.Module,
+    fn: StateHook,
+    *,
+    call: int | Iterable[int] | None = None,
+    token: int | Iterable[int] | None = None,
+    paths: Paths | None = None,
+) -> RemovableHandle:
     """Register `fn(mixer, call, token, state)` on a mixer module, without a `with` block.
 
         h = recurrent_hooks.register_state_hook(model.model.layers[0].linear_attn, fn)
@@ -48,8 +54,10 @@ def register_state_hook(module: nn.Module, fn: StateHook, *, call: int | Iterabl
         )
     mixer = _STANDALONE.get(module)
     if mixer is not None and given is not None and given != mixer.paths:
-        raise InvalidValue(f"register_state_hook: the standalone hooks on {mixer} run with {mixer.paths}; got"
-                           f" paths={given}. Remove them first, or pass the same paths (or none)")
+        raise InvalidValue(
+            f"register_state_hook: the standalone hooks on {mixer} run with {mixer.paths}; got"
+            f" paths={given}. Remove them first, or pass the same paths (or none)"
+        )
     if mixer is None:
         mixer = _STANDALONE[module] = _attached(module, row, DEFAULT if given is None else given)
     try:

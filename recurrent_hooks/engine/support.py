@@ -52,13 +52,17 @@ def route_kernels(family: "str | ModuleType | nn.Module", to: str) -> None:
     for mixer in row.classes:  # every mixer class of the family (inkling2: its static and dynamic convolutions)
         words = mixer.kind.ROUTES
         if to not in words:
-            raise InvalidValue(f"route_kernels: expected to= one of {', '.join(map(repr, words))} for {row.name}"
-                               f" ({mixer.kind.__name__}), got {to!r}")
+            raise InvalidValue(
+                f"route_kernels: expected to= one of {', '.join(map(repr, words))} for {row.name}"
+                f" ({mixer.kind.__name__}), got {to!r}"
+            )
         per_instance = [kernel.name for kernel in mixer.kind.KERNELS if kernel.site is Site.INSTANCE]
         if per_instance:
-            raise Unavailable(f"route_kernels: {row.name}'s kernels ({', '.join(per_instance)}) are captured by"
-                              " each module when the model is built, so there is nothing process-wide to reroute;"
-                              " use watch")
+            raise Unavailable(
+                f"route_kernels: {row.name}'s kernels ({', '.join(per_instance)}) are captured by"
+                " each module when the model is built, so there is nothing process-wide to reroute;"
+                " use watch"
+            )
         targets = {mixer.target(kernel): kernel for kernel in mixer.kind.KERNELS}
         if words[to] == "torch":
             replacements.update({target: kernel.loop for target, kernel in targets.items()})
@@ -106,8 +110,13 @@ def versions() -> dict[str, Any]:
         library = importlib.metadata.version("recurrent_hooks")
     except importlib.metadata.PackageNotFoundError:
         library = None
-    return {"recurrent_hooks": library, "transformers": installed_version(), "torch": torch.__version__,
-            "tested_range": TESTED_RANGE, "transformers_tested": is_tested()}
+    return {
+        "recurrent_hooks": library,
+        "transformers": installed_version(),
+        "torch": torch.__version__,
+        "tested_range": TESTED_RANGE,
+        "transformers_tested": is_tested(),
+    }
 
 
 def caveats_of(limits: Mapping[str, str]) -> dict[str, str]:
@@ -124,12 +133,17 @@ _WIDTH = 116  # the printed sections' width, wrapped under their indent
 
 
 def _wrapped(text: str, indent: str) -> list[str]:
-    return textwrap.wrap(text, _WIDTH, initial_indent=indent, subsequent_indent=indent + "    ",
-                         break_long_words=False, break_on_hyphens=False)
+    return textwrap.wrap(
+        text,
+        _WIDTH,
+        initial_indent=indent,
+        subsequent_indent=indent + "    ",
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
 
 
-def describe(head: str, works: Sequence[str], limits: Mapping[str, str],
-             notes: Mapping[str, str] | None = None) -> str:
+def describe(head: str, works: Sequence[str], limits: Mapping[str, str], notes: Mapping[str, str] | None = None) -> str:
     """A mixer as `support` prints it: the head line, then what works, what works with a caveat, what is refused
     (with what it raises) and, for a model's mixer, how its calls run (`LEGEND` says what the words mean)."""
     lines = [head]
@@ -152,7 +166,7 @@ def legend() -> str:
     """`LEGEND` as `support` prints it under its table: the words of "works" (the terms between it and "works with a
     caveat") indented under it."""
     lines, terms = ["legend:"], list(LEGEND)
-    words = terms[terms.index("works") + 1:terms.index("works with a caveat")]
+    words = terms[terms.index("works") + 1 : terms.index("works with a caveat")]
     for term, meaning in LEGEND.items():
         lines += _wrapped(f"{term}: {meaning}", "    " if term in words else "  ")
     return "\n".join(lines)
@@ -203,12 +217,19 @@ class MixerSupport:
 def available_of(kind: type[RecurrentMixer]) -> tuple[str, ...]:
     """What a kind's mixers offer: the keep names of its memories and of the kernel inputs and outputs, then values
     (if it declares any), writes and hooks."""
-    return (*(name for name, memory in KEEPABLE.items() if memory in kind.MEMORIES), *KERNEL_IO,
-            *(("values",) if kind.VALUES else ()), "writes", "hooks")
+    return (
+        *(name for name, memory in KEEPABLE.items() if memory in kind.MEMORIES),
+        *KERNEL_IO,
+        *(("values",) if kind.VALUES else ()),
+        "writes",
+        "hooks",
+    )
 
 
-_NOT_REORDERED = ("beam search's cache reorder does not move this kind's memory: each row continues its own row, not"
-                  " its parent beam's, and call.reorder stays None")
+_NOT_REORDERED = (
+    "beam search's cache reorder does not move this kind's memory: each row continues its own row, not"
+    " its parent beam's, and call.reorder stays None"
+)
 
 
 def limits_of(mixer: MixerClass) -> dict[str, str]:
@@ -274,21 +295,29 @@ def support(model: nn.Module) -> list[MixerSupport]:
         segments = prompt.segments
         notes = {
             "idle calls run": ", ".join(_described(fn) for fn in bound.values()),
-            "a few tokens of a prompt": (f"the library's chunk-wise {prompt.name} in segments between them"
-                                         if segments.kernel is not None else
-                                         f"{prompt.name} in segments between them, or the token loop, by cost")
+            "a few tokens of a prompt": (
+                f"the library's chunk-wise {prompt.name} in segments between them"
+                if segments.kernel is not None
+                else f"{prompt.name} in segments between them, or the token loop, by cost"
+            )
             if segments is not None
-            else f"the library's {prompt.name}, with its fast computation between them" if prompt.stops
+            else f"the library's {prompt.name}, with its fast computation between them"
+            if prompt.stops
             else "the token loop (the prompt kernel does not run in segments)",
-            "every state of a prompt": ("chunk-wise, with gradients too (their backward by the adjoint recurrence)"
-                                        if segments.adjoint is not None else
-                                        "chunk-wise without gradients, the token loop with them")
-            if segments is not None and segments.all_states is not None else "the token loop",
+            "every state of a prompt": (
+                "chunk-wise, with gradients too (their backward by the adjoint recurrence)"
+                if segments.adjoint is not None
+                else "chunk-wise without gradients, the token loop with them"
+            )
+            if segments is not None and segments.all_states is not None
+            else "the token loop",
             "a reduction of every state": "the chunk-wise kernel's chunks, reduced as it forms them, without"
-            " gradients; the token loop's with them" if segments is not None and segments.on_chunk
+            " gradients; the token loop's with them"
+            if segments is not None and segments.on_chunk
             else "the token loop's states, a chunk at a time",
             "a hook on every token": "chunk-wise blocks for a small state without gradients, else the token loop"
-            if segments is not None and segments.blocks_below else "the token loop",
+            if segments is not None and segments.blocks_below
+            else "the token loop",
         }
         if segments is not None or prompt.stops:
             notes["path choice"] = _path_rule(module, segments)

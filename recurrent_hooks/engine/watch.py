@@ -41,10 +41,12 @@ def _mixer_modules(model: nn.Module) -> list[tuple[str, nn.Module, MixerClass]]:
 
 
 def _no_mixer_message(model: nn.Module) -> str:
-    unsupported = sorted({f"{row.mixer_class} ({row.reason})" for m in model.modules()
-                          if (row := unsupported_of(m)) is not None})
-    message = (f"{type(model).__name__} contains no recurrent mixer of a supported family"
-               f" (supported: {', '.join(FAMILIES)})")
+    unsupported = sorted(
+        {f"{row.mixer_class} ({row.reason})" for m in model.modules() if (row := unsupported_of(m)) is not None}
+    )
+    message = (
+        f"{type(model).__name__} contains no recurrent mixer of a supported family (supported: {', '.join(FAMILIES)})"
+    )
     if unsupported:
         message += f"; it has {', '.join(unsupported)}"
     return message
@@ -64,6 +66,7 @@ def _reorder_recorder(mixers: list[RecurrentMixer], stack: contextlib.ExitStack)
             for mixer in mixers:
                 mixer.tracker.reordered(beam_idx)
             return reorder(beam_idx, *args, **kwargs)
+
         return wrapper
 
     def crop(original: Callable[..., object]) -> Callable[..., object]:
@@ -74,6 +77,7 @@ def _reorder_recorder(mixers: list[RecurrentMixer], stack: contextlib.ExitStack)
                 for mixer in mixers:
                     mixer.tracker.lineage.cropped(-tokens_to_remove)
             return result
+
         return wrapper
 
     def saw_cache(cache: object) -> None:
@@ -153,10 +157,17 @@ class Watch:
     wherever a call can; each kernel call's `path` says which it took.
     """
 
-    def __init__(self, model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (),
-                 record: bool = False, paths: Paths | None = None, keep_device: "str | torch.device | None" = None,
-                 reduce: "Mapping[str, Callable[[Any], Any]] | Callable[[Any], Any] | None" = None,
-                 layers: Iterable[int] | None = None, history: int | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (),
+        record: bool = False,
+        paths: Paths | None = None,
+        keep_device: "str | torch.device | None" = None,
+        reduce: "Mapping[str, Callable[[Any], Any]] | Callable[[Any], Any] | None" = None,
+        layers: Iterable[int] | None = None,
+        history: int | None = None,
+    ) -> None:
         if not isinstance(model, nn.Module):
             raise InvalidValue(f"watch: expected a torch.nn.Module (a transformers model), got {type(model).__name__}")
         self.paths = checked_paths(paths, "watch")
@@ -165,8 +176,9 @@ class Watch:
         if record:
             renamed("watch(record=True)", "watch(keep=('inputs', 'outputs'))", stacklevel=4)
         if not isinstance(keep, (str, Sequence, Mapping)):
-            raise InvalidValue(f"watch: expected keep as a tuple of names or a mapping of names to tokens,"
-                               f" got {type(keep).__name__}")
+            raise InvalidValue(
+                f"watch: expected keep as a tuple of names or a mapping of names to tokens, got {type(keep).__name__}"
+            )
         keep = renamed_keep(keep)  # a former name warns once, here
         memories, _ = normalize_keep(keep)  # checked here, before anything is acquired
         self.keep_device = as_keep_device(keep_device)
@@ -178,8 +190,11 @@ class Watch:
         self.keep = keep
         self.record = record
         # what each mixer keeps: `keep`, plus the kernels' inputs and outputs for record=True
-        self._kept = ({**dict.fromkeys(KERNEL_IO), **keep} if isinstance(keep, dict)
-                      else (*KERNEL_IO, *keep)) if record else keep
+        self._kept = (
+            ({**dict.fromkeys(KERNEL_IO), **keep} if isinstance(keep, dict) else (*KERNEL_IO, *keep))
+            if record
+            else keep
+        )
         self.mixers: list[RecurrentMixer] = []
         self._by_path: dict[str, RecurrentMixer] = {}  # module path -> its (first) mixer, in module order
         self._stack: contextlib.ExitStack | None = None
@@ -199,8 +214,10 @@ class Watch:
         recurrent = sorted({layer for layer in (layer_in_path(path) for path, _, _ in found) if layer is not None})
         unknown = sorted(self.layers - set(recurrent))
         if unknown:
-            raise Unavailable(f"watch: layers={sorted(self.layers)}, but layers {unknown} have no recurrent mixer;"
-                              f" recurrent layers: {recurrent}")
+            raise Unavailable(
+                f"watch: layers={sorted(self.layers)}, but layers {unknown} have no recurrent mixer;"
+                f" recurrent layers: {recurrent}"
+            )
 
     def _handle(self, path: str, module: nn.Module, row: MixerClass, cache_index: Any, thread: int) -> RecurrentMixer:
         """The handle of one mixer module (of one of its passes, `cache_index`), made with what this watch asks of
@@ -208,8 +225,16 @@ class Watch:
         in_path = layer_in_path(path)
         layer = getattr(module, row.kind.LAYER_ATTRIBUTE, in_path)  # as the handle reads it (`RecurrentMixer.layer`)
         policy = Policy(self.paths, self.keep_device, reduce_of_layer(self.reduce, layer))
-        return row.kind(module, row.name, keep=self._kept_by(in_path), thread=thread, layer=in_path,
-                        cache_index=cache_index, policy=policy, calls_kept=self.history)
+        return row.kind(
+            module,
+            row.name,
+            keep=self._kept_by(in_path),
+            thread=thread,
+            layer=in_path,
+            cache_index=cache_index,
+            policy=policy,
+            calls_kept=self.history,
+        )
 
     def mixer(self, layer: int | str) -> RecurrentMixer:
         """The mixer of decoder layer `layer` (the transformers `layer_idx`; the first one, in module order,
@@ -221,8 +246,10 @@ class Watch:
         """
         if isinstance(layer, str):
             if layer not in self._by_path:
-                raise Unavailable(f"Watch.mixer: no recurrent mixer at module path {layer!r}; the mixer paths"
-                                  f" are {list(self._by_path)}" + ("" if self._by_path else " (enter the watch first)"))
+                raise Unavailable(
+                    f"Watch.mixer: no recurrent mixer at module path {layer!r}; the mixer paths"
+                    f" are {list(self._by_path)}" + ("" if self._by_path else " (enter the watch first)")
+                )
             return self._by_path[layer]
         layer = as_index(layer, "layer", "Watch.mixer")
         for mixer in self.mixers:
@@ -240,24 +267,27 @@ class Watch:
         one_mixer_per_layer(self.mixers, "Watch.memory_after")
         return {mixer.layer: mixer.memory_after(token, call) for mixer in self.mixers}
 
-    def set_memory_after(self, token: int, memories: Mapping[int, Memory], call: int = 0
-                         ) -> list[RemovableHandle]:
+    def set_memory_after(self, token: int, memories: Mapping[int, Memory], call: int = 0) -> list[RemovableHandle]:
         """Write each layer's whole memory after `token` of call `call` (the activation-patching move).
 
-            with rh.watch(model, keep=("states", "windows")) as a:
-                model(run_a)
-            with rh.watch(model) as b:
-                b.set_memory_after(7, a.memory_after(7))   # every recurrent layer continues as in run A
-                model(run_b)
+        with rh.watch(model, keep=("states", "windows")) as a:
+            model(run_a)
+        with rh.watch(model) as b:
+            b.set_memory_after(7, a.memory_after(7))   # every recurrent layer continues as in run A
+            model(run_b)
         """
         if not isinstance(memories, Mapping):
-            raise InvalidValue(f"Watch.set_memory_after: expected a mapping of layer -> Memory (as memory_after"
-                               f" returns), got {type(memories).__name__}")
+            raise InvalidValue(
+                f"Watch.set_memory_after: expected a mapping of layer -> Memory (as memory_after"
+                f" returns), got {type(memories).__name__}"
+            )
         one_mixer_per_layer(self.mixers, "Watch.set_memory_after")
         unknown = sorted(set(memories) - {mixer.layer for mixer in self.mixers})
         if unknown:
-            raise Unavailable(f"set_memory_after: no recurrent mixer at layers {unknown};"
-                              f" recurrent layers: {[m.layer for m in self.mixers]}")
+            raise Unavailable(
+                f"set_memory_after: no recurrent mixer at layers {unknown};"
+                f" recurrent layers: {[m.layer for m in self.mixers]}"
+            )
         return [self.mixer(layer).set_memory_after(token, memory, call) for layer, memory in memories.items()]
 
     def __enter__(self) -> "Watch":
@@ -268,9 +298,14 @@ class Watch:
             raise Unavailable(_no_mixer_message(self.model))
         thread = threading.get_ident()
         self._check_layers(found)
-        rows = sorted(((self._handle(path, m, row, index, thread), row)
-                       for path, m, row in found for index in row.kind.adapter.instances(m, self.model)),
-                      key=lambda pair: (pair[0].layer is None, pair[0].layer or 0))
+        rows = sorted(
+            (
+                (self._handle(path, m, row, index, thread), row)
+                for path, m, row in found
+                for index in row.kind.adapter.instances(m, self.model)
+            ),
+            key=lambda pair: (pair[0].layer is None, pair[0].layer or 0),
+        )
         mixers = [mixer for mixer, _ in rows]
         paths = {path: next(mixer for mixer in mixers if mixer.module is m) for path, m, _ in found}
         stack = contextlib.ExitStack()
@@ -297,15 +332,22 @@ class Watch:
             if problems:
                 shown = "; ".join(problems[:_WRITES_SHOWN])
                 more = f"; and {len(problems) - _WRITES_SHOWN} more" if len(problems) > _WRITES_SHOWN else ""
-                warnings.warn(f"{len(problems)} write{'s' if len(problems) != 1 else ''} never ran: {shown}{more}."
-                              " The calls they target did not happen: generation may have stopped early (EOS or"
-                              " max_new_tokens)", RecurrentHooksWarning, stacklevel=2)
+                warnings.warn(
+                    f"{len(problems)} write{'s' if len(problems) != 1 else ''} never ran: {shown}{more}."
+                    " The calls they target did not happen: generation may have stopped early (EOS or"
+                    " max_new_tokens)",
+                    RecurrentHooksWarning,
+                    stacklevel=2,
+                )
             unkept = [p for mixer in self.mixers for p in mixer.unkept()]
             if unkept:
                 shown = "; ".join(unkept[:_WRITES_SHOWN])
                 more = f"; and {len(unkept) - _WRITES_SHOWN} more mixers" if len(unkept) > _WRITES_SHOWN else ""
-                warnings.warn(f"{shown}{more}. Positions count from each call's first token (negative: from its"
-                              " last)", RecurrentHooksWarning, stacklevel=2)
+                warnings.warn(
+                    f"{shown}{more}. Positions count from each call's first token (negative: from its last)",
+                    RecurrentHooksWarning,
+                    stacklevel=2,
+                )
             if (unseen := _unseen_message(self.mixers)) is not None:
                 warnings.warn(unseen, RecurrentHooksWarning, stacklevel=2)
 
@@ -321,12 +363,16 @@ def _unseen_message(mixers: Sequence[RecurrentMixer]) -> str | None:
             threads.setdefault(thread, []).append((mixer, forwards))
     if not threads:
         return None
-    ran = "; ".join(f"thread {name!r} ran {_forwards(sum(n for _, n in seen))} of"
-                    f" {', '.join(str(mixer) for mixer, _ in seen[:_WRITES_SHOWN])}"
-                    + (f" and {len(seen) - _WRITES_SHOWN} more mixers" if len(seen) > _WRITES_SHOWN else "")
-                    for (_, name), seen in threads.items())
-    return (f"{ran}, which this watch did not see: they fired no hook and kept nothing, because {THREAD_RULE}."
-            " (Another watch entered in that thread sees them.)")
+    ran = "; ".join(
+        f"thread {name!r} ran {_forwards(sum(n for _, n in seen))} of"
+        f" {', '.join(str(mixer) for mixer, _ in seen[:_WRITES_SHOWN])}"
+        + (f" and {len(seen) - _WRITES_SHOWN} more mixers" if len(seen) > _WRITES_SHOWN else "")
+        for (_, name), seen in threads.items()
+    )
+    return (
+        f"{ran}, which this watch did not see: they fired no hook and kept nothing, because {THREAD_RULE}."
+        " (Another watch entered in that thread sees them.)"
+    )
 
 
 def _forwards(count: int) -> str:
@@ -346,16 +392,24 @@ def one_mixer_per_layer(mixers: Sequence[RecurrentMixer], method: str) -> None:
     layers = [mixer.layer for mixer in mixers]
     shared = sorted({layer for layer in layers if layers.count(layer) > 1})
     if shared:
-        raise Unavailable(f"{method}: layers {shared} have several mixers each"
-                          f" ({', '.join(str(m) for m in mixers if m.layer == shared[0])}), so a memory per"
-                          " layer would be ambiguous; read and write each mixer's own (w.mixers[i].memory_after,"
-                          " w.mixers[i].set_memory_after)")
+        raise Unavailable(
+            f"{method}: layers {shared} have several mixers each"
+            f" ({', '.join(str(m) for m in mixers if m.layer == shared[0])}), so a memory per"
+            " layer would be ambiguous; read and write each mixer's own (w.mixers[i].memory_after,"
+            " w.mixers[i].set_memory_after)"
+        )
 
 
-def watch(model: nn.Module, keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (),
-          record: bool = False, paths: Paths | None = None, keep_device: "str | torch.device | None" = None,
-          reduce: "Mapping[str, Callable[[Any], Any]] | Callable[[Any], Any] | None" = None,
-          layers: Iterable[int] | None = None, history: int | None = None) -> Watch:
+def watch(
+    model: nn.Module,
+    keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (),
+    record: bool = False,
+    paths: Paths | None = None,
+    keep_device: "str | torch.device | None" = None,
+    reduce: "Mapping[str, Callable[[Any], Any]] | Callable[[Any], Any] | None" = None,
+    layers: Iterable[int] | None = None,
+    history: int | None = None,
+) -> Watch:
     """Watch every supported recurrent mixer of `model` for the duration of a `with` block.
 
         with recurrent_hooks.watch(model, keep=("states",)) as w:

@@ -98,7 +98,7 @@ def dynamic_conv_forward(
     if cache is not None:
         context = cache.update_conv_state(context, layer, state_idx=self.conv_idx, conv_kernel_size=size)
     full = context  # b c L   the cached window (if any), then the call's inputs
-    context = F.pad(context, (size - 1, 0))[..., -(seq_len + size - 1):]  # b c T+K-1
+    context = F.pad(context, (size - 1, 0))[..., -(seq_len + size - 1) :]  # b c T+K-1
     windows = context.unfold(-1, size, 1).flip(-1).transpose(1, 2)  # b T c K   windows[..., j] = x_{t-j}
     windows = windows.reshape(batch_size, seq_len, self.num_heads, -1, size)  # b T H c/H K
     mask = None
@@ -118,9 +118,11 @@ def dynamic_conv_forward(
     return hidden_states.to(input_dtype)
 
 
-_PACKED = Caveat("seq_idx (packed sequences) masks the other sequences' inputs out of each position's taps, as"
-                 " transformers does; the window handed over is the raw last K inputs, across a sequence boundary"
-                 " too")
+_PACKED = Caveat(
+    "seq_idx (packed sequences) masks the other sequences' inputs out of each position's taps, as"
+    " transformers does; the window handed over is the raw last K inputs, across a sequence boundary"
+    " too"
+)
 
 
 class DynamicShortConvolutionAdapter(ShortConvolutionAdapter):
@@ -134,12 +136,15 @@ class DynamicShortConvolutionAdapter(ShortConvolutionAdapter):
         arguments[kernel.state_in] = None if cache is None or where is None else self.cached_window(cache, where)
         return arguments
 
-    def token_values(self, mixer: RecurrentMixer, kernel_call: KernelCall, tokens: int | None = None
-                     ) -> dict[str, Tensor]:
+    def token_values(
+        self, mixer: RecurrentMixer, kernel_call: KernelCall, tokens: int | None = None
+    ) -> dict[str, Tensor]:
         inputs, output = kernel_call.inputs, kernel_call.output
         if inputs is None or output is None:
-            raise Unavailable(f"{self.kind.__name__}.values: the kernel {'inputs' if inputs is None else 'outputs'}"
-                              " were not kept: pass keep=('inputs', 'outputs') to watch")
+            raise Unavailable(
+                f"{self.kind.__name__}.values: the kernel {'inputs' if inputs is None else 'outputs'}"
+                " were not kept: pass keep=('inputs', 'outputs') to watch"
+            )
         return {"x": inputs["hidden_states"], "output": output["output"]}
 
 
@@ -162,8 +167,16 @@ class DynamicShortConvolution(ShortConvolution):
     ADAPTER = DynamicShortConvolutionAdapter
     KERNELS = (
         # the whole forward; `conv_state`, in the recorded inputs, is the cached window it started from
-        Kernel(name="forward", role=Role.BOTH, loop=dynamic_conv_forward, memory=CONV_MEMORY, state_in="conv_state",
-               results=("output",), seq=("hidden_states", 1), site=Site.CLASS),
+        Kernel(
+            name="forward",
+            role=Role.BOTH,
+            loop=dynamic_conv_forward,
+            memory=CONV_MEMORY,
+            state_in="conv_state",
+            results=("output",),
+            seq=("hidden_states", 1),
+            site=Site.CLASS,
+        ),
     )
     INPUTS = {
         "hidden_states": "batch seq channels  (the convolution's input x: the k or v projection)",
@@ -181,10 +194,13 @@ class DynamicShortConvolution(ShortConvolution):
         "packed sequences": _PACKED,
         "segments": Caveat(
             "every call with hooks, writes or kept windows runs the token loop (a cheap shift per token; only the"
-            " positions that read a written window are recomputed)"),
+            " positions that read a written window are recomputed)"
+        ),
         "effective attention": Refused(
-            Unavailable, "not provided: the taps depend on the token (the convolution is not one kernel)"),
+            Unavailable, "not provided: the taps depend on the token (the convolution is not one kernel)"
+        ),
     }
+
 
 class LoopedDynamicShortConvolutionAdapter(DynamicShortConvolutionAdapter, LoopedShortConvolutionAdapter):
     """inkling2_loop's: the dynamic convolution's adapter with a handle per pass of a looped module."""
@@ -200,9 +216,12 @@ class LoopedDynamicShortConvolution(DynamicShortConvolution, LoopedShortConvolut
     """
 
     ADAPTER = LoopedDynamicShortConvolutionAdapter
-    LIMITS = {**DynamicShortConvolution.LIMITS,
-              "hooks without a watch on a looped module": LoopedShortConvolution.LIMITS[
-                  "hooks without a watch on a looped module"]}
+    LIMITS = {
+        **DynamicShortConvolution.LIMITS,
+        "hooks without a watch on a looped module": LoopedShortConvolution.LIMITS[
+            "hooks without a watch on a looped module"
+        ],
+    }
 
 
 def _slide(
@@ -219,7 +238,7 @@ def _slide(
     tensor, stacked once: nothing is written a token at a time, so that the backward stays linear in T)."""
     batch, seq, channels = out.shape
     size = self.conv_kernel_size
-    context = F.pad(context, (size, 0))[..., -(seq + size):]  # b c K+T   the window before token 0, then x
+    context = F.pad(context, (size, 0))[..., -(seq + size) :]  # b c K+T   the window before token 0, then x
     window = context[..., :size]  # b c K   zeros for a prompt, the cached window over a cache
     columns = context[..., size:].unbind(-1)  # T x (b c): one unbind (a slice a token: a quadratic backward)
     recomputed: dict[int, Tensor] = {}  # position -> its output recomputed from a written window

@@ -47,8 +47,9 @@ from .shared.delta_rule import cost_shape, kernels, prepare
 from .shared.recording import SPLIT_RECORDING
 
 # the token loops and the chunk-wise kernels, with transformers' signatures (written once: `delta_rule.kernels`)
-(chunk_gated_delta_rule, chunk_gated_delta_rule_states, chunk_gated_delta_rule_adjoint,
- recurrent_gated_delta_rule) = kernels("chunk_gated_delta_rule", "recurrent_gated_delta_rule", __name__)
+(chunk_gated_delta_rule, chunk_gated_delta_rule_states, chunk_gated_delta_rule_adjoint, recurrent_gated_delta_rule) = (
+    kernels("chunk_gated_delta_rule", "recurrent_gated_delta_rule", __name__)
+)
 
 
 class GatedDeltaNetAdapter(KindAdapter):
@@ -62,17 +63,24 @@ class GatedDeltaNetAdapter(KindAdapter):
         key_dim, value_dim = head_state
         key_heads, rest = divmod(channels - heads * value_dim, 2 * key_dim)
         if rest or key_heads < 1 or heads % key_heads:
-            raise Unavailable(f"{self.kind.__name__}: a window of {channels} channels is not [q | k | v] for {heads}"
-                              f" heads of key_dim {key_dim}, value_dim {value_dim}")
+            raise Unavailable(
+                f"{self.kind.__name__}: a window of {channels} channels is not [q | k | v] for {heads}"
+                f" heads of key_dim {key_dim}, value_dim {value_dim}"
+            )
         key_head = head // (heads // key_heads)
         query = range(key_head * key_dim, (key_head + 1) * key_dim)
-        return [*query, *(c + key_heads * key_dim for c in query),
-                *range(2 * key_heads * key_dim + head * value_dim, 2 * key_heads * key_dim + (head + 1) * value_dim)]
+        return [
+            *query,
+            *(c + key_heads * key_dim for c in query),
+            *range(2 * key_heads * key_dim + head * value_dim, 2 * key_heads * key_dim + (head + 1) * value_dim),
+        ]
 
     def token_values(self, mixer: RecurrentMixer, kernel_call: KernelCall) -> dict[str, Tensor]:
         # the kernel's own arguments are token-major already (before the kernel's l2norm and scaling)
-        return {**{name: kernel_call.inputs[name] for name in ("query", "key", "value", "g", "beta")},
-                "output": kernel_call.output["output"]}
+        return {
+            **{name: kernel_call.inputs[name] for name in ("query", "key", "value", "g", "beta")},
+            "output": kernel_call.output["output"],
+        }
 
     def effective_attention(self, mixer: RecurrentMixer, calls: range, dtype: torch.dtype) -> EffectiveAttention:
         """The delta rule's exact map (the UT transform; see `recurrent_hooks.studies.effective_attention`)."""
@@ -82,12 +90,22 @@ class GatedDeltaNetAdapter(KindAdapter):
             kernel_call = mixer.calls[index].kernel_calls[0]
             x = kernel_call.inputs
             if x.get("cu_seqlens") is not None:
-                raise Unavailable(f"{mixer}, call {index}: packed sequences (cu_seqlens) have no per-row"
-                                  " effective attention")
+                raise Unavailable(
+                    f"{mixer}, call {index}: packed sequences (cu_seqlens) have no per-row effective attention"
+                )
             g = x["g"] if kimi else x["g"][..., None]
-            prepared = prepare(x["query"], x["key"], x["value"], g, x["beta"], x["initial_state"],
-                                x["use_qk_l2norm_in_kernel"], {}, kimi=kimi,
-                                recurrent=kind.kernel(kernel_call.kernel).role is Role.DECODE)
+            prepared = prepare(
+                x["query"],
+                x["key"],
+                x["value"],
+                g,
+                x["beta"],
+                x["initial_state"],
+                x["use_qk_l2norm_in_kernel"],
+                {},
+                kimi=kimi,
+                recurrent=kind.kernel(kernel_call.kernel).role is Role.DECODE,
+            )
             per_call.append([v.transpose(1, 2) for v in prepared[:5]] + [prepared[5]])  # b h t ..
         q, k, v, b, log_a = (cat([c[i] for c in per_call], dtype) for i in range(5))
         state = per_call[0][5].to(dtype)  # b h k v   S_0 of the history
@@ -97,8 +115,9 @@ class GatedDeltaNetAdapter(KindAdapter):
         system = decayed(k, k, cum, cum, 0, strict=True) * b[..., None]  # b h s s   strict_lower(diag(b) W(k, k))
         system.diagonal(dim1=-2, dim2=-1).fill_(1)  # T = I + ...
         reads = decayed(q[:, :, start:], k, cum[:, :, start:], cum, start, strict=False)  # b h t s   W(q, k)
-        weights = torch.linalg.solve_triangular(system, reads, upper=False, left=False,
-                                                unitriangular=True) * b[:, :, None]
+        weights = (
+            torch.linalg.solve_triangular(system, reads, upper=False, left=False, unitriangular=True) * b[:, :, None]
+        )
         from_state = (q[:, :, start:] * cum[:, :, start:].exp()) @ state - weights @ ((k * cum.exp()) @ state)
         return EffectiveAttention(weights, v, from_state, None, None, calls)
 
@@ -121,21 +140,44 @@ class GatedDeltaNet(RecurrentMixer):
     DECAY_PER_KEY_CHANNEL = False  # Kimi delta attention: a decay per key channel, Diag(alpha_t)
     KERNELS = (
         # both kernels take the state in `initial_state` and return the new one
-        Kernel(name="torch_chunk_gated_delta_rule", role=Role.PROMPT, loop=chunk_gated_delta_rule,
-               state_in="initial_state", results=("output", "final_state"), seq=("value", 1),
-               segments=Segments(per_token={name: 1 for name in ("query", "key", "value", "g", "beta")},
-                                 state_in="initial_state", final_flag="output_final_state", out_axis=1,
-                                 tuple_without_final=True, all_states=chunk_gated_delta_rule_states,
-                                 on_chunk=True, readouts=16, adjoint=chunk_gated_delta_rule_adjoint,
-                                 blocks_below=2048,  # 4 heads of 16 x 16 at batch 2 (docs/performance.md)
-                                 shape=cost_shape)),
+        Kernel(
+            name="torch_chunk_gated_delta_rule",
+            role=Role.PROMPT,
+            loop=chunk_gated_delta_rule,
+            state_in="initial_state",
+            results=("output", "final_state"),
+            seq=("value", 1),
+            segments=Segments(
+                per_token={name: 1 for name in ("query", "key", "value", "g", "beta")},
+                state_in="initial_state",
+                final_flag="output_final_state",
+                out_axis=1,
+                tuple_without_final=True,
+                all_states=chunk_gated_delta_rule_states,
+                on_chunk=True,
+                readouts=16,
+                adjoint=chunk_gated_delta_rule_adjoint,
+                blocks_below=2048,  # 4 heads of 16 x 16 at batch 2 (docs/performance.md)
+                shape=cost_shape,
+            ),
+        ),
         # a decode step with a hook or write runs transformers' kernel, then the hook on the state it returns
         # (one segment: the token loop's order, whose output at a token is computed before its hook)
-        Kernel(name="torch_recurrent_gated_delta_rule", role=Role.DECODE, loop=recurrent_gated_delta_rule,
-               state_in="initial_state", results=("output", "final_state"), seq=("value", 1),
-               segments=Segments(per_token={name: 1 for name in ("query", "key", "value", "g", "beta")},
-                                 state_in="initial_state", final_flag="output_final_state", out_axis=1,
-                                 tuple_without_final=True)),
+        Kernel(
+            name="torch_recurrent_gated_delta_rule",
+            role=Role.DECODE,
+            loop=recurrent_gated_delta_rule,
+            state_in="initial_state",
+            results=("output", "final_state"),
+            seq=("value", 1),
+            segments=Segments(
+                per_token={name: 1 for name in ("query", "key", "value", "g", "beta")},
+                state_in="initial_state",
+                final_flag="output_final_state",
+                out_axis=1,
+                tuple_without_final=True,
+            ),
+        ),
         *CONV_KERNELS,
     )
     STATE = "batch heads key_dim value_dim"
@@ -160,9 +202,11 @@ class GatedDeltaNet(RecurrentMixer):
     }
     LIMITS = {
         "packed sequences": Refused(
-            (ValueError, RecurrentHooksError), "cu_seqlens (packed batches) need flash-linear-attention: without it"
+            (ValueError, RecurrentHooksError),
+            "cu_seqlens (packed batches) need flash-linear-attention: without it"
             " transformers' pure-torch fallback raises ValueError, watched or not, and a watched call that runs the"
             " library's loops (hooks, writes, kept states) raises rh.RecurrentHooksError (they run one sequence per"
-            " batch row)"),
+            " batch row)",
+        ),
         **SPLIT_RECORDING,
     }

@@ -45,9 +45,12 @@ from .shared.delta_rule import cost_shape, kernels
 from .shared.recording import SPLIT_RECORDING
 
 # the token loops and the chunk-wise kernels, with transformers' signatures (written once: `delta_rule.kernels`)
-(chunk_kimi_delta_attention, chunk_kimi_delta_attention_states, chunk_kimi_delta_attention_adjoint,
- recurrent_kimi_delta_attention) = kernels("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", __name__,
-                                           kimi=True)
+(
+    chunk_kimi_delta_attention,
+    chunk_kimi_delta_attention_states,
+    chunk_kimi_delta_attention_adjoint,
+    recurrent_kimi_delta_attention,
+) = kernels("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", __name__, kimi=True)
 
 
 def _cost_shape(arguments: dict[str, Any]) -> Shape:
@@ -73,14 +76,22 @@ class KimiDeltaAttention(GatedDeltaNet):
 
     DECAY_PER_KEY_CHANNEL = True
     KERNELS = (  # gated DeltaNet's declarations, with their own names and loops
-        dataclasses.replace(GatedDeltaNet.kernel_for(Role.PROMPT), name="chunk_kimi_delta_attention",
-                            loop=chunk_kimi_delta_attention,
-                            segments=dataclasses.replace(GatedDeltaNet.kernel_for(Role.PROMPT).segments,
-                                                         all_states=chunk_kimi_delta_attention_states,
-                                                         adjoint=chunk_kimi_delta_attention_adjoint,
-                                                         shape=_cost_shape)),
-        dataclasses.replace(GatedDeltaNet.kernel_for(Role.DECODE), name="recurrent_kimi_delta_attention",
-                            loop=recurrent_kimi_delta_attention),
+        dataclasses.replace(
+            GatedDeltaNet.kernel_for(Role.PROMPT),
+            name="chunk_kimi_delta_attention",
+            loop=chunk_kimi_delta_attention,
+            segments=dataclasses.replace(
+                GatedDeltaNet.kernel_for(Role.PROMPT).segments,
+                all_states=chunk_kimi_delta_attention_states,
+                adjoint=chunk_kimi_delta_attention_adjoint,
+                shape=_cost_shape,
+            ),
+        ),
+        dataclasses.replace(
+            GatedDeltaNet.kernel_for(Role.DECODE),
+            name="recurrent_kimi_delta_attention",
+            loop=recurrent_kimi_delta_attention,
+        ),
         *CONV_KERNELS,
     )
     INPUTS = {
@@ -91,11 +102,16 @@ class KimiDeltaAttention(GatedDeltaNet):
         "beta": "batch seq heads",
         "initial_state": "batch heads key_dim value_dim",
     }
-    VALUES = {**GatedDeltaNet.VALUES, "query": "batch seq heads key_dim", "key": "batch seq heads key_dim",
-              "g": "batch seq heads key_dim"}
+    VALUES = {
+        **GatedDeltaNet.VALUES,
+        "query": "batch seq heads key_dim",
+        "key": "batch seq heads key_dim",
+        "g": "batch seq heads key_dim",
+    }
     LIMITS = {
         "packed sequences": Caveat(
             "transformers' KDA mixers pass no cu_seqlens to their recurrence kernels, so a packed row runs as one"
-            " sequence, watched or not (the model's behaviour)"),
+            " sequence, watched or not (the model's behaviour)"
+        ),
         **SPLIT_RECORDING,
     }

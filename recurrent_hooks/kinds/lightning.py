@@ -114,10 +114,12 @@ def lightning_attention_forward(
     return out, state
 
 
-_BUG_8 = Caveat("transformers' MiniMaxCache: with linear attention at layer 0, get_seq_length() is 0 after a"
-                " prefill (cache layer 0 is an empty attention layer), so a multi-token continuation over the cache"
-                " and left-padded batched generate get wrong masks and positions, watched or not; full attention at"
-                " layer 0 (`layer_types` [full_attention, linear_attention, ...]) is exact")
+_BUG_8 = Caveat(
+    "transformers' MiniMaxCache: with linear attention at layer 0, get_seq_length() is 0 after a"
+    " prefill (cache layer 0 is an empty attention layer), so a multi-token continuation over the cache"
+    " and left-padded batched generate get wrong masks and positions, watched or not; full attention at"
+    " layer 0 (`layer_types` [full_attention, linear_attention, ...]) is exact"
+)
 
 
 class LightningAttentionAdapter(KindAdapter):
@@ -140,9 +142,11 @@ class LightningAttentionAdapter(KindAdapter):
         x = kernel_call.inputs
         module = mixer.module
         if module.qkv_proj.weight.device.type == "meta":
-            raise Unavailable(f"{mixer}.values(): q, k, v and the gate are recomputed with the module's projections,"
-                              " whose weights are offloaded (on the meta device) between forwards; read"
-                              " call.inputs, or keep states, instead")
+            raise Unavailable(
+                f"{mixer}.values(): q, k, v and the gate are recomputed with the module's projections,"
+                " whose weights are offloaded (on the meta device) between forwards; read"
+                " call.inputs, or keep states, instead"
+            )
         with torch.no_grad():
             query, key, value = (v.transpose(1, 2) for v in _qkv(module, x["hidden_states"], x["attention_mask"]))
             gate = F.sigmoid(module.output_gate(x["hidden_states"]))  # b t (h d)
@@ -169,8 +173,16 @@ class LightningAttention(RecurrentMixer):
     ADAPTER = LightningAttentionAdapter
     KERNELS = (
         # the whole forward; `initial_state`, in the recorded inputs, is the cached state it started from
-        Kernel(name="forward", role=Role.BOTH, loop=lightning_attention_forward, state_in="initial_state",
-               results=("output", "final_state"), seq=FORWARD, site=Site.CLASS, stops=True),
+        Kernel(
+            name="forward",
+            role=Role.BOTH,
+            loop=lightning_attention_forward,
+            state_in="initial_state",
+            results=("output", "final_state"),
+            seq=FORWARD,
+            site=Site.CLASS,
+            stops=True,
+        ),
     )
     MEMORIES = (STATE_MEMORY,)
     REORDERED_BY_CACHE = False  # MiniMaxCache.reorder_cache reorders its attention layers only (see LIMITS)
@@ -192,20 +204,28 @@ class LightningAttention(RecurrentMixer):
     }
     LIMITS = {
         "windows": Refused(
-            Unavailable, "lightning attention has no short convolution: its memory is the state alone (reading,"
-            " writing or hooking a window raises)"),
+            Unavailable,
+            "lightning attention has no short convolution: its memory is the state alone (reading,"
+            " writing or hooking a window raises)",
+        ),
         "linear attention at layer 0": _BUG_8,
         "beam search": Caveat(
             "transformers' MiniMaxCache does not reorder its linear states when beam search reorders the cache"
             " (Cache.reorder_cache moves only the attention layers), so each row's state continues the same row, not"
-            " its parent beam's, watched or not; call.reorder stays None for this reason"),
+            " its parent beam's, watched or not; call.reorder stays None for this reason"
+        ),
         "values of an offloaded mixer": Refused(
-            Unavailable, "values() recomputes q, k, v and the gate with the module's projections, which accelerate's"
-            " offloading leaves on the meta device between forwards"),
+            Unavailable,
+            "values() recomputes q, k, v and the gate with the module's projections, which accelerate's"
+            " offloading leaves on the meta device between forwards",
+        ),
         "effective attention": Refused(
-            Unavailable, "not provided: o_t = sum_s λ_h^(t-s) (q_t . k_s) v_s is linear in the values, but the"
-            " forward's output is after an RMSNorm over the heads, which is not"),
+            Unavailable,
+            "not provided: o_t = sum_s λ_h^(t-s) (q_t . k_s) v_s is linear in the values, but the"
+            " forward's output is after an RMSNorm over the heads, which is not",
+        ),
     }
+
 
 def _cached_state(cache: Any, layer: int) -> Tensor | None:
     """The state `cache` holds for `layer` (None: nothing cached, the forward starts from zeros)."""
@@ -214,8 +234,9 @@ def _cached_state(cache: Any, layer: int) -> Tensor | None:
     return state if isinstance(state, Tensor) else None
 
 
-def _qkv(module: nn.Module, hidden_states: Tensor, attention_mask: Tensor | None
-         ) -> tuple[Float[Tensor, "batch heads seq head_dim"], ...]:
+def _qkv(
+    module: nn.Module, hidden_states: Tensor, attention_mask: Tensor | None
+) -> tuple[Float[Tensor, "batch heads seq head_dim"], ...]:
     """q, k, v as transformers' forward forms them: SiLU(W_qkv x), zeroed at padding, split per head."""
     batch, seq, _ = hidden_states.shape
     qkv = module.act_fn(module.qkv_proj(hidden_states))  # b t (h 3d)
@@ -225,8 +246,16 @@ def _qkv(module: nn.Module, hidden_states: Tensor, attention_mask: Tensor | None
     return tuple(x.transpose(1, 2) for x in torch.split(qkv, module.head_dim, dim=3))  # b h t d each
 
 
-def _per_token(self: nn.Module, query: Tensor, key: Tensor, value: Tensor, state: Tensor, start: int, end: int,
-               on_token: OnToken | None) -> tuple[list[Tensor], Tensor]:
+def _per_token(
+    self: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    state: Tensor,
+    start: int,
+    end: int,
+    on_token: OnToken | None,
+) -> tuple[list[Tensor], Tensor]:
     """Tokens start..end-1 one at a time, with the operations of transformers' per-token branch."""
     ratio = torch.exp(-self.slope_rate)  # h 1 1   λ_h = exp(-s_h)
     outputs = []
@@ -241,8 +270,9 @@ def _per_token(self: nn.Module, query: Tensor, key: Tensor, value: Tensor, state
     return outputs, state
 
 
-def _chunks(self: nn.Module, query: Tensor, key: Tensor, value: Tensor, state: Tensor, start: int, end: int
-            ) -> tuple[list[Tensor], Tensor]:
+def _chunks(
+    self: nn.Module, query: Tensor, key: Tensor, value: Tensor, state: Tensor, start: int, end: int
+) -> tuple[list[Tensor], Tensor]:
     """Tokens start..end-1 chunk by chunk from `state`, with the operations of transformers' chunk loop
     (chunks of `block_size` counted from `start`; from start = 0 and a zero state, bit for bit its loop).
     Within a chunk of n tokens i, j = 1..n: o_i = λ^i q_i S + sum_{j<=i} λ^(i-j) (q_i . k_j) v_j and

@@ -94,8 +94,10 @@ def mlstm_inference(
     state dtype (`config.inference_state_dtype`) are used.
     """
     if query.shape[2] < 1:
-        raise ValueError(f"Received empty sequence (sequence_length={query.shape[2]}), require at least single"
-                         " element in the sequence.")
+        raise ValueError(
+            f"Received empty sequence (sequence_length={query.shape[2]}), require at least single"
+            " element in the sequence."
+        )
     eps, dtype_state = _settings(original)
     state = _initial(query, value, c_initial, n_initial, m_initial)
     h, last = _mlstm(query, key, value, igate, fgate, state, eps, dtype_state, on_token)
@@ -128,8 +130,9 @@ def mlstm_train(
     chunk_size, eps = inner.get("chunk_size", 64), inner.get("eps", 1e-6)
     seq = query.shape[2]
     if padded and return_last_states:
-        raise ValueError("We are padding zeros, so we cannot return last states, as they would be not the true"
-                         " last states.")
+        raise ValueError(
+            "We are padding zeros, so we cannot return last states, as they would be not the true last states."
+        )
     if not padded and seq % chunk_size != 0:
         raise ValueError(f"Sequence length {seq} is not divisible by chunk size {chunk_size}.")
     state = _initial(query, value, c_initial, n_initial, m_initial)
@@ -174,12 +177,24 @@ class MatrixLSTM(RecurrentMixer):
     STATE_TYPE = MLSTMState
     ADAPTER = MatrixLSTMAdapter
     KERNELS = (
-        Kernel(name="_inference_fn", role=Role.BOTH, loop=mlstm_inference, site=Site.INSTANCE,
-               state_in=("c_initial", "n_initial", "m_initial"),
-               results=("output", "final_state"), seq=("value", 2)),
-        Kernel(name="_train_fn", role=Role.PROMPT, loop=mlstm_train, site=Site.INSTANCE,
-               state_in=("c_initial", "n_initial", "m_initial"),
-               results=("output", "final_state"), seq=("value", 2)),
+        Kernel(
+            name="_inference_fn",
+            role=Role.BOTH,
+            loop=mlstm_inference,
+            site=Site.INSTANCE,
+            state_in=("c_initial", "n_initial", "m_initial"),
+            results=("output", "final_state"),
+            seq=("value", 2),
+        ),
+        Kernel(
+            name="_train_fn",
+            role=Role.PROMPT,
+            loop=mlstm_train,
+            site=Site.INSTANCE,
+            state_in=("c_initial", "n_initial", "m_initial"),
+            results=("output", "final_state"),
+            seq=("value", 2),
+        ),
     )
     MEMORIES = ("state",)
     LEFT_PADDING = "enters"  # xLSTM's forward takes no attention mask (LIMITS)
@@ -208,40 +223,55 @@ class MatrixLSTM(RecurrentMixer):
     LIMITS = {
         "segments": Caveat(
             "the kernel takes its state as three arguments: a few kept tokens run the token loop, not transformers'"
-            " kernel in segments"),
+            " kernel in segments"
+        ),
         "bf16 / fp16": Caveat(
             "transformers' chunk-wise kernel computes a prompt's first chunk_size-multiple tokens in the model dtype,"
             " the token loop in float32 (as its step and sequence kernels do): a watched half-precision prompt's"
             " logits move by up to transformers' own prompt-versus-token-by-token difference (tested within twice"
             " it); decode steps and prompts shorter than chunk_size are bit-identical. Without a cache, transformers'"
             " kernel fails on a half-precision prompt of >= chunk_size tokens (float32 zero state against"
-            " model-dtype inputs); a call through the token loop does not"),
+            " model-dtype inputs); a call through the token loop does not"
+        ),
         "max_inference_chunksize": Caveat(
             "in eval, a prompt longer than config.max_inference_chunksize runs chunk by chunk, each chunk a call;"
             " with use_cache=False transformers makes the cache the chunks share in bf16, so states are rounded to"
-            " bf16 between chunks, watched or not (use the cache, or pass a float32 xLSTMCache)"),
+            " bf16 between chunks, watched or not (use the cache, or pass a float32 xLSTMCache)"
+        ),
         "decode steps in mode 'train'": Refused(
-            ValueError, "config.mode 'train' runs _train_fn, transformers' chunk-wise kernel alone: it needs"
-            " seq % chunk_size == 0, so decode steps raise there, watched or not"),
+            ValueError,
+            "config.mode 'train' runs _train_fn, transformers' chunk-wise kernel alone: it needs"
+            " seq % chunk_size == 0, so decode steps raise there, watched or not",
+        ),
         "mode 'train_with_padding'": Caveat(
-            "its kernel returns no state, so nothing reaches the cache, watched or not"),
+            "its kernel returns no state, so nothing reaches the cache, watched or not"
+        ),
         "backward with a cache": Refused(
-            RuntimeError, "a backward through a prompt of >= chunk_size tokens run with use_cache=True raises in"
+            RuntimeError,
+            "a backward through a prompt of >= chunk_size tokens run with use_cache=True raises in"
             " transformers (modified by an inplace operation: its chunk-wise kernel saves the cache's state tensor,"
             " which the model then copy_s into); an idle watched call runs that kernel too, a call that runs the"
-            " token loop (hooks, writes, kept states) does not: train with use_cache=False"),
+            " token loop (hooks, writes, kept states) does not: train with use_cache=False",
+        ),
         "left padding": Caveat(
             "xLSTM's forward takes no attention mask: the pads of a left-padded row enter its state, watched or not"
-            " (a padded row's states differ from the row alone; pad on the right)"),
+            " (a padded row's states differ from the row alone; pad on the right)"
+        ),
         "beam search": Refused(
-            ValueError, "transformers' generate refuses it for xLSTM with a cache (the xLSTMCache cannot be"
-            " reordered), watched or not"),
+            ValueError,
+            "transformers' generate refuses it for xLSTM with a cache (the xLSTMCache cannot be"
+            " reordered), watched or not",
+        ),
         "route_kernels": Refused(
-            Unavailable, "the kernels are captured by each module when the model is built: there is nothing"
-            " process-wide to reroute; a watch rebinds them per module"),
+            Unavailable,
+            "the kernels are captured by each module when the model is built: there is nothing"
+            " process-wide to reroute; a watch rebinds them per module",
+        ),
         "xlstm package": Refused(
-            Unavailable, "with the xlstm package installed, transformers builds xlstm's own mLSTMBlock"
-            " (modeling_xlstm.external_xlstm) and none of these kernels exist: watch refuses the model"),
+            Unavailable,
+            "with the xlstm package installed, transformers builds xlstm's own mLSTMBlock"
+            " (modeling_xlstm.external_xlstm) and none of these kernels exist: watch refuses the model",
+        ),
     }
 
 
@@ -272,8 +302,9 @@ def _mlstm(
     scaled = query * (dhqk ** (-0.5))  # b h t k   q̂ = q / √d_qk, elementwise: the step kernel's values, once
     outputs = []
     # one unbind of each input along the tokens (a slice a token would make the backward quadratic)
-    steps = zip(scaled.unbind(2), key.unbind(2), value.unbind(2), igate[..., None].unbind(2),
-                fgate[..., None].unbind(2))
+    steps = zip(
+        scaled.unbind(2), key.unbind(2), value.unbind(2), igate[..., None].unbind(2), fgate[..., None].unbind(2)
+    )
     for t, (q_scaled, k, v, i_pre, f_pre) in enumerate(steps):  # b h k, b h k, b h v, b h 1 (ĩ_t), b h 1 (f̃_t)
         f_log = F.logsigmoid(f_pre)  # b h 1   log σ(f̃_t)
         m_new = torch.max(f_log + m, i_pre)  # b h 1   m_t = max(log σ(f̃_t) + m_{t-1}, ĩ_t)
@@ -294,16 +325,19 @@ def _mlstm(
     return torch.stack(outputs, dim=2), MLSTMState(C, n, m)
 
 
-def _initial(query: Tensor, value: Tensor, c_initial: Tensor | None, n_initial: Tensor | None,
-             m_initial: Tensor | None) -> MLSTMState:
+def _initial(
+    query: Tensor, value: Tensor, c_initial: Tensor | None, n_initial: Tensor | None, m_initial: Tensor | None
+) -> MLSTMState:
     """The state a call starts from: the given one, or zeros in float32, as
     `wrap_chunkwise_arbitrary_sequence_length`."""
     batch, heads, _, dhqk = query.shape
     dhv = value.shape[-1]
     given = [c_initial is not None, n_initial is not None, m_initial is not None]
     if any(given) and not all(given):
-        raise RecurrentHooksError("mLSTM: c_initial, n_initial and m_initial must be given together"
-                                  f" (got C {given[0]}, n {given[1]}, m {given[2]})")
+        raise RecurrentHooksError(
+            "mLSTM: c_initial, n_initial and m_initial must be given together"
+            f" (got C {given[0]}, n {given[1]}, m {given[2]})"
+        )
     if all(given):
         return MLSTMState(c_initial, n_initial, m_initial)
     zeros = lambda *shape: torch.zeros(*shape, device=query.device, dtype=torch.float32)  # noqa: E731

@@ -130,10 +130,14 @@ def recurrent_block_forward(
     if use_cache:
         if self.conv1d_state is None or self.conv1d_state.shape[0] != batch_size:
             # transformers sizes a new window with hidden_size channels (a prefill replaces it)
-            self.conv1d_state = torch.zeros((batch_size, self.hidden_size, self.conv1d_width - 1),
-                                            device=input_states.device, dtype=input_states.dtype)
-            self.rg_lru.recurrent_states = torch.zeros((batch_size, self.lru_width), device=input_states.device,
-                                                       dtype=torch.float32)
+            self.conv1d_state = torch.zeros(
+                (batch_size, self.hidden_size, self.conv1d_width - 1),
+                device=input_states.device,
+                dtype=input_states.dtype,
+            )
+            self.rg_lru.recurrent_states = torch.zeros(
+                (batch_size, self.lru_width), device=input_states.device, dtype=torch.float32
+            )
         if position_ids.shape[1] != 1:  # prefill: from a zero window
             if on_token is None:
                 self.conv1d_state = nn.functional.pad(x_branch, (self.conv1d_width - x_branch.shape[-1] - 1, 0))
@@ -165,32 +169,39 @@ _CONTINUATION = Caveat(
     "transformers' RecurrentGemmaRecurrentBlock convolves a forward of several tokens from a zero window, even"
     " over a cached memory (its prefill branch): in a multi-token continuation the conv window restarts from"
     " zeros while h_t continues (the model's own behaviour, watched or not; the library's loop does the same,"
-    " so the windows it hands over are those the model used). One token at a time (as generate does) is exact")
+    " so the windows it hands over are those the model used). One token at a time (as generate does) is exact"
+)
 _ONE_TOKEN_PROMPT = Caveat(
     "the memory lives on module attributes and survives across calls: a one-token prompt (a new generate with"
     " the same batch size) convolves over the previous call's window, where a longer prompt starts from zeros"
-    " (transformers' behaviour; h_t is reset by position 0). Watched, that call is call 0 all the same")
+    " (transformers' behaviour; h_t is reset by position 0). Watched, that call is call 0 all the same"
+)
 _WINDOW_CHANNELS = Refused(
     RuntimeError,
     "transformers creates a fresh conv window with hidden_size channels, not lru_width: with lru_width !="
     " hidden_size, a first cached forward of one token raises a size mismatch in transformers' forward, watched or"
-    " not (the library's loop repeats it); a prompt of several tokens replaces the window with the right size")
+    " not (the library's loop repeats it); a prompt of several tokens replaces the window with the right size",
+)
 _NO_SEGMENTS = Caveat(
     "_rnn_scan has no flag for its last state, so it does not run in segments: every call with hooks, writes"
-    " or kept states runs the token loop (one cheap diagonal step per token)")
+    " or kept states runs the token loop (one cheap diagonal step per token)"
+)
 _PADDING = Caveat(
     "the block does not mask its conv input: in a left-padded batch the pads' W_x u enter the windows of a row's"
     " first K-1 real tokens (transformers' behaviour). h_t resets at position 0, which generate puts at the"
-    " first real token (position_ids from the mask); a forward without position_ids counts from the first column")
+    " first real token (position_ids from the mask); a forward without position_ids counts from the first column"
+)
 _NOT_IN_CACHE = Caveat(
     "the memory is not in the transformers Cache (it holds the attention layers): after a call, read it from"
     " block.rg_lru.recurrent_states and block.conv1d_state, which the library's loops update as transformers"
-    " does")
+    " does"
+)
 _BEAMS = Caveat(
     "transformers does not reorder this memory under beam search: generate reorders the Cache (the attention"
     " layers' rows) and RecurrentGemma has no _reorder_cache, so block.rg_lru.recurrent_states and"
     " block.conv1d_state stay in place and each row's h_t and window continue the same row, not its parent beam's"
-    " (watched or not; the library runs exactly that). call.reorder stays None: every row continues itself")
+    " (watched or not; the library runs exactly that). call.reorder stays None: every row continues itself"
+)
 
 
 class RealGatedLinearRecurrenceAdapter(KindAdapter):
@@ -205,8 +216,13 @@ class RealGatedLinearRecurrenceAdapter(KindAdapter):
         cache = arguments.get("cache", extra.get("cache"))
         position_ids = arguments.get("position_ids")
         window = module.conv1d_state
-        fresh = (not arguments.get("use_cache", True) or window is None or window.shape[0] != hidden.shape[0]
-                 or position_ids is None or bool((position_ids == 0).any()))
+        fresh = (
+            not arguments.get("use_cache", True)
+            or window is None
+            or window.shape[0] != hidden.shape[0]
+            or position_ids is None
+            or bool((position_ids == 0).any())
+        )
         return hidden.shape[1], cache, fresh, hidden
 
     def cached(self, cache: Any, layer: int) -> Tensor | None:
@@ -217,8 +233,12 @@ class RealGatedLinearRecurrenceAdapter(KindAdapter):
         x = kernel_call.inputs
         rows = x["hidden_states"].shape[0]
         reset = x["reset"].expand(rows, -1, -1)  # b t 1   one row per batch row (the kernel may get a shared one)
-        return {"a": x["recurrent_gate"] * ~reset, "x": x["hidden_states"], "reset": reset[..., 0],
-                "output": kernel_call.output["output"]}
+        return {
+            "a": x["recurrent_gate"] * ~reset,
+            "x": x["hidden_states"],
+            "reset": reset[..., 0],
+            "output": kernel_call.output["output"],
+        }
 
 
 class RealGatedLinearRecurrence(RecurrentMixer):
@@ -241,11 +261,26 @@ class RealGatedLinearRecurrence(RecurrentMixer):
     ADAPTER = RealGatedLinearRecurrenceAdapter
     KERNELS = (
         # prompts and decode steps alike; returns the last state, which the module stores
-        Kernel(name="_rnn_scan", role=Role.BOTH, loop=rnn_scan, state_in="recurrent_states",
-               results=("output", "final_state"), seq=("hidden_states", 1), site=Site.CLASS),
+        Kernel(
+            name="_rnn_scan",
+            role=Role.BOTH,
+            loop=rnn_scan,
+            state_in="recurrent_states",
+            results=("output", "final_state"),
+            seq=("hidden_states", 1),
+            site=Site.CLASS,
+        ),
         # the block's forward, which the library owns: the conv window
-        Kernel(name="forward", role=Role.BOTH, loop=recurrent_block_forward, memory=CONV_MEMORY, state_in=None,
-               results=("output", "unused"), seq=("input_states", 1), site=Site.CLASS),
+        Kernel(
+            name="forward",
+            role=Role.BOTH,
+            loop=recurrent_block_forward,
+            memory=CONV_MEMORY,
+            state_in=None,
+            results=("output", "unused"),
+            seq=("input_states", 1),
+            site=Site.CLASS,
+        ),
     )
     STATE = "batch lru_width"
     CONV_STATE = "batch lru_width window"

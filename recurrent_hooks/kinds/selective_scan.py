@@ -74,19 +74,24 @@ from .shared.ssm import SelectiveScanCall, StateUpdateCall, discrete_step, kerne
 
 # the kernels, with transformers' signatures (written once: `ssm.kernel`); their maths follow the mixer kinds
 mamba_selective_scan = kernel(SelectiveScanCall, "mamba_selective_scan", __name__, initial_state=None, on_token=None)
-mamba_selective_scan_chunks = kernel(SelectiveScanCall, "mamba_selective_scan_chunks", __name__, initial_state=None,
-                                     chunk=None)
-mamba_selective_scan_states = kernel(SelectiveScanCall, "mamba_selective_scan_states", __name__, initial_state=None,
-                                     chunk=None, on_chunk=None)
+mamba_selective_scan_chunks = kernel(
+    SelectiveScanCall, "mamba_selective_scan_chunks", __name__, initial_state=None, chunk=None
+)
+mamba_selective_scan_states = kernel(
+    SelectiveScanCall, "mamba_selective_scan_states", __name__, initial_state=None, chunk=None, on_chunk=None
+)
 mamba_selective_scan_piece = kernel(SelectiveScanCall, "mamba_selective_scan_piece", __name__, initial_state=None)
-mamba_selective_scan_piece_states = kernel(SelectiveScanCall, "mamba_selective_scan_piece_states", __name__,
-                                           initial_state=None, on_chunk=None)
+mamba_selective_scan_piece_states = kernel(
+    SelectiveScanCall, "mamba_selective_scan_piece_states", __name__, initial_state=None, on_chunk=None
+)
 mamba_selective_state_update = kernel(StateUpdateCall, "mamba_selective_state_update", __name__, on_token=None)
 
-_RESTARTED = ("multi-token continuation: the model restarted its SSM state from zero (transformers'"
-              " mamba_selective_scan takes no initial state), as it does unwatched; this call's hooks, writes"
-              " and kept states see the states from zero, not from the cached state. Continue one token at a"
-              " time for an exact continuation")
+_RESTARTED = (
+    "multi-token continuation: the model restarted its SSM state from zero (transformers'"
+    " mamba_selective_scan takes no initial state), as it does unwatched; this call's hooks, writes"
+    " and kept states see the states from zero, not from the cached state. Continue one token at a"
+    " time for an exact continuation"
+)
 
 
 class SelectiveScanAdapter(KindAdapter):
@@ -101,14 +106,25 @@ class SelectiveScanAdapter(KindAdapter):
         if kernel_call.kernel == self.kind.kernel_for(Role.PROMPT).name:
             token_major = lambda v: rearrange(v, "b c t -> b t c")  # noqa: E731
             dt = step_size(token_major(x["dt"]), x["delta_bias"], x["delta_softplus"])
-            return {"x": token_major(x["hidden_states"]), "dt": dt, "B": token_major(x["B"]),
-                    "C": token_major(x["C"]), "y": token_major(kernel_call.output["output"])}
+            return {
+                "x": token_major(x["hidden_states"]),
+                "dt": dt,
+                "B": token_major(x["B"]),
+                "C": token_major(x["C"]),
+                "y": token_major(kernel_call.output["output"]),
+            }
         dt = step_size(x["dt"], x["dt_bias"], x["dt_softplus"])
-        return {"x": x["hidden_states"][:, None], "dt": dt[:, None], "B": x["B"][:, None], "C": x["C"][:, None],
-                "y": kernel_call.output["output"][:, None]}
+        return {
+            "x": x["hidden_states"][:, None],
+            "dt": dt[:, None],
+            "B": x["B"][:, None],
+            "C": x["C"][:, None],
+            "y": kernel_call.output["output"][:, None],
+        }
 
-    def _effective_attention_of_head(self, mixer: RecurrentMixer, calls: range, head: int, dtype: torch.dtype
-                                     ) -> EffectiveAttention:
+    def _effective_attention_of_head(
+        self, mixer: RecurrentMixer, calls: range, head: int, dtype: torch.dtype
+    ) -> EffectiveAttention:
         """Mamba-1's exact map over one kernel call per head (zamba: one per mamba head)."""
         kind = self.kind
         xs, steps, Bs, Cs = [], [], [], []
@@ -125,8 +141,11 @@ class SelectiveScanAdapter(KindAdapter):
         cum = (delta[..., None] * A).cumsum(1).transpose(1, 2)  # b d s n   c_s per channel and state entry
         B, C = B[:, None], C[:, None, start:]  # b 1 s n, b 1 t n
         weights = decayed(C, B, cum[:, :, start:], cum, start, strict=False) * delta.transpose(1, 2)[:, :, None]
-        state = (first.inputs.get(kind.kernel(first.kernel).state_in) if kind.kernel(first.kernel).role is Role.DECODE
-                 else None)  # the scan starts from 0
+        state = (
+            first.inputs.get(kind.kernel(first.kernel).state_in)
+            if kind.kernel(first.kernel).role is Role.DECODE
+            else None
+        )  # the scan starts from 0
         x_rows = x[:, start:].transpose(1, 2)[..., None]  # b d t 1
         if state is None:
             from_state = torch.zeros_like(x_rows)
@@ -171,15 +190,33 @@ class SelectiveScan(RecurrentMixer):
     KERNELS = (
         # several tokens (a prompt): a scan from zeros, which takes no state; in segments, the library's
         # chunk-wise scan or token loop runs the pieces (they start from the state the previous one left)
-        Kernel(name="mamba_selective_scan", role=Role.PROMPT, loop=mamba_selective_scan, state_in=None,
-               results=("output", "final_state"), seq=("hidden_states", 2),
-               segments=Segments(per_token={name: 2 for name in ("hidden_states", "dt", "B", "C", "z")},
-                                 state_in="initial_state", final_flag="return_last_state", out_axis=2,
-                                 tuple_without_final=False, kernel=mamba_selective_scan_piece,
-                                 all_states=mamba_selective_scan_piece_states, on_chunk=True)),
+        Kernel(
+            name="mamba_selective_scan",
+            role=Role.PROMPT,
+            loop=mamba_selective_scan,
+            state_in=None,
+            results=("output", "final_state"),
+            seq=("hidden_states", 2),
+            segments=Segments(
+                per_token={name: 2 for name in ("hidden_states", "dt", "B", "C", "z")},
+                state_in="initial_state",
+                final_flag="return_last_state",
+                out_axis=2,
+                tuple_without_final=False,
+                kernel=mamba_selective_scan_piece,
+                all_states=mamba_selective_scan_piece_states,
+                on_chunk=True,
+            ),
+        ),
         # one token over the cached state, which it updates in place
-        Kernel(name="mamba_selective_state_update", role=Role.DECODE, loop=mamba_selective_state_update,
-               state_in="state", results=("output",), in_place=True),
+        Kernel(
+            name="mamba_selective_state_update",
+            role=Role.DECODE,
+            loop=mamba_selective_state_update,
+            state_in="state",
+            results=("output",),
+            in_place=True,
+        ),
         *CONV_KERNELS,
     )
     FUSED = ("mamba_inner_fn",)
@@ -208,7 +245,8 @@ class SelectiveScan(RecurrentMixer):
             " state restarts the SSM state from zero (the model's own behaviour, watched or not; the convolution"
             " window carries over). Such a call runs as transformers runs it: its hooks, writes and kept states see"
             " the states from zero, and a RecurrentHooksWarning says so once per mixer and call. Continue one token"
-            " at a time for an exact continuation"),
+            " at a time for an exact continuation"
+        ),
         **SPLIT_RECORDING,
     }
 
@@ -225,8 +263,10 @@ class PerHeadSelectiveScanAdapter(SelectiveScanAdapter):
         heads of `head_dim` channels, and each head computes its dt, B and C from its own)."""
         head_dim = channels // heads
         if head_dim * heads != channels or head_dim != head_state[0]:
-            raise Unavailable(f"{self.kind.__name__}: a window of {channels} channels is not {heads} heads of"
-                              f" head_dim {head_state[0]}")
+            raise Unavailable(
+                f"{self.kind.__name__}: a window of {channels} channels is not {heads} heads of"
+                f" head_dim {head_state[0]}"
+            )
         return range(head * head_dim, (head + 1) * head_dim)
 
 
@@ -268,8 +308,11 @@ def discretize(
     B: Tensor,
     delta_bias: Tensor | None = None,
     delta_softplus: bool = False,
-) -> tuple[Float[Tensor, "batch seq d_inner"], Float[Tensor, "batch seq d_inner d_state"],
-           Float[Tensor, "batch seq d_inner d_state"]]:
+) -> tuple[
+    Float[Tensor, "batch seq d_inner"],
+    Float[Tensor, "batch seq d_inner d_state"],
+    Float[Tensor, "batch seq d_inner d_state"],
+]:
     """Δ_t, exp(Δ_t A) and Δ_t B_t x_t of every token, float32, token-major, from `mamba_selective_scan`'s arguments.
 
         names = ("hidden_states", "dt", "A", "B", "delta_bias", "delta_softplus")
@@ -286,8 +329,9 @@ def discretize(
 
 
 @mamba_selective_scan.body
-def _token_loop(call: SelectiveScanCall, initial_state: Tensor | None,
-                on_token: OnToken | None) -> Tensor | tuple[Tensor, Tensor]:
+def _token_loop(
+    call: SelectiveScanCall, initial_state: Tensor | None, on_token: OnToken | None
+) -> Tensor | tuple[Tensor, Tensor]:
     """The prompt kernel, token by token: same arguments and results as transformers' `mamba_selective_scan`.
 
     Returns y `[batch, d_inner, seq]` (D skip and silu(z) gate applied), and the last state
@@ -351,14 +395,16 @@ def _skip_and_gate(y: Tensor, x: Tensor, D: Tensor | None, z: Tensor | None) -> 
 def _prompt_result(y: Tensor, call: SelectiveScanCall) -> Tensor:
     """The prompt kernel's result from C_t . h_t `[batch, d_inner, seq]`: skip and gate, in transformers' dtype."""
     y = _skip_and_gate(y, call.hidden_states, None if call.D is None else call.D[:, None], call.z)
-    dtype = functools.reduce(torch.promote_types, [v.dtype for v in (call.hidden_states, call.C, call.D, call.z)
-                                                   if v is not None])
+    dtype = functools.reduce(
+        torch.promote_types, [v.dtype for v in (call.hidden_states, call.C, call.D, call.z) if v is not None]
+    )
     return y.to(dtype)
 
 
 @mamba_selective_scan_chunks.body
-def _chunk_wise_scan(call: SelectiveScanCall, initial_state: Tensor | None,
-                     chunk: int | None) -> Tensor | tuple[Tensor, Tensor]:
+def _chunk_wise_scan(
+    call: SelectiveScanCall, initial_state: Tensor | None, chunk: int | None
+) -> Tensor | tuple[Tensor, Tensor]:
     """The prompt kernel chunk-wise (no per-token loop), from `initial_state` (zeros if None).
 
     Same arguments and results as transformers' `mamba_selective_scan`, which always starts from zeros:
@@ -369,17 +415,25 @@ def _chunk_wise_scan(call: SelectiveScanCall, initial_state: Tensor | None,
 
 
 @mamba_selective_scan_states.body
-def _chunk_wise_states(call: SelectiveScanCall, initial_state: Tensor | None, chunk: int | None,
-                       on_chunk: OnChunk | None,
-                       ) -> tuple[Tensor | tuple[Tensor, Tensor], Float[Tensor, "seq batch d_inner d_state"] | None]:
+def _chunk_wise_states(
+    call: SelectiveScanCall,
+    initial_state: Tensor | None,
+    chunk: int | None,
+    on_chunk: OnChunk | None,
+) -> tuple[Tensor | tuple[Tensor, Tensor], Float[Tensor, "seq batch d_inner d_state"] | None]:
     """`mamba_selective_scan_chunks`' results and every token's state, token first (when all are kept), or with
     `on_chunk` each chunk's states handed to it and None (`Segments.on_chunk`)."""
     y, state, every = _chunked(call, initial_state, chunk, on_chunk is None, on_chunk)
     return call.result(y, state), every
 
 
-def _chunked(call: SelectiveScanCall, initial_state: Tensor | None, chunk: int | None, keep_every: bool,
-             on_chunk: OnChunk | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+def _chunked(
+    call: SelectiveScanCall,
+    initial_state: Tensor | None,
+    chunk: int | None,
+    keep_every: bool,
+    on_chunk: OnChunk | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """The chunk-wise kernels' work: the result, the last state and every state (or None; with `on_chunk`, each
     chunk's states are handed to it)."""
     # token-first and contiguous, so that every per-chunk tensor is too (a chunk is a slice of the first axis)
@@ -507,8 +561,9 @@ def _decode_step(call: StateUpdateCall, on_token: OnToken | None) -> Tensor:
     once, t=0) the state written is the one it returns. Unknown keyword arguments are ignored."""
     x = call.hidden_states.float()[:, None]  # b 1 d
     delta = step_size(call.dt, call.dt_bias, call.dt_softplus)[:, None]  # b 1 d
-    y, new_state = _selective_scan(x, delta, call.A.float(), call.B.float()[:, None], call.C[:, None], call.state,
-                                   on_token)
+    y, new_state = _selective_scan(
+        x, delta, call.A.float(), call.B.float()[:, None], call.C[:, None], call.state, on_token
+    )
     call.state.copy_(new_state)
     return _skip_and_gate(y[:, 0], call.hidden_states, call.D, call.z).to(call.hidden_states.dtype)
 
@@ -538,7 +593,9 @@ def _piece_by_size(call: SelectiveScanCall, initial_state: Tensor | None) -> Ten
 
 @mamba_selective_scan_piece_states.body
 def _piece_states_by_size(
-    call: SelectiveScanCall, initial_state: Tensor | None, on_chunk: OnChunk | None,
+    call: SelectiveScanCall,
+    initial_state: Tensor | None,
+    on_chunk: OnChunk | None,
 ) -> tuple[Tensor | tuple[Tensor, Tensor], Float[Tensor, "seq batch d_inner d_state"] | None]:
     """`mamba_selective_scan_piece` with every token's state, token first (`Segments.all_states`):
     `mamba_selective_scan_states`, or the token loop keeping the state of each token. With `on_chunk`, the states
@@ -550,8 +607,10 @@ def _piece_states_by_size(
     if on_chunk is not None:
         return mamba_selective_scan(*call, initial_state=initial_state, on_token=chunked(on_chunk, x.shape[2])), None
     seen: list[Tensor] = []
-    result = mamba_selective_scan(*call, initial_state=initial_state,
-                                  on_token=lambda t, state: seen.append(state) or state)
-    every = torch.stack(seen) if seen else x.new_zeros(0, *x.shape[:2], call.A.shape[-1],
-                                                       dtype=at_least_float32(x.dtype))
+    result = mamba_selective_scan(
+        *call, initial_state=initial_state, on_token=lambda t, state: seen.append(state) or state
+    )
+    every = (
+        torch.stack(seen) if seen else x.new_zeros(0, *x.shape[:2], call.A.shape[-1], dtype=at_least_float32(x.dtype))
+    )
     return result, every

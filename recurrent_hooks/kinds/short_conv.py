@@ -75,12 +75,15 @@ class ShortConvolutionAdapter(KindAdapter):
         layer, state = where
         return cache.get_conv_state(layer, state_idx=state)
 
-    def token_values(self, mixer: RecurrentMixer, kernel_call: KernelCall, tokens: int | None = None
-                     ) -> dict[str, Tensor]:
+    def token_values(
+        self, mixer: RecurrentMixer, kernel_call: KernelCall, tokens: int | None = None
+    ) -> dict[str, Tensor]:
         inputs, output = kernel_call.inputs, kernel_call.output
         if inputs is None or output is None:
-            raise Unavailable(f"{self.kind.__name__}.values: the kernel {'inputs' if inputs is None else 'outputs'}"
-                              " were not kept: pass keep=('inputs', 'outputs') to watch")
+            raise Unavailable(
+                f"{self.kind.__name__}.values: the kernel {'inputs' if inputs is None else 'outputs'}"
+                " were not kept: pass keep=('inputs', 'outputs') to watch"
+            )
         x, out = inputs["hidden_states"], output["output"]
         seq = x.shape[-1] if tokens is None else tokens  # a prompt over a cache: the cached window comes first
         return {"x": rearrange(x[..., -seq:], "b c t -> b t c"), "output": rearrange(out[..., -seq:], "b c t -> b t c")}
@@ -125,16 +128,21 @@ class ShortConvolution(RecurrentMixer):
     }
     LIMITS = {
         "state": Refused(
-            Unavailable, "a short convolution carries no recurrent state: its whole memory is the window (windows);"
-            " reading, writing or hooking a state raises"),
+            Unavailable,
+            "a short convolution carries no recurrent state: its whole memory is the window (windows);"
+            " reading, writing or hooking a state raises",
+        ),
         "effective attention, patching_sweep(memory='state')": Refused(
-            Unavailable, "both need a recurrent state; patching_sweep(memory=None | 'window') patches the windows"
-            " (the whole memory here), and attribute estimates them (its state rows are zero)"),
+            Unavailable,
+            "both need a recurrent state; patching_sweep(memory=None | 'window') patches the windows"
+            " (the whole memory here), and attribute estimates them (its state rows are zero)",
+        ),
         "packed sequences": Caveat(
             "a packed batch (seq_idx): transformers' convolution keeps its sequences apart with the causal_conv1d"
             " package and raises ValueError without it, and so does an idle watched call; a call that runs the"
             " library's loop (hooks, writes, kept windows) ignores seq_idx, so its windows and outputs cross the"
-            " sequence boundaries (the library's gap: do not hook packed batches of these mixers)"),
+            " sequence boundaries (the library's gap: do not hook packed batches of these mixers)"
+        ),
     }
     FORWARD_CACHE = ("cache", "past_key_values")
     STATE_INDEX: ClassVar[str] = "conv_idx"  # the module attribute naming its window among the cache layer's
@@ -143,9 +151,9 @@ class ShortConvolution(RecurrentMixer):
     def values(self, call: int | None = None) -> dict[str, Tensor]:
         """The convolution's input and output at every token of call `call` (default: the last), token-major.
 
-            with rh.watch(model, keep=("inputs", "outputs")) as w:
-                model(ids)
-            w.mixers[0].values()["x"]      # [batch, seq, channels]: what each token shifts into the window
+        with rh.watch(model, keep=("inputs", "outputs")) as w:
+            model(ids)
+        w.mixers[0].values()["x"]      # [batch, seq, channels]: what each token shifts into the window
         """
         record = self._call(call, "values")
         if record.conv is None:
@@ -179,9 +187,13 @@ class LoopedShortConvolutionAdapter(ShortConvolutionAdapter):
         if mixer.cache_index is None and index is not None and index[0] != mixer.layer:
             if mixer not in self.warned:
                 self.warned.add(mixer)
-                warnings.warn(f"{mixer}: a later pass of a looped layer (cache layer {index[0]}) ran without this"
-                              " hook, which was registered without a watch and serves the first pass only; watch"
-                              " the model for a mixer per pass", RecurrentHooksWarning, stacklevel=2)
+                warnings.warn(
+                    f"{mixer}: a later pass of a looped layer (cache layer {index[0]}) ran without this"
+                    " hook, which was registered without a watch and serves the first pass only; watch"
+                    " the model for a mixer per pass",
+                    RecurrentHooksWarning,
+                    stacklevel=2,
+                )
             return False
         return super().serves(mixer, forward)
 
@@ -206,7 +218,8 @@ class LoopedShortConvolution(ShortConvolution):
         **ShortConvolution.LIMITS,
         "hooks without a watch on a looped module": Caveat(
             "rh.register_state_hook cannot tell the passes apart (they come from the model's config): it serves the"
-            " first pass, the later passes run unhooked (one warning); watch the model for a mixer per pass"),
+            " first pass, the later passes run unhooked (one warning); watch the model for a mixer per pass"
+        ),
     }
 
     def __repr__(self) -> str:

@@ -89,10 +89,12 @@ from .shared.ssm import REQUIRED, ChunkScanCall, StateUpdateCall, discrete_step,
 
 # the kernels, with transformers' signatures (written once: `ssm.kernel`); their maths follow the mixer kind
 mamba2_chunk_scan = kernel(ChunkScanCall, "mamba2_chunk_scan", __name__, on_token=None)
-mamba2_chunk_scan_states = kernel(ChunkScanCall, "mamba2_chunk_scan_states", __name__, chunk=16, out=None,
-                                  on_chunk=None, factors=None)
-mamba2_chunk_scan_adjoint = kernel(ChunkScanCall, "mamba2_chunk_scan_adjoint", __name__, grad_output=REQUIRED,
-                                   grad_final=REQUIRED, visit=REQUIRED)
+mamba2_chunk_scan_states = kernel(
+    ChunkScanCall, "mamba2_chunk_scan_states", __name__, chunk=16, out=None, on_chunk=None, factors=None
+)
+mamba2_chunk_scan_adjoint = kernel(
+    ChunkScanCall, "mamba2_chunk_scan_adjoint", __name__, grad_output=REQUIRED, grad_final=REQUIRED, visit=REQUIRED
+)
 mamba2_selective_state_update = kernel(StateUpdateCall, "mamba2_selective_state_update", __name__, on_token=None)
 
 
@@ -101,8 +103,9 @@ def _cost_shape(arguments: dict[str, Any]) -> Shape:
     `chunk_size`. Its footprint, measured at mamba2-130m dims (tests/engine/test_path_memory.py): the kernel's graph per
     chunk unit, the token loop's states a token under autograd."""
     batch, _, heads, head_dim = arguments["hidden_states"].shape
-    return Shape("ssd", batch, heads, head_dim, arguments["B"].shape[-1], arguments["chunk_size"],
-                 graph=3.3, loop_graph=1.1)  # above the measured (docs/performance.md, "Paths chosen by memory")
+    return Shape(
+        "ssd", batch, heads, head_dim, arguments["B"].shape[-1], arguments["chunk_size"], graph=3.3, loop_graph=1.1
+    )  # above the measured (docs/performance.md, "Paths chosen by memory")
 
 
 class Mamba2StateSpaceAdapter(KindAdapter):
@@ -115,8 +118,10 @@ class Mamba2StateSpaceAdapter(KindAdapter):
         head_dim, d_state = head_state
         groups, rest = divmod(channels - heads * head_dim, 2 * d_state)
         if rest or groups < 1 or heads % groups:
-            raise Unavailable(f"{self.kind.__name__}: a window of {channels} channels is not [x | B | C] for {heads}"
-                              f" heads of head_dim {head_dim}, d_state {d_state}")
+            raise Unavailable(
+                f"{self.kind.__name__}: a window of {channels} channels is not [x | B | C] for {heads}"
+                f" heads of head_dim {head_dim}, d_state {d_state}"
+            )
         group, start = head // (heads // groups), heads * head_dim
         b = range(start + group * d_state, start + (group + 1) * d_state)
         return [*range(head * head_dim, (head + 1) * head_dim), *b, *(c + groups * d_state for c in b)]
@@ -125,13 +130,24 @@ class Mamba2StateSpaceAdapter(KindAdapter):
         x = kernel_call.inputs
         if kernel_call.kernel == self.kind.kernel_for(Role.PROMPT).name:
             dt = step_size(x["dt"], x["dt_bias"], x["dt_softplus"], x["dt_limit"])
-            return {"x": x["hidden_states"], "dt": dt, "decay": torch.exp(dt * x["A"].float()), "B": x["B"],
-                    "C": x["C"], "y": kernel_call.output["output"]}
+            return {
+                "x": x["hidden_states"],
+                "dt": dt,
+                "decay": torch.exp(dt * x["A"].float()),
+                "B": x["B"],
+                "C": x["C"],
+                "y": kernel_call.output["output"],
+            }
         # the decode kernel gets the per-head parameters expanded over head_dim: channel 0 is the head's
         dt = step_size(x["dt"][..., 0], None if x["dt_bias"] is None else x["dt_bias"][..., 0], x["dt_softplus"])
-        return {"x": x["hidden_states"][:, None], "dt": dt[:, None],
-                "decay": torch.exp(dt * x["A"][:, 0, 0].float())[:, None],
-                "B": x["B"][:, None], "C": x["C"][:, None], "y": kernel_call.output["output"][:, None]}
+        return {
+            "x": x["hidden_states"][:, None],
+            "dt": dt[:, None],
+            "decay": torch.exp(dt * x["A"][:, 0, 0].float())[:, None],
+            "B": x["B"][:, None],
+            "C": x["C"][:, None],
+            "y": kernel_call.output["output"][:, None],
+        }
 
     def effective_attention(self, mixer: RecurrentMixer, calls: range, dtype: torch.dtype) -> EffectiveAttention:
         """Mamba-2's exact map (SSD: a scalar decay per head)."""
@@ -188,17 +204,37 @@ class Mamba2StateSpace(RecurrentMixer):
 
     ADAPTER = Mamba2StateSpaceAdapter
     KERNELS = (
-        Kernel(name="mamba2_chunk_scan", role=Role.PROMPT, loop=mamba2_chunk_scan, state_in="initial_states",
-               results=("output", "final_state"), seq=("hidden_states", 1),
-               segments=Segments(per_token={name: 1 for name in ("hidden_states", "dt", "B", "C")},
-                                 state_in="initial_states", final_flag="return_final_states", out_axis=1,
-                                 tuple_without_final=False, all_states=mamba2_chunk_scan_states,
-                                 on_chunk=True, readouts=16, adjoint=mamba2_chunk_scan_adjoint,
-                                 blocks_below=24576,  # 24 heads of 64 x 16 at batch 1 (docs/performance.md)
-                                 shape=_cost_shape, chunk_argument="chunk_size")),
+        Kernel(
+            name="mamba2_chunk_scan",
+            role=Role.PROMPT,
+            loop=mamba2_chunk_scan,
+            state_in="initial_states",
+            results=("output", "final_state"),
+            seq=("hidden_states", 1),
+            segments=Segments(
+                per_token={name: 1 for name in ("hidden_states", "dt", "B", "C")},
+                state_in="initial_states",
+                final_flag="return_final_states",
+                out_axis=1,
+                tuple_without_final=False,
+                all_states=mamba2_chunk_scan_states,
+                on_chunk=True,
+                readouts=16,
+                adjoint=mamba2_chunk_scan_adjoint,
+                blocks_below=24576,  # 24 heads of 64 x 16 at batch 1 (docs/performance.md)
+                shape=_cost_shape,
+                chunk_argument="chunk_size",
+            ),
+        ),
         # one token over the cached state, which it updates in place
-        Kernel(name="mamba2_selective_state_update", role=Role.DECODE, loop=mamba2_selective_state_update,
-               state_in="state", results=("output",), in_place=True),
+        Kernel(
+            name="mamba2_selective_state_update",
+            role=Role.DECODE,
+            loop=mamba2_selective_state_update,
+            state_in="state",
+            results=("output",),
+            in_place=True,
+        ),
         *CONV_KERNELS,
     )
     FUSED = ("mamba2_split_conv1d_scan_combined",)
@@ -228,7 +264,8 @@ class Mamba2StateSpace(RecurrentMixer):
         "dt_limit at decode steps": Caveat(
             "transformers' decode kernel does not clamp dt to time_step_limit (its prompt kernel does); the library's"
             " loops do the same, so with a non-default limit a prompt and its decode steps compute dt differently,"
-            " watched or not"),
+            " watched or not"
+        ),
         **SPLIT_RECORDING,
     }
 
@@ -241,8 +278,11 @@ def discretize(
     dt_bias: Tensor | None = None,
     dt_softplus: bool = False,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
-) -> tuple[Float[Tensor, "batch seq heads"], Float[Tensor, "batch seq heads"],
-           Float[Tensor, "batch seq heads head_dim d_state"]]:
+) -> tuple[
+    Float[Tensor, "batch seq heads"],
+    Float[Tensor, "batch seq heads"],
+    Float[Tensor, "batch seq heads head_dim d_state"],
+]:
     """Δ_t, exp(Δ_t a_h) and Δ_t x_t B_t^T of every token, float32, from `mamba2_chunk_scan`'s arguments.
 
         names = ("hidden_states", "dt", "A", "B", "dt_bias", "dt_softplus", "dt_limit")
@@ -254,8 +294,9 @@ def discretize(
     dt_softplus, (-inf, inf))`.
     """
     dt = step_size(dt, dt_bias, dt_softplus, dt_limit)
-    decay, drive = discrete_step(dt[..., None], A.float()[:, None, None], _per_head(B, hidden_states.shape[-2]),
-                             hidden_states.float())
+    decay, drive = discrete_step(
+        dt[..., None], A.float()[:, None, None], _per_head(B, hidden_states.shape[-2]), hidden_states.float()
+    )
     return dt, decay[..., 0, 0], drive
 
 
@@ -279,8 +320,15 @@ def _token_loop(call: ChunkScanCall, on_token: OnToken | None) -> Tensor | tuple
     # transposed), which makes every step of the loop a strided gather (docs/performance.md, "The path benchmark")
     x = call.hidden_states.float().contiguous()
     delta = step_size(call.dt, call.dt_bias, call.dt_softplus, call.dt_limit)  # b t h
-    y, state = _ssd(x, delta[..., None], call.A.float()[:, None, None], _per_head(call.B, heads),
-                    _per_head(call.C, heads), call.initial_states, on_token)
+    y, state = _ssd(
+        x,
+        delta[..., None],
+        call.A.float()[:, None, None],
+        _per_head(call.B, heads),
+        _per_head(call.C, heads),
+        call.initial_states,
+        on_token,
+    )
     if call.D is not None:
         y = y + call.D[:, None] * x  # float32 (or D's dtype if wider), as transformers
     return call.result(y, state)
@@ -321,7 +369,10 @@ ROW_STEPS_FROM = 16_384  # state elements from which a chunk's states are formed
 
 @mamba2_chunk_scan_states.body
 def _chunk_wise_states(
-    call: ChunkScanCall, chunk: int, out: Tensor | None, on_chunk: OnChunk | None,
+    call: ChunkScanCall,
+    chunk: int,
+    out: Tensor | None,
+    on_chunk: OnChunk | None,
     factors: tuple[Tensor, Tensor] | None,
 ) -> tuple[Tensor | tuple[Tensor, Tensor], Float[Tensor, "seq batch heads head_dim d_state"] | None]:
     """`mamba2_chunk_scan`'s results and every token's state, token first, chunk by chunk.
@@ -348,25 +399,28 @@ def _chunk_wise_states(
     B_h, C_h = (_per_head(v, heads).movedim(1, 0) for v in (call.B, call.C))  # t b h n
     log_decay = delta * call.A.float()  # t b h   Δ_t a_h
     d_state = B_h.shape[-1]
-    state = (x.new_zeros(batch, heads, head_dim, d_state) if call.initial_states is None
-             else call.initial_states.float())
+    state = x.new_zeros(batch, heads, head_dim, d_state) if call.initial_states is None else call.initial_states.float()
     shape = (seq, batch, heads, head_dim, d_state)
-    every = (x.new_empty(0 if factors is not None else min(chunk, seq), *shape[1:]) if on_chunk is not None  # reused
-             else x.new_empty(shape) if out is None
-             else states_buffer(out, shape))  # i b h p n (none: readouts), t b h p n
+    every = (
+        x.new_empty(0 if factors is not None else min(chunk, seq), *shape[1:])
+        if on_chunk is not None  # reused
+        else x.new_empty(shape)
+        if out is None
+        else states_buffer(out, shape)
+    )  # i b h p n (none: readouts), t b h p n
     y = x.new_empty(x.shape)  # t b h p
     row_steps = factors is not None or math.prod(shape[1:]) >= ROW_STEPS_FROM
     for start in range(0, seq, chunk):
-        xc, dc, Bc, Cc, lc = (v[start:start + chunk] for v in (x, delta, B_h, C_h, log_decay))  # i b h ..
+        xc, dc, Bc, Cc, lc = (v[start : start + chunk] for v in (x, delta, B_h, C_h, log_decay))  # i b h ..
         size = xc.shape[0]
         cum = lc.cumsum(0)  # i b h   c_i
         weights = causal_decay(cum)  # i j b h   w_ij
         stepped = dc[..., None] * xc  # i b h p   Δ_i x_i
-        states = every[start:start + size] if on_chunk is None else every[:size]  # i b h p n   (readouts: none)
+        states = every[start : start + size] if on_chunk is None else every[:size]  # i b h p n   (readouts: none)
         if row_steps:
             scores = weights * torch.einsum("ibhn,jbhn->ijbh", Cc, Bc)  # i j b h   w_ij C_i . B_j
             from_start = torch.einsum("bhpn,ibhn,ibh->ibhp", state, Cc, flushed_exp(cum))  # i b h p   exp(c_i) h_0 C_i
-            y[start:start + size] = torch.einsum("ijbh,jbhp->ibhp", scores, stepped) + from_start  # i b h p   h_i C_i
+            y[start : start + size] = torch.einsum("ijbh,jbhp->ibhp", scores, stepped) + from_start  # i b h p   h_i C_i
             if factors is not None:
                 readouts, state = _chunk_readouts(factors, state, cum, weights, stepped, Bc)  # i b h r, b h p n
                 on_chunk(start, readouts)
@@ -374,15 +428,16 @@ def _chunk_wise_states(
             decay = flushed_exp(lc)[..., None]  # i b h 1   exp(Δ_i a_h)
             rank_one_steps(states, state, decay, stepped, Bc)  # h_i = exp(Δ_i a_h) h_{i-1} + Δ_i x_i B_i^T
         else:
-            y[start:start + size] = _states_at_once(states, state, cum, weights, stepped, Bc, Cc)  # i b h p
+            y[start : start + size] = _states_at_once(states, state, cum, weights, stepped, Bc, Cc)  # i b h p
         state = chunk_formed(states, start, on_chunk)  # b h p n
     if call.D is not None:
         y = y + call.D[:, None] * x
     return call.result(y.movedim(0, 1), state), (every if on_chunk is None else None)
 
 
-def _states_at_once(states: Tensor, state: Tensor, cum: Tensor, weights: Tensor, stepped: Tensor, B: Tensor,
-                    C: Tensor) -> Float[Tensor, "i batch heads head_dim"]:
+def _states_at_once(
+    states: Tensor, state: Tensor, cum: Tensor, weights: Tensor, stepped: Tensor, B: Tensor, C: Tensor
+) -> Float[Tensor, "i batch heads head_dim"]:
     """A chunk's states into `states` `[i, batch, heads, head_dim, d_state]` by one product per head, h_i = exp(c_i)
     h_0 + sum_{j<=i} w_ij Δ_j x_j B_j^T, and y_i = h_i C_i read from them (for small states: `ROW_STEPS_FROM`).
     h_0 `state`, c `cum` `[i, b, h]`, w `weights` `[i, j, b, h]`, Δ x `stepped` `[j, b, h, p]`, B and C
@@ -395,7 +450,12 @@ def _states_at_once(states: Tensor, state: Tensor, cum: Tensor, weights: Tensor,
 
 
 def _chunk_readouts(
-    factors: tuple[Tensor, Tensor], state: Tensor, cum: Tensor, weights: Tensor, stepped: Tensor, B: Tensor,
+    factors: tuple[Tensor, Tensor],
+    state: Tensor,
+    cum: Tensor,
+    weights: Tensor,
+    stepped: Tensor,
+    B: Tensor,
 ) -> tuple[Float[Tensor, "i batch heads r"], Float[Tensor, "batch heads head_dim d_state"]]:
     """A chunk's rank-r linear readouts sum_r a_r^T h_i b_r per head, and its last state, without forming the states
     in between (the probe `rh.probe(a, b)` at the cost of a query):
@@ -413,8 +473,9 @@ def _chunk_readouts(
 
 
 @mamba2_chunk_scan_adjoint.body
-def _adjoint(call: ChunkScanCall, grad_output: Tensor | None, grad_final: Tensor | None,
-             visit: Visit) -> Float[Tensor, "batch heads head_dim d_state"]:
+def _adjoint(
+    call: ChunkScanCall, grad_output: Tensor | None, grad_final: Tensor | None, visit: Visit
+) -> Float[Tensor, "batch heads head_dim d_state"]:
     """The prompt kernel's adjoint recurrence, right to left (`Segments.adjoint`): with mu_t = d m / d h_t
     through the tokens after t (mu_{T-1} the final state's gradient) and dy_t the output's gradient,
         mu_{t-1} = exp(Δ_t a_h) (mu_t + dy_t C_t^T)
@@ -424,8 +485,11 @@ def _adjoint(call: ChunkScanCall, grad_output: Tensor | None, grad_final: Tensor
     delta = step_size(call.dt, call.dt_bias, call.dt_softplus, call.dt_limit)  # b t h
     decay = torch.exp(delta * call.A.float())  # b t h   exp(Δ_t a_h)
     C_h = _per_head(call.C, heads)  # b t h n
-    mu = (call.hidden_states.new_zeros(batch, heads, head_dim, C_h.shape[-1], dtype=torch.float32) if grad_final is None
-          else grad_final.to(torch.float32, copy=True))
+    mu = (
+        call.hidden_states.new_zeros(batch, heads, head_dim, C_h.shape[-1], dtype=torch.float32)
+        if grad_final is None
+        else grad_final.to(torch.float32, copy=True)
+    )
     grad_output = None if grad_output is None else grad_output.to(torch.float32)
     for t in reversed(range(seq)):
         mu = visited(visit, t, mu)  # b h p n   mu_t: what a change of the state after token t does to m

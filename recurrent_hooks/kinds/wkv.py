@@ -203,11 +203,25 @@ class WeightedKeyValue(RecurrentMixer):
     ADAPTER = WeightedKeyValueAdapter
     KERNELS = (
         # prompt and decode: one module global; it takes (num, den, max) and returns the new ones
-        Kernel(name="rwkv_linear_attention", role=Role.BOTH, loop=rwkv_linear_attention, state_in="state",
-               results=("output", "final_state"), seq=("key", 1)),
+        Kernel(
+            name="rwkv_linear_attention",
+            role=Role.BOTH,
+            loop=rwkv_linear_attention,
+            state_in="state",
+            results=("output", "final_state"),
+            seq=("key", 1),
+        ),
         # the token shift, a method of RwkvSelfAttention (its state argument is the model's state list)
-        Kernel(name="extract_key_value", role=Role.BOTH, loop=extract_key_value, memory=CONV_MEMORY, state_in="state",
-               results=("receptance", "key", "value", "model_state"), seq=("hidden", 1), site=Site.CLASS),
+        Kernel(
+            name="extract_key_value",
+            role=Role.BOTH,
+            loop=extract_key_value,
+            memory=CONV_MEMORY,
+            state_in="state",
+            results=("receptance", "key", "value", "model_state"),
+            seq=("hidden", 1),
+            site=Site.CLASS,
+        ),
     )
     STATE_TYPE = WkvState
     LEFT_PADDING = "enters"  # RwkvModel ignores attention_mask (LIMITS)
@@ -228,26 +242,33 @@ class WeightedKeyValue(RecurrentMixer):
             " step over a state, which broadcasts to [batch, batch, hidden] for batch > 1 (its bug): cached decoding"
             " is right for batch 1 only, watched or not; prompts are right for any batch. Such a step's WKV kernel"
             " runs over batch positions, and the record says so: call.tokens and the kept states have batch"
-            " positions, the windows (the shift saw one input) one"),
+            " positions, the windows (the shift saw one input) one"
+        ),
         "left padding": Caveat(
             "RwkvModel ignores attention_mask: the pads of a left-padded row enter its state, watched or not (the"
-            " model's behaviour; pad on the right)"),
+            " model's behaviour; pad on the right)"
+        ),
         "eval rescaling": Caveat(
             "in eval mode RwkvModel divides attention.output and feed_forward.value weights in place by"
-            " 2^(layer // rescale_every) (and back in train mode): compare runs in the same mode"),
+            " 2^(layer // rescale_every) (and back in train mode): compare runs in the same mode"
+        ),
         "gradients with a state": Refused(
-            RuntimeError, "with use_cache=True transformers' forward overwrites its state list in place after its"
+            RuntimeError,
+            "with use_cache=True transformers' forward overwrites its state list in place after its"
             " kernels saved views of it for backward, so backward raises (modified by an inplace operation), watched"
-            " or not: take gradients with use_cache=False (the kept states are then differentiable as usual)"),
+            " or not: take gradients with use_cache=False (the kept states are then differentiable as usual)",
+        ),
         "attention_hidden_size": Refused(
-            RuntimeError, "RwkvModel sizes its state with hidden_size, so attention_hidden_size != hidden_size"
+            RuntimeError,
+            "RwkvModel sizes its state with hidden_size, so attention_hidden_size != hidden_size"
             " raises a size mismatch with use_cache=True (transformers' bug), watched or not; such models run with"
-            " use_cache=False only"),
-        "effective attention": Refused(
-            Unavailable, "rh.effective_attention is not derived for this kind yet"),
+            " use_cache=False only",
+        ),
+        "effective attention": Refused(Unavailable, "rh.effective_attention is not derived for this kind yet"),
         "feed-forward shift": Caveat(
             "the channel mix (RwkvFeedForward) has its own token shift, state[0]: not part of this mixer's memory,"
-            " not read or written"),
+            " not read or written"
+        ),
     }
     FORWARD_INPUT = "hidden"
     LAYER_ATTRIBUTE = "layer_id"
@@ -256,5 +277,6 @@ class WeightedKeyValue(RecurrentMixer):
 def _empty(state: list[Tensor], layer: int) -> bool:
     """Whether `layer`'s WKV state in the model's state list is the empty one RwkvModel starts from."""
     num, den, p = (s[:, :, layer] for s in state[2:5])
-    return bool(((num == 0) & (den == 0)
-                 & (p == torch.tensor(_EMPTY_MAX, dtype=p.dtype, device=p.device))).all())  # one sync
+    return bool(
+        ((num == 0) & (den == 0) & (p == torch.tensor(_EMPTY_MAX, dtype=p.dtype, device=p.device))).all()
+    )  # one sync

@@ -109,15 +109,17 @@ def cca_forward(
     seq, size = input_shape[-1], self.conv_kernel_size
     recording = cache is not None and cache.is_recording_past(self.layer_idx)
     if recording and (on_token is not None or on_also is not None) and not PAST_RECORDING_RUNS:
-        raise Unavailable(f"ZayaCCAProjection (layer {self.layer_idx}): a cache recording its past (assisted"
-                          f" decoding): transformers {installed_version()}'s own forward cannot run it (it grows the"
-                          " window by whole windows and the q/k view raises; from 5.25 on it can)")
+        raise Unavailable(
+            f"ZayaCCAProjection (layer {self.layer_idx}): a cache recording its past (assisted"
+            f" decoding): transformers {installed_version()}'s own forward cannot run it (it grows the"
+            " window by whole windows and the q/k view raises; from 5.25 on it can)"
+        )
     qk_states = qk_states.transpose(1, 2)  # b c T
     if cache is not None:  # the cached window (or, recording, every past column) first: b c K'+T
         qk_states = cache.update_conv_state(qk_states, self.layer_idx, conv_kernel_size=size)
     if cached_qk_states is None:
         qk_states = F.pad(qk_states, (size, 0))  # b c K+T   zeros first
-    context = qk_states[..., -(size + seq):]  # b c K+T   the window before token 0, then the call's columns
+    context = qk_states[..., -(size + seq) :]  # b c K+T   the window before token 0, then the call's columns
     qk_states = _conv(self, qk_states).transpose(1, 2)[:, -seq:]  # b T c   ĉ
 
     value_current = self.v_proj_current(hidden_states)  # b T d   W_vc x
@@ -129,8 +131,9 @@ def cca_forward(
     value_delayed = torch.cat([recurrent_v_state, delayed_v_state[:, :-1]], dim=1)  # b T d   delay_{t-1}
     last_delay = delayed_v_state[:, -1, :]
     if on_token is not None or on_also is not None:
-        window, last_delay, qk_states, value_delayed = _slide(self, context, delayed_v_state, qk_states,
-                                                              value_delayed, on_token, on_also)
+        window, last_delay, qk_states, value_delayed = _slide(
+            self, context, delayed_v_state, qk_states, value_delayed, on_token, on_also
+        )
         cached = None if cache is None else cache.get_conv_state(self.layer_idx, state_idx=0)
         if cached is not None:
             cached[..., -size:].copy_(window)  # the window the next call continues from
@@ -157,12 +160,15 @@ class CompressedConvolutionalAttentionAdapter(KindAdapter):
         arguments["delay"] = cache.get_recurrent_state(layer) if found else None
         return arguments
 
-    def token_values(self, mixer: RecurrentMixer, kernel_call: KernelCall, tokens: int | None = None
-                     ) -> dict[str, Tensor]:
+    def token_values(
+        self, mixer: RecurrentMixer, kernel_call: KernelCall, tokens: int | None = None
+    ) -> dict[str, Tensor]:
         if kernel_call.output is None or kernel_call.inputs is None:
-            raise Unavailable(f"{self.kind.__name__}.values: the kernel"
-                              f" {'inputs' if kernel_call.inputs is None else 'outputs'}"
-                              " were not kept: pass keep=('inputs', 'outputs') to watch")
+            raise Unavailable(
+                f"{self.kind.__name__}.values: the kernel"
+                f" {'inputs' if kernel_call.inputs is None else 'outputs'}"
+                " were not kept: pass keep=('inputs', 'outputs') to watch"
+            )
         return {name: kernel_call.output[name] for name in self.kind.VALUES}
 
 
@@ -188,9 +194,17 @@ class CompressedConvolutionalAttention(RecurrentMixer):
     ADAPTER = CompressedConvolutionalAttentionAdapter
     KERNELS = (
         # the whole forward, for both memories; `conv_state` and `delay`, in the recorded inputs, are what it read
-        Kernel(name="forward", role=Role.BOTH, loop=cca_forward, memory=CONV_MEMORY, also=STATE_MEMORY,
-               state_in=("conv_state", "delay"), results=("query", "key", "value"), seq=("hidden_states", 1),
-               site=Site.CLASS),
+        Kernel(
+            name="forward",
+            role=Role.BOTH,
+            loop=cca_forward,
+            memory=CONV_MEMORY,
+            also=STATE_MEMORY,
+            state_in=("conv_state", "delay"),
+            results=("query", "key", "value"),
+            seq=("hidden_states", 1),
+            site=Site.CLASS,
+        ),
     )
     MEMORIES = (CONV_MEMORY, STATE_MEMORY)
     CONTINUES_CACHE = True  # both memories are the cache layer's conv and recurrent states
@@ -214,25 +228,36 @@ class CompressedConvolutionalAttention(RecurrentMixer):
         "value": "batch seq kv_heads head_dim  (the forward's v at each token; its second half is the delay read)",
     }
     LIMITS = {
-        **({} if PAST_RECORDING_RUNS else {RECORDING: Refused(
-            Unavailable, f"transformers {installed_version()}: under cache.activate_past_recording() zaya's own"
-            " forward fails at the second decode step (the cache grows the window by whole windows, and the q/k view"
-            " raises a RuntimeError); generate never records the past for zaya (_is_stateful blocks assisted"
-            " decoding), and a watched call with hooks refuses such a window by name")}),
+        **(
+            {}
+            if PAST_RECORDING_RUNS
+            else {
+                RECORDING: Refused(
+                    Unavailable,
+                    f"transformers {installed_version()}: under cache.activate_past_recording() zaya's own"
+                    " forward fails at the second decode step (the cache grows the window by whole windows, and the"
+                    " q/k view"
+                    " raises a RuntimeError); generate never records the past for zaya (_is_stateful blocks assisted"
+                    " decoding), and a watched call with hooks refuses such a window by name",
+                )
+            }
+        ),
         "effective attention": Refused(
-            Unavailable, "not provided: CCA projects the inputs of softmax attention; it is no linear recurrence over"
-            " the values"),
+            Unavailable,
+            "not provided: CCA projects the inputs of softmax attention; it is no linear recurrence over the values",
+        ),
         "segments": Caveat(
             "every call with hooks, writes or kept memories runs the token loop (a cheap shift per token; only the"
-            " positions that read a written window are recomputed)"),
+            " positions that read a written window are recomputed)"
+        ),
     }
 
     def values(self, call: int | None = None) -> dict[str, Tensor]:
         """The forward's query, key and value at every token of call `call` (default: the last), token-major.
 
-            with rh.watch(model, keep=("inputs", "outputs")) as w:
-                model(ids)
-            w.mixers[0].values()["value"]   # [batch, seq, kv_heads, head_dim]
+        with rh.watch(model, keep=("inputs", "outputs")) as w:
+            model(ids)
+        w.mixers[0].values()["value"]   # [batch, seq, kv_heads, head_dim]
         """
         record = self._call(call, "values")
         if record.conv is None:
@@ -240,8 +265,9 @@ class CompressedConvolutionalAttention(RecurrentMixer):
         return self.adapter.token_values(self, record.conv)
 
 
-def _repeat_kv(x: Float[Tensor, "batch kv_heads seq head_dim"], groups: int
-               ) -> Float[Tensor, "batch heads seq head_dim"]:
+def _repeat_kv(
+    x: Float[Tensor, "batch kv_heads seq head_dim"], groups: int
+) -> Float[Tensor, "batch heads seq head_dim"]:
     """transformers' `repeat_kv`: each kv head repeated `groups` times, in place of its position."""
     batch, kv_heads, seq, head_dim = x.shape
     if groups == 1:
@@ -262,8 +288,12 @@ def _slide(
     value_delayed: Float[Tensor, "batch seq delay_channels"],
     on_token: OnToken | None,
     on_also: OnToken | None,
-) -> tuple[Float[Tensor, "batch channels kernel_size"], Float[Tensor, "batch delay_channels"],
-           Float[Tensor, "batch seq channels"], Float[Tensor, "batch seq delay_channels"]]:
+) -> tuple[
+    Float[Tensor, "batch channels kernel_size"],
+    Float[Tensor, "batch delay_channels"],
+    Float[Tensor, "batch seq channels"],
+    Float[Tensor, "batch seq delay_channels"],
+]:
     """Slide both memories over the call's tokens (the last `seq` columns of `context`, after the K columns of the
     window it started from), handing each hook its memory after each token. A position that reads a window
     `on_token` replaced or changed is recomputed in `conv`; a delay `on_also` replaced is the next token's

@@ -53,6 +53,7 @@ from ..engine.tracking.records import Call, recorded
 
 # -- the history ------------------------------------------------------------------------------------------
 
+
 def _state_in(mixer: RecurrentMixer, record: Call) -> list[Tensor | None]:
     name = type(mixer).kernel(record.kernel).state_in
     return [None if name is None else kernel_call.inputs.get(name) for kernel_call in record.kernel_calls]
@@ -60,13 +61,20 @@ def _state_in(mixer: RecurrentMixer, record: Call) -> list[Tensor | None]:
 
 def _continues(mixer: RecurrentMixer, before: Call, record: Call) -> bool:
     """Whether `record` started from exactly the state `before` ended with (same rows, no write since)."""
-    if record.reorder is not None or before.replaced(STATE_MEMORY) \
-            or len(before.kernel_calls) != len(record.kernel_calls):
+    if (
+        record.reorder is not None
+        or before.replaced(STATE_MEMORY)
+        or len(before.kernel_calls) != len(record.kernel_calls)
+    ):
         return False
     for start, kernel_call in zip(_state_in(mixer, record), before.kernel_calls):
         final = (kernel_call.output or {}).get("final_state")
-        if start is None or final is None or start.shape != final.shape \
-                or not torch.equal(start.to(torch.float32), final.to(torch.float32)):
+        if (
+            start is None
+            or final is None
+            or start.shape != final.shape
+            or not torch.equal(start.to(torch.float32), final.to(torch.float32))
+        ):
             return False
     return True
 
@@ -80,7 +88,8 @@ def _history(mixer: RecurrentMixer, call: int | None) -> range:
     if record.replaced(STATE_MEMORY):
         raise Unavailable(
             f"{where}: a hook or write replaced the state at token(s) {sorted(record.replaced(STATE_MEMORY))};"
-            " the call's output is then not a linear map of its values (run it again without replacing hooks)")
+            " the call's output is then not a linear map of its values (run it again without replacing hooks)"
+        )
     first = record.index
     while first > 0:
         for kernel_call in mixer.calls[first].kernel_calls:
@@ -88,8 +97,10 @@ def _history(mixer: RecurrentMixer, call: int | None) -> range:
         if all(start is None for start in _state_in(mixer, mixer.calls[first])):
             break  # it started from no state: it continues no call
         if first - 1 < mixer.calls.dropped:  # whether call `first` continues the one before cannot be told
-            raise Unavailable(f"{where}: its history runs back to call {first}, which may continue the state of call"
-                              f" {first - 1}; {mixer.calls.dropped_message(first - 1)}")
+            raise Unavailable(
+                f"{where}: its history runs back to call {first}, which may continue the state of call"
+                f" {first - 1}; {mixer.calls.dropped_message(first - 1)}"
+            )
         before = mixer.calls[first - 1]
         for kernel_call in before.kernel_calls:
             recorded(record, kernel_call.inputs, "inputs"), recorded(record, kernel_call.output, "outputs")
@@ -98,17 +109,20 @@ def _history(mixer: RecurrentMixer, call: int | None) -> range:
         first -= 1
     for index in range(first, record.index + 1):
         if mixer.calls[index].split:
-            raise Unavailable(f"{where}: call {index} of its history ran as {len(mixer.calls[index].kernel_calls)}"
-                              f" kernel calls ({', '.join(mixer.calls[index].kernels)}: a cache that records its"
-                              " past split its tokens, as assisted decoding's does), and the effective attention"
-                              " reads one kernel call a call; run the calls without past recording")
+            raise Unavailable(
+                f"{where}: call {index} of its history ran as {len(mixer.calls[index].kernel_calls)}"
+                f" kernel calls ({', '.join(mixer.calls[index].kernels)}: a cache that records its"
+                " past split its tokens, as assisted decoding's does), and the effective attention"
+                " reads one kernel call a call; run the calls without past recording"
+            )
         for kernel_call in mixer.calls[index].kernel_calls:
             recorded(record, kernel_call.inputs, "inputs"), recorded(record, kernel_call.output, "outputs")
     return range(first, record.index + 1)
 
 
-def effective_attention(mixer: RecurrentMixer, call: int | None = None, *,
-                        dtype: torch.dtype = torch.float32) -> EffectiveAttention:
+def effective_attention(
+    mixer: RecurrentMixer, call: int | None = None, *, dtype: torch.dtype = torch.float32
+) -> EffectiveAttention:
     """The exact effective attention of `call` (default: the last) of a watched mixer.
 
         with rh.watch(model, keep=("inputs", "outputs")) as w:

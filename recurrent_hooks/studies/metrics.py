@@ -40,8 +40,12 @@ def per_row(metric: Any, logits: Tensor, where: str) -> Tensor:
     with noted(lambda: f"raised in the metric {name} of {where}, on logits of shape {tuple(logits.shape)}"):
         value = metric(logits)
         if isinstance(value, Tensor) and value.dim() == 0 and rows > 1:
-            value = torch.stack([_checked_value(metric(logits[r:r + 1]), 1, logits[r:r + 1], where).reshape(())
-                                 for r in range(rows)])
+            value = torch.stack(
+                [
+                    _checked_value(metric(logits[r : r + 1]), 1, logits[r : r + 1], where).reshape(())
+                    for r in range(rows)
+                ]
+            )
     return _checked_value(value, rows, logits, where)
 
 
@@ -49,9 +53,11 @@ def _checked_value(value: Any, rows: int, logits: Tensor, where: str) -> Tensor:
     if isinstance(value, Tensor) and (tuple(value.shape) == (rows,) or value.dim() == 0 and rows == 1):
         return value.reshape(rows)
     got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
-    raise InvalidValue(f"{where}: expected metric(logits) to return one value per row, a tensor of shape ({rows},)"
-                       f" (or a 0-d tensor, the value of one row) for logits of shape {tuple(logits.shape)}, got {got}"
-                       " (docs/api.md, 'Metrics')")
+    raise InvalidValue(
+        f"{where}: expected metric(logits) to return one value per row, a tensor of shape ({rows},)"
+        f" (or a 0-d tensor, the value of one row) for logits of shape {tuple(logits.shape)}, got {got}"
+        " (docs/api.md, 'Metrics')"
+    )
 
 
 def for_rows(metric: Any, pairs: list[int] | None) -> Any:
@@ -165,11 +171,15 @@ def _per_row(value: int | Tensor, batch: int, device: torch.device, name: str, w
     if isinstance(value, int):
         return torch.full((batch,), value, dtype=torch.long, device=device)
     if value.shape[0] != batch:
-        raise InvalidValue(f"{where}: {name} has {value.shape[0]} entries (one per row) but the logits have"
-                           f" {batch} rows")
+        raise InvalidValue(
+            f"{where}: {name} has {value.shape[0]} entries (one per row) but the logits have {batch} rows"
+        )
     return value.to(device)
 
 
 def _shown(value: int | Tensor) -> str:
-    return str(value) if isinstance(value, int) else f"[{', '.join(map(str, value.tolist()[:4]))}" \
-        f"{', ...' if value.numel() > 4 else ''}]"
+    return (
+        str(value)
+        if isinstance(value, int)
+        else f"[{', '.join(map(str, value.tolist()[:4]))}{', ...' if value.numel() > 4 else ''}]"
+    )

@@ -48,8 +48,9 @@ def _labels(tokens: Sequence[str] | None, positions: Sequence[int], where: str) 
         return [str(t) for t in tokens]
     if positions and len(tokens) > max(positions):
         return [str(tokens[p]) for p in positions]
-    raise InvalidValue(f"{where}: expected one token string per position ({len(positions)}) or per prompt token,"
-                       f" got {len(tokens)}")
+    raise InvalidValue(
+        f"{where}: expected one token string per position ({len(positions)}) or per prompt token, got {len(tokens)}"
+    )
 
 
 def _ticks(ax: Any, axis: str, labels: list[str], rotate: bool) -> None:
@@ -61,8 +62,15 @@ def _ticks(ax: Any, axis: str, labels: list[str], rotate: bool) -> None:
         ax.set_yticks(ticks, [labels[i] for i in ticks], fontsize="small")
 
 
-def sweep_heatmap(sweep: Any, tokens: Sequence[str] | None = None, *, normalized: bool = False, ax: Any = None,
-                  title: str | None = None, cmap: str = "RdBu_r") -> Any:
+def sweep_heatmap(
+    sweep: Any,
+    tokens: Sequence[str] | None = None,
+    *,
+    normalized: bool = False,
+    ax: Any = None,
+    title: str | None = None,
+    cmap: str = "RdBu_r",
+) -> Any:
     """A `patching_sweep` result as a heatmap: recurrent layers (rows) x positions (columns).
 
     `sweep` is an `rh.Sweep` (or a 2-D tensor `[layers, positions]`); `tokens`, optional, labels the
@@ -83,8 +91,9 @@ def sweep_heatmap(sweep: Any, tokens: Sequence[str] | None = None, *, normalized
     positions = list(positions) if positions is not None else list(range(values.shape[1]))
     figure, ax = _axes(ax, (max(4.0, 0.22 * len(positions) + 2), max(2.0, 0.4 * len(layers) + 1.2)))
     span = float((values - centre).abs().max()) or 1.0
-    image = ax.imshow(values.numpy(), aspect="auto", cmap=cmap, vmin=centre - span, vmax=centre + span,
-                      interpolation="nearest")
+    image = ax.imshow(
+        values.numpy(), aspect="auto", cmap=cmap, vmin=centre - span, vmax=centre + span, interpolation="nearest"
+    )
     figure.colorbar(image, ax=ax, label="normalized metric" if normalized else "metric")
     _ticks(ax, "x", _labels(tokens, positions, where), rotate=tokens is not None)
     _ticks(ax, "y", [str(layer) for layer in layers], rotate=False)
@@ -130,8 +139,14 @@ def state_norms(watch: Any, *, row: int = 0, ax: Any = None, title: str | None =
     return figure
 
 
-def attention_map(matrix: Tensor, tokens: Sequence[str] | None = None, *, ax: Any = None, title: str | None = None,
-                  cmap: str = "viridis") -> Any:
+def attention_map(
+    matrix: Tensor,
+    tokens: Sequence[str] | None = None,
+    *,
+    ax: Any = None,
+    title: str | None = None,
+    cmap: str = "viridis",
+) -> Any:
     """An effective-attention map: `matrix[t, s]`, how much token t reads from token s, as an image.
 
     `matrix` is any 2-D tensor `[targets, sources]`; `tokens`, optional, labels both axes (one string
@@ -148,7 +163,7 @@ def attention_map(matrix: Tensor, tokens: Sequence[str] | None = None, *, ax: An
         if len(tokens) < max(targets, sources):
             raise InvalidValue(f"{where}: expected at least {max(targets, sources)} token strings, got {len(tokens)}")
         _ticks(ax, "x", [str(t) for t in tokens[:sources]], rotate=True)
-        _ticks(ax, "y", [str(t) for t in tokens[len(tokens) - targets:]], rotate=False)
+        _ticks(ax, "y", [str(t) for t in tokens[len(tokens) - targets :]], rotate=False)
     ax.set_xlabel("source token s")
     ax.set_ylabel("target token t")
     ax.set_title(title if title is not None else "effective attention")

@@ -45,13 +45,18 @@ class Probe:
     def __init__(self, a: Float[Tensor, "heads r rows"], b: Float[Tensor, "heads r cols"]) -> None:
         for name, value in (("a", a), ("b", b)):
             if not isinstance(value, Tensor) or value.dim() != 3 or not value.is_floating_point():
-                got = f"a {value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else \
-                    type(value).__name__
+                got = (
+                    f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+                    if isinstance(value, Tensor)
+                    else type(value).__name__
+                )
                 axes = "heads, r, rows" if name == "a" else "heads, r, cols"
                 raise InvalidValue(f"rh.probe: expected {name} as a float tensor [{axes}], got {got}")
         if a.shape[:2] != b.shape[:2]:
-            raise InvalidValue(f"rh.probe: expected a [heads, r, rows] and b [heads, r, cols] with the same heads and"
-                               f" rank, got a {tuple(a.shape)} and b {tuple(b.shape)}")
+            raise InvalidValue(
+                f"rh.probe: expected a [heads, r, rows] and b [heads, r, cols] with the same heads and"
+                f" rank, got a {tuple(a.shape)} and b {tuple(b.shape)}"
+            )
         self.a, self.b = a.detach().float(), b.detach().float()
 
     @property
@@ -66,16 +71,20 @@ class Probe:
 
     def __call__(self, states: Tensor) -> Float[Tensor, "batch chunk heads r"]:
         if not isinstance(states, Tensor):
-            raise InvalidValue(f"{self!r}: expected states [batch, chunk, heads, rows, cols], got"
-                               f" {type(states).__name__} (a state of several parts: probe a part in a function of"
-                               " your own)")
+            raise InvalidValue(
+                f"{self!r}: expected states [batch, chunk, heads, rows, cols], got"
+                f" {type(states).__name__} (a state of several parts: probe a part in a function of"
+                " your own)"
+            )
         heads, _, rows = self.a.shape
         cols = self.b.shape[2]
         if states.dim() == 4 and heads == 1:  # a state without heads (Mamba-1): one head
             states = states.unsqueeze(2)
         if states.dim() != 5 or tuple(states.shape[2:]) != (heads, rows, cols):
-            raise InvalidValue(f"{self!r}: expected states [batch, chunk, {heads}, {rows}, {cols}] (heads, rows, cols"
-                               f" of the factors), got {tuple(states.shape)}")
+            raise InvalidValue(
+                f"{self!r}: expected states [batch, chunk, {heads}, {rows}, {cols}] (heads, rows, cols"
+                f" of the factors), got {tuple(states.shape)}"
+            )
         if self.a.device != states.device:
             self.a, self.b = self.a.to(states.device), self.b.to(states.device)
         projected = torch.einsum("bthij,hkj->bthik", states.float(), self.b)  # b t h rows r   S_t b_k
@@ -85,9 +94,9 @@ class Probe:
 def probe(a: Float[Tensor, "heads r rows"], b: Float[Tensor, "heads r cols"]) -> Probe:
     """A reduction of every kept state to its rank-r linear readouts per head (the module docstring).
 
-        with rh.watch(model, keep=("states",), reduce={"states": rh.probe(a, b)}) as w:
-            model(ids)
-        w.mixers[0].states            # [batch, seq, heads, r]
-        # layers of different shapes: reduce={"states": {0: rh.probe(a0, b0), 2: rh.probe(a2, b2)}}
+    with rh.watch(model, keep=("states",), reduce={"states": rh.probe(a, b)}) as w:
+        model(ids)
+    w.mixers[0].states            # [batch, seq, heads, r]
+    # layers of different shapes: reduce={"states": {0: rh.probe(a0, b0), 2: rh.probe(a2, b2)}}
     """
     return Probe(a, b)

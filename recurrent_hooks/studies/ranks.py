@@ -49,8 +49,10 @@ class Ranks:
         dist = torch.distributed
         ready = dist.is_available() and dist.is_initialized()
         if distributed is True and not ready:
-            raise InvalidValue(f"{where}: distributed=True needs an initialized torch.distributed process group"
-                               " (torchrun, then torch.distributed.init_process_group()), and none is")
+            raise InvalidValue(
+                f"{where}: distributed=True needs an initialized torch.distributed process group"
+                " (torchrun, then torch.distributed.init_process_group()), and none is"
+            )
         if distributed is False or not ready or distributed is None and getattr(model, "tp_size", None):
             return cls()
         return cls(dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
@@ -58,7 +60,7 @@ class Ranks:
     def mine(self, todo: Tensor) -> Tensor:
         """The indices of this rank's share of `todo` (flat cell indices, in order)."""
         bounds = [len(todo) * r // self.world for r in range(self.world + 1)]
-        return todo[bounds[self.rank]:bounds[self.rank + 1]]
+        return todo[bounds[self.rank] : bounds[self.rank + 1]]
 
     def dealt(self, count: int) -> list[int]:
         """The indices of this rank's units among `count` units dealt snake-wise, in order: ranks 0..W-1, then
@@ -95,8 +97,11 @@ class Checkpoint:
     def __init__(self, path: str | os.PathLike | None, ranks: Ranks, key: dict[str, Any]) -> None:
         self.path = None if path is None else pathlib.Path(path)
         self.ranks, self.key = ranks, key
-        self.own = None if self.path is None else (
-            self.path if ranks.world == 1 else self.path.with_name(f"{self.path.name}.rank{ranks.rank}"))
+        self.own = (
+            None
+            if self.path is None
+            else (self.path if ranks.world == 1 else self.path.with_name(f"{self.path.name}.rank{ranks.rank}"))
+        )
 
     def load(self, values: Tensor, done: Tensor) -> None:
         """Fill `values` and `done` from the files on disk."""
@@ -109,9 +114,11 @@ class Checkpoint:
             if isinstance(saved.get("key"), dict) and "what" in saved["key"]:  # written before "what" became "memory"
                 saved["key"]["memory"] = saved["key"].pop("what")
             if saved.get("key") != self.key:
-                raise InvalidValue(f"{_WHERE}: checkpoint {file} holds another sweep's cells"
-                                   f" ({_differs(saved.get('key'), self.key)});"
-                                   " remove it or pass another checkpoint path")
+                raise InvalidValue(
+                    f"{_WHERE}: checkpoint {file} holds another sweep's cells"
+                    f" ({_differs(saved.get('key'), self.key)});"
+                    " remove it or pass another checkpoint path"
+                )
             where = saved["done"]
             values[where] = saved["values"].to(values.device, values.dtype)[where]
             done |= where

@@ -1,10 +1,10 @@
 """Answer MQAR queries with greedy `generate` over a cache: each answer after the first is a decode step.
 
-    from recurrent_hooks.toys import MQAR, generate_answers, load_toy
-    task, model = MQAR(), load_toy("gdn")
-    batch = task.sample(8, seed=0)
-    answers = generate_answers(model, task, batch)      # [8, queries] generated value tokens
-    (answers == batch.answers).float().mean()
+from recurrent_hooks.toys import MQAR, generate_answers, load_toy
+task, model = MQAR(), load_toy("gdn")
+batch = task.sample(8, seed=0)
+answers = generate_answers(model, task, batch)      # [8, queries] generated value tokens
+(answers == batch.answers).float().mean()
 """
 
 from __future__ import annotations

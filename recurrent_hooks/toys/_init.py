@@ -1,7 +1,7 @@
 """The initialisation that lets tiny recurrent models learn associative recall.
 
-    from recurrent_hooks.toys import init_for_recall
-    model = init_for_recall(transformers.Qwen3_5ForCausalLM(config))   # in place; returns the model
+from recurrent_hooks.toys import init_for_recall
+model = init_for_recall(transformers.Qwen3_5ForCausalLM(config))   # in place; returns the model
 """
 
 from __future__ import annotations

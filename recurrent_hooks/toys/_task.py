@@ -85,8 +85,9 @@ class MQAR:
 
     def __init__(self, num_pairs: int = 8, num_queries: int = 4, num_keys: int = 16, num_values: int = 16):
         if not 1 <= num_queries <= num_pairs <= num_keys:
-            raise ValueError(f"need 1 <= num_queries ({num_queries}) <= num_pairs ({num_pairs})"
-                             f" <= num_keys ({num_keys})")
+            raise ValueError(
+                f"need 1 <= num_queries ({num_queries}) <= num_pairs ({num_pairs}) <= num_keys ({num_keys})"
+            )
         if num_values < 2:
             raise ValueError(f"need num_values >= 2 (contrast changes a value), got {num_values}")
         self.num_pairs, self.num_queries = num_pairs, num_queries
@@ -102,8 +103,10 @@ class MQAR:
         self.answer_token_positions = self.query_positions + 1
 
     def __repr__(self) -> str:
-        return (f"MQAR(num_pairs={self.num_pairs}, num_queries={self.num_queries}, num_keys={self.num_keys},"
-                f" num_values={self.num_values})")
+        return (
+            f"MQAR(num_pairs={self.num_pairs}, num_queries={self.num_queries}, num_keys={self.num_keys},"
+            f" num_values={self.num_values})"
+        )
 
     def _build(self, keys, values, query_pairs) -> MQARBatch:
         n = keys.shape[0]

@@ -30,8 +30,13 @@ def test_beam_search_decode_states_continue_the_reordered_rows(family):
         for k in range(1, len(calls)):
             before = mixer.state_after(-1, call=k - 1)[calls[k].reorder]
             assert_close(f"{mixer} call {k}: state in", before, _state_in(mixer, k), rtol=0, atol=0)
-            assert_close(f"{mixer} call {k}: state", _reference_step(mixer, k, before), mixer.state_after(0, call=k),
-                         rtol=1e-4, atol=1e-6)
+            assert_close(
+                f"{mixer} call {k}: state",
+                _reference_step(mixer, k, before),
+                mixer.state_after(0, call=k),
+                rtol=1e-4,
+                atol=1e-6,
+            )
 
 
 def _state_in(mixer, k):

@@ -22,6 +22,7 @@ BLOCK = 4
 T = 13  # blocks [0, 4) [4, 8) [8, 12) [12, 13)
 TOL = {"rtol": 1e-4, "atol": 1e-6}
 
+
 # The fixed rule: a hook on every token runs in blocks wherever `_blocks.blocks_apply` allows (the cost model would
 # pick the token loop for qwen3_5 and kimi_linear at these tiny dims, and this file would not test blocks).
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -71,9 +72,11 @@ def _blocks_run(replaced=()):
 
 def _recorder(seen, replace=None):
     """A hook on every token that records (call, token, state) and returns `replace(call, token, state)`."""
+
     def hook(m, c, t, s):
         seen.append((m.layer, c, t, s.clone()))
         return None if replace is None else replace(c, t, s)
+
     return hook
 
 
@@ -92,8 +95,14 @@ def _run(model, ids, fast, monkeypatch, replace=None, keep=None, writes=(), gene
             for token, value in writes:
                 mixer.set_state_after(token, value(mixer))
         if generate:
-            out = model.generate(ids, max_new_tokens=generate, do_sample=False, pad_token_id=PAD, output_logits=True,
-                                 return_dict_in_generate=True)
+            out = model.generate(
+                ids,
+                max_new_tokens=generate,
+                do_sample=False,
+                pad_token_id=PAD,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
         else:
             out = model(ids, use_cache=True)
     return w, out, seen
@@ -112,8 +121,12 @@ def _assert_same(slow, fast):
     for (layer, call, token, a), (_, _, _, b) in zip(seen_slow, seen_fast):
         assert_close(f"hook input, layer {layer} call {call} token {token}", a, b, **TOL)
     for a, b in zip(w_slow.mixers, w_fast.mixers):
-        assert_close(f"{a} cached state", out_slow.past_key_values.get_recurrent_state(a.layer),
-                     out_fast.past_key_values.get_recurrent_state(b.layer), **TOL)
+        assert_close(
+            f"{a} cached state",
+            out_slow.past_key_values.get_recurrent_state(a.layer),
+            out_fast.past_key_values.get_recurrent_state(b.layer),
+            **TOL,
+        )
 
 
 def _assert_changed(plain, changed):
@@ -134,8 +147,9 @@ def test_a_hook_on_every_token_runs_in_blocks_and_equals_the_token_loop(model, m
     _assert_same(slow, fast)
 
 
-@pytest.mark.parametrize("tokens", [(5,), (3,), (4,), (T - 1,), (3, 4, 9)],
-                         ids=["mid-block", "block-end", "block-start", "last", "several"])
+@pytest.mark.parametrize(
+    "tokens", [(5,), (3,), (4,), (T - 1,), (3, 4, 9)], ids=["mid-block", "block-end", "block-start", "last", "several"]
+)
 def test_a_replacement_restarts_the_block_as_the_token_loop_continues(model, monkeypatch, spy, tokens):
     """A hook that returns a new state at some tokens: the later outputs, hook inputs and the cache follow it."""
     ids = random_ids(2, T)

@@ -28,9 +28,16 @@ def _part_states(part, initial_state=None):
     """The float64 states of one recorded prompt-kernel call (Algorithm 2), from `initial_state` (zeros if None)."""
     x = part.inputs
     t = lambda v: v.transpose(1, 2)  # noqa: E731  channel-major -> token-major
-    return selective_scan_reference(t(x["hidden_states"]), t(x["dt"]), x["A"], t(x["B"]), t(x["C"]),
-                                    dt_bias=x["delta_bias"], softplus=x["delta_softplus"],
-                                    initial_state=initial_state)[1]
+    return selective_scan_reference(
+        t(x["hidden_states"]),
+        t(x["dt"]),
+        x["A"],
+        t(x["B"]),
+        t(x["C"]),
+        dt_bias=x["delta_bias"],
+        softplus=x["delta_softplus"],
+        initial_state=initial_state,
+    )[1]
 
 
 def _reference(mixer, call, initial_state=None):
@@ -76,8 +83,13 @@ def test_a_no_op_hook_runs_a_multi_token_forward_over_the_cache_as_unwatched(fam
         assert mixer.calls[1].tokens == NEW and mixer.calls[1].kernel == rh.SelectiveScan.kernel_for("prompt").name
         # the states reported are those the model computed: from zeros ...
         assert_close(f"{mixer} call 1 states", _reference(mixer, 1), mixer.calls[1].states, **F64)
-        assert_close(f"{mixer} cached state", mixer.state_after(-1, call=1),
-                     cache.get_recurrent_state(mixer.layer).float(), rtol=0, atol=0)
+        assert_close(
+            f"{mixer} cached state",
+            mixer.state_after(-1, call=1),
+            cache.get_recurrent_state(mixer.layer).float(),
+            rtol=0,
+            atol=0,
+        )
         # ... which is not where the cached state would have led (the restart is real at these dims)
         continued = _reference(mixer, 1, mixer.state_after(-1, call=0))
         assert (continued - mixer.calls[1].states.double()).abs().max() > 1e-3, f"{mixer}: no restart to see"
@@ -125,13 +137,25 @@ def test_a_write_into_a_restarted_call_is_applied_from_where_the_model_started(f
         x = part.inputs
         t = lambda v: v.transpose(1, 2)[:, 2:]  # noqa: E731
         start = value if len(record.kernel_calls) == 1 else value[:, h]
-        expected = selective_scan_reference(t(x["hidden_states"]), t(x["dt"]), x["A"], t(x["B"]), t(x["C"]),
-                                            dt_bias=x["delta_bias"], softplus=x["delta_softplus"],
-                                            initial_state=start)[1]
+        expected = selective_scan_reference(
+            t(x["hidden_states"]),
+            t(x["dt"]),
+            x["A"],
+            t(x["B"]),
+            t(x["C"]),
+            dt_bias=x["delta_bias"],
+            softplus=x["delta_softplus"],
+            initial_state=start,
+        )[1]
         got = states[:, 2:] if len(record.kernel_calls) == 1 else states[:, 2:, h]
         assert_close(f"{mixer} head {h} states after the write", expected, got, **F64)
-    assert_close("cache after the written call", mixer.state_after(-1, call=1),
-                 cache.get_recurrent_state(mixer.layer).float(), rtol=0, atol=0)
+    assert_close(
+        "cache after the written call",
+        mixer.state_after(-1, call=1),
+        cache.get_recurrent_state(mixer.layer).float(),
+        rtol=0,
+        atol=0,
+    )
 
 
 def _state_shape(mixer):
@@ -164,8 +188,8 @@ def test_compiled_a_multi_token_forward_over_the_cache_runs_and_warns_when_the_g
             got = compiled(ids[:, PROMPT:], cache=cache).logits
     assert_close("compiled continuation logits", plain, got, rtol=1e-6, atol=1e-6)
     restarts = _restarts(caught)
-    assert [str(r.message).split(" (")[0] for r in restarts] == [f"{m}, call 1" for m in w.mixers], \
-        [str(r.message) for r in restarts]
+    assert [str(r.message).split(" (")[0] for r in restarts] == [f"{m}, call 1" for m in w.mixers], [
+        str(r.message) for r in restarts
+    ]
     for mixer in w.mixers:
-        assert_close(f"{mixer} last state of call 1", _reference(mixer, 1)[:, -1], mixer.state_after(-1, call=1),
-                     **F64)
+        assert_close(f"{mixer} last state of call 1", _reference(mixer, 1)[:, -1], mixer.state_after(-1, call=1), **F64)

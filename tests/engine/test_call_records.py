@@ -37,10 +37,14 @@ def _no_library_warning():
 
 # -- keep at positions outside every call ---------------------------------------------------------------------
 
+
 def test_keep_outside_every_call_warns(qwen):
     ids = random_ids(2, T)
-    with pytest.warns(rh.RecurrentHooksWarning, match=r"keep=\{'states': \[100\]\} kept nothing at token 100 on "
-                      r"GatedDeltaNet\(qwen3_5, layer 0\).*call 0: 12 tokens"):
+    with pytest.warns(
+        rh.RecurrentHooksWarning,
+        match=r"keep=\{'states': \[100\]\} kept nothing at token 100 on "
+        r"GatedDeltaNet\(qwen3_5, layer 0\).*call 0: 12 tokens",
+    ):
         with rh.watch(qwen, keep={"states": [100]}):
             logits_of(qwen, ids)
 
@@ -102,6 +106,7 @@ def test_float64_model_keeps_float64(family, keep):
 
 # -- repr of a call ----------------------------------------------------------------------------------------------
 
+
 def test_call_repr_shows_shapes_not_values(qwen):
     with rh.watch(qwen, keep=("states", "inputs", "outputs")) as w:
         logits_of(qwen, random_ids(2, T))
@@ -112,6 +117,7 @@ def test_call_repr_shows_shapes_not_values(qwen):
 
 
 # -- where a call's kernel data is -------------------------------------------------------------------------------
+
 
 def test_short_convolution_inputs_point_to_conv():
     model = build("lfm2")
@@ -130,12 +136,14 @@ def test_per_head_inputs_point_to_parts():
     with rh.watch(model, keep=("inputs", "outputs")) as w:
         logits_of(model, random_ids(2, T))
     call = w.mixers[0].calls[0]
-    with pytest.raises(rh.Unavailable,
-                       match=r"made \d+ recurrence kernel calls \(one per head\).*call\.kernel_calls\[head\]"):
+    with pytest.raises(
+        rh.Unavailable, match=r"made \d+ recurrence kernel calls \(one per head\).*call\.kernel_calls\[head\]"
+    ):
         call.inputs
 
 
 # -- states of several parts with a part that is not a tensor ------------------------------------------------------
+
 
 @pytest.mark.parametrize("family", ["rwkv", "xlstm"])
 def test_part_given_as_list_is_named(family):
@@ -151,12 +159,16 @@ def test_part_given_as_list_is_named(family):
     listed = type(state)(state[0].tolist(), *state[1:])
     with rh.watch(model) as w:
         name = type(state)._fields[0]
-        with pytest.raises(rh.InvalidValue, match=rf"set_state_after\(3, call=0\): part '{name}' is a list,"
-                           rf" expected a Tensor \(axes: "):
+        with pytest.raises(
+            rh.InvalidValue,
+            match=rf"set_state_after\(3, call=0\): part '{name}' is a list,"
+            rf" expected a Tensor \(axes: ",
+        ):
             w.mixers[0].set_state_after(3, listed)
 
 
 # -- rwkv under transformers' batched decode bug --------------------------------------------------------------------
+
 
 def test_rwkv_batched_decode_record_is_what_ran():
     model = build("rwkv")
@@ -165,6 +177,9 @@ def test_rwkv_batched_decode_record_is_what_ran():
     mixer = w.mixers[0]
     for call in mixer.calls:
         assert call.tokens == call.states.num.shape[1], (call.index, call.tokens, tuple(call.states.num.shape))
-        assert_equal(f"call {call.index}: state_after(-1) is the last kept state", call.states.num[:, -1],
-                     mixer.state_after(-1, call=call.index).num)
+        assert_equal(
+            f"call {call.index}: state_after(-1) is the last kept state",
+            call.states.num[:, -1],
+            mixer.state_after(-1, call=call.index).num,
+        )
     assert mixer.calls[1].tokens == 2  # the one-token step ran the WKV kernel over batch (2) positions

@@ -40,10 +40,16 @@ CHUNKS = Strategy.CHUNKS.label  # "chunk-wise reductions"
 # and Mamba-2 form a chunk's states by one product; "row-steps" forms them token by token, as at real dims
 # (`ROW_STEPS_FROM`). Mamba-1's `CHUNKWISE_UP_TO` at 0 makes its all-states kernel run its token loop, which gathers
 # the states into a chunk buffer (`loops.chunked`)
-CASES = {"qwen3_5": None, "qwen3_5-row-steps": (delta_rule, "ROW_STEPS_FROM", 0), "kimi_linear": None,
-         "kimi_linear-row-steps": (delta_rule, "ROW_STEPS_FROM", 0), "mamba2": None,
-         "mamba2-row-steps": (state_space, "ROW_STEPS_FROM", 0), "mamba": None,
-         "mamba-token-loop": (selective_scan, "CHUNKWISE_UP_TO", 0)}
+CASES = {
+    "qwen3_5": None,
+    "qwen3_5-row-steps": (delta_rule, "ROW_STEPS_FROM", 0),
+    "kimi_linear": None,
+    "kimi_linear-row-steps": (delta_rule, "ROW_STEPS_FROM", 0),
+    "mamba2": None,
+    "mamba2-row-steps": (state_space, "ROW_STEPS_FROM", 0),
+    "mamba": None,
+    "mamba-token-loop": (selective_scan, "CHUNKWISE_UP_TO", 0),
+}
 TOLERANCE = dict(rtol=1e-4, atol=1e-6)
 
 _MODELS: dict = {}
@@ -95,8 +101,10 @@ def reduced(model, ids, fn, **watch):
 @pytest.mark.parametrize("what", ["norm", "extra axes", "probe"])
 def test_the_reduction_on_the_chunks_path_is_fn_of_the_token_loops_states(case, what):
     family, model, ids, loop = case
-    fns = {layer: {"norm": norm, "extra axes": extra_axes}.get(what) or probe_for(state, layer)
-           for layer, state in loop.items()}
+    fns = {
+        layer: {"norm": norm, "extra axes": extra_axes}.get(what) or probe_for(state, layer)
+        for layer, state in loop.items()
+    }
     w, logits = reduced(model, ids, fns)
     with torch.no_grad():
         assert_close(f"{family}: logits", model(ids).logits, logits, rtol=1e-4, atol=1e-5)
@@ -136,11 +144,17 @@ def test_a_change_in_place_changes_nothing_the_model_computes(case):
 def test_a_wrong_result_is_refused_as_on_the_other_paths(family):
     model, ids = build(family), random_ids(BATCH, T)
     wrong = lambda states: states.flatten(1).norm(dim=1)  # noqa: E731   [batch]: no token axis
-    for paths, tokens, chunk in ((None, "0..15", 16), (rh.Paths(force="blocks"), "0..36", 37),
-                                 (rh.Paths(rule="loop"), "0..36", 37)):
-        with pytest.raises(rh.InvalidValue, match=rf", layer \d+\), call 0, tokens {tokens}: the reduction .*"
-                                                  rf" returned a tensor of shape \(2,\); expected a tensor \[batch,"
-                                                  rf" chunk, \.\.\.\] with chunk = {chunk} \(a result per token"):
+    for paths, tokens, chunk in (
+        (None, "0..15", 16),
+        (rh.Paths(force="blocks"), "0..36", 37),
+        (rh.Paths(rule="loop"), "0..36", 37),
+    ):
+        with pytest.raises(
+            rh.InvalidValue,
+            match=rf", layer \d+\), call 0, tokens {tokens}: the reduction .*"
+            rf" returned a tensor of shape \(2,\); expected a tensor \[batch,"
+            rf" chunk, \.\.\.\] with chunk = {chunk} \(a result per token",
+        ):
             reduced(model, ids, wrong, paths=paths)
 
     def failing(states):
@@ -156,9 +170,11 @@ def test_a_wrong_result_is_refused_as_on_the_other_paths(family):
 def test_with_a_hook_kept_states_or_gradients_the_other_paths_run(case, other):
     family, model, ids, loop = case
     seen = []
-    with torch.set_grad_enabled(other == "gradients"), \
-            rh.watch(model, keep=("states",), reduce={"states": norm}) as w, \
-            rh.watch(model, keep=("states",) if other.startswith("states") else ()) as plain:
+    with (
+        torch.set_grad_enabled(other == "gradients"),
+        rh.watch(model, keep=("states",), reduce={"states": norm}) as w,
+        rh.watch(model, keep=("states",) if other.startswith("states") else ()) as plain,
+    ):
         if other.startswith("a hook"):
             for mixer in plain.mixers:
                 mixer.register_state_hook(lambda m, call, token, state: seen.append(token))
@@ -201,8 +217,15 @@ def test_all_states_hands_over_its_chunks_in_one_buffer(case):
         handed = []
 
         def on_chunk(start, states):
-            handed.append((start, states.shape[0], states.untyped_storage().data_ptr(),
-                           states.untyped_storage().nbytes(), states.clone()))
+            handed.append(
+                (
+                    start,
+                    states.shape[0],
+                    states.untyped_storage().data_ptr(),
+                    states.untyped_storage().nbytes(),
+                    states.clone(),
+                )
+            )
 
         (chunked_out, chunked_last), none = kernel.segments.all_states(*leading, **named, on_chunk=on_chunk)
     assert none is None
@@ -214,19 +237,22 @@ def test_all_states_hands_over_its_chunks_in_one_buffer(case):
     assert len({pointer for _, _, pointer, _, _ in handed}) == 1, "the chunks are not in one buffer"
     assert handed[0][3] == max(sizes) * every[0].nbytes, "the buffer holds more than one chunk of states"
     for start, size, _, _, states in handed:
-        assert_close(f"{family}: tokens {start}..{start + size - 1}", every[start:start + size], states, **TOLERANCE)
+        assert_close(f"{family}: tokens {start}..{start + size - 1}", every[start : start + size], states, **TOLERANCE)
 
 
 def _plan(tokens, reduce=norm, hooks=()):
-    return SimpleNamespace(hooks=list(hooks), keep=frozenset(range(tokens)), reduce=reduce,
-                           kind=GatedDeltaNet)
+    return SimpleNamespace(hooks=list(hooks), keep=frozenset(range(tokens)), reduce=reduce, kind=GatedDeltaNet)
 
 
 def test_choose_offers_the_chunks_path_only_where_it_applies():
     kernel = GatedDeltaNet.kernel_for("prompt")
-    arguments = {"query": torch.zeros(()).expand(1, 64, 16, 128), "key": torch.zeros(()).expand(1, 64, 16, 128),
-                 "value": torch.zeros(()).expand(1, 64, 32, 128), "g": torch.zeros(()).expand(1, 64, 32),
-                 "beta": torch.zeros(()).expand(1, 64, 32)}
+    arguments = {
+        "query": torch.zeros(()).expand(1, 64, 16, 128),
+        "key": torch.zeros(()).expand(1, 64, 16, 128),
+        "value": torch.zeros(()).expand(1, 64, 32, 128),
+        "g": torch.zeros(()).expand(1, 64, 32),
+        "beta": torch.zeros(()).expand(1, 64, 32),
+    }
 
     def path(busy, tokens=64, grad=False, paths=rh_policy.DEFAULT, of=kernel):
         choice = rh_choose.choose(of, busy, tokens, arguments, grad=grad, paths=paths)

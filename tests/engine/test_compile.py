@@ -111,16 +111,24 @@ def _compare_runs(eager, compiled, memory, atol, hooked=T):
     assert_equal("call 2's logits (the write is call 1's only)", compiled_logits[0], compiled_logits[2])
     assert [hook[:3] for hook in compiled_seen] == [hook[:3] for hook in seen]
     assert {hook[1] for hook in seen} == set(range(CALLS)) and all(type(hook[1]) is int for hook in compiled_seen)
-    assert_close("hooked state norms", torch.tensor([h[3] for h in seen]), torch.tensor([h[3] for h in compiled_seen]),
-                 rtol=1e-5, atol=1e-6)
+    assert_close(
+        "hooked state norms",
+        torch.tensor([h[3] for h in seen]),
+        torch.tensor([h[3] for h in compiled_seen]),
+        rtol=1e-5,
+        atol=1e-6,
+    )
     # a hook runs once per kernel call of a call (once per head where the kind runs its kernel per head)
     assert len(seen) == CALLS * hooked * sum(max(1, len(m.calls[0].kernel_calls)) for m in _one_of_each_kind(w))
     for mixer, compiled_mixer in zip(w.mixers, cw.mixers):
         assert [c.index for c in compiled_mixer.calls] == list(range(CALLS))
         assert [c.kernel for c in compiled_mixer.calls] == [c.kernel for c in mixer.calls]
         for call in range(CALLS):
-            read = (lambda m: m.state_after(KEPT, call=call)) if memory == "state" else \
-                (lambda m: m.window_after(KEPT, call=call))
+            read = (
+                (lambda m: m.state_after(KEPT, call=call))
+                if memory == "state"
+                else (lambda m: m.window_after(KEPT, call=call))
+            )
             for (name, a), (_, b) in zip(parts_of(read(mixer)), parts_of(read(compiled_mixer))):
                 assert_close(f"{mixer} call {call}: kept {memory} {name}", a, b, rtol=1e-5, atol=1e-6)
 
@@ -136,8 +144,10 @@ def _full_graph_refused_by_transformers(family, model, ids) -> bool:
     return True
 
 
-@pytest.mark.parametrize("family", [family if family in DEFAULT_COMPILED else
-                                    pytest.param(family, marks=pytest.mark.full) for family in EVERY_KIND])
+@pytest.mark.parametrize(
+    "family",
+    [family if family in DEFAULT_COMPILED else pytest.param(family, marks=pytest.mark.full) for family in EVERY_KIND],
+)
 def test_a_compiled_forward_in_a_watch_is_eager_and_compiles_once(family):
     """In a full graph; where transformers' own forward cannot compile in one (the family's limits say so, and the
     plain model fails the same way), with graph breaks, still once."""
@@ -162,8 +172,9 @@ def test_a_compiled_forward_with_a_few_hooked_tokens_runs_in_segments_as_eagerly
     eager = _watched_calls(model, model, ids, memory, zero, hooked=[0, -1], paths=fixed)
     assert segmented, "the eager run did not take segments"
     monkeypatch.setattr(rh_busy, "run_in_segments", real)
-    compiled = _watched_calls(model, torch.compile(model, fullgraph=True, backend="aot_eager"), ids, memory, zero,
-                              hooked=[0, -1], paths=fixed)
+    compiled = _watched_calls(
+        model, torch.compile(model, fullgraph=True, backend="aot_eager"), ids, memory, zero, hooked=[0, -1], paths=fixed
+    )
     _compare_runs(eager, compiled, memory, atol=1e-6, hooked=2)
 
 
@@ -178,6 +189,7 @@ def test_inductor_compiles_a_watched_mamba_once_with_eager_results():
 
 
 # -- transformers' compiled generate: the two upstream tests, with hooks ---------------------------------------
+
 
 def _compile_config():
     config = CompileConfig(fullgraph=True, backend="aot_eager")
@@ -212,13 +224,25 @@ def _generate(model, ids, compiled, zero, memory, again=()):
 # without the library too (its conv window's strides depend on the prompt's length), so its second generate has
 # the same length. The dynamic and looped convolutions (inkling2, inkling2_loop) pass this test too, in 12 and
 # 31 s: left to their compiled forwards above, for the suite's time; lfm2 stands for the short convolutions.
-COMPILED_GENERATE = {"qwen3_5": True, "kimi_linear": True, "mamba": True, "zamba": True, "mamba2": True,
-                     "recurrent_gemma": False, "lfm2": True}
+COMPILED_GENERATE = {
+    "qwen3_5": True,
+    "kimi_linear": True,
+    "mamba": True,
+    "zamba": True,
+    "mamba2": True,
+    "recurrent_gemma": False,
+    "lfm2": True,
+}
 
 
 # qwen3_5, mamba and mamba2 by default; the other kinds' compiled generate with --full (about 15 s)
-@pytest.mark.parametrize("family", [family if family in ("qwen3_5", "mamba", "mamba2") else
-                                    pytest.param(family, marks=pytest.mark.full) for family in COMPILED_GENERATE])
+@pytest.mark.parametrize(
+    "family",
+    [
+        family if family in ("qwen3_5", "mamba", "mamba2") else pytest.param(family, marks=pytest.mark.full)
+        for family in COMPILED_GENERATE
+    ],
+)
 def test_compiled_generate_with_hooks_equals_eager_and_does_not_recompile(family):
     """test_generate_compile_model_forward_fullgraph and test_static_cache_no_recompile_with_smaller_length, with
     a per-token hook and a write at a decode step: the same sequences and hook calls, and further generates of
@@ -231,13 +255,20 @@ def test_compiled_generate_with_hooks_equals_eager_and_does_not_recompile(family
     assert getattr(model, "_compiled_call", None) is not None, "transformers did not compile the forward"
     assert_equal("sequences", sequences, compiled)
     assert [hook[:3] for hook in compiled_seen] == [hook[:3] for hook in seen]
-    assert_close("hooked state norms", torch.tensor([h[3] for h in seen]), torch.tensor([h[3] for h in compiled_seen]),
-                 rtol=1e-5, atol=1e-6)
-    assert {hook[1] for hook in later} == set(range(NEW, NEW + sum(new for _, new in again))), \
+    assert_close(
+        "hooked state norms",
+        torch.tensor([h[3] for h in seen]),
+        torch.tensor([h[3] for h in compiled_seen]),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    assert {hook[1] for hook in later} == set(range(NEW, NEW + sum(new for _, new in again))), (
         "the calls of the later generates continue the watch's counter"
+    )
 
 
 # -- gradients, records, errors, standalone hooks ---------------------------------------------------------------
+
 
 @pytest.mark.full  # (11 s: .ci/run runs it after the default suite)
 def test_with_gradients_on_writes_are_traced_and_hooks_read():
@@ -263,8 +294,9 @@ def test_with_gradients_on_writes_are_traced_and_hooks_read():
     assert [h[:2] for h in norms[0]] == [h[:2] for h in norms[1]] == [(0, T - 1), (1, T - 1)]
     with rh.watch(model) as w:
         w.mixers[0].register_state_hook(lambda m, c, t, s: s * 2, token=1)
-        with pytest.raises(rh.RecurrentHooksError,
-                           match=r"state hook .*returned a replacement inside a compiled graph"):
+        with pytest.raises(
+            rh.RecurrentHooksError, match=r"state hook .*returned a replacement inside a compiled graph"
+        ):
             torch.compile(model, fullgraph=True, backend="aot_eager")(ids)
 
 
@@ -304,11 +336,13 @@ def test_a_standalone_hook_counts_calls_from_each_prompt_under_compile():
     handle = rh.register_state_hook(model.backbone.layers[0].mixer, lambda m, c, t, s: seen.append((c, t)), token=-1)
     try:
         with torch.no_grad():
-            model.generate(random_ids(1, T), max_new_tokens=3, min_new_tokens=3, **GENERATE,
-                           compile_config=_compile_config())
+            model.generate(
+                random_ids(1, T), max_new_tokens=3, min_new_tokens=3, **GENERATE, compile_config=_compile_config()
+            )
             with torch._dynamo.config.patch(error_on_recompile=True):
-                model.generate(random_ids(1, T), max_new_tokens=3, min_new_tokens=3, **GENERATE,
-                               compile_config=_compile_config())
+                model.generate(
+                    random_ids(1, T), max_new_tokens=3, min_new_tokens=3, **GENERATE, compile_config=_compile_config()
+                )
     finally:
         handle.remove()
     assert seen == [(0, T - 1), (1, 0), (2, 0)] * 2

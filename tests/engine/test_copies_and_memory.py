@@ -25,8 +25,15 @@ def _library_objects(model: torch.nn.Module) -> list[str]:
         hooks = {**module._forward_pre_hooks, **module._forward_hooks}
         found += [f"{path}: hook {hook!r}" for hook in hooks.values()]
         for owner in (module, *(value for value in vars(module).values() if not isinstance(value, torch.Tensor))):
-            found += [f"{path}.{name}" for name, value in vars(owner).items()
-                      if getattr(value, "__recurrent_hooks__", False)] if hasattr(owner, "__dict__") else []
+            found += (
+                [
+                    f"{path}.{name}"
+                    for name, value in vars(owner).items()
+                    if getattr(value, "__recurrent_hooks__", False)
+                ]
+                if hasattr(owner, "__dict__")
+                else []
+            )
     return found
 
 
@@ -83,8 +90,10 @@ def test_a_copy_of_a_model_with_a_standalone_hook_is_the_plain_model(family):
     with torch.no_grad():
         plain = model(ids).logits
         seen = []
-        handle = rh.register_state_hook(_mixer_module(model), lambda m, c, t, s: seen.append(t) or map_parts(
-            torch.zeros_like, s) if t == 2 else None)
+        handle = rh.register_state_hook(
+            _mixer_module(model),
+            lambda m, c, t, s: seen.append(t) or map_parts(torch.zeros_like, s) if t == 2 else None,
+        )
         try:
             hooked = model(ids).logits
             assert seen and (hooked - plain).abs().max() > 0, "the standalone hook did not run"
@@ -167,8 +176,10 @@ def _storage(tensor):
     return tensor.untyped_storage().data_ptr()
 
 
-@pytest.mark.parametrize("family,memory", [("qwen3_5", "state"), ("qwen3_5", "window"), ("xlstm", "state"),
-                                           ("rwkv", "state"), ("zamba", "state")])
+@pytest.mark.parametrize(
+    "family,memory",
+    [("qwen3_5", "state"), ("qwen3_5", "window"), ("xlstm", "state"), ("rwkv", "state"), ("zamba", "state")],
+)
 def test_reading_states_keeps_one_copy(family, memory):
     model, ids = build(family), random_ids(2, 5)
     name = "states" if memory == "state" else "windows"

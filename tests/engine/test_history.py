@@ -45,6 +45,7 @@ def _forwards(model, ids, count):
 
 # -- what a watch with a history keeps -------------------------------------------------------------------------------
 
+
 def test_history_keeps_the_last_calls_with_their_indices(qwen):
     ids = random_ids(2, 6)
     with rh.watch(qwen, keep=("states",)) as every:
@@ -57,31 +58,40 @@ def test_history_keeps_the_last_calls_with_their_indices(qwen):
         assert calls[-1] is calls[4] and calls[3].index == 3 and calls[-2] is calls[3]
         assert [c.index for c in reversed(calls)] == [4, 3] and [c.index for c in calls[3:]] == [3, 4]
         for call in (3, 4):
-            assert_equal(f"{kept} call {call}: the states of the watch keeping every call", full.calls[call].states,
-                         kept.calls[call].states)
+            assert_equal(
+                f"{kept} call {call}: the states of the watch keeping every call",
+                full.calls[call].states,
+                kept.calls[call].states,
+            )
         assert_equal(f"{kept}: the last call's states", full.states, kept.states)
         assert_equal(f"{kept}: state_after(-1, call=3)", full.state_after(-1, call=3), kept.state_after(-1, call=3))
-        assert_equal(f"{kept}: state_after(-1, call=-2)", full.state_after(-1, call=3),
-                     kept.state_after(-1, call=-2))
+        assert_equal(f"{kept}: state_after(-1, call=-2)", full.state_after(-1, call=3), kept.state_after(-1, call=-2))
     assert "calls 0..2 dropped" in repr(last.mixers[0].calls)
 
 
-@pytest.mark.parametrize("read", [
-    lambda mix: mix.calls[1],
-    lambda mix: mix.calls[-4],
-    lambda mix: mix.calls[1:],
-    lambda mix: mix.state_after(0, call=1),
-    lambda mix: mix.window_after(0, call=1),
-    lambda mix: mix.memory_after(0, call=1),
-    lambda mix: mix.after("state", 0, call=-4),
-    lambda mix: mix.values(call=1),
-], ids=["calls[1]", "calls[-4]", "calls[1:]", "state_after", "window_after", "memory_after", "after", "values"])
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda mix: mix.calls[1],
+        lambda mix: mix.calls[-4],
+        lambda mix: mix.calls[1:],
+        lambda mix: mix.state_after(0, call=1),
+        lambda mix: mix.window_after(0, call=1),
+        lambda mix: mix.memory_after(0, call=1),
+        lambda mix: mix.after("state", 0, call=-4),
+        lambda mix: mix.values(call=1),
+    ],
+    ids=["calls[1]", "calls[-4]", "calls[1:]", "state_after", "window_after", "memory_after", "after", "values"],
+)
 def test_reading_a_dropped_call_names_the_history_and_the_call(qwen, read):
     ids = random_ids(1, 5)
     with rh.watch(qwen, keep=("states", "windows", "inputs", "outputs"), history=2) as w:
         greedy(qwen, ids, 5, min_new_tokens=5)
-    with pytest.raises(rh.Unavailable, match=r"call 1 was dropped: watch\(history=2\) keeps the last 2 calls only"
-                                            r" \(calls 3\.\.4 are kept\)"):
+    with pytest.raises(
+        rh.Unavailable,
+        match=r"call 1 was dropped: watch\(history=2\) keeps the last 2 calls only"
+        r" \(calls 3\.\.4 are kept\)",
+    ):
         read(w.mixers[0])
 
 
@@ -152,8 +162,13 @@ def test_a_record_copies_and_pickles_as_before(qwen):
     mix = w.mixers[0]
     for record in (mix.calls[2], mix.calls[-1]):
         for twin in (copy.deepcopy(record), pickle.loads(pickle.dumps(record))):
-            assert (twin.index, twin.tokens, twin.kernel, twin.replaced(), twin.ran("state")) == \
-                   (record.index, record.tokens, record.kernel, frozenset(), 5)
+            assert (twin.index, twin.tokens, twin.kernel, twin.replaced(), twin.ran("state")) == (
+                record.index,
+                record.tokens,
+                record.kernel,
+                frozenset(),
+                5,
+            )
             assert_equal("the kept state of a copied record", record.after("state", 2), twin.after("state", 2))
     for calls in (copy.deepcopy(mix.calls), pickle.loads(pickle.dumps(mix.calls))):
         assert [c.index for c in calls] == [1, 2] and len(calls) == 3
@@ -163,12 +178,16 @@ def test_a_record_copies_and_pickles_as_before(qwen):
 
 # -- effective attention over a history ------------------------------------------------------------------------------
 
+
 def test_effective_attention_refuses_a_history_that_reaches_a_dropped_call(qwen):
     ids = random_ids(1, 5)
     with rh.watch(qwen, keep=("inputs", "outputs"), history=2) as w:
         greedy(qwen, ids, 4, min_new_tokens=4)
-    with pytest.raises(rh.Unavailable, match=r"call 3: its history runs back to call 2, which may continue the state"
-                                            r" of call 1; the record of call 1 was dropped: watch\(history=2\)"):
+    with pytest.raises(
+        rh.Unavailable,
+        match=r"call 3: its history runs back to call 2, which may continue the state"
+        r" of call 1; the record of call 1 was dropped: watch\(history=2\)",
+    ):
         rh.effective_attention(w.mixers[0], call=3)
     with pytest.raises(rh.Unavailable, match=r"call 0 was dropped: watch\(history=2\)"):
         rh.effective_attention(w.mixers[0], call=0)
@@ -190,10 +209,14 @@ def test_effective_attention_of_a_call_whose_history_is_kept(qwen):
 
 # -- history is checked ----------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("history", [0, -1, True, False, 1.5, "2", torch.tensor(2.0), torch.tensor([2]), [2]])
 def test_history_refuses_what_is_not_a_count_of_calls(qwen, history):
-    with pytest.raises(rh.InvalidValue, match=r"watch: expected history= None \(keep every call's record\) or a"
-                                              r" number of calls >= 1, got history="):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"watch: expected history= None \(keep every call's record\) or a"
+        r" number of calls >= 1, got history=",
+    ):
         rh.watch(qwen, history=history)
 
 
@@ -205,6 +228,7 @@ def test_history_takes_an_int_of_any_kind(qwen, history):
 
 
 # -- what a record holds -----------------------------------------------------------------------------------------------
+
 
 def _library_growth(run, steps):
     """The bytes the library's own allocations (tracemalloc) grow by over `run(steps)`, after `run(100)` traced too
@@ -281,8 +305,9 @@ def test_history_one_is_flat_over_30000_decode_steps():
     with torch.no_grad(), rh.watch(model, history=1) as w:
         mix = w.mixers[0]
         hooked = []
-        mix.register_state_hook(lambda m, call, token, state: hooked.append(call) if call % 10_000 == 0 else None,
-                                call=slice(1, None))
+        mix.register_state_hook(
+            lambda m, call, token, state: hooked.append(call) if call % 10_000 == 0 else None, call=slice(1, None)
+        )
         cache = model(random_ids(1, 4), use_cache=True).past_key_values
         hidden = torch.randn(1, 1, model.config.hidden_size)
         held, done = {}, 0
@@ -296,5 +321,6 @@ def test_history_one_is_flat_over_30000_decode_steps():
     assert held[10_000][0] == held[30_000][0] == held[3_000][0], f"the record's bytes changed: {held}"
     for steps in (10_000, 30_000):
         objects, size = (now - then for now, then in zip(held[steps][1:], held[3_000][1:]))
-        assert objects < 100 and size < steps - 3_000, \
+        assert objects < 100 and size < steps - 3_000, (
             f"from step 3,000 to {steps:,}: {objects} more objects, {size} more bytes ({held})"
+        )

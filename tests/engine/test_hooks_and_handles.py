@@ -37,16 +37,23 @@ def test_hooks_run_in_registration_order(model):
     order = []
     with rh.watch(model) as w:
         w.mixers[0].register_state_hook(lambda m, c, t, s: order.append("last token") or s * 2, token=-1)
-        w.mixers[0].register_state_hook(lambda m, c, t, s: order.append(("every token", float(s.norm())))
-                                        if t == T - 1 else None)
+        w.mixers[0].register_state_hook(
+            lambda m, c, t, s: order.append(("every token", float(s.norm()))) if t == T - 1 else None
+        )
         run(model)
     assert order[0] == "last token" and order[1][0] == "every token"
     with rh.watch(model) as w:
-        w.mixers[0].register_state_hook(lambda m, c, t, s: order.append(("before", float(s.norm()))) if t == T - 1
-                                        else None)
+        w.mixers[0].register_state_hook(
+            lambda m, c, t, s: order.append(("before", float(s.norm()))) if t == T - 1 else None
+        )
         run(model)
-    assert_close("the second hook saw the first one's replacement", torch.tensor(order[2][1]),
-                 torch.tensor(order[1][1] * 0.5), rtol=1e-5, atol=0)
+    assert_close(
+        "the second hook saw the first one's replacement",
+        torch.tensor(order[2][1]),
+        torch.tensor(order[1][1] * 0.5),
+        rtol=1e-5,
+        atol=0,
+    )
 
 
 def test_hooks_receive_the_mixer_and_live_states_to_clone(model):

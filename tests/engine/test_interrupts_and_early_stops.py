@@ -101,9 +101,12 @@ def test_every_decode_step_is_slice_1_none():
 
 
 def test_a_write_whose_call_never_happens_is_one_warning_when_the_watch_ends(model):
-    with pytest.warns(rh.RecurrentHooksWarning, match=r"^1 write never ran: set_state_after\(0, call=5\) on "
-                      r"GatedDeltaNet\(qwen3_5, layer 0\) \(call 5; it saw 4 calls\)\. The calls they target did"
-                      r" not happen: generation may have stopped early"):
+    with pytest.warns(
+        rh.RecurrentHooksWarning,
+        match=r"^1 write never ran: set_state_after\(0, call=5\) on "
+        r"GatedDeltaNet\(qwen3_5, layer 0\) \(call 5; it saw 4 calls\)\. The calls they target did"
+        r" not happen: generation may have stopped early",
+    ):
         with rh.watch(model) as w:
             w.mixers[0].set_state_after(0, torch.zeros(2, 4, 8, 8), call=5)
             generate(model, 4)
@@ -120,6 +123,8 @@ def test_writes_on_calls_that_never_run_give_one_short_warning():
     (warning,) = record
     message = str(warning.message)
     assert len(message) < 500, message
-    assert message.startswith("2 writes never ran: set_state_after(0, call=slice(1, 1000)) on GatedDeltaNet"
-                              "(qwen3_5, layer 0) (call 4, 5, 6, ...; it saw 4 calls)")
+    assert message.startswith(
+        "2 writes never ran: set_state_after(0, call=slice(1, 1000)) on GatedDeltaNet"
+        "(qwen3_5, layer 0) (call 4, 5, 6, ...; it saw 4 calls)"
+    )
     assert "generation may have stopped early" in message

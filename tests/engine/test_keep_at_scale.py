@@ -12,9 +12,19 @@ from recurrent_hooks.engine.paths import visitor as taking
 
 TOKENS = 150  # more than two chunks of the reduction (taking.Reduction.CHUNK = 64)
 # one family per kind: the memory it keeps ("states", or a convolution window only)
-KINDS = {"qwen3_5": "states", "kimi_linear": "states", "mamba": "states", "zamba": "states", "mamba2": "states",
-         "recurrent_gemma": "states", "rwkv": "states", "minimax": "states", "lfm2": "windows",
-         "xlstm": "states", "zaya": "states"}
+KINDS = {
+    "qwen3_5": "states",
+    "kimi_linear": "states",
+    "mamba": "states",
+    "zamba": "states",
+    "mamba2": "states",
+    "recurrent_gemma": "states",
+    "rwkv": "states",
+    "minimax": "states",
+    "lfm2": "windows",
+    "xlstm": "states",
+    "zaya": "states",
+}
 
 
 def per_token_norm(states):
@@ -23,8 +33,6 @@ def per_token_norm(states):
     if is_parts(states):
         return torch.stack([part.flatten(2).norm(dim=-1) for part in states], dim=-1)
     return states.flatten(2).norm(dim=-1)
-
-
 
 
 def _full(mixer, name):
@@ -78,8 +86,9 @@ def test_a_reduction_is_fn_of_the_kept_states(family, grad):
         expected = fn(_full(whole, name))
         got = _full(mixer, name)
         assert_close(f"{family} {mixer}", expected, got.detach(), rtol=1e-4, atol=1e-5)
-        assert_close(f"{family} {mixer} after 70", expected[:, 70], _after(mixer, name, 70).detach(),
-                     rtol=1e-4, atol=1e-5)
+        assert_close(
+            f"{family} {mixer} after 70", expected[:, 70], _after(mixer, name, 70).detach(), rtol=1e-4, atol=1e-5
+        )
         assert got.requires_grad == grad, (family, mixer, grad)  # in grad mode the reduction keeps its graph
 
 
@@ -94,8 +103,7 @@ def test_a_reduction_at_some_positions(family):
     for whole, mixer in zip(full.mixers, reduced.mixers):
         for token in positions:
             expected = fn(_at_keepdim(_full(whole, name), token))[:, 0]
-            assert_close(f"{family} {mixer} token {token}", expected, _after(mixer, name, token),
-                         rtol=1e-4, atol=1e-5)
+            assert_close(f"{family} {mixer} token {token}", expected, _after(mixer, name, token), rtol=1e-4, atol=1e-5)
         with pytest.raises(rh.Unavailable, match="was not kept"):
             _after(mixer, name, 4)
 
@@ -129,7 +137,7 @@ def _kept_bytes(watch):
                 seen = set()
                 for kept in parts:
                     for value in kept.values():
-                        for tensor in (value if is_parts(value) else (value,)):
+                        for tensor in value if is_parts(value) else (value,):
                             storage = tensor.untyped_storage()
                             if storage.data_ptr() not in seen:
                                 seen.add(storage.data_ptr())
@@ -165,8 +173,12 @@ def test_keep_device_moves_kept_values_there():
         assert w.mixers[0].states.device == torch.device("cpu")
         # "meta" is a device unlike the model's on every machine: the same code as a GPU model kept on the CPU
         for paths in (rh.Paths(), rh.Paths(rule="loop"), rh.Paths(force="segments")):
-            with rh.watch(model, keep={"states": [2, 5]} if paths.force else ("states", "windows"),
-                          keep_device="meta", paths=paths) as w:
+            with rh.watch(
+                model,
+                keep={"states": [2, 5]} if paths.force else ("states", "windows"),
+                keep_device="meta",
+                paths=paths,
+            ) as w:
                 model(ids, use_cache=False)
             mixer = w.mixers[0]
             assert mixer.state_after(5).device == torch.device("meta"), paths
@@ -181,16 +193,22 @@ def test_keep_device_refuses_a_device_that_is_not_one():
     model = model_of("qwen3_5")
     with pytest.raises(rh.InvalidValue, match=r"watch: keep_device='fake' is not a device this machine has"):
         rh.watch(model, keep=("states",), keep_device="fake")
-    with pytest.raises(rh.InvalidValue, match=r"watch: expected keep_device= a device \(as 'cpu' or 'cuda:0'\) or"
-                                              r" None, got int 3"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"watch: expected keep_device= a device \(as 'cpu' or 'cuda:0'\) or"
+        r" None, got int 3",
+    ):
         rh.watch(model, keep=("states",), keep_device=3)
 
 
 def test_keep_device_with_gradients_refuses_states_and_keeps_the_graph_of_reductions():
     model = model_of("qwen3_5")
     ids = random_ids(1, 12)
-    with pytest.raises(rh.InvalidValue, match=r"call 0, token 0: keep_device='meta' with gradients on: a state"
-                                              rf" kept in grad mode is the tensor the forward read \(on {DEVICE}\)"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"call 0, token 0: keep_device='meta' with gradients on: a state"
+        rf" kept in grad mode is the tensor the forward read \(on {DEVICE}\)",
+    ):
         with rh.watch(model, keep=("states",), keep_device="meta"):
             model(ids, use_cache=False)
     embeddings = model.get_input_embeddings()(ids).detach().requires_grad_(True)
@@ -206,8 +224,11 @@ def test_reductions_are_no_differentiable_states():
     model = model_of("qwen3_5")
     with rh.watch(model, keep=("states",), reduce={"states": per_token_norm}) as w:
         model(random_ids(1, 8), use_cache=False)
-    with pytest.raises(rh.Unavailable, match=r"kept reductions of its states \(watch\(reduce=...\)\), which the"
-                                             r" forward did not read"):
+    with pytest.raises(
+        rh.Unavailable,
+        match=r"kept reductions of its states \(watch\(reduce=...\)\), which the"
+        r" forward did not read",
+    ):
         w.mixers[0].calls[0].differentiable("state")
     assert "state (reduced)" in repr(w.mixers[0].calls[0])
 
@@ -222,9 +243,12 @@ def test_bad_reductions_are_refused_clearly():
         rh.watch(model, keep=("states",), reduce={"states": 3})
     with pytest.raises(rh.InvalidValue, match=r"watch: expected reduce= a mapping"):
         rh.watch(model, keep=("states",), reduce=[per_token_norm])
-    with pytest.raises(rh.InvalidValue, match=r"GatedDeltaNet\(qwen3_5, layer 0\), call 0, tokens 0\.\.7: the"
-                                              r" reduction .*returned a tensor of shape \(1,\); expected a tensor"
-                                              r" \[batch, chunk, \.\.\.\] with chunk = 8"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"GatedDeltaNet\(qwen3_5, layer 0\), call 0, tokens 0\.\.7: the"
+        r" reduction .*returned a tensor of shape \(1,\); expected a tensor"
+        r" \[batch, chunk, \.\.\.\] with chunk = 8",
+    ):
         with torch.no_grad(), rh.watch(model, keep=("states",), reduce={"states": lambda s: s.flatten(1).norm(dim=1)}):
             model(random_ids(1, 8), use_cache=False)
 
@@ -247,8 +271,9 @@ class _Remote(torch.Tensor):
         kwargs = kwargs or {}
         if func is torch.Tensor.numpy:
             raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu()")
-        cpu = func is torch.Tensor.cpu or (func is torch.Tensor.to and any(
-            str(a) == "cpu" for a in (*args[1:], kwargs.get("device"))))
+        cpu = func is torch.Tensor.cpu or (
+            func is torch.Tensor.to and any(str(a) == "cpu" for a in (*args[1:], kwargs.get("device")))
+        )
         result = super().__torch_function__(func, types, args, kwargs)
         if cpu and isinstance(result, torch.Tensor):
             return result.as_subclass(torch.Tensor)
@@ -282,8 +307,11 @@ def test_the_former_keep_name_in_reduce_warns_and_reduces_the_windows():
     ids = random_ids(1, 10)
     full = kept_whole(model, ids, "windows")
     with torch.no_grad():
-        with pytest.warns(rh.RecurrentHooksDeprecationWarning, match=r"watch: reduce=\{'conv_states': ...\} is"
-                                                                      r" renamed reduce=\{'windows': ...\}"):
+        with pytest.warns(
+            rh.RecurrentHooksDeprecationWarning,
+            match=r"watch: reduce=\{'conv_states': ...\} is"
+            r" renamed reduce=\{'windows': ...\}",
+        ):
             reduced = rh.watch(model, keep=("windows",), reduce={"conv_states": per_token_norm})
         with reduced:
             model(ids, use_cache=False)
@@ -322,5 +350,4 @@ def test_a_checkpointed_recompute_keeps_the_first_forwards_reductions(reentrant)
         model.zero_grad(set_to_none=True)
     for whole, mixer in zip(full.mixers, reduced.mixers):
         assert [call.index for call in mixer.calls] == [0]
-        assert_close(f"checkpointed {mixer}", per_token_norm(whole.states), mixer.states.detach(),
-                     rtol=1e-4, atol=1e-5)
+        assert_close(f"checkpointed {mixer}", per_token_norm(whole.states), mixer.states.detach(), rtol=1e-4, atol=1e-5)

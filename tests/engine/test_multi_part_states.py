@@ -47,8 +47,10 @@ def _split(loop):
 class SplitDeltaNet(GatedDeltaNet):
     STATE_TYPE = Halves
     STATE = {"top": "batch heads half value_dim", "bottom": "batch heads half value_dim"}
-    KERNELS = tuple(dataclasses.replace(kernel, loop=_split(kernel.loop), segments=None)
-                    if kernel.memory == "state" else kernel for kernel in GatedDeltaNet.KERNELS)
+    KERNELS = tuple(
+        dataclasses.replace(kernel, loop=_split(kernel.loop), segments=None) if kernel.memory == "state" else kernel
+        for kernel in GatedDeltaNet.KERNELS
+    )
 
 
 def halves(state: Tensor) -> Halves:
@@ -107,7 +109,8 @@ def test_writes_and_replacing_hooks_take_parts(kind_of_qwen3_5):
     with rh.watch(model) as one, torch.no_grad():
         one.mixers[0].set_state_after(3, torch.cat(list(written), dim=-2))
         one.mixers[-1].register_state_hook(
-            lambda m, c, t, s: torch.cat([s[..., :4, :] * 0.5, s[..., 4:, :]], dim=-2), token=5)
+            lambda m, c, t, s: torch.cat([s[..., :4, :] * 0.5, s[..., 4:, :]], dim=-2), token=5
+        )
         same = model(ids).logits
     assert_close("logits of the one-tensor write", same, steered, rtol=1e-6, atol=1e-6)
 
@@ -157,13 +160,19 @@ def test_a_bad_replacement_names_the_part(kind_of_qwen3_5):
         with rh.watch(model) as w, torch.no_grad():
             w.mixers[0].register_state_hook(lambda m, c, t, s: s.top, token=1)
             model(ids)
-    with pytest.raises(rh.InvalidValue, match=r"state part 'bottom' with shape \(1, 4, 3, 8\), expected \(1, 4, 4, 8\)"
-                                              r" \(axes: batch heads half value_dim\)"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"state part 'bottom' with shape \(1, 4, 3, 8\), expected \(1, 4, 4, 8\)"
+        r" \(axes: batch heads half value_dim\)",
+    ):
         with rh.watch(model) as w, torch.no_grad():
             w.mixers[0].register_state_hook(lambda m, c, t, s: Halves(s.top, s.bottom[..., :3, :]), token=1)
             model(ids)
-    with pytest.raises(rh.InvalidValue, match=r"expected a Halves with axes \(top: batch heads half value_dim;"
-                                              r" bottom: batch heads half value_dim\), got Tensor"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"expected a Halves with axes \(top: batch heads half value_dim;"
+        r" bottom: batch heads half value_dim\), got Tensor",
+    ):
         with rh.watch(model) as w:
             w.mixers[0].set_state_after(1, torch.zeros(1, 4, 8, 8))
     assert SplitDeltaNet.kernel_for(Role.PROMPT).segments is None
@@ -180,9 +189,10 @@ def test_attribution_and_a_sweep_sum_over_the_parts(kind_of_qwen3_5, monkeypatch
         # method="states" for both: a state of parts takes it (the chunked method, whose window term runs through
         # another graph, serves one-tensor states; tests/studies/test_attribution_at_scale.py checks it against
         # "states")
-        runs[kind] = (rh.attribute(model, clean, corrupt, metric, paths=loop, method="states"),
-                      rh.patching_sweep(model, clean[0], corrupt[0], metric, positions=[2, 5], progress=False,
-                                        paths=loop))
+        runs[kind] = (
+            rh.attribute(model, clean, corrupt, metric, paths=loop, method="states"),
+            rh.patching_sweep(model, clean[0], corrupt[0], metric, positions=[2, 5], progress=False, paths=loop),
+        )
     (one, one_sweep), (split, split_sweep) = runs[GatedDeltaNet], runs[SplitDeltaNet]
     assert one.state.abs().max() > 0
     assert_close("attributed state", one.state, split.state, rtol=1e-5, atol=1e-7)

@@ -84,8 +84,11 @@ def test_an_interrupt_after_the_kernels_leaves_no_entry_behind(how):
     def interrupt(module, args, output):
         raise KeyboardInterrupt
 
-    handle = rh.register_state_hook(mixer_module, lambda m, c, t, s: seen.append(c), token=-1) \
-        if how == "standalone hook" else None
+    handle = (
+        rh.register_state_hook(mixer_module, lambda m, c, t, s: seen.append(c), token=-1)
+        if how == "standalone hook"
+        else None
+    )
 
     def run():
         """A forward with the hook: the standalone one, or one registered in a watch."""
@@ -135,9 +138,12 @@ _FRAME_WORDS = re.compile(r"\b(_getframe|f_locals|f_back|inspect\.stack|currentf
 
 def test_no_module_of_the_package_reads_stack_frames():
     root = pathlib.Path(rh.__file__).parent
-    found = [f"{path.relative_to(root)}:{number}: {line.strip()}"
-             for path in sorted(root.rglob("*.py"))
-             for number, line in enumerate(path.read_text().splitlines(), 1) if _FRAME_WORDS.search(line)]
+    found = [
+        f"{path.relative_to(root)}:{number}: {line.strip()}"
+        for path in sorted(root.rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if _FRAME_WORDS.search(line)
+    ]
     assert found == [], f"stack frames read in recurrent_hooks/: {found}"
 
 
@@ -154,6 +160,7 @@ def test_a_forward_past_the_class_call_is_watched_and_an_interrupt_there_does_no
     handle = rh.register_state_hook(mixer_module, lambda m, c, t, s: seen.append(c), token=-1)
     try:
         if interrupted:
+
             def interrupt(module, args, output):
                 raise KeyboardInterrupt
 

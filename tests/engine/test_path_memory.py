@@ -61,30 +61,74 @@ class LiveBytes(TorchDispatchMode):
 
 
 def _qwen3_5():
-    return transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=1, layer_types=["linear_attention"],
-        num_attention_heads=2, num_key_value_heads=1, head_dim=64, linear_conv_kernel_dim=4, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32))
+    return transformers.Qwen3_5ForCausalLM(
+        transformers.Qwen3_5TextConfig(
+            vocab_size=VOCAB,
+            hidden_size=256,
+            intermediate_size=256,
+            num_hidden_layers=1,
+            layer_types=["linear_attention"],
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=64,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+        )
+    )
 
 
 def _kimi_linear():
-    return transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=1, layer_types=["linear_attention"],
-        mlp_layer_types=["dense"], num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, v_head_dim=16,
-        qk_nope_head_dim=16, qk_rope_head_dim=8, q_lora_rank=None, linear_head_dim=128, linear_num_heads=32,
-        linear_conv_kernel_dim=4, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    return transformers.KimiLinearForCausalLM(
+        transformers.KimiLinearConfig(
+            vocab_size=VOCAB,
+            hidden_size=256,
+            intermediate_size=256,
+            num_hidden_layers=1,
+            layer_types=["linear_attention"],
+            mlp_layer_types=["dense"],
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            kv_lora_rank=16,
+            v_head_dim=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            q_lora_rank=None,
+            linear_head_dim=128,
+            linear_num_heads=32,
+            linear_conv_kernel_dim=4,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    )
 
 
 def _mamba2():
-    return transformers.Mamba2ForCausalLM(transformers.Mamba2Config(
-        vocab_size=VOCAB, hidden_size=768, num_heads=24, head_dim=64, expand=2, state_size=128, n_groups=1,
-        chunk_size=256, conv_kernel=4, num_hidden_layers=1))
+    return transformers.Mamba2ForCausalLM(
+        transformers.Mamba2Config(
+            vocab_size=VOCAB,
+            hidden_size=768,
+            num_heads=24,
+            head_dim=64,
+            expand=2,
+            state_size=128,
+            n_groups=1,
+            chunk_size=256,
+            conv_kernel=4,
+            num_hidden_layers=1,
+        )
+    )
 
 
 # a model of one layer, its state's elements, the tokens of its prompt (Mamba-2: one chunk of 256)
-MODELS = {"gated DeltaNet, Qwen3.5 dims": (_qwen3_5, 32 * 128 * 128, 64),
-          "Kimi delta attention, Kimi-Linear dims": (_kimi_linear, 32 * 128 * 128, 64),
-          "Mamba-2, mamba2-130m dims": (_mamba2, 24 * 64 * 128, 256)}
+MODELS = {
+    "gated DeltaNet, Qwen3.5 dims": (_qwen3_5, 32 * 128 * 128, 64),
+    "Kimi delta attention, Kimi-Linear dims": (_kimi_linear, 32 * 128 * 128, 64),
+    "Mamba-2, mamba2-130m dims": (_mamba2, 24 * 64 * 128, 256),
+}
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -134,27 +178,71 @@ REDUCE = {"keep": ("states",), "reduce": lambda states: states.flatten(2).norm(d
 # name: (path, gradients, what the watch is asked on a prompt of T tokens, the states it keeps as they are,
 # the tokens the call stops at, whether it reduces every state)
 CASES = {
-    "token loop, every state kept, gradients":
-        (Strategy.LOOP, True, lambda t: {"keep": ("states",)}, lambda t: t, range, False),
-    "token loop, a hook at 16 tokens, gradients":
-        (Strategy.LOOP, True, lambda t: {"setup": _hook(_spread(t))}, lambda t: 0, _spread, False),
-    "segments, a hook at 16 tokens, gradients":
-        (Strategy.SEGMENTS, True, lambda t: {"setup": _hook(_spread(t))}, lambda t: 0, _spread, False),
-    "segments, 16 states kept":
-        (Strategy.SEGMENTS, False, lambda t: {"keep": {"states": _spread(t)}}, lambda t: STOPS, _spread, False),
-    "token loop, 16 states kept":
-        (Strategy.LOOP, False, lambda t: {"keep": {"states": _spread(t)}}, lambda t: STOPS, _spread, False),
-    "chunk-wise states, every state kept":
-        (Strategy.STATES, False, lambda t: {"keep": ("states",)}, lambda t: t, lambda t: [], False),
-    "blocks, a hook at every token":
-        (Strategy.BLOCKS, False, lambda t: {"setup": _hook(None)}, lambda t: 0, lambda t: [], False),
+    "token loop, every state kept, gradients": (
+        Strategy.LOOP,
+        True,
+        lambda t: {"keep": ("states",)},
+        lambda t: t,
+        range,
+        False,
+    ),
+    "token loop, a hook at 16 tokens, gradients": (
+        Strategy.LOOP,
+        True,
+        lambda t: {"setup": _hook(_spread(t))},
+        lambda t: 0,
+        _spread,
+        False,
+    ),
+    "segments, a hook at 16 tokens, gradients": (
+        Strategy.SEGMENTS,
+        True,
+        lambda t: {"setup": _hook(_spread(t))},
+        lambda t: 0,
+        _spread,
+        False,
+    ),
+    "segments, 16 states kept": (
+        Strategy.SEGMENTS,
+        False,
+        lambda t: {"keep": {"states": _spread(t)}},
+        lambda t: STOPS,
+        _spread,
+        False,
+    ),
+    "token loop, 16 states kept": (
+        Strategy.LOOP,
+        False,
+        lambda t: {"keep": {"states": _spread(t)}},
+        lambda t: STOPS,
+        _spread,
+        False,
+    ),
+    "chunk-wise states, every state kept": (
+        Strategy.STATES,
+        False,
+        lambda t: {"keep": ("states",)},
+        lambda t: t,
+        lambda t: [],
+        False,
+    ),
+    "blocks, a hook at every token": (
+        Strategy.BLOCKS,
+        False,
+        lambda t: {"setup": _hook(None)},
+        lambda t: 0,
+        lambda t: [],
+        False,
+    ),
     "blocks, a reduction of every state": (Strategy.BLOCKS, False, lambda t: REDUCE, lambda t: 0, lambda t: [], True),
-    "token loop, a reduction of every state":
-        (Strategy.LOOP, False, lambda t: REDUCE, lambda t: 0, lambda t: [], True),
+    "token loop, a reduction of every state": (Strategy.LOOP, False, lambda t: REDUCE, lambda t: 0, lambda t: [], True),
     "chunk-wise reductions": (Strategy.CHUNKS, False, lambda t: REDUCE, lambda t: 0, lambda t: [], True),
 }
-GROWS = {"token loop, every state kept, gradients", "token loop, a hook at 16 tokens, gradients",
-         "segments, a hook at 16 tokens, gradients"}  # the model grows with the call: checked to be tight too
+GROWS = {
+    "token loop, every state kept, gradients",
+    "token loop, a hook at 16 tokens, gradients",
+    "segments, a hook at 16 tokens, gradients",
+}  # the model grows with the call: checked to be tight too
 
 
 @pytest.mark.full  # (about 1 s a case at these dims: run with --full, which .ci/run runs after the default suite)
@@ -169,9 +257,11 @@ def test_each_path_holds_at_most_what_the_model_says(layer, case):
     assert taken == path.label, f"{name}, {case}: the forced path was not taken: {taken!r}"
     modelled = _held(model, ids, grad, list(stops(tokens)), kept=kept(tokens), reducing=reducing)[path]
     measured = peak - plain - kept(tokens) * state
-    where = (f"{name}, {case}: measured {measured / 2**20:.1f} MiB ({measured / state:.1f} states) beyond the"
-             f" unwatched forward's peak {plain / 2**20:.1f} MiB, modelled {modelled / 2**20:.1f} MiB"
-             f" ({modelled / state:.1f} states)")
+    where = (
+        f"{name}, {case}: measured {measured / 2**20:.1f} MiB ({measured / state:.1f} states) beyond the"
+        f" unwatched forward's peak {plain / 2**20:.1f} MiB, modelled {modelled / 2**20:.1f} MiB"
+        f" ({modelled / state:.1f} states)"
+    )
     assert measured <= modelled, where
     if case in GROWS:
         assert modelled <= 1.6 * max(measured, 0) + 8 * state, where
@@ -186,8 +276,13 @@ def _meta(*shape: int) -> torch.Tensor:
 
 def _gdn_arguments(batch: int, tokens: int) -> dict:
     """A gated DeltaNet prompt call's arguments at Qwen3.5 dims (16 key / 32 value heads of 128): shapes only."""
-    return {"query": _meta(batch, tokens, 16, 128), "key": _meta(batch, tokens, 16, 128),
-            "value": _meta(batch, tokens, 32, 128), "g": _meta(batch, tokens, 32), "beta": _meta(batch, tokens, 32)}
+    return {
+        "query": _meta(batch, tokens, 16, 128),
+        "key": _meta(batch, tokens, 16, 128),
+        "value": _meta(batch, tokens, 32, 128),
+        "g": _meta(batch, tokens, 32),
+        "beta": _meta(batch, tokens, 32),
+    }
 
 
 def _plan(hooks=(), keep=None, device=None):
@@ -267,13 +362,17 @@ def test_a_watched_forward_takes_the_path_within_its_budget():
         seen = []
         model.zero_grad()
         with rh.watch(model, paths=rh.Paths(rule="fixed", memory_budget=budget)) as w:
-            w.mixers[0].register_state_hook(lambda mixer, call, token, state: seen.append(state.detach().clone()),
-                                            call=0, token=list(range(0, 24, 4)))
+            w.mixers[0].register_state_hook(
+                lambda mixer, call, token, state: seen.append(state.detach().clone()),
+                call=0,
+                token=list(range(0, 24, 4)),
+            )
             logits = model(ids).logits
             path = w.mixers[0].calls[0].kernel_calls[0].path
         logits.square().mean().backward()
         results[name] = (path, logits.detach(), torch.stack(seen), model.model.embed_tokens.weight.grad.clone())
     assert (results["no limit"][0], results["0 bytes"][0]) == (Strategy.SEGMENTS.label, Strategy.LOOP.label)
-    for what, expected, got in zip(("logits", "hook inputs", "gradient"), results["no limit"][1:],
-                                   results["0 bytes"][1:]):
+    for what, expected, got in zip(
+        ("logits", "hook inputs", "gradient"), results["no limit"][1:], results["0 bytes"][1:]
+    ):
         assert_close(what, expected, got, rtol=1e-5, atol=1e-6)

@@ -47,14 +47,23 @@ def _meta(*shape: int) -> torch.Tensor:
 
 
 def gdn_arguments(batch: int, tokens: int, key_heads: int, heads: int, dim: int) -> dict:
-    return {"query": _meta(batch, tokens, key_heads, dim), "key": _meta(batch, tokens, key_heads, dim),
-            "value": _meta(batch, tokens, heads, dim), "g": _meta(batch, tokens, heads),
-            "beta": _meta(batch, tokens, heads)}
+    return {
+        "query": _meta(batch, tokens, key_heads, dim),
+        "key": _meta(batch, tokens, key_heads, dim),
+        "value": _meta(batch, tokens, heads, dim),
+        "g": _meta(batch, tokens, heads),
+        "beta": _meta(batch, tokens, heads),
+    }
 
 
 def ssd_arguments(batch: int, tokens: int, heads: int, head_dim: int, d_state: int, chunk: int) -> dict:
-    return {"hidden_states": _meta(batch, tokens, heads, head_dim), "dt": _meta(batch, tokens, heads),
-            "B": _meta(batch, tokens, 1, d_state), "C": _meta(batch, tokens, 1, d_state), "chunk_size": chunk}
+    return {
+        "hidden_states": _meta(batch, tokens, heads, head_dim),
+        "dt": _meta(batch, tokens, heads),
+        "B": _meta(batch, tokens, 1, d_state),
+        "C": _meta(batch, tokens, 1, d_state),
+        "chunk_size": chunk,
+    }
 
 
 def keeping(*tokens: int, kind: type = GatedDeltaNet) -> SimpleNamespace:
@@ -91,8 +100,9 @@ def test_real_dims_with_8_stops_take_segments():
     choice = rh_choose.choose(GDN, [keeping(*spread(8, 2048))], 2048, gdn_arguments(1, 2048, 16, 32, 128), grad=False)
     assert path_of(choice) is Strategy.SEGMENTS
     assert choice.stops == spread(8, 2048) and not choice.every_state
-    choice = rh_choose.choose(SSD, [keeping(*spread(8, 2048))], 2048, ssd_arguments(1, 2048, 24, 64, 128, 256),
-                             grad=False)
+    choice = rh_choose.choose(
+        SSD, [keeping(*spread(8, 2048))], 2048, ssd_arguments(1, 2048, 24, 64, 128, 256), grad=False
+    )
     assert path_of(choice) is Strategy.SEGMENTS
 
 
@@ -105,15 +115,18 @@ def test_chunkwise_states_with_gradients_where_the_kind_has_an_adjoint():
         choice = rh_choose.choose(GDN, [every], 64, gdn_arguments(batch, 64, heads, heads, dim), grad=True, paths=paths)
         assert path_of(choice) is Strategy.STATES and choice.every_state and choice.stops == []
         hooked_too = SimpleNamespace(hooks=[(None, [5])], keep=frozenset(range(64)), kind=every.kind)
-        choice = rh_choose.choose(GDN, [hooked_too], 64, gdn_arguments(batch, 64, heads, heads, dim), grad=True,
-                                 paths=paths)
+        choice = rh_choose.choose(
+            GDN, [hooked_too], 64, gdn_arguments(batch, 64, heads, heads, dim), grad=True, paths=paths
+        )
         assert path_of(choice) is not Strategy.STATES and (choice is None or not choice.every_state)
     no_adjoint = dataclasses.replace(GDN, segments=dataclasses.replace(GDN.segments, adjoint=None))
-    choice = rh_choose.choose(no_adjoint, [keeping(*range(64))], 64, gdn_arguments(1, 64, 4, 4, 16), grad=True,
-                             paths=paths)
+    choice = rh_choose.choose(
+        no_adjoint, [keeping(*range(64))], 64, gdn_arguments(1, 64, 4, 4, 16), grad=True, paths=paths
+    )
     assert path_of(choice) is not Strategy.STATES and (choice is None or not choice.every_state)
-    choice = rh_choose.choose(no_adjoint, [keeping(*range(64))], 64, gdn_arguments(1, 64, 4, 4, 16), grad=False,
-                             paths=paths)
+    choice = rh_choose.choose(
+        no_adjoint, [keeping(*range(64))], 64, gdn_arguments(1, 64, 4, 4, 16), grad=False, paths=paths
+    )
     assert path_of(choice) is Strategy.STATES  # without gradients it can
 
 
@@ -137,21 +150,28 @@ def test_a_hooked_decode_step_runs_transformers_kernel_then_the_hooks(family, mo
     """A decode step is one token: a hook on it (at every token, or at -1) or a write is a stop at token 0, so the
     bound kernel runs and the hooks see the state it returns; the same logits, hook inputs and cache as the loop."""
     decode = type_of(family).kernel_for("decode")
-    assert (rh_choose.choose(decode, [hooked(None)], 1, None, grad=False)
-            == rh_policy.Choice(Strategy.SEGMENTS, [0], False))
+    assert rh_choose.choose(decode, [hooked(None)], 1, None, grad=False) == rh_policy.Choice(
+        Strategy.SEGMENTS, [0], False
+    )
     model, ids = build(family), random_ids(2, 7)
     runs = {}
     for fast in (True, False):
         segmented, real = [], rh_busy.run_in_segments
-        monkeypatch.setattr(rh_busy, "run_in_segments",
-                            lambda *a: segmented.append(a[0].role) or real(*a))
+        monkeypatch.setattr(rh_busy, "run_in_segments", lambda *a: segmented.append(a[0].role) or real(*a))
         seen = []
         with rh.watch(model, paths=None if fast else LOOP) as w, torch.no_grad():
             first = w.mixers[0]
             first.register_state_hook(lambda m, c, t, s: seen.append((c, t, s.clone())))
             first.register_state_hook(lambda m, c, t, s: s * 0.5, call=2)
-            out = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=PAD,
-                                 output_logits=True, return_dict_in_generate=True)
+            out = model.generate(
+                ids,
+                max_new_tokens=4,
+                min_new_tokens=4,
+                do_sample=False,
+                pad_token_id=PAD,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
         monkeypatch.setattr(rh_busy, "run_in_segments", real)
         runs[fast] = (out, seen, segmented)
     (fast_out, fast_seen, segmented), (slow_out, slow_seen, _) = runs[True], runs[False]
@@ -175,8 +195,9 @@ def test_a_stop_just_past_a_chunk_boundary_ends_with_a_token_loop():
     """Mamba-2 at mamba2-130m dims, chunk 256, tails on: a stop at token 300 runs the kernel on [0, 256) and the
     token loop on [256, 301), rather than the kernel on a piece padded to 512 tokens. Off (the default), not."""
     arguments = ssd_arguments(1, 1024, 24, 64, 128, 256)
-    assert (rh_choose.choose(SSD, [keeping(300)], 1024, arguments, grad=False)
-            == rh_policy.Choice(Strategy.SEGMENTS, [300], False, ()))
+    assert rh_choose.choose(SSD, [keeping(300)], 1024, arguments, grad=False) == rh_policy.Choice(
+        Strategy.SEGMENTS, [300], False, ()
+    )
     choice = rh_choose.choose(SSD, [keeping(300)], 1024, arguments, grad=False, paths=rh.Paths(tails=True))
     assert path_of(choice) is Strategy.SEGMENTS
     assert (256, 301) in choice.tails
@@ -222,9 +243,13 @@ def _ssd_inputs(batch: int, tokens: int, heads: int, head_dim: int, d_state: int
     dt = torch.randn(batch, tokens, heads, generator=gen) - 2
     B, C = (torch.randn(batch, tokens, 2, d_state, generator=gen) for _ in range(2))
     A = -torch.rand(heads, generator=gen)
-    kwargs = dict(D=torch.rand(heads, generator=gen), dt_bias=torch.zeros(heads),
-                  initial_states=torch.randn(batch, heads, head_dim, d_state, generator=gen), dt_softplus=True,
-                  return_final_states=True)
+    kwargs = dict(
+        D=torch.rand(heads, generator=gen),
+        dt_bias=torch.zeros(heads),
+        initial_states=torch.randn(batch, heads, head_dim, d_state, generator=gen),
+        dt_softplus=True,
+        return_final_states=True,
+    )
     return (x, dt, A, B, C, chunk), kwargs
 
 
@@ -261,8 +286,9 @@ def test_tails_at_the_kernel_equal_the_token_loop():
 
 
 # Constants that make every tail cheaper than a chunk: segments end in token loops wherever they can.
-CHEAP_TAILS = rh_policy.Constants(kernel=(0.0, 1.0, 0.0, 0.0, 0.0), loop=(0.0, 1e-3, 0.0, 0.0),
-                                 states=(0.0, 1.0, 0.0, 0.0, 0.0))
+CHEAP_TAILS = rh_policy.Constants(
+    kernel=(0.0, 1.0, 0.0, 0.0, 0.0), loop=(0.0, 1e-3, 0.0, 0.0), states=(0.0, 1.0, 0.0, 0.0, 0.0)
+)
 TAILS_EVERYWHERE = rh.Paths(force="segments", tails=True, costs={"ssd": CHEAP_TAILS, "delta rule": CHEAP_TAILS})
 
 
@@ -281,13 +307,21 @@ def test_tails_through_a_watch_equal_the_token_loop(family, monkeypatch):
     runs = {}
     for fast in (True, False):
         seen = []
-        with rh.watch(model, keep={"states": [2, 10, 80, -1]}, paths=TAILS_EVERYWHERE if fast else LOOP) as w, \
-                torch.no_grad():
+        with (
+            rh.watch(model, keep={"states": [2, 10, 80, -1]}, paths=TAILS_EVERYWHERE if fast else LOOP) as w,
+            torch.no_grad(),
+        ):
             w.mixers[0].set_state_after(10, value)
             w.mixers[-1].register_state_hook(lambda m, c, t, s: seen.append(s.clone()) or s * 0.9, token=[12, 140])
             w.mixers[0].register_state_hook(lambda m, c, t, s: s * 1.1, token=[19])
-            out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=PAD, output_logits=True,
-                                 return_dict_in_generate=True)
+            out = model.generate(
+                ids,
+                max_new_tokens=3,
+                do_sample=False,
+                pad_token_id=PAD,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
         runs[fast] = (w, out, seen)
     (fast, fast_out, fast_seen), (slow, slow_out, slow_seen) = runs[True], runs[False]
     assert any(taken), "no segment ended in a token loop"
@@ -297,10 +331,16 @@ def test_tails_through_a_watch_equal_the_token_loop(family, monkeypatch):
     assert_close("hook inputs", torch.stack(slow_seen), torch.stack(fast_seen), rtol=1e-4, atol=1e-6)
     for a, b in zip(slow.mixers, fast.mixers, strict=True):
         for token in (2, 10, 80, -1):
-            assert_close(f"{a} state after {token}", a.state_after(token, 0), b.state_after(token, 0),
-                         rtol=1e-4, atol=1e-6)
-        assert_close(f"{a} cached state", slow_out.past_key_values.get_recurrent_state(a.layer),
-                     fast_out.past_key_values.get_recurrent_state(b.layer), rtol=1e-4, atol=1e-6)
+            assert_close(
+                f"{a} state after {token}", a.state_after(token, 0), b.state_after(token, 0), rtol=1e-4, atol=1e-6
+            )
+        assert_close(
+            f"{a} cached state",
+            slow_out.past_key_values.get_recurrent_state(a.layer),
+            fast_out.past_key_values.get_recurrent_state(b.layer),
+            rtol=1e-4,
+            atol=1e-6,
+        )
 
 
 @pytest.mark.parametrize("family", ["mamba2", "qwen3_5"])
@@ -333,8 +373,9 @@ COMPILED_T, KEPT, WRITTEN = 6, 2, 3
 
 
 # Constants under which the cost model picks segments (or the chunk-wise states) over the token loop.
-CHEAP = rh_policy.Constants(kernel=(1e-6, 0.0, 0.0, 0.0, 0.0), loop=(1.0, 1.0, 0.0, 0.0),
-                           states=(1e-6, 0.0, 0.0, 0.0, 0.0))
+CHEAP = rh_policy.Constants(
+    kernel=(1e-6, 0.0, 0.0, 0.0, 0.0), loop=(1.0, 1.0, 0.0, 0.0), states=(1e-6, 0.0, 0.0, 0.0, 0.0)
+)
 CHEAP_SEGMENTS = rh.Paths(costs={"ssd": CHEAP, "delta rule": CHEAP})
 
 
@@ -342,8 +383,7 @@ def _watched_calls(model, forward, ids, what, value, calls=2, paths=None):
     """`calls` forwards of `forward` in one watch with `what` ("hook", "write", "kept" or "all": the three and a
     replacing hook) on the first mixer, each after the first with error_on_recompile: logits, hook calls, watch."""
     seen = []
-    with rh.watch(model, keep={"states": [KEPT]} if what in ("kept", "all") else (), paths=paths) as w, \
-            torch.no_grad():
+    with rh.watch(model, keep={"states": [KEPT]} if what in ("kept", "all") else (), paths=paths) as w, torch.no_grad():
         first = w.mixers[0]
         if what in ("hook", "all"):
             first.register_state_hook(lambda m, c, t, s: seen.append((c, t, float(s.norm()))), token=-1)
@@ -364,13 +404,23 @@ def _compare_watched(what, eager, compiled, atol=1e-6):
         assert_close(f"{what}: logits of call {call}", a, b, rtol=1e-5, atol=atol)
     assert [h[:2] for h in compiled_seen] == [h[:2] for h in seen]
     if seen:
-        assert_close(f"{what}: hooked state norms", torch.tensor([h[2] for h in seen]),
-                     torch.tensor([h[2] for h in compiled_seen]), rtol=1e-5, atol=1e-6)
+        assert_close(
+            f"{what}: hooked state norms",
+            torch.tensor([h[2] for h in seen]),
+            torch.tensor([h[2] for h in compiled_seen]),
+            rtol=1e-5,
+            atol=1e-6,
+        )
     if what in ("kept", "all"):
         for a, b in zip(w.mixers, cw.mixers, strict=True):
             for call in range(len(logits)):
-                assert_close(f"{a} call {call}: kept state", a.state_after(KEPT, call=call),
-                             b.state_after(KEPT, call=call), rtol=1e-5, atol=1e-6)
+                assert_close(
+                    f"{a} call {call}: kept state",
+                    a.state_after(KEPT, call=call),
+                    b.state_after(KEPT, call=call),
+                    rtol=1e-5,
+                    atol=1e-6,
+                )
 
 
 def _value(model, ids):
@@ -390,8 +440,9 @@ def fresh_dynamo():
 @pytest.mark.parametrize("family", ["qwen3_5", pytest.param("mamba2", marks=pytest.mark.full)])
 # a hook by default (the crash was the same for each); a write and a kept state, and Mamba-2, with --full, for the
 # suite's time
-@pytest.mark.parametrize("what", ["hook", pytest.param("write", marks=pytest.mark.full),
-                                  pytest.param("kept", marks=pytest.mark.full)])
+@pytest.mark.parametrize(
+    "what", ["hook", pytest.param("write", marks=pytest.mark.full), pytest.param("kept", marks=pytest.mark.full)]
+)
 def test_fullgraph_compile_traces_the_cost_models_choice(family, what):
     """torch.compile(fullgraph=True) with a hook, a write or a kept state on a prompt, on the shipped path choice
     (the cost model): the choice traces (it used `min(key=...)`, which dynamo refused as an "invalid call to
@@ -416,8 +467,9 @@ def test_fullgraph_compile_traces_the_cost_models_segments(family, monkeypatch):
     eager = _watched_calls(model, model, ids, "all", value, paths=CHEAP_SEGMENTS)
     assert False in taken, "the cost model did not pick segments"
     monkeypatch.setattr(rh_busy, "run_in_segments", real)
-    compiled = _watched_calls(model, torch.compile(model, fullgraph=True, backend="aot_eager"), ids, "all", value,
-                              paths=CHEAP_SEGMENTS)
+    compiled = _watched_calls(
+        model, torch.compile(model, fullgraph=True, backend="aot_eager"), ids, "all", value, paths=CHEAP_SEGMENTS
+    )
     _compare_watched("all", eager, compiled)
     taken.clear()
     monkeypatch.setattr(rh_busy, "run_in_segments", lambda *a: taken.append(bool(a[-1])) or real(*a))
@@ -437,8 +489,10 @@ def _standalone_calls(model, forward, ids, calls=2):
     """A standalone hook on every mixer module (a reading one at the last token, a replacing one at token 1)."""
     seen = []
     modules = [m for m in model.modules() if family_of(m) is not None]
-    handles = [rh.register_state_hook(m, lambda mx, c, t, s: seen.append((mx.layer, c, t, float(s.norm()))),
-                                      token=-1) for m in modules]
+    handles = [
+        rh.register_state_hook(m, lambda mx, c, t, s: seen.append((mx.layer, c, t, float(s.norm()))), token=-1)
+        for m in modules
+    ]
     handles.append(rh.register_state_hook(modules[-1], lambda mx, c, t, s: s * 0.5, token=1))
     try:
         with torch.no_grad():
@@ -457,13 +511,19 @@ def _standalone_calls(model, forward, ids, calls=2):
 def test_fullgraph_compile_with_standalone_hooks_on_the_cost_models_choice(family):
     model, ids = build(family), random_ids(2, COMPILED_T)
     logits, seen = _standalone_calls(model, model, ids)
-    compiled_logits, compiled_seen = _standalone_calls(model, torch.compile(model, fullgraph=True,
-                                                                            backend="aot_eager"), ids)
+    compiled_logits, compiled_seen = _standalone_calls(
+        model, torch.compile(model, fullgraph=True, backend="aot_eager"), ids
+    )
     for call, (a, b) in enumerate(zip(logits, compiled_logits, strict=True)):
         assert_close(f"logits of call {call}", a, b, rtol=1e-5, atol=1e-6)
     assert [h[:3] for h in compiled_seen] == [h[:3] for h in seen] and seen
-    assert_close("hooked state norms", torch.tensor([h[3] for h in seen]), torch.tensor([h[3] for h in compiled_seen]),
-                 rtol=1e-5, atol=1e-6)
+    assert_close(
+        "hooked state norms",
+        torch.tensor([h[3] for h in seen]),
+        torch.tensor([h[3] for h in compiled_seen]),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
@@ -529,8 +589,9 @@ def test_watch_paths_choose_the_path_and_each_call_records_it(family):
     with rh.watch(model) as nothing, torch.no_grad():
         model(ids, use_cache=False)
     assert {part.path for m in nothing.mixers for part in m.calls[0].kernel_calls} == {"bound kernel"}
-    assert_close("every state, forced chunk-wise vs the default", idle.mixers[0].states, w.mixers[0].states,
-                 rtol=1e-4, atol=1e-6)
+    assert_close(
+        "every state, forced chunk-wise vs the default", idle.mixers[0].states, w.mixers[0].states, rtol=1e-4, atol=1e-6
+    )
 
 
 def test_standalone_hooks_take_their_paths_and_disagreeing_handles_the_token_loop():
@@ -553,8 +614,10 @@ def test_standalone_hooks_take_their_paths_and_disagreeing_handles_the_token_loo
         handle.remove()
 
 
-@pytest.mark.cpu_only(reason="costs.json ships cpu/float32 only: a model on another device takes the fixed rule, and"
-                             " support() says so in other words")
+@pytest.mark.cpu_only(
+    reason="costs.json ships cpu/float32 only: a model on another device takes the fixed rule, and"
+    " support() says so in other words"
+)
 def test_a_device_without_calibration_takes_the_fixed_rule_and_support_says_so():
     """The constants are data keyed by device type and dtype (`costs.json`, "cpu/float32" shipped); a call on a
     device or dtype without calibration takes the fixed rule, and `support()` names the rule a model gets."""
@@ -563,8 +626,9 @@ def test_a_device_without_calibration_takes_the_fixed_rule_and_support_says_so()
     tiny = gdn_arguments(64, 25, 2, 4, 16)  # the cost model's token loop on cpu/float32
     assert rh_choose.choose(GDN, [keeping(3)], 25, tiny, grad=False) is None
     uncalibrated = {name: value.to(torch.bfloat16) for name, value in tiny.items()}
-    assert rh_choose.choose(GDN, [keeping(3)], 25, uncalibrated, grad=False) == rh_policy.Choice(Strategy.SEGMENTS, [3],
-                                                                                               False)
+    assert rh_choose.choose(GDN, [keeping(3)], 25, uncalibrated, grad=False) == rh_policy.Choice(
+        Strategy.SEGMENTS, [3], False
+    )
     model = build("qwen3_5")
     (row,) = [r for r in rh.support(model) if r.family][:1]
     assert row.notes["path choice"] == "the cost model, calibrated for cpu/float32"
@@ -572,24 +636,33 @@ def test_a_device_without_calibration_takes_the_fixed_rule_and_support_says_so()
     assert row.notes["path choice"].startswith("the fixed rule") and "cpu/bfloat16" in row.notes["path choice"]
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"rule": "fast"}, r"expected rule= one of 'cost', 'fixed', 'loop', got rule='fast'"),
-    ({"force": "loop"}, r"expected force= None or one of 'segments', 'states', 'blocks', 'chunks' \(the token loop is"
-                        r" rule='loop'\), got force='loop'"),
-    ({"rule": "loop", "force": "segments"}, r"forces no other path"),
-    ({"tails": 1}, r"expected tails=True or tails=False, got tails=1"),
-    ({"blocks_below": -1}, r"blocks_below= None or a number of state elements >= 0, got blocks_below=-1"),
-    ({"costs": {"ssd": (1, 2)}}, r"costs\['ssd'\]: expected Constants"),
-    ({"loop_threads": 0}, r"expected loop_threads= None or a number of threads >= 1, got loop_threads=0"),
-    ({"loop_threads": "one"}, r"got loop_threads='one'"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"rule": "fast"}, r"expected rule= one of 'cost', 'fixed', 'loop', got rule='fast'"),
+        (
+            {"force": "loop"},
+            r"expected force= None or one of 'segments', 'states', 'blocks', 'chunks' \(the token loop is"
+            r" rule='loop'\), got force='loop'",
+        ),
+        ({"rule": "loop", "force": "segments"}, r"forces no other path"),
+        ({"tails": 1}, r"expected tails=True or tails=False, got tails=1"),
+        ({"blocks_below": -1}, r"blocks_below= None or a number of state elements >= 0, got blocks_below=-1"),
+        ({"costs": {"ssd": (1, 2)}}, r"costs\['ssd'\]: expected Constants"),
+        ({"loop_threads": 0}, r"expected loop_threads= None or a number of threads >= 1, got loop_threads=0"),
+        ({"loop_threads": "one"}, r"got loop_threads='one'"),
+    ],
+)
 def test_bad_paths_are_refused_with_what_was_expected(kwargs, message):
     with pytest.raises(rh.InvalidValue, match=message):
         rh.Paths(**kwargs)
 
 
-@pytest.mark.parametrize(("setting", "inside"), [({}, 1), ({"loop_threads": None}, 2), ({"loop_threads": 2}, 2)],
-                         ids=["default", "torch", "two"])
+@pytest.mark.parametrize(
+    ("setting", "inside"),
+    [({}, 1), ({"loop_threads": None}, 2), ({"loop_threads": 2}, 2)],
+    ids=["default", "torch", "two"],
+)
 def test_the_token_loop_runs_at_its_threads_and_restores_them(setting, inside):
     """`Paths(loop_threads=...)`: a token loop runs its ops, hooks included, on one intra-op thread by default; the
     caller's setting comes back after the call, and after a hook that raised."""

@@ -54,10 +54,20 @@ def test_a_probe_with_factors_per_head_equals_the_einsum_over_the_kept_states(gr
     for states, mixer in zip(kept, w.mixers, strict=True):
         expected = _probed(states, a, b)
         assert mixer.states.shape == (2, TOKENS, states.shape[2], 3)
-        assert_close(f"{mixer}: probe per head ({'grad' if grad else 'no_grad'})", expected, mixer.states.double(),
-                     rtol=1e-5, atol=1e-6 * expected.abs().max())
-        assert_close(f"{mixer}: state_after(-1)", expected[:, -1], mixer.state_after(-1).double(), rtol=1e-5,
-                     atol=1e-6 * expected.abs().max())
+        assert_close(
+            f"{mixer}: probe per head ({'grad' if grad else 'no_grad'})",
+            expected,
+            mixer.states.double(),
+            rtol=1e-5,
+            atol=1e-6 * expected.abs().max(),
+        )
+        assert_close(
+            f"{mixer}: state_after(-1)",
+            expected[:, -1],
+            mixer.state_after(-1).double(),
+            rtol=1e-5,
+            atol=1e-6 * expected.abs().max(),
+        )
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
@@ -110,15 +120,25 @@ def test_decode_steps_kept_positions_and_hooks_reduce_every_head():
         model.generate(ids, max_new_tokens=3, do_sample=False)
     for whole, mixer in zip(full.mixers, w.mixers, strict=True):
         for index in range(len(whole.calls)):
-            assert_close(f"{mixer}: call {index}", _per_head_norm(whole.calls[index].states),
-                         mixer.calls[index].states, rtol=1e-5, atol=1e-6)
+            assert_close(
+                f"{mixer}: call {index}",
+                _per_head_norm(whole.calls[index].states),
+                mixer.calls[index].states,
+                rtol=1e-5,
+                atol=1e-6,
+            )
     kept = _kept(model, ids)
     with torch.no_grad(), rh.watch(model, keep={"states": [2, -1]}, reduce={"states": _per_head_norm}) as w:
         model(ids, use_cache=False)
     for states, mixer in zip(kept, w.mixers, strict=True):
         for token in (2, -1):
-            assert_close(f"{mixer}: token {token}", _per_head_norm(states)[:, token], mixer.state_after(token),
-                         rtol=1e-5, atol=1e-6)
+            assert_close(
+                f"{mixer}: token {token}",
+                _per_head_norm(states)[:, token],
+                mixer.state_after(token),
+                rtol=1e-5,
+                atol=1e-6,
+            )
     heads = []
 
     def halve_at_3(mix, call, token, state):  # on every token: the token loop; the state replaced at token 3
@@ -139,8 +159,11 @@ def test_a_probe_sized_to_one_head_is_refused_with_the_states_it_got():
     model, ids = _model(), random_ids(1, 5)
     states = _kept(model, ids)[0]
     a, b = _factors(states[:, :, :1])
-    with pytest.raises(rh.InvalidValue, match=r"expected states \[batch, chunk, 1, 32, 8\] \(heads, rows, cols of the"
-                                              r" factors\), got \(1, 5, 2, 32, 8\)"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"expected states \[batch, chunk, 1, 32, 8\] \(heads, rows, cols of the"
+        r" factors\), got \(1, 5, 2, 32, 8\)",
+    ):
         with torch.no_grad(), rh.watch(model, keep=("states",), reduce={"states": rh.probe(a, b)}):
             model(ids)
 
@@ -149,8 +172,7 @@ def test_a_harvest_of_a_probe_per_head_keeps_its_readouts(tmp_path):
     model, ids = _model(), random_ids(1, 12, seed=5)
     kept = _kept(model, ids)
     a, b = _factors(kept[0])
-    harvested = rh.harvest(model, [ids], tmp_path, keep=("states",), reduce={"states": rh.probe(a, b)},
-                           progress=False)
+    harvested = rh.harvest(model, [ids], tmp_path, keep=("states",), reduce={"states": rh.probe(a, b)}, progress=False)
     with rh.watch(model) as w:
         first = w.mixers[0]
     path = next(name for name, module in model.named_modules() if module is first.module)

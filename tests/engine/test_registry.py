@@ -79,15 +79,17 @@ def test_a_renamed_copy_registered_at_run_time_is_watched_like_the_original(rena
     with rh.watch(copy, keep=("states", "windows")) as w1, torch.no_grad():
         # the copy's own module global is what the watch rebound (the original module's is untouched)
         assert module.torch_chunk_gated_delta_rule is not patching.import_default(
-            module, "torch_chunk_gated_delta_rule")
+            module, "torch_chunk_gated_delta_rule"
+        )
         got = copy(ids).logits
     assert_close("logits", expected, got)
     assert [m.family for m in w1.mixers] == [RENAMED] * len(w0.mixers) and w1.mixers
     for a, b in zip(w0.mixers, w1.mixers):
         assert_close(f"layer {a.layer} states", a.states, b.states)
         assert_close(f"layer {a.layer} windows", a.windows, b.windows)
-    assert module.torch_chunk_gated_delta_rule is patching.import_default(
-        module, "torch_chunk_gated_delta_rule"), "the watch left the copy's kernel rebound"
+    assert module.torch_chunk_gated_delta_rule is patching.import_default(module, "torch_chunk_gated_delta_rule"), (
+        "the watch left the copy's kernel rebound"
+    )
 
     # a write too: the copy is steered as the original is
     written = w0.mixers[0].states[:, 3] * 0.5
@@ -110,8 +112,9 @@ def test_a_duplicate_registration_is_refused_and_adds_nothing(renamed):
         extend.register(extend.Family("qwen3_5", {"Qwen3_5GatedDeltaNet": extend.GatedDeltaNet}))
     # the mixer class of another family, under a new name: refused naming the family that has it
     with pytest.raises(rh.InvalidValue, match=r"Qwen3_5GatedDeltaNet .*is a mixer class of the family 'qwen3_5'"):
-        extend.register(extend.Family("qwen3_5_again", {"Qwen3_5GatedDeltaNet": extend.GatedDeltaNet},
-                                      modeling=qwen.module_name))
+        extend.register(
+            extend.Family("qwen3_5_again", {"Qwen3_5GatedDeltaNet": extend.GatedDeltaNet}, modeling=qwen.module_name)
+        )
     # a good row with a bad one: neither is added
     good = extend.Family(RENAMED, {"RenamedGatedDeltaNet": extend.GatedDeltaNet}, modeling=MODULE)
     with pytest.raises(rh.InvalidValue, match="registered already"):
@@ -127,8 +130,10 @@ def test_a_duplicate_registration_is_refused_and_adds_nothing(renamed):
 
 def test_a_family_with_mixers_of_two_kinds_is_one_row():
     row = rh.FAMILIES["inkling2"]
-    assert dict(row.mixers) == {"Inkling2ShortConvolution": rh.ShortConvolution,
-                                "Inkling2DynamicShortConvolution": rh.DynamicShortConvolution}
+    assert dict(row.mixers) == {
+        "Inkling2ShortConvolution": rh.ShortConvolution,
+        "Inkling2DynamicShortConvolution": rh.DynamicShortConvolution,
+    }
     assert (row.mixer_class, row.kind) == ("Inkling2ShortConvolution", rh.ShortConvolution)  # the first
     model = build("inkling2")
     kinds = {}
@@ -164,11 +169,17 @@ def test_owners_come_from_the_row_and_every_binding_exists():
 def test_a_malformed_row_is_refused_naming_what_was_expected():
     with pytest.raises(rh.InvalidValue, match=r"Family\('x'\): expected at least one mixer class"):
         extend.Family("x", {})
-    with pytest.raises(rh.InvalidValue, match=r"Family\('x'\): expected a RecurrentMixer subclass for the mixer"
-                                              r" class 'XMixer', got int"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"Family\('x'\): expected a RecurrentMixer subclass for the mixer"
+        r" class 'XMixer', got int",
+    ):
         extend.Family("x", {"XMixer": int})
-    with pytest.raises(rh.InvalidValue, match=r"Family\('x'\): owners names '_scan', which is not a class- or"
-                                              r" instance-attribute kernel of GatedDeltaNet"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"Family\('x'\): owners names '_scan', which is not a class- or"
+        r" instance-attribute kernel of GatedDeltaNet",
+    ):
         extend.Family("x", {"XMixer": extend.GatedDeltaNet}, owners={"_scan": "XScan"})
     with pytest.raises(rh.InvalidValue, match=r"Family: expected a family name \(a str\), got 3 \(int\)"):
         extend.Family(3, {"XMixer": extend.GatedDeltaNet})
@@ -177,9 +188,16 @@ def test_a_malformed_row_is_refused_naming_what_was_expected():
 def test_unsupported_rows_are_registered_and_found_lazily():
     import transformers
 
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2))
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
     attention = next(m for m in model.modules() if type(m).__name__ == "LlamaAttention")
     assert registry.unsupported_of(attention) is None
     row = extend.Unsupported("llama", "LlamaAttention", "a stand-in reason")
@@ -205,8 +223,9 @@ def test_route_kernels_routes_every_mixer_class_of_the_family():
     try:
         for cls, bindings in targets.items():
             for owner, name in bindings:
-                assert patching.bound_original(owner, name) is not patching.import_default(owner, name), \
+                assert patching.bound_original(owner, name) is not patching.import_default(owner, name), (
                     f"{cls}.{name} was not routed"
+                )
         with torch.no_grad():
             got = model(ids).logits
     finally:

@@ -17,8 +17,10 @@ from transformers.cache_utils import Cache
 
 import recurrent_hooks as rh
 
-pytestmark = pytest.mark.skipif(not hasattr(Cache, "activate_past_recording"),
-                                reason="this transformers has no cache that records its past (5.25 added it)")
+pytestmark = pytest.mark.skipif(
+    not hasattr(Cache, "activate_past_recording"),
+    reason="this transformers has no cache that records its past (5.25 added it)",
+)
 
 # one family per kind whose modeling code splits a forward over a recording cache (transformers 5.25)
 SPLITTING = ["qwen3_5", "kimi_linear", "mamba2", "falcon_h1", "mamba"]
@@ -67,7 +69,7 @@ def _reference(family, model, cache, ids, write):
             mixer.register_state_hook(lambda m, c, tok, s, t=t: seen.append((0, t, s.clone())) and None)
             if write is not None and t == 1:
                 mixer.set_state_after(0, write, call=0)
-            logits.append(model(ids[:, t:t + 1], cache=cache, use_cache=True).logits)
+            logits.append(model(ids[:, t : t + 1], cache=cache, use_cache=True).logits)
         states.append(mixer.calls[0].states)
     return torch.cat(logits, 1), torch.cat(states, 1), seen, None
 
@@ -75,8 +77,12 @@ def _reference(family, model, cache, ids, write):
 # (family, the tokens the cache records): fewer than the forward's (a prompt kernel call, then steps), as many,
 # more. Mamba-1's prompt scan over a cache restarts the state (transformers' own limit, warned): only a forward that
 # runs every token as a decode step continues it, so it runs the last two.
-CASES = [(family, keep_last) for family in SPLITTING for keep_last in (2, CONTINUATION, CONTINUATION + 3)
-         if family != "mamba" or keep_last >= CONTINUATION]
+CASES = [
+    (family, keep_last)
+    for family in SPLITTING
+    for keep_last in (2, CONTINUATION, CONTINUATION + 3)
+    if family != "mamba" or keep_last >= CONTINUATION
+]
 
 
 @pytest.mark.parametrize("family, keep_last", CASES)
@@ -89,10 +95,12 @@ def test_a_split_forward_is_one_call_equal_to_the_unsplit_one(family, keep_last)
     recording.activate_past_recording(recurrent_states_to_keep=keep_last)
     logits, states, seen, record = _watched_continuation(model, recording, ids, write=write)
     assert record.tokens == CONTINUATION and record.ran("state") == CONTINUATION
-    assert len(record.kernel_calls) == 1 + min(keep_last, CONTINUATION) - (keep_last >= CONTINUATION and
-                                                                             family == "mamba")
-    assert [(c, t) for c, t, _ in seen] == [(c, t) for c, t, _ in expected_seen] == \
-        [(0, t) for t in range(CONTINUATION)]
+    assert len(record.kernel_calls) == 1 + min(keep_last, CONTINUATION) - (
+        keep_last >= CONTINUATION and family == "mamba"
+    )
+    assert (
+        [(c, t) for c, t, _ in seen] == [(c, t) for c, t, _ in expected_seen] == [(0, t) for t in range(CONTINUATION)]
+    )
     for (_, t, got), (_, _, want) in zip(seen, expected_seen):
         assert_close(f"{family}: the hook's state at token {t}", want, got, rtol=1e-4, atol=1e-5)
     assert_close(f"{family}: the kept states", expected_states, states, rtol=1e-4, atol=1e-5)
@@ -163,8 +171,11 @@ def test_a_call_after_a_rollback_says_which_token_it_continues():
     for record in list(calls)[1:]:
         call, token = record.continues_from or (record.index - 1, -1)
         start = record.kernel_calls[0].inputs["initial_state"]
-        assert_close(f"call {record.index}'s starting state, the state after token {token} of call {call}",
-                     calls[call].states[:, token], start)
+        assert_close(
+            f"call {record.index}'s starting state, the state after token {token} of call {call}",
+            calls[call].states[:, token],
+            start,
+        )
 
 
 def test_effective_attention_refuses_a_split_call_by_name():
@@ -185,8 +196,10 @@ def test_reductions_and_memories_of_a_split_forward_equal_the_unsplit_ones(famil
     recording.activate_past_recording(recurrent_states_to_keep=2)
     runs = []
     for over in (copy.deepcopy(cache), recording):
-        with torch.no_grad(), rh.watch(model, keep=("states", "windows"),
-                                       reduce={"states": lambda s: s.flatten(2).norm(dim=-1)}) as w:
+        with (
+            torch.no_grad(),
+            rh.watch(model, keep=("states", "windows"), reduce={"states": lambda s: s.flatten(2).norm(dim=-1)}) as w,
+        ):
             model(ids, cache=over, use_cache=True)
         mixer = w.mixers[0]
         runs.append((mixer.calls[0].states, [mixer.memory_after(t, call=0) for t in range(CONTINUATION)]))

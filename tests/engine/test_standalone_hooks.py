@@ -60,8 +60,9 @@ def test_a_standalone_write_steers_generation(model):
         plain = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
     handle = rh.register_state_hook(model.model.layers[0].linear_attn, lambda m, c, t, s: s * 10, call=0, token=-1)
     with torch.no_grad():
-        steered = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True)
+        steered = model.generate(
+            ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
     handle.remove()
     assert_close("prompt logits unchanged", plain.logits[0], steered.logits[0], rtol=1e-5, atol=1e-5)
     assert (plain.logits[1] - steered.logits[1]).abs().max() > 1e-6
@@ -76,8 +77,10 @@ def test_a_dropped_standalone_handle_keeps_its_hook_until_the_module_dies():
     gc.collect()
     with torch.no_grad():
         model(random_ids(1, 5))
-    assert seen == [0] and ("transformers.models.qwen3_5.modeling_qwen3_5",
-                            "torch_chunk_gated_delta_rule") in rh_patching._BINDINGS
+    assert (
+        seen == [0]
+        and ("transformers.models.qwen3_5.modeling_qwen3_5", "torch_chunk_gated_delta_rule") in rh_patching._BINDINGS
+    )
     del model
     gc.collect()
     assert not rh_patching._BINDINGS and not standalone_impl._STANDALONE

@@ -18,9 +18,13 @@ from _models import build, random_ids
 import recurrent_hooks as rh
 
 # every family whose kind declares an adjoint recurrence (the chunk-wise path of every state kept with gradients)
-ADJOINT_FAMILIES = [name for name, row in rh.FAMILIES.items() if name in BUILDERS
-                    and (segments := row.kind.kernel_for("prompt").segments) is not None
-                    and segments.adjoint is not None]
+ADJOINT_FAMILIES = [
+    name
+    for name, row in rh.FAMILIES.items()
+    if name in BUILDERS
+    and (segments := row.kind.kernel_for("prompt").segments) is not None
+    and segments.adjoint is not None
+]
 PATHS = {"chunk-wise": rh.Paths(force="states"), "loop": rh.Paths(rule="loop")}
 TOKENS = 70  # two backward pieces (engine.adjoint.PIECE = 64)
 
@@ -58,8 +62,11 @@ def test_state_and_input_gradients_equal_the_token_loop(family, frozen):
     got = {}
     for name, embeds, w, metric in _through_each_path(frozen, ids):
         mixers = w.mixers
-        targets = [embeds, *(m.states for m in mixers),
-                   *(m.state_after(t) for m in mixers for t in (0, 40, TOKENS - 1))]
+        targets = [
+            embeds,
+            *(m.states for m in mixers),
+            *(m.state_after(t) for m in mixers for t in (0, 40, TOKENS - 1)),
+        ]
         got[name] = torch.autograd.grad(metric, targets, materialize_grads=True)  # (the loop: the last state unused)
         kernel = {call.path for m in mixers for call in m.calls[0].kernel_calls}
         assert ("chunk-wise states" in kernel) == (name == "chunk-wise"), kernel

@@ -19,8 +19,7 @@ from _models import PAD, build, random_ids
 import recurrent_hooks as rh
 import recurrent_hooks.engine.dispatch.tap as tap
 
-RULE = ("a watch sees only the forwards of the thread that entered it: enter the watch in the thread that runs the"
-        " model")
+RULE = "a watch sees only the forwards of the thread that entered it: enter the watch in the thread that runs the model"
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +69,11 @@ def test_a_generate_in_another_thread_warns_once_on_exit_and_runs_untouched(qwen
     assert hooked == [] and all(len(mix.calls) == 0 for mix in w.mixers)
     (warning,) = _thread_warnings(record)
     message = str(warning.message)
-    assert "thread 'streamer' ran 8 forwards of GatedDeltaNet(qwen3_5, layer 0), GatedDeltaNet(qwen3_5, layer 2)" \
-           in message and "which this watch did not see: they fired no hook and kept nothing" in message
+    assert (
+        "thread 'streamer' ran 8 forwards of GatedDeltaNet(qwen3_5, layer 0), GatedDeltaNet(qwen3_5, layer 2)"
+        in message
+        and "which this watch did not see: they fired no hook and kept nothing" in message
+    )
     assert RULE in message
 
 
@@ -80,18 +82,24 @@ def test_a_mixer_run_only_by_another_thread_names_the_thread_when_read(qwen):
         warnings.simplefilter("ignore", rh.RecurrentHooksWarning)
         with rh.watch(qwen, keep=("states",)) as w:
             _in_thread(lambda: _generate(qwen, random_ids(1, 5), 2), "server-worker")
-    with pytest.raises(rh.Unavailable, match=r"GatedDeltaNet\(qwen3_5, layer 0\) has not been called inside this watch"
-                                            r" yet: its module ran 2 forwards in thread 'server-worker', which this"
-                                            rf" watch does not see \({RULE}"):
+    with pytest.raises(
+        rh.Unavailable,
+        match=r"GatedDeltaNet\(qwen3_5, layer 0\) has not been called inside this watch"
+        r" yet: its module ran 2 forwards in thread 'server-worker', which this"
+        rf" watch does not see \({RULE}",
+    ):
         w.mixers[0].states
 
 
 def test_a_mixer_never_called_names_the_thread_rule_among_the_reasons(qwen):
     with rh.watch(qwen, keep=("states",)) as w:
         pass
-    with pytest.raises(rh.Unavailable, match=r"has not been called inside this watch yet: the model did not run"
-                                            r" inside the block, or it ran in another thread than the one that"
-                                            rf" entered the watch \({RULE}"):
+    with pytest.raises(
+        rh.Unavailable,
+        match=r"has not been called inside this watch yet: the model did not run"
+        r" inside the block, or it ran in another thread than the one that"
+        rf" entered the watch \({RULE}",
+    ):
         w.mixers[0].states
     with pytest.raises(rh.Unavailable, match="has not been called inside this watch yet"):
         w.mixers[1].state_after(0, call=0)

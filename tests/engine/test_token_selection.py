@@ -20,10 +20,18 @@ def watched():
     return model, ids, w.mixers[0], logits
 
 
-@pytest.mark.parametrize("tokens, index", [
-    ([3, 4], [3, 4]), ((0, -1), [0, T - 1]), (range(2, 6, 2), [2, 4]), (slice(-3, None), [5, 6, 7]),
-    (slice(None, None, 3), [0, 3, 6]), ([5], [5]),
-], ids=["list", "tuple with a negative token", "range", "slice from the end", "slice with a step", "one in a list"])
+@pytest.mark.parametrize(
+    "tokens, index",
+    [
+        ([3, 4], [3, 4]),
+        ((0, -1), [0, T - 1]),
+        (range(2, 6, 2), [2, 4]),
+        (slice(-3, None), [5, 6, 7]),
+        (slice(None, None, 3), [0, 3, 6]),
+        ([5], [5]),
+    ],
+    ids=["list", "tuple with a negative token", "range", "slice from the end", "slice with a step", "one in a list"],
+)
 def test_several_tokens_read_as_the_stacked_states(watched, tokens, index):
     _, _, mix, _ = watched
     assert_equal("states", mix.states[:, index], mix.state_after(tokens))
@@ -81,9 +89,12 @@ def test_writes_at_several_tokens_equal_one_write_per_token(watched):
 def test_bad_multi_token_writes_are_refused(watched):
     model, _, mix, _ = watched
     with rh.watch(model) as w:
-        with pytest.raises(rh.InvalidValue, match=r"set_state_after\(\[2, 5\], call=0\): expected the state after"
-                           r" each of the 2 tokens stacked on axis 1, \[batch, 2, \.\.\.\] \(as state_after\(\[2, 5\]\)"
-                           r" reads them\), got shapes \[\(2, 3, 4, 8, 8\)\]"):
+        with pytest.raises(
+            rh.InvalidValue,
+            match=r"set_state_after\(\[2, 5\], call=0\): expected the state after"
+            r" each of the 2 tokens stacked on axis 1, \[batch, 2, \.\.\.\] \(as state_after\(\[2, 5\]\)"
+            r" reads them\), got shapes \[\(2, 3, 4, 8, 8\)\]",
+        ):
             w.mixers[0].set_state_after([2, 5], mix.states[:, :3])
         with pytest.raises(rh.InvalidValue, match=r"expected a slice of tokens with a stop and no negative bound"):
             w.mixers[0].set_window_after(slice(2, None), mix.windows[:, 2:])

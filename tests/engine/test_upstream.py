@@ -51,8 +51,11 @@ def test_the_rule_unwraps_every_form_transformers_binds():
     partial = functools.partial(_pure, y=2.0)
     assert torch_kernel(partial) is partial  # a partial is a kernel of its own (xlstm's), not unwrapped
     assert upstream.is_kernel_like(hub) and upstream.is_kernel_like(partial) and not upstream.is_kernel_like(nn.Linear)
-    with pytest.raises(rh.Unavailable, match=r"expected a kernels hub module made from a function .* got the module"
-                       r" Linear"):
+    with pytest.raises(
+        rh.Unavailable,
+        match=r"expected a kernels hub module made from a function .* got the module"
+        r" Linear",
+    ):
         torch_kernel(nn.Linear(2, 2))
     with pytest.raises(rh.Unavailable, match="expected a kernel .* got int"):
         torch_kernel(3)
@@ -118,8 +121,7 @@ def test_a_module_of_another_layout_still_runs_watched(monkeypatch):
         with rh.watch(model, keep=("states",)) as w:
             assert type(module.mamba2_chunk_scan) is Wrapper and module.mamba2_chunk_scan.__recurrent_hooks__
             watched = model(ids).logits
-    assert_close("watched logits (states kept: the library's chunk-wise states)", plain, watched, rtol=1e-5,
-                 atol=1e-6)
+    assert_close("watched logits (states kept: the library's chunk-wise states)", plain, watched, rtol=1e-5, atol=1e-6)
     assert w.mixers[0].states.shape[1] == 6
     with pytest.raises(rh.Unavailable, match="got the module .*Wrapper"):
         torch_kernel(module.mamba2_chunk_scan)
@@ -132,9 +134,12 @@ def test_a_kernel_that_vanished_is_named_with_the_version_and_the_range(monkeypa
     model = build("mamba")
     module = rh.FAMILIES["mamba"].module()
     monkeypatch.delattr(module, "mamba_selective_scan")
-    with pytest.raises(rh.Unavailable, match=r"family 'mamba': transformers\.models\.mamba\.modeling_mamba has no"
-                       r" attribute 'mamba_selective_scan' under transformers \S+; the library is tested on"
-                       r" transformers >=5\.24,<5\.26"):
+    with pytest.raises(
+        rh.Unavailable,
+        match=r"family 'mamba': transformers\.models\.mamba\.modeling_mamba has no"
+        r" attribute 'mamba_selective_scan' under transformers \S+; the library is tested on"
+        r" transformers >=5\.24,<5\.26",
+    ):
         rh.watch(model).__enter__()
     monkeypatch.setattr(module, "mamba_selective_scan", 3, raising=False)
     with pytest.raises(rh.Unavailable, match=r"modeling_mamba binds int, not a kernel, to 'mamba_selective_scan'"):
@@ -169,8 +174,11 @@ def test_a_watch_under_an_untested_release_warns_once(monkeypatch):
     upstream.warn_if_untested.cache_clear()
     model, ids = build("mamba"), random_ids(1, 4)
     try:
-        with pytest.warns(rh.RecurrentHooksWarning, match=r"tested on transformers >=5\.24,<5\.26; the installed"
-                          r" 5\.26\.0 is not in that range"):
+        with pytest.warns(
+            rh.RecurrentHooksWarning,
+            match=r"tested on transformers >=5\.24,<5\.26; the installed"
+            r" 5\.26\.0 is not in that range",
+        ):
             with rh.watch(model):
                 model(ids)
         with warnings.catch_warnings():

@@ -52,6 +52,7 @@ def test_nested_watches_both_see_the_calls(model):
             run(model, ids)
         run(model, ids)
     assert len(outer.mixers[0].calls) == 2 and len(inner.mixers[0].calls) == 1
-    assert_close("outer saw the inner write", inner.mixers[0].calls[0].states, outer.mixers[0].calls[0].states,
-                 rtol=0, atol=0)
+    assert_close(
+        "outer saw the inner write", inner.mixers[0].calls[0].states, outer.mixers[0].calls[0].states, rtol=0, atol=0
+    )
     assert outer.mixers[0].calls[1].states[:, 2].abs().max() > 0

@@ -38,8 +38,11 @@ def test_a_watch_keeps_kernel_inputs_and_outputs_only_when_asked(model):
         run(model)
     call = w.mixers[0].calls[0]
     assert (call.kernel, call.tokens, call.index) == ("torch_chunk_gated_delta_rule", T, 0)  # metadata is free
-    with pytest.raises(rh.Unavailable, match=r"the kernel inputs of call 0 were not kept: pass keep=\('inputs',"
-                       r" 'outputs'\) to watch"):
+    with pytest.raises(
+        rh.Unavailable,
+        match=r"the kernel inputs of call 0 were not kept: pass keep=\('inputs',"
+        r" 'outputs'\) to watch",
+    ):
         call.inputs
     with pytest.raises(rh.Unavailable, match=r"the kernel inputs of call 0 were not kept"):
         w.mixers[0].values()
@@ -59,8 +62,9 @@ def test_a_watch_keeps_kernel_inputs_and_outputs_only_when_asked(model):
 def test_reprs_say_what_is_watched(model):
     with rh.watch(model, keep=("states",)) as w:
         run(model)
-        assert repr(w) == ("Watch(Qwen3_5ForCausalLM, active, keep=('states',),"
-                           " mixers=[layer 0: 1 calls, layer 2: 1 calls])")
+        assert repr(w) == (
+            "Watch(Qwen3_5ForCausalLM, active, keep=('states',), mixers=[layer 0: 1 calls, layer 2: 1 calls])"
+        )
     assert repr(w.mixers[0]) == "GatedDeltaNet(qwen3_5, layer 0)"
     assert w.mixers[0].calls[0].kernel == "torch_chunk_gated_delta_rule"
 
@@ -93,8 +97,10 @@ def test_set_after_writes_the_memory_it_names():
         model(ids)
     state, window = w.mixers[0].state_after(2) * 0.5, w.mixers[0].window_after(2) * 0.5
     runs = {}
-    for name, write in {"generic": lambda mix: (mix.set_after("state", 2, state), mix.set_after("window", 2, window)),
-                        "named": lambda mix: (mix.set_state_after(2, state), mix.set_window_after(2, window))}.items():
+    for name, write in {
+        "generic": lambda mix: (mix.set_after("state", 2, state), mix.set_after("window", 2, window)),
+        "named": lambda mix: (mix.set_state_after(2, state), mix.set_window_after(2, window)),
+    }.items():
         with rh.watch(model) as v, torch.no_grad():
             write(v.mixers[0])
             runs[name] = model(ids).logits

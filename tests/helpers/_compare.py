@@ -49,8 +49,7 @@ def _largest_difference(
 def _check_shapes(name: str, expected: torch.Tensor, got: torch.Tensor) -> None:
     if not isinstance(expected, torch.Tensor) or not isinstance(got, torch.Tensor):
         raise AssertionError(
-            f"{name}: expected two tensors, got {type(expected).__name__} (expected) "
-            f"and {type(got).__name__} (got)"
+            f"{name}: expected two tensors, got {type(expected).__name__} (expected) and {type(got).__name__} (got)"
         )
     if expected.shape != got.shape:
         raise AssertionError(
@@ -131,8 +130,7 @@ def assert_equal(name: str, expected: torch.Tensor, got: torch.Tensor) -> None:
     _check_shapes(name, expected, got)
     if expected.dtype != got.dtype:
         raise AssertionError(
-            f"{name}: dtype mismatch: expected {expected.dtype}, got {got.dtype} "
-            f"(shape {tuple(expected.shape)})"
+            f"{name}: dtype mismatch: expected {expected.dtype}, got {got.dtype} (shape {tuple(expected.shape)})"
         )
     e = expected.detach().to("cpu").contiguous()
     g = got.detach().to("cpu").contiguous()

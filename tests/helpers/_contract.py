@@ -45,8 +45,14 @@ STACK = {"state": "states", "window": "windows"}  # memory -> its keep name and 
 def perturbation(value, seed=1):
     """value + noise of the value's scale (a tensor, or every part of a state of several parts, one generator)."""
     gen = torch.Generator().manual_seed(seed)
-    return map_parts(lambda part: part + torch.randn(part.shape, generator=gen, dtype=torch.float32)
-                     .to(part.device, part.dtype) * (part.abs().max() + 1), value)
+    return map_parts(
+        lambda part: (
+            part
+            + torch.randn(part.shape, generator=gen, dtype=torch.float32).to(part.device, part.dtype)
+            * (part.abs().max() + 1)
+        ),
+        value,
+    )
 
 
 def halve(value):
@@ -164,8 +170,11 @@ class Case:
 
     @property
     def id(self) -> str:
-        return self.family if self.mixer_class == rh.FAMILIES[self.family].mixer_class else \
-            f"{self.family}-{self.mixer_class}"
+        return (
+            self.family
+            if self.mixer_class == rh.FAMILIES[self.family].mixer_class
+            else f"{self.family}-{self.mixer_class}"
+        )
 
     def mixers(self, w):
         """The watch's mixers of this mixer class, in module order (a looped module: one a pass)."""

@@ -24,13 +24,16 @@ def resolve(name: str) -> torch.device:
         raise pytest.UsageError(f"--device {name}: not a device torch knows ({error})") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         built = torch.version.cuda and f"built for CUDA {torch.version.cuda}" or "built without CUDA"
-        raise pytest.UsageError(f"--device {name}: this machine has no CUDA device (torch {torch.__version__},"
-                                f" {built}); run without --device, or with --device cpu, here")
+        raise pytest.UsageError(
+            f"--device {name}: this machine has no CUDA device (torch {torch.__version__},"
+            f" {built}); run without --device, or with --device cpu, here"
+        )
     try:
         return torch.empty(0, device=device).device
     except Exception as error:  # noqa: BLE001 -- whatever the backend raises, the option is what is wrong
-        raise pytest.UsageError(f"--device {name}: cannot make a tensor there ({type(error).__name__}:"
-                                f" {error})") from None
+        raise pytest.UsageError(
+            f"--device {name}: cannot make a tensor there ({type(error).__name__}: {error})"
+        ) from None
 
 
 def skip_cpu_only(items, device: torch.device) -> None:
@@ -42,7 +45,9 @@ def skip_cpu_only(items, device: torch.device) -> None:
             continue
         reason = marker.kwargs.get("reason") or (marker.args[0] if marker.args else None)
         if not reason:
-            raise pytest.UsageError(f"{item.nodeid} is marked cpu_only without a reason: say why it means nothing"
-                                    " off the CPU (@pytest.mark.cpu_only(reason=...))")
+            raise pytest.UsageError(
+                f"{item.nodeid} is marked cpu_only without a reason: say why it means nothing"
+                " off the CPU (@pytest.mark.cpu_only(reason=...))"
+            )
         if device.type != "cpu":
             item.add_marker(pytest.mark.skip(reason=f"CPU only, not run on {device}: {reason}"))

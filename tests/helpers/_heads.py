@@ -14,8 +14,11 @@ def feeding(family, model, layer, head, state_shape, channels):
         key_heads = model.config.linear_num_key_heads if family == "qwen3_5" else heads
         key_head = head // (heads // key_heads)
         q = list(range(key_head * key_dim, (key_head + 1) * key_dim))
-        return q + [c + key_heads * key_dim for c in q] + list(
-            range(2 * key_heads * key_dim + head * value_dim, 2 * key_heads * key_dim + (head + 1) * value_dim))
+        return (
+            q
+            + [c + key_heads * key_dim for c in q]
+            + list(range(2 * key_heads * key_dim + head * value_dim, 2 * key_heads * key_dim + (head + 1) * value_dim))
+        )
     if family == "mamba2":
         head_dim, d_state, groups = state_shape[2], state_shape[3], model.config.n_groups
         group, x = head // (heads // groups), heads * head_dim

@@ -176,66 +176,98 @@ def _unit_key_scales(model: transformers.PreTrainedModel) -> transformers.PreTra
 
 
 def _qwen3_next():
-    return _lengthen_memory(_make(
-        transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM,
-        **_COMMON, **_ATTENTION, **_GDN, **_MOE,
-        intermediate_size=64,
-        layer_types=list(_HYBRID_LAYERS),
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-    ))
+    return _lengthen_memory(
+        _make(
+            transformers.Qwen3NextConfig,
+            transformers.Qwen3NextForCausalLM,
+            **_COMMON,
+            **_ATTENTION,
+            **_GDN,
+            **_MOE,
+            intermediate_size=64,
+            layer_types=list(_HYBRID_LAYERS),
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    )
 
 
 def _qwen3_5():
-    return _lengthen_memory(_make(
-        transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM,
-        **_COMMON, **_ATTENTION, **_GDN,
-        intermediate_size=64,
-        layer_types=list(_HYBRID_LAYERS),
-    ))
+    return _lengthen_memory(
+        _make(
+            transformers.Qwen3_5TextConfig,
+            transformers.Qwen3_5ForCausalLM,
+            **_COMMON,
+            **_ATTENTION,
+            **_GDN,
+            intermediate_size=64,
+            layer_types=list(_HYBRID_LAYERS),
+        )
+    )
 
 
 def _qwen3_5_moe():
-    return _lengthen_memory(_make(
-        transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM,
-        **_COMMON, **_ATTENTION, **_GDN, **_MOE,
-        layer_types=list(_HYBRID_LAYERS),
-    ))
+    return _lengthen_memory(
+        _make(
+            transformers.Qwen3_5MoeTextConfig,
+            transformers.Qwen3_5MoeForCausalLM,
+            **_COMMON,
+            **_ATTENTION,
+            **_GDN,
+            **_MOE,
+            layer_types=list(_HYBRID_LAYERS),
+        )
+    )
 
 
 def _olmo_hybrid():
     # OlmoHybridConfig has no head_dim field; head_dim = hidden_size // num_attention_heads = 16.
     attention = {k: v for k, v in _ATTENTION.items() if k != "head_dim"}
     return _make(
-        transformers.OlmoHybridConfig, transformers.OlmoHybridForCausalLM,
-        **_COMMON, **attention, **_GDN,
+        transformers.OlmoHybridConfig,
+        transformers.OlmoHybridForCausalLM,
+        **_COMMON,
+        **attention,
+        **_GDN,
         intermediate_size=64,
         layer_types=list(_HYBRID_LAYERS),
     )
 
 
 def _qwen4_exp():
-    return _lengthen_memory(_make(
-        transformers.Qwen4ExpTextConfig, transformers.Qwen4ExpForCausalLM,
-        **_COMMON, **_ATTENTION, **_GDN, **_MOE,
-        layer_types=["linear_attention", "indexed_attention"] * 2,
-        hc_count=2,
-        hc_lowrank=8,
-        indexer_n_heads=2,
-        indexer_kv_heads=1,
-        indexer_head_dim=16,
-        indexer_budget=8,
-        indexer_compress_ratio=2,
-    ))
+    return _lengthen_memory(
+        _make(
+            transformers.Qwen4ExpTextConfig,
+            transformers.Qwen4ExpForCausalLM,
+            **_COMMON,
+            **_ATTENTION,
+            **_GDN,
+            **_MOE,
+            layer_types=["linear_attention", "indexed_attention"] * 2,
+            hc_count=2,
+            hc_lowrank=8,
+            indexer_n_heads=2,
+            indexer_kv_heads=1,
+            indexer_head_dim=16,
+            indexer_budget=8,
+            indexer_compress_ratio=2,
+        )
+    )
 
 
 def _lara_mini():
-    return _lengthen_memory(_make(
-        transformers.LaraMiniConfig, transformers.LaraMiniForCausalLM,
-        **_COMMON, **_ATTENTION, **_GDN, **_MOE,
-        layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"],
-        sliding_window=8,
-    ))
+    return _lengthen_memory(
+        _make(
+            transformers.LaraMiniConfig,
+            transformers.LaraMiniForCausalLM,
+            **_COMMON,
+            **_ATTENTION,
+            **_GDN,
+            **_MOE,
+            layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"],
+            sliding_window=8,
+        )
+    )
 
 
 # Kimi delta attention families: MLA attention layers, DeepSeek-style MoE, KDA with 4 heads of 8
@@ -247,8 +279,12 @@ _KDA = dict(linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4)
 
 def _kimi_linear():
     return _make(
-        transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM,
-        **_COMMON, **_MLA, **_KDA_MOE, **_KDA,
+        transformers.KimiLinearConfig,
+        transformers.KimiLinearForCausalLM,
+        **_COMMON,
+        **_MLA,
+        **_KDA_MOE,
+        **_KDA,
         intermediate_size=64,
         layer_types=list(_HYBRID_LAYERS),
         mlp_layer_types=["dense", "sparse"] * 2,
@@ -259,25 +295,33 @@ def _kimi_linear():
 
 
 def _bailing_hybrid():
-    return _zero_forget_gates(_make(
-        transformers.BailingHybridConfig, transformers.BailingHybridForCausalLM,
-        **_COMMON, **_MLA, **_KDA_MOE,
-        intermediate_size=64,
-        layer_types=list(_HYBRID_LAYERS),
-        q_lora_rank=None,
-        qk_rope_head_dim=8,
-        num_local_experts=4,
-        head_dim=16,
-        first_k_dense_replace=1,
-        short_conv_kernel_size=4,
-        num_mtp_layers=0,
-    ))
+    return _zero_forget_gates(
+        _make(
+            transformers.BailingHybridConfig,
+            transformers.BailingHybridForCausalLM,
+            **_COMMON,
+            **_MLA,
+            **_KDA_MOE,
+            intermediate_size=64,
+            layer_types=list(_HYBRID_LAYERS),
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            num_local_experts=4,
+            head_dim=16,
+            first_k_dense_replace=1,
+            short_conv_kernel_size=4,
+            num_mtp_layers=0,
+        )
+    )
 
 
 def _glm5_next():
     text = _config(
         transformers.Glm5NextTextConfig,
-        **_COMMON, **_MLA, **_KDA_MOE, **_KDA,
+        **_COMMON,
+        **_MLA,
+        **_KDA_MOE,
+        **_KDA,
         intermediate_size=64,
         layer_types=["linear_attention", "indexed_attention"] * 2,
         mlp_layer_types=["dense", "sparse"] * 2,
@@ -357,16 +401,23 @@ def _strengthen_ssm(
 
 def _mamba():
     # x_proj B/C rows x4: with the default init the state's effect on the logits is only ~1e-4.
-    return _strengthen_ssm(_make(
-        transformers.MambaConfig, transformers.MambaForCausalLM,
-        **_TWO_LAYERS, **_MAMBA,
-    ), bc=4.0)
+    return _strengthen_ssm(
+        _make(
+            transformers.MambaConfig,
+            transformers.MambaForCausalLM,
+            **_TWO_LAYERS,
+            **_MAMBA,
+        ),
+        bc=4.0,
+    )
 
 
 def _falcon_mamba():
     return _make(
-        transformers.FalconMambaConfig, transformers.FalconMambaForCausalLM,
-        **_TWO_LAYERS, **_MAMBA,
+        transformers.FalconMambaConfig,
+        transformers.FalconMambaForCausalLM,
+        **_TWO_LAYERS,
+        **_MAMBA,
     )
 
 
@@ -374,39 +425,60 @@ def _jamba():
     # Default dt = softplus(0) = 0.69 (dt_proj.bias is zero-initialised): decay ~0.05 per token,
     # memoryless. dt -> [0.01, 0.1]; conv1d x16 and out_proj x4 bring the N(0, 0.02) init of
     # these weights to PyTorch's default (kaiming) scale. B and C are RMS-normed: bc has no effect.
-    return _strengthen_ssm(_make(
-        transformers.JambaConfig, transformers.JambaForCausalLM,
-        **_COMMON, **_HEADS, **_HYBRID_MAMBA,
-        intermediate_size=64,
-        attn_layer_period=2,
-        attn_layer_offset=1,
-        num_experts=4,
-        num_experts_per_tok=2,
-        expert_layer_period=2,
-        expert_layer_offset=1,
-    ), dt=_DT_RANGE, conv=16.0, out=4.0)
+    return _strengthen_ssm(
+        _make(
+            transformers.JambaConfig,
+            transformers.JambaForCausalLM,
+            **_COMMON,
+            **_HEADS,
+            **_HYBRID_MAMBA,
+            intermediate_size=64,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            num_experts=4,
+            num_experts_per_tok=2,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+        ),
+        dt=_DT_RANGE,
+        conv=16.0,
+        out=4.0,
+    )
 
 
 def _zamba_layers() -> dict:
     """What zamba and zamba2 share: attention heads 2/2 (as in the reference configs) and a mamba layer, then a hybrid
     one (with the shared attention block), twice."""
-    return dict(**_COMMON, **_HYBRID_MAMBA, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
-                layers_block_type=["mamba", "hybrid"] * 2)
+    return dict(
+        **_COMMON,
+        **_HYBRID_MAMBA,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        layers_block_type=["mamba", "hybrid"] * 2,
+    )
 
 
 def _zamba():
     # dt is already in [1e-3, 0.1], but B, C = x_proj(x) ~ 2e-4 (x_proj and conv1d ~ N(0, 0.02)):
     # state effect < 1e-7. conv1d x16 and out_proj x4 (kaiming scale), x_proj B/C rows x512 (|B|, |C| ~ 2).
-    return _strengthen_ssm(_make(
-        transformers.ZambaConfig, transformers.ZambaForCausalLM,
-        **_zamba_layers(),
-        n_mamba_heads=2,
-    ), bc=512.0, conv=16.0, out=4.0)
+    return _strengthen_ssm(
+        _make(
+            transformers.ZambaConfig,
+            transformers.ZambaForCausalLM,
+            **_zamba_layers(),
+            n_mamba_heads=2,
+        ),
+        bc=512.0,
+        conv=16.0,
+        out=4.0,
+    )
 
 
 def _mamba2():
     return _make(
-        transformers.Mamba2Config, transformers.Mamba2ForCausalLM,
+        transformers.Mamba2Config,
+        transformers.Mamba2ForCausalLM,
         **_TWO_LAYERS,
         num_heads=4,
         head_dim=16,
@@ -425,69 +497,97 @@ _MAMBA2_HYBRID_FIX = dict(dt=_DT_RANGE, bc=16.0, conv=16.0, out=4.0)
 
 
 def _bamba():
-    return _strengthen_ssm(_make(
-        transformers.BambaConfig, transformers.BambaForCausalLM,
-        **_COMMON, **_HEADS, **_HYBRID_MAMBA2,
-        intermediate_size=64,
-        attn_layer_indices=[1, 3],
-    ), **_MAMBA2_HYBRID_FIX)
+    return _strengthen_ssm(
+        _make(
+            transformers.BambaConfig,
+            transformers.BambaForCausalLM,
+            **_COMMON,
+            **_HEADS,
+            **_HYBRID_MAMBA2,
+            intermediate_size=64,
+            attn_layer_indices=[1, 3],
+        ),
+        **_MAMBA2_HYBRID_FIX,
+    )
 
 
 def _falcon_h1():
     # mamba_rms_norm=False (the default): the mixer output y * silu(gate) is not normalised and stays
     # small, so B/C rows x64 instead of x16.
-    return _strengthen_ssm(_make(
-        transformers.FalconH1Config, transformers.FalconH1ForCausalLM,
-        **_TWO_LAYERS, **_HEADS, **_HYBRID_MAMBA2,
-        intermediate_size=64,
-        mamba_d_ssm=64,
-        mamba_rms_norm=False,
-    ), **{**_MAMBA2_HYBRID_FIX, "bc": 64.0})
+    return _strengthen_ssm(
+        _make(
+            transformers.FalconH1Config,
+            transformers.FalconH1ForCausalLM,
+            **_TWO_LAYERS,
+            **_HEADS,
+            **_HYBRID_MAMBA2,
+            intermediate_size=64,
+            mamba_d_ssm=64,
+            mamba_rms_norm=False,
+        ),
+        **{**_MAMBA2_HYBRID_FIX, "bc": 64.0},
+    )
 
 
 def _granitemoehybrid():
-    return _strengthen_ssm(_make(
-        transformers.GraniteMoeHybridConfig, transformers.GraniteMoeHybridForCausalLM,
-        **_COMMON, **_HEADS, **_HYBRID_MAMBA2,
-        intermediate_size=64,
-        layer_types=["mamba", "attention"] * 2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        shared_intermediate_size=32,
-    ), **_MAMBA2_HYBRID_FIX)
+    return _strengthen_ssm(
+        _make(
+            transformers.GraniteMoeHybridConfig,
+            transformers.GraniteMoeHybridForCausalLM,
+            **_COMMON,
+            **_HEADS,
+            **_HYBRID_MAMBA2,
+            intermediate_size=64,
+            layer_types=["mamba", "attention"] * 2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            shared_intermediate_size=32,
+        ),
+        **_MAMBA2_HYBRID_FIX,
+    )
 
 
 def _nemotron_h():
     # NemotronHConfig derives num_hidden_layers from layers_block_type (not a field).
     common = {k: v for k, v in _COMMON.items() if k != "num_hidden_layers"}
-    return _strengthen_ssm(_make(
-        transformers.NemotronHConfig, transformers.NemotronHForCausalLM,
-        **common, **_HEADS,
-        head_dim=16,
-        intermediate_size=64,
-        layers_block_type=["mamba", "attention", "mamba", "mlp"],
-        ssm_state_size=8,
-        mamba_num_heads=4,
-        mamba_head_dim=16,
-        n_groups=2,
-        conv_kernel=4,
-        expand=2,
-        chunk_size=8,
-        n_routed_experts=4,
-        moe_intermediate_size=32,
-        moe_shared_expert_intermediate_size=32,
-    ), **_MAMBA2_HYBRID_FIX)
+    return _strengthen_ssm(
+        _make(
+            transformers.NemotronHConfig,
+            transformers.NemotronHForCausalLM,
+            **common,
+            **_HEADS,
+            head_dim=16,
+            intermediate_size=64,
+            layers_block_type=["mamba", "attention", "mamba", "mlp"],
+            ssm_state_size=8,
+            mamba_num_heads=4,
+            mamba_head_dim=16,
+            n_groups=2,
+            conv_kernel=4,
+            expand=2,
+            chunk_size=8,
+            n_routed_experts=4,
+            moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=32,
+        ),
+        **_MAMBA2_HYBRID_FIX,
+    )
 
 
 def _zamba2():
-    return _strengthen_ssm(_make(
-        transformers.Zamba2Config, transformers.Zamba2ForCausalLM,
-        **_zamba_layers(),
-        mamba_ngroups=2,
-        n_mamba_heads=4,
-        chunk_size=8,
-        adapter_rank=8,
-    ), **_MAMBA2_HYBRID_FIX)
+    return _strengthen_ssm(
+        _make(
+            transformers.Zamba2Config,
+            transformers.Zamba2ForCausalLM,
+            **_zamba_layers(),
+            mamba_ngroups=2,
+            n_mamba_heads=4,
+            chunk_size=8,
+            adapter_rank=8,
+        ),
+        **_MAMBA2_HYBRID_FIX,
+    )
+
 
 def _recurrent_gemma():
     # Griffin: two recurrent blocks (RG-LRU) and a local-attention block. lru_width = hidden_size, as
@@ -495,7 +595,8 @@ def _recurrent_gemma():
     # one-token forward with lru_width != hidden_size raises a size mismatch).
     common = {k: v for k, v in _COMMON.items() if k != "num_hidden_layers"}
     return _make(
-        transformers.RecurrentGemmaConfig, transformers.RecurrentGemmaForCausalLM,
+        transformers.RecurrentGemmaConfig,
+        transformers.RecurrentGemmaForCausalLM,
         **common,
         num_hidden_layers=3,
         block_types=["recurrent", "recurrent", "attention"],
@@ -512,10 +613,17 @@ def _rwkv():
     # RWKV-4, no attention layers, no Cache (the state is a list threaded through `state=`). With 2 layers and
     # rescale_every = 6, eval mode's in-place rescaling divides by 2^0: the weights are left as they are.
     return _make(
-        transformers.RwkvConfig, transformers.RwkvForCausalLM,
-        vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS,  # RwkvConfig has no pad_token_id
-        hidden_size=32, num_hidden_layers=2, context_length=64,
+        transformers.RwkvConfig,
+        transformers.RwkvForCausalLM,
+        vocab_size=VOCAB,
+        bos_token_id=BOS,
+        eos_token_id=EOS,  # RwkvConfig has no pad_token_id
+        hidden_size=32,
+        num_hidden_layers=2,
+        context_length=64,
     )
+
+
 def _gate_the_mlstm(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
     """Make the mLSTM gates depend on the input (xLSTM's init gives them zero weights and an input gate bias
     of -10: constant gates, i' ~ 5e-5, so C and n stay ~1e-3 and e^(-m) dominates the denominator). Gate
@@ -534,12 +642,24 @@ def _xlstm():
     # hidden 64, since transformers' cache rounds head dims up to multiples of 64 and xLSTMLayer does not
     # (hidden * factor must be a multiple of 64, or the cache's shapes mismatch); chunk_size 8 so
     # that a 13-token prompt runs the chunk-wise kernel on 8 tokens and the sequence kernel on 5.
-    return _gate_the_mlstm(_make(
-        transformers.xLSTMConfig, transformers.xLSTMForCausalLM,
-        vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS,
-        hidden_size=64, embedding_dim=64, num_hidden_layers=2, num_blocks=2,
-        num_heads=2, qk_dim_factor=1.0, v_dim_factor=1.0, chunk_size=8,
-    ))
+    return _gate_the_mlstm(
+        _make(
+            transformers.xLSTMConfig,
+            transformers.xLSTMForCausalLM,
+            vocab_size=VOCAB,
+            pad_token_id=PAD,
+            bos_token_id=BOS,
+            eos_token_id=EOS,
+            hidden_size=64,
+            embedding_dim=64,
+            num_hidden_layers=2,
+            num_blocks=2,
+            num_heads=2,
+            qk_dim_factor=1.0,
+            v_dim_factor=1.0,
+            chunk_size=8,
+        )
+    )
 
 
 # MiniMax (lightning attention): full attention at even layers, so that layer 0 is an attention layer. With
@@ -552,8 +672,10 @@ def _xlstm():
 def _minimax(linear_first: bool = False):
     pattern = ["linear_attention", "full_attention"] if linear_first else ["full_attention", "linear_attention"]
     return _make(
-        transformers.MiniMaxConfig, transformers.MiniMaxForCausalLM,
-        **_COMMON, **_ATTENTION,
+        transformers.MiniMaxConfig,
+        transformers.MiniMaxForCausalLM,
+        **_COMMON,
+        **_ATTENTION,
         intermediate_size=64,
         layer_types=pattern * 2,
         num_local_experts=4,
@@ -564,55 +686,117 @@ def _minimax(linear_first: bool = False):
 
 # Short-convolution families (Table 3 of the reference; the memory is only the conv window). Each keeps one
 # attention layer: an all-conv model fails in Cache.get_seq_length under a cache (transformers 5.24).
-_SHORT_CONV_COMMON = dict(vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, hidden_size=32,
-                          num_attention_heads=2, num_key_value_heads=1)
-_INKLING_ATTENTION = dict(swa_num_attention_heads=2, swa_num_key_value_heads=1, head_dim=16, swa_head_dim=16,
-                          sliding_window_size=8, d_rel=4, rel_extent=16, moe_intermediate_size=32,
-                          n_routed_experts=4, num_experts_per_tok=2)
+_SHORT_CONV_COMMON = dict(
+    vocab_size=VOCAB,
+    pad_token_id=PAD,
+    bos_token_id=BOS,
+    eos_token_id=EOS,
+    hidden_size=32,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+)
+_INKLING_ATTENTION = dict(
+    swa_num_attention_heads=2,
+    swa_num_key_value_heads=1,
+    head_dim=16,
+    swa_head_dim=16,
+    sliding_window_size=8,
+    d_rel=4,
+    rel_extent=16,
+    moe_intermediate_size=32,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+)
 
 
 def _lfm2():
-    return _make(transformers.Lfm2Config, transformers.Lfm2ForCausalLM, **_SHORT_CONV_COMMON,
-                 intermediate_size=64, num_hidden_layers=2, layer_types=["conv", "full_attention"])
+    return _make(
+        transformers.Lfm2Config,
+        transformers.Lfm2ForCausalLM,
+        **_SHORT_CONV_COMMON,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        layer_types=["conv", "full_attention"],
+    )
 
 
 def _lfm2_moe():
-    return _make(transformers.Lfm2MoeConfig, transformers.Lfm2MoeForCausalLM, **_SHORT_CONV_COMMON,
-                 intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=3,
-                 layer_types=["conv", "full_attention", "conv"], num_dense_layers=1, num_experts=4,
-                 num_experts_per_tok=2)
+    return _make(
+        transformers.Lfm2MoeConfig,
+        transformers.Lfm2MoeForCausalLM,
+        **_SHORT_CONV_COMMON,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        layer_types=["conv", "full_attention", "conv"],
+        num_dense_layers=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
 
 
 def _lfm3():
-    return _make(transformers.Lfm3Config, transformers.Lfm3ForCausalLM, **_SHORT_CONV_COMMON,
-                 intermediate_size=64, num_hidden_layers=3, head_dim=16, sliding_window=8,
-                 layer_types=["conv", "sliding_attention", "full_attention"])
+    return _make(
+        transformers.Lfm3Config,
+        transformers.Lfm3ForCausalLM,
+        **_SHORT_CONV_COMMON,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        head_dim=16,
+        sliding_window=8,
+        layer_types=["conv", "sliding_attention", "full_attention"],
+    )
 
 
 def _inkling():
     from transformers.models.inkling.configuration_inkling import InklingTextConfig
 
-    return _make(InklingTextConfig, transformers.InklingForCausalLM, **_SHORT_CONV_COMMON, **_INKLING_ATTENTION,
-                 intermediate_size=64, num_hidden_layers=2, layer_types=["hybrid_sliding", "hybrid"],
-                 mlp_layer_types=["dense", "sparse"], n_shared_experts=1)
+    return _make(
+        InklingTextConfig,
+        transformers.InklingForCausalLM,
+        **_SHORT_CONV_COMMON,
+        **_INKLING_ATTENTION,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        layer_types=["hybrid_sliding", "hybrid"],
+        mlp_layer_types=["dense", "sparse"],
+        n_shared_experts=1,
+    )
 
 
 def _inkling2():
     from transformers.models.inkling2.configuration_inkling2 import Inkling2TextConfig
 
-    return _make(Inkling2TextConfig, transformers.Inkling2ForCausalLM, **_SHORT_CONV_COMMON, **_INKLING_ATTENTION,
-                 num_hidden_layers=2, unpadded_vocab_size=VOCAB, layer_types=["hybrid_sliding", "hybrid"],
-                 n_layers_per_attn_res_block=1)
+    return _make(
+        Inkling2TextConfig,
+        transformers.Inkling2ForCausalLM,
+        **_SHORT_CONV_COMMON,
+        **_INKLING_ATTENTION,
+        num_hidden_layers=2,
+        unpadded_vocab_size=VOCAB,
+        layer_types=["hybrid_sliding", "hybrid"],
+        n_layers_per_attn_res_block=1,
+    )
 
 
 def _inkling2_loop():
     from transformers.models.inkling2_loop.configuration_inkling2_loop import Inkling2LoopTextConfig
 
     # layer 1 is looped: it runs twice per forward, on cache layers 1 and 3
-    return _make(Inkling2LoopTextConfig, transformers.Inkling2LoopForCausalLM, **_SHORT_CONV_COMMON,
-                 **_INKLING_ATTENTION, num_hidden_layers=3, unpadded_vocab_size=VOCAB,
-                 layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"], n_layers_per_attn_res_block=1,
-                 loop_layer_index_start=1, loop_layer_index_end=2, loop_num_passes=2, loop_gate_rank=8)
+    return _make(
+        Inkling2LoopTextConfig,
+        transformers.Inkling2LoopForCausalLM,
+        **_SHORT_CONV_COMMON,
+        **_INKLING_ATTENTION,
+        num_hidden_layers=3,
+        unpadded_vocab_size=VOCAB,
+        layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"],
+        n_layers_per_attn_res_block=1,
+        loop_layer_index_start=1,
+        loop_layer_index_end=2,
+        loop_num_passes=2,
+        loop_gate_rank=8,
+    )
 
 
 def _zaya():
@@ -620,11 +804,24 @@ def _zaya():
     # ZayaQKNorm's key scale `temp` is initialised to zeros: every key is 0, the attention uniform, and the q/k conv
     # window reaches no logit (a write to it changed nothing). A scale of 1 per kv head lets it (effect of zeroing the
     # window after token 4: ~1e-4 on the next logits; the value delay's: ~8e-2).
-    return _unit_key_scales(_make(
-        transformers.ZayaConfig, transformers.ZayaForCausalLM, **_SHORT_CONV_COMMON, num_hidden_layers=2,
-        layer_types=["hybrid", "hybrid_sliding"], sliding_window=8, head_dim=16, num_experts=4,
-        num_experts_per_tok=1, moe_intermediate_size=32, router_hidden_size=16, cca_time0=2, cca_time1=2,
-        attention_bias=True))  # biases: the delay before a prompt's first token is W_vd 0 = the bias
+    return _unit_key_scales(
+        _make(
+            transformers.ZayaConfig,
+            transformers.ZayaForCausalLM,
+            **_SHORT_CONV_COMMON,
+            num_hidden_layers=2,
+            layer_types=["hybrid", "hybrid_sliding"],
+            sliding_window=8,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=1,
+            moe_intermediate_size=32,
+            router_hidden_size=16,
+            cca_time0=2,
+            cca_time1=2,
+            attention_bias=True,
+        )
+    )  # biases: the delay before a prompt's first token is W_vd 0 = the bias
 
 
 FAMILIES: dict[str, Callable[[], transformers.PreTrainedModel]] = {

@@ -59,235 +59,426 @@ def _MAMBA2_FIX(m):
 
 def _glm5_next_config(fields):
     text = _config(transformers.Glm5NextTextConfig, **fields)
-    vision = _config(transformers.Glm5NextVisionConfig, depth=1, hidden_size=32, num_heads=2, intermediate_size=64,
-                     out_hidden_size=text.hidden_size, projection_intermediate_size=64)
-    return _config(transformers.Glm5NextConfig, text_config=text, vision_config=vision,
-                   tie_word_embeddings=text.tie_word_embeddings)
+    vision = _config(
+        transformers.Glm5NextVisionConfig,
+        depth=1,
+        hidden_size=32,
+        num_heads=2,
+        intermediate_size=64,
+        out_hidden_size=text.hidden_size,
+        projection_intermediate_size=64,
+    )
+    return _config(
+        transformers.Glm5NextConfig,
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=text.tie_word_embeddings,
+    )
 
 
 SIZES: dict[str, Size] = {
     # -- gated DeltaNet ------------------------------------------------------------------------------------------
     "qwen3_next": Size(
-        transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM,
+        transformers.Qwen3NextConfig,
+        transformers.Qwen3NextForCausalLM,
         "config default = Qwen/Qwen3-Next-80B-A3B-Instruct (the only size): hidden 2048, attention 16/2 heads of 256,"
         " GDN 16 key / 32 value heads of 128, conv 4, vocab 151936 untied; 3 linear + 1 full",
-        dict(layer_types=["linear_attention"] * 3 + ["full_attention"], num_hidden_layers=4, intermediate_size=512,
-             **_MOE),
-        cut="512 -> 4 experts (top-10 -> 2); dense intermediate 5632 -> 512", fix=_lengthen_memory),
+        dict(
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            num_hidden_layers=4,
+            intermediate_size=512,
+            **_MOE,
+        ),
+        cut="512 -> 4 experts (top-10 -> 2); dense intermediate 5632 -> 512",
+        fix=_lengthen_memory,
+    ),
     "qwen3_5": Size(
-        transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM,
+        transformers.Qwen3_5TextConfig,
+        transformers.Qwen3_5ForCausalLM,
         "Qwen/Qwen3.5-0.8B (the smallest; the config default is Qwen3.5-27B): hidden 1024, attention 8/2 heads of 256,"
         " GDN 16 key / 16 value heads of 128, conv 4, vocab 248320 tied, intermediate 3584; 3 linear + 1 full",
-        dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=16,
-             linear_num_value_heads=16, intermediate_size=3584, tie_word_embeddings=True,
-             layer_types=["linear_attention"] * 3 + ["full_attention"], num_hidden_layers=4),
-        fix=_lengthen_memory),
+        dict(
+            hidden_size=1024,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            linear_num_key_heads=16,
+            linear_num_value_heads=16,
+            intermediate_size=3584,
+            tie_word_embeddings=True,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            num_hidden_layers=4,
+        ),
+        fix=_lengthen_memory,
+    ),
     "qwen3_5_moe": Size(
-        transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM,
+        transformers.Qwen3_5MoeTextConfig,
+        transformers.Qwen3_5MoeForCausalLM,
         "config default = Qwen/Qwen3.5-35B-A3B: hidden 2048, attention 16/2 heads of 256, GDN 16 key / 32 value heads"
         " of 128, conv 4, vocab 248320 untied; 3 linear + 1 full",
         dict(layer_types=["linear_attention"] * 3 + ["full_attention"], num_hidden_layers=4, **_MOE),
-        cut="256 -> 4 experts (top-8 -> 2)", fix=_lengthen_memory),
+        cut="256 -> 4 experts (top-8 -> 2)",
+        fix=_lengthen_memory,
+    ),
     "olmo_hybrid": Size(
-        transformers.OlmoHybridConfig, transformers.OlmoHybridForCausalLM,
+        transformers.OlmoHybridConfig,
+        transformers.OlmoHybridForCausalLM,
         "config default = allenai/Olmo-Hybrid-7B: hidden 3840, attention 30 heads of 128, GDN 30 key / 30 value heads,"
         " key dim 96, value dim 192, conv 4, vocab 100352 untied; 3 linear + 1 full",
         dict(layer_types=["linear_attention"] * 3 + ["full_attention"], num_hidden_layers=4, intermediate_size=512),
-        cut="intermediate 11008 -> 512"),
+        cut="intermediate 11008 -> 512",
+    ),
     "qwen4_exp": Size(
-        transformers.Qwen4ExpTextConfig, transformers.Qwen4ExpForCausalLM,
+        transformers.Qwen4ExpTextConfig,
+        transformers.Qwen4ExpForCausalLM,
         "config default = Qwen/Qwen4-Exp: hidden 2048, attention 16/2 heads of 256, GDN 16 key / 32 value heads of"
         " 128, conv 4, vocab 248320 untied, hyper-connections 4 of rank 320; 3 linear + 1 indexed (the indexer has no"
         " default: 8 heads of 256, 1 kv head and the rotary dim as QSA requires, budget 64, compress 4, ours)",
-        dict(layer_types=["linear_attention"] * 3 + ["indexed_attention"], num_hidden_layers=4, indexer_n_heads=8,
-             indexer_kv_heads=1, indexer_head_dim=256, indexer_budget=64, indexer_compress_ratio=4, **_MOE),
-        cut="512 -> 4 experts (top-10 -> 2)", fix=_lengthen_memory),
+        dict(
+            layer_types=["linear_attention"] * 3 + ["indexed_attention"],
+            num_hidden_layers=4,
+            indexer_n_heads=8,
+            indexer_kv_heads=1,
+            indexer_head_dim=256,
+            indexer_budget=64,
+            indexer_compress_ratio=4,
+            **_MOE,
+        ),
+        cut="512 -> 4 experts (top-10 -> 2)",
+        fix=_lengthen_memory,
+    ),
     "lara_mini": Size(
-        transformers.LaraMiniConfig, transformers.LaraMiniForCausalLM,
+        transformers.LaraMiniConfig,
+        transformers.LaraMiniForCausalLM,
         "config default = translated/Lara-4-Mini-Base: hidden 1024, attention 16/4 heads of 128, GDN 8 key / 16 value"
         " heads of 128, conv 4, sliding window 512, vocab 151936 tied; linear, sliding, linear, full (its first 4)",
-        dict(layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"],
-             num_hidden_layers=4, num_experts=4, num_experts_per_tok=2),
-        cut="128 -> 4 experts (top-4 -> 2)", fix=_lengthen_memory),
+        dict(
+            layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"],
+            num_hidden_layers=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+        ),
+        cut="128 -> 4 experts (top-4 -> 2)",
+        fix=_lengthen_memory,
+    ),
     # -- Kimi delta attention --------------------------------------------------------------------------------------
     "kimi_linear": Size(
-        transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM,
+        transformers.KimiLinearConfig,
+        transformers.KimiLinearForCausalLM,
         "config default = moonshotai/Kimi-Linear-48B-A3B-Instruct (the only size): hidden 2304, MLA 32 heads (kv rank"
         " 512, nope 128, rope 64, v 128), KDA 32 heads of 128, conv 4, vocab 163840 untied; 3 linear + 1 full, the"
         " first MLP dense",
-        dict(layer_types=["linear_attention"] * 3 + ["full_attention"], num_hidden_layers=4,
-             mlp_layer_types=["dense"] + ["sparse"] * 3, num_local_experts=4, num_experts_per_tok=2,
-             intermediate_size=512, moe_intermediate_size=512),
-        cut="256 -> 4 experts (top-8 -> 2); intermediate 9216 -> 512, expert 1024 -> 512"),
+        dict(
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            num_hidden_layers=4,
+            mlp_layer_types=["dense"] + ["sparse"] * 3,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=512,
+            moe_intermediate_size=512,
+        ),
+        cut="256 -> 4 experts (top-8 -> 2); intermediate 9216 -> 512, expert 1024 -> 512",
+    ),
     "bailing_hybrid": Size(
-        transformers.BailingHybridConfig, transformers.BailingHybridForCausalLM,
+        transformers.BailingHybridConfig,
+        transformers.BailingHybridForCausalLM,
         "config default = inclusionAI/Ling-3.0-Flash: hidden 2560, MLA 32 heads, KDA 32 heads of 128, conv 4, vocab"
         " 157184 untied; one layer group: 5 linear + 1 full, the first 2 MLPs dense",
-        dict(layer_types=["linear_attention"] * 5 + ["full_attention"], num_hidden_layers=6,
-             mlp_layer_types=["dense"] * 2 + ["sparse"] * 4, num_local_experts=4, num_experts_per_tok=2,
-             n_group=1, topk_group=1, intermediate_size=512, moe_intermediate_size=512, num_mtp_layers=0,
-             expert_swiglu_limit_list=[0] * 6, share_expert_swiglu_limit_list=[0] * 6),
+        dict(
+            layer_types=["linear_attention"] * 5 + ["full_attention"],
+            num_hidden_layers=6,
+            mlp_layer_types=["dense"] * 2 + ["sparse"] * 4,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            intermediate_size=512,
+            moe_intermediate_size=512,
+            num_mtp_layers=0,
+            expert_swiglu_limit_list=[0] * 6,
+            share_expert_swiglu_limit_list=[0] * 6,
+        ),
         cut="512 -> 4 experts in 1 group (top-8 -> 2); intermediate 6144 -> 512, expert 768 -> 512; no MTP layer",
-        fix=_zero_forget_gates),
+        fix=_zero_forget_gates,
+    ),
     "glm5_next": Size(
-        transformers.Glm5NextTextConfig, transformers.Glm5NextForConditionalGeneration,
+        transformers.Glm5NextTextConfig,
+        transformers.Glm5NextForConditionalGeneration,
         "config default = zai-org/GLM-5.3-Flash: hidden 4096, KDA 64 heads of 128, conv 4, MLA 64 heads (q rank 1536,"
         " kv rank 512, 256-dim heads), hyper-connections 4, vocab 154880 untied; 1 linear + 1 indexed",
-        dict(layer_types=["linear_attention", "indexed_attention"], num_hidden_layers=2,
-             mlp_layer_types=["dense", "sparse"], indexer_types=["full"] * 2, n_routed_experts=4,
-             num_experts_per_tok=2, intermediate_size=512, moe_intermediate_size=512),
+        dict(
+            layer_types=["linear_attention", "indexed_attention"],
+            num_hidden_layers=2,
+            mlp_layer_types=["dense", "sparse"],
+            indexer_types=["full"] * 2,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=512,
+            moe_intermediate_size=512,
+        ),
         cut="2 layers of its 3 linear + 1 indexed period (memory: a KDA layer is 0.7 GB); 288 -> 4 experts (top-8 ->"
-            " 2); intermediate 12288 -> 512, expert 2048 -> 512; vision tower 1 block of 32",
-        make=_glm5_next_config),
+        " 2); intermediate 12288 -> 512, expert 2048 -> 512; vision tower 1 block of 32",
+        make=_glm5_next_config,
+    ),
     # -- Mamba-1 ---------------------------------------------------------------------------------------------------
     "mamba": Size(
-        transformers.MambaConfig, transformers.MambaForCausalLM,
+        transformers.MambaConfig,
+        transformers.MambaForCausalLM,
         "config default = state-spaces/mamba-130m dims (the docstring names mamba-2.8b): hidden 768, d_inner 1536,"
         " state 16, conv 4, dt rank 48, vocab 50280 tied; 2 layers",
-        dict(num_hidden_layers=2), fix=lambda m: _strengthen_ssm(m, bc=4.0)),
+        dict(num_hidden_layers=2),
+        fix=lambda m: _strengthen_ssm(m, bc=4.0),
+    ),
     "falcon_mamba": Size(
-        transformers.FalconMambaConfig, transformers.FalconMambaForCausalLM,
+        transformers.FalconMambaConfig,
+        transformers.FalconMambaForCausalLM,
         "tiiuae/falcon-mamba-7b (the only size; the config default copies mamba-130m's): hidden 4096, d_inner 8192,"
         " state 16, conv 4, dt rank 256, vocab 65024 untied; 1 layer",
-        dict(hidden_size=4096, time_step_rank=256, vocab_size=65024,
-             tie_word_embeddings=False, num_hidden_layers=1)),
+        dict(hidden_size=4096, time_step_rank=256, vocab_size=65024, tie_word_embeddings=False, num_hidden_layers=1),
+    ),
     "jamba": Size(
-        transformers.JambaConfig, transformers.JambaForCausalLM,
+        transformers.JambaConfig,
+        transformers.JambaForCausalLM,
         "config default = ai21labs/Jamba-v0.1: hidden 4096, attention 32/8 heads,"
         " d_inner 8192, state 16, conv 4, dt rank 256, vocab 65536 untied",
         dict(num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1, num_experts=4, intermediate_size=512),
         cut="2 layers (mamba, attention+MoE) of its 8-layer period (7 mamba layers are 3 GB); 16 -> 4 experts;"
-            " intermediate 14336 -> 512",
-        fix=lambda m: _strengthen_ssm(m, dt=(0.01, 0.1), conv=16.0, out=4.0)),
+        " intermediate 14336 -> 512",
+        fix=lambda m: _strengthen_ssm(m, dt=(0.01, 0.1), conv=16.0, out=4.0),
+    ),
     "zamba": Size(
-        transformers.ZambaConfig, transformers.ZambaForCausalLM,
+        transformers.ZambaConfig,
+        transformers.ZambaForCausalLM,
         "config default = Zyphra/Zamba-7B-v1 (the only size): hidden 3712, d_inner 7424, 2 mamba heads, state 16,"
         " conv 4, dt rank 232, shared attention 16 heads over 7424, vocab 32000 tied",
         dict(layers_block_type=["mamba", "hybrid", "hybrid"], num_hidden_layers=3, intermediate_size=512),
         cut="3 layers (mamba, hybrid, hybrid: transformers cannot tie the shared block of a single hybrid layer) of"
-            " its 6-layer period; intermediate 14848 -> 512",
-        fix=lambda m: _strengthen_ssm(m, bc=512.0, conv=16.0, out=4.0)),
+        " its 6-layer period; intermediate 14848 -> 512",
+        fix=lambda m: _strengthen_ssm(m, bc=512.0, conv=16.0, out=4.0),
+    ),
     # -- Mamba-2 ---------------------------------------------------------------------------------------------------
     "mamba2": Size(
-        transformers.Mamba2Config, transformers.Mamba2ForCausalLM,
+        transformers.Mamba2Config,
+        transformers.Mamba2ForCausalLM,
         "state-spaces/mamba2-130m (the smallest; the config default is a 4096-wide model): hidden 768, 24 heads of 64,"
         " 1 group, state 128, conv 4, chunk 256, vocab 50288 tied; 2 layers",
-        dict(hidden_size=768, num_heads=24, head_dim=64, n_groups=1, state_size=128, vocab_size=50288,
-             time_step_rank=48, tie_word_embeddings=True, num_hidden_layers=2)),
+        dict(
+            hidden_size=768,
+            num_heads=24,
+            head_dim=64,
+            n_groups=1,
+            state_size=128,
+            vocab_size=50288,
+            time_step_rank=48,
+            tie_word_embeddings=True,
+            num_hidden_layers=2,
+        ),
+    ),
     "bamba": Size(
-        transformers.BambaConfig, transformers.BambaForCausalLM,
+        transformers.BambaConfig,
+        transformers.BambaForCausalLM,
         "config default (the docstring names no checkpoint): hidden 4096, attention 32/8 heads,"
         " mamba 128 heads of 64, 1 group, state 256, conv 4, chunk 256, vocab 128000 untied",
         dict(num_hidden_layers=2, attn_layer_indices=[1], intermediate_size=512),
-        cut="2 layers (mamba, attention) of its 9-layer period; intermediate 14336 -> 512", fix=_MAMBA2_FIX),
+        cut="2 layers (mamba, attention) of its 9-layer period; intermediate 14336 -> 512",
+        fix=_MAMBA2_FIX,
+    ),
     "falcon_h1": Size(
-        transformers.FalconH1Config, transformers.FalconH1ForCausalLM,
+        transformers.FalconH1Config,
+        transformers.FalconH1ForCausalLM,
         "config default (docstring: tiiuae/Falcon-H1-1.5B-Deep-Instruct): hidden 4096, attention 32/8 heads, mamba"
         " d_ssm 1024 in 128 heads of 8, 1 group, state 256, conv 4, chunk 256, vocab 128000 untied; every layer"
         " attention + mamba in parallel: 2 layers",
-        dict(num_hidden_layers=2, intermediate_size=512), cut="intermediate 14336 -> 512",
-        fix=lambda m: _strengthen_ssm(m, dt=(0.01, 0.1), bc=64.0, conv=16.0, out=4.0)),
+        dict(num_hidden_layers=2, intermediate_size=512),
+        cut="intermediate 14336 -> 512",
+        fix=lambda m: _strengthen_ssm(m, dt=(0.01, 0.1), bc=64.0, conv=16.0, out=4.0),
+    ),
     "granitemoehybrid": Size(
-        transformers.GraniteMoeHybridConfig, transformers.GraniteMoeHybridForCausalLM,
+        transformers.GraniteMoeHybridConfig,
+        transformers.GraniteMoeHybridForCausalLM,
         "config default (docstring: ibm-granite/granite-speech-3.2-8b): hidden 4096, attention 32/32 heads, mamba 128"
         " heads of 64, 1 group, state 256, conv 4, chunk 256, vocab 32000 untied; mamba, attention",
-        dict(layer_types=["mamba", "attention"], num_hidden_layers=2, num_local_experts=4, intermediate_size=512,
-             shared_intermediate_size=512),
-        cut="8 -> 4 experts; intermediate 11008 -> 512, shared 1024 -> 512", fix=_MAMBA2_FIX),
+        dict(
+            layer_types=["mamba", "attention"],
+            num_hidden_layers=2,
+            num_local_experts=4,
+            intermediate_size=512,
+            shared_intermediate_size=512,
+        ),
+        cut="8 -> 4 experts; intermediate 11008 -> 512, shared 1024 -> 512",
+        fix=_MAMBA2_FIX,
+    ),
     "nemotron_h": Size(
-        transformers.NemotronHConfig, transformers.NemotronHForCausalLM,
+        transformers.NemotronHConfig,
+        transformers.NemotronHForCausalLM,
         "config default = nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B: hidden 4096, attention 32/8 heads of 128, mamba 128"
         " heads of 64, 8 groups, state 128, conv 4, chunk 128, vocab 131072 untied; mamba, moe, attention, mlp",
-        dict(n_routed_experts=4, intermediate_size=512, moe_intermediate_size=512,
-             moe_shared_expert_intermediate_size=512),
-        cut="8 -> 4 experts; intermediate 21504 -> 512, experts 7688 -> 512", fix=_MAMBA2_FIX),
+        dict(
+            n_routed_experts=4,
+            intermediate_size=512,
+            moe_intermediate_size=512,
+            moe_shared_expert_intermediate_size=512,
+        ),
+        cut="8 -> 4 experts; intermediate 21504 -> 512, experts 7688 -> 512",
+        fix=_MAMBA2_FIX,
+    ),
     "zamba2": Size(
-        transformers.Zamba2Config, transformers.Zamba2ForCausalLM,
+        transformers.Zamba2Config,
+        transformers.Zamba2ForCausalLM,
         "config default = Zyphra/Zamba2-2.7B: hidden 2560, mamba 8 heads of 640 (as the config derives them), 1 group,"
         " state 64, conv 4, chunk 256,"
         " shared attention 32 heads, vocab 32000 tied",
         dict(layers_block_type=["mamba", "hybrid"], num_hidden_layers=2, intermediate_size=512),
-        cut="2 layers (mamba, hybrid) of its 7-layer period; intermediate 10240 -> 512", fix=_MAMBA2_FIX),
+        cut="2 layers (mamba, hybrid) of its 7-layer period; intermediate 10240 -> 512",
+        fix=_MAMBA2_FIX,
+    ),
     # -- the others ------------------------------------------------------------------------------------------------
     "recurrent_gemma": Size(
-        transformers.RecurrentGemmaConfig, transformers.RecurrentGemmaForCausalLM,
+        transformers.RecurrentGemmaConfig,
+        transformers.RecurrentGemmaForCausalLM,
         "config default = google/recurrentgemma-2b (the smallest), but 1 kv head as the checkpoint: hidden 2560, lru"
         " width 2560, 10 heads of 256, conv 4, window 2048, vocab 256000 tied; recurrent, recurrent, attention",
         dict(num_key_value_heads=1, num_hidden_layers=3, intermediate_size=512),
-        cut="intermediate 7680 -> 512"),
+        cut="intermediate 7680 -> 512",
+    ),
     "rwkv": Size(
-        transformers.RwkvConfig, transformers.RwkvForCausalLM,
+        transformers.RwkvConfig,
+        transformers.RwkvForCausalLM,
         "RWKV/rwkv-4-169m-pile (the docstring's; the config default is 4096 wide): hidden 768, attention hidden 768,"
         " intermediate 3072, vocab 50277 untied; 2 layers",
-        dict(hidden_size=768, attention_hidden_size=768, intermediate_size=3072, num_hidden_layers=2)),
+        dict(hidden_size=768, attention_hidden_size=768, intermediate_size=3072, num_hidden_layers=2),
+    ),
     "minimax": Size(
-        transformers.MiniMaxConfig, transformers.MiniMaxForCausalLM,
+        transformers.MiniMaxConfig,
+        transformers.MiniMaxForCausalLM,
         "MiniMaxAI/MiniMax-Text-01-hf (the docstring's, the only size; the config default is 4096 wide): hidden"
         " 6144, 64 heads of 128, 8 kv heads, block 256, vocab 200064 untied; full, linear (the default pattern's"
         " period, full first as in tests/helpers/_models.py)",
-        dict(hidden_size=6144, num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=200064,
-             layer_types=["full_attention", "linear_attention"], num_hidden_layers=2, num_local_experts=4,
-             intermediate_size=512),
-        cut="32 -> 4 experts; expert intermediate 9216 -> 512"),
+        dict(
+            hidden_size=6144,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=200064,
+            layer_types=["full_attention", "linear_attention"],
+            num_hidden_layers=2,
+            num_local_experts=4,
+            intermediate_size=512,
+        ),
+        cut="32 -> 4 experts; expert intermediate 9216 -> 512",
+    ),
     "lfm2": Size(
-        transformers.Lfm2Config, transformers.Lfm2ForCausalLM,
+        transformers.Lfm2Config,
+        transformers.Lfm2ForCausalLM,
         "LiquidAI/LFM2-350M (the smallest; the config default is 2560 wide): hidden 1024, 16/8 heads, conv cache 3,"
         " vocab 65536 tied; conv, conv, attention",
-        dict(hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, intermediate_size=512,
-             block_auto_adjust_ff_dim=False, layer_types=["conv", "conv", "full_attention"], num_hidden_layers=3),
-        cut="intermediate 4608 -> 512"),
+        dict(
+            hidden_size=1024,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            intermediate_size=512,
+            block_auto_adjust_ff_dim=False,
+            layer_types=["conv", "conv", "full_attention"],
+            num_hidden_layers=3,
+        ),
+        cut="intermediate 4608 -> 512",
+    ),
     "lfm2_moe": Size(
-        transformers.Lfm2MoeConfig, transformers.Lfm2MoeForCausalLM,
+        transformers.Lfm2MoeConfig,
+        transformers.Lfm2MoeForCausalLM,
         "config default = LiquidAI/LFM2-8B-A1B: hidden 2048, 32/8 heads, conv cache 3, vocab 65536 tied, the first 2"
         " MLPs dense; conv, conv, attention",
-        dict(layer_types=["conv", "conv", "full_attention"], num_hidden_layers=3, num_experts=4,
-             num_experts_per_tok=2, intermediate_size=512, moe_intermediate_size=512),
-        cut="32 -> 4 experts (top-4 -> 2); intermediate 7168 -> 512, experts 1792 -> 512"),
+        dict(
+            layer_types=["conv", "conv", "full_attention"],
+            num_hidden_layers=3,
+            num_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=512,
+            moe_intermediate_size=512,
+        ),
+        cut="32 -> 4 experts (top-4 -> 2); intermediate 7168 -> 512, experts 1792 -> 512",
+    ),
     "lfm3": Size(
-        transformers.Lfm3Config, transformers.Lfm3ForCausalLM,
+        transformers.Lfm3Config,
+        transformers.Lfm3ForCausalLM,
         "config default = LiquidAI/LFM3-1.7B: hidden 2048, 16/4 heads of 128, conv cache 7, window 256, vocab 128000"
         " tied; conv, conv, full, conv, sliding (its first 5)",
-        dict(layer_types=["conv", "conv", "full_attention", "conv", "sliding_attention"], num_hidden_layers=5,
-             intermediate_size=512),
-        cut="intermediate 7680 -> 512"),
+        dict(
+            layer_types=["conv", "conv", "full_attention", "conv", "sliding_attention"],
+            num_hidden_layers=5,
+            intermediate_size=512,
+        ),
+        cut="intermediate 7680 -> 512",
+    ),
     "inkling": Size(
-        _inkling("inkling"), transformers.InklingForCausalLM,
+        _inkling("inkling"),
+        transformers.InklingForCausalLM,
         "config default (the docstring names no checkpoint): hidden 6144, 64/8 heads of 128 (sliding 64/16), conv"
         " kernel 4, vocab 201024 untied; hybrid_sliding, hybrid",
-        dict(layer_types=["hybrid_sliding", "hybrid"], mlp_layer_types=["dense", "sparse"], num_hidden_layers=2,
-             n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, intermediate_size=512,
-             moe_intermediate_size=512),
+        dict(
+            layer_types=["hybrid_sliding", "hybrid"],
+            mlp_layer_types=["dense", "sparse"],
+            num_hidden_layers=2,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            intermediate_size=512,
+            moe_intermediate_size=512,
+        ),
         cut="2 layers of its 6-layer period (memory: 6144-wide layers); 256 -> 4 experts (top-6 -> 2), 2 -> 1 shared;"
-            " intermediate 24576 -> 512, experts 3072 -> 512"),
+        " intermediate 24576 -> 512, experts 3072 -> 512",
+    ),
     "inkling2": Size(
-        _inkling("inkling2"), transformers.Inkling2ForCausalLM,
+        _inkling("inkling2"),
+        transformers.Inkling2ForCausalLM,
         "config default = thinkingmachines/Inkling-2-Small: hidden 4608, 48/8 heads of 128, conv kernel 4, vocab"
         " 201024 (200058 unpadded) untied; hybrid_sliding, hybrid",
-        dict(layer_types=["hybrid_sliding", "hybrid"], num_hidden_layers=2, n_layers_per_attn_res_block=1,
-             n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=512),
-        cut="2 layers of its 6-layer period; 384 -> 4 experts (top-8 -> 2); experts 2304 -> 512"),
+        dict(
+            layer_types=["hybrid_sliding", "hybrid"],
+            num_hidden_layers=2,
+            n_layers_per_attn_res_block=1,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=512,
+        ),
+        cut="2 layers of its 6-layer period; 384 -> 4 experts (top-8 -> 2); experts 2304 -> 512",
+    ),
     "inkling2_loop": Size(
-        _inkling("inkling2_loop"), transformers.Inkling2LoopForCausalLM,
+        _inkling("inkling2_loop"),
+        transformers.Inkling2LoopForCausalLM,
         "config default = thinkingmachines/Inkling-2-Mini: hidden 2304, 24/8 heads of 128, conv kernel 4, vocab"
         " 201024 (200058 unpadded) untied, loop of 3 passes with gate rank 64; hybrid_sliding, hybrid (looped),"
         " hybrid_sliding",
-        dict(layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"], num_hidden_layers=3,
-             n_layers_per_attn_res_block=1, loop_layer_index_start=1, loop_layer_index_end=2, n_routed_experts=4,
-             num_experts_per_tok=2, moe_intermediate_size=512),
+        dict(
+            layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"],
+            num_hidden_layers=3,
+            n_layers_per_attn_res_block=1,
+            loop_layer_index_start=1,
+            loop_layer_index_end=2,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=512,
+        ),
         cut="3 layers, the middle one looped (its loop spans 12 of 24); 128 -> 4 experts (top-8 -> 2); experts 1152 ->"
-            " 512"),
+        " 512",
+    ),
     "xlstm": Size(
-        transformers.xLSTMConfig, transformers.xLSTMForCausalLM,
+        transformers.xLSTMConfig,
+        transformers.xLSTMForCausalLM,
         "config default = NX-AI/xLSTM-7b (the only size): hidden 4096, 8 heads, qk 0.5 (256), v 1.0 (512), chunk 64,"
         " vocab 50304 untied; 2 blocks",
         dict(num_hidden_layers=2, num_blocks=2, ffn_proj_factor=0.125),
-        cut="feed-forward factor 2.667 -> 0.125 (512 wide)", fix=_gate_the_mlstm),
+        cut="feed-forward factor 2.667 -> 0.125 (512 wide)",
+        fix=_gate_the_mlstm,
+    ),
     "zaya": Size(
-        transformers.ZayaConfig, transformers.ZayaForCausalLM,
+        transformers.ZayaConfig,
+        transformers.ZayaForCausalLM,
         "config default = Zyphra/ZAYA1-8B: hidden 2048, 8/2 heads of 128, CCA times 2/2, vocab 262272 tied; 2 hybrid"
         " layers",
         dict(layer_types=["hybrid", "hybrid"], num_hidden_layers=2, num_experts=4, moe_intermediate_size=512),
-        cut="16 -> 4 experts (top-1); experts 2048 -> 512", fix=_unit_key_scales),
+        cut="16 -> 4 experts (top-1); experts 2048 -> 512",
+        fix=_unit_key_scales,
+    ),
 }
 
 _PERIOD = (1 << 20) + 7  # a prime: the tiled fill's period
@@ -328,7 +519,7 @@ def _carve(sizes: list[int]) -> list[torch.Tensor]:
         _POOL.clear()
         _POOL.append(torch.empty(end))
     _POOL[0][:end].fill_(float("nan"))
-    return [_POOL[0][start: start + size] for start, size in zip(starts, sizes)]
+    return [_POOL[0][start : start + size] for start, size in zip(starts, sizes)]
 
 
 def _materialize(model: torch.nn.Module) -> None:
@@ -340,8 +531,10 @@ def _materialize(model: torch.nn.Module) -> None:
                 assert param.dtype == torch.float32, f"a {param.dtype} parameter: the pool is float32"
                 metas.setdefault(id(param), param)
     pieces = dict(zip(metas, _carve([param.numel() for param in metas.values()])))
-    made = {key: torch.nn.Parameter(pieces[key].view(param.shape), requires_grad=param.requires_grad)
-            for key, param in metas.items()}
+    made = {
+        key: torch.nn.Parameter(pieces[key].view(param.shape), requires_grad=param.requires_grad)
+        for key, param in metas.items()
+    }
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is not None and id(param) in made:
@@ -352,10 +545,10 @@ def _tile(tensor: torch.Tensor, std: float, name: str) -> None:
     """Fill `tensor` with std x the unit-normal block, from an offset its name picks, one copy a period."""
     flat = tensor.detach().view(-1)
     start = zlib.crc32(name.encode()) % _PERIOD
-    block = _BLOCK[start: start + _PERIOD]
+    block = _BLOCK[start : start + _PERIOD]
     whole, rest = divmod(flat.numel(), _PERIOD)
     flat[: whole * _PERIOD].view(whole, _PERIOD).copy_(block.expand(whole, _PERIOD))
-    flat[whole * _PERIOD:].copy_(block[:rest])
+    flat[whole * _PERIOD :].copy_(block[:rest])
     flat.mul_(std)
 
 

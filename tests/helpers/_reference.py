@@ -74,8 +74,9 @@ def _prepared(query: Tensor, key: Tensor, value: Tensor, beta: Tensor, normalize
     return q * key.shape[-1] ** -0.5, k, v, beta.to(f64)
 
 
-def _delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, initial_state: Tensor | None,
-                transition) -> tuple[Tensor, Tensor]:
+def _delta_rule(
+    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, initial_state: Tensor | None, transition
+) -> tuple[Tensor, Tensor]:
     """The delta rule token by token in float64, the loop both references share:
 
         S_t = transition(t, I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = S_t^T q_t
@@ -119,8 +120,16 @@ def _delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, initial_state: Te
     return torch.stack(outputs, dim=1), torch.stack(states, dim=1)
 
 
-def gated_delta_rule_reference(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, *,
-                               initial_state: Tensor | None = None, normalize_qk: bool = True) -> tuple[Tensor, Tensor]:
+def gated_delta_rule_reference(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    initial_state: Tensor | None = None,
+    normalize_qk: bool = True,
+) -> tuple[Tensor, Tensor]:
     """Run the gated delta rule token by token in float64.
 
     Returns ``(outputs, states)``: outputs ``[batch, seq, value_heads, value_dim]``
@@ -152,8 +161,16 @@ def gated_delta_rule_reference(query: Tensor, key: Tensor, value: Tensor, g: Ten
     return _delta_rule(q, k, v, beta, initial_state, lambda t, erase: alpha[:, t, :, None, None] * erase)
 
 
-def kimi_delta_rule_reference(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, *,
-                              initial_state: Tensor | None = None, normalize_qk: bool = True) -> tuple[Tensor, Tensor]:
+def kimi_delta_rule_reference(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    initial_state: Tensor | None = None,
+    normalize_qk: bool = True,
+) -> tuple[Tensor, Tensor]:
     """Run Kimi delta attention token by token in float64.
 
     query, key ``[batch, seq, heads, key_dim]``; value ``[batch, seq, heads,

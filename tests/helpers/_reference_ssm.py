@@ -88,9 +88,19 @@ def _scan(seq: int, h: Tensor, step, x: Tensor, D: Tensor | None, z: Tensor | No
     return torch.stack(outputs, dim=1), torch.stack(states, dim=1)
 
 
-def selective_scan_reference(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None,
-                             z: Tensor | None = None, *, dt_bias: Tensor | None = None, softplus: bool = False,
-                             initial_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def selective_scan_reference(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    *,
+    dt_bias: Tensor | None = None,
+    softplus: bool = False,
+    initial_state: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """Mamba-1 token by token in float64 (token-major inputs, see the module docstring).
 
     Returns ``(outputs [batch, seq, d_inner], states [batch, seq, d_inner, d_state])``, states[:, t] = h_t.
@@ -98,8 +108,10 @@ def selective_scan_reference(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
     batch, seq, d_inner = x.shape
     d_state = A.shape[-1]
     if dt.shape != x.shape or A.shape != (d_inner, d_state) or B.shape != (batch, seq, d_state) or C.shape != B.shape:
-        raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, dt {tuple(dt.shape)}, A {tuple(A.shape)}, "
-                         f"B {tuple(B.shape)}, C {tuple(C.shape)}")
+        raise ValueError(
+            f"shapes do not fit: x {tuple(x.shape)}, dt {tuple(dt.shape)}, A {tuple(A.shape)}, "
+            f"B {tuple(B.shape)}, C {tuple(C.shape)}"
+        )
     x, A, B, C = x.to(F64), A.to(F64), B.to(F64), C.to(F64)
     delta = _step(dt, dt_bias, softplus, (-math.inf, math.inf))  # Δ_t, [B, T, D]
     h = torch.zeros(batch, d_inner, d_state, dtype=F64) if initial_state is None else initial_state.to(F64)
@@ -113,20 +125,37 @@ def selective_scan_reference(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
     return _scan(seq, h, step, x, None if D is None else D.to(F64), z)  # D [D]
 
 
-def ssd_reference(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None,
-                  z: Tensor | None = None, *, dt_bias: Tensor | None = None, softplus: bool = False,
-                  dt_limit: tuple[float, float] = (0.0, math.inf),
-                  initial_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def ssd_reference(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    *,
+    dt_bias: Tensor | None = None,
+    softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    initial_state: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """Mamba-2 (SSD, scalar decay per head) token by token in float64 (see the module docstring).
 
     Returns ``(outputs [batch, seq, heads, head_dim], states [batch, seq, heads, head_dim, d_state])``.
     """
     batch, seq, heads, head_dim = x.shape
     groups, d_state = B.shape[-2:]
-    if dt.shape != (batch, seq, heads) or A.shape != (heads,) or B.shape != (batch, seq, groups, d_state) \
-            or C.shape != B.shape or heads % groups:
-        raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, dt {tuple(dt.shape)}, A {tuple(A.shape)}, "
-                         f"B {tuple(B.shape)}, C {tuple(C.shape)}")
+    if (
+        dt.shape != (batch, seq, heads)
+        or A.shape != (heads,)
+        or B.shape != (batch, seq, groups, d_state)
+        or C.shape != B.shape
+        or heads % groups
+    ):
+        raise ValueError(
+            f"shapes do not fit: x {tuple(x.shape)}, dt {tuple(dt.shape)}, A {tuple(A.shape)}, "
+            f"B {tuple(B.shape)}, C {tuple(C.shape)}"
+        )
     group_of = torch.arange(heads) // (heads // groups)  # [H]
     x, A = x.to(F64), A.to(F64)
     B, C = B.to(F64)[:, :, group_of], C.to(F64)[:, :, group_of]  # [B, T, H, N]

@@ -98,8 +98,9 @@ def sparse_generate(model, ids, keep, paths, state, window=None):
             w.mixers[0].set_window_after(7, window)
         w.mixers[-1].register_state_hook(lambda m, c, t, s: seen.append(float(s.norm())) or s * 0.9, token=[3, -2])
         w.mixers[0].set_state_after(0, state, call=2)
-        out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=PAD, output_logits=True,
-                             return_dict_in_generate=True)
+        out = model.generate(
+            ids, max_new_tokens=4, do_sample=False, pad_token_id=PAD, output_logits=True, return_dict_in_generate=True
+        )
     return w, out, seen
 
 

@@ -67,8 +67,10 @@ def test_every_contract_reading_is_found_where_its_kind_is():
     assert declared, "no test file declares a CONTRACT"
     for module in declared:
         for kind, reading in importlib.import_module(module).CONTRACT.items():
-            assert reading_of(kind) is reading, f"{module}.py declares the contract of {kind.__name__}, which is" \
+            assert reading_of(kind) is reading, (
+                f"{module}.py declares the contract of {kind.__name__}, which is"
                 f" read from test_{kind.__module__.rsplit('.', 1)[-1]}.py"
+            )
 
 
 def keep_all(family):
@@ -133,8 +135,13 @@ def test_watched_logits_equal_unwatched(model, family, seq):
             assert part.shape == shape, f"{memory} {name}: {tuple(part.shape)}, expected {shape}"
     if seq in quirk(family, "grad_parity"):
         with rh.watch(model, keep=keep_all(family)):  # grad mode: the token loops keep what the recurrence used
-            assert_close("keep every memory, with gradients", plain, model(ids).logits.detach(),
-                         rtol=max(tol["rtol"], 1e-6), atol=max(tol["atol"], 1e-6))
+            assert_close(
+                "keep every memory, with gradients",
+                plain,
+                model(ids).logits.detach(),
+                rtol=max(tol["rtol"], 1e-6),
+                atol=max(tol["atol"], 1e-6),
+            )
     for hooked in dict.fromkeys((memories[:1], memories)):
         with rh.watch(model) as w:
             hook_every_mixer(w, NOOP, hooked)
@@ -165,12 +172,14 @@ def hooked_generate(shared_model, family):
     watch, what the hooks saw, and the bytes of tensor storage the watch held after it."""
     norms, seen = [], {memory: [] for memory in rh.FAMILIES[family].kind.MEMORIES}
     with rh.watch(shared_model) as w:
-        w.mixers[0].register_state_hook(lambda m, c, t, s: norms.append((c, norm(s))) if m.head in (None, 0) else None,
-                                        token=-1)
+        w.mixers[0].register_state_hook(
+            lambda m, c, t, s: norms.append((c, norm(s))) if m.head in (None, 0) else None, token=-1
+        )
         for memory in seen:
             w.mixers[-1].register_state_hook(
                 lambda m, c, t, s, memory=memory: seen[memory].append((c, t)) if m.head in (None, 0) else None,
-                memory=memory)
+                memory=memory,
+            )
         greedy(shared_model, random_ids(quirk(family, "batch"), T), N)
     return w, norms, seen, tensor_bytes_reachable(w)
 
@@ -199,11 +208,13 @@ def test_call_counter_in_generate(hooked_generate, family):
         own = type(mixer)  # a family may have mixers of two kinds (inkling2's dynamic convolutions)
         assert [c.index for c in calls] == list(range(N))
         assert [c.tokens for c in calls] == [T] + [1] * (N - 1)
-        assert [c.kernel for c in calls] == ([own.kernel_for("prompt").name]
-                                             + [own.kernel_for("decode").name] * (N - 1))
+        assert [c.kernel for c in calls] == (
+            [own.kernel_for("prompt").name] + [own.kernel_for("decode").name] * (N - 1)
+        )
         if "window" in own.MEMORIES:
-            assert [c.conv.kernel for c in calls] == ([own.kernel_for("prompt", "window").name]
-                                                      + [own.kernel_for("decode", "window").name] * (N - 1))
+            assert [c.conv.kernel for c in calls] == (
+                [own.kernel_for("prompt", "window").name] + [own.kernel_for("decode", "window").name] * (N - 1)
+            )
 
 
 def test_standalone_hooks_count_from_each_prompt(model, family):
@@ -279,8 +290,9 @@ def binding_sites(model, family):
             sites[id(modeling), name] = (modeling, name, None)
     per_module = sum(kernel.site is Site.INSTANCE for kernel in row.kind.KERNELS)
     fused = sum(hasattr(modeling, name) for name in row.kind.FUSED)
-    assert len(sites) == per_module * len(mixers) + len(row.kind.KERNELS) - per_module + fused, \
+    assert len(sites) == per_module * len(mixers) + len(row.kind.KERNELS) - per_module + fused, (
         "two kernels share a binding"
+    )
     return list(sites.values())
 
 
@@ -342,8 +354,9 @@ def test_bindings_restored_after_exit_after_a_raising_hook_and_when_nested(model
         handle.remove()
     unchanged("after a standalone hook")
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
-    assert_close("model unchanged after the watches", logits_of(model, ids), logits_of(build(family), ids),
-                 rtol=0, atol=0)
+    assert_close(
+        "model unchanged after the watches", logits_of(model, ids), logits_of(build(family), ids), rtol=0, atol=0
+    )
 
 
 # -- the memory contract, over every (family, mixer class): tests/helpers/_contract.py says how each kind is read ------
@@ -383,8 +396,9 @@ def last_of(mixer, memory):
 
 def assert_memory_equal(name, expected, got):
     """Two memories (a tensor, or a state of several parts) bit for bit, part by part."""
-    assert type(expected) is type(got) or not parts_of(expected)[0][0], \
+    assert type(expected) is type(got) or not parts_of(expected)[0][0], (
         f"{name}: a {type(got).__name__}, expected a {type(expected).__name__}"
+    )
     for (part, a), (_, b) in zip(parts_of(expected), parts_of(got)):
         assert_close(f"{name}{f', part {part}' if part else ''}", a, b.to(a.dtype), rtol=0, atol=0)
 
@@ -397,8 +411,13 @@ def started_from(case, mixer, memory, call, value):
     elif case.reading.window_in is not None:
         assert_memory_equal(f"call {call} read the written window", value, case.reading.window_in(mixer, call))
     else:
-        assert_close(f"call {call} shifted its input into the written window", value[..., 1:],
-                     mixer.window_after(0, call=call)[..., :-1], rtol=0, atol=0)
+        assert_close(
+            f"call {call} shifted its input into the written window",
+            value[..., 1:],
+            mixer.window_after(0, call=call)[..., :-1],
+            rtol=0,
+            atol=0,
+        )
 
 
 def later_change(case, memory, change):
@@ -421,20 +440,25 @@ def test_decode_memories_continue_the_prompt_memories(case):
         logits_of(model, sequence[:, :-1], use_cache=False)
     for mixer, long in zip(case.mixers(w), case.mixers(whole)):
         for memory in case.kind.MEMORIES:
-            decoded = map_parts(lambda *stacks: torch.cat(stacks, dim=1),
-                                *(getattr(call, STACK[memory]) for call in mixer.calls))
+            decoded = map_parts(
+                lambda *stacks: torch.cat(stacks, dim=1), *(getattr(call, STACK[memory]) for call in mixer.calls)
+            )
             for (name, expected), (_, got) in zip(parts_of(getattr(long, STACK[memory])), parts_of(decoded)):
                 atol = tol["atol"] * float(expected.abs().max()) if relative else tol["atol"]
-                assert_close(f"{mixer} {memory} {name}: prompt + decode vs one prompt", expected, got,
-                             rtol=tol["rtol"], atol=atol)
+                assert_close(
+                    f"{mixer} {memory} {name}: prompt + decode vs one prompt",
+                    expected,
+                    got,
+                    rtol=tol["rtol"],
+                    atol=atol,
+                )
 
 
 WRITES = [(case, "state", token) for case in memory_cases("state") for token in (0, 4, T - 1)]
 WRITES += [(case, "window", token) for case in memory_cases("window") for token in case.reading.window_tokens]
 
 
-@pytest.mark.parametrize("case, memory, token", WRITES,
-                         ids=[f"{c.id}-{m}-t{t}" for c, m, t in WRITES])
+@pytest.mark.parametrize("case, memory, token", WRITES, ids=[f"{c.id}-{m}-t{t}" for c, m, t in WRITES])
 def test_a_write_changes_only_later_tokens_and_what_the_model_carries_on(case, memory, token):
     """A write after token t of a prompt: the logits at tokens <= t are the plain ones, the later ones move (every
     later token where the memory carries it on, some where a window forgets), the kept memory after t is the
@@ -453,9 +477,10 @@ def test_a_write_changes_only_later_tokens_and_what_the_model_carries_on(case, m
             out = model(ids, use_cache=True)
     assert_close("logits at tokens <= t", plain[:, : token + 1], out.logits[:, : token + 1], **reading.early)
     if token < T - 1:
-        change = (out.logits[:, token + 1:] - plain[:, token + 1:]).abs().amax(dim=(0, 2))
-        assert later_change(case, memory, change) > reading.later, \
+        change = (out.logits[:, token + 1 :] - plain[:, token + 1 :]).abs().amax(dim=(0, 2))
+        assert later_change(case, memory, change) > reading.later, (
             f"a {memory} write at token {token} left later logits unchanged: {change}"
+        )
     assert_memory_equal(f"{memory} after the write", value, getattr(mixer, READ[memory])(token))
     for other in case.mixers(w):
         for where, carried in reading.carried(out, other, memory).items():
@@ -526,8 +551,9 @@ def test_a_replacing_hook_is_a_write(case, memory):
     with rh.watch(model, keep=keep_every(case)) as w:
         first = case.first(w)
         first.register_state_hook(lambda m, c, t, s: head_of(value, m.head), call=0, token=4, memory=memory)
-        first.register_state_hook(lambda m, c, t, s: seen.append((m.head, map_parts(torch.clone, s))), call=0,
-                                  token=4, memory=memory)
+        first.register_state_hook(
+            lambda m, c, t, s: seen.append((m.head, map_parts(torch.clone, s))), call=0, token=4, memory=memory
+        )
         hooked = logits_of(model, ids)
     assert_close("hook vs write", written, hooked, rtol=0, atol=0)
     assert seen, "the second hook did not run"
@@ -542,7 +568,8 @@ def _first_outputs(model, case, ids, memory=None, token=None):
     with rh.watch(model, keep=keep_every(case)) as w, torch.no_grad():
         first = case.first(w)
         handle = first.module.register_forward_hook(
-            lambda m, a, out: outputs.append(out[0] if isinstance(out, tuple) else out))
+            lambda m, a, out: outputs.append(out[0] if isinstance(out, tuple) else out)
+        )
         try:
             if memory is not None:
                 first.set_memory_after(token, memory)
@@ -563,32 +590,42 @@ def test_writing_the_whole_memory_makes_a_layer_continue_as_in_the_other_run(cas
     which shares A's tokens after t: the layer's outputs after t are A's, those up to t B's own. The memory is
     complete: nothing else carries over from tokens <= t. Of two memories, the state alone is not the whole one
     (B's own window still holds B's inputs); a window alone forgets: unwritten, B's outputs after t+K-1 are A's."""
-    model, reading = model_of(case) if case.reading.whole_memory_model is None else whole_memory_model(case), \
-        case.reading
+    model, reading = (
+        model_of(case) if case.reading.whole_memory_model is None else whole_memory_model(case),
+        case.reading,
+    )
     token = 6
     run_a = random_ids(2, T, seed=5)
     run_b = run_a.clone()
     run_b[:, : token + 1] = random_ids(2, token + 1, seed=6)
     out_a, mixer_a = _first_outputs(model, case, run_a)
     out_b, mixer_b = _first_outputs(model, case, run_b)
-    assert (out_b[:, token + 1:] - out_a[:, token + 1:]).abs().max() > reading.later, "the two runs did not differ"
+    assert (out_b[:, token + 1 :] - out_a[:, token + 1 :]).abs().max() > reading.later, "the two runs did not differ"
     memory = mixer_a.memory_after(token)
     assert (memory.state is None) == ("state" not in case.kind.MEMORIES)
     assert (memory.window is None) == ("window" not in case.kind.MEMORIES)
     patched, _ = _first_outputs(model, case, run_b, memory, token)
-    assert_close("layer output after t, memory written", out_a[:, token + 1:], patched[:, token + 1:],
-                 **reading.whole_memory_tol)
-    assert_close("layer output up to t, B's own", out_b[:, : token + 1], patched[:, : token + 1],
-                 **(reading.whole_memory_early or reading.whole_memory_tol))
+    assert_close(
+        "layer output after t, memory written",
+        out_a[:, token + 1 :],
+        patched[:, token + 1 :],
+        **reading.whole_memory_tol,
+    )
+    assert_close(
+        "layer output up to t, B's own",
+        out_b[:, : token + 1],
+        patched[:, : token + 1],
+        **(reading.whole_memory_early or reading.whole_memory_tol),
+    )
     if memory.state is not None and memory.window is not None:
-        state_only, _ = _first_outputs(model, case, run_b, rh.Memory(memory.state, mixer_b.window_after(token)),
-                                       token)
-        assert (state_only[:, token + 1] - out_a[:, token + 1]).abs().max() > reading.later, \
+        state_only, _ = _first_outputs(model, case, run_b, rh.Memory(memory.state, mixer_b.window_after(token)), token)
+        assert (state_only[:, token + 1] - out_a[:, token + 1]).abs().max() > reading.later, (
             "the state alone made B continue as A: the window carried nothing"
+        )
     elif memory.state is None:
         size = mixer_a.windows.shape[-1]
-        assert (out_b[:, token + 1: token + size] - out_a[:, token + 1: token + size]).abs().max() > reading.later
-        assert_close("B after t+K-1, unwritten", out_a[:, token + size:], out_b[:, token + size:], rtol=0, atol=0)
+        assert (out_b[:, token + 1 : token + size] - out_a[:, token + 1 : token + size]).abs().max() > reading.later
+        assert_close("B after t+K-1, unwritten", out_a[:, token + size :], out_b[:, token + size :], rtol=0, atol=0)
 
 
 # -- left padding: what each kind declares (`LEFT_PADDING`), checked ----------------------------------------------
@@ -601,12 +638,15 @@ def padded_row_differences(case, run):
     compared, at_pads = [], []
     for mixer, ref, plain in zip(case.mixers(run.batch), case.mixers(run.alone), case.mixers(run.forward)):
         for memory in case.kind.MEMORIES:
-            runs = [(f"call {call}", ref.calls[call], mixer.calls[call], run.pads if call == 0 else 0, True)
-                    for call in range(min(len(ref.calls), len(mixer.calls)))]  # pads that enter may change tokens
+            runs = [
+                (f"call {call}", ref.calls[call], mixer.calls[call], run.pads if call == 0 else 0, True)
+                for call in range(min(len(ref.calls), len(mixer.calls)))
+            ]  # pads that enter may change tokens
             runs.append(("a plain forward", ref.calls[0], plain.calls[0], run.pads, False))
             for where, alone, padded, skip, in_generate in runs:
-                for (part, a), (_, b) in zip(parts_of(getattr(alone, STACK[memory])),
-                                             parts_of(getattr(padded, STACK[memory]))):
+                for (part, a), (_, b) in zip(
+                    parts_of(getattr(alone, STACK[memory])), parts_of(getattr(padded, STACK[memory]))
+                ):
                     name = f"{mixer} {memory}{f' {part}' if part else ''}"
                     compared.append((f"{name}, padded row, {where}", a[0], b[0, skip:], in_generate))
                     if skip:
@@ -640,8 +680,9 @@ def test_a_left_padded_row_is_the_row_alone_as_the_kind_declares(case):
     if how == "masked":
         for name, values in at_pads:
             assert_close(name, torch.zeros_like(values), values, rtol=0, atol=0)
-        assert_close("padded row logits, a plain forward", run.short_logits[0], run.logits[0, run.pads:],
-                     rtol=1e-4, atol=1e-5)
+        assert_close(
+            "padded row logits, a plain forward", run.short_logits[0], run.logits[0, run.pads :], rtol=1e-4, atol=1e-5
+        )
     plain, kept, hooked = run.generates(model, keep_every(case))
     assert_equal("padded greedy generate, every memory kept", plain, kept)
     assert_equal("padded greedy generate, a hook on every mixer", plain, hooked)
@@ -754,11 +795,10 @@ def _checkpointed(case, checkpointing):
         assert all(part is not None and part.abs().max() > 0 for part in memory_grad.values()), memory_grad
         scale = max(part.abs().max() for part in memory_grad.values())
         for name, part in memory_grad.items():
-            assert_close(f"grad of the kept {memory} {name}", part, got_memory_grad[name], rtol=1e-4,
-                         atol=1e-5 * scale)
+            assert_close(f"grad of the kept {memory} {name}", part, got_memory_grad[name], rtol=1e-4, atol=1e-5 * scale)
     assert seen and all(hook == (0, 6, False) for hook in seen)  # once per head for per-head kinds
-    assert got_seen[:len(seen)] == seen
-    recomputed = got_seen[len(seen):]  # zamba and zamba2 nest checkpointed layers: reentrant recomputes twice
+    assert got_seen[: len(seen)] == seen
+    recomputed = got_seen[len(seen) :]  # zamba and zamba2 nest checkpointed layers: reentrant recomputes twice
     assert all(hook == (0, 6, True) for hook in recomputed)
     assert (len(recomputed) == 0) == (checkpointing == "off") and len(recomputed) % len(seen) == 0
     if reading.recomputes_once:

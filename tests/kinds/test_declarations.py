@@ -42,8 +42,9 @@ class Axes:
             return
         names = axes.split()
         assert isinstance(value, torch.Tensor), f"{self.where}: {what} is {type(value).__name__}, declared ({axes})"
-        assert value.dim() == len(names), \
+        assert value.dim() == len(names), (
             f"{self.where}: {what} has shape {tuple(value.shape)}, declared ({axes}): {len(names)} axes"
+        )
         for name, size in zip(names, value.shape):
             known = int(name) if name.isdigit() else self.sizes.setdefault(name, size)
             assert known == size, f"{self.where}: {what} has {name}={size}, another value of the call has {known}"
@@ -104,8 +105,9 @@ def test_inputs_outputs_values_and_memories_are_what_the_kernels_see(family):
                 window = Axes(f"{mixer} call {call.index} (conv window)", call.tokens)
                 window.bind("the conv window", kind.CONV_STATE, call.windows[:, 0])
             values = mixer.values(call.index)
-            assert sorted(values) == sorted(kind.VALUES), (f"{mixer} values(): {sorted(values)},"
-                                                           f" declared {sorted(kind.VALUES)}")
+            assert sorted(values) == sorted(kind.VALUES), (
+                f"{mixer} values(): {sorted(values)}, declared {sorted(kind.VALUES)}"
+            )
             value_axes = Axes(f"{mixer} values() of call {call.index}", call.tokens)
             for name, declared in kind.VALUES.items():
                 value_axes.bind(f"value {name}", declared, values[name])
@@ -118,8 +120,12 @@ def test_inputs_outputs_values_and_memories_are_what_the_kernels_see(family):
 
 def _passed_as_none(mixers, name: str) -> bool:
     """A declared argument this family's mixer passes as None (e.g. Mamba's gate z when it applies it outside)."""
-    return any(part.inputs.get(name, 0) is None or part.output.get(name, 0) is None
-               for mixer in mixers for call in mixer.calls for part in _kernel_calls(mixer, call))
+    return any(
+        part.inputs.get(name, 0) is None or part.output.get(name, 0) is None
+        for mixer in mixers
+        for call in mixer.calls
+        for part in _kernel_calls(mixer, call)
+    )
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.__name__)
@@ -130,8 +136,9 @@ def test_kernel_rows_are_consistent(kind):
         assert prompt.memory == decode.memory == memory
     for kernel in kind.KERNELS:
         parameters = inspect.signature(kernel.loop).parameters
-        assert "on_token" in parameters and parameters["on_token"].kind is inspect.Parameter.KEYWORD_ONLY, \
+        assert "on_token" in parameters and parameters["on_token"].kind is inspect.Parameter.KEYWORD_ONLY, (
             f"{kind.__name__}.{kernel.name}: its loop takes no keyword-only on_token"
+        )
         # a kind that maps a call's arguments itself (its adapter's `kernel_arguments`: a whole forward recording
         # the state it read from the cache) may name its memory by the recorded name
         maps = type(kind.adapter).kernel_arguments is not KindAdapter.kernel_arguments
@@ -149,8 +156,15 @@ def test_kernel_rows_are_consistent(kind):
 
 def test_a_kernel_row_is_checked_when_declared():
     with pytest.raises(TypeError, match="owner"):  # whose method it is, is the family's: its row's `owners`
-        rh.Kernel(name="_rnn_scan", role="decode", loop=lambda: None, state_in=None, results=(), site=Site.CLASS,
-                  owner="RecurrentGemmaRglru")
+        rh.Kernel(
+            name="_rnn_scan",
+            role="decode",
+            loop=lambda: None,
+            state_in=None,
+            results=(),
+            site=Site.CLASS,
+            owner="RecurrentGemmaRglru",
+        )
     with pytest.raises(ValueError, match="'sideways' is not a valid Role"):
         rh.Kernel(name="k", role="sideways", loop=lambda: None, state_in=None, results=())
     with pytest.raises(KeyError, match="declares no decode kernel for its nothing"):
@@ -188,6 +202,6 @@ def test_every_kernels_loop_takes_transformers_arguments_in_their_order():
         for kernel, function in _upstream_kernels(family, row):
             upstream, ours = _positional(function), _positional(kernel.loop)
             checked += 1
-            if ours[:len(upstream)] != upstream:
+            if ours[: len(upstream)] != upstream:
                 wrong.append(f"{family}: {kernel.name}: transformers {upstream}, the loop {ours}")
     assert checked > 60 and not wrong, wrong or f"only {checked} kernels checked"

@@ -57,53 +57,129 @@ def _kernel_module(model):
 
 
 def _gated_delta_by_decode(decode):
-    def prompt(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
-               use_qk_l2norm_in_kernel=False, **kwargs):
+    def prompt(
+        query,
+        key,
+        value,
+        g,
+        beta,
+        chunk_size=64,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=False,
+        **kwargs,
+    ):
         state, outputs = initial_state, []
         for t in range(value.shape[1]):
-            one = lambda x: x[:, t:t + 1]  # noqa: E731
-            out, state = decode(one(query), one(key), one(value), g=one(g), beta=one(beta), initial_state=state,
-                                output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+            one = lambda x: x[:, t : t + 1]  # noqa: E731
+            out, state = decode(
+                one(query),
+                one(key),
+                one(value),
+                g=one(g),
+                beta=one(beta),
+                initial_state=state,
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            )
             outputs.append(out)
         return torch.cat(outputs, dim=1), (state if output_final_state else None)
+
     return prompt
 
 
 def _selective_scan_by_decode(decode):
-    def prompt(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-               return_last_state=False, **kwargs):
+    def prompt(
+        hidden_states,
+        dt,
+        A,
+        B,
+        C,
+        D=None,
+        z=None,
+        delta_bias=None,
+        delta_softplus=False,
+        return_last_state=False,
+        **kwargs,
+    ):
         batch, d_inner, seq = hidden_states.shape
         state = torch.zeros(batch, d_inner, A.shape[-1], dtype=torch.float32)  # the cache's dtype
         # the mixers hand the decode kernel D in the model dtype (the prompt kernel gets D.float())
         D = None if D is None else D.to(hidden_states.dtype)
-        outputs = [decode(state, hidden_states[..., t], dt[..., t], A, B[..., t], C[..., t], D, dt_bias=delta_bias,
-                          dt_softplus=delta_softplus, z=None if z is None else z[..., t]) for t in range(seq)]
+        outputs = [
+            decode(
+                state,
+                hidden_states[..., t],
+                dt[..., t],
+                A,
+                B[..., t],
+                C[..., t],
+                D,
+                dt_bias=delta_bias,
+                dt_softplus=delta_softplus,
+                z=None if z is None else z[..., t],
+            )
+            for t in range(seq)
+        ]
         y = torch.stack(outputs, dim=-1)
         return (y, state) if return_last_state else y
+
     return prompt
 
 
 def _ssd_by_decode(decode):
-    def prompt(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
-               dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
+    def prompt(
+        hidden_states,
+        dt,
+        A,
+        B,
+        C,
+        chunk_size,
+        D=None,
+        dt_bias=None,
+        initial_states=None,
+        dt_softplus=False,
+        dt_limit=(0.0, float("inf")),
+        return_final_states=False,
+        **kwargs,
+    ):
         batch, seq, heads, head_dim = hidden_states.shape
         d_state = B.shape[-1]
-        state = (torch.zeros(batch, heads, head_dim, d_state) if initial_states is None
-                 else initial_states.to(torch.float32, copy=True))
+        state = (
+            torch.zeros(batch, heads, head_dim, d_state)
+            if initial_states is None
+            else initial_states.to(torch.float32, copy=True)
+        )
         per_channel = lambda v: v[..., None].expand(*v.shape, head_dim)  # noqa: E731  as the mixers expand them
         A_d = A[:, None, None].expand(heads, head_dim, d_state)
-        outputs = [decode(state, hidden_states[:, t], per_channel(dt[:, t]), A_d, B[:, t], C[:, t],
-                          None if D is None else per_channel(D),
-                          dt_bias=None if dt_bias is None else per_channel(dt_bias),
-                          dt_softplus=dt_softplus, z=None) for t in range(seq)]
+        outputs = [
+            decode(
+                state,
+                hidden_states[:, t],
+                per_channel(dt[:, t]),
+                A_d,
+                B[:, t],
+                C[:, t],
+                None if D is None else per_channel(D),
+                dt_bias=None if dt_bias is None else per_channel(dt_bias),
+                dt_softplus=dt_softplus,
+                z=None,
+            )
+            for t in range(seq)
+        ]
         y = torch.stack(outputs, dim=1)
         return (y, state) if return_final_states else y
+
     return prompt
 
 
-_DECODE_LOOPS = {rh.GatedDeltaNet: _gated_delta_by_decode, rh.KimiDeltaAttention: _gated_delta_by_decode,
-                 rh.SelectiveScan: _selective_scan_by_decode, rh.PerHeadSelectiveScan: _selective_scan_by_decode,
-                 rh.Mamba2StateSpace: _ssd_by_decode}
+_DECODE_LOOPS = {
+    rh.GatedDeltaNet: _gated_delta_by_decode,
+    rh.KimiDeltaAttention: _gated_delta_by_decode,
+    rh.SelectiveScan: _selective_scan_by_decode,
+    rh.PerHeadSelectiveScan: _selective_scan_by_decode,
+    rh.Mamba2StateSpace: _ssd_by_decode,
+}
 
 
 CASES = {family: (lambda family=family: build(family)) for family in FAMILIES}
@@ -127,8 +203,15 @@ def _prompt(model, ids):
 
 def _generate(model, ids):
     """Logits of the prompt's last token and of NEW - 1 decode steps over the cache, and the cache."""
-    out = model.generate(ids[:, :T], max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, output_logits=True,
-                         return_dict_in_generate=True, logits_processor=[_Forced(ids[:, T:])])
+    out = model.generate(
+        ids[:, :T],
+        max_new_tokens=NEW,
+        do_sample=False,
+        pad_token_id=PAD,
+        output_logits=True,
+        return_dict_in_generate=True,
+        logits_processor=[_Forced(ids[:, T:])],
+    )
     return torch.stack(out.logits, dim=1).float(), out.past_key_values
 
 
@@ -137,8 +220,9 @@ def _by_decode(model):
     """The model's prompt kernel replaced by its own decode kernel run token by token."""
     module, kind = _kernel_module(model)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(module, kind.kernel_for("prompt").name,
-                      _DECODE_LOOPS[kind](getattr(module, kind.kernel_for("decode").name)))
+        patch.setattr(
+            module, kind.kernel_for("prompt").name, _DECODE_LOOPS[kind](getattr(module, kind.kernel_for("decode").name))
+        )
         yield
 
 
@@ -188,8 +272,13 @@ def test_half_precision_within_transformers_own_prompt_vs_decode_difference(case
         tolerance = max(K * yardstick, FLOOR)
         for name in logits:
             if name.startswith(f"{run}, "):
-                assert_close(f"{case} {dtype} {name} (yardstick {yardstick:.3g})", logits[run], logits[name],
-                             rtol=0, atol=tolerance)
+                assert_close(
+                    f"{case} {dtype} {name} (yardstick {yardstick:.3g})",
+                    logits[run],
+                    logits[name],
+                    rtol=0,
+                    atol=tolerance,
+                )
     for state in states:
         assert state.dtype == torch.float32, f"{case} {dtype}: a state handed over in {state.dtype}"
 
@@ -224,15 +313,21 @@ def test_loops_round_as_transformers_kernels(case, dtype):
                 if part.kernel not in _exact_kernels(kind):
                     continue
                 kernel = kind.kernel(part.kernel)
-                inputs = {name: value.clone() if name == kernel.state_in and value is not None else value
-                          for name, value in part.inputs.items()}
+                inputs = {
+                    name: value.clone() if name == kernel.state_in and value is not None else value
+                    for name, value in part.inputs.items()
+                }
                 got = kernel.name_results(kernel.loop(**inputs))
                 if kernel.in_place:
                     got["final_state"] = inputs[kernel.state_in]
                 for name, value in part.output.items():
                     if value is not None:
-                        assert_close(f"{case} {dtype} {mixer} call {call.index} {part.kernel} {name}", value,
-                                     got[name], **tolerance)
+                        assert_close(
+                            f"{case} {dtype} {mixer} call {call.index} {part.kernel} {name}",
+                            value,
+                            got[name],
+                            **tolerance,
+                        )
                         checked += 1
     assert checked, f"{case}: no kernel call was checked"
 
@@ -246,15 +341,22 @@ def _conv_by_decode(module):
 
     def prompt(hidden_states, weight, bias=None, activation=None, **kwargs):
         window = hidden_states.new_zeros(*hidden_states.shape[:2], weight.shape[-1])
-        return torch.cat([decode(hidden_states[..., p, None], window, weight, bias, activation)
-                          for p in range(hidden_states.shape[-1])], dim=-1)
+        return torch.cat(
+            [
+                decode(hidden_states[..., p, None], window, weight, bias, activation)
+                for p in range(hidden_states.shape[-1])
+            ],
+            dim=-1,
+        )
+
     return prompt
 
 
 def _after_prompt(model, prompt):
     """The cache after the prompt's forward (a generate of one token: no decode step)."""
-    return model.generate(prompt, max_new_tokens=1, do_sample=False, pad_token_id=PAD,
-                          return_dict_in_generate=True).past_key_values
+    return model.generate(
+        prompt, max_new_tokens=1, do_sample=False, pad_token_id=PAD, return_dict_in_generate=True
+    ).past_key_values
 
 
 def _conv_windows(model, cache):
@@ -264,10 +366,12 @@ def _conv_windows(model, cache):
 
 def _write_back(kept):
     """Write, after a few prompt tokens, the windows a kept run had there (new tensors, the same values)."""
+
     def arm(w):
         for mixer, windows in zip(w.mixers, kept):
             for token, window in windows.items():
                 mixer.set_window_after(token, window.clone())
+
     return arm
 
 
@@ -314,13 +418,20 @@ def test_conv_windows_kept_hooked_or_written_leave_the_model_bit_identical(case,
         yardstick = (logits[f"{run} by decode"] - logits[run]).abs().max().item()
         for name in logits:
             if name.startswith(f"{run}, "):
-                assert_close(f"{case} {dtype} {name} (conv yardstick {yardstick:.3g})", logits[run], logits[name],
-                             rtol=0, atol=K * yardstick)
+                assert_close(
+                    f"{case} {dtype} {name} (conv yardstick {yardstick:.3g})",
+                    logits[run],
+                    logits[name],
+                    rtol=0,
+                    atol=K * yardstick,
+                )
     # the windows handed over are the ones transformers caches, in its dtype
-    for what, theirs, ours in [("after the prompt", cached_after_prompt, kept_after_prompt),
-                               ("after the last step", cached, last_windows),
-                               ("cached by the watched generate", cached, _conv_windows(model, kept_cache)),
-                               ("cached after writing back", cached, _conv_windows(model, written_cache))]:
+    for what, theirs, ours in [
+        ("after the prompt", cached_after_prompt, kept_after_prompt),
+        ("after the last step", cached, last_windows),
+        ("cached by the watched generate", cached, _conv_windows(model, kept_cache)),
+        ("cached after writing back", cached, _conv_windows(model, written_cache)),
+    ]:
         for layer, (a, b) in enumerate(zip(theirs, ours)):
             assert b.dtype == a.dtype, f"{case} {dtype} window {what} in {b.dtype}, cached in {a.dtype}"
             assert_close(f"{case} {dtype} mixer {layer} window {what}", a, b, rtol=0, atol=0)
@@ -340,8 +451,11 @@ def _conv_inputs(dtype, length, layout, seed=0, batch=2, channels=40, size=4):
     return x, randn(channels, size), randn(channels)
 
 
-CONV_FAMILIES = [name for name, row in REGISTERED.items()  # the families whose modules call the shared conv kernels
-                 if {k.name for k in CONV_KERNELS} <= {k.name for k in row.kind.KERNELS}]
+CONV_FAMILIES = [
+    name
+    for name, row in REGISTERED.items()  # the families whose modules call the shared conv kernels
+    if {k.name for k in CONV_KERNELS} <= {k.name for k in row.kind.KERNELS}
+]
 
 
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float32], ids=str)
@@ -380,6 +494,7 @@ def test_a_written_window_gives_transformers_continuation_bit_for_bit(family, dt
     written = _conv_inputs(dtype, 4, "contiguous", seed=7)[0]
     plain = fn(x, weight, bias)
     for t in (0, 4, 10):
+
         def replace(token, window):
             return written if token == t else window
 
@@ -389,19 +504,29 @@ def test_a_written_window_gives_transformers_continuation_bit_for_bit(family, dt
         for how, hook in (("replaced", replace), ("changed in place", in_place)):
             ours = causal_conv1d_fn(x, weight, bias, on_token=hook)
             # transformers over a cache: the cached window prepended, its outputs the last ones
-            continued = fn(torch.cat([written, x[..., t + 1:]], dim=-1), weight, bias)[..., 4:]
-            assert_close(f"{family} {dtype} write after {t} ({how}): before", plain[..., :t + 1], ours[..., :t + 1],
-                         rtol=0, atol=0)
-            assert_close(f"{family} {dtype} write after {t} ({how}): after", continued, ours[..., t + 1:],
-                         rtol=0, atol=0)
+            continued = fn(torch.cat([written, x[..., t + 1 :]], dim=-1), weight, bias)[..., 4:]
+            assert_close(
+                f"{family} {dtype} write after {t} ({how}): before",
+                plain[..., : t + 1],
+                ours[..., : t + 1],
+                rtol=0,
+                atol=0,
+            )
+            assert_close(
+                f"{family} {dtype} write after {t} ({how}): after", continued, ours[..., t + 1 :], rtol=0, atol=0
+            )
     # decode: the written window is what the cache keeps and the next step reads
     state = written.clone()
     ours_state = torch.zeros_like(state)
     causal_conv1d_update(x[..., :1], ours_state, weight, bias, "silu", on_token=lambda t, w: written)
     assert_close(f"{family} {dtype} decode write", written, ours_state, rtol=0, atol=0)
-    assert_close(f"{family} {dtype} decode after a write", update(x[..., 1:2], state, weight, bias, "silu"),
-                 causal_conv1d_update(x[..., 1:2], ours_state, weight, bias, "silu", on_token=lambda t, w: w),
-                 rtol=0, atol=0)
+    assert_close(
+        f"{family} {dtype} decode after a write",
+        update(x[..., 1:2], state, weight, bias, "silu"),
+        causal_conv1d_update(x[..., 1:2], ours_state, weight, bias, "silu", on_token=lambda t, w: w),
+        rtol=0,
+        atol=0,
+    )
 
 
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float32], ids=str)
@@ -420,15 +545,21 @@ def test_conv_loops_round_as_transformers_conv_kernels_on_a_generate(case, dtype
             part = call.conv
             kernel = kind.kernel(part.kernel)
             for how, hook in (("unchanged", lambda t, s: s), ("as new tensors", lambda t, s: s.clone())):
-                inputs = {name: value.clone() if name == kernel.state_in else value
-                          for name, value in part.inputs.items()}
+                inputs = {
+                    name: value.clone() if name == kernel.state_in else value for name, value in part.inputs.items()
+                }
                 with torch.no_grad():
                     got = kernel.name_results(kernel.loop(**inputs, on_token=hook))
                 if kernel.in_place:
                     got["final_state"] = inputs[kernel.state_in]
                 for name, value in part.output.items():
                     if value is not None:
-                        assert_close(f"{case} {dtype} {mixer} call {call.index} {part.kernel} {name} ({how})", value,
-                                     got[name], rtol=0, atol=0)
+                        assert_close(
+                            f"{case} {dtype} {mixer} call {call.index} {part.kernel} {name} ({how})",
+                            value,
+                            got[name],
+                            rtol=0,
+                            atol=0,
+                        )
                         checked += 1
     assert checked, f"{case}: no conv kernel call was checked"

@@ -22,8 +22,12 @@ import recurrent_hooks as rh
 from recurrent_hooks.engine.binding.rebinding import import_default
 from recurrent_hooks.kinds.dynamic_conv import dynamic_conv_forward
 
-ROWS = {row.name: row for family in rh.FAMILIES.values() for row in family.classes  # the dynamic mixer classes
-        if issubclass(row.kind, rh.DynamicShortConvolution)}
+ROWS = {
+    row.name: row
+    for family in rh.FAMILIES.values()
+    for row in family.classes  # the dynamic mixer classes
+    if issubclass(row.kind, rh.DynamicShortConvolution)
+}
 FAMILIES = list(ROWS)
 KEEP = ("windows", "inputs", "outputs")
 T = 13
@@ -36,8 +40,6 @@ T = 13
 # on transformers 5.24 and 5.25), while the calls before it stay equal bit for bit (decode_early); otherwise as the
 # short convolution it extends.
 CONTRACT = {rh.DynamicShortConvolution: dataclasses.replace(reading_of(rh.ShortConvolution), later=1e-7)}
-
-
 
 
 def dynamic(w):
@@ -137,15 +139,18 @@ def test_the_forward_equals_transformers_bit_for_bit(model, family):
         with torch.no_grad():
             theirs = original(module, *args, **{**kwargs, "cache": caches[0]})
             ours = dynamic_conv_forward(module, *args, **{**kwargs, "cache": caches[1]})
-            looped = dynamic_conv_forward(module, *args, **{**kwargs, "cache": caches[2]},
-                                          on_token=lambda t, window: windows.append(window) or window)
+            looped = dynamic_conv_forward(
+                module,
+                *args,
+                **{**kwargs, "cache": caches[2]},
+                on_token=lambda t, window: windows.append(window) or window,
+            )
         assert_equal(f"{module.__class__.__name__} output", theirs, ours)
         assert_equal(f"{module.__class__.__name__} output with on_token", theirs, looped)
         if caches[0] is not None:
             for cache in caches[1:]:
                 assert_equal("cached window", caches[0].get_conv_state(*where), cache.get_conv_state(*where))
-            assert_equal("the last window handed over is the cached one", caches[0].get_conv_state(*where),
-                         windows[-1])
+            assert_equal("the last window handed over is the cached one", caches[0].get_conv_state(*where), windows[-1])
 
 
 @pytest.mark.parametrize("seq", [1, 3, T])
@@ -185,15 +190,25 @@ def test_a_window_write_at_a_prompt_token_changes_only_later_tokens_and_the_cach
         dynamic(w)[0].set_window_after(token, value)
         out = model(ids, use_cache=True)
     mixer = dynamic(w)[0]
-    assert_equal("logits up to the written token", clean[:, :token + 1], out.logits[:, :token + 1])
-    assert (clean[:, token + 1:] - out.logits[:, token + 1:]).abs().max() > 1e-6
+    assert_equal("logits up to the written token", clean[:, : token + 1], out.logits[:, : token + 1])
+    assert (clean[:, token + 1 :] - out.logits[:, token + 1 :]).abs().max() > 1e-6
     _, expected = _equation(mixer.module, x, u, written={token: value})
-    assert_close("the mixer's outputs continue from the written window", expected,
-                 mixer.calls[0].conv.output["output"], rtol=1e-5, atol=1e-6)
+    assert_close(
+        "the mixer's outputs continue from the written window",
+        expected,
+        mixer.calls[0].conv.output["output"],
+        rtol=1e-5,
+        atol=1e-6,
+    )
     layer, state = mixer.module.layer_idx, mixer.module.conv_idx
     windows, _ = _equation(mixer.module, x, u, written={token: value})
-    assert_close("the cache holds the window continued from the write", windows[:, -1],
-                 out.past_key_values.get_conv_state(layer, state_idx=state), rtol=1e-6, atol=1e-7)
+    assert_close(
+        "the cache holds the window continued from the write",
+        windows[:, -1],
+        out.past_key_values.get_conv_state(layer, state_idx=state),
+        rtol=1e-6,
+        atol=1e-7,
+    )
 
 
 def test_writes_after_the_last_prompt_token_and_at_a_decode_step_reach_the_cache(model):
@@ -234,8 +249,10 @@ def test_writing_the_window_makes_the_mixer_continue_as_in_the_other_run(model, 
     xa, ua = torch.randn(2, T, channels, generator=gen), torch.randn(2, T, size, generator=gen)
     xb, ub = xa.clone(), ua.clone()
     t = 6
-    xb[:, :t + 1], ub[:, :t + 1] = (torch.randn(2, t + 1, channels, generator=gen),
-                                    torch.randn(2, t + 1, size, generator=gen))
+    xb[:, : t + 1], ub[:, : t + 1] = (
+        torch.randn(2, t + 1, channels, generator=gen),
+        torch.randn(2, t + 1, size, generator=gen),
+    )
     xa, ua, xb, ub = (x.to(module.static_weight.device) for x in (xa, ua, xb, ub))  # the model's (pytest --device)
     with torch.no_grad(), rh.watch(model, keep=("windows",)) as w:
         ya = module(xa, ua)
@@ -246,9 +263,9 @@ def test_writing_the_window_makes_the_mixer_continue_as_in_the_other_run(model, 
         mixer = next(m for m in dynamic(w) if m.module is module)
         mixer.set_window_after(t, window, call=1)
         yb = module(xb, ub)
-    assert (plain[:, t + 1:] - ya[:, t + 1:]).abs().max() > 1e-3
-    assert_equal("B up to t is B's own", plain[:, :t + 1], yb[:, :t + 1])
-    assert_close("B after t is A's", ya[:, t + 1:], yb[:, t + 1:], rtol=1e-6, atol=1e-6)
+    assert (plain[:, t + 1 :] - ya[:, t + 1 :]).abs().max() > 1e-3
+    assert_equal("B up to t is B's own", plain[:, : t + 1], yb[:, : t + 1])
+    assert_close("B after t is A's", ya[:, t + 1 :], yb[:, t + 1 :], rtol=1e-6, atol=1e-6)
 
 
 def test_gradient_with_respect_to_a_kept_window(model):
@@ -298,6 +315,7 @@ def test_registry_and_support_rows(model, family):
     row = ROWS[family]
     assert row.name in rh.FAMILIES and rh.FAMILIES[row.name].mixer_class != row.mixer_class
     from recurrent_hooks.registry import UNSUPPORTED, family_of, mixer_of, resolve_family
+
     assert all(u.mixer_class != row.mixer_class for u in UNSUPPORTED)
     assert all(mixer_of(m) is row and family_of(m) is rh.FAMILIES[family] for m in _modules(model, family))
     assert resolve_family(model) is rh.FAMILIES[family]
@@ -336,8 +354,11 @@ def test_a_multi_token_continuation_and_left_padding(model):
     for mixer in dynamic(w):
         prompt, continuation = mixer.calls
         assert continuation.tokens == 4 and continuation.index == 1
-        assert_equal(f"{mixer} continues from the prompt's last window", prompt.windows[:, -1],
-                     continuation.conv.inputs["conv_state"])
+        assert_equal(
+            f"{mixer} continues from the prompt's last window",
+            prompt.windows[:, -1],
+            continuation.conv.inputs["conv_state"],
+        )
     mask = torch.ones(2, T, dtype=torch.long)
     mask[1, :4] = 0
     padded = ids.clone()

@@ -7,7 +7,6 @@ contract every family meets (parity, generate, hooks, writes, the whole memory, 
 left padding, bindings) is written once in tests/kinds/test_contract.py.
 """
 
-
 import pytest
 import torch
 from _compare import assert_close, assert_close_per_call
@@ -66,8 +65,9 @@ def test_states_equal_float64_reference_at_prompt_and_decode_steps(model):
     for mixer in w.mixers:
         assert [c.tokens for c in mixer.calls] == [T, 1, 1, 1]
         for call in range(4):
-            assert_close(f"{mixer} call {call}", reference_states(mixer, call), mixer.calls[call].states,
-                         rtol=1e-4, atol=1e-6)
+            assert_close(
+                f"{mixer} call {call}", reference_states(mixer, call), mixer.calls[call].states, rtol=1e-4, atol=1e-6
+            )
 
 
 # -- the convolution window and the whole memory ---------------------------------------------------------------
@@ -82,7 +82,7 @@ def conv_window_reference(mixer: rh.RecurrentMixer, call: int) -> torch.Tensor:
     size = record.conv.inputs["weight"].shape[-1]
     padded = torch.nn.functional.pad(x, (size, 0))
     length = x.shape[-1]
-    windows = [padded[..., size + p + 1 - size: size + p + 1] for p in range(length - record.tokens, length)]
+    windows = [padded[..., size + p + 1 - size : size + p + 1] for p in range(length - record.tokens, length)]
     return torch.stack(windows, dim=1)
 
 
@@ -90,8 +90,13 @@ def test_conv_windows_are_the_last_inputs_at_prompt_and_decode_steps(model):
     w = watched_greedy(model, ALL, T, 3)
     for mixer in w.mixers:
         for call in range(3):
-            assert_close(f"{mixer} call {call} conv windows", conv_window_reference(mixer, call),
-                         mixer.calls[call].windows, rtol=0, atol=0)
+            assert_close(
+                f"{mixer} call {call} conv windows",
+                conv_window_reference(mixer, call),
+                mixer.calls[call].windows,
+                rtol=0,
+                atol=0,
+            )
 
 
 # -- fast paths against the token loop ---------------------------------------------------------------------------
@@ -127,15 +132,26 @@ def test_sparse_fast_path_equals_the_token_loop(model, monkeypatch):
         for call in range(4):
             for token in (2, 7, -1) if call == 0 else (0,):
                 expected = a.state_after(token, call)
-                assert_close(f"{a} call {call} state after {token}", expected, b.state_after(token, call), rtol=1e-4,
-                             atol=1e-6 * _scale(expected))
+                assert_close(
+                    f"{a} call {call} state after {token}",
+                    expected,
+                    b.state_after(token, call),
+                    rtol=1e-4,
+                    atol=1e-6 * _scale(expected),
+                )
             if call:  # what the cache handed to the decode step
                 expected = state_in(a, call)
-                assert_close(f"{a} call {call} state in", expected, state_in(b, call), rtol=1e-4,
-                             atol=1e-6 * _scale(expected))
+                assert_close(
+                    f"{a} call {call} state in", expected, state_in(b, call), rtol=1e-4, atol=1e-6 * _scale(expected)
+                )
                 expected = a.calls[call].conv.inputs["conv_state"]
-                assert_close(f"{a} call {call} window in", expected, b.calls[call].conv.inputs["conv_state"],
-                             rtol=1e-4, atol=1e-6 * _scale(expected))
+                assert_close(
+                    f"{a} call {call} window in",
+                    expected,
+                    b.calls[call].conv.inputs["conv_state"],
+                    rtol=1e-4,
+                    atol=1e-6 * _scale(expected),
+                )
 
 
 def _scale(x):
@@ -165,5 +181,10 @@ def test_every_state_kept_chunkwise_equals_the_token_loop(model, monkeypatch):
     assert_close("hook input", torch.stack(slow_seen), torch.stack(fast_seen), rtol=1e-4, atol=1e-6)
     for a, b in zip(slow.mixers, fast.mixers):
         assert_close(f"{a} every state", a.states, b.states, rtol=1e-4, atol=1e-6)
-        assert_close(f"{a} cached state", slow_out.past_key_values.get_recurrent_state(a.layer),
-                     fast_out.past_key_values.get_recurrent_state(b.layer), rtol=1e-4, atol=1e-6)
+        assert_close(
+            f"{a} cached state",
+            slow_out.past_key_values.get_recurrent_state(a.layer),
+            fast_out.past_key_values.get_recurrent_state(b.layer),
+            rtol=1e-4,
+            atol=1e-6,
+        )

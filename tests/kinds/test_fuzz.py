@@ -52,8 +52,11 @@ LOGITS = dict(rtol=1e-4, atol=1e-5)
 EXACT = dict(rtol=0, atol=0)
 
 STATE_MEMORY, CONV_MEMORY = "state", "window"
-WRITES = {"set_state_after": (STATE_MEMORY,), "set_window_after": (CONV_MEMORY,),
-          "set_memory_after": (STATE_MEMORY, CONV_MEMORY)}
+WRITES = {
+    "set_state_after": (STATE_MEMORY,),
+    "set_window_after": (CONV_MEMORY,),
+    "set_memory_after": (STATE_MEMORY, CONV_MEMORY),
+}
 HOOKS = {"state_hook": STATE_MEMORY, "conv_hook": CONV_MEMORY}
 
 
@@ -136,9 +139,15 @@ def edits(draw, kind: Kind, prompt: int, decode: int) -> Edit:
     # an explicit call must contain the hook's tokens; with call=None, calls without them are skipped
     tokens = prompt if call is None or call in (0, (0,)) else 1
     one = st.integers(-tokens, tokens - 1)
-    token = draw(st.sampled_from(["one", "one", "several", "every"]).flatmap(
-        lambda n: {"one": one, "several": st.lists(one, min_size=1, max_size=2, unique=True).map(tuple),
-                   "every": st.none()}[n]))
+    token = draw(
+        st.sampled_from(["one", "one", "several", "every"]).flatmap(
+            lambda n: {
+                "one": one,
+                "several": st.lists(one, min_size=1, max_size=2, unique=True).map(tuple),
+                "every": st.none(),
+            }[n]
+        )
+    )
     return Edit(method, mixer, call, token, draw(st.sampled_from([None, 0.5, -1.0])))
 
 
@@ -173,8 +182,12 @@ def write_values(case: Case, family: str) -> list[rh.Memory]:
     for i, edit in enumerate(case.edits):
         gen = torch.Generator().manual_seed(case.seed + i)
         scale = edit.scale or 0.0
-        values.append(rh.Memory(torch.randn((case.batch, *state_shape), generator=gen) * scale,
-                                torch.randn((case.batch, *conv_shape), generator=gen) * scale))
+        values.append(
+            rh.Memory(
+                torch.randn((case.batch, *state_shape), generator=gen) * scale,
+                torch.randn((case.batch, *conv_shape), generator=gen) * scale,
+            )
+        )
     return values
 
 
@@ -212,6 +225,7 @@ def run(case: Case, kind: Kind, values: list[rh.Memory], fast: bool) -> Run:
         def hook(mixer, call, token, state):
             seen[(index, call, mixer.head, token)] = state.clone()
             return None if edit.scale is None else state * edit.scale
+
         return hook
 
     if fast and case.keep is not None:
@@ -233,11 +247,16 @@ def run(case: Case, kind: Kind, values: list[rh.Memory], fast: bool) -> Run:
             elif edit.method == "set_memory_after":
                 mixer.set_memory_after(edit.token, value, call=edit.call)
             else:
-                mixer.register_state_hook(hook_of(i, edit), call=edit.call, token=edit.token,
-                                          memory=HOOKS[edit.method])
-        out = model.generate(random_ids(case.batch, case.prompt, seed=case.seed), max_new_tokens=n,
-                             min_new_tokens=n, do_sample=False, pad_token_id=PAD, output_logits=True,
-                             return_dict_in_generate=True)
+                mixer.register_state_hook(hook_of(i, edit), call=edit.call, token=edit.token, memory=HOOKS[edit.method])
+        out = model.generate(
+            random_ids(case.batch, case.prompt, seed=case.seed),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=PAD,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     return Run(w, out, seen, segmented)
 
 
@@ -267,8 +286,9 @@ def _selective_scan(part):
         bias, softplus, start = x["dt_bias"], x["dt_softplus"], x["state"]
 
     def states(p, state):
-        return selective_scan_reference(p["hidden_states"], p["dt"], x["A"], p["B"], p["C"], dt_bias=bias,
-                                        softplus=softplus, initial_state=state)[1]
+        return selective_scan_reference(
+            p["hidden_states"], p["dt"], x["A"], p["B"], p["C"], dt_bias=bias, softplus=softplus, initial_state=state
+        )[1]
 
     return per_token, start, states
 
@@ -279,21 +299,38 @@ def _state_space(part):
         per_token = {name: x[name] for name in ("hidden_states", "dt", "B", "C")}
         A, bias, limit, start = x["A"], x["dt_bias"], x["dt_limit"], x["initial_states"]
     else:  # the decode kernel gets the per-head parameters expanded over head_dim: channel 0 is the head's
-        per_token = {"hidden_states": x["hidden_states"][:, None], "dt": x["dt"][:, None, :, 0],
-                     "B": x["B"][:, None], "C": x["C"][:, None]}
+        per_token = {
+            "hidden_states": x["hidden_states"][:, None],
+            "dt": x["dt"][:, None, :, 0],
+            "B": x["B"][:, None],
+            "C": x["C"][:, None],
+        }
         A, bias, limit, start = x["A"][:, 0, 0], x["dt_bias"], (-math.inf, math.inf), x["state"]
         bias = None if bias is None else bias[:, 0]
 
     def states(p, state):
-        return ssd_reference(p["hidden_states"], p["dt"], A, p["B"], p["C"], dt_bias=bias,
-                             softplus=x["dt_softplus"], dt_limit=limit, initial_state=state)[1]
+        return ssd_reference(
+            p["hidden_states"],
+            p["dt"],
+            A,
+            p["B"],
+            p["C"],
+            dt_bias=bias,
+            softplus=x["dt_softplus"],
+            dt_limit=limit,
+            initial_state=state,
+        )[1]
 
     return per_token, start, states
 
 
-RECURRENCES = {rh.GatedDeltaNet: _gated_delta, rh.KimiDeltaAttention: _gated_delta,
-               rh.SelectiveScan: _selective_scan, rh.PerHeadSelectiveScan: _selective_scan,
-               rh.Mamba2StateSpace: _state_space}
+RECURRENCES = {
+    rh.GatedDeltaNet: _gated_delta,
+    rh.KimiDeltaAttention: _gated_delta,
+    rh.SelectiveScan: _selective_scan,
+    rh.PerHeadSelectiveScan: _selective_scan,
+    rh.Mamba2StateSpace: _state_space,
+}
 
 
 class Reference:
@@ -303,12 +340,17 @@ class Reference:
         self.case, self.values = case, values
         self.seen: dict[tuple[int, int, int | None, int], torch.Tensor] = {}
 
-    def _edit(self, index: int, memory: str, call: int, token: int, value: torch.Tensor, head: int | None,
-              tokens: int) -> torch.Tensor:
+    def _edit(
+        self, index: int, memory: str, call: int, token: int, value: torch.Tensor, head: int | None, tokens: int
+    ) -> torch.Tensor:
         """Apply every edit of mixer `index` on `memory` at (call, token), in registration order."""
         for i, edit in enumerate(self.case.edits):
-            if edit.mixer != index or memory not in edit.memories() or not edit.targets(call) \
-                    or token not in positions(edit.token, tokens):
+            if (
+                edit.mixer != index
+                or memory not in edit.memories()
+                or not edit.targets(call)
+                or token not in positions(edit.token, tokens)
+            ):
                 continue
             if edit.method in WRITES:
                 written = self.values[i].state if memory == STATE_MEMORY else self.values[i].window
@@ -323,8 +365,14 @@ class Reference:
         """The float64 states after every token of `call`, with the edits applied at their stops."""
         record = mixer.calls[call]
         tokens = record.tokens
-        stops = sorted({p for edit in self.case.edits if edit.mixer == index and STATE_MEMORY in edit.memories()
-                        and edit.targets(call) for p in positions(edit.token, tokens)})
+        stops = sorted(
+            {
+                p
+                for edit in self.case.edits
+                if edit.mixer == index and STATE_MEMORY in edit.memories() and edit.targets(call)
+                for p in positions(edit.token, tokens)
+            }
+        )
         heads = []
         for head, part in enumerate(record.kernel_calls):
             head = head if type(mixer).KERNEL_PER_HEAD else None  # zamba: one kernel call per head
@@ -355,7 +403,7 @@ class Reference:
         offset = x.shape[-1] - record.tokens
         windows = []
         for p in range(x.shape[-1]):
-            window = torch.cat([window[..., 1:], x[..., p:p + 1]], dim=-1)
+            window = torch.cat([window[..., 1:], x[..., p : p + 1]], dim=-1)
             if p >= offset:
                 window = self._edit(index, CONV_MEMORY, call, p - offset, window, None, record.tokens)
                 windows.append(window)
@@ -384,12 +432,17 @@ def check_token_loop_against_reference(case: Case, values: list[rh.Memory], slow
         for call in range(calls):
             record = mixer.calls[call]
             expected = reference.states(index, mixer, call)
-            assert_close(f"{mixer} call {call}: states against the float64 reference", expected, record.states,
-                         **STATES)
+            assert_close(
+                f"{mixer} call {call}: states against the float64 reference", expected, record.states, **STATES
+            )
             if call == calls - 1:
                 last = expected[:, -1]
-            assert_close(f"{mixer} call {call}: windows against the last inputs", reference.windows(index, mixer, call),
-                         record.windows, **EXACT)
+            assert_close(
+                f"{mixer} call {call}: windows against the last inputs",
+                reference.windows(index, mixer, call),
+                record.windows,
+                **EXACT,
+            )
             start, window = state_in(mixer, call), record.conv.inputs.get("conv_state")
             if call == 0:
                 assert start is None or not start.any(), f"{mixer}: the prompt did not start from zeros"
@@ -398,15 +451,25 @@ def check_token_loop_against_reference(case: Case, values: list[rh.Memory], slow
                 assert_close(f"{mixer} call {call}: state in", previous.states[:, -1], start, **EXACT)
                 assert_close(f"{mixer} call {call}: window in", previous.windows[:, -1], window, **EXACT)
         cache = slow.out.past_key_values
-        assert_close(f"{mixer}: cached state after the run", mixer.calls[-1].states[:, -1],
-                     cache.get_recurrent_state(mixer.layer), **EXACT)
-        assert_close(f"{mixer}: cached state against the reference", last,
-                     cache.get_recurrent_state(mixer.layer), **STATES)
+        assert_close(
+            f"{mixer}: cached state after the run",
+            mixer.calls[-1].states[:, -1],
+            cache.get_recurrent_state(mixer.layer),
+            **EXACT,
+        )
+        assert_close(
+            f"{mixer}: cached state against the reference", last, cache.get_recurrent_state(mixer.layer), **STATES
+        )
         cached_window = cache.get_conv_state(mixer.layer)
-        assert_close(f"{mixer}: cached window after the run",
-                     mixer.calls[-1].windows[:, -1].to(cached_window.dtype), cached_window, **EXACT)
-    assert set(reference.seen) == set(slow.seen), \
+        assert_close(
+            f"{mixer}: cached window after the run",
+            mixer.calls[-1].windows[:, -1].to(cached_window.dtype),
+            cached_window,
+            **EXACT,
+        )
+    assert set(reference.seen) == set(slow.seen), (
         f"hooks ran at (edit, call, head, token) {sorted(slow.seen, key=str)}, not {sorted(reference.seen, key=str)}"
+    )
     for key, expected in reference.seen.items():
         assert_close(f"hook input (edit, call, head, token) = {key}", expected, slow.seen[key], **STATES)
 
@@ -416,31 +479,53 @@ def check_fast_paths_against_token_loop(case: Case, slow: Run, fast: Run) -> Non
     assert_equal("generated tokens", slow.out.sequences, fast.out.sequences)
     for step, (a, b) in enumerate(zip(slow.out.logits, fast.out.logits, strict=True)):
         assert_close(f"logits of call {step}", a, b, **LOGITS)
-    assert set(slow.seen) == set(fast.seen), \
+    assert set(slow.seen) == set(fast.seen), (
         f"fast hooks ran at (edit, call, head, token) {sorted(fast.seen, key=str)}, not {sorted(slow.seen, key=str)}"
+    )
     for key, seen in slow.seen.items():
         assert_close(f"hook input (edit, call, head, token) = {key}", seen, fast.seen[key], **STATES)
     for index, (a, b) in enumerate(zip(slow.watch.mixers, fast.watch.mixers, strict=True)):
         for call in range(1 + case.decode):
             tokens = a.calls[call].tokens
             for token in range(tokens) if case.keep is None else positions(case.keep, tokens):
-                assert_close(f"{a} call {call}: state after {token}", a.state_after(token, call),
-                             b.state_after(token, call), **STATES)
-                assert_close(f"{a} call {call}: window after {token}", a.window_after(token, call),
-                             b.window_after(token, call), **STATES)
+                assert_close(
+                    f"{a} call {call}: state after {token}",
+                    a.state_after(token, call),
+                    b.state_after(token, call),
+                    **STATES,
+                )
+                assert_close(
+                    f"{a} call {call}: window after {token}",
+                    a.window_after(token, call),
+                    b.window_after(token, call),
+                    **STATES,
+                )
             if call:
                 assert_close(f"{a} call {call}: state in", state_in(a, call), state_in(b, call), **STATES)
-                assert_close(f"{a} call {call}: window in", a.calls[call].conv.inputs["conv_state"],
-                             b.calls[call].conv.inputs["conv_state"], **STATES)
+                assert_close(
+                    f"{a} call {call}: window in",
+                    a.calls[call].conv.inputs["conv_state"],
+                    b.calls[call].conv.inputs["conv_state"],
+                    **STATES,
+                )
         for what in ("get_recurrent_state", "get_conv_state"):
-            assert_close(f"{a}: cache {what}", getattr(slow.out.past_key_values, what)(a.layer),
-                         getattr(fast.out.past_key_values, what)(b.layer), **STATES)
+            assert_close(
+                f"{a}: cache {what}",
+                getattr(slow.out.past_key_values, what)(a.layer),
+                getattr(fast.out.past_key_values, what)(b.layer),
+                **STATES,
+            )
         # which path the prompt took: segments, unless a state hook on this mixer asks for every token
         segments = type(b).kernel_for("prompt").segments
-        every_token = any(edit.mixer == index and edit.method == "state_hook" and edit.token is None
-                          and edit.targets(0) for edit in case.edits)
-        chunkwise = segments is not None and segments.all_states is not None and (
-            case.keep is None or len(positions(case.keep, case.prompt)) == case.prompt)
+        every_token = any(
+            edit.mixer == index and edit.method == "state_hook" and edit.token is None and edit.targets(0)
+            for edit in case.edits
+        )
+        chunkwise = (
+            segments is not None
+            and segments.all_states is not None
+            and (case.keep is None or len(positions(case.keep, case.prompt)) == case.prompt)
+        )
         # (a kind that runs its kernel once per head runs the segments once per head)
         expected = [] if segments is None or every_token else [(b.layer, chunkwise)] * len(b.calls[0].kernel_calls)
         assert [s for s in fast.segmented if s[0] == b.layer] == expected, f"{b}: the prompt took another path"
@@ -463,13 +548,32 @@ def edge_cases(kind: Kind):
     long, last = max(kind.lengths), kind.mixers - 1
     cases = [
         # a one-token prompt whose whole memory is written at its only token; hooks and a write at decode steps
-        Case(2, 1, 2, (Edit("set_memory_after", 0, 0, 0, 1.0), Edit("state_hook", last, (1, 2), -1, 0.5),
-                       Edit("set_state_after", 0, 2, 0, 0.1)), None, 1),
+        Case(
+            2,
+            1,
+            2,
+            (
+                Edit("set_memory_after", 0, 0, 0, 1.0),
+                Edit("state_hook", last, (1, 2), -1, 0.5),
+                Edit("set_state_after", 0, 2, 0, 0.1),
+            ),
+            None,
+            1,
+        ),
         # a prompt longer than the kernels' chunks: a hook after a write at the same token, a window hook,
         # a few positions kept
-        Case(1, long, 1, (Edit("set_state_after", 0, 0, long - 2, 0.1),
-                          Edit("state_hook", 0, None, (long - 2, -1), -1.0), Edit("conv_hook", last, 0, 3, 0.5)),
-             (5, -1), 2),
+        Case(
+            1,
+            long,
+            1,
+            (
+                Edit("set_state_after", 0, 0, long - 2, 0.1),
+                Edit("state_hook", 0, None, (long - 2, -1), -1.0),
+                Edit("conv_hook", last, 0, 3, 0.5),
+            ),
+            (5, -1),
+            2,
+        ),
     ]
 
     def decorate(test):
@@ -480,8 +584,9 @@ def edge_cases(kind: Kind):
     return decorate
 
 
-fuzz = settings(max_examples=25, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow])
+fuzz = settings(
+    max_examples=25, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 @fuzz

@@ -1,6 +1,5 @@
 """The gated DeltaNet token loops against transformers' own pure-torch kernels and the float64 reference."""
 
-
 import pytest
 import torch
 from _compare import assert_close
@@ -43,8 +42,10 @@ def inputs(batch, seq, key_heads, heads, key_dim, value_dim, with_state, seed=0)
 
 
 def hf_kernels(family):
-    return (transformers_kernel(family, "torch_chunk_gated_delta_rule"),
-            transformers_kernel(family, "torch_recurrent_gated_delta_rule"))
+    return (
+        transformers_kernel(family, "torch_chunk_gated_delta_rule"),
+        transformers_kernel(family, "torch_recurrent_gated_delta_rule"),
+    )
 
 
 @pytest.mark.parametrize("family", FAMILY_MODULES)
@@ -54,8 +55,10 @@ def test_loops_equal_transformers_kernels(family, case):
     x = inputs(*case)
     hf_chunk, hf_recurrent = hf_kernels(family)
     kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
-    for name, ours, theirs in (("chunk", chunk_gated_delta_rule, hf_chunk),
-                               ("recurrent", recurrent_gated_delta_rule, hf_recurrent)):
+    for name, ours, theirs in (
+        ("chunk", chunk_gated_delta_rule, hf_chunk),
+        ("recurrent", recurrent_gated_delta_rule, hf_recurrent),
+    ):
         out, state = ours(**x, **kw)
         ref_out, ref_state = theirs(**x, **kw)
         assert_close(f"{name} output", ref_out, out, rtol=1e-5, atol=1e-6)
@@ -70,8 +73,9 @@ def test_per_token_states_equal_float64_reference(case, normalize):
     if not normalize:  # keep the unnormalised delta rule stable: ||k|| <= 1
         x["key"] = x["key"] / x["key"].norm(dim=-1, keepdim=True)
     seen = []
-    out, final = chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=normalize,
-                                        on_token=lambda t, s: seen.append(s) or s)
+    out, final = chunk_gated_delta_rule(
+        **x, output_final_state=True, use_qk_l2norm_in_kernel=normalize, on_token=lambda t, s: seen.append(s) or s
+    )
     ref_out, ref_states = gated_delta_rule_reference(**x, normalize_qk=normalize)
     assert_close("outputs", ref_out, out, rtol=1e-5, atol=1e-6)
     assert_close("per-token states", ref_states, torch.stack(seen, dim=1), rtol=1e-5, atol=1e-6)
@@ -84,8 +88,8 @@ def test_replacing_the_state_changes_only_later_tokens():
     out, final = recurrent_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
     replacement = torch.randn(2, 4, 8, 8)
     patched, patched_final = recurrent_gated_delta_rule(
-        **x, output_final_state=True, use_qk_l2norm_in_kernel=True,
-        on_token=lambda t, s: replacement if t == 7 else s)
+        **x, output_final_state=True, use_qk_l2norm_in_kernel=True, on_token=lambda t, s: replacement if t == 7 else s
+    )
     assert_close("outputs <= 7", out[:, :8], patched[:, :8], rtol=0, atol=0)
     assert (out[:, 8:] - patched[:, 8:]).abs().amax(dim=(0, 2, 3)).min() > 1e-4
     # and the continuation is exactly a fresh run from the replacement
@@ -111,8 +115,14 @@ def test_packed_sequences_are_refused():
 
 @settings(max_examples=25, deadline=None)
 @given(
-    batch=st.integers(1, 3), seq=st.integers(1, 40), key_heads=st.integers(1, 3), group=st.integers(1, 3),
-    key_dim=st.integers(1, 9), value_dim=st.integers(1, 9), with_state=st.booleans(), seed=st.integers(0, 2**16),
+    batch=st.integers(1, 3),
+    seq=st.integers(1, 40),
+    key_heads=st.integers(1, 3),
+    group=st.integers(1, 3),
+    key_dim=st.integers(1, 9),
+    value_dim=st.integers(1, 9),
+    with_state=st.booleans(),
+    seed=st.integers(0, 2**16),
 )
 def test_any_shape_matches_the_float64_reference(batch, seq, key_heads, group, key_dim, value_dim, with_state, seed):
     """Property: for any shape (grouped value heads included), the loop's states are the reference's."""

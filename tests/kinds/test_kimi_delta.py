@@ -10,7 +10,6 @@
 Shapes: batch 2, heads 4, key_dim 8, value_dim 16; lengths 1, 37 and 70 (transformers' chunk size is 64).
 """
 
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -28,8 +27,10 @@ from recurrent_hooks.kinds.shared import delta_rule
 
 KDA_FAMILIES = [name for name, row in FAMILIES.items() if row.kind is KimiDeltaAttention]
 LOOPS = {"chunk": chunk_kimi_delta_attention, "recurrent": recurrent_kimi_delta_attention}
-KERNEL_NAMES = {"chunk": KimiDeltaAttention.kernel_for("prompt").name,
-                "recurrent": KimiDeltaAttention.kernel_for("decode").name}
+KERNEL_NAMES = {
+    "chunk": KimiDeltaAttention.kernel_for("prompt").name,
+    "recurrent": KimiDeltaAttention.kernel_for("decode").name,
+}
 LENGTHS = [1, 37, 70]
 BATCH, HEADS, KEY_DIM, VALUE_DIM = 2, 4, 8, 16
 
@@ -62,8 +63,13 @@ def _transformers_kernel(family: str, which: str):
 
 def _call(fn, which: str, x: dict, **extra):
     """Call a kernel (ours or transformers') the way the KDA mixers do, by keyword after q, k, v."""
-    kwargs = dict(g=x["g"], beta=x["beta"], initial_state=x["initial_state"], output_final_state=True,
-                  use_qk_l2norm_in_kernel=x.get("normalized", True))
+    kwargs = dict(
+        g=x["g"],
+        beta=x["beta"],
+        initial_state=x["initial_state"],
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=x.get("normalized", True),
+    )
     kwargs.update(extra)
     if which == "chunk":
         kwargs["chunk_size"] = 64
@@ -145,13 +151,18 @@ def test_on_token_replacement_changes_only_later_tokens(which, token):
 
     plain_out, _ = _call(LOOPS[which], which, x)
     out, final = _call(LOOPS[which], which, x, on_token=replace)
-    assert_close(f"{which} outputs up to the replaced token {token}", plain_out[:, : token + 1], out[:, : token + 1],
-                 rtol=0, atol=0)
-    later = {name: value[:, token + 1:] for name, value in x.items() if name != "initial_state"}
+    assert_close(
+        f"{which} outputs up to the replaced token {token}",
+        plain_out[:, : token + 1],
+        out[:, : token + 1],
+        rtol=0,
+        atol=0,
+    )
+    later = {name: value[:, token + 1 :] for name, value in x.items() if name != "initial_state"}
     want_out, want_states = kimi_delta_rule_reference(
         later["query"], later["key"], later["value"], later["g"], later["beta"], initial_state=replacement
     )
-    assert_close(f"{which} outputs after token {token}", want_out, out[:, token + 1:], **FP32)
+    assert_close(f"{which} outputs after token {token}", want_out, out[:, token + 1 :], **FP32)
     want_final = replacement if token == 36 else want_states[:, -1]
     assert_close(f"{which} final state after a replacement at token {token}", want_final, final, **FP32)
 

@@ -35,10 +35,16 @@ def lightning_state(out, mixer, memory):
     return {"the cache": cached, "the forward's final_state": mixer.calls[-1].output["final_state"]}
 
 
-CONTRACT = {rh.LightningAttention: ContractReading(
-    carried=lightning_state, window_in=None, recomputes_once=True,
-    whole_memory_model=lambda: _minimax(linear_first=True),
-    whole_memory_tol=dict(rtol=1e-4, atol=1e-6), whole_memory_early=dict(rtol=0, atol=0))}
+CONTRACT = {
+    rh.LightningAttention: ContractReading(
+        carried=lightning_state,
+        window_in=None,
+        recomputes_once=True,
+        whole_memory_model=lambda: _minimax(linear_first=True),
+        whole_memory_tol=dict(rtol=1e-4, atol=1e-6),
+        whole_memory_early=dict(rtol=0, atol=0),
+    )
+}
 
 
 FP32 = dict(rtol=1e-5, atol=1e-6)  # float32 against float32 (the chunk loop against the token loop)
@@ -100,8 +106,13 @@ def test_the_slopes_are_the_equations(model):
     with rh.watch(model) as w:
         assert [m.layer for m in w.mixers] == [m.layer_idx for m in mixers_of(model)]
     for module in mixers_of(model):
-        assert_close(f"slope_rate of layer {module.layer_idx}", slopes(module.num_attention_heads, module.layer_idx,
-                     module.num_hidden_layers)[:, None, None], module.slope_rate, rtol=1e-6, atol=0)
+        assert_close(
+            f"slope_rate of layer {module.layer_idx}",
+            slopes(module.num_attention_heads, module.layer_idx, module.num_hidden_layers)[:, None, None],
+            module.slope_rate,
+            rtol=1e-6,
+            atol=0,
+        )
     decays = [torch.exp(-m.slope_rate).min().item() for m in mixers_of(model)]
     assert decays[0] < 0.97, f"the first lightning layer barely decays ({decays}): its λ would go untested"
 
@@ -211,8 +222,9 @@ def test_per_token_states_match_the_float64_reference(family, cached):
             return state
 
         with torch.no_grad():
-            out, final = lightning_attention_forward(module, x, None, None, cache=_cache_with(module.layer_idx, start),
-                                                     on_token=record)
+            out, final = lightning_attention_forward(
+                module, x, None, None, cache=_cache_with(module.layer_idx, start), on_token=record
+            )
         want_out, want_states = lightning_reference(module, x, initial_state=start)
         assert len(states) == 37
         assert_close(f"layer {module.layer_idx} states", want_states, torch.stack(states, dim=1), **F64)
@@ -229,12 +241,13 @@ def test_on_token_replacement_changes_only_later_tokens_and_the_cache(family, to
     cache = _cache_with(module.layer_idx, None)
     with torch.no_grad():
         plain, _ = lightning_attention_forward(module, x, None, None)
-        out, final = lightning_attention_forward(module, x, None, None, cache=cache,
-                                                 on_token=lambda t, s: replacement if t == token else s)
+        out, final = lightning_attention_forward(
+            module, x, None, None, cache=cache, on_token=lambda t, s: replacement if t == token else s
+        )
     assert_close(f"outputs up to token {token}", plain[:, : token + 1], out[:, : token + 1], rtol=0, atol=0)
     if token < 36:
-        want_out, want_states = lightning_reference(module, x[:, token + 1:], initial_state=replacement)
-        assert_close(f"outputs after token {token}", want_out, out[:, token + 1:], **F64)
+        want_out, want_states = lightning_reference(module, x[:, token + 1 :], initial_state=replacement)
+        assert_close(f"outputs after token {token}", want_out, out[:, token + 1 :], **F64)
         assert_close("final state", want_states[:, -1], final, **F64)
     else:
         assert final is replacement
@@ -272,12 +285,13 @@ def test_stops_run_blocks_between_them(family, stops):
         replacement = torch.randn(final.shape, generator=torch.Generator().manual_seed(11)).to(final.device)
         at = stops[0]
         with torch.no_grad():
-            replaced, _ = lightning_attention_forward(module, x, None, None, stops=stops,
-                                                      on_token=lambda t, s: replacement if t == at else s)
+            replaced, _ = lightning_attention_forward(
+                module, x, None, None, stops=stops, on_token=lambda t, s: replacement if t == at else s
+            )
         assert_close("outputs up to the stop", out[:, : at + 1], replaced[:, : at + 1], rtol=0, atol=0)
         if at < 36:
-            want_out, _ = lightning_reference(module, x[:, at + 1:], initial_state=replacement)
-            assert_close("outputs after the replaced stop", want_out, replaced[:, at + 1:], **F64)
+            want_out, _ = lightning_reference(module, x[:, at + 1 :], initial_state=replacement)
+            assert_close("outputs after the replaced stop", want_out, replaced[:, at + 1 :], **F64)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -291,10 +305,14 @@ def test_fuzz_stops_against_the_token_loop_and_the_reference(family, seed):
     x = torch.randn(2, seq, 32, generator=gen).to(DEVICE)
     mask = torch.ones(2, seq, dtype=torch.long, device=DEVICE)
     mask[1, : int(torch.randint(0, seq, (), generator=gen))] = 0
-    stops = sorted({int(t) for t in torch.randint(0, seq, (int(torch.randint(1, 5, (), generator=gen)),),
-                                                  generator=gen)})
-    replaced = {t: (torch.randn(2, 2, 16, 16, generator=gen) * 0.3).to(DEVICE) for t in stops
-                if torch.rand((), generator=gen) < 0.5}
+    stops = sorted(
+        {int(t) for t in torch.randint(0, seq, (int(torch.randint(1, 5, (), generator=gen)),), generator=gen)}
+    )
+    replaced = {
+        t: (torch.randn(2, 2, 16, 16, generator=gen) * 0.3).to(DEVICE)
+        for t in stops
+        if torch.rand((), generator=gen) < 0.5
+    }
     runs = {}
     for name, arguments in (("blocks", dict(stops=stops)), ("token loop", {})):
         seen = {}
@@ -333,8 +351,9 @@ def test_stops_over_a_cached_state_run_token_by_token(family):
     x = _hidden(9, seed=13)
     with torch.no_grad():
         want_out, want_state = original(module, x, None, None, cache=_cache_with(module.layer_idx, start))
-        out, state = lightning_attention_forward(module, x, None, None, cache=_cache_with(module.layer_idx, start),
-                                                 on_token=lambda t, s: s, stops=[4])
+        out, state = lightning_attention_forward(
+            module, x, None, None, cache=_cache_with(module.layer_idx, start), on_token=lambda t, s: s, stops=[4]
+        )
     assert_equal("output", want_out, out)
     assert_equal("state", want_state, state)
 
@@ -349,12 +368,21 @@ def test_states_equal_float64_reference_at_prompt_and_decode_steps(model):
         assert mixer.calls[0].inputs["initial_state"] is None
         for call in range(4):
             assert_close(f"{mixer} call {call}", reference_states(mixer, call), mixer.calls[call].states, **F64)
-            assert_close(f"{mixer} call {call} final state", mixer.calls[call].states[:, -1],
-                         mixer.calls[call].output["final_state"], rtol=0, atol=0)
+            assert_close(
+                f"{mixer} call {call} final state",
+                mixer.calls[call].states[:, -1],
+                mixer.calls[call].output["final_state"],
+                rtol=0,
+                atol=0,
+            )
             if call:
-                assert_close(f"{mixer} call {call} starts where call {call - 1} ended",
-                             mixer.calls[call - 1].output["final_state"], mixer.calls[call].inputs["initial_state"],
-                             rtol=0, atol=0)
+                assert_close(
+                    f"{mixer} call {call} starts where call {call - 1} ended",
+                    mixer.calls[call - 1].output["final_state"],
+                    mixer.calls[call].inputs["initial_state"],
+                    rtol=0,
+                    atol=0,
+                )
 
 
 def test_multi_token_continuation_runs_the_per_token_branch(model):
@@ -388,21 +416,28 @@ def test_replacing_hooks_on_the_first_and_last_mixer_equal_writes_in_a_generate(
     first, last = w.mixers[0].state_after(4, call=0), w.mixers[-1].state_after(0, call=2)
     with rh.watch(model, keep=ALL) as plain:
         greedy(model, ids, 4, **kwargs)
-    assert_close("the hook halved the prompt state", plain.mixers[0].state_after(4, call=0) * 0.5, first,
-                 rtol=0, atol=0)
+    assert_close(
+        "the hook halved the prompt state", plain.mixers[0].state_after(4, call=0) * 0.5, first, rtol=0, atol=0
+    )
     with rh.watch(model, keep=ALL) as prompt_hooked:  # the same run up to the last mixer's hook at call 2
         prompt_hooked.mixers[0].register_state_hook(halve, call=0, token=4)
         greedy(model, ids, 4, **kwargs)
-    assert_close("the hook halved the decode state", prompt_hooked.mixers[-1].state_after(0, call=2) * 0.5, last,
-                 rtol=0, atol=0)
+    assert_close(
+        "the hook halved the decode state", prompt_hooked.mixers[-1].state_after(0, call=2) * 0.5, last, rtol=0, atol=0
+    )
     with rh.watch(model, keep=ALL) as v:
         v.mixers[0].set_state_after(4, first, call=0)
         v.mixers[-1].set_state_after(0, last, call=2)
         written = greedy(model, ids, 4, **kwargs)
     assert len(hooked.logits) == len(written.logits) == 4
     assert_close_per_call("logits", hooked.logits, written.logits, rtol=0, atol=0)
-    assert_close("call 3 of the last mixer started from the hooked state", last,
-                 v.mixers[-1].calls[3].inputs["initial_state"], rtol=0, atol=0)
+    assert_close(
+        "call 3 of the last mixer started from the hooked state",
+        last,
+        v.mixers[-1].calls[3].inputs["initial_state"],
+        rtol=0,
+        atol=0,
+    )
 
 
 def _sparse_run(model, ids, fast, monkeypatch):
@@ -433,11 +468,19 @@ def test_sparse_fast_path_equals_the_token_loop(model, monkeypatch):
     for a, b in zip(slow.mixers, fast.mixers):
         for call in range(4):
             for token in (2, 7, -1) if call == 0 else (0,):
-                assert_close(f"{a} call {call} state after {token}", a.state_after(token, call),
-                             b.state_after(token, call), **F64)
+                assert_close(
+                    f"{a} call {call} state after {token}",
+                    a.state_after(token, call),
+                    b.state_after(token, call),
+                    **F64,
+                )
             if call:
-                assert_close(f"{a} call {call} state in", a.calls[call].inputs["initial_state"],
-                             b.calls[call].inputs["initial_state"], **F64)
+                assert_close(
+                    f"{a} call {call} state in",
+                    a.calls[call].inputs["initial_state"],
+                    b.calls[call].inputs["initial_state"],
+                    **F64,
+                )
 
 
 def test_a_state_kept_at_the_last_token_leaves_the_prompt_bit_identical(model):
@@ -450,8 +493,9 @@ def test_a_state_kept_at_the_last_token_leaves_the_prompt_bit_identical(model):
             watched = model(ids, use_cache=True)
     assert_close("logits", plain.logits, watched.logits, rtol=0, atol=0)
     for mixer in w.mixers:
-        assert_close(f"{mixer} last state", plain.cache.get_linear_cache(mixer.layer), mixer.state_after(-1),
-                     rtol=0, atol=0)
+        assert_close(
+            f"{mixer} last state", plain.cache.get_linear_cache(mixer.layer), mixer.state_after(-1), rtol=0, atol=0
+        )
     row = rh.support(model)[0]
     assert "forward" in row.notes["a few tokens of a prompt"]
 
@@ -474,8 +518,13 @@ def test_beam_search_runs_as_unwatched_and_the_state_rows_stay_in_place(model):
     for mixer in w.mixers:
         for k in range(1, 5):
             assert mixer.calls[k].reorder is None
-            assert_close(f"{mixer} call {k} starts from the same rows", mixer.calls[k - 1].output["final_state"],
-                         mixer.calls[k].inputs["initial_state"], rtol=0, atol=0)
+            assert_close(
+                f"{mixer} call {k} starts from the same rows",
+                mixer.calls[k - 1].output["final_state"],
+                mixer.calls[k].inputs["initial_state"],
+                rtol=0,
+                atol=0,
+            )
     assert "beam search" in rh.support(model)[0].unavailable
 
 
@@ -519,8 +568,13 @@ def test_every_kept_state_is_differentiable_with_frozen_weights(model):
         v.mixers[0].set_state_after(token, leaf)
         (one,) = torch.autograd.grad(model(ids).logits[0, -1].logsumexp(-1), [leaf])
     assert one.abs().max() > 0
-    assert_close(f"the gradient at token {token}: from the stack and through a written leaf", one, grads[:, token],
-                 rtol=1e-4, atol=1e-7)
+    assert_close(
+        f"the gradient at token {token}: from the stack and through a written leaf",
+        one,
+        grads[:, token],
+        rtol=1e-4,
+        atol=1e-7,
+    )
 
 
 # -- the whole memory ----------------------------------------------------------------------------------------------
@@ -545,11 +599,17 @@ def test_the_memory_is_the_state_alone(model):
     with rh.watch(model, keep=ALL) as w:
         logits_of(model, random_ids(1, 5))
         mixer = w.mixers[0]
-        for attempt in (lambda: mixer.window_after(0), lambda: mixer.windows,
-                        lambda: mixer.set_window_after(0, torch.zeros(1)),
-                        lambda: mixer.register_state_hook(lambda *a: None, memory="window")):
-            with pytest.raises(rh.Unavailable, match=r"LightningAttention mixer has no window; it carries only state"
-                                                     r" \(state_after, set_state_after\)"):
+        for attempt in (
+            lambda: mixer.window_after(0),
+            lambda: mixer.windows,
+            lambda: mixer.set_window_after(0, torch.zeros(1)),
+            lambda: mixer.register_state_hook(lambda *a: None, memory="window"),
+        ):
+            with pytest.raises(
+                rh.Unavailable,
+                match=r"LightningAttention mixer has no window; it carries only state"
+                r" \(state_after, set_state_after\)",
+            ):
                 attempt()
     row = rh.support(model)[0]
     assert row.kind == "LightningAttention" and "windows" not in row.available and "states" in row.available
@@ -567,7 +627,7 @@ def test_values(model):
         x = mixer.calls[call].inputs["hidden_states"]
         qkv = F.silu(mixer.module.qkv_proj(x)).view(*x.shape[:2], 2, 48)
         for i, name in enumerate(("query", "key", "value")):
-            assert_close(f"call {call} {name}", qkv[..., 16 * i: 16 * (i + 1)], values[name], rtol=0, atol=0)
+            assert_close(f"call {call} {name}", qkv[..., 16 * i : 16 * (i + 1)], values[name], rtol=0, atol=0)
         assert values["output"] is mixer.calls[call].output["output"]
         assert values["gate"].shape == (2, mixer.calls[call].tokens, 2, 16)
 
@@ -586,8 +646,9 @@ def test_a_sweep_of_the_whole_memory_is_a_sweep_of_the_state(model):
     with rh.watch(model) as v, torch.no_grad():
         v.mixer(w.mixers[0].layer).set_state_after(4, w.mixers[0].state_after(4))
         one = metric(model(corrupt, use_cache=False).logits)[0]
-    assert_close("the cell (first layer, token 4) against its own forward", one, memory.values[0, 4],
-                 rtol=1e-5, atol=1e-6)
+    assert_close(
+        "the cell (first layer, token 4) against its own forward", one, memory.values[0, 4], rtol=1e-5, atol=1e-6
+    )
 
 
 def test_attribution_is_the_first_order_effect_of_patching_the_state(model):
@@ -605,8 +666,13 @@ def test_attribution_is_the_first_order_effect_of_patching_the_state(model):
     with rh.watch(model) as w, torch.no_grad():
         w.mixers[0].set_state_after(token, states["corrupt"] + eps * (states["clean"] - states["corrupt"]))
         nudged = metric(model(corrupt).logits)[0]
-    assert_close("attribution vs the finite difference", (nudged - result.corrupt) / eps, result.state[0, token],
-                 rtol=2e-2, atol=1e-4)
+    assert_close(
+        "attribution vs the finite difference",
+        (nudged - result.corrupt) / eps,
+        result.state[0, token],
+        rtol=2e-2,
+        atol=1e-4,
+    )
 
 
 def test_effective_attention_is_refused_with_the_reason(model):
@@ -698,8 +764,12 @@ def offloaded(request, family, tmp_path):
     plain.save_pretrained(tmp_path / "saved")
     cls = type(plain)
     if request.param == "disk":
-        model = cls.from_pretrained(tmp_path / "saved", device_map="auto", offload_folder=tmp_path / "offload",
-                                    max_memory={"cpu": "150KB", "disk": "1GB"})
+        model = cls.from_pretrained(
+            tmp_path / "saved",
+            device_map="auto",
+            offload_folder=tmp_path / "offload",
+            max_memory={"cpu": "150KB", "disk": "1GB"},
+        )
     else:
         model = accelerate.cpu_offload(cls.from_pretrained(tmp_path / "saved"), execution_device="cpu")
     model.eval()
@@ -709,8 +779,10 @@ def offloaded(request, family, tmp_path):
     return plain, model
 
 
-@pytest.mark.cpu_only(reason="the execution device here is the CPU (accelerate offloads to the CPU and the disk): on a"
-                             " GPU the execution device would be the GPU, which these tests do not build")
+@pytest.mark.cpu_only(
+    reason="the execution device here is the CPU (accelerate offloads to the CPU and the disk): on a"
+    " GPU the execution device would be the GPU, which these tests do not build"
+)
 def test_offloaded_models_are_watched_through_the_bound_forward_accelerate_keeps(offloaded):
     """accelerate replaces each offloaded module's `forward` by a wrapper that calls the original method it
     stored on the instance (`_old_forward`): the watch rebinds that too, and only for the block."""
@@ -722,8 +794,14 @@ def test_offloaded_models_are_watched_through_the_bound_forward_accelerate_keeps
         with rh.watch(m, keep=ALL) as w, torch.no_grad():
             w.mixers[0].set_state_after(4, w.mixers[0].module.slope_rate.new_ones(2, 2, 16, 16) * 0.1)
             w.mixers[-1].register_state_hook(lambda m, c, t, s: s * 0.8)
-            out = m.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=PAD, output_logits=True,
-                             return_dict_in_generate=True)
+            out = m.generate(
+                ids,
+                max_new_tokens=4,
+                do_sample=False,
+                pad_token_id=PAD,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
         runs.append((w, out))
     (w0, out0), (w1, out1) = runs
     assert_equal("greedy generate", out0.sequences, out1.sequences)

@@ -39,12 +39,21 @@ def halve_mlstm(state):
 
 # the loop against transformers' chunk-wise kernel: an mLSTM output divides by max(|n_t q|, e^(-m_t)), which can be
 # small (input_grad); a backward through a cached prompt >= chunk_size fails in transformers (grad_use_cache)
-CONTRACT = {MatrixLSTM: ContractReading(
-    input_grad=(1e-3, 1e-6), carried=mlstm_state, window_in=None, scale=halve_mlstm, later=1e-3, grad_use_cache=False,
-    grad_parts=("C",), recomputes_once=True, whole_memory_tol=dict(rtol=1e-5, atol=1e-6), finite_difference=(),
-    split_tol=dict(rtol=1e-5, atol=1e-5, relative=True))}
-
-
+CONTRACT = {
+    MatrixLSTM: ContractReading(
+        input_grad=(1e-3, 1e-6),
+        carried=mlstm_state,
+        window_in=None,
+        scale=halve_mlstm,
+        later=1e-3,
+        grad_use_cache=False,
+        grad_parts=("C",),
+        recomputes_once=True,
+        whole_memory_tol=dict(rtol=1e-5, atol=1e-6),
+        finite_difference=(),
+        split_tol=dict(rtol=1e-5, atol=1e-5, relative=True),
+    )
+}
 
 
 def mlstm_reference(query, key, value, igate, fgate, c_initial=None, n_initial=None, m_initial=None, eps=1e-6):
@@ -93,8 +102,10 @@ def backend(chunk_size=8, heads=2, hidden=64):
     config = BUILDERS["xlstm"]().config if (chunk_size, heads, hidden) == (8, 2, 64) else None
     if config is None:
         import transformers
-        config = transformers.xLSTMConfig(hidden_size=hidden, num_heads=heads, chunk_size=chunk_size,
-                                          qk_dim_factor=1.0, v_dim_factor=1.0)
+
+        config = transformers.xLSTMConfig(
+            hidden_size=hidden, num_heads=heads, chunk_size=chunk_size, qk_dim_factor=1.0, v_dim_factor=1.0
+        )
     return xLSTMBackend(config)
 
 
@@ -102,11 +113,17 @@ def inputs(batch, heads, seq, dk, dv, with_state, seed=0):
     gen = torch.Generator().manual_seed(seed)
     r = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
     cap = lambda x: 15.0 * torch.tanh(x / 15.0)  # noqa: E731  the layer's gate soft cap
-    x = dict(query=r(batch, heads, seq, dk), key=r(batch, heads, seq, dk), value=r(batch, heads, seq, dv),
-             igate=cap(3 * r(batch, heads, seq)), fgate=cap(3 * r(batch, heads, seq) + 3))
+    x = dict(
+        query=r(batch, heads, seq, dk),
+        key=r(batch, heads, seq, dk),
+        value=r(batch, heads, seq, dv),
+        igate=cap(3 * r(batch, heads, seq)),
+        fgate=cap(3 * r(batch, heads, seq) + 3),
+    )
     if with_state:
-        x.update(c_initial=r(batch, heads, dk, dv) * 0.3, n_initial=r(batch, heads, dk) * 0.3,
-                 m_initial=r(batch, heads, 1))
+        x.update(
+            c_initial=r(batch, heads, dk, dv) * 0.3, n_initial=r(batch, heads, dk) * 0.3, m_initial=r(batch, heads, 1)
+        )
     return x
 
 
@@ -186,13 +203,14 @@ def test_replacing_the_state_changes_only_later_tokens():
 
     plain, _ = mlstm_inference(**x)
     out, last = mlstm_inference(**x, on_token=hook)
-    assert_equal("tokens up to the write", plain[:, :, :at + 1], out[:, :, :at + 1])
-    assert (plain[:, :, at + 1:] - out[:, :, at + 1:]).abs().max() > 1e-3, "the write changed nothing"
-    rest = {name: value[:, :, at + 1:] for name, value in x.items()
-            if name in ("query", "key", "value", "igate", "fgate")}
+    assert_equal("tokens up to the write", plain[:, :, : at + 1], out[:, :, : at + 1])
+    assert (plain[:, :, at + 1 :] - out[:, :, at + 1 :]).abs().max() > 1e-3, "the write changed nothing"
+    rest = {
+        name: value[:, :, at + 1 :] for name, value in x.items() if name in ("query", "key", "value", "igate", "fgate")
+    }
     C, n, m = halved["state"]
     continued, continued_last = mlstm_inference(**rest, c_initial=C, n_initial=n, m_initial=m)
-    assert_equal("tokens after the write", continued, out[:, :, at + 1:])
+    assert_equal("tokens after the write", continued, out[:, :, at + 1 :])
     for name, a, b in zip("Cnm", continued_last, last):
         assert_equal(f"last {name}", a, b)
 
@@ -202,8 +220,14 @@ def test_train_loop_equals_transformers_train_fn(padding):
     import transformers
     from transformers.models.xlstm.modeling_xlstm import xLSTMBackend
 
-    config = transformers.xLSTMConfig(hidden_size=64, num_heads=2, chunk_size=8, qk_dim_factor=1.0,
-                                      v_dim_factor=1.0, mode="train_with_padding" if padding else "train")
+    config = transformers.xLSTMConfig(
+        hidden_size=64,
+        num_heads=2,
+        chunk_size=8,
+        qk_dim_factor=1.0,
+        v_dim_factor=1.0,
+        mode="train_with_padding" if padding else "train",
+    )
     original = xLSTMBackend(config)._train_fn
     seq = 13 if padding else 16
     x = inputs(2, 2, seq, 32, 32, not padding)
@@ -226,8 +250,9 @@ def test_empty_and_partial_initial_states_are_refused():
     with pytest.raises(rh.RecurrentHooksError, match="must be given together"):
         mlstm_inference(**{**x, "n_initial": None})
     with pytest.raises(ValueError, match="empty sequence"):
-        mlstm_inference(**{k: v[:, :, :0] if k in ("query", "key", "value", "igate", "fgate") else v
-                           for k, v in x.items()})
+        mlstm_inference(
+            **{k: v[:, :, :0] if k in ("query", "key", "value", "igate", "fgate") else v for k, v in x.items()}
+        )
 
 
 # -- the model: the bar of tests/kinds/test_families.py -------------------------------------------------------------
@@ -251,8 +276,9 @@ def state_in(mixer, call):
 def reference_states(mixer, call):
     """Per-token states of `call`, recomputed in float64 from the call's recorded kernel inputs."""
     x = mixer.calls[call].kernel_calls[0].inputs
-    return mlstm_reference(**{k: x[k] for k in ("query", "key", "value", "igate", "fgate", "c_initial",
-                                                  "n_initial", "m_initial")})[1]
+    return mlstm_reference(
+        **{k: x[k] for k in ("query", "key", "value", "igate", "fgate", "c_initial", "n_initial", "m_initial")}
+    )[1]
 
 
 family, model = family_fixtures(FAMILIES)
@@ -294,8 +320,11 @@ def test_a_bad_replacement_names_the_part(model):
     ids = random_ids(2, T)
     with rh.watch(model) as w:
         w.mixers[0].register_state_hook(lambda m, c, t, s: MLSTMState(s.C, s.n[:, :1], s.m), token=2)
-        with pytest.raises(rh.InvalidValue, match=r"part 'n' with shape \(2, 1, 32\), expected \(2, 2, 32\)"
-                                                  r" \(axes: batch heads key_dim\)"):
+        with pytest.raises(
+            rh.InvalidValue,
+            match=r"part 'n' with shape \(2, 1, 32\), expected \(2, 2, 32\)"
+            r" \(axes: batch heads key_dim\)",
+        ):
             logits_of(model, ids)
     with rh.watch(model) as w:
         w.mixers[0].register_state_hook(lambda m, c, t, s: s.C, token=2)
@@ -320,8 +349,13 @@ def test_gradient_with_respect_to_a_state(model):
     grads = torch.autograd.grad(metric, list(state))
     for part, through_leaf, through_kept in zip(PARTS, leaf, grads):
         assert through_leaf.grad.abs().max() > 0, f"no gradient reaches part {part}"
-        assert_close(f"grad of kept part {part}", through_leaf.grad, through_kept, rtol=1e-4,
-                     atol=1e-6 * float(through_leaf.grad.abs().max()))
+        assert_close(
+            f"grad of kept part {part}",
+            through_leaf.grad,
+            through_kept,
+            rtol=1e-4,
+            atol=1e-6 * float(through_leaf.grad.abs().max()),
+        )
     # and the gradient predicts a small change (finite differences along it, part by part). C feeds the
     # output through a ratio and a multi-head layer norm, so it is far from linear: the step is 1e-4 of
     # its norm. n's gradient is ~0 at init: where |n_tᵀq̂_t| wins the max it only rescales a head's output,
@@ -336,8 +370,9 @@ def test_gradient_with_respect_to_a_state(model):
                 w.mixers[0].set_state_after(token, MLSTMState(*moved))
                 values.append(model(ids, use_cache=False).logits[0, -1].logsumexp(-1))
         slope = (values[0] - values[1]) / (2 * step)
-        assert_close(f"directional derivative along part {PARTS[part]}", (grads[part] ** 2).sum(), slope,
-                     rtol=2e-2, atol=1e-9)
+        assert_close(
+            f"directional derivative along part {PARTS[part]}", (grads[part] ** 2).sum(), slope, rtol=2e-2, atol=1e-9
+        )
 
 
 def test_every_kept_state_is_differentiable_as_one_stack(model):
@@ -385,7 +420,7 @@ def test_one_part_of_the_state_is_not_the_whole_memory(model):
     _, mixer_b = first_mixer_outputs(model, run_b)
     memory, own = mixer_a.memory_after(token), mixer_b.state_after(token)
     c_only, _ = first_mixer_outputs(model, run_b, rh.Memory(MLSTMState(memory.state.C, own.n, own.m), None), token)
-    assert (c_only[:, token + 1:] - out_a[:, token + 1:]).abs().max() > 1e-3
+    assert (c_only[:, token + 1 :] - out_a[:, token + 1 :]).abs().max() > 1e-3
 
 
 def test_support_lists_the_values_and_the_limits(model):
@@ -435,8 +470,13 @@ def test_transformers_backward_through_a_cached_prompt_fails_and_the_token_loop_
     with rh.watch(model, keep=("states",)):
         model(ids, use_cache=True).logits[0, -1].logsumexp(-1).backward()
     for name, grad in plain.items():
-        assert_close(f"grad of {name}", grad, dict(model.named_parameters())[name].grad, rtol=1e-4,
-                     atol=1e-5 * float(grad.abs().max()))
+        assert_close(
+            f"grad of {name}",
+            grad,
+            dict(model.named_parameters())[name].grad,
+            rtol=1e-4,
+            atol=1e-5 * float(grad.abs().max()),
+        )
 
 
 def test_a_prompt_longer_than_max_inference_chunksize_is_one_call_per_chunk(family):
@@ -457,8 +497,11 @@ def test_a_prompt_longer_than_max_inference_chunksize_is_one_call_per_chunk(fami
     mixer = w.mixers[0]
     assert [c.tokens for c in mixer.calls] == [5, 5, 3] and [c.index for c in mixer.calls] == [0, 1, 2]
     assert state_in(mixer, 1).C.dtype == torch.bfloat16
-    assert_state_equal("chunk 2 continued from the last state of chunk 1, rounded to bf16",
-                       MLSTMState(*(p.to(torch.bfloat16) for p in mixer.state_after(-1, call=0))), state_in(mixer, 1))
+    assert_state_equal(
+        "chunk 2 continued from the last state of chunk 1, rounded to bf16",
+        MLSTMState(*(p.to(torch.bfloat16) for p in mixer.state_after(-1, call=0))),
+        state_in(mixer, 1),
+    )
     seen = []
     module = mixer.module
     handle = rh.register_state_hook(module, lambda m, c, t, s: seen.append(c), token=-1)
@@ -487,7 +530,7 @@ def test_half_precision_decode_hooks_leave_generate_unchanged(family, dtype):
     one_by_one = []
     with torch.no_grad():
         for t in range(T):
-            out = model(ids[:, t:t + 1], cache=cache, use_cache=True)
+            out = model(ids[:, t : t + 1], cache=cache, use_cache=True)
             cache = out.cache
             one_by_one.append(out.logits)
     yardstick = (torch.cat(one_by_one, dim=1).float() - prompt.float()).abs().max()
@@ -527,8 +570,10 @@ def test_with_the_xlstm_package_the_model_is_refused_with_the_reason(monkeypatch
 
     import recurrent_hooks.registry as registry
 
-    assert not registry._external_xlstm() and not importlib.import_module(
-        "transformers.models.xlstm.modeling_xlstm").external_xlstm
+    assert (
+        not registry._external_xlstm()
+        and not importlib.import_module("transformers.models.xlstm.modeling_xlstm").external_xlstm
+    )
     assert registry._external_xlstm_rows() == ()
     monkeypatch.setattr(transformers.utils, "is_xlstm_available", lambda: True)
     (row,) = registry._external_xlstm_rows()  # the row UNSUPPORTED holds then

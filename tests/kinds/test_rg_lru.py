@@ -41,11 +41,16 @@ def rg_lru_memory(out, mixer, memory):
     return {"the module": module.rg_lru.recurrent_states if memory == "state" else module.conv1d_state}
 
 
-CONTRACT = {rh.RealGatedLinearRecurrence: ContractReading(
-    carried=rg_lru_memory, window_in=None, window_reach="every", recomputes_once=True,
-    finite_difference=("state", "window"), whole_memory_tol=dict(rtol=1e-5, atol=1e-6))}
-
-
+CONTRACT = {
+    rh.RealGatedLinearRecurrence: ContractReading(
+        carried=rg_lru_memory,
+        window_in=None,
+        window_reach="every",
+        recomputes_once=True,
+        finite_difference=("state", "window"),
+        whole_memory_tol=dict(rtol=1e-5, atol=1e-6),
+    )
+}
 
 
 def classes(family):
@@ -55,8 +60,10 @@ def classes(family):
 
 def bindings(family):
     """What the kind's two class attributes hold now, read from the classes' own `__dict__`."""
-    return {kernel.name: vars(rh.FAMILIES[family].classes[0].target(kernel)[0])[kernel.name]
-            for kernel in rh.FAMILIES[family].kind.KERNELS}
+    return {
+        kernel.name: vars(rh.FAMILIES[family].classes[0].target(kernel)[0])[kernel.name]
+        for kernel in rh.FAMILIES[family].kind.KERNELS
+    }
 
 
 family, model = family_fixtures(RG_LRU_FAMILIES)
@@ -105,11 +112,13 @@ class Captured:
     def _block(self, module):
         def hook(m, args, kwargs):
             self.blocks.setdefault(module, []).append((args[0].detach(), kwargs["position_ids"]))
+
         return hook
 
     def _lru(self, module):
         def hook(m, args):
             self.lrus.setdefault(module, []).append((args[0].detach(), args[1]))
+
         return hook
 
     def remove(self):
@@ -124,7 +133,7 @@ def window_reference(block, u, previous=None):
     size = block.conv1d_width - 1
     start = x.new_zeros(x.shape[0], x.shape[1], size) if previous is None else previous.double()
     run = torch.cat([start, x], dim=-1)
-    return torch.stack([run[..., t + 1: t + 1 + size] for t in range(x.shape[-1])], dim=1)
+    return torch.stack([run[..., t + 1 : t + 1 + size] for t in range(x.shape[-1])], dim=1)
 
 
 def conv_reference(block, windows_before, x):
@@ -160,8 +169,10 @@ def test_scan_loop_equals_transformers_bit_for_bit(family_, dtype, seq, start):
     x, a, reset, h0 = _scan_inputs(seq, dtype, None if start == "zeros" else True)
     expected = original(module, x, a, reset, h0)
     seen = []
-    for got in (rnn_scan(module, x, a, reset, h0),
-                rnn_scan(module, x, a, reset, h0, on_token=lambda t, s: seen.append(t) or s)):
+    for got in (
+        rnn_scan(module, x, a, reset, h0),
+        rnn_scan(module, x, a, reset, h0, on_token=lambda t, s: seen.append(t) or s),
+    ):
         assert_equal("output", expected[0], got[0])
         assert_equal("last state", expected[1], got[1])
         assert got[0].dtype == expected[0].dtype and got[1].dtype == torch.float32
@@ -205,7 +216,8 @@ def _block_steps(seed=0):
 
     return [
         (u(9), pos(0, 9), True),  # a prompt
-        (u(1), pos(9, 10), True), (u(1), pos(10, 11), True),  # decode steps
+        (u(1), pos(9, 10), True),
+        (u(1), pos(10, 11), True),  # decode steps
         (u(4), pos(11, 15), True),  # a multi-token continuation (the conv restarts from zeros: bug 5)
         (u(1), pos(15, 16), True),
         (u(2), pos(0, 2), True),  # a prompt shorter than the window
@@ -255,8 +267,9 @@ def test_block_forward_window_write_feeds_the_next_positions(family):
     seen = []
     with torch.no_grad():
         capture = Captured(torch.nn.ModuleDict({"b": block}))
-        recurrent_block_forward(block, u, pos, None, True,
-                                on_token=lambda t, w: (seen.append(w.clone()), written if t == 3 else w)[1])
+        recurrent_block_forward(
+            block, u, pos, None, True, on_token=lambda t, w: (seen.append(w.clone()), written if t == 3 else w)[1]
+        )
         capture.remove()
     x = block.linear_x(u).transpose(1, 2)
     # the window each position reads, before its own input
@@ -268,8 +281,9 @@ def test_block_forward_window_write_feeds_the_next_positions(family):
     conv_out = capture.lrus[block][0][0]
     assert_close("conv outputs with the written window", reference, conv_out, rtol=1e-5, atol=1e-6)
     for t in range(5, 9):
-        assert_close(f"window after {t}", torch.cat([before[t][..., 1:], x[..., t, None]], dim=-1), seen[t],
-                     rtol=0, atol=0)
+        assert_close(
+            f"window after {t}", torch.cat([before[t][..., 1:], x[..., t, None]], dim=-1), seen[t], rtol=0, atol=0
+        )
     assert_close("the module keeps the last window", seen[-1], block.conv1d_state, **EXACT)
 
 
@@ -290,16 +304,30 @@ def test_states_and_windows_equal_float64_references_at_prompt_and_decode_steps(
         for call in range(4):
             x, position_ids = capture.lrus[block][call]
             h0 = None if call == 0 else mixer.state_after(-1, call=call - 1)
-            assert_close(f"{mixer} call {call} states", rg_lru_reference(block.rg_lru, x, position_ids, h0),
-                         mixer.calls[call].states, rtol=1e-4, atol=1e-6)
-            assert_close(f"{mixer} call {call} state in", h0 if h0 is not None else torch.zeros(2, 32),
-                         mixer.calls[call].inputs["recurrent_states"], **EXACT)
+            assert_close(
+                f"{mixer} call {call} states",
+                rg_lru_reference(block.rg_lru, x, position_ids, h0),
+                mixer.calls[call].states,
+                rtol=1e-4,
+                atol=1e-6,
+            )
+            assert_close(
+                f"{mixer} call {call} state in",
+                h0 if h0 is not None else torch.zeros(2, 32),
+                mixer.calls[call].inputs["recurrent_states"],
+                **EXACT,
+            )
             u, _ = capture.blocks[block][call]
             previous = None if call == 0 else mixer.window_after(-1, call=call - 1)
             with torch.no_grad():
                 windows = window_reference(block, u, previous)
-                before = torch.cat([windows.new_zeros(2, 1, 32, 3) if previous is None else previous.double()[:, None],
-                                    windows[:, :-1]], dim=1)
+                before = torch.cat(
+                    [
+                        windows.new_zeros(2, 1, 32, 3) if previous is None else previous.double()[:, None],
+                        windows[:, :-1],
+                    ],
+                    dim=1,
+                )
                 x_in = block.linear_x(u).double()
                 conv = conv_reference(block, before, x_in)
             assert_close(f"{mixer} call {call} windows", windows, mixer.calls[call].windows, rtol=1e-6, atol=1e-7)
@@ -321,8 +349,7 @@ def test_a_window_write_in_the_prompt_is_shifted_into_the_next_tokens_window(mod
         mixer.set_window_after(token, value)
         logits_of(model, ids)
     assert_close("window after the write", value, mixer.window_after(token), **EXACT)
-    assert_close("next window shifts the written one", value[..., 1:], mixer.window_after(token + 1)[..., :-1],
-                 **EXACT)
+    assert_close("next window shifts the written one", value[..., 1:], mixer.window_after(token + 1)[..., :-1], **EXACT)
 
 
 def _records_of(mixer):
@@ -367,10 +394,16 @@ def test_an_in_place_edit_equals_the_returned_replacement(family, call, token):
     replaced, replaced_mixers = run(lambda m, c, t, s: s * 0.5)
     in_place, in_place_mixers = run(halve_in_place)
     position = token if call == 0 else call  # the logits of the token written after (the prompt's, or call k's)
-    assert_close("logits up to the written token, the replacement", plain[:, : position + 1],
-                 replaced[:, : position + 1], rtol=1e-5, atol=1e-5)
-    assert (plain[:, position + 1:] - replaced[:, position + 1:]).abs().max() > 1e-6, \
+    assert_close(
+        "logits up to the written token, the replacement",
+        plain[:, : position + 1],
+        replaced[:, : position + 1],
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    assert (plain[:, position + 1 :] - replaced[:, position + 1 :]).abs().max() > 1e-6, (
         "halving the state changed no later logit: the test cannot tell an in-place edit from none"
+    )
     assert_close("logits of every token, in place vs replaced", replaced, in_place, **EXACT)
     for mixer, other in zip(replaced_mixers, in_place_mixers):
         expected, got = _records_of(mixer), _records_of(other)
@@ -412,8 +445,13 @@ def test_the_state_alone_carries_over_when_the_window_tokens_are_shared(model):
     run_c = run_a.clone()
     run_c[:, : token - 2] = random_ids(2, token - 2, seed=7)
     state_only, _ = first_mixer_outputs(model, run_c, memory, token, state_only=True)
-    assert_close("block output after t, state written, window tokens shared", out_a[:, token + 1:],
-                 state_only[:, token + 1:], rtol=1e-5, atol=1e-6)
+    assert_close(
+        "block output after t, state written, window tokens shared",
+        out_a[:, token + 1 :],
+        state_only[:, token + 1 :],
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 # -- gradients ---------------------------------------------------------------------------------------------------
@@ -437,7 +475,8 @@ def test_support_lists_the_values_and_limits(model):
     rows = rh.support(model)
     assert [(row.path, row.layer, row.kind) for row in rows] == [
         ("model.layers.0.temporal_block", 0, "RealGatedLinearRecurrence"),
-        ("model.layers.1.temporal_block", 1, "RealGatedLinearRecurrence")]
+        ("model.layers.1.temporal_block", 1, "RealGatedLinearRecurrence"),
+    ]
     row = rows[0]
     assert {"states", "windows", "values", "writes", "hooks"} <= set(row.available)
     assert set(row.unavailable) == set(rh.RealGatedLinearRecurrence.LIMITS)
@@ -488,12 +527,14 @@ def test_multi_token_continuation_restarts_the_window_and_continues_the_state(mo
     assert_close("continuation logits", plain, watched, rtol=1e-5, atol=1e-5)
     mixer = w.mixers[0]
     assert [c.tokens for c in mixer.calls] == [8, 4]
-    assert_close("the state continues", mixer.state_after(-1, call=0), mixer.calls[1].inputs["recurrent_states"],
-                 **EXACT)
+    assert_close(
+        "the state continues", mixer.state_after(-1, call=0), mixer.calls[1].inputs["recurrent_states"], **EXACT
+    )
     first_window = mixer.window_after(0, call=1)
     assert first_window[..., :-1].abs().max() == 0, "the window did not restart from zeros (bug 5 fixed?)"
-    assert (logits_of(model, ids, use_cache=False)[:, 8:] - plain).abs().max() > 1e-3, \
+    assert (logits_of(model, ids, use_cache=False)[:, 8:] - plain).abs().max() > 1e-3, (
         "the continuation equals one forward: transformers' bug 5 is gone, update the docs"
+    )
 
 
 def test_a_one_token_prompt_reads_the_previous_window(model, family):
@@ -561,8 +602,9 @@ def test_beam_search_leaves_the_module_memory_in_place_and_call_reorder_says_so(
             before = mixer.state_after(-1, call=k - 1)[rows]
             assert_close(f"{mixer} call {k}: state in", before, calls[k].inputs["recurrent_states"], **EXACT)
             window = mixer.window_after(-1, call=k - 1)[rows]
-            assert_close(f"{mixer} call {k}: window in", window[..., 1:], mixer.window_after(0, call=k)[..., :-1],
-                         **EXACT)
+            assert_close(
+                f"{mixer} call {k}: window in", window[..., 1:], mixer.window_after(0, call=k)[..., :-1], **EXACT
+            )
     row = rh.support(model)[0]
     assert "beam search" in row.unavailable and "reorder" in row.unavailable["beam search"]
 

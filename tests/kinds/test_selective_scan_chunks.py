@@ -43,8 +43,14 @@ class Case:
         return f"B{self.batch}-T{self.seq}-D{self.d_inner}-N{self.d_state}-c{self.chunk}{'' if self.gated else '-bare'}"
 
 
-CASES = [Case(2, 37, 6, 4, 8), Case(1, 1, 5, 3, 16), Case(3, 64, 8, 16, 16), Case(2, 100, 4, 4, None),
-         Case(2, 29, 6, 4, 64, gated=False), Case(1, 17, 3, 2, 1)]
+CASES = [
+    Case(2, 37, 6, 4, 8),
+    Case(1, 1, 5, 3, 16),
+    Case(3, 64, 8, 16, 16),
+    Case(2, 100, 4, 4, None),
+    Case(2, 29, 6, 4, 64, gated=False),
+    Case(1, 17, 3, 2, 1),
+]
 
 
 def inputs(case: Case, seed: int = 0) -> dict:
@@ -55,9 +61,13 @@ def inputs(case: Case, seed: int = 0) -> dict:
     return dict(
         hidden_states=r(b, d, t),
         dt=r(b, d, t) * 0.5 - 1.5 if case.gated else torch.rand(b, d, t, generator=gen) * 0.3 + 0.05,
-        A=-torch.exp(r(d, n) * 0.5), B=r(b, n, t), C=r(b, n, t),
-        D=r(d) if case.gated else None, z=r(b, d, t) if case.gated else None,
-        delta_bias=r(d) * 0.3 if case.gated else None, delta_softplus=case.gated,
+        A=-torch.exp(r(d, n) * 0.5),
+        B=r(b, n, t),
+        C=r(b, n, t),
+        D=r(d) if case.gated else None,
+        z=r(b, d, t) if case.gated else None,
+        delta_bias=r(d) * 0.3 if case.gated else None,
+        delta_softplus=case.gated,
     )
 
 
@@ -65,16 +75,26 @@ def reference(x: dict, initial_state=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The float64 recurrence: outputs `[batch, d_inner, seq]`, states `[batch, seq, d_inner, d_state]`."""
     token_major = lambda v: None if v is None else rearrange(v, "b c t -> b t c")  # noqa: E731
     out, states = selective_scan_reference(
-        token_major(x["hidden_states"]), token_major(x["dt"]), x["A"], token_major(x["B"]), token_major(x["C"]),
-        x["D"], token_major(x["z"]), dt_bias=x["delta_bias"], softplus=x["delta_softplus"], initial_state=initial_state)
+        token_major(x["hidden_states"]),
+        token_major(x["dt"]),
+        x["A"],
+        token_major(x["B"]),
+        token_major(x["C"]),
+        x["D"],
+        token_major(x["z"]),
+        dt_bias=x["delta_bias"],
+        softplus=x["delta_softplus"],
+        initial_state=initial_state,
+    )
     return rearrange(out, "b t d -> b d t"), states
 
 
 def loop_states(x: dict, initial_state=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The library's token loop: output, last state and every state `[seq, batch, d_inner, d_state]`."""
     seen = []
-    out, last = s6.mamba_selective_scan(**x, return_last_state=True, initial_state=initial_state,
-                                        on_token=lambda t, s: seen.append(s) or s)
+    out, last = s6.mamba_selective_scan(
+        **x, return_last_state=True, initial_state=initial_state, on_token=lambda t, s: seen.append(s) or s
+    )
     return out, last, torch.stack(seen)
 
 
@@ -105,8 +125,12 @@ def test_chunks_equal_transformers(family, case):
     out, last = s6.mamba_selective_scan_chunks(**x, return_last_state=True, chunk=case.chunk)
     assert_close("output", ref_out, out, **TOL)
     assert_close("last state", ref_last, last, **TOL)
-    assert_close("output without return_last_state", hf_kernel(family)(**x),
-                 s6.mamba_selective_scan_chunks(**x, chunk=case.chunk), **TOL)
+    assert_close(
+        "output without return_last_state",
+        hf_kernel(family)(**x),
+        s6.mamba_selective_scan_chunks(**x, chunk=case.chunk),
+        **TOL,
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -120,8 +144,9 @@ def test_chunks_from_a_state_equal_the_token_loop(case):
     (_, _), every = s6.mamba_selective_scan_states(**x, return_last_state=True, initial_state=h0, chunk=case.chunk)
     assert_close("every state", loop_every, every, **TOL)
     assert_close("from a state, float64", reference(x, h0)[1], every.movedim(0, 1), **TOL)
-    assert torch.equal(h0, torch.randn(case.batch, case.d_inner, case.d_state,
-                                       generator=torch.Generator().manual_seed(1))), "the initial state was written"
+    assert torch.equal(
+        h0, torch.randn(case.batch, case.d_inner, case.d_state, generator=torch.Generator().manual_seed(1))
+    ), "the initial state was written"
 
 
 def test_pieces_chain_like_one_call():
@@ -170,8 +195,10 @@ def test_half_precision_inputs(dtype):
     is read in the half dtype (as transformers does): a state that differs by float32 rounding can round to a
     neighbouring half value, one half ulp (bf16 2^-8 relative, fp16 2^-11) of a product of size ~1."""
     case = Case(2, 37, 6, 4, 8)
-    x = {k: (v.to(dtype) if isinstance(v, torch.Tensor) and k not in ("A", "D", "delta_bias") else v)
-         for k, v in inputs(case).items()}
+    x = {
+        k: (v.to(dtype) if isinstance(v, torch.Tensor) and k not in ("A", "D", "delta_bias") else v)
+        for k, v in inputs(case).items()
+    }
     loose = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=3e-3, atol=3e-3)
     loop_out, _, loop_every = loop_states(x)
     (out, last), every = s6.mamba_selective_scan_states(**x, return_last_state=True, chunk=case.chunk)
@@ -205,8 +232,11 @@ def test_pieces_choose_by_size_and_agree(d_inner, monkeypatch):
         out, last = s6.mamba_selective_scan_piece(**x, return_last_state=True, initial_state=h0)
         (states_out, _), every = s6.mamba_selective_scan_piece_states(**x, return_last_state=True, initial_state=h0)
     chunk_wise = 16 * d_inner <= s6.CHUNKWISE_UP_TO
-    assert ran == (["mamba_selective_scan_chunks", "mamba_selective_scan_states"] if chunk_wise
-                   else ["mamba_selective_scan", "mamba_selective_scan"])
+    assert ran == (
+        ["mamba_selective_scan_chunks", "mamba_selective_scan_states"]
+        if chunk_wise
+        else ["mamba_selective_scan", "mamba_selective_scan"]
+    )
     ran.clear()
     with torch.enable_grad():  # the chunk-wise scan writes its buffers in place: the token loop runs the piece
         assert_close("with gradients on", out, s6.mamba_selective_scan_piece(**x, initial_state=h0), **TOL)
@@ -259,8 +289,9 @@ def _sparse(model, ids, fast, monkeypatch):
         w.mixers[0].set_state_after(5, value)
         w.mixers[-1].register_state_hook(lambda m, c, t, s: seen.append(s.clone()) or s * 0.9, token=[2, 12, -3])
         w.mixers[0].set_state_after(0, value, call=1)
-        out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=PAD, output_logits=True,
-                             return_dict_in_generate=True)
+        out = model.generate(
+            ids, max_new_tokens=3, do_sample=False, pad_token_id=PAD, output_logits=True, return_dict_in_generate=True
+        )
     return w, out, seen, runs
 
 
@@ -278,16 +309,28 @@ def test_sparse_calls_in_segments_equal_the_token_loop(family, monkeypatch):
     assert_close("hook inputs", torch.stack(slow_seen), torch.stack(fast_seen), rtol=1e-4, atol=1e-6)
     for a, b in zip(slow.mixers, fast.mixers):
         for token in (0, 5, 11, -1):
-            assert_close(f"{a} state after {token}", a.state_after(token, 0), b.state_after(token, 0),
-                         rtol=1e-4, atol=1e-6)
+            assert_close(
+                f"{a} state after {token}", a.state_after(token, 0), b.state_after(token, 0), rtol=1e-4, atol=1e-6
+            )
         assert len(a.calls) == len(b.calls) == 3  # the prompt and two decode steps
         for call in (1, 2):  # the decode steps: what the cache handed over, and the state they left
-            assert_close(f"{a} call {call} state in", a.calls[call].kernel_calls[0].inputs["state"],
-                         b.calls[call].kernel_calls[0].inputs["state"], rtol=1e-4, atol=1e-6)
-            assert_close(f"{a} call {call} state after", a.state_after(0, call), b.state_after(0, call),
-                         rtol=1e-4, atol=1e-6)
-        assert_close(f"{a} cached state", slow_out.past_key_values.get_recurrent_state(a.layer),
-                     fast_out.past_key_values.get_recurrent_state(b.layer), rtol=1e-4, atol=1e-6)
+            assert_close(
+                f"{a} call {call} state in",
+                a.calls[call].kernel_calls[0].inputs["state"],
+                b.calls[call].kernel_calls[0].inputs["state"],
+                rtol=1e-4,
+                atol=1e-6,
+            )
+            assert_close(
+                f"{a} call {call} state after", a.state_after(0, call), b.state_after(0, call), rtol=1e-4, atol=1e-6
+            )
+        assert_close(
+            f"{a} cached state",
+            slow_out.past_key_values.get_recurrent_state(a.layer),
+            fast_out.past_key_values.get_recurrent_state(b.layer),
+            rtol=1e-4,
+            atol=1e-6,
+        )
 
 
 @pytest.mark.parametrize("family", MAMBA1_FAMILIES)
@@ -312,5 +355,10 @@ def test_every_state_kept_chunk_wise_equals_the_token_loop(family, monkeypatch):
         # zamba: per head
         for head, (pa, pb) in enumerate(zip(a.calls[0].kernel_calls, b.calls[0].kernel_calls, strict=True)):
             assert_close(f"{a} kernel output {head}", pa.output["output"], pb.output["output"], rtol=1e-4, atol=1e-5)
-        assert_close(f"{a} cached state", slow_out.past_key_values.get_recurrent_state(a.layer),
-                     fast_out.past_key_values.get_recurrent_state(b.layer), rtol=1e-4, atol=1e-6)
+        assert_close(
+            f"{a} cached state",
+            slow_out.past_key_values.get_recurrent_state(a.layer),
+            fast_out.past_key_values.get_recurrent_state(b.layer),
+            rtol=1e-4,
+            atol=1e-6,
+        )

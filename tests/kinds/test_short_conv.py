@@ -28,18 +28,25 @@ T = 13  # not a multiple of anything
 
 # a window is the whole memory: its writes and the whole-memory identity are exact; the loops make transformers'
 # operations in its order, bit for bit; grad mode recomputes every position from its kept window (grad_parity)
-CONTRACT = {rh.ShortConvolution: ContractReading(
-    loop_atol=0.0, grad_parity=(1, 13, 70), early=dict(rtol=1e-6, atol=1e-7), decode_early=dict(rtol=0, atol=0),
-    window_tokens=(0, 5, T - 1), grad_tol=dict(rtol=1e-5, atol=1e-8), finite_difference=(),
-    whole_memory_tol=dict(rtol=0, atol=0))}
-
-
+CONTRACT = {
+    rh.ShortConvolution: ContractReading(
+        loop_atol=0.0,
+        grad_parity=(1, 13, 70),
+        early=dict(rtol=1e-6, atol=1e-7),
+        decode_early=dict(rtol=0, atol=0),
+        window_tokens=(0, 5, T - 1),
+        grad_tol=dict(rtol=1e-5, atol=1e-8),
+        finite_difference=(),
+        whole_memory_tol=dict(rtol=0, atol=0),
+    )
+}
 
 
 def perturbation(window, seed=1):
     gen = torch.Generator().manual_seed(seed)
     return window + torch.randn(window.shape, generator=gen, dtype=torch.float32).to(window.device, window.dtype) * (
-        window.abs().max() + 1)
+        window.abs().max() + 1
+    )
 
 
 def static(w):
@@ -91,7 +98,10 @@ def _inkling(module, x, scale=1.0):
 
 
 EQUATIONS = {
-    "lfm2": _lfm, "lfm2_moe": _lfm, "lfm3": _lfm, "inkling": _inkling,
+    "lfm2": _lfm,
+    "lfm2_moe": _lfm,
+    "lfm3": _lfm,
+    "inkling": _inkling,
     "inkling2": lambda module, x: _inkling(module, x, 1 / math.sqrt(module.conv_kernel_size + 1)),
 }
 EQUATIONS["inkling2_loop"] = EQUATIONS["inkling2"]
@@ -139,15 +149,17 @@ def test_windows_are_the_last_inputs_of_each_kernel_call(model):
             if "conv_state" in record.conv.inputs:
                 x = torch.cat([record.conv.inputs["conv_state"], x], dim=-1)
             size = record.conv.inputs["weight"].shape[-1]
-            expected = _windows(x, size)[:, -record.tokens:]
+            expected = _windows(x, size)[:, -record.tokens :]
             assert_close(f"{mixer} call {record.index}", expected, record.windows, rtol=0, atol=0)
 
 
 def test_the_loops_equal_transformers_kernels_on_the_recorded_calls(model, family):
     """transformers' own kernels (behind the module globals' hub wrappers), on each call's recorded inputs, give the
     outputs the library's loops gave, and the decode kernel writes the window the library kept."""
-    prompt, decode = (transformers_kernel(family, "causal_conv1d_fn"),
-                      transformers_kernel(family, "causal_conv1d_update"))
+    prompt, decode = (
+        transformers_kernel(family, "causal_conv1d_fn"),
+        transformers_kernel(family, "causal_conv1d_update"),
+    )
     w = watched_greedy(model, KEEP, T, 3)
     for mixer in static(w):
         for record in mixer.calls:
@@ -216,17 +228,22 @@ def test_the_state_is_unavailable_with_a_clear_message(model):
         logits_of(model, random_ids(1, 5))
         mixer = static(w)[0]
         carries = r"has no state; it carries only window \(window_after, set_window_after\)"
-        for read in (lambda: mixer.state_after(0), lambda: mixer.states,
-                     lambda: mixer.set_state_after(0, torch.zeros(1)),
-                     lambda: mixer.register_state_hook(lambda m, c, t, s: None, memory="state")):
+        for read in (
+            lambda: mixer.state_after(0),
+            lambda: mixer.states,
+            lambda: mixer.set_state_after(0, torch.zeros(1)),
+            lambda: mixer.register_state_hook(lambda m, c, t, s: None, memory="state"),
+        ):
             kind = type(mixer).__name__
-            with pytest.raises(rh.Unavailable, match=rf"{kind}\({mixer.family}, layer 0\)\.\w+: a {kind} mixer"
-                                                      rf" {carries}"):
+            with pytest.raises(
+                rh.Unavailable,
+                match=rf"{kind}\({mixer.family}, layer 0\)\.\w+: a {kind} mixer"
+                rf" {carries}",
+            ):
                 read()
         values = mixer.values()
         assert values["x"].shape == values["output"].shape == (1, 5, mixer.windows.shape[2])
-        assert_close("values: x is the window's newest column", mixer.windows[..., -1], values["x"],
-                     rtol=0, atol=0)
+        assert_close("values: x is the window's newest column", mixer.windows[..., -1], values["x"], rtol=0, atol=0)
 
 
 def test_support_rows(model, family):
@@ -236,8 +253,9 @@ def test_support_rows(model, family):
     for row in rows:
         assert (row.family, row.kind) == (family, rh.FAMILIES[family].kind.__name__)
         assert row.available == ("windows", "inputs", "outputs", "values", "writes", "hooks")
-        assert ("state" in row.unavailable
-                and "patching_sweep(memory=None | 'window')" in " ".join(row.unavailable.values()))
+        assert "state" in row.unavailable and "patching_sweep(memory=None | 'window')" in " ".join(
+            row.unavailable.values()
+        )
 
 
 def test_a_memory_per_layer_is_refused_where_a_layer_has_several_mixers(model):
@@ -277,8 +295,13 @@ def test_a_window_sweep_equals_one_forward_per_cell(model):
         with rh.watch(model) as patched, torch.no_grad():
             patched.mixer(first.layer).set_window_after(position, first.window_after(position))
             value = metric(model(corrupt, use_cache=False).logits)
-        assert_close(f"cell (layer {first.layer}, position {position})", value[0],
-                     sweep.values[sweep.layers.index(first.layer), position], rtol=1e-5, atol=1e-6)
+        assert_close(
+            f"cell (layer {first.layer}, position {position})",
+            value[0],
+            sweep.values[sweep.layers.index(first.layer), position],
+            rtol=1e-5,
+            atol=1e-6,
+        )
     # "memory" patches every memory the kind carries: here the window alone
     whole = rh.patching_sweep(model, clean[0], corrupt[0], metric, progress=False)
     assert_close("the memory sweep is the window sweep", sweep.values, whole.values, rtol=0, atol=0)
@@ -320,11 +343,17 @@ def test_a_looped_module_has_a_mixer_per_pass_each_with_its_own_calls_and_cache_
     assert_close("logits at tokens <= 5", reference[:, :6], out.logits[:, :6], rtol=1e-6, atol=1e-7)
     assert (reference[:, 6:] - out.logits[:, 6:]).abs().max() > 1e-6, "a write in pass 1 changed no later logits"
     assert_close("the written window", value, second_w.window_after(5, call=0), rtol=0, atol=0)
-    assert_close("pass 1's cache layer holds its continued window", second_w.calls[0].windows[:, -1],
-                 cached_window(out.past_key_values, second_w), rtol=0, atol=0)
+    assert_close(
+        "pass 1's cache layer holds its continued window",
+        second_w.calls[0].windows[:, -1],
+        cached_window(out.past_key_values, second_w),
+        rtol=0,
+        atol=0,
+    )
     for call in range(4):  # calls 0-3 of the generate, after the plain forward (call 0 of this watch)
-        assert_close(f"pass 0 unchanged, call {call}", first.calls[call].windows,
-                     first_w.calls[call + 1].windows, rtol=0, atol=0)
+        assert_close(
+            f"pass 0 unchanged, call {call}", first.calls[call].windows, first_w.calls[call + 1].windows, rtol=0, atol=0
+        )
     change = max((a - b).abs().max() for a, b in zip(plain.logits, steered.logits))
     assert change > 1e-6, "a write in pass 1 changed nothing"
 
@@ -370,8 +399,7 @@ def test_a_multi_token_continuation_over_the_cache(model):
         model(ids, use_cache=False)
     for mixer, one in zip(static(w), static(whole)):
         assert [c.kernel for c in mixer.calls] == ["causal_conv1d_fn"] * 2 and mixer.calls[1].tokens == 4
-        assert_close(f"{mixer} continuation windows", one.windows[:, 8:], mixer.calls[1].windows,
-                     rtol=1e-6, atol=1e-7)
+        assert_close(f"{mixer} continuation windows", one.windows[:, 8:], mixer.calls[1].windows, rtol=1e-6, atol=1e-7)
     value = perturbation(static(w)[0].window_after(1, call=1))
     steered, _ = run(write=value)
     assert_close("continuation tokens <= 1", plain[:, :2], steered[:, :2], rtol=1e-6, atol=1e-7)

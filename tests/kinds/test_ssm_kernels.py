@@ -87,18 +87,34 @@ def s6_tokens(x: dict, start: int, stop: int) -> dict:
 
 def s6_decode_args(x: dict, t: int) -> dict:
     """The decode-kernel arguments of token t, as the Mamba-1 mixers pass them."""
-    return dict(hidden_states=x["hidden_states"][..., t], dt=x["dt"][..., t], A=x["A"], B=x["B"][..., t],
-                C=x["C"][..., t], D=x["D"], dt_bias=x["delta_bias"], dt_softplus=x["delta_softplus"],
-                z=None if x["z"] is None else x["z"][..., t])
+    return dict(
+        hidden_states=x["hidden_states"][..., t],
+        dt=x["dt"][..., t],
+        A=x["A"],
+        B=x["B"][..., t],
+        C=x["C"][..., t],
+        D=x["D"],
+        dt_bias=x["delta_bias"],
+        dt_softplus=x["delta_softplus"],
+        z=None if x["z"] is None else x["z"][..., t],
+    )
 
 
 def s6_reference(x: dict, initial_state=None):
     """The float64 reference on the kernel's arguments; outputs back in the kernel's [batch, d_inner, seq]."""
     token_major = lambda v: None if v is None else rearrange(v, "b c t -> b t c")  # noqa: E731
     out, states = selective_scan_reference(
-        token_major(x["hidden_states"]), token_major(x["dt"]), x["A"], token_major(x["B"]), token_major(x["C"]),
-        x["D"], token_major(x["z"]), dt_bias=x["delta_bias"], softplus=x["delta_softplus"],
-        initial_state=initial_state)
+        token_major(x["hidden_states"]),
+        token_major(x["dt"]),
+        x["A"],
+        token_major(x["B"]),
+        token_major(x["C"]),
+        x["D"],
+        token_major(x["z"]),
+        dt_bias=x["delta_bias"],
+        softplus=x["delta_softplus"],
+        initial_state=initial_state,
+    )
     return rearrange(out, "b t d -> b d t"), states
 
 
@@ -187,8 +203,7 @@ def test_mamba1_replacement_changes_only_later_tokens():
     assert calls == list(range(20))
     assert_close("outputs up to token 7", out[..., :8], patched[..., :8], **EXACT)
     assert (out[..., 8] - patched[..., 8]).abs().max() > 1e-3
-    cont, cont_last = s6.mamba_selective_scan(**s6_tokens(x, 8, 20), return_last_state=True,
-                                              initial_state=replacement)
+    cont, cont_last = s6.mamba_selective_scan(**s6_tokens(x, 8, 20), return_last_state=True, initial_state=replacement)
     assert_close("outputs after 7 == a run from the replacement", cont, patched[..., 8:], **TOL)
     assert_close("last state", cont_last, patched_last, **TOL)
 
@@ -229,8 +244,16 @@ class SSDCase:
     d_state: int = 4
 
     def __str__(self) -> str:
-        flags = [name for name, on in (("D", self.D), ("bias", self.bias), ("h0", self.h0),
-                                       ("limit", self.limit != (0.0, math.inf))) if on] or ["bare"]
+        flags = [
+            name
+            for name, on in (
+                ("D", self.D),
+                ("bias", self.bias),
+                ("h0", self.h0),
+                ("limit", self.limit != (0.0, math.inf)),
+            )
+            if on
+        ] or ["bare"]
         return "-".join([f"B{self.batch}-T{self.seq}-chunk{self.chunk}-G{self.groups}", *flags])
 
 
@@ -275,9 +298,17 @@ def ssd_decode_args(x: dict, t: int, z=None) -> dict:
     _, _, heads, head_dim = x["hidden_states"].shape
     d_state = x["B"].shape[-1]
     per_channel = lambda v: None if v is None else v[:, None].expand(-1, head_dim)  # noqa: E731
-    return dict(hidden_states=x["hidden_states"][:, t], dt=x["dt"][:, t, :, None].expand(-1, -1, head_dim),
-                A=x["A"][:, None, None].expand(-1, head_dim, d_state), B=x["B"][:, t], C=x["C"][:, t],
-                D=per_channel(x["D"]), dt_bias=per_channel(x["dt_bias"]), dt_softplus=x["dt_softplus"], z=z)
+    return dict(
+        hidden_states=x["hidden_states"][:, t],
+        dt=x["dt"][:, t, :, None].expand(-1, -1, head_dim),
+        A=x["A"][:, None, None].expand(-1, head_dim, d_state),
+        B=x["B"][:, t],
+        C=x["C"][:, t],
+        D=per_channel(x["D"]),
+        dt_bias=per_channel(x["dt_bias"]),
+        dt_softplus=x["dt_softplus"],
+        z=z,
+    )
 
 
 @pytest.mark.parametrize("family", MAMBA2_FAMILIES)
@@ -285,8 +316,11 @@ def ssd_decode_args(x: dict, t: int, z=None) -> dict:
 def test_mamba2_scan_equals_transformers(family, case):
     x = ssd_inputs(case)
     # z arrives in **kwargs and is ignored by both; so are leaked decoder kwargs
-    extra = dict(z=torch.randn(case.batch, case.seq, case.heads * case.head_dim), position_embeddings=None,
-                 output_router_logits=False)
+    extra = dict(
+        z=torch.randn(case.batch, case.seq, case.heads * case.head_dim),
+        position_embeddings=None,
+        output_router_logits=False,
+    )
     theirs = hf_kernel(family, "mamba2_chunk_scan")
     out, state = ssd.mamba2_chunk_scan(**x, return_final_states=True, **extra)
     ref_out, ref_state = theirs(**x, return_final_states=True, **extra)
@@ -324,8 +358,17 @@ def test_mamba2_states_equal_float64_reference(case):
     seen, on_token = recorder()
     out, final = ssd.mamba2_chunk_scan(**x, return_final_states=True, on_token=on_token)
     ref_out, ref_states = ssd_reference(
-        x["hidden_states"], x["dt"], x["A"], x["B"], x["C"], x["D"], dt_bias=x["dt_bias"],
-        softplus=x["dt_softplus"], dt_limit=x["dt_limit"], initial_state=x["initial_states"])
+        x["hidden_states"],
+        x["dt"],
+        x["A"],
+        x["B"],
+        x["C"],
+        x["D"],
+        dt_bias=x["dt_bias"],
+        softplus=x["dt_softplus"],
+        dt_limit=x["dt_limit"],
+        initial_state=x["initial_states"],
+    )
     assert_close("outputs", ref_out, out, **TOL)
     assert_close("per-token states", ref_states, torch.stack(seen, dim=1), **TOL)
     assert_close("final state", ref_states[:, -1], final, **TOL)
@@ -339,8 +382,17 @@ def test_mamba2_gate_equals_float64_reference():
     state = x["initial_states"].clone()
     y = ssd.mamba2_selective_state_update(state, **ssd_decode_args(x, 0, z=z))
     ref_out, ref_states = ssd_reference(
-        x["hidden_states"], x["dt"], x["A"], x["B"], x["C"], x["D"], z[:, None], dt_bias=x["dt_bias"],
-        softplus=True, initial_state=x["initial_states"])
+        x["hidden_states"],
+        x["dt"],
+        x["A"],
+        x["B"],
+        x["C"],
+        x["D"],
+        z[:, None],
+        dt_bias=x["dt_bias"],
+        softplus=True,
+        initial_state=x["initial_states"],
+    )
     assert_close("gated output", ref_out[:, 0], y, **TOL)
     assert_close("state", ref_states[:, 0], state, **TOL)
 
@@ -395,8 +447,9 @@ def test_mamba2_replacement_changes_only_later_tokens():
     assert calls == list(range(20))
     assert_close("outputs up to token 7", out[:, :8], patched[:, :8], **EXACT)
     assert (out[:, 8] - patched[:, 8]).abs().max() > 1e-3
-    cont, cont_final = ssd.mamba2_chunk_scan(**ssd_tokens(x, 8, 20, initial_states=replacement),
-                                             return_final_states=True)
+    cont, cont_final = ssd.mamba2_chunk_scan(
+        **ssd_tokens(x, 8, 20, initial_states=replacement), return_final_states=True
+    )
     assert_close("outputs after 7 == a run from the replacement", cont, patched[:, 8:], **TOL)
     assert_close("final state", cont_final, patched_final, **TOL)
 
@@ -426,8 +479,9 @@ def test_discretize_rebuilds_the_states():
     seen, on_token = recorder()
     s6.mamba_selective_scan(**x, on_token=on_token)
     dt, decay, drive = s6.discretize(x["hidden_states"], x["dt"], x["A"], x["B"], x["delta_bias"], True)
-    assert_close("Mamba-1 step", torch.nn.functional.softplus(x["dt"] + x["delta_bias"][:, None]).transpose(1, 2),
-                 dt, **TOL)
+    assert_close(
+        "Mamba-1 step", torch.nn.functional.softplus(x["dt"] + x["delta_bias"][:, None]).transpose(1, 2), dt, **TOL
+    )
     state = torch.zeros(2, 6, 4)
     for t in range(12):
         state = decay[:, t] * state + drive[:, t]
@@ -449,16 +503,24 @@ def test_discretize_from_decode_arguments():
     h0 = torch.randn(2, 6, 4)
     state = h0.clone()
     s6.mamba_selective_state_update(state, **x)
-    _, decay, drive = s6.discretize(x["hidden_states"][..., None], x["dt"][..., None], x["A"], x["B"][..., None],
-                                    x["dt_bias"], x["dt_softplus"])
+    _, decay, drive = s6.discretize(
+        x["hidden_states"][..., None], x["dt"][..., None], x["A"], x["B"][..., None], x["dt_bias"], x["dt_softplus"]
+    )
     assert_close("Mamba-1 decode state", state, decay[:, 0] * h0 + drive[:, 0], **TOL)
 
     x = ssd_decode_args(ssd_inputs(SSDCase(1)), 0)
     h0 = torch.randn(2, 4, 3, 4)
     state = h0.clone()
     ssd.mamba2_selective_state_update(state, **x)
-    _, decay, drive = ssd.discretize(x["hidden_states"][:, None], x["dt"][:, None, :, 0], x["A"][:, 0, 0],
-                                     x["B"][:, None], x["dt_bias"][:, 0], x["dt_softplus"], (-math.inf, math.inf))
+    _, decay, drive = ssd.discretize(
+        x["hidden_states"][:, None],
+        x["dt"][:, None, :, 0],
+        x["A"][:, 0, 0],
+        x["B"][:, None],
+        x["dt_bias"][:, 0],
+        x["dt_softplus"],
+        (-math.inf, math.inf),
+    )
     assert_close("Mamba-2 decode state", state, decay[:, 0, :, None, None] * h0 + drive[:, 0], **TOL)
 
 
@@ -470,8 +532,10 @@ def test_dtypes_follow_transformers():
     bf16 = torch.bfloat16
     loose = dict(rtol=2e-2, atol=2e-2)
     x = s6_inputs(S6Case(6))
-    x = {k: (v.to(bf16) if isinstance(v, torch.Tensor) and k not in ("A", "D", "delta_bias") else v)
-         for k, v in x.items()}  # the mixer: A, D.float() and the dt bias in float32
+    x = {
+        k: (v.to(bf16) if isinstance(v, torch.Tensor) and k not in ("A", "D", "delta_bias") else v)
+        for k, v in x.items()
+    }  # the mixer: A, D.float() and the dt bias in float32
     out, state = s6.mamba_selective_scan(**x, return_last_state=True)
     ref_out, ref_state = hf_kernel("mamba", "mamba_selective_scan")(**x, return_last_state=True)
     assert (out.dtype, state.dtype) == (ref_out.dtype, ref_state.dtype) == (torch.float32, torch.float32)
@@ -526,8 +590,9 @@ def test_mamba2_chunkwise_states_equal_float64_reference(seq, with_state, row_st
     B, C = (torch.randn(batch, seq, groups, d_state, generator=gen) for _ in range(2))
     D, dt_bias = torch.randn(heads, generator=gen), torch.randn(heads, generator=gen)
     h0 = torch.randn(batch, heads, head_dim, d_state, generator=gen) if with_state else None
-    (y, final), states = mamba2_chunk_scan_states(x, dt, A, B, C, 8, D=D, dt_bias=dt_bias, initial_states=h0,
-                                                 dt_softplus=True, return_final_states=True)
+    (y, final), states = mamba2_chunk_scan_states(
+        x, dt, A, B, C, 8, D=D, dt_bias=dt_bias, initial_states=h0, dt_softplus=True, return_final_states=True
+    )
     ref_y, ref_states = ssd_reference(x, dt, A, B, C, D, dt_bias=dt_bias, softplus=True, initial_state=h0)
     assert_close("outputs", ref_y, y, rtol=1e-5, atol=1e-5)
     # states are O(10) here: absolute float32 rounding of a few 1e-6

@@ -23,11 +23,16 @@ def test_mamba1_multi_token_continuation_runs_watched_and_warns(family):
         with rh.watch(model) as w:  # idle: the model's own behaviour
             watched = model(ids[:, 6:], cache=model(ids[:, :6], use_cache=True).cache).logits
         assert_close("idle continuation", plain, watched, rtol=0, atol=0)
-        assert (w.mixers[0].calls[1].kernel == rh.SelectiveScan.kernel_for("prompt").name
-                and w.mixers[0].calls[1].tokens == T - 6)
+        assert (
+            w.mixers[0].calls[1].kernel == rh.SelectiveScan.kernel_for("prompt").name
+            and w.mixers[0].calls[1].tokens == T - 6
+        )
         cache = model(ids[:, :6], use_cache=True).cache
-        with pytest.warns(rh.RecurrentHooksWarning, match=r"call 0 \(mamba_selective_scan\): multi-token continuation:"
-                          r" the model restarted its SSM state from zero"):
+        with pytest.warns(
+            rh.RecurrentHooksWarning,
+            match=r"call 0 \(mamba_selective_scan\): multi-token continuation:"
+            r" the model restarted its SSM state from zero",
+        ):
             with rh.watch(model, keep=("states", "inputs", "outputs")) as w:
                 kept = model(ids[:, 6:], cache=cache).logits
         assert_close("kept continuation", plain, kept, rtol=1e-6, atol=1e-6)
@@ -81,7 +86,7 @@ def test_zamba_runs_one_kernel_call_per_head():
         with torch.no_grad():
             model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
     head_dim, d_state = mixer.calls[0].kernel_calls[0].inputs["A"].shape
-    assert seen[:2 * heads] == [(0, t, h, (2, head_dim, d_state)) for h in range(heads) for t in (0, T - 1)]
+    assert seen[: 2 * heads] == [(0, t, h, (2, head_dim, d_state)) for h in range(heads) for t in (0, T - 1)]
     assert [len(c.kernel_calls) for c in mixer.calls] == [heads] * 3
     assert mixer.calls[0].states.shape == (2, T, heads, head_dim, d_state)
     with pytest.raises(rh.Unavailable, match="made 2 recurrence kernel calls .* read call.kernel_calls"):

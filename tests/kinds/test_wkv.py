@@ -64,10 +64,21 @@ def wkv_shift_in(mixer, call):
     return mixer.calls[call].conv.inputs["state"][1][:, :, mixer.layer]
 
 
-CONTRACT = {rh.WeightedKeyValue: ContractReading(
-    perturb=perturbed_wkv, carried=wkv_memory, window_in=wkv_shift_in, batch=1, grad_use_cache=False, loop_atol=0.0,
-    window_tokens=(5, T - 1), split_tol=dict(rtol=1e-5, atol=1e-6), recomputes_once=True,
-    finite_difference=("state", "window"), whole_memory_tol=dict(rtol=1e-5, atol=1e-6))}
+CONTRACT = {
+    rh.WeightedKeyValue: ContractReading(
+        perturb=perturbed_wkv,
+        carried=wkv_memory,
+        window_in=wkv_shift_in,
+        batch=1,
+        grad_use_cache=False,
+        loop_atol=0.0,
+        window_tokens=(5, T - 1),
+        split_tol=dict(rtol=1e-5, atol=1e-6),
+        recomputes_once=True,
+        finite_difference=("state", "window"),
+        whole_memory_tol=dict(rtol=1e-5, atol=1e-6),
+    )
+}
 
 
 BATCH, CHANNELS = 2, 16
@@ -133,12 +144,18 @@ def transformers_wkv():
 
 def kernel_inputs(seq, seed=0, with_state=True):
     gen = torch.Generator().manual_seed(seed)
-    inputs = dict(time_decay=torch.randn(CHANNELS, generator=gen) * 2, time_first=torch.randn(CHANNELS, generator=gen),
-                  key=torch.randn(BATCH, seq, CHANNELS, generator=gen) * 2,
-                  value=torch.randn(BATCH, seq, CHANNELS, generator=gen))
+    inputs = dict(
+        time_decay=torch.randn(CHANNELS, generator=gen) * 2,
+        time_first=torch.randn(CHANNELS, generator=gen),
+        key=torch.randn(BATCH, seq, CHANNELS, generator=gen) * 2,
+        value=torch.randn(BATCH, seq, CHANNELS, generator=gen),
+    )
     if with_state:
-        state = (torch.randn(BATCH, CHANNELS, generator=gen), torch.rand(BATCH, CHANNELS, generator=gen) + 0.5,
-                 torch.randn(BATCH, CHANNELS, generator=gen))
+        state = (
+            torch.randn(BATCH, CHANNELS, generator=gen),
+            torch.rand(BATCH, CHANNELS, generator=gen) + 0.5,
+            torch.randn(BATCH, CHANNELS, generator=gen),
+        )
         inputs["state"] = state
     return inputs
 
@@ -184,16 +201,24 @@ def test_a_replaced_wkv_state_changes_only_later_tokens(token):
     inputs = kernel_inputs(37, seed=2)
     plain, _ = rwkv_linear_attention(**inputs)
     gen = torch.Generator().manual_seed(3)
-    replacement = WkvState(torch.randn(BATCH, CHANNELS, generator=gen), torch.rand(BATCH, CHANNELS, generator=gen),
-                           torch.randn(BATCH, CHANNELS, generator=gen))
+    replacement = WkvState(
+        torch.randn(BATCH, CHANNELS, generator=gen),
+        torch.rand(BATCH, CHANNELS, generator=gen),
+        torch.randn(BATCH, CHANNELS, generator=gen),
+    )
     out, final = rwkv_linear_attention(**inputs, on_token=lambda t, s: replacement if t == token else s)
     assert_close("tokens <= t", plain[:, : token + 1], out[:, : token + 1], rtol=0, atol=0)
-    rest = {**inputs, "key": inputs["key"][:, token + 1:], "value": inputs["value"][:, token + 1:],
-            "state": tuple(replacement)}
+    rest = {
+        **inputs,
+        "key": inputs["key"][:, token + 1 :],
+        "value": inputs["value"][:, token + 1 :],
+        "state": tuple(replacement),
+    }
     expected, expected_final = transformers_wkv()(**rest)
-    assert_close("tokens > t continue from the replacement", expected, out[:, token + 1:], rtol=0, atol=0)
-    assert_state_close("final state", WkvState(*(expected_final if token < 36 else replacement)), WkvState(*final),
-                       rtol=0, atol=0)
+    assert_close("tokens > t continue from the replacement", expected, out[:, token + 1 :], rtol=0, atol=0)
+    assert_state_close(
+        "final state", WkvState(*(expected_final if token < 36 else replacement)), WkvState(*final), rtol=0, atol=0
+    )
 
 
 def _shift_inputs(model, seq, batch, with_state):
@@ -209,8 +234,9 @@ def _shift_inputs(model, seq, batch, with_state):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("seq, batch, with_state", [(7, 2, False), (7, 2, True), (1, 1, True), (1, 2, True),
-                                                    (1, 2, False)])
+@pytest.mark.parametrize(
+    "seq, batch, with_state", [(7, 2, False), (7, 2, True), (1, 1, True), (1, 2, True), (1, 2, False)]
+)
 def test_token_shift_equals_transformers_method(family, seq, batch, with_state):
     """The library's extract_key_value and transformers' give the same receptance, key, value and stored shift
     (batch 2 at a one-token step: transformers' [batch, batch, hidden] broadcast, reproduced)."""
@@ -239,10 +265,11 @@ def test_a_replaced_shift_changes_only_the_next_token(family):
     token, replacement = 4, torch.randn(2, hidden.shape[-1]).to(hidden.device)
     with torch.no_grad():
         _, plain, _, _ = extract_key_value(module, hidden, [s.clone() for s in state])
-        _, key, _, _ = extract_key_value(module, hidden, [s.clone() for s in state],
-                                         on_token=lambda t, s: replacement if t == token else s)
+        _, key, _, _ = extract_key_value(
+            module, hidden, [s.clone() for s in state], on_token=lambda t, s: replacement if t == token else s
+        )
     changed = (key - plain).abs().amax(dim=(0, 2))
-    assert changed[token + 1] > 1e-3 and changed[: token + 1].max() == 0 and changed[token + 2:].max() == 0, changed
+    assert changed[token + 1] > 1e-3 and changed[: token + 1].max() == 0 and changed[token + 2 :].max() == 0, changed
 
 
 # -- the family bar -----------------------------------------------------------------------------------------------
@@ -316,8 +343,13 @@ def test_states_equal_float64_reference_at_prompt_and_decode_steps(model):
                 assert_close(f"{mixer} call {call} a_t", a, got_a, rtol=1e-4, atol=1e-7)
                 assert_close(f"{mixer} call {call} b_t", b, got_b, rtol=1e-4, atol=1e-7)
                 assert_close(f"{mixer} call {call} wkv_t", wkv, record.output["output"], rtol=1e-4, atol=1e-6)
-                assert_state_close(f"{mixer} call {call} final state", map_parts(lambda s: s[:, -1], record.states),
-                                   WkvState(*record.output["final_state"]), rtol=0, atol=0)
+                assert_state_close(
+                    f"{mixer} call {call} final state",
+                    map_parts(lambda s: s[:, -1], record.states),
+                    WkvState(*record.output["final_state"]),
+                    rtol=0,
+                    atol=0,
+                )
 
 
 def test_a_memory_write_per_row_equals_each_row_written_alone(model):
@@ -334,10 +366,14 @@ def test_a_memory_write_per_row_equals_each_row_written_alone(model):
             alone.mixers[0].set_memory_after(token, value)
             expected = model(ids).logits
         assert_close(f"row {row} logits", expected[row], logits[row], rtol=0, atol=0)
-        assert_state_close(f"row {row} states", WkvState(*[s[row] for s in alone.mixers[0].states]),
-                           WkvState(*[s[row] for s in w.mixers[0].states]), rtol=0, atol=0)
-        assert_close(f"row {row} shifts", alone.mixers[0].windows[row], w.mixers[0].windows[row],
-                     rtol=0, atol=0)
+        assert_state_close(
+            f"row {row} states",
+            WkvState(*[s[row] for s in alone.mixers[0].states]),
+            WkvState(*[s[row] for s in w.mixers[0].states]),
+            rtol=0,
+            atol=0,
+        )
+        assert_close(f"row {row} shifts", alone.mixers[0].windows[row], w.mixers[0].windows[row], rtol=0, atol=0)
 
 
 def test_decode_memories_continue_the_prompt_memories_with_the_cache_on(model):
@@ -368,10 +404,10 @@ def test_a_multi_token_continuation_continues_the_state(model):
         model(ids)
     for mixer, long in zip(w.mixers, whole.mixers):
         assert [c.tokens for c in mixer.calls] == [8, T - 8]
-        assert_state_close(f"{mixer} states", long.states, cat_states([c.states for c in mixer.calls], 1),
-                           rtol=1e-6, atol=1e-7)
-        assert_close(f"{mixer} shifts", long.windows, torch.cat([c.windows for c in mixer.calls], 1),
-                     rtol=0, atol=0)
+        assert_state_close(
+            f"{mixer} states", long.states, cat_states([c.states for c in mixer.calls], 1), rtol=1e-6, atol=1e-7
+        )
+        assert_close(f"{mixer} shifts", long.windows, torch.cat([c.windows for c in mixer.calls], 1), rtol=0, atol=0)
     seen = []
     handle = rh.register_state_hook(model.rwkv.blocks[0].attention, lambda m, c, t, s: seen.append((c, t)), token=0)
     try:
@@ -390,8 +426,7 @@ def test_replacing_hooks_scale_the_paper_state(model):
     with rh.watch(model, keep=ALL) as w:
         logits_of(model, ids)
     with rh.watch(model, keep=ALL) as doubled:
-        doubled.mixers[0].register_state_hook(
-            lambda m, c, t, s: WkvState(s.num, s.den, s.max + math.log(2)), token=4)
+        doubled.mixers[0].register_state_hook(lambda m, c, t, s: WkvState(s.num, s.den, s.max + math.log(2)), token=4)
         logits_of(model, ids)
     a, b = paper_form(w.mixers[0].state_after(4))
     got_a, got_b = paper_form(doubled.mixers[0].state_after(4))
@@ -419,12 +454,12 @@ def test_shifts_are_the_ln1_outputs_at_prompt_and_decode_steps(model):
         greedy(model, random_ids(1, T), 3)
     for mixer in w.mixers:
         for call, record in enumerate(mixer.calls):
-            assert_close(f"{mixer} call {call} shifts", record.conv.inputs["hidden"], record.windows,
-                         rtol=0, atol=0)
+            assert_close(f"{mixer} call {call} shifts", record.conv.inputs["hidden"], record.windows, rtol=0, atol=0)
             if call:  # what the model's state carried into the step: the previous call's last shift
                 carried = record.conv.inputs["state"][1][:, :, mixer.layer]
-                assert_close(f"{mixer} call {call} shift in", mixer.calls[call - 1].windows[:, -1], carried,
-                             rtol=0, atol=0)
+                assert_close(
+                    f"{mixer} call {call} shift in", mixer.calls[call - 1].windows[:, -1], carried, rtol=0, atol=0
+                )
 
 
 def test_a_shift_write_changes_the_next_tokens_key_only(model):
@@ -440,7 +475,7 @@ def test_a_shift_write_changes_the_next_tokens_key_only(model):
         w.mixers[0].set_window_after(token, value)
         written = logits_of(model, ids)
     change = (w.mixers[0].calls[0].inputs["key"] - unwritten).abs().amax(dim=(0, 2))
-    assert change[token + 1] > 1e-6 and change[: token + 1].max() == 0 and change[token + 2:].max() == 0, change
+    assert change[token + 1] > 1e-6 and change[: token + 1].max() == 0 and change[token + 2 :].max() == 0, change
     assert (written[:, token + 1] - plain[:, token + 1]).abs().max() > 1e-6, "the logits at t+1 did not move"
 
 
@@ -471,11 +506,13 @@ def test_the_whole_memory_identity_holds_with_the_cache_on(model):
     out_a, mixer_a = _first_mixer_outputs(model, run_a)
     out_b, mixer_b = _first_mixer_outputs(model, run_b)
     patched, _ = _first_mixer_outputs(model, run_b, mixer_a.memory_after(token), token)
-    assert (out_b[:, token + 1:] - out_a[:, token + 1:]).abs().max() > 1e-6, "the two runs did not differ"
-    assert_close("layer output after t, memory written", out_a[:, token + 1:], patched[:, token + 1:],
-                 rtol=1e-5, atol=1e-6)
-    state_only, _ = _first_mixer_outputs(model, run_b, rh.Memory(mixer_a.state_after(token),
-                                                                 mixer_b.window_after(token)), token)
+    assert (out_b[:, token + 1 :] - out_a[:, token + 1 :]).abs().max() > 1e-6, "the two runs did not differ"
+    assert_close(
+        "layer output after t, memory written", out_a[:, token + 1 :], patched[:, token + 1 :], rtol=1e-5, atol=1e-6
+    )
+    state_only, _ = _first_mixer_outputs(
+        model, run_b, rh.Memory(mixer_a.state_after(token), mixer_b.window_after(token)), token
+    )
     assert (state_only[:, token + 1] - out_a[:, token + 1]).abs().max() > 1e-6, "the state alone made B continue as A"
 
 
@@ -520,10 +557,11 @@ def default_bindings(family):
 
 def test_support_lists_the_kinds_values_and_limits(model, family):
     rows = rh.support(model)
-    assert [(r.layer, r.family, r.kind) for r in rows] == [(0, family, "WeightedKeyValue"),
-                                                          (1, family, "WeightedKeyValue")]
-    for limit in ("batched decode", "left padding", "eval rescaling", "gradients with a state",
-                  "feed-forward shift"):
+    assert [(r.layer, r.family, r.kind) for r in rows] == [
+        (0, family, "WeightedKeyValue"),
+        (1, family, "WeightedKeyValue"),
+    ]
+    for limit in ("batched decode", "left padding", "eval rescaling", "gradients with a state", "feed-forward shift"):
         assert limit in rows[0].unavailable
     assert "states" in rows[0].available and "windows" in rows[0].available
     with rh.watch(model) as w:
@@ -532,13 +570,19 @@ def test_support_lists_the_kinds_values_and_limits(model, family):
 
 def test_a_write_of_the_wrong_shape_names_the_parts(model):
     with rh.watch(model) as w:
-        with pytest.raises(rh.InvalidValue, match=r"expected a WkvState with axes \(num: batch channels;"
-                                                  r" den: batch channels; max: batch channels\), got Tensor"):
+        with pytest.raises(
+            rh.InvalidValue,
+            match=r"expected a WkvState with axes \(num: batch channels;"
+            r" den: batch channels; max: batch channels\), got Tensor",
+        ):
             w.mixers[0].set_state_after(2, torch.zeros(2, 3, model.config.hidden_size))
         zeros = torch.zeros(2, model.config.hidden_size)
         w.mixers[0].set_state_after(2, WkvState(zeros, zeros[:, :-1], zeros))
-        with pytest.raises(rh.InvalidValue, match=r"state part 'den' with shape \(2, 31\), expected \(2, 32\)"
-                                                  r" \(axes: batch channels\)"):
+        with pytest.raises(
+            rh.InvalidValue,
+            match=r"state part 'den' with shape \(2, 31\), expected \(2, 32\)"
+            r" \(axes: batch channels\)",
+        ):
             logits_of(model, random_ids(2, T))
     with rh.watch(model) as w:
         w.mixers[0].set_window_after(2, torch.zeros(2, 3, model.config.hidden_size))

@@ -30,10 +30,11 @@ T = 13
 
 # one forward updates both memories, the q/k window and the one-token value delay (the state): a call's state
 # input is the delay the forward received; its forward, operation for operation (loop_atol); grad mode recomputes
-CONTRACT = {rh.CompressedConvolutionalAttention: ContractReading(
-    state_in=lambda mixer, call: mixer.calls[call].conv.inputs["delay"], loop_atol=0.0, grad_parity=(13,))}
-
-
+CONTRACT = {
+    rh.CompressedConvolutionalAttention: ContractReading(
+        state_in=lambda mixer, call: mixer.calls[call].conv.inputs["delay"], loop_atol=0.0, grad_parity=(13,)
+    )
+}
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +65,12 @@ def _equation(module, x, window=None, delay=None, windows_written=None, delays_w
     d = {name: p.double() for name, p in module.named_parameters()}
     x = x.double()
     batch, seq, _ = x.shape
-    heads, kv_heads, dim, size = (module.num_attention_heads, module.num_key_value_heads, module.head_dim,
-                                  module.conv_kernel_size)
+    heads, kv_heads, dim, size = (
+        module.num_attention_heads,
+        module.num_key_value_heads,
+        module.head_dim,
+        module.conv_kernel_size,
+    )
     groups = heads // kv_heads
 
     def linear(name, inputs):
@@ -95,11 +100,14 @@ def _equation(module, x, window=None, delay=None, windows_written=None, delays_w
             before = delays_written[t].double()
         delays.append(before)
     conv = torch.stack(conv, dim=1)  # b t C
-    mixed = (q_tilde.view(batch, seq, heads, dim)
-             + k_tilde.view(batch, seq, kv_heads, 1, dim).expand(-1, -1, -1, groups, -1)
-             .reshape(batch, seq, heads, dim)) / 2
-    q = conv[..., :heads * dim].view(batch, seq, heads, dim) + mixed
-    k = conv[..., heads * dim:].view(batch, seq, kv_heads, dim) + mixed.view(batch, seq, kv_heads, groups, dim).mean(-2)
+    mixed = (
+        q_tilde.view(batch, seq, heads, dim)
+        + k_tilde.view(batch, seq, kv_heads, 1, dim).expand(-1, -1, -1, groups, -1).reshape(batch, seq, heads, dim)
+    ) / 2
+    q = conv[..., : heads * dim].view(batch, seq, heads, dim) + mixed
+    k = conv[..., heads * dim :].view(batch, seq, kv_heads, dim) + mixed.view(batch, seq, kv_heads, groups, dim).mean(
+        -2
+    )
     current_v = linear("v_proj_current", x)
     v = torch.cat([current_v, torch.stack(delayed, dim=1)], dim=-1).view(batch, seq, kv_heads, dim)
     return torch.stack(windows, dim=1), torch.stack(delays, dim=1), (q, k, v)
@@ -121,8 +129,9 @@ def test_windows_delays_and_outputs_equal_the_float64_equation_at_prompt_and_dec
         assert mixer.calls[0].conv.inputs["conv_state"] is None and mixer.calls[0].conv.inputs["delay"] is None
         x = torch.cat([c.conv.inputs["hidden_states"] for c in mixer.calls], dim=1)
         windows, delays, outputs = _equation(mixer.module, x)
-        assert_close(f"{mixer} windows", windows, torch.cat([c.windows for c in mixer.calls], dim=1),
-                     rtol=1e-6, atol=1e-7)
+        assert_close(
+            f"{mixer} windows", windows, torch.cat([c.windows for c in mixer.calls], dim=1), rtol=1e-6, atol=1e-7
+        )
         assert_close(f"{mixer} delays", delays, torch.cat([c.states for c in mixer.calls], dim=1), rtol=1e-6, atol=1e-7)
         for what, want in zip(("query", "key", "value"), outputs):
             got = torch.cat([c.conv.output[what] for c in mixer.calls], dim=1)
@@ -153,12 +162,14 @@ def test_the_forward_equals_transformers_bit_for_bit(model):
     assert {args[0].shape[1] for _, args, _ in calls} == {8, T - 8, T, 1}
     for module, args, kwargs in calls:
         cache_at = 1 if len(args) > 1 else None
+
         def with_cache(cache):
             a = list(args)
             if cache_at is not None:
                 a[cache_at] = cache
                 return a, kwargs
             return a, {**kwargs, "cache": cache}
+
         given = args[1] if cache_at is not None else kwargs.get("cache")
         caches = [copy.deepcopy(given) for _ in range(3)]
         seen = {"window": [], "delay": []}
@@ -166,8 +177,13 @@ def test_the_forward_equals_transformers_bit_for_bit(model):
             theirs = original(module, *with_cache(caches[0])[0], **with_cache(caches[0])[1])
             ours = cca_forward(module, *with_cache(caches[1])[0], **with_cache(caches[1])[1])
             a, k = with_cache(caches[2])
-            looped = cca_forward(module, *a, **k, on_token=lambda t, s: seen["window"].append(s) or s,
-                                 on_also=lambda t, s: seen["delay"].append(s) or s)
+            looped = cca_forward(
+                module,
+                *a,
+                **k,
+                on_token=lambda t, s: seen["window"].append(s) or s,
+                on_also=lambda t, s: seen["delay"].append(s) or s,
+            )
         for name, mine in (("", ours), (" with hooks", looped)):
             for what, a_, b_ in zip(("query", "key", "value"), theirs, mine):
                 assert_equal(f"{what}{name}", a_, b_)
@@ -176,10 +192,12 @@ def test_the_forward_equals_transformers_bit_for_bit(model):
             for cache in caches[1:]:
                 assert_equal("cached window", caches[0].get_conv_state(layer), cache.get_conv_state(layer))
                 assert_equal("cached delay", caches[0].get_recurrent_state(layer), cache.get_recurrent_state(layer))
-            assert_equal("the last window handed over is the cached one", caches[0].get_conv_state(layer),
-                         seen["window"][-1])
-            assert_equal("the last delay handed over is the cached one", caches[0].get_recurrent_state(layer),
-                         seen["delay"][-1])
+            assert_equal(
+                "the last window handed over is the cached one", caches[0].get_conv_state(layer), seen["window"][-1]
+            )
+            assert_equal(
+                "the last delay handed over is the cached one", caches[0].get_recurrent_state(layer), seen["delay"][-1]
+            )
 
 
 @pytest.mark.parametrize("seq", [1, 3, T])
@@ -206,8 +224,9 @@ def test_greedy_generate_and_hooks_at_prompt_tokens_and_decode_steps(model):
     with rh.watch(model, keep=("windows", "states")) as w:
         mixer = w.mixers[1]
         for which in seen:
-            mixer.register_state_hook(lambda m, c, t, s, which=which: seen[which].append((c, t, s.clone())),
-                                      memory=which)
+            mixer.register_state_hook(
+                lambda m, c, t, s, which=which: seen[which].append((c, t, s.clone())), memory=which
+            )
         assert_equal("generate", expected, greedy(model, ids, 5))
     order = [(0, t) for t in range(T)] + [(k, 0) for k in range(1, 5)]
     for which, getter in (("window", mixer.window_after), ("state", mixer.state_after)):
@@ -249,13 +268,19 @@ def test_a_write_at_a_prompt_token_changes_only_later_tokens_and_the_cache(model
         out = model(ids, use_cache=True)
     mixer = w.mixers[0]
     for name, value in first.calls[0].conv.output.items():
-        assert_equal(f"{name} up to the written token", value[:, :token + 1],
-                     mixer.calls[0].conv.output[name][:, :token + 1])
-    assert_close("logits up to the written token", clean[:, :token + 1], out.logits[:, :token + 1],
-                 rtol=1e-6, atol=1e-7)
-    assert (clean[:, token + 1:] - out.logits[:, token + 1:]).abs().max() > 1e-6
-    windows, delays, outputs = _equation(mixer.module, x, windows_written=None if window is None else {token: window},
-                                         delays_written=None if delay is None else {token: delay})
+        assert_equal(
+            f"{name} up to the written token", value[:, : token + 1], mixer.calls[0].conv.output[name][:, : token + 1]
+        )
+    assert_close(
+        "logits up to the written token", clean[:, : token + 1], out.logits[:, : token + 1], rtol=1e-6, atol=1e-7
+    )
+    assert (clean[:, token + 1 :] - out.logits[:, token + 1 :]).abs().max() > 1e-6
+    windows, delays, outputs = _equation(
+        mixer.module,
+        x,
+        windows_written=None if window is None else {token: window},
+        delays_written=None if delay is None else {token: delay},
+    )
     _check_outputs("the mixer continues from the write", outputs, mixer.calls[0].conv)
     cache, layer = out.past_key_values, mixer.module.layer_idx
     assert_close("the cached window", windows[:, -1], cache.get_conv_state(layer), rtol=1e-6, atol=1e-7)
@@ -276,7 +301,7 @@ def test_writes_after_the_last_prompt_token_and_at_a_decode_step_reach_the_next_
     assert_equal("decode step 1 read the window written after the prompt", window, calls[1].conv.inputs["conv_state"])
     assert_equal("decode step 3 read the delay written at step 2", delay, calls[3].conv.inputs["delay"])
     value = calls[3].conv.output["value"]  # b 1 Hkv D: the second half of each head is the delay read
-    assert_equal("decode step 3's delayed value half", delay.view(2, 1, 1, -1), value[..., value.shape[-1] // 2:])
+    assert_equal("decode step 3's delayed value half", delay.view(2, 1, 1, -1), value[..., value.shape[-1] // 2 :])
 
 
 def test_a_replacing_hook_is_a_write(model):
@@ -298,9 +323,12 @@ def test_a_replacing_hook_is_a_write(model):
 def test_a_write_of_the_wrong_shape_names_the_memory_mixer_call_and_token(model):
     with rh.watch(model) as w:
         w.mixers[1].set_state_after(3, torch.zeros(2, 5))
-        with pytest.raises(rh.InvalidValue, match=r"CompressedConvolutionalAttention\(zaya, layer 1\), call 0, token 3:"
-                           r" set_state_after.* gave a state with shape \(2, 5\), expected \(2, 8\)"
-                           r" \(axes: batch delay_channels\)"):
+        with pytest.raises(
+            rh.InvalidValue,
+            match=r"CompressedConvolutionalAttention\(zaya, layer 1\), call 0, token 3:"
+            r" set_state_after.* gave a state with shape \(2, 5\), expected \(2, 8\)"
+            r" \(axes: batch delay_channels\)",
+        ):
             logits_of(model, random_ids(2, T))
 
 
@@ -319,7 +347,7 @@ def test_the_whole_memory_identity(model):
     xa = torch.randn(2, T, module.hidden_size, generator=gen)
     xb = xa.clone()
     t = 6
-    xb[:, :t + 1] = torch.randn(2, t + 1, module.hidden_size, generator=gen)
+    xb[:, : t + 1] = torch.randn(2, t + 1, module.hidden_size, generator=gen)
     with torch.no_grad(), rh.watch(model, keep=("windows", "states")) as w:
         qa, ka, va = module(xa, None)
         mixer = next(m for m in w.mixers if m.module is module)
@@ -331,8 +359,8 @@ def test_the_whole_memory_identity(model):
         qb, kb, vb = module(xb, None)
     for what, a, b, p in zip("qkv", (qa, ka, va), (qb, kb, vb), plain):
         assert (p[:, t + 1] - a[:, t + 1]).abs().max() > 1e-4, what  # B differs from A there, unwritten
-        assert_equal(f"B's {what} up to t is B's own", p[:, :t + 1], b[:, :t + 1])
-        assert_close(f"B's {what} after t is A's", a[:, t + 1:], b[:, t + 1:], rtol=1e-6, atol=1e-6)
+        assert_equal(f"B's {what} up to t is B's own", p[:, : t + 1], b[:, : t + 1])
+        assert_close(f"B's {what} after t is A's", a[:, t + 1 :], b[:, t + 1 :], rtol=1e-6, atol=1e-6)
 
 
 def test_gradient_with_respect_to_a_kept_delay_and_window(model):
@@ -419,8 +447,11 @@ def test_past_recording_fails_in_transformers_and_is_refused_by_name_when_watche
     ids = random_ids(1, 5)
     with pytest.raises(RuntimeError, match="view"):
         _decode_twice_recording_the_past(model, ids)
-    with pytest.raises(rh.Unavailable, match=r"ZayaCCAProjection \(layer 0\): a cache recording its past \(assisted"
-                       r" decoding\): transformers 5\.24\.\d+'s own forward cannot run it"):
+    with pytest.raises(
+        rh.Unavailable,
+        match=r"ZayaCCAProjection \(layer 0\): a cache recording its past \(assisted"
+        r" decoding\): transformers 5\.24\.\d+'s own forward cannot run it",
+    ):
         with rh.watch(model) as w:
             w.mixers[0].register_state_hook(lambda m, c, t, s: None, memory="state")
             _decode_twice_recording_the_past(model, ids)

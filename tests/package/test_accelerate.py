@@ -31,9 +31,11 @@ ALL = ("states", "windows", "inputs", "outputs")
 # offloads the rest to disk (accelerate 1.15; the test below checks what the map really is).
 CPU_BUDGET = {"qwen3_5": "150KB", "mamba2": "80KB", "mamba": "60KB"}
 FAMILIES = list(CPU_BUDGET)  # gated DeltaNet, Mamba-2, Mamba-1
-pytestmark = pytest.mark.cpu_only(reason="the execution device here is the CPU (accelerate offloads to the CPU and the"
-                                         " disk): on a GPU the execution device would be the GPU, which these tests do"
-                                         " not build")
+pytestmark = pytest.mark.cpu_only(
+    reason="the execution device here is the CPU (accelerate offloads to the CPU and the"
+    " disk): on a GPU the execution device would be the GPU, which these tests do"
+    " not build"
+)
 
 
 def _device_of(model, path: str) -> str:
@@ -56,8 +58,12 @@ def saved(tmp_path_factory):
 def _load(family, path, how, tmp_path):
     cls = type(build(family))
     if how == "disk":
-        model = cls.from_pretrained(path, device_map="auto", offload_folder=tmp_path / "offload",
-                                    max_memory={"cpu": CPU_BUDGET[family], "disk": "1GB"})
+        model = cls.from_pretrained(
+            path,
+            device_map="auto",
+            offload_folder=tmp_path / "offload",
+            max_memory={"cpu": CPU_BUDGET[family], "disk": "1GB"},
+        )
     else:
         model = accelerate.cpu_offload(cls.from_pretrained(path), execution_device="cpu")
     return model.eval()
@@ -80,8 +86,11 @@ def _offloaded_mixers(model):
     with rh.watch(model) as w:
         modules = {m.module: m for m in w.mixers}
     paths = [path for path, module in model.named_modules() if module in modules]
-    offloaded = [p for p, module in model.named_modules() if module in modules
-                 and all(param.device.type == "meta" for param in module.parameters())]
+    offloaded = [
+        p
+        for p, module in model.named_modules()
+        if module in modules and all(param.device.type == "meta" for param in module.parameters())
+    ]
     return paths, offloaded
 
 
@@ -138,8 +147,13 @@ def test_a_write_equals_the_plain_model(models):
     assert_close("logits after a write", out0.logits, out1.logits, rtol=1e-5, atol=1e-6)
     for a, b in zip(w0.mixers, w1.mixers):
         assert_close(f"{b} states after a write", a.states, b.states, rtol=1e-5, atol=1e-6)
-        assert_close(f"{b} cached state", out0.past_key_values.get_recurrent_state(a.layer),
-                     out1.past_key_values.get_recurrent_state(b.layer), rtol=1e-5, atol=1e-6)
+        assert_close(
+            f"{b} cached state",
+            out0.past_key_values.get_recurrent_state(a.layer),
+            out1.past_key_values.get_recurrent_state(b.layer),
+            rtol=1e-5,
+            atol=1e-6,
+        )
     assert_close("the written state", value, w1.mixers[-1].state_after(4), rtol=0, atol=0)
 
 
@@ -163,8 +177,11 @@ def test_hooks_and_greedy_generate_equal_the_plain_model(models):
     with torch.no_grad():
         expected = plain.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=PAD)
     with rh.watch(model, keep=ALL) as w1, torch.no_grad():
-        assert_equal("greedy generate, states kept", expected,
-                     model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=PAD))
+        assert_equal(
+            "greedy generate, states kept",
+            expected,
+            model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=PAD),
+        )
     with rh.watch(plain, keep=ALL) as w0, torch.no_grad():
         plain.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=PAD)
     for a, b in zip(w0.mixers, w1.mixers):
@@ -177,10 +194,12 @@ def test_hooks_and_greedy_generate_equal_the_plain_model(models):
     assert_equal("greedy generate with a hook", tokens0, tokens1)
     assert [(c, t) for c, t, _ in seen1] == [(0, t) for t in range(T)] + [(k, 0) for k in range(1, 5)]
     assert [(c, t) for c, t, _ in seen0] == [(c, t) for c, t, _ in seen1]
-    assert_close("hook inputs", torch.stack([s for *_, s in seen0]), torch.stack([s for *_, s in seen1]),
-                 rtol=1e-5, atol=1e-6)
-    assert_close("kept states with a hook", w0.mixers[0].calls[0].states, w1.mixers[0].calls[0].states,
-                 rtol=1e-5, atol=1e-6)
+    assert_close(
+        "hook inputs", torch.stack([s for *_, s in seen0]), torch.stack([s for *_, s in seen1]), rtol=1e-5, atol=1e-6
+    )
+    assert_close(
+        "kept states with a hook", w0.mixers[0].calls[0].states, w1.mixers[0].calls[0].states, rtol=1e-5, atol=1e-6
+    )
 
 
 def test_a_standalone_hook_equals_the_plain_model(models):
@@ -213,8 +232,9 @@ def test_accelerate_hooks_survive_the_watch(models):
         w.mixers[0].register_state_hook(lambda m, c, t, s: s * 0.5, token=2)
         model(ids)
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
-    assert accelerate_hooks == {name: module._hf_hook for name, module in model.named_modules()
-                                if hasattr(module, "_hf_hook")}
+    assert accelerate_hooks == {
+        name: module._hf_hook for name, module in model.named_modules() if hasattr(module, "_hf_hook")
+    }
     _, offloaded = _offloaded_mixers(model)
     assert offloaded, "after the watch, the offloaded weights were left in memory"
     with torch.no_grad():

@@ -44,8 +44,11 @@ def test_a_written_state_that_does_not_fit_is_refused(model, value, message):
         run(model)
         state = w.mixers[0].state_after(3)
     before = bindings()
-    with pytest.raises(rh.InvalidValue, match=r"GatedDeltaNet\(qwen3_5, layer 0\), call 0, token 3: "
-                       r"set_state_after\(3, call=0\) gave a state with " + message):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"GatedDeltaNet\(qwen3_5, layer 0\), call 0, token 3: "
+        r"set_state_after\(3, call=0\) gave a state with " + message,
+    ):
         with rh.watch(model) as w:
             w.mixers[0].set_state_after(3, value(state))
             run(model)
@@ -72,8 +75,11 @@ def test_set_state_after_refuses_non_tensors_and_bad_calls(model):
 
 
 def test_a_token_outside_the_call_is_refused(model):
-    with pytest.raises(rh.InvalidValue, match=r"layer 0\): set_state_after\(13, call=0\) targets token 13, but call 0 "
-                       r"\(torch_chunk_gated_delta_rule\) has 13 tokens \(valid: 0..12 or -13..-1\)"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"layer 0\): set_state_after\(13, call=0\) targets token 13, but call 0 "
+        r"\(torch_chunk_gated_delta_rule\) has 13 tokens \(valid: 0..12 or -13..-1\)",
+    ):
         with rh.watch(model) as w:
             w.mixers[0].set_state_after(T, torch.zeros(2, 4, 8, 8))
             run(model)
@@ -82,20 +88,37 @@ def test_a_token_outside_the_call_is_refused(model):
 @pytest.mark.parametrize(
     ("call", "kwargs", "message"),
     [
-        (lambda m, s: m.set_state_after(True, s), {},
-         r"set_state_after\(True, call=0\): token must be an int, got the bool"),
+        (
+            lambda m, s: m.set_state_after(True, s),
+            {},
+            r"set_state_after\(True, call=0\): token must be an int, got the bool",
+        ),
         (lambda m, s: m.set_state_after(4.0, s), {}, r"token must be an int, got float 4.0"),
         (lambda m, s: m.set_state_after(4, s, call=1.0), {}, r"call must be an int, got float 1.0"),
         (lambda m, s: m.set_state_after(4, s, call=slice(-1, None)), {}, r"a slice of calls needs start >= 0"),
-        (lambda m, s: m.register_state_hook(lambda *a: None, token=4.0), {},
-         r"register_state_hook: token must be an int"),
+        (
+            lambda m, s: m.register_state_hook(lambda *a: None, token=4.0),
+            {},
+            r"register_state_hook: token must be an int",
+        ),
         (lambda m, s: m.register_state_hook(lambda *a: None, call=[0, True]), {}, r"call must be an int, got the bool"),
-        (lambda m, s: m.register_state_hook(lambda *a: None, call=range(3, 3)), {},
-         r"call=range\(3, 3\) targets no call"),
+        (
+            lambda m, s: m.register_state_hook(lambda *a: None, call=range(3, 3)),
+            {},
+            r"call=range\(3, 3\) targets no call",
+        ),
         (lambda m, s: m.set_memory_after(4, s), {}, r"expected a Memory\(state, window\), got Tensor"),
     ],
-    ids=["bool token", "float token", "float call", "negative slice", "hook float token", "bool call", "empty range",
-         "memory not a pair"],
+    ids=[
+        "bool token",
+        "float token",
+        "float call",
+        "negative slice",
+        "hook float token",
+        "bool call",
+        "empty range",
+        "memory not a pair",
+    ],
 )
 def test_writes_and_hooks_refuse_bad_arguments(call, kwargs, message):
     model = build("qwen3_5")
@@ -111,8 +134,11 @@ def test_reading_what_was_not_kept_or_does_not_exist(model):
     with rh.watch(model) as w:
         run(model)
     mixer = w.mixers[0]
-    with pytest.raises(rh.Unavailable, match=r"GatedDeltaNet\(qwen3_5, layer 0\): call 0 kept no states; "
-                       r"pass keep=\('states',\) to watch"):
+    with pytest.raises(
+        rh.Unavailable,
+        match=r"GatedDeltaNet\(qwen3_5, layer 0\): call 0 kept no states; "
+        r"pass keep=\('states',\) to watch",
+    ):
         mixer.states
     with rh.watch(model, keep=("states",)) as w:
         run(model)
@@ -154,8 +180,11 @@ def test_entry_points_refuse_bad_arguments():
         rh.watch(model, keep={"states": [1.5]})
     with pytest.raises(rh.InvalidValue, match=r"support: expected a torch.nn.Module \(a transformers model\), got str"):
         rh.support("hello")
-    with pytest.raises(rh.InvalidValue, match=r"route_kernels: expected to= one of 'torch', 'default', 'recurrent',"
-                                              r" 'chunked' for qwen3_5 \(GatedDeltaNet\), got 'fast'"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"route_kernels: expected to= one of 'torch', 'default', 'recurrent',"
+        r" 'chunked' for qwen3_5 \(GatedDeltaNet\), got 'fast'",
+    ):
         rh.route_kernels("qwen3_5", "fast")
     with rh.watch(model) as w:
         with pytest.raises(rh.InvalidValue, match=r"Watch.mixer: layer must be an int, got the bool True"):

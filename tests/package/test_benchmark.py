@@ -17,8 +17,15 @@ def test_quick_benchmark_runs_every_row(capsys):
     assert module.main(["--quick", "--repeats", "1", "--no-memory"]) == 0
     assert torch.get_num_threads() == threads
     out = capsys.readouterr().out
-    for row in ("unhooked forward", "idle watch", "8 positions read", "8 positions written", "per-token hook",
-                "all-token states", "generate + per-step hook"):
+    for row in (
+        "unhooked forward",
+        "idle watch",
+        "8 positions read",
+        "8 positions written",
+        "per-token hook",
+        "all-token states",
+        "generate + per-step hook",
+    ):
         assert row in out, f"the benchmark printed no {row!r} row:\n{out}"
     assert "ERROR" not in out
 

@@ -25,8 +25,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _pytest(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], check=False, cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_build_and_random_ids_put_the_model_and_ids_on_the_device(monkeypatch, pytestconfig):
@@ -72,8 +78,9 @@ def test_device_cpu_is_the_suite_without_the_option_and_cpu_only_tests_skip_else
     assert plain.returncode == on_cpu.returncode == 0, plain.stdout[-2000:] + on_cpu.stdout[-2000:]
     ids = [line for line in plain.stdout.splitlines() if "::" in line]
     assert ids and ids == [line for line in on_cpu.stdout.splitlines() if "::" in line]
-    elsewhere = _pytest("--device", "meta", "-rs", "-q",
-                        "tests/package/test_device.py::test_a_cpu_only_test_runs_on_the_cpu")
+    elsewhere = _pytest(
+        "--device", "meta", "-rs", "-q", "tests/package/test_device.py::test_a_cpu_only_test_runs_on_the_cpu"
+    )
     assert elsewhere.returncode == 0 and "1 skipped" in elsewhere.stdout, elsewhere.stdout[-2000:]
     assert "CPU only, not run on meta: the marker's own check" in elsewhere.stdout, elsewhere.stdout[-2000:]
 
@@ -148,5 +155,7 @@ def test_the_model_on_the_device_meets_its_float64_cpu_reference(family, dtype):
     for key, value in got[3].items():
         for (part, g), (_, e) in zip(parts_of(value), parts_of(expected[3][key])):
             error = _relative(g, e)
-            assert error <= bound, (f"{family} {dtype} on {_models.DEVICE}: mixer {key[0]}'s state {part} after"
-                                    f" token {key[1]} off by {error:.2g}")
+            assert error <= bound, (
+                f"{family} {dtype} on {_models.DEVICE}: mixer {key[0]}'s state {part} after"
+                f" token {key[1]} off by {error:.2g}"
+            )

@@ -24,8 +24,11 @@ def python_blocks(path: pathlib.Path) -> list[str]:
 
 
 # harvest.md's blocks write and read a dataset's shards (9 s; tests/studies/test_harvest.py covers them): with --full
-@pytest.mark.parametrize("path", [pytest.param(path, marks=pytest.mark.full) if path.name == "harvest.md" else path
-                                  for path in DOCS], ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path",
+    [pytest.param(path, marks=pytest.mark.full) if path.name == "harvest.md" else path for path in DOCS],
+    ids=lambda p: p.name,
+)
 def test_code_blocks_run(path):
     """A page's python blocks run in order, in one namespace, as a reader would paste them."""
     blocks = python_blocks(path)
@@ -44,8 +47,9 @@ def test_code_blocks_run(path):
             if kernel.site is Site.INSTANCE:
                 continue  # bound per module of a model, released with its watch (tests/kinds/test_contract.py)
             target = family.target(kernel)
-            assert patching.bound_original(*target) is patching.import_default(*target), \
+            assert patching.bound_original(*target) is patching.import_default(*target), (
                 f"{path.name} left {kernel.name} rebound"
+            )
             assert not patching._BINDINGS, f"{path.name} left a binding: {sorted(patching._BINDINGS)}"
 
 
@@ -56,8 +60,9 @@ def test_examples_run(path, capsys):
 
 
 def test_the_demo_runs():
-    result = subprocess.run([sys.executable, "-m", "recurrent_hooks", "demo"], capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "recurrent_hooks", "demo"], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr
     for step in ("1. ", "2. patch", "3. generate", "4. "):
         assert step in result.stdout, f"the demo's step {step!r} is missing:\n{result.stdout}"
@@ -71,16 +76,22 @@ def test_pages_name_every_supported_family(page):
 
 
 def _table_rows(text: str) -> list[list[str]]:
-    return [[cell.strip() for cell in line.strip().strip("|").split("|")]
-            for line in text.splitlines() if line.startswith("|") and not line.startswith("| ---")]
+    return [
+        [cell.strip() for cell in line.strip().strip("|").split("|")]
+        for line in text.splitlines()
+        if line.startswith("|") and not line.startswith("| ---")
+    ]
 
 
 def test_the_family_tables_are_the_registry():
     """api.md's family table is the registry row for row; in the kind tables of README and concepts.md,
     each kind (the first name in backticks of a row, with a sibling it covers) lists exactly its families."""
     registry = [mixer for row in rh.FAMILIES.values() for mixer in row.classes]  # inkling2: mixers of two kinds
-    rows = {(row[0].strip("`"), row[1].strip("`"), row[2].strip("`"))
-            for row in _table_rows((ROOT / "docs/api.md").read_text()) if row and row[0].strip("`") in rh.FAMILIES}
+    rows = {
+        (row[0].strip("`"), row[1].strip("`"), row[2].strip("`"))
+        for row in _table_rows((ROOT / "docs/api.md").read_text())
+        if row and row[0].strip("`") in rh.FAMILIES
+    }
     assert rows == {(f.name, f.mixer_class, f.kind.__name__) for f in registry}
     by_kind: dict[str, set[str]] = {}
     for family in registry:
@@ -98,8 +109,9 @@ def test_the_family_tables_are_the_registry():
             assert named in wants, f"{page}: the row {row[0]!r} lists {sorted(named)}, the registry {sorted(wants[0])}"
             checked += 1
     assert checked >= len(by_kind), "the kind tables were not found"
-    assert not (pages := TABLES.stale()), f"{pages}: the family tables are not the registry's: run" \
-        " python scripts/doc_tables.py"
+    assert not (pages := TABLES.stale()), (
+        f"{pages}: the family tables are not the registry's: run python scripts/doc_tables.py"
+    )
 
 
 def _script(name: str) -> types.ModuleType:
@@ -122,8 +134,10 @@ def test_a_new_family_and_a_new_kind_reach_the_tables_without_a_hand_edit(monkey
         STATE = "batch heads key_dim value_dim"
 
     row = types.SimpleNamespace
-    rows = TABLES.registry_rows() + [row(name="my_qwen", mixer_class="MyQwenGatedDeltaNet", kind=rh.GatedDeltaNet),
-                                        row(name="my_model", mixer_class="MyMixer", kind=Hypothetical)]
+    rows = TABLES.registry_rows() + [
+        row(name="my_qwen", mixer_class="MyQwenGatedDeltaNet", kind=rh.GatedDeltaNet),
+        row(name="my_model", mixer_class="MyMixer", kind=Hypothetical),
+    ]
     monkeypatch.setattr(TABLES, "registry_rows", lambda: rows)
     api, readme, concepts = (TABLES.generated()[page] for page in ("docs/api.md", "README.md", "docs/concepts.md"))
     assert "| my_qwen | `MyQwenGatedDeltaNet` | `GatedDeltaNet` |" in api
@@ -138,13 +152,14 @@ def test_ci_runs_the_readme_test_command_in_a_fresh_environment():
     """`.ci/run` installs what the README's test command installs, in a virtual environment it makes itself (so a
     dependency missing from pyproject.toml fails CI), and runs pytest there."""
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Tests"):]
+    section = readme[readme.index("## Tests") :]
     command = re.search(r"```bash\n(.*?)\n```", section, flags=re.S).group(1)
     steps = [step.strip() for step in command.split("&&")]
     ci = (ROOT / ".ci" / "run").read_text()
     assert "python3 -m venv" in ci and "activate" in ci, ".ci/run does not make its own virtual environment"
     for step in steps:
         if step.startswith("pip install"):
-            assert f"python -m {step.replace('pip install', 'pip install -q', 1)}" in ci, \
+            assert f"python -m {step.replace('pip install', 'pip install -q', 1)}" in ci, (
                 f".ci/run does not run the README's {step!r}"
+            )
     assert steps[-1].startswith("pytest") and "python -m pytest" in ci, f"the README's last step is {steps[-1]!r}"

@@ -25,8 +25,15 @@ def model():
 
 def attention_only_model():
     """A tiny Llama: attention layers only, no recurrent mixer."""
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
     return transformers.LlamaForCausalLM(config).eval()
 
 
@@ -50,8 +57,11 @@ def test_route_kernels_rebinds_process_wide_and_back(model):
     finally:
         rh.route_kernels(MODULE, "default")
     assert bindings() == default
-    with pytest.raises(rh.InvalidValue, match=r"expected to= one of 'torch', 'default', 'recurrent', 'chunked'"
-                                              r" for qwen3_5 \(GatedDeltaNet\), got 'fla'"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"expected to= one of 'torch', 'default', 'recurrent', 'chunked'"
+        r" for qwen3_5 \(GatedDeltaNet\), got 'fla'",
+    ):
         rh.route_kernels("qwen3_5", "fla")
     with pytest.raises(rh.Unavailable, match="unknown or unsupported family 'llama'"):
         rh.route_kernels("llama", "torch")
@@ -80,8 +90,10 @@ def test_support_reports_each_mixer(model):
     assert "states" in rows[0].available and "windows" in rows[0].available
     assert "packed sequences" in rows[0].unavailable
     assert "qwen3_5 -> GatedDeltaNet" in str(rows[0])
-    assert rows[0].notes["a few tokens of a prompt"] == \
-        "torch_chunk_gated_delta_rule in segments between them, or the token loop, by cost"
+    assert (
+        rows[0].notes["a few tokens of a prompt"]
+        == "torch_chunk_gated_delta_rule in segments between them, or the token loop, by cost"
+    )
     assert rows[0].notes["a hook on every token"].startswith("chunk-wise blocks")
     # Mamba-1 prompts run in segments too (the library's own scan runs the pieces: Segments.kernel)
     assert rh.support(build("mamba"))[0].notes["a few tokens of a prompt"].endswith("in segments between them")
@@ -94,21 +106,33 @@ def test_the_support_command_reads_families_and_saved_configs(tmp_path, capsys):
     assert main(["support", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert {row["family"] for row in rows if row["kind"]} == set(rh.FAMILIES)
-    assert any(row["mixer_class"] == "ZayaCCAProjection" and row["kind"] == "CompressedConvolutionalAttention"
-               for row in rows)
+    assert any(
+        row["mixer_class"] == "ZayaCCAProjection" and row["kind"] == "CompressedConvolutionalAttention" for row in rows
+    )
     assert [row for row in rows if row["kind"] is None] == [
-        {"family": row.family, "mixer_class": row.mixer_class, "kind": None, "works": [], "caveats": {},
-         "refused": {"everything": {"raises": ["rh.Unavailable"], "why": row.reason}}}
-        for row in rh_registry.UNSUPPORTED]
-    assert any(row["mixer_class"] == "Inkling2DynamicShortConvolution" and row["kind"] == "DynamicShortConvolution"
-               for row in rows)
+        {
+            "family": row.family,
+            "mixer_class": row.mixer_class,
+            "kind": None,
+            "works": [],
+            "caveats": {},
+            "refused": {"everything": {"raises": ["rh.Unavailable"], "why": row.reason}},
+        }
+        for row in rh_registry.UNSUPPORTED
+    ]
+    assert any(
+        row["mixer_class"] == "Inkling2DynamicShortConvolution" and row["kind"] == "DynamicShortConvolution"
+        for row in rows
+    )
     assert main(["support", "mamba2"]) == 0
     assert capsys.readouterr().out.startswith(f"{version_line()}\nmamba2: Mamba2Mixer -> Mamba2StateSpace")
     build("jamba").save_pretrained(tmp_path)
     assert main(["support", str(tmp_path / "config.json"), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
-    assert [(row["path"], row["kind"]) for row in rows] == [("model.layers.0.mamba", "SelectiveScan"),
-                                                             ("model.layers.2.mamba", "SelectiveScan")]
+    assert [(row["path"], row["kind"]) for row in rows] == [
+        ("model.layers.0.mamba", "SelectiveScan"),
+        ("model.layers.2.mamba", "SelectiveScan"),
+    ]
     assert main(["support", "no_such_family"]) == 2
     assert "is neither a family" in capsys.readouterr().err
 
@@ -119,15 +143,31 @@ def test_support_lists_both_kinds_of_short_convolution_of_a_family():
     from transformers.models.inkling2.configuration_inkling2 import Inkling2TextConfig
 
     config = Inkling2TextConfig(
-        vocab_size=128, unpadded_vocab_size=128, hidden_size=32, num_hidden_layers=2,
-        layer_types=["hybrid_sliding", "hybrid"], num_attention_heads=2, num_key_value_heads=1,
-        swa_num_attention_heads=2, swa_num_key_value_heads=1, head_dim=16, swa_head_dim=16, sliding_window_size=8,
-        d_rel=4, rel_extent=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
-        n_layers_per_attn_res_block=1)
+        vocab_size=128,
+        unpadded_vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=2,
+        layer_types=["hybrid_sliding", "hybrid"],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        swa_num_attention_heads=2,
+        swa_num_key_value_heads=1,
+        head_dim=16,
+        swa_head_dim=16,
+        sliding_window_size=8,
+        d_rel=4,
+        rel_extent=16,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_layers_per_attn_res_block=1,
+    )
     rows = rh.support(transformers.Inkling2ForCausalLM(config))
     dynamic = [r for r in rows if r.mixer_class == "Inkling2DynamicShortConvolution"]
-    assert [r.path for r in dynamic] == ["model.layers.1.self_attn.k_proj.sconv",
-                                         "model.layers.1.self_attn.v_proj.sconv"]
+    assert [r.path for r in dynamic] == [
+        "model.layers.1.self_attn.k_proj.sconv",
+        "model.layers.1.self_attn.v_proj.sconv",
+    ]
     assert all(r.family == "inkling2" and r.kind == "DynamicShortConvolution" for r in dynamic)
     assert {(r.family, r.kind) for r in rows if r not in dynamic} == {("inkling2", "ShortConvolution")}
 
@@ -139,8 +179,11 @@ def test_an_unsupported_model_is_refused_with_the_reason(request):
     """A model without a supported mixer is refused naming the supported families, and the recurrent mixers it has
     that the library does not handle (`UNSUPPORTED`), with their reasons; `support` lists those with the reason.
     (Every recurrent family of transformers 5.24 is supported since zaya: a stand-in row tests the listing.)"""
-    with pytest.raises(rh.Unavailable, match=r"LlamaForCausalLM contains no recurrent mixer of a supported family "
-                       r"\(supported: qwen3_next, .*, zaya\)$"):
+    with pytest.raises(
+        rh.Unavailable,
+        match=r"LlamaForCausalLM contains no recurrent mixer of a supported family "
+        r"\(supported: qwen3_next, .*, zaya\)$",
+    ):
         with rh.watch(attention_only_model()):
             pass
     row = rh_registry.Unsupported("llama", "LlamaAttention", "a stand-in reason")

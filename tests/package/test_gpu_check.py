@@ -11,18 +11,31 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SECTIONS = ["## Stages", "## Versions", "## Suite", "## Benchmark rows", "## Cost model calibration"]
-ROWS = ["plain forward", "idle watch", "writes at 8 positions (every layer)", "every state of one layer kept",
-        "a per-token hook on one layer", "harvest: a norm of every layer's state",
-        "harvest: a rank-8 probe of every layer's state",
-        "a sweep cell (layer 0, one position; its clean and corrupt runs included)", "rh.attribute over 2 layers"]
+ROWS = [
+    "plain forward",
+    "idle watch",
+    "writes at 8 positions (every layer)",
+    "every state of one layer kept",
+    "a per-token hook on one layer",
+    "harvest: a norm of every layer's state",
+    "harvest: a rank-8 probe of every layer's state",
+    "a sweep cell (layer 0, one position; its clean and corrupt runs included)",
+    "rh.attribute over 2 layers",
+]
 
 
 @pytest.mark.full  # about 90 s on 2 cores: its stages' child processes each import torch and transformers
 @pytest.mark.cpu_only(reason="runs the script's CPU mode (--device cpu --quick); on a GPU the script itself is run")
 def test_the_quick_cpu_run_writes_every_section_of_the_report(tmp_path):
     start = time.monotonic()
-    run = subprocess.run([sys.executable, "scripts/gpu_check.py", "--out", str(tmp_path), "--device", "cpu",
-                          "--quick"], check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "scripts/gpu_check.py", "--out", str(tmp_path), "--device", "cpu", "--quick"],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     seconds = time.monotonic() - start
     report = (tmp_path / "report.md").read_text()
     assert run.returncode == 0, f"{run.stderr[-3000:]}\n{report}"

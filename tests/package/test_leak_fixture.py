@@ -17,8 +17,9 @@ import recurrent_hooks.engine.tracking.threads as threads_impl
 def test_a_leaked_standalone_hook_is_reported_then_released():
     model = build("qwen3_5")
     seen = []
-    handle = rh.register_state_hook(model.model.layers[0].linear_attn, lambda mixer, call, token, state:
-                                    seen.append(token), token=0)  # never removed by the test: a leak
+    handle = rh.register_state_hook(
+        model.model.layers[0].linear_attn, lambda mixer, call, token, state: seen.append(token), token=0
+    )  # never removed by the test: a leak
     assert standalone_impl._STANDALONE and patching._BINDINGS, "the standalone hook bound no kernel"
     leaks = conftest._leaks_and_cleanup()
     assert leaks["standalone hooks"] == 1 and leaks["bindings"], f"the leak was not reported: {leaks}"

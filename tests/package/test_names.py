@@ -54,8 +54,11 @@ def test_the_window_readers_are_renamed(kept):
     call = mixer.calls[0]
     assert_equal("Call.conv_states", call.windows, warns_once("Call.windows", lambda: call.conv_states))
     assert_equal("mixer.conv_states", mixer.windows, warns_once("RecurrentMixer.windows", lambda: mixer.conv_states))
-    assert_equal("mixer.conv_state_after", mixer.window_after(3),
-                 warns_once("RecurrentMixer.window_after", lambda: mixer.conv_state_after(3)))
+    assert_equal(
+        "mixer.conv_state_after",
+        mixer.window_after(3),
+        warns_once("RecurrentMixer.window_after", lambda: mixer.conv_state_after(3)),
+    )
     memory = mixer.memory_after(3)
     assert_equal("Memory.conv_state", memory.window, warns_once("Memory.window", lambda: memory.conv_state))
     assert memory._fields == ("state", "window")
@@ -92,8 +95,12 @@ def test_which_conv_state_is_which_window(model):
     seen = {"window": [], "conv_state": []}
     with rh.watch(model, keep=("windows",)) as w, torch.no_grad():
         w.mixers[0].register_state_hook(lambda m, c, t, s: seen["window"].append(s.clone()), memory="window")
-        warns_once("'window'", lambda: w.mixers[0].register_state_hook(
-            lambda m, c, t, s: seen["conv_state"].append(s.clone()), memory="conv_state"))
+        warns_once(
+            "'window'",
+            lambda: w.mixers[0].register_state_hook(
+                lambda m, c, t, s: seen["conv_state"].append(s.clone()), memory="conv_state"
+            ),
+        )
         model(ids)
     assert len(seen["window"]) == T
     for t, (a, b) in enumerate(zip(seen["window"], seen["conv_state"], strict=True)):
@@ -108,8 +115,10 @@ def test_which_is_memory(model):
     seen = {"memory": [], "which": []}
     with rh.watch(model) as w, torch.no_grad():
         w.mixers[0].register_state_hook(lambda m, c, t, s: seen["memory"].append(s.clone()), memory="window")
-        warns_once("memory=", lambda: w.mixers[0].register_state_hook(
-            lambda m, c, t, s: seen["which"].append(s.clone()), which="window"))
+        warns_once(
+            "memory=",
+            lambda: w.mixers[0].register_state_hook(lambda m, c, t, s: seen["which"].append(s.clone()), which="window"),
+        )
         with pytest.raises(rh.InvalidValue, match="`which` is the former name of `memory`"):
             w.mixers[0].register_state_hook(lambda *args: None, memory="state", which="state")
         model(ids)
@@ -124,8 +133,9 @@ def test_a_sweeps_what_is_memory(model):
     metric = lambda logits: logits[:, -1, 3]  # noqa: E731
     for what, memory in (("state", "state"), ("memory", None)):
         new = rh.patching_sweep(model, clean, corrupt, metric, memory=memory, layers=[0], progress=False)
-        old = warns_once("memory=", lambda: rh.patching_sweep(model, clean, corrupt, metric, what=what, layers=[0],
-                                                              progress=False))
+        old = warns_once(
+            "memory=", lambda: rh.patching_sweep(model, clean, corrupt, metric, what=what, layers=[0], progress=False)
+        )
         assert old.memory == new.memory == what
         assert_equal(f"what={what!r}", new.values, old.values)
 
@@ -174,8 +184,9 @@ def test_record_true_is_keep_inputs_and_outputs(model):
         model(ids)
     for name in new.mixers[0].calls[0].inputs:
         if isinstance(new.mixers[0].calls[0].inputs[name], torch.Tensor):
-            assert_equal(f"record=True: input {name}", new.mixers[0].calls[0].inputs[name],
-                         old.mixers[0].calls[0].inputs[name])
+            assert_equal(
+                f"record=True: input {name}", new.mixers[0].calls[0].inputs[name], old.mixers[0].calls[0].inputs[name]
+            )
     assert_equal("record=True: the states", new.mixers[0].states, old.mixers[0].states)
 
 
@@ -195,6 +206,7 @@ def test_the_kinds_former_names(namespace, old, new):
 def test_from_import_of_a_former_name_warns():
     def imported():
         from recurrent_hooks import StateSpace
+
         return StateSpace
 
     # the import looks the name up twice (importlib's hasattr, then the import): one warning or two, the same
@@ -217,9 +229,12 @@ def test_a_mixer_by_module_path_is_the_mixer_by_layer(model):
 
 def test_a_wrong_module_path_names_the_mixer_paths(model):
     with rh.watch(model) as w:
-        with pytest.raises(rh.Unavailable, match=r"Watch.mixer: no recurrent mixer at module path"
-                                                 r" 'model.layers.1.linear_attn'; the mixer paths are"
-                                                 r" \['model.layers.0.linear_attn', 'model.layers.2.linear_attn'\]"):
+        with pytest.raises(
+            rh.Unavailable,
+            match=r"Watch.mixer: no recurrent mixer at module path"
+            r" 'model.layers.1.linear_attn'; the mixer paths are"
+            r" \['model.layers.0.linear_attn', 'model.layers.2.linear_attn'\]",
+        ):
             w.mixer("model.layers.1.linear_attn")
         with pytest.raises(rh.Unavailable, match=r"module path 'model.layers.1.self_attn'"):
             w.mixer("model.layers.1.self_attn")  # a module that is there, but no recurrent mixer

@@ -25,8 +25,9 @@ def test_the_extension_namespace_has_the_declarations_and_the_kinds_are_in_both(
     for value in kinds | {kind.STATE_TYPE for kind in kinds if kind.STATE_TYPE is not None}:
         name, module = value.__name__, value.__module__.removeprefix("recurrent_hooks")
         line = f"`from {module} import {name} as {name}`"
-        assert getattr(extend, name, None) is value and name in extend.__all__, \
+        assert getattr(extend, name, None) is value and name in extend.__all__, (
             f"recurrent_hooks.extend does not export {name}: add {line} and {name!r} to its __all__"
+        )
     for name in ("GatedDeltaNet", "KimiDeltaAttention", "SelectiveScan", "PerHeadSelectiveScan", "Mamba2StateSpace"):
         assert getattr(rh, name) is getattr(extend, name), name
     # the kinds' former names (StateSpace, LinearAttention) warn: tests/package/test_names.py

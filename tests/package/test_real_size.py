@@ -55,9 +55,14 @@ def top_id(model) -> int:
 def prompt(model, seed=0) -> torch.Tensor:
     """[1, T] ids in [3, vocabulary), never a special token, the vocabulary's last ordinary id at token 1."""
     config = model.config.get_text_config()
-    special = torch.tensor([i for i in (getattr(config, name, None) for name in ("pad_token_id", "bos_token_id",
-                                                                                   "eos_token_id")) if i is not None],
-                           dtype=torch.long)
+    special = torch.tensor(
+        [
+            i
+            for i in (getattr(config, name, None) for name in ("pad_token_id", "bos_token_id", "eos_token_id"))
+            if i is not None
+        ],
+        dtype=torch.long,
+    )
     ids = torch.randint(3, vocab(model), (1, T), generator=torch.Generator().manual_seed(seed))
     ids[torch.isin(ids, special)] = 3
     ids[0, 1] = top_id(model)
@@ -109,8 +114,10 @@ def _runs(model, family: str) -> Runs:
     with torch.no_grad(), rh.watch(model, keep=keep) as w:
         for i, mixer in enumerate(w.mixers):
             mixer.register_state_hook(
-                lambda m, c, t, s, i=i: seen[i].append((c, t, map_parts(torch.clone, s))) if m.head in (None, 0)
-                else None)
+                lambda m, c, t, s, i=i: (
+                    seen[i].append((c, t, map_parts(torch.clone, s))) if m.head in (None, 0) else None
+                )
+            )
         out = model(ids, use_cache=True)
     return Runs(ids, plain, w, out, out.logits, dict(seen))
 
@@ -157,7 +164,8 @@ def test_the_model_runs_and_its_memories_are_finite_and_not_zero(family, model, 
 
 @pytest.mark.one_per_kind
 def test_memories_kept_at_some_tokens_are_those_of_every_token_and_the_last_is_what_the_model_carries(
-        family, model, runs):
+    family, model, runs
+):
     """A watch keeping tokens 1, 3 and the last keeps the memories a watch of every token keeps there (within the
     two kernel paths' rounding), and the last is the memory the model carries on (its cache, module or state list)."""
     positions = [1, 3, T - 1]
@@ -208,14 +216,17 @@ def test_a_write_changes_the_logits_after_its_token_and_not_before(family, model
         for memory, value in values.items():
             w.mixers[0].set_after(memory, token, value)
         written = model(runs.ids).logits
-    early = {name: max(bound, tolerance(runs.plain)[name])  # wider rounds more
-             for name, bound in reading.early.items()}
+    early = {
+        name: max(bound, tolerance(runs.plain)[name])  # wider rounds more
+        for name, bound in reading.early.items()
+    }
     assert_close(f"{family}: logits up to the write", runs.plain[:, : token + 1], written[:, : token + 1], **early)
-    change = (written[:, token + 1:] - runs.plain[:, token + 1:]).abs().max()
+    change = (written[:, token + 1 :] - runs.plain[:, token + 1 :]).abs().max()
     assert change > reading.later, f"{family}: a write after token {token} moved the later logits by {change}"
     for memory, value in values.items():
-        assert_memory_close(f"{w.mixers[0]}: the kept {memory}", value, w.mixers[0].after(memory, token), rtol=0,
-                            atol=0)
+        assert_memory_close(
+            f"{w.mixers[0]}: the kept {memory}", value, w.mixers[0].after(memory, token), rtol=0, atol=0
+        )
 
 
 @pytest.mark.one_per_kind
@@ -227,10 +238,12 @@ def test_generate_calls_a_hook_at_every_step_and_starts_from_the_plain_argmax(fa
     kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=PAD)
     every, decode = [], []
     with torch.no_grad(), rh.watch(model) as w:
-        w.mixers[0].register_state_hook(lambda m, c, t, s: every.append((c, t)) if m.head in (None, 0) else None,
-                                        token=-1)
-        w.mixers[-1].register_state_hook(lambda m, c, t, s: decode.append(c) if m.head in (None, 0) else None,
-                                         call=slice(1, None))
+        w.mixers[0].register_state_hook(
+            lambda m, c, t, s: every.append((c, t)) if m.head in (None, 0) else None, token=-1
+        )
+        w.mixers[-1].register_state_hook(
+            lambda m, c, t, s: decode.append(c) if m.head in (None, 0) else None, call=slice(1, None)
+        )
         hooked = model.generate(runs.ids, **kwargs)
     assert every == [(0, T - 1), (1, 0), (2, 0), (3, 0)], f"{family}: the hook saw {every}"
     assert decode == [1, 2, 3], f"{family}: the decode hook saw calls {decode}"
@@ -253,8 +266,10 @@ def _probe_factors(state: torch.Tensor, rank: int = 3):
     per-head kind's too: its reductions see every head, as its kept states)."""
     heads, rows, cols = state.shape[1:] if state.dim() == 4 else (1, *state.shape[1:])
     gen = torch.Generator().manual_seed(2)
-    return (torch.randn(heads, rank, rows, generator=gen) / rows ** 0.5,
-            torch.randn(heads, rank, cols, generator=gen) / cols ** 0.5)
+    return (
+        torch.randn(heads, rank, rows, generator=gen) / rows**0.5,
+        torch.randn(heads, rank, cols, generator=gen) / cols**0.5,
+    )
 
 
 def _probed(states: torch.Tensor, a, b) -> torch.Tensor:
@@ -336,8 +351,9 @@ def test_a_patching_sweep_runs_and_its_cell_is_the_patched_forward(family, model
     with torch.no_grad(), rh.watch(model) as w:
         w.mixer(layers[0]).set_memory_after(3, mixer.memory_after(3))
         patched = score(model(corrupt[None]).logits)
-    assert_close(f"{family}: the sweep's cell (layer {layers[0]}, token 3)", patched[0], sweep.values[0, 1],
-                 rtol=1e-4, atol=1e-4)
+    assert_close(
+        f"{family}: the sweep's cell (layer {layers[0]}, token 3)", patched[0], sweep.values[0, 1], rtol=1e-4, atol=1e-4
+    )
 
 
 @pytest.mark.one_per_kind
@@ -347,8 +363,9 @@ def test_attribution_runs(family, model, runs):
     without a cache."""
     clean, corrupt, layers, score = _pair(model, runs)
     cached = not {"gradients with a state", "backward with a cache"} & set(rh.support(model)[0].unavailable)
-    result = rh.attribute(model, clean, corrupt, score, layers=layers,
-                          forward_kwargs=None if cached else {"use_cache": False})
+    result = rh.attribute(
+        model, clean, corrupt, score, layers=layers, forward_kwargs=None if cached else {"use_cache": False}
+    )
     assert result.memory.shape == (len(layers), T), f"{family}: attribution of shape {tuple(result.memory.shape)}"
     assert torch.isfinite(result.memory).all() and torch.isfinite(result.clean) and torch.isfinite(result.corrupt)
 

@@ -44,8 +44,10 @@ LAYERS = 48
 
 # -- the weights digest's sampled indices ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("count", [1, 2, 1023, 1024, 1025, 2**24 + 1, 2**24 + 4, 50_288 * 768, 151_936 * 2_048,
-                                   2**31 + 3, 2**40])
+
+@pytest.mark.parametrize(
+    "count", [1, 2, 1023, 1024, 1025, 2**24 + 1, 2**24 + 4, 50_288 * 768, 151_936 * 2_048, 2**31 + 3, 2**40]
+)
 def test_sample_indices_are_exact(count):
     indices = sample_indices(count, SAMPLED)
     n = min(count, SAMPLED)
@@ -72,8 +74,11 @@ class _Weights(nn.Module):
         self.register_buffer("expanded", torch.ones(1, dtype=weight.dtype).expand(weight.numel()))
 
 
-@pytest.mark.parametrize("shape, dtype", [((2**24 + 4,), torch.float32), ((50_288, 768), torch.bfloat16)],
-                         ids=["2^24+4 float32", "mamba2-130m embedding bf16"])
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [((2**24 + 4,), torch.float32), ((50_288, 768), torch.bfloat16)],
+    ids=["2^24+4 float32", "mamba2-130m embedding bf16"],
+)
 def test_weights_digest_reads_the_last_value_past_2_24(shape, dtype):
     # 64 MiB / 74 MiB; float32 indices over 2^24 + 4 values end at index 2^24 + 4, one past the last
     model = _Weights(torch.zeros(shape, dtype=dtype))
@@ -99,6 +104,7 @@ def test_weights_digest_reads_views_and_scalars_as_they_are():
 
 # -- shard offsets past 4 GiB ---------------------------------------------------------------------------------
 
+
 def _write_header_only(path, tensors, monkeypatch):
     """`write_shard(path, tensors)` with no tensor's bytes (meta tensors have none): the file holds the header
     alone. Returns the header and where the tensors' bytes start."""
@@ -112,8 +118,10 @@ def _write_header_only(path, tensors, monkeypatch):
 def _harvest_batch(layers):
     """One batch of one row as a harvest writes it, as meta tensors: `doc`, `position` (int64) and each layer's
     2 MiB float32 states per token."""
-    tensors = {"doc": torch.empty(TOKENS, dtype=torch.long, device="meta"),
-               "position": torch.empty(TOKENS, dtype=torch.long, device="meta")}
+    tensors = {
+        "doc": torch.empty(TOKENS, dtype=torch.long, device="meta"),
+        "position": torch.empty(TOKENS, dtype=torch.long, device="meta"),
+    }
     for layer in range(layers):
         tensors[f"{layer}/states"] = torch.empty(TOKENS, STATE, device="meta")
     return tensors
@@ -162,11 +170,21 @@ def test_harvest_dataset_reads_a_layer_past_4_gib(tmp_path, monkeypatch):
                 rows[name, token] = row
         if os.stat(path).st_blocks * 512 > 256 * 2**20:
             pytest.skip("this file system allocates the holes of sparse files: the shard would take 8 GiB of disk")
-        (tmp_path / "manifest.json").write_text(json.dumps({
-            "request": {"format": FORMAT}, "batches": 1, "tokens": TOKENS, "docs": 1,
-            "mixers": {str(layer): {"layer": layer, "path": f"layers.{layer}", "kind": "K"} for layer in range(2)},
-            "values": {f"{layer}/states": {"dtype": "float32", "shape": [STATE]} for layer in range(2)},
-            "shards": [{"batch": 0, "file": "shards/000000.safetensors", "docs": [0, 1], "tokens": TOKENS}]}))
+        (tmp_path / "manifest.json").write_text(
+            json.dumps(
+                {
+                    "request": {"format": FORMAT},
+                    "batches": 1,
+                    "tokens": TOKENS,
+                    "docs": 1,
+                    "mixers": {
+                        str(layer): {"layer": layer, "path": f"layers.{layer}", "kind": "K"} for layer in range(2)
+                    },
+                    "values": {f"{layer}/states": {"dtype": "float32", "shape": [STATE]} for layer in range(2)},
+                    "shards": [{"batch": 0, "file": "shards/000000.safetensors", "docs": [0, 1], "tokens": TOKENS}],
+                }
+            )
+        )
 
         mapped = shards.MappedShard(path)
         assert mapped["1/states"].shape == (TOKENS, STATE)
@@ -179,8 +197,9 @@ def test_harvest_dataset_reads_a_layer_past_4_gib(tmp_path, monkeypatch):
         assert (item["doc"], item["position"]) == (0, TOKENS - 1)
         assert torch.equal(item["value"], rows["1/states", TOKENS - 1])
         taken = data.take([TOKENS - 1, 0, -1])
-        assert torch.equal(taken, torch.stack([rows["1/states", TOKENS - 1], rows["1/states", 0],
-                                               rows["1/states", TOKENS - 1]]))
+        assert torch.equal(
+            taken, torch.stack([rows["1/states", TOKENS - 1], rows["1/states", 0], rows["1/states", TOKENS - 1]])
+        )
         batch = data.__getitems__([TOKENS - 1, 0])  # (what a DataLoader asks for)
         assert [(item["doc"], item["position"]) for item in batch] == [(0, TOKENS - 1), (0, 0)]
         assert torch.equal(batch[0]["value"], rows["1/states", TOKENS - 1])
@@ -190,6 +209,7 @@ def test_harvest_dataset_reads_a_layer_past_4_gib(tmp_path, monkeypatch):
 
 
 # -- the path model's bytes at a real state -------------------------------------------------------------------
+
 
 def test_held_bytes_at_a_real_state_size():
     """A gated DeltaNet call of 32 heads of 128 x 128 (a 2 MiB float32 state) on 2,048 tokens: the chunk-wise states
@@ -201,11 +221,15 @@ def test_held_bytes_at_a_real_state_size():
     assert held[rh_policy.Strategy.CHUNKS] == 2 * rh_costs.STATES_CHUNK * state
     with_grad = rh_memory.held_bytes(shape, TOKENS, [], grad=True, kept=TOKENS)[rh_policy.Strategy.LOOP]
     assert with_grad == int(with_grad) > 2**32  # a copy of every kept state: past 4 GiB, exact
-    assert rh_memory.held_bytes(shape, TOKENS, [], grad=False)[rh_policy.Strategy.STATES] < 2**32 <= held[
-        rh_policy.Strategy.STATES]
+    assert (
+        rh_memory.held_bytes(shape, TOKENS, [], grad=False)[rh_policy.Strategy.STATES]
+        < 2**32
+        <= held[rh_policy.Strategy.STATES]
+    )
 
 
 # -- a sweep's cells across ranks -----------------------------------------------------------------------------
+
 
 def test_rank_shares_of_more_than_2_31_cells():
     cells = 2**31 + 3

@@ -37,8 +37,9 @@ def _limits(family: str) -> dict[str, str]:
 def test_every_limit_of_the_library_is_a_caveat_or_a_refusal_with_its_errors():
     for mixer in MIXERS:
         for what, why in limits_of(mixer).items():
-            assert type(why) in (Caveat, Refused), \
+            assert type(why) in (Caveat, Refused), (
                 f"{mixer.name} ({mixer.kind.__name__}): {what!r} is a {type(why).__name__}: a Caveat or a Refused?"
+            )
             assert what.strip() and why.strip()
             if is_refused(why):
                 assert why.errors and all(issubclass(error, BaseException) for error in why.errors)
@@ -49,8 +50,9 @@ def test_each_family_row_is_about_its_own_family():
     listed under every short convolution, lfm2's included)."""
     for mixer in MIXERS:
         text = " ".join(f"{what} {why}" for what, why in limits_of(mixer).items())
-        others = sorted(name for name in set(rh.FAMILIES) - {mixer.name}
-                        if re.search(rf"(?<![\w.]){re.escape(name)}(?!\w)", text))
+        others = sorted(
+            name for name in set(rh.FAMILIES) - {mixer.name} if re.search(rf"(?<![\w.]){re.escape(name)}(?!\w)", text)
+        )
         assert not others, f"{mixer.name}'s limits name {others}: put those facts in their own families' rows"
     assert "one memory per layer" in _limits("inkling") and "one memory per layer" not in _limits("lfm2")
 
@@ -65,24 +67,35 @@ def test_a_fact_of_one_transformers_release_is_listed_under_that_release_only():
             assert named <= {installed}, f"{mixer.name}: {what!r} names transformers {named} under {installed}"
 
 
-@pytest.mark.parametrize("family, what", [
-    ("mamba2", "dt_limit at decode steps"), ("mamba", "multi-token continuation"),
-    ("recurrent_gemma", "multi-token continuation"), ("recurrent_gemma", "one-token prompt"),
-    ("recurrent_gemma", "memory outside the Cache"), ("recurrent_gemma", "beam search"), ("minimax", "beam search"),
-    ("kimi_linear", "packed sequences"), ("rwkv", "batched decode"),
-])
+@pytest.mark.parametrize(
+    "family, what",
+    [
+        ("mamba2", "dt_limit at decode steps"),
+        ("mamba", "multi-token continuation"),
+        ("recurrent_gemma", "multi-token continuation"),
+        ("recurrent_gemma", "one-token prompt"),
+        ("recurrent_gemma", "memory outside the Cache"),
+        ("recurrent_gemma", "beam search"),
+        ("minimax", "beam search"),
+        ("kimi_linear", "packed sequences"),
+        ("rwkv", "batched decode"),
+    ],
+)
 def test_what_runs_is_a_caveat_not_a_refusal(family, what):
     assert type(_limits(family)[what]) is Caveat
 
 
-@pytest.mark.parametrize("family, what, errors", [
-    ("qwen3_5", "packed sequences", (ValueError, rh.RecurrentHooksError)),
-    ("recurrent_gemma", "conv window channels", (RuntimeError,)),
-    ("rwkv", "gradients with a state", (RuntimeError,)),
-    ("xlstm", "beam search", (ValueError,)),
-    ("minimax", "windows", (rh.Unavailable,)),
-    ("lfm2", "state", (rh.Unavailable,)),
-])
+@pytest.mark.parametrize(
+    "family, what, errors",
+    [
+        ("qwen3_5", "packed sequences", (ValueError, rh.RecurrentHooksError)),
+        ("recurrent_gemma", "conv window channels", (RuntimeError,)),
+        ("rwkv", "gradients with a state", (RuntimeError,)),
+        ("xlstm", "beam search", (ValueError,)),
+        ("minimax", "windows", (rh.Unavailable,)),
+        ("lfm2", "state", (rh.Unavailable,)),
+    ],
+)
 def test_what_raises_is_a_refusal_with_its_errors(family, what, errors):
     limit = _limits(family)[what]
     assert type(limit) is Refused and limit.errors == errors
@@ -98,8 +111,11 @@ def test_limits_are_strs_that_repr_copy_and_pickle_as_themselves():
     caveat = Caveat("it runs")
     assert repr(caveat) == "Caveat('it runs')" and type(pickle.loads(pickle.dumps(caveat))) is Caveat
     assert Refused(RuntimeError, "x").errors == (RuntimeError,)
-    with pytest.raises(rh.InvalidValue, match=r"Refused: expected the exception class it raises, or a tuple of them,"
-                       r" got 'ValueError'"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"Refused: expected the exception class it raises, or a tuple of them,"
+        r" got 'ValueError'",
+    ):
         Refused("ValueError", "why")
     with pytest.raises(rh.InvalidValue, match="Refused: expected the reason as a non-empty str, got ''"):
         Refused(ValueError, "")
@@ -122,12 +138,16 @@ def test_a_models_rows_split_every_limit_into_caveats_and_refusals():
     assert all(type(why) is Caveat for why in row.caveats.values())
     assert row.refused["effective attention"].errors == (rh.Unavailable,)
     text = str(row)
-    assert text.startswith(f"{row.head}\n  works: states, windows, inputs, outputs, values, writes, hooks\n"
-                           "  works with a caveat:\n    multi-token continuation: ")
+    assert text.startswith(
+        f"{row.head}\n  works: states, windows, inputs, outputs, values, writes, hooks\n"
+        "  works with a caveat:\n    multi-token continuation: "
+    )
     assert "\n  refused:\n    conv window channels (raises RuntimeError): " in text
     assert "\n    effective attention (raises rh.Unavailable): " in text and "\n  how calls run:\n" in text
-    assert row.head == "model.layers.0.temporal_block (RecurrentGemmaRecurrentBlock, layer 0, recurrent_gemma ->" \
-                       " RealGatedLinearRecurrence)"
+    assert (
+        row.head == "model.layers.0.temporal_block (RecurrentGemmaRecurrentBlock, layer 0, recurrent_gemma ->"
+        " RealGatedLinearRecurrence)"
+    )
 
 
 @pytest.mark.skipif(not upstream.is_at_least(5, 25), reason="transformers 5.24 keeps no intermediate recurrent states")
@@ -161,9 +181,11 @@ def test_a_recording_cache_runs_hooked_as_support_says(family):
 def test_the_command_prints_three_sections_per_row_and_the_legend(capsys):
     assert main(["support", "recurrent_gemma"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"{upstream.version_line()}\nrecurrent_gemma: RecurrentGemmaRecurrentBlock ->"
-                          " RealGatedLinearRecurrence\n  works: states, windows, inputs, outputs, values, writes,"
-                          " hooks\n  works with a caveat:\n")
+    assert out.startswith(
+        f"{upstream.version_line()}\nrecurrent_gemma: RecurrentGemmaRecurrentBlock ->"
+        " RealGatedLinearRecurrence\n  works: states, windows, inputs, outputs, values, writes,"
+        " hooks\n  works with a caveat:\n"
+    )
     assert "\n  refused:\n    conv window channels (raises RuntimeError): " in out
     rows, legend = out.split("\nlegend:\n")
     assert "  available:" not in rows and "  unavailable:" not in rows  # the former sections
@@ -178,9 +200,12 @@ def test_every_word_of_works_is_in_the_legend():
 
 
 def _json_row(limits: dict[str, str]) -> dict:
-    return {"caveats": {what: str(why) for what, why in limits.items() if not is_refused(why)},
-            "refused": {what: {"raises": list(error_names(why)), "why": str(why)}
-                        for what, why in limits.items() if is_refused(why)}}
+    return {
+        "caveats": {what: str(why) for what, why in limits.items() if not is_refused(why)},
+        "refused": {
+            what: {"raises": list(error_names(why)), "why": str(why)} for what, why in limits.items() if is_refused(why)
+        },
+    }
 
 
 def test_the_json_names_the_releases_and_gives_each_row_its_three_sections(capsys, request):
@@ -190,18 +215,32 @@ def test_the_json_names_the_releases_and_gives_each_row_its_three_sections(capsy
     assert main(["support", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["versions"] == {
-        "recurrent_hooks": importlib.metadata.version("recurrent_hooks"), "transformers": transformers.__version__,
-        "torch": torch.__version__, "tested_range": upstream.TESTED_RANGE,
-        "transformers_tested": upstream.is_tested()}
+        "recurrent_hooks": importlib.metadata.version("recurrent_hooks"),
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "tested_range": upstream.TESTED_RANGE,
+        "transformers_tested": upstream.is_tested(),
+    }
     assert printed["legend"] == LEGEND
     rows = printed["rows"]
     assert [(r["family"], r["mixer_class"]) for r in rows if r["kind"]] == [(m.name, m.mixer_class) for m in MIXERS]
     for mixer, got in zip(MIXERS, rows):
-        assert got == {"family": mixer.name, "mixer_class": mixer.mixer_class, "kind": mixer.kind.__name__,
-                       "state": mixer.kind.STATE, "works": list(available_of(mixer.kind)),
-                       **_json_row(limits_of(mixer))}
-    assert rows[-1] == {"family": "llama", "mixer_class": "LlamaAttention", "kind": None, "works": [], "caveats": {},
-                        "refused": {"everything": {"raises": ["rh.Unavailable"], "why": "a stand-in reason"}}}
+        assert got == {
+            "family": mixer.name,
+            "mixer_class": mixer.mixer_class,
+            "kind": mixer.kind.__name__,
+            "state": mixer.kind.STATE,
+            "works": list(available_of(mixer.kind)),
+            **_json_row(limits_of(mixer)),
+        }
+    assert rows[-1] == {
+        "family": "llama",
+        "mixer_class": "LlamaAttention",
+        "kind": None,
+        "works": [],
+        "caveats": {},
+        "refused": {"everything": {"raises": ["rh.Unavailable"], "why": "a stand-in reason"}},
+    }
 
 
 def test_the_json_of_a_saved_model_has_its_mixers_three_sections(tmp_path, capsys):
@@ -209,6 +248,15 @@ def test_the_json_of_a_saved_model_has_its_mixers_three_sections(tmp_path, capsy
     assert main(["support", str(tmp_path), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     limits = _limits("lfm2_moe")
-    assert rows == [{"path": f"model.layers.{layer}.conv", "layer": layer, "mixer_class": "Lfm2MoeShortConv",
-                     "family": "lfm2_moe", "kind": "ShortConvolution", "works": list(available_of(rh.ShortConvolution)),
-                     **_json_row(limits)} for layer in (0, 2)]
+    assert rows == [
+        {
+            "path": f"model.layers.{layer}.conv",
+            "layer": layer,
+            "mixer_class": "Lfm2MoeShortConv",
+            "family": "lfm2_moe",
+            "kind": "ShortConvolution",
+            "works": list(available_of(rh.ShortConvolution)),
+            **_json_row(limits),
+        }
+        for layer in (0, 2)
+    ]

@@ -145,8 +145,9 @@ def test_toy_inside_watch_keeps_states(name, models):
     assert len(w.mixers) >= 1
     for mixer in w.mixers:
         assert mixer.states.shape == (4, task.seq_len, *STATE_SHAPES[name])
-        assert_close(f"{mixer} state after the last token = the kept last state", mixer.states[:, -1],
-                     mixer.state_after(-1))
+        assert_close(
+            f"{mixer} state after the last token = the kept last state", mixer.states[:, -1], mixer.state_after(-1)
+        )
 
 
 @pytest.mark.parametrize("name", TOYS)
@@ -199,6 +200,8 @@ def test_mamba2_binding_lives_in_the_state(models):
         patched = model(clean.ids[:, :-1]).logits[:, -1].argmax(-1)
     flipped = (patched == corrupt.answers[:, -1]).float().mean().item()
     assert flipped >= 0.95, f"patched answers that became the corrupt value: {flipped:.3f}"
+
+
 # --- gdn_recall: the attention layer is a no-op, the recall is in the gated DeltaNet memory --------
 
 
@@ -256,8 +259,11 @@ def _patched_logits(model, clean, corrupt, token_of_row, layers=None):
     logits = torch.empty(len(clean), model.config.vocab_size)
     for token in token_of_row.unique().tolist():
         rows = (token_of_row == token).nonzero().flatten()
-        memory = {layer: type(m)(*(x[rows] for x in m)) for layer, m in clean_watch.memory_after(token).items()
-                  if layers is None or layer in layers}
+        memory = {
+            layer: type(m)(*(x[rows] for x in m))
+            for layer, m in clean_watch.memory_after(token).items()
+            if layers is None or layer in layers
+        }
         with torch.no_grad(), rh.watch(model) as w:
             w.set_memory_after(token, memory)
             logits[rows] = model(ids_corrupt[rows], use_cache=False).logits[:, -1]

@@ -34,7 +34,7 @@ def test_every_kept_state_and_window_is_differentiable_as_one_tensor_with_frozen
     windows = mixer.calls[0].differentiable("window")
     assert all(s.requires_grad for s in states + windows)
     grads = torch.autograd.grad(value, [*states, *windows], retain_graph=True)
-    state_grad = torch.stack(grads[:len(states)], dim=2) if per_head else grads[0]
+    state_grad = torch.stack(grads[: len(states)], dim=2) if per_head else grads[0]
     window_grad = grads[-1]
     if not per_head:  # mix.states is the same tensor, and so is every token's state_after
         assert mixer.states is states[0]
@@ -75,10 +75,20 @@ def test_attribute_is_the_first_order_estimate_of_patching_each_memory(frozen):
             window_term = ((clean_memory.window - corrupt_memory.window) * leaf_window.grad).sum()
             scale = result.memory.abs().max()
             # (the mean metric of both rows: the mean of the pairs' own terms)
-            assert_close(f"layer {layer} token {t} state", state_term, result.state[:, i, t].mean(0), rtol=1e-4,
-                         atol=1e-6 * scale)
-            assert_close(f"layer {layer} token {t} window", window_term, result.window[:, i, t].mean(0), rtol=1e-4,
-                         atol=1e-6 * scale)
+            assert_close(
+                f"layer {layer} token {t} state",
+                state_term,
+                result.state[:, i, t].mean(0),
+                rtol=1e-4,
+                atol=1e-6 * scale,
+            )
+            assert_close(
+                f"layer {layer} token {t} window",
+                window_term,
+                result.window[:, i, t].mean(0),
+                rtol=1e-4,
+                atol=1e-6 * scale,
+            )
     assert result.memory.abs().max() > 0
 
 
@@ -87,9 +97,12 @@ def test_attribute_refuses_bad_arguments():
     ids = random_ids(2, T)
     with pytest.raises(rh.InvalidValue, match=r"attribute: clean_ids \(2, 13\) and corrupt_ids \(2, 12\) must have"):
         rh.attribute(model, ids, ids[:, 1:], metric)
-    with pytest.raises(rh.InvalidValue, match=r"attribute: expected metric\(logits\) to return one value per row, a"
-                       r" tensor of shape \(2,\) \(or a 0-d tensor, the value of one row\) for logits of shape"
-                       r" \(2, 13, 128\), got a tensor of shape \(2, 13, 128\)"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"attribute: expected metric\(logits\) to return one value per row, a"
+        r" tensor of shape \(2,\) \(or a 0-d tensor, the value of one row\) for logits of shape"
+        r" \(2, 13, 128\), got a tensor of shape \(2, 13, 128\)",
+    ):
         rh.attribute(model, ids, ids, lambda logits: logits)
     with pytest.raises(rh.InvalidValue, match=r"attribute: no recurrent mixer at layers \[1\]"):
         rh.attribute(model, ids, ids, metric, layers=[1])
@@ -116,7 +129,13 @@ def test_a_layer_of_several_mixers_is_attributed_as_all_its_memories_at_once():
             for k, leaf in zip(places, leaves):
                 w.mixers[k].set_memory_after(t, rh.Memory(None, leaf))
             metric(model(corrupt).logits).sum().backward()
-        term = sum(((c.mixers[k].memory_after(t).window - leaf.detach()) * leaf.grad).sum()
-                   for k, leaf in zip(places, leaves))
-        assert_close(f"layer {layer} ({len(places)} mixers) token {t}", term, result.memory[0, i, t], rtol=1e-4,
-                     atol=1e-6 * result.memory.abs().max())
+        term = sum(
+            ((c.mixers[k].memory_after(t).window - leaf.detach()) * leaf.grad).sum() for k, leaf in zip(places, leaves)
+        )
+        assert_close(
+            f"layer {layer} ({len(places)} mixers) token {t}",
+            term,
+            result.memory[0, i, t],
+            rtol=1e-4,
+            atol=1e-6 * result.memory.abs().max(),
+        )

@@ -81,16 +81,24 @@ def test_the_pieces_state_term_is_the_derivative_of_a_partial_write():
                     values.append(metric(model(corrupt).logits).mean())
             estimate = (values[0] - values[1]) / (2 * h)
             # (both rows patched, their mean metric: the mean of the pairs' own terms)
-            assert_close(f"layer {layer} token {t}", result.state[:, i, t].mean(0).double(), estimate, rtol=2e-3,
-                         atol=1e-3 * result.state.abs().max().double())
+            assert_close(
+                f"layer {layer} token {t}",
+                result.state[:, i, t].mean(0).double(),
+                estimate,
+                rtol=2e-3,
+                atol=1e-3 * result.state.abs().max().double(),
+            )
     assert result.state.abs().max() > 0
 
 
 def test_pieces_refuses_kinds_without_pieces_and_auto_falls_back():
     model = build("recurrent_gemma").requires_grad_(False)  # RG-LRU: no prompt kernel in pieces
     ids, other = random_ids(1, 7, seed=1), random_ids(1, 7, seed=2)
-    with pytest.raises(rh.InvalidValue, match=r"attribute: method='pieces' needs one mixer a layer and a prompt"
-                       r" kernel .* RealGatedLinearRecurrence has none: use method='states'"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"attribute: method='pieces' needs one mixer a layer and a prompt"
+        r" kernel .* RealGatedLinearRecurrence has none: use method='states'",
+    ):
         rh.attribute(model, ids, other, metric, method="pieces")
     auto = rh.attribute(model, ids, other, metric)
     states = rh.attribute(model, ids, other, metric, method="states")

@@ -11,8 +11,16 @@ from _models import build, random_ids
 import recurrent_hooks as rh
 
 T = 9
-CASES = [("qwen3_5", "auto"), ("qwen3_5", "states"), ("kimi_linear", "auto"), ("mamba2", "auto"),
-         ("mamba2", "states"), ("zamba", "auto"), ("minimax", "auto"), ("xlstm", "auto")]
+CASES = [
+    ("qwen3_5", "auto"),
+    ("qwen3_5", "states"),
+    ("kimi_linear", "auto"),
+    ("mamba2", "auto"),
+    ("mamba2", "states"),
+    ("zamba", "auto"),
+    ("minimax", "auto"),
+    ("xlstm", "auto"),
+]
 
 
 def metric(logits):
@@ -41,8 +49,9 @@ def reference(model, family, clean, corrupt, layer, t):
         else:
             w.mixer(layer).set_state_after(t, state_leaf)
         metric(model(corrupt).logits).sum().backward()
-    state = sum(((cp - p.detach()) * p.grad).flatten(2).sum(-1)
-                for cp, p in zip(parts(clean_state), leaves))  # pairs heads
+    state = sum(
+        ((cp - p.detach()) * p.grad).flatten(2).sum(-1) for cp, p in zip(parts(clean_state), leaves)
+    )  # pairs heads
     if not has_window:
         return state, torch.zeros_like(state)
     clean_window = c.mixer(layer).window_after(t)
@@ -61,15 +70,30 @@ def test_per_head_terms_sum_to_the_layer_and_equal_the_heads_own_gradients(famil
     assert heads.heads == heads.state.shape[2] and layers.heads is None
     scale = layers.memory.abs().max()
     for name in ("state", "window"):
-        assert_close(f"{family} {method}: {name} summed over heads vs per layer", getattr(layers, name),
-                     getattr(heads, name).sum(2), rtol=1e-4, atol=1e-6 * scale)
+        assert_close(
+            f"{family} {method}: {name} summed over heads vs per layer",
+            getattr(layers, name),
+            getattr(heads, name).sum(2),
+            rtol=1e-4,
+            atol=1e-6 * scale,
+        )
     for i, layer in enumerate(heads.layers):
         for t in (0, 4, T - 2):
             state, window = reference(model, family, clean, corrupt, layer, t)
-            assert_close(f"{family} {method}: layer {layer} token {t} state per head", state, heads.state[:, i, :, t],
-                         rtol=1e-4, atol=1e-6 * scale)
-            assert_close(f"{family} {method}: layer {layer} token {t} window per head", window,
-                         heads.window[:, i, :, t], rtol=1e-4, atol=1e-6 * scale)
+            assert_close(
+                f"{family} {method}: layer {layer} token {t} state per head",
+                state,
+                heads.state[:, i, :, t],
+                rtol=1e-4,
+                atol=1e-6 * scale,
+            )
+            assert_close(
+                f"{family} {method}: layer {layer} token {t} window per head",
+                window,
+                heads.window[:, i, :, t],
+                rtol=1e-4,
+                atol=1e-6 * scale,
+            )
     assert heads.state.abs().amax(dim=(0, 1, 3)).min() > 0, f"{family}: a head with no state term at all"
 
 
@@ -81,9 +105,12 @@ def test_one_pair_per_head_and_the_errors():
     assert_close("normalized", one.memory / (one.clean - one.corrupt), one.normalized(), rtol=0, atol=0)
     saved = rh.Attribution.from_dict(one.to_dict())
     assert saved.heads == 4 and torch.equal(saved.state, one.state)
-    with pytest.raises(rh.InvalidValue, match=r"attribute: heads=True needs a state with heads in every chosen"
-                                              r" layer; SelectiveScan\(mamba, layer 0\) has a state of axes"
-                                              r" 'batch d_inner d_state' without heads"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"attribute: heads=True needs a state with heads in every chosen"
+        r" layer; SelectiveScan\(mamba, layer 0\) has a state of axes"
+        r" 'batch d_inner d_state' without heads",
+    ):
         rh.attribute(build("mamba"), clean[0], corrupt[0], metric, heads=True)
     with pytest.raises(rh.InvalidValue, match=r"attribute: expected heads=True or heads=False, got heads='yes'"):
         rh.attribute(model, clean[0], corrupt[0], metric, heads="yes")

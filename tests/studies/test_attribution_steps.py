@@ -131,17 +131,25 @@ def test_bad_steps_and_models_without_embeddings_are_refused():
     model = build("qwen3_5").requires_grad_(False)
     ids, other = random_ids(2, T, seed=1), random_ids(2, T, seed=2)
     for steps in (0, -2, 1.5, True, "4", None):
-        with pytest.raises(rh.InvalidValue, match=r"attribute: expected steps as a positive int .*, got "
-                                                  + repr(steps).replace(".", r"\.")):
+        with pytest.raises(
+            rh.InvalidValue,
+            match=r"attribute: expected steps as a positive int .*, got " + repr(steps).replace(".", r"\."),
+        ):
             rh.attribute(model, ids, other, metric, steps=steps)
-    with pytest.raises(rh.InvalidValue, match=r"attribute: steps=2 runs the model on input embeddings .* _IdsOnly"
-                                              r" has a forward without an inputs_embeds argument: use steps=1"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"attribute: steps=2 runs the model on input embeddings .* _IdsOnly"
+        r" has a forward without an inputs_embeds argument: use steps=1",
+    ):
         rh.attribute(_IdsOnly(model), ids, other, metric, steps=2)
     rh.attribute(_IdsOnly(model), ids, other, metric)  # steps=1 passes the ids, as before
     with pytest.raises(rh.InvalidValue, match=r"attribute: expected no inputs_embeds in forward_kwargs"):
         rh.attribute(model, ids, other, metric, steps=2, forward_kwargs={"inputs_embeds": None})
-    with pytest.raises(rh.InvalidValue, match=r"attribute: steps=2: expected model\(inputs_embeds=E\(corrupt_ids\)\)"
-                                              r" to be the forward of corrupt_ids"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"attribute: steps=2: expected model\(inputs_embeds=E\(corrupt_ids\)\)"
+        r" to be the forward of corrupt_ids",
+    ):
         rh.attribute(_ScaledEmbeddings(model), ids, other, metric, steps=2)
 
 

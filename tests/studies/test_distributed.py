@@ -26,16 +26,35 @@ def _free_port() -> int:
 
 @pytest.mark.full  # (7 s, two processes: .ci/run runs it after the default suite)
 def test_tensor_parallel_watch_equals_one_process(tmp_path):
-    env = {**os.environ,
-           "CUDA_VISIBLE_DEVICES": "",  # the CPU path (gloo), whatever the machine has
-           "GLOO_SOCKET_IFNAME": "lo0" if sys.platform == "darwin" else "lo",  # loopback only
-           "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-               "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(SCRIPT), "--dir", str(tmp_path)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60,  # 10-15 s on 2 cores
-                            cwd=tmp_path)
-    assert result.returncode == 0, (f"torchrun exited with {result.returncode}:\n{result.stdout}\n"
-                                    f"{result.stderr[-6000:]}")
+    env = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "",  # the CPU path (gloo), whatever the machine has
+        "GLOO_SOCKET_IFNAME": "lo0" if sys.platform == "darwin" else "lo",  # loopback only
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        str(SCRIPT),
+        "--dir",
+        str(tmp_path),
+    ]
+    result = subprocess.run(
+        command,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,  # 10-15 s on 2 cores
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, (
+        f"torchrun exited with {result.returncode}:\n{result.stdout}\n{result.stderr[-6000:]}"
+    )
     for rank in (0, 1):
         assert f"rank {rank}/2 (cpu, gloo)" in result.stdout, f"rank {rank} did not report:\n{result.stdout}"
     assert result.stdout.count("equal the single-process run") == 2, result.stdout
@@ -48,14 +67,29 @@ def test_a_sweep_and_a_harvest_split_across_two_processes_equal_one_process_and_
     gets the single-process result, and a sweep stopped after its first round resumes from the ranks' checkpoint
     files; from the corrupt run's cache, each rank runs fewer forwards than one process (the pieces and cells of its
     own positions only), also when it resumes."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "GLOO_SOCKET_IFNAME": "lo0" if sys.platform == "darwin" else "lo",
-           "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-               "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(ROOT / "scripts" / "harvest_ranks.py"),
-               "--dir", str(tmp_path), "--sweep"]
+    env = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "",
+        "GLOO_SOCKET_IFNAME": "lo0" if sys.platform == "darwin" else "lo",
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        str(ROOT / "scripts" / "harvest_ranks.py"),
+        "--dir",
+        str(tmp_path),
+        "--sweep",
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)
-    assert result.returncode == 0, (f"torchrun exited with {result.returncode}:\n{result.stdout}\n"
-                                    f"{result.stderr[-6000:]}")
+    assert result.returncode == 0, (
+        f"torchrun exited with {result.returncode}:\n{result.stdout}\n{result.stderr[-6000:]}"
+    )
     assert result.stdout.count("the split harvest and the resumed one equal the single-process run") == 2, result.stdout
     assert result.stdout.count("the split sweeps and the resumed one equal the single-process run") == 2, result.stdout
     counts = re.findall(r"rank (\d)/2: from the cache, (\d+) forwards split, (\d+) in one process", result.stdout)

@@ -20,7 +20,8 @@ from recurrent_hooks.extend import KindAdapter
 
 # one per kind that has the maths (its adapter overrides `effective_attention`; zamba: a kernel call per head)
 FAMILIES = one_family_per_kind(
-    lambda kind: type(kind.adapter).effective_attention is not KindAdapter.effective_attention)
+    lambda kind: type(kind.adapter).effective_attention is not KindAdapter.effective_attention
+)
 KEEP = ("inputs", "outputs")
 T, NEW = 13, 3  # prompt tokens, generated tokens: calls 0 (prompt), 1, 2 (decode steps)
 F64 = torch.float64
@@ -40,6 +41,7 @@ def _l2(x):
 
 # -- each kernel call's arguments, token-major, float64, one row of parameters per "head" of the map ------------
 
+
 def _delta_rule_tokens(part):
     """q, k (normalised, q scaled, one key head per value head), v, beta, decay: [b, h, t, ..]."""
     x = part.inputs
@@ -52,8 +54,9 @@ def _delta_rule_tokens(part):
     q, k = q[:, :, head_of], k[:, :, head_of]
     alpha = torch.exp(x["g"].to(F64))
     alpha = alpha[..., None] if alpha.dim() == 3 else alpha  # gated DeltaNet: a scalar per head
-    return {name: value.transpose(1, 2) for name, value in
-            dict(q=q, k=k, v=v, beta=x["beta"].to(F64), alpha=alpha).items()}
+    return {
+        name: value.transpose(1, 2) for name, value in dict(q=q, k=k, v=v, beta=x["beta"].to(F64), alpha=alpha).items()
+    }
 
 
 def _mamba1_tokens(part):
@@ -64,8 +67,15 @@ def _mamba1_tokens(part):
     delta = t(x["dt"]) + x["delta_bias" if prompt else "dt_bias"].to(F64)
     if x["delta_softplus" if prompt else "dt_softplus"]:
         delta = _softplus(delta)
-    return dict(x=t(x["hidden_states"]), delta=delta, A=x["A"].to(F64), B=t(x["B"]), C=t(x["C"]),
-                D=x["D"].to(F64), z=None if x["z"] is None else t(x["z"]))
+    return dict(
+        x=t(x["hidden_states"]),
+        delta=delta,
+        A=x["A"].to(F64),
+        B=t(x["B"]),
+        C=t(x["C"]),
+        D=x["D"].to(F64),
+        z=None if x["z"] is None else t(x["z"]),
+    )
 
 
 def _mamba2_tokens(part):
@@ -74,8 +84,14 @@ def _mamba2_tokens(part):
         hidden, dt, A, B, C, D = x["hidden_states"], x["dt"], x["A"], x["B"], x["C"], x["D"]
         bias, limit, z = x["dt_bias"], x["dt_limit"], None
     else:  # the decode kernel gets the per-head parameters expanded over head_dim: channel 0 is the head's
-        hidden, dt, A, B, C, D = (x["hidden_states"][:, None], x["dt"][:, None, :, 0], x["A"][:, 0, 0],
-                                  x["B"][:, None], x["C"][:, None], x["D"][:, 0])
+        hidden, dt, A, B, C, D = (
+            x["hidden_states"][:, None],
+            x["dt"][:, None, :, 0],
+            x["A"][:, 0, 0],
+            x["B"][:, None],
+            x["C"][:, None],
+            x["D"][:, 0],
+        )
         bias, limit, z = x["dt_bias"][:, 0], (-math.inf, math.inf), x["z"]
     delta = dt.to(F64) + bias.to(F64)
     if x["dt_softplus"]:
@@ -83,8 +99,15 @@ def _mamba2_tokens(part):
     delta = delta.clamp(*limit)
     heads = hidden.shape[2]
     group_of = torch.arange(heads) // (heads // B.shape[2])
-    return dict(x=hidden.to(F64), delta=delta, A=A.to(F64), B=B.to(F64)[:, :, group_of], C=C.to(F64)[:, :, group_of],
-                D=D.to(F64), z=None if z is None else z.to(F64)[:, None])
+    return dict(
+        x=hidden.to(F64),
+        delta=delta,
+        A=A.to(F64),
+        B=B.to(F64)[:, :, group_of],
+        C=C.to(F64)[:, :, group_of],
+        D=D.to(F64),
+        z=None if z is None else z.to(F64)[:, None],
+    )
 
 
 def _cat(pieces, name, dim):
@@ -93,6 +116,7 @@ def _cat(pieces, name, dim):
 
 # -- float64 maps from the recurrences ----------------------------------------------------------------------
 
+
 def delta_rule_map(parts, initial_state, kimi):
     """A[t, s] = b_s q_t^T (prod_{r=s+1..t} M_r) k_s and F_t = q_t^T (prod_{r<=t} M_r) S_0, with the transition
     M_r = a_r (I - b_r k_r k_r^T) (gated DeltaNet) or (I - b_r k_r k_r^T) Diag(alpha_r) (KDA)."""
@@ -100,8 +124,9 @@ def delta_rule_map(parts, initial_state, kimi):
     q, k, v, beta, alpha = (_cat(tokens, name, 2) for name in ("q", "k", "v", "beta", "alpha"))
     batch, heads, seq, key_dim = q.shape
     columns = torch.zeros(batch, heads, key_dim, seq, dtype=F64)  # column s: prod M_r b_s k_s
-    start = (torch.zeros(batch, heads, key_dim, v.shape[-1], dtype=F64) if initial_state is None
-             else initial_state.to(F64))
+    start = (
+        torch.zeros(batch, heads, key_dim, v.shape[-1], dtype=F64) if initial_state is None else initial_state.to(F64)
+    )
 
     def transition(m, t):  # M_t m, m: [b, h, key_dim, n]
         kt, bt = k[:, :, t, :, None], beta[:, :, t, None, None]
@@ -115,7 +140,7 @@ def delta_rule_map(parts, initial_state, kimi):
     for t in range(seq):
         columns = transition(columns, t)
         columns[..., t] = beta[:, :, t, None] * k[:, :, t]
-        columns[..., t + 1:] = 0
+        columns[..., t + 1 :] = 0
         start = transition(start, t)
         weights[:, :, t] = (q[:, :, t, None, :] @ columns)[:, :, 0]
         from_state[:, :, t] = (q[:, :, t, None, :] @ start)[:, :, 0]
@@ -156,7 +181,7 @@ def ssd_map(parts, initial_state):
     from_state = torch.zeros(batch, heads, seq, head_dim, dtype=F64)
     for t in range(seq):
         for s in range(t + 1):
-            decay = torch.exp(delta[:, s + 1:t + 1].sum(1) * A)  # b h   prod_{r=s+1..t} exp(Δ_r a_h)
+            decay = torch.exp(delta[:, s + 1 : t + 1].sum(1) * A)  # b h   prod_{r=s+1..t} exp(Δ_r a_h)
             weights[:, :, t, s] = (C[:, t] * B[:, s]).sum(-1) * decay * delta[:, s]
         h = torch.exp(delta[:, t] * A)[..., None, None] * h
         from_state[:, :, t] = (h @ C[:, t, :, :, None])[..., 0]

@@ -44,12 +44,22 @@ def _watched(model, batch, keep, reduce=None):
 
 
 def _files(out):
-    return {path.relative_to(out).as_posix(): path.read_bytes() for path in sorted(pathlib.Path(out).rglob("*"))
-            if path.is_file()}
+    return {
+        path.relative_to(out).as_posix(): path.read_bytes()
+        for path in sorted(pathlib.Path(out).rglob("*"))
+        if path.is_file()
+    }
 
 
-@pytest.mark.parametrize("family, keep", [("qwen3_5", ("states", "key", "beta")), ("mamba2", ("states", "windows")),
-                                          ("mamba", ("states", "dt")), ("xlstm", ("states",))])
+@pytest.mark.parametrize(
+    "family, keep",
+    [
+        ("qwen3_5", ("states", "key", "beta")),
+        ("mamba2", ("states", "windows")),
+        ("mamba", ("states", "dt")),
+        ("xlstm", ("states",)),
+    ],
+)
 def test_the_harvested_values_are_the_watchs_at_every_non_pad_token(family, keep, tmp_path):
     model = build(family)
     masked = "left padding" not in rh.support(model)[0].unavailable
@@ -59,7 +69,7 @@ def test_the_harvested_values_are_the_watchs_at_every_non_pad_token(family, keep
     harvested = rh.harvest(model, batches, tmp_path, keep=keep, progress=False)
     assert (harvested.tokens, harvested.docs, harvested.batches) == (9 + 6 + 15, 5, 2)
     expected = [_watched(model, batch, keep) for batch in batches]
-    for (layer, name) in expected[0]:
+    for layer, name in expected[0]:
         data = rh.HarvestDataset(tmp_path, layer=layer, what=name)
         assert len(data) == 30 and data.docs.tolist() == [0] * 9 + [1] * 6 + [2] * 5 + [3] * 5 + [4] * 5
         assert data.positions.tolist() == [*range(9), *range(6), *range(5), *range(5), *range(5)]
@@ -67,8 +77,13 @@ def test_the_harvested_values_are_the_watchs_at_every_non_pad_token(family, keep
         want = [batch[layer, name] for batch in expected]
         if isinstance(got, dict):  # a memory of several parts (the mLSTM's C, n, m)
             for part in got:
-                assert_close(f"{family} layer {layer} {name}.{part}", torch.cat([getattr(w, part) for w in want]),
-                             got[part], rtol=0, atol=0)
+                assert_close(
+                    f"{family} layer {layer} {name}.{part}",
+                    torch.cat([getattr(w, part) for w in want]),
+                    got[part],
+                    rtol=0,
+                    atol=0,
+                )
             continue
         assert_close(f"{family} layer {layer} {name}", torch.cat(want), got, rtol=0, atol=0)
         item = data[11]
@@ -80,14 +95,27 @@ def test_reductions_probes_layers_and_dtype(tmp_path):
     model, batches = build("qwen3_5"), _batches()
     norm = lambda s: s.flatten(2).norm(dim=-1)  # noqa: E731
     probe = rh.probe(torch.randn(4, 3, 8), torch.randn(4, 3, 8))
-    harvested = rh.harvest(model, batches, tmp_path, keep=("states", "key"), reduce={"states": {0: norm, 2: probe}},
-                           layers=[2], dtype=torch.bfloat16, progress=False)
+    harvested = rh.harvest(
+        model,
+        batches,
+        tmp_path,
+        keep=("states", "key"),
+        reduce={"states": {0: norm, 2: probe}},
+        layers=[2],
+        dtype=torch.bfloat16,
+        progress=False,
+    )
     assert set(harvested.values) == {"2/states", "2/key"}
     assert harvested.values["2/states"] == ("bfloat16", (4, 3))
     expected = torch.cat([_watched(model, batch, ("states",), {"states": probe})[2, "states"] for batch in batches])
     data = harvested.dataset(2)
-    assert_close("the probe, stored as bfloat16", expected.to(torch.bfloat16).float(), data.take(range(30)).float(),
-                 rtol=0, atol=0)
+    assert_close(
+        "the probe, stored as bfloat16",
+        expected.to(torch.bfloat16).float(),
+        data.take(range(30)).float(),
+        rtol=0,
+        atol=0,
+    )
     with pytest.raises(rh.Unavailable, match=r"harvested no mixer at 0; its mixers \(name: layer\): \{'2': 2\}"):
         rh.HarvestDataset(tmp_path, layer=0)
     with pytest.raises(rh.Unavailable, match=r"kept no 'windows' of mixer '2'; it kept \['key', 'states'\]"):
@@ -126,10 +154,10 @@ def test_a_second_call_skips_what_is_on_disk_and_a_stopped_harvest_finishes_with
     monkeypatch.setattr(shards, "_bytes_of", full_disk)
     with pytest.raises(OSError, match="No space left on device") as error:
         rh.harvest(model, batches, stopped, keep=("states",), progress=False)
-    assert any("writing batch 2's shard" in note and "call rh.harvest again" in note
-               for note in error.value.__notes__)
-    assert sorted(p.name for p in (stopped / "shards").iterdir()) == [f"00000{i}.{ext}" for i in range(2)
-                                                                       for ext in ("json", "safetensors")]
+    assert any("writing batch 2's shard" in note and "call rh.harvest again" in note for note in error.value.__notes__)
+    assert sorted(p.name for p in (stopped / "shards").iterdir()) == [
+        f"00000{i}.{ext}" for i in range(2) for ext in ("json", "safetensors")
+    ]
     monkeypatch.setattr(shards, "_bytes_of", real_bytes)
     resumed = rh.harvest(model, batches, stopped, keep=("states",), progress=False)
     assert resumed.skipped == 2
@@ -150,12 +178,18 @@ def test_a_shard_whose_record_a_kill_prevented_is_adopted_not_rewritten(tmp_path
 def test_another_request_or_other_batches_are_refused(tmp_path):
     model, batches = build("qwen3_5"), _batches()
     rh.harvest(model, batches, tmp_path, keep=("states",), progress=False)
-    with pytest.raises(rh.InvalidValue, match=r"holds another harvest, whose request differs from this call's in:"
-                       r" keep \("):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"holds another harvest, whose request differs from this call's in:"
+        r" keep \(",
+    ):
         rh.harvest(model, batches, tmp_path, keep=("states", "key"), progress=False)
     other = build("qwen3_5", seed=1)
-    with pytest.raises(rh.InvalidValue, match=r"holds another harvest, whose request differs from this call's in:"
-                       r" model weights_sha256 \("):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"holds another harvest, whose request differs from this call's in:"
+        r" model weights_sha256 \(",
+    ):
         rh.harvest(other, batches, tmp_path, keep=("states",), progress=False)
     with pytest.raises(rh.InvalidValue, match=r"batch 1 is not the batch harvested into .*000001.json"):
         rh.harvest(model, [batches[0], random_ids(3, 5, seed=9)], tmp_path, keep=("states",), progress=False)
@@ -165,17 +199,31 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path):
     model = build("qwen3_5")
     padded = random_ids(2, 6)
     padded[0, 4] = 0
-    with pytest.raises(rh.InvalidValue, match=r"batch 1 holds the pad token id 0 \(config.pad_token_id\) at row 0,"
-                       r" position 4, and no attention_mask"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"batch 1 holds the pad token id 0 \(config.pad_token_id\) at row 0,"
+        r" position 4, and no attention_mask",
+    ):
         rh.harvest(model, [random_ids(1, 4), padded], tmp_path / "a", keep=("states",), progress=False)
-    with pytest.raises(rh.InvalidValue, match=r"batch 0: expected attention_mask of the ids' shape \(2, 6\),"
-                       r" got shape \(2, 5\)"):
-        rh.harvest(model, [{"input_ids": padded, "attention_mask": torch.ones(2, 5)}], tmp_path / "b",
-                   keep=("states",), progress=False)
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"batch 0: expected attention_mask of the ids' shape \(2, 6\),"
+        r" got shape \(2, 5\)",
+    ):
+        rh.harvest(
+            model,
+            [{"input_ids": padded, "attention_mask": torch.ones(2, 5)}],
+            tmp_path / "b",
+            keep=("states",),
+            progress=False,
+        )
     with pytest.raises(rh.InvalidValue, match=r"batch 0: expected a dict with 'input_ids'"):
         rh.harvest(model, [{"ids": padded}], tmp_path / "c", keep=("states",), progress=False)
-    with pytest.raises(rh.InvalidValue, match=r"keep='dt', but GatedDeltaNet\(qwen3_5, layer 0\) has no such memory or"
-                       r" value: it keeps \('states', 'windows'\) and the values \('query', 'key'"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"keep='dt', but GatedDeltaNet\(qwen3_5, layer 0\) has no such memory or"
+        r" value: it keeps \('states', 'windows'\) and the values \('query', 'key'",
+    ):
         rh.harvest(model, [], tmp_path / "d", keep=("dt",), progress=False)
     with pytest.raises(rh.InvalidValue, match=r"expected dtype= a floating torch.dtype"):
         rh.harvest(model, [], tmp_path / "e", keep=("states",), dtype=torch.int8, progress=False)
@@ -189,9 +237,12 @@ def test_a_left_padded_row_is_refused_where_pads_enter_the_memory(tmp_path):
     """RWKV passes no mask to its mixers: a pad before a real token would be in the row's states, so harvest refuses
     the batch, naming the doc, the position and the mixer, and takes the same rows padded on the right."""
     model = build("rwkv")
-    with pytest.raises(rh.Unavailable, match=r"harvest: doc 1 has a pad at position 0 before a real token, and"
-                       r" WeightedKeyValue\(rwkv, layer 0\) does not mask pads \(RwkvModel ignores attention_mask.*"
-                       r"pad its batches on the right"):
+    with pytest.raises(
+        rh.Unavailable,
+        match=r"harvest: doc 1 has a pad at position 0 before a real token, and"
+        r" WeightedKeyValue\(rwkv, layer 0\) does not mask pads \(RwkvModel ignores attention_mask.*"
+        r"pad its batches on the right",
+    ):
         rh.harvest(model, _batches(), tmp_path / "left", keep=("states",), progress=False)
     harvested = rh.harvest(model, _batches(left=False), tmp_path / "right", keep=("states",), progress=False)
     assert (harvested.tokens, harvested.docs) == (9 + 6 + 15, 5)
@@ -200,8 +251,14 @@ def test_a_left_padded_row_is_refused_where_pads_enter_the_memory(tmp_path):
 def test_the_dataset_pickles_loads_in_batches_and_shuffles_by_seed(tmp_path):
     model = build("qwen3_5")
     batches = [random_ids(2, 5, seed=s) for s in range(5)]
-    rh.harvest(model, batches, tmp_path, keep=("states",), reduce={"states": lambda s: s.flatten(2).norm(dim=-1)},
-               progress=False)
+    rh.harvest(
+        model,
+        batches,
+        tmp_path,
+        keep=("states",),
+        reduce={"states": lambda s: s.flatten(2).norm(dim=-1)},
+        progress=False,
+    )
     data = rh.HarvestDataset(tmp_path, layer=2)
     copy = pickle.loads(pickle.dumps(data))
     assert torch.equal(copy.take([3, 40, 7]), torch.stack([data[3]["value"], data[-10]["value"], data[7]["value"]]))
@@ -214,7 +271,7 @@ def test_the_dataset_pickles_loads_in_batches_and_shuffles_by_seed(tmp_path):
     sampler.set_epoch(1)
     assert list(sampler) != first and sorted(sampler) == list(range(len(data)))
     shard_of = [i // 10 for i in first]  # (10 tokens a shard) two shards at a time: 20 items from two shards
-    assert all(len(set(shard_of[i:i + 20])) == 2 for i in range(0, 40, 20))
+    assert all(len(set(shard_of[i : i + 20])) == 2 for i in range(0, 40, 20))
     with pytest.raises(IndexError, match="index 50 is out of range for 50 tokens"):
         data[50]
 
@@ -226,8 +283,11 @@ def test_a_watch_of_some_layers_keeps_nothing_at_the_others():
     assert w.mixer(2).states.shape[:2] == (1, 6)
     with pytest.raises(rh.Unavailable, match="kept no states"):
         w.mixer(0).states
-    with pytest.raises(rh.Unavailable, match=r"layers=\[1\], but layers \[1\] have no recurrent mixer; recurrent"
-                       r" layers: \[0, 2\]"):
+    with pytest.raises(
+        rh.Unavailable,
+        match=r"layers=\[1\], but layers \[1\] have no recurrent mixer; recurrent"
+        r" layers: \[0, 2\]",
+    ):
         with rh.watch(model, keep=("states",), layers=[1]):
             pass
     with pytest.raises(rh.InvalidValue, match=r"expected layers= decoder layer indices"):

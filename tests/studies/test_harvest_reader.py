@@ -23,8 +23,11 @@ def harvest(tmp_path_factory):
     out = tmp_path_factory.mktemp("harvest")
     mask = torch.ones(2, 5, dtype=torch.long)
     mask[1, 3:] = 0  # (a row padded on the right: its pads are not items)
-    batches = [{"input_ids": random_ids(2, 5), "attention_mask": mask}, random_ids(2, 4, seed=1),
-               random_ids(2, 6, seed=2)]
+    batches = [
+        {"input_ids": random_ids(2, 5), "attention_mask": mask},
+        random_ids(2, 4, seed=1),
+        random_ids(2, 6, seed=2),
+    ]
     rh.harvest(build("qwen3_5"), batches, out, keep=("states", "key"), progress=False)
     return out
 
@@ -66,18 +69,24 @@ COLLATES = {"default": None, "keep": _keep}
 
 def _matrix():
     cases = []
-    for workers, context, persistent in [(0, None, False), (2, "fork", False), (2, "spawn", False),
-                                         (2, "fork", True)]:
+    for workers, context, persistent in [(0, None, False), (2, "fork", False), (2, "spawn", False), (2, "fork", True)]:
         for batch_size in (None, 1, 7):
             for collate in COLLATES:
                 # spawn: one case by default (each worker imports torch), the others with --full
                 default = context != "spawn" or (batch_size, collate) == (None, "keep")
                 if persistent and (batch_size, collate) != (7, "keep"):
                     continue
-                case = pytest.param(batch_size, collate, workers, context, persistent,
-                                    id=f"batch={batch_size}-collate={collate}-workers={workers}"
-                                       + (f"-{context}" if context else "") + ("-persistent" if persistent else ""),
-                                    marks=() if default else pytest.mark.full)
+                case = pytest.param(
+                    batch_size,
+                    collate,
+                    workers,
+                    context,
+                    persistent,
+                    id=f"batch={batch_size}-collate={collate}-workers={workers}"
+                    + (f"-{context}" if context else "")
+                    + ("-persistent" if persistent else ""),
+                    marks=() if default else pytest.mark.full,
+                )
                 cases.append(case)
     return cases
 
@@ -86,9 +95,16 @@ def _matrix():
 def test_a_dataloader_yields_exactly_the_items(harvest, batch_size, collate, workers, context, persistent):
     data = rh.HarvestDataset(harvest, layer=0)
     sampler = data.sampler(seed=3, shards_at_once=2)
-    loader = DataLoader(data, batch_size=batch_size, sampler=sampler, collate_fn=COLLATES[collate],
-                        num_workers=workers, multiprocessing_context=context, persistent_workers=persistent,
-                        timeout=TIMEOUT[context] if workers else 0)
+    loader = DataLoader(
+        data,
+        batch_size=batch_size,
+        sampler=sampler,
+        collate_fn=COLLATES[collate],
+        num_workers=workers,
+        multiprocessing_context=context,
+        persistent_workers=persistent,
+        timeout=TIMEOUT[context] if workers else 0,
+    )
     for epoch in range(2 if persistent else 1):
         sampler.set_epoch(epoch)
         want = _expected(data, torch.tensor(list(sampler)))
@@ -100,12 +116,21 @@ def test_a_dataloader_of_batches_of_indices_reads_whole_batches(harvest, workers
     """`sampler=BatchSampler(...)`, `batch_size=None`: each batch is `data[indices]`, one read of whole batches."""
     data = rh.HarvestDataset(harvest, layer=2, what="key")
     batches = BatchSampler(data.sampler(seed=1), batch_size=8, drop_last=False)
-    loader = DataLoader(data, sampler=batches, batch_size=None, num_workers=workers,
-                        multiprocessing_context="fork" if workers else None, timeout=TIMEOUT["fork"] if workers else 0)
+    loader = DataLoader(
+        data,
+        sampler=batches,
+        batch_size=None,
+        num_workers=workers,
+        multiprocessing_context="fork" if workers else None,
+        timeout=TIMEOUT["fork"] if workers else 0,
+    )
     got = list(loader)
     assert [len(batch["doc"]) for batch in got] == [8, 8, 8, 4]
-    _assert_same([row for batch in got for row in _rows(batch)],
-                 _expected(data, torch.tensor([i for batch in batches for i in batch])), "BatchSampler")
+    _assert_same(
+        [row for batch in got for row in _rows(batch)],
+        _expected(data, torch.tensor([i for batch in batches for i in batch])),
+        "BatchSampler",
+    )
 
 
 def test_a_read_is_the_readers_own(harvest):
@@ -125,10 +150,13 @@ def test_a_read_is_the_readers_own(harvest):
     for name, read in reads.items():
         read().fill_(-7)
         assert torch.equal(data.take(range(len(data))), first), f"{name}, changed in place, changed the values"
-        assert torch.equal(data.docs, docs) and torch.equal(data.positions, positions), \
+        assert torch.equal(data.docs, docs) and torch.equal(data.positions, positions), (
             f"{name}, changed in place, changed the docs or positions"
-    assert torch.equal(data[3]["value"], first[3]) and (data[20]["doc"], data[20]["position"]) == \
-        (int(docs[20]), int(positions[20]))
+        )
+    assert torch.equal(data[3]["value"], first[3]) and (data[20]["doc"], data[20]["position"]) == (
+        int(docs[20]),
+        int(positions[20]),
+    )
     items = data.__getitems__([5, 6])
     items[0]["value"].mul_(0)
     assert torch.equal(items[1]["value"], first[6]), "an item's change reached its neighbour in the batch"
@@ -141,8 +169,9 @@ def test_a_batch_read_is_the_items_read_one_by_one(harvest, parts):
         one_by_one = [data[i] for i in indices]
         items = data.__getitems__(indices)
         batch, values = data[indices], data.take(indices)
-        assert [(item["doc"], item["position"]) for item in items] == \
-            [(item["doc"], item["position"]) for item in one_by_one]
+        assert [(item["doc"], item["position"]) for item in items] == [
+            (item["doc"], item["position"]) for item in one_by_one
+        ]
         assert batch["doc"].tolist() == [item["doc"] for item in items]
         assert batch["position"].tolist() == [item["position"] for item in items]
         if isinstance(values, dict):  # the mLSTM's parts
@@ -164,8 +193,11 @@ def test_a_batch_read_is_the_items_read_one_by_one(harvest, parts):
         data.__getitems__([3, -29])
     with pytest.raises(IndexError, match=r"HarvestDataset.take: indices from 0 to 28 are out of range for 28"):
         data.take([0, 28])
-    with pytest.raises(rh.InvalidValue, match=r"HarvestDataset.take: expected integer indices, got a tensor of"
-                       r" torch.float32"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"HarvestDataset.take: expected integer indices, got a tensor of"
+        r" torch.float32",
+    ):
         data.take([1.0, 2.0])
 
 
@@ -191,14 +223,16 @@ def test_the_dataset_pickles_without_its_mappings(harvest):
     assert torch.equal(copy.take([4, 1]), data.take([4, 1]))
 
 
-
 def test_the_sampler_takes_integers_and_any_seed_torch_takes(harvest):
     data = rh.HarvestDataset(harvest, layer=0)
-    for bad, name in ((True, "shards_at_once= an integer >= 1, got True"), (0, "shards_at_once= an integer >= 1"),
-                      (2.0, "shards_at_once= an integer >= 1, got 2.0")):
+    for bad, name in (
+        (True, "shards_at_once= an integer >= 1, got True"),
+        (0, "shards_at_once= an integer >= 1"),
+        (2.0, "shards_at_once= an integer >= 1, got 2.0"),
+    ):
         with pytest.raises(rh.InvalidValue, match=rf"HarvestDataset.sampler: expected {name}"):
             data.sampler(seed=0, shards_at_once=bad)
     with pytest.raises(rh.InvalidValue, match=r"expected seed= an integer, got 1.5"):
         data.sampler(seed=1.5)
-    for seed in (2**63, -2**62, 2**70):  # (a random 64-bit seed: torch's range, its product past it wraps)
+    for seed in (2**63, -(2**62), 2**70):  # (a random 64-bit seed: torch's range, its product past it wraps)
         assert sorted(data.sampler(seed=seed)) == list(range(len(data)))

@@ -17,8 +17,9 @@ def test_logit_difference_every_row_and_per_row():
     assert_close("logit difference", got, logits[:, -1, 4] - logits[:, -1, 7], rtol=0, atol=0)
     answer, wrong, position = torch.tensor([1, 2, 3]), [5, 6, 0], torch.tensor([0, 2, -1])
     got = rh.metrics.logit_difference(answer, wrong, position)(logits)
-    expected = torch.stack([logits[i, int(position[i]), int(answer[i])] - logits[i, int(position[i]), wrong[i]]
-                            for i in range(3)])
+    expected = torch.stack(
+        [logits[i, int(position[i]), int(answer[i])] - logits[i, int(position[i]), wrong[i]] for i in range(3)]
+    )
     assert_close("per-row logit difference", got, expected, rtol=0, atol=0)
 
 
@@ -46,6 +47,7 @@ def test_bad_arguments_name_what_was_expected():
 
 def test_a_metric_drives_the_studies():
     from _models import build, random_ids
+
     model = build("qwen3_5").requires_grad_(False)
     clean, corrupt = random_ids(1, 6, seed=1), random_ids(1, 6, seed=2)
     metric = rh.metrics.logit_difference(answer=3, wrong=4)

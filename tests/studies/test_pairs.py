@@ -24,10 +24,14 @@ def test_attribute_over_pairs_equals_one_call_per_pair(family):
         assert one.state.dim() == 2 and one.clean.dim() == 0  # one pair as [seq]: no pairs axis
         scale = one.memory.abs().max()
         for name in ("state", "window"):
-            assert_close(f"pair {n} {name}", getattr(many, name)[n], getattr(one, name), rtol=1e-4,
-                         atol=1e-6 * scale)
-        assert_close(f"pair {n} baselines", torch.stack([many.clean[n], many.corrupt[n]]),
-                     torch.stack([one.clean, one.corrupt]), rtol=1e-6, atol=1e-7)
+            assert_close(f"pair {n} {name}", getattr(many, name)[n], getattr(one, name), rtol=1e-4, atol=1e-6 * scale)
+        assert_close(
+            f"pair {n} baselines",
+            torch.stack([many.clean[n], many.corrupt[n]]),
+            torch.stack([one.clean, one.corrupt]),
+            rtol=1e-6,
+            atol=1e-7,
+        )
     assert_close("normalized", many.normalized()[1], many.memory[1] / (many.clean[1] - many.corrupt[1]), rtol=0, atol=0)
 
 
@@ -50,20 +54,37 @@ def test_patching_sweep_over_pairs_equals_one_sweep_per_pair(family):
     model = build(family).requires_grad_(False)
     clean, corrupt = random_ids(2, 8, seed=3), random_ids(2, 8, seed=4)
     answers = torch.tensor([3, 6])
-    many = rh.patching_sweep(model, clean, corrupt, rh.metrics.logit_difference(answers, wrong=4), positions=[1, 5],
-                             progress=False)
+    many = rh.patching_sweep(
+        model, clean, corrupt, rh.metrics.logit_difference(answers, wrong=4), positions=[1, 5], progress=False
+    )
     assert many.values.shape[0] == many.clean.shape[0] == 2
     for n in range(2):
-        one = rh.patching_sweep(model, clean[n], corrupt[n], rh.metrics.logit_difference(int(answers[n]), wrong=4),
-                                positions=[1, 5], progress=False)
+        one = rh.patching_sweep(
+            model,
+            clean[n],
+            corrupt[n],
+            rh.metrics.logit_difference(int(answers[n]), wrong=4),
+            positions=[1, 5],
+            progress=False,
+        )
         assert one.values.dim() == 2 and one.clean.dim() == 0
         # the pairs share batches (rows of both pairs, both clean prompts in one forward): CPU products round by
         # batch size, so within float32 rounding
         assert_close(f"pair {n}", many.values[n], one.values, rtol=1e-5, atol=1e-6)
-        assert_close(f"pair {n} baselines", torch.stack([many.clean[n], many.corrupt[n]]),
-                     torch.stack([one.clean, one.corrupt]), rtol=1e-5, atol=1e-6)
-    assert_close("normalized per pair", many.normalized()[1],
-                 (many.values[1] - many.corrupt[1]) / (many.clean[1] - many.corrupt[1]), rtol=0, atol=0)
+        assert_close(
+            f"pair {n} baselines",
+            torch.stack([many.clean[n], many.corrupt[n]]),
+            torch.stack([one.clean, one.corrupt]),
+            rtol=1e-5,
+            atol=1e-6,
+        )
+    assert_close(
+        "normalized per pair",
+        many.normalized()[1],
+        (many.values[1] - many.corrupt[1]) / (many.clean[1] - many.corrupt[1]),
+        rtol=0,
+        atol=0,
+    )
 
 
 @pytest.mark.parametrize("family, method", [("qwen3_5", "pieces"), ("mamba2", "pieces"), ("recurrent_gemma", "states")])
@@ -84,32 +105,55 @@ def test_pairs_split_by_the_memory_budget_give_the_batch_result(family, method):
         for metric, expected in ((per_pair, whole), (plain, whole_plain)):
             batches = []
             handle = model.register_forward_pre_hook(
-                lambda module, args, kwargs: batches.append(kwargs["attention_mask"].shape[0]), with_kwargs=True)
+                lambda module, args, kwargs: batches.append(kwargs["attention_mask"].shape[0]), with_kwargs=True
+            )
             try:
-                split = rh.attribute(model, clean, corrupt, metric, method=method, forward_kwargs=kwargs,
-                                     budget_bytes=budget)
+                split = rh.attribute(
+                    model, clean, corrupt, metric, method=method, forward_kwargs=kwargs, budget_bytes=budget
+                )
             finally:
                 handle.remove()
             assert batches[0] == 1 and max(batches[1:]) == group, batches  # the probe's row, then the groups
             scale = expected.memory.abs().max()
             for name in ("state", "window"):
-                assert_close(f"{name}, budget {budget}", getattr(expected, name), getattr(split, name), rtol=1e-4,
-                             atol=1e-6 * scale)
-            assert_close(f"baselines, budget {budget}", torch.stack([expected.clean, expected.corrupt]),
-                         torch.stack([split.clean, split.corrupt]), rtol=1e-6, atol=1e-7)
+                assert_close(
+                    f"{name}, budget {budget}",
+                    getattr(expected, name),
+                    getattr(split, name),
+                    rtol=1e-4,
+                    atol=1e-6 * scale,
+                )
+            assert_close(
+                f"baselines, budget {budget}",
+                torch.stack([expected.clean, expected.corrupt]),
+                torch.stack([split.clean, split.corrupt]),
+                rtol=1e-6,
+                atol=1e-7,
+            )
 
 
 def _one_row_bytes(model) -> int:
     """The float32 bytes of one row's memory in the largest recurrent layer (what attribute's budget counts)."""
     with torch.no_grad(), rh.watch(model, keep={"states": [0], "windows": [0]}) as w:
         model(random_ids(1, 1))
-    return max(4 * sum(part.numel() for value in m.memory_after(0) if value is not None
-                       for part in (value if isinstance(value, tuple) else (value,))) for m in w.mixers)
+    return max(
+        4
+        * sum(
+            part.numel()
+            for value in m.memory_after(0)
+            if value is not None
+            for part in (value if isinstance(value, tuple) else (value,))
+        )
+        for m in w.mixers
+    )
 
 
 def test_a_bad_budget_is_refused():
     model = build("qwen3_5").requires_grad_(False)
     ids = random_ids(2, TOKENS)
-    with pytest.raises(rh.InvalidValue, match=r"attribute: expected budget_bytes as an int >= 0 \(or None: 268435456\),"
-                       r" got budget_bytes=-1"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"attribute: expected budget_bytes as an int >= 0 \(or None: 268435456\),"
+        r" got budget_bytes=-1",
+    ):
         rh.attribute(model, ids, ids, rh.metrics.log_prob(3), budget_bytes=-1)

@@ -33,8 +33,11 @@ def test_the_sweep_heatmap_renders_with_and_without_token_labels(tmp_path):
     assert [t.get_text() for t in figure.axes[0].get_yticklabels()] == ["0", "2"]  # the recurrent layers
     rendered(figure, tmp_path / "normalized.png")
     rendered(plots.sweep_heatmap(sweep.values, title="a tensor"), tmp_path / "tensor.png")
-    with pytest.raises(rh.InvalidValue, match=r"plots.sweep_heatmap: expected one token string per position \(8\)"
-                                              r" or per prompt token, got 3"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"plots.sweep_heatmap: expected one token string per position \(8\)"
+        r" or per prompt token, got 3",
+    ):
         plots.sweep_heatmap(sweep, tokens=["a", "b", "c"])
     with pytest.raises(rh.InvalidValue, match=r"expected an rh.Sweep or a 2-D tensor, got list"):
         plots.sweep_heatmap([[1.0]])

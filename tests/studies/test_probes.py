@@ -45,8 +45,13 @@ def test_a_probe_equals_the_einsum_over_the_token_loops_states(family):
             got = mixer.states
             assert got.shape == expected.shape and got.dtype == torch.float32
             scale = expected.abs().max()
-            assert_close(f"{mixer} probe ({'loop' if paths else 'default path'})", expected, got.double(),
-                         rtol=1e-5, atol=1e-6 * scale)
+            assert_close(
+                f"{mixer} probe ({'loop' if paths else 'default path'})",
+                expected,
+                got.double(),
+                rtol=1e-5,
+                atol=1e-6 * scale,
+            )
 
 
 def test_one_probe_per_layer_and_layers_without_one_keep_their_states():
@@ -56,28 +61,38 @@ def test_one_probe_per_layer_and_layers_without_one_keep_their_states():
     a, b = _factors(states[first], rank=2, seed=0)
     with torch.no_grad(), rh.watch(model, keep=("states",), reduce={"states": {first: rh.probe(a, b)}}) as w:
         model(ids)
-    assert_close("the probed layer", _reference(states[first], a, b), w.mixer(first).states.double(), rtol=1e-5,
-                 atol=1e-7)
+    assert_close(
+        "the probed layer", _reference(states[first], a, b), w.mixer(first).states.double(), rtol=1e-5, atol=1e-7
+    )
     for layer in others:
         assert w.mixer(layer).states.shape == states[layer].shape
         assert_close(f"layer {layer} kept its states", states[layer], w.mixer(layer).states, rtol=1e-5, atol=1e-8)
 
 
 def test_bad_factors_and_states_are_refused():
-    with pytest.raises(rh.InvalidValue, match=r"rh.probe: expected a as a float tensor \[heads, r, rows\], got a"
-                       r" torch.int64 tensor of shape \(2, 3\)"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"rh.probe: expected a as a float tensor \[heads, r, rows\], got a"
+        r" torch.int64 tensor of shape \(2, 3\)",
+    ):
         rh.probe(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, 4))
     with pytest.raises(rh.InvalidValue, match=r"with the same heads and rank, got a \(4, 2, 8\) and b \(4, 3, 8\)"):
         rh.probe(torch.ones(4, 2, 8), torch.ones(4, 3, 8))
     model, ids = build("qwen3_5"), random_ids(1, T)
     wrong = rh.probe(torch.ones(4, 2, 5), torch.ones(4, 2, 8))
-    with pytest.raises(rh.InvalidValue, match=r"rh.probe\(a \[4, 2, 5\], b \[4, 2, 8\]\): expected states \[batch,"
-                       r" chunk, 4, 5, 8\] \(heads, rows, cols of the factors\), got \(1, 9, 4, 8, 8\)") as error:
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"rh.probe\(a \[4, 2, 5\], b \[4, 2, 8\]\): expected states \[batch,"
+        r" chunk, 4, 5, 8\] \(heads, rows, cols of the factors\), got \(1, 9, 4, 8, 8\)",
+    ) as error:
         with torch.no_grad(), rh.watch(model, keep=("states",), reduce={"states": wrong}):
             model(ids)
     assert any("the reduction" in note for note in getattr(error.value, "__notes__", [])), error.value
-    with pytest.raises(rh.InvalidValue, match=r"reduce\['states'\] as a mapping must map layers \(ints\) to"
-                       r" functions"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"reduce\['states'\] as a mapping must map layers \(ints\) to"
+        r" functions",
+    ):
         rh.watch(model, keep=("states",), reduce={"states": {"0": wrong}})
 
 
@@ -89,20 +104,45 @@ def _wide(family):
 
     torch.manual_seed(0)
     if family == "qwen3_5":
-        model = _models._lengthen_memory(_models._make(
-            transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, **_models._COMMON, **_models._ATTENTION,
-            **{**_models._GDN, "linear_value_head_dim": 24}, intermediate_size=64,
-            layer_types=list(_models._HYBRID_LAYERS)))
+        model = _models._lengthen_memory(
+            _models._make(
+                transformers.Qwen3_5TextConfig,
+                transformers.Qwen3_5ForCausalLM,
+                **_models._COMMON,
+                **_models._ATTENTION,
+                **{**_models._GDN, "linear_value_head_dim": 24},
+                intermediate_size=64,
+                layer_types=list(_models._HYBRID_LAYERS),
+            )
+        )
     elif family == "mamba2":
-        model = _models._make(transformers.Mamba2Config, transformers.Mamba2ForCausalLM, **_models._TWO_LAYERS,
-                              num_heads=4, head_dim=16, expand=2, state_size=24, n_groups=2, conv_kernel=4,
-                              chunk_size=8)
+        model = _models._make(
+            transformers.Mamba2Config,
+            transformers.Mamba2ForCausalLM,
+            **_models._TWO_LAYERS,
+            num_heads=4,
+            head_dim=16,
+            expand=2,
+            state_size=24,
+            n_groups=2,
+            conv_kernel=4,
+            chunk_size=8,
+        )
     else:
         model = _models._make(
-            transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM, **_models._COMMON, **_models._MLA,
-            **_models._KDA_MOE, **{**_models._KDA, "linear_head_dim": 24}, intermediate_size=64,
-            layer_types=list(_models._HYBRID_LAYERS), mlp_layer_types=["dense", "sparse"] * 2, q_lora_rank=None,
-            qk_rope_head_dim=8, num_local_experts=4)
+            transformers.KimiLinearConfig,
+            transformers.KimiLinearForCausalLM,
+            **_models._COMMON,
+            **_models._MLA,
+            **_models._KDA_MOE,
+            **{**_models._KDA, "linear_head_dim": 24},
+            intermediate_size=64,
+            layer_types=list(_models._HYBRID_LAYERS),
+            mlp_layer_types=["dense", "sparse"] * 2,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            num_local_experts=4,
+        )
     return model.float().eval()
 
 
@@ -115,8 +155,11 @@ def test_the_chunk_wise_kernels_form_a_probes_readouts_without_the_states(family
     loop = _states(model, ids, paths=rh.Paths(rule="loop"))
     low = {layer: rh.probe(*_factors(state, rank=2, seed=layer)) for layer, state in loop.items()}
     called = []
-    monkeypatch.setattr(rh.studies.probes.Probe, "__call__", lambda self, states: called.append(self) or
-                        _reference(states, self.a, self.b).float())
+    monkeypatch.setattr(
+        rh.studies.probes.Probe,
+        "__call__",
+        lambda self, states: called.append(self) or _reference(states, self.a, self.b).float(),
+    )
     with torch.no_grad(), rh.watch(model, keep=("states",), reduce={"states": low}) as w:
         model(ids)
     assert not called

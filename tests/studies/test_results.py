@@ -30,7 +30,13 @@ def test_results_save_and_load_with_weights_only(tmp_path):
         path = tmp_path / f"{kind.__name__}.pt"
         torch.save(value.to_dict(), path)
         _same(value, kind.from_dict(torch.load(path, weights_only=True)))
-    assert_close("attribution normalized", result.normalized(), result.memory / (result.clean - result.corrupt),
-                 rtol=0, atol=0)
-    assert_close("sweep normalized", sweep.normalized(), (sweep.values - sweep.corrupt) / (sweep.clean - sweep.corrupt),
-                 rtol=0, atol=0)
+    assert_close(
+        "attribution normalized", result.normalized(), result.memory / (result.clean - result.corrupt), rtol=0, atol=0
+    )
+    assert_close(
+        "sweep normalized",
+        sweep.normalized(),
+        (sweep.values - sweep.corrupt) / (sweep.clean - sweep.corrupt),
+        rtol=0,
+        atol=0,
+    )

@@ -31,7 +31,7 @@ def _cases(task):
         def metric(logits, right=right, wrong=wrong):
             return logits[:, query, right] - logits[:, query, wrong]
 
-        yield clean.ids[b:b + 1, :query + 1], corrupt.ids[b:b + 1, :query + 1], metric, value, query
+        yield clean.ids[b : b + 1, : query + 1], corrupt.ids[b : b + 1, : query + 1], metric, value, query
 
 
 def test_the_sweep_finds_the_binding_at_the_changed_value(toy):

@@ -39,13 +39,27 @@ MEMORY = {"memory": None, "state": "state", "window": "window"}  # ... and the `
 def kimi_linear_dense():
     """tests/helpers/_models.py's kimi_linear, with dense MLPs in every layer (no rows coupled by expert routing)."""
     torch.manual_seed(0)
-    return _make(transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM, **_COMMON, **_MLA, **_KDA,
-                 intermediate_size=64, layer_types=list(_HYBRID_LAYERS), mlp_layer_types=["dense"] * 4,
-                 q_lora_rank=None, qk_rope_head_dim=8).eval()
+    return _make(
+        transformers.KimiLinearConfig,
+        transformers.KimiLinearForCausalLM,
+        **_COMMON,
+        **_MLA,
+        **_KDA,
+        intermediate_size=64,
+        layer_types=list(_HYBRID_LAYERS),
+        mlp_layer_types=["dense"] * 4,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+    ).eval()
 
 
-FAMILIES = {"qwen3_5": lambda: build("qwen3_5"), "kimi_linear": kimi_linear_dense, "mamba": lambda: build("mamba"),
-            "zamba": lambda: build("zamba"), "mamba2": lambda: build("mamba2")}
+FAMILIES = {
+    "qwen3_5": lambda: build("qwen3_5"),
+    "kimi_linear": kimi_linear_dense,
+    "mamba": lambda: build("mamba"),
+    "zamba": lambda: build("zamba"),
+    "mamba2": lambda: build("mamba2"),
+}
 
 
 def metric(logits):
@@ -70,8 +84,11 @@ def loop_reference(model, clean, corrupt, what, batch_size=None, paths=None):
     cells = [(i, p) for i in range(len(mixers)) for p in range(T)]
     out = torch.empty(len(mixers), T)
     for c, (i, p) in enumerate(cells):
-        rows, row = (1, 0) if batch_size is None else (min(batch_size, len(cells) - c // batch_size * batch_size),
-                                                       c % batch_size)
+        rows, row = (
+            (1, 0)
+            if batch_size is None
+            else (min(batch_size, len(cells) - c // batch_size * batch_size), c % batch_size)
+        )
         state, window = (x.expand(rows, *x.shape[1:]).contiguous() for x in mixers[i].memory_after(p))
         with rh.watch(model, paths=paths) as w, torch.no_grad():
             mixer = w.mixer(mixers[i].layer)
@@ -93,8 +110,17 @@ def test_the_batched_sweep_equals_the_loop_of_public_writes_bit_for_bit(family):
     try:
         for what in WHAT:
             expected, layers = loop_reference(model, clean, corrupt, what, batch_size=BATCH, paths=LOOP)
-            sweep = rh.patching_sweep(model, clean[0], corrupt[0], metric, memory=MEMORY[what], batch_size=BATCH,
-                                      progress=False, paths=LOOP, reuse_prefix=False)
+            sweep = rh.patching_sweep(
+                model,
+                clean[0],
+                corrupt[0],
+                metric,
+                memory=MEMORY[what],
+                batch_size=BATCH,
+                progress=False,
+                paths=LOOP,
+                reuse_prefix=False,
+            )
             assert sweep.layers == tuple(layers) and sweep.positions == tuple(range(T)) and sweep.memory == what
             assert_equal(f"{family}, what={what}: batched sweep vs one forward per cell", expected, sweep.values)
             assert (sweep.values - sweep.corrupt).abs().max() > 1e-4, f"{family}, what={what}: patching changed nothing"
@@ -108,15 +134,26 @@ def test_the_batched_sweep_matches_one_prompt_per_forward_with_the_default_kerne
     clean, corrupt = prompts()
     for what in WHAT:
         expected, _ = loop_reference(model, clean, corrupt, what)
-        sweep = rh.patching_sweep(model, clean[0], corrupt[0], metric, memory=MEMORY[what], batch_size=BATCH,
-                                  progress=False)
-        assert_close(f"{family}, what={what}: batched sweep vs one prompt per forward", expected, sweep.values,
-                     rtol=1e-5, atol=1e-6)
+        sweep = rh.patching_sweep(
+            model, clean[0], corrupt[0], metric, memory=MEMORY[what], batch_size=BATCH, progress=False
+        )
+        assert_close(
+            f"{family}, what={what}: batched sweep vs one prompt per forward",
+            expected,
+            sweep.values,
+            rtol=1e-5,
+            atol=1e-6,
+        )
         with torch.no_grad():
             assert_equal("the corrupt baseline", metric(model(corrupt, use_cache=False).logits)[0], sweep.corrupt)
         # the last position: nothing comes after it, so the patched runs are the corrupt run
-        assert_close("a patch after the last token", sweep.corrupt.expand(len(sweep.layers)), sweep.values[:, -1],
-                     rtol=1e-6, atol=1e-6)
+        assert_close(
+            "a patch after the last token",
+            sweep.corrupt.expand(len(sweep.layers)),
+            sweep.values[:, -1],
+            rtol=1e-6,
+            atol=1e-6,
+        )
 
 
 def test_a_hybrid_sweeps_its_recurrent_layers_only_and_subsets_keep_their_order():
@@ -126,8 +163,9 @@ def test_a_hybrid_sweeps_its_recurrent_layers_only_and_subsets_keep_their_order(
     assert full.layers == (0, 2) and full.values.shape == (2, T)
     with torch.no_grad():
         assert_equal("the clean baseline", metric(model(clean, use_cache=False).logits)[0], full.clean)
-    part = rh.patching_sweep(model, clean[0], corrupt[0], metric, layers=[2], positions=[6, -1, 3], batch_size=2,
-                             progress=False)
+    part = rh.patching_sweep(
+        model, clean[0], corrupt[0], metric, layers=[2], positions=[6, -1, 3], batch_size=2, progress=False
+    )
     assert part.layers == (2,) and part.positions == (6, T - 1, 3)
     assert_close("a subset of cells", full.values[1:, [6, T - 1, 3]], part.values, rtol=1e-5, atol=1e-6)
     assert_close("normalized", (part.values - part.corrupt) / (part.clean - part.corrupt), part.normalized())
@@ -145,39 +183,72 @@ def test_bad_arguments_raise_invalid_value_naming_what_was_expected_and_what_cam
     clean, corrupt = prompts()
 
     def sweep(**kw):
-        return rh.patching_sweep(model, kw.pop("clean", clean[0]), kw.pop("corrupt", corrupt[0]),
-                                 kw.pop("metric", metric), progress=False, **kw)
+        return rh.patching_sweep(
+            model,
+            kw.pop("clean", clean[0]),
+            kw.pop("corrupt", corrupt[0]),
+            kw.pop("metric", metric),
+            progress=False,
+            **kw,
+        )
 
     cases = [
-        (dict(layers=[1]), r"patching_sweep: expected layers among the recurrent layers \[0, 2\] \(attention layers"
-                           r" cannot be patched\), got layer 1"),
+        (
+            dict(layers=[1]),
+            r"patching_sweep: expected layers among the recurrent layers \[0, 2\] \(attention layers"
+            r" cannot be patched\), got layer 1",
+        ),
         (dict(layers=[0, 0]), r"expected each layer once, got layer 0 twice"),
         (dict(layers=1.0), r"expected layer as an int, got float 1.0"),
-        (dict(positions=[T]), rf"expected positions in 0..{T - 1} \(or -{T}..-1\) of the {T}-token prompt,"
-                              rf" got position {T}"),
+        (
+            dict(positions=[T]),
+            rf"expected positions in 0..{T - 1} \(or -{T}..-1\) of the {T}-token prompt,"
+            rf" got position {T}",
+        ),
         (dict(positions=[3, -7]), r"expected each position once, got position 3 twice"),
         (dict(positions=[]), r"expected positions as an int or a non-empty list of ints, got \[\]"),
-        (dict(memory="states"), r"expected memory= None \(the whole memory\), 'state' or 'window',"
-                                r" got memory='states'"),
-        (dict(memory="memory"), r"expected memory= None \(the whole memory\), 'state' or 'window',"
-                                r" got memory='memory'"),
+        (
+            dict(memory="states"),
+            r"expected memory= None \(the whole memory\), 'state' or 'window',"
+            r" got memory='states'",
+        ),
+        (
+            dict(memory="memory"),
+            r"expected memory= None \(the whole memory\), 'state' or 'window',"
+            r" got memory='memory'",
+        ),
         (dict(memory="state", what="state"), r"`what` is the former name of `memory`"),
         (dict(batch_size=0), r"expected batch_size >= 1 \(or None: chosen from the shapes\), got batch_size=0"),
         (dict(budget_bytes=-1), r"expected budget_bytes >= 0 \(or None: 268435456\), got budget_bytes=-1"),
         (dict(budget_bytes=1.5), r"expected budget_bytes as an int, got float 1.5"),
-        (dict(metric=lambda logits: logits[:, -1]), r"expected metric\(logits\) to return one value per row,"
-                                                     r" a tensor of shape \(1,\) \(or a 0-d tensor, the value of one"
-                                                     r" row\) for logits of shape \(1, 10, 128\), got a tensor of"
-                                                     r" shape \(1, 128\)"),
+        (
+            dict(metric=lambda logits: logits[:, -1]),
+            r"expected metric\(logits\) to return one value per row,"
+            r" a tensor of shape \(1,\) \(or a 0-d tensor, the value of one"
+            r" row\) for logits of shape \(1, 10, 128\), got a tensor of"
+            r" shape \(1, 128\)",
+        ),
         (dict(metric="logit"), r"expected metric as a callable"),
-        (dict(corrupt=corrupt[0, :-1]), r"expected clean_ids and corrupt_ids of the same length \(positions are"
-                                        r" shared\), got shapes \(1, 10\) and \(1, 9\)"),
-        (dict(clean=clean.float()[0]), r"expected clean_ids as an integer tensor of token ids, \[seq\] \(one pair\)"
-                                       r" or \[pairs, seq\], got a torch.float32 tensor"),
-        (dict(clean=clean[None]), r"expected clean_ids of shape \[seq\] \(one pair\) or \[pairs, seq\] \(the sweep"
-                                  r" makes the batch\), got shape \(1, 1, 10\)"),
-        (dict(clean=clean.expand(2, T), corrupt=corrupt), r"expected clean_ids and corrupt_ids of one shape"
-                                                          r" \[pairs, seq\], got shapes \(2, 10\) and \(1, 10\)"),
+        (
+            dict(corrupt=corrupt[0, :-1]),
+            r"expected clean_ids and corrupt_ids of the same length \(positions are"
+            r" shared\), got shapes \(1, 10\) and \(1, 9\)",
+        ),
+        (
+            dict(clean=clean.float()[0]),
+            r"expected clean_ids as an integer tensor of token ids, \[seq\] \(one pair\)"
+            r" or \[pairs, seq\], got a torch.float32 tensor",
+        ),
+        (
+            dict(clean=clean[None]),
+            r"expected clean_ids of shape \[seq\] \(one pair\) or \[pairs, seq\] \(the sweep"
+            r" makes the batch\), got shape \(1, 1, 10\)",
+        ),
+        (
+            dict(clean=clean.expand(2, T), corrupt=corrupt),
+            r"expected clean_ids and corrupt_ids of one shape"
+            r" \[pairs, seq\], got shapes \(2, 10\) and \(1, 10\)",
+        ),
         (dict(forward_kwargs=[("use_cache", False)]), r"expected forward_kwargs as a mapping"),
     ]
     for kwargs, message in cases:
@@ -224,7 +295,8 @@ class HeldMemories:
 
 @pytest.mark.parametrize("budget", [0, "3 batches"])
 def test_the_clean_memories_held_at_once_are_bounded_by_the_budget_whatever_the_number_of_positions(
-        monkeypatch, budget):
+    monkeypatch, budget
+):
     model = build("qwen3_5")  # 2 recurrent layers of the same size
     batch, peaks = 3, []
     for tokens in (10, 30):
@@ -232,11 +304,21 @@ def test_the_clean_memories_held_at_once_are_bounded_by_the_budget_whatever_the_
         per_cell = max(cell_bytes(model, clean).values())
         allowed = batch * per_cell if budget == 0 else 3 * batch * per_cell
         held = HeldMemories(monkeypatch)
-        sweep = rh.patching_sweep(model, clean[0], corrupt[0], metric, batch_size=batch, progress=False,
-                                  budget_bytes=0 if budget == 0 else allowed, reuse_prefix=False)
+        sweep = rh.patching_sweep(
+            model,
+            clean[0],
+            corrupt[0],
+            metric,
+            batch_size=batch,
+            progress=False,
+            budget_bytes=0 if budget == 0 else allowed,
+            reuse_prefix=False,
+        )
         assert sweep.values.shape == (2, tokens)
-        assert 0 < held.peak <= allowed, (f"T={tokens}, budget {budget}: {held.peak} bytes of clean memories held at"
-                                          f" once, allowed {allowed} ({per_cell} a cell)")
+        assert 0 < held.peak <= allowed, (
+            f"T={tokens}, budget {budget}: {held.peak} bytes of clean memories held at"
+            f" once, allowed {allowed} ({per_cell} a cell)"
+        )
         assert held.live == 0, f"T={tokens}: {held.live} bytes of clean memories outlive the sweep"
         peaks.append(held.peak)
     assert peaks[0] == peaks[1], f"budget {budget}: the memory held grows with the positions: {peaks}"
@@ -248,10 +330,29 @@ def test_a_sweep_in_rounds_equals_the_sweep_in_one_round_bit_for_bit():
     rh.route_kernels(model, "torch")
     try:
         for what in WHAT:
-            one = rh.patching_sweep(model, clean[0], corrupt[0], metric, memory=MEMORY[what], batch_size=BATCH,
-                                    progress=False, paths=LOOP, reuse_prefix=False)
-            rounds = rh.patching_sweep(model, clean[0], corrupt[0], metric, memory=MEMORY[what], batch_size=BATCH,
-                                       progress=False, paths=LOOP, budget_bytes=0, reuse_prefix=False)
+            one = rh.patching_sweep(
+                model,
+                clean[0],
+                corrupt[0],
+                metric,
+                memory=MEMORY[what],
+                batch_size=BATCH,
+                progress=False,
+                paths=LOOP,
+                reuse_prefix=False,
+            )
+            rounds = rh.patching_sweep(
+                model,
+                clean[0],
+                corrupt[0],
+                metric,
+                memory=MEMORY[what],
+                batch_size=BATCH,
+                progress=False,
+                paths=LOOP,
+                budget_bytes=0,
+                reuse_prefix=False,
+            )
             assert_equal(f"what={what}: one batch per clean forward vs all in one", one.values, rounds.values)
     finally:
         rh.route_kernels(model, "default")
@@ -275,4 +376,5 @@ def test_the_default_batch_is_the_budget_of_a_batch_over_the_bytes_of_a_cell(mon
         monkeypatch.setattr(sweep_module, "BATCH_BYTES", batch_bytes)
         rh.patching_sweep(model, clean[0], corrupt[0], counting, progress=False, reuse_prefix=False)
         assert rows[2:] == [expected] * (2 * T // expected) + [2 * T % expected] * bool(2 * T % expected), (
-            f"BATCH_BYTES={batch_bytes}, {per_cell} bytes a cell: forwards of {rows[2:]} rows")
+            f"BATCH_BYTES={batch_bytes}, {per_cell} bytes a cell: forwards of {rows[2:]} rows"
+        )

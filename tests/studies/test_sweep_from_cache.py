@@ -53,21 +53,34 @@ def test_a_family_sweeps_from_the_corrupt_cache_where_its_kind_continues_one(fam
     assert (expected.values - expected.corrupt).abs().max() > 1e-6, f"{family}: patching changed nothing"
     if continues(model):
         got = rh.patching_sweep(model, clean, corrupt, metric, progress=False, reuse_prefix=True)
-        assert_close(f"{family}: from the corrupt cache vs one forward per cell", expected.values, got.values,
-                     **TOLERANCE)
+        assert_close(
+            f"{family}: from the corrupt cache vs one forward per cell", expected.values, got.values, **TOLERANCE
+        )
         assert_equal(f"{family}: the baselines", expected.corrupt, got.corrupt)
     else:
-        with pytest.raises(rh.InvalidValue, match=r"reuse_prefix=True runs each cell from the corrupt run's cache,"
-                                                  r" which needs transformers to continue every layer's memory"
-                                                  r" from a cache; here: .*CONTINUES_CACHE"):
+        with pytest.raises(
+            rh.InvalidValue,
+            match=r"reuse_prefix=True runs each cell from the corrupt run's cache,"
+            r" which needs transformers to continue every layer's memory"
+            r" from a cache; here: .*CONTINUES_CACHE",
+        ):
             rh.patching_sweep(model, clean, corrupt, metric, progress=False, reuse_prefix=True)
         by_default = rh.patching_sweep(model, clean, corrupt, metric, progress=False)
         assert_equal(f"{family}: the default takes one forward per cell", expected.values, by_default.values)
 
 
-@pytest.mark.parametrize("family, what", [("qwen3_5", "state"), ("qwen3_5", "window"), ("kimi_linear", "state"),
-                                          ("mamba2", "state"), ("mamba2", "window"), ("zaya", "state"),
-                                          ("zaya", "window")])
+@pytest.mark.parametrize(
+    "family, what",
+    [
+        ("qwen3_5", "state"),
+        ("qwen3_5", "window"),
+        ("kimi_linear", "state"),
+        ("mamba2", "state"),
+        ("mamba2", "window"),
+        ("zaya", "state"),
+        ("zaya", "window"),
+    ],
+)
 def test_a_state_or_a_window_alone_is_patched_in_the_cache(family, what):
     model = build(family)
     clean, corrupt = prompts()
@@ -137,8 +150,9 @@ def test_a_sweep_from_the_cache_resumes_from_its_checkpoint(tmp_path):
     whole = rh.patching_sweep(model, clean, corrupt, METRIC, batch_size=4, progress=False)
     path = tmp_path / "sweep.pt"
     with pytest.raises(KeyboardInterrupt):  # the baselines, three batches, then stopped
-        rh.patching_sweep(model, clean, corrupt, Rows(METRIC, [], stop_at=2 + 3), batch_size=4, progress=False,
-                          checkpoint=path)
+        rh.patching_sweep(
+            model, clean, corrupt, Rows(METRIC, [], stop_at=2 + 3), batch_size=4, progress=False, checkpoint=path
+        )
     saved = torch.load(path, weights_only=True)
     assert 0 < int(saved["done"].sum()) < saved["done"].numel(), "some cells were saved, not all"
     resumed = Rows(METRIC, [])
@@ -170,11 +184,17 @@ def test_what_the_path_needs_is_said_when_it_is_asked_for(monkeypatch):
     model = build("qwen3_5")
     clean, corrupt = prompts()
     sweep = lambda **kw: rh.patching_sweep(model, clean, corrupt, metric, progress=False, **kw)  # noqa: E731
-    with pytest.raises(rh.InvalidValue, match=r"expected reuse_prefix=True or reuse_prefix=False or"
-                                              r" reuse_prefix=None, got reuse_prefix='yes'"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"expected reuse_prefix=True or reuse_prefix=False or"
+        r" reuse_prefix=None, got reuse_prefix='yes'",
+    ):
         sweep(reuse_prefix="yes")
-    with pytest.raises(rh.InvalidValue, match=r"here: heads=True patches a head's slice of a memory, which runs one"
-                                              r" forward per cell"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"here: heads=True patches a head's slice of a memory, which runs one"
+        r" forward per cell",
+    ):
         sweep(reuse_prefix=True, heads=True, positions=[3])
     with pytest.raises(rh.InvalidValue, match=r"here: forward_kwargs' logits_to_keep is Tensor, not an int"):
         sweep(reuse_prefix=True, forward_kwargs={"logits_to_keep": torch.tensor([0])})
@@ -183,8 +203,11 @@ def test_what_the_path_needs_is_said_when_it_is_asked_for(monkeypatch):
     real = adapter.cached_memory
     transposed = lambda cache, where, memory: real(cache, where, memory).transpose(-1, -2)  # noqa: E731
     monkeypatch.setattr(adapter, "cached_memory", transposed)
-    with pytest.raises(rh.InvalidValue, match=r"here: GatedDeltaNet\(qwen3_5, layer 0\): its state is not the cache's"
-                                              r" tensor at 0"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"here: GatedDeltaNet\(qwen3_5, layer 0\): its state is not the cache's"
+        r" tensor at 0",
+    ):
         sweep(reuse_prefix=True)
 
 
@@ -194,8 +217,11 @@ def test_a_layer_that_is_not_swept_must_continue_the_cache_too(monkeypatch):
     model = build("mamba2")
     clean, corrupt = prompts()
     monkeypatch.setattr(rh.Mamba2StateSpace, "CONTINUES_CACHE", False)
-    with pytest.raises(rh.InvalidValue, match=r"Mamba2StateSpace\(mamba2, layer 0\): transformers' prompt calls of"
-                                              r" Mamba2StateSpace do not continue a cached memory"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"Mamba2StateSpace\(mamba2, layer 0\): transformers' prompt calls of"
+        r" Mamba2StateSpace do not continue a cached memory",
+    ):
         rh.patching_sweep(model, clean, corrupt, metric, layers=[1], progress=False, reuse_prefix=True)
 
 
@@ -220,8 +246,19 @@ def test_ranks_take_whole_positions_and_run_the_pieces_of_their_own_only(monkeyp
     clean, corrupt = prompts()
     forwards = []
     handle = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
-    sweep = lambda: rh.patching_sweep(model, clean, corrupt, metric, positions=positions, batch_size=1,  # noqa: E731
-                                      progress=False, reuse_prefix=True)
+
+    def sweep():
+        return rh.patching_sweep(
+            model,
+            clean,
+            corrupt,
+            metric,
+            positions=positions,
+            batch_size=1,
+            progress=False,
+            reuse_prefix=True,
+        )
+
     try:
         alone = sweep()
         one_process, shares = len(forwards), []
@@ -235,13 +272,15 @@ def test_ranks_take_whole_positions_and_run_the_pieces_of_their_own_only(monkeyp
                 assert torch.equal(mine, mine.all(0).expand_as(mine)), f"rank {rank} took part of a position: {mine}"
             tails = mine[:, [p != T - 1 for p in got.positions]]  # a cell at the last position runs no forward
             expected = 2 + 2 + int(mine.any(0).sum()) + int(tails.sum())  # probe, baselines, pieces, batches
-            assert len(forwards) == expected < one_process, \
+            assert len(forwards) == expected < one_process, (
                 f"rank {rank}: {len(forwards)} forwards, one process {one_process}, expected {expected}"
+            )
             shares.append(got.values)
     finally:
         handle.remove()
-    assert torch.equal((shares[0] != 0) ^ (shares[1] != 0), torch.ones_like(alone.values, dtype=torch.bool)), \
+    assert torch.equal((shares[0] != 0) ^ (shares[1] != 0), torch.ones_like(alone.values, dtype=torch.bool)), (
         "the ranks' cells overlap or miss some"
+    )
     assert_close("the ranks' cells vs one process", alone.values, shares[0] + shares[1], **TOLERANCE)
 
 
@@ -253,5 +292,6 @@ def test_the_pieces_carry_their_positions():
     clean, corrupt = prompts()
     expected = rh.patching_sweep(model, clean, corrupt, metric, progress=False, reuse_prefix=False)
     got = rh.patching_sweep(model, clean, corrupt, metric, progress=False, reuse_prefix=True)
-    assert_close("bamba: from the corrupt cache vs one forward per cell", expected.values, got.values, rtol=0,
-                 atol=2e-6)
+    assert_close(
+        "bamba: from the corrupt cache vs one forward per cell", expected.values, got.values, rtol=0, atol=2e-6
+    )

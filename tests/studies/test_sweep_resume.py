@@ -59,24 +59,38 @@ def test_a_stopped_sweep_resumes_from_its_checkpoint(tmp_path):
     path = tmp_path / "sweep.pt"
     stopping = Counting(METRIC, stop_at=2 + 3)  # the baselines, three rounds of one batch, then stopped
     with pytest.raises(Stopped):
-        rh.patching_sweep(model, clean, corrupt, stopping, batch_size=4, budget_bytes=0, progress=False,
-                          checkpoint=path, reuse_prefix=False)
+        rh.patching_sweep(
+            model,
+            clean,
+            corrupt,
+            stopping,
+            batch_size=4,
+            budget_bytes=0,
+            progress=False,
+            checkpoint=path,
+            reuse_prefix=False,
+        )
     saved = torch.load(path, weights_only=True)
     assert int(saved["done"].sum()) == 12 and saved["done"].flatten()[:12].all(), "the first three rounds' cells"
     saved["key"]["what"] = saved["key"].pop("memory")  # as written before the sweep's "what" became "memory"
     torch.save(saved, path)
     resumed = Counting(METRIC)
-    result = rh.patching_sweep(model, clean, corrupt, resumed, batch_size=4, progress=False, checkpoint=path,
-                               reuse_prefix=False)
+    result = rh.patching_sweep(
+        model, clean, corrupt, resumed, batch_size=4, progress=False, checkpoint=path, reuse_prefix=False
+    )
     cells = 2 * len(whole.layers) * T
     assert resumed.rows[2:] == [4] * ((cells - 12) // 4), f"only the cells left run: {resumed.rows[2:]}"
     assert_close("the resumed sweep vs one run", whole.values, result.values, rtol=1e-5, atol=1e-6)
     again = Counting(METRIC)
-    assert torch.equal(rh.patching_sweep(model, clean, corrupt, again, progress=False, checkpoint=path).values,
-                       result.values)
+    assert torch.equal(
+        rh.patching_sweep(model, clean, corrupt, again, progress=False, checkpoint=path).values, result.values
+    )
     assert again.rows == [2, 2], f"a finished checkpoint runs no cell: {again.rows}"
-    with pytest.raises(rh.InvalidValue, match=r"checkpoint .*sweep.pt holds another sweep's cells \(its positions"
-                                              r" differ\); remove it or pass another checkpoint path"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"checkpoint .*sweep.pt holds another sweep's cells \(its positions"
+        r" differ\); remove it or pass another checkpoint path",
+    ):
         rh.patching_sweep(model, clean, corrupt, METRIC, positions=[1, 2], progress=False, checkpoint=path)
     with pytest.raises(rh.InvalidValue, match=r"holds another sweep's cells \(its prompts differ\)"):
         rh.patching_sweep(model, corrupt, clean, METRIC, progress=False, checkpoint=path)
@@ -85,12 +99,21 @@ def test_a_stopped_sweep_resumes_from_its_checkpoint(tmp_path):
 def test_distributed_and_checkpoint_arguments_say_what_they_need():
     model = build("mamba")
     clean, corrupt = pairs()
-    with pytest.raises(rh.InvalidValue, match=r"distributed=True needs an initialized torch.distributed process"
-                                              r" group \(torchrun, then torch.distributed.init_process_group\(\)\)"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"distributed=True needs an initialized torch.distributed process"
+        r" group \(torchrun, then torch.distributed.init_process_group\(\)\)",
+    ):
         rh.patching_sweep(model, clean, corrupt, METRIC, distributed=True, progress=False)
-    with pytest.raises(rh.InvalidValue, match=r"expected distributed=True or distributed=False or distributed=None,"
-                                              r" got distributed='yes'"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"expected distributed=True or distributed=False or distributed=None,"
+        r" got distributed='yes'",
+    ):
         rh.patching_sweep(model, clean, corrupt, METRIC, distributed="yes", progress=False)
-    with pytest.raises(rh.InvalidValue, match=r"expected checkpoint as a file path \(str or os.PathLike\) or None,"
-                                              r" got int"):
+    with pytest.raises(
+        rh.InvalidValue,
+        match=r"expected checkpoint as a file path \(str or os.PathLike\) or None,"
+        r" got int",
+    ):
         rh.patching_sweep(model, clean, corrupt, METRIC, checkpoint=3, progress=False)

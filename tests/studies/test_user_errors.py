@@ -35,8 +35,9 @@ def test_an_error_in_a_hook_at_a_prompt_token_says_where(model):
         w.mixers[1].register_state_hook(_bad_hook, token=4)
         with pytest.raises(AttributeError, match="'int' object has no attribute 'index'") as error:
             model(random_ids(1, T))
-    assert _notes(error) == ["raised in the state hook _bad_hook on GatedDeltaNet(qwen3_5, layer 2), at call 0,"
-                             " token 4"]
+    assert _notes(error) == [
+        "raised in the state hook _bad_hook on GatedDeltaNet(qwen3_5, layer 2), at call 0, token 4"
+    ]
 
 
 def test_an_error_in_a_hook_at_a_decode_step_says_where(model):
@@ -44,8 +45,9 @@ def test_an_error_in_a_hook_at_a_decode_step_says_where(model):
         w.mixers[0].register_state_hook(_bad_hook, call=2, memory="window")
         with pytest.raises(AttributeError) as error:
             model.generate(random_ids(1, T), max_new_tokens=4, do_sample=False, pad_token_id=0)
-    assert _notes(error) == ["raised in the window hook _bad_hook on GatedDeltaNet(qwen3_5, layer 0), at call 2,"
-                             " token 0"]
+    assert _notes(error) == [
+        "raised in the window hook _bad_hook on GatedDeltaNet(qwen3_5, layer 0), at call 2, token 0"
+    ]
 
 
 def test_an_error_in_a_standalone_hook_says_where(model):
@@ -58,7 +60,8 @@ def test_an_error_in_a_standalone_hook_says_where(model):
         handle.remove()
     (note,) = _notes(error)
     assert note.startswith("raised in the state hook ") and note.endswith(
-        " on GatedDeltaNet(qwen3_5, layer 0), at call 0, token 3")
+        " on GatedDeltaNet(qwen3_5, layer 0), at call 0, token 3"
+    )
 
 
 def test_an_error_in_a_hook_inside_a_compiled_graph_says_where():
@@ -72,8 +75,9 @@ def test_an_error_in_a_hook_inside_a_compiled_graph_says_where():
                 compiled(random_ids(1, T))
     finally:
         torch._dynamo.reset()
-    assert any(note.endswith("on SelectiveScan(mamba, layer 0), at call 0, token 2") for note in _notes(error)), \
-        _notes(error)
+    assert any(note.endswith("on SelectiveScan(mamba, layer 0), at call 0, token 2") for note in _notes(error)), _notes(
+        error
+    )
 
 
 def test_an_error_in_a_reduction_says_where(model):
@@ -88,6 +92,7 @@ def test_an_error_in_a_reduction_says_where(model):
 
 
 # -- the metric contract ---------------------------------------------------------------------------------------------
+
 
 def _sweep(model, clean, corrupt, metric):
     return rh.patching_sweep(model, clean, corrupt, metric, positions=[1, 3]).values
@@ -116,16 +121,22 @@ def test_both_studies_take_the_same_metric_forms(model, study):
 
 
 @pytest.mark.parametrize("study", STUDIES)
-@pytest.mark.parametrize("metric, got", [
-    (lambda logits: logits[:, -1], "a tensor of shape (2, 128)"),
-    (lambda logits: logits[:1, -1, 5], "a tensor of shape (1,)"),
-    (lambda logits: float(logits[0, -1, 5]), "float"),
-    (lambda logits: [logits[0, -1, 5], logits[1, -1, 5]], "list"),
-], ids=["a row of values per row", "too few values", "a Python float", "a list"])
+@pytest.mark.parametrize(
+    "metric, got",
+    [
+        (lambda logits: logits[:, -1], "a tensor of shape (2, 128)"),
+        (lambda logits: logits[:1, -1, 5], "a tensor of shape (1,)"),
+        (lambda logits: float(logits[0, -1, 5]), "float"),
+        (lambda logits: [logits[0, -1, 5], logits[1, -1, 5]], "list"),
+    ],
+    ids=["a row of values per row", "too few values", "a Python float", "a list"],
+)
 def test_both_studies_refuse_the_same_metric_forms_with_one_message(model, study, metric, got):
     frozen = build("qwen3_5").requires_grad_(False)
-    expected = (f"{study}: expected metric(logits) to return one value per row, a tensor of shape (2,) (or a 0-d"
-                f" tensor, the value of one row) for logits of shape (2, {T}, 128), got {got}")
+    expected = (
+        f"{study}: expected metric(logits) to return one value per row, a tensor of shape (2,) (or a 0-d"
+        f" tensor, the value of one row) for logits of shape (2, {T}, 128), got {got}"
+    )
     with pytest.raises(rh.InvalidValue) as error:
         STUDIES[study](frozen, random_ids(2, T, seed=1), random_ids(2, T, seed=2), metric)
     assert str(error.value).startswith(expected), str(error.value)
@@ -140,5 +151,7 @@ def test_an_error_in_a_metric_says_where(model, study):
 
     with pytest.raises(IndexError) as error:
         STUDIES[study](frozen, random_ids(2, T, seed=1), random_ids(2, T, seed=2), metric)
-    assert _notes(error)[-1].startswith(f"raised in the metric test_an_error_in_a_metric_says_where.<locals>.metric"
-                                        f" of {study}, on logits of shape (2, {T}, 128)"), _notes(error)
+    assert _notes(error)[-1].startswith(
+        f"raised in the metric test_an_error_in_a_metric_says_where.<locals>.metric"
+        f" of {study}, on logits of shape (2, {T}, 128)"
+    ), _notes(error)

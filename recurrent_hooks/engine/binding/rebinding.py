@@ -36,12 +36,12 @@ MISSING = object()  # what `bound_original` returns for a name that is not bound
 class UndoStack:
     """`setattr` with a record of what was there; `undo()` restores in reverse and consumes the record.
 
-        undo = UndoStack()
-        try:
-            undo.setattr(module, "torch_chunk_gated_delta_rule", replacement)
-            ...
-        finally:
-            undo.undo()
+    undo = UndoStack()
+    try:
+        undo.setattr(module, "torch_chunk_gated_delta_rule", replacement)
+        ...
+    finally:
+        undo.undo()
     """
 
     def __init__(self) -> None:

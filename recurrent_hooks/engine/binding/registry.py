@@ -71,30 +71,37 @@ class Family:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
-            raise InvalidValue(f"Family: expected a family name (a str), got {self.name!r}"
-                               f" ({type(self.name).__name__})")
+            raise InvalidValue(
+                f"Family: expected a family name (a str), got {self.name!r} ({type(self.name).__name__})"
+            )
         where = f"Family({self.name!r})"
         if not isinstance(self.mixers, Mapping) or not self.mixers:
-            raise InvalidValue(f"{where}: expected at least one mixer class, as {{class name: kind}},"
-                               f" got {self.mixers!r}")
+            raise InvalidValue(
+                f"{where}: expected at least one mixer class, as {{class name: kind}}, got {self.mixers!r}"
+            )
         for cls, kind in self.mixers.items():
             if not isinstance(cls, str) or not cls:
                 raise InvalidValue(f"{where}: expected mixer class names (str), got {cls!r}")
             if not (isinstance(kind, type) and issubclass(kind, RecurrentMixer)):
-                raise InvalidValue(f"{where}: expected a RecurrentMixer subclass for the mixer class {cls!r},"
-                                   f" got {getattr(kind, '__name__', type(kind).__name__)}")
+                raise InvalidValue(
+                    f"{where}: expected a RecurrentMixer subclass for the mixer class {cls!r},"
+                    f" got {getattr(kind, '__name__', type(kind).__name__)}"
+                )
         if not isinstance(self.owners, Mapping):
             raise InvalidValue(f"{where}: expected owners as {{kernel name: owner}}, got {type(self.owners).__name__}")
         placed = {k.name for kind in self.mixers.values() for k in kind.KERNELS if k.site is not Site.MODULE}
         for kernel, owner in self.owners.items():
             if kernel not in placed:
                 kinds = ", ".join(sorted({kind.__name__ for kind in self.mixers.values()}))
-                raise InvalidValue(f"{where}: owners names {kernel!r}, which is not a class- or instance-attribute"
-                                   f" kernel of {kinds} (those are: {', '.join(sorted(placed)) or 'none'})")
+                raise InvalidValue(
+                    f"{where}: owners names {kernel!r}, which is not a class- or instance-attribute"
+                    f" kernel of {kinds} (those are: {', '.join(sorted(placed)) or 'none'})"
+                )
             if not isinstance(owner, str):
                 raise InvalidValue(f"{where}: expected the owner of {kernel!r} as a str, got {type(owner).__name__}")
-        if not isinstance(self.limits, Mapping) or not all(isinstance(x, str) for x in (*self.limits,
-                                                                                        *self.limits.values())):
+        if not isinstance(self.limits, Mapping) or not all(
+            isinstance(x, str) for x in (*self.limits, *self.limits.values())
+        ):
             raise InvalidValue(f"{where}: expected limits as {{what: why}} strings, got {self.limits!r}")
         if self.modeling is not None and (not isinstance(self.modeling, str) or not self.modeling):
             raise InvalidValue(f"{where}: expected modeling= as a module's dotted name, got {self.modeling!r}")
@@ -225,8 +232,11 @@ class Registry:
         """Remove rows registered before (the very rows: a family by its row, not a copy of it)."""
         with self._lock:
             for row in rows:
-                there = row in self._unsupported if isinstance(row, Unsupported) else \
-                    self._families.get(getattr(row, "name", None)) is row
+                there = (
+                    row in self._unsupported
+                    if isinstance(row, Unsupported)
+                    else self._families.get(getattr(row, "name", None)) is row
+                )
                 if not there:
                     raise InvalidValue(f"unregister: {row!r} is not a registered row")
             for row in rows:
@@ -245,8 +255,9 @@ class Registry:
             self._index = None
             return old
 
-    def _check_new(self, row: Any, names: set[str], classes: dict[Key, MixerClass],
-                   unsupported: dict[Key, Unsupported]) -> None:
+    def _check_new(
+        self, row: Any, names: set[str], classes: dict[Key, MixerClass], unsupported: dict[Key, Unsupported]
+    ) -> None:
         """Refuse `row` if it repeats a registered (or an earlier new) one; else count it as registered."""
         if isinstance(row, Unsupported):
             key = (row.module_name, row.mixer_class)
@@ -261,17 +272,23 @@ class Registry:
             there = self._families.get(row.name)
             if there is None:
                 raise InvalidValue(f"register: the family {row.name!r} is given twice")
-            raise InvalidValue(f"register: the family {row.name!r} is registered already (mixer classes"
-                               f" {', '.join(there.mixers)}); a family is one row: give all its mixer classes"
-                               " in it, or another name")
+            raise InvalidValue(
+                f"register: the family {row.name!r} is registered already (mixer classes"
+                f" {', '.join(there.mixers)}); a family is one row: give all its mixer classes"
+                " in it, or another name"
+            )
         for mixer in row.classes:
             key = (row.module_name, mixer.mixer_class)
             if key in classes:
-                raise InvalidValue(f"register: {mixer.mixer_class} of {row.module_name}, in the row of"
-                                   f" {row.name!r}, is a mixer class of the family {classes[key].name!r} already")
+                raise InvalidValue(
+                    f"register: {mixer.mixer_class} of {row.module_name}, in the row of"
+                    f" {row.name!r}, is a mixer class of the family {classes[key].name!r} already"
+                )
             if key in unsupported:
-                raise InvalidValue(f"register: {mixer.mixer_class} of {row.module_name}, in the row of"
-                                   f" {row.name!r}, is listed as unsupported: {unsupported[key].reason}")
+                raise InvalidValue(
+                    f"register: {mixer.mixer_class} of {row.module_name}, in the row of"
+                    f" {row.name!r}, is listed as unsupported: {unsupported[key].reason}"
+                )
             classes[key] = mixer
         names.add(row.name)
 
@@ -313,8 +330,9 @@ class Registry:
             for row in list(self._families.values()):
                 if row.module_name == family.__name__:
                     return row
-            raise Unavailable(f"{family.__name__} is not the modeling module of a supported family; supported:"
-                              f" {supported}")
+            raise Unavailable(
+                f"{family.__name__} is not the modeling module of a supported family; supported: {supported}"
+            )
         if isinstance(family, nn.Module):
             found = {row.name: row for m in family.modules() if (row := self.family_of(m)) is not None}
             if len(found) == 1:

@@ -77,10 +77,13 @@ def version_line(version: str | None = None) -> str:
 def warn_if_untested() -> None:
     """Warn once per process when the installed transformers is outside the tested range (called by `watch`)."""
     if not is_tested():
-        warnings.warn(f"recurrent_hooks is tested on transformers {TESTED_RANGE}; the installed"
-                      f" {installed_version()} is not in that range: a kernel the library rebinds may have moved or"
-                      " changed (a kernel that is gone is named when a watch enters; one that changed is not seen)",
-                      RecurrentHooksWarning, stacklevel=3)
+        warnings.warn(
+            f"recurrent_hooks is tested on transformers {TESTED_RANGE}; the installed"
+            f" {installed_version()} is not in that range: a kernel the library rebinds may have moved or"
+            " changed (a kernel that is gone is named when a watch enters; one that changed is not seen)",
+            RecurrentHooksWarning,
+            stacklevel=3,
+        )
 
 
 def hub_module(bound: Any) -> bool:
@@ -112,17 +115,21 @@ def torch_kernel(bound: Any) -> Callable[..., Any]:
         if isinstance(bound, nn.Module):
             inner = _closed_over(type(bound).forward)
             if inner is None:
-                raise Unavailable(f"torch_kernel: expected a kernels hub module made from a function (its class's"
-                                  f" forward closing over {_HUB_FUNCTION!r}), got the module"
-                                  f" {type(bound).__qualname__}")
+                raise Unavailable(
+                    f"torch_kernel: expected a kernels hub module made from a function (its class's"
+                    f" forward closing over {_HUB_FUNCTION!r}), got the module"
+                    f" {type(bound).__qualname__}"
+                )
             bound = inner
         elif getattr(bound, "__wrapped__", None) is not None and callable(bound.__wrapped__):
             bound = bound.__wrapped__
         elif callable(bound):
             return bound
         else:
-            raise Unavailable(f"torch_kernel: expected a kernel (a function, a method, a partial or a kernels hub"
-                              f" module), got {type(bound).__name__}")
+            raise Unavailable(
+                f"torch_kernel: expected a kernel (a function, a method, a partial or a kernels hub"
+                f" module), got {type(bound).__name__}"
+            )
 
 
 def wraps_kernel(original: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -168,6 +175,8 @@ def is_kernel_like(bound: Any) -> bool:
 def kernel_missing(family: str, kernel: str, where: str, found: Any) -> Unavailable:
     """The error for a family's kernel name that is not bound (`found` is None) or not bound to a kernel."""
     what = "has no attribute" if found is None else f"binds {type(found).__qualname__}, not a kernel, to"
-    return Unavailable(f"family {family!r}: {where} {what} {kernel!r} under transformers {installed_version()};"
-                       f" the library is tested on transformers {TESTED_RANGE}, where it is a kernel:"
-                       " install a release in that range, or see README, 'Tests', to run the suite on another")
+    return Unavailable(
+        f"family {family!r}: {where} {what} {kernel!r} under transformers {installed_version()};"
+        f" the library is tested on transformers {TESTED_RANGE}, where it is a kernel:"
+        " install a release in that range, or see README, 'Tests', to run the suite on another"
+    )

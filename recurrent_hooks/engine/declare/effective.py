@@ -50,8 +50,12 @@ class EffectiveAttention(NamedTuple):
 
 
 def decayed(
-    x: Float[Tensor, "*b rows d"], k: Float[Tensor, "*b source d"],
-    cx: Float[Tensor, "*b rows e"], ck: Float[Tensor, "*b source e"], start: int, strict: bool,
+    x: Float[Tensor, "*b rows d"],
+    k: Float[Tensor, "*b source d"],
+    cx: Float[Tensor, "*b rows e"],
+    ck: Float[Tensor, "*b source e"],
+    start: int,
+    strict: bool,
 ) -> Float[Tensor, "*b rows source"]:
     """W[i, j] = sum_d x_i[d] k_j[d] exp(cx_i[d] - ck_j[d]) for j <= start + i (j < when `strict`), else 0.
 
@@ -71,7 +75,7 @@ def decayed(
         r1 = min(rows, r0 + ROWS)
         ref = start + r0  # the block's first position: decays are measured from it
         near_end = min(source, start + r1)  # sources inside the block's own positions
-        c_ref = ck[..., ref:ref + 1, :]
+        c_ref = ck[..., ref : ref + 1, :]
         if ref > 0:  # sources before the block: x_i exp(c_i - c_ref) . k_j exp(c_ref - c_j), both factors <= 1
             xs = x[..., r0:r1, :] * (cx[..., r0:r1, :] - c_ref).exp()
             ks = k[..., :ref, :] * (c_ref - ck[..., :ref, :]).exp()

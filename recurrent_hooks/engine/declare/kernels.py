@@ -39,6 +39,8 @@ def memory_name(memory: object, where: str) -> object:
         renamed(f"{where}: the memory {memory!r}", repr(RENAMED_MEMORY[memory]), stacklevel=4)
         return RENAMED_MEMORY[memory]
     return memory
+
+
 FORWARD = "forward"  # Kernel.seq: the kernel covers the forward's tokens (and maybe a cached prefix before them)
 
 
@@ -148,8 +150,12 @@ class Pieces:
     def call(self, start: int, end: int, state: Any) -> tuple[list[Any], dict[str, Any]]:
         """The positional and keyword arguments of the piece of tokens [start, end) from `state`."""
         per_token = self.segments.per_token
-        piece = {name: (value.narrow(per_token[name], start, end - start)
-                        if name in per_token and value is not None else value) for name, value in self.bound.items()}
+        piece = {
+            name: (
+                value.narrow(per_token[name], start, end - start) if name in per_token and value is not None else value
+            )
+            for name, value in self.bound.items()
+        }
         piece[self.segments.state_in], piece[self.segments.final_flag] = state, True
         leading = [piece.pop(name) for name in self.positional]
         return leading, {**piece, **self.extra}
@@ -320,9 +326,11 @@ class Layout:
     def of(cls, fn: Callable) -> "Layout":
         parameters = inspect.signature(fn).parameters.values()
         kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        return cls(tuple(p.name for p in parameters if p.kind in kinds),
-                   frozenset(p.name for p in parameters if p.kind is not inspect.Parameter.POSITIONAL_ONLY),
-                   next((p.name for p in parameters if p.kind is inspect.Parameter.VAR_KEYWORD), None))
+        return cls(
+            tuple(p.name for p in parameters if p.kind in kinds),
+            frozenset(p.name for p in parameters if p.kind is not inspect.Parameter.POSITIONAL_ONLY),
+            next((p.name for p in parameters if p.kind is inspect.Parameter.VAR_KEYWORD), None),
+        )
 
     def bind(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The arguments by name, as `Signature.bind_partial(...).arguments` gives them (the positional ones first)."""

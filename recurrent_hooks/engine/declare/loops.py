@@ -60,7 +60,7 @@ def chunked(on_chunk: OnChunk, tokens: int, chunk: int = 16) -> OnToken:
         i = t % chunk
         buffer[0][i].copy_(state)
         if i == chunk - 1 or t == tokens - 1:
-            on_chunk(t - i, buffer[0][:i + 1])  # i b ..   the states of tokens t - i .. t
+            on_chunk(t - i, buffer[0][: i + 1])  # i b ..   the states of tokens t - i .. t
         return state
 
     return on_token
@@ -75,9 +75,10 @@ def starting_state(initial: Tensor | None, zeros: Callable[[], Tensor], dtype: t
 def states_buffer(out: Tensor, shape: tuple[int, ...]) -> Tensor:
     """`out` as the float32 all-states buffer of `shape` (token first): its leading tokens when it has more."""
     if out.dtype != torch.float32 or tuple(out.shape[1:]) != tuple(shape[1:]) or out.shape[0] < shape[0]:
-        raise RecurrentHooksError(f"all-states buffer: expected float32 {list(shape)} (or more tokens), got"
-                                  f" {out.dtype} {list(out.shape)}")
-    return out[:shape[0]]
+        raise RecurrentHooksError(
+            f"all-states buffer: expected float32 {list(shape)} (or more tokens), got {out.dtype} {list(out.shape)}"
+        )
+    return out[: shape[0]]
 
 
 def at_least_float32(dtype: torch.dtype) -> torch.dtype:
@@ -91,7 +92,8 @@ def refuse_packed(kwargs: dict[str, Any], names: Iterable[str], needs: str) -> N
     for name in names:
         if kwargs.get(name) is not None:
             raise RecurrentHooksError(
-                f"packed sequences ({name}) need {needs}; the token loop runs one sequence per batch row")
+                f"packed sequences ({name}) need {needs}; the token loop runs one sequence per batch row"
+            )
 
 
 def version_of(window: Tensor) -> "int | Tensor":

@@ -72,7 +72,10 @@ def not_a_tensor(value: State, declared: "str | dict[str, str]", like: State | N
     expected = dict(parts_of(like)) if like is not None and is_parts(like) else {}
     for name, part in parts_of(value):
         if not isinstance(part, Tensor):
-            want = (f"a Tensor of shape {tuple(expected[name].shape)} ({expected[name].dtype})" if name in expected
-                    else "a Tensor")
+            want = (
+                f"a Tensor of shape {tuple(expected[name].shape)} ({expected[name].dtype})"
+                if name in expected
+                else "a Tensor"
+            )
             return f"part {name!r} is a {type(part).__name__}, expected {want} (axes: {axes_of(declared, name)})"
     return None

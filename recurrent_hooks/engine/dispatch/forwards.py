@@ -42,7 +42,7 @@ def end(entry: Running, checked: bool) -> None:
 def pop(running: list[Running], i: int, checked: bool) -> None:
     """End and remove entry `i` of a thread's stack, and the entries above it: forwards that left without
     popping theirs (only those the pre-forward hook pushed, which an interrupt can skip past)."""
-    entry, stale = running[i], running[i + 1:]
+    entry, stale = running[i], running[i + 1 :]
     del running[i:]
     for other in stale:
         end(other, checked=False)
@@ -94,7 +94,6 @@ def make_owner(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
 
     __call__.__recurrent_hooks__ = True
     return __call__
-
 
 
 def running_entry() -> Running | None:

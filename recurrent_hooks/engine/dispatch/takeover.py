@@ -36,9 +36,11 @@ _ACTIVE: "weakref.WeakKeyDictionary[Any, Takeover]" = weakref.WeakKeyDictionary(
 def active(mixer: Any, takeover: Takeover) -> Iterator[None]:
     """Run the calls of `mixer` (a `RecurrentMixer` handle) that `takeover` takes through it, for the block."""
     if mixer in _ACTIVE:
-        raise RecurrentHooksError(f"{mixer}: a takeover is set already ({type(_ACTIVE[mixer]).__name__});"
-                                  f" expected none while setting {type(takeover).__name__} (one study runs a mixer's"
-                                  " calls at a time)")
+        raise RecurrentHooksError(
+            f"{mixer}: a takeover is set already ({type(_ACTIVE[mixer]).__name__});"
+            f" expected none while setting {type(takeover).__name__} (one study runs a mixer's"
+            " calls at a time)"
+        )
     _ACTIVE[mixer] = takeover
     try:
         yield

@@ -36,14 +36,22 @@ from . import takeover as _takeover
 from .forwards import Running, drop_left, pop, running_entry
 
 
-def _forward_of(kind: type[RecurrentMixer], layout: Layout, module: nn.Module, args: tuple, kwargs: dict[str, Any],
-                recompute: bool) -> Forward:
+def _forward_of(
+    kind: type[RecurrentMixer], layout: Layout, module: nn.Module, args: tuple, kwargs: dict[str, Any], recompute: bool
+) -> Forward:
     """Tokens, cache and freshness of a mixer forward, from its arguments."""
     arguments = layout.bind(args, kwargs)
     tokens, cache, fresh, hidden = kind.adapter.parse_forward(module, arguments)
-    return Forward(tokens=tokens, cache=cache, fresh=fresh, hidden=hidden, recompute=recompute,
-                    cache_index=kind.adapter.cache_index(module, arguments), training=module.training,
-                    kernel_calls=kind.adapter.kernel_calls(module))
+    return Forward(
+        tokens=tokens,
+        cache=cache,
+        fresh=fresh,
+        hidden=hidden,
+        recompute=recompute,
+        cache_index=kind.adapter.cache_index(module, arguments),
+        training=module.training,
+        kernel_calls=kind.adapter.kernel_calls(module),
+    )
 
 
 def _keep_memory_arguments(kernel: Kernel, arguments: dict[str, Any]) -> None:
@@ -158,8 +166,9 @@ class _Tap:
                 entry.forward, entry.mixers = None, []
         running[:] = [entry for entry in running if not (entry.tap is self and entry.by_hook)]
 
-    def run_kernel(self, entry: Running, kernel: Kernel, original: Callable[..., Any], args: tuple,
-                   kwargs: dict) -> Any:
+    def run_kernel(
+        self, entry: Running, kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict
+    ) -> Any:
         """Run one kernel call for the attached mixers: unchanged when idle, else through the token loop."""
         try:
             return self._run_kernel(entry, kernel, original, args, kwargs)
@@ -175,8 +184,9 @@ class _Tap:
                 pop(running, running.index(entry), checked=False)
             raise
 
-    def _run_kernel(self, entry: Running, kernel: Kernel, original: Callable[..., Any], args: tuple,
-                    kwargs: dict) -> Any:
+    def _run_kernel(
+        self, entry: Running, kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict
+    ) -> Any:
         arguments = entry.mixers[0].adapter.kernel_arguments(entry.module, kernel, kernel.bind(args, kwargs))
         tokens = kernel.tokens(arguments, entry.forward.tokens)
         served = [kernel.serving(memory) for memory in kernel.memories]  # one row per memory the kernel updates
@@ -207,8 +217,17 @@ class _Tap:
                 tracker.store(plan, row, kernel_call, tokens)
         return result
 
-    def _run_busy(self, entry: Running, kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict,
-                  busy: list[list[Plan]], tokens: int, arguments: dict[str, Any]) -> tuple[Any, str]:
+    def _run_busy(
+        self,
+        entry: Running,
+        kernel: Kernel,
+        original: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        busy: list[list[Plan]],
+        tokens: int,
+        arguments: dict[str, Any],
+    ) -> tuple[Any, str]:
         """Run a kernel call that some plan wants something of (`busy`: per memory it updates, the busy plans),
         by the path its handles' policy picks, calling the plans at their tokens; returns its result and path."""
         takers = [Taker(per_memory, tokens) for per_memory in busy]
@@ -256,8 +275,11 @@ def _drop_hooks(module: nn.Module, tap: _Tap) -> None:
     for hooks in (state.get("_forward_pre_hooks", {}), state.get("_forward_hooks", {})):
         for key in [key for key, hook in hooks.items() if getattr(hook, "__self__", None) is tap]:
             del hooks[key]
-            for flags in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
-                          "_forward_hooks_always_called"):
+            for flags in (
+                "_forward_pre_hooks_with_kwargs",
+                "_forward_hooks_with_kwargs",
+                "_forward_hooks_always_called",
+            ):
                 state.get(flags, {}).pop(key, None)
 
 
@@ -270,14 +292,13 @@ def _own_final_state(kernel: Kernel, result: Any) -> Any:
     at = kernel.results.index("final_state")
     if at >= len(result) or result[at] is None:
         return result
-    return (*result[:at], map_parts(lambda s: s.clone(), result[at]), *result[at + 1:])
+    return (*result[:at], map_parts(lambda s: s.clone(), result[at]), *result[at + 1 :])
 
 
 BOUND_KERNEL = "bound kernel"  # `KernelCall.path` of a call nothing was asked of: the kernel bound before the watch
 
 
-def _fast_path(kernel: Kernel, busy: list[Plan], tokens: int,
-               arguments: dict[str, Any] | None = None) -> Choice | None:
+def _fast_path(kernel: Kernel, busy: list[Plan], tokens: int, arguments: dict[str, Any] | None = None) -> Choice | None:
     """How a busy call runs (`choose.choose` under the policy of its handles, `policy.Paths`); None: the token loop.
     Handles whose policies differ (a watch and a standalone hook on one module) get the token loop."""
     paths = busy[0].owner.policy.paths
@@ -285,7 +306,6 @@ def _fast_path(kernel: Kernel, busy: list[Plan], tokens: int,
         if plan.owner.policy.paths is not paths and plan.owner.policy.paths != paths:
             return None
     return choose(kernel, busy, tokens, arguments, paths=paths)
-
 
 
 _TAPS: "weakref.WeakKeyDictionary[nn.Module, _Tap]" = weakref.WeakKeyDictionary()
@@ -340,4 +360,3 @@ def make_dispatcher(kind: type[RecurrentMixer]) -> Callable[[str, Any], Callable
         return watched
 
     return make
-

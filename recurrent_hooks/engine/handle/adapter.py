@@ -54,8 +54,8 @@ if TYPE_CHECKING:
 class KindAdapter:
     """The protocol a kind's adapter answers (see the module docstring), with the defaults that fit most kinds.
 
-        rh.GatedDeltaNet.adapter                    # GatedDeltaNetAdapter(GatedDeltaNet)
-        rh.GatedDeltaNet.adapter.cache_index(module, {})   # the module's layer_idx
+    rh.GatedDeltaNet.adapter                    # GatedDeltaNetAdapter(GatedDeltaNet)
+    rh.GatedDeltaNet.adapter.cache_index(module, {})   # the module's layer_idx
     """
 
     def __init__(self, kind: "type[Kind]") -> None:
@@ -68,8 +68,10 @@ class KindAdapter:
         """From a mixer forward's arguments by name: its token count, its cache (or None), whether it starts
         from no cached memory (a prompt), and the input a checkpointed recompute is matched by."""
         extra = arguments.get("kwargs", {})
-        cache = next((found for name in self.kind.FORWARD_CACHE
-                      if (found := arguments.get(name, extra.get(name))) is not None), None)
+        cache = next(
+            (found for name in self.kind.FORWARD_CACHE if (found := arguments.get(name, extra.get(name))) is not None),
+            None,
+        )
         hidden = arguments[self.kind.FORWARD_INPUT]
         where = self.cache_index(module, arguments)
         fresh = cache is None or where is None or self.cached(cache, where) is None

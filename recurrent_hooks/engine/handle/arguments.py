@@ -22,8 +22,10 @@ def as_index(value: Any, what: str, where: str) -> int:
     if isinstance(value, bool) or (isinstance(value, Tensor) and value.dtype == torch.bool):
         raise InvalidValue(f"{where}: {what} must be an int, got the bool {value!r}")
     if isinstance(value, Tensor) and (value.dim() != 0 or value.is_floating_point() or value.is_complex()):
-        raise InvalidValue(f"{where}: {what} must be an int or an integer 0-d tensor,"
-                           f" got a {value.dtype} tensor of shape {tuple(value.shape)}")
+        raise InvalidValue(
+            f"{where}: {what} must be an int or an integer 0-d tensor,"
+            f" got a {value.dtype} tensor of shape {tuple(value.shape)}"
+        )
     try:
         return operator.index(value)
     except TypeError:
@@ -36,8 +38,9 @@ def as_history(value: Any, where: str) -> int | None:
     if value is None:
         return None
     expected = f"{where}: expected history= None (keep every call's record) or a number of calls >= 1"
-    if isinstance(value, bool) or (isinstance(value, Tensor) and (value.dim() != 0 or value.dtype == torch.bool
-                                                                  or value.is_floating_point())):
+    if isinstance(value, bool) or (
+        isinstance(value, Tensor) and (value.dim() != 0 or value.dtype == torch.bool or value.is_floating_point())
+    ):
         raise InvalidValue(f"{expected}, got history={value!r} ({type(value).__name__})")
     try:
         count = operator.index(value)
@@ -57,11 +60,16 @@ def as_token_selection(value: Any, where: str, tokens: int | None) -> int | list
         if tokens is not None:
             return list(range(*value.indices(tokens)))
         start, stop, step = value.start or 0, value.stop, 1 if value.step is None else value.step
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (start, stop, step)) \
-                or min(start, stop) < 0 or step < 1:
-            raise InvalidValue(f"{where}: expected a slice of tokens with a stop and no negative bound (the call's"
-                               f" length is not known when a write is registered; list the tokens instead), got"
-                               f" {value}")
+        if (
+            not all(isinstance(x, int) and not isinstance(x, bool) for x in (start, stop, step))
+            or min(start, stop) < 0
+            or step < 1
+        ):
+            raise InvalidValue(
+                f"{where}: expected a slice of tokens with a stop and no negative bound (the call's"
+                f" length is not known when a write is registered; list the tokens instead), got"
+                f" {value}"
+            )
         return list(range(start, stop, step))
     if isinstance(value, (list, tuple, range)):
         if len(value) == 0:
@@ -74,8 +82,12 @@ def as_targets(value: Any, what: str, where: str) -> tuple[int, ...] | None:
     """Token positions: None (every token), an int, or a non-empty iterable of ints (negative: from the end)."""
     if value is None:
         return None
-    if isinstance(value, (str, bytes, float)) or not isinstance(value, Iterable) or isinstance(value, Tensor) \
-            and value.dim() == 0:
+    if (
+        isinstance(value, (str, bytes, float))
+        or not isinstance(value, Iterable)
+        or isinstance(value, Tensor)
+        and value.dim() == 0
+    ):
         return (as_index(value, what, where),)
     items = tuple(as_index(item, what, where) for item in value)
     if not items:
@@ -92,10 +104,15 @@ def as_calls(value: Any, where: str) -> "frozenset[int] | range | None":
         start, stop, step = value.start, value.stop, value.step
         start, step = (0 if start is None else start), (1 if step is None else step)
         stop = sys.maxsize if stop is None else stop
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, stop, step)) \
-                or start < 0 or stop < 0 or step < 1:
-            raise InvalidValue(f"{where}: a slice of calls needs start >= 0, stop >= 0 or None and step >= 1,"
-                               f" got call={value!r}")
+        if (
+            not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, stop, step))
+            or start < 0
+            or stop < 0
+            or step < 1
+        ):
+            raise InvalidValue(
+                f"{where}: a slice of calls needs start >= 0, stop >= 0 or None and step >= 1, got call={value!r}"
+            )
         if stop <= start:
             raise InvalidValue(f"{where}: call={value!r} targets no call")
         return range(start, stop, step)
@@ -139,9 +156,11 @@ class RowTokens:
                 raise InvalidValue(f"{where}: the mask of tokens selects no token")
             return cls(None, token.detach().cpu(), tuple(columns))
         if token.dim() != 1 or token.is_floating_point() or token.is_complex():
-            raise InvalidValue(f"{where}: per-row tokens must be a 1-d integer tensor (one token per batch row)"
-                               f" or a [batch, seq] bool mask, got a {token.dtype} tensor of shape"
-                               f" {tuple(token.shape)}")
+            raise InvalidValue(
+                f"{where}: per-row tokens must be a 1-d integer tensor (one token per batch row)"
+                f" or a [batch, seq] bool mask, got a {token.dtype} tensor of shape"
+                f" {tuple(token.shape)}"
+            )
         per_row = token.detach().cpu().long()
         return cls(per_row, None, tuple(sorted(set(per_row.tolist()))))
 
@@ -201,28 +220,40 @@ def normalize_reduce(reduce: Any, memories: Mapping[str, Any], where: str = "wat
     if callable(reduce):
         reduce = {"states": reduce}
     if not isinstance(reduce, Mapping):
-        raise InvalidValue(f"{where}: expected reduce= a mapping of kept names to functions (as {{'states':"
-                           f" lambda s: s.flatten(2).norm(dim=-1)}}) or a callable, got {type(reduce).__name__}")
+        raise InvalidValue(
+            f"{where}: expected reduce= a mapping of kept names to functions (as {{'states':"
+            f" lambda s: s.flatten(2).norm(dim=-1)}}) or a callable, got {type(reduce).__name__}"
+        )
     out: dict[str, Any] = {}
     for name, fn in reduce.items():
         if isinstance(name, str) and name in RENAMED_KEEP:
             renamed(f"{where}: reduce={{{name!r}: ...}}", f"reduce={{{RENAMED_KEEP[name]!r}: ...}}", stacklevel=4)
             name = RENAMED_KEEP[name]
         if KEEPABLE.get(name) is None:
-            raise InvalidValue(f"{where}: reduce={{{name!r}: ...}}: only kept memories can be reduced, from"
-                               f" {tuple(k for k, memory in KEEPABLE.items() if memory is not None)}")
+            raise InvalidValue(
+                f"{where}: reduce={{{name!r}: ...}}: only kept memories can be reduced, from"
+                f" {tuple(k for k, memory in KEEPABLE.items() if memory is not None)}"
+            )
         if KEEPABLE[name] not in memories:
-            raise InvalidValue(f"{where}: reduce={{{name!r}: ...}}, but keep does not keep {name!r}: add it to keep"
-                               f" (keep=({name!r},), or a mapping of the positions to reduce)")
+            raise InvalidValue(
+                f"{where}: reduce={{{name!r}: ...}}, but keep does not keep {name!r}: add it to keep"
+                f" (keep=({name!r},), or a mapping of the positions to reduce)"
+            )
         if isinstance(fn, Mapping):  # one function per layer ({layer: rh.probe(...)})
-            if not fn or any(isinstance(layer, bool) or not isinstance(layer, int) or not callable(each)
-                             for layer, each in fn.items()):
-                raise InvalidValue(f"{where}: reduce[{name!r}] as a mapping must map layers (ints) to functions of a"
-                                   f" [batch, chunk, *state] tensor, got {fn!r}")
+            if not fn or any(
+                isinstance(layer, bool) or not isinstance(layer, int) or not callable(each)
+                for layer, each in fn.items()
+            ):
+                raise InvalidValue(
+                    f"{where}: reduce[{name!r}] as a mapping must map layers (ints) to functions of a"
+                    f" [batch, chunk, *state] tensor, got {fn!r}"
+                )
             fn = dict(fn)
         elif not callable(fn):
-            raise InvalidValue(f"{where}: reduce[{name!r}] must be a function of a [batch, chunk, *state] tensor (or"
-                               f" a mapping of layers to such functions), got {type(fn).__name__} {fn!r}")
+            raise InvalidValue(
+                f"{where}: reduce[{name!r}] must be a function of a [batch, chunk, *state] tensor (or"
+                f" a mapping of layers to such functions), got {type(fn).__name__} {fn!r}"
+            )
         out[KEEPABLE[name]] = fn
     return out
 
@@ -243,12 +274,16 @@ def as_keep_device(device: Any, where: str = "watch") -> torch.device | None:
     if device is None:
         return None
     if not isinstance(device, (str, torch.device)) or isinstance(device, bool):
-        raise InvalidValue(f"{where}: expected keep_device= a device (as 'cpu' or 'cuda:0') or None, got"
-                           f" {type(device).__name__} {device!r}")
+        raise InvalidValue(
+            f"{where}: expected keep_device= a device (as 'cpu' or 'cuda:0') or None, got"
+            f" {type(device).__name__} {device!r}"
+        )
     try:
         device = torch.device(device)
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError, ValueError) as error:
-        raise InvalidValue(f"{where}: keep_device={str(device)!r} is not a device this machine has"
-                           f" ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from None
+        raise InvalidValue(
+            f"{where}: keep_device={str(device)!r} is not a device this machine has"
+            f" ({str(error).splitlines()[0] if str(error) else type(error).__name__})"
+        ) from None
     return device

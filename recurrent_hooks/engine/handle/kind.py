@@ -59,11 +59,11 @@ from .adapter import KindAdapter
 # what the pads of a left-padded row do to a kind's memories (`Kind.LEFT_PADDING`), in support's general words
 PADDING = {
     "masked": "the pads leave the memory at zero: a left-padded row's memories after pads + t are the row's own"
-              " after t",
+    " after t",
     "positions": "the memory restarts at the row's first real token only where the forward gets position ids from"
-                 " the mask (generate does); a forward without them lets the pads in",
+    " the mask (generate does); a forward without them lets the pads in",
     "enters": "the model passes no mask to the mixer: the pads of a left-padded row enter its memory, watched or"
-              " not (pad on the right, or run rows of one length)",
+    " not (pad on the right, or run rows of one length)",
 }
 
 
@@ -102,9 +102,11 @@ class Kind:
         for base in cls.__bases__:
             inherited = getattr(base, "ADAPTER", KindAdapter)
             if not issubclass(cls.ADAPTER, inherited):
-                raise TypeError(f"{cls.__name__}.ADAPTER is {cls.ADAPTER.__name__}, which does not extend"
-                                f" {base.__name__}'s {inherited.__name__}: a kind that extends another subclasses its"
-                                " adapter (a kind extending two, both)")
+                raise TypeError(
+                    f"{cls.__name__}.ADAPTER is {cls.ADAPTER.__name__}, which does not extend"
+                    f" {base.__name__}'s {inherited.__name__}: a kind that extends another subclasses its"
+                    " adapter (a kind extending two, both)"
+                )
         cls.adapter = cls.ADAPTER(cls)
 
     @classmethod

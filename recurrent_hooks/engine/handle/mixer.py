@@ -132,10 +132,20 @@ class RecurrentMixer(Kind):
     keep_device = _policy_field("keep_device", "Where kept values go as they are kept (None: where computed).")
     reduce = _policy_field("reduce", "Memory -> the function kept in place of its states (`watch(reduce=...)`).")
 
-    def __init__(self, module: nn.Module, family: str, *,
-                 keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (), history: bool = True,
-                 restart_on_prompt: bool = False, thread: int | None = None, layer: int | None = None,
-                 cache_index: Any = None, policy: Policy | None = None, calls_kept: int | None = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        family: str,
+        *,
+        keep: Sequence[str] | Mapping[str, Iterable[int] | None] = (),
+        history: bool = True,
+        restart_on_prompt: bool = False,
+        thread: int | None = None,
+        layer: int | None = None,
+        cache_index: Any = None,
+        policy: Policy | None = None,
+        calls_kept: int | None = None,
+    ) -> None:
         self._module = weakref.ref(module)  # a standalone hook must not keep its module alive
         self.family = family
         # the module's own layer_idx; else `layer`, the watch's reading of the module's path (a mixer module
@@ -179,8 +189,10 @@ class RecurrentMixer(Kind):
     def _has(self, memory: str, method: str) -> None:
         if memory not in self.MEMORIES:
             carried = " and ".join(self.MEMORIES)
-            raise Unavailable(f"{self}.{method}: a {type(self).__name__} mixer has no {memory}; it carries only"
-                              f" {carried} ({', '.join(_ACCESSORS[m] for m in self.MEMORIES)})")
+            raise Unavailable(
+                f"{self}.{method}: a {type(self).__name__} mixer has no {memory}; it carries only"
+                f" {carried} ({', '.join(_ACCESSORS[m] for m in self.MEMORIES)})"
+            )
 
     # -- reading -----------------------------------------------------------------------------------------
 
@@ -214,8 +226,9 @@ class RecurrentMixer(Kind):
             raise InvalidValue(f"{self}.after: expected memory='state' or memory='window', got {memory!r}")
         return (self.state_after if memory == STATE_MEMORY else self.window_after)(token, call)
 
-    def state_after(self, token: "int | Sequence[int] | slice", call: int | None = None
-                    ) -> Float[Tensor, "batch *state"] | Float[Tensor, "batch tokens *state"]:  # noqa: F821 (jaxtyping's shape string)
+    def state_after(
+        self, token: "int | Sequence[int] | slice", call: int | None = None
+    ) -> Float[Tensor, "batch *state"] | Float[Tensor, "batch tokens *state"]:  # noqa: F821 (jaxtyping's shape string)
         """The state after `token` (negative counts from the end) of call `call` (default: the last call).
 
             mix.state_after(4)          # [batch, *state]
@@ -229,9 +242,9 @@ class RecurrentMixer(Kind):
         self._has(STATE_MEMORY, "state_after")
         return self._after(STATE_MEMORY, token, call, "state_after")
 
-    def window_after(self, token: "int | Sequence[int] | slice", call: int | None = None
-                     ) -> (Float[Tensor, "batch channels kernel_size"]
-                           | Float[Tensor, "batch tokens channels kernel_size"]):
+    def window_after(
+        self, token: "int | Sequence[int] | slice", call: int | None = None
+    ) -> Float[Tensor, "batch channels kernel_size"] | Float[Tensor, "batch tokens channels kernel_size"]:
         """The convolution window after `token` of call `call`: the last kernel_size conv inputs, oldest
         first, in the layout of transformers' cache; token+1 reads its last kernel_size-1 columns. Several
         tokens (a list or a slice) are stacked on the seq axis, as for `state_after`."""
@@ -248,8 +261,12 @@ class RecurrentMixer(Kind):
     def memory_after(self, token: "int | Sequence[int] | slice", call: int | None = None) -> Memory:
         """The whole memory after `token`: `Memory(state, window)` (needs both kept; a memory the kind
         does not carry is None). Several tokens (a list or a slice): each memory stacked on the seq axis."""
-        return Memory(*(getter(token, call) if memory in self.MEMORIES else None for memory, getter in
-                        ((STATE_MEMORY, self.state_after), (CONV_MEMORY, self.window_after))))
+        return Memory(
+            *(
+                getter(token, call) if memory in self.MEMORIES else None
+                for memory, getter in ((STATE_MEMORY, self.state_after), (CONV_MEMORY, self.window_after))
+            )
+        )
 
     def values(self, call: int | None = None) -> dict[str, Tensor]:
         """The per-token values of call `call` (default: the last), token-major, named as in `VALUES`.
@@ -274,9 +291,15 @@ class RecurrentMixer(Kind):
 
     # -- hooks and writes --------------------------------------------------------------------------------
 
-    def register_state_hook(self, fn: StateHook, *, call: "int | Iterable[int] | slice | None" = None,
-                            token: int | Iterable[int] | None = None, memory: str | None = None,
-                            which: str | None = None) -> RemovableHandle:
+    def register_state_hook(
+        self,
+        fn: StateHook,
+        *,
+        call: "int | Iterable[int] | slice | None" = None,
+        token: int | Iterable[int] | None = None,
+        memory: str | None = None,
+        which: str | None = None,
+    ) -> RemovableHandle:
         """Call `fn(mixer, call, token, state)` after the state update of each targeted token.
 
             h = mix.register_state_hook(lambda m, c, t, s: s * 0.5, call=0, token=[3, 4])
@@ -300,8 +323,10 @@ class RecurrentMixer(Kind):
         where = f"{self}.register_state_hook"
         if which is not None:
             if memory is not None:
-                raise InvalidValue(f"{where}: memory={memory!r} and which={which!r}: `which` is the former name of"
-                                   " `memory`; pass memory= alone")
+                raise InvalidValue(
+                    f"{where}: memory={memory!r} and which={which!r}: `which` is the former name of"
+                    " `memory`; pass memory= alone"
+                )
             renamed(f"{where}(which=...)", f"{where}(memory=...)")
             memory = which
         which = self.MEMORIES[0] if memory is None else memory_name(memory, where)
@@ -314,8 +339,9 @@ class RecurrentMixer(Kind):
         name = getattr(fn, "__qualname__", repr(fn))
         return self._add_hooks(Hook(self, fn, which, calls, as_targets(token, "token", where), f"{which} hook {name}"))
 
-    def set_after(self, memory: str, token: int, value: Tensor, call: "int | Iterable[int] | slice | None" = 0
-                  ) -> RemovableHandle:
+    def set_after(
+        self, memory: str, token: int, value: Tensor, call: "int | Iterable[int] | slice | None" = 0
+    ) -> RemovableHandle:
         """Replace the `memory` ("state" or "window") after `token` of call `call` by `value`: `set_state_after` or
         `set_window_after` by the memory's name.
 
@@ -326,8 +352,9 @@ class RecurrentMixer(Kind):
             raise InvalidValue(f"{self}.set_after: expected memory='state' or memory='window', got {memory!r}")
         return (self.set_state_after if memory == STATE_MEMORY else self.set_window_after)(token, value, call)
 
-    def set_state_after(self, token: int, value: Tensor, call: "int | Iterable[int] | slice | None" = 0
-                        ) -> RemovableHandle:
+    def set_state_after(
+        self, token: int, value: Tensor, call: "int | Iterable[int] | slice | None" = 0
+    ) -> RemovableHandle:
         """Replace the state after `token` of call `call` (default 0, the prompt) by `value`.
 
             mix.set_state_after(4, patched_state)        # tokens 5.. of the prompt continue from it
@@ -339,28 +366,33 @@ class RecurrentMixer(Kind):
         """
         return self._add_hooks(*_writes(self, STATE_MEMORY, token, value, call, "set_state_after"))
 
-    def set_window_after(self, token: int, value: Tensor, call: "int | Iterable[int] | slice | None" = 0
-                         ) -> RemovableHandle:
+    def set_window_after(
+        self, token: int, value: Tensor, call: "int | Iterable[int] | slice | None" = 0
+    ) -> RemovableHandle:
         """Replace the convolution window after `token` of call `call` by `value` (`[batch, channels,
         kernel_size]`, the cache's layout and dtype): tokens token+1.. read it, and so does the cache."""
         return self._add_hooks(*_writes(self, CONV_MEMORY, token, value, call, "set_window_after"))
 
-    def set_memory_after(self, token: int, memory: Memory, call: "int | Iterable[int] | slice | None" = 0
-                         ) -> RemovableHandle:
+    def set_memory_after(
+        self, token: int, memory: Memory, call: "int | Iterable[int] | slice | None" = 0
+    ) -> RemovableHandle:
         """Write the whole memory after `token` (state and conv window), e.g. kept in another run.
 
-            with rh.watch(model, keep=("states", "windows")) as a:
-                model(ids_a)
-            with rh.watch(model) as b:
-                b.mixers[0].set_memory_after(7, a.mixers[0].memory_after(7))
-                model(ids_b)   # from token 8 on, layer 0 continues exactly as in run A
+        with rh.watch(model, keep=("states", "windows")) as a:
+            model(ids_a)
+        with rh.watch(model) as b:
+            b.mixers[0].set_memory_after(7, a.mixers[0].memory_after(7))
+            model(ids_b)   # from token 8 on, layer 0 continues exactly as in run A
         """
         if not isinstance(memory, tuple) or len(memory) != 2:
-            raise InvalidValue(f"{self}.set_memory_after({token!r}, call={call!r}): expected a Memory(state,"
-                               f" window), got {type(memory).__name__}")
+            raise InvalidValue(
+                f"{self}.set_memory_after({token!r}, call={call!r}): expected a Memory(state,"
+                f" window), got {type(memory).__name__}"
+            )
         parts = [(name, value) for name, value in zip((STATE_MEMORY, CONV_MEMORY), memory) if name in self.MEMORIES]
-        return self._add_hooks(*(hook for name, value in parts
-                                 for hook in _writes(self, name, token, value, call, "set_memory_after")))
+        return self._add_hooks(
+            *(hook for name, value in parts for hook in _writes(self, name, token, value, call, "set_memory_after"))
+        )
 
     def _add_hooks(self, *hooks: Hook) -> RemovableHandle:
         if not self._live:
@@ -415,11 +447,15 @@ def _writes(mixer: RecurrentMixer, memory: str, token: Any, value: Any, call: An
     shapes = [tuple(part.shape) for _, part in parts if isinstance(part, Tensor)]
     if not parts or len(shapes) != len(parts) or any(len(shape) < 2 or shape[1] != len(tokens) for shape in shapes):
         got = f"shapes {shapes}" if shapes else type(value).__name__
-        raise InvalidValue(f"{where}: expected the {memory} after each of the {len(tokens)} tokens stacked on axis 1,"
-                           f" [batch, {len(tokens)}, ...] (as {method.removeprefix('set_')}({token!r}) reads them),"
-                           f" got {got}")
-    return [_write(mixer, memory, each, map_parts(lambda part, i=i: part[:, i], value), call, method)
-            for i, each in enumerate(tokens)]
+        raise InvalidValue(
+            f"{where}: expected the {memory} after each of the {len(tokens)} tokens stacked on axis 1,"
+            f" [batch, {len(tokens)}, ...] (as {method.removeprefix('set_')}({token!r}) reads them),"
+            f" got {got}"
+        )
+    return [
+        _write(mixer, memory, each, map_parts(lambda part, i=i: part[:, i], value), call, method)
+        for i, each in enumerate(tokens)
+    ]
 
 
 def _write(mixer: RecurrentMixer, memory: str, token: Any, value: Tensor, call: Any, method: str) -> Hook:
@@ -431,8 +467,9 @@ def _write(mixer: RecurrentMixer, memory: str, token: Any, value: Tensor, call: 
     calls = as_calls(call, where)
     wanted = mixer.STATE_TYPE if memory == STATE_MEMORY and mixer.STATE_TYPE is not None else Tensor
     if not isinstance(value, wanted):
-        raise InvalidValue(f"{where}: expected a {wanted.__name__} with axes ({describe(declared)}), got"
-                           f" {type(value).__name__}")
+        raise InvalidValue(
+            f"{where}: expected a {wanted.__name__} with axes ({describe(declared)}), got {type(value).__name__}"
+        )
     if (wrong := not_a_tensor(value, declared)) is not None:
         raise InvalidValue(f"{where}: {wrong}")
     rows = RowTokens.of(token, where) if isinstance(token, Tensor) and token.dim() > 0 else None
@@ -440,13 +477,16 @@ def _write(mixer: RecurrentMixer, memory: str, token: Any, value: Tensor, call: 
 
     def write(mixer: RecurrentMixer, call: int, token: int, state: State) -> State:
         written = value if mixer.head is None else map_parts(lambda v: v[:, mixer.head], value)
-        if rows is None or any(w.shape != s.shape or w.dtype != s.dtype or w.device != s.device
-                               for (_, w), (_, s) in zip(parts_of(written), parts_of(state))):
+        if rows is None or any(
+            w.shape != s.shape or w.dtype != s.dtype or w.device != s.device
+            for (_, w), (_, s) in zip(parts_of(written), parts_of(state))
+        ):
             return written  # a write of the whole batch, or a value the check will refuse with its message
         batch = parts_of(state)[0][1].shape[0]
         at = rows.at(token, mixer.tracker.tokens, batch, f"{mixer}, call {call}, token {token}: {method}")
-        return map_parts(lambda w, s: torch.where(at.to(s.device).view(-1, *(1,) * (s.dim() - 1)), w, s),
-                         written, state)
+        return map_parts(
+            lambda w, s: torch.where(at.to(s.device).view(-1, *(1,) * (s.dim() - 1)), w, s), written, state
+        )
 
     origin = f"{method}({describe_token(token)}, call={describe_calls(calls)})"
     return Hook(mixer, write, memory, calls, tokens, origin, write=True)
@@ -476,8 +516,10 @@ def record_of(mixer: RecurrentMixer, call: Any, method: str) -> Call:
 
 
 # The thread rule, as the warning on a watch's exit and the error on a mixer never called say it.
-THREAD_RULE = ("a watch sees only the forwards of the thread that entered it: enter the watch in the thread that runs"
-               " the model (docs/concepts.md, \"Known limits\")")
+THREAD_RULE = (
+    "a watch sees only the forwards of the thread that entered it: enter the watch in the thread that runs"
+    ' the model (docs/concepts.md, "Known limits")'
+)
 
 
 def note_unseen(mixers: Sequence[RecurrentMixer], thread: int) -> None:
@@ -502,7 +544,9 @@ def other_threads(mixer: RecurrentMixer) -> str:
     """Why a mixer has no call: its forwards in threads its watch does not see, or the reasons there may be."""
     seen = unseen_threads(mixer)
     if not seen:
-        return ("the model did not run inside the block, or it ran in another thread than the one that entered the"
-                f" watch ({THREAD_RULE})")
+        return (
+            "the model did not run inside the block, or it ran in another thread than the one that entered the"
+            f" watch ({THREAD_RULE})"
+        )
     ran = ", ".join(f"{n} forward{'s' if n != 1 else ''} in thread {name!r}" for (_, name), n in seen.items())
     return f"its module ran {ran}, which this watch does not see ({THREAD_RULE})"

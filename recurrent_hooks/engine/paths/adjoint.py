@@ -65,8 +65,9 @@ class _Spec:
         return with_tensors(self.kernel, self.args, self.kwargs, self.slots, tensors)
 
 
-def keep_every_state(kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict,
-                     where: str = "") -> tuple[Any, Tensor, tuple[Tensor, ...]]:
+def keep_every_state(
+    kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict, where: str = ""
+) -> tuple[Any, Tensor, tuple[Tensor, ...]]:
     """Run a prompt call keeping every state with gradients: the kernel's result, X `[batch, seq, *state]`, and
     X_t for every t (the views the graph reads: `state_after(t)`). `where` names the mixer and call."""
     slots, tensors = tensor_slots(args, kwargs)
@@ -92,12 +93,16 @@ def _through_uses(spec: _Spec, tensors: tuple[Tensor, ...], grad: Tensor) -> Ten
         spec.used = grad - mu
     used = spec.used
     tokens = [t for t in range(used.shape[1]) if bool(used[:, t].any())]
-    warnings.warn(RecurrentHooksWarning(
-        f"{spec.where}: the value differentiated uses this call's kept states themselves (tokens {tokens[:8]}"
-        f"{' ...' if len(tokens) > 8 else ''}). The inputs' gradients include that use; gradients taken with"
-        " respect to kept states do not include its effect through the later tokens on this path (every state"
-        " kept with gradients, chunk-wise): state_after(t) never, .states when the same autograd.grad call also"
-        " takes an input's gradient. For those, keep with paths=rh.Paths(rule='loop')"), stacklevel=2)
+    warnings.warn(
+        RecurrentHooksWarning(
+            f"{spec.where}: the value differentiated uses this call's kept states themselves (tokens {tokens[:8]}"
+            f"{' ...' if len(tokens) > 8 else ''}). The inputs' gradients include that use; gradients taken with"
+            " respect to kept states do not include its effect through the later tokens on this path (every state"
+            " kept with gradients, chunk-wise): state_after(t) never, .states when the same autograd.grad call also"
+            " takes an input's gradient. For those, keep with paths=rh.Paths(rule='loop')"
+        ),
+        stacklevel=2,
+    )
     detached = tuple(t.detach() for t in tensors)
     pieces = spec.pieces(detached)
     leading, named = pieces.call(0, pieces.tokens, pieces.state)
@@ -138,12 +143,15 @@ class _States(torch.autograd.Function):
         return (None, None, *_through_the_loop(spec, ctx.saved_tensors, ctx.needs_input_grad[2:], used))
 
 
-def _through_the_loop(spec: _Spec, saved: tuple[Tensor, ...], needed: tuple[bool, ...],
-                      used: Tensor) -> list[Tensor | None]:
+def _through_the_loop(
+    spec: _Spec, saved: tuple[Tensor, ...], needed: tuple[bool, ...], used: Tensor
+) -> list[Tensor | None]:
     """The inputs' gradients of sum_t <G_t, S_t>, through the kind's token loop under autograd."""
     with torch.enable_grad():
-        leaves = [t.detach().requires_grad_() if need and t.is_floating_point() else t.detach()
-                  for t, need in zip(saved, needed)]
+        leaves = [
+            t.detach().requires_grad_() if need and t.is_floating_point() else t.detach()
+            for t, need in zip(saved, needed)
+        ]
         pieces = spec.pieces(tuple(leaves))
         leading, named = pieces.call(0, pieces.tokens, pieces.state)
         total: list[Tensor] = []
@@ -172,8 +180,10 @@ class _PerToken(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
         mu = ctx.spec.mu
-        if mu is not None and all(g is not None and g.data_ptr() == m.data_ptr() and g.stride() == m.stride()
-                                  for g, m in zip(grads, mu.unbind(1))):
+        if mu is not None and all(
+            g is not None and g.data_ptr() == m.data_ptr() and g.stride() == m.stride()
+            for g, m in zip(grads, mu.unbind(1))
+        ):
             return None, mu
         first = next((g for g in grads if g is not None), None)
         if first is None:
@@ -186,7 +196,7 @@ class _Readout(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, spec: _Spec, *tensors_and_states: Tensor) -> tuple[Tensor, Tensor]:
-        tensors = tensors_and_states[:len(spec.slots)]
+        tensors = tensors_and_states[: len(spec.slots)]
         ctx.spec = spec
         ctx.save_for_backward(*tensors)
         ctx.set_materialize_grads(False)
@@ -198,7 +208,7 @@ class _Readout(torch.autograd.Function):
     def backward(ctx: Any, grad_out: Tensor | None, grad_final: Tensor | None) -> tuple[Any, ...]:
         spec = ctx.spec
         saved = tuple(t.detach() for t in ctx.saved_tensors)
-        needed = ctx.needs_input_grad[1:1 + len(saved)]
+        needed = ctx.needs_input_grad[1 : 1 + len(saved)]
         segments = spec.kernel.segments
         pieces = spec.pieces(saved)
         run = segments.kernel or spec.original
@@ -208,8 +218,9 @@ class _Readout(torch.autograd.Function):
 
         def backward_one(index: int, start: int, end: int, grad_state: Tensor | None) -> tuple[Any, Any]:
             piece_grad = None if grad_out is None else grad_out.narrow(segments.out_axis, start, end - start)
-            grads, state_grad, (leading, named) = recompute(pieces, run, start, end, spec.boundaries[index], wanted,
-                                                            piece_grad, grad_state)
+            grads, state_grad, (leading, named) = recompute(
+                pieces, run, start, end, spec.boundaries[index], wanted, piece_grad, grad_state
+            )
 
             def visit(t: int, m: Tensor) -> None:
                 if not mu:

@@ -39,8 +39,9 @@ def tensor_slots(args: tuple, kwargs: dict) -> tuple[list[tuple[int | None, str 
     return slots, tuple(args[i] if k is None else kwargs[k] for i, k in slots)
 
 
-def with_tensors(kernel: Kernel, args: tuple, kwargs: dict, slots: list[tuple[int | None, str | None]],
-                 tensors: Iterable[Tensor]) -> Pieces:
+def with_tensors(
+    kernel: Kernel, args: tuple, kwargs: dict, slots: list[tuple[int | None, str | None]], tensors: Iterable[Tensor]
+) -> Pieces:
     """The call's `Pieces` with `tensors` in the places `slots` names."""
     args, kwargs = list(args), dict(kwargs)
     for (i, key), tensor in zip(slots, tensors):
@@ -57,14 +58,15 @@ def slot_names(pieces: Pieces, slots: list[tuple[int | None, str | None]]) -> li
     return [names[i] if key is None else key for i, key in slots]
 
 
-def piece_leaves(pieces: Pieces, start: int, end: int, boundary: Tensor | None,
-                 wanted: set[str]) -> tuple[list[Any], dict[str, Any], dict[str, Tensor], Tensor | None]:
+def piece_leaves(
+    pieces: Pieces, start: int, end: int, boundary: Tensor | None, wanted: set[str]
+) -> tuple[list[Any], dict[str, Any], dict[str, Tensor], Tensor | None]:
     """The arguments of tokens [start, end) from `boundary`, the `wanted` floating tensors as fresh leaves (and
     the boundary state, as a leaf), chunks no longer than the piece (`Segments.chunk_argument`): `(leading, named,
     leaves by name, state)`. Call under `torch.enable_grad()`."""
     leading, named = pieces.call(start, end, None)
     leaves: dict[str, Tensor] = {}
-    for i, name in enumerate(pieces.positional[:len(leading)]):
+    for i, name in enumerate(pieces.positional[: len(leading)]):
         if name in wanted and isinstance(leading[i], Tensor) and leading[i].is_floating_point():
             leading[i] = leaves[name] = leading[i].detach().requires_grad_()
     for name in list(named):
@@ -78,10 +80,11 @@ def piece_leaves(pieces: Pieces, start: int, end: int, boundary: Tensor | None,
     return leading, named, leaves, state
 
 
-def detached(pieces: Pieces, leading: list[Any], named: dict[str, Any],
-             leaves: dict[str, Tensor]) -> tuple[list[Any], dict[str, Any]]:
+def detached(
+    pieces: Pieces, leading: list[Any], named: dict[str, Any], leaves: dict[str, Tensor]
+) -> tuple[list[Any], dict[str, Any]]:
     """`piece_leaves`' arguments without their graphs (the leaves and the state detached)."""
-    names = pieces.positional[:len(leading)]
+    names = pieces.positional[: len(leading)]
     plain = [leaves[name].detach() if name in leaves else value for name, value in zip(names, leading)]
     state_in = pieces.segments.state_in
     named = {name: (leaves[name].detach() if name in leaves else value) for name, value in named.items()}
@@ -90,9 +93,16 @@ def detached(pieces: Pieces, leading: list[Any], named: dict[str, Any],
     return plain, named
 
 
-def recompute(pieces: Pieces, run: Callable[..., Any], start: int, end: int, boundary: Tensor | None,
-              wanted: set[str], grad_out: Tensor | None, grad_state: Tensor | None
-              ) -> tuple[dict[str, Tensor | None], Tensor | None, tuple[list[Any], dict[str, Any]]]:
+def recompute(
+    pieces: Pieces,
+    run: Callable[..., Any],
+    start: int,
+    end: int,
+    boundary: Tensor | None,
+    wanted: set[str],
+    grad_out: Tensor | None,
+    grad_state: Tensor | None,
+) -> tuple[dict[str, Tensor | None], Tensor | None, tuple[list[Any], dict[str, Any]]]:
     """Tokens [start, end) by `run` (the bound kernel, or `Segments.kernel`) from `boundary` under autograd, given
     the gradients of the piece's output (`grad_out`, the piece's slice) and of the state it ends with: the gradients
     of the `wanted` inputs (each narrowed to the piece where it has a token axis), of `boundary`, and the piece's
@@ -103,14 +113,18 @@ def recompute(pieces: Pieces, run: Callable[..., Any], start: int, end: int, bou
         outputs = [o for o, g in ((out, grad_out), (final, grad_state)) if g is not None]
         grads_in = [g for g in (grad_out, grad_state) if g is not None]
         targets = list(leaves.values()) + ([state] if state is not None else [])
-        grads = torch.autograd.grad(outputs, targets, grads_in, allow_unused=True) \
-            if outputs and targets else (None,) * len(targets)
+        grads = (
+            torch.autograd.grad(outputs, targets, grads_in, allow_unused=True)
+            if outputs and targets
+            else (None,) * len(targets)
+        )
     plain = detached(pieces, leading, named, leaves)
-    return dict(zip(leaves, grads[:len(leaves)])), (grads[-1] if state is not None else None), plain
+    return dict(zip(leaves, grads[: len(leaves)])), (grads[-1] if state is not None else None), plain
 
 
-def sweep(ranges: list[tuple[int, int]], backward_one: BackwardOne,
-          grad_final: Tensor | None) -> tuple[Tensor | None, Collected]:
+def sweep(
+    ranges: list[tuple[int, int]], backward_one: BackwardOne, grad_final: Tensor | None
+) -> tuple[Tensor | None, Collected]:
     """Right to left over `ranges`: `backward_one(index, start, end, grad_state)` gives, from d m / d the state
     range `index` ended with, d m / d the state it started from and the gradients of the inputs it took (by name;
     per-token inputs narrowed to the range). Returns the call's initial state's gradient and what was collected."""
@@ -126,8 +140,14 @@ def sweep(ranges: list[tuple[int, int]], backward_one: BackwardOne,
     return grad_state, collected
 
 
-def input_gradients(pieces: Pieces, slots: list[tuple[int | None, str | None]], saved: tuple[Tensor, ...],
-                    needed: tuple[bool, ...], grad_state: Tensor | None, collected: Collected) -> list[Tensor | None]:
+def input_gradients(
+    pieces: Pieces,
+    slots: list[tuple[int | None, str | None]],
+    saved: tuple[Tensor, ...],
+    needed: tuple[bool, ...],
+    grad_state: Tensor | None,
+    collected: Collected,
+) -> list[Tensor | None]:
     """The gradient of each tensor slot of the call: its initial state's `grad_state`; a per-token input's ranges
     put back together along its token axis (zeros where a range gave none); another input's summed (right to
     left, as the sweep found them); None where not needed."""
@@ -141,8 +161,17 @@ def input_gradients(pieces: Pieces, slots: list[tuple[int | None, str | None]], 
             result.append(grad_state)
         elif name in segments.per_token:
             axis = segments.per_token[name]
-            result.append(torch.cat([torch.zeros_like(tensor.narrow(axis, start, end - start)) if grad is None
-                                     else grad for start, end, grad in found], dim=axis) if found else None)
+            result.append(
+                torch.cat(
+                    [
+                        torch.zeros_like(tensor.narrow(axis, start, end - start)) if grad is None else grad
+                        for start, end, grad in found
+                    ],
+                    dim=axis,
+                )
+                if found
+                else None
+            )
         else:
             total = None
             for _, _, grad in reversed(found):

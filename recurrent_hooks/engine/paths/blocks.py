@@ -61,8 +61,12 @@ def replaced(handed: Tensor, version: int, returned: Tensor) -> bool:
     same state)."""
     if handed._version != version:
         return True
-    if returned is handed or (returned.data_ptr() == handed.data_ptr() and returned.stride() == handed.stride()
-                              and returned.shape == handed.shape and returned.dtype == handed.dtype):
+    if returned is handed or (
+        returned.data_ptr() == handed.data_ptr()
+        and returned.stride() == handed.stride()
+        and returned.shape == handed.shape
+        and returned.dtype == handed.dtype
+    ):
         return False
     return not (returned.shape == handed.shape and returned.dtype == handed.dtype and torch.equal(returned, handed))
 
@@ -107,8 +111,9 @@ def state_size(kind: Any, kernel: Kernel, arguments: dict[str, Any]) -> int | No
     return None if shape is None else math.prod(shape)
 
 
-def blocks_apply(kernel: Kernel, kind: Any, arguments: dict[str, Any], grad: bool | None = None,
-                 limit: int | None = None) -> bool:
+def blocks_apply(
+    kernel: Kernel, kind: Any, arguments: dict[str, Any], grad: bool | None = None, limit: int | None = None
+) -> bool:
     """Whether a prompt call of `kernel` with a hook on every token runs in blocks: the kernel has `all_states`,
     gradients are off (`grad`, default: torch's grad mode), no inference mode, not compiling, and the call's
     state is small enough that blocks beat the token loop
@@ -116,10 +121,14 @@ def blocks_apply(kernel: Kernel, kind: Any, arguments: dict[str, Any], grad: boo
     memory costs more than the token loop's per-token Python steps, which find the state in the cache; measured on
     a CPU: `limit`, from `Paths(blocks_below=...)`, overrides it)."""
     segments = kernel.segments
-    if compiling() or segments is None or segments.all_states is None \
-            or (torch.is_grad_enabled() if grad is None else grad) or torch.is_inference_mode_enabled():
+    if (
+        compiling()
+        or segments is None
+        or segments.all_states is None
+        or (torch.is_grad_enabled() if grad is None else grad)
+        or torch.is_inference_mode_enabled()
+    ):
         return False  # (a compiled graph has no version counters, and would unroll every block)
     limit = segments.blocks_below if limit is None else limit
     size = state_size(kind, kernel, arguments)
     return size is not None and size <= limit
-

@@ -70,8 +70,15 @@ def graph_bytes(shape: Shape, tokens: int) -> float:
     return 4.0 * shape.graph * math.ceil(tokens / chunk) * per_chunk if tokens > 0 else 0.0
 
 
-def held_bytes(shape: Shape, tokens: int, stops: Iterable[int], grad: bool, kept: int = 0,
-               elsewhere: bool = False, reducing: bool = False) -> dict[Strategy, float]:
+def held_bytes(
+    shape: Shape,
+    tokens: int,
+    stops: Iterable[int],
+    grad: bool,
+    kept: int = 0,
+    elsewhere: bool = False,
+    reducing: bool = False,
+) -> dict[Strategy, float]:
     """At most the bytes each path holds on the call's device beyond what the bound kernel holds on the same call
     (measured at real dims, tests/engine/test_path_memory.py), S being one state of the call (batch included, float32):
         token loop        gradients: (Shape.loop_graph T + kept + 2) S, its graph and a copy of each kept state,
@@ -89,13 +96,20 @@ def held_bytes(shape: Shape, tokens: int, stops: Iterable[int], grad: bool, kept
     if grad:
         parts = pieces(stops, tokens)
         loop = max(2 * state, (shape.loop_graph * tokens + kept + 2) * state - graph_bytes(shape, tokens))
-        segments = sum(graph_bytes(shape, end - start) for start, end in parts) - graph_bytes(shape, tokens) \
+        segments = (
+            sum(graph_bytes(shape, end - start) for start, end in parts)
+            - graph_bytes(shape, tokens)
             + len(parts) * state
+        )
         states = STATES_CHUNK * state
     else:
         loop = 2 * state + reduction
         segments = graph_bytes(shape, shape.chunk) + 2 * state
         states = STATES_CHUNK * state + (tokens * state if elsewhere else 0.0)
-    return {Strategy.SEGMENTS: segments, Strategy.STATES: states,
-            Strategy.BLOCKS: 1.5 * blocks.BLOCK * state + reduction, Strategy.CHUNKS: 2 * STATES_CHUNK * state,
-            Strategy.LOOP: loop}
+    return {
+        Strategy.SEGMENTS: segments,
+        Strategy.STATES: states,
+        Strategy.BLOCKS: 1.5 * blocks.BLOCK * state + reduction,
+        Strategy.CHUNKS: 2 * STATES_CHUNK * state,
+        Strategy.LOOP: loop,
+    }

@@ -82,8 +82,9 @@ def _device_of(arguments: dict[str, Any] | None) -> torch.device | None:
     return None if first is None else first.device
 
 
-def _held(shape: Shape, busy: list[Any], tokens: int, stops: set[int], grad: bool,
-          arguments: dict[str, Any] | None) -> dict[Strategy, float]:
+def _held(
+    shape: Shape, busy: list[Any], tokens: int, stops: set[int], grad: bool, arguments: dict[str, Any] | None
+) -> dict[Strategy, float]:
     """`held_bytes` for a busy call: the states its plans keep as they are, whether they go to another device,
     whether one reduces every state."""
     device = _device_of(arguments)
@@ -94,8 +95,11 @@ def _held(shape: Shape, busy: list[Any], tokens: int, stops: set[int], grad: boo
         elif plan.keep:
             kept += len(plan.keep)
             target = getattr(plan, "device", None)
-            elsewhere |= target is not None and device is not None and not (
-                target.type == device.type and target.index in (None, device.index))
+            elsewhere |= (
+                target is not None
+                and device is not None
+                and not (target.type == device.type and target.index in (None, device.index))
+            )
     return held_bytes(shape, tokens, stops, grad, kept, elsewhere, reducing)
 
 
@@ -104,8 +108,14 @@ def _reduces_every_state(plan: Any, tokens: int) -> bool:
     return bool(plan.keep) and getattr(plan, "reduce", None) is not None and len(plan.keep) == tokens > 1
 
 
-def choose(kernel: Kernel, busy: list[Any], tokens: int, arguments: dict[str, Any] | None = None,
-           grad: bool | None = None, paths: Paths = DEFAULT) -> Choice | None:
+def choose(
+    kernel: Kernel,
+    busy: list[Any],
+    tokens: int,
+    arguments: dict[str, Any] | None = None,
+    grad: bool | None = None,
+    paths: Paths = DEFAULT,
+) -> Choice | None:
     """The path of a busy call (its plans `busy`, each with `hooks` and `keep`) under the policy `paths`: a
     `Choice`, or None for the token loop. `arguments`: the call's bound arguments, from which the kernel's
     `Segments.shape` reads its shape; `grad`: whether gradients are on (default: `torch.is_grad_enabled()`)."""
@@ -141,12 +151,21 @@ def choose(kernel: Kernel, busy: list[Any], tokens: int, arguments: dict[str, An
     # blocks where they were measured to beat the token loop (`blocks.blocks_apply`: the state's size)
     # (blocks at any size for a reduction alone: its on_token costs next to nothing, unlike a hook's)
     only_reducing = reducing and not any(positions is None for plan in busy for _, positions in plan.hooks)
-    blocks = every_token and all_states and not grad and arguments is not None \
-        and blocks_apply(kernel, busy[0].kind, arguments, grad,
-                                 sys.maxsize if only_reducing else paths.blocks_below)
+    blocks = (
+        every_token
+        and all_states
+        and not grad
+        and arguments is not None
+        and blocks_apply(kernel, busy[0].kind, arguments, grad, sys.maxsize if only_reducing else paths.blocks_below)
+    )
     # only reductions of every state, no gradients: the all-states kernel hands them its chunks (`Segments.on_chunk`)
-    chunks = all_states and segments.on_chunk and not grad and not compiling() \
+    chunks = (
+        all_states
+        and segments.on_chunk
+        and not grad
+        and not compiling()
         and all(_reduces_every_state(plan, tokens) and not plan.hooks for plan in busy)
+    )
     if every_token:
         available = [Strategy.LOOP] + ([Strategy.BLOCKS] if blocks else []) + ([Strategy.CHUNKS] if chunks else [])
     else:
@@ -157,8 +176,13 @@ def choose(kernel: Kernel, busy: list[Any], tokens: int, arguments: dict[str, An
         if paths.rule == "cost" and shape is not None:
             constants = _constants_of(shape, arguments, paths)
     # the paths within the memory budget (`held_bytes`; all of them for a kernel that declares no shape)
-    fitting = available if shape is None else _within(available, _held(shape, busy, tokens, stops, grad, arguments),
-                                                       budget_of(paths, _device_of(arguments)))
+    fitting = (
+        available
+        if shape is None
+        else _within(
+            available, _held(shape, busy, tokens, stops, grad, arguments), budget_of(paths, _device_of(arguments))
+        )
+    )
     if paths.force in available:
         path = paths.force
     elif every_state and grad and Strategy.STATES in fitting:  # measured: the adjoint's backward beats the loop's

@@ -69,8 +69,13 @@ def calibration_key(device: torch.device | str, dtype: torch.dtype) -> str:
 def read_costs(path: pathlib.Path | str = COSTS_FILE) -> dict[str, dict[str, Constants]]:
     """The calibrations of a costs file: key -> the constants of each kernel key ("delta rule", "ssd", ...)."""
     data = json.loads(pathlib.Path(path).read_text())
-    return {key: {name: Constants(*(tuple(float(c) for c in fit[part]) for part in ("kernel", "loop", "states")))
-                  for name, fit in entry["kernels"].items()} for key, entry in data.items()}
+    return {
+        key: {
+            name: Constants(*(tuple(float(c) for c in fit[part]) for part in ("kernel", "loop", "states")))
+            for name, fit in entry["kernels"].items()
+        }
+        for key, entry in data.items()
+    }
 
 
 def load_costs() -> None:
@@ -107,8 +112,13 @@ def states_terms(shape: Shape, tokens: int) -> list[float]:
     chunk (its i x j decay masks), per state element per token (each state is written once)."""
     work = shape.batch * shape.heads
     chunks = math.ceil(tokens / STATES_CHUNK)
-    return [1.0, chunks, work * chunks, work * tokens * STATES_CHUNK * shape.key_dim,
-            work * tokens * shape.key_dim * shape.value_dim]
+    return [
+        1.0,
+        chunks,
+        work * chunks,
+        work * tokens * STATES_CHUNK * shape.key_dim,
+        work * tokens * shape.key_dim * shape.value_dim,
+    ]
 
 
 def _dot(coefficients: tuple[float, ...], terms: list[float]) -> float:
@@ -140,8 +150,9 @@ def pieces(stops: Iterable[int], tokens: int) -> list[tuple[int, int]]:
     return out
 
 
-def _piece(constants: Constants, shape: Shape, start: int, end: int, tails: bool
-           ) -> tuple[float, tuple[int, int] | None]:
+def _piece(
+    constants: Constants, shape: Shape, start: int, end: int, tails: bool
+) -> tuple[float, tuple[int, int] | None]:
     """A piece of SEGMENTS: its cost, and the range the token loop runs at its end (None: the kernel runs all;
     always, without `tails`)."""
     whole = kernel_cost(constants, shape, end - start)
@@ -152,8 +163,9 @@ def _piece(constants: Constants, shape: Shape, start: int, end: int, tails: bool
     return (split, (boundary, end)) if split < whole else (whole, None)
 
 
-def segments_cost(constants: Constants, shape: Shape, tokens: int, stops: Iterable[int], tails: bool = False
-                  ) -> tuple[float, tuple[tuple[int, int], ...]]:
+def segments_cost(
+    constants: Constants, shape: Shape, tokens: int, stops: Iterable[int], tails: bool = False
+) -> tuple[float, tuple[tuple[int, int], ...]]:
     """SEGMENTS: its cost and its tails (the ranges the token loop runs; none without `tails`)."""
     total, looped = 0.0, []
     for start, end in pieces(stops, tokens):
@@ -164,18 +176,23 @@ def segments_cost(constants: Constants, shape: Shape, tokens: int, stops: Iterab
     return total, tuple(looped)
 
 
-def estimators(constants: Constants, shape: Shape, tokens: int, stops: Iterable[int], tails: bool
-               ) -> dict[Strategy, Callable[[], float]]:
+def estimators(
+    constants: Constants, shape: Shape, tokens: int, stops: Iterable[int], tails: bool
+) -> dict[Strategy, Callable[[], float]]:
     """Each path's estimate, as a function (a choice computes only those of the paths it can take)."""
-    return {Strategy.SEGMENTS: lambda: segments_cost(constants, shape, tokens, stops, tails)[0],
-            Strategy.STATES: lambda: sum(states_cost(constants, shape, end - start)
-                                         for start, end in pieces(stops, tokens)),
-            Strategy.BLOCKS: lambda: states_cost(constants, shape, tokens),
-            Strategy.CHUNKS: lambda: states_cost(constants, shape, tokens),
-            Strategy.LOOP: lambda: loop_cost(constants, shape, tokens)}
+    return {
+        Strategy.SEGMENTS: lambda: segments_cost(constants, shape, tokens, stops, tails)[0],
+        Strategy.STATES: lambda: sum(
+            states_cost(constants, shape, end - start) for start, end in pieces(stops, tokens)
+        ),
+        Strategy.BLOCKS: lambda: states_cost(constants, shape, tokens),
+        Strategy.CHUNKS: lambda: states_cost(constants, shape, tokens),
+        Strategy.LOOP: lambda: loop_cost(constants, shape, tokens),
+    }
 
 
-def estimates(shape: Shape, tokens: int, stops: Iterable[int], constants: Constants, tails: bool = False
-          ) -> dict[Strategy, float]:
+def estimates(
+    shape: Shape, tokens: int, stops: Iterable[int], constants: Constants, tails: bool = False
+) -> dict[Strategy, float]:
     """Each path's estimated seconds for a call of `tokens` tokens stopping at `stops` (available or not)."""
     return {path: estimate() for path, estimate in estimators(constants, shape, tokens, stops, tails).items()}

@@ -53,15 +53,31 @@ def run_loop(call: BusyCall) -> Any:
 def run_segments(call: BusyCall) -> Any:
     if call.kernel.segments is None:  # the loop computes fast between the stops itself (`Kernel.stops`)
         return call.loop(stops=call.choice.stops)
-    return run_in_segments(call.kernel, call.original, call.args, call.kwargs, call.choice.stops, call.choice.tails,
-                           call.takers[0].on_token, [])
+    return run_in_segments(
+        call.kernel,
+        call.original,
+        call.args,
+        call.kwargs,
+        call.choice.stops,
+        call.choice.tails,
+        call.takers[0].on_token,
+        [],
+    )
 
 
 def run_states(call: BusyCall) -> Any:
     if call.takers[0].differentiable:  # every state with gradients, no stop: all-states forward, adjoint backward
         return keep_every_state(call.kernel, call.original, call.args, call.kwargs, call.takers[0].storing)
-    return run_in_segments(call.kernel, call.original, call.args, call.kwargs, call.choice.stops, call.choice.tails,
-                           call.takers[0].on_token, call.takers[0].storing)
+    return run_in_segments(
+        call.kernel,
+        call.original,
+        call.args,
+        call.kwargs,
+        call.choice.stops,
+        call.choice.tails,
+        call.takers[0].on_token,
+        call.takers[0].storing,
+    )
 
 
 def run_blocks(call: BusyCall) -> Any:
@@ -74,13 +90,17 @@ def run_chunks(call: BusyCall) -> Any:
         held = _visitor.held_heads(call.busy[0][0])
         if held is not None and not held.held:  # a kernel run once per head (zamba), no head's states held yet
             return reduce_heads_in_chunks(call.kernel, call.original, call.args, call.kwargs, call.takers[0])
-        return reduce_in_chunks(call.kernel, call.args, call.kwargs, call.takers[0], call.busy[0][0].kind,
-                                call.arguments)
+        return reduce_in_chunks(
+            call.kernel, call.args, call.kwargs, call.takers[0], call.busy[0][0].kind, call.arguments
+        )
 
 
 RUNNERS: dict[Strategy, Callable[[BusyCall], Any]] = {
-    Strategy.LOOP: run_loop, Strategy.SEGMENTS: run_segments, Strategy.STATES: run_states,
-    Strategy.BLOCKS: run_blocks, Strategy.CHUNKS: run_chunks,
+    Strategy.LOOP: run_loop,
+    Strategy.SEGMENTS: run_segments,
+    Strategy.STATES: run_states,
+    Strategy.BLOCKS: run_blocks,
+    Strategy.CHUNKS: run_chunks,
 }
 
 
@@ -92,8 +112,9 @@ def threads_of(busy: list[list[Plan]], arguments: dict[str, Any]) -> Any:
     return loop_threads(policy.paths.loop_threads, device)
 
 
-def reduce_in_chunks(kernel: Kernel, args: tuple, kwargs: dict, taker: Any, kind: type,
-                     arguments: dict[str, Any]) -> Any:
+def reduce_in_chunks(
+    kernel: Kernel, args: tuple, kwargs: dict, taker: Any, kind: type, arguments: dict[str, Any]
+) -> Any:
     """A prompt call whose busy plans only reduce every state, without gradients (`policy.Strategy.CHUNKS`):
     the kernel's `all_states` runs once over the call and hands each of its chunks' states to `on_chunk`
     (`Segments.on_chunk`), which the reductions take as `[batch, chunk, *state]`, a view of the kernel's one
@@ -118,8 +139,7 @@ def reduce_in_chunks(kernel: Kernel, args: tuple, kwargs: dict, taker: Any, kind
     return pieces.result([out], last)
 
 
-def reduce_heads_in_chunks(kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict,
-                           taker: Any) -> Any:
+def reduce_heads_in_chunks(kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict, taker: Any) -> Any:
     """`reduce_in_chunks` on a kind that runs its kernel once per head, head after head (`KERNEL_PER_HEAD`: zamba):
     the earlier heads' kernel calls run the bound kernel and hold their arguments (`visitor.HeldHeads.calls`: views
     of the tensors the forward holds anyway); the last head's call forms every head's states again, `Reduction.CHUNK`
@@ -136,8 +156,10 @@ def reduce_heads_in_chunks(kernel: Kernel, original: Callable[..., Any], args: t
         return original(*args, **kwargs)
     every = [*held[0].calls, pieces]
     if len(every) != heads:
-        raise RecurrentHooksError(f"{owner.where}: the last head's kernel call ({head + 1} of {heads}) found"
-                                  f" {len(every) - 1} earlier heads' calls on the chunk-wise reductions' path")
+        raise RecurrentHooksError(
+            f"{owner.where}: the last head's kernel call ({head + 1} of {heads}) found"
+            f" {len(every) - 1} earlier heads' calls on the chunk-wise reductions' path"
+        )
     states = [each.state for each in every]
     outputs = []
     for start in range(0, pieces.tokens, _visitor.Reduction.CHUNK):
@@ -178,8 +200,9 @@ def linear_factors(kernel: Kernel, kind: type, arguments: dict[str, Any], taker:
     return a.to(device, torch.float32), b.to(device, torch.float32)
 
 
-def keep_every_state(kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict,
-                     keeping: list[Plan]) -> Any:
+def keep_every_state(
+    kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict, keeping: list[Plan]
+) -> Any:
     """A prompt call keeping every state with gradients (`adjoint`): its states go to the `keeping`
     plans, per token and stacked (the tensor `autograd.grad(metric, mix.states)` differentiates)."""
     where = f"{keeping[0].where}, call {keeping[0].call}"
@@ -191,9 +214,16 @@ def keep_every_state(kernel: Kernel, original: Callable[..., Any], args: tuple, 
     return result
 
 
-def run_in_segments(kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict, stops: list[int],
-                    tails: tuple[tuple[int, int], ...], on_token: Callable[[int, Tensor], Tensor],
-                    keeping_all: list[Plan]) -> Any:
+def run_in_segments(
+    kernel: Kernel,
+    original: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    stops: list[int],
+    tails: tuple[tuple[int, int], ...],
+    on_token: Callable[[int, Tensor], Tensor],
+    keeping_all: list[Plan],
+) -> Any:
     """Run `original` on the tokens between the stops, chaining the state through `on_token` at each stop.
 
     The token ranges `tails` (`[start, end)`, each inside one piece and ending it) run through the library's

@@ -61,8 +61,9 @@ class Taker:
                 # per token would add a whole-buffer gradient per token, quadratic in the tokens).
                 if not self.buffer:
                     count = len(self.kept_at)
-                    self.buffer.append(map_parts(lambda s: s.new_zeros((s.shape[0], count, *s.shape[1:]),
-                                                                       requires_grad=True), state))
+                    self.buffer.append(
+                        map_parts(lambda s: s.new_zeros((s.shape[0], count, *s.shape[1:]), requires_grad=True), state)
+                    )
                     views = [part.unbind(1) for _, part in parts_of(self.buffer[0])]
                     self.slots.extend(rebuild(state, per_token) for per_token in zip(*views))
                 state = map_parts(torch.add, state, self.slots[slot])
@@ -94,7 +95,8 @@ class Taker:
                 f"{plan.where}, call {plan.call}, token {token}: keep_device={str(device)!r} with gradients on: a"
                 f" state kept in grad mode is the tensor the forward read (on {source}), which a copy on another"
                 " device is not. Run the forward under torch.no_grad(), keep on the model's device (keep_device="
-                "None), or keep a reduction (reduce=...), whose copy keeps its graph")
+                "None), or keep a reduction (reduce=...), whose copy keeps its graph"
+            )
         if source.type != "cpu":
             self.moved.add(source)
         return map_parts(lambda s: s.to(device, non_blocking=True), value)
@@ -149,8 +151,14 @@ class Reduction:
         del states  # (the stacked copy is all `reduce` needs: the chunk's states are held once)
         self.reduce(tokens, chunk, taker)
 
-    def reduce(self, tokens: "list[int] | range", chunk: State, taker: "Taker", buffer: Tensor | None = None,
-               every_head: bool = False) -> None:
+    def reduce(
+        self,
+        tokens: "list[int] | range",
+        chunk: State,
+        taker: "Taker",
+        buffer: Tensor | None = None,
+        every_head: bool = False,
+    ) -> None:
         """Keep, per token of `tokens`, its slice of the plan's `reduce(chunk)` (`chunk`: those tokens' states,
         `[batch, chunk, *state]`). `buffer`: the tensor `chunk` is a view of, which the kernel overwrites with the
         next chunk (`Segments.on_chunk`): a result in its memory (the chunk itself, or a view of it) is copied.
@@ -159,8 +167,14 @@ class Reduction:
         plan = self.plan
         heads = None if every_head else held_heads(plan)
         if heads is not None:  # a kernel run once per head: the reduction sees every head's states at once
-            chunk = heads.gather(f"{plan.where}, call {plan.call}", plan.owner.head, plan.owner.forward.kernel_calls,
-                                 tokens, chunk, buffer)
+            chunk = heads.gather(
+                f"{plan.where}, call {plan.call}",
+                plan.owner.head,
+                plan.owner.forward.kernel_calls,
+                tokens,
+                chunk,
+                buffer,
+            )
             if chunk is None:
                 return  # an earlier head's: held until the last head's kernel call forms the same tokens
             buffer = None  # (the heads' stack is a tensor of its own)
@@ -171,9 +185,11 @@ class Reduction:
         for name, part in parts_of(reduced) if is_parts(reduced) else [("", reduced)]:
             if not isinstance(part, Tensor) or part.dim() < 2 or part.shape[1] != len(tokens):
                 got = f"a tensor of shape {tuple(part.shape)}" if isinstance(part, Tensor) else type(part).__name__
-                raise InvalidValue(f"{where} returned {got}{f' in part {name!r}' if name else ''}; expected a tensor"
-                                   f" [batch, chunk, ...] with chunk = {len(tokens)} (a result per token of the"
-                                   " chunk of states [batch, chunk, *state] it was given)")
+                raise InvalidValue(
+                    f"{where} returned {got}{f' in part {name!r}' if name else ''}; expected a tensor"
+                    f" [batch, chunk, ...] with chunk = {len(tokens)} (a result per token of the"
+                    " chunk of states [batch, chunk, *state] it was given)"
+                )
         if buffer is not None:
             memory = buffer.untyped_storage().data_ptr()
             reduced = map_parts(lambda r: r.clone() if r.untyped_storage().data_ptr() == memory else r, reduced)
@@ -204,8 +220,9 @@ class HeldHeads:
         self.held: list[dict[int, State]] = []  # per earlier head, token -> its state [batch, *head_state]
         self.calls: list[Any] = []  # or, on the chunk-wise reductions' path, per earlier head its kernel call's pieces
 
-    def gather(self, where: str, head: int, heads: int, tokens: "list[int] | range", chunk: State,
-               buffer: Tensor | None) -> State | None:
+    def gather(
+        self, where: str, head: int, heads: int, tokens: "list[int] | range", chunk: State, buffer: Tensor | None
+    ) -> State | None:
         """Hold head `head`'s chunk (`[batch, chunk, *head_state]`, the states of `tokens`; `buffer`: the kernel's
         buffer it is a view of) and return None, or, for the last head, every head's `[batch, chunk, heads, ...]`
         (`where`: the call, for messages)."""
@@ -217,18 +234,23 @@ class HeldHeads:
             self.held[head].update((token, rebuild(chunk, parts)) for token, parts in zip(tokens, per_token))
             return None
         if self.calls:
-            raise RecurrentHooksError(f"{where}: head {head} (the last of {heads}) took another path than the"
-                                      " chunk-wise reductions' that its earlier heads' kernel calls took; a reduction"
-                                      " sees every head's states at once, so every head's kernel call must take one"
-                                      " path")
-        missing = [(h, token) for h in range(heads - 1) for token in tokens
-                   if h >= len(self.held) or token not in self.held[h]]
+            raise RecurrentHooksError(
+                f"{where}: head {head} (the last of {heads}) took another path than the"
+                " chunk-wise reductions' that its earlier heads' kernel calls took; a reduction"
+                " sees every head's states at once, so every head's kernel call must take one"
+                " path"
+            )
+        missing = [
+            (h, token) for h in range(heads - 1) for token in tokens if h >= len(self.held) or token not in self.held[h]
+        ]
         if missing:
             h, token = missing[0]
-            raise RecurrentHooksError(f"{where}: head {head} (the last of {heads}) formed the state after token"
-                                      f" {token}, which head {h}'s kernel call did not: a reduction sees every head's"
-                                      " states at once, so each head's kernel call must form the same tokens")
-        earlier = [stack_parts([held.pop(token) for token in tokens], dim=1) for held in self.held[:heads - 1]]
+            raise RecurrentHooksError(
+                f"{where}: head {head} (the last of {heads}) formed the state after token"
+                f" {token}, which head {h}'s kernel call did not: a reduction sees every head's"
+                " states at once, so each head's kernel call must form the same tokens"
+            )
+        earlier = [stack_parts([held.pop(token) for token in tokens], dim=1) for held in self.held[: heads - 1]]
         return stack_parts([*earlier, chunk], dim=2)
 
 

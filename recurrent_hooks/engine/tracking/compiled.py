@@ -76,6 +76,7 @@ def register_tracker(tracker: CallTracker) -> int:
 
 # -- the ops ----------------------------------------------------------------------------------------------------
 
+
 @torch.library.custom_op("recurrent_hooks::event", mutates_args=("clock",))
 def _event(clock: Tensor, mixer: int, what: str, ints: list[int], spec: str, tensors: list[Tensor]) -> None:
     _EVENTS[what](_TRACKERS[mixer], clock, ints, literal_eval(spec), [t.clone() for t in tensors])
@@ -87,8 +88,9 @@ def _(clock: Tensor, mixer: int, what: str, ints: list[int], spec: str, tensors:
 
 
 @torch.library.custom_op("recurrent_hooks::hook", mutates_args=())
-def _hook(clock: Tensor, mixer: int, hook: int, token: int, tokens: int, head: int, parts: list[Tensor]
-          ) -> list[Tensor]:
+def _hook(
+    clock: Tensor, mixer: int, hook: int, token: int, tokens: int, head: int, parts: list[Tensor]
+) -> list[Tensor]:
     owner, fn = _TRACKERS[mixer], hook_of(hook)
     owner.tokens, owner.head = tokens, None if head < 0 else head
     if not fn.targets(owner.index):
@@ -117,6 +119,7 @@ def _rebuild(owner: CallTracker, memory: str, parts: list[Tensor]) -> Any:
 
 
 # -- what the engine calls while tracing ------------------------------------------------------------------------
+
 
 class TracedCallTracker:
     """The per-call interface while torch.compile traces a forward (see the module docstring): what changes
@@ -165,8 +168,14 @@ class TracedCallTracker:
         inputs = kernel_call.inputs if "inputs" in tracker.kernel_io else None
         output = kernel_call.output if "outputs" in tracker.kernel_io else None
         tensors: list[Tensor] = []
-        spec = (kernel.memory, kernel.name, _encode(plan.kept, tensors), _encode(inputs, tensors),
-                _encode(output, tensors), kernel_call.path)
+        spec = (
+            kernel.memory,
+            kernel.name,
+            _encode(plan.kept, tensors),
+            _encode(inputs, tensors),
+            _encode(output, tensors),
+            kernel_call.path,
+        )
         _event(_CLOCKS[self.key], self.key, "store", [], repr(spec), tensors)
 
     def end(self, checked: bool = True) -> None:
@@ -202,8 +211,14 @@ def _run_hook(traced: TracedCallTracker, hook: "Hook", token: int, state: Any) -
         parts = _hook(_CLOCKS[key], key, hook.key, token, owner.tokens, head, [part for _, part in parts_of(state)])
         return rebuild(state, parts)
     # gradients on: a hook reads a detached copy at run time; a write is traced, masked by the call counter
-    _event(_CLOCKS[key], key, "look", [hook.key, token, owner.tokens, head], "None",
-           [part.detach() for _, part in parts_of(state)])
+    _event(
+        _CLOCKS[key],
+        key,
+        "look",
+        [hook.key, token, owner.tokens, head],
+        "None",
+        [part.detach() for _, part in parts_of(state)],
+    )
     if not hook.write:
         return state
     written = hook.run(None, token, state)
@@ -264,6 +279,7 @@ def _decode(spec: Any, tensors: "Any", state_type: type | None) -> Any:
 
 # -- what runs when the graph runs -------------------------------------------------------------------------------
 
+
 def _on_begin(owner: CallTracker, clock: Tensor, ints: list[int], fresh: bool, tensors: list[Tensor]) -> None:
     fresh = bool(tensors[0]) if ints[1] < 0 else bool(ints[1])
     owner.count(fresh, ints[0], reorder=None)
@@ -300,5 +316,4 @@ def _on_restart(owner: CallTracker, clock: Tensor, ints: list[int], spec: Any, t
         owner.warn_restart(owner.index, *spec)
 
 
-_EVENTS = {"begin": _on_begin, "store": _on_store, "outside": _on_outside, "look": _on_look,
-           "restart": _on_restart}
+_EVENTS = {"begin": _on_begin, "store": _on_store, "outside": _on_outside, "look": _on_look, "restart": _on_restart}

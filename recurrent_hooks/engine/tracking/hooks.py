@@ -32,8 +32,17 @@ class Hook:
     (`set_state_after`, ...) from a user's hook: a write whose call never ran is reported on exit.
     """
 
-    def __init__(self, handle: Any, fn: Callable[..., Any], memory: str, calls: "frozenset[int] | range | None",
-                 tokens: tuple[int, ...] | None, origin: str, *, write: bool = False):
+    def __init__(
+        self,
+        handle: Any,
+        fn: Callable[..., Any],
+        memory: str,
+        calls: "frozenset[int] | range | None",
+        tokens: tuple[int, ...] | None,
+        origin: str,
+        *,
+        write: bool = False,
+    ):
         self.fn, self.memory, self.calls, self.tokens, self.origin = fn, memory, calls, tokens, origin
         self.write = write
         self._handle = weakref.ref(handle)  # the handle it was registered on, which holds it: no cycle

@@ -36,8 +36,11 @@ def brief(value: Any) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{key!r}: {brief(item)}" for key, item in value.items()) + "}"
     if isinstance(value, tuple) and hasattr(type(value), "_fields"):
-        return f"{type(value).__name__}(" + ", ".join(f"{name}={brief(item)}" for name, item in
-                                                      zip(type(value)._fields, value)) + ")"
+        return (
+            f"{type(value).__name__}("
+            + ", ".join(f"{name}={brief(item)}" for name, item in zip(type(value)._fields, value))
+            + ")"
+        )
     if isinstance(value, (list, tuple)):
         inner = ", ".join(brief(item) for item in value)
         return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
@@ -71,8 +74,10 @@ class KernelCall:
     path: str = "bound kernel"
 
     def __repr__(self) -> str:
-        return (f"KernelCall(kernel={self.kernel!r}, path={self.path!r}, inputs={brief(self.inputs)},"
-                f" output={brief(self.output)})")
+        return (
+            f"KernelCall(kernel={self.kernel!r}, path={self.path!r}, inputs={brief(self.inputs)},"
+            f" output={brief(self.output)})"
+        )
 
 
 @functools.cache
@@ -144,11 +149,33 @@ class Call:
     (A call is the record of one forward; what it holds of the kernels' tensors is what `keep` kept.)
     """
 
-    __slots__ = ("index", "where", "tokens", "reorder", "continues_from", "kernel_calls", "conv", "_kept",
-                 "_positions", "_stacked", "_buffers", "_replaced", "_ran", "_reduced", "_split")
+    __slots__ = (
+        "index",
+        "where",
+        "tokens",
+        "reorder",
+        "continues_from",
+        "kernel_calls",
+        "conv",
+        "_kept",
+        "_positions",
+        "_stacked",
+        "_buffers",
+        "_replaced",
+        "_ran",
+        "_reduced",
+        "_split",
+    )
 
-    def __init__(self, index: int, where: str = "", tokens: int | None = None, reorder: Tensor | None = None,
-                 kernel_calls: list[KernelCall] | None = None, conv: KernelCall | None = None) -> None:
+    def __init__(
+        self,
+        index: int,
+        where: str = "",
+        tokens: int | None = None,
+        reorder: Tensor | None = None,
+        kernel_calls: list[KernelCall] | None = None,
+        conv: KernelCall | None = None,
+    ) -> None:
         self.index = index
         self.where = where
         self.tokens = tokens
@@ -176,12 +203,17 @@ class Call:
         self._split: frozenset[str] = _NONE
 
     def __repr__(self) -> str:
-        kept = {memory + (" (reduced)" if memory in self._reduced else ""):
-                "every token" if self._positions.get(memory) is None else sorted(by_kernel_call[0])
-                for memory, by_kernel_call in self._kept.items()}
-        return (f"Call(index={self.index}, where={self.where!r}, tokens={self.tokens}, kernel={self.kernel!r},"
-                f" reorder={brief(self.reorder)}, kernel_calls={brief(self.kernel_calls)}, conv={brief(self.conv)},"
-                f" kept={kept})")
+        kept = {
+            memory + (" (reduced)" if memory in self._reduced else ""): "every token"
+            if self._positions.get(memory) is None
+            else sorted(by_kernel_call[0])
+            for memory, by_kernel_call in self._kept.items()
+        }
+        return (
+            f"Call(index={self.index}, where={self.where!r}, tokens={self.tokens}, kernel={self.kernel!r},"
+            f" reorder={brief(self.reorder)}, kernel_calls={brief(self.kernel_calls)}, conv={brief(self.conv)},"
+            f" kept={kept})"
+        )
 
     @property
     def parts(self) -> list[KernelCall]:
@@ -213,16 +245,22 @@ class Call:
         if len(self.kernel_calls) == 1:
             return self.kernel_calls[0]
         if self._split:
-            raise Unavailable(f"{self.where}: call {self.index} ran as {len(self.kernel_calls)} kernel calls (the"
-                              f" forward was split: {', '.join(self.kernels)}, over a cache that records its past):"
-                              f" read call.kernel_calls[i].{name}")
+            raise Unavailable(
+                f"{self.where}: call {self.index} ran as {len(self.kernel_calls)} kernel calls (the"
+                f" forward was split: {', '.join(self.kernels)}, over a cache that records its past):"
+                f" read call.kernel_calls[i].{name}"
+            )
         if self.kernel_calls:
-            raise Unavailable(f"{self.where}: call {self.index} made {len(self.kernel_calls)} recurrence kernel"
-                              f" calls (one per head): read call.kernel_calls[head].{name}")
+            raise Unavailable(
+                f"{self.where}: call {self.index} made {len(self.kernel_calls)} recurrence kernel"
+                f" calls (one per head): read call.kernel_calls[head].{name}"
+            )
         if self.conv is not None:
-            raise Unavailable(f"{self.where}: call {self.index} made no recurrence kernel call (this mixer's memory"
-                              f" is a convolution window only): its kernel call ({self.conv.kernel}) is call.conv;"
-                              f" read call.conv.{name}")
+            raise Unavailable(
+                f"{self.where}: call {self.index} made no recurrence kernel call (this mixer's memory"
+                f" is a convolution window only): its kernel call ({self.conv.kernel}) is call.conv;"
+                f" read call.conv.{name}"
+            )
         raise Unavailable(f"{self.where}: call {self.index} made no watched kernel call")
 
     @property
@@ -261,8 +299,9 @@ class Call:
 
     def _kept_by_kernel_call(self, memory: str) -> list[dict[int, Tensor]]:
         if memory not in KEEP_NAMES:
-            raise InvalidValue(f"{self.where}: expected a memory, one of {', '.join(map(repr, KEEP_NAMES))}, got"
-                               f" {memory!r}")
+            raise InvalidValue(
+                f"{self.where}: expected a memory, one of {', '.join(map(repr, KEEP_NAMES))}, got {memory!r}"
+            )
         if memory not in self._kept:
             name = KEEP_NAMES[memory]
             raise Unavailable(f"{self.where}: call {self.index} kept no {name}; pass keep=({name!r},) to watch")
@@ -274,15 +313,19 @@ class Call:
         memory = memory_name(memory, "Call.kept")
         by_kernel_call = self._kept_by_kernel_call(memory)
         if self._positions[memory] is not None:
-            raise Unavailable(f"{self.where}: call {self.index} kept its {memory} at tokens"
-                              f" {sorted(by_kernel_call[0])} only; read them with {memory}_after(token)")
+            raise Unavailable(
+                f"{self.where}: call {self.index} kept its {memory} at tokens"
+                f" {sorted(by_kernel_call[0])} only; read them with {memory}_after(token)"
+            )
         if memory not in self._stacked:
             buffers = self._buffers.get(memory) or [None] * len(by_kernel_call)
             if all(buffer is None for buffer in buffers) and memory not in self._split:
                 stacked = self._stack_once(by_kernel_call)
             else:
-                per_part = [buffer if buffer is not None else stack_parts([kept[t] for t in sorted(kept)], dim=1)
-                            for kept, buffer in zip(by_kernel_call, buffers)]
+                per_part = [
+                    buffer if buffer is not None else stack_parts([kept[t] for t in sorted(kept)], dim=1)
+                    for kept, buffer in zip(by_kernel_call, buffers)
+                ]
                 stacked = per_part[0] if len(per_part) == 1 else stack_parts(per_part, dim=2)
             _own(self, "_stacked")[memory] = stacked
         return self._stacked[memory]
@@ -312,16 +355,22 @@ class Call:
         by_kernel_call = self._kept_by_kernel_call(memory)
         buffers = self._buffers.get(memory) or [None] * len(by_kernel_call)
         if memory in self._reduced:
-            raise Unavailable(f"{self.where}: call {self.index} kept reductions of its {memory}s (watch(reduce=...)),"
-                              " which the forward did not read: they have no gradient of a metric. Keep the states"
-                              " themselves for that, or take gradients through the reduction's own graph")
+            raise Unavailable(
+                f"{self.where}: call {self.index} kept reductions of its {memory}s (watch(reduce=...)),"
+                " which the forward did not read: they have no gradient of a metric. Keep the states"
+                " themselves for that, or take gradients through the reduction's own graph"
+            )
         if memory in self._split:
-            raise Unavailable(f"{self.where}: call {self.index} ran as {len(self.kernel_calls)} kernel calls (a cache"
-                              " that records its past split its tokens): no one tensor holds its kept states for"
-                              f" autograd; each token's, call.after({memory!r}, t), is the tensor the forward read")
+            raise Unavailable(
+                f"{self.where}: call {self.index} ran as {len(self.kernel_calls)} kernel calls (a cache"
+                " that records its past split its tokens): no one tensor holds its kept states for"
+                f" autograd; each token's, call.after({memory!r}, t), is the tensor the forward read"
+            )
         if any(buffer is None for buffer in buffers):
-            raise Unavailable(f"{self.where}: call {self.index} kept no differentiable {memory}s: keep every token"
-                              " (keep=('states',) or 'windows') and run the forward with gradients enabled")
+            raise Unavailable(
+                f"{self.where}: call {self.index} kept no differentiable {memory}s: keep every token"
+                " (keep=('states',) or 'windows') and run the forward with gradients enabled"
+            )
         return list(buffers)
 
     def ran(self, memory: str) -> int | None:
@@ -341,11 +390,15 @@ class Call:
         tokens = self.ran(memory)
         position = position_of(token, tokens)
         if position is None:
-            raise Unavailable(f"{self.where}: token {token} is outside call {self.index}, which has {tokens}"
-                              f" tokens (valid: 0..{tokens - 1} or -{tokens}..-1)")
+            raise Unavailable(
+                f"{self.where}: token {token} is outside call {self.index}, which has {tokens}"
+                f" tokens (valid: 0..{tokens - 1} or -{tokens}..-1)"
+            )
         if position not in by_kernel_call[0]:
-            raise Unavailable(f"{self.where}: the {memory} after token {token} of call {self.index} was not kept"
-                              f" (kept: tokens {sorted(by_kernel_call[0])})")
+            raise Unavailable(
+                f"{self.where}: the {memory} after token {token} of call {self.index} was not kept"
+                f" (kept: tokens {sorted(by_kernel_call[0])})"
+            )
         if len(by_kernel_call) == 1:
             return by_kernel_call[0][position]
         return stack_parts([kept[position] for kept in by_kernel_call], dim=1)
@@ -357,8 +410,10 @@ class Call:
 def recorded(call: Call, values: dict[str, Any] | None, name: str) -> dict[str, Any]:
     """`values`, a kernel call's kept inputs or outputs (`name`); an `Unavailable` where they were not kept."""
     if values is None:
-        raise Unavailable(f"{call.where}: the kernel {name} of call {call.index} were not kept:"
-                          " pass keep=('inputs', 'outputs') to watch")
+        raise Unavailable(
+            f"{call.where}: the kernel {name} of call {call.index} were not kept:"
+            " pass keep=('inputs', 'outputs') to watch"
+        )
     return values
 
 
@@ -382,8 +437,9 @@ def note_ran(call: Call, memory: str, tokens: int) -> None:
         ran[memory] = tokens
 
 
-def file_kept(call: Call, memory: str, kept: dict[int, Any], stacked: Any, positions: tuple[int, ...] | None,
-              reduced: bool) -> None:
+def file_kept(
+    call: Call, memory: str, kept: dict[int, Any], stacked: Any, positions: tuple[int, ...] | None, reduced: bool
+) -> None:
     """One kernel call's kept values of `memory` (token -> value; `stacked`: the leaf they were read through in grad
     mode, or None), kept at `positions` (None: every token), as reductions if `reduced`."""
     _own(call, "_kept").setdefault(memory, []).append(kept)
@@ -462,8 +518,9 @@ class Calls:
     def __init__(self, history: int | None, where: str) -> None:
         self.history = history
         self.dropped = 0
-        self._records: "list[Call] | collections.deque[Call]" = ([] if history is None
-                                                                  else collections.deque(maxlen=history))
+        self._records: "list[Call] | collections.deque[Call]" = (
+            [] if history is None else collections.deque(maxlen=history)
+        )
         self._where = where
 
     def append(self, call: Call) -> None:
@@ -500,9 +557,11 @@ class Calls:
     def dropped_message(self, index: int) -> str:
         """Why call `index`, dropped, cannot be read."""
         n = self.history
-        return (f"the record of call {index} was dropped: watch(history={n}) keeps the last {n}"
-                f" call{'s' if n != 1 else ''} only (calls {self.dropped}..{len(self) - 1} are kept); watch with a"
-                " larger history (None keeps every call) to read it")
+        return (
+            f"the record of call {index} was dropped: watch(history={n}) keeps the last {n}"
+            f" call{'s' if n != 1 else ''} only (calls {self.dropped}..{len(self) - 1} are kept); watch with a"
+            " larger history (None keeps every call) to read it"
+        )
 
     def __repr__(self) -> str:
         if not self.dropped:

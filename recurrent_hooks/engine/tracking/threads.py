@@ -74,5 +74,3 @@ def loop_threads(count: int | None, device: torch.device) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(outer)
-
-

@@ -96,8 +96,16 @@ class Plan:
 
     __slots__ = ("owner", "call", "hooks", "keep", "kept", "stacked", "reduce", "device", "offset", "later")
 
-    def __init__(self, owner: "CallTracker", call: int | None, hooks: Hooked, keep: frozenset[int] | None,
-                 memory: str | None = None, offset: int = 0, later: bool = False):
+    def __init__(
+        self,
+        owner: "CallTracker",
+        call: int | None,
+        hooks: Hooked,
+        keep: frozenset[int] | None,
+        memory: str | None = None,
+        offset: int = 0,
+        later: bool = False,
+    ):
         self.owner, self.call, self.hooks, self.keep = owner, call, hooks, keep
         # the call's token at this kernel call's token 0: a forward that transformers splits over several kernel
         # calls (a prompt kernel call, then one-token steps) is one call, its tokens counted across them; `later`:
@@ -138,10 +146,12 @@ class Plan:
 
 
 # why a second kernel call of one memory in one forward is refused inside a compiled graph that wants something
-_SPLIT = ("the forward split its tokens over several kernel calls (transformers 5.25 runs a call's last tokens as"
-          " one-token steps when the cache records its past with recurrent_states_to_keep, as assisted decoding"
-          " does), which a compiled graph does not serve; run it eagerly (transformers does not compile a cache that"
-          " records its past)")
+_SPLIT = (
+    "the forward split its tokens over several kernel calls (transformers 5.25 runs a call's last tokens as"
+    " one-token steps when the cache records its past with recurrent_states_to_keep, as assisted decoding"
+    " does), which a compiled graph does not serve; run it eagerly (transformers does not compile a cache that"
+    " records its past)"
+)
 
 
 class CallTracker:
@@ -176,10 +186,7 @@ class CallTracker:
         self.saw_cache: Callable[[Any], None] | None = None  # the watch's: record how the cache gets reordered
         self.reorder: Tensor | None = None  # cache rows reordered since the last call (beam search)
         self.lineage = Lineage()  # where each call's memories continue from, across a rollback of the cache
-        # keep at some tokens: memory -> the asked positions some call had, and the first calls' lengths (for
-        # the warning on exit about positions outside every call, `unkept`)
-        self.keep_reached: dict[str, set[int]] = {}
-        self.keep_lengths: dict[str, list[tuple[int, int]]] = {}
+        self.reach = KeepReach(self.keep)  # the positions `keep` asks for that some call had (`unkept`)
         self.traced: Any = None  # the implementation a compiled graph's tracing uses (`compiled.TracedCallTracker`)
 
     def now(self) -> "CallTracker":
@@ -196,8 +203,9 @@ class CallTracker:
 
     def wants(self, index: int | None) -> bool:
         """Whether call `index` has hooks, writes or kept values (None: a recompute of an idle call)."""
-        return index is not None and (bool(self.keep) or bool(self.kernel_io)
-                                      or any(hook.targets(index) for hook in self.all_hooks()))
+        return index is not None and (
+            bool(self.keep) or bool(self.kernel_io) or any(hook.targets(index) for hook in self.all_hooks())
+        )
 
     def wants_some(self) -> bool:
         """Whether some call has hooks, writes or kept values (a compiled graph serves every call)."""
@@ -230,8 +238,7 @@ class CallTracker:
         self.count(forward.fresh, forward.tokens, reorder)
         if self.history and forward.cache is not None and self.saw_cache is not None:
             self.saw_cache(forward.cache)
-        if forward.hidden is not None and (torch.is_grad_enabled() or forward.training) \
-                and self.wants(self.index):
+        if forward.hidden is not None and (torch.is_grad_enabled() or forward.training) and self.wants(self.index):
             # Autograd may recompute this forward (gradient checkpointing): remember how to recognize it.
             self.replays.append(_Replay(self.index, tuple(forward.hidden.shape), _fingerprint(forward.hidden)))
 
@@ -309,8 +316,10 @@ class CallTracker:
         if (reason := self.kind.adapter.refusal(kernel)) is not None:
             raise Unavailable(f"{self.where}, call {shown} ({kernel.name}): {reason}")
         if nth > 0 and not self.kind.KERNEL_PER_HEAD and not split:
-            raise Unavailable(f"{self.where}, call {shown} ({kernel.name}): kernel call {nth + 1} of the"
-                              f" {kernel.memory} in one forward: {_SPLIT}")
+            raise Unavailable(
+                f"{self.where}, call {shown} ({kernel.name}): kernel call {nth + 1} of the"
+                f" {kernel.memory} in one forward: {_SPLIT}"
+            )
         return self.kind.adapter.restart(kernel, self.forward) if nth == 0 else None
 
     def plan(self, kernel: Kernel, tokens: int) -> Plan:
@@ -321,21 +330,24 @@ class CallTracker:
         if self.wants(index) and (reason := self.checks(kernel, nth, index)) is not None:
             self.warn_restart(index, kernel.name, reason)
         span, offset = self.tokens, self.first
-        hooks = self.hooked(kernel, tokens, lambda hook: hook.targets(index), self.refuse_outside, span, offset) \
-            if tokens else []
+        hooks = (
+            self.hooked(kernel, tokens, lambda hook: hook.targets(index), self.refuse_outside, span, offset)
+            if tokens
+            else []
+        )
         keep = self.keep_at(kernel.memory, tokens, span, offset)
-        wanted = self.keep.get(kernel.memory)
-        if wanted is not None:
-            self.keep_reached.setdefault(kernel.memory, set()).update(
-                t for t in wanted if position_of(t, span) is not None)
-            lengths = self.keep_lengths.setdefault(kernel.memory, [])
-            if len(lengths) <= SHOWN and (not lengths or lengths[-1][0] != index):
-                lengths.append((index, span))
+        self.reach.saw(kernel.memory, index, span)
         return Plan(self, index, hooks, keep, kernel.memory, offset, self.later)
 
-    def hooked(self, kernel: Kernel, tokens: int, targets: Callable[["Hook"], bool],
-                outside: Callable[["Hook", int, int, str], None], span: int | None = None,
-                offset: int = 0) -> Hooked:
+    def hooked(
+        self,
+        kernel: Kernel,
+        tokens: int,
+        targets: Callable[["Hook"], bool],
+        outside: Callable[["Hook", int, int, str], None],
+        span: int | None = None,
+        offset: int = 0,
+    ) -> Hooked:
         """The hooks of the kernel's memory that `targets` picks, with their positions in this kernel call of
         `tokens` tokens, the call's tokens `offset` to `offset + tokens` of `span` (`outside` is told of a hook that
         names calls and a token outside the call)."""
@@ -390,19 +402,38 @@ class CallTracker:
         _calls.note_ran(record, kernel.memory, plan.offset + tokens)
         if kernel.memory == self.kind.MEMORIES[0]:
             record.tokens = plan.offset + tokens
-        self.file(kernel.memory, kernel.name, plan.kept, inputs, output, plan.stacked, path=kernel_call.path,
-                  offset=plan.offset if plan.later else None)
+        self.file(
+            kernel.memory,
+            kernel.name,
+            plan.kept,
+            inputs,
+            output,
+            plan.stacked,
+            path=kernel_call.path,
+            offset=plan.offset if plan.later else None,
+        )
 
-    def file(self, memory: str, kernel: str, kept: "dict[int, State] | None", inputs: dict[str, Any] | None,
-             output: dict[str, Any] | None, stacked: State | None = None, path: str = "bound kernel",
-             offset: int | None = None) -> None:
+    def file(
+        self,
+        memory: str,
+        kernel: str,
+        kept: "dict[int, State] | None",
+        inputs: dict[str, Any] | None,
+        output: dict[str, Any] | None,
+        stacked: State | None = None,
+        path: str = "bound kernel",
+        offset: int | None = None,
+    ) -> None:
         """File one kernel call in the running call's record: its inputs and outputs, its path, and the states it
         kept (`offset`: for a later kernel call of a split forward, the call's token at its token 0)."""
         record = self.current
         if record is None:
             return
-        kernel_call = (KernelCall(kernel, inputs, output, path) if inputs is not None or output is not None
-                       else _calls.bare_kernel_call(kernel, path))  # (shared: it holds nothing of the call)
+        kernel_call = (
+            KernelCall(kernel, inputs, output, path)
+            if inputs is not None or output is not None
+            else _calls.bare_kernel_call(kernel, path)
+        )  # (shared: it holds nothing of the call)
         _calls.file_kernel_call(record, memory, kernel_call)
         if offset is not None:
             _calls.note_split(record, memory)
@@ -410,8 +441,14 @@ class CallTracker:
             _calls.file_continued(record, memory, kept, offset)
         elif kept is not None:
             kept = {token + offset: value for token, value in kept.items()} if offset else kept
-            _calls.file_kept(record, memory, kept, None if offset is not None else stacked, self.keep[memory],
-                             memory in self.policy.reduce)
+            _calls.file_kept(
+                record,
+                memory,
+                kept,
+                None if offset is not None else stacked,
+                self.keep[memory],
+                memory in self.policy.reduce,
+            )
 
     def _store_recomputed(self, plan: Plan, kernel: Kernel, record: Call) -> None:
         """A recompute keeps nothing new, except where the call's own forward ran without gradients
@@ -441,7 +478,8 @@ class CallTracker:
             raise RecurrentHooksError(
                 f"{self.where}, call {call}, token {token}: {hook.origin} returned a replacement inside a compiled"
                 " graph with gradients on, where hooks can only read (a replacement would cut the gradient); under"
-                " torch.no_grad() a hook may replace, and a write (set_state_after) works either way")
+                " torch.no_grad() a hook may replace, and a write (set_state_after) works either way"
+            )
         state = _checked(replacement, state, self, hook, call, token)
         self.note_replaced(hook, token)
         return state
@@ -460,18 +498,46 @@ class CallTracker:
 
     def unkept(self) -> list[str]:
         """Positions of `keep` outside every call this mixer saw, which kept nothing (reported when a watch ends)."""
+        return self.reach.unkept(self.where)
+
+
+class KeepReach:
+    """The positions `keep` asks for that some call had, and the first calls' lengths: what the warning at a watch's
+    exit about positions outside every call says (`unkept`)."""
+
+    def __init__(self, keep: "dict[str, tuple[int, ...] | None]") -> None:
+        self.keep = keep
+        self.reached: dict[str, set[int]] = {}  # memory -> the asked positions some call had
+        self.lengths: dict[str, list[tuple[int, int]]] = {}  # memory -> the first calls' (index, tokens)
+
+    def saw(self, memory: str, index: int, tokens: int) -> None:
+        """Call `index` of `tokens` tokens ran a kernel call of `memory`."""
+        wanted = self.keep.get(memory)
+        if wanted is None:
+            return
+        self.reached.setdefault(memory, set()).update(t for t in wanted if position_of(t, tokens) is not None)
+        lengths = self.lengths.setdefault(memory, [])
+        if len(lengths) <= SHOWN and (not lengths or lengths[-1][0] != index):
+            lengths.append((index, tokens))
+
+    def unkept(self, where: str) -> list[str]:
+        """Positions of `keep` outside every call the mixer (`where`) saw, which kept nothing (reported when a
+        watch ends)."""
         problems = []
         for memory, wanted in self.keep.items():
-            lengths = self.keep_lengths.get(memory)
-            missed = [t for t in wanted or () if t not in self.keep_reached.get(memory, set())]
+            lengths = self.lengths.get(memory)
+            missed = [t for t in wanted or () if t not in self.reached.get(memory, set())]
             if not lengths or not missed:
                 continue
             name = KEEP_NAMES[memory]
-            shown = "; ".join(f"call {call}: {tokens} token{'s' if tokens != 1 else ''}"
-                              for call, tokens in lengths[:SHOWN]) + ("; ..." if len(lengths) > SHOWN else "")
+            shown = "; ".join(
+                f"call {call}: {tokens} token{'s' if tokens != 1 else ''}" for call, tokens in lengths[:SHOWN]
+            ) + ("; ..." if len(lengths) > SHOWN else "")
             at = ", ".join(f"token {t}" for t in missed)
-            problems.append(f"keep={{{name!r}: {list(wanted)}}} kept nothing at {at} on {self.where}: outside every"
-                            f" call it saw ({shown})")
+            problems.append(
+                f"keep={{{name!r}: {list(wanted)}}} kept nothing at {at} on {where}: outside every"
+                f" call it saw ({shown})"
+            )
         return problems
 
 
@@ -524,8 +590,9 @@ class Lineage:
 def _within(wanted: Iterable[int], span: int, offset: int, tokens: int) -> frozenset[int]:
     """The positions in a kernel call of `tokens` tokens, the call's `offset` to `offset + tokens` of `span`, of the
     call's tokens `wanted` (negative: from the call's end)."""
-    return frozenset(p - offset for t in wanted
-                     if (p := position_of(t, span)) is not None and offset <= p < offset + tokens)
+    return frozenset(
+        p - offset for t in wanted if (p := position_of(t, span)) is not None and offset <= p < offset + tokens
+    )
 
 
 def _requires_grad(state: State) -> bool:
@@ -546,9 +613,13 @@ def _checked(replacement: Any, state: State, owner: CallTracker, hook: "Hook", c
     for (name, want), (_, got) in zip(parts_of(state), parts_of(replacement)):
         axes = axes_of(declared, name)
         what_part = f"{hook.memory} part {name!r}" if name else hook.memory
-        for what, expected, given in (("shape", tuple(want.shape), tuple(got.shape)), ("dtype", want.dtype, got.dtype),
-                                      ("device", want.device, got.device)):
+        for what, expected, given in (
+            ("shape", tuple(want.shape), tuple(got.shape)),
+            ("dtype", want.dtype, got.dtype),
+            ("device", want.device, got.device),
+        ):
             if expected != given:
-                raise InvalidValue(f"{where} gave a {what_part} with {what} {given}, expected {expected}"
-                                   f" (axes: {axes})")
+                raise InvalidValue(
+                    f"{where} gave a {what_part} with {what} {given}, expected {expected} (axes: {axes})"
+                )
     return replacement

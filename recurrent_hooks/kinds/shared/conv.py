@@ -90,7 +90,7 @@ def _conv_loop(
         if recording and not every and window.requires_grad:  # (a window kept with gradients: from here on, too)
             every, first_column = True, p + 1
     if columns:
-        out[..., first_column + offset:x.shape[-1] + offset] = torch.cat(columns, dim=-1)  # b c L
+        out[..., first_column + offset : x.shape[-1] + offset] = torch.cat(columns, dim=-1)  # b c L
     return window
 
 
@@ -158,8 +158,9 @@ def causal_conv1d_update(
     return _finish(out[..., -length:], activation, hidden_states.dtype)
 
 
-def causal_conv1d_shifted(hidden_states: Tensor, weight: Tensor, bias: Tensor | None = None,
-                          activation: str | None = None, *, shift: Tensor) -> Tensor:
+def causal_conv1d_shifted(
+    hidden_states: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str | None = None, *, shift: Tensor
+) -> Tensor:
     """`causal_conv1d_fn`'s result (the same ops, so the same bits at shift = 0) with `shift` `[batch, channels,
     length]` added to the convolution before the activation: with a zero leaf as `shift`, its gradient is
     d m / d the convolution's output at every position (what `window_terms` needs)."""
@@ -195,7 +196,7 @@ def window_terms(
         reads = delta.new_zeros(batch, channels, length)  # at p: sum_i w_i delta_{p+d-K+1+i}, the taps i <= K-1-d
         for i in range(size - d):
             start = d + i  # column of delta_{p+d-K+1+i} at p = 0
-            reads += weight[:, i, None] * padded[..., start:start + length]
+            reads += weight[:, i, None] * padded[..., start : start + length]
         later = F.pad(grad[..., d:], (0, d))  # b c L   grad_{p+d}, 0 past the call's end
         if shares is None:
             terms += (later * reads).sum(1)
@@ -205,8 +206,24 @@ def window_terms(
 
 
 CONV_KERNELS = (
-    Kernel(name="causal_conv1d_fn", role=Role.PROMPT, loop=causal_conv1d_fn, memory=CONV_MEMORY, state_in=None,
-           results=("output",), seq=FORWARD, window_terms=WindowTerms(causal_conv1d_shifted, window_terms)),
-    Kernel(name="causal_conv1d_update", role=Role.DECODE, loop=causal_conv1d_update, memory=CONV_MEMORY,
-           state_in="conv_state", results=("output",), seq=("hidden_states", 2), in_place=True),
+    Kernel(
+        name="causal_conv1d_fn",
+        role=Role.PROMPT,
+        loop=causal_conv1d_fn,
+        memory=CONV_MEMORY,
+        state_in=None,
+        results=("output",),
+        seq=FORWARD,
+        window_terms=WindowTerms(causal_conv1d_shifted, window_terms),
+    ),
+    Kernel(
+        name="causal_conv1d_update",
+        role=Role.DECODE,
+        loop=causal_conv1d_update,
+        memory=CONV_MEMORY,
+        state_in="conv_state",
+        results=("output",),
+        seq=("hidden_states", 2),
+        in_place=True,
+    ),
 )

@@ -43,8 +43,16 @@ from ...engine.paths.costs import Shape
 
 
 def prepare(
-    query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
-    use_qk_l2norm_in_kernel: bool, kwargs: dict[str, Any], kimi: bool = False, recurrent: bool = True,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None,
+    use_qk_l2norm_in_kernel: bool,
+    kwargs: dict[str, Any],
+    kimi: bool = False,
+    recurrent: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """q, k, v, beta, log-decay (float32, token-major, one key head per value head) and the starting state.
 
@@ -93,8 +101,9 @@ def gated_delta_rule(
 ) -> tuple[Float[Tensor, "batch seq heads value_dim"], Float[Tensor, "batch heads key_dim value_dim"] | None]:
     """The token loop, in float32 and with the ops of transformers' decode kernels (products summed over
     key_dim, not matmuls), so that a half-precision model rounds its output as transformers does."""
-    q, k, v, b, log_a, state = prepare(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel, kwargs,
-                                        kimi=kimi)
+    q, k, v, b, log_a, state = prepare(
+        query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel, kwargs, kimi=kimi
+    )
     a = log_a.exp()
     outputs = []
     scratch = scratch_like(state)  # b h k v   each token's products (None with gradients)
@@ -129,9 +138,19 @@ def _decayed_products(left: Tensor, right: Tensor, decay: Tensor) -> Float[Tenso
 
 
 def gated_delta_rule_states(
-    query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
-    output_final_state: bool, use_qk_l2norm_in_kernel: bool, kwargs: dict[str, Any], chunk: int = 16,
-    kimi: bool = False, out: Tensor | None = None, on_chunk: OnChunk | None = None,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None,
+    output_final_state: bool,
+    use_qk_l2norm_in_kernel: bool,
+    kwargs: dict[str, Any],
+    chunk: int = 16,
+    kimi: bool = False,
+    out: Tensor | None = None,
+    on_chunk: OnChunk | None = None,
     factors: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[tuple[Tensor, Tensor | None], Float[Tensor, "seq batch heads key_dim value_dim"] | None]:
     """The same recurrence, chunk by chunk, returning every token's state too.
@@ -156,8 +175,9 @@ def gated_delta_rule_states(
     (a, b) too, `on_chunk` gets each chunk's linear readouts `[size, batch, heads, r]` instead, formed without the
     states (`_chunk_readouts`).
     """
-    q, k, v, b, log_a, state = prepare(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel, kwargs,
-                                        kimi=kimi, recurrent=False)
+    q, k, v, b, log_a, state = prepare(
+        query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel, kwargs, kimi=kimi, recurrent=False
+    )
     q, k, v, b, log_a = (x.movedim(1, 0) for x in (q, k, v, b, log_a))  # token first: t b h ..
     shape = (*q.shape[:3], q.shape[-1], v.shape[-1])
     if on_chunk is not None:  # one chunk's, reused (none for readouts)
@@ -167,22 +187,23 @@ def gated_delta_rule_states(
     out = v.new_empty(v.shape)  # t b h v
     row_steps = factors is not None or math.prod(shape[1:]) >= ROW_STEPS_FROM
     for start in range(0, q.shape[0], chunk):
-        qc, kc, vc, bc, gc = (x[start:start + chunk] for x in (q, k, v, b, log_a))  # i b h ..
+        qc, kc, vc, bc, gc = (x[start : start + chunk] for x in (q, k, v, b, log_a))  # i b h ..
         size = qc.shape[0]
         cum = gc.cumsum(0)  # i b h d   c_i, d = 1 or key_dim
         decay = causal_decay(cum)  # i j b h d   D_ij
         interaction = _decayed_products(kc, kc, decay) * bc[:, None]  # i j b h   b_i k_i^T D_ij k_j
         system = torch.eye(size, device=q.device) + interaction.permute(2, 3, 0, 1).tril(-1)  # b h i j
         # (b h batches: broadcasting S_0 over the chunk's tokens would copy it once per token)
-        reads = ((kc * flushed_exp(cum)).permute(1, 2, 0, 3) @ state
-                 ).permute(2, 0, 1, 3)  # i b h v   S_0^T diag(exp(c_i)) k_i
+        reads = ((kc * flushed_exp(cum)).permute(1, 2, 0, 3) @ state).permute(
+            2, 0, 1, 3
+        )  # i b h v   S_0^T diag(exp(c_i)) k_i
         rhs = (bc[..., None] * (vc - reads)).permute(1, 2, 0, 3)  # b h i v
         u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # b h j v
-        states = every[start:start + size] if on_chunk is None else every[:size]  # i b h k v   (readouts: none)
+        states = every[start : start + size] if on_chunk is None else every[:size]  # i b h k v   (readouts: none)
         if row_steps:
             scores = _decayed_products(qc, kc, decay).permute(2, 3, 0, 1)  # b h i j   q_i^T D_ij k_j
             from_start = (qc * flushed_exp(cum)).permute(1, 2, 0, 3) @ state  # b h i v   S_0^T diag(exp(c_i)) q_i
-            out[start:start + size] = (scores @ u + from_start).permute(2, 0, 1, 3)  # i b h v   o_i = S_i^T q_i
+            out[start : start + size] = (scores @ u + from_start).permute(2, 0, 1, 3)  # i b h v   o_i = S_i^T q_i
             if factors is not None:
                 readouts, state = _chunk_readouts(factors, state, cum, decay, kc, u)  # i b h r, b h k v
                 on_chunk(start, readouts)
@@ -190,14 +211,15 @@ def gated_delta_rule_states(
             # S_i = diag(a_i) S_{i-1} + k_i u_i^T
             rank_one_steps(states, state, flushed_exp(gc), kc, u.permute(2, 0, 1, 3))  # i b h k v
         else:
-            out[start:start + size] = _states_at_once(states, state, cum, decay, kc, u, qc)  # i b h v
+            out[start : start + size] = _states_at_once(states, state, cum, decay, kc, u, qc)  # i b h v
         state = chunk_formed(states, start, on_chunk)  # b h k v
     result = (out.movedim(0, 1).to(query.dtype), state if output_final_state else None)
     return result, (every if on_chunk is None else None)
 
 
-def _states_at_once(states: Tensor, state: Tensor, cum: Tensor, decay: Tensor, keys: Tensor, u: Tensor,
-                    queries: Tensor) -> Float[Tensor, "i batch heads value_dim"]:
+def _states_at_once(
+    states: Tensor, state: Tensor, cum: Tensor, decay: Tensor, keys: Tensor, u: Tensor, queries: Tensor
+) -> Float[Tensor, "i batch heads value_dim"]:
     """A chunk's states into `states` `[i, batch, heads, key_dim, value_dim]` by one product, S_i = diag(exp(c_i)) S_0
     + sum_{j<=i} D_ij k_j u_j^T, and the outputs o_i = S_i^T q_i read from them (small states: `ROW_STEPS_FROM`).
     S_0 `state`, c `cum` `[i, b, h, d]`, D `decay` `[i, j, b, h, d]`, k `keys` and q `queries` `[., b, h, key_dim]`,
@@ -208,9 +230,9 @@ def _states_at_once(states: Tensor, state: Tensor, cum: Tensor, decay: Tensor, k
     return (queries[..., None, :] @ states).squeeze(-2)  # i b h v   o_i = S_i^T q_i
 
 
-def _chunk_readouts(factors: tuple[Tensor, Tensor], state: Tensor, cum: Tensor, decay: Tensor, keys: Tensor,
-                    u: Tensor
-                    ) -> tuple[Float[Tensor, "i batch heads r"], Float[Tensor, "batch heads key_dim value_dim"]]:
+def _chunk_readouts(
+    factors: tuple[Tensor, Tensor], state: Tensor, cum: Tensor, decay: Tensor, keys: Tensor, u: Tensor
+) -> tuple[Float[Tensor, "i batch heads r"], Float[Tensor, "batch heads key_dim value_dim"]]:
     """A chunk's rank-r linear readouts sum_r a_r^T S_i b_r per head, and its last state, without forming the
     states S_0 .. S_{size-1} in between (the probe `rh.probe(a, b)` at the cost of a query):
         a^T S_i b = (a * exp(c_i))^T S_0 b + sum_{j<=i} (a^T D_ij k_j) (u_j^T b)
@@ -234,9 +256,18 @@ def _chunk_readouts(factors: tuple[Tensor, Tensor], state: Tensor, cum: Tensor, 
 
 
 def gated_delta_rule_adjoint(
-    query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
-    use_qk_l2norm_in_kernel: bool, grad_output: Tensor | None, grad_final: Tensor | None, visit: Visit,
-    kwargs: dict[str, Any], kimi: bool = False,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None,
+    use_qk_l2norm_in_kernel: bool,
+    grad_output: Tensor | None,
+    grad_final: Tensor | None,
+    visit: Visit,
+    kwargs: dict[str, Any],
+    kimi: bool = False,
 ) -> Float[Tensor, "batch heads key_dim value_dim"]:
     """The adjoint of the prompt recurrence, right to left (`Segments.adjoint`): with mu_t = d m / d S_t
     through the tokens after t (mu_{T-1} the final state's gradient) and dO_t the output's gradient,
@@ -244,8 +275,9 @@ def gated_delta_rule_adjoint(
     the transpose of S_t = (I - b_t k_t k_t^T) D_t S_{t-1} + b_t k_t v_t^T, o_t = S_t^T q_t. Calls
     `visit(t, mu_t)` at each token and returns mu_{-1}, the initial state's gradient. q and k as the prompt
     kernel forms them (`prepare(recurrent=False)`); float32."""
-    q, k, _, b, log_a, state = prepare(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel, kwargs,
-                                        kimi=kimi, recurrent=False)
+    q, k, _, b, log_a, state = prepare(
+        query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel, kwargs, kimi=kimi, recurrent=False
+    )
     a = log_a.exp()  # b t h (1|k)
     mu = state.new_zeros(state.shape) if grad_final is None else grad_final.to(torch.float32, copy=True)
     grad_output = None if grad_output is None else grad_output.to(torch.float32)
@@ -281,46 +313,139 @@ def kernels(prompt_name: str, decode_name: str, module: str, kimi: bool = False)
     def decay(g: Tensor) -> Tensor:
         return g if kimi else g[..., None]
 
-    def prompt(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, chunk_size: int = 64,
-               initial_state: Tensor | None = None, output_final_state: bool = False,
-               use_qk_l2norm_in_kernel: bool = False, *, on_token: OnToken | None = None,
-               **kwargs: Any) -> tuple[Tensor, Tensor | None]:
-        return gated_delta_rule(query, key, value, decay(g), beta, initial_state, output_final_state,
-                                use_qk_l2norm_in_kernel, on_token, kwargs, kimi=kimi)
+    def prompt(
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        g: Tensor,
+        beta: Tensor,
+        chunk_size: int = 64,
+        initial_state: Tensor | None = None,
+        output_final_state: bool = False,
+        use_qk_l2norm_in_kernel: bool = False,
+        *,
+        on_token: OnToken | None = None,
+        **kwargs: Any,
+    ) -> tuple[Tensor, Tensor | None]:
+        return gated_delta_rule(
+            query,
+            key,
+            value,
+            decay(g),
+            beta,
+            initial_state,
+            output_final_state,
+            use_qk_l2norm_in_kernel,
+            on_token,
+            kwargs,
+            kimi=kimi,
+        )
 
-    def states(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, chunk_size: int = 64,
-               initial_state: Tensor | None = None, output_final_state: bool = False,
-               use_qk_l2norm_in_kernel: bool = False, *, out: Tensor | None = None, on_chunk: OnChunk | None = None,
-               factors: tuple[Tensor, Tensor] | None = None,
-               **kwargs: Any) -> tuple[tuple[Tensor, Tensor | None], Tensor | None]:
-        return gated_delta_rule_states(query, key, value, decay(g), beta, initial_state, output_final_state,
-                                       use_qk_l2norm_in_kernel, kwargs, kimi=kimi, out=out, on_chunk=on_chunk,
-                                       factors=factors)
+    def states(
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        g: Tensor,
+        beta: Tensor,
+        chunk_size: int = 64,
+        initial_state: Tensor | None = None,
+        output_final_state: bool = False,
+        use_qk_l2norm_in_kernel: bool = False,
+        *,
+        out: Tensor | None = None,
+        on_chunk: OnChunk | None = None,
+        factors: tuple[Tensor, Tensor] | None = None,
+        **kwargs: Any,
+    ) -> tuple[tuple[Tensor, Tensor | None], Tensor | None]:
+        return gated_delta_rule_states(
+            query,
+            key,
+            value,
+            decay(g),
+            beta,
+            initial_state,
+            output_final_state,
+            use_qk_l2norm_in_kernel,
+            kwargs,
+            kimi=kimi,
+            out=out,
+            on_chunk=on_chunk,
+            factors=factors,
+        )
 
-    def adjoint(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, chunk_size: int = 64,
-                initial_state: Tensor | None = None, output_final_state: bool = False,
-                use_qk_l2norm_in_kernel: bool = False, *, grad_output: Tensor | None, grad_final: Tensor | None,
-                visit: Visit, **kwargs: Any) -> Tensor:
-        return gated_delta_rule_adjoint(query, key, value, decay(g), beta, initial_state, use_qk_l2norm_in_kernel,
-                                        grad_output, grad_final, visit, kwargs, kimi=kimi)
+    def adjoint(
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        g: Tensor,
+        beta: Tensor,
+        chunk_size: int = 64,
+        initial_state: Tensor | None = None,
+        output_final_state: bool = False,
+        use_qk_l2norm_in_kernel: bool = False,
+        *,
+        grad_output: Tensor | None,
+        grad_final: Tensor | None,
+        visit: Visit,
+        **kwargs: Any,
+    ) -> Tensor:
+        return gated_delta_rule_adjoint(
+            query,
+            key,
+            value,
+            decay(g),
+            beta,
+            initial_state,
+            use_qk_l2norm_in_kernel,
+            grad_output,
+            grad_final,
+            visit,
+            kwargs,
+            kimi=kimi,
+        )
 
-    def decode(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor,
-               initial_state: Tensor | None = None, output_final_state: bool = False,
-               use_qk_l2norm_in_kernel: bool = False, *, on_token: OnToken | None = None,
-               **kwargs: Any) -> tuple[Tensor, Tensor | None]:
-        return gated_delta_rule(query, key, value, decay(g), beta, initial_state, output_final_state,
-                                use_qk_l2norm_in_kernel, on_token, kwargs, kimi=kimi)
+    def decode(
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        g: Tensor,
+        beta: Tensor,
+        initial_state: Tensor | None = None,
+        output_final_state: bool = False,
+        use_qk_l2norm_in_kernel: bool = False,
+        *,
+        on_token: OnToken | None = None,
+        **kwargs: Any,
+    ) -> tuple[Tensor, Tensor | None]:
+        return gated_delta_rule(
+            query,
+            key,
+            value,
+            decay(g),
+            beta,
+            initial_state,
+            output_final_state,
+            use_qk_l2norm_in_kernel,
+            on_token,
+            kwargs,
+            kimi=kimi,
+        )
 
-    docs = {prompt: "The prompt kernel, token by token: same arguments and results as transformers' chunked kernel,"
-                    " plus `on_token` (`delta_rule.kernels`).",
-            states: f"`{prompt_name}`'s results and every token's state, token first `[seq, batch, heads, key_dim,"
-                    " value_dim]`, chunk-wise: into `out`, or a chunk of 16 tokens at a time to `on_chunk` (then"
-                    " None: `Segments.on_chunk`).",
-            adjoint: f"`{prompt_name}`'s adjoint recurrence (`gated_delta_rule_adjoint`), with its arguments.",
-            decode: "The decode kernel: same arguments and results as transformers' recurrent kernel, plus"
-                    " `on_token`."}
-    names = {prompt: prompt_name, states: f"{prompt_name}_states", adjoint: f"{prompt_name}_adjoint",
-             decode: decode_name}
+    docs = {
+        prompt: "The prompt kernel, token by token: same arguments and results as transformers' chunked kernel,"
+        " plus `on_token` (`delta_rule.kernels`).",
+        states: f"`{prompt_name}`'s results and every token's state, token first `[seq, batch, heads, key_dim,"
+        " value_dim]`, chunk-wise: into `out`, or a chunk of 16 tokens at a time to `on_chunk` (then"
+        " None: `Segments.on_chunk`).",
+        adjoint: f"`{prompt_name}`'s adjoint recurrence (`gated_delta_rule_adjoint`), with its arguments.",
+        decode: "The decode kernel: same arguments and results as transformers' recurrent kernel, plus `on_token`.",
+    }
+    names = {
+        prompt: prompt_name,
+        states: f"{prompt_name}_states",
+        adjoint: f"{prompt_name}_adjoint",
+        decode: decode_name,
+    }
     for fn, name in names.items():
         fn.__name__ = fn.__qualname__ = name
         fn.__module__, fn.__doc__ = module, docs[fn]
@@ -332,8 +457,16 @@ def cost_shape(arguments: dict[str, Any]) -> Shape:
     of 64. Its footprint, measured at Qwen3.5 dims (tests/engine/test_path_memory.py): the kernel's graph GRAPH per
     chunk unit, the token loop's LOOP_GRAPH states a token under autograd."""
     batch, _, heads, value_dim = arguments["value"].shape
-    return Shape("delta rule", batch, heads, arguments["key"].shape[-1], value_dim, arguments.get("chunk_size", 64),
-                 graph=GRAPH, loop_graph=LOOP_GRAPH)
+    return Shape(
+        "delta rule",
+        batch,
+        heads,
+        arguments["key"].shape[-1],
+        value_dim,
+        arguments.get("chunk_size", 64),
+        graph=GRAPH,
+        loop_graph=LOOP_GRAPH,
+    )
 
 
 GRAPH, LOOP_GRAPH = 2.6, 2.1  # above the measured footprint (docs/performance.md, "Paths chosen by memory")

@@ -17,10 +17,17 @@ RECORDING = "assisted decoding / prompt-lookup decoding (a recording cache)"
 
 # transformers 5.25's modeling code of these kinds' families reads `cache.get_recurrent_states_to_keep()` (5.24's
 # `activate_past_recording` takes no such count, and such a forward is one prompt-kernel call like any continuation)
-SPLIT_RECORDING = {RECORDING: Caveat(
-    "transformers 5.25 runs a forward of several tokens over a cache that records its past with"
-    " recurrent_states_to_keep=k as a prompt-kernel call followed by k one-token decode-kernel calls; the watch"
-    " records it as one call (its tokens count across them, call.kernels lists them, call.split is True) and a"
-    " rollback of the cache as the next call's continues_from. Effective attention and call.differentiable refuse"
-    " such a call (each kernel call's inputs and outputs are in call.kernel_calls)",
-)} if is_at_least(5, 25) else {}
+SPLIT_RECORDING = (
+    {
+        RECORDING: Caveat(
+            "transformers 5.25 runs a forward of several tokens over a cache that records its past with"
+            " recurrent_states_to_keep=k as a prompt-kernel call followed by k one-token decode-kernel calls; the watch"
+            " records it as one call (its tokens count across them, call.kernels lists them, call.split is True) and a"
+            " rollback of the cache as the next call's continues_from. Effective attention and call.differentiable"
+            " refuse"
+            " such a call (each kernel call's inputs and outputs are in call.kernel_calls)",
+        )
+    }
+    if is_at_least(5, 25)
+    else {}
+)

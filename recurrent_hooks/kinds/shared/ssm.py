@@ -30,8 +30,13 @@ from torch import Tensor
 from ...engine.declare.loops import refuse_packed, times
 
 
-def step_size(dt: Tensor, bias: Tensor | None, softplus: bool, limit: tuple[float, float] | None = None,
-              dtype: torch.dtype = torch.float32) -> Tensor:
+def step_size(
+    dt: Tensor,
+    bias: Tensor | None,
+    softplus: bool,
+    limit: tuple[float, float] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
     """Δ from a kernel's `dt`, in `dtype` (float32; Mamba-1's prompt: at least float32, see `at_least_float32`):
     bias added and softplus taken in dt's dtype, as transformers does.
 
@@ -149,10 +154,12 @@ def kernel(call: type[NamedTuple], name: str, module: str, **keywords: Any) -> C
         run.__doc__ = fn.__doc__
         return fn
 
-    positional = [p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
-                  for p in inspect.signature(call).parameters.values()]
-    extras = [inspect.Parameter(key, inspect.Parameter.KEYWORD_ONLY, default=default)
-              for key, default in keywords.items()]
+    positional = [
+        p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in inspect.signature(call).parameters.values()
+    ]
+    extras = [
+        inspect.Parameter(key, inspect.Parameter.KEYWORD_ONLY, default=default) for key, default in keywords.items()
+    ]
     rest = inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD, annotation=Any)
     run.__signature__ = inspect.Signature([*positional, *extras, rest])  # what `inspect.signature` reads
     run.__name__ = run.__qualname__ = name

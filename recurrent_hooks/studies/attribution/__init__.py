@@ -105,24 +105,47 @@ class Attribution:
     def to_dict(self) -> dict[str, Any]:
         """Tensors, ints and strings only: `torch.save(result.to_dict(), path)` loads back with
         `Attribution.from_dict(torch.load(path, weights_only=True))`."""
-        return {"layers": list(self.layers), "state": self.state, "window": self.window, "clean": self.clean,
-                "corrupt": self.corrupt, "heads": self.heads}
+        return {
+            "layers": list(self.layers),
+            "state": self.state,
+            "window": self.window,
+            "clean": self.clean,
+            "corrupt": self.corrupt,
+            "heads": self.heads,
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Attribution":
         """The result `to_dict` gave."""
-        return cls(tuple(int(layer) for layer in data["layers"]), data["state"], data["window"],
-                   torch.as_tensor(data["clean"]), torch.as_tensor(data["corrupt"]),
-                   None if data.get("heads") is None else int(data["heads"]))
+        return cls(
+            tuple(int(layer) for layer in data["layers"]),
+            data["state"],
+            data["window"],
+            torch.as_tensor(data["clean"]),
+            torch.as_tensor(data["corrupt"]),
+            None if data.get("heads") is None else int(data["heads"]),
+        )
 
 
 METHODS = ("auto", "pieces", "states")
 
 
-def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: Metric, *,
-              layers: Iterable[int] | None = None, forward_kwargs: Mapping[str, Any] | None = None,
-              paths: Paths | None = None, method: str = "auto", piece: int = 64, steps: int = 1,
-              heads: bool = False, budget_bytes: int | None = None, chunk: int | None = None) -> Attribution:
+def attribute(
+    model: nn.Module,
+    clean_ids: Tensor,
+    corrupt_ids: Tensor,
+    metric: Metric,
+    *,
+    layers: Iterable[int] | None = None,
+    forward_kwargs: Mapping[str, Any] | None = None,
+    paths: Paths | None = None,
+    method: str = "auto",
+    piece: int = 64,
+    steps: int = 1,
+    heads: bool = False,
+    budget_bytes: int | None = None,
+    chunk: int | None = None,
+) -> Attribution:
     """Attribution patching of every recurrent layer x token, from one clean forward and one forward and
     backward of the corrupt run (`steps` of them on the way from the corrupt input to the clean one).
 
@@ -158,15 +181,32 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
     method, piece = _renamed(method, piece, chunk, where)
     for name, ids in (("clean_ids", clean_ids), ("corrupt_ids", corrupt_ids)):
         if not isinstance(ids, Tensor) or ids.dim() not in (1, 2):
-            raise InvalidValue(f"{where}: expected {name} as a [seq] (one pair) or [pairs, seq] tensor of token ids,"
-                               f" got {type(ids).__name__}{'' if not isinstance(ids, Tensor) else tuple(ids.shape)}")
+            raise InvalidValue(
+                f"{where}: expected {name} as a [seq] (one pair) or [pairs, seq] tensor of token ids,"
+                f" got {type(ids).__name__}{'' if not isinstance(ids, Tensor) else tuple(ids.shape)}"
+            )
     if clean_ids.shape != corrupt_ids.shape:
-        raise InvalidValue(f"{where}: clean_ids {tuple(clean_ids.shape)} and corrupt_ids {tuple(corrupt_ids.shape)}"
-                           " must have the same shape (row b of one is patched into row b of the other)")
+        raise InvalidValue(
+            f"{where}: clean_ids {tuple(clean_ids.shape)} and corrupt_ids {tuple(corrupt_ids.shape)}"
+            " must have the same shape (row b of one is patched into row b of the other)"
+        )
     if clean_ids.dim() == 1:  # one pair: the results without the pairs axis
-        return _one_pair(attribute(model, clean_ids[None], corrupt_ids[None], metric, layers=layers,
-                                   forward_kwargs=forward_kwargs, paths=paths, method=method, piece=piece,
-                                   steps=steps, heads=heads, budget_bytes=budget_bytes))
+        return _one_pair(
+            attribute(
+                model,
+                clean_ids[None],
+                corrupt_ids[None],
+                metric,
+                layers=layers,
+                forward_kwargs=forward_kwargs,
+                paths=paths,
+                method=method,
+                piece=piece,
+                steps=steps,
+                heads=heads,
+                budget_bytes=budget_bytes,
+            )
+        )
     if not callable(metric):
         raise InvalidValue(f"{where}: expected a callable metric(logits) -> [rows] or a 0-d tensor, got {metric!r}")
     budget = _checked_options(method, piece, steps, heads, budget_bytes, where)
@@ -178,8 +218,10 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
         in_pieces = all(runs_in_pieces(kind) for kind in kinds) and len(_layers(chosen)) == len(chosen)
         if method == "pieces" and not in_pieces:
             slow = sorted({kind.__name__ for kind in kinds if not runs_in_pieces(kind)}) or ["a layer of several"]
-            raise InvalidValue(f"{where}: method='pieces' needs one mixer a layer and a prompt kernel that runs in"
-                               f" pieces from a state; {', '.join(slow)} has none: use method='states' (or 'auto')")
+            raise InvalidValue(
+                f"{where}: method='pieces' needs one mixer a layer and a prompt kernel that runs in"
+                f" pieces from a state; {', '.join(slow)} has none: use method='states' (or 'auto')"
+            )
         method = "pieces" if in_pieces else "states"
     held = min(piece, clean_ids.shape[1]) if method == "pieces" else clean_ids.shape[1]
     pair_bytes = 2 * held * max((_row_bytes(m) for m in chosen), default=0) if clean_ids.shape[0] > 1 else 0
@@ -193,8 +235,11 @@ def attribute(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: 
         runs = _Runs(model, for_rows(metric, rows), layers, mine, paths, corrupt_ids[pairs], where, heads)
         clean, corrupt = clean_ids[pairs], corrupt_ids[pairs]
         inputs = _line(model, clean, corrupt, steps, mine, where)
-        parts.append(_attribute_in_pieces(runs, clean, corrupt, piece, shared_conv, inputs, steps)
-                     if method == "pieces" else _attribute_with_states(runs, clean, corrupt, inputs, steps))
+        parts.append(
+            _attribute_in_pieces(runs, clean, corrupt, piece, shared_conv, inputs, steps)
+            if method == "pieces"
+            else _attribute_with_states(runs, clean, corrupt, inputs, steps)
+        )
     return parts[0] if len(parts) == 1 else _concatenated(parts)
 
 
@@ -216,26 +261,39 @@ def _checked_options(method: Any, piece: Any, steps: Any, heads: Any, budget_byt
     if isinstance(piece, bool) or not isinstance(piece, int) or piece < 1:
         raise InvalidValue(f"{where}: expected piece as a positive int (tokens per piece), got {piece!r}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise InvalidValue(f"{where}: expected steps as a positive int (the gradients averaged on the way from the"
-                           f" corrupt to the clean input embeddings; 1: attribution patching), got {steps!r}")
+        raise InvalidValue(
+            f"{where}: expected steps as a positive int (the gradients averaged on the way from the"
+            f" corrupt to the clean input embeddings; 1: attribution patching), got {steps!r}"
+        )
     if heads is not True and heads is not False:
         raise InvalidValue(f"{where}: expected heads=True or heads=False, got heads={heads!r}")
     budget = BUDGET_BYTES if budget_bytes is None else budget_bytes
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-        raise InvalidValue(f"{where}: expected budget_bytes as an int >= 0 (or None: {BUDGET_BYTES}), got"
-                           f" budget_bytes={budget_bytes!r}")
+        raise InvalidValue(
+            f"{where}: expected budget_bytes as an int >= 0 (or None: {BUDGET_BYTES}), got"
+            f" budget_bytes={budget_bytes!r}"
+        )
     return budget
 
 
-def _probe(model: nn.Module, clean_ids: Tensor, layers: tuple[int, ...] | None, heads: bool, paths: Paths | None,
-           kwargs: Mapping[str, Any], where: str) -> list[RecurrentMixer]:
+def _probe(
+    model: nn.Module,
+    clean_ids: Tensor,
+    layers: tuple[int, ...] | None,
+    heads: bool,
+    paths: Paths | None,
+    kwargs: Mapping[str, Any],
+    where: str,
+) -> list[RecurrentMixer]:
     """The chosen mixers, checked for heads; over several pairs, with one row's memory kept (`_row_bytes`)."""
     with torch.no_grad(), watch(model, keep={"states": [0], "windows": [0]}, paths=paths) as probe:
         chosen = _chosen(probe.mixers, layers, where)
         headless = next((m for m in chosen if heads and not m.HEADS), None)
         if headless is not None:
-            raise InvalidValue(f"{where}: heads=True needs a state with heads in every chosen layer; {headless} has a"
-                               f" state of axes {headless.STATE!r} without heads (choose other layers, or heads=False)")
+            raise InvalidValue(
+                f"{where}: heads=True needs a state with heads in every chosen layer; {headless} has a"
+                f" state of axes {headless.STATE!r} without heads (choose other layers, or heads=False)"
+            )
         if clean_ids.shape[0] > 1:
             model(clean_ids[:1], **_rows_of(kwargs, [0], clean_ids.shape[0]))
     return chosen
@@ -253,14 +311,19 @@ def _row_bytes(mixer: RecurrentMixer) -> int:
 def _rows_of(kwargs: Mapping[str, Any], rows: list[int], pairs: int) -> dict[str, Any]:
     """`forward_kwargs` for the pairs `rows`: a tensor whose first axis has the pairs' length (an attention mask,
     position ids) is taken as one row per pair, and indexed."""
-    return {name: value[rows] if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == pairs else value
-            for name, value in kwargs.items()}
+    return {
+        name: value[rows] if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == pairs else value
+        for name, value in kwargs.items()
+    }
 
 
 def _concatenated(parts: list[Attribution]) -> Attribution:
     """The results of groups of pairs, in order, as one (on the pairs axis)."""
-    return Attribution(parts[0].layers, *(torch.cat([getattr(part, name) for part in parts])
-                                          for name in ("state", "window", "clean", "corrupt")), parts[0].heads)
+    return Attribution(
+        parts[0].layers,
+        *(torch.cat([getattr(part, name) for part in parts]) for name in ("state", "window", "clean", "corrupt")),
+        parts[0].heads,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,8 +352,9 @@ Inputs = Callable[[int], tuple[tuple, dict[str, Tensor]]]  # step -> the positio
 Terms = tuple[Tensor, tuple[int, ...], Tensor, Tensor]  # one gradient run's metric, layers, state and window terms
 
 
-def _line(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, steps: int, kwargs: Mapping[str, Any],
-          where: str) -> Inputs:
+def _line(
+    model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, steps: int, kwargs: Mapping[str, Any], where: str
+) -> Inputs:
     """The inputs of gradient run `step` (0..steps-1): the corrupt ids at steps=1; else the input embeddings at
     alpha = step / steps on the straight line E(corrupt) + alpha (E(clean) - E(corrupt)), `[pairs, seq, hidden]`
     (alpha = 0 first: the corrupt run's own embeddings)."""
@@ -307,8 +371,10 @@ def _embedding(model: nn.Module, steps: int, kwargs: Mapping[str, Any], where: s
     """The model's input embedding, once its forward is seen to take `inputs_embeds`."""
     given = sorted({"input_ids", "inputs_embeds"} & set(kwargs))
     if given:
-        raise InvalidValue(f"{where}: expected no {given[0]} in forward_kwargs (steps={steps} passes inputs_embeds"
-                           " made from clean_ids and corrupt_ids), got one")
+        raise InvalidValue(
+            f"{where}: expected no {given[0]} in forward_kwargs (steps={steps} passes inputs_embeds"
+            " made from clean_ids and corrupt_ids), got one"
+        )
     try:
         embedding = model.get_input_embeddings()
     except (AttributeError, NotImplementedError):
@@ -318,15 +384,26 @@ def _embedding(model: nn.Module, steps: int, kwargs: Mapping[str, Any], where: s
     except (TypeError, ValueError):
         takes = False
     if not isinstance(embedding, nn.Module) or not takes:
-        missing = "no get_input_embeddings() module" if not isinstance(embedding, nn.Module) else \
-            "a forward without an inputs_embeds argument"
-        raise InvalidValue(f"{where}: steps={steps} runs the model on input embeddings (model(inputs_embeds=...)),"
-                           f" expected a model that takes them; {type(model).__name__} has {missing}: use steps=1")
+        missing = (
+            "no get_input_embeddings() module"
+            if not isinstance(embedding, nn.Module)
+            else "a forward without an inputs_embeds argument"
+        )
+        raise InvalidValue(
+            f"{where}: steps={steps} runs the model on input embeddings (model(inputs_embeds=...)),"
+            f" expected a model that takes them; {type(model).__name__} has {missing}: use steps=1"
+        )
     return embedding
 
 
-def _averaged(gradient: Callable[[tuple, dict[str, Tensor]], Terms], inputs: Inputs, steps: int, clean_value: Tensor,
-              corrupt_value: Tensor | None, where: str) -> Attribution:
+def _averaged(
+    gradient: Callable[[tuple, dict[str, Tensor]], Terms],
+    inputs: Inputs,
+    steps: int,
+    clean_value: Tensor,
+    corrupt_value: Tensor | None,
+    where: str,
+) -> Attribution:
     """The terms of the `steps` gradient runs, one run after the other, averaged (their sum / steps; at steps=1
     the one run's terms as they are). `corrupt_value`: the corrupt run's metric (None at steps=1: the gradient
     run is the corrupt run)."""
@@ -341,21 +418,25 @@ def _averaged(gradient: Callable[[tuple, dict[str, Tensor]], Terms], inputs: Inp
     if steps > 1:
         state_sum, window_sum = state_sum / steps, window_sum / steps
     heads = state_sum.shape[2] if state_sum.dim() == 4 else None  # pairs layers heads seq
-    return Attribution(layers, state_sum, window_sum, clean_value.detach().float(), corrupt_value.detach().float(),
-                       heads)
+    return Attribution(
+        layers, state_sum, window_sum, clean_value.detach().float(), corrupt_value.detach().float(), heads
+    )
 
 
 def _same_start(value: Tensor, corrupt: Tensor, steps: int, where: str) -> Tensor:
     """The corrupt run's metric, once the run of alpha = 0, E(corrupt) as inputs_embeds, is seen to give it."""
     if not torch.allclose(value.float(), corrupt.float(), rtol=1e-3, atol=1e-3, equal_nan=True):
-        raise InvalidValue(f"{where}: steps={steps}: expected model(inputs_embeds=E(corrupt_ids)) to be the forward of"
-                           f" corrupt_ids (E = model.get_input_embeddings()), got metrics {value.tolist()} from the"
-                           f" embeddings and {corrupt.tolist()} from the ids: use steps=1")
+        raise InvalidValue(
+            f"{where}: steps={steps}: expected model(inputs_embeds=E(corrupt_ids)) to be the forward of"
+            f" corrupt_ids (E = model.get_input_embeddings()), got metrics {value.tolist()} from the"
+            f" embeddings and {corrupt.tolist()} from the ids: use steps=1"
+        )
     return corrupt
 
 
-def _attribute_with_states(runs: _Runs, clean_ids: Tensor, corrupt_ids: Tensor, inputs: Inputs,
-                           steps: int) -> Attribution:
+def _attribute_with_states(
+    runs: _Runs, clean_ids: Tensor, corrupt_ids: Tensor, inputs: Inputs, steps: int
+) -> Attribution:
     """method="states": each gradient run keeps every state and window differentiably; the clean run (and, at
     steps > 1, the corrupt one) keeps them without grad."""
     keep = ("states", "windows")  # a memory a mixer's kind does not carry is not kept (normalize_keep)
@@ -372,43 +453,74 @@ def _kept_run(runs: _Runs, ids: Tensor, keep: tuple[str, ...]) -> tuple[Tensor, 
     return value, kept
 
 
-def _gradient_with_states(runs: _Runs, keep: tuple[str, ...], clean: Watch, reference: Watch | None, args: tuple,
-                          named: dict[str, Tensor]) -> Terms:
+def _gradient_with_states(
+    runs: _Runs, keep: tuple[str, ...], clean: Watch, reference: Watch | None, args: tuple, named: dict[str, Tensor]
+) -> Terms:
     """One gradient run of "states": its terms (clean - reference memory) . gradient, with the reference the
     corrupt run's kept memory (None: the run's own)."""
     with torch.enable_grad(), watch(runs.model, keep=keep, paths=runs.paths) as run:
         value = runs.value(*args, **named)
     chosen = runs.chosen(run)
     # every part of every memory the kinds carry (a memory a kind lacks contributes zeros; see engine.parts)
-    leaves = [leaf for m in chosen for memory in _MEMORIES if memory in m.MEMORIES
-              for buffer in m.calls[0].differentiable(memory) for _, leaf in parts_of(buffer)]
+    leaves = [
+        leaf
+        for m in chosen
+        for memory in _MEMORIES
+        if memory in m.MEMORIES
+        for buffer in m.calls[0].differentiable(memory)
+        for _, leaf in parts_of(buffer)
+    ]
     grads = iter(torch.autograd.grad(value.sum(), leaves, allow_unused=True))
     same = {id(m): k for k, m in enumerate(run.mixers)}  # the same mixer in the other runs' watches: by its place
-    rows = [[_memory_row(clean.mixers[same[id(m)]], m, memory, grads, runs.ids,
-                         None if reference is None else reference.mixers[same[id(m)]],
-                         _kept_layout(m) if runs.heads else None) for memory in _MEMORIES]
-            for m in chosen]  # in `leaves`' order: mixer by mixer, state then window
-    return (value.detach(), _layers(chosen), _stacked([state for state, _ in rows], chosen, runs.where),
-            _stacked([window for _, window in rows], chosen, runs.where))
+    rows = [
+        [
+            _memory_row(
+                clean.mixers[same[id(m)]],
+                m,
+                memory,
+                grads,
+                runs.ids,
+                None if reference is None else reference.mixers[same[id(m)]],
+                _kept_layout(m) if runs.heads else None,
+            )
+            for memory in _MEMORIES
+        ]
+        for m in chosen
+    ]  # in `leaves`' order: mixer by mixer, state then window
+    return (
+        value.detach(),
+        _layers(chosen),
+        _stacked([state for state, _ in rows], chosen, runs.where),
+        _stacked([window for _, window in rows], chosen, runs.where),
+    )
 
 
-def _memory_row(clean: RecurrentMixer, corrupt: RecurrentMixer, memory: str, grads: Iterable, ids: Tensor,
-                reference: RecurrentMixer | None = None, layout: "_Heads | None" = None) -> Tensor:
+def _memory_row(
+    clean: RecurrentMixer,
+    corrupt: RecurrentMixer,
+    memory: str,
+    grads: Iterable,
+    ids: Tensor,
+    reference: RecurrentMixer | None = None,
+    layout: "_Heads | None" = None,
+) -> Tensor:
     """`[pairs, seq]`: the sum over the memory axes of (clean - corrupt) * gradient, per pair and token, from kept
     states (next(grads) per part of every buffer of `memory`, in the order of the gradient run's leaves); the
     corrupt memory is `reference`'s kept one where given, else the gradient run's own. With a `layout`, `[pairs,
     heads, seq]`: the state's sum per head (axis 2 of a kept state; a buffer a head for per-head kernels), the
     window's per channel, shared among the heads by `layout.shares`."""
-    total = torch.zeros(*ids.shape, *([] if layout is None else [layout.heads]), dtype=torch.float32,
-                        device=ids.device)  # b t (heads)
+    total = torch.zeros(
+        *ids.shape, *([] if layout is None else [layout.heads]), dtype=torch.float32, device=ids.device
+    )  # b t (heads)
     if memory not in corrupt.MEMORIES:
         return total if layout is None else total.movedim(2, 1)
     buffers = corrupt.calls[0].differentiable(memory)
     cleans = _per_buffer(clean.calls[0].kept(memory), len(buffers))
     minus = buffers if reference is None else _per_buffer(reference.calls[0].kept(memory), len(buffers))
     for head, (buffer, clean_part, minus_part) in enumerate(zip(buffers, cleans, minus)):
-        for (_, leaf), (_, clean_leaf), (_, minus_leaf) in zip(parts_of(buffer), parts_of(clean_part),
-                                                                parts_of(minus_part)):
+        for (_, leaf), (_, clean_leaf), (_, minus_leaf) in zip(
+            parts_of(buffer), parts_of(clean_part), parts_of(minus_part)
+        ):
             grad = next(grads)
             if grad is None:  # the metric does not depend on this memory
                 continue
@@ -466,16 +578,20 @@ def _stacked(rows: list[Tensor], chosen: list[RecurrentMixer], where: str) -> Te
         by_layer.setdefault(m.layer, []).append((m, row))
     several = [pairs for pairs in by_layer.values() if len(pairs) > 1]
     if several and rows[0].dim() > 2:
-        raise InvalidValue(f"{where}: heads=True needs one mixer a layer; layer {several[0][0][0].layer} has"
-                           f" {', '.join(f'{m}' for m, _ in several[0])}: attribute without heads (each layer's"
-                           " mixers summed)")
+        raise InvalidValue(
+            f"{where}: heads=True needs one mixer a layer; layer {several[0][0][0].layer} has"
+            f" {', '.join(f'{m}' for m, _ in several[0])}: attribute without heads (each layer's"
+            " mixers summed)"
+        )
     chosen = [pairs[0][0] for pairs in by_layer.values()]
     rows = [sum(r for _, r in pairs) for pairs in by_layer.values()]
     shapes = {f"{m}": tuple(row.shape[1:-1]) for m, row in zip(chosen, rows)}
     if len(set(shapes.values())) > 1:
-        raise InvalidValue(f"{where}: heads=True needs one number of heads in every chosen layer, got"
-                           f" {', '.join(f'{m}: {shape[0]}' for m, shape in shapes.items())}; choose layers with"
-                           " `layers=`")
+        raise InvalidValue(
+            f"{where}: heads=True needs one number of heads in every chosen layer, got"
+            f" {', '.join(f'{m}: {shape[0]}' for m, shape in shapes.items())}; choose layers with"
+            " `layers=`"
+        )
     return torch.stack(rows, dim=1)
 
 
@@ -495,8 +611,9 @@ class _Recorded:
     watch: Watch
 
 
-def _attribute_in_pieces(runs: _Runs, clean_ids: Tensor, corrupt_ids: Tensor, piece: int, shared_conv: bool,
-                         inputs: Inputs, steps: int) -> Attribution:
+def _attribute_in_pieces(
+    runs: _Runs, clean_ids: Tensor, corrupt_ids: Tensor, piece: int, shared_conv: bool, inputs: Inputs, steps: int
+) -> Attribution:
     """method="pieces": the state term through `InPieces` calls, the window term from the convolution's inputs
     and output gradients (`Kernel.window_terms`) where every chosen kind's conv is the shared one (`shared_conv`),
     else from kept windows."""
@@ -504,8 +621,7 @@ def _attribute_in_pieces(runs: _Runs, clean_ids: Tensor, corrupt_ids: Tensor, pi
     clean = _recorded_run(runs, clean_ids, keep, piece, shared_conv)
     reference = _recorded_run(runs, corrupt_ids, keep, piece, shared_conv) if steps > 1 else None
     gradient = functools.partial(_gradient_in_pieces, runs, keep, piece, shared_conv, clean, reference)
-    return _averaged(gradient, inputs, steps, clean.value, None if reference is None else reference.value,
-                     runs.where)
+    return _averaged(gradient, inputs, steps, clean.value, None if reference is None else reference.value, runs.where)
 
 
 def _recorded_run(runs: _Runs, ids: Tensor, keep: tuple[str, ...], piece: int, shared_conv: bool) -> _Recorded:
@@ -518,54 +634,95 @@ def _recorded_run(runs: _Runs, ids: Tensor, keep: tuple[str, ...], piece: int, s
     return _Recorded(value, recorders, kept)
 
 
-def _gradient_in_pieces(runs: _Runs, keep: tuple[str, ...], piece: int, shared_conv: bool, clean: _Recorded,
-                        reference: _Recorded | None, args: tuple, named: dict[str, Tensor]) -> Terms:
+def _gradient_in_pieces(
+    runs: _Runs,
+    keep: tuple[str, ...],
+    piece: int,
+    shared_conv: bool,
+    clean: _Recorded,
+    reference: _Recorded | None,
+    args: tuple,
+    named: dict[str, Tensor],
+) -> Terms:
     """One gradient run of "pieces": its terms (clean - reference memory) . gradient, with the reference the
     corrupt run's recorded memory (None: the run's own)."""
     where = runs.where
-    with torch.enable_grad(), watch(runs.model, keep=keep, paths=runs.paths) as run, \
-            contextlib.ExitStack() as stack:
+    with torch.enable_grad(), watch(runs.model, keep=keep, paths=runs.paths) as run, contextlib.ExitStack() as stack:
         chosen = runs.chosen(run)
-        corrupts = {m.layer: CorruptPieces(clean.pieces[m.layer], piece, f"{m}",
-                                            None if reference is None else reference.pieces[m.layer],
-                                            runs.heads and not m.KERNEL_PER_HEAD)
-                    for m in chosen}
+        corrupts = {
+            m.layer: CorruptPieces(
+                clean.pieces[m.layer],
+                piece,
+                f"{m}",
+                None if reference is None else reference.pieces[m.layer],
+                runs.heads and not m.KERNEL_PER_HEAD,
+            )
+            for m in chosen
+        }
         for m in chosen:
             stack.enter_context(takeover.active(m, corrupts[m.layer]))
         value = runs.value(*args, **named)
     for m in chosen:
         corrupt, recorded = corrupts[m.layer], clean.pieces[m.layer]
         if not corrupt.eps or len(corrupt.eps) != len(recorded.records):
-            raise InvalidValue(f"{where}: {m}: its prompt kernel ran {len(corrupt.eps)} time(s) through the pieces"
-                               f" path in the corrupt run and {len(recorded.records)} in the clean one (another"
-                               " handle watching it, or a path the study cannot see): use method='states'")
-    windows = [] if shared_conv else [leaf for m in chosen if CONV_MEMORY in m.MEMORIES
-                                      for buffer in m.calls[0].differentiable(CONV_MEMORY)
-                                      for _, leaf in parts_of(buffer)]
+            raise InvalidValue(
+                f"{where}: {m}: its prompt kernel ran {len(corrupt.eps)} time(s) through the pieces"
+                f" path in the corrupt run and {len(recorded.records)} in the clean one (another"
+                " handle watching it, or a path the study cannot see): use method='states'"
+            )
+    windows = (
+        []
+        if shared_conv
+        else [
+            leaf
+            for m in chosen
+            if CONV_MEMORY in m.MEMORIES
+            for buffer in m.calls[0].differentiable(CONV_MEMORY)
+            for _, leaf in parts_of(buffer)
+        ]
+    )
     eps = [e for m in chosen for e in corrupts[m.layer].eps]
     shifts = [call.shift for m in chosen for call in corrupts[m.layer].convs]
     grads = torch.autograd.grad(value.sum(), [*eps, *shifts, *windows], allow_unused=True)
-    eps_grads, shift_grads = iter(grads[:len(eps)]), iter(grads[len(eps):len(eps) + len(shifts)])
-    window_grads = iter(grads[len(eps) + len(shifts):])
+    eps_grads, shift_grads = iter(grads[: len(eps)]), iter(grads[len(eps) : len(eps) + len(shifts)])
+    window_grads = iter(grads[len(eps) + len(shifts) :])
     state_rows, window_rows = [], []
     for m in chosen:
         layout = _recorded_layout(m, clean) if runs.heads else None
         state_rows.append(_eps_row(m, [next(eps_grads) for _ in corrupts[m.layer].eps], runs.ids, layout))
         if shared_conv:
-            window_rows.append(window_row(clean.pieces[m.layer], corrupts[m.layer], shift_grads, runs.ids,
-                                           f"{where}: {m}", None if reference is None else reference.pieces[m.layer],
-                                           layout))
+            window_rows.append(
+                window_row(
+                    clean.pieces[m.layer],
+                    corrupts[m.layer],
+                    shift_grads,
+                    runs.ids,
+                    f"{where}: {m}",
+                    None if reference is None else reference.pieces[m.layer],
+                    layout,
+                )
+            )
         else:
-            window_rows.append(_memory_row(clean.watch.mixer(m.layer), m, CONV_MEMORY, window_grads, runs.ids,
-                                           None if reference is None else reference.watch.mixer(m.layer), layout))
+            window_rows.append(
+                _memory_row(
+                    clean.watch.mixer(m.layer),
+                    m,
+                    CONV_MEMORY,
+                    window_grads,
+                    runs.ids,
+                    None if reference is None else reference.watch.mixer(m.layer),
+                    layout,
+                )
+            )
     return value.detach(), _layers(chosen), _stacked(state_rows, chosen, where), _stacked(window_rows, chosen, where)
 
 
 def _eps_row(mixer: RecurrentMixer, grads: list[Tensor | None], ids: Tensor, layout: "_Heads | None") -> Tensor:
     """`[pairs, seq]` (`[pairs, heads, seq]` with a layout): the state term, the eps gradients of the layer's
     prompt kernel calls summed (per head: each `[pairs, seq, heads]`, or one call a head for per-head kernels)."""
-    total = torch.zeros(*ids.shape, *([] if layout is None else [layout.heads]), dtype=torch.float32,
-                        device=ids.device)  # b t (heads)
+    total = torch.zeros(
+        *ids.shape, *([] if layout is None else [layout.heads]), dtype=torch.float32, device=ids.device
+    )  # b t (heads)
     for head, grad in enumerate(grads):
         if grad is None:
             continue
@@ -595,8 +752,9 @@ def _recorded_layout(mixer: RecurrentMixer, clean: "_Recorded") -> "_Heads":
 
 
 def _one_pair(result: Attribution) -> Attribution:
-    return Attribution(result.layers, result.state[0], result.window[0], result.clean[0], result.corrupt[0],
-                       result.heads)
+    return Attribution(
+        result.layers, result.state[0], result.window[0], result.clean[0], result.corrupt[0], result.heads
+    )
 
 
 def _chosen(mixers: list[RecurrentMixer], layers: Iterable[int] | None, where: str) -> list[RecurrentMixer]:

@@ -61,26 +61,38 @@ def conv_call(kernel: Kernel, args: tuple, kwargs: dict) -> dict[str, Any]:
     return bound
 
 
-def window_row(clean: "CleanPieces", corrupt: "CorruptPieces", grads: Iterable, ids: Tensor,
-                where: str, reference: "CleanPieces | None" = None, layout: "Any" = None) -> Tensor:
+def window_row(
+    clean: "CleanPieces",
+    corrupt: "CorruptPieces",
+    grads: Iterable,
+    ids: Tensor,
+    where: str,
+    reference: "CleanPieces | None" = None,
+    layout: "Any" = None,
+) -> Tensor:
     """`[pairs, seq]`: the window term per pair and token, from each prompt convolution call's inputs and gradient;
     the corrupt inputs are `reference`'s where given (the corrupt run's, at steps > 1), else the gradient run's.
     With a layout, `[pairs, heads, seq]`: each channel's term shared among the heads it feeds."""
     shares = None if layout is None else layout.shares
-    total = torch.zeros(*ids.shape, *([] if layout is None else [layout.heads]), dtype=torch.float32,
-                        device=ids.device)  # b t (heads)
+    total = torch.zeros(
+        *ids.shape, *([] if layout is None else [layout.heads]), dtype=torch.float32, device=ids.device
+    )  # b t (heads)
     minus = corrupt.convs if reference is None else reference.convs
     if len(clean.convs) != len(corrupt.convs) or len(minus) != len(corrupt.convs):
-        raise InvalidValue(f"{where}: its prompt convolution ran {len(corrupt.convs)} time(s) in the corrupt run and"
-                           f" {len(clean.convs)} in the clean one: use method='states'")
+        raise InvalidValue(
+            f"{where}: its prompt convolution ran {len(corrupt.convs)} time(s) in the corrupt run and"
+            f" {len(clean.convs)} in the clean one: use method='states'"
+        )
     for before, after, base in zip(clean.convs, corrupt.convs, minus):
         grad = next(grads)
         if grad is None:
             continue
         if before.inputs.shape != after.inputs.shape or before.inputs.shape[-1] != ids.shape[1]:
-            raise InvalidValue(f"{where}: its prompt convolution covers {tuple(after.inputs.shape)} in the corrupt run"
-                               f" and {tuple(before.inputs.shape)} in the clean one, for a {ids.shape[1]}-token"
-                               " prompt (a cached prefix?): use method='states'")
+            raise InvalidValue(
+                f"{where}: its prompt convolution covers {tuple(after.inputs.shape)} in the corrupt run"
+                f" and {tuple(before.inputs.shape)} in the clean one, for a {ids.shape[1]}-token"
+                " prompt (a cached prefix?): use method='states'"
+            )
         delta = before.inputs.to(torch.float32) - base.inputs.to(torch.float32)  # b c L
         total = total + after.terms(delta, grad, after.weight, shares).to(total.device)
     return total if layout is None else total.movedim(2, 1)
@@ -140,8 +152,9 @@ class CleanPieces:
     def run(self, kernel: Kernel, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         if kernel.memory == CONV_MEMORY:  # the shared prompt convolution: its inputs
             bound = conv_call(kernel, args, kwargs)
-            self.convs.append(ConvCall(bound["hidden_states"].detach(), bound["weight"].detach(),
-                                        kernel.window_terms.terms))
+            self.convs.append(
+                ConvCall(bound["hidden_states"].detach(), bound["weight"].detach(), kernel.window_terms.terms)
+            )
             return original(*args, **kwargs)
         pieces = Pieces(kernel, args, kwargs)
         if isinstance(pieces.state, Tensor):  # a cache's tensor, updated in place later
@@ -156,8 +169,9 @@ class CorruptPieces:
 
     path = "attribution: pieces (corrupt)"
 
-    def __init__(self, clean: CleanPieces, piece: int, where: str, reference: CleanPieces | None = None,
-                 heads: bool = False) -> None:
+    def __init__(
+        self, clean: CleanPieces, piece: int, where: str, reference: CleanPieces | None = None, heads: bool = False
+    ) -> None:
         self.clean, self.piece, self.where, self.heads = clean, piece, where, heads  # heads: an eps per head
         self.reference = reference  # the corrupt run's records (steps > 1): the delta is clean minus them
         self.eps: list[Tensor] = []
@@ -175,23 +189,30 @@ class CorruptPieces:
             return kernel.window_terms.shifted(x, weight, bound.get("bias"), bound.get("activation"), shift=shift)
         index = len(self.eps)
         if index >= len(self.clean.records):
-            raise InvalidValue(f"attribute: {self.where}: prompt kernel call {index} of the corrupt run has no clean"
-                               f" counterpart (the clean run made {len(self.clean.records)})")
+            raise InvalidValue(
+                f"attribute: {self.where}: prompt kernel call {index} of the corrupt run has no clean"
+                f" counterpart (the clean run made {len(self.clean.records)})"
+            )
         clean = self.clean.records[index]
         if self.reference is not None and index >= len(self.reference.records):
-            raise InvalidValue(f"attribute: {self.where}: prompt kernel call {index} of a gradient run has no"
-                               f" counterpart in the corrupt run (which made {len(self.reference.records)})")
+            raise InvalidValue(
+                f"attribute: {self.where}: prompt kernel call {index} of a gradient run has no"
+                f" counterpart in the corrupt run (which made {len(self.reference.records)})"
+            )
         reference = None if self.reference is None else self.reference.records[index]
         pieces = Pieces(kernel, args, kwargs)
         if pieces.tokens != clean.pieces.tokens:
-            raise InvalidValue(f"attribute: {self.where}: prompt kernel call {index} covers {pieces.tokens} tokens"
-                               f" in the corrupt run and {clean.pieces.tokens} in the clean one")
+            raise InvalidValue(
+                f"attribute: {self.where}: prompt kernel call {index} covers {pieces.tokens} tokens"
+                f" in the corrupt run and {clean.pieces.tokens} in the clean one"
+            )
         slots, tensors = tensor_slots(args, kwargs)
         state = pieces.state
         batch = next(t for t in tensors if t.dim() > 0).shape[0] if state is None else state.shape[0]
         per_head = [clean.boundaries[-1].shape[1]] if self.heads else []  # b i (heads)
-        eps = torch.zeros(batch, pieces.tokens, *per_head, dtype=torch.float32, device=tensors[0].device,
-                          requires_grad=True)
+        eps = torch.zeros(
+            batch, pieces.tokens, *per_head, dtype=torch.float32, device=tensors[0].device, requires_grad=True
+        )
         self.eps.append(eps)
         spec = Spec(kernel, original, args, kwargs, slots, clean, self.piece, reference, heads=self.heads)
         out, final = InPieces.apply(spec, eps, *tensors)
@@ -241,12 +262,17 @@ class InPieces(torch.autograd.Function):
         needed = ctx.needs_input_grad[2:]
         pieces = spec.pieces(saved)
         state_in = spec.kernel.segments.state_in
-        wanted = {name for name, need, tensor in zip(slot_names(pieces, spec.slots), needed, saved)
-                  if need and tensor.is_floating_point() and name != state_in}
+        wanted = {
+            name
+            for name, need, tensor in zip(slot_names(pieces, spec.slots), needed, saved)
+            if need and tensor.is_floating_point() and name != state_in
+        }
         eps_parts: list[Tensor] = []  # right to left
         if spec.kernel.segments.adjoint is not None:  # the kind's adjoint recurrence: no token loop under autograd
-            ranges, backward_one = token_ranges(pieces.tokens, spec.piece), AdjointPiece(spec, pieces, wanted,
-                                                                                          grad_out, eps_parts)
+            ranges, backward_one = (
+                token_ranges(pieces.tokens, spec.piece),
+                AdjointPiece(spec, pieces, wanted, grad_out, eps_parts),
+            )
         else:  # the token loop under autograd, in steps of as many tokens as STEP_BYTES of states
             loop = LoopSteps(spec, pieces, wanted, grad_out, eps_parts)
             ranges, backward_one = loop.ranges, loop
@@ -262,8 +288,9 @@ class AdjointPiece:
     boundary), S'_t the corrupt run's (steps > 1: the reference's) or, for none, the run's own from `all_states`.
     Two state buffers of a piece each, reused piece after piece."""
 
-    def __init__(self, spec: Spec, pieces: Pieces, wanted: set[str], grad_out: Tensor | None,
-                 eps_parts: list[Tensor]) -> None:
+    def __init__(
+        self, spec: Spec, pieces: Pieces, wanted: set[str], grad_out: Tensor | None, eps_parts: list[Tensor]
+    ) -> None:
         self.spec, self.pieces, self.wanted, self.grad_out, self.eps_parts = spec, pieces, wanted, grad_out, eps_parts
         self.buffers: list[Tensor] = []
 
@@ -276,8 +303,16 @@ class AdjointPiece:
         clean = spec.clean.states(kernel, index, start, end, self.buffers[0])  # i b *state
         minus = None if spec.reference is None else spec.reference.states(kernel, index, start, end, self.buffers[1])
         piece_grad = None if self.grad_out is None else self.grad_out.narrow(segments.out_axis, start, end - start)
-        grads, state_grad, (leading, named) = recompute(pieces, segments.kernel or spec.original, start, end,
-                                                        spec.boundaries[index], self.wanted, piece_grad, grad_state)
+        grads, state_grad, (leading, named) = recompute(
+            pieces,
+            segments.kernel or spec.original,
+            start,
+            end,
+            spec.boundaries[index],
+            self.wanted,
+            piece_grad,
+            grad_state,
+        )
         with torch.no_grad():
             corrupt = piece_states(kernel, leading, named, self.buffers[1]) if minus is None else minus
             delta = clean.sub_(corrupt)  # i b *state   S_t - S'_t
@@ -302,8 +337,9 @@ class LoopSteps:
     the values as they are and makes d m / d eps_t the term. A piece's corrupt states at its steps' boundaries are
     recomputed first, without grad, when it has more than one step."""
 
-    def __init__(self, spec: Spec, pieces: Pieces, wanted: set[str], grad_out: Tensor | None,
-                 eps_parts: list[Tensor]) -> None:
+    def __init__(
+        self, spec: Spec, pieces: Pieces, wanted: set[str], grad_out: Tensor | None, eps_parts: list[Tensor]
+    ) -> None:
         self.spec, self.pieces, self.wanted, self.grad_out, self.eps_parts = spec, pieces, wanted, grad_out, eps_parts
         last = spec.boundaries[-1]
         self.step = min(spec.piece, max(1, STEP_BYTES // (last.numel() * last.element_size())))
@@ -335,16 +371,35 @@ class LoopSteps:
         boundary = spec.boundaries[index] if first == 0 else corrupt[first - 1]
         last = first + end - start
         grad_state, eps_part, grads = backward_step(
-            spec.kernel, self.pieces, start, end, boundary, clean[first:last], self.wanted, self.grad_out,
-            grad_state, None if minus is None else minus[first:last], spec.heads)
+            spec.kernel,
+            self.pieces,
+            start,
+            end,
+            boundary,
+            clean[first:last],
+            self.wanted,
+            self.grad_out,
+            grad_state,
+            None if minus is None else minus[first:last],
+            spec.heads,
+        )
         self.eps_parts.append(eps_part)
         return grad_state, grads
 
 
-def backward_step(kernel: Kernel, pieces: Pieces, start: int, end: int, boundary: Any, clean: Tensor,
-                   wanted: set[str], grad_out: Tensor | None, grad_state: Tensor | None,
-                   minus: Tensor | None = None,
-                   heads: bool = False) -> tuple[Tensor | None, Tensor, dict[str, Tensor | None]]:
+def backward_step(
+    kernel: Kernel,
+    pieces: Pieces,
+    start: int,
+    end: int,
+    boundary: Any,
+    clean: Tensor,
+    wanted: set[str],
+    grad_out: Tensor | None,
+    grad_state: Tensor | None,
+    minus: Tensor | None = None,
+    heads: bool = False,
+) -> tuple[Tensor | None, Tensor, dict[str, Tensor | None]]:
     """Tokens [start, end) of the call through the token loop, from `boundary`, with the eps replacement
     s + eps_t (clean_t - S'_t), S'_t the run's own state or, where given, `minus[t]` (the corrupt run's): the
     gradients of the boundary state, of eps over these tokens, and of the wanted inputs' pieces."""
@@ -352,16 +407,19 @@ def backward_step(kernel: Kernel, pieces: Pieces, start: int, end: int, boundary
     with torch.enable_grad():
         leading, named, leaves, state = piece_leaves(pieces, start, end, boundary, wanted)
         per_head = [clean.shape[2]] if heads else []  # an eps per head: axis 1 of the state
-        eps = torch.zeros(clean.shape[1], end - start, *per_head, dtype=torch.float32, device=clean.device,
-                          requires_grad=True)
+        eps = torch.zeros(
+            clean.shape[1], end - start, *per_head, dtype=torch.float32, device=clean.device, requires_grad=True
+        )
 
         def on_token(t: int, s: Tensor) -> Tensor:
             scale = eps[:, t].reshape(s.shape[0], *per_head, *([1] * (s.dim() - 1 - len(per_head)))).to(s.dtype)
             return s + scale * (clean[t].to(s.dtype) - (s.detach() if minus is None else minus[t].to(s.dtype)))
 
         out, final = kernel.loop(*leading, on_token=on_token, **named)
-        outputs, grads_in = [out], [torch.zeros_like(out) if grad_out is None
-                                    else grad_out.narrow(segments.out_axis, start, end - start)]
+        outputs, grads_in = (
+            [out],
+            [torch.zeros_like(out) if grad_out is None else grad_out.narrow(segments.out_axis, start, end - start)],
+        )
         if grad_state is not None:
             outputs.append(final)
             grads_in.append(grad_state)
@@ -369,4 +427,4 @@ def backward_step(kernel: Kernel, pieces: Pieces, start: int, end: int, boundary
         grads = torch.autograd.grad(outputs, targets, grads_in, allow_unused=True)
     eps_grad = grads[0] if grads[0] is not None else torch.zeros_like(eps)
     state_grad = grads[-1] if state is not None else None
-    return state_grad, eps_grad, dict(zip(leaves, grads[1:1 + len(leaves)]))
+    return state_grad, eps_grad, dict(zip(leaves, grads[1 : 1 + len(leaves)]))

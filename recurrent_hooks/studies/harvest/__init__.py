@@ -81,11 +81,11 @@ _SAMPLED = 1024  # values per weight tensor in the weights digest
 class Harvest:
     """What a harvest directory holds (its `manifest.json`); `rh.harvest` returns it.
 
-        h = rh.harvest(model, batches, "out/", keep=("states",), reduce={"states": norm})
-        h.tokens, h.docs                 # non-pad tokens and documents harvested
-        h.values                         # {"0/states": ("float32", (...)), ...}: dtype and per-token shape
-        h.dataset(0, "states")           # rh.HarvestDataset("out/", layer=0, what="states")
-        rh.Harvest.open("out/").verify() # every shard's bytes against the manifest's SHA-256
+    h = rh.harvest(model, batches, "out/", keep=("states",), reduce={"states": norm})
+    h.tokens, h.docs                 # non-pad tokens and documents harvested
+    h.values                         # {"0/states": ("float32", (...)), ...}: dtype and per-token shape
+    h.dataset(0, "states")           # rh.HarvestDataset("out/", layer=0, what="states")
+    rh.Harvest.open("out/").verify() # every shard's bytes against the manifest's SHA-256
     """
 
     out: pathlib.Path
@@ -101,9 +101,16 @@ class Harvest:
     @classmethod
     def open(cls, out: str | os.PathLike, **run: int) -> "Harvest":
         manifest = read_manifest(pathlib.Path(out))
-        return cls(pathlib.Path(out), manifest["tokens"], manifest["docs"], manifest["batches"], manifest["mixers"],
-                   {key: (v["dtype"], tuple(v["shape"])) for key, v in manifest["values"].items()},
-                   sum(shard["bytes"] for shard in manifest["shards"]), **run)
+        return cls(
+            pathlib.Path(out),
+            manifest["tokens"],
+            manifest["docs"],
+            manifest["batches"],
+            manifest["mixers"],
+            {key: (v["dtype"], tuple(v["shape"])) for key, v in manifest["values"].items()},
+            sum(shard["bytes"] for shard in manifest["shards"]),
+            **run,
+        )
 
     def verify(self) -> "Harvest":
         """Check every shard against the manifest's record of it (its size and SHA-256: every byte is read); raises
@@ -119,10 +126,20 @@ class Harvest:
         return HarvestDataset(self.out, layer=layer, what=what)
 
 
-def harvest(model: nn.Module, batches: Iterable[Any], out: str | os.PathLike, *,
-            keep: str | Iterable[str] = ("states",), reduce: Any = None, layers: Iterable[int] | None = None,
-            dtype: torch.dtype | None = None, progress: bool = True, forward_kwargs: Mapping[str, Any] | None = None,
-            distributed: bool | None = None, paths: Paths | None = None) -> Harvest:
+def harvest(
+    model: nn.Module,
+    batches: Iterable[Any],
+    out: str | os.PathLike,
+    *,
+    keep: str | Iterable[str] = ("states",),
+    reduce: Any = None,
+    layers: Iterable[int] | None = None,
+    dtype: torch.dtype | None = None,
+    progress: bool = True,
+    forward_kwargs: Mapping[str, Any] | None = None,
+    distributed: bool | None = None,
+    paths: Paths | None = None,
+) -> Harvest:
     """Run `model` on every batch and write what `keep` names, per layer and non-pad token, to shards in `out`.
 
         batches = ({"input_ids": ids, "attention_mask": mask} for ids, mask in loader)
@@ -182,12 +199,22 @@ class _Done:
 class _Job:
     """One harvest: its request, its mixers' names and what each keeps, and the batches' shards."""
 
-    def __init__(self, model: nn.Module, out: pathlib.Path, ranks: Ranks, keep: tuple[str, ...], reduce: Any,
-                 layers: Iterable[int] | None, dtype: torch.dtype | None, forward_kwargs: Mapping[str, Any] | None,
-                 paths: Paths | None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        out: pathlib.Path,
+        ranks: Ranks,
+        keep: tuple[str, ...],
+        reduce: Any,
+        layers: Iterable[int] | None,
+        dtype: torch.dtype | None,
+        forward_kwargs: Mapping[str, Any] | None,
+        paths: Paths | None,
+    ) -> None:
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise InvalidValue(f"{_WHERE}: expected dtype= a floating torch.dtype (as torch.bfloat16) or None, got"
-                               f" {dtype!r}")
+            raise InvalidValue(
+                f"{_WHERE}: expected dtype= a floating torch.dtype (as torch.bfloat16) or None, got {dtype!r}"
+            )
         if forward_kwargs is not None and not isinstance(forward_kwargs, Mapping):
             raise InvalidValue(f"{_WHERE}: expected forward_kwargs= a mapping, got {type(forward_kwargs).__name__}")
         self.model, self.out, self.ranks, self.keep, self.dtype = model, out, ranks, keep, dtype
@@ -201,8 +228,10 @@ class _Job:
             named = _mixer_names(model, w.mixers, w.layers)
             for mixer in named:
                 _check_keep(mixer, keep)
-            self.mixers = {name: {"layer": mixer.layer, "path": path, "kind": type(mixer).__name__}
-                           for mixer, (name, path) in named.items()}
+            self.mixers = {
+                name: {"layer": mixer.layer, "path": path, "kind": type(mixer).__name__}
+                for mixer, (name, path) in named.items()
+            }
         self.pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
         self.vocab = _vocabulary(model)
         self.request = _request(model, keep, self.reduce, self.mixers, dtype)
@@ -236,8 +265,12 @@ class _Job:
             problem = record_problem(shard, saved)
             if problem is None:
                 return _Done(saved["tokens"], 0)
-            warnings.warn(f"{_WHERE}: batch {index}'s shard {shard} {problem}: running batch {index} again and"
-                          " writing its shard anew", RecurrentHooksWarning, stacklevel=3)
+            warnings.warn(
+                f"{_WHERE}: batch {index}'s shard {shard} {problem}: running batch {index} again and"
+                " writing its shard anew",
+                RecurrentHooksWarning,
+                stacklevel=3,
+            )
             record.unlink()
         elif shard.is_file() and shard_problem(shard) is None:
             _, metadata = read_header(shard)
@@ -253,20 +286,40 @@ class _Job:
         try:
             size, sha256 = write_shard(shard, tensors, metadata, self.ranks.rank)
         except OSError as error:
-            add_note(error, f"{_WHERE}: writing batch {index}'s shard {shard} failed; the shards written before it are"
-                            " complete on disk: call rh.harvest again with the same arguments to go on")
+            add_note(
+                error,
+                f"{_WHERE}: writing batch {index}'s shard {shard} failed; the shards written before it are"
+                " complete on disk: call rh.harvest again with the same arguments to go on",
+            )
             raise
         return _Done(tokens, self._record(index, tokens, first_doc, ids.shape[0], digest, size, sha256))
 
-    def _record(self, index: int, tokens: int, first_doc: int, docs: int, digest: str, size: int | None = None,
-                sha256: str | None = None) -> int:
+    def _record(
+        self,
+        index: int,
+        tokens: int,
+        first_doc: int,
+        docs: int,
+        digest: str,
+        size: int | None = None,
+        sha256: str | None = None,
+    ) -> int:
         """The shard's record, which marks it complete (its size and SHA-256 read from the file if not given)."""
         shard = self.shard(index)
         size = shard.stat().st_size if size is None else size
-        write_json(shard.with_suffix(".json"), {
-            "batch": index, "file": f"shards/{shard.name}", "docs": [first_doc, docs], "tokens": tokens,
-            "bytes": size, "sha256": file_digest(shard) if sha256 is None else sha256, "inputs": digest},
-            self.ranks.rank)
+        write_json(
+            shard.with_suffix(".json"),
+            {
+                "batch": index,
+                "file": f"shards/{shard.name}",
+                "docs": [first_doc, docs],
+                "tokens": tokens,
+                "bytes": size,
+                "sha256": file_digest(shard) if sha256 is None else sha256,
+                "inputs": digest,
+            },
+            self.ranks.rank,
+        )
         return size
 
     def _run(self, ids: Tensor, mask: Tensor | None, first_doc: int) -> dict[str, Tensor]:
@@ -282,8 +335,10 @@ class _Job:
         tensors = {"doc": rows + first_doc, "position": positions}
         for mixer, (name, _) in _mixer_names(self.model, w.mixers, w.layers).items():
             if len(mixer.calls) != 1:
-                raise Unavailable(f"{_WHERE}: {mixer} ran {len(mixer.calls)} calls in one forward; a harvest keeps the"
-                                  " values of one call per mixer and forward")
+                raise Unavailable(
+                    f"{_WHERE}: {mixer} ran {len(mixer.calls)} calls in one forward; a harvest keeps the"
+                    " values of one call per mixer and forward"
+                )
             values = None
             for what in self.keep:
                 if what in KEEPABLE:
@@ -293,8 +348,10 @@ class _Job:
                     value = values[what]
                 for part, tensor in parts_of(value):
                     if tuple(tensor.shape[:2]) != tuple(ids.shape):
-                        raise Unavailable(f"{_WHERE}: {mixer}'s {what} is {tuple(tensor.shape)}, not [batch, seq, ...]"
-                                          f" for a batch of {tuple(ids.shape)}")
+                        raise Unavailable(
+                            f"{_WHERE}: {mixer}'s {what} is {tuple(tensor.shape)}, not [batch, seq, ...]"
+                            f" for a batch of {tuple(ids.shape)}"
+                        )
                     # [tokens, ...]: without padding a view of every token, else a copy of the real ones
                     tensor = tensor.flatten(0, 1) if mask is None else tensor[real.to(tensor.device)]
                     if self.dtype is not None and tensor.is_floating_point():
@@ -306,18 +363,23 @@ class _Job:
         """The records of batches 0..batches-1, once every rank is done; refused: a batch without one (a rank
         stopped), or batches on disk past the last one this call passed (a shorter request than the harvest's)."""
         shards = self.out / "shards"
-        beyond = sorted(int(path.stem) for path in shards.glob("*.json") if path.stem.isdigit()
-                        and int(path.stem) >= batches)
+        beyond = sorted(
+            int(path.stem) for path in shards.glob("*.json") if path.stem.isdigit() and int(path.stem) >= batches
+        )
         if beyond:
-            raise InvalidValue(f"{_WHERE}: {self.out} holds batches up to {beyond[-1]} (shards {beyond[0]:06d} to"
-                               f" {beyond[-1]:06d} on disk), but this call passed {batches}: pass every batch of the"
-                               " harvest (it resumes with the same batches in the same order), or another out")
+            raise InvalidValue(
+                f"{_WHERE}: {self.out} holds batches up to {beyond[-1]} (shards {beyond[0]:06d} to"
+                f" {beyond[-1]:06d} on disk), but this call passed {batches}: pass every batch of the"
+                " harvest (it resumes with the same batches in the same order), or another out"
+            )
         records = []
         for index in range(batches):
             saved = _read_record(self.shard(index).with_suffix(".json"))
             if saved is None:
-                raise RecurrentHooksError(f"{_WHERE}: batch {index} has no shard in {shards} (a rank stopped?): call"
-                                          " rh.harvest again with the same arguments to finish")
+                raise RecurrentHooksError(
+                    f"{_WHERE}: batch {index} has no shard in {shards} (a rank stopped?): call"
+                    " rh.harvest again with the same arguments to finish"
+                )
             records.append(saved)
         return records
 
@@ -327,14 +389,25 @@ class _Job:
         values: dict[str, Any] = {}
         if records:  # (every shard holds every value: the first one's header says their dtypes and shapes)
             tensors, _ = read_header(self.shard(0))
-            values = {name: {"dtype": str(dtype).removeprefix("torch."), "shape": shape[1:]}
-                      for name, (dtype, shape) in tensors.items() if name not in ("doc", "position")}
+            values = {
+                name: {"dtype": str(dtype).removeprefix("torch."), "shape": shape[1:]}
+                for name, (dtype, shape) in tensors.items()
+                if name not in ("doc", "position")
+            }
         config = getattr(self.model, "config", None)
-        write_json(self.out / "manifest.json", {
-            "request": self.request, "model_config": None if config is None else json.loads(config.to_json_string()),
-            "mixers": self.mixers, "values": values,
-            "shards": records, "batches": batches, "tokens": sum(r["tokens"] for r in records),
-            "docs": sum(r["docs"][1] for r in records)})
+        write_json(
+            self.out / "manifest.json",
+            {
+                "request": self.request,
+                "model_config": None if config is None else json.loads(config.to_json_string()),
+                "mixers": self.mixers,
+                "values": values,
+                "shards": records,
+                "batches": batches,
+                "tokens": sum(r["tokens"] for r in records),
+                "docs": sum(r["docs"][1] for r in records),
+            },
+        )
         for leftover in (self.out / "shards").glob(f".*.rank{self.ranks.rank}{PARTIAL}"):
             leftover.unlink(missing_ok=True)
 
@@ -342,12 +415,15 @@ class _Job:
 def _checked_keep(keep: Any) -> tuple[str, ...]:
     names = (keep,) if isinstance(keep, str) else tuple(keep) if isinstance(keep, Iterable) else None
     if not names or not all(isinstance(name, str) for name in names) or len(set(names)) != len(names):
-        raise InvalidValue(f"{_WHERE}: expected keep= distinct names (as ('states',) or ('states', 'key')), got"
-                           f" {keep!r}")
+        raise InvalidValue(
+            f"{_WHERE}: expected keep= distinct names (as ('states',) or ('states', 'key')), got {keep!r}"
+        )
     io = [name for name in names if name in KERNEL_IO]
     if io:
-        raise InvalidValue(f"{_WHERE}: keep={io[0]!r} is not a per-token value: name the values to keep (as 'key',"
-                           " 'beta', 'output': the mixer's VALUES)")
+        raise InvalidValue(
+            f"{_WHERE}: keep={io[0]!r} is not a per-token value: name the values to keep (as 'key',"
+            " 'beta', 'output': the mixer's VALUES)"
+        )
     return names
 
 
@@ -355,8 +431,10 @@ def _check_keep(mixer: Any, keep: tuple[str, ...]) -> None:
     memories = [name for name, memory in KEEPABLE.items() if memory in mixer.MEMORIES]
     for name in keep:
         if name not in memories and name not in mixer.VALUES:
-            raise InvalidValue(f"{_WHERE}: keep={name!r}, but {mixer} has no such memory or value: it keeps"
-                               f" {tuple(memories)} and the values {tuple(mixer.VALUES)}")
+            raise InvalidValue(
+                f"{_WHERE}: keep={name!r}, but {mixer} has no such memory or value: it keeps"
+                f" {tuple(memories)} and the values {tuple(mixer.VALUES)}"
+            )
 
 
 def _mixer_names(model: nn.Module, mixers: list[Any], layers: frozenset[int] | None) -> dict[Any, tuple[str, str]]:
@@ -386,18 +464,32 @@ def _describe(fn: Any) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
 
 
-def _request(model: nn.Module, keep: tuple[str, ...], reduce: Mapping[str, Any], mixers: Mapping[str, Any],
-             dtype: torch.dtype | None) -> dict[str, Any]:
+def _request(
+    model: nn.Module,
+    keep: tuple[str, ...],
+    reduce: Mapping[str, Any],
+    mixers: Mapping[str, Any],
+    dtype: torch.dtype | None,
+) -> dict[str, Any]:
     """What identifies a harvest: the model (its class, config and weights digests) and what is kept."""
     config = getattr(model, "config", None)
     config_json = "" if config is None else config.to_json_string()
-    described = {memory: ({str(k): _describe(f) for k, f in fn.items()} if isinstance(fn, Mapping) else _describe(fn))
-                 for memory, fn in reduce.items()}
-    return {"format": FORMAT,
-            "model": {"class": type(model).__name__, "config_sha256": hashlib.sha256(config_json.encode()).hexdigest(),
-                      "weights_sha256": weights_digest(model)},
-            "keep": list(keep), "reduce": described, "mixers": sorted(mixers),
-            "dtype": None if dtype is None else str(dtype).removeprefix("torch.")}
+    described = {
+        memory: ({str(k): _describe(f) for k, f in fn.items()} if isinstance(fn, Mapping) else _describe(fn))
+        for memory, fn in reduce.items()
+    }
+    return {
+        "format": FORMAT,
+        "model": {
+            "class": type(model).__name__,
+            "config_sha256": hashlib.sha256(config_json.encode()).hexdigest(),
+            "weights_sha256": weights_digest(model),
+        },
+        "keep": list(keep),
+        "reduce": described,
+        "mixers": sorted(mixers),
+        "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
+    }
 
 
 def weights_digest(model: nn.Module) -> str:
@@ -440,11 +532,16 @@ def _claim(out: pathlib.Path, request: dict[str, Any]) -> bool:
     files = sorted(shards.glob("*.json")) + sorted(shards.glob("*.safetensors")) if shards.is_dir() else []
     if not files and not (out / "manifest.json").exists():
         return False  # (a call refused after writing its request, by an earlier release: nothing of it to keep)
-    differ = [f"model {k}" for k in sorted(request["model"])
-              if not isinstance(saved.get("model"), dict) or saved["model"].get(k) != request["model"][k]]
+    differ = [
+        f"model {k}"
+        for k in sorted(request["model"])
+        if not isinstance(saved.get("model"), dict) or saved["model"].get(k) != request["model"][k]
+    ]
     differ += [k for k in sorted(set(saved) | set(request)) if k != "model" and saved.get(k) != request.get(k)]
-    raise InvalidValue(f"{_WHERE}: {out} holds another harvest, whose request differs from this call's in:"
-                       f" {', '.join(differ)} ({path}; {len(files)} files in shards/): pass another out, or remove it")
+    raise InvalidValue(
+        f"{_WHERE}: {out} holds another harvest, whose request differs from this call's in:"
+        f" {', '.join(differ)} ({path}; {len(files)} files in shards/): pass another out, or remove it"
+    )
 
 
 def _read_record(path: pathlib.Path) -> dict[str, Any] | None:
@@ -461,9 +558,11 @@ def _read_record(path: pathlib.Path) -> dict[str, Any] | None:
 
 def _same_batch(saved: Any, digest: str, index: int, where: pathlib.Path) -> None:
     if saved != digest:
-        raise InvalidValue(f"{_WHERE}: batch {index} is not the batch harvested into {where} (its input ids or mask"
-                           " differ): a harvest resumes by batch number, so pass the same batches in the same order,"
-                           " or another out")
+        raise InvalidValue(
+            f"{_WHERE}: batch {index} is not the batch harvested into {where} (its input ids or mask"
+            " differ): a harvest resumes by batch number, so pass the same batches in the same order,"
+            " or another out"
+        )
 
 
 def _refuse_left_padding(mixers: Sequence[Any], mask: Tensor | None, first_doc: int) -> None:
@@ -479,22 +578,30 @@ def _refuse_left_padding(mixers: Sequence[Any], mask: Tensor | None, first_doc: 
         if how != "masked":
             row, position = before.nonzero()[0].tolist()
             why = type(mixer).LIMITS.get("left padding", PADDING[how])
-            raise Unavailable(f"{_WHERE}: doc {first_doc + row} has a pad at position {position} before a real token,"
-                              f" and {mixer} does not mask pads ({why}): pad its batches on the right")
+            raise Unavailable(
+                f"{_WHERE}: doc {first_doc + row} has a pad at position {position} before a real token,"
+                f" and {mixer} does not mask pads ({why}): pad its batches on the right"
+            )
 
 
 def _check_batches(batches: Any) -> None:
     """`batches` is an iterable of batches, not one batch (a tokenizer's `BatchEncoding`, a dict, a tensor)."""
     if isinstance(batches, Mapping):
-        raise InvalidValue(f"{_WHERE}: expected batches= an iterable of batches, got one batch (a"
-                           f" {type(batches).__name__} with keys {sorted(map(str, batches))}): wrap it in a list,"
-                           " [batch]")
+        raise InvalidValue(
+            f"{_WHERE}: expected batches= an iterable of batches, got one batch (a"
+            f" {type(batches).__name__} with keys {sorted(map(str, batches))}): wrap it in a list,"
+            " [batch]"
+        )
     if isinstance(batches, Tensor):
-        raise InvalidValue(f"{_WHERE}: expected batches= an iterable of batches, got one tensor of shape"
-                           f" {tuple(batches.shape)}: pass [ids] for one batch, or ids.split(batch_size)")
+        raise InvalidValue(
+            f"{_WHERE}: expected batches= an iterable of batches, got one tensor of shape"
+            f" {tuple(batches.shape)}: pass [ids] for one batch, or ids.split(batch_size)"
+        )
     if not isinstance(batches, Iterable) or isinstance(batches, (str, bytes)):
-        raise InvalidValue(f"{_WHERE}: expected batches= an iterable of batches (dicts with input_ids and"
-                           f" attention_mask, or id tensors), got {type(batches).__name__}")
+        raise InvalidValue(
+            f"{_WHERE}: expected batches= an iterable of batches (dicts with input_ids and"
+            f" attention_mask, or id tensors), got {type(batches).__name__}"
+        )
 
 
 def _vocabulary(model: nn.Module) -> int | None:
@@ -504,48 +611,66 @@ def _vocabulary(model: nn.Module) -> int | None:
     return count if isinstance(count, int) else getattr(getattr(model, "config", None), "vocab_size", None)
 
 
-def _as_batch(batch: Any, index: int, pad_id: int | None, vocab: int | None = None
-              ) -> tuple[Tensor, Tensor | None, str]:
+def _as_batch(
+    batch: Any, index: int, pad_id: int | None, vocab: int | None = None
+) -> tuple[Tensor, Tensor | None, str]:
     """A batch's ids `[batch, seq]`, its mask (None: no padding) and their digest; bad batches refused."""
     if isinstance(batch, Mapping):
         if "input_ids" not in batch:
-            raise InvalidValue(f"{_WHERE}: batch {index}: expected a dict with 'input_ids' (and 'attention_mask'),"
-                               f" got keys {sorted(map(str, batch))}")
+            raise InvalidValue(
+                f"{_WHERE}: batch {index}: expected a dict with 'input_ids' (and 'attention_mask'),"
+                f" got keys {sorted(map(str, batch))}"
+            )
         ids, mask = batch["input_ids"], batch.get("attention_mask")
     else:
         ids, mask = batch, None
-    if not isinstance(ids, Tensor) or ids.dim() not in (1, 2) or ids.is_floating_point() or ids.is_complex() or \
-            ids.dtype == torch.bool:
+    if (
+        not isinstance(ids, Tensor)
+        or ids.dim() not in (1, 2)
+        or ids.is_floating_point()
+        or ids.is_complex()
+        or ids.dtype == torch.bool
+    ):
         got = f"a {ids.dtype} tensor of shape {tuple(ids.shape)}" if isinstance(ids, Tensor) else type(ids).__name__
-        raise InvalidValue(f"{_WHERE}: batch {index}: expected input ids as an integer tensor [batch, seq] (or a dict"
-                           f" with input_ids and attention_mask), got {got}")
+        raise InvalidValue(
+            f"{_WHERE}: batch {index}: expected input ids as an integer tensor [batch, seq] (or a dict"
+            f" with input_ids and attention_mask), got {got}"
+        )
     if ids.numel() == 0:
-        raise InvalidValue(f"{_WHERE}: batch {index}: expected at least one token, got input ids of shape"
-                           f" {tuple(ids.shape)}")
+        raise InvalidValue(
+            f"{_WHERE}: batch {index}: expected at least one token, got input ids of shape {tuple(ids.shape)}"
+        )
     if isinstance(mask, Tensor) and mask.dim() == 1 and ids.dim() == 1:
         mask = mask.reshape(1, -1)
     ids = ids.reshape(1, -1) if ids.dim() == 1 else ids
     ids = ids.cpu()
     if vocab is not None and not bool(((ids >= 0) & (ids < vocab)).all()):
         row, position = ((ids < 0) | (ids >= vocab)).nonzero()[0].tolist()
-        raise InvalidValue(f"{_WHERE}: batch {index}: expected token ids in [0, {vocab}) (the model's vocabulary),"
-                           f" got {int(ids[row, position])} at row {row}, position {position}")
+        raise InvalidValue(
+            f"{_WHERE}: batch {index}: expected token ids in [0, {vocab}) (the model's vocabulary),"
+            f" got {int(ids[row, position])} at row {row}, position {position}"
+        )
     if mask is not None:
         if not isinstance(mask, Tensor) or tuple(mask.shape) != tuple(ids.shape):
             got = f"shape {tuple(mask.shape)}" if isinstance(mask, Tensor) else type(mask).__name__
-            raise InvalidValue(f"{_WHERE}: batch {index}: expected attention_mask of the ids' shape"
-                               f" {tuple(ids.shape)}, got {got}")
+            raise InvalidValue(
+                f"{_WHERE}: batch {index}: expected attention_mask of the ids' shape {tuple(ids.shape)}, got {got}"
+            )
         mask = mask.cpu()
         other = (mask != 0) & (mask != 1)
         if bool(other.any()):
             row, position = other.nonzero()[0].tolist()
-            raise InvalidValue(f"{_WHERE}: batch {index}: expected attention_mask of 0s (pads) and 1s, got"
-                               f" {mask[row, position].item()} at row {row}, position {position}")
+            raise InvalidValue(
+                f"{_WHERE}: batch {index}: expected attention_mask of 0s (pads) and 1s, got"
+                f" {mask[row, position].item()} at row {row}, position {position}"
+            )
     elif pad_id is not None and bool((ids == pad_id).any()):
         row, position = (ids == pad_id).nonzero()[0].tolist()
-        raise InvalidValue(f"{_WHERE}: batch {index} holds the pad token id {pad_id} (config.pad_token_id) at row"
-                           f" {row}, position {position}, and no attention_mask: pass {{'input_ids': ids,"
-                           " 'attention_mask': mask}} (0 at pad tokens; ones where the id is a real token)")
+        raise InvalidValue(
+            f"{_WHERE}: batch {index} holds the pad token id {pad_id} (config.pad_token_id) at row"
+            f" {row}, position {position}, and no attention_mask: pass {{'input_ids': ids,"
+            " 'attention_mask': mask}} (0 at pad tokens; ones where the id is a real token)"
+        )
     digest = hashlib.sha256(f"{tuple(ids.shape)}".encode() + ids.to(torch.int64).numpy().tobytes())
     if mask is not None:
         digest.update(mask.to(torch.int8).numpy().tobytes())

@@ -47,8 +47,7 @@ class HarvestDataset(Dataset):
     without it, a shard whose header or size is wrong is refused, naming it, when first read.
     """
 
-    def __init__(self, out: str | os.PathLike, layer: int | str, what: str = "states", *, verify: bool = False
-                 ) -> None:
+    def __init__(self, out: str | os.PathLike, layer: int | str, what: str = "states", *, verify: bool = False) -> None:
         self.out = pathlib.Path(out)
         if verify:
             check_shards(self.out)
@@ -65,8 +64,10 @@ class HarvestDataset(Dataset):
         # each tensor's dtype and per-token shape (an empty read is made from these, without a shard)
         self._specs = {"doc": (torch.int64, ()), "position": (torch.int64, ())}
         for name in self._names:
-            self._specs[name] = (getattr(torch, manifest["values"][name]["dtype"]),
-                                 tuple(manifest["values"][name]["shape"]))
+            self._specs[name] = (
+                getattr(torch, manifest["values"][name]["dtype"]),
+                tuple(manifest["values"][name]["shape"]),
+            )
         self._files = [self.out / shard["file"] for shard in manifest["shards"]]
         counts = [shard["tokens"] for shard in manifest["shards"]]
         self._starts = [0]
@@ -79,8 +80,10 @@ class HarvestDataset(Dataset):
         self._index: tuple[Tensor, Tensor] | None = None
 
     def __repr__(self) -> str:
-        return (f"HarvestDataset({str(self.out)!r}, layer={self.layer}, what={self.what!r}: {len(self)} tokens,"
-                f" {len(self._files)} shards, {self.dtype} {list(self.shape)})")
+        return (
+            f"HarvestDataset({str(self.out)!r}, layer={self.layer}, what={self.what!r}: {len(self)} tokens,"
+            f" {len(self._files)} shards, {self.dtype} {list(self.shape)})"
+        )
 
     def __len__(self) -> int:
         return self._starts[-1]
@@ -112,8 +115,9 @@ class HarvestDataset(Dataset):
     def _doc_positions(self) -> tuple[Tensor, Tensor]:
         if self._index is None:
             empty = torch.zeros(0, dtype=torch.long)
-            docs, positions = (torch.cat([empty, *(shard[name] for shard in self.shards)])
-                               for name in ("doc", "position"))
+            docs, positions = (
+                torch.cat([empty, *(shard[name] for shard in self.shards)]) for name in ("doc", "position")
+            )
             self._index = docs, positions
         return self._index
 
@@ -143,8 +147,11 @@ class HarvestDataset(Dataset):
             return {"doc": gathered["doc"], "position": gathered["position"], "value": self._value(gathered)}
         shard, row = self._locate(index)
         mapped = self.shards[shard]
-        return {"doc": int(mapped["doc"][row]), "position": int(mapped["position"][row]),
-                "value": self._value({name: mapped[name][row].clone() for name in self._names})}
+        return {
+            "doc": int(mapped["doc"][row]),
+            "position": int(mapped["position"][row]),
+            "value": self._value({name: mapped[name][row].clone() for name in self._names}),
+        }
 
     def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
         """The items of `indices` (a `DataLoader` asks for a batch at once), read as `take` reads them: each item's
@@ -154,8 +161,9 @@ class HarvestDataset(Dataset):
         rows = self._value({name: tensor.unbind(0) for name, tensor in gathered.items()})
         if isinstance(rows, dict):  # a memory of several parts: each item's dict of its rows
             rows = [dict(zip(rows, parts)) for parts in zip(*rows.values())]
-        return [{"doc": doc, "position": position, "value": value}
-                for doc, position, value in zip(docs, positions, rows)]
+        return [
+            {"doc": doc, "position": position, "value": value} for doc, position, value in zip(docs, positions, rows)
+        ]
 
     def take(self, indices: Tensor | Sequence[int]) -> Any:
         """The values of `indices` stacked: `[len(indices), *shape]` (a dict of parts for a memory of several), read
@@ -190,8 +198,12 @@ class HarvestDataset(Dataset):
         rows, begin = indices[order], 0
         for shard, count in zip(shards.tolist(), counts.tolist()):
             for name in names:  # (rows begin:end of a contiguous tensor are contiguous: a valid out=)
-                torch.index_select(self.shards[shard][name], 0, rows[begin:begin + count] - self._starts[shard],
-                                   out=out[name][begin:begin + count])
+                torch.index_select(
+                    self.shards[shard][name],
+                    0,
+                    rows[begin : begin + count] - self._starts[shard],
+                    out=out[name][begin : begin + count],
+                )
             begin += count
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(len(order))
@@ -222,8 +234,9 @@ class ShardShuffle(Sampler[int]):
         generator = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) % 2**64)
         order = torch.randperm(len(self.starts) - 1, generator=generator).tolist()
         for group in range(0, len(order), self.shards_at_once):
-            items = torch.cat([torch.arange(self.starts[s], self.starts[s + 1]) for s in order[group:group +
-                                                                                               self.shards_at_once]])
+            items = torch.cat(
+                [torch.arange(self.starts[s], self.starts[s + 1]) for s in order[group : group + self.shards_at_once]]
+            )
             yield from items[torch.randperm(len(items), generator=generator)].tolist()
 
 
@@ -253,6 +266,7 @@ def _mixer_name(manifest: dict[str, Any], layer: int | str, out: pathlib.Path) -
         return named[0]
     available = {name: info["layer"] for name, info in mixers.items()}
     if not named:
-        raise Unavailable(f"HarvestDataset: {out} harvested no mixer at {layer!r}; its mixers (name: layer):"
-                          f" {available}")
+        raise Unavailable(
+            f"HarvestDataset: {out} harvested no mixer at {layer!r}; its mixers (name: layer): {available}"
+        )
     raise Unavailable(f"HarvestDataset: layer {layer} has several mixers in {out} ({named}): pass one's name")

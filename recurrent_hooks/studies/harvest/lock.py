@@ -113,11 +113,16 @@ class DirectoryLock:
             if not _try_lock(fd):
                 other = _describe(fd)
                 os.close(fd)
-                who = (f"process {other.get('pid', '?')} on {other.get('host', '?')}, since {other.get('since', '?')}"
-                       if other else "another process")
-                raise Unavailable(f"{self.where}: {self.out} is being written by another harvest ({who} holds"
-                                  f" {path}): wait for it to finish (a second harvest into the same directory would"
-                                  " race with its files), or pass another out")
+                who = (
+                    f"process {other.get('pid', '?')} on {other.get('host', '?')}, since {other.get('since', '?')}"
+                    if other
+                    else "another process"
+                )
+                raise Unavailable(
+                    f"{self.where}: {self.out} is being written by another harvest ({who} holds"
+                    f" {path}): wait for it to finish (a second harvest into the same directory would"
+                    " race with its files), or pass another out"
+                )
             if _same_file(fd, path):
                 break
             _unlock(fd)  # (its holder removed it as this process opened it: the lock is the new file's)
@@ -125,8 +130,13 @@ class DirectoryLock:
         self._fd = fd
         try:  # who holds it, for a refused caller's message
             os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                                      "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
+            os.pwrite(
+                fd,
+                json.dumps(
+                    {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+                ).encode(),
+                0,
+            )
         except (OSError, AttributeError):  # (a full disk: the lock holds all the same)
             pass
         return self

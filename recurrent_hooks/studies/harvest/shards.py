@@ -37,13 +37,35 @@ from torch import Tensor
 from ...engine.errors import InvalidValue, Unavailable, add_note
 from .lock import holders
 
-__all__ = ["write_shard", "write_json", "MappedShard", "read_header", "file_digest", "partial_name", "shard_problem",
-           "read_manifest", "record_problem", "check_shards", "FORMAT"]
+__all__ = [
+    "write_shard",
+    "write_json",
+    "MappedShard",
+    "read_header",
+    "file_digest",
+    "partial_name",
+    "shard_problem",
+    "read_manifest",
+    "record_problem",
+    "check_shards",
+    "FORMAT",
+]
 
 # safetensors' dtype names
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 PARTIAL = ".partial"  # the suffix of a file being written
 FORMAT = "recurrent_hooks harvest 1"  # a manifest's request["format"]
@@ -54,8 +76,9 @@ def partial_name(path: pathlib.Path, rank: int = 0) -> pathlib.Path:
     return path.with_name(f".{path.name}.rank{rank}{PARTIAL}")
 
 
-def write_shard(path: pathlib.Path, tensors: Mapping[str, Tensor], metadata: Mapping[str, str],
-                rank: int = 0) -> tuple[int, str]:
+def write_shard(
+    path: pathlib.Path, tensors: Mapping[str, Tensor], metadata: Mapping[str, str], rank: int = 0
+) -> tuple[int, str]:
     """`tensors` (on the CPU) and `metadata` in the shard `path`, all or nothing: on an error (a full disk) the
     temporary file is removed and `path` is untouched. Returns the file's size and SHA-256."""
     # the tensors by element size, largest first, so that each starts at a multiple of its element size
@@ -64,8 +87,11 @@ def write_shard(path: pathlib.Path, tensors: Mapping[str, Tensor], metadata: Map
     offset = 0
     for name in order:
         size = tensors[name].numel() * tensors[name].element_size()
-        header[name] = {"dtype": _NAMES[tensors[name].dtype], "shape": list(tensors[name].shape),
-                        "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": _NAMES[tensors[name].dtype],
+            "shape": list(tensors[name].shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     encoded = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # (the tensors' bytes start 8-aligned)
@@ -142,14 +168,19 @@ class MappedShard:
         self.path = path
         problem = shard_problem(path)
         if problem is not None:
-            raise InvalidValue(f"{path} {problem}: not a whole shard (Harvest.verify() checks every shard;"
-                               " rh.harvest called again with the same arguments writes a damaged one anew)")
+            raise InvalidValue(
+                f"{path} {problem}: not a whole shard (Harvest.verify() checks every shard;"
+                " rh.harvest called again with the same arguments writes a damaged one anew)"
+            )
         header, self.start = _header(path)
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
         self.header: dict[str, dict[str, Any]] = header
         size = path.stat().st_size
-        self._bytes = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8) if size else \
-            torch.empty(0, dtype=torch.uint8)
+        self._bytes = (
+            torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+            if size
+            else torch.empty(0, dtype=torch.uint8)
+        )
         self._tensors: dict[str, Tensor] = {}
 
     def __contains__(self, name: str) -> bool:
@@ -160,7 +191,7 @@ class MappedShard:
             entry = self.header[name]
             begin, end = entry["data_offsets"]
             dtype = _DTYPES[entry["dtype"]]
-            raw = self._bytes[self.start + begin:self.start + end]
+            raw = self._bytes[self.start + begin : self.start + end]
             if (self.start + begin) % dtype.itemsize:  # (safetensors aligns its tensors; one that does not: copied)
                 raw = raw.clone()
             self._tensors[name] = raw.view(dtype).view(entry["shape"])
@@ -192,19 +223,25 @@ def read_manifest(out: pathlib.Path) -> dict[str, Any]:
         running = holders(out)
         if running:
             who = running[0]
-            raise Unavailable(f"{out}: no manifest.json yet ({shards} batches on disk): a harvest is writing it now"
-                              f" (process {who.get('pid', '?')} on {who.get('host', '?')}, since"
-                              f" {who.get('since', '?')}); its manifest is written when every batch is on disk")
-        raise Unavailable(f"{out}: no manifest.json, so no complete harvest ({shards} batches on disk): an interrupted"
-                          " rh.harvest finishes when called again with the same arguments")
+            raise Unavailable(
+                f"{out}: no manifest.json yet ({shards} batches on disk): a harvest is writing it now"
+                f" (process {who.get('pid', '?')} on {who.get('host', '?')}, since"
+                f" {who.get('since', '?')}); its manifest is written when every batch is on disk"
+            )
+        raise Unavailable(
+            f"{out}: no manifest.json, so no complete harvest ({shards} batches on disk): an interrupted"
+            " rh.harvest finishes when called again with the same arguments"
+        )
     try:
         manifest = json.loads(path.read_text())
     except ValueError as error:
-        raise InvalidValue(f"{path}: expected a harvest's manifest (JSON), got a file that does not parse ({error})"
-                           ) from None
+        raise InvalidValue(
+            f"{path}: expected a harvest's manifest (JSON), got a file that does not parse ({error})"
+        ) from None
     if manifest.get("request", {}).get("format") != FORMAT:
-        raise InvalidValue(f"{path}: expected a {FORMAT!r} manifest, got format"
-                           f" {manifest.get('request', {}).get('format')!r}")
+        raise InvalidValue(
+            f"{path}: expected a {FORMAT!r} manifest, got format {manifest.get('request', {}).get('format')!r}"
+        )
     return manifest
 
 
@@ -230,5 +267,8 @@ def check_shards(out: pathlib.Path) -> None:
         if problem is not None:
             bad.append(f"batch {record['batch']}'s shard {shard} {problem}")
     if bad:
-        raise InvalidValue(f"verify: {len(bad)} of {len(manifest['shards'])} shards in {out} are damaged: "
-                           + "; ".join(bad) + ". Call rh.harvest again with the same arguments to write them anew")
+        raise InvalidValue(
+            f"verify: {len(bad)} of {len(manifest['shards'])} shards in {out} are damaged: "
+            + "; ".join(bad)
+            + ". Call rh.harvest again with the same arguments to write them anew"
+        )

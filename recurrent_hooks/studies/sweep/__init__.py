@@ -80,27 +80,43 @@ class Sweep:
     def to_dict(self) -> dict[str, Any]:
         """Tensors, ints and strings only: `torch.save(sweep.to_dict(), path)` loads back with
         `Sweep.from_dict(torch.load(path, weights_only=True))`."""
-        return {"values": self.values, "clean": self.clean, "corrupt": self.corrupt, "layers": list(self.layers),
-                "positions": list(self.positions), "memory": self.memory, "heads": self.heads}
+        return {
+            "values": self.values,
+            "clean": self.clean,
+            "corrupt": self.corrupt,
+            "layers": list(self.layers),
+            "positions": list(self.positions),
+            "memory": self.memory,
+            "heads": self.heads,
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Sweep":
         """The result `to_dict` gave; one saved before the rename holds "what" where it now holds "memory"."""
         memory = data["memory"] if "memory" in data else data["what"]
-        return cls(data["values"], torch.as_tensor(data["clean"]), torch.as_tensor(data["corrupt"]),
-                   tuple(int(layer) for layer in data["layers"]), tuple(int(p) for p in data["positions"]),
-                   str(memory), None if data.get("heads") is None else int(data["heads"]))
+        return cls(
+            data["values"],
+            torch.as_tensor(data["clean"]),
+            torch.as_tensor(data["corrupt"]),
+            tuple(int(layer) for layer in data["layers"]),
+            tuple(int(p) for p in data["positions"]),
+            str(memory),
+            None if data.get("heads") is None else int(data["heads"]),
+        )
 
 
 def _as_prompts(ids: Any, name: str) -> Tensor:
     """The pairs' prompts as `[pairs, seq]`: one pair's `[seq]` as `[1, seq]`."""
     if not isinstance(ids, Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         got = f"a {ids.dtype} tensor" if isinstance(ids, Tensor) else type(ids).__name__
-        raise InvalidValue(f"{_WHERE}: expected {name} as an integer tensor of token ids, [seq] (one pair) or"
-                           f" [pairs, seq], got {got}")
+        raise InvalidValue(
+            f"{_WHERE}: expected {name} as an integer tensor of token ids, [seq] (one pair) or [pairs, seq], got {got}"
+        )
     if ids.dim() not in (1, 2) or 0 in ids.shape:
-        raise InvalidValue(f"{_WHERE}: expected {name} of shape [seq] (one pair) or [pairs, seq] (the sweep makes the"
-                           f" batch), got shape {tuple(ids.shape)}")
+        raise InvalidValue(
+            f"{_WHERE}: expected {name} of shape [seq] (one pair) or [pairs, seq] (the sweep makes the"
+            f" batch), got shape {tuple(ids.shape)}"
+        )
     return ids if ids.dim() == 2 else ids[None]
 
 
@@ -128,8 +144,10 @@ def _positions(positions: Any, tokens: int) -> tuple[int, ...]:
     items = _as_list(positions, "position")
     outside = [p for p in items if not -tokens <= p < tokens]
     if outside:
-        raise InvalidValue(f"{_WHERE}: expected positions in 0..{tokens - 1} (or -{tokens}..-1) of the {tokens}-token"
-                           f" prompt, got position {outside[0]}")
+        raise InvalidValue(
+            f"{_WHERE}: expected positions in 0..{tokens - 1} (or -{tokens}..-1) of the {tokens}-token"
+            f" prompt, got position {outside[0]}"
+        )
     items = [p % tokens for p in items]
     if len(set(items)) != len(items):
         twice = next(p for p in items if items.count(p) > 1)
@@ -143,8 +161,10 @@ def _layers(layers: Any, recurrent: list[int]) -> tuple[int, ...]:
     items = _as_list(layers, "layer")
     unknown = [layer for layer in items if layer not in recurrent]
     if unknown:
-        raise InvalidValue(f"{_WHERE}: expected layers among the recurrent layers {recurrent} (attention layers"
-                           f" cannot be patched), got layer {unknown[0]}")
+        raise InvalidValue(
+            f"{_WHERE}: expected layers among the recurrent layers {recurrent} (attention layers"
+            f" cannot be patched), got layer {unknown[0]}"
+        )
     if len(set(items)) != len(items):
         twice = next(layer for layer in items if items.count(layer) > 1)
         raise InvalidValue(f"{_WHERE}: expected each layer once, got layer {twice} twice")
@@ -178,13 +198,14 @@ def _batches(cells: list[Cell], batch_size: int, mixed: bool) -> list[list[Cell]
     return batches
 
 
-def _by_position(cells: list[Cell], batch_size: int, mixed: bool
-                 ) -> list[tuple[list[int], dict[int, list[list[Cell]]]]]:
+def _by_position(
+    cells: list[Cell], batch_size: int, mixed: bool
+) -> list[tuple[list[int], dict[int, list[list[Cell]]]]]:
     """The cells as (a group of pairs, position index -> that position's batches of the group's cells): groups of
     `batch_size` pairs (one pair unless `mixed`), whose prompts run once for all their cells."""
     pairs = sorted({cell.pair for cell in cells})
     out = []
-    for group in [pairs[k:k + batch_size] for k in range(0, len(pairs), batch_size if mixed else 1)]:
+    for group in [pairs[k : k + batch_size] for k in range(0, len(pairs), batch_size if mixed else 1)]:
         at: dict[int, list[Cell]] = {}
         for cell in cells:
             if cell.pair in group:
@@ -193,8 +214,14 @@ def _by_position(cells: list[Cell], batch_size: int, mixed: bool
     return out
 
 
-def _baselines(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: Callable[[Tensor], Tensor],
-               one_pair: bool, kwargs: Mapping[str, Any]) -> tuple[Tensor, Tensor]:
+def _baselines(
+    model: nn.Module,
+    clean_ids: Tensor,
+    corrupt_ids: Tensor,
+    metric: Callable[[Tensor], Tensor],
+    one_pair: bool,
+    kwargs: Mapping[str, Any],
+) -> tuple[Tensor, Tensor]:
     """The metric of the clean and of the corrupt run of every pair, `[pairs]` each (all pairs in one batch where
     the metric allows, else one forward per pair)."""
     pairs = list(range(clean_ids.shape[0]))
@@ -202,23 +229,45 @@ def _baselines(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric:
     out = []
     with torch.no_grad():
         for ids in (clean_ids, corrupt_ids):
-            out.append(torch.cat([measure(for_rows(metric, None if one_pair else group),
-                                          model(ids[group], **kwargs).logits) for group in groups]))
+            out.append(
+                torch.cat(
+                    [
+                        measure(for_rows(metric, None if one_pair else group), model(ids[group], **kwargs).logits)
+                        for group in groups
+                    ]
+                )
+            )
     return out[0], out[1]
 
 
-def _plan(model: nn.Module, clean_ids: Tensor, chosen: tuple[Any, Any, str, bool], paths: Paths | None,
-          kwargs: Mapping[str, Any], reuse_prefix: bool | None) -> Plan:
+def _plan(
+    model: nn.Module,
+    clean_ids: Tensor,
+    chosen: tuple[Any, Any, str, bool],
+    paths: Paths | None,
+    kwargs: Mapping[str, Any],
+    reuse_prefix: bool | None,
+) -> Plan:
     """The sweep's plan from the probe (`chosen`: the layers, positions, memory and heads asked for);
     `reuse_prefix=True` refused where the cells cannot run from the corrupt run's cache."""
     layers, positions, memory, heads = chosen
     plan = Plan((), _positions(positions, clean_ids.shape[1]), WHAT[memory], memory, {})
-    plan = probe(model, clean_ids, lambda recurrent: _layers(layers, recurrent), plan, heads, paths, kwargs,
-                 check=prefix.refusal if reuse_prefix is not False else lambda *_, **__: "reuse_prefix=False")
+    plan = probe(
+        model,
+        clean_ids,
+        lambda recurrent: _layers(layers, recurrent),
+        plan,
+        heads,
+        paths,
+        kwargs,
+        check=prefix.refusal if reuse_prefix is not False else lambda *_, **__: "reuse_prefix=False",
+    )
     if reuse_prefix and plan.refusal is not None:
-        raise InvalidValue(f"{_WHERE}: reuse_prefix=True runs each cell from the corrupt run's cache, which needs"
-                           f" transformers to continue every layer's memory from a cache; here: {plan.refusal}"
-                           " (reuse_prefix=None takes one forward per cell then)")
+        raise InvalidValue(
+            f"{_WHERE}: reuse_prefix=True runs each cell from the corrupt run's cache, which needs"
+            f" transformers to continue every layer's memory from a cache; here: {plan.refusal}"
+            " (reuse_prefix=None takes one forward per cell then)"
+        )
     return plan
 
 
@@ -227,21 +276,32 @@ def _what(memory: Any, what: Any) -> str:
     name `what=` (which warns)."""
     if what is not None:
         if memory is not None:
-            raise InvalidValue(f"{_WHERE}: memory={memory!r} and what={what!r}: `what` is the former name of"
-                               " `memory`; pass memory= alone")
+            raise InvalidValue(
+                f"{_WHERE}: memory={memory!r} and what={what!r}: `what` is the former name of"
+                " `memory`; pass memory= alone"
+            )
         renamed(f"{_WHERE}(what=...)", f"{_WHERE}(memory=...)", stacklevel=4)
         if what not in WHAT:
             raise InvalidValue(f"{_WHERE}: expected what in {tuple(WHAT)}, got what={what!r}")
         return what
     if memory is not None and (memory not in WHAT or memory == "memory"):
-        raise InvalidValue(f"{_WHERE}: expected memory= None (the whole memory), 'state' or 'window', got"
-                           f" memory={memory!r}")
+        raise InvalidValue(
+            f"{_WHERE}: expected memory= None (the whole memory), 'state' or 'window', got memory={memory!r}"
+        )
     return "memory" if memory is None else memory
 
 
-def _checked(model: Any, clean_ids: Any, corrupt_ids: Any, metric: Any, batch_size: Any,
-             budget_bytes: Any, flags: Mapping[str, Any], forward_kwargs: Any,
-             checkpoint: Any) -> tuple[Tensor, Tensor, int | None, int]:
+def _checked(
+    model: Any,
+    clean_ids: Any,
+    corrupt_ids: Any,
+    metric: Any,
+    batch_size: Any,
+    budget_bytes: Any,
+    flags: Mapping[str, Any],
+    forward_kwargs: Any,
+    checkpoint: Any,
+) -> tuple[Tensor, Tensor, int | None, int]:
     """The arguments of `patching_sweep` checked: the prompts as `[pairs, seq]`, the batch size (None: by default)
     and the budget."""
     if not isinstance(model, nn.Module):
@@ -249,17 +309,22 @@ def _checked(model: Any, clean_ids: Any, corrupt_ids: Any, metric: Any, batch_si
     clean, corrupt = _as_prompts(clean_ids, "clean_ids"), _as_prompts(corrupt_ids, "corrupt_ids")
     if clean.shape != corrupt.shape:
         if clean_ids.dim() == corrupt_ids.dim() == 1:
-            raise InvalidValue(f"{_WHERE}: expected clean_ids and corrupt_ids of the same length (positions are"
-                               f" shared), got shapes {tuple(clean.shape)} and {tuple(corrupt.shape)}")
-        raise InvalidValue(f"{_WHERE}: expected clean_ids and corrupt_ids of one shape [pairs, seq], got shapes"
-                           f" {tuple(clean_ids.shape)} and {tuple(corrupt_ids.shape)}")
+            raise InvalidValue(
+                f"{_WHERE}: expected clean_ids and corrupt_ids of the same length (positions are"
+                f" shared), got shapes {tuple(clean.shape)} and {tuple(corrupt.shape)}"
+            )
+        raise InvalidValue(
+            f"{_WHERE}: expected clean_ids and corrupt_ids of one shape [pairs, seq], got shapes"
+            f" {tuple(clean_ids.shape)} and {tuple(corrupt_ids.shape)}"
+        )
     if not callable(metric):
         raise InvalidValue(f"{_WHERE}: expected metric as a callable logits -> one value per row, got {metric!r}")
     if batch_size is not None:
         batch_size = _as_int(batch_size, "batch_size")
         if batch_size < 1:
-            raise InvalidValue(f"{_WHERE}: expected batch_size >= 1 (or None: chosen from the shapes), got"
-                               f" batch_size={batch_size}")
+            raise InvalidValue(
+                f"{_WHERE}: expected batch_size >= 1 (or None: chosen from the shapes), got batch_size={batch_size}"
+            )
     budget = BUDGET_BYTES if budget_bytes is None else _as_int(budget_bytes, "budget_bytes")
     if budget < 0:
         raise InvalidValue(f"{_WHERE}: expected budget_bytes >= 0 (or None: {BUDGET_BYTES}), got budget_bytes={budget}")
@@ -269,21 +334,37 @@ def _checked(model: Any, clean_ids: Any, corrupt_ids: Any, metric: Any, batch_si
             expected = " or ".join(f"{name}={a}" for a in allowed)
             raise InvalidValue(f"{_WHERE}: expected {expected}, got {name}={value!r}")
     if forward_kwargs is not None and not isinstance(forward_kwargs, Mapping):
-        raise InvalidValue(f"{_WHERE}: expected forward_kwargs as a mapping of keyword arguments, got"
-                           f" {type(forward_kwargs).__name__}")
+        raise InvalidValue(
+            f"{_WHERE}: expected forward_kwargs as a mapping of keyword arguments, got {type(forward_kwargs).__name__}"
+        )
     if checkpoint is not None and not isinstance(checkpoint, (str, os.PathLike)):
-        raise InvalidValue(f"{_WHERE}: expected checkpoint as a file path (str or os.PathLike) or None, got"
-                           f" {type(checkpoint).__name__}")
+        raise InvalidValue(
+            f"{_WHERE}: expected checkpoint as a file path (str or os.PathLike) or None, got"
+            f" {type(checkpoint).__name__}"
+        )
     return clean, corrupt, batch_size, budget
 
 
-def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, metric: Callable[[Tensor], Tensor], *,
-                   layers: int | Iterable[int] | None = None, positions: int | Iterable[int] | None = None,
-                   memory: str | None = None, heads: bool = False, batch_size: int | None = None,
-                   budget_bytes: int | None = None, progress: bool = True,
-                   forward_kwargs: Mapping[str, Any] | None = None, paths: Paths | None = None,
-                   distributed: bool | None = None, checkpoint: str | os.PathLike | None = None,
-                   reuse_prefix: bool | None = None, what: str | None = None) -> Sweep:
+def patching_sweep(
+    model: nn.Module,
+    clean_ids: Tensor,
+    corrupt_ids: Tensor,
+    metric: Callable[[Tensor], Tensor],
+    *,
+    layers: int | Iterable[int] | None = None,
+    positions: int | Iterable[int] | None = None,
+    memory: str | None = None,
+    heads: bool = False,
+    batch_size: int | None = None,
+    budget_bytes: int | None = None,
+    progress: bool = True,
+    forward_kwargs: Mapping[str, Any] | None = None,
+    paths: Paths | None = None,
+    distributed: bool | None = None,
+    checkpoint: str | os.PathLike | None = None,
+    reuse_prefix: bool | None = None,
+    what: str | None = None,
+) -> Sweep:
     """Patch the clean run into the corrupt run at every (layer, position); return `metric` per cell.
 
         sweep = rh.patching_sweep(model, clean_ids, corrupt_ids, lambda logits: logits[:, -1, answer])
@@ -333,8 +414,9 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
     memory = _what(memory, what)
     flags = {"heads": heads, "progress": progress, "distributed": distributed, "reuse_prefix": reuse_prefix}
     one_pair = isinstance(clean_ids, Tensor) and clean_ids.dim() == 1
-    clean_ids, corrupt_ids, batch_size, budget = _checked(model, clean_ids, corrupt_ids, metric, batch_size,
-                                                          budget_bytes, flags, forward_kwargs, checkpoint)
+    clean_ids, corrupt_ids, batch_size, budget = _checked(
+        model, clean_ids, corrupt_ids, metric, batch_size, budget_bytes, flags, forward_kwargs, checkpoint
+    )
     kwargs = {"use_cache": False, **(forward_kwargs or {})}
     plan = _plan(model, clean_ids, (layers, positions, memory, heads), paths, kwargs, reuse_prefix)
     batch_size = batch_size or _default_batch_size(max(plan.sizes.values()))
@@ -343,15 +425,37 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
     shape = (clean_ids.shape[0], len(plan.layers), *([plan.heads] if heads else []), len(plan.positions))
     values, done = (torch.zeros(shape, dtype=t, device=clean_metric.device) for t in (clean_metric.dtype, torch.bool))
     ranks = Ranks.of(distributed, model)
-    saved = Checkpoint(checkpoint, ranks, sweep_key(clean_ids, corrupt_ids, layers=list(plan.layers),
-                                                    positions=list(plan.positions), memory=memory, heads=plan.heads))
+    saved = Checkpoint(
+        checkpoint,
+        ranks,
+        sweep_key(
+            clean_ids,
+            corrupt_ids,
+            layers=list(plan.layers),
+            positions=list(plan.positions),
+            memory=memory,
+            heads=plan.heads,
+        ),
+    )
     saved.load(values, done)
     # every rank splits the same cells: the union of what each read (none writes before every rank has read)
     if checkpoint is not None:
         values, done = ranks.gathered(values, done)
     todo = [cells[k] for k in torch.nonzero(~done.flatten().cpu()).flatten().tolist()]
-    _measure_cells(model, (clean_ids, corrupt_ids), plan, (todo, ranks), metric, one_pair, (batch_size, budget),
-                   paths, kwargs, progress and ranks.rank == 0, (values, done), saved)
+    _measure_cells(
+        model,
+        (clean_ids, corrupt_ids),
+        plan,
+        (todo, ranks),
+        metric,
+        one_pair,
+        (batch_size, budget),
+        paths,
+        kwargs,
+        progress and ranks.rank == 0,
+        (values, done),
+        saved,
+    )
     values, _ = ranks.gathered(values, done)
     saved.finish(values)
     if one_pair:
@@ -359,9 +463,20 @@ def patching_sweep(model: nn.Module, clean_ids: Tensor, corrupt_ids: Tensor, met
     return Sweep(values, clean_metric, corrupt_metric, plan.layers, plan.positions, memory, plan.heads)
 
 
-def _measure_cells(model: nn.Module, prompts: tuple[Tensor, Tensor], plan: Plan, share: tuple[list[Cell], Ranks],
-                   metric: Callable[[Tensor], Tensor], one_pair: bool, sizes: tuple[int, int], paths: Paths | None,
-                   kwargs: Mapping[str, Any], progress: bool, into: tuple[Tensor, Tensor], saved: Checkpoint) -> None:
+def _measure_cells(
+    model: nn.Module,
+    prompts: tuple[Tensor, Tensor],
+    plan: Plan,
+    share: tuple[list[Cell], Ranks],
+    metric: Callable[[Tensor], Tensor],
+    one_pair: bool,
+    sizes: tuple[int, int],
+    paths: Paths | None,
+    kwargs: Mapping[str, Any],
+    progress: bool,
+    into: tuple[Tensor, Tensor],
+    saved: Checkpoint,
+) -> None:
     """Measure this rank's cells of `share` (the cells still to run, and the ranks that split them) into `into`
     (values, done), round after round (`sizes`: the batch size and the budget), saving the finished cells after
     each round."""
@@ -383,8 +498,7 @@ def _measure_cells(model: nn.Module, prompts: tuple[Tensor, Tensor], plan: Plan,
         with tqdm(total=total, desc=_WHERE, unit="cell", disable=not progress) as bar:
             for group, batches in groups:
                 last = None
-                for j, batch, measured in prefix.measured(model, prompts, group, batches, plan, kwargs,
-                                                                metric_of):
+                for j, batch, measured in prefix.measured(model, prompts, group, batches, plan, kwargs, metric_of):
                     if last is not None and j != last:  # a position done
                         saved.save(values, done)
                     record(batch, measured)
@@ -401,8 +515,9 @@ def _measure_cells(model: nn.Module, prompts: tuple[Tensor, Tensor], plan: Plan,
             saved.save(values, done)
 
 
-def _dealt(groups: list[tuple[list[int], dict[int, list[list[Cell]]]]], plan: Plan, ranks: Ranks
-           ) -> list[tuple[list[int], dict[int, list[list[Cell]]]]]:
+def _dealt(
+    groups: list[tuple[list[int], dict[int, list[list[Cell]]]]], plan: Plan, ranks: Ranks
+) -> list[tuple[list[int], dict[int, list[list[Cell]]]]]:
     """This rank's share of `_by_position`'s groups, for the cells run from the cache: whole (group, position)
     units, so that a rank runs a group's prompts in pieces up to its own positions only (one forward up to the first,
     then a piece to each next one), and each unit's batches are the ones a single process makes.
@@ -419,12 +534,18 @@ def _dealt(groups: list[tuple[list[int], dict[int, list[list[Cell]]]]], plan: Pl
 
     A rank runs the prompts in other pieces than one process (tokens 0..p in one forward where one process stops at
     every swept position before p), which rounds otherwise: its cells equal one process's within float32 rounding."""
-    units = [(g, j, batches) for g, (_, at) in enumerate(groups)
-             for j, batches in sorted(at.items(), key=lambda unit: plan.positions[unit[0]])]
+    units = [
+        (g, j, batches)
+        for g, (_, at) in enumerate(groups)
+        for j, batches in sorted(at.items(), key=lambda unit: plan.positions[unit[0]])
+    ]
     if 0 < len(units) < ranks.world:
         parts = -(-ranks.world // len(units))
-        units = [(g, j, batches[k * len(batches) // parts:(k + 1) * len(batches) // parts])
-                 for g, j, batches in units for k in range(parts)]
+        units = [
+            (g, j, batches[k * len(batches) // parts : (k + 1) * len(batches) // parts])
+            for g, j, batches in units
+            for k in range(parts)
+        ]
         units = [unit for unit in units if unit[2]]
     mine: dict[int, dict[int, list[list[Cell]]]] = {}  # group index -> position index -> this rank's batches
     for k in ranks.dealt(len(units)):

@@ -66,8 +66,13 @@ class Plan:
     def cells(self, pairs: int) -> list[Cell]:
         """Every cell, pair-major then layer-major (few layers per batch, few pairs per round)."""
         heads = [None] if self.heads is None else range(self.heads)
-        return [Cell(n, i, h, j) for n in range(pairs) for i in range(len(self.layers)) for h in heads
-                for j in range(len(self.positions))]
+        return [
+            Cell(n, i, h, j)
+            for n in range(pairs)
+            for i in range(len(self.layers))
+            for h in heads
+            for j in range(len(self.positions))
+        ]
 
 
 def carried(mixer: Any, memories: tuple[str, ...], what: str) -> tuple[str, ...]:
@@ -76,20 +81,35 @@ def carried(mixer: Any, memories: tuple[str, ...], what: str) -> tuple[str, ...]
     return tuple(m for m in memories if m in mixer.MEMORIES) if what == "memory" else memories
 
 
-def keep_hooks(w: Any, cells: Mapping[int, Iterable[int]], memories: tuple[str, ...], what: str,
-               into: dict[tuple[str, int, int, int | None], Tensor]) -> None:
+def keep_hooks(
+    w: Any,
+    cells: Mapping[int, Iterable[int]],
+    memories: tuple[str, ...],
+    what: str,
+    into: dict[tuple[str, int, int, int | None], Tensor],
+) -> None:
     """Read hooks that clone the memory after the given positions of each layer into `into`."""
     for layer, tokens in cells.items():
         for memory in carried(w.mixer(layer), memories, what):
-            def keep(mixer: Any, call: int, token: int, state: Tensor, layer: int = layer,
-                     memory: str = memory) -> None:
+
+            def keep(
+                mixer: Any, call: int, token: int, state: Tensor, layer: int = layer, memory: str = memory
+            ) -> None:
                 into[memory, layer, token, mixer.head] = map_parts(torch.clone, state)
 
             w.mixer(layer).register_state_hook(keep, call=0, token=sorted(tokens), memory=memory)
 
 
-def probe(model: nn.Module, clean_ids: Tensor, choose: Callable[[list[int]], tuple[int, ...]], plan: Plan,
-          heads: bool, paths: Paths | None, kwargs: Mapping[str, Any], check: Callable[..., str | None]) -> Plan:
+def probe(
+    model: nn.Module,
+    clean_ids: Tensor,
+    choose: Callable[[list[int]], tuple[int, ...]],
+    plan: Plan,
+    heads: bool,
+    paths: Paths | None,
+    kwargs: Mapping[str, Any],
+    check: Callable[..., str | None],
+) -> Plan:
     """`plan` with its layers (`choose(recurrent layers)`), their cell bytes and, for `heads`, their heads, from a
     one-token clean forward; `plan.refusal` from `check(model, clean_ids, plan, mixers, heads, kwargs,
     every=the model's mixers)`."""
@@ -111,28 +131,32 @@ def probe(model: nn.Module, clean_ids: Tensor, choose: Callable[[list[int]], tup
     return plan
 
 
-def _find_heads(plan: Plan, mixers: Mapping[int, Any],
-                kept: Mapping[tuple[str, int, int, int | None], Tensor]) -> None:
+def _find_heads(plan: Plan, mixers: Mapping[int, Any], kept: Mapping[tuple[str, int, int, int | None], Tensor]) -> None:
     """The heads of every chosen layer and the window channels of each (the kinds' declarations)."""
     counts = {}
     for layer, mixer in mixers.items():
         if not mixer.HEADS:
-            raise InvalidValue(f"{_WHERE}: heads=True needs a state with heads in every chosen layer; {mixer} has a"
-                               f" state of axes {mixer.STATE!r} without heads (choose other layers, or heads=False)")
+            raise InvalidValue(
+                f"{_WHERE}: heads=True needs a state with heads in every chosen layer; {mixer} has a"
+                f" state of axes {mixer.STATE!r} without heads (choose other layers, or heads=False)"
+            )
         per_head = plan.per_head_calls[layer] = mixer.KERNEL_PER_HEAD
-        state = {head: value for (memory, at, _, head), value in kept.items()
-                 if memory == STATE_MEMORY and at == layer}
+        state = {head: value for (memory, at, _, head), value in kept.items() if memory == STATE_MEMORY and at == layer}
         first = parts(next(iter(state.values())))[0]
         counts[layer] = len(state) if per_head else first.shape[1]
         head_state = tuple(first.shape[1:] if per_head else first.shape[2:])
         window = [value for (memory, at, _, _), value in kept.items() if memory == CONV_MEMORY and at == layer]
         if window and CONV_MEMORY in plan.memories:
-            channels = [list(mixer.adapter.head_channels(h, counts[layer], head_state, window[0].shape[1]))
-                        for h in range(counts[layer])]
+            channels = [
+                list(mixer.adapter.head_channels(h, counts[layer], head_state, window[0].shape[1]))
+                for h in range(counts[layer])
+            ]
             plan.channels[layer] = torch.tensor(channels, dtype=torch.long)
     if len(set(counts.values())) > 1:
-        raise InvalidValue(f"{_WHERE}: heads=True needs one number of heads in every chosen layer, got {counts}"
-                           " (layer: heads); choose layers with `layers=`")
+        raise InvalidValue(
+            f"{_WHERE}: heads=True needs one number of heads in every chosen layer, got {counts}"
+            " (layer: heads); choose layers with `layers=`"
+        )
     plan.heads = next(iter(counts.values()))
 
 
@@ -145,6 +169,7 @@ def parts(value: Any) -> list[Tensor]:
 def rounds(batches: list[list[Cell]], plan: Plan, budget: int) -> list[list[list[Cell]]]:
     """The batches grouped, in order, into rounds of whole batches whose clean memories fit `budget` bytes (the
     round's pairs, each with the memory after every (layer, position) the round patches); at least one a round."""
+
     def held(cells: Iterable[Cell]) -> int:
         cells = list(cells)
         memories = {(c.layer, c.position) for c in cells}
@@ -159,8 +184,14 @@ def rounds(batches: list[list[Cell]], plan: Plan, budget: int) -> list[list[list
     return grouped
 
 
-def clean_memories(model: nn.Module, clean_ids: Tensor, round_: list[list[Cell]], plan: Plan, paths: Paths | None,
-                   kwargs: Mapping[str, Any]) -> tuple[dict[tuple[str, int, int, int | None], Tensor], dict[int, int]]:
+def clean_memories(
+    model: nn.Module,
+    clean_ids: Tensor,
+    round_: list[list[Cell]],
+    plan: Plan,
+    paths: Paths | None,
+    kwargs: Mapping[str, Any],
+) -> tuple[dict[tuple[str, int, int, int | None], Tensor], dict[int, int]]:
     """One clean forward of the round's pairs (one batch) keeping the memory after every position the round
     patches in each layer: the memories, `[pairs in the round, *memory]` each, and each pair's row in them."""
     cells = [cell for batch in round_ for cell in batch]
@@ -175,9 +206,16 @@ def clean_memories(model: nn.Module, clean_ids: Tensor, round_: list[list[Cell]]
     return kept, {pair: row for row, pair in enumerate(pairs)}
 
 
-def patched(model: nn.Module, corrupt_ids: Tensor, batch: list[Cell], plan: Plan,
-            clean: tuple[Mapping[tuple[str, int, int, int | None], Tensor], Mapping[int, int]], paths: Paths | None,
-            kwargs: Mapping[str, Any], metric: Callable[[Tensor], Tensor]) -> Tensor:
+def patched(
+    model: nn.Module,
+    corrupt_ids: Tensor,
+    batch: list[Cell],
+    plan: Plan,
+    clean: tuple[Mapping[tuple[str, int, int, int | None], Tensor], Mapping[int, int]],
+    paths: Paths | None,
+    kwargs: Mapping[str, Any],
+    metric: Callable[[Tensor], Tensor],
+) -> Tensor:
     """The metric of one forward whose row r is cell `batch[r]`'s pair's corrupt prompt patched at that cell."""
     ids = corrupt_ids[[cell.pair for cell in batch]]
     with watch(model, paths=paths) as w, torch.no_grad():
@@ -198,9 +236,15 @@ class _Patch:
     the clean memory of their cell's pair (the whole of it, or the cell's head: its slice of the state, or the
     window channels that feed it)."""
 
-    def __init__(self, plan: Plan, layer: int, memory: str, at: Mapping[int, list[tuple[int, Cell]]],
-                 clean: tuple[Mapping[tuple[str, int, int, int | None], Tensor], Mapping[int, int]],
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        layer: int,
+        memory: str,
+        at: Mapping[int, list[tuple[int, Cell]]],
+        clean: tuple[Mapping[tuple[str, int, int, int | None], Tensor], Mapping[int, int]],
+        device: torch.device,
+    ) -> None:
         self.memory, self.layer, (self.kept, row_of) = memory, layer, clean
         by_head = plan.heads is not None
         # a per-head kernel's state hook runs once per head (`mixer.head`) with that head's state: its cells are
@@ -214,10 +258,12 @@ class _Patch:
                 mine = [(row, cell) for row, cell in cells if head is None or cell.head == head]
                 tensor = lambda values: torch.tensor(values, device=device)  # noqa: E731
                 heads = tensor([cell.head for _, cell in mine]) if by_head else None
-                self.index[token, head] = _Rows(tensor([row for row, _ in mine]),
-                                                tensor([row_of[cell.pair] for _, cell in mine]), heads,
-                                                None if channels is None or heads is None else
-                                                channels.to(device)[heads])
+                self.index[token, head] = _Rows(
+                    tensor([row for row, _ in mine]),
+                    tensor([row_of[cell.pair] for _, cell in mine]),
+                    heads,
+                    None if channels is None or heads is None else channels.to(device)[heads],
+                )
 
     def __call__(self, mixer: Any, call: int, token: int, state: Any) -> Any:
         index = self.index.get((token, mixer.head if self.split else None))

@@ -48,12 +48,21 @@ def cache_argument(model: nn.Module) -> str | None:
 
 def cache_of(output: Any) -> Any:
     """The cache a forward with `use_cache=True` returned (None: none)."""
-    return next((found for name in ("past_key_values", *CACHE_ARGUMENTS)
-                 if (found := getattr(output, name, None)) is not None), None)
+    return next(
+        (found for name in ("past_key_values", *CACHE_ARGUMENTS) if (found := getattr(output, name, None)) is not None),
+        None,
+    )
 
 
-def refusal(model: nn.Module, clean_ids: Tensor, plan: Plan, mixers: Mapping[int, Any], heads: bool,
-            kwargs: Mapping[str, Any], every: Iterable[Any] = ()) -> str | None:
+def refusal(
+    model: nn.Module,
+    clean_ids: Tensor,
+    plan: Plan,
+    mixers: Mapping[int, Any],
+    heads: bool,
+    kwargs: Mapping[str, Any],
+    every: Iterable[Any] = (),
+) -> str | None:
     """Why the cells cannot run from the corrupt run's cache (None: they can), recording in `plan.cache_at`
     where each chosen layer's memories are in the model's cache. One clean token runs watched with a cache,
     keeping each chosen memory after it: each must be, bit for bit, the cache's tensor `adapter.cached_memory` names.
@@ -69,8 +78,10 @@ def refusal(model: nn.Module, clean_ids: Tensor, plan: Plan, mixers: Mapping[int
         return f"forward_kwargs' logits_to_keep is {type(keep).__name__}, not an int"
     for mixer in [*every, *mixers.values()]:  # every layer runs the cells' tokens from the cache, chosen or not
         if not type(mixer).CONTINUES_CACHE:
-            return (f"{mixer}: transformers' prompt calls of {type(mixer).__name__} do not continue a cached memory"
-                    " (the kind's CONTINUES_CACHE)")
+            return (
+                f"{mixer}: transformers' prompt calls of {type(mixer).__name__} do not continue a cached memory"
+                " (the kind's CONTINUES_CACHE)"
+            )
     name = cache_argument(model)
     if name is None:
         return f"{type(model).__name__}.forward takes no cache argument (one of {CACHE_ARGUMENTS})"
@@ -85,8 +96,11 @@ def refusal(model: nn.Module, clean_ids: Tensor, plan: Plan, mixers: Mapping[int
         return f"{type(model).__name__} returned no cache whose rows can be copied (reorder_cache)"
     plan.cache_name = name
     plan.positioned = "position_ids" in inspect.signature(model.forward).parameters
-    plan.chunked = [(mixer.module, chunk) for mixer in every if (chunk := _chunk_argument(type(mixer))) is not None
-                    and isinstance(getattr(mixer.module, chunk, None), int)]
+    plan.chunked = [
+        (mixer.module, chunk)
+        for mixer in every
+        if (chunk := _chunk_argument(type(mixer))) is not None and isinstance(getattr(mixer.module, chunk, None), int)
+    ]
     for layer, mixer in mixers.items():
         kind = plan.kinds[layer] = type(mixer)
         where = plan.cache_at[layer] = kind.adapter.cache_index(mixer.module, {})
@@ -101,8 +115,14 @@ def refusal(model: nn.Module, clean_ids: Tensor, plan: Plan, mixers: Mapping[int
 
 def _chunk_argument(kind: type) -> str | None:
     """The chunk-length argument of the kind's chunked prompt kernel (None: none)."""
-    return next((kernel.segments.chunk_argument for kernel in kind.KERNELS
-                 if kernel.segments is not None and kernel.segments.chunk_argument), None)
+    return next(
+        (
+            kernel.segments.chunk_argument
+            for kernel in kind.KERNELS
+            if kernel.segments is not None and kernel.segments.chunk_argument
+        ),
+        None,
+    )
 
 
 def chunk_for(tokens: int, chunk: int) -> int:
@@ -144,10 +164,15 @@ def _passed(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k not in ("use_cache", "logits_to_keep")}
 
 
-def measured(model: nn.Module, prompts: tuple[Tensor, Tensor], pairs: list[int],
-             batches: Mapping[int, list[list[Cell]]], plan: Plan, kwargs: Mapping[str, Any],
-             metric_of: Callable[[list[Cell]], Callable[[Tensor], Tensor]]
-             ) -> Iterator[tuple[int, list[Cell], Tensor]]:
+def measured(
+    model: nn.Module,
+    prompts: tuple[Tensor, Tensor],
+    pairs: list[int],
+    batches: Mapping[int, list[list[Cell]]],
+    plan: Plan,
+    kwargs: Mapping[str, Any],
+    metric_of: Callable[[list[Cell]], Callable[[Tensor], Tensor]],
+) -> Iterator[tuple[int, list[Cell], Tensor]]:
     """(position index, batch, metric per row) for every batch of `batches` (position index -> the batches of
     cells of `pairs` at that position), positions in prompt order: the group's clean and corrupt prompts run in
     pieces up to each position, and each batch from a copy of the cache there."""
@@ -163,24 +188,39 @@ def measured(model: nn.Module, prompts: tuple[Tensor, Tensor], pairs: list[int],
             p = plan.positions[j]
             seen = p + 1 - max(done, first_kept)  # the piece's positions the metric sees
             with _chunks_within(plan.chunked, p + 1 - done):
-                out = model(ids[:, done:p + 1], **{plan.cache_name: cache}, **passed, use_cache=True,
-                            logits_to_keep=max(1, seen), **_positions(plan, ids, done, p + 1))
+                out = model(
+                    ids[:, done : p + 1],
+                    **{plan.cache_name: cache},
+                    **passed,
+                    use_cache=True,
+                    logits_to_keep=max(1, seen),
+                    **_positions(plan, ids, done, p + 1),
+                )
             cache, done = cache_of(out), p + 1
             if seen > 0:
                 if tail is None:  # written once per piece, not concatenated again at every position
                     tail = out.logits.new_empty(group, tokens - first_kept, out.logits.shape[-1])
-                tail[:, filled:filled + seen] = out.logits[group:, -seen:]
+                tail[:, filled : filled + seen] = out.logits[group:, -seen:]
                 filled += seen
             kept = None if tail is None else tail[:, :filled]  # [pairs, positions first_kept..p, vocab]
             for batch in batches[j]:
-                logits = _continued(model, corrupt_ids, batch, plan, cache, (row_of, group), kept, passed,
-                                    (p, tokens, keep))
+                logits = _continued(
+                    model, corrupt_ids, batch, plan, cache, (row_of, group), kept, passed, (p, tokens, keep)
+                )
                 yield j, batch, measure(metric_of(batch), logits)
 
 
-def _continued(model: nn.Module, corrupt_ids: Tensor, batch: list[Cell], plan: Plan, cache: Any,
-               rows: tuple[Mapping[int, int], int], kept: Tensor | None, passed: Mapping[str, Any],
-               where: tuple[int, int, int]) -> Tensor:
+def _continued(
+    model: nn.Module,
+    corrupt_ids: Tensor,
+    batch: list[Cell],
+    plan: Plan,
+    cache: Any,
+    rows: tuple[Mapping[int, int], int],
+    kept: Tensor | None,
+    passed: Mapping[str, Any],
+    where: tuple[int, int, int],
+) -> Tensor:
     """The logits the metric reads for one batch of cells at position p: the corrupt rows of `cache`, one per
     cell, each with its layer's clean memory, run over tokens p + 1.. (after the kept corrupt logits)."""
     (row_of, group), (p, tokens, keep) = rows, where
@@ -198,10 +238,16 @@ def _continued(model: nn.Module, corrupt_ids: Tensor, batch: list[Cell], plan: P
             into = kind.adapter.cached_memory(cells, at, memory)
             into.index_copy_(0, mine, kind.adapter.cached_memory(cache, at, memory).index_select(0, clean))
     after = tokens - p - 1
-    ids = corrupt_ids[[cell.pair for cell in batch], p + 1:]
+    ids = corrupt_ids[[cell.pair for cell in batch], p + 1 :]
     with _chunks_within(plan.chunked, after):
-        logits = model(ids, **{plan.cache_name: cells}, **passed, use_cache=True,
-                       logits_to_keep=min(keep, after), **_positions(plan, ids, p + 1, tokens)).logits
+        logits = model(
+            ids,
+            **{plan.cache_name: cells},
+            **passed,
+            use_cache=True,
+            logits_to_keep=min(keep, after),
+            **_positions(plan, ids, p + 1, tokens),
+        ).logits
     if after >= keep:
         return logits
     return torch.cat([kept.index_select(0, pick - group), logits], dim=1)
