@@ -13,13 +13,12 @@ import pytest
 import torch
 from _compare import assert_close
 from _models import build
-from transformers.cache_utils import Cache
 
 import recurrent_hooks as rh
+from recurrent_hooks.engine.binding import upstream
 
 pytestmark = pytest.mark.skipif(
-    not hasattr(Cache, "activate_past_recording"),
-    reason="this transformers has no cache that records its past (5.25 added it)",
+    not upstream.is_at_least(5, 25), reason="transformers 5.24 keeps no intermediate recurrent states (5.25 added them)"
 )
 
 # one family per kind whose modeling code splits a forward over a recording cache (transformers 5.25)
