@@ -2,6 +2,7 @@
 
     python scripts/train_toys.py gdn --seed 0 --steps 3000 --out recurrent_hooks/toys/weights/gdn.safetensors
     python scripts/train_toys.py gdn_recall --seed 0 --steps 2400 --stop-at 0.99 --out ...gdn_recall.safetensors
+    python scripts/train_toys.py --tokenizer-only      # rewrite recurrent_hooks/toys/weights/tokenizer/, no training
 
 The model is `build_toy(name, seed)` (transformers' init, then `init_for_recall`); the training data are
 fresh `MQAR()` batches drawn from a generator seeded with `seed`, so a run is a function of its
@@ -34,6 +35,12 @@ clipping, so neither the update nor weight decay can move it, and the script che
 zero before writing the file. ``--stop-at`` / ``--max-seconds`` end a run early (the metadata records
 the steps done and the schedule's length).
 
+Tokenizer: every run also writes the toys' tokenizer (``write_toy_tokenizer``: tokenizer.json and
+tokenizer_config.json, the words of `MQAR()`'s vocabulary, which every toy shares) into a folder
+``tokenizer/`` next to ``--out``. ``--tokenizer-only`` writes just those files, into
+``--tokenizer-dir`` (default: the packaged ``recurrent_hooks/toys/weights/tokenizer``), without
+training; tests/package/test_toys.py checks the packaged files equal what ``write_toy_tokenizer`` writes.
+
 The runs were not repeated to check that they reproduce bit for bit; the accuracy does not hinge
 on it (the tests check the shipped weights on a fresh seed).
 """
@@ -50,7 +57,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from recurrent_hooks.toys import MQAR, build_toy  # noqa: E402
+from recurrent_hooks.toys import MQAR, build_toy, write_toy_tokenizer  # noqa: E402
+
+PACKAGED_TOKENIZER = Path(__file__).resolve().parents[1] / "recurrent_hooks" / "toys" / "weights" / "tokenizer"
 
 
 def evaluate(model, task: MQAR, n: int, seed: int) -> float:
@@ -64,7 +73,7 @@ def evaluate(model, task: MQAR, n: int, seed: int) -> float:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("model", help="toy name: gdn, gdn_recall, mamba2 (shipped), mamba (config only)")
+    parser.add_argument("model", nargs="?", help="toy name: gdn, gdn_recall, mamba2 (shipped), mamba (config only)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--batch", type=int, default=64)
@@ -81,8 +90,25 @@ def main(argv=None) -> None:
         help="stop early once the held-out accuracy (every --every steps) reaches this",
     )
     parser.add_argument("--max-seconds", type=float, default=None, help="stop after this much training time")
-    parser.add_argument("--out", type=Path, required=True, help="where to write the .safetensors file")
+    parser.add_argument("--out", type=Path, help="where to write the .safetensors file (and tokenizer/ beside it)")
+    parser.add_argument(
+        "--tokenizer-only",
+        action="store_true",
+        help="write the toys' tokenizer files into --tokenizer-dir and exit, without training",
+    )
+    parser.add_argument(
+        "--tokenizer-dir",
+        type=Path,
+        default=PACKAGED_TOKENIZER,
+        help="where --tokenizer-only writes (default: the packaged recurrent_hooks/toys/weights/tokenizer)",
+    )
     args = parser.parse_args(argv)
+    if args.tokenizer_only:
+        for path in write_toy_tokenizer(args.tokenizer_dir, MQAR()):
+            print(f"wrote {path} ({path.stat().st_size:,} bytes)", flush=True)
+        return
+    if args.model is None or args.out is None:
+        parser.error("training needs a toy name and --out (or pass --tokenizer-only)")
 
     from safetensors.torch import save_file
 
@@ -160,6 +186,8 @@ def main(argv=None) -> None:
         },
     )
     print(f"wrote {args.out} ({args.out.stat().st_size:,} bytes)", flush=True)
+    for path in write_toy_tokenizer(args.out.parent / "tokenizer", task, model.config.vocab_size):
+        print(f"wrote {path} ({path.stat().st_size:,} bytes)", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """Trained MQAR toys of real transformers classes, with their weights in the package (no download).
 
-    from recurrent_hooks.toys import MQAR, load_toy
+    from recurrent_hooks.toys import MQAR, load_toy, load_toy_tokenizer
     model = load_toy("gdn")                  # Qwen3_5ForCausalLM, trained on MQAR(), eval mode, float32
     model = load_toy("gdn_recall")           # the same kind, but its recall is in the recurrent state
     batch = MQAR().sample(256, seed=123)
     MQAR().accuracy(model(batch.ids).logits, batch)
+    load_toy_tokenizer("gdn").decode(batch.ids[0])   # "<bos> k.. v.. ...": the prompt in words (_tokenizer.py)
 
 `TOYS` lists the names; `toy_config(name)` builds a config, `build_toy(name, seed)` a freshly
 initialised (untrained, `init_for_recall`; for ``"gdn_recall"`` with the attention's o_proj zero
@@ -224,7 +225,8 @@ def load_toy(name: str) -> transformers.PreTrainedModel:
     Builds the model from `toy_config(name)` and loads the packaged weights; the only key the file
     lacks is the tied ``lm_head.weight``, which `tie_weights` fills in. For a toy with a no-op
     attention (``"gdn_recall"``) it checks that every ``self_attn.o_proj.weight`` is all zeros (raises
-    RuntimeError otherwise) and leaves it frozen (``requires_grad=False``).
+    RuntimeError otherwise) and leaves it frozen (``requires_grad=False``). Its tokenizer (the words of
+    the token ids, shared by every toy) is `load_toy_tokenizer(name)`.
     """
     from safetensors.torch import load as load_bytes
 

@@ -32,8 +32,9 @@ differ at exactly two positions, `value_positions[pair]` and `answer_token_posit
 expected answers differ at query `query` only. With the default `query=-1`, `ids[:, :-1]` (the prompt
 without its final answer token) differs in exactly one token, the changed value.
 
-Vocabulary: 0 pad, 1 bos, 2 eos (unused by the task, kept for `generate`), 3 unused, then the key
-tokens, then the value tokens. Everything is deterministic given `seed` (or a `torch.Generator`).
+Vocabulary: 0 pad, 1 bos, 2 eos (unused by the task, kept for `generate`), 3 unused (the tokenizer's
+``<unk>``), then the key tokens, then the value tokens; `load_toy_tokenizer` names them ``k0`` .. and
+``v0`` .. (``tok.decode(batch.ids[0])``). Everything is deterministic given `seed` (or a `torch.Generator`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """recurrent_hooks.toys: the MQAR task, init_for_recall, and the shipped trained toys (loaded from the
-package, no network): accuracy on fresh prompts, greedy generate over the cache, watching, patching."""
+package, no network): accuracy on fresh prompts, greedy generate over the cache, watching, patching, and
+their packaged tokenizer (prompts round-trip, every id has a word, the files match their builder)."""
 
+import json
 import math
 import socket
 
@@ -297,3 +299,120 @@ def test_gdn_recall_binding_is_in_the_recurrent_memory(models):
     assert restored(early) <= 0.05, f"restored by the memory after the changed pair's key: {restored(early):.3f}"
     assert restored(_patched_logits(model, clean, corrupt, before_query, layers={0})) >= 0.9
     assert restored(_patched_logits(model, clean, corrupt, before_query, layers={1})) <= 0.1
+
+
+# --- the tokenizer --------------------------------------------------------------------------------
+
+
+def _words(task, ids):
+    """The words of `ids` as the tokenizer's vocabulary names them (k{i} = key_tokens[i], v{i} = value_tokens[i])."""
+    special = {0: "<pad>", 1: "<bos>", 2: "<eos>", 3: "<unk>"}
+    keys, values = task.key_tokens, task.value_tokens
+    return [special.get(t) or (f"k{t - keys.start}" if t in keys else f"v{t - values.start}") for t in ids.tolist()]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return toys.load_toy_tokenizer("gdn")
+
+
+def test_tokenizer_round_trips_prompts(tok):
+    task = MQAR()
+    clean, corrupt = task.contrast(64, seed=FRESH + 4)
+    for batch in (task.sample(64, seed=FRESH + 5), clean, corrupt):
+        texts = tok.batch_decode(batch.ids)
+        for row, text in zip(batch.ids, texts):
+            assert text.split(" ") == _words(task, row)
+            assert text.startswith("<bos> k")
+            assert tok(text)["input_ids"] == row.tolist()
+        encoded = tok(texts, return_tensors="pt")
+        assert_equal("batch encode", batch.ids, encoded["input_ids"])
+        assert set(encoded) == {"input_ids", "attention_mask"}  # no token_type_ids for the model to refuse
+    assert tok("<bos> k3 v7 k3")["input_ids"] == [1, 7, 27, 7]  # as the docstring says
+    assert tok("  <bos>\tk3\n v7 ")["input_ids"] == [1, 7, 27]  # any whitespace separates words
+    assert tok("<bos> k3 banana v7")["input_ids"] == [1, 7, 3, 27]  # an unknown word is <unk>
+    assert tok.decode(clean.ids[0], skip_special_tokens=True) == " ".join(_words(task, clean.ids[0, 1:]))
+
+
+@pytest.mark.parametrize("name", TOYS)
+def test_tokenizer_names_every_id_of_the_model(name, models):
+    model, tok = _toy(models, name), toys.load_toy_tokenizer(name)
+    size = model.get_input_embeddings().num_embeddings
+    assert len(tok) == tok.vocab_size == size == model.config.vocab_size
+    words = tok.convert_ids_to_tokens(list(range(size)))
+    assert len(set(words)) == size and all(" " not in word for word in words)
+    for token, word in enumerate(words):
+        assert tok.decode([token]) == word
+        assert tok(word)["input_ids"] == [token]
+    assert tok.decode(list(range(size))).split(" ") == words
+    config = model.config
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (
+        config.pad_token_id,
+        config.bos_token_id,
+        config.eos_token_id,
+        3,
+    )
+    assert (tok.pad_token, tok.bos_token, tok.eos_token, tok.unk_token) == ("<pad>", "<bos>", "<eos>", "<unk>")
+
+
+@pytest.mark.parametrize("name", TOYS)
+def test_tokenizer_output_feeds_the_model(name, models):
+    model, tok, task = _toy(models, name), toys.load_toy_tokenizer(name), toys.toy_task(name)
+    batch = task.sample(8, seed=FRESH + 6)
+    with torch.no_grad():
+        expected = model(batch.ids).logits
+        got = model(**tok(tok.batch_decode(batch.ids), return_tensors="pt")).logits
+    assert_close("logits from the tokenizer's ids", expected, got, rtol=1e-5, atol=1e-6)
+
+
+def test_tokenizer_names_ids_beyond_the_task_and_refuses_fewer():
+    tok = toys.build_toy_tokenizer(MQAR(), vocab_size=40)
+    assert tok.convert_ids_to_tokens([35, 36, 39]) == ["v15", "<unused_36>", "<unused_39>"]
+    assert tok("<bos> <unused_38> v15")["input_ids"] == [1, 38, 35]
+    assert tok.decode([1, 38, 35], skip_special_tokens=True) == "v15"
+    small = MQAR(num_pairs=2, num_queries=1, num_keys=3, num_values=2)
+    assert toys.toy_vocabulary(small) == {
+        "<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3, "k0": 4, "k1": 5, "k2": 6, "v0": 7, "v1": 8
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="smaller than the task's vocabulary"):
+        toys.build_toy_tokenizer(MQAR(), vocab_size=35)
+    with pytest.raises(KeyError, match="unknown toy"):
+        toys.load_toy_tokenizer("nope")
+
+
+def test_shipped_tokenizer_files_are_what_the_builder_writes(tmp_path):
+    """The packaged files cannot drift from `write_toy_tokenizer` (regenerate them with
+    ``python scripts/train_toys.py --tokenizer-only``)."""
+    written = toys.write_toy_tokenizer(tmp_path, MQAR())
+    shipped = toys._tokenizer.tokenizer_files()
+    assert sorted(p.name for p in written) == sorted(p.name for p in shipped.iterdir())
+    for path in written:  # compared as JSON: the content, not the layout of the text
+        got, built = json.loads(shipped.joinpath(path.name).read_text(encoding="utf-8")), json.loads(path.read_text())
+        assert got == built, (
+            f"{path.name} differs from write_toy_tokenizer: run `python scripts/train_toys.py --tokenizer-only`"
+        )
+    # and transformers reads the folder by itself (AutoTokenizer), to the same tokenizer
+    from transformers import AutoTokenizer
+
+    auto, tok = AutoTokenizer.from_pretrained(str(tmp_path)), toys.load_toy_tokenizer("mamba2")
+    assert auto.get_vocab() == tok.get_vocab() == toys.toy_vocabulary()
+    assert auto.special_tokens_map == tok.special_tokens_map
+    text = "<bos> k3 v7 k3 v7"
+    assert auto(text)["input_ids"] == tok(text)["input_ids"] == [1, 7, 27, 7, 27]
+
+
+def test_package_data_covers_the_weights_and_the_tokenizer():
+    """pyproject's package-data globs for recurrent_hooks.toys match every file under weights/ (so a
+    wheel ships them; load_toy and load_toy_tokenizer read them with importlib.resources)."""
+    import ast
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    line = re.search(r'^"recurrent_hooks\.toys" = (\[.*\])$', (root / "pyproject.toml").read_text(), flags=re.M)
+    assert line, "pyproject.toml has no package-data entry for recurrent_hooks.toys"
+    package = root / "recurrent_hooks" / "toys"
+    covered = {path for pattern in ast.literal_eval(line.group(1)) for path in package.glob(pattern)}
+    files = {path for path in (package / "weights").rglob("*") if path.is_file()}
+    assert {p.name for p in files} >= {f"{name}.safetensors" for name in TOYS} | {"tokenizer.json"}
+    assert files <= covered, f"not in the package data: {sorted(str(p) for p in files - covered)}"
