@@ -12,6 +12,9 @@ gradients). Times are the median over interleaved rounds (one untimed warm-up ro
 in the same round, and tokens/s is the row's median. Rows:
 
 - norm: `keep=("states",), reduce={"states": norm}`, a per-token norm of each state;
+- norm, from text: the same, from texts through a tokenizer (`rh.harvest(model, texts, out, tokenizer=...,
+  context=T)`: a word-level tokenizer of the vocabulary, one text of T - 1 words and its eos a batch), tokenization
+  included;
 - probe: `reduce={"states": rh.probe(a, b)}`, rank 8 on every head of every layer;
 - writes: the kernel values the layer writes from (gated DeltaNet: key, value, beta; Mamba-2: x, dt, B);
 - states: every state, at `--states-tokens` tokens (a full-dims state is 2 MiB a token and layer: T = 2048 would
@@ -85,10 +88,29 @@ def write_bandwidth(directory: pathlib.Path, size: int = 256 << 20) -> float:
     return size / seconds
 
 
+def _tokenizer() -> Any:
+    """A word-level tokenizer of the benchmark's vocabulary: token i is the word `w{i}`, but for its specials `<pad>`
+    (0), `<eos>` (2) and `<unk>` (3), whose strings no word contains (a special token's string is matched inside
+    the text before the words are split)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    vocabulary = {f"w{i}": i for i in range(VOCAB)} | {"<pad>": 0, "<eos>": 2, "<unk>": 3}
+    for special in ("w0", "w2", "w3"):
+        del vocabulary[special]
+    words = Tokenizer(WordLevel(vocabulary, unk_token="<unk>"))
+    words.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=words, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+
+
 def _rows(
     model: Any, kind: str, ids: list[torch.Tensor], states_ids: list[torch.Tensor], directory: pathlib.Path
 ) -> dict[str, tuple[Callable[[], Any], list[torch.Tensor]]]:
     probe = _probe(model)
+    tokenizer, tokens = _tokenizer(), ids[0].shape[1]
+    texts = [" ".join(f"w{i}" for i in batch[0, : tokens - 1].tolist()) for batch in ids]  # + eos: T tokens
 
     def harvest(batches: list[torch.Tensor], **keep: Any) -> Callable[[], Any]:
         def run() -> Any:
@@ -111,6 +133,12 @@ def _rows(
     return {
         "forward": (forward(ids), ids),
         "norm": (harvest(ids, keep=("states",), reduce={"states": norm}), ids),
+        "norm, from text": (
+            harvest(
+                texts, keep=("states",), reduce={"states": norm}, tokenizer=tokenizer, context=tokens, batch_size=1
+            ),
+            ids,
+        ),
         f"probe (rank {RANK})": (harvest(ids, keep=("states",), reduce={"states": probe}), ids),
         f"writes ({', '.join(WRITES[kind])})": (harvest(ids, keep=WRITES[kind]), ids),
         "forward, states' tokens": (forward(states_ids), states_ids),

@@ -56,11 +56,14 @@ from .registry import FAMILIES as FAMILIES
 from .studies import metrics as metrics
 from .studies.attribution import Attribution as Attribution
 from .studies.attribution import attribute as attribute
+from .studies.contexts import TopContexts as TopContexts
+from .studies.contexts import top_contexts as top_contexts
 from .studies.effective_attention import EffectiveAttention as EffectiveAttention
 from .studies.effective_attention import effective_attention as effective_attention
 from .studies.harvest import Harvest as Harvest
 from .studies.harvest import HarvestDataset as HarvestDataset
 from .studies.harvest import harvest as harvest
+from .studies.harvest.export import export_saelens as export_saelens
 from .studies.probes import probe as probe
 from .studies.sweep import Sweep as Sweep
 from .studies.sweep import patching_sweep as patching_sweep
@@ -82,6 +85,9 @@ __all__ = [
     "harvest",
     "Harvest",
     "HarvestDataset",
+    "export_saelens",
+    "top_contexts",
+    "TopContexts",
     "Call",
     "KernelCall",
     "Memory",

@@ -1,11 +1,12 @@
-"""Figures for what the library measures: a patching sweep, state norms, an effective-attention map.
+"""Figures for what the library measures: a patching sweep, state norms, an effective-attention map, top contexts.
 
     from recurrent_hooks import plots
     fig = plots.sweep_heatmap(sweep, tokens=["The", " cat", ...])   # layers x positions
     fig.savefig("sweep.png")
 
-matplotlib is an optional extra (`pip install recurrent_hooks[plots]`), imported when a function runs.
-Every function returns a `matplotlib.figure.Figure` made without pyplot, so nothing is shown and no
+matplotlib is an optional extra (`pip install recurrent_hooks[plots]`), imported when a function runs;
+`top_contexts_html` (an `rh.top_contexts` result as an HTML string) needs none.
+Every other function returns a `matplotlib.figure.Figure` made without pyplot, so nothing is shown and no
 global figure state is touched; pass `ax=` to draw into an existing Axes (its figure is returned).
 """
 
@@ -168,3 +169,62 @@ def attention_map(
     ax.set_ylabel("target token t")
     ax.set_title(title if title is not None else "effective attention")
     return figure
+
+
+def top_contexts_html(
+    result: Any,
+    values: Sequence[Sequence[float]] | None = None,
+    *,
+    scale: float | None = None,
+    title: str | None = None,
+) -> str:
+    """An `rh.top_contexts` result as HTML (a string; no matplotlib): one line per context, each context token a
+    `<span class="token">` shaded by its value (red above 0, blue below, the strongest at `scale`, by default the
+    largest magnitude shown), with the value in its `data-value` and `title` (shown on hover); the ranked token is
+    also `class="token top"`, in bold.
+
+        html = plots.top_contexts_html(top)                  # shaded by fn at each context token (top[i].values)
+        pathlib.Path("top.html").write_text(html)            # or IPython.display.HTML(html) in a notebook
+
+    `values`: other values to shade by, one list per context of one per context token (default: the result's own).
+    """
+    import html
+
+    where = "plots.top_contexts_html"
+    contexts = list(getattr(result, "contexts", []))
+    if not hasattr(result, "contexts"):
+        raise InvalidValue(f"{where}: expected an rh.TopContexts (rh.top_contexts's result), got {type(result)}")
+    shades = [list(c.values) for c in contexts] if values is None else [list(v) for v in values]
+    if len(shades) != len(contexts) or any(len(v) != len(c.tokens) for v, c in zip(shades, contexts)):
+        expected = [len(c.tokens) for c in contexts]
+        got = [len(v) for v in shades]
+        raise InvalidValue(f"{where}: expected values= one per context token ({expected} per context), got {got}")
+    if scale is None:
+        scale = max((abs(float(v)) for row in shades for v in row), default=0.0) or 1.0
+    elif not scale > 0:
+        raise InvalidValue(f"{where}: expected scale= a number > 0, got {scale!r}")
+    lines = []
+    for context, row in zip(contexts, shades):
+        words = [str(t) for t in context.tokens] if context.strings is None else list(context.strings)
+        spans = []
+        for i, (word, value) in enumerate(zip(words, row)):
+            value = float(value)
+            alpha = min(abs(value) / scale, 1.0)
+            colour = f"rgba(220,40,40,{alpha:.3f})" if value >= 0 else f"rgba(40,80,220,{alpha:.3f})"
+            text = html.escape(word.replace("\n", "\\n"), quote=True)
+            if context.strings is None:
+                text += " "  # ids: a space after each
+            top = " top" if i == context.center else ""
+            weight = "font-weight:bold;text-decoration:underline;" if top else ""
+            spans.append(
+                f'<span class="token{top}" data-value="{value!r}" title="{value:.6g}"'
+                f' style="background:{colour};{weight}white-space:pre">{text}</span>'
+            )
+        head = f"#{context.rank} {context.value:.4g} (doc {context.doc}, position {context.position})"
+        before, after = ("&hellip; " if context.cut_before else ""), (" &hellip;" if context.cut_after else "")
+        lines.append(
+            f'<div class="context"><span class="head" style="color:#666;font-size:smaller">{html.escape(head)}</span> '
+            f"{before}{''.join(spans)}{after}</div>"
+        )
+    heading = f"<h3>{html.escape(title)}</h3>" if title else ""
+    return f'<div class="top-contexts" style="font-family:monospace;line-height:1.6">{heading}{"".join(lines)}</div>'

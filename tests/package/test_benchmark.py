@@ -58,3 +58,15 @@ def test_quick_harvest_benchmark_runs_every_row(capsys):
     out = capsys.readouterr().out
     for row in ("forward", "norm", "probe (rank 8)", "writes (key, value, beta)", "states", "x the forward"):
         assert row in out, f"the harvest benchmark printed no {row!r} row:\n{out}"
+
+
+def test_quick_harvest_read_benchmark_runs_every_row(capsys):
+    spec = importlib.util.spec_from_file_location("benchmark_harvest_read", ROOT / "benchmarks" / "harvest_read.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    assert module.main(["--quick", "--repeats", "1"]) == 0
+    assert torch.get_num_threads() == threads
+    out = capsys.readouterr().out
+    for row in ("take, file order", "take, batches' indices", "batches", "DataLoader, BatchSampler", "x take"):
+        assert row in out, f"the harvest read benchmark printed no {row!r} row:\n{out}"

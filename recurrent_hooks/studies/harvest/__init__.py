@@ -2,7 +2,9 @@
 
     batches = [{"input_ids": ids, "attention_mask": mask}, ...]        # or id tensors without padding
     rh.harvest(model, batches, "harvest/", keep=("states",), reduce={"states": rh.probe(a, b)})
-    data = rh.HarvestDataset("harvest/", layer=0)       # one item per non-pad token: {"doc", "position", "value"}
+    data = rh.HarvestDataset("harvest/", layer=0)       # one item per non-pad token: {"doc", "position", "token",
+                                                        # "value"}; data.documents, data.stats
+    rh.harvest(model, texts, "text/", tokenizer=tok, context=128)    # texts: tokenized and packed (`text`)
 
 What is kept per token and layer: a memory ("states", "windows"), its reduction (`reduce=`, as `watch` takes it:
 a norm, `rh.probe(a, b)`, any function of a chunk of states), or a value of the kernel call named in the mixer's
@@ -13,11 +15,15 @@ its index among its row's non-pad tokens.
 The directory (docs/harvest.md):
 
     out/request.json                 what is harvested: the model (class, config and weights digests), keep, reduce,
-                                     layers, dtype; written with the first shard (a call refused before leaves none)
-    out/shards/000000.safetensors    batch 0: `doc`, `position` [tokens] and `<mixer>/<what>` [tokens, ...]
+                                     layers, dtype, the tokenizer and text arguments; written with the first shard
+                                     (a call refused before leaves none)
+    out/shards/000000.safetensors    batch 0: `doc`, `position`, `token` [tokens], `<mixer>/<what>` [tokens, ...], the
+                                     values' statistics `stats/...` (`stats`), the columns of the documents that
+                                     start in it in its metadata (`documents`)
     out/shards/000000.json           its record: docs, tokens, bytes, the file's SHA-256, the batch's input digest
     out/manifest.json                written last, when every batch is on disk: the request, the model config, the
-                                     mixers, each value's dtype and per-token shape, the shards, the totals
+                                     mixers, each value's dtype and per-token shape, the shards, the totals, the
+                                     merged statistics' file (out/stats.safetensors) with its size and SHA-256
     out/.lock.rank0                  while a harvest runs: its lock (`lock.DirectoryLock`), removed at the end
 
 One request owns a directory. Everything a call can check before running a batch is checked before it writes
@@ -32,7 +38,8 @@ lock, and rank 0 the manifest once all are on disk.
 
 The package: this module (`harvest`, `Harvest`: what a harvest directory holds, read from its manifest), `dataset`
 (`HarvestDataset`, the reader), `shards` (the files: shards written atomically, read mapped; the manifest read and
-every shard checked against it) and `lock` (one writer per directory and rank).
+every shard checked against it), `lock` (one writer per directory and rank), `text` (texts tokenized and packed),
+`stats` (the values' statistics) and `documents` (the documents' columns).
 """
 
 import dataclasses
@@ -41,7 +48,7 @@ import json
 import os
 import pathlib
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Sized
 from typing import Any
 
 import torch
@@ -70,11 +77,14 @@ from .shards import (
     write_json,
     write_shard,
 )
+from .stats import STATS, shard_stats, write_stats
+from .text import Rows, TextRequest, jsonable, text_rows, tokenizer_identity
 
 __all__ = ["harvest", "Harvest"]
 
 _WHERE = "harvest"
 _SAMPLED = 1024  # values per weight tensor in the weights digest
+_COLUMNS = ("doc", "position", "token")  # a shard's tensors besides the values and their statistics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +149,11 @@ def harvest(
     forward_kwargs: Mapping[str, Any] | None = None,
     distributed: bool | None = None,
     paths: Paths | None = None,
+    tokenizer: Any = None,
+    context: int | None = None,
+    packing: bool = True,
+    text_column: str = "text",
+    batch_size: int = 8,
 ) -> Harvest:
     """Run `model` on every batch and write what `keep` names, per layer and non-pad token, to shards in `out`.
 
@@ -147,9 +162,10 @@ def harvest(
                        layers=[0, 4], dtype=torch.bfloat16)
         rh.HarvestDataset("out/", layer=4, what="key")[0]   # {"doc": 0, "position": 0, "value": [key_heads, key_dim]}
 
-    - `batches`: dicts with `input_ids` `[batch, seq]` and `attention_mask` (0 at pad tokens; other keys are
-      ignored), or id tensors without padding (one holding `config.pad_token_id` is refused: pass a mask). The
-      same batches in the same order on every call and every rank: a harvest resumes by batch number.
+    - `batches`: dicts with `input_ids` `[batch, seq]` and `attention_mask` (0 at pad tokens; other keys, one
+      value per row, are kept as the documents' columns), or id tensors without padding (one holding
+      `config.pad_token_id` is refused: pass a mask). The same batches in the same order on every call and every
+      rank: a harvest resumes by batch number.
     - `keep`: "states", "windows", and names of the mixers' per-token values (`RecurrentMixer.VALUES`: "key",
       "value", "beta", "dt", "output", ...); `reduce`: as `watch` takes it (`{"states": fn}`, `{"states": {layer:
       fn}}`, `rh.probe(a, b)`), keeping fn's result instead of the memory. `layers`: decoder layers (default: all
@@ -159,28 +175,42 @@ def harvest(
       group (None: when there is one and the model is not tensor-parallel); `progress`: a tqdm bar in tokens/s and
       bytes written (rank 0's).
 
-    Returns the `Harvest` on disk. A full disk (any error writing) loses no shard already written: call again with
-    the same arguments to go on. The module docstring says what the directory holds.
+    - Text in: with `tokenizer=`, `batches` is the texts (strings, or a `datasets.Dataset`/`IterableDataset`, its
+      text in `text_column`, its other columns kept per document), tokenized and cut into rows of `context` tokens,
+      `batch_size` rows per forward: `packing=True` packs the documents (a bos at each one's start, else an eos at
+      its end) into full contexts (the last one padded), each token keeping its document id and position in it;
+      `packing=False` gives each document a row, truncated at `context` (`text` module). The tokenizer (its class,
+      vocabulary digest, special tokens) and these arguments are part of the request.
+
+    Every token's id is stored next to its doc and position; a batch's other keys (one value per row) and a text
+    dataset's other columns are kept per document (`HarvestDataset.documents`); per value, the count, every
+    feature's mean and variance and the mean squared norm are formed as the shards are written
+    (`HarvestDataset.stats`). Returns the `Harvest` on disk. A full disk (any error writing) loses no shard
+    already written: call again with the same arguments to go on. The module docstring says what the directory
+    holds.
     """
     out = pathlib.Path(out)
-    _check_batches(batches)
+    text = _check_inputs(batches, tokenizer, context, packing, text_column, batch_size)
     ranks = Ranks.of(distributed, model, _WHERE)
     job = _Job(model, out, ranks, _checked_keep(keep), reduce, layers, dtype, forward_kwargs, paths)
+    job.request["tokenizer"] = None if text is None else tokenizer_identity(tokenizer)
+    job.request["text"] = None if text is None else text.described(tokenizer)
+    job.key = hashlib.sha256(json.dumps(job.request, sort_keys=True).encode()).hexdigest()
     from tqdm.auto import tqdm  # a dependency of transformers
 
     written = skipped = count = docs = 0
     with DirectoryLock(out, ranks.rank, _WHERE):  # (nothing is written before: the request is checked by then)
         job.open()
         with tqdm(desc=_WHERE, unit="tok", unit_scale=True, disable=not progress or ranks.rank != 0) as bar:
-            for batch in batches:
-                ids, mask, digest = _as_batch(batch, count, job.pad_id, job.vocab)
+            for batch in batches if text is None else text_rows(batches, tokenizer, text):
+                rows = _checked_rows(batch, count, docs, job.pad_id, job.vocab)
                 if count % ranks.world == ranks.rank:
-                    done = job.batch(count, ids, mask, digest, docs)
+                    done = job.batch(count, rows)
                     written += done.written
                     skipped += done.written == 0
                     bar.update(done.tokens)
                     bar.set_postfix_str(f"{_size(written)} written, {skipped} batches on disk")
-                docs += ids.shape[0]
+                docs += len(rows.documents)
                 count += 1
         ranks.barrier()
         records = job.records(count)  # (every rank: a refusal here is every rank's, none waits for rank 0)
@@ -255,10 +285,11 @@ class _Job:
     def shard(self, index: int) -> pathlib.Path:
         return self.out / "shards" / f"{index:06d}.safetensors"
 
-    def batch(self, index: int, ids: Tensor, mask: Tensor | None, digest: str, first_doc: int) -> _Done:
+    def batch(self, index: int, rows: Rows) -> _Done:
         """Batch `index` on disk: found there (the same batch), adopted (a shard whose record a kill prevented), or
         run and written."""
         shard, record = self.shard(index), self.shard(index).with_suffix(".json")
+        digest, first_doc, docs = _digest(rows), rows.first_doc, len(rows.documents)
         saved = _read_record(record)
         if saved is not None:
             _same_batch(saved.get("inputs"), digest, index, record)
@@ -277,11 +308,13 @@ class _Job:
             if metadata.get("request") == self.key:
                 _same_batch(metadata.get("inputs"), digest, index, shard)
                 self._claim_once()
-                self._record(index, int(metadata["tokens"]), first_doc, ids.shape[0], digest)
+                self._record(index, int(metadata["tokens"]), first_doc, docs, digest)
                 return _Done(int(metadata["tokens"]), 0)
-        tensors = self._run(ids, mask, first_doc)
+        tensors = self._run(rows)
         tokens = tensors["doc"].shape[0]
         metadata = {"request": self.key, "batch": str(index), "inputs": digest, "tokens": str(tokens)}
+        if any(rows.documents):  # (the columns of the documents that start in this batch)
+            metadata["documents"] = json.dumps(rows.documents, sort_keys=True)
         self._claim_once()
         try:
             size, sha256 = write_shard(shard, tensors, metadata, self.ranks.rank)
@@ -292,7 +325,7 @@ class _Job:
                 " complete on disk: call rh.harvest again with the same arguments to go on",
             )
             raise
-        return _Done(tokens, self._record(index, tokens, first_doc, ids.shape[0], digest, size, sha256))
+        return _Done(tokens, self._record(index, tokens, first_doc, docs, digest, size, sha256))
 
     def _record(
         self,
@@ -322,17 +355,17 @@ class _Job:
         )
         return size
 
-    def _run(self, ids: Tensor, mask: Tensor | None, first_doc: int) -> dict[str, Tensor]:
-        """The batch's forward under a watch: each mixer's kept values at its non-pad tokens, by name."""
+    def _run(self, rows: Rows) -> dict[str, Tensor]:
+        """The batch's forward under a watch: each mixer's kept values at its non-pad tokens, by name, with every
+        token's doc, position and id, and the values' statistics (`stats`)."""
+        ids, mask = rows.ids, rows.mask
         device = _device(self.model)
         inputs = {"input_ids": ids.to(device)} | ({} if mask is None else {"attention_mask": mask.to(device)})
         with torch.no_grad(), watch(self.model, **self.watch) as w:
-            _refuse_left_padding(w.mixers, mask, first_doc)
+            _refuse_left_padding(w.mixers, mask, rows.first_doc)
             self.model(**inputs, **self.forward_kwargs)
         real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()  # [batch, seq]
-        rows, _ = real.nonzero(as_tuple=True)
-        positions = (real.long().cumsum(1) - 1)[real]
-        tensors = {"doc": rows + first_doc, "position": positions}
+        tensors = {"doc": rows.doc[real], "position": rows.position[real], "token": ids[real].to(torch.int64)}
         for mixer, (name, _) in _mixer_names(self.model, w.mixers, w.layers).items():
             if len(mixer.calls) != 1:
                 raise Unavailable(
@@ -357,7 +390,7 @@ class _Job:
                     if self.dtype is not None and tensor.is_floating_point():
                         tensor = tensor.to(self.dtype)
                     tensors[f"{name}/{what}" + (f".{part}" if part else "")] = tensor.detach().cpu().contiguous()
-        return tensors
+        return tensors | shard_stats(tensors, [name for name in tensors if name not in _COLUMNS])
 
     def records(self, batches: int) -> list[dict[str, Any]]:
         """The records of batches 0..batches-1, once every rank is done; refused: a batch without one (a rank
@@ -392,7 +425,7 @@ class _Job:
             values = {
                 name: {"dtype": str(dtype).removeprefix("torch."), "shape": shape[1:]}
                 for name, (dtype, shape) in tensors.items()
-                if name not in ("doc", "position")
+                if name not in _COLUMNS and not name.startswith(STATS)
             }
         config = getattr(self.model, "config", None)
         write_json(
@@ -406,6 +439,8 @@ class _Job:
                 "batches": batches,
                 "tokens": sum(r["tokens"] for r in records),
                 "docs": sum(r["docs"][1] for r in records),
+                "stats": write_stats(self.out, [self.out / r["file"] for r in records], self.ranks.rank),
+                "columns": list(_COLUMNS),  # (per token, in every shard: a harvest before "token" has none)
             },
         )
         for leftover in (self.out / "shards").glob(f".*.rank{self.ranks.rank}{PARTIAL}"):
@@ -532,12 +567,13 @@ def _claim(out: pathlib.Path, request: dict[str, Any]) -> bool:
     files = sorted(shards.glob("*.json")) + sorted(shards.glob("*.safetensors")) if shards.is_dir() else []
     if not files and not (out / "manifest.json").exists():
         return False  # (a call refused after writing its request, by an earlier release: nothing of it to keep)
-    differ = [
-        f"model {k}"
-        for k in sorted(request["model"])
-        if not isinstance(saved.get("model"), dict) or saved["model"].get(k) != request["model"][k]
-    ]
-    differ += [k for k in sorted(set(saved) | set(request)) if k != "model" and saved.get(k) != request.get(k)]
+    differ = []
+    for key in sorted(set(saved) | set(request)):
+        mine, theirs = request.get(key), saved.get(key)
+        if isinstance(mine, dict) and isinstance(theirs, dict):  # (the model, the tokenizer, the text arguments)
+            differ += [f"{key} {k}" for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+        elif mine != theirs:
+            differ.append(key if key != "model" else "model class")
     raise InvalidValue(
         f"{_WHERE}: {out} holds another harvest, whose request differs from this call's in:"
         f" {', '.join(differ)} ({path}; {len(files)} files in shards/): pass another out, or remove it"
@@ -611,10 +647,8 @@ def _vocabulary(model: nn.Module) -> int | None:
     return count if isinstance(count, int) else getattr(getattr(model, "config", None), "vocab_size", None)
 
 
-def _as_batch(
-    batch: Any, index: int, pad_id: int | None, vocab: int | None = None
-) -> tuple[Tensor, Tensor | None, str]:
-    """A batch's ids `[batch, seq]`, its mask (None: no padding) and their digest; bad batches refused."""
+def _as_batch(batch: Any, index: int, pad_id: int | None, vocab: int | None = None) -> tuple[Tensor, Tensor | None]:
+    """A batch's ids `[batch, seq]` and its mask (None: no padding); bad batches refused."""
     if isinstance(batch, Mapping):
         if "input_ids" not in batch:
             raise InvalidValue(
@@ -671,10 +705,80 @@ def _as_batch(
             f" {row}, position {position}, and no attention_mask: pass {{'input_ids': ids,"
             " 'attention_mask': mask}} (0 at pad tokens; ones where the id is a real token)"
         )
-    digest = hashlib.sha256(f"{tuple(ids.shape)}".encode() + ids.to(torch.int64).numpy().tobytes())
-    if mask is not None:
-        digest.update(mask.to(torch.int8).numpy().tobytes())
-    return ids, mask, digest.hexdigest()
+    return ids, mask
+
+
+def _check_inputs(
+    batches: Any, tokenizer: Any, context: Any, packing: Any, text_column: Any, batch_size: Any
+) -> TextRequest | None:
+    """The text arguments checked (None: `batches` are batches of token ids, checked)."""
+    if tokenizer is None:
+        if context is not None:
+            raise InvalidValue(
+                f"{_WHERE}: context={context!r} is for texts: pass tokenizer= too (batches of token ids are"
+                " harvested as they come)"
+            )
+        _check_batches(batches)
+        return None
+    if isinstance(batches, (str, bytes, Mapping, Tensor)) or not isinstance(batches, Iterable):
+        raise InvalidValue(
+            f"{_WHERE}: with tokenizer=, expected batches= the texts, an iterable of strings or of rows (a"
+            f" datasets.Dataset), got {type(batches).__name__}"
+            + (": wrap one text in a list" if isinstance(batches, str) else "")
+        )
+    return TextRequest.check(tokenizer, context, packing, text_column, batch_size)
+
+
+def _checked_rows(batch: Any, index: int, first_doc: int, pad_id: int | None, vocab: int | None) -> Rows:
+    """Batch `index` as rows: a text batch's (`text_rows`) checked against the model's vocabulary, or a batch of
+    ids with its documents numbered from `first_doc` and its other keys as their columns."""
+    if isinstance(batch, Rows):
+        mask = torch.ones_like(batch.ids) if batch.mask is None else batch.mask  # (a pad id may be a real token)
+        _as_batch({"input_ids": batch.ids, "attention_mask": mask}, index, pad_id, vocab)
+        return batch
+    ids, mask = _as_batch(batch, index, pad_id, vocab)
+    real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+    docs = torch.arange(first_doc, first_doc + ids.shape[0]).unsqueeze(1).expand_as(ids)
+    positions = real.long().cumsum(1) - 1
+    documents = _row_columns(batch, index, ids.shape[0], first_doc)
+    return Rows(ids, mask, docs.where(real, -1), positions.where(real, -1), first_doc, documents)
+
+
+def _row_columns(batch: Any, index: int, rows: int, first_doc: int) -> list[dict[str, Any]]:
+    """A batch's keys besides input_ids and attention_mask, one value per row: each row's (document's) columns."""
+    columns: list[dict[str, Any]] = [{} for _ in range(rows)]
+    if not isinstance(batch, Mapping):
+        return columns
+    single = isinstance(batch["input_ids"], Tensor) and batch["input_ids"].dim() == 1
+    for key, value in batch.items():
+        if key in ("input_ids", "attention_mask"):
+            continue
+        if not isinstance(key, str):
+            raise InvalidValue(f"{_WHERE}: batch {index}: expected its keys strings, got the key {key!r}")
+        if single:
+            values = [value]
+        elif isinstance(value, (Tensor, Sequence)) and not isinstance(value, (str, bytes)) and len(value) == rows:
+            values = list(value)
+        else:
+            size = len(value) if isinstance(value, Sized) and not isinstance(value, (str, bytes)) else "no"
+            raise InvalidValue(
+                f"{_WHERE}: batch {index}: expected its key {key!r} to hold one value per row ({rows} rows), got"
+                f" a {type(value).__name__} of {size} values: a harvest keeps a batch's other keys per document,"
+                " so pass per-row values, or drop the key"
+            )
+        for row, item in enumerate(values):
+            columns[row][key] = jsonable(item, key, f"batch {index}, doc {first_doc + row}")
+    return columns
+
+
+def _digest(rows: Rows) -> str:
+    """What identifies a batch on a resume: its ids, mask, documents and positions, and its documents' columns."""
+    digest = hashlib.sha256(f"{tuple(rows.ids.shape)}".encode() + rows.ids.to(torch.int64).numpy().tobytes())
+    if rows.mask is not None:
+        digest.update(rows.mask.to(torch.int8).numpy().tobytes())
+    digest.update(rows.doc.contiguous().numpy().tobytes() + rows.position.contiguous().numpy().tobytes())
+    digest.update(json.dumps(rows.documents, sort_keys=True).encode())
+    return digest.hexdigest()
 
 
 def _device(model: nn.Module) -> torch.device:

@@ -266,6 +266,9 @@ def check_shards(out: pathlib.Path) -> None:
         problem = record_problem(shard, record)
         if problem is not None:
             bad.append(f"batch {record['batch']}'s shard {shard} {problem}")
+    stats = manifest.get("stats")
+    if stats and record_problem(out / stats["file"], stats) is not None:  # (the shards' statistics, merged)
+        bad.append(f"the statistics {out / stats['file']} {record_problem(out / stats['file'], stats)}")
     if bad:
         raise InvalidValue(
             f"verify: {len(bad)} of {len(manifest['shards'])} shards in {out} are damaged: "
