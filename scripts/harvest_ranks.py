@@ -11,7 +11,10 @@ five batches (two with padding and a mask), then checks:
    rank after the third batch (an exception from the batches, as a preempted job is killed): no manifest yet, and
    the shards of the batches each rank ran;
 3. called again, each rank skips its batches on disk and writes the rest; rank 0 writes the manifest: `split/`
-   holds the same bytes as `alone/`, file for file, and `rh.HarvestDataset` reads the same items from both.
+   holds the same bytes as `alone/`, file for file, and `rh.HarvestDataset` reads the same items from both;
+4. texts through a tokenizer (`tokenizer=`, packed into rows of 8 tokens, a column kept per document): harvested by
+   rank 0 alone and by every rank together, the same bytes, file for file (the tokens, the documents' columns and
+   the statistics included).
 With `--sweep`, the same processes then run scripts/sweep_ranks.py's checks in `--dir`/sweep (one start of the
 processes for both: tests/studies/test_distributed.py). Any mismatch raises, and torchrun exits non-zero. Backend: nccl
 on CUDA with a GPU per process, else gloo.
@@ -115,11 +118,48 @@ def check(directory: pathlib.Path, device: torch.device) -> None:
                 for i in range(len(one))
             ):
                 raise AssertionError(f"rank {rank}: layer {layer} {what}: the items differ")
+    check_texts(directory, model, rank)
     print(
         f"rank {rank}/{world} ({device.type}, {dist.get_backend()}): the split harvest and the resumed one equal"
-        " the single-process run",
+        " the single-process run, from ids and from texts",
         flush=True,
     )
+
+
+def tokenizer():
+    """A word-level tokenizer of the tiny model's 128 ids: `t3` ... `t127`, and `<pad>`, `<bos>`, `<eos>` (0-2)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    vocabulary = {"<pad>": 0, "<bos>": 1, "<eos>": 2, **{f"t{i}": i for i in range(3, 128)}}
+    words = Tokenizer(WordLevel(vocabulary, unk_token="<pad>"))
+    words.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=words, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+
+
+def check_texts(directory: pathlib.Path, model, rank: int) -> None:
+    """Step 4 of the module docstring."""
+    generator = torch.Generator().manual_seed(1)
+    lengths = torch.randint(1, 12, (9,), generator=generator).tolist()
+    texts = [
+        {"text": " ".join(f"t{i}" for i in torch.randint(3, 128, (n,), generator=generator).tolist()), "label": n}
+        for n in lengths
+    ]
+    text = dict(tokenizer=tokenizer(), context=8, batch_size=2, **KEEP)
+    if rank == 0:
+        rh.harvest(model, texts, directory / "alone_text", distributed=False, **text)
+    dist.barrier()
+    rh.harvest(model, texts, directory / "split_text", distributed=True, **text)
+    dist.barrier()
+    alone, together = files(directory / "alone_text"), files(directory / "split_text")
+    if alone != together:
+        differ = sorted(name for name in set(alone) | set(together) if alone.get(name) != together.get(name))
+        raise AssertionError(f"rank {rank}: the split text harvest's files differ from one process's: {differ}")
+    data = rh.HarvestDataset(directory / "split_text", 0, "states")
+    if data.documents["label"] != lengths or int(data.docs.max()) != len(texts) - 1:
+        raise AssertionError(f"rank {rank}: the text harvest's documents are not the texts': {data.documents['label']}")
 
 
 if __name__ == "__main__":

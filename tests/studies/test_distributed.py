@@ -63,7 +63,8 @@ def test_tensor_parallel_watch_equals_one_process(tmp_path):
 def test_a_sweep_and_a_harvest_split_across_two_processes_equal_one_process_and_resume(tmp_path):
     """scripts/harvest_ranks.py --sweep, one start of two gloo processes for both: the batches of a harvest split
     across the ranks give the files one process writes, byte for byte, and a harvest stopped on both ranks resumes
-    from the shards each wrote; then scripts/sweep_ranks.py's checks: the cells split across the ranks, every rank
+    from the shards each wrote, and a harvest of texts through a tokenizer split across the ranks gives one process's
+    files too; then scripts/sweep_ranks.py's checks: the cells split across the ranks, every rank
     gets the single-process result, and a sweep stopped after its first round resumes from the ranks' checkpoint
     files; from the corrupt run's cache, each rank runs fewer forwards than one process (the pieces and cells of its
     own positions only), also when it resumes."""
@@ -90,7 +91,8 @@ def test_a_sweep_and_a_harvest_split_across_two_processes_equal_one_process_and_
     assert result.returncode == 0, (
         f"torchrun exited with {result.returncode}:\n{result.stdout}\n{result.stderr[-6000:]}"
     )
-    assert result.stdout.count("the split harvest and the resumed one equal the single-process run") == 2, result.stdout
+    done = "the split harvest and the resumed one equal the single-process run, from ids and from texts"
+    assert result.stdout.count(done) == 2, result.stdout
     assert result.stdout.count("the split sweeps and the resumed one equal the single-process run") == 2, result.stdout
     counts = re.findall(r"rank (\d)/2: from the cache, (\d+) forwards split, (\d+) in one process", result.stdout)
     assert sorted(rank for rank, _, _ in counts) == ["0", "1"], result.stdout
