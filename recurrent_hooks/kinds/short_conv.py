@@ -51,7 +51,7 @@ from torch import Tensor, nn
 
 from ..engine.declare.kernels import CONV_MEMORY
 from ..engine.declare.limits import Caveat, Refused
-from ..engine.errors import RecurrentHooksWarning, Unavailable
+from ..engine.errors import RecurrentHooksError, RecurrentHooksWarning, Unavailable
 from ..engine.handle.adapter import KindAdapter
 from ..engine.handle.mixer import RecurrentMixer
 from ..engine.tracking.records import KernelCall
@@ -137,11 +137,11 @@ class ShortConvolution(RecurrentMixer):
             "both need a recurrent state; patching_sweep(memory=None | 'window') patches the windows"
             " (the whole memory here), and attribute estimates them (its state rows are zero)",
         ),
-        "packed sequences": Caveat(
+        "packed sequences": Refused(
+            (ValueError, RecurrentHooksError),
             "a packed batch (seq_idx): transformers' convolution keeps its sequences apart with the causal_conv1d"
-            " package and raises ValueError without it, and so does an idle watched call; a call that runs the"
-            " library's loop (hooks, writes, kept windows) ignores seq_idx, so its windows and outputs cross the"
-            " sequence boundaries (the library's gap: do not hook packed batches of these mixers)"
+            " package and raises ValueError without it, and so does an idle watched call; a call with hooks, writes"
+            " or kept windows raises RecurrentHooksError (the library's loop runs one sequence per batch row)",
         ),
     }
     FORWARD_CACHE = ("cache", "past_key_values")

@@ -6,6 +6,7 @@ from _compare import assert_close
 from _contract import one_family_per_kind
 from _upstream import transformers_kernel
 
+import recurrent_hooks as rh
 from recurrent_hooks.extend import CONV_KERNELS
 from recurrent_hooks.kinds.shared.conv import causal_conv1d_fn, causal_conv1d_update
 
@@ -105,3 +106,12 @@ def test_window_terms_equal_the_effect_of_writing_each_window():
             expected[:, p] += (grad[..., s] * change).sum(-1)
     got = window_terms(x - x_other, grad, weight)
     assert_close("window terms", got, expected.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_loop_refuses_packed_sequences():
+    """A packed batch (`seq_idx`) keeps its sequences apart in transformers' kernel (with causal_conv1d); the
+    library's loop runs one sequence per batch row, so a call it runs (hooks, writes, kept windows) is refused."""
+    x, weight = torch.randn(1, 4, 6), torch.randn(4, 3)
+    seq_idx = torch.tensor([[0, 0, 0, 1, 1, 1]], dtype=torch.int32)
+    with pytest.raises(rh.RecurrentHooksError, match=r"packed sequences \(seq_idx\) need the causal_conv1d package"):
+        causal_conv1d_fn(x, weight, on_token=lambda t, window: window, seq_idx=seq_idx)

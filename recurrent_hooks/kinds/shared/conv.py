@@ -38,7 +38,7 @@ from torch import Tensor
 from transformers.activations import ACT2FN
 
 from ...engine.declare.kernels import CONV_MEMORY, FORWARD, Kernel, Role, WindowTerms
-from ...engine.declare.loops import OnToken, handed_back_changed, version_of
+from ...engine.declare.loops import OnToken, handed_back_changed, refuse_packed, version_of
 
 
 def _conv_loop(
@@ -118,8 +118,10 @@ def causal_conv1d_fn(
     """The prompt kernel: same arguments and result as transformers' `causal_conv1d_fn`, bit for bit.
 
     `tokens` (the library's own) says how many of the last positions are the call's tokens (the ones
-    before are a cached window the mixer prepended); `on_token(t, window)` is called after each token.
+    before are a cached window the mixer prepended); `on_token(t, window)` is called after each token. Packed
+    sequences (`seq_idx`) are refused: the windows of one batch row are one sequence's here.
     """
+    refuse_packed(kwargs, ("seq_idx",), "the causal_conv1d package (transformers' kernel, unwatched or idle)")
     x = hidden_states.to(weight.dtype)
     batch, channels, length = x.shape
     size = weight.shape[-1]
