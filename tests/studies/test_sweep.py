@@ -250,6 +250,11 @@ def test_bad_arguments_raise_invalid_value_naming_what_was_expected_and_what_cam
             r" \[pairs, seq\], got shapes \(2, 10\) and \(1, 10\)",
         ),
         (dict(forward_kwargs=[("use_cache", False)]), r"expected forward_kwargs as a mapping"),
+        (
+            dict(forward_kwargs={"attention_mask": torch.ones(1, T, dtype=torch.long)}),
+            r"forward_kwargs\['attention_mask'\] is a tensor of shape \(1, 10\); expected keyword arguments without"
+            r" per-row or per-token tensors",
+        ),
     ]
     for kwargs, message in cases:
         with pytest.raises(rh.InvalidValue, match=message):

@@ -337,6 +337,14 @@ def _checked(
         raise InvalidValue(
             f"{_WHERE}: expected forward_kwargs as a mapping of keyword arguments, got {type(forward_kwargs).__name__}"
         )
+    for name, value in (forward_kwargs or {}).items():
+        if isinstance(value, Tensor) and value.dim() > 1:  # [batch, seq]: an attention mask, position ids
+            raise InvalidValue(
+                f"{_WHERE}: forward_kwargs[{name!r}] is a tensor of shape {tuple(value.shape)}; expected keyword"
+                " arguments without per-row or per-token tensors: they go to the one-token probe and to every"
+                " forward alike, whose batch and length differ (a sweep's prompts have no padding: no attention"
+                " mask is needed)"
+            )
     if checkpoint is not None and not isinstance(checkpoint, (str, os.PathLike)):
         raise InvalidValue(
             f"{_WHERE}: expected checkpoint as a file path (str or os.PathLike) or None, got"
@@ -409,7 +417,8 @@ def patching_sweep(
     shape, else within float32 rounding (a single write runs the chunked kernel in two segments, hooks at
     many positions the token loop; CPU matrix products round by batch size; docs/sweep.md). Runs under
     `torch.no_grad()`. `forward_kwargs` go to the one-token probe and every forward alike, so they must not hold
-    per-row or per-token tensors (one prompt has no padding: no attention mask is needed).
+    per-row or per-token tensors (one prompt has no padding: no attention mask is needed; a tensor of two or more
+    axes is refused).
     """
     memory = _what(memory, what)
     flags = {"heads": heads, "progress": progress, "distributed": distributed, "reuse_prefix": reuse_prefix}
