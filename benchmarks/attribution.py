@@ -24,7 +24,7 @@ row - VmRSS before it. On another device: the accelerator's peak allocated bytes
 The write floor: the reference plus every mixer's per-token state copied once into a preallocated buffer (the bytes
 the states take, written once: `run.state_writer`); each row is also printed as a ratio to it (the gradients row
 returns the states and their gradients, twice those bytes).
-Targets (issue 26): attribution time <= 3 x and memory <= 2 x the reference; gradients to every kept state
+Targets: attribution time <= 3 x and memory <= 2 x the reference; gradients to every kept state
 time <= 3 x.
 """
 

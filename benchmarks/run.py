@@ -1,4 +1,4 @@
-"""Overhead benchmark of recurrent_hooks (issue 5): hooked forwards and generates vs the unhooked model.
+"""Overhead benchmark of recurrent_hooks: hooked forwards and generates vs the unhooked model.
 
     python benchmarks/run.py                 # full run (CPU, a few minutes)
     python benchmarks/run.py --quick         # smoke run, tiny dims, a few seconds
@@ -10,7 +10,7 @@ over interleaved rounds (each round runs every row of a model once, round-robin)
 divided by the reference's time in the same round. Memory is measured in a separate child process
 (see `MEMORY_NOTE`). `main(argv)` runs everything; importing this module does no work.
 
-The studies at real layer dims (issue 19) have their own scripts, built on this one's models: attribution and
+The studies at real layer dims have their own scripts, built on this one's models: attribution and
 gradients to every kept state against a plain forward + backward, `benchmarks/attribution.py` (`--model
 gdn_small | qwen3_5 | mamba2_130m`, `--tokens 2048`, `--device cuda`); the patching sweep's memory and time per
 cell, `benchmarks/sweep.py --memory | --per-cell [--dims qwen3_5]`. The keep-with-a-reduction row is here.
